@@ -1,0 +1,77 @@
+#pragma once
+// The exception family of cpdispatch. Every error the library raises derives
+// from cpdispatch::error, so callers can catch one type; the subclasses tell
+// bad input apart from a failing backend.
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace cpdispatch {
+
+/// Root of every exception cpdispatch throws.
+class error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A caller handed us something that breaks a documented rule (shape, range,
+/// padding, capacity). The message names the field and its indices.
+class invalid_input : public error {
+ public:
+  using error::error;
+};
+
+/// A buffer the caller owns is smaller than the plan needs.
+class capacity_error : public invalid_input {
+ public:
+  using invalid_input::invalid_input;
+};
+
+/// A communication or device backend (MPI, CUDA, NCCL) reported a failure;
+/// `code()` is the backend's own error code.
+class backend_error : public error {
+ public:
+  backend_error(const std::string& what, int code) : error(what), code_(code) {}
+  int code() const noexcept { return code_; }
+
+ private:
+  int code_;
+};
+
+namespace detail {
+
+/// Streams every argument into one string: the message builder for errors.
+template <class... Args>
+std::string concat(Args&&... args) {
+  std::ostringstream out;
+  (out << ... << std::forward<Args>(args));
+  return out.str();
+}
+
+/// "[3][1]" for the indices of a field, so messages read like `dst[3][1]`.
+template <class... Ix>
+std::string index_str(Ix... ix) {
+  std::ostringstream out;
+  ((out << '[' << ix << ']'), ...);
+  return out.str();
+}
+
+template <class E = invalid_input, class... Args>
+[[noreturn]] void fail(Args&&... args) {
+  throw E(concat(std::forward<Args>(args)...));
+}
+
+/// a + b for token counts, refusing to overflow (lengths come from users).
+inline std::int64_t add_tokens(std::int64_t a, std::int64_t b, const char* what) {
+  std::int64_t sum = 0;
+  if (__builtin_add_overflow(a, b, &sum)) {
+    fail(what, ": token count overflows 64 bits (", a, " + ", b, ")");
+  }
+  return sum;
+}
+
+}  // namespace detail
+}  // namespace cpdispatch

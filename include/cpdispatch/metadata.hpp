@@ -1,0 +1,415 @@
+#pragma once
+// Metadata: the communication description of one exchange (seed 002).
+//
+// One entry is a shard (or a received sequence, for reverse metadata) of a
+// source rank. Entry j of rank r occupies tokens [P_r(j), P_r(j)+seq_len) of
+// r's send buffer, P_r(j) being the sum of the lengths before it, and copy k
+// of it lands at dst_offset[r][j][k] of rank dst_rank[r][j][k]'s receive
+// buffer. 2-D metadata has one copy per entry.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/tensor.hpp"
+
+namespace cpdispatch {
+
+/// The metadata of one rank (seed's `get_slice`): its own rows without
+/// padding, flattened to [entries][copies].
+struct RankMetadata {
+  std::int64_t rank = 0;
+  std::int64_t world_size = 0;
+  bool has_copies = false;                 ///< the global dst_rank is [W][S][C]
+  std::size_t num_copies = 1;              ///< C, or 1 for 2-D metadata
+  std::vector<std::int64_t> dst_rank;      ///< [entries * num_copies], -1 = no copy
+  std::vector<std::int64_t> dst_offset;    ///< [entries * num_copies], tokens
+  std::vector<std::int64_t> seq_len;       ///< [entries], tokens
+  std::vector<std::int64_t> num_recv_tokens;  ///< [W + 1]: from each source, then the total
+  std::int64_t num_seqs = 0;               ///< entries (== seq_len.size())
+  std::int64_t num_total_recv_tokens = 0;  ///< == num_recv_tokens[W]
+  /// Reverse-KV only: which copies of each of this rank's shards come back
+  /// ([shards * mask_copies], 0/1) and the shards' lengths.
+  std::optional<std::vector<std::int64_t>> seq_recv_mask;
+  std::optional<std::vector<std::int64_t>> recv_seq_lens;
+  std::size_t mask_copies = 0;
+
+  std::size_t num_entries() const noexcept { return seq_len.size(); }
+
+  /// Tokens this rank's send buffer holds: the sum of its entry lengths.
+  std::int64_t send_tokens() const noexcept {
+    std::int64_t total = 0;
+    for (std::int64_t len : seq_len) total += len;
+    return total;
+  }
+
+  /// Tokens this rank's receive buffer must hold. For reverse KV metadata
+  /// that is the [C][T] replica buffer, otherwise everything received.
+  std::int64_t output_tokens() const noexcept {
+    if (recv_seq_lens) {
+      std::int64_t t = 0;
+      for (std::int64_t len : *recv_seq_lens) t += len;
+      return static_cast<std::int64_t>(mask_copies) * t;
+    }
+    return num_total_recv_tokens;
+  }
+};
+
+struct NormalizedMetadata;
+
+/// Global metadata, all ranks' rows padded to a common length (seed 002).
+struct Metadata {
+  Tensor<std::int64_t> dst_rank;         ///< [W][S] or [W][S][C]; -1 = padding / no copy
+  Tensor<std::int64_t> dst_offset;       ///< same shape as dst_rank; tokens
+  Tensor<std::int64_t> seq_len;          ///< [W][S]; 0 = padding
+  Tensor<std::int64_t> num_recv_tokens;  ///< [W][W+1]; [d][s] = tokens d receives from s, [d][W] = total
+  std::optional<Tensor<std::int64_t>> seq_recv_mask;  ///< [W][S'][C] 0/1 (reverse of a 3-D plan)
+  std::optional<Tensor<std::int64_t>> recv_seq_lens;  ///< [W][S'] (reverse of a 3-D plan)
+  Tensor<std::int64_t> num_seqs;         ///< [W]: entries per rank, the rest is padding
+  std::int64_t world_size = 0;
+  std::vector<std::int64_t> num_total_recv_tokens;  ///< [W] == column W of num_recv_tokens
+
+  bool has_copies() const noexcept { return dst_rank.dim() == 3; }
+  std::size_t num_copies() const noexcept { return has_copies() ? dst_rank.size(2) : 1; }
+  std::size_t max_seqs() const noexcept { return dst_rank.size(1); }
+
+  /// Tokens rank `rank`'s send buffer holds.
+  std::int64_t send_tokens(std::int64_t rank) const;
+  /// Tokens rank `rank`'s receive buffer must hold (see RankMetadata::output_tokens).
+  std::int64_t output_tokens(std::int64_t rank) const;
+
+  /// This rank's rows without padding (seed's `get_slice`).
+  RankMetadata get_slice(std::int64_t rank) const;
+
+  /// The kernel dtypes of seed 002; throws invalid_input naming the first
+  /// value that does not fit.
+  NormalizedMetadata normalize_dtype() const;
+
+  /// Checks the invariants of seed 002 ("Validation Properties"): shapes,
+  /// padding, conservation, offsets in bounds, destination regions that do
+  /// not overlap and tile each receive buffer exactly. `name` prefixes
+  /// messages (e.g. "kv_rev"). Throws invalid_input.
+  void validate(std::string_view name = "metadata") const;
+};
+
+/// Metadata in the dtypes GPU kernels consume: int32 ranks, uint32 offsets
+/// and lengths, uint64 counts, uint8 masks.
+struct NormalizedMetadata {
+  Tensor<std::int32_t> dst_rank;
+  Tensor<std::uint32_t> dst_offset;
+  Tensor<std::uint32_t> seq_len;
+  Tensor<std::uint64_t> num_recv_tokens;
+  std::optional<Tensor<std::uint8_t>> seq_recv_mask;
+  std::optional<Tensor<std::uint32_t>> recv_seq_lens;
+  Tensor<std::uint32_t> num_seqs;
+  std::int64_t world_size = 0;
+  std::vector<std::uint64_t> num_total_recv_tokens;
+};
+
+namespace detail {
+
+/// Converts an int64 tensor to `To`, refusing values outside its range.
+template <class To>
+Tensor<To> narrow_tensor(const Tensor<std::int64_t>& in, std::string_view field) {
+  Tensor<To> out(in.shape());
+  const auto shape = in.shape();
+  for (std::size_t i = 0; i < in.numel(); ++i) {
+    const std::int64_t v = in.flat()[i];
+    const bool fits = v >= static_cast<std::int64_t>(std::numeric_limits<To>::min()) &&
+                      (std::is_signed_v<To> || std::is_same_v<To, std::uint64_t> ||
+                       static_cast<std::uint64_t>(v) <= static_cast<std::uint64_t>(std::numeric_limits<To>::max())) &&
+                      (!std::is_signed_v<To> || v <= static_cast<std::int64_t>(std::numeric_limits<To>::max()));
+    if (!fits) {
+      std::string where;
+      std::size_t rest = i;
+      std::vector<std::size_t> ix(shape.size());
+      for (std::size_t a = shape.size(); a-- > 0;) {
+        ix[a] = rest % shape[a];
+        rest /= shape[a];
+      }
+      for (std::size_t a : ix) where += "[" + std::to_string(a) + "]";
+      fail("normalize_dtype: ", field, where, " = ", v, " does not fit the kernel dtype (range [",
+           +std::numeric_limits<To>::min(), ", ", +std::numeric_limits<To>::max(), "])");
+    }
+    out.flat()[i] = static_cast<To>(v);
+  }
+  return out;
+}
+
+inline std::string shape_str(const std::vector<std::size_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+/// The shape rules of seed 002; everything that indexes metadata checks them first.
+inline void check_shapes(const Metadata& m, std::string_view name) {
+  if (m.world_size <= 0) fail(name, ".world_size = ", m.world_size, " must be positive");
+  const auto W = static_cast<std::size_t>(m.world_size);
+  if (m.dst_rank.dim() != 2 && m.dst_rank.dim() != 3) {
+    fail(name, ".dst_rank has ", m.dst_rank.dim(), " dimensions, expected 2 ([W][S]) or 3 ([W][S][C])");
+  }
+  if (m.dst_rank.size(0) != W) {
+    fail(name, ".dst_rank has shape ", shape_str(m.dst_rank.shape()), ", expected ", W, " rows (world_size)");
+  }
+  if (m.dst_offset.shape() != m.dst_rank.shape()) {
+    fail(name, ".dst_offset has shape ", shape_str(m.dst_offset.shape()), ", dst_rank has ", shape_str(m.dst_rank.shape()));
+  }
+  const std::size_t S = m.dst_rank.size(1);
+  if (m.seq_len.dim() != 2 || m.seq_len.size(0) != W || m.seq_len.size(1) != S) {
+    fail(name, ".seq_len has shape ", shape_str(m.seq_len.shape()), ", expected [", W, ", ", S, "]");
+  }
+  if (m.num_recv_tokens.dim() != 2 || m.num_recv_tokens.size(0) != W || m.num_recv_tokens.size(1) != W + 1) {
+    fail(name, ".num_recv_tokens has shape ", shape_str(m.num_recv_tokens.shape()), ", expected [", W, ", ", W + 1, "]");
+  }
+  if (m.num_seqs.dim() != 1 || m.num_seqs.size(0) != W) {
+    fail(name, ".num_seqs has shape ", shape_str(m.num_seqs.shape()), ", expected [", W, "]");
+  }
+  for (std::size_t r = 0; r < W; ++r) {
+    if (m.num_seqs(r) < 0 || static_cast<std::size_t>(m.num_seqs(r)) > S) {
+      fail(name, ".num_seqs[", r, "] = ", m.num_seqs(r), " is outside [0, ", S, "]");
+    }
+  }
+  if (m.num_total_recv_tokens.size() != W) {
+    fail(name, ".num_total_recv_tokens has ", m.num_total_recv_tokens.size(), " entries, expected ", W);
+  }
+  if (m.seq_recv_mask.has_value() != m.recv_seq_lens.has_value()) {
+    fail(name, ": seq_recv_mask and recv_seq_lens must be both present or both absent");
+  }
+  if (m.seq_recv_mask) {
+    if (m.seq_recv_mask->dim() != 3 || m.seq_recv_mask->size(0) != W) {
+      fail(name, ".seq_recv_mask has shape ", shape_str(m.seq_recv_mask->shape()), ", expected [", W, ", S, C]");
+    }
+    const std::size_t mask_s = m.seq_recv_mask->size(1);
+    if (m.recv_seq_lens->dim() != 2 || m.recv_seq_lens->size(0) != W || m.recv_seq_lens->size(1) != mask_s) {
+      fail(name, ".recv_seq_lens has shape ", shape_str(m.recv_seq_lens->shape()), ", expected [", W, ", ", mask_s, "]");
+    }
+  }
+}
+
+}  // namespace detail
+
+inline std::int64_t Metadata::send_tokens(std::int64_t rank) const {
+  std::int64_t total = 0;
+  for (std::int64_t len : seq_len.row(static_cast<std::size_t>(rank))) total = detail::add_tokens(total, len, "send_tokens");
+  return total;
+}
+
+inline std::int64_t Metadata::output_tokens(std::int64_t rank) const {
+  const auto r = static_cast<std::size_t>(rank);
+  if (recv_seq_lens) {
+    std::int64_t t = 0;
+    for (std::int64_t len : recv_seq_lens->row(r)) t = detail::add_tokens(t, len, "output_tokens");
+    const auto c = static_cast<std::int64_t>(seq_recv_mask->size(2));
+    if (c > 0 && t > std::numeric_limits<std::int64_t>::max() / c) {
+      detail::fail("output_tokens: rank ", rank, "'s replica buffer (", c, " x ", t, " tokens) overflows 64 bits");
+    }
+    return c * t;
+  }
+  return num_recv_tokens(r, static_cast<std::size_t>(world_size));
+}
+
+inline RankMetadata Metadata::get_slice(std::int64_t rank) const {
+  if (rank < 0 || rank >= world_size) {
+    detail::fail("get_slice: rank ", rank, " is outside [0, ", world_size, ")");
+  }
+  const auto r = static_cast<std::size_t>(rank);
+  const std::size_t n = static_cast<std::size_t>(num_seqs(r));
+  const std::size_t c = num_copies();
+  RankMetadata s;
+  s.rank = rank;
+  s.world_size = world_size;
+  s.has_copies = has_copies();
+  s.num_copies = c;
+  s.num_seqs = static_cast<std::int64_t>(n);
+  auto ranks = dst_rank.row(r);
+  auto offsets = dst_offset.row(r);
+  s.dst_rank.assign(ranks.begin(), ranks.begin() + static_cast<std::ptrdiff_t>(n * c));
+  s.dst_offset.assign(offsets.begin(), offsets.begin() + static_cast<std::ptrdiff_t>(n * c));
+  auto lens = seq_len.row(r);
+  s.seq_len.assign(lens.begin(), lens.begin() + static_cast<std::ptrdiff_t>(n));
+  auto recv = num_recv_tokens.row(r);
+  s.num_recv_tokens.assign(recv.begin(), recv.end());
+  s.num_total_recv_tokens = recv.back();
+  if (seq_recv_mask && recv_seq_lens) {
+    // The mask rows describe this rank's own shards; padding shards have length 0.
+    auto rl = recv_seq_lens->row(r);
+    std::size_t shards = 0;
+    while (shards < rl.size() && rl[shards] > 0) ++shards;
+    s.mask_copies = seq_recv_mask->size(2);
+    auto mask = seq_recv_mask->row(r);
+    s.seq_recv_mask.emplace(mask.begin(), mask.begin() + static_cast<std::ptrdiff_t>(shards * s.mask_copies));
+    s.recv_seq_lens.emplace(rl.begin(), rl.begin() + static_cast<std::ptrdiff_t>(shards));
+  }
+  return s;
+}
+
+inline NormalizedMetadata Metadata::normalize_dtype() const {
+  NormalizedMetadata n;
+  n.dst_rank = detail::narrow_tensor<std::int32_t>(dst_rank, "dst_rank");
+  n.dst_offset = detail::narrow_tensor<std::uint32_t>(dst_offset, "dst_offset");
+  n.seq_len = detail::narrow_tensor<std::uint32_t>(seq_len, "seq_len");
+  n.num_recv_tokens = detail::narrow_tensor<std::uint64_t>(num_recv_tokens, "num_recv_tokens");
+  if (seq_recv_mask) n.seq_recv_mask = detail::narrow_tensor<std::uint8_t>(*seq_recv_mask, "seq_recv_mask");
+  if (recv_seq_lens) n.recv_seq_lens = detail::narrow_tensor<std::uint32_t>(*recv_seq_lens, "recv_seq_lens");
+  n.num_seqs = detail::narrow_tensor<std::uint32_t>(num_seqs, "num_seqs");
+  n.world_size = world_size;
+  n.num_total_recv_tokens.reserve(num_total_recv_tokens.size());
+  for (std::int64_t v : num_total_recv_tokens) n.num_total_recv_tokens.push_back(static_cast<std::uint64_t>(v));
+  return n;
+}
+
+inline void Metadata::validate(std::string_view name) const {
+  using detail::fail;
+  using detail::index_str;
+  using detail::shape_str;
+  const auto W = static_cast<std::size_t>(world_size);
+  detail::check_shapes(*this, name);
+  const std::size_t S = dst_rank.size(1);
+  const std::size_t C = num_copies();
+  const std::size_t mask_s = seq_recv_mask ? seq_recv_mask->size(1) : 0;
+  const std::size_t mask_c = seq_recv_mask ? seq_recv_mask->size(2) : 0;
+  // 2-D metadata is read as one copy per entry.
+  auto rank_at = [&](std::size_t r, std::size_t j, std::size_t k) { return has_copies() ? dst_rank(r, j, k) : dst_rank(r, j); };
+  auto offset_at = [&](std::size_t r, std::size_t j, std::size_t k) { return has_copies() ? dst_offset(r, j, k) : dst_offset(r, j); };
+  auto entry_str = [&](std::size_t r, std::size_t j, std::size_t k) { return has_copies() ? index_str(r, j, k) : index_str(r, j); };
+  // ---- entries: ranges and padding
+  std::vector<std::int64_t> sent(W * W, 0);  // [d][s]
+  for (std::size_t r = 0; r < W; ++r) {
+    bool padding_seen = false;
+    std::int64_t entries = 0;
+    for (std::size_t j = 0; j < S; ++j) {
+      const std::int64_t len = seq_len(r, j);
+      if (len < 0) fail(name, ".seq_len", index_str(r, j), " = ", len, " is negative");
+      std::size_t copies = 0;
+      for (std::size_t k = 0; k < C; ++k) {
+        const std::int64_t d = rank_at(r, j, k);
+        const std::int64_t off = offset_at(r, j, k);
+        const std::string ix = entry_str(r, j, k);
+        if (d < -1 || d >= world_size) fail(name, ".dst_rank", ix, " = ", d, " is outside [0, ", W, ") (-1 means no copy)");
+        if (off < 0) fail(name, ".dst_offset", ix, " = ", off, " is negative");
+        if (d >= 0) {
+          ++copies;
+          if (len == 0) fail(name, ".dst_rank", ix, " = ", d, " but seq_len", index_str(r, j), " = 0 (padding has no destination)");
+          auto& to_d = sent[static_cast<std::size_t>(d) * W + r];
+          to_d = detail::add_tokens(to_d, len, "validate");
+        } else if (off != 0) {
+          fail(name, ".dst_offset", ix, " = ", off, " but the copy has no destination (padding offset must be 0)");
+        }
+      }
+      if (len > 0) {
+        if (padding_seen) fail(name, ".seq_len", index_str(r, j), " = ", len, " follows a padding entry (padding sits only at the end of a row)");
+        if (copies == 0) fail(name, ".seq_len", index_str(r, j), " = ", len, " but the entry has no destination");
+        ++entries;
+      } else {
+        padding_seen = true;
+      }
+    }
+    if (num_seqs(r) != entries) fail(name, ".num_seqs", index_str(r), " = ", num_seqs(r), ", but the row has ", entries, " non-padding entries");
+  }
+  // ---- conservation
+  for (std::size_t d = 0; d < W; ++d) {
+    std::int64_t total = 0;
+    for (std::size_t s = 0; s < W; ++s) {
+      const std::int64_t got = num_recv_tokens(d, s);
+      if (got != sent[d * W + s]) {
+        fail(name, ".num_recv_tokens", index_str(d, s), " = ", got, ", but rank ", s, " sends ", sent[d * W + s], " tokens to rank ", d);
+      }
+      total = detail::add_tokens(total, got, "validate");
+    }
+    if (num_recv_tokens(d, W) != total) fail(name, ".num_recv_tokens", index_str(d, W), " = ", num_recv_tokens(d, W), ", but the row sums to ", total);
+    if (num_total_recv_tokens[d] != total) fail(name, ".num_total_recv_tokens", index_str(d), " = ", num_total_recv_tokens[d], ", expected ", total);
+  }
+  // ---- receive-side mask and lengths
+  std::vector<std::int64_t> capacity(W);
+  if (seq_recv_mask) {
+    for (std::size_t r = 0; r < W; ++r) {
+      bool padding_seen = false;
+      std::int64_t t = 0;
+      for (std::size_t g = 0; g < mask_s; ++g) {
+        const std::int64_t len = (*recv_seq_lens)(r, g);
+        if (len < 0) fail(name, ".recv_seq_lens", index_str(r, g), " = ", len, " is negative");
+        if (len > 0 && padding_seen) fail(name, ".recv_seq_lens", index_str(r, g), " = ", len, " follows a padding entry");
+        if (len == 0) padding_seen = true;
+        t = detail::add_tokens(t, len, "validate");
+        for (std::size_t c = 0; c < mask_c; ++c) {
+          const std::int64_t m = (*seq_recv_mask)(r, g, c);
+          if (m != 0 && m != 1) fail(name, ".seq_recv_mask", index_str(r, g, c), " = ", m, " is not 0 or 1");
+          if (m == 1 && len == 0) fail(name, ".seq_recv_mask", index_str(r, g, c), " = 1 but recv_seq_lens", index_str(r, g), " = 0");
+        }
+      }
+      if (mask_c > 0 && t > std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(mask_c)) {
+        fail(name, ".recv_seq_lens: rank ", r, "'s replica buffer (", mask_c, " x ", t, " tokens) overflows 64 bits");
+      }
+      capacity[r] = static_cast<std::int64_t>(mask_c) * t;
+    }
+  } else {
+    for (std::size_t d = 0; d < W; ++d) capacity[d] = num_recv_tokens(d, W);
+  }
+  // ---- destination regions: in bounds, disjoint, tiling the receive buffer
+  struct Region {
+    std::int64_t offset, len;
+    std::size_t r, j, k;
+  };
+  std::vector<std::vector<Region>> regions(W);
+  for (std::size_t r = 0; r < W; ++r) {
+    for (std::size_t j = 0; j < S; ++j) {
+      for (std::size_t k = 0; k < C; ++k) {
+        const std::int64_t d = rank_at(r, j, k);
+        if (d < 0) continue;
+        const std::int64_t off = offset_at(r, j, k);
+        const std::int64_t len = seq_len(r, j);
+        const std::string ix = entry_str(r, j, k);
+        if (off > capacity[static_cast<std::size_t>(d)] - len) {
+          fail(name, ".dst_offset", ix, " = ", off, " with seq_len ", len, " ends past the ",
+               capacity[static_cast<std::size_t>(d)], " tokens rank ", d, " receives");
+        }
+        regions[static_cast<std::size_t>(d)].push_back({off, len, r, j, k});
+      }
+    }
+  }
+  for (std::size_t d = 0; d < W; ++d) {
+    auto& regs = regions[d];
+    std::sort(regs.begin(), regs.end(), [](const Region& a, const Region& b) { return a.offset < b.offset; });
+    auto where = [&](const Region& g) { return entry_str(g.r, g.j, g.k); };
+    for (std::size_t i = 1; i < regs.size(); ++i) {
+      if (regs[i].offset < regs[i - 1].offset + regs[i - 1].len) {
+        fail(name, ".dst_offset", where(regs[i]), " = ", regs[i].offset, " overlaps dst_offset", where(regs[i - 1]), " = ",
+             regs[i - 1].offset, " (length ", regs[i - 1].len, ") on rank ", d);
+      }
+    }
+    if (!seq_recv_mask) continue;  // in bounds + disjoint + total == capacity: tiles (checked by conservation)
+    // Reverse KV: the regions must be exactly the masked cells of the [C][T] replica buffer.
+    std::vector<std::pair<std::int64_t, std::int64_t>> cells;  // (offset, len), sorted: c major, g minor
+    std::int64_t t = 0;
+    for (std::size_t g = 0; g < mask_s; ++g) t += (*recv_seq_lens)(d, g);
+    for (std::size_t c = 0; c < mask_c; ++c) {
+      std::int64_t p = 0;
+      for (std::size_t g = 0; g < mask_s; ++g) {
+        const std::int64_t len = (*recv_seq_lens)(d, g);
+        if ((*seq_recv_mask)(d, g, c) == 1) cells.emplace_back(static_cast<std::int64_t>(c) * t + p, len);
+        p += len;
+      }
+    }
+    for (std::size_t i = 0; i < std::max(cells.size(), regs.size()); ++i) {
+      if (i >= regs.size()) {
+        fail(name, ".seq_recv_mask marks ", cells.size(), " copies returning to rank ", d, " but only ", regs.size(), " arrive");
+      }
+      if (i >= cells.size() || regs[i].offset != cells[i].first || regs[i].len != cells[i].second) {
+        fail(name, ".dst_offset", where(regs[i]), " = ", regs[i].offset, " (length ", regs[i].len,
+             ") is not a copy that seq_recv_mask marks on rank ", d);
+      }
+    }
+  }
+  // Without a mask, conservation already proved total == capacity, and with
+  // disjoint in-bounds regions that means the buffer is tiled exactly.
+}
+
+}  // namespace cpdispatch
