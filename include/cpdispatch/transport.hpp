@@ -1,0 +1,151 @@
+#pragma once
+// The Transport concept: what the dispatcher, the tensor-parallel layers and
+// the comm-GEMM overlap need from a communication backend.
+//
+// Contract (every transport, whatever its backend):
+// - A transport is one rank's handle on a communicator of world_size() ranks.
+//   It is held by reference (gMock objects are not copyable); the concept
+//   never asks for copies or moves.
+// - Buffers belong to the caller and must stay valid until the call returns
+//   (blocking calls) or until wait() returns (isend/irecv). Pointers are in
+//   the transport's memory_space: host memory for sim and MPI, device memory
+//   for NCCL. The dispatcher checks this at compile time through its
+//   buffer types.
+// - Counts and displacements of all_to_all_v, isend, irecv and broadcast are
+//   in BYTES; typed collectives count ELEMENTS of `DataType`.
+// - Collective calls (all_to_all_v, barrier, broadcast, all_reduce,
+//   all_gather, reduce_scatter) must be made by every rank in the same order.
+//   Point-to-point messages between one pair of ranks with the same tag are
+//   matched in the order they were posted (MPI semantics).
+// - Device transports order work on their own stream; a call returns once the
+//   work is enqueued, and results are visible to later work on that stream.
+// - Failures throw an exception of the cpdispatch::error family
+//   (backend_error carries the backend's own code). After a throw, the
+//   transport may be unusable, but the caller's objects stay valid.
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+
+namespace cpdispatch {
+
+/// Where a transport's buffers live.
+enum class MemorySpace { host, device };
+
+/// Element types of typed collectives (MPI/NCCL style runtime tags, so a
+/// transport has plain virtual-free members that gMock can mock).
+enum class DataType { int8, uint8, int32, int64, float32, float64, bfloat16, float16 };
+
+constexpr std::size_t data_type_size(DataType t) noexcept {
+  switch (t) {
+    case DataType::int8:
+    case DataType::uint8: return 1;
+    case DataType::bfloat16:
+    case DataType::float16: return 2;
+    case DataType::int32:
+    case DataType::float32: return 4;
+    case DataType::int64:
+    case DataType::float64: return 8;
+  }
+  return 0;
+}
+
+constexpr const char* data_type_name(DataType t) noexcept {
+  switch (t) {
+    case DataType::int8: return "int8";
+    case DataType::uint8: return "uint8";
+    case DataType::int32: return "int32";
+    case DataType::int64: return "int64";
+    case DataType::float32: return "float32";
+    case DataType::float64: return "float64";
+    case DataType::bfloat16: return "bfloat16";
+    case DataType::float16: return "float16";
+  }
+  return "?";
+}
+
+/// Reductions of all_reduce / reduce_scatter.
+enum class ReduceOp { sum };
+
+/// Handle of a pending isend/irecv; the transport alone interprets `id`.
+struct Request {
+  std::uint64_t id = 0;
+  friend bool operator==(Request, Request) = default;
+};
+
+namespace detail {
+
+// One concept per member, so that a failed check names the missing member.
+template <class T>
+concept transport_has_memory_space = requires {
+  { T::memory_space } -> std::convertible_to<MemorySpace>;
+};
+template <class T>
+concept transport_has_rank = requires(const T& t) {
+  { t.rank() } -> std::convertible_to<int>;
+  { t.world_size() } -> std::convertible_to<int>;
+};
+template <class T>
+concept transport_has_all_to_all_v = requires(T& t, const void* send, void* recv, std::span<const std::size_t> counts) {
+  t.all_to_all_v(send, counts, counts, recv, counts, counts);
+};
+template <class T>
+concept transport_has_point_to_point = requires(T& t, const void* send, void* recv, std::size_t bytes, int peer, int tag, Request r) {
+  { t.isend(send, bytes, peer, tag) } -> std::same_as<Request>;
+  { t.irecv(recv, bytes, peer, tag) } -> std::same_as<Request>;
+  t.wait(r);
+};
+template <class T>
+concept transport_has_barrier = requires(T& t) { t.barrier(); };
+template <class T>
+concept transport_has_broadcast = requires(T& t, void* buf, std::size_t bytes, int root) { t.broadcast(buf, bytes, root); };
+template <class T>
+concept transport_has_collectives = requires(T& t, const void* send, void* recv, std::size_t count, DataType type) {
+  t.all_reduce(recv, count, type, ReduceOp::sum);
+  t.all_gather(send, recv, count, type);
+  t.reduce_scatter(send, recv, count, type, ReduceOp::sum);
+};
+
+}  // namespace detail
+
+/// A communication backend (see the contract at the top of this header):
+///   static constexpr MemorySpace memory_space;
+///   int rank() const;  int world_size() const;
+///   void all_to_all_v(const void* send, span<const size_t> send_counts, span<const size_t> send_displs,
+///                     void* recv, span<const size_t> recv_counts, span<const size_t> recv_displs);   // bytes
+///   Request isend(const void* buf, size_t bytes, int peer, int tag);
+///   Request irecv(void* buf, size_t bytes, int peer, int tag);
+///   void wait(Request);
+///   void barrier();
+///   void broadcast(void* buf, size_t bytes, int root);
+///   void all_reduce(void* buf, size_t count, DataType, ReduceOp);                        // in place
+///   void all_gather(const void* send, void* recv, size_t count_per_rank, DataType);
+///   void reduce_scatter(const void* send, void* recv, size_t count_per_rank, DataType, ReduceOp);
+template <class T>
+concept Transport = detail::transport_has_memory_space<T> && detail::transport_has_rank<T> &&
+                    detail::transport_has_all_to_all_v<T> && detail::transport_has_point_to_point<T> &&
+                    detail::transport_has_barrier<T> && detail::transport_has_broadcast<T> &&
+                    detail::transport_has_collectives<T>;
+
+/// Checks a transport type at its point of use: one readable line per missing
+/// member instead of a template backtrace. Use in every template that takes a
+/// transport: `CPDISPATCH_CHECK_TRANSPORT(T);`
+#define CPDISPATCH_CHECK_TRANSPORT(T)                                                                                  \
+  static_assert(::cpdispatch::detail::transport_has_memory_space<T>,                                                   \
+                "cpdispatch: the transport lacks `static constexpr MemorySpace memory_space`");                        \
+  static_assert(::cpdispatch::detail::transport_has_rank<T>,                                                           \
+                "cpdispatch: the transport lacks `int rank() const` or `int world_size() const`");                     \
+  static_assert(::cpdispatch::detail::transport_has_all_to_all_v<T>,                                                   \
+                "cpdispatch: the transport lacks `all_to_all_v(send, send_counts, send_displs, recv, recv_counts, "    \
+                "recv_displs)`");                                                                                      \
+  static_assert(::cpdispatch::detail::transport_has_point_to_point<T>,                                                 \
+                "cpdispatch: the transport lacks `Request isend(...)`, `Request irecv(...)` or `wait(Request)`");      \
+  static_assert(::cpdispatch::detail::transport_has_barrier<T>, "cpdispatch: the transport lacks `barrier()`");       \
+  static_assert(::cpdispatch::detail::transport_has_broadcast<T>,                                                      \
+                "cpdispatch: the transport lacks `broadcast(void* buf, size_t bytes, int root)`");                     \
+  static_assert(::cpdispatch::detail::transport_has_collectives<T>,                                                    \
+                "cpdispatch: the transport lacks `all_reduce`, `all_gather` or `reduce_scatter` (typed collectives)")
+
+}  // namespace cpdispatch
