@@ -175,6 +175,7 @@ inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tenso
         next_offset[du] = detail::add_tokens(off, len, "plan_query");
         if (copies) fwd.dst_offset(r, j, k) = off; else fwd.dst_offset(r, j) = off;
         fwd.num_recv_tokens(du, r) += len;
+        rev.num_recv_tokens(r, du) += len;  // row-wise here, so no strided transpose later
         const auto m = static_cast<std::size_t>(rev.num_seqs(du)++);
         rev.dst_rank(du, m) = static_cast<std::int64_t>(r);
         rev.seq_len(du, m) = len;
@@ -183,8 +184,6 @@ inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tenso
       }
     }
   }
-  for (std::size_t r = 0; r < W; ++r)
-    for (std::size_t d = 0; d < W; ++d) rev.num_recv_tokens(r, d) = fwd.num_recv_tokens(d, r);
   detail::fill_totals(fwd);
   detail::fill_totals(rev);
   if (copies) {
@@ -290,6 +289,8 @@ inline QkvMetadata plan_qkv(const QkvPlan& plan) {
   kv_fwd.seq_len = seq_len;
   kv_fwd.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
   kv_fwd.num_seqs = out.q_fwd.num_seqs;
+  Metadata& kv_rev = out.kv_rev;
+  kv_rev.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
   for (std::size_t r = 0; r < W; ++r) {
     for (std::size_t g = 0; g < S && seq_len(r, g) > 0; ++g) {
       const std::size_t base = doc_base[r * S + g];
@@ -301,19 +302,18 @@ inline QkvMetadata plan_qkv(const QkvPlan& plan) {
         kv_fwd.dst_rank(r, g, c) = static_cast<std::int64_t>(d);
         kv_fwd.dst_offset(r, g, c) = group_start[r * S + qj] + context[r * S + g];
         kv_fwd.num_recv_tokens(d, r) += seq_len(r, g);
+        kv_rev.num_recv_tokens(r, d) += seq_len(r, g);
       }
     }
   }
   detail::fill_totals(kv_fwd);
 
   // ---- kv_rev: at each destination, KV groups in order, shards in order
-  Metadata& kv_rev = out.kv_rev;
   kv_rev.world_size = plan.world_size;
   const std::size_t M = *std::max_element(kv_entries_to.begin(), kv_entries_to.end());
   kv_rev.dst_rank = Tensor<std::int64_t>({W, M}, -1);
   kv_rev.dst_offset = Tensor<std::int64_t>({W, M}, 0);
   kv_rev.seq_len = Tensor<std::int64_t>({W, M}, 0);
-  kv_rev.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
   kv_rev.num_seqs = Tensor<std::int64_t>({W}, 0);
   for (std::size_t d = 0; d < W; ++d) {
     std::size_t m = 0;
@@ -329,8 +329,6 @@ inline QkvMetadata plan_qkv(const QkvPlan& plan) {
     }
     kv_rev.num_seqs(d) = static_cast<std::int64_t>(m);
   }
-  for (std::size_t r = 0; r < W; ++r)
-    for (std::size_t d = 0; d < W; ++d) kv_rev.num_recv_tokens(r, d) = kv_fwd.num_recv_tokens(d, r);
   detail::fill_totals(kv_rev);
   Tensor<std::int64_t> mask({W, S, C}, 0);
   for (std::size_t i = 0; i < mask.numel(); ++i) mask.flat()[i] = kv_fwd.dst_rank.flat()[i] >= 0 ? 1 : 0;

@@ -2,7 +2,12 @@
 // A small owning, row-major, up-to-3-D array: the storage of Metadata fields.
 // Deliberately minimal: shapes, element access, rows; no arithmetic.
 
+#include <algorithm>
 #include <array>
+#include <cstdlib>
+#include <new>
+#include <type_traits>
+#include <utility>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -13,6 +18,38 @@
 #include "cpdispatch/error.hpp"
 
 namespace cpdispatch {
+namespace detail {
+
+/// Allocator for zero-filled arithmetic storage: calloc hands out memory the
+/// kernel has already zeroed, and value-initialising construct() is a no-op,
+/// so large mostly-zero metadata (the W x (W+1) counts) costs no memset and
+/// no page touched until written. Only used by Tensor, which never shrinks
+/// and regrows its storage.
+template <class T>
+struct ZeroedAllocator {
+  static_assert(std::is_arithmetic_v<T>, "ZeroedAllocator holds arithmetic types only");
+  using value_type = T;
+  ZeroedAllocator() = default;
+  template <class U>
+  ZeroedAllocator(const ZeroedAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) {
+    if (n == 0) return nullptr;
+    void* p = std::calloc(n, sizeof(T));
+    if (!p) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) noexcept { std::free(p); }
+  template <class U>
+  void construct(U*) noexcept {}  // calloc'd memory already holds zero
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  template <class U>
+  friend bool operator==(const ZeroedAllocator&, const ZeroedAllocator<U>&) noexcept { return true; }
+};
+
+}  // namespace detail
 
 template <class T>
 class Tensor {
@@ -35,7 +72,8 @@ class Tensor {
       shape_[i] = shape[i];
       n *= shape[i];
     }
-    data_.assign(n, fill);
+    data_.resize(n);  // zero, without touching the pages
+    if (fill != T{}) std::fill(data_.begin(), data_.end(), fill);
   }
 
   std::size_t dim() const noexcept { return dim_; }
@@ -48,7 +86,8 @@ class Tensor {
   const T* data() const noexcept { return data_.data(); }
   std::span<T> flat() noexcept { return data_; }
   std::span<const T> flat() const noexcept { return data_; }
-  const std::vector<T>& values() const noexcept { return data_; }
+  /// A copy of the elements in row-major order.
+  std::vector<T> values() const { return {data_.begin(), data_.end()}; }
 
   // Unchecked access; indices must be in range (the library validates first).
   T& operator()(std::size_t i) noexcept { return data_[i]; }
@@ -99,7 +138,7 @@ class Tensor {
 
   std::size_t dim_ = 0;
   std::array<std::size_t, 3> shape_{};
-  std::vector<T> data_;
+  std::vector<T, detail::ZeroedAllocator<T>> data_;
 };
 
 /// A 2-D tensor from nested rows (rows must have equal length); handy in tests.
