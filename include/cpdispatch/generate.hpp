@@ -46,10 +46,11 @@ class Rng {
 
 /// `num_seqs` positive lengths summing exactly to `total_len`, drawn
 /// uniformly among all such compositions (distinct cut points).
-inline std::vector<std::int64_t> random_composition(Rng& rng, std::int64_t num_seqs, std::int64_t total_len) {
-  if (num_seqs <= 0) detail::fail("gen_seq_lens: num_seqs = ", num_seqs, " must be at least 1");
+inline std::vector<std::int64_t> random_composition(Rng& rng, std::int64_t num_seqs, std::int64_t total_len,
+                                                    const char* who = "random_composition") {
+  if (num_seqs <= 0) detail::fail(who, ": num_seqs = ", num_seqs, " must be at least 1");
   if (total_len < num_seqs) {
-    detail::fail("gen_seq_lens: total_len = ", total_len, " cannot be split into ", num_seqs, " positive lengths");
+    detail::fail(who, ": total_len = ", total_len, " cannot be split into ", num_seqs, " positive lengths");
   }
   // Floyd's sampling of num_seqs-1 distinct cut points in [1, total_len-1].
   std::unordered_set<std::int64_t> chosen;
@@ -81,7 +82,7 @@ inline Tensor<std::int64_t> gen_seq_lens(std::int64_t world_size, std::int64_t n
   Rng rng(seed);
   Tensor<std::int64_t> out({static_cast<std::size_t>(world_size), static_cast<std::size_t>(std::max<std::int64_t>(num_seqs, 0))});
   for (std::size_t r = 0; r < static_cast<std::size_t>(world_size); ++r) {
-    const auto lens = random_composition(rng, num_seqs, total_len);
+    const auto lens = random_composition(rng, num_seqs, total_len, "gen_seq_lens");
     std::copy(lens.begin(), lens.end(), out.row(r).begin());
   }
   return out;
@@ -114,7 +115,7 @@ inline QkvPlan create_qkv_dispatch(std::int64_t world_size, std::int64_t total_s
   plan.max_cp_degree = max_cp_degree;
   plan.ranks.resize(static_cast<std::size_t>(world_size));
   for (auto& rank : plan.ranks) {
-    for (std::int64_t len : random_composition(rng, num_seqs, total_seq_len / max_cp_degree)) {
+    for (std::int64_t len : random_composition(rng, num_seqs, total_seq_len / max_cp_degree, "create_qkv_dispatch")) {
       const std::int64_t doc_len = len * max_cp_degree;
       const std::int64_t degree = std::int64_t{1} << rng.below(static_cast<std::uint64_t>(log_c) + 1);
       Document doc;

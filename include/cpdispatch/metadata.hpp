@@ -134,7 +134,11 @@ Tensor<To> narrow_tensor(const Tensor<std::int64_t>& in, std::string_view field)
         ix[a] = rest % shape[a];
         rest /= shape[a];
       }
-      for (std::size_t a : ix) where += "[" + std::to_string(a) + "]";
+      for (std::size_t a : ix) {  // appended piecewise: "[" + std::to_string(a) trips GCC 12 -Wrestrict at -O3
+        where += '[';
+        where += std::to_string(a);
+        where += ']';
+      }
       fail("normalize_dtype: ", field, where, " = ", v, " does not fit the kernel dtype (range [",
            +std::numeric_limits<To>::min(), ", ", +std::numeric_limits<To>::max(), "])");
     }

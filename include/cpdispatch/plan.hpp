@@ -195,6 +195,9 @@ inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tenso
   return out;
 }
 
+/// The largest copy dimension plan_qkv accepts (CP degrees are a few dozen in practice).
+inline constexpr std::int64_t max_supported_cp_degree = 65536;
+
 /// QKV planning from documents (spec section 2).
 inline QkvMetadata plan_qkv(const QkvPlan& plan) {
   using detail::fail;
@@ -227,6 +230,11 @@ inline QkvMetadata plan_qkv(const QkvPlan& plan) {
   std::size_t C = most_shards;
   if (plan.max_cp_degree) {
     if (*plan.max_cp_degree <= 0) fail("plan_qkv: max_cp_degree = ", *plan.max_cp_degree, " must be at least 1");
+    // The copy axis is dense ([W][S][C] metadata, [C][T] replica buffers): an
+    // absurd C would only allocate padding, so refuse it up front.
+    if (*plan.max_cp_degree > max_supported_cp_degree) {
+      fail("plan_qkv: max_cp_degree = ", *plan.max_cp_degree, " exceeds the supported maximum of ", max_supported_cp_degree);
+    }
     C = static_cast<std::size_t>(*plan.max_cp_degree);
     if (C < most_shards) {
       for (std::size_t r = 0; r < W; ++r)

@@ -12,6 +12,11 @@
 #include <string_view>
 #include <vector>
 
+#include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/metadata.hpp"
@@ -32,14 +37,64 @@ inline std::size_t token_bytes_of(std::int64_t tokens, std::size_t token_bytes, 
   return bytes;
 }
 
+/// Output size from which a simulation writes with non-temporal stores: the
+/// size from which glibc's memcpy would stream a single copy (3/4 of the
+/// last-level cache). The simulation issues one memcpy per shard, so glibc
+/// never sees the total and would keep polluting the cache with output that
+/// cannot stay there.
+inline std::size_t streaming_threshold() {
+  static const std::size_t threshold = [] {
+    const long llc = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return llc > 0 ? static_cast<std::size_t>(llc) / 4 * 3 : std::size_t{32} << 20;
+  }();
+  return threshold;
+}
+
+/// memcpy with streaming (cache-bypassing) stores where SSE2 exists; the
+/// caller issues one store fence after the last copy.
+inline void copy_streaming(std::byte* dst, const std::byte* src, std::size_t n) {
+#if defined(__SSE2__)
+  std::size_t head = (16 - (reinterpret_cast<std::uintptr_t>(dst) & 15)) & 15;
+  head = std::min(head, n);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const std::size_t body = n & ~std::size_t{63};
+  for (std::size_t i = 0; i < body; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + body, src + body, n - body);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+inline void streaming_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 }  // namespace detail
+
+/// How simulate() writes its outputs: `automatic` streams (bypasses the
+/// cache) when the outputs together exceed detail::streaming_threshold().
+enum class StoreMode { automatic, cached, streaming };
 
 /// Performs every copy `meta` describes: entry j of rank r (read back to back
 /// from inputs[r]) is copied to outputs[dst_rank] at dst_offset, for every
 /// copy. Sizes are checked (capacity_error names the rank, needed and given
 /// bytes); destination regions are bounds-checked entry by entry.
 inline void simulate(const Metadata& meta, std::span<const ConstBytes> inputs, std::span<const MutableBytes> outputs,
-                     std::size_t token_bytes) {
+                     std::size_t token_bytes, StoreMode mode = StoreMode::automatic) {
   using detail::fail;
   detail::check_shapes(meta, "simulate: metadata");
   const auto W = static_cast<std::size_t>(meta.world_size);
@@ -65,6 +120,10 @@ inline void simulate(const Metadata& meta, std::span<const ConstBytes> inputs, s
   }
   const std::size_t S = meta.max_seqs(), C = meta.num_copies();
   const bool copies = meta.has_copies();
+  std::size_t total_out = 0;
+  for (std::int64_t t : out_tokens) total_out += static_cast<std::size_t>(t) * token_bytes;
+  const bool streaming =
+      mode == StoreMode::streaming || (mode == StoreMode::automatic && total_out > detail::streaming_threshold());
   for (std::size_t r = 0; r < W; ++r) {
     std::size_t src = 0;  // byte offset of entry j in inputs[r]
     const std::size_t n = static_cast<std::size_t>(meta.num_seqs(r));
@@ -81,11 +140,14 @@ inline void simulate(const Metadata& meta, std::span<const ConstBytes> inputs, s
           fail("simulate: dst_offset[", r, "][", j, "] = ", off, " with seq_len ", len, " falls outside the ",
                out_tokens[du], " tokens of rank ", d, "'s output");
         }
-        if (bytes) std::memcpy(outputs[du].data() + static_cast<std::size_t>(off) * token_bytes, inputs[r].data() + src, bytes);
+        std::byte* dst = outputs[du].data() + static_cast<std::size_t>(off) * token_bytes;
+        if (bytes == 0) continue;
+        if (streaming) detail::copy_streaming(dst, inputs[r].data() + src, bytes); else std::memcpy(dst, inputs[r].data() + src, bytes);
       }
       src += bytes;
     }
   }
+  if (streaming) detail::streaming_fence();  // streamed stores are visible before we return
 }
 
 /// Convenience for tests and examples: typed per-rank vectors; each output is

@@ -70,7 +70,14 @@ class Tensor {
     std::size_t n = 1;
     for (std::size_t i = 0; i < dim_; ++i) {
       shape_[i] = shape[i];
-      n *= shape[i];
+      if (__builtin_mul_overflow(n, shape[i], &n)) {  // a wrapped count would allocate too little
+        std::string dims;
+        for (std::size_t extent : shape) {
+          if (!dims.empty()) dims += ", ";
+          dims += std::to_string(extent);
+        }
+        detail::fail("Tensor: shape [", dims, "] has more elements than memory can address");
+      }
     }
     data_.resize(n);  // zero, without touching the pages
     if (fill != T{}) std::fill(data_.begin(), data_.end(), fill);
