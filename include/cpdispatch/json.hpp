@@ -1,0 +1,622 @@
+#pragma once
+// JSON I/O for plans and metadata (../shared/spec/plan-json.md, section 3),
+// on nlohmann-json (target cpdispatch::json).
+//
+// Reading: every malformed input throws cpdispatch::invalid_input naming the
+// JSON path of the offending value, e.g.
+//   ranks[1].docs[0].dst[2]: expected an integer, got "x"
+// The reader checks structure (types, integers, rectangular arrays, shapes,
+// known keys); the values themselves (ranges, padding, positivity) are
+// checked by plan_query/plan_qkv and Metadata::validate, whose messages use
+// the same paths.
+//
+// Writing: tensors become nested arrays of their shape; absent optional
+// fields are null; masks are 0/1 integers.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/metadata.hpp"
+#include "cpdispatch/plan.hpp"
+#include "cpdispatch/tensor.hpp"
+
+namespace cpdispatch {
+
+/// A query-level plan (spec section 1): shard lengths [W][S] and destinations
+/// [W][S] or [W][S][C].
+struct QueryPlan {
+  std::int64_t world_size = 0;
+  Tensor<std::int64_t> seq_len;
+  Tensor<std::int64_t> dispatch;
+};
+
+/// Either kind of plan a JSON document may hold.
+using Plan = std::variant<QueryPlan, QkvPlan>;
+
+/// What planning a Plan gives: QueryMetadata for a query plan, QkvMetadata
+/// for a QKV plan.
+using PlanMetadata = std::variant<QueryMetadata, QkvMetadata>;
+
+/// "query" or "qkv".
+inline const char* plan_kind(const Plan& plan) noexcept { return plan.index() == 0 ? "query" : "qkv"; }
+
+/// Plans either kind; errors come from plan_query / plan_qkv.
+inline PlanMetadata plan_metadata(const Plan& plan) {
+  if (const auto* q = std::get_if<QueryPlan>(&plan)) return plan_query(q->seq_len, q->dispatch);
+  return plan_qkv(std::get<QkvPlan>(plan));
+}
+
+namespace detail {
+
+using json = nlohmann::json;
+
+/// A JSON path built on the stack while reading, turned into text only for an
+/// error message. A child refers to its parent: keep children as temporaries
+/// or as locals that do not outlive the parent.
+class JsonPath {
+ public:
+  /// The document itself, called `label` in messages about it as a whole;
+  /// its members print without a prefix (`ranks[1]`, not `plan.ranks[1]`).
+  static JsonPath root(std::string_view label) { return JsonPath(nullptr, Kind::root, label, 0); }
+
+  JsonPath operator/(std::string_view key) const { return JsonPath(this, Kind::key, key, 0); }
+  JsonPath operator[](std::size_t index) const { return JsonPath(this, Kind::index, {}, index); }
+
+  std::string str() const {
+    if (kind_ == Kind::root) return std::string(name_);
+    std::string out;
+    append(out);
+    return out;
+  }
+
+ private:
+  enum class Kind { root, key, index };
+  JsonPath(const JsonPath* parent, Kind kind, std::string_view name, std::size_t index)
+      : parent_(parent), kind_(kind), name_(name), index_(index) {}
+
+  void append(std::string& out) const {
+    if (kind_ == Kind::root) return;
+    parent_->append(out);
+    if (kind_ == Kind::index) {
+      out += '[' + std::to_string(index_) + ']';
+    } else {
+      if (!out.empty()) out += '.';
+      out += name_;
+    }
+  }
+
+  const JsonPath* parent_;
+  Kind kind_;
+  std::string_view name_;
+  std::size_t index_;
+};
+
+template <class... Args>
+[[noreturn]] void fail_at(const JsonPath& path, Args&&... args) {
+  fail(path.str(), std::forward<Args>(args)...);
+}
+
+/// A value as a message shows it: short scalars verbatim, containers by kind.
+inline std::string describe(const json& j) {
+  if (j.is_array()) return j.empty() ? "an empty array" : "an array";
+  if (j.is_object()) return j.empty() ? "an empty object" : "an object";
+  std::string s = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (s.size() > 40) {
+    std::size_t cut = 37;
+    while (cut > 0 && (static_cast<unsigned char>(s[cut]) & 0xC0) == 0x80) --cut;  // not inside a UTF-8 character
+    s.resize(cut);
+    s += "...";
+  }
+  return s;
+}
+
+inline std::string entries(std::size_t n) { return std::to_string(n) + (n == 1 ? " entry" : " entries"); }
+
+inline std::int64_t read_int(const json& j, const JsonPath& path) {
+  if (j.is_number_unsigned()) {
+    const auto v = j.get<std::uint64_t>();
+    if (v > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+      fail_at(path, ": ", v, " is outside the 64-bit signed integer range");
+    }
+    return static_cast<std::int64_t>(v);
+  }
+  if (j.is_number_integer()) return j.get<std::int64_t>();
+  fail_at(path, ": expected an integer, got ", describe(j));
+}
+
+inline const json& read_array(const json& j, const JsonPath& path) {
+  if (!j.is_array()) fail_at(path, ": expected an array, got ", describe(j));
+  return j;
+}
+
+inline const json& read_object(const json& j, const JsonPath& path) {
+  if (!j.is_object()) fail_at(path, ": expected an object, got ", describe(j));
+  return j;
+}
+
+/// The member `key` of the object at `path`; nullptr where it is absent or
+/// null and `required` is false.
+inline const json* member(const json& obj, const JsonPath& path, std::string_view key, bool required) {
+  const auto it = obj.find(key);
+  if (it == obj.end() || (!required && it->is_null())) {
+    if (required) fail_at(path, ": missing \"", key, '"');
+    return nullptr;
+  }
+  return &*it;
+}
+
+/// Rejects keys outside `allowed`, so that a misspelt optional key is an
+/// error rather than silently ignored.
+inline void check_keys(const json& obj, const JsonPath& path, std::string_view what,
+                       std::initializer_list<std::string_view> allowed) {
+  for (const auto& item : obj.items()) {
+    bool known = false;
+    for (std::string_view a : allowed) known = known || item.key() == a;
+    if (known) continue;
+    std::string list;
+    for (std::string_view a : allowed) list += (list.empty() ? "\"" : ", \"") + std::string(a) + '"';
+    fail_at(path, ": unknown key ", json(item.key()).dump(-1, ' ', false, json::error_handler_t::replace), " (", what,
+            " has ", list, ')');
+  }
+}
+
+/// The required length of one axis of a tensor being read, with the reason
+/// messages give; no length: take it from the first array on that axis.
+struct Extent {
+  std::optional<std::size_t> length;
+  std::string_view why = {};
+};
+
+/// Reads a rectangular nested array of integers with `extents.size()` (1 to
+/// 3) dimensions. Every length is checked against the JSON before anything
+/// of that size is allocated.
+inline Tensor<std::int64_t> read_tensor(const json& j, const JsonPath& path, const std::vector<Extent>& extents) {
+  const std::size_t dim = extents.size();
+  std::vector<std::size_t> shape(dim, 0);
+  const json* first = &j;  // walks j[0][0]..: the arrays unfixed lengths come from
+  for (std::size_t a = 0; a < dim; ++a) {
+    const bool has_first = first != nullptr && first->is_array();
+    shape[a] = extents[a].length ? *extents[a].length : has_first ? first->size() : 0;
+    first = has_first && !first->empty() ? &first->front() : nullptr;
+  }
+  std::vector<std::int64_t> values;
+  auto fill = [&](auto& self, const json& node, const JsonPath& p, std::size_t axis) -> void {
+    read_array(node, p);
+    if (node.size() != shape[axis]) {
+      if (extents[axis].length) {
+        fail_at(p, " has ", entries(node.size()), ", expected ", shape[axis], " (", extents[axis].why, ')');
+      }
+      std::string first_path = path.str();
+      for (std::size_t a = 0; a < axis; ++a) first_path += "[0]";
+      fail_at(p, " has ", entries(node.size()), ", but ", first_path, " has ", shape[axis], " (arrays must be rectangular)");
+    }
+    for (std::size_t i = 0; i < node.size(); ++i) {
+      if (axis + 1 == dim) {
+        values.push_back(read_int(node[i], p[i]));
+      } else {
+        self(self, node[i], p[i], axis + 1);
+      }
+    }
+  };
+  fill(fill, j, path, 0);
+  // The JSON holds exactly prod(shape) integers now (or an axis is empty), so
+  // the product cannot overflow.
+  Tensor<std::int64_t> out(shape);
+  std::copy(values.begin(), values.end(), out.data());
+  return out;
+}
+
+inline std::vector<std::int64_t> read_int_vector(const json& j, const JsonPath& path) {
+  read_array(j, path);
+  std::vector<std::int64_t> out;
+  out.reserve(j.size());
+  for (std::size_t i = 0; i < j.size(); ++i) out.push_back(read_int(j[i], path[i]));
+  return out;
+}
+
+/// An array of integer arrays, possibly ragged (the attention layout's rows).
+inline std::vector<std::vector<std::int64_t>> read_int_rows(const json& j, const JsonPath& path) {
+  read_array(j, path);
+  std::vector<std::vector<std::int64_t>> out;
+  out.reserve(j.size());
+  for (std::size_t i = 0; i < j.size(); ++i) out.push_back(read_int_vector(j[i], path[i]));
+  return out;
+}
+
+inline std::int64_t read_world_size(const json& obj, const JsonPath& path, bool required) {
+  const json* w = member(obj, path, "world_size", required);
+  if (!w) return 0;
+  const JsonPath p = path / "world_size";
+  const std::int64_t world = read_int(*w, p);
+  if (world < 1) fail_at(p, " = ", world, " must be at least 1");
+  return world;
+}
+
+/// Whether the array at `j` nests at least three deep (j[0][0] is an array).
+inline bool is_3d(const json& j) {
+  return j.is_array() && !j.empty() && j.front().is_array() && !j.front().empty() && j.front().front().is_array();
+}
+
+inline QueryPlan read_query_plan(const json& obj, const JsonPath& path) {
+  check_keys(obj, path, "a query plan", {"kind", "world_size", "seq_len", "dispatch"});
+  QueryPlan plan;
+  plan.world_size = read_world_size(obj, path, true);
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  plan.seq_len = read_tensor(*member(obj, path, "seq_len", true), path / "seq_len", {{W, "world_size"}, {}});
+  const std::size_t S = plan.seq_len.size(1);
+  const json& dispatch = *member(obj, path, "dispatch", true);
+  std::vector<Extent> extents = {{W, "world_size"}, {S, "as seq_len"}};
+  if (is_3d(dispatch)) extents.push_back({});
+  plan.dispatch = read_tensor(dispatch, path / "dispatch", extents);
+  return plan;
+}
+
+inline QkvPlan read_qkv_plan(const json& obj, const JsonPath& path) {
+  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "ranks"});
+  QkvPlan plan;
+  plan.world_size = read_world_size(obj, path, true);
+  if (const json* c = member(obj, path, "max_cp_degree", false)) {
+    const JsonPath p = path / "max_cp_degree";
+    plan.max_cp_degree = read_int(*c, p);
+    if (*plan.max_cp_degree < 1) fail_at(p, " = ", *plan.max_cp_degree, " must be at least 1");
+  }
+  const JsonPath ranks_path = path / "ranks";
+  const json& ranks = read_array(*member(obj, path, "ranks", true), ranks_path);
+  if (ranks.size() != static_cast<std::size_t>(plan.world_size)) {
+    fail_at(ranks_path, " has ", entries(ranks.size()), ", but world_size = ", plan.world_size);
+  }
+  plan.ranks.resize(ranks.size());
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const JsonPath rank_path = ranks_path[r];
+    const json& rank = read_object(ranks[r], rank_path);
+    check_keys(rank, rank_path, "a rank", {"docs"});
+    const JsonPath docs_path = rank_path / "docs";
+    const json& docs = read_array(*member(rank, rank_path, "docs", true), docs_path);
+    auto& out_docs = plan.ranks[r].docs;
+    out_docs.resize(docs.size());
+    for (std::size_t i = 0; i < docs.size(); ++i) {
+      const JsonPath doc_path = docs_path[i];
+      const json& doc = read_object(docs[i], doc_path);
+      check_keys(doc, doc_path, "a document", {"shard_len", "dst"});
+      out_docs[i].shard_len = read_int_vector(*member(doc, doc_path, "shard_len", true), doc_path / "shard_len");
+      out_docs[i].dst = read_int_vector(*member(doc, doc_path, "dst", true), doc_path / "dst");
+      if (out_docs[i].dst.size() != out_docs[i].shard_len.size()) {
+        fail_at(doc_path / "dst", " has ", entries(out_docs[i].dst.size()), ", but shard_len has ",
+                out_docs[i].shard_len.size());
+      }
+    }
+  }
+  return plan;
+}
+
+template <class T>
+json tensor_to_json(const Tensor<T>& t) {
+  auto value = [](T v) { return static_cast<std::int64_t>(v); };
+  json out = json::array();
+  if (t.empty()) return out;
+  const std::size_t n0 = t.size(0), n1 = t.size(1), n2 = t.size(2);
+  for (std::size_t i = 0; i < n0; ++i) {
+    if (t.dim() == 1) {
+      out.push_back(value(t(i)));
+      continue;
+    }
+    json row = json::array();
+    for (std::size_t j = 0; j < n1; ++j) {
+      if (t.dim() == 2) {
+        row.push_back(value(t(i, j)));
+        continue;
+      }
+      json cell = json::array();
+      for (std::size_t k = 0; k < n2; ++k) cell.push_back(value(t(i, j, k)));
+      row.push_back(std::move(cell));
+    }
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
+/// One line for `j` if it fits in `budget` characters (", " between items);
+/// false as soon as it does not.
+inline bool one_line(const json& j, std::size_t budget, std::string& line) {
+  if (j.is_object()) return j.empty() ? (line += "{}", line.size() <= budget) : false;
+  if (!j.is_array()) {
+    line += j.dump(-1, ' ', false, json::error_handler_t::replace);
+    return line.size() <= budget;
+  }
+  line += '[';
+  bool first = true;
+  for (const json& item : j) {
+    if (!first) line += ", ";
+    first = false;
+    if (line.size() > budget || !one_line(item, budget, line)) return false;
+  }
+  line += ']';
+  return line.size() <= budget;
+}
+
+/// Writes `j` starting at column `column`; nested lines are indented by
+/// `indent` + 2.
+inline void write_pretty(const json& j, std::size_t indent, std::size_t column, std::size_t width, std::string& out) {
+  std::string line;
+  if (!j.is_structured()) {
+    out += j.dump(-1, ' ', false, json::error_handler_t::replace);
+    return;
+  }
+  if (j.is_array() && column < width && one_line(j, width - column, line)) {
+    out += line;
+    return;
+  }
+  if (j.empty()) {
+    out += j.is_object() ? "{}" : "[]";
+    return;
+  }
+  const std::string pad(indent + 2, ' ');
+  out += j.is_object() ? "{\n" : "[\n";
+  bool first = true;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (!first) out += ",\n";
+    first = false;
+    out += pad;
+    std::size_t key_width = 0;
+    if (j.is_object()) {
+      const std::string key = json(it.key()).dump(-1, ' ', false, json::error_handler_t::replace) + ": ";
+      out += key;
+      key_width = key.size();
+    }
+    write_pretty(*it, indent + 2, indent + 2 + key_width, width, out);
+  }
+  out += '\n' + std::string(indent, ' ') + (j.is_object() ? '}' : ']');
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------- reading
+
+/// Parses JSON text; a syntax error throws invalid_input ("invalid JSON: parse
+/// error at line 1, column 5: ...").
+inline nlohmann::json parse_json(std::string_view text) {
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    std::string what = e.what();
+    if (const auto end = what.find("] "); what.rfind("[json.exception.", 0) == 0 && end != std::string::npos) {
+      what.erase(0, end + 2);
+    }
+    detail::fail("invalid JSON: ", what);
+  }
+}
+
+/// A plan from its JSON document (spec section 3).
+inline Plan plan_from_json(const nlohmann::json& j) {
+  using detail::fail_at;
+  const auto root = detail::JsonPath::root("plan");
+  detail::read_object(j, root);
+  std::string kind;
+  if (const nlohmann::json* k = detail::member(j, root, "kind", false)) {
+    if (!k->is_string() || (*k != "query" && *k != "qkv")) {
+      fail_at(root / "kind", ": expected \"query\" or \"qkv\", got ", detail::describe(*k));
+    }
+    kind = k->get<std::string>();
+  } else {
+    const bool has_ranks = j.contains("ranks"), has_seq_len = j.contains("seq_len");
+    if (has_ranks && has_seq_len) fail_at(root, ": has both \"ranks\" (qkv plan) and \"seq_len\" (query plan); set \"kind\"");
+    if (!has_ranks && !has_seq_len) {
+      fail_at(root, ": cannot tell its kind: expected \"ranks\" (qkv plan), \"seq_len\" (query plan) or \"kind\"");
+    }
+    kind = has_ranks ? "qkv" : "query";
+  }
+  if (kind == "query") return detail::read_query_plan(j, root);
+  return detail::read_qkv_plan(j, root);
+}
+
+/// A plan from JSON text.
+inline Plan parse_plan(std::string_view text) { return plan_from_json(parse_json(text)); }
+
+/// Metadata from the object to_json writes. `name` is its path in messages
+/// (e.g. "kv_rev", giving `kv_rev.dst_rank[0][1]: ...`); empty: the object
+/// is the document. Keys beyond the spec's are optional: `world_size`,
+/// `has_copies`, `num_copies` and `mask_copies` fix shapes that empty arrays
+/// leave open and are checked against the arrays. The result has the shapes
+/// of seed 002 (detail::check_shapes); call validate() for the full rules.
+inline Metadata metadata_from_json(const nlohmann::json& j, std::string_view name = "") {
+  using detail::Extent;
+  using detail::fail_at;
+  using detail::member;
+  const auto root = detail::JsonPath::root("metadata");
+  const auto named = root / name;
+  const detail::JsonPath& path = name.empty() ? root : named;
+  detail::read_object(j, path);
+  Metadata m;
+  const std::int64_t world = detail::read_world_size(j, path, false);
+  std::optional<std::size_t> W;
+  if (world > 0) W = static_cast<std::size_t>(world);
+
+  const nlohmann::json& dst_rank = *member(j, path, "dst_rank", true);
+  bool copies = detail::is_3d(dst_rank);
+  if (const nlohmann::json* h = member(j, path, "has_copies", false)) {
+    if (!h->is_boolean()) fail_at(path / "has_copies", ": expected true or false, got ", detail::describe(*h));
+    copies = h->get<bool>();
+  }
+  std::optional<std::size_t> C;
+  if (const nlohmann::json* c = member(j, path, "num_copies", false)) {
+    const auto p = path / "num_copies";
+    const std::int64_t n = detail::read_int(*c, p);
+    if (!copies && n != 1) fail_at(p, " = ", n, ", but dst_rank has no copy dimension (expected 1)");
+    if (n < 0) fail_at(p, " = ", n, " is negative");
+    if (copies) C = static_cast<std::size_t>(n);
+  }
+  std::vector<Extent> extents = {{W, "world_size"}, {}};
+  if (copies) extents.push_back({C, "num_copies"});
+  m.dst_rank = detail::read_tensor(dst_rank, path / "dst_rank", extents);
+  if (m.dst_rank.size(0) == 0) fail_at(path / "dst_rank", " has no rows (world_size must be at least 1)");
+  m.world_size = static_cast<std::int64_t>(m.dst_rank.size(0));
+  W = m.dst_rank.size(0);
+  const std::size_t S = m.dst_rank.size(1);
+
+  extents.clear();
+  for (std::size_t extent : m.dst_rank.shape()) extents.push_back({extent, "as dst_rank"});
+  m.dst_offset = detail::read_tensor(*member(j, path, "dst_offset", true), path / "dst_offset", extents);
+  m.seq_len = detail::read_tensor(*member(j, path, "seq_len", true), path / "seq_len", {{W, "world_size"}, {S, "as dst_rank"}});
+  m.num_recv_tokens = detail::read_tensor(*member(j, path, "num_recv_tokens", true), path / "num_recv_tokens",
+                                          {{W, "world_size"}, {*W + 1, "world_size + 1"}});
+  m.num_seqs = detail::read_tensor(*member(j, path, "num_seqs", true), path / "num_seqs", {{W, "world_size"}});
+
+  const nlohmann::json* mask = member(j, path, "seq_recv_mask", false);
+  const nlohmann::json* lens = member(j, path, "recv_seq_lens", false);
+  if ((mask == nullptr) != (lens == nullptr)) {
+    fail_at(path, ": seq_recv_mask and recv_seq_lens must be both null or both present");
+  }
+  if (mask) {
+    std::optional<std::size_t> mask_c;
+    if (const nlohmann::json* c = member(j, path, "mask_copies", false)) {
+      const auto p = path / "mask_copies";
+      const std::int64_t n = detail::read_int(*c, p);
+      if (n < 0) fail_at(p, " = ", n, " is negative");
+      mask_c = static_cast<std::size_t>(n);
+    }
+    m.seq_recv_mask = detail::read_tensor(*mask, path / "seq_recv_mask", {{W, "world_size"}, {}, {mask_c, "mask_copies"}});
+    m.recv_seq_lens = detail::read_tensor(*lens, path / "recv_seq_lens",
+                                          {{W, "world_size"}, {m.seq_recv_mask->size(1), "as seq_recv_mask"}});
+  }
+  m.num_total_recv_tokens.resize(*W);
+  for (std::size_t d = 0; d < *W; ++d) m.num_total_recv_tokens[d] = m.num_recv_tokens(d, *W);
+  detail::check_shapes(m, path.str());
+  return m;
+}
+
+inline AttentionLayout attention_layout_from_json(const nlohmann::json& j, std::string_view name = "attn") {
+  const auto root = detail::JsonPath::root("attention layout");
+  const auto named = root / name;
+  const detail::JsonPath& path = name.empty() ? root : named;
+  detail::read_object(j, path);
+  AttentionLayout a;
+  auto rows = [&](std::string_view key) { return detail::read_int_rows(*detail::member(j, path, key, true), path / key); };
+  auto ints = [&](std::string_view key) { return detail::read_int_vector(*detail::member(j, path, key, true), path / key); };
+  a.seqlens_q = rows("seqlens_q");
+  a.seqlens_kv = rows("seqlens_kv");
+  a.cu_seqlens_q = rows("cu_seqlens_q");
+  a.cu_seqlens_kv = rows("cu_seqlens_kv");
+  a.max_seqlen_q = ints("max_seqlen_q");
+  a.max_seqlen_kv = ints("max_seqlen_kv");
+  const std::size_t W = a.seqlens_q.size();
+  auto check = [&](std::string_view key, std::size_t n) {
+    if (n != W) detail::fail_at(path / key, " has ", detail::entries(n), ", but seqlens_q has ", W);
+  };
+  check("seqlens_kv", a.seqlens_kv.size());
+  check("cu_seqlens_q", a.cu_seqlens_q.size());
+  check("cu_seqlens_kv", a.cu_seqlens_kv.size());
+  check("max_seqlen_q", a.max_seqlen_q.size());
+  check("max_seqlen_kv", a.max_seqlen_kv.size());
+  return a;
+}
+
+/// {"fwd", "rev"} as to_json writes it.
+inline QueryMetadata query_metadata_from_json(const nlohmann::json& j) {
+  const auto root = detail::JsonPath::root("query metadata");
+  detail::read_object(j, root);
+  return {metadata_from_json(*detail::member(j, root, "fwd", true), "fwd"),
+          metadata_from_json(*detail::member(j, root, "rev", true), "rev")};
+}
+
+/// {"q_fwd", "q_rev", "kv_fwd", "kv_rev", "attn"} as to_json writes it.
+inline QkvMetadata qkv_metadata_from_json(const nlohmann::json& j) {
+  const auto root = detail::JsonPath::root("qkv metadata");
+  detail::read_object(j, root);
+  QkvMetadata q;
+  q.q_fwd = metadata_from_json(*detail::member(j, root, "q_fwd", true), "q_fwd");
+  q.q_rev = metadata_from_json(*detail::member(j, root, "q_rev", true), "q_rev");
+  q.kv_fwd = metadata_from_json(*detail::member(j, root, "kv_fwd", true), "kv_fwd");
+  q.kv_rev = metadata_from_json(*detail::member(j, root, "kv_rev", true), "kv_rev");
+  q.attn = attention_layout_from_json(*detail::member(j, root, "attn", true), "attn");
+  return q;
+}
+
+// nlohmann-json's adl_serializer hooks: `j.get<cpdispatch::Metadata>()`.
+inline void from_json(const nlohmann::json& j, Metadata& m) { m = metadata_from_json(j); }
+inline void from_json(const nlohmann::json& j, AttentionLayout& a) { a = attention_layout_from_json(j, ""); }
+inline void from_json(const nlohmann::json& j, QueryMetadata& q) { q = query_metadata_from_json(j); }
+inline void from_json(const nlohmann::json& j, QkvMetadata& q) { q = qkv_metadata_from_json(j); }
+
+// ---------------------------------------------------------------- writing
+// nlohmann-json's adl_serializer hooks: `nlohmann::json j = metadata;`.
+
+/// The spec's keys (absent ones null, masks 0/1) plus world_size, has_copies,
+/// num_copies (C, 1 for 2-D) and mask_copies (C of seq_recv_mask, or null):
+/// they keep empty shapes exact on a round trip.
+inline void to_json(nlohmann::json& j, const Metadata& m) {
+  using detail::tensor_to_json;
+  j = nlohmann::json::object();
+  j["world_size"] = m.world_size;
+  j["has_copies"] = m.has_copies();
+  j["num_copies"] = m.num_copies();
+  j["dst_rank"] = tensor_to_json(m.dst_rank);
+  j["dst_offset"] = tensor_to_json(m.dst_offset);
+  j["seq_len"] = tensor_to_json(m.seq_len);
+  j["num_recv_tokens"] = tensor_to_json(m.num_recv_tokens);
+  j["num_seqs"] = tensor_to_json(m.num_seqs);
+  j["seq_recv_mask"] = m.seq_recv_mask ? tensor_to_json(*m.seq_recv_mask) : nlohmann::json(nullptr);
+  j["mask_copies"] = m.seq_recv_mask ? nlohmann::json(m.seq_recv_mask->size(2)) : nlohmann::json(nullptr);
+  j["recv_seq_lens"] = m.recv_seq_lens ? tensor_to_json(*m.recv_seq_lens) : nlohmann::json(nullptr);
+}
+
+inline void to_json(nlohmann::json& j, const AttentionLayout& a) {
+  j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
+       {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
+}
+
+inline void to_json(nlohmann::json& j, const QueryMetadata& q) { j = {{"fwd", q.fwd}, {"rev", q.rev}}; }
+
+inline void to_json(nlohmann::json& j, const QkvMetadata& q) {
+  j = {{"q_fwd", q.q_fwd}, {"q_rev", q.q_rev}, {"kv_fwd", q.kv_fwd}, {"kv_rev", q.kv_rev}, {"attn", q.attn}};
+}
+
+inline void to_json(nlohmann::json& j, const QueryPlan& p) {
+  j = {{"kind", "query"},
+       {"world_size", p.world_size},
+       {"seq_len", detail::tensor_to_json(p.seq_len)},
+       {"dispatch", detail::tensor_to_json(p.dispatch)}};
+}
+
+inline void to_json(nlohmann::json& j, const QkvPlan& p) {
+  j = nlohmann::json::object();
+  j["kind"] = "qkv";
+  j["world_size"] = p.world_size;
+  if (p.max_cp_degree) j["max_cp_degree"] = *p.max_cp_degree;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const RankDocuments& rank : p.ranks) {
+    nlohmann::json docs = nlohmann::json::array();
+    for (const Document& doc : rank.docs) docs.push_back({{"shard_len", doc.shard_len}, {"dst", doc.dst}});
+    ranks.push_back({{"docs", std::move(docs)}});
+  }
+  j["ranks"] = std::move(ranks);
+}
+
+inline nlohmann::json plan_to_json(const Plan& plan) {
+  return std::visit([](const auto& p) { return nlohmann::json(p); }, plan);
+}
+
+inline nlohmann::json metadata_to_json(const PlanMetadata& metadata) {
+  return std::visit([](const auto& m) { return nlohmann::json(m); }, metadata);
+}
+
+/// Pretty JSON text: objects one key a line, 2-space indent; an array stays on
+/// one line while it fits in `width` columns, so rows of a tensor read as rows.
+inline std::string to_pretty_string(const nlohmann::json& j, std::size_t width = 100) {
+  std::string out;
+  detail::write_pretty(j, 0, 0, width, out);
+  return out;
+}
+
+}  // namespace cpdispatch

@@ -1,0 +1,279 @@
+// The cpdispatch-plan executable, run for real: stdout, stderr and the exit
+// status of each invocation.
+
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cpdispatch/generate.hpp"
+#include "cpdispatch/json.hpp"
+#include "spec_examples.hpp"
+
+extern char** environ;
+
+namespace {
+
+using json = nlohmann::json;
+
+const std::string exe = CPDISPATCH_PLAN_EXE;
+const std::string data_dir = CPDISPATCH_CLI_DATA_DIR;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+struct Result {
+  int status = -1;  // exit status, or -1 if the program did not exit normally
+  std::string out, err;
+};
+
+/// A scratch directory per test, removed with it.
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = ::testing::TempDir() + "cpdispatch-cli-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr) << std::strerror(errno);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    for (const char* name : {"stdin", "stdout", "stderr", "plan.json"}) ::unlink((dir_ + "/" + name).c_str());
+    ::rmdir(dir_.c_str());
+  }
+
+  std::string file(const std::string& name, const std::string& text) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream(path, std::ios::binary) << text;
+    return path;
+  }
+
+  /// Runs cpdispatch-plan with `args`, `input` on its stdin; stdout goes to
+  /// `stdout_path` when given (e.g. /dev/full), else is captured.
+  Result run(const std::vector<std::string>& args, const std::string& input = "", const std::string& stdout_path = "") {
+    const std::string in = file("stdin", input);
+    const std::string out = stdout_path.empty() ? dir_ + "/stdout" : stdout_path;
+    const std::string err = dir_ + "/stderr";
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 0, in.c_str(), O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    posix_spawn_file_actions_addopen(&actions, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    std::vector<char*> argv = {const_cast<char*>(exe.c_str())};
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    const int spawned = posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    Result r;
+    if (spawned != 0) {
+      ADD_FAILURE() << "cannot run " << exe << ": " << std::strerror(spawned);
+      return r;
+    }
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (stdout_path.empty()) r.out = read_file(out);
+    r.err = read_file(err);
+    return r;
+  }
+
+  std::string dir_;
+};
+
+/// Success: status 0, nothing on stderr; returns stdout parsed.
+json expect_json(const Result& r) {
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  return json::parse(r.out);
+}
+
+/// Invalid input: status 2, nothing on stdout, exactly one stderr line that
+/// starts with the program name.
+void expect_invalid(const Result& r, const std::string& message_part) {
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.out, "");
+  ASSERT_FALSE(r.err.empty());
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "not exactly one line: " << r.err;
+  EXPECT_EQ(r.err.rfind("cpdispatch-plan: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(message_part), std::string::npos) << "stderr: " << r.err << "expected to contain: " << message_part;
+}
+
+json planned_json(const std::string& plan_text) {
+  return cpdispatch::metadata_to_json(cpdispatch::plan_metadata(cpdispatch::parse_plan(plan_text)));
+}
+
+// ---------------------------------------------------------------- plans in, metadata out
+
+TEST_F(CliTest, SpecQkvExampleFile) {
+  const std::string path = data_dir + "/spec_qkv.json";
+  // The checked-in file is the spec's plan.
+  EXPECT_EQ(cpdispatch::plan_to_json(cpdispatch::parse_plan(read_file(path))),
+            cpdispatch::plan_to_json(cpdispatch::parse_plan(cli_test::spec_qkv_plan)));
+  const json out = expect_json(run({path}));
+  cli_test::expect_numbers(out, cli_test::spec_qkv_numbers);
+  EXPECT_EQ(out, planned_json(read_file(path)));
+}
+
+TEST_F(CliTest, SpecQueryExampleFile) {
+  const std::string path = data_dir + "/spec_query.json";
+  EXPECT_EQ(cpdispatch::plan_to_json(cpdispatch::parse_plan(read_file(path))),
+            cpdispatch::plan_to_json(cpdispatch::parse_plan(cli_test::spec_query_plan)));
+  const json out = expect_json(run({path}));
+  cli_test::expect_numbers(out, cli_test::spec_query_numbers);
+  EXPECT_EQ(out, planned_json(read_file(path)));
+}
+
+TEST_F(CliTest, OutputEqualsPlanQkvOfTheSamePlan) {
+  for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+    const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(4, 64, 3, 4, seed);
+    const json out = expect_json(run({file("plan.json", json(plan).dump())}));
+    EXPECT_EQ(out, json(cpdispatch::plan_qkv(plan)));
+    EXPECT_EQ(cpdispatch::qkv_metadata_from_json(out).kv_rev.dst_offset, cpdispatch::plan_qkv(plan).kv_rev.dst_offset);
+  }
+}
+
+TEST_F(CliTest, ReadsStandardInput) {
+  const std::string plan = read_file(data_dir + "/spec_qkv.json");
+  const Result from_file = run({data_dir + "/spec_qkv.json"});
+  const Result dash = run({"-"}, plan);
+  const Result no_arg = run({}, plan);
+  EXPECT_EQ(expect_json(dash), expect_json(from_file));
+  EXPECT_EQ(dash.out, from_file.out);
+  EXPECT_EQ(no_arg.out, from_file.out);
+  EXPECT_EQ(no_arg.status, 0);
+}
+
+TEST_F(CliTest, PrettyByDefaultCompactOnRequest) {
+  const std::string path = data_dir + "/spec_qkv.json";
+  const Result pretty = run({path});
+  const Result compact = run({path, "--compact"});
+  EXPECT_EQ(expect_json(compact), expect_json(pretty));
+  // Compact: one line. Pretty: 2-space indentation, one key a line.
+  EXPECT_EQ(compact.out.find('\n'), compact.out.size() - 1);
+  EXPECT_EQ(compact.out.find(' '), std::string::npos);
+  EXPECT_EQ(pretty.out.rfind("{\n  \"attn\": {\n    \"cu_seqlens_kv\": ", 0), 0u) << pretty.out;
+  EXPECT_NE(pretty.out.find("\n    \"dst_rank\": [[1, 0, 0], [0, 1, 0]],\n"), std::string::npos) << pretty.out;
+  EXPECT_EQ(pretty.out.back(), '\n');
+}
+
+TEST_F(CliTest, SummaryOfTheSpecQkvExample) {
+  const Result r = run({data_dir + "/spec_qkv.json", "--summary"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.err, "");
+  // rank 0: shards 4,2,3 (9 tokens), sends the 4 to rank 1, receives 12
+  // query and 22 KV tokens; rank 1: 5,1,2 (8 tokens), sends 5 and 2 to rank 0.
+  // Attention cost (causal token pairs): rank 0 attends 2 tokens after 4
+  // (11), 3 (6), 5 (15) and 2 after 6 (15) = 47; rank 1: 4 (10), 1 after 5 (6) = 16.
+  EXPECT_EQ(r.out,
+            "qkv plan: world_size 2, max_cp_degree 3\n"
+            "rank  shards  tokens  q_sent_off_rank  q_recv  kv_recv  attn_cost\n"
+            "   0       3       9                4      12       22         47\n"
+            "   1       3       8                7       5       10         16\n"
+            "imbalance (max/mean of tokens received): q 1.412 (max 12, mean 8.5), kv 1.375 (max 22, mean 16)\n"
+            "imbalance of attention cost (max/mean): 1.492 (max 47, mean 31.5)\n");
+}
+
+TEST_F(CliTest, SummaryOfTheSpecQueryExample) {
+  const Result r = run({"--summary", data_dir + "/spec_query.json"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.err, "");
+  EXPECT_EQ(r.out,
+            "query plan: world_size 3, dispatch [W][S]\n"
+            "rank  shards  tokens  q_sent_off_rank  q_recv\n"
+            "   0       3      12                4      13\n"
+            "   1       3       9                9      14\n"
+            "   2       3      15               15       9\n"
+            "imbalance (max/mean of tokens received): q 1.167 (max 14, mean 12)\n");
+}
+
+TEST_F(CliTest, SummaryOfAnEmptyPlan) {
+  const Result r = run({"--summary"}, R"({"world_size": 2, "ranks": [{"docs": []}, {"docs": []}]})");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("q n/a (no tokens), kv n/a (no tokens)"), std::string::npos) << r.out;
+}
+
+TEST_F(CliTest, Help) {
+  for (const char* flag : {"--help", "-h"}) {
+    const Result r = run({flag});
+    EXPECT_EQ(r.status, 0);
+    EXPECT_EQ(r.err, "");
+    EXPECT_EQ(r.out.rfind("Usage: cpdispatch-plan [FILE|-] [--summary] [--svg FILE] [--compact]\n", 0), 0u) << r.out;
+  }
+}
+
+// ---------------------------------------------------------------- invalid input: exit 2, one stderr line
+
+TEST_F(CliTest, MalformedJson) {
+  expect_invalid(run({}, "{\"world_size\": 2,"), "cpdispatch-plan: invalid JSON: parse error at line 1, column ");
+  expect_invalid(run({}, ""), "invalid JSON");
+  expect_invalid(run({}, "{\"world_size\": 2,\n\n  \"ranks\": [}\n"), "invalid JSON: parse error at line 3, column ");
+}
+
+TEST_F(CliTest, WrongTypesAndShapes) {
+  expect_invalid(run({}, R"({"world_size":2,"ranks":[{"docs":[]},{"docs":[{"shard_len":[1,2,3],"dst":[1,1,"x"]}]}]})"),
+                 "cpdispatch-plan: ranks[1].docs[0].dst[2]: expected an integer, got \"x\"\n");
+  expect_invalid(run({}, R"({"world_size":2,"ranks":[{"docs":[]}]})"), "cpdispatch-plan: ranks has 1 entry, but world_size = 2\n");
+  expect_invalid(run({}, R"({"world_size":2,"seq_len":[[1,2],[3]],"dispatch":[[0,0],[1]]})"),
+                 "cpdispatch-plan: seq_len[1] has 1 entry, but seq_len[0] has 2 (arrays must be rectangular)\n");
+  expect_invalid(run({}, R"({"world_size":2,"seq_len":[[1,2],[3,4]],"dispatch":[[0,0],[1]]})"),
+                 "cpdispatch-plan: dispatch[1] has 1 entry, expected 2 (as seq_len)\n");
+  expect_invalid(run({}, "[]"), "cpdispatch-plan: plan: expected an object, got an empty array\n");
+  // A key with a newline in it still gives one line.
+  expect_invalid(run({}, "{\"world_size\":1,\"ranks\":[{\"docs\":[]}],\"a\\nb\":1}"), "unknown key \"a\\nb\"");
+}
+
+TEST_F(CliTest, OutOfRangeValues) {
+  expect_invalid(run({}, R"({"world_size":2,"ranks":[{"docs":[]},{"docs":[{"shard_len":[1,2,3],"dst":[1,1,9]}]}]})"),
+                 "cpdispatch-plan: ranks[1].docs[0].dst[2] = 9 is outside [0, 2)\n");
+  expect_invalid(run({}, R"({"world_size":1,"ranks":[{"docs":[{"shard_len":[4,-1],"dst":[0,0]}]}]})"),
+                 "cpdispatch-plan: ranks[0].docs[0].shard_len[1] = -1 must be positive\n");
+  expect_invalid(run({}, R"({"world_size":3,"seq_len":[[1,2],[1,0],[1,1]],"dispatch":[[0,5],[0,-1],[1,1]]})"),
+                 "cpdispatch-plan: dispatch[0][1] = 5 is outside [0, 3) (-1 means no copy)\n");
+  expect_invalid(run({}, R"({"world_size":0,"ranks":[]})"), "cpdispatch-plan: world_size = 0 must be at least 1\n");
+  expect_invalid(run({"--summary"}, R"({"world_size":1,"max_cp_degree":1,"ranks":[{"docs":[{"shard_len":[4,2],"dst":[0,0]}]}]})"),
+                 "cpdispatch-plan: max_cp_degree = 1 is smaller than the 2 shards of ranks[0].docs[0]\n");
+}
+
+TEST_F(CliTest, HugeCopyDimensionIsRefusedBeforeAllocating) {
+  // W * S * C = 4 * 1 * 2^62 would wrap to 0 in 64 bits; the planner refuses the copy dimension first.
+  expect_invalid(run({}, R"({"world_size":4,"max_cp_degree":4611686018427387904,"ranks":[
+                 {"docs":[{"shard_len":[1],"dst":[0]}]},{"docs":[]},{"docs":[]},{"docs":[]}]})"),
+                 "max_cp_degree = 4611686018427387904 exceeds the supported maximum of 65536");
+}
+
+TEST_F(CliTest, UsageErrors) {
+  const std::string plan = data_dir + "/spec_qkv.json";
+  expect_invalid(run({plan, "--bogus"}), "cpdispatch-plan: unknown option '--bogus' (see --help)\n");
+  expect_invalid(run({"-x"}), "unknown option '-x'");
+  expect_invalid(run({plan, plan}), "more than one input file");
+  expect_invalid(run({plan, "--summary", "--compact"}), "--compact applies to the JSON output, not to --summary");
+}
+
+TEST_F(CliTest, UnreadableInput) {
+  expect_invalid(run({dir_ + "/no-such-file.json"}), "cannot open '" + dir_ + "/no-such-file.json': No such file or directory\n");
+  expect_invalid(run({dir_}), "cannot read '" + dir_ + "': Is a directory\n");
+  // "--" ends the options: a file may be called "--summary".
+  expect_invalid(run({"--", "--summary"}), "cannot open '--summary'");
+}
+
+TEST_F(CliTest, UnwritableOutputIsAFailureNotInvalidInput) {
+  const Result r = run({data_dir + "/spec_qkv.json"}, "", "/dev/full");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "cpdispatch-plan: cannot write the output: No space left on device\n");
+}
+
+}  // namespace
