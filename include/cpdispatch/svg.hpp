@@ -1,0 +1,179 @@
+#pragma once
+// A picture of a plan as a standalone SVG document: a W x W heat map of the
+// bytes each rank sends each other rank, and bars of attention cost per rank
+// (before and after balancing when both are given). No dependencies.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <string_view>
+
+#include "cpdispatch/balance.hpp"
+#include "cpdispatch/error.hpp"
+
+namespace cpdispatch {
+
+namespace svg_detail {
+
+/// Text for SVG content and attribute values.
+inline std::string escape(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&apos;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+inline std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", v);
+  return buf;
+}
+
+/// 1234567 -> "1.23M": axis and legend labels.
+inline std::string human(double v) {
+  const char* units[] = {"", "K", "M", "G", "T", "P", "E"};
+  int u = 0;
+  while (std::fabs(v) >= 1000 && u < 6) v /= 1000, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u ? "%.3g%s" : "%.0f%s", v, units[u]);
+  return buf;
+}
+
+/// White to dark blue; t in [0, 1].
+inline std::string blue(double t) {
+  t = std::clamp(t, 0.0, 1.0);
+  auto mix = [t](int a, int b) { return static_cast<int>(std::lround(a + (b - a) * t)); };
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "#%02x%02x%02x", mix(0xf7, 0x08), mix(0xfb, 0x30), mix(0xff, 0x6b));
+  return buf;
+}
+
+}  // namespace svg_detail
+
+/// The SVG picture of a plan's cost: `after` is the plan shown; `before`
+/// (optional, same world size) adds the unbalanced attention cost bars.
+inline std::string plan_svg(const PlanCost& after, const PlanCost* before = nullptr, std::string_view title = "") {
+  using svg_detail::num;
+  using svg_detail::human;
+  if (after.world_size <= 0 || after.attention.size() != static_cast<std::size_t>(after.world_size) ||
+      after.bytes.size() != after.attention.size() * after.attention.size()) {
+    detail::fail("plan_svg: the plan cost is empty or malformed (world_size = ", after.world_size, ")");
+  }
+  const auto W = static_cast<std::size_t>(after.world_size);
+  if (before && before->attention.size() != W) {
+    detail::fail("plan_svg: before has ", before->attention.size(), " ranks, after has ", W);
+  }
+  const double cell = std::clamp(384.0 / static_cast<double>(W), 2.0, 48.0);
+  const double map = cell * static_cast<double>(W);
+  const double mx = 70, my = 90;                    // heat map origin
+  const double bx = mx + map + 100, plot_h = 240;   // bar chart origin (x), height
+  const double bar_w = std::clamp(384.0 / static_cast<double>(W), 3.0, 48.0);
+  const double plot_w = bar_w * static_cast<double>(W);
+  const double width = bx + std::max(plot_w, 280.0) + 50, height = std::max(my + map + 60, my + plot_h + 110);
+  const std::size_t tick = W <= 16 ? 1 : W <= 64 ? 8 : W / 8;
+
+  std::string s;
+  s += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  s += "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + num(width) + "\" height=\"" + num(height) + "\" viewBox=\"0 0 " +
+       num(width) + " " + num(height) + "\" font-family=\"sans-serif\" font-size=\"11\">\n";
+  s += "<rect x=\"0\" y=\"0\" width=\"" + num(width) + "\" height=\"" + num(height) + "\" fill=\"white\"/>\n";
+  if (!title.empty()) s += "<text x=\"10\" y=\"20\" font-size=\"14\" font-weight=\"bold\">" + svg_detail::escape(title) + "</text>\n";
+  char ratio[64];
+  std::snprintf(ratio, sizeof ratio, "max/mean attention cost %.3f", after.max_over_mean());
+  std::string summary = ratio;
+  if (before) {
+    std::snprintf(ratio, sizeof ratio, " (before: %.3f)", before->max_over_mean());
+    summary += ratio;
+  }
+  summary += "; bytes moved " + human(static_cast<double>(after.bytes_moved));
+  s += "<text x=\"10\" y=\"38\">" + svg_detail::escape(summary) + "</text>\n";
+
+  // ---- heat map: row = sending (home) rank, column = attending rank
+  std::int64_t most = 0;
+  for (std::int64_t b : after.bytes) most = std::max(most, b);
+  s += "<g>\n<text x=\"" + num(mx) + "\" y=\"" + num(my - 22) + "\" font-weight=\"bold\">bytes sent (row: from rank, column: to rank)</text>\n";
+  s += "<rect x=\"" + num(mx) + "\" y=\"" + num(my) + "\" width=\"" + num(map) + "\" height=\"" + num(map) +
+       "\" fill=\"" + svg_detail::blue(0) + "\" stroke=\"#999\"/>\n";
+  for (std::size_t r = 0; r < W; ++r) {
+    for (std::size_t d = 0; d < W; ++d) {
+      const std::int64_t b = after.bytes[r * W + d];
+      if (b == 0) continue;
+      const double t = std::sqrt(static_cast<double>(b) / static_cast<double>(most));  // sqrt: small flows stay visible
+      s += "<rect x=\"" + num(mx + cell * static_cast<double>(d)) + "\" y=\"" + num(my + cell * static_cast<double>(r)) +
+           "\" width=\"" + num(cell) + "\" height=\"" + num(cell) + "\" fill=\"" + svg_detail::blue(0.15 + 0.85 * t) +
+           "\"><title>rank " + std::to_string(r) + " to rank " + std::to_string(d) + ": " + std::to_string(b) +
+           " bytes</title></rect>\n";
+    }
+  }
+  for (std::size_t r = 0; r < W; r += tick) {
+    const double c = cell * (static_cast<double>(r) + 0.5);
+    s += "<text x=\"" + num(mx - 4) + "\" y=\"" + num(my + c + 4) + "\" text-anchor=\"end\">" + std::to_string(r) + "</text>\n";
+    s += "<text x=\"" + num(mx + c) + "\" y=\"" + num(my - 4) + "\" text-anchor=\"middle\">" + std::to_string(r) + "</text>\n";
+  }
+  // colour legend
+  const double ly = my + map + 24;
+  for (int i = 0; i <= 10; ++i) {
+    s += "<rect x=\"" + num(mx + i * 12.0) + "\" y=\"" + num(ly) + "\" width=\"12\" height=\"10\" fill=\"" +
+         svg_detail::blue(i == 0 ? 0 : 0.15 + 0.85 * i / 10.0) + "\"/>\n";
+  }
+  s += "<text x=\"" + num(mx + 140) + "\" y=\"" + num(ly + 9) + "\">0 to " + human(static_cast<double>(most)) +
+       " bytes (square-root scale)</text>\n</g>\n";
+
+  // ---- bars: attention cost per attending rank
+  std::int64_t top = after.max_attention();
+  if (before) top = std::max(top, before->max_attention());
+  top = std::max<std::int64_t>(top, 1);
+  const double base = my + plot_h;
+  auto y_of = [&](double v) { return base - plot_h * v / static_cast<double>(top); };
+  s += "<g>\n<text x=\"" + num(bx) + "\" y=\"" + num(my - 22) + "\" font-weight=\"bold\">attention cost per rank (causal token pairs)</text>\n";
+  for (int i = 0; i <= 4; ++i) {
+    const double v = static_cast<double>(top) * i / 4.0;
+    s += "<line x1=\"" + num(bx) + "\" x2=\"" + num(bx + plot_w) + "\" y1=\"" + num(y_of(v)) + "\" y2=\"" + num(y_of(v)) +
+         "\" stroke=\"#ddd\"/>\n";
+    s += "<text x=\"" + num(bx - 4) + "\" y=\"" + num(y_of(v) + 4) + "\" text-anchor=\"end\">" + human(v) + "</text>\n";
+  }
+  for (std::size_t r = 0; r < W; ++r) {
+    const double x = bx + bar_w * static_cast<double>(r);
+    if (before) {
+      const auto v = static_cast<double>(before->attention[r]);
+      s += "<rect x=\"" + num(x) + "\" y=\"" + num(y_of(v)) + "\" width=\"" + num(bar_w * 0.9) + "\" height=\"" + num(base - y_of(v)) +
+           "\" fill=\"#f4a582\"><title>rank " + std::to_string(r) + " before: " + std::to_string(before->attention[r]) +
+           "</title></rect>\n";
+    }
+    const auto v = static_cast<double>(after.attention[r]);
+    const double inset = before ? bar_w * 0.25 : 0;
+    s += "<rect x=\"" + num(x + inset) + "\" y=\"" + num(y_of(v)) + "\" width=\"" + num(bar_w * 0.9 - 2 * inset) + "\" height=\"" +
+         num(base - y_of(v)) + "\" fill=\"#2166ac\"><title>rank " + std::to_string(r) + ": " + std::to_string(after.attention[r]) +
+         "</title></rect>\n";
+    if (r % tick == 0) {
+      s += "<text x=\"" + num(x + bar_w * 0.45) + "\" y=\"" + num(base + 14) + "\" text-anchor=\"middle\">" + std::to_string(r) + "</text>\n";
+    }
+  }
+  const double mean_y = y_of(after.mean_attention());
+  s += "<line x1=\"" + num(bx) + "\" x2=\"" + num(bx + plot_w) + "\" y1=\"" + num(mean_y) + "\" y2=\"" + num(mean_y) +
+       "\" stroke=\"black\" stroke-dasharray=\"4 3\"/>\n";
+  s += "<text x=\"" + num(bx + plot_w + 4) + "\" y=\"" + num(mean_y + 4) + "\">mean</text>\n";
+  const double lg = base + 34;
+  if (before) {
+    s += "<rect x=\"" + num(bx) + "\" y=\"" + num(lg) + "\" width=\"12\" height=\"10\" fill=\"#f4a582\"/>\n";
+    s += "<text x=\"" + num(bx + 16) + "\" y=\"" + num(lg + 9) + "\">before (every document at home)</text>\n";
+  }
+  s += "<rect x=\"" + num(bx) + "\" y=\"" + num(lg + 16) + "\" width=\"12\" height=\"10\" fill=\"#2166ac\"/>\n";
+  s += "<text x=\"" + num(bx + 16) + "\" y=\"" + num(lg + 25) + "\">" + std::string(before ? "after" : "this plan") + "</text>\n";
+  s += "<text x=\"" + num(bx + plot_w / 2) + "\" y=\"" + num(base + 28) + "\" text-anchor=\"middle\">rank</text>\n</g>\n";
+  s += "</svg>\n";
+  return s;
+}
+
+}  // namespace cpdispatch

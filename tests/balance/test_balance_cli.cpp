@@ -1,0 +1,204 @@
+// `cpdispatch-plan balance`, `--summary` attention costs and `--svg`, run for
+// real: exit status, stdout, stderr and the files written.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "balance_helpers.hpp"
+#include "cpdispatch/json.hpp"
+
+namespace {
+
+using baltest::I;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+struct Result {
+  int status = -1;
+  std::string out, err;
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+/// Scratch files named after the test, removed with it.
+class BalanceCli : public ::testing::Test {
+ protected:
+  std::string path(const std::string& name) const {
+    return ::testing::TempDir() + "cpdispatch-balance-" + std::to_string(::getpid()) + "-" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name() + "-" + name;
+  }
+  std::string file(const std::string& name, const std::string& text) {
+    const std::string p = path(name);
+    std::ofstream(p, std::ios::binary) << text;
+    made_.push_back(p);
+    return p;
+  }
+  void TearDown() override {
+    for (const std::string& p : made_) std::remove(p.c_str());
+  }
+
+  /// cpdispatch-plan with `args` (shell words, already safe), `input` on stdin.
+  Result run(const std::string& args, const std::string& input = "") {
+    const std::string in = file("stdin", input), out = path("stdout"), err = path("stderr");
+    made_.push_back(out);
+    made_.push_back(err);
+    const int raw = std::system((std::string(CPDISPATCH_PLAN_EXE) + " " + args + " < " + in + " > " + out + " 2> " + err).c_str());
+    return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
+  }
+
+  std::vector<std::string> made_;
+};
+
+constexpr const char* kInput = R"({"world_size": 4, "max_cp_degree": 4,
+  "ranks": [{"docs": [9000, 300]}, {"docs": [500, 700, 40]}, {"docs": [1200]}, {"docs": [100, 100, 100]}]})";
+
+cpdispatch::BalanceProblem input_problem() {
+  cpdispatch::BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 4;
+  p.docs = {{9000, 300}, {500, 700, 40}, {1200}, {100, 100, 100}};
+  return p;
+}
+
+TEST_F(BalanceCli, WritesTheLibrarysPlanWhichCpdispatchPlanAccepts) {
+  const Result r = run("balance " + file("in.json", kInput));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  const cpdispatch::Plan plan = cpdispatch::parse_plan(r.out);
+  ASSERT_EQ(plan.index(), 1u);
+  const auto& qkv = std::get<cpdispatch::QkvPlan>(plan);
+  const cpdispatch::BalanceProblem p = input_problem();
+  ASSERT_TRUE(baltest::valid_plan(p, qkv));
+  EXPECT_EQ(cpdispatch::plan_to_json(plan), cpdispatch::plan_to_json(cpdispatch::Plan(cpdispatch::plan_balanced(p))));
+  // ... and plan mode plans it.
+  const Result planned = run(file("plan.json", r.out));
+  EXPECT_EQ(planned.status, 0) << planned.err;
+  EXPECT_THAT(planned.out, HasSubstr("\"kv_rev\""));
+  // Standard input and --compact work as in plan mode.
+  const Result compact = run("balance - --compact", kInput);
+  EXPECT_EQ(compact.status, 0);
+  EXPECT_EQ(nlohmann::json::parse(compact.out), nlohmann::json::parse(r.out));
+  EXPECT_EQ(std::count(compact.out.begin(), compact.out.end(), '\n'), 1);
+}
+
+TEST_F(BalanceCli, OptionalCapacityAndBytesPerToken) {
+  const Result r = run("balance --summary",
+                       R"({"world_size": 2, "max_cp_degree": 2, "ranks": [{"docs": [100, 100, 100]}, {"docs": [100]}],
+                           "recv_capacity": [100, 1000], "q_bytes": 8, "kv_bytes": 2})");
+  ASSERT_EQ(r.status, 0) << r.err;
+  // Rank 0 may hold 100 KV tokens: two of its three documents leave; each moves 8*100 + 2*100 bytes.
+  EXPECT_THAT(r.out, HasSubstr("bytes moved 2000 (1600 query, 400 key-value)"));
+}
+
+TEST_F(BalanceCli, SummaryShowsAttentionCostAndTheComparison) {
+  const Result r = run("balance --summary " + file("in.json", kInput));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, StartsWith("qkv plan: world_size 4, max_cp_degree 4\n"
+                                "rank  shards  tokens  q_sent_off_rank  q_recv  kv_recv  attn_cost\n"));
+  EXPECT_THAT(r.out, HasSubstr("imbalance of attention cost (max/mean): 1.00"));
+  EXPECT_THAT(r.out, HasSubstr("x the lower bound"));
+  EXPECT_THAT(r.out, HasSubstr("(before balancing 40549650, 3.894 x)"));  // rank 0: 9000*9001/2 + 300*301/2
+  // Plan mode's summary of the plan balance wrote has the same table.
+  const Result plan = run("balance " + file("in.json", kInput));
+  const Result summary = run("--summary " + file("plan.json", plan.out));
+  EXPECT_EQ(summary.status, 0);
+  EXPECT_THAT(r.out, StartsWith(summary.out));
+}
+
+TEST_F(BalanceCli, SvgOfTheBalancedPlanIsWellFormed) {
+  const std::string svg = path("plan.svg");
+  made_.push_back(svg);
+  const Result r = run("balance " + file("in.json", kInput) + " --svg " + svg);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\"kind\": \"qkv\""));  // the plan still goes to stdout
+  const std::string picture = slurp(svg);
+  ASSERT_TRUE(baltest::well_formed_xml(picture));
+  EXPECT_THAT(picture, HasSubstr("before (every document at home)"));
+  EXPECT_THAT(picture, HasSubstr("attention cost per rank"));
+  // Plan mode draws any qkv plan; an unbalanced one has no "before" bars.
+  const Result again = run(file("plan.json", R"({"world_size": 2, "ranks": [{"docs": [{"shard_len": [3], "dst": [0]}]}, {"docs": []}]})") +
+                           " --svg=" + svg + " --summary");
+  ASSERT_EQ(again.status, 0) << again.err;
+  ASSERT_TRUE(baltest::well_formed_xml(slurp(svg)));
+  EXPECT_THAT(slurp(svg), ::testing::Not(HasSubstr("before (")));
+}
+
+TEST_F(BalanceCli, ErrorsNameTheField) {
+  struct Case {
+    std::string input, message;
+  };
+  const std::vector<Case> cases = {
+      {R"({"world_size": 2, "ranks": [{"docs": [1]}, {"docs": [2]}]})", "input: missing \"max_cp_degree\""},
+      {R"({"world_size": 2, "max_cp_degree": 0, "ranks": [{"docs": [1]}, {"docs": [2]}]})", "max_cp_degree = 0 must be at least 1"},
+      {R"({"world_size": 3, "max_cp_degree": 2, "ranks": [{"docs": [1]}, {"docs": [2]}]})", "ranks has 2 entries, but world_size = 3"},
+      {R"({"world_size": 2, "max_cp_degree": 2, "ranks": [{"docs": [1]}, {"docs": [0]}]})", "ranks[1].docs[0] = 0 must be a positive length"},
+      {R"({"world_size": 2, "max_cp_degree": 2, "ranks": [{"docs": [1]}, {"docs": ["a"]}]})", "ranks[1].docs[0]: expected an integer"},
+      {R"({"world_size": 1, "max_cp_degree": 2, "ranks": [{"docs": [1]}], "q_byte": 2})", "unknown key \"q_byte\""},
+      {R"({"world_size": 1, "max_cp_degree": 2, "ranks": [{"docs": [1]}], "kv_bytes": -1})", "kv_bytes = -1 must be at least 0"},
+      {R"({"world_size": 2, "max_cp_degree": 2, "ranks": [{"docs": [1]}, {"docs": [2]}], "recv_capacity": [5]})",
+       "recv_capacity has 1 entry, but world_size = 2"},
+      {R"({"world_size": 2, "max_cp_degree": 2, "ranks": [{"docs": [50, 700]}, {"docs": [30]}], "recv_capacity": [600, 650]})",
+       "docs[0][1] has 700 tokens and its last shard's KV group holds all of them, but the largest recv_capacity is 650 tokens (rank 1)"},
+      {"[1, 2]", "input: expected an object"},
+      {"{", "invalid JSON"},
+  };
+  for (const Case& c : cases) {
+    const Result r = run("balance", c.input);
+    EXPECT_EQ(r.status, 2) << c.input;
+    EXPECT_EQ(r.out, "") << c.input;
+    EXPECT_THAT(r.err, StartsWith("cpdispatch-plan: ")) << c.input;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << c.input;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+TEST_F(BalanceCli, UsageErrorsAndHelp) {
+  EXPECT_EQ(run("balance --svg").status, 2);
+  EXPECT_THAT(run("balance --svg").err, HasSubstr("--svg needs a file name"));
+  EXPECT_EQ(run("balance --frobnicate").status, 2);
+  const Result help = run("balance --help");
+  EXPECT_EQ(help.status, 0);
+  EXPECT_THAT(help.out, StartsWith("Usage: cpdispatch-plan balance [FILE|-]"));
+  EXPECT_THAT(run("--help").out, HasSubstr("cpdispatch-plan balance"));
+  // --svg draws documents: a query plan has none.
+  const Result query = run("--svg " + path("q.svg"), R"({"world_size": 1, "seq_len": [[2]], "dispatch": [[0]]})");
+  EXPECT_EQ(query.status, 2);
+  EXPECT_THAT(query.err, HasSubstr("--svg draws qkv plans"));
+  // An unwritable picture is a failure, not invalid input.
+  const Result unwritable = run("balance --svg /nonexistent-dir/x.svg", kInput);
+  EXPECT_EQ(unwritable.status, 1);
+  EXPECT_THAT(unwritable.err, HasSubstr("cannot write '/nonexistent-dir/x.svg'"));
+}
+
+TEST_F(BalanceCli, TheReadmeExampleIsWhatTheToolWrites) {
+  // README.md's "Load-balanced planning" shows this command's summary and
+  // docs/balance-example.svg. After a planner change, regenerate both:
+  //   build/bin/cpdispatch-plan balance docs/balance-example.json --summary --svg docs/balance-example.svg
+  const std::string src = CPDISPATCH_SOURCE_DIR;
+  const std::string svg = path("example.svg");
+  made_.push_back(svg);
+  const Result r = run("balance " + src + "/docs/balance-example.json --summary --svg " + svg);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(slurp(svg), slurp(src + "/docs/balance-example.svg")) << "docs/balance-example.svg is stale";
+  const std::string readme = slurp(src + "/README.md");
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) EXPECT_THAT(readme, HasSubstr(line + "\n")) << "README.md's example summary is stale";
+}
+
+}  // namespace

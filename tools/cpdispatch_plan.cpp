@@ -1,0 +1,297 @@
+// cpdispatch-plan: reads a dispatch plan (JSON, ../shared/spec/plan-json.md
+// section 3) and writes its metadata as JSON, or a per-rank summary.
+//
+// Exit status: 0 success; 2 invalid input or usage (one line on stderr, nothing
+// on stdout); 1 any other failure (out of memory, stdout not writable).
+//
+// Layout: main() picks a subcommand from argv[1] and runs it under
+// run_guarded(), which turns exceptions into the exit status and the one
+// stderr line. Plan mode (run_plan) is the default when no subcommand name
+// matches.
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <iomanip>
+#include <iostream>
+#include <new>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "balance_command.hpp"
+#include "cpdispatch/json.hpp"
+
+namespace {
+
+constexpr std::string_view program = "cpdispatch-plan";
+constexpr int exit_invalid = 2;
+constexpr int exit_failure = 1;
+
+using Args = std::span<const std::string_view>;
+
+constexpr std::string_view plan_usage = R"(Usage: cpdispatch-plan [FILE|-] [--summary] [--svg FILE] [--compact]
+       cpdispatch-plan balance [FILE|-] [...]   (choose a balanced plan: balance --help)
+
+Reads a dispatch plan as JSON from FILE (standard input when FILE is - or
+absent) and writes its metadata as JSON to standard output.
+
+Plans ("kind" is optional: "ranks" means qkv, "seq_len" means query):
+  {"kind": "qkv", "world_size": W, "max_cp_degree": C,
+   "ranks": [{"docs": [{"shard_len": [...], "dst": [...]}, ...]}, ...]}
+  {"kind": "query", "world_size": W, "seq_len": [[...]], "dispatch": [[...]] or [[[...]]]}
+Unknown keys are errors, so a misspelt optional key is never ignored.
+Output: {"q_fwd", "q_rev", "kv_fwd", "kv_rev", "attn"} for a qkv plan,
+{"fwd", "rev"} for a query plan; each metadata object has dst_rank,
+dst_offset, seq_len, num_recv_tokens, num_seqs, seq_recv_mask, recv_seq_lens.
+
+Options:
+  --summary   instead of JSON, a per-rank table (shards, tokens, query tokens
+              sent off-rank and received, KV tokens received; for a qkv plan
+              also the attention cost, in causal token pairs) and the max/mean
+              imbalance of received tokens and of attention cost
+  --svg FILE  also write a picture of a qkv plan to FILE (SVG): tokens sent
+              between ranks, and attention cost per rank (and with every
+              document at home, when that differs)
+  --compact   JSON on one line instead of pretty-printed
+  -h, --help  this help
+
+Exit status: 0 success, 2 invalid input or usage (one line on standard error
+naming the field), 1 other failures.
+)";
+
+/// Messages go out as one line, whatever the input put into them.
+std::string single_line(std::string_view message) {
+  std::string out(message);
+  for (char& c : out) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  return out;
+}
+
+/// The planners prefix their messages with their own name; here the message
+/// is about the user's file, so the JSON path alone reads better.
+std::string_view without_planner_prefix(std::string_view message) {
+  for (std::string_view prefix : {"plan_qkv: ", "plan_query: "}) {
+    if (message.starts_with(prefix)) return message.substr(prefix.size());
+  }
+  return message;
+}
+
+/// The whole of FILE, or of standard input for "-".
+std::string read_input(const std::string& path) {
+  std::FILE* in = path == "-" ? stdin : std::fopen(path.c_str(), "rb");
+  if (in == nullptr) cpdispatch::detail::fail("cannot open '", path, "': ", std::strerror(errno));
+  std::string text;
+  char buffer[1 << 16];
+  std::size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof buffer, in)) > 0) text.append(buffer, n);
+  const bool failed = std::ferror(in) != 0;
+  const int read_errno = errno;
+  if (in != stdin) std::fclose(in);
+  if (failed) {
+    cpdispatch::detail::fail("cannot read '", path == "-" ? "standard input" : path, "': ", std::strerror(read_errno));
+  }
+  return text;
+}
+
+/// Writes `text` to standard output; a failure is not invalid input (exit 1).
+void write_output(std::string_view text) {
+  if (std::fwrite(text.data(), 1, text.size(), stdout) != text.size() || std::fflush(stdout) != 0) {
+    throw std::runtime_error(cpdispatch::detail::concat("cannot write the output: ", std::strerror(errno)));
+  }
+}
+
+// ---------------------------------------------------------------- summary
+
+/// Right-aligned columns, two spaces apart.
+std::string format_table(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<std::size_t> width;
+  for (const auto& row : rows) {
+    width.resize(std::max(width.size(), row.size()), 0);
+    for (std::size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  std::string out;
+  for (const auto& row : rows) {
+    for (std::size_t c = 0; c < row.size(); ++c) {
+      out += std::string(c ? 2 : 0, ' ') + std::string(width[c] - row[c].size(), ' ') + row[c];
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+/// "1.412 (max 12, mean 8.5)" for the tokens each rank receives (column W of
+/// num_recv_tokens).
+std::string imbalance(const cpdispatch::Metadata& m) {
+  const auto W = static_cast<std::size_t>(m.world_size);
+  std::int64_t max = 0;
+  double sum = 0;
+  for (std::size_t r = 0; r < W; ++r) {
+    max = std::max(max, m.num_recv_tokens(r, W));
+    sum += static_cast<double>(m.num_recv_tokens(r, W));
+  }
+  const double mean = sum / static_cast<double>(W);
+  if (max == 0) return "n/a (no tokens)";
+  return cpdispatch_cli::max_over_mean_text(max, mean);
+}
+
+/// Per rank: its shards and tokens (MLP layout), query tokens it sends to
+/// other ranks and query (and KV) tokens it receives, and the attention cost
+/// (causal token pairs) when the qkv plan is given; then the imbalance.
+std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::QkvPlan* plan) {
+  const std::optional<cpdispatch::PlanCost> cost = plan ? std::optional(cpdispatch::plan_cost(*plan)) : std::nullopt;
+  const auto* qkv = std::get_if<cpdispatch::QkvMetadata>(&planned);
+  const cpdispatch::Metadata& q = qkv ? qkv->q_fwd : std::get<cpdispatch::QueryMetadata>(planned).fwd;
+  const auto W = static_cast<std::size_t>(q.world_size);
+  std::ostringstream head;
+  if (qkv) {
+    head << "qkv plan: world_size " << W << ", max_cp_degree " << qkv->kv_fwd.num_copies() << '\n';
+  } else if (q.has_copies()) {
+    head << "query plan: world_size " << W << ", dispatch [W][S][C] with C = " << q.num_copies() << '\n';
+  } else {
+    head << "query plan: world_size " << W << ", dispatch [W][S]\n";
+  }
+  std::vector<std::vector<std::string>> rows = {{"rank", "shards", "tokens", "q_sent_off_rank", "q_recv"}};
+  if (qkv) rows[0].push_back("kv_recv");
+  if (cost) rows[0].push_back("attn_cost");
+  for (std::size_t r = 0; r < W; ++r) {
+    std::int64_t sent_off_rank = 0;
+    for (std::size_t d = 0; d < W; ++d) sent_off_rank += d == r ? 0 : q.num_recv_tokens(d, r);
+    rows.push_back({std::to_string(r), std::to_string(q.num_seqs(r)), std::to_string(q.send_tokens(static_cast<std::int64_t>(r))),
+                    std::to_string(sent_off_rank), std::to_string(q.num_recv_tokens(r, W))});
+    if (qkv) rows.back().push_back(std::to_string(qkv->kv_fwd.num_recv_tokens(r, W)));
+    if (cost) rows.back().push_back(std::to_string(cost->attention[r]));
+  }
+  std::string out = head.str() + format_table(rows);
+  out += "imbalance (max/mean of tokens received): q " + imbalance(q);
+  if (qkv) out += ", kv " + imbalance(qkv->kv_fwd);
+  out += '\n';
+  if (cost && cost->total_attention() > 0) {
+    out += "imbalance of attention cost (max/mean): " + cpdispatch_cli::max_over_mean_text(cost->max_attention(), cost->mean_attention()) + '\n';
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- plan mode
+
+struct PlanOptions {
+  std::string input = "-";
+  std::string svg;  // --svg FILE
+  bool summary = false;
+  bool compact = false;
+  bool help = false;
+};
+
+PlanOptions parse_plan_options(Args args) {
+  using cpdispatch::detail::fail;
+  PlanOptions options;
+  bool have_input = false, options_done = false;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string_view arg = args[i];
+    if (!options_done && arg.size() > 1 && arg.front() == '-') {
+      if (arg == "--") options_done = true;
+      else if (arg == "--summary") options.summary = true;
+      else if (arg.starts_with("--svg=")) options.svg = std::string(arg.substr(6));
+      else if (arg == "--svg" && i + 1 < args.size()) options.svg = std::string(args[++i]);
+      else if (arg == "--svg") fail("--svg needs a file name (--svg FILE)");
+      else if (arg == "--compact") options.compact = true;
+      else if (arg == "--help" || arg == "-h") options.help = true;
+      else fail("unknown option '", arg, "' (see --help)");
+      continue;
+    }
+    if (have_input) fail("more than one input file ('", options.input, "' and '", arg, "')");
+    options.input = std::string(arg);
+    have_input = true;
+  }
+  if (options.summary && options.compact) fail("--compact applies to the JSON output, not to --summary");
+  return options;
+}
+
+void write_json(const nlohmann::json& j, bool compact) {
+  write_output((compact ? j.dump() : cpdispatch::to_pretty_string(j)) + '\n');
+}
+
+/// --svg FILE: the picture of a qkv plan, bytes weighed at q_bytes and
+/// kv_bytes per token.
+void write_svg(const PlanOptions& options, const cpdispatch::Plan& plan, std::int64_t q_bytes, std::int64_t kv_bytes) {
+  if (options.svg.empty()) return;
+  const auto* qkv = std::get_if<cpdispatch::QkvPlan>(&plan);
+  if (!qkv) cpdispatch::detail::fail("--svg draws qkv plans (documents); this is a query plan");
+  cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*qkv, q_bytes, kv_bytes));
+}
+
+int run_plan(Args args) {
+  const PlanOptions options = parse_plan_options(args);
+  if (options.help) {
+    write_output(plan_usage);
+    return 0;
+  }
+  const cpdispatch::Plan plan = cpdispatch::parse_plan(read_input(options.input));
+  const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan);  // invalid plans stop here
+  write_svg(options, plan, 1, 1);
+  if (options.summary) {
+    write_output(summary(planned, std::get_if<cpdispatch::QkvPlan>(&plan)));
+  } else {
+    write_json(cpdispatch::metadata_to_json(planned), options.compact);
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------- balance mode
+
+/// `balance`: documents in, the balanced qkv plan out (as JSON, or as plan
+/// mode's --summary followed by a comparison with the unbalanced plan).
+int run_balance(Args args) {
+  const PlanOptions options = parse_plan_options(args);
+  if (options.help) {
+    write_output(cpdispatch_cli::balance_usage);
+    return 0;
+  }
+  const cpdispatch::BalanceProblem problem =
+      cpdispatch_cli::balance_problem_from_json(cpdispatch::parse_json(read_input(options.input)));
+  const cpdispatch::QkvPlan balanced = cpdispatch::plan_balanced(problem);
+  const cpdispatch::Plan plan = balanced;
+  write_svg(options, plan, problem.q_bytes, problem.kv_bytes);
+  if (options.summary) {
+    write_output(summary(cpdispatch::plan_metadata(plan), &balanced) + cpdispatch_cli::balance_report(problem, balanced));
+  } else {
+    write_json(cpdispatch::plan_to_json(plan), options.compact);
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------- dispatch
+
+int report(std::string_view message, int status) {
+  std::cerr << program << ": " << single_line(message) << std::endl;
+  return status;
+}
+
+/// Runs a subcommand: invalid input exits 2, anything else that escapes 1,
+/// each with one line on stderr.
+int run_guarded(int (*run)(Args), Args args) {
+  try {
+    return run(args);
+  } catch (const cpdispatch::invalid_input& e) {
+    return report(without_planner_prefix(e.what()), exit_invalid);
+  } catch (const std::bad_alloc&) {
+    return report("out of memory (is the plan this large on purpose?)", exit_failure);
+  } catch (const std::exception& e) {
+    return report(e.what(), exit_failure);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string_view> args(argv + 1, argv + argc);
+  // Subcommands, chosen by the first argument.
+  if (!args.empty() && args[0] == "balance") return run_guarded(run_balance, Args(args).subspan(1));
+  return run_guarded(run_plan, args);
+}
