@@ -41,6 +41,15 @@ class backend_error : public error {
   int code_;
 };
 
+/// A blocking communication call did not complete within the transport's
+/// timeout ("All-reduce timeout on rank 3: ..."). The backend reported no
+/// error, so `code()` is 0. The operation may still be pending in the backend
+/// and write into its buffers later: treat the communicator as broken.
+class timeout_error : public backend_error {
+ public:
+  explicit timeout_error(const std::string& what) : backend_error(what, 0) {}
+};
+
 namespace detail {
 
 /// Streams every argument into one string: the message builder for errors.

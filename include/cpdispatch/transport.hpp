@@ -75,6 +75,14 @@ struct Request {
   friend bool operator==(Request, Request) = default;
 };
 
+/// A run of `bytes` bytes at `offset` bytes from the start of a buffer
+/// (the optional all_to_all_pieces below).
+struct BytePiece {
+  std::size_t offset = 0;
+  std::size_t bytes = 0;
+  friend bool operator==(BytePiece, BytePiece) = default;
+};
+
 namespace detail {
 
 // One concept per member, so that a failed check names the missing member.
@@ -128,6 +136,20 @@ concept Transport = detail::transport_has_memory_space<T> && detail::transport_h
                     detail::transport_has_all_to_all_v<T> && detail::transport_has_point_to_point<T> &&
                     detail::transport_has_barrier<T> && detail::transport_has_broadcast<T> &&
                     detail::transport_has_collectives<T>;
+
+/// Optional refinement: an all-to-all of scattered pieces, which spares the
+/// dispatcher its pack into (and unpack from) staging:
+///   void all_to_all_pieces(const void* send, span<const BytePiece> send_pieces, span<const size_t> send_splits,
+///                          void* recv, span<const BytePiece> recv_pieces, span<const size_t> recv_splits);
+/// `splits` have world_size()+1 entries: peer p's pieces are [splits[p], splits[p+1]). The bytes one rank sends
+/// another are the concatenation of the sender's pieces for that peer, laid over the receiver's pieces for the
+/// sender in order (boundaries need not line up; the totals must agree). A collective, like all_to_all_v. The
+/// dispatcher calls it instead of all_to_all_v when the transport has it (the sim transport does).
+template <class T>
+concept PieceTransport = Transport<T> && requires(T& t, const void* send, void* recv, std::span<const BytePiece> pieces,
+                                                  std::span<const std::size_t> splits) {
+  t.all_to_all_pieces(send, pieces, splits, recv, pieces, splits);
+};
 
 /// Checks a transport type at its point of use: one readable line per missing
 /// member instead of a template backtrace. Use in every template that takes a

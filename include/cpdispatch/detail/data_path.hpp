@@ -1,0 +1,96 @@
+#pragma once
+// The data path of the dispatcher: the local copies (pack, unpack, traffic to
+// oneself), the KV-gradient combine and the dispatcher-owned staging, chosen
+// by the transport's memory space. The dispatch logic (who sends what where)
+// lives in dispatcher.hpp and never touches memory itself, so the device data
+// path (CUDA kernels, cpdispatch/cuda/data_path.hpp) is one more
+// specialisation of data_path here. Each dispatcher owns one data path object:
+//
+//   template <> class data_path<Space> {
+//    public:
+//     static constexpr bool available = true;
+//     using const_buffer = ...;  using mutable_buffer = ...;   // the dispatcher's buffer types
+//     template <class Transport>
+//     data_path(Transport&, const DispatchPlan&, const RankMetadata& rev, std::size_t token_bytes,
+//               std::size_t staging_bytes);                      // once per plan
+//     void copy(Direction, Stage, std::span<const CopyPiece>, const std::byte* src, std::byte* dst);
+//     void combine(const RankMetadata& rev, const_buffer replica, mutable_buffer grad,
+//                  std::size_t token_bytes, ElementType type);
+//     mutable_buffer staging(std::size_t bytes);                // the dispatcher-owned staging
+//   };
+//
+// copy() names the plan's piece list it runs (direction x stage) besides
+// handing over the pieces themselves, so a path that prepared the lists at
+// construction (the device path uploads them once per plan) need not look
+// them up.
+
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "cpdispatch/metadata.hpp"
+#include "cpdispatch/simulate.hpp"
+#include "cpdispatch/transport.hpp"
+
+namespace cpdispatch::detail {
+
+/// One contiguous copy, in bytes from the start of the source and destination buffers.
+struct CopyPiece {
+  std::size_t src = 0;
+  std::size_t dst = 0;
+  std::size_t bytes = 0;
+  friend bool operator==(const CopyPiece&, const CopyPiece&) = default;
+};
+
+struct DispatchPlan;  // dispatch_plan.hpp
+
+/// The two exchanges of a dispatcher.
+enum class Direction { forward, reverse };
+/// The three piece lists of one exchange: input -> staging, input -> output
+/// (traffic to oneself), staging -> output.
+enum class Stage { pack, self, unpack };
+
+/// No data path for this memory space: the dispatcher refuses it at compile
+/// time with a readable message (include cpdispatch/cuda/data_path.hpp, from
+/// a CUDA translation unit, for MemorySpace::device).
+template <MemorySpace Space>
+class data_path {
+ public:
+  static constexpr bool available = false;
+  // Only so that the dispatcher's static_assert is the one error reported.
+  using const_buffer = ConstBytes;
+  using mutable_buffer = MutableBytes;
+};
+
+template <>
+class data_path<MemorySpace::host> {
+ public:
+  static constexpr bool available = true;
+  using const_buffer = ConstBytes;
+  using mutable_buffer = MutableBytes;
+
+  template <class Transport>
+  data_path(Transport&, const DispatchPlan&, const RankMetadata&, std::size_t, std::size_t) noexcept {}
+
+  void copy(Direction, Stage, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const noexcept {
+    for (const CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
+  }
+
+  /// Sum of the returned copies, fixed order, fp32 accumulation for 16-bit types.
+  void combine(const RankMetadata& rev, const_buffer replica, mutable_buffer grad, std::size_t token_bytes,
+               ElementType type) const {
+    combine_copies(rev, replica, grad, token_bytes, type);
+  }
+
+  /// Allocated on the first call that needs it, then reused.
+  mutable_buffer staging(std::size_t bytes) {
+    if (staging_.size() < bytes) staging_.resize(bytes);
+    return staging_;
+  }
+
+ private:
+  std::vector<std::byte> staging_;
+};
+
+}  // namespace cpdispatch::detail

@@ -1,0 +1,311 @@
+#pragma once
+// The per-rank dispatch plan: from this rank's forward and reverse metadata
+// slices to the piece lists and byte counts of its two exchanges, computed once
+// (O(entries log entries + W)) so that each call is pack -> one all_to_all_v ->
+// unpack, or one all_to_all_pieces for transports that have it.
+//
+// Why both slices: a rank's forward slice says where its own tokens go, its
+// reverse slice says what it receives (entry m came from rev.dst_rank[m], has
+// rev.seq_len[m] tokens and sits back to back in the attention layout).
+// Wire order: the pieces between two ranks travel in ascending order of their
+// position in the attention layout (the forward dst_offset at the receiver),
+// in both directions. That is how both sides agree without talking.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cpdispatch/detail/data_path.hpp"
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/metadata.hpp"
+#include "cpdispatch/simulate.hpp"
+
+namespace cpdispatch::detail {
+
+/// One side (send or receive) of an exchange, in both forms a transport may take.
+struct Side {
+  // all_to_all_v: byte counts and displacements per peer (self: 0). When every
+  // peer's bytes are one contiguous range of the caller's buffer (`direct`),
+  // the transport works on that buffer; otherwise on staging, with `copies`
+  // the pack (buffer -> staging) or unpack (staging -> buffer).
+  bool direct = true;
+  std::vector<std::size_t> counts, displs;
+  std::vector<CopyPiece> copies;
+  std::size_t staging = 0;  ///< bytes of staging this side needs
+  // all_to_all_pieces: the caller's buffer as pieces, peer p's in [splits[p], splits[p+1]).
+  std::vector<BytePiece> pieces;
+  std::vector<std::size_t> splits;
+};
+
+/// Everything one exchange needs, computed once per plan.
+struct ExchangePlan {
+  Side send;                     ///< read from the input
+  Side recv;                     ///< written into the output
+  std::vector<CopyPiece> self;   ///< input -> output (traffic to oneself)
+  std::int64_t input_tokens = 0, output_tokens = 0;
+  std::size_t input_bytes = 0, output_bytes = 0;
+
+  /// Staging for all_to_all_v: the send side's, then the receive side's.
+  std::size_t staging_bytes() const noexcept { return send.staging + recv.staging; }
+};
+
+struct DispatchPlan {
+  ExchangePlan forward;  ///< MLP layout -> attention layout
+  ExchangePlan reverse;  ///< attention layout -> MLP layout / [C][T] replica buffer
+};
+
+/// A run of tokens at `pos` in some buffer.
+struct TokenRange {
+  std::int64_t pos = 0;
+  std::int64_t len = 0;
+};
+
+inline void append_piece(std::vector<CopyPiece>& pieces, std::size_t src, std::size_t dst, std::size_t bytes) {
+  if (bytes == 0) return;
+  if (!pieces.empty()) {
+    CopyPiece& last = pieces.back();
+    if (last.src + last.bytes == src && last.dst + last.bytes == dst) {  // adjacent on both sides: one memcpy
+      last.bytes += bytes;
+      return;
+    }
+  }
+  pieces.push_back({src, dst, bytes});
+}
+
+/// Lays out one side of an exchange. `by_peer[p]` lists the ranges of the
+/// caller's buffer that travel to (send) or from (receive) peer p, in wire
+/// order; adjacent ranges merge into one piece.
+inline Side lay_out_side(const std::vector<std::vector<TokenRange>>& by_peer, std::size_t token_bytes, bool is_send) {
+  const std::size_t W = by_peer.size();
+  Side side;
+  side.counts.assign(W, 0);
+  side.displs.assign(W, 0);
+  side.splits.assign(W + 1, 0);
+  for (std::size_t p = 0; p < W; ++p) {
+    for (const TokenRange& r : by_peer[p]) {
+      const std::size_t at = static_cast<std::size_t>(r.pos) * token_bytes, n = static_cast<std::size_t>(r.len) * token_bytes;
+      side.counts[p] += n;
+      if (n == 0) continue;
+      if (side.pieces.size() > side.splits[p] && side.pieces.back().offset + side.pieces.back().bytes == at) {
+        side.pieces.back().bytes += n;
+      } else {
+        side.pieces.push_back({at, n});
+      }
+    }
+    side.splits[p + 1] = side.pieces.size();
+    if (side.splits[p + 1] - side.splits[p] > 1) side.direct = false;  // not one contiguous range
+  }
+  for (std::size_t p = 0; p < W; ++p) {
+    if (side.splits[p + 1] == side.splits[p]) continue;  // nothing: displacement 0
+    if (side.direct) {
+      side.displs[p] = side.pieces[side.splits[p]].offset;
+      continue;
+    }
+    side.displs[p] = side.staging;
+    for (std::size_t i = side.splits[p]; i < side.splits[p + 1]; ++i) {
+      const BytePiece& piece = side.pieces[i];
+      if (is_send) append_piece(side.copies, piece.offset, side.staging, piece.bytes);
+      else append_piece(side.copies, side.staging, piece.offset, piece.bytes);
+      side.staging += piece.bytes;
+    }
+  }
+  return side;
+}
+
+inline std::string entry_str(const RankMetadata& m, std::size_t j, std::size_t k) {
+  return m.has_copies ? index_str(j, k) : index_str(j);
+}
+
+/// Shapes and ranges of one slice; `who` and `name` prefix the messages.
+inline void check_slice(const RankMetadata& m, const char* name, const std::string& who) {
+  const std::size_t n = m.seq_len.size(), C = m.num_copies;
+  const std::int64_t W = m.world_size;
+  if (C == 0) fail(who, ": ", name, ".num_copies is 0");
+  if (m.num_seqs != static_cast<std::int64_t>(n)) fail(who, ": ", name, ".num_seqs = ", m.num_seqs, " but seq_len has ", n, " entries");
+  if (m.dst_rank.size() != n * C || m.dst_offset.size() != n * C) {
+    fail(who, ": ", name, ".dst_rank and dst_offset have ", m.dst_rank.size(), " and ", m.dst_offset.size(), " values, expected ", n,
+         " entries x ", C, " copies");
+  }
+  if (m.num_recv_tokens.size() != static_cast<std::size_t>(W) + 1) {
+    fail(who, ": ", name, ".num_recv_tokens has ", m.num_recv_tokens.size(), " values, expected world_size + 1 = ", W + 1);
+  }
+  for (std::size_t j = 0; j < n; ++j) {
+    if (m.seq_len[j] < 0) fail(who, ": ", name, ".seq_len[", j, "] = ", m.seq_len[j], " is negative");
+    for (std::size_t k = 0; k < C; ++k) {
+      const std::int64_t d = m.dst_rank[j * C + k], off = m.dst_offset[j * C + k];
+      if (d < -1 || d >= W) fail(who, ": ", name, ".dst_rank", entry_str(m, j, k), " = ", d, " is outside [0, ", W, ") (-1 means no copy)");
+      if (off < 0) fail(who, ": ", name, ".dst_offset", entry_str(m, j, k), " = ", off, " is negative");
+    }
+  }
+  std::int64_t total = 0;
+  for (std::size_t s = 0; s < static_cast<std::size_t>(W); ++s) {
+    if (m.num_recv_tokens[s] < 0) fail(who, ": ", name, ".num_recv_tokens[", s, "] = ", m.num_recv_tokens[s], " is negative");
+    total = add_tokens(total, m.num_recv_tokens[s], who.c_str());
+  }
+  if (m.num_recv_tokens[static_cast<std::size_t>(W)] != total) {
+    fail(who, ": ", name, ".num_recv_tokens[", W, "] = ", m.num_recv_tokens[static_cast<std::size_t>(W)], " but the row sums to ", total);
+  }
+  if (m.seq_recv_mask.has_value() != m.recv_seq_lens.has_value()) {
+    fail(who, ": ", name, ".seq_recv_mask and recv_seq_lens must be both present or both absent");
+  }
+  if (m.seq_recv_mask && m.seq_recv_mask->size() != m.recv_seq_lens->size() * m.mask_copies) {
+    fail(who, ": ", name, ".seq_recv_mask has ", m.seq_recv_mask->size(), " values, expected ", m.recv_seq_lens->size(), " shards x ",
+         m.mask_copies, " copies");
+  }
+}
+
+/// Builds both exchanges of rank `rank` from its forward and reverse slices
+/// (see the header comment), checking that the two slices belong together as
+/// far as one rank can tell: per-peer token counts, and its traffic to itself.
+inline DispatchPlan plan_dispatch(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, int rank,
+                                  int world_size) {
+  const std::string who = concat("Dispatcher (rank ", rank, " of ", world_size, ")");
+  if (token_bytes == 0) fail(who, ": token_bytes must be positive");
+  if (world_size <= 0) fail(who, ": the transport's world_size() = ", world_size, " must be positive");
+  if (rank < 0 || rank >= world_size) fail(who, ": the transport's rank() = ", rank, " is outside [0, ", world_size, ")");
+  for (auto [name, m] : {std::pair{"fwd", &fwd}, std::pair{"rev", &rev}}) {
+    if (m->world_size != world_size) {
+      fail(who, ": ", name, ".world_size = ", m->world_size, " but the transport's world_size() = ", world_size);
+    }
+    if (m->rank != rank) fail(who, ": ", name, " is the slice of rank ", m->rank, " but the transport is rank ", rank);
+    check_slice(*m, name, who);
+  }
+  if (rev.has_copies || rev.num_copies != 1) {
+    fail(who, ": rev has ", rev.num_copies, " copies per entry, but reverse metadata sends each entry to one rank (fwd and rev swapped?)");
+  }
+  for (std::size_t m = 0; m < rev.seq_len.size(); ++m) {
+    if (rev.dst_rank[m] < 0) fail(who, ": rev.dst_rank[", m, "] = -1, but every received entry goes back to a rank");
+  }
+  const auto W = static_cast<std::size_t>(world_size);
+  const auto me = static_cast<std::size_t>(rank);
+  const std::size_t C = fwd.num_copies;
+
+  // MLP positions P(j), attention positions Q(m), and the buffer sizes.
+  std::vector<std::int64_t> P(fwd.seq_len.size()), Q(rev.seq_len.size());
+  std::int64_t T = 0, A = 0;
+  for (std::size_t j = 0; j < P.size(); ++j) {
+    P[j] = T;
+    T = add_tokens(T, fwd.seq_len[j], who.c_str());
+  }
+  for (std::size_t m = 0; m < Q.size(); ++m) {
+    Q[m] = A;
+    A = add_tokens(A, rev.seq_len[m], who.c_str());
+  }
+  if (A != fwd.num_total_recv_tokens || A != fwd.num_recv_tokens[W]) {
+    fail(who, ": rev's entries hold ", A, " tokens, but fwd.num_recv_tokens says this rank receives ", fwd.num_recv_tokens[W],
+         " (fwd and rev are not slices of one plan)");
+  }
+  std::int64_t R = T;  // the reverse output: MLP layout, or the [C][T] replica buffer
+  if (fwd.has_copies && __builtin_mul_overflow(static_cast<std::int64_t>(C), T, &R)) {
+    fail(who, ": the replica buffer of ", C, " copies x ", T, " tokens overflows 64 bits");
+  }
+  if (rev.output_tokens() != R) {
+    fail(who, ": rev returns into ", rev.output_tokens(), " tokens, but fwd's ", fwd.has_copies ? "replica buffer holds " : "shards hold ", R,
+         fwd.has_copies ? concat(" (", C, " copies x ", T, " tokens)") : std::string(), " (fwd and rev are not slices of one plan)");
+  }
+  if (rev.recv_seq_lens && (rev.mask_copies != C || *rev.recv_seq_lens != fwd.seq_len)) {
+    fail(who, ": rev.recv_seq_lens / seq_recv_mask (", rev.mask_copies, " copies) do not describe fwd's ", fwd.seq_len.size(),
+         " shards of ", C, " copies");
+  }
+  DispatchPlan plan;
+  plan.forward.input_tokens = T;
+  plan.forward.output_tokens = plan.reverse.input_tokens = A;
+  plan.reverse.output_tokens = R;
+  for (ExchangePlan* ex : {&plan.forward, &plan.reverse}) {
+    ex->input_bytes = token_bytes_of(ex->input_tokens, token_bytes, who);
+    ex->output_bytes = token_bytes_of(ex->output_tokens, token_bytes, who);
+  }
+
+  // Forward sends (= reverse receives), per peer in ascending dst_offset.
+  struct Copy {
+    std::int64_t dst_offset;  // at the receiver's attention layout
+    std::size_t j, k;
+  };
+  std::vector<std::vector<Copy>> to_peer(W);
+  for (std::size_t j = 0; j < fwd.seq_len.size(); ++j) {
+    if (fwd.seq_len[j] == 0) continue;
+    for (std::size_t k = 0; k < C; ++k) {
+      const std::int64_t d = fwd.dst_rank[j * C + k];
+      if (d >= 0) to_peer[static_cast<std::size_t>(d)].push_back({fwd.dst_offset[j * C + k], j, k});
+    }
+  }
+  for (auto& copies : to_peer) {
+    std::sort(copies.begin(), copies.end(), [](const Copy& a, const Copy& b) {
+      return a.dst_offset != b.dst_offset ? a.dst_offset < b.dst_offset : a.j != b.j ? a.j < b.j : a.k < b.k;
+    });
+  }
+  // Reverse sends (= forward receives), per peer in ascending m.
+  std::vector<std::vector<std::size_t>> from_peer(W);
+  for (std::size_t m = 0; m < rev.seq_len.size(); ++m) {
+    if (rev.seq_len[m] > 0) from_peer[static_cast<std::size_t>(rev.dst_rank[m])].push_back(m);
+  }
+
+  // Per-peer token counts must agree with num_recv_tokens of both slices.
+  for (std::size_t p = 0; p < W; ++p) {
+    std::int64_t sent = 0, received = 0;
+    for (const Copy& c : to_peer[p]) sent += fwd.seq_len[c.j];
+    for (std::size_t m : from_peer[p]) received += rev.seq_len[m];
+    if (sent != rev.num_recv_tokens[p]) {
+      fail(who, ": fwd sends ", sent, " tokens to rank ", p, ", but rev.num_recv_tokens[", p, "] = ", rev.num_recv_tokens[p],
+           " come back (fwd and rev are not slices of one plan)");
+    }
+    if (received != fwd.num_recv_tokens[p]) {
+      fail(who, ": rev has ", received, " tokens from rank ", p, ", but fwd.num_recv_tokens[", p, "] = ", fwd.num_recv_tokens[p],
+           " (fwd and rev are not slices of one plan)");
+    }
+  }
+  // Traffic to oneself: fwd's copies to this rank (by dst_offset) and rev's
+  // entries from this rank (by m) must be the same pieces.
+  const auto& self_copies = to_peer[me];
+  const auto& self_entries = from_peer[me];
+  if (self_entries.size() != self_copies.size()) {
+    fail(who, ": fwd sends ", self_copies.size(), " pieces to this rank itself, rev receives ", self_entries.size(),
+         " from it (fwd and rev are not slices of one plan)");
+  }
+  for (std::size_t i = 0; i < self_copies.size(); ++i) {
+    const Copy& c = self_copies[i];
+    const std::size_t m = self_entries[i];
+    const std::int64_t len = fwd.seq_len[c.j];
+    const std::int64_t replica_pos = (fwd.has_copies ? static_cast<std::int64_t>(c.k) * T : 0) + P[c.j];
+    if (Q[m] != c.dst_offset || rev.seq_len[m] != len || rev.dst_offset[m] != replica_pos) {
+      fail(who, ": fwd.dst_offset", entry_str(fwd, c.j, c.k), " = ", c.dst_offset, " (", len, " tokens to itself) does not match rev entry ",
+           m, " (at ", Q[m], ", ", rev.seq_len[m], " tokens, back to ", rev.dst_offset[m], ", expected ", replica_pos,
+           "): fwd and rev are not slices of one plan");
+    }
+  }
+
+  // Lay out both exchanges.
+  std::vector<std::vector<TokenRange>> fwd_send(W), fwd_recv(W), rev_send(W), rev_recv(W);
+  for (std::size_t p = 0; p < W; ++p) {
+    for (const Copy& c : to_peer[p]) {
+      const std::int64_t len = fwd.seq_len[c.j];
+      const std::int64_t replica_pos = (fwd.has_copies ? static_cast<std::int64_t>(c.k) * T : 0) + P[c.j];
+      if (p == me) {
+        append_piece(plan.forward.self, static_cast<std::size_t>(P[c.j]) * token_bytes, static_cast<std::size_t>(c.dst_offset) * token_bytes,
+                     static_cast<std::size_t>(len) * token_bytes);
+      } else {
+        fwd_send[p].push_back({P[c.j], len});
+        rev_recv[p].push_back({replica_pos, len});
+      }
+    }
+    for (std::size_t m : from_peer[p]) {
+      if (p == me) {
+        append_piece(plan.reverse.self, static_cast<std::size_t>(Q[m]) * token_bytes, static_cast<std::size_t>(rev.dst_offset[m]) * token_bytes,
+                     static_cast<std::size_t>(rev.seq_len[m]) * token_bytes);
+      } else {
+        fwd_recv[p].push_back({Q[m], rev.seq_len[m]});
+        rev_send[p].push_back({Q[m], rev.seq_len[m]});
+      }
+    }
+  }
+  for (auto [ex, send, recv] : {std::tuple{&plan.forward, &fwd_send, &fwd_recv}, std::tuple{&plan.reverse, &rev_send, &rev_recv}}) {
+    ex->send = lay_out_side(*send, token_bytes, true);
+    ex->recv = lay_out_side(*recv, token_bytes, false);
+  }
+  return plan;
+}
+
+}  // namespace cpdispatch::detail

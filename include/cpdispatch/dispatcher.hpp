@@ -1,0 +1,304 @@
+#pragma once
+// The per-rank dispatcher: moves one rank's tokens between the MLP layout and
+// the attention layout through a Transport, as the plan's metadata says.
+//
+//   auto qkv = plan_qkv(plan);                       // same plan on every rank
+//   Dispatcher q(transport, qkv.q_fwd, qkv.q_rev, q_token_bytes);
+//   Dispatcher kv(transport, qkv.kv_fwd, qkv.kv_rev, kv_token_bytes);
+//   q.forward(q_mlp, q_attn);                        // MLP -> attention layout
+//   kv.forward(kv_mlp, kv_attn);                     // every copy is sent
+//   ... attention ...
+//   q.reverse(dq_attn, dq_mlp);                      // attention -> MLP layout
+//   kv.reverse_combine(dkv_attn, dkv_replica, dkv_mlp, ElementType::bfloat16);
+//
+// A dispatcher is built from this rank's slices of a forward and a reverse
+// metadata of the SAME tensor (q_fwd + q_rev, or kv_fwd + kv_rev): the forward
+// slice says where this rank's tokens go, the reverse slice what it receives.
+// Any pair the planner produces works; hand-made pairs must keep the planner's
+// convention that a rank's reverse entries lie back to back, in order, in its
+// attention layout (entry m at the sum of the lengths of entries 0..m-1).
+//
+// Each call: the tokens for each peer are packed into one contiguous segment
+// (send side grouped by destination, in the order the receiver expects), ONE
+// all_to_all_v moves them (byte counts; zero for the rank itself), and they
+// are unpacked into place. Traffic to the rank itself is a local copy, never a
+// transport call; with world_size() == 1 the transport is not called at all.
+// Where a peer's pieces are already contiguous (forward receives and reverse
+// sends, for plans from plan_query/plan_qkv) the transport reads or writes the
+// caller's buffer directly and that copy is skipped. A transport that also
+// offers all_to_all_pieces (PieceTransport, transport.hpp; the sim transport
+// does) gets ONE all_to_all_pieces call instead, with the pieces in place: no
+// pack, no unpack, no staging. All of this is computed once, at construction
+// (O(entries log entries + world_size)).
+//
+// Wire order: the pieces between two ranks travel in ascending order of their
+// position in the receiver's attention layout, in both directions.
+//
+// Every rank must make the same sequence of dispatcher calls (each is one
+// collective of the transport).
+//
+// Buffers (all in bytes; a token is `token_bytes` wide):
+//   mlp        T tokens: this rank's shards back to back (forward input; the
+//              output of reverse_combine and of reverse for one copy per shard)
+//   attention  what this rank holds for attention (forward output, reverse input)
+//   replica    the reverse output: [C][T] for metadata with copies (KV), where
+//              copy c of shard j returns to c*T + P(j); == mlp otherwise.
+//              Cells of copies that do not exist are left as they were.
+//   staging    scratch for packing/unpacking; caller-owned (the overloads that
+//              take it) or owned by the dispatcher (host: allocated on the
+//              first call that needs it; device: at construction). None with
+//              a PieceTransport.
+// required_bytes() gives the sizes; larger buffers are fine, smaller ones
+// throw capacity_error naming the buffer, the needed and the given size.
+// Buffers of one call must not overlap (invalid_input). After construction
+// and the first call, calls do not allocate.
+//
+// Errors: bad metadata or arguments throw invalid_input (capacity_error for
+// short buffers) naming the rank; an exception from the transport propagates
+// with "Dispatcher::<call> (rank r of W): all_to_all_v failed: " (or
+// all_to_all_pieces) in front of its message, keeping its kind (backend_error
+// keeps its code; the original is nested, see detail/rethrow.hpp). The
+// dispatcher stays usable afterwards (the transport may not be).
+//
+// The transport is held by reference and must outlive the dispatcher. A
+// dispatcher is not thread-safe (one per rank and thread).
+//
+// Memory spaces: the buffer types (const_buffer, mutable_buffer) and the data
+// path (local copies, combine, owned staging; detail/data_path.hpp) follow
+// the transport's memory_space. Host transports take std::span<std::byte>.
+// Device transports (NCCL, the device sim) take cuda::DeviceSpan, which host
+// containers do not convert to, and need the CUDA data path: include
+// cpdispatch/cuda/data_path.hpp from a CUDA translation unit, or the
+// dispatcher is refused at compile time with a readable message. On a device
+// path every call is stream-ordered on the transport's stream (kernels for
+// the copies and the combine, pieces uploaded once at construction): no host
+// synchronisation and no host access to the buffers, so a sequence of calls
+// can be captured in a CUDA graph.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cpdispatch/detail/data_path.hpp"
+#include "cpdispatch/detail/dispatch_plan.hpp"
+#include "cpdispatch/detail/rethrow.hpp"
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/metadata.hpp"
+#include "cpdispatch/simulate.hpp"
+#include "cpdispatch/transport.hpp"
+
+namespace cpdispatch {
+
+/// The buffer sizes one dispatcher needs, in bytes.
+struct BufferSizes {
+  std::size_t mlp_bytes = 0;        ///< forward input; reverse_combine's gradient output
+  std::size_t attention_bytes = 0;  ///< forward output; reverse input
+  std::size_t replica_bytes = 0;    ///< reverse output ([C][T] replica buffer, or == mlp_bytes)
+  std::size_t staging_bytes = 0;    ///< staging for any call (0: none needed)
+  friend bool operator==(const BufferSizes&, const BufferSizes&) = default;
+};
+
+namespace detail {
+template <class T>
+constexpr MemorySpace memory_space_of() {
+  if constexpr (transport_has_memory_space<T>) return T::memory_space; else return MemorySpace::host;
+}
+}  // namespace detail
+
+template <class T>
+class Dispatcher {
+  CPDISPATCH_CHECK_TRANSPORT(T);
+  static_assert(detail::data_path<detail::memory_space_of<T>()>::available,
+                "cpdispatch: device transports need the CUDA data path (cpdispatch/cuda)");
+  using path = detail::data_path<detail::memory_space_of<T>()>;
+  using Direction = detail::Direction;
+  using Stage = detail::Stage;
+
+ public:
+  using transport_type = T;
+  using const_buffer = typename path::const_buffer;  ///< in the transport's memory space
+  using mutable_buffer = typename path::mutable_buffer;
+
+  /// From this rank's slices of a forward and the matching reverse metadata.
+  /// Throws invalid_input when a slice is not this transport's rank or world
+  /// size, token_bytes is 0, or the two slices do not belong together.
+  Dispatcher(T& transport, RankMetadata fwd, RankMetadata rev, std::size_t token_bytes)
+      : transport_(transport),
+        rank_(transport.rank()),
+        world_size_(transport.world_size()),
+        token_bytes_(token_bytes),
+        plan_(detail::plan_dispatch(fwd, rev, token_bytes, rank_, world_size_)),
+        rev_(std::move(rev)),
+        sizes_(sizes_of(plan_)),
+        path_(transport, plan_, rev_, token_bytes_, sizes_.staging_bytes) {}
+
+  /// The same from global metadata: takes the slices of transport.rank().
+  Dispatcher(T& transport, const Metadata& fwd, const Metadata& rev, std::size_t token_bytes)
+      : Dispatcher(transport, slices(transport, fwd, rev), token_bytes) {}
+
+  const BufferSizes& required_bytes() const noexcept { return sizes_; }
+  int rank() const noexcept { return rank_; }
+  int world_size() const noexcept { return world_size_; }
+  std::size_t token_bytes() const noexcept { return token_bytes_; }
+
+  /// MLP layout -> attention layout (every copy is sent).
+  void forward(const_buffer mlp, mutable_buffer attention) { forward(mlp, attention, own_staging()); }
+  void forward(const_buffer mlp, mutable_buffer attention, mutable_buffer staging) {
+    exchange("forward", Direction::forward, mlp, "mlp", attention, "attention", staging);
+  }
+
+  /// Attention layout -> MLP layout, or the [C][T] replica buffer for
+  /// metadata with copies (use reverse_combine to sum the copies).
+  void reverse(const_buffer attention, mutable_buffer replica) { reverse(attention, replica, own_staging()); }
+  void reverse(const_buffer attention, mutable_buffer replica, mutable_buffer staging) {
+    exchange("reverse", Direction::reverse, attention, "attention", replica, "replica", staging);
+  }
+
+  /// KV backward: brings every copy's gradient back into `replica` ([C][T]),
+  /// then sums the copies of each shard into `grad` ([T]; fixed order,
+  /// fp32 accumulation for 16-bit types). The exchange comes first; the
+  /// combine runs only when it succeeded.
+  void reverse_combine(const_buffer attention_grad, mutable_buffer replica, mutable_buffer grad, ElementType type) {
+    reverse_combine(attention_grad, replica, grad, type, own_staging());
+  }
+  void reverse_combine(const_buffer attention_grad, mutable_buffer replica, mutable_buffer grad, ElementType type,
+                       mutable_buffer staging) {
+    const char* call = "reverse_combine";
+    if (!rev_.seq_recv_mask) {
+      fail(call, "the reverse metadata has no seq_recv_mask (it has one copy per shard); use reverse()");
+    }
+    const std::size_t es = element_size(type);
+    if (token_bytes_ % es != 0) {
+      fail(call, "token_bytes = ", token_bytes_, " is not a multiple of the ", es, "-byte ", element_name(type), " element");
+    }
+    for (const Buffer& b : {Buffer{replica, "replica"}, Buffer{grad, "grad"}}) {
+      if (reinterpret_cast<std::uintptr_t>(b.data) % es != 0) fail(call, b.name, " is not aligned to ", es, " bytes for ", element_name(type));
+    }
+    const Buffer g{grad, "grad", sizes_.mlp_bytes}, into{replica, "replica", sizes_.replica_bytes};
+    const Buffer from{attention_grad, "attention_grad", sizes_.attention_bytes}, scratch{staging, "staging", staging_of(plan_.reverse)};
+    check_capacity(call, from, plan_.reverse.input_tokens);
+    check_capacity(call, into, plan_.reverse.output_tokens);
+    check_capacity(call, g, plan_.forward.input_tokens);
+    check_capacity(call, scratch);
+    for (const Buffer& other : {into, from, scratch}) check_disjoint(call, g, other);
+    exchange(call, Direction::reverse, attention_grad, "attention_grad", replica, "replica", staging);
+    path_.combine(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
+  }
+
+ private:
+  /// A caller's buffer as the checks see it: `used` bytes of it take part in the call.
+  /// (Only its address and size are looked at: device memory is never read here.)
+  struct Buffer {
+    const std::byte* data;
+    std::size_t size;
+    const char* name;
+    std::size_t used = 0;
+    template <class Bytes>
+    Buffer(const Bytes& b, const char* n, std::size_t u = 0) : data(b.data()), size(b.size()), name(n), used(u) {}
+  };
+
+  Dispatcher(T& transport, std::pair<RankMetadata, RankMetadata>&& slices, std::size_t token_bytes)
+      : Dispatcher(transport, std::move(slices.first), std::move(slices.second), token_bytes) {}
+
+  static std::pair<RankMetadata, RankMetadata> slices(const T& transport, const Metadata& fwd, const Metadata& rev) {
+    const int r = transport.rank();
+    for (auto [name, m] : {std::pair{"fwd", &fwd}, std::pair{"rev", &rev}}) {
+      if (m->world_size != transport.world_size()) {
+        detail::fail("Dispatcher (rank ", r, " of ", transport.world_size(), "): ", name, ".world_size = ", m->world_size,
+                     " but the transport's world_size() = ", transport.world_size());
+      }
+      detail::check_shapes(*m, name);
+    }
+    return {fwd.get_slice(r), rev.get_slice(r)};
+  }
+
+  template <class E = invalid_input, class... Args>
+  [[noreturn]] void fail(const char* call, Args&&... args) const {
+    detail::fail<E>("Dispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ", std::forward<Args>(args)...);
+  }
+
+  /// `tokens`: how many tokens `b.used` bytes are (-1: not whole tokens, e.g. staging).
+  void check_capacity(const char* call, const Buffer& b, std::int64_t tokens = -1) const {
+    if (b.size >= b.used) return;
+    if (tokens < 0) fail<capacity_error>(call, b.name, " holds ", b.size, " bytes, the plan needs ", b.used);
+    fail<capacity_error>(call, b.name, " holds ", b.size, " bytes, the plan needs ", b.used, " (", tokens, " tokens x ", token_bytes_,
+                         " bytes)");
+  }
+
+  void check_disjoint(const char* call, const Buffer& a, const Buffer& b) const {
+    if (a.used == 0 || b.used == 0) return;
+    const std::less<const std::byte*> before;
+    if (before(a.data, b.data + b.used) && before(b.data, a.data + a.used)) fail(call, a.name, " and ", b.name, " overlap");
+  }
+
+  static BufferSizes sizes_of(const detail::DispatchPlan& plan) noexcept {
+    BufferSizes sizes;
+    sizes.mlp_bytes = plan.forward.input_bytes;
+    sizes.attention_bytes = plan.forward.output_bytes;
+    sizes.replica_bytes = plan.reverse.output_bytes;
+    sizes.staging_bytes = std::max(staging_of(plan.forward), staging_of(plan.reverse));
+    return sizes;
+  }
+
+  /// The staging an exchange needs: none for a PieceTransport.
+  static std::size_t staging_of(const detail::ExchangePlan& ex) noexcept {
+    if constexpr (PieceTransport<T>) return 0; else return ex.staging_bytes();
+  }
+
+  mutable_buffer own_staging() { return path_.staging(sizes_.staging_bytes); }
+
+  void exchange(const char* call, Direction dir, const_buffer in, const char* in_name, mutable_buffer out, const char* out_name,
+                mutable_buffer staging) {
+    const detail::ExchangePlan& ex = dir == Direction::forward ? plan_.forward : plan_.reverse;
+    const Buffer input{in, in_name, ex.input_bytes}, output{out, out_name, ex.output_bytes};
+    const Buffer scratch{staging, "staging", staging_of(ex)};
+    check_capacity(call, input, ex.input_tokens);
+    check_capacity(call, output, ex.output_tokens);
+    check_capacity(call, scratch);
+    check_disjoint(call, input, output);
+    check_disjoint(call, scratch, input);
+    check_disjoint(call, scratch, output);
+
+    if constexpr (PieceTransport<T>) {  // no staging: the transport reads and writes the pieces in place
+      if (world_size_ > 1) {
+        try {
+          transport_.all_to_all_pieces(in.data(), ex.send.pieces, ex.send.splits, out.data(), ex.recv.pieces, ex.recv.splits);
+        } catch (...) {
+          detail::rethrow_with_context(detail::concat("Dispatcher::", call, " (rank ", rank_, " of ", world_size_,
+                                                      "): all_to_all_pieces failed: "));
+        }
+      }
+      path_.copy(dir, Stage::self, ex.self, in.data(), out.data());
+    } else {
+      std::byte* send_staging = staging.data();
+      std::byte* recv_staging = staging.data() + ex.send.staging;
+      if (!ex.send.direct) path_.copy(dir, Stage::pack, ex.send.copies, in.data(), send_staging);
+      if (world_size_ > 1) {
+        try {
+          transport_.all_to_all_v(ex.send.direct ? static_cast<const void*>(in.data()) : send_staging, ex.send.counts,
+                                  ex.send.displs, ex.recv.direct ? static_cast<void*>(out.data()) : recv_staging, ex.recv.counts,
+                                  ex.recv.displs);
+        } catch (...) {
+          detail::rethrow_with_context(detail::concat("Dispatcher::", call, " (rank ", rank_, " of ", world_size_, "): all_to_all_v failed: "));
+        }
+      }
+      path_.copy(dir, Stage::self, ex.self, in.data(), out.data());
+      if (!ex.recv.direct) path_.copy(dir, Stage::unpack, ex.recv.copies, recv_staging, out.data());
+    }
+  }
+
+  T& transport_;
+  int rank_;
+  int world_size_;
+  std::size_t token_bytes_;
+  detail::DispatchPlan plan_;
+  RankMetadata rev_;  // for the combine
+  BufferSizes sizes_;
+  path path_;  // local copies, combine, owned staging (after plan_, rev_, sizes_: built from them)
+};
+
+}  // namespace cpdispatch

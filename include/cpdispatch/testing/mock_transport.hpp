@@ -1,0 +1,88 @@
+#pragma once
+// GoogleMock transports, for this project's tests and for downstream ones
+// (link GTest::gmock).
+//
+//   ::testing::StrictMock<cpdispatch::testing::MockTransport> t(/*rank=*/0, /*world_size=*/4);
+//   EXPECT_CALL(t, all_to_all_v(_, ElementsAreArray(send_counts), _, _, ElementsAreArray(recv_counts), _));
+//   cpdispatch::Dispatcher d(t, fwd, rev, token_bytes);
+//
+// - MockTransport: every communication member of the Transport concept is a
+//   MOCK_METHOD; rank() and world_size() are plain values (set them in the
+//   constructor or with set_rank / set_world_size), so a StrictMock only asks
+//   for expectations on communication. BasicMockTransport<MemorySpace::device>
+//   mocks a device transport.
+// - RecordingTransport<Inner>: the same mock whose default actions delegate to
+//   a real transport (e.g. a SimTransport inside SimWorld::run), so the calls
+//   can be checked with EXPECT_CALL while the data really moves. An
+//   EXPECT_CALL without an action keeps delegating; .WillOnce(Throw(...))
+//   injects a failure.
+
+#include <cstddef>
+#include <span>
+
+#include <gmock/gmock.h>
+
+#include "cpdispatch/transport.hpp"
+
+namespace cpdispatch::testing {
+
+template <MemorySpace Space>
+class BasicMockTransport {
+ public:
+  static constexpr MemorySpace memory_space = Space;
+
+  explicit BasicMockTransport(int rank = 0, int world_size = 1) : rank_(rank), world_size_(world_size) {}
+
+  int rank() const noexcept { return rank_; }
+  int world_size() const noexcept { return world_size_; }
+  void set_rank(int rank) noexcept { rank_ = rank; }
+  void set_world_size(int world_size) noexcept { world_size_ = world_size; }
+
+  MOCK_METHOD(void, all_to_all_v,
+              (const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
+               std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs));
+  MOCK_METHOD(Request, isend, (const void* buf, std::size_t bytes, int peer, int tag));
+  MOCK_METHOD(Request, irecv, (void* buf, std::size_t bytes, int peer, int tag));
+  MOCK_METHOD(void, wait, (Request request));
+  MOCK_METHOD(void, barrier, ());
+  MOCK_METHOD(void, broadcast, (void* buf, std::size_t bytes, int root));
+  MOCK_METHOD(void, all_reduce, (void* buf, std::size_t count, DataType type, ReduceOp op));
+  MOCK_METHOD(void, all_gather, (const void* send, void* recv, std::size_t count_per_rank, DataType type));
+  MOCK_METHOD(void, reduce_scatter, (const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op));
+
+ private:
+  int rank_;
+  int world_size_;
+};
+
+using MockTransport = BasicMockTransport<MemorySpace::host>;
+
+template <class Inner>
+class RecordingTransport : public BasicMockTransport<Inner::memory_space> {
+  CPDISPATCH_CHECK_TRANSPORT(Inner);
+
+ public:
+  /// Delegates to `inner`, which must outlive this mock.
+  explicit RecordingTransport(Inner& inner)
+      : BasicMockTransport<Inner::memory_space>(inner.rank(), inner.world_size()), inner_(inner) {
+    using ::testing::Invoke;
+    ON_CALL(*this, all_to_all_v).WillByDefault(Invoke(&inner_, &Inner::all_to_all_v));
+    ON_CALL(*this, isend).WillByDefault(Invoke(&inner_, &Inner::isend));
+    ON_CALL(*this, irecv).WillByDefault(Invoke(&inner_, &Inner::irecv));
+    ON_CALL(*this, wait).WillByDefault(Invoke(&inner_, &Inner::wait));
+    ON_CALL(*this, barrier).WillByDefault(Invoke(&inner_, &Inner::barrier));
+    ON_CALL(*this, broadcast).WillByDefault(Invoke(&inner_, &Inner::broadcast));
+    ON_CALL(*this, all_reduce).WillByDefault(Invoke(&inner_, &Inner::all_reduce));
+    ON_CALL(*this, all_gather).WillByDefault(Invoke(&inner_, &Inner::all_gather));
+    ON_CALL(*this, reduce_scatter).WillByDefault(Invoke(&inner_, &Inner::reduce_scatter));
+  }
+
+  Inner& inner() noexcept { return inner_; }
+
+ private:
+  Inner& inner_;
+};
+
+static_assert(Transport<MockTransport>);
+
+}  // namespace cpdispatch::testing

@@ -1,0 +1,7 @@
+// Must NOT compile: a dispatcher over a device transport has no data path yet.
+#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/testing/mock_transport.hpp"
+
+int main() {
+  (void)sizeof(cpdispatch::Dispatcher<cpdispatch::testing::BasicMockTransport<cpdispatch::MemorySpace::device>>);
+}
