@@ -1,0 +1,69 @@
+#pragma once
+// SingleRankTransport: a host Transport of world size 1, with no threads and
+// no dependency. The seed's "Single GPU (No Parallelism)" case: a layer or a
+// wrapper over it behaves exactly as the unsharded model.
+//
+//   cpdispatch::tp::SingleRankTransport one;
+//   cpdispatch::tp::ReferenceGemm gemm;
+//   cpdispatch::tp::RowParallelLinear layer(one, gemm, 4096, 16384);   // works like nn.Linear
+
+#include <cstddef>
+#include <cstring>
+#include <span>
+
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/transport.hpp"
+
+namespace cpdispatch::tp {
+
+class SingleRankTransport {
+ public:
+  static constexpr MemorySpace memory_space = MemorySpace::host;
+
+  int rank() const noexcept { return 0; }
+  int world_size() const noexcept { return 1; }
+
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_counts,
+                    std::span<const std::size_t> send_displs, void* recv, std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs) {
+    if (send_counts.size() != 1 || send_displs.size() != 1 || recv_counts.size() != 1 || recv_displs.size() != 1) {
+      cpdispatch::detail::fail("SingleRankTransport::all_to_all_v: counts and displacements need 1 entry each");
+    }
+    if (send_counts[0] != recv_counts[0]) {
+      cpdispatch::detail::fail("SingleRankTransport::all_to_all_v: sends ", send_counts[0], " bytes to itself but ",
+                               "receives ", recv_counts[0]);
+    }
+    move(static_cast<const char*>(send) + send_displs[0], static_cast<char*>(recv) + recv_displs[0], send_counts[0]);
+  }
+
+  /// Point-to-point messages have no use on one rank and are refused.
+  Request isend(const void*, std::size_t, int, int) { no_point_to_point("isend"); }
+  Request irecv(void*, std::size_t, int, int) { no_point_to_point("irecv"); }
+  void wait(Request) {}
+  void barrier() {}
+  void broadcast(void*, std::size_t, int root) {
+    if (root != 0) no_peer("broadcast", root);
+  }
+  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
+  void all_gather(const void* send, void* recv, std::size_t count, DataType type) {
+    move(send, recv, count * data_type_size(type));
+  }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, ReduceOp) {
+    move(send, recv, count * data_type_size(type));
+  }
+
+ private:
+  static void move(const void* src, void* dst, std::size_t bytes) {
+    if (bytes != 0 && src != dst) std::memmove(dst, src, bytes);
+  }
+  [[noreturn]] static void no_peer(const char* op, int peer) {
+    cpdispatch::detail::fail("SingleRankTransport::", op, ": rank ", peer, " is outside [0, 1)");
+  }
+  [[noreturn]] static void no_point_to_point(const char* op) {
+    cpdispatch::detail::fail("SingleRankTransport::", op, ": a single rank has no peer to message");
+  }
+};
+
+static_assert(Transport<SingleRankTransport>);
+
+}  // namespace cpdispatch::tp

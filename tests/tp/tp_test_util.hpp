@@ -1,0 +1,73 @@
+#pragma once
+// Shared helpers of the tensor-parallel tests.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "cpdispatch/tensor.hpp"
+#include "cpdispatch/tp/tensor_parallel.hpp"
+
+namespace tp_test {
+
+template <class T>
+std::vector<T> random_vector(std::size_t n, std::uint64_t seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> dist(-scale, scale);
+  std::vector<T> v(n);
+  for (auto& x : v) x = static_cast<T>(dist(rng));
+  return v;
+}
+
+template <class T>
+cpdispatch::Tensor<T> random_tensor(std::vector<std::size_t> shape, std::uint64_t seed, double scale = 1.0) {
+  cpdispatch::Tensor<T> t(shape);
+  const auto v = random_vector<T>(t.numel(), seed, scale);
+  std::copy(v.begin(), v.end(), t.data());
+  return t;
+}
+
+/// max |a - b| / max |b| (0 when both are 0).
+template <class A, class B>
+double rel_error(const A* a, const B* b, std::size_t n) {
+  double diff = 0;
+  double ref = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i])));
+    ref = std::max(ref, std::abs(static_cast<double>(b[i])));
+  }
+  return ref == 0 ? diff : diff / ref;
+}
+template <class A, class B>
+double rel_error(const std::vector<A>& a, const std::vector<B>& b) {
+  if (a.size() != b.size()) return 1e300;
+  return rel_error(a.data(), b.data(), a.size());
+}
+template <class A, class B>
+double rel_error(const cpdispatch::Tensor<A>& a, const cpdispatch::Tensor<B>& b) {
+  if (a.numel() != b.numel()) return 1e300;
+  return rel_error(a.data(), b.data(), a.numel());
+}
+
+/// Columns [c0, c0 + n) of a row-major [rows, cols] tensor.
+template <class T>
+cpdispatch::Tensor<T> columns(const cpdispatch::Tensor<T>& x, std::size_t c0, std::size_t n) {
+  const std::size_t cols = x.size(x.dim() - 1);
+  const std::size_t rows = x.numel() / cols;
+  cpdispatch::Tensor<T> out({rows, n});
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t c = 0; c < n; ++c) out(r, c) = x.data()[r * cols + c0 + c];
+  }
+  return out;
+}
+
+/// Tolerance of float32 comparisons against the double-accumulating reference.
+template <class T>
+constexpr double tolerance() {
+  return std::is_same_v<T, float> ? 1e-5 : 1e-12;
+}
+
+}  // namespace tp_test
