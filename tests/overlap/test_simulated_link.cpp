@@ -1,0 +1,115 @@
+// SimulatedLinkTransport: data passes through unchanged, and the modelled
+// time is spent. The timing checks are lower bounds only: the adapter sleeps
+// until a computed deadline, and sleep_until never returns before it, so they
+// cannot fail on a slow or loaded machine.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "cpdispatch/overlap/simulated_link.hpp"
+#include "cpdispatch/transports/sim.hpp"
+
+namespace ov = cpdispatch::overlap;
+using cpdispatch::DataType;
+using cpdispatch::ReduceOp;
+using cpdispatch::SimOptions;
+using cpdispatch::SimTransport;
+using cpdispatch::SimWorld;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+static_assert(cpdispatch::Transport<ov::SimulatedLinkTransport<SimTransport>>);
+
+TEST(SimulatedLink, PointToPointDeliversTheDataAfterLatencyPlusBytesOverBandwidth) {
+  // 40 000 bytes at 20 MB/s: 2 ms on the link, then 1 ms of latency; sent twice back to back.
+  const ov::LinkModel model{1ms, 20e6};
+  const std::size_t count = 10000;
+  Clock::time_point posted;  // written by rank 0 before it sends; read by rank 1 once the data has arrived
+  SimWorld world(2, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    ov::SimulatedLinkTransport link(sim, model);
+    EXPECT_EQ(link.rank(), sim.rank());
+    EXPECT_EQ(link.world_size(), 2);
+    std::vector<float> first(count), second(count);
+    if (sim.rank() == 0) {
+      std::iota(first.begin(), first.end(), 0.0f);
+      std::iota(second.begin(), second.end(), 1e5f);
+      posted = Clock::now();
+      const auto r1 = link.isend(first.data(), count * sizeof(float), 1, 5);
+      const auto r2 = link.isend(second.data(), count * sizeof(float), 1, 5);
+      link.wait(r1);
+      EXPECT_GE(Clock::now() - posted, 2ms);  // the link transmitted the first message
+      link.wait(r2);
+      EXPECT_GE(Clock::now() - posted, 4ms);  // and then the second: one link per rank
+    } else {
+      const auto r1 = link.irecv(first.data(), count * sizeof(float), 0, 5);
+      const auto r2 = link.irecv(second.data(), count * sizeof(float), 0, 5);
+      link.wait(r1);
+      EXPECT_GE(Clock::now() - posted, 3ms) << "first message: 2 ms on the link + 1 ms latency";
+      link.wait(r2);
+      EXPECT_GE(Clock::now() - posted, 5ms) << "second message: after the first on the link";
+      for (std::size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(first[i], static_cast<float>(i));
+        ASSERT_EQ(second[i], 1e5f + static_cast<float>(i));
+      }
+    }
+  });
+}
+
+TEST(SimulatedLink, CollectivesPassTheDataAndTakeTheRingTime) {
+  const ov::LinkModel model{500us, 10e6};  // 4 000 bytes per block: 0.4 ms + 0.5 ms per ring step
+  SimWorld world(3, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    ov::SimulatedLinkTransport link(sim, model);
+    const auto r = static_cast<float>(sim.rank());
+    const std::size_t block = 1000;
+    std::vector<float> send(3 * block, r + 1), recv(block), gathered(3 * block);
+    auto t0 = Clock::now();
+    link.reduce_scatter(send.data(), recv.data(), block, DataType::float32, ReduceOp::sum);
+    EXPECT_GE(Clock::now() - t0, 2 * (500us + 400us));
+    EXPECT_THAT(recv, testing::Each(6.0f));
+    t0 = Clock::now();
+    link.all_gather(recv.data(), gathered.data(), block, DataType::float32);
+    EXPECT_GE(Clock::now() - t0, 2 * (500us + 400us));
+    EXPECT_THAT(gathered, testing::Each(6.0f));
+    std::vector<double> sum(6, r);
+    link.all_reduce(sum.data(), sum.size(), DataType::float64, ReduceOp::sum);
+    EXPECT_THAT(sum, testing::Each(3.0));
+    std::vector<char> bytes(16, static_cast<char>(sim.rank() == 2 ? 'x' : '-'));
+    link.broadcast(bytes.data(), bytes.size(), 2);
+    EXPECT_THAT(bytes, testing::Each('x'));
+    link.barrier();
+    // all_to_all_v: rank r sends r + 1 bytes to every rank.
+    const std::vector<std::size_t> send_counts(3, sim.rank() + 1u), send_displs{0, sim.rank() + 1u, 2 * (sim.rank() + 1u)};
+    const std::vector<std::size_t> recv_counts{1, 2, 3}, recv_displs{0, 1, 3};
+    std::vector<char> out(3 * (sim.rank() + 1u), static_cast<char>('a' + sim.rank())), in(6);
+    link.all_to_all_v(out.data(), send_counts, send_displs, in.data(), recv_counts, recv_displs);
+    EXPECT_EQ(std::string(in.begin(), in.end()), "abbccc");
+  });
+}
+
+TEST(SimulatedLink, BadModelsAndRequestsAreRejected) {
+  SimWorld world(1);
+  world.run([&](SimTransport& sim) {
+    EXPECT_THROW(ov::SimulatedLinkTransport(sim, ov::LinkModel{0ns, 0.0}), cpdispatch::invalid_input);
+    EXPECT_THROW(ov::SimulatedLinkTransport(sim, ov::LinkModel{-1ns, 1e9}), cpdispatch::invalid_input);
+    ov::SimulatedLinkTransport link(sim, ov::LinkModel{});
+    try {
+      link.wait(cpdispatch::Request{99});
+      ADD_FAILURE() << "an unknown request was waited for";
+    } catch (const cpdispatch::invalid_input& e) {
+      EXPECT_THAT(e.what(), testing::HasSubstr("request 99 is not pending on rank 0"));
+    }
+    // One rank: a message to itself, and collectives that cost nothing.
+    int x = 5, y = 0;
+    const auto rr = link.irecv(&y, sizeof y, 0, 1);
+    const auto sr = link.isend(&x, sizeof x, 0, 1);
+    link.wait(sr);
+    link.wait(rr);
+    EXPECT_EQ(y, 5);
+  });
+}
