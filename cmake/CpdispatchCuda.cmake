@@ -1,0 +1,89 @@
+# CUDA: the device data path (kernels), the single-GPU simulation and the
+# NCCL transport cpdispatch::nccl. Included from the top-level CMakeLists.txt,
+# because enable_language(CUDA) must run in the directory that holds every
+# target using the language (tests/ and benchmarks/ do).
+#
+#   CPDISPATCH_WITH_CUDA=AUTO  on when a CUDA compiler (nvcc), the CUDA toolkit
+#                              and NCCL are all found (default)
+#   CPDISPATCH_WITH_CUDA=ON    require them: anything missing is a configure error
+#   CPDISPATCH_WITH_CUDA=OFF   no CUDA at all (CUDA is never enabled)
+#
+# Sets CPDISPATCH_CUDA_ENABLED (ON/OFF) and defines cpdispatch_cuda_target().
+# Architectures: CMAKE_CUDA_ARCHITECTURES (or the CUDAARCHS environment
+# variable) when given, otherwise "90-real;90-virtual": native code for sm_90
+# (H100/H200) plus PTX that newer GPUs compile at load time. One architecture
+# keeps the build fast on CI machines (nvcc, no GPU, 2 cores).
+set(CPDISPATCH_WITH_CUDA AUTO CACHE STRING
+    "CUDA data path, single-GPU simulation and NCCL transport cpdispatch::nccl: AUTO (when nvcc, the toolkit and NCCL are found), ON or OFF")
+set_property(CACHE CPDISPATCH_WITH_CUDA PROPERTY STRINGS AUTO ON OFF)
+string(TOUPPER "${CPDISPATCH_WITH_CUDA}" _cpd_with_cuda)
+if(NOT _cpd_with_cuda MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "CPDISPATCH_WITH_CUDA is '${CPDISPATCH_WITH_CUDA}'; it must be AUTO, ON or OFF")
+endif()
+set(CPDISPATCH_CUDA_ENABLED OFF)
+if(_cpd_with_cuda STREQUAL "OFF")
+  message(STATUS "cpdispatch: CUDA disabled (CPDISPATCH_WITH_CUDA=OFF)")
+  unset(_cpd_with_cuda)
+  return()
+endif()
+
+# Something is missing: an error when CUDA was required, a note otherwise.
+macro(_cpd_cuda_missing what)
+  if(_cpd_with_cuda STREQUAL "ON")
+    message(FATAL_ERROR "cpdispatch: CPDISPATCH_WITH_CUDA=ON, but ${what}. "
+                        "Configure with -DCPDISPATCH_WITH_CUDA=AUTO or OFF to build without CUDA.")
+  endif()
+  message(STATUS "cpdispatch: ${what}; the CUDA data path and cpdispatch::nccl are not built")
+  unset(_cpd_with_cuda)
+  return()
+endmacro()
+
+if(NOT DEFINED CMAKE_CUDA_COMPILER)
+  include(CheckLanguage)
+  check_language(CUDA)
+endif()
+if(NOT CMAKE_CUDA_COMPILER OR (IS_ABSOLUTE "${CMAKE_CUDA_COMPILER}" AND NOT EXISTS "${CMAKE_CUDA_COMPILER}"))
+  _cpd_cuda_missing("no working CUDA compiler was found (nvcc; put it on PATH or set CMAKE_CUDA_COMPILER or CUDACXX)")
+endif()
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+  set(CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual" CACHE STRING "CUDA architectures (default: sm_90 code plus PTX)")
+endif()
+enable_language(CUDA)
+
+if(_cpd_with_cuda STREQUAL "ON")
+  find_package(CUDAToolkit)
+else()
+  find_package(CUDAToolkit QUIET)
+endif()
+if(NOT CUDAToolkit_FOUND)
+  _cpd_cuda_missing("the CUDA toolkit (runtime library) was not found next to ${CMAKE_CUDA_COMPILER}")
+endif()
+if(_cpd_with_cuda STREQUAL "ON")
+  find_package(NCCL)
+else()
+  find_package(NCCL QUIET)
+endif()
+if(NOT NCCL_FOUND)
+  _cpd_cuda_missing("NCCL was not found (nccl.h and libnccl; set NCCL_ROOT, or Debian: libnccl-dev)")
+endif()
+
+set(CPDISPATCH_CUDA_ENABLED ON)
+message(STATUS "cpdispatch: CUDA enabled (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}, "
+               "NCCL ${NCCL_VERSION})")
+unset(_cpd_with_cuda)
+
+# For the project's own CUDA targets (tests, benchmarks): C++20 for .cu
+# files, and warnings as errors on the host code nvcc hands to the host
+# compiler, and on nvcc's own diagnostics. Nothing of this reaches consumers.
+# (CMake 3.25 does not know nvcc's -std=c++20 flag, hence the fallback.) The
+# sanitizers (CPDISPATCH_SANITIZE) are not applied to CUDA code: the host
+# compiler behind nvcc need not be the one whose sanitizer runtime links.
+function(cpdispatch_cuda_target target)
+  if(DEFINED CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set_target_properties(${target} PROPERTIES CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON CUDA_EXTENSIONS OFF)
+  else()
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
+  endif()
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Werror --Werror=all-warnings>)
+endfunction()

@@ -1,0 +1,737 @@
+#pragma once
+// The single-GPU simulation: a world of W virtual ranks on ONE GPU, each rank
+// a host thread with its own CUDA stream and its own device buffers, the
+// exchanges device-to-device copies. The dispatcher and the kernels run on it
+// exactly as on NCCL (memory_space == device), so both are tested, and
+// benchmarked, at W > 1 with a single GPU.
+//
+//   cpdispatch::cuda::DeviceSimWorld world(4);
+//   world.run([&](cpdispatch::cuda::DeviceSimTransport& t) {
+//     cpdispatch::Dispatcher q(t, qkv.q_fwd, qkv.q_rev, token_bytes);   // needs cuda/data_path.hpp
+//     q.forward(mlp[t.rank()], attn[t.rank()]);                          // DeviceSpans
+//   });
+//   world.synchronize();                                                 // wait for the streams
+//
+// Semantics (the Transport contract for device transports, transport.hpp):
+// - Every call is stream-ordered on the rank's stream (stream(), owned by the
+//   world) and returns once its work is enqueued; the host is not blocked
+//   beyond meeting the other ranks' threads. Results are visible to later
+//   work on that stream; run() does not wait for the streams (synchronize()).
+// - Collectives: each rank records an event at its stream's current position
+//   and publishes its buffers; all ranks meet (host barrier); each rank's
+//   stream waits for the events of the ranks it reads from and copies (or
+//   reduces) into its own buffers; each records a second event; all meet
+//   again; each rank's stream waits for every other rank's second event, so
+//   no rank's later work overwrites a buffer another rank still reads.
+//   Collectives must match across ranks (op, count, type, root), as in the
+//   host sim; a mismatch is an invalid_input naming both calls.
+// - Reductions sum in rank order with the host sim's arithmetic (16-bit
+//   floats accumulate in fp32 and round once; integers wrap around), so the
+//   device and host sims agree bit for bit on finite values. all_reduce
+//   works through a per-rank scratch buffer that grows on first use (a
+//   cudaMalloc: make one call of each size before capturing a graph).
+// - isend/irecv match by (source, destination, tag) in posting order, as in
+//   the host sim. The copy is enqueued on the receiver's stream when the two
+//   are matched (by whichever rank posts second), after the sender's stream
+//   reached its isend; wait(isend) makes the sender's stream wait for that
+//   copy, wait(irecv) orders it before the receiver's later work. wait()
+//   blocks the host until the message is matched. Every request must be
+//   waited for.
+// - No all_to_all_pieces: a dispatcher over this transport packs, calls
+//   all_to_all_v and unpacks with the device kernels, as over NCCL.
+// - Failure and timeouts as in the host sim: a failing rank aborts the
+//   world, ranks waiting for it are released with an error, run() rethrows
+//   the first exception with "DeviceSimWorld rank r of W: " in front.
+//   After a CUDA failure the streams may hold unfinished work; the world
+//   stays usable unless the error was a sticky one (the CUDA context is then
+//   lost for the whole process).
+// - The transports belong to the world and live as long as it: objects built
+//   on them in one run() (dispatchers, with their uploads and staging) can be
+//   used in later runs and captures.
+// - capture(per_rank) records everything the ranks enqueue into ONE CUDA
+//   graph (each rank's stream joins a capture begun on an origin stream, in
+//   cudaStreamCaptureModeRelaxed), so a whole multi-rank step can be replayed
+//   with DeviceSimGraph::launch. Captured work must not allocate (construct
+//   dispatchers and make a first call of each collective size beforehand).
+//
+// Requires nvcc (the reductions are kernels): include from a .cu file.
+
+#if !defined(__CUDACC__)
+#error "cpdispatch/cuda/sim.hpp launches CUDA kernels: include it from a .cu file compiled by nvcc"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "cpdispatch/cuda/error.hpp"
+#include "cpdispatch/cuda/kernels.hpp"
+#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/detail/rethrow.hpp"
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/transport.hpp"
+
+namespace cpdispatch::cuda {
+
+struct DeviceSimOptions {
+  /// Bound on every host-side wait (meeting the other ranks, wait()); none: wait forever.
+  std::optional<std::chrono::milliseconds> timeout;
+  /// The GPU of every rank; -1: the device current when the world is made.
+  /// The world makes it current on the constructing thread and on every rank's.
+  int device = -1;
+};
+
+class DeviceSimWorld;
+
+}  // namespace cpdispatch::cuda
+
+namespace cpdispatch::detail::device_sim {
+
+/// One pending isend or irecv.
+struct SimMessage {
+  bool is_send = false;
+  int src = 0, dst = 0, tag = 0;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::size_t bytes = 0;
+  std::optional<cuda::Event> ready;  // isend: the sender's stream position at posting
+  std::optional<cuda::Event> done;   // recorded on the receiver's stream after the copy
+  bool matched = false;
+  std::string error;
+};
+
+/// What a rank brings to a collective; compared across ranks.
+struct SimCall {
+  const char* op = "";
+  std::size_t count = 0;
+  int type = -1;
+  int root = -1;
+  friend bool operator==(const SimCall& a, const SimCall& b) {
+    return std::string_view(a.op) == b.op && a.count == b.count && a.type == b.type && a.root == b.root;
+  }
+};
+
+inline std::string describe(const SimCall& c) {
+  std::string s = c.op;
+  if (c.type >= 0) s += detail::concat(" of ", c.count, " ", data_type_name(static_cast<DataType>(c.type)));
+  else if (std::string_view(c.op) == "broadcast") s += detail::concat(" of ", c.count, " bytes from root ", c.root);
+  return s;
+}
+
+/// A rank's published buffers for the collective in progress.
+struct SimSlot {
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::span<const std::size_t> send_counts = {};
+  std::span<const std::size_t> send_displs = {};
+};
+
+}  // namespace cpdispatch::detail::device_sim
+
+namespace cpdispatch::cuda {
+
+/// One rank's handle on a DeviceSimWorld; owned by the world, handed to run() / capture().
+class DeviceSimTransport {
+ public:
+  static constexpr MemorySpace memory_space = MemorySpace::device;
+
+  DeviceSimTransport(const DeviceSimTransport&) = delete;
+  DeviceSimTransport& operator=(const DeviceSimTransport&) = delete;
+
+  int rank() const noexcept { return rank_; }
+  int world_size() const noexcept;
+  /// This rank's stream (owned by the world): all of the rank's work is ordered on it.
+  cudaStream_t stream() const noexcept;
+
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
+                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs);
+  Request isend(const void* buf, std::size_t bytes, int peer, int tag);
+  Request irecv(void* buf, std::size_t bytes, int peer, int tag);
+  void wait(Request request);
+  void barrier();
+  void broadcast(void* buf, std::size_t bytes, int root);
+  void all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op);
+  void all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type);
+  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op);
+
+ private:
+  friend class DeviceSimWorld;
+  DeviceSimTransport(DeviceSimWorld& world, int rank) : world_(world), rank_(rank) {}
+
+  [[noreturn]] void fail(const char* op, const std::string& what);
+  /// The two-phase protocol of every collective (see the header comment);
+  /// `read` enqueues this rank's copies or reductions between the meetings.
+  template <class Read>
+  void collective(const detail::device_sim::SimCall& call, detail::device_sim::SimSlot slot, Read&& read);
+  /// Waits for rank s's stream to reach its publishing point in this collective.
+  void after_publish_of(std::size_t s);
+  Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag);
+  void sum(DataType type, void* out, std::span<const void* const> sources, std::size_t count);
+
+  DeviceSimWorld& world_;
+  int rank_;
+  std::vector<const void*> sources_;  // reduction inputs, one per rank
+  std::uint64_t next_request_ = 1;
+  std::unordered_map<std::uint64_t, std::shared_ptr<detail::device_sim::SimMessage>> requests_;
+};
+
+/// A replayable CUDA graph of every rank's work (DeviceSimWorld::capture).
+class DeviceSimGraph {
+ public:
+  DeviceSimGraph(DeviceSimGraph&& other) noexcept : exec_(std::exchange(other.exec_, nullptr)) {}
+  DeviceSimGraph& operator=(DeviceSimGraph&& other) noexcept {
+    if (this != &other) {
+      release();
+      exec_ = std::exchange(other.exec_, nullptr);
+    }
+    return *this;
+  }
+  DeviceSimGraph(const DeviceSimGraph&) = delete;
+  DeviceSimGraph& operator=(const DeviceSimGraph&) = delete;
+  ~DeviceSimGraph() { release(); }
+
+  /// Replays the captured work (all ranks) ordered on `stream`.
+  void launch(cudaStream_t stream) const { CPDISPATCH_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  friend class DeviceSimWorld;
+  explicit DeviceSimGraph(cudaGraphExec_t exec) noexcept : exec_(exec) {}
+  void release() noexcept {
+    if (exec_) {
+      (void)cudaGraphExecDestroy(exec_);
+      (void)cudaGetLastError();
+    }
+    exec_ = nullptr;
+  }
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+/// W virtual ranks on one GPU, as threads of this process.
+class DeviceSimWorld {
+ public:
+  explicit DeviceSimWorld(int world_size, DeviceSimOptions options = {}) : size_(world_size), options_(options) {
+    if (world_size <= 0) detail::fail("DeviceSimWorld: world_size = ", world_size, " must be at least 1");
+    if (options_.device < 0) CPDISPATCH_CUDA_CHECK(cudaGetDevice(&options_.device));
+    CPDISPATCH_CUDA_CHECK(cudaSetDevice(options_.device));
+    const auto W = static_cast<std::size_t>(size_);
+    streams_.reserve(W);
+    for (std::size_t r = 0; r < W; ++r) {
+      streams_.emplace_back();
+      published_.emplace_back();
+      read_.emplace_back();
+      joined_.emplace_back();
+    }
+    scratch_.resize(W);
+    accumulators_.resize(W);
+    for (int r = 0; r < size_; ++r) transports_.push_back(std::unique_ptr<DeviceSimTransport>(new DeviceSimTransport(*this, r)));
+  }
+  DeviceSimWorld(const DeviceSimWorld&) = delete;
+  DeviceSimWorld& operator=(const DeviceSimWorld&) = delete;
+  /// Waits for the ranks' streams before releasing them and their buffers.
+  ~DeviceSimWorld() {
+    for (const Stream& s : streams_) (void)cudaStreamSynchronize(s.get());
+    (void)cudaGetLastError();
+  }
+
+  int world_size() const noexcept { return size_; }
+  int device() const noexcept { return options_.device; }
+  const DeviceSimOptions& options() const noexcept { return options_; }
+  cudaStream_t stream(int rank) const { return streams_.at(static_cast<std::size_t>(rank)).get(); }
+
+  /// Waits until every rank's stream has finished its work.
+  void synchronize() const {
+    for (const Stream& s : streams_) s.synchronize();
+  }
+
+  /// Runs per_rank(DeviceSimTransport&) on world_size() threads (rank r on
+  /// thread r, its device set) and returns when all have returned; their GPU
+  /// work may still run (synchronize()). Rethrows the first exception of any
+  /// rank, with the rank named.
+  template <class F>
+  void run(F&& per_rank) {
+    run_threads(per_rank, [](int) {}, [](int) {});
+  }
+
+  /// The same, but everything the ranks enqueue is recorded into one CUDA
+  /// graph instead of being run: replay it with launch(). Ranks must not
+  /// synchronise with their streams, allocate or free inside (see the header).
+  template <class F>
+  DeviceSimGraph capture(F&& per_rank) {
+    CPDISPATCH_CUDA_CHECK(cudaSetDevice(options_.device));
+    Stream origin;
+    Event fork;
+    CPDISPATCH_CUDA_CHECK(cudaStreamBeginCapture(origin.get(), cudaStreamCaptureModeRelaxed));
+    cudaGraph_t graph = nullptr;
+    try {
+      fork.record(origin.get());
+      // Each rank's stream joins the capture by waiting on the fork, and is
+      // joined back by the origin waiting on the rank's last event.
+      run_threads(per_rank, [&](int r) { fork.wait_on(stream(r)); },
+                  [&](int r) { joined_[static_cast<std::size_t>(r)].record(stream(r)); });
+      for (const Event& j : joined_) j.wait_on(origin.get());
+    } catch (...) {
+      // End the (now failed) capture so that the streams are usable again.
+      for (const Event& j : joined_) (void)cudaStreamWaitEvent(origin.get(), j.get(), 0);
+      (void)cudaStreamEndCapture(origin.get(), &graph);
+      if (graph) (void)cudaGraphDestroy(graph);
+      (void)cudaGetLastError();
+      throw;
+    }
+    CPDISPATCH_CUDA_CHECK(cudaStreamEndCapture(origin.get(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t rc = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    CPDISPATCH_CUDA_CHECK(rc);
+    return DeviceSimGraph(exec);
+  }
+
+ private:
+  friend class DeviceSimTransport;
+  using Lock = std::unique_lock<std::mutex>;
+
+  /// `enter(r)` runs on rank r's thread before per_rank, `leave(r)` after it
+  /// (also when it threw, so a capture's streams are always joined back).
+  template <class F, class Enter, class Leave>
+  void run_threads(F& per_rank, Enter&& enter, Leave&& leave) {
+    reset();
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<std::size_t>(size_));
+    try {
+      for (int r = 0; r < size_; ++r) {
+        threads.emplace_back([this, r, &per_rank, &enter, &leave] {
+          {
+            DeviceSimTransport& transport = *transports_[static_cast<std::size_t>(r)];
+            bool entered = false;
+            try {
+              CPDISPATCH_CUDA_CHECK(cudaSetDevice(options_.device));
+              enter(r);
+              entered = true;
+              per_rank(transport);
+            } catch (...) {
+              fail(r, std::current_exception());
+            }
+            if (entered) {
+              try {
+                leave(r);
+              } catch (...) {
+                fail(r, std::current_exception());
+              }
+            }
+          }
+          finish(r);
+        });
+      }
+    } catch (...) {  // could not start a thread: release the ones that run
+      fail(static_cast<int>(threads.size()), std::current_exception());
+      for (auto& t : threads) t.join();
+      running_ = false;
+      throw;
+    }
+    for (auto& t : threads) t.join();
+    running_ = false;
+    if (first_error_) {
+      try {
+        std::rethrow_exception(first_error_);
+      } catch (...) {
+        detail::rethrow_with_context(detail::concat("DeviceSimWorld rank ", failed_rank_, " of ", size_, ": "));
+      }
+    }
+  }
+
+  void reset() {
+    Lock lock(mutex_);
+    if (running_) detail::fail("DeviceSimWorld: the world is already running");
+    running_ = true;
+    slots_.assign(static_cast<std::size_t>(size_), {});
+    finished_.assign(static_cast<std::size_t>(size_), false);
+    any_finished_ = false;
+    arrived_ = 0;
+    aborted_ = false;
+    first_error_ = nullptr;
+    failed_rank_ = -1;
+    abort_reason_.clear();
+    mailboxes_.clear();
+    for (auto& t : transports_) t->requests_.clear();  // left over from a failed run
+  }
+
+  void fail(int rank, std::exception_ptr e) {
+    Lock lock(mutex_);
+    fail_locked(rank, std::move(e));
+  }
+  void fail_locked(int rank, std::exception_ptr e) {
+    if (!first_error_) {
+      first_error_ = e;
+      failed_rank_ = rank;
+      abort_reason_ = detail::what_of(e);
+    }
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
+  /// A rank's function returned: its unmatched messages are cancelled.
+  void finish(int rank) {
+    Lock lock(mutex_);
+    finished_[static_cast<std::size_t>(rank)] = true;
+    any_finished_ = true;
+    for (auto& [key, box] : mailboxes_) {
+      for (auto* queue : {&box.sends, &box.recvs}) {
+        std::erase_if(*queue, [&](const auto& m) {
+          if ((m->is_send ? m->src : m->dst) != rank) return false;
+          m->matched = true;
+          m->error = detail::concat("rank ", rank, " returned without waiting for it");
+          return true;
+        });
+      }
+    }
+    cv_.notify_all();
+  }
+
+  [[noreturn]] void throw_aborted(int rank, const char* op) const {
+    throw error(detail::concat("DeviceSimTransport: ", op, " on rank ", rank, " of ", size_, " aborted: rank ", failed_rank_,
+                                           " failed first (", abort_reason_, ")"));
+  }
+
+  template <class Ready>
+  void wait_locked(Lock& lock, int rank, const char* op, Ready ready) {
+    auto released = [&] { return ready() || aborted_; };
+    if (!options_.timeout) {
+      cv_.wait(lock, released);
+    } else if (!cv_.wait_for(lock, *options_.timeout, released)) {
+      auto e = std::make_exception_ptr(timeout_error(detail::concat(
+          "DeviceSimTransport: ", op, " timeout on rank ", rank, " of ", size_, ": not complete after ", options_.timeout->count(),
+          " ms (DeviceSimOptions::timeout)")));
+      fail_locked(rank, e);
+      std::rethrow_exception(e);
+    }
+    if (aborted_) throw_aborted(rank, op);
+  }
+
+  /// All ranks meet; every rank must bring the same call.
+  void arrive_and_wait(int rank, const detail::device_sim::SimCall& call) {
+    Lock lock(mutex_);
+    if (aborted_) throw_aborted(rank, call.op);
+    if (arrived_ == 0) {
+      call_ = call;
+      first_rank_ = rank;
+    } else if (!(call == call_)) {
+      auto e = std::make_exception_ptr(invalid_input(detail::concat("DeviceSimTransport: rank ", rank, " called ",
+                                                                                detail::device_sim::describe(call), " while rank ", first_rank_,
+                                                                                " called ", detail::device_sim::describe(call_),
+                                                                                " (collectives must match)")));
+      fail_locked(rank, e);
+      std::rethrow_exception(e);
+    }
+    const std::uint64_t generation = generation_;
+    if (++arrived_ == size_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    bool stuck = false;
+    wait_locked(lock, rank, call.op, [&] {
+      if (generation_ != generation) return true;
+      stuck = any_finished_;
+      return stuck;
+    });
+    if (stuck && generation_ == generation) {
+      int gone = 0;
+      while (!finished_[static_cast<std::size_t>(gone)]) ++gone;
+      auto e = std::make_exception_ptr(error(detail::concat("DeviceSimTransport: ", call.op, " on rank ", rank, " of ", size_,
+                                                                        " cannot complete: rank ", gone, " has returned from its function")));
+      fail_locked(rank, e);
+      std::rethrow_exception(e);
+    }
+  }
+
+  struct Mailbox {
+    std::deque<std::shared_ptr<detail::device_sim::SimMessage>> sends, recvs;
+  };
+
+  int size_;
+  DeviceSimOptions options_;
+  std::vector<Stream> streams_;
+  std::vector<Event> published_;  // per rank: its stream at the start of the collective
+  std::vector<Event> read_;       // per rank: its stream after its reads of the collective
+  std::vector<Event> joined_;     // per rank: its stream at the end of a capture
+  std::vector<DeviceBuffer<std::byte>> scratch_;       // all_reduce results before they are written back
+  std::vector<DeviceBuffer<std::byte>> accumulators_;  // sums over more than kernels::sum_sources_per_pass ranks
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool running_ = false;
+  std::vector<detail::device_sim::SimSlot> slots_;
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+  detail::device_sim::SimCall call_;
+  int first_rank_ = 0;
+  std::vector<bool> finished_;
+  bool any_finished_ = false;
+  bool aborted_ = false;
+  std::exception_ptr first_error_;
+  int failed_rank_ = -1;
+  std::string abort_reason_;
+  std::map<std::tuple<int, int, int>, Mailbox> mailboxes_;
+  std::vector<std::unique_ptr<DeviceSimTransport>> transports_;  // last: made from the members above
+};
+
+// ---- DeviceSimTransport ------------------------------------------------------
+
+inline int DeviceSimTransport::world_size() const noexcept { return world_.size_; }
+inline cudaStream_t DeviceSimTransport::stream() const noexcept { return world_.streams_[static_cast<std::size_t>(rank_)].get(); }
+
+inline void DeviceSimTransport::fail(const char* op, const std::string& what) {
+  auto e = std::make_exception_ptr(
+      invalid_input(detail::concat("DeviceSimTransport: ", op, " on rank ", rank_, " of ", world_.size_, ": ", what)));
+  world_.fail(rank_, e);
+  std::rethrow_exception(e);
+}
+
+template <class Read>
+void DeviceSimTransport::collective(const detail::device_sim::SimCall& call, detail::device_sim::SimSlot slot, Read&& read) {
+  const auto me = static_cast<std::size_t>(rank_);
+  try {
+    world_.published_[me].record(stream());
+  } catch (...) {
+    world_.fail(rank_, std::current_exception());
+    throw;
+  }
+  {
+    std::lock_guard lock(world_.mutex_);
+    world_.slots_[me] = slot;
+  }
+  world_.arrive_and_wait(rank_, call);
+  try {
+    read();
+    world_.read_[me].record(stream());
+  } catch (...) {
+    world_.fail(rank_, std::current_exception());
+    throw;
+  }
+  world_.arrive_and_wait(rank_, call);  // every rank has enqueued its reads and recorded read_
+  try {
+    for (std::size_t s = 0; s < world_.read_.size(); ++s) {
+      if (s != me) world_.read_[s].wait_on(stream());
+    }
+  } catch (...) {
+    world_.fail(rank_, std::current_exception());
+    throw;
+  }
+  // read_ and published_ are recorded again only in the next collective,
+  // after its first meeting, which every rank reaches after these waits.
+}
+
+inline void DeviceSimTransport::after_publish_of(std::size_t s) {
+  if (s != static_cast<std::size_t>(rank_)) world_.published_[s].wait_on(stream());
+}
+
+inline void DeviceSimTransport::all_to_all_v(const void* send, std::span<const std::size_t> send_counts,
+                                             std::span<const std::size_t> send_displs, void* recv, std::span<const std::size_t> recv_counts,
+                                             std::span<const std::size_t> recv_displs) {
+  const char* op = "all_to_all_v";
+  const auto W = static_cast<std::size_t>(world_.size_);
+  for (auto [name, s] : {std::pair{"send_counts", send_counts}, std::pair{"send_displs", send_displs}, std::pair{"recv_counts", recv_counts},
+                         std::pair{"recv_displs", recv_displs}}) {
+    if (s.size() != W) fail(op, detail::concat(name, " has ", s.size(), " entries, world_size is ", W));
+  }
+  collective({op}, {.send = send, .recv = recv, .send_counts = send_counts, .send_displs = send_displs}, [&] {
+    const auto me = static_cast<std::size_t>(rank_);
+    for (std::size_t s = 0; s < W; ++s) {
+      const detail::device_sim::SimSlot& from = world_.slots_[s];
+      const std::size_t bytes = from.send_counts[me];
+      if (bytes != recv_counts[s]) {
+        fail(op, detail::concat("rank ", s, " sends ", bytes, " bytes to rank ", rank_, ", which expects recv_counts[", s,
+                                            "] = ", recv_counts[s]));
+      }
+      if (bytes == 0) continue;
+      after_publish_of(s);
+      CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(recv) + recv_displs[s],
+                                            static_cast<const std::byte*>(from.send) + from.send_displs[me], bytes,
+                                            cudaMemcpyDeviceToDevice, stream()));
+    }
+  });
+}
+
+inline void DeviceSimTransport::barrier() {
+  collective({"barrier"}, {}, [&] {
+    for (std::size_t s = 0; s < world_.published_.size(); ++s) after_publish_of(s);
+  });
+}
+
+inline void DeviceSimTransport::broadcast(void* buf, std::size_t bytes, int root) {
+  const char* op = "broadcast";
+  if (root < 0 || root >= world_.size_) fail(op, detail::concat("root ", root, " is outside [0, ", world_.size_, ")"));
+  collective({op, bytes, -1, root}, {.send = buf, .recv = buf}, [&] {
+    if (rank_ == root || bytes == 0) return;
+    const auto r = static_cast<std::size_t>(root);
+    after_publish_of(r);
+    CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(buf, world_.slots_[r].send, bytes, cudaMemcpyDeviceToDevice, stream()));
+  });
+}
+
+inline void DeviceSimTransport::sum(DataType type, void* out, std::span<const void* const> sources, std::size_t count) {
+  void* acc = nullptr;
+  if (sources.size() > kernels::sum_sources_per_pass) {
+    DeviceBuffer<std::byte>& a = world_.accumulators_[static_cast<std::size_t>(rank_)];
+    if (a.size() < count * 8) a.allocate(count * 8);
+    acc = a.data();
+  }
+  launch_sum(type, out, acc, sources, count, stream());
+}
+
+inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, DataType type, ReduceOp) {
+  const char* op = "all_reduce";
+  const std::size_t bytes = count * data_type_size(type);
+  DeviceBuffer<std::byte>& scratch = world_.scratch_[static_cast<std::size_t>(rank_)];
+  collective({op, count, static_cast<int>(type), -1}, {.send = buf, .recv = buf}, [&] {
+    if (scratch.size() < bytes) scratch.allocate(bytes);
+    sources_.assign(world_.slots_.size(), nullptr);
+    for (std::size_t s = 0; s < sources_.size(); ++s) {
+      after_publish_of(s);
+      sources_[s] = world_.slots_[s].send;
+    }
+    sum(type, scratch.data(), sources_, count);
+  });
+  // Every rank has read every buffer (the collective's second meeting and
+  // the waits on read_): now our own may be overwritten.
+  if (bytes) CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(buf, scratch.data(), bytes, cudaMemcpyDeviceToDevice, stream()));
+}
+
+inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type) {
+  const char* op = "all_gather";
+  const std::size_t bytes = count_per_rank * data_type_size(type);
+  collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
+    if (bytes == 0) return;
+    for (std::size_t s = 0; s < world_.slots_.size(); ++s) {
+      after_publish_of(s);
+      CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(recv) + s * bytes, world_.slots_[s].send, bytes,
+                                            cudaMemcpyDeviceToDevice, stream()));
+    }
+  });
+}
+
+inline void DeviceSimTransport::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp) {
+  const char* op = "reduce_scatter";
+  const std::size_t bytes = count_per_rank * data_type_size(type);
+  collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
+    sources_.assign(world_.slots_.size(), nullptr);
+    for (std::size_t s = 0; s < sources_.size(); ++s) {
+      after_publish_of(s);
+      sources_[s] = static_cast<const std::byte*>(world_.slots_[s].send) + static_cast<std::size_t>(rank_) * bytes;
+    }
+    sum(type, recv, sources_, count_per_rank);
+  });
+}
+
+inline Request DeviceSimTransport::post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag) {
+  if (peer < 0 || peer >= world_.size_) fail(op, detail::concat("peer ", peer, " is outside [0, ", world_.size_, ")"));
+  auto msg = std::make_shared<detail::device_sim::SimMessage>();
+  msg->is_send = is_send;
+  msg->src = is_send ? rank_ : peer;
+  msg->dst = is_send ? peer : rank_;
+  msg->tag = tag;
+  msg->send = send;
+  msg->recv = recv;
+  msg->bytes = bytes;
+  try {
+    msg->done.emplace();
+    if (is_send) {
+      msg->ready.emplace();
+      msg->ready->record(stream());
+    }
+  } catch (...) {
+    world_.fail(rank_, std::current_exception());
+    throw;
+  }
+  {
+    std::lock_guard lock(world_.mutex_);
+    if (world_.aborted_) world_.throw_aborted(rank_, op);
+    auto& box = world_.mailboxes_[{msg->src, msg->dst, tag}];
+    auto& mine = is_send ? box.sends : box.recvs;
+    auto& theirs = is_send ? box.recvs : box.sends;
+    if (theirs.empty()) {
+      mine.push_back(msg);
+    } else {  // matched: enqueue the copy on the receiver's stream, now
+      auto other = theirs.front();
+      theirs.pop_front();
+      auto& s = is_send ? msg : other;
+      auto& r = is_send ? other : msg;
+      if (s->bytes != r->bytes) {
+        s->error = r->error = detail::concat("rank ", s->src, " sends ", s->bytes, " bytes with tag ", tag, " to rank ", s->dst,
+                                                         ", which receives ", r->bytes, " (sizes must agree)");
+      } else {
+        try {
+          const cudaStream_t receiver = world_.streams_[static_cast<std::size_t>(r->dst)].get();
+          s->ready->wait_on(receiver);
+          if (s->bytes) CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(r->recv, s->send, s->bytes, cudaMemcpyDeviceToDevice, receiver));
+          s->done->record(receiver);  // the sender's wait() orders its stream after this
+          r->done->record(receiver);
+        } catch (const std::exception& e) {
+          s->error = r->error = e.what();
+        }
+      }
+      s->matched = r->matched = true;
+      world_.cv_.notify_all();
+    }
+  }
+  const std::uint64_t id = next_request_++;
+  requests_.emplace(id, std::move(msg));
+  return Request{id};
+}
+
+inline Request DeviceSimTransport::isend(const void* buf, std::size_t bytes, int peer, int tag) {
+  return post("isend", true, buf, nullptr, bytes, peer, tag);
+}
+
+inline Request DeviceSimTransport::irecv(void* buf, std::size_t bytes, int peer, int tag) {
+  return post("irecv", false, nullptr, buf, bytes, peer, tag);
+}
+
+inline void DeviceSimTransport::wait(Request request) {
+  const char* op = "wait";
+  auto it = requests_.find(request.id);
+  if (it == requests_.end()) fail(op, detail::concat("request ", request.id, " is not pending on this rank"));
+  const std::shared_ptr<detail::device_sim::SimMessage> msg = std::move(it->second);
+  requests_.erase(it);
+  const int peer = msg->is_send ? msg->dst : msg->src;
+  std::string problem;
+  {
+    DeviceSimWorld::Lock lock(world_.mutex_);
+    bool peer_gone = false;
+    world_.wait_locked(lock, rank_, msg->is_send ? "wait (isend)" : "wait (irecv)", [&] {
+      peer_gone = !msg->matched && world_.finished_[static_cast<std::size_t>(peer)];
+      return msg->matched || peer_gone;
+    });
+    if (!msg->matched) {
+      problem = detail::concat(msg->is_send ? "isend to" : "irecv from", " rank ", peer, " with tag ", msg->tag,
+                                           " cannot complete: rank ", peer, " has returned from its function");
+    } else {
+      problem = msg->error;
+    }
+  }
+  if (!problem.empty()) fail(op, problem);
+  try {
+    msg->done->wait_on(stream());  // the copy (on the receiver's stream) comes before our later work
+  } catch (...) {
+    world_.fail(rank_, std::current_exception());
+    throw;
+  }
+}
+
+}  // namespace cpdispatch::cuda

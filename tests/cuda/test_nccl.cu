@@ -1,0 +1,244 @@
+// The NCCL transport through the dispatcher: at W = 1 on one GPU (NCCL does
+// not put two ranks on one GPU; the device sim covers W > 1 there), and at
+// W = number of GPUs (up to 8) when a machine has two or more. Results are
+// byte-identical to the host simulation; a whole step captured in a CUDA
+// graph replays the same bytes (bad arguments and NCCL's own failures:
+// test_nccl_errors.cpp). Without a CUDA device every test skips ("no CUDA
+// device").
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpdispatch/cuda/data_path.hpp"
+#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/transports/nccl.hpp"
+#include "cuda_test_util.hpp"
+#include "dispatch_helpers.hpp"
+
+namespace {
+
+using cpdispatch::DataType;
+using cpdispatch::Dispatcher;
+using cpdispatch::ElementType;
+using cpdispatch::NcclTransport;
+using cpdispatch::cuda::DeviceBuffer;
+using cptest::Bytes;
+using cptest::cbytes;
+using cptest::mbytes;
+using cptest::to_device;
+using cptest::to_host;
+
+using DeviceBytesBuffer = DeviceBuffer<std::byte>;
+
+/// One communicator per GPU 0..n-1 of this process (ncclCommInitAll).
+class NcclComms {
+ public:
+  explicit NcclComms(int n) : comms_(static_cast<std::size_t>(n)), devices_(static_cast<std::size_t>(n)) {
+    for (int d = 0; d < n; ++d) devices_[static_cast<std::size_t>(d)] = d;
+    CPDISPATCH_NCCL_CHECK(ncclCommInitAll(comms_.data(), n, devices_.data()));
+  }
+  NcclComms(const NcclComms&) = delete;
+  NcclComms& operator=(const NcclComms&) = delete;
+  ~NcclComms() {
+    if (aborted_) return;  // ncclCommAbort freed them
+    for (ncclComm_t c : comms_) (void)ncclCommDestroy(c);
+  }
+  int size() const { return static_cast<int>(comms_.size()); }
+
+  /// Runs f(transport) for every rank on its own thread and GPU, then waits
+  /// for the streams. A failing rank aborts the communicators (so no rank
+  /// hangs on it) and its exception is rethrown.
+  template <class F>
+  void run(F f) {
+    std::mutex mutex;
+    std::exception_ptr first;
+    std::vector<std::thread> threads;
+    for (int r = 0; r < size(); ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          CPDISPATCH_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
+          const cpdispatch::cuda::Stream stream;
+          NcclTransport t(comms_[static_cast<std::size_t>(r)], stream.get());
+          f(t);
+          stream.synchronize();
+        } catch (...) {
+          std::lock_guard lock(mutex);
+          if (!first) {
+            first = std::current_exception();
+            for (ncclComm_t c : comms_) (void)ncclCommAbort(c);
+            aborted_ = true;
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    if (first) std::rethrow_exception(first);
+  }
+
+ private:
+  std::vector<ncclComm_t> comms_;
+  std::vector<int> devices_;
+  bool aborted_ = false;
+};
+
+/// Forward and reverse of every pair case, and the combine of the KV ones,
+/// on `comms` (one rank per GPU), against the host simulation.
+void expect_dispatch_matches_simulation(NcclComms& comms, std::uint64_t seed) {
+  const int W = comms.size();
+  const auto U = static_cast<std::size_t>(W);
+  for (const auto& c : cptest::pair_cases(W, seed)) {
+    for (std::size_t tb : {2u, 12u, 1000u, 8192u}) {
+      SCOPED_TRACE(c.name + " token_bytes " + std::to_string(tb));
+      const auto mlp = cptest::inputs_for(W, tb, seed, [&](int r) { return c.fwd.send_tokens(r); });
+      const auto attention_in = cptest::inputs_for(W, tb, seed + 7, [&](int r) { return c.rev.send_tokens(r); });
+      const auto expect_attention = cptest::simulate_bytes(c.fwd, mlp, tb);
+      const auto expect_replica = cptest::simulate_bytes(c.rev, attention_in, tb);
+      std::vector<Bytes> attention(U), replica(U);
+      comms.run([&](NcclTransport& t) {
+        const auto r = static_cast<std::size_t>(t.rank());
+        const auto d_mlp = to_device(mlp[r]), d_in = to_device(attention_in[r]);
+        const auto d_attn = to_device(Bytes(expect_attention[r].size(), std::byte{0xA5}));
+        const auto d_replica = to_device(Bytes(expect_replica[r].size(), std::byte{0xA5}));
+        Dispatcher d(t, c.fwd, c.rev, tb);
+        d.forward(cbytes(d_mlp), mbytes(d_attn));
+        d.reverse(cbytes(d_in), mbytes(d_replica));
+        attention[r] = to_host(d_attn.data(), expect_attention[r].size());
+        replica[r] = to_host(d_replica.data(), expect_replica[r].size());
+      });
+      for (std::size_t r = 0; r < U; ++r) {
+        EXPECT_EQ(attention[r], expect_attention[r]) << "forward, rank " << r;
+        EXPECT_EQ(replica[r], expect_replica[r]) << "reverse, rank " << r;
+      }
+    }
+    if (!c.kv) continue;
+    for (auto type : {ElementType::float32, ElementType::bfloat16, ElementType::float16}) {
+      SCOPED_TRACE(c.name + " combine " + cpdispatch::element_name(type));
+      const std::size_t tb = 8 * cpdispatch::element_size(type);
+      std::vector<Bytes> grads;
+      for (int r = 0; r < W; ++r) {
+        grads.push_back(cptest::float_pattern(static_cast<std::size_t>(c.rev.send_tokens(r)) * tb, seed + static_cast<std::uint64_t>(r), type));
+      }
+      const auto expect_replica = cptest::simulate_bytes(c.rev, grads, tb, std::byte{0});
+      std::vector<Bytes> grad(U);
+      comms.run([&](NcclTransport& t) {
+        const auto r = static_cast<std::size_t>(t.rank());
+        Dispatcher d(t, c.fwd, c.rev, tb);
+        const auto d_grads = to_device(grads[r]);
+        const auto d_replica = to_device(Bytes(d.required_bytes().replica_bytes, std::byte{0}));
+        DeviceBytesBuffer d_grad(d.required_bytes().mlp_bytes);
+        d.reverse_combine(cbytes(d_grads), mbytes(d_replica), mbytes(d_grad), type);
+        grad[r] = to_host(d_grad.data(), d_grad.size());
+      });
+      for (std::size_t r = 0; r < U; ++r) {
+        Bytes expect(grad[r].size(), std::byte{0});
+        cpdispatch::combine_copies(c.rev.get_slice(static_cast<std::int64_t>(r)), expect_replica[r], expect, tb, type);
+        EXPECT_EQ(grad[r], expect) << "rank " << r;
+      }
+    }
+  }
+}
+
+TEST(NcclTransportOneRank, DispatcherMatchesTheHostSimulation) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  NcclComms comms(1);
+  for (std::uint64_t seed : {1u, 2u}) expect_dispatch_matches_simulation(comms, seed);
+}
+
+TEST(NcclTransportOneRank, CollectivesAndPointToPoint) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  NcclComms comms(1);
+  comms.run([&](NcclTransport& t) {
+    EXPECT_EQ(t.rank(), 0);
+    EXPECT_EQ(t.world_size(), 1);
+    const Bytes a = cptest::float_pattern(4096, 3, ElementType::bfloat16), b = cptest::pattern(4096, 4);
+    const auto d_a = to_device(a), d_b = to_device(b);
+    DeviceBytesBuffer d_c(4096);
+    t.all_reduce(d_a.data(), 2048, DataType::bfloat16, cpdispatch::ReduceOp::sum);  // one rank: unchanged
+    t.all_gather(d_b.data(), d_c.data(), 4096, DataType::uint8);
+    EXPECT_EQ(to_host(d_a.data(), 4096), a);
+    EXPECT_EQ(to_host(d_c.data(), 4096), b);
+    t.reduce_scatter(d_a.data(), d_c.data(), 1024, DataType::float32, cpdispatch::ReduceOp::sum);
+    EXPECT_EQ(to_host(d_c.data(), 4096), a);
+    t.broadcast(d_b.data(), 4096, 0);
+    t.barrier();
+    EXPECT_EQ(to_host(d_b.data(), 4096), b);
+    // Point to point with itself: recorded, then issued as one group at the first wait.
+    CPDISPATCH_CUDA_CHECK(cudaMemset(d_c.data(), 0, 4096));
+    cptest::device_sync();
+    const auto recv = t.irecv(d_c.data(), 1000, 0, 5);
+    const auto send = t.isend(d_b.data() + 7, 1000, 0, 5);
+    EXPECT_EQ(t.posted(), 2u);
+    t.wait(send);
+    EXPECT_EQ(t.posted(), 0u);
+    t.wait(recv);
+    EXPECT_EQ(to_host(d_c.data(), 1000), Bytes(b.begin() + 7, b.begin() + 1007));
+    // all_to_all_v with itself is a copy.
+    const std::vector<std::size_t> counts{300}, send_displs{11}, recv_displs{2000};
+    t.all_to_all_v(d_b.data(), counts, send_displs, d_c.data(), counts, recv_displs);
+    EXPECT_EQ(to_host(d_c.data() + 2000, 300), Bytes(b.begin() + 11, b.begin() + 311));
+  });
+}
+
+TEST(NcclTransportOneRank, GraphCaptureOfAWholeStepReplaysTheSameBytes) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  NcclComms comms(1);
+  const auto qkv = cptest::random_qkv(1, 13, 200, 5);
+  const std::size_t q_tb = 1024, kv_tb = 40;  // kv: 20 fp16 per token
+  comms.run([&](NcclTransport& t) {
+    Dispatcher q(t, qkv.q_fwd, qkv.q_rev, q_tb);
+    Dispatcher kv(t, qkv.kv_fwd, qkv.kv_rev, kv_tb);
+    const Bytes q_in = cptest::pattern(q.required_bytes().mlp_bytes, 1);
+    const Bytes kv_in = cptest::float_pattern(kv.required_bytes().mlp_bytes, 2, ElementType::float16);
+    const auto q_mlp = to_device(q_in), kv_mlp = to_device(kv_in);
+    DeviceBytesBuffer q_attn(q.required_bytes().attention_bytes), q_back(q.required_bytes().replica_bytes),
+        kv_attn(kv.required_bytes().attention_bytes), kv_replica(kv.required_bytes().replica_bytes), kv_grad(kv.required_bytes().mlp_bytes);
+    DeviceBytesBuffer word(64);
+    auto step = [&] {
+      q.forward(cbytes(q_mlp), mbytes(q_attn));
+      kv.forward(cbytes(kv_mlp), mbytes(kv_attn));
+      q.reverse(cbytes(q_attn), mbytes(q_back));
+      kv.reverse_combine(cbytes(kv_attn), mbytes(kv_replica), mbytes(kv_grad), ElementType::float16);
+      t.all_reduce(word.data(), 16, DataType::float32, cpdispatch::ReduceOp::sum);  // an NCCL call in the graph too
+    };
+    CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(kv_replica.data(), 0, kv_replica.size(), t.stream()));
+    step();
+    const Bytes q_expect = to_host(q_back.data(), q_back.size()), kv_expect = to_host(kv_grad.data(), kv_grad.size());
+    EXPECT_EQ(q_expect, q_in);  // one copy per shard: Q comes back as it left
+    CPDISPATCH_CUDA_CHECK(cudaMemset(q_back.data(), 0xEE, q_back.size()));
+    CPDISPATCH_CUDA_CHECK(cudaMemset(kv_grad.data(), 0xEE, kv_grad.size()));
+    cptest::device_sync();
+    cudaGraph_t graph = nullptr;
+    CPDISPATCH_CUDA_CHECK(cudaStreamBeginCapture(t.stream(), cudaStreamCaptureModeGlobal));
+    step();
+    CPDISPATCH_CUDA_CHECK(cudaStreamEndCapture(t.stream(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    CPDISPATCH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    EXPECT_EQ(to_host(q_back.data(), 1)[0], std::byte{0xEE});  // captured, not run
+    CPDISPATCH_CUDA_CHECK(cudaGraphLaunch(exec, t.stream()));
+    CPDISPATCH_CUDA_CHECK(cudaGraphLaunch(exec, t.stream()));
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
+    EXPECT_EQ(to_host(q_back.data(), q_back.size()), q_expect);
+    EXPECT_EQ(to_host(kv_grad.data(), kv_grad.size()), kv_expect);
+    CPDISPATCH_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CPDISPATCH_CUDA_CHECK(cudaGraphDestroy(graph));
+  });
+}
+
+TEST(NcclTransportMultiGpu, DispatcherMatchesTheHostSimulation) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  int count = 0;
+  CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (count < 2) GTEST_SKIP() << "needs at least 2 CUDA devices (this machine has " << count << ")";
+  NcclComms comms(count < 8 ? count : 8);
+  expect_dispatch_matches_simulation(comms, 3);
+}
+
+}  // namespace

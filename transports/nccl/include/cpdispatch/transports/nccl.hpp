@@ -1,0 +1,312 @@
+#pragma once
+// NcclTransport: the Transport concept (cpdispatch/transport.hpp) over an
+// NCCL communicator, device memory. CMake target cpdispatch::nccl.
+//
+//   ncclComm_t comm = ...;  cudaStream_t stream = ...;      // yours; borrowed
+//   cpdispatch::NcclTransport t(comm, stream);
+//   cpdispatch::Dispatcher q(t, qkv.q_fwd, qkv.q_rev, token_bytes);  // + cuda/data_path.hpp, in a .cu
+//
+// - It borrows an ncclComm_t and a cudaStream_t (both must outlive it);
+//   every call enqueues its work on that stream and returns: nothing blocks
+//   the host, results are visible to later work on the stream, and a
+//   sequence of calls can be captured in a CUDA graph (NCCL >= 2.9). The
+//   communicator's GPU must be current on the calling thread.
+// - all_to_all_v: ncclGroupStart, one ncclSend and one ncclRecv per peer
+//   with a non-zero count, ncclGroupEnd; traffic to itself is a
+//   cudaMemcpyAsync. Counts are bytes (ncclUint8). Send and receive counts of
+//   a pair of ranks must agree: NCCL cannot check that (a mismatch is
+//   undefined, as with MPI_Alltoallv), but the dispatcher's always do.
+// - Collectives map to NCCL's: broadcast (bytes), all_reduce (in place),
+//   all_gather, reduce_scatter; DataType bfloat16 is ncclBfloat16, float16 is
+//   ncclFloat16, and so on. NCCL's reductions sum in its own order (ring or
+//   tree): 16-bit results may differ from the sim transports' in the last bit.
+// - barrier(): an all-reduce of one int on the stream. Stream-ordered, like
+//   everything here: later work on the stream starts after every rank's work
+//   before its barrier; the host is not blocked.
+// - isend / irecv / wait: NCCL has no tags and matches the point-to-point
+//   operations between two ranks in the order they are issued, and separate
+//   ungrouped operations can deadlock (a send waits for its receive on the
+//   GPU). So isend and irecv only record the operation; the first wait() for
+//   any recorded request, or the next collective call, issues ALL recorded
+//   operations as one NCCL group on the stream, in posting order. wait()
+//   then returns at once: the operation is complete in stream order (later
+//   work on the stream sees the received data; the send buffer may be
+//   reused by later stream work). Tags are accepted for the concept and
+//   ignored, so messages between two ranks must be posted in the same order
+//   on both sides (MPI programs with reordering tags are not supported), and
+//   both ranks must reach their flushing call. Every request must be waited for.
+// - Failures: every CUDA and NCCL call is checked; a failure throws
+//   nccl_error (or cuda_error) naming the call, the file and line and the
+//   library's error ("ncclSend failed at nccl.hpp:210: ncclInvalidUsage
+//   (invalid usage ...)"; code() is the ncclResult_t), after clearing CUDA's
+//   last error. Bad arguments (span sizes, peers, roots) are invalid_input.
+//   Non-blocking communicators are supported: an ncclInProgress result is
+//   waited out with ncclCommGetAsyncError.
+// - Not thread-safe: one thread at a time per transport. Movable, not copyable.
+//
+// Plain C++ over the CUDA runtime and NCCL: compiles with the host compiler
+// too (only the dispatcher's device data path needs nvcc).
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "cpdispatch/cuda/error.hpp"
+#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/transport.hpp"
+
+namespace cpdispatch {
+
+/// An NCCL call failed; code() is the ncclResult_t.
+class nccl_error : public backend_error {
+ public:
+  using backend_error::backend_error;
+};
+
+namespace detail {
+
+/// "ncclInvalidUsage" for ncclInvalidUsage: the enumerator's own name.
+constexpr const char* nccl_result_name(int code) noexcept {
+  switch (code) {
+    case ncclSuccess: return "ncclSuccess";
+    case ncclUnhandledCudaError: return "ncclUnhandledCudaError";
+    case ncclSystemError: return "ncclSystemError";
+    case ncclInternalError: return "ncclInternalError";
+    case ncclInvalidArgument: return "ncclInvalidArgument";
+    case ncclInvalidUsage: return "ncclInvalidUsage";
+    case ncclRemoteError: return "ncclRemoteError";
+    case ncclInProgress: return "ncclInProgress";
+    default: return "ncclResult?";
+  }
+}
+
+/// Builds the nccl_error of a failed call (clears CUDA's last error first,
+/// since NCCL failures often start as CUDA ones). `last_message` is NCCL's
+/// own account of its last error (ncclGetLastError), appended when non-empty.
+inline nccl_error make_nccl_error(ncclResult_t code, std::string_view call, std::string_view file, int line,
+                                  std::string_view last_message) {
+  (void)cudaGetLastError();
+  const char* description = ncclGetErrorString(code);
+  const std::string detail = last_message.empty() ? std::string() : concat("NCCL: ", last_message);
+  return nccl_error(backend_failure_message(call, file, line, nccl_result_name(code), description ? description : "no description", detail),
+                    static_cast<int>(code));
+}
+
+/// Throws nccl_error unless `code` is ncclSuccess; ncclInProgress (a
+/// non-blocking communicator) is waited out first.
+inline void nccl_check(ncclResult_t code, std::string_view call, std::string_view file, int line, ncclComm_t comm = nullptr) {
+  if (code == ncclInProgress && comm != nullptr) {
+    do {
+      if (const ncclResult_t polled = ncclCommGetAsyncError(comm, &code); polled != ncclSuccess) code = polled;
+    } while (code == ncclInProgress);
+  }
+  if (code == ncclSuccess) [[likely]] return;
+  const char* last = ncclGetLastError(comm);
+  throw make_nccl_error(code, call, file, line, last ? last : "");
+}
+
+constexpr ncclDataType_t nccl_data_type(DataType type) noexcept {
+  switch (type) {
+    case DataType::int8: return ncclInt8;
+    case DataType::uint8: return ncclUint8;
+    case DataType::int32: return ncclInt32;
+    case DataType::int64: return ncclInt64;
+    case DataType::float32: return ncclFloat32;
+    case DataType::float64: return ncclFloat64;
+    case DataType::bfloat16: return ncclBfloat16;
+    case DataType::float16: return ncclFloat16;
+  }
+  return ncclUint8;
+}
+
+constexpr ncclRedOp_t nccl_reduce_op(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+  }
+  return ncclSum;
+}
+
+}  // namespace detail
+}  // namespace cpdispatch
+
+/// Throws nccl_error naming the call, the file and line and NCCL's error.
+#define CPDISPATCH_NCCL_CHECK(expr) ::cpdispatch::detail::nccl_check((expr), #expr, __FILE__, __LINE__)
+/// The same for calls on a communicator that may be non-blocking.
+#define CPDISPATCH_NCCL_CHECK_COMM(expr, comm) ::cpdispatch::detail::nccl_check((expr), #expr, __FILE__, __LINE__, (comm))
+
+namespace cpdispatch {
+
+class NcclTransport {
+ public:
+  static constexpr MemorySpace memory_space = MemorySpace::device;
+
+  /// Borrows `comm` and `stream`; allocates one int of device memory (the barrier's).
+  NcclTransport(ncclComm_t comm, cudaStream_t stream) : comm_(comm), stream_(stream) {
+    if (comm == nullptr) detail::fail("NcclTransport: the communicator is null");
+    CPDISPATCH_NCCL_CHECK_COMM(ncclCommUserRank(comm, &rank_), comm);
+    CPDISPATCH_NCCL_CHECK_COMM(ncclCommCount(comm, &size_), comm);
+    barrier_word_.allocate(1);
+    CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(barrier_word_.data(), 0, sizeof(std::int32_t), stream_));
+  }
+  NcclTransport(NcclTransport&&) = default;
+  NcclTransport& operator=(NcclTransport&&) = default;
+  NcclTransport(const NcclTransport&) = delete;
+  NcclTransport& operator=(const NcclTransport&) = delete;
+  ~NcclTransport() = default;
+
+  int rank() const noexcept { return rank_; }
+  int world_size() const noexcept { return size_; }
+  ncclComm_t comm() const noexcept { return comm_; }
+  cudaStream_t stream() const noexcept { return stream_; }
+
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
+                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    const char* op = "all_to_all_v";
+    const auto W = static_cast<std::size_t>(size_);
+    for (auto [name, s] : {std::pair{"send_counts", send_counts}, std::pair{"send_displs", send_displs}, std::pair{"recv_counts", recv_counts},
+                           std::pair{"recv_displs", recv_displs}}) {
+      if (s.size() != W) fail(op, detail::concat(name, " has ", s.size(), " entries, world_size is ", W));
+    }
+    const auto me = static_cast<std::size_t>(rank_);
+    if (send_counts[me] != recv_counts[me]) {
+      fail(op, detail::concat("send_counts[", me, "] = ", send_counts[me], " to itself but recv_counts[", me, "] = ", recv_counts[me]));
+    }
+    flush();
+    const auto* in = static_cast<const std::byte*>(send);
+    auto* out = static_cast<std::byte*>(recv);
+    {
+      Group group(comm_);
+      for (std::size_t p = 0; p < W; ++p) {
+        if (p == me) continue;
+        const int peer = static_cast<int>(p);
+        if (send_counts[p]) CPDISPATCH_NCCL_CHECK_COMM(ncclSend(in + send_displs[p], send_counts[p], ncclUint8, peer, comm_, stream_), comm_);
+        if (recv_counts[p]) CPDISPATCH_NCCL_CHECK_COMM(ncclRecv(out + recv_displs[p], recv_counts[p], ncclUint8, peer, comm_, stream_), comm_);
+      }
+      group.end();
+    }
+    if (send_counts[me]) {
+      CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(out + recv_displs[me], in + send_displs[me], send_counts[me], cudaMemcpyDeviceToDevice, stream_));
+    }
+  }
+
+  /// Records the send; it is issued at the first wait() or collective (see the header).
+  Request isend(const void* buf, std::size_t bytes, int peer, int tag) { return post("isend", true, buf, nullptr, bytes, peer, tag); }
+  Request irecv(void* buf, std::size_t bytes, int peer, int tag) { return post("irecv", false, nullptr, buf, bytes, peer, tag); }
+
+  void wait(Request request) {
+    if (issued_.erase(request.id)) return;
+    for (const Posted& p : posted_) {
+      if (p.id != request.id) continue;
+      flush();
+      issued_.erase(request.id);
+      return;
+    }
+    fail("wait", detail::concat("request ", request.id, " is not pending on this rank"));
+  }
+
+  void barrier() {
+    flush();
+    CPDISPATCH_NCCL_CHECK_COMM(ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclInt32, ncclSum, comm_, stream_), comm_);
+  }
+
+  void broadcast(void* buf, std::size_t bytes, int root) {
+    if (root < 0 || root >= size_) fail("broadcast", detail::concat("root ", root, " is outside [0, ", size_, ")"));
+    flush();
+    CPDISPATCH_NCCL_CHECK_COMM(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_), comm_);
+  }
+
+  void all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op) {
+    flush();
+    CPDISPATCH_NCCL_CHECK_COMM(
+        ncclAllReduce(buf, buf, count, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_), comm_);
+  }
+
+  void all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type) {
+    flush();
+    CPDISPATCH_NCCL_CHECK_COMM(ncclAllGather(send, recv, count_per_rank, detail::nccl_data_type(type), comm_, stream_), comm_);
+  }
+
+  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op) {
+    flush();
+    CPDISPATCH_NCCL_CHECK_COMM(
+        ncclReduceScatter(send, recv, count_per_rank, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_), comm_);
+  }
+
+  /// Point-to-point operations recorded and not yet issued.
+  std::size_t posted() const noexcept { return posted_.size(); }
+
+ private:
+  struct Posted {
+    std::uint64_t id;
+    bool is_send;
+    const void* send;
+    void* recv;
+    std::size_t bytes;
+    int peer;
+  };
+
+  /// ncclGroupStart ... ncclGroupEnd; ends the group also when a call in it threw.
+  class Group {
+   public:
+    explicit Group(ncclComm_t comm) : comm_(comm) { CPDISPATCH_NCCL_CHECK(ncclGroupStart()); }
+    Group(const Group&) = delete;
+    Group& operator=(const Group&) = delete;
+    ~Group() {
+      if (open_) (void)ncclGroupEnd();  // already failing: the first error is the one reported
+    }
+    void end() {
+      open_ = false;
+      CPDISPATCH_NCCL_CHECK_COMM(ncclGroupEnd(), comm_);
+    }
+
+   private:
+    ncclComm_t comm_;
+    bool open_ = true;
+  };
+
+  [[noreturn]] void fail(const char* op, const std::string& what) const {
+    detail::fail("NcclTransport: ", op, " on rank ", rank_, " of ", size_, ": ", what);
+  }
+
+  Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int /*tag: see the header*/) {
+    if (peer < 0 || peer >= size_) fail(op, detail::concat("peer ", peer, " is outside [0, ", size_, ")"));
+    const std::uint64_t id = next_request_++;
+    posted_.push_back({id, is_send, send, recv, bytes, peer});
+    return Request{id};
+  }
+
+  /// Issues every recorded point-to-point operation as one group, in posting order.
+  void flush() {
+    if (posted_.empty()) return;
+    std::vector<Posted> batch = std::move(posted_);
+    posted_.clear();
+    for (const Posted& p : batch) issued_.insert(p.id);  // waited for later, even when issuing fails
+    Group group(comm_);
+    for (const Posted& p : batch) {
+      if (p.bytes == 0) continue;  // both sides skip it: nothing to match
+      if (p.is_send) CPDISPATCH_NCCL_CHECK_COMM(ncclSend(p.send, p.bytes, ncclUint8, p.peer, comm_, stream_), comm_);
+      else CPDISPATCH_NCCL_CHECK_COMM(ncclRecv(p.recv, p.bytes, ncclUint8, p.peer, comm_, stream_), comm_);
+    }
+    group.end();
+  }
+
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  int rank_ = 0;
+  int size_ = 0;
+  cuda::DeviceBuffer<std::int32_t> barrier_word_;
+  std::vector<Posted> posted_;
+  std::unordered_set<std::uint64_t> issued_;  // issued, not yet waited for
+  std::uint64_t next_request_ = 1;
+};
+
+}  // namespace cpdispatch
