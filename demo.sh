@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Quick start: install what is missing, build the demo into build/ and run it.
+# Arguments go to the demo; BUILD_DIR overrides the build directory.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+# Open MPI refuses to start as root unless told that it is on purpose.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+build_dir=${BUILD_DIR:-build}
+tools/install-deps.sh
+cmake -S . -B "$build_dir"
+cmake --build "$build_dir" -j"$(nproc)" --target cpdispatch-demo
+"$build_dir/bin/cpdispatch-demo" "$@"

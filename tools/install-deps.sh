@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs the Debian packages cpdispatch builds and tests against, and only
+# those that are missing: nothing is downloaded when all are present.
+# Extra package names may be given as arguments. Set CPDISPATCH_SKIP_DEPS=1 to
+# skip this step (e.g. on a non-Debian system with the dependencies at hand).
+set -euo pipefail
+
+packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev libboost-dev
+          libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev "$@")
+
+if [ "${CPDISPATCH_SKIP_DEPS:-0}" = 1 ]; then
+  exit 0
+fi
+if ! command -v dpkg-query >/dev/null 2>&1; then
+  echo "install-deps: no dpkg here; install these (or their equivalents) yourself: ${packages[*]}" >&2
+  exit 0
+fi
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$package")
+  fi
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+  exit 0
+fi
+
+if [ "$(id -u)" -eq 0 ]; then
+  as_root=()
+elif command -v sudo >/dev/null 2>&1; then
+  as_root=(sudo)
+else
+  echo "install-deps: missing ${missing[*]}, and this is not root and there is no sudo" >&2
+  exit 1
+fi
+
+echo "install-deps: installing ${missing[*]}"
+"${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q
+"${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
