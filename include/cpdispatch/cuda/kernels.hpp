@@ -16,10 +16,12 @@
 // same launch serves any buffer. Launches are asynchronous on the caller's
 // stream and need no host synchronisation (graph-capturable).
 //
-// The per-warp work (copy_chunk, combine_range) and the element conversions
-// are __host__ __device__: the lanes of a warp never talk to each other, so
-// running lane 0, 1, ..., 31 one after another on the host does exactly what
-// the warp does, which lets the tests check the kernels' logic on any CPU.
+// The per-warp work (copy_chunk, combine_range) is __host__ __device__: the
+// lanes of a warp never talk to each other, so running lane 0, 1, ..., 31
+// one after another on the host does exactly what the warp does, which lets
+// the tests check the kernels' logic on any CPU. The 16-bit conversions are
+// float16.hpp's own (__host__ __device__ under nvcc): device and host round
+// alike by construction.
 //
 // Requires nvcc (kernels): include from a .cu translation unit.
 
@@ -29,13 +31,13 @@
 
 #include <cuda_runtime.h>
 
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 
 #include "cpdispatch/cuda/error.hpp"
 #include "cpdispatch/cuda/plan.hpp"
+#include "cpdispatch/float16.hpp"
 #include "cpdispatch/simulate.hpp"
 #include "cpdispatch/transport.hpp"
 
@@ -52,22 +54,6 @@ namespace kernels {
 
 // ---- host and device ------------------------------------------------------------
 
-__host__ __device__ __forceinline__ std::uint32_t bits_of(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  return std::bit_cast<std::uint32_t>(f);
-#endif
-}
-
-__host__ __device__ __forceinline__ float float_of(std::uint32_t bits) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(bits);
-#else
-  return std::bit_cast<float>(bits);
-#endif
-}
-
 /// A load through the read-only data cache on the device (every byte is read
 /// once and nothing in the same kernel writes it).
 template <class T>
@@ -79,57 +65,13 @@ __host__ __device__ __forceinline__ T load_once(const T* p) {
 #endif
 }
 
-// ---- 16-bit floats: bit-exact ports of cpdispatch::bfloat16 / float16 -------
-
-__host__ __device__ __forceinline__ float bf16_to_float(std::uint16_t h) { return float_of(static_cast<std::uint32_t>(h) << 16); }
-
-__host__ __device__ __forceinline__ std::uint16_t bf16_from_float(float f) {
-  const std::uint32_t x = bits_of(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);  // quiet NaN
-  const std::uint32_t rounding = 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<std::uint16_t>((x + rounding) >> 16);
-}
-
-__host__ __device__ __forceinline__ float f16_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t e = (h >> 10) & 0x1fu;
-  const std::uint32_t m = h & 0x3ffu;
-  if (e == 0) {
-    const float v = static_cast<float>(m) * float_of(0x33800000u);  // m * 2^-24, exact
-    return sign ? -v : v;
-  }
-  if (e == 31) return float_of(sign | 0x7f800000u | (m << 13));
-  return float_of(sign | ((e + 112u) << 23) | (m << 13));
-}
-
-__host__ __device__ __forceinline__ std::uint16_t f16_from_float(float f) {
-  const std::uint32_t x = bits_of(f);
-  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
-  const std::uint32_t a = x & 0x7fffffffu;
-  if (a >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (a > 0x7f800000u ? 0x0200u : 0u));
-  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);
-  if (a < 0x38800000u) {
-    if (a < 0x33000000u) return sign;
-    const std::uint32_t e = a >> 23;
-    const std::uint32_t m = (a & 0x7fffffu) | 0x800000u;
-    const std::uint32_t shift = 126u - e;
-    std::uint32_t h = m >> shift;
-    const std::uint32_t rem = m & ((1u << shift) - 1u);
-    const std::uint32_t half = 1u << (shift - 1u);
-    if (rem > half || (rem == half && (h & 1u))) ++h;
-    return static_cast<std::uint16_t>(sign | h);
-  }
-  std::uint32_t h = ((a >> 23) - 112u) << 10 | ((a >> 13) & 0x3ffu);
-  const std::uint32_t rem = a & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return static_cast<std::uint16_t>(sign | h);
-}
+// ---- 16-bit floats: the host types' own conversions (float16.hpp) ----------
 
 /// Converts n floats to bf16 (or fp16) bits: exposes the conversions to tests.
 template <bool Bf16>
 __global__ void convert_from_float_kernel(const float* in, std::uint16_t* out, std::uint64_t n) {
   for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < n; i += std::uint64_t{gridDim.x} * blockDim.x) {
-    out[i] = Bf16 ? bf16_from_float(in[i]) : f16_from_float(in[i]);
+    out[i] = Bf16 ? bfloat16::from_float(in[i]) : float16::from_float(in[i]);
   }
 }
 
@@ -212,16 +154,16 @@ struct combine_element<ElementType::bfloat16> {
   using storage = std::uint16_t;
   using acc = float;
   static constexpr bool starts_from_copy = false;  // 0.0f + each copy, as the host's fp32 accumulator
-  __host__ __device__ static acc load(storage x) { return bf16_to_float(x); }
-  __host__ __device__ static storage store(acc a) { return bf16_from_float(a); }
+  __host__ __device__ static acc load(storage x) { return bfloat16::to_float(x); }
+  __host__ __device__ static storage store(acc a) { return bfloat16::from_float(a); }
 };
 template <>
 struct combine_element<ElementType::float16> {
   using storage = std::uint16_t;
   using acc = float;
   static constexpr bool starts_from_copy = false;
-  __host__ __device__ static acc load(storage x) { return f16_to_float(x); }
-  __host__ __device__ static storage store(acc a) { return f16_from_float(a); }
+  __host__ __device__ static acc load(storage x) { return float16::to_float(x); }
+  __host__ __device__ static storage store(acc a) { return float16::from_float(a); }
 };
 
 template <class Traits>
@@ -345,17 +287,17 @@ template <>
 struct sum_element<DataType::bfloat16> {
   using storage = std::uint16_t;
   using acc = float;
-  __host__ __device__ static acc first(storage x) { return bf16_to_float(x); }
-  __host__ __device__ static acc add(acc a, storage x) { return a + bf16_to_float(x); }
-  __host__ __device__ static storage store(acc a) { return bf16_from_float(a); }
+  __host__ __device__ static acc first(storage x) { return bfloat16::to_float(x); }
+  __host__ __device__ static acc add(acc a, storage x) { return a + bfloat16::to_float(x); }
+  __host__ __device__ static storage store(acc a) { return bfloat16::from_float(a); }
 };
 template <>
 struct sum_element<DataType::float16> {
   using storage = std::uint16_t;
   using acc = float;
-  __host__ __device__ static acc first(storage x) { return f16_to_float(x); }
-  __host__ __device__ static acc add(acc a, storage x) { return a + f16_to_float(x); }
-  __host__ __device__ static storage store(acc a) { return f16_from_float(a); }
+  __host__ __device__ static acc first(storage x) { return float16::to_float(x); }
+  __host__ __device__ static acc add(acc a, storage x) { return a + float16::to_float(x); }
+  __host__ __device__ static storage store(acc a) { return float16::from_float(a); }
 };
 
 /// Sources per sum pass (kernel parameters); more ranks take several passes
