@@ -339,6 +339,29 @@ TEST(SimTransport, MismatchedCollectivesAreAnErrorNamingBoth) {
   EXPECT_THAT(msg, HasSubstr("collectives must match"));
 }
 
+TEST(SimTransport, AWorldNeedsAtLeastOneRank) {
+  for (int W : {0, -3}) {
+    EXPECT_EQ(cptest::message_of<cpdispatch::invalid_input>([&] { SimWorld world(W); }),
+              "SimWorld: world_size = " + std::to_string(W) + " must be at least 1");
+  }
+}
+
+TEST(SimTransport, RunInsideARunIsAnErrorAndTheWorldStaysUsable) {
+  SimWorld world(2, guarded());
+  const std::string msg = cptest::message_of<cpdispatch::invalid_input>([&] {
+    world.run([&](SimTransport& t) {
+      if (t.rank() == 1) world.run([](SimTransport&) {});
+    });
+  });
+  EXPECT_EQ(msg, "SimWorld rank 1 of 2: SimWorld::run: the world is already running");
+  std::atomic<int> ran{0};
+  world.run([&](SimTransport& t) {
+    t.barrier();
+    ++ran;
+  });
+  EXPECT_EQ(ran.load(), 2);
+}
+
 TEST(SimTransport, ARankThatThrowsAbortsTheWorldAndRunNamesIt) {
   for (int W : {2, 5, 16}) {
     SimWorld world(W, guarded());

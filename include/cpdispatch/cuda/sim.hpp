@@ -39,9 +39,12 @@
 //   waited for.
 // - No all_to_all_pieces: a dispatcher over this transport packs, calls
 //   all_to_all_v and unpacks with the device kernels, as over NCCL.
-// - Failure and timeouts as in the host sim: a failing rank aborts the
-//   world, ranks waiting for it are released with an error, run() rethrows
-//   the first exception with "DeviceSimWorld rank r of W: " in front.
+// - Failure and timeouts as in the host sim, by the same code
+//   (detail/sim_world.hpp): a failing rank aborts the world, ranks waiting
+//   for it are released with an error, run() rethrows the first exception
+//   with "DeviceSimWorld rank r of W: " in front; a timeout reads
+//   "All-reduce timeout on rank 2 of 4 in all_reduce: not complete after
+//   100 ms (DeviceSimOptions::timeout)".
 //   After a CUDA failure the streams may hold unfinished work; the world
 //   stays usable unless the error was a sticky one (the CUDA context is then
 //   lost for the whole process).
@@ -63,28 +66,21 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <exception>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
-#include <thread>
-#include <tuple>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "cpdispatch/cuda/error.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda/memory.hpp"
-#include "cpdispatch/detail/rethrow.hpp"
+#include "cpdispatch/detail/sim_world.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 
@@ -104,36 +100,11 @@ class DeviceSimWorld;
 
 namespace cpdispatch::detail::device_sim {
 
-/// One pending isend or irecv.
-struct SimMessage {
-  bool is_send = false;
-  int src = 0, dst = 0, tag = 0;
-  const void* send = nullptr;
-  void* recv = nullptr;
-  std::size_t bytes = 0;
+/// One pending isend or irecv, with the stream positions that order its copy.
+struct Message : detail::sim::Message {
   std::optional<cuda::Event> ready;  // isend: the sender's stream position at posting
   std::optional<cuda::Event> done;   // recorded on the receiver's stream after the copy
-  bool matched = false;
-  std::string error;
 };
-
-/// What a rank brings to a collective; compared across ranks.
-struct SimCall {
-  const char* op = "";
-  std::size_t count = 0;
-  int type = -1;
-  int root = -1;
-  friend bool operator==(const SimCall& a, const SimCall& b) {
-    return std::string_view(a.op) == b.op && a.count == b.count && a.type == b.type && a.root == b.root;
-  }
-};
-
-inline std::string describe(const SimCall& c) {
-  std::string s = c.op;
-  if (c.type >= 0) s += detail::concat(" of ", c.count, " ", data_type_name(static_cast<DataType>(c.type)));
-  else if (std::string_view(c.op) == "broadcast") s += detail::concat(" of ", c.count, " bytes from root ", c.root);
-  return s;
-}
 
 /// A rank's published buffers for the collective in progress.
 struct SimSlot {
@@ -179,7 +150,7 @@ class DeviceSimTransport {
   /// The two-phase protocol of every collective (see the header comment);
   /// `read` enqueues this rank's copies or reductions between the meetings.
   template <class Read>
-  void collective(const detail::device_sim::SimCall& call, detail::device_sim::SimSlot slot, Read&& read);
+  void collective(const detail::sim::Call& call, detail::device_sim::SimSlot slot, Read&& read);
   /// Waits for rank s's stream to reach its publishing point in this collective.
   void after_publish_of(std::size_t s);
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag);
@@ -188,8 +159,7 @@ class DeviceSimTransport {
   DeviceSimWorld& world_;
   int rank_;
   std::vector<const void*> sources_;  // reduction inputs, one per rank
-  std::uint64_t next_request_ = 1;
-  std::unordered_map<std::uint64_t, std::shared_ptr<detail::device_sim::SimMessage>> requests_;
+  detail::sim::Requests<detail::device_sim::Message> requests_;
 };
 
 /// A replayable CUDA graph of every rank's work (DeviceSimWorld::capture).
@@ -224,13 +194,13 @@ class DeviceSimGraph {
 };
 
 /// W virtual ranks on one GPU, as threads of this process.
-class DeviceSimWorld {
+class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
  public:
-  explicit DeviceSimWorld(int world_size, DeviceSimOptions options = {}) : size_(world_size), options_(options) {
-    if (world_size <= 0) detail::fail("DeviceSimWorld: world_size = ", world_size, " must be at least 1");
+  explicit DeviceSimWorld(int world_size, DeviceSimOptions options = {})
+      : World({"DeviceSimWorld", "DeviceSimTransport", "DeviceSimOptions::timeout"}, world_size, options.timeout), options_(options) {
     if (options_.device < 0) CPDISPATCH_CUDA_CHECK(cudaGetDevice(&options_.device));
     CPDISPATCH_CUDA_CHECK(cudaSetDevice(options_.device));
-    const auto W = static_cast<std::size_t>(size_);
+    const auto W = static_cast<std::size_t>(world_size);
     streams_.reserve(W);
     for (std::size_t r = 0; r < W; ++r) {
       streams_.emplace_back();
@@ -240,7 +210,7 @@ class DeviceSimWorld {
     }
     scratch_.resize(W);
     accumulators_.resize(W);
-    for (int r = 0; r < size_; ++r) transports_.push_back(std::unique_ptr<DeviceSimTransport>(new DeviceSimTransport(*this, r)));
+    for (int r = 0; r < world_size; ++r) transports_.push_back(std::unique_ptr<DeviceSimTransport>(new DeviceSimTransport(*this, r)));
   }
   DeviceSimWorld(const DeviceSimWorld&) = delete;
   DeviceSimWorld& operator=(const DeviceSimWorld&) = delete;
@@ -250,7 +220,7 @@ class DeviceSimWorld {
     (void)cudaGetLastError();
   }
 
-  int world_size() const noexcept { return size_; }
+  using World::world_size;
   int device() const noexcept { return options_.device; }
   const DeviceSimOptions& options() const noexcept { return options_; }
   cudaStream_t stream(int rank) const { return streams_.at(static_cast<std::size_t>(rank)).get(); }
@@ -304,168 +274,28 @@ class DeviceSimWorld {
 
  private:
   friend class DeviceSimTransport;
-  using Lock = std::unique_lock<std::mutex>;
 
   /// `enter(r)` runs on rank r's thread before per_rank, `leave(r)` after it
   /// (also when it threw, so a capture's streams are always joined back).
   template <class F, class Enter, class Leave>
   void run_threads(F& per_rank, Enter&& enter, Leave&& leave) {
-    reset();
-    std::vector<std::thread> threads;
-    threads.reserve(static_cast<std::size_t>(size_));
-    try {
-      for (int r = 0; r < size_; ++r) {
-        threads.emplace_back([this, r, &per_rank, &enter, &leave] {
-          {
-            DeviceSimTransport& transport = *transports_[static_cast<std::size_t>(r)];
-            bool entered = false;
-            try {
-              CPDISPATCH_CUDA_CHECK(cudaSetDevice(options_.device));
-              enter(r);
-              entered = true;
-              per_rank(transport);
-            } catch (...) {
-              fail(r, std::current_exception());
-            }
-            if (entered) {
-              try {
-                leave(r);
-              } catch (...) {
-                fail(r, std::current_exception());
-              }
-            }
+    run_ranks(
+        [this] {
+          slots_.assign(transports_.size(), {});
+          for (auto& t : transports_) t->requests_.clear();  // left over from a failed run
+        },
+        [&](int r) {
+          CPDISPATCH_CUDA_CHECK(cudaSetDevice(options_.device));
+          enter(r);
+          try {
+            per_rank(*transports_[static_cast<std::size_t>(r)]);
+          } catch (...) {
+            abort(r, std::current_exception());  // the first error is the news; leave() still joins the stream back
           }
-          finish(r);
+          leave(r);
         });
-      }
-    } catch (...) {  // could not start a thread: release the ones that run
-      fail(static_cast<int>(threads.size()), std::current_exception());
-      for (auto& t : threads) t.join();
-      running_ = false;
-      throw;
-    }
-    for (auto& t : threads) t.join();
-    running_ = false;
-    if (first_error_) {
-      try {
-        std::rethrow_exception(first_error_);
-      } catch (...) {
-        detail::rethrow_with_context(detail::concat("DeviceSimWorld rank ", failed_rank_, " of ", size_, ": "));
-      }
-    }
   }
 
-  void reset() {
-    Lock lock(mutex_);
-    if (running_) detail::fail("DeviceSimWorld: the world is already running");
-    running_ = true;
-    slots_.assign(static_cast<std::size_t>(size_), {});
-    finished_.assign(static_cast<std::size_t>(size_), false);
-    any_finished_ = false;
-    arrived_ = 0;
-    aborted_ = false;
-    first_error_ = nullptr;
-    failed_rank_ = -1;
-    abort_reason_.clear();
-    mailboxes_.clear();
-    for (auto& t : transports_) t->requests_.clear();  // left over from a failed run
-  }
-
-  void fail(int rank, std::exception_ptr e) {
-    Lock lock(mutex_);
-    fail_locked(rank, std::move(e));
-  }
-  void fail_locked(int rank, std::exception_ptr e) {
-    if (!first_error_) {
-      first_error_ = e;
-      failed_rank_ = rank;
-      abort_reason_ = detail::what_of(e);
-    }
-    aborted_ = true;
-    cv_.notify_all();
-  }
-
-  /// A rank's function returned: its unmatched messages are cancelled.
-  void finish(int rank) {
-    Lock lock(mutex_);
-    finished_[static_cast<std::size_t>(rank)] = true;
-    any_finished_ = true;
-    for (auto& [key, box] : mailboxes_) {
-      for (auto* queue : {&box.sends, &box.recvs}) {
-        std::erase_if(*queue, [&](const auto& m) {
-          if ((m->is_send ? m->src : m->dst) != rank) return false;
-          m->matched = true;
-          m->error = detail::concat("rank ", rank, " returned without waiting for it");
-          return true;
-        });
-      }
-    }
-    cv_.notify_all();
-  }
-
-  [[noreturn]] void throw_aborted(int rank, const char* op) const {
-    throw error(detail::concat("DeviceSimTransport: ", op, " on rank ", rank, " of ", size_, " aborted: rank ", failed_rank_,
-                                           " failed first (", abort_reason_, ")"));
-  }
-
-  template <class Ready>
-  void wait_locked(Lock& lock, int rank, const char* op, Ready ready) {
-    auto released = [&] { return ready() || aborted_; };
-    if (!options_.timeout) {
-      cv_.wait(lock, released);
-    } else if (!cv_.wait_for(lock, *options_.timeout, released)) {
-      auto e = std::make_exception_ptr(timeout_error(detail::concat(
-          "DeviceSimTransport: ", op, " timeout on rank ", rank, " of ", size_, ": not complete after ", options_.timeout->count(),
-          " ms (DeviceSimOptions::timeout)")));
-      fail_locked(rank, e);
-      std::rethrow_exception(e);
-    }
-    if (aborted_) throw_aborted(rank, op);
-  }
-
-  /// All ranks meet; every rank must bring the same call.
-  void arrive_and_wait(int rank, const detail::device_sim::SimCall& call) {
-    Lock lock(mutex_);
-    if (aborted_) throw_aborted(rank, call.op);
-    if (arrived_ == 0) {
-      call_ = call;
-      first_rank_ = rank;
-    } else if (!(call == call_)) {
-      auto e = std::make_exception_ptr(invalid_input(detail::concat("DeviceSimTransport: rank ", rank, " called ",
-                                                                                detail::device_sim::describe(call), " while rank ", first_rank_,
-                                                                                " called ", detail::device_sim::describe(call_),
-                                                                                " (collectives must match)")));
-      fail_locked(rank, e);
-      std::rethrow_exception(e);
-    }
-    const std::uint64_t generation = generation_;
-    if (++arrived_ == size_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    bool stuck = false;
-    wait_locked(lock, rank, call.op, [&] {
-      if (generation_ != generation) return true;
-      stuck = any_finished_;
-      return stuck;
-    });
-    if (stuck && generation_ == generation) {
-      int gone = 0;
-      while (!finished_[static_cast<std::size_t>(gone)]) ++gone;
-      auto e = std::make_exception_ptr(error(detail::concat("DeviceSimTransport: ", call.op, " on rank ", rank, " of ", size_,
-                                                                        " cannot complete: rank ", gone, " has returned from its function")));
-      fail_locked(rank, e);
-      std::rethrow_exception(e);
-    }
-  }
-
-  struct Mailbox {
-    std::deque<std::shared_ptr<detail::device_sim::SimMessage>> sends, recvs;
-  };
-
-  int size_;
   DeviceSimOptions options_;
   std::vector<Stream> streams_;
   std::vector<Event> published_;  // per rank: its stream at the start of the collective
@@ -473,43 +303,24 @@ class DeviceSimWorld {
   std::vector<Event> joined_;     // per rank: its stream at the end of a capture
   std::vector<DeviceBuffer<std::byte>> scratch_;       // all_reduce results before they are written back
   std::vector<DeviceBuffer<std::byte>> accumulators_;  // sums over more than kernels::sum_sources_per_pass ranks
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool running_ = false;
-  std::vector<detail::device_sim::SimSlot> slots_;
-  int arrived_ = 0;
-  std::uint64_t generation_ = 0;
-  detail::device_sim::SimCall call_;
-  int first_rank_ = 0;
-  std::vector<bool> finished_;
-  bool any_finished_ = false;
-  bool aborted_ = false;
-  std::exception_ptr first_error_;
-  int failed_rank_ = -1;
-  std::string abort_reason_;
-  std::map<std::tuple<int, int, int>, Mailbox> mailboxes_;
+  std::vector<detail::device_sim::SimSlot> slots_;     // guarded by the world's mutex
   std::vector<std::unique_ptr<DeviceSimTransport>> transports_;  // last: made from the members above
 };
 
 // ---- DeviceSimTransport ------------------------------------------------------
 
-inline int DeviceSimTransport::world_size() const noexcept { return world_.size_; }
+inline int DeviceSimTransport::world_size() const noexcept { return world_.world_size(); }
 inline cudaStream_t DeviceSimTransport::stream() const noexcept { return world_.streams_[static_cast<std::size_t>(rank_)].get(); }
 
-inline void DeviceSimTransport::fail(const char* op, const std::string& what) {
-  auto e = std::make_exception_ptr(
-      invalid_input(detail::concat("DeviceSimTransport: ", op, " on rank ", rank_, " of ", world_.size_, ": ", what)));
-  world_.fail(rank_, e);
-  std::rethrow_exception(e);
-}
+inline void DeviceSimTransport::fail(const char* op, const std::string& what) { world_.raise_invalid(rank_, op, what); }
 
 template <class Read>
-void DeviceSimTransport::collective(const detail::device_sim::SimCall& call, detail::device_sim::SimSlot slot, Read&& read) {
+void DeviceSimTransport::collective(const detail::sim::Call& call, detail::device_sim::SimSlot slot, Read&& read) {
   const auto me = static_cast<std::size_t>(rank_);
   try {
     world_.published_[me].record(stream());
   } catch (...) {
-    world_.fail(rank_, std::current_exception());
+    world_.abort(rank_, std::current_exception());
     throw;
   }
   {
@@ -521,7 +332,7 @@ void DeviceSimTransport::collective(const detail::device_sim::SimCall& call, det
     read();
     world_.read_[me].record(stream());
   } catch (...) {
-    world_.fail(rank_, std::current_exception());
+    world_.abort(rank_, std::current_exception());
     throw;
   }
   world_.arrive_and_wait(rank_, call);  // every rank has enqueued its reads and recorded read_
@@ -530,7 +341,7 @@ void DeviceSimTransport::collective(const detail::device_sim::SimCall& call, det
       if (s != me) world_.read_[s].wait_on(stream());
     }
   } catch (...) {
-    world_.fail(rank_, std::current_exception());
+    world_.abort(rank_, std::current_exception());
     throw;
   }
   // read_ and published_ are recorded again only in the next collective,
@@ -545,7 +356,7 @@ inline void DeviceSimTransport::all_to_all_v(const void* send, std::span<const s
                                              std::span<const std::size_t> send_displs, void* recv, std::span<const std::size_t> recv_counts,
                                              std::span<const std::size_t> recv_displs) {
   const char* op = "all_to_all_v";
-  const auto W = static_cast<std::size_t>(world_.size_);
+  const auto W = static_cast<std::size_t>(world_size());
   for (auto [name, s] : {std::pair{"send_counts", send_counts}, std::pair{"send_displs", send_displs}, std::pair{"recv_counts", recv_counts},
                          std::pair{"recv_displs", recv_displs}}) {
     if (s.size() != W) fail(op, detail::concat(name, " has ", s.size(), " entries, world_size is ", W));
@@ -576,7 +387,7 @@ inline void DeviceSimTransport::barrier() {
 
 inline void DeviceSimTransport::broadcast(void* buf, std::size_t bytes, int root) {
   const char* op = "broadcast";
-  if (root < 0 || root >= world_.size_) fail(op, detail::concat("root ", root, " is outside [0, ", world_.size_, ")"));
+  if (root < 0 || root >= world_size()) fail(op, detail::concat("root ", root, " is outside [0, ", world_size(), ")"));
   collective({op, bytes, -1, root}, {.send = buf, .recv = buf}, [&] {
     if (rank_ == root || bytes == 0) return;
     const auto r = static_cast<std::size_t>(root);
@@ -640,15 +451,7 @@ inline void DeviceSimTransport::reduce_scatter(const void* send, void* recv, std
 }
 
 inline Request DeviceSimTransport::post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag) {
-  if (peer < 0 || peer >= world_.size_) fail(op, detail::concat("peer ", peer, " is outside [0, ", world_.size_, ")"));
-  auto msg = std::make_shared<detail::device_sim::SimMessage>();
-  msg->is_send = is_send;
-  msg->src = is_send ? rank_ : peer;
-  msg->dst = is_send ? peer : rank_;
-  msg->tag = tag;
-  msg->send = send;
-  msg->recv = recv;
-  msg->bytes = bytes;
+  auto msg = world_.new_message(rank_, op, is_send, send, recv, bytes, peer, tag);
   try {
     msg->done.emplace();
     if (is_send) {
@@ -656,43 +459,23 @@ inline Request DeviceSimTransport::post(const char* op, bool is_send, const void
       msg->ready->record(stream());
     }
   } catch (...) {
-    world_.fail(rank_, std::current_exception());
+    world_.abort(rank_, std::current_exception());
     throw;
   }
-  {
-    std::lock_guard lock(world_.mutex_);
-    if (world_.aborted_) world_.throw_aborted(rank_, op);
-    auto& box = world_.mailboxes_[{msg->src, msg->dst, tag}];
-    auto& mine = is_send ? box.sends : box.recvs;
-    auto& theirs = is_send ? box.recvs : box.sends;
-    if (theirs.empty()) {
-      mine.push_back(msg);
-    } else {  // matched: enqueue the copy on the receiver's stream, now
-      auto other = theirs.front();
-      theirs.pop_front();
-      auto& s = is_send ? msg : other;
-      auto& r = is_send ? other : msg;
-      if (s->bytes != r->bytes) {
-        s->error = r->error = detail::concat("rank ", s->src, " sends ", s->bytes, " bytes with tag ", tag, " to rank ", s->dst,
-                                                         ", which receives ", r->bytes, " (sizes must agree)");
-      } else {
-        try {
-          const cudaStream_t receiver = world_.streams_[static_cast<std::size_t>(r->dst)].get();
-          s->ready->wait_on(receiver);
-          if (s->bytes) CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(r->recv, s->send, s->bytes, cudaMemcpyDeviceToDevice, receiver));
-          s->done->record(receiver);  // the sender's wait() orders its stream after this
-          r->done->record(receiver);
-        } catch (const std::exception& e) {
-          s->error = r->error = e.what();
-        }
-      }
-      s->matched = r->matched = true;
-      world_.cv_.notify_all();
+  // Paired: enqueue the copy on the receiver's stream, now, after the
+  // sender's stream has reached its isend.
+  world_.post(rank_, op, msg, [this](detail::device_sim::Message& s, detail::device_sim::Message& r) {
+    try {
+      const cudaStream_t receiver = world_.streams_[static_cast<std::size_t>(r.dst)].get();
+      s.ready->wait_on(receiver);
+      if (s.bytes) CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(r.recv, s.send, s.bytes, cudaMemcpyDeviceToDevice, receiver));
+      s.done->record(receiver);  // the sender's wait() orders its stream after this
+      r.done->record(receiver);
+    } catch (const std::exception& e) {
+      s.error = r.error = e.what();
     }
-  }
-  const std::uint64_t id = next_request_++;
-  requests_.emplace(id, std::move(msg));
-  return Request{id};
+  });
+  return requests_.add(std::move(msg));
 }
 
 inline Request DeviceSimTransport::isend(const void* buf, std::size_t bytes, int peer, int tag) {
@@ -704,32 +487,11 @@ inline Request DeviceSimTransport::irecv(void* buf, std::size_t bytes, int peer,
 }
 
 inline void DeviceSimTransport::wait(Request request) {
-  const char* op = "wait";
-  auto it = requests_.find(request.id);
-  if (it == requests_.end()) fail(op, detail::concat("request ", request.id, " is not pending on this rank"));
-  const std::shared_ptr<detail::device_sim::SimMessage> msg = std::move(it->second);
-  requests_.erase(it);
-  const int peer = msg->is_send ? msg->dst : msg->src;
-  std::string problem;
-  {
-    DeviceSimWorld::Lock lock(world_.mutex_);
-    bool peer_gone = false;
-    world_.wait_locked(lock, rank_, msg->is_send ? "wait (isend)" : "wait (irecv)", [&] {
-      peer_gone = !msg->matched && world_.finished_[static_cast<std::size_t>(peer)];
-      return msg->matched || peer_gone;
-    });
-    if (!msg->matched) {
-      problem = detail::concat(msg->is_send ? "isend to" : "irecv from", " rank ", peer, " with tag ", msg->tag,
-                                           " cannot complete: rank ", peer, " has returned from its function");
-    } else {
-      problem = msg->error;
-    }
-  }
-  if (!problem.empty()) fail(op, problem);
+  const std::shared_ptr<detail::device_sim::Message> msg = world_.wait_request(rank_, requests_, request);
   try {
     msg->done->wait_on(stream());  // the copy (on the receiver's stream) comes before our later work
   } catch (...) {
-    world_.fail(rank_, std::current_exception());
+    world_.abort(rank_, std::current_exception());
     throw;
   }
 }

@@ -39,30 +39,27 @@
 //   the rank, the operation and the bound ("All-reduce timeout on rank 2 of 4
 //   in all_reduce: not complete after 100 ms") and aborts the world. None by
 //   default.
+//
+// The threads, the meetings, the mailboxes and the abort are
+// detail/sim_world.hpp's, shared with the single-GPU cuda::DeviceSimWorld;
+// this header adds what moves the bytes (memcpy, and the shared exchange).
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <deque>
-#include <exception>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
-#include <thread>
 #include <tuple>
 #include <type_traits>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/detail/rethrow.hpp"
+#include "cpdispatch/detail/sim_world.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/transport.hpp"
@@ -77,44 +74,6 @@ struct SimOptions {
 class SimWorld;
 
 namespace detail::sim {
-
-/// One pending isend or irecv.
-struct Message {
-  bool is_send = false;
-  int src = 0, dst = 0, tag = 0;
-  const void* send = nullptr;  // isend
-  void* recv = nullptr;        // irecv
-  std::size_t bytes = 0;
-  bool done = false;
-  std::string error;  // set when the match failed
-};
-
-/// What a rank brings to a collective; compared across ranks.
-struct Call {
-  const char* op = "";
-  std::size_t count = 0;  // elements or bytes, per op
-  int type = -1;          // DataType, -1 when untyped
-  int root = -1;          // broadcast
-  friend bool operator==(const Call& a, const Call& b) {
-    return std::string_view(a.op) == b.op && a.count == b.count && a.type == b.type && a.root == b.root;
-  }
-};
-
-/// "All-reduce" for "all_reduce": how timeout messages name an operation.
-inline std::string title_of(std::string_view op) {
-  std::string t(op.substr(0, op.find(' ')));
-  if (t == "all_to_all_v") t = "all_to_all";
-  for (char& ch : t) if (ch == '_') ch = '-';
-  if (!t.empty()) t[0] = static_cast<char>(t[0] - 'a' + 'A');
-  return t;
-}
-
-inline std::string describe(const Call& c) {
-  std::string s = c.op;
-  if (c.type >= 0) s += concat(" of ", c.count, " ", data_type_name(static_cast<DataType>(c.type)));
-  else if (std::string_view(c.op) == "broadcast") s += concat(" of ", c.count, " bytes from root ", c.root);
-  return s;
-}
 
 /// A rank's published buffers for the collective in progress.
 struct Slot {
@@ -200,9 +159,8 @@ class SimTransport {
   friend class SimWorld;
   SimTransport(SimWorld& world, int rank);
 
-  /// Fails the world with "SimTransport: <op> on rank <rank> of W: <what>"
-  /// (rank: this one, or the rank the problem concerns).
-  [[noreturn]] void fail(const char* op, const std::string& what, int rank = -1);
+  /// Fails the world with "SimTransport: <op> on rank <rank> of W: <what>".
+  [[noreturn]] void fail(const char* op, const std::string& what);
   void publish(const detail::sim::Slot& slot);
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag);
 
@@ -210,8 +168,7 @@ class SimTransport {
   int rank_;
   std::vector<const std::byte*> sources_;  // reduction inputs, one per rank
   std::vector<std::byte> scratch_;         // all_reduce result before it is written back
-  std::uint64_t next_request_ = 1;
-  std::unordered_map<std::uint64_t, std::shared_ptr<detail::sim::Message>> requests_;
+  detail::sim::Requests<detail::sim::Message> requests_;
 };
 
 /// A SimTransport seen as a plain Transport, without all_to_all_pieces: a
@@ -245,15 +202,12 @@ class SimPackingTransport {
 };
 
 /// N ranks as threads in this process.
-class SimWorld {
+class SimWorld : private detail::sim::World<detail::sim::Message> {
  public:
-  explicit SimWorld(int world_size, SimOptions options = {}) : size_(world_size), options_(options) {
-    if (world_size <= 0) detail::fail("SimWorld: world_size = ", world_size, " must be at least 1");
-  }
-  SimWorld(const SimWorld&) = delete;
-  SimWorld& operator=(const SimWorld&) = delete;
+  explicit SimWorld(int world_size, SimOptions options = {})
+      : World({"SimWorld", "SimTransport", "SimOptions::timeout"}, world_size, options.timeout), options_(options) {}
 
-  int world_size() const noexcept { return size_; }
+  using World::world_size;
   const SimOptions& options() const noexcept { return options_; }
 
   /// Runs per_rank(SimTransport&) on world_size() threads at once (rank r on
@@ -261,175 +215,23 @@ class SimWorld {
   /// exception of any rank, with the rank named (see the header comment).
   template <class F>
   void run(F&& per_rank) {
-    reset();
-    std::vector<std::thread> threads;
-    threads.reserve(static_cast<std::size_t>(size_));
-    try {
-      for (int r = 0; r < size_; ++r) {
-        threads.emplace_back([this, r, &per_rank] {
-          {
-            SimTransport transport(*this, r);
-            try {
-              per_rank(transport);
-            } catch (...) {
-              fail(r, std::current_exception());
-            }
-          }
-          finish(r);
-        });
-      }
-    } catch (...) {  // could not start a thread: release the ones that run
-      fail(static_cast<int>(threads.size()), std::current_exception());
-      for (auto& t : threads) t.join();
-      running_ = false;
-      throw;
-    }
-    for (auto& t : threads) t.join();
-    running_ = false;
-    if (first_error_) {
-      try {
-        std::rethrow_exception(first_error_);
-      } catch (...) {
-        detail::rethrow_with_context(detail::concat("SimWorld rank ", failed_rank_, " of ", size_, ": "));
-      }
-    }
+    run_ranks([this] { slots_.assign(static_cast<std::size_t>(world_size()), {}); },
+              [this, &per_rank](int r) {
+                SimTransport transport(*this, r);  // gone before the world hears that rank r returned
+                per_rank(transport);
+              });
   }
 
  private:
   friend class SimTransport;
-  using Lock = std::unique_lock<std::mutex>;
 
-  void reset() {
-    Lock lock(mutex_);
-    if (running_) detail::fail("SimWorld::run: the world is already running");
-    running_ = true;
-    slots_.assign(static_cast<std::size_t>(size_), {});
-    finished_.assign(static_cast<std::size_t>(size_), false);
-    any_finished_ = false;
-    arrived_ = 0;
-    readers_ = 0;
-    aborted_ = false;
-    first_error_ = nullptr;
-    failed_rank_ = -1;
-    abort_reason_.clear();
-    mailboxes_.clear();
-  }
-
-  /// Records the first failure and releases every waiting rank.
-  void fail(int rank, std::exception_ptr e) {
-    Lock lock(mutex_);
-    fail_locked(rank, std::move(e));
-  }
-  void fail_locked(int rank, std::exception_ptr e) {
-    if (!first_error_) {
-      first_error_ = e;
-      failed_rank_ = rank;
-      abort_reason_ = detail::what_of(e);
-    }
-    aborted_ = true;
-    cv_.notify_all();
-  }
-
-  /// Fails the world with `e` and throws it from this rank, once no copy
-  /// touches other ranks' buffers any more (this rank's may be freed next).
-  [[noreturn]] void raise(Lock& lock, int rank, std::exception_ptr e) {
-    fail_locked(rank, e);
-    cv_.wait(lock, [&] { return readers_ == 0; });
-    std::rethrow_exception(e);
-  }
-
-  /// Leaves a collective because the world was aborted (see raise).
-  [[noreturn]] void raise_aborted(Lock& lock, int rank, const char* op) {
-    cv_.wait(lock, [&] { return readers_ == 0; });
-    throw error(detail::concat("SimTransport: ", op, " on rank ", rank, " of ", size_, " aborted: rank ", failed_rank_,
-                               " failed first (", abort_reason_, ")"));
-  }
-
-  /// A rank's function returned: its unmatched messages are cancelled (their
-  /// buffers are gone) and ranks waiting for it are told.
-  void finish(int rank) {
-    Lock lock(mutex_);
-    finished_[static_cast<std::size_t>(rank)] = true;
-    any_finished_ = true;
-    for (auto& [key, box] : mailboxes_) {
-      for (auto* queue : {&box.sends, &box.recvs}) {
-        std::erase_if(*queue, [&](const auto& m) {
-          if ((m->is_send ? m->src : m->dst) != rank) return false;
-          m->done = true;
-          m->error = detail::concat("rank ", rank, " returned without waiting for it");
-          return true;
-        });
-      }
-    }
-    cv_.notify_all();
-  }
-
-  /// Waits for `ready` under `lock`, honouring the timeout and the abort.
-  template <class Ready>
-  void wait_locked(Lock& lock, int rank, const char* op, Ready ready) {
-    auto released = [&] { return ready() || aborted_; };
-    if (!options_.timeout) {
-      cv_.wait(lock, released);
-    } else if (!cv_.wait_for(lock, *options_.timeout, released)) {
-      raise(lock, rank, std::make_exception_ptr(timeout_error(detail::concat(
-                            detail::sim::title_of(op), " timeout on rank ", rank, " of ", size_, " in ", op, ": not complete after ",
-                            options_.timeout->count(), " ms (SimOptions::timeout)"))));
-    }
-    if (aborted_) raise_aborted(lock, rank, op);  // even when `ready`: the failure is the news
-  }
-
-  /// Runs `read`, which touches other ranks' published buffers, on `rank`'s
-  /// thread, unless the world is aborted; a rank leaving on an abort waits for
-  /// it (raise). `read` returns an error message, empty when all went well;
-  /// the failure is put down to rank `blame`.
-  template <class Read>
-  void read_others(int rank, const char* op, Read&& read, int blame = -1) {
-    {
-      Lock lock(mutex_);
-      if (aborted_) raise_aborted(lock, rank, op);
-      ++readers_;
-    }
-    std::string problem = read();
-    Lock lock(mutex_);
-    if (--readers_ == 0 && aborted_) cv_.notify_all();
-    if (!problem.empty()) raise(lock, blame < 0 ? rank : blame, std::make_exception_ptr(invalid_input(problem)));
-  }
-
-  /// All ranks meet; every rank must bring the same call. Returns the
-  /// number of the meeting (1, 2, ...).
+  /// All ranks meet (see World::arrive_and_wait); an exchange's task
+  /// counters start afresh at each meeting.
   std::uint64_t arrive_and_wait(int rank, const detail::sim::Call& call) {
-    Lock lock(mutex_);
-    if (aborted_) raise_aborted(lock, rank, call.op);
-    if (arrived_ == 0) {
-      call_ = call;
-      first_rank_ = rank;
-    } else if (!(call == call_)) {
-      raise(lock, rank, std::make_exception_ptr(invalid_input(detail::concat(
-                            "SimTransport: rank ", rank, " called ", detail::sim::describe(call), " while rank ", first_rank_, " called ",
-                            detail::sim::describe(call_), " (collectives must match)"))));
-    }
-    const std::uint64_t generation = generation_;
-    if (++arrived_ == size_) {
-      arrived_ = 0;
-      ++generation_;
-      next_task_.store(0);  // for an exchange (see share_tasks)
+    return World::arrive_and_wait(rank, call, [this] {
+      next_task_.store(0);
       tasks_done_ = 0;
-      cv_.notify_all();
-      return generation_;
-    }
-    bool stuck = false;
-    wait_locked(lock, rank, call.op, [&] {
-      if (generation_ != generation) return true;
-      stuck = any_finished_;  // a rank that returned will never arrive
-      return stuck;
     });
-    if (stuck && generation_ == generation) {
-      int gone = 0;
-      while (!finished_[static_cast<std::size_t>(gone)]) ++gone;
-      raise(lock, rank, std::make_exception_ptr(error(detail::concat("SimTransport: ", call.op, " on rank ", rank, " of ", size_,
-                                                                     " cannot complete: rank ", gone, " has returned from its function"))));
-    }
-    return generation + 1;
   }
 
   /// The second half of an exchange, after the meeting `generation` where
@@ -439,64 +241,38 @@ class SimWorld {
   /// done, so no buffer is reused while being read.
   template <class Task>
   void share_tasks(int rank, const char* op, std::uint64_t generation, Task&& task) {
+    const int size = world_size();
     for (;;) {
       const std::size_t r = next_task_.fetch_add(1);
-      if (r >= static_cast<std::size_t>(size_)) break;
+      if (r >= static_cast<std::size_t>(size)) break;
       read_others(rank, op, [&] { return task(static_cast<int>(r)); }, static_cast<int>(r));
       Lock lock(mutex_);
-      if (++tasks_done_ == size_) {
+      if (++tasks_done_ == size) {
         exchanged_ = generation;
-        cv_.notify_all();
+        notify_all();
       }
     }
     Lock lock(mutex_);
     wait_locked(lock, rank, op, [&] { return exchanged_ >= generation; });
   }
 
-  struct Mailbox {
-    std::deque<std::shared_ptr<detail::sim::Message>> sends, recvs;
-  };
-
-  int size_;
   SimOptions options_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool running_ = false;
   // collectives (slots are written under the mutex before arriving, read after the meeting)
   std::vector<detail::sim::Slot> slots_;
-  int arrived_ = 0;
-  std::uint64_t generation_ = 0;
-  detail::sim::Call call_;
-  int first_rank_ = 0;
-  int readers_ = 0;  // ranks inside read_others
   // exchanges: receiver tasks handed out / finished, the last meeting whose exchange is complete
   std::atomic<std::size_t> next_task_{0};
   int tasks_done_ = 0;
   std::uint64_t exchanged_ = 0;
-  // failure
-  std::vector<bool> finished_;
-  bool any_finished_ = false;
-  bool aborted_ = false;
-  std::exception_ptr first_error_;
-  int failed_rank_ = -1;
-  std::string abort_reason_;
-  // point to point, keyed by (source, destination, tag)
-  std::map<std::tuple<int, int, int>, Mailbox> mailboxes_;
 };
 
 // ---- SimTransport ----------------------------------------------------------
 
 inline SimTransport::SimTransport(SimWorld& world, int rank)
-    : world_(world), rank_(rank), sources_(static_cast<std::size_t>(world.size_)) {}
+    : world_(world), rank_(rank), sources_(static_cast<std::size_t>(world.world_size())) {}
 
-inline int SimTransport::world_size() const noexcept { return world_.size_; }
+inline int SimTransport::world_size() const noexcept { return world_.world_size(); }
 
-inline void SimTransport::fail(const char* op, const std::string& what, int rank) {
-  if (rank < 0) rank = rank_;
-  SimWorld::Lock lock(world_.mutex_);
-  world_.raise(lock, rank,
-               std::make_exception_ptr(invalid_input(detail::concat("SimTransport: ", op, " on rank ", rank, " of ", world_.size_, ": ", what))));
-}
+inline void SimTransport::fail(const char* op, const std::string& what) { world_.raise_invalid(rank_, op, what); }
 
 inline void SimTransport::publish(const detail::sim::Slot& slot) {
   std::lock_guard lock(world_.mutex_);
@@ -507,7 +283,7 @@ inline void SimTransport::all_to_all_v(const void* send, std::span<const std::si
                                        std::span<const std::size_t> send_displs, void* recv,
                                        std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
   const char* op = "all_to_all_v";
-  const auto W = static_cast<std::size_t>(world_.size_);
+  const auto W = static_cast<std::size_t>(world_.world_size());
   for (auto [name, s] : {std::pair{"send_counts", send_counts}, std::pair{"send_displs", send_displs},
                          std::pair{"recv_counts", recv_counts}, std::pair{"recv_displs", recv_displs}}) {
     if (s.size() != W) fail(op, detail::concat(name, " has ", s.size(), " entries, world_size is ", W));
@@ -538,7 +314,7 @@ inline void SimTransport::all_to_all_pieces(const void* send, std::span<const By
                                             std::span<const std::size_t> send_splits, void* recv,
                                             std::span<const BytePiece> recv_pieces, std::span<const std::size_t> recv_splits) {
   const char* op = "all_to_all_pieces";
-  const auto W = static_cast<std::size_t>(world_.size_);
+  const auto W = static_cast<std::size_t>(world_.world_size());
   for (auto [name, splits, pieces] : {std::tuple{"send_splits", send_splits, send_pieces.size()},
                                       std::tuple{"recv_splits", recv_splits, recv_pieces.size()}}) {
     if (splits.size() != W + 1) fail(op, detail::concat(name, " has ", splits.size(), " entries, world_size + 1 is ", W + 1));
@@ -587,7 +363,7 @@ inline void SimTransport::barrier() { world_.arrive_and_wait(rank_, {"barrier"})
 
 inline void SimTransport::broadcast(void* buf, std::size_t bytes, int root) {
   const char* op = "broadcast";
-  if (root < 0 || root >= world_.size_) fail(op, detail::concat("root ", root, " is outside [0, ", world_.size_, ")"));
+  if (root < 0 || root >= world_size()) fail(op, detail::concat("root ", root, " is outside [0, ", world_size(), ")"));
   publish({.send = buf, .recv = buf});
   const detail::sim::Call call{op, bytes, -1, root};
   world_.arrive_and_wait(rank_, call);
@@ -647,41 +423,12 @@ inline void SimTransport::reduce_scatter(const void* send, void* recv, std::size
 
 inline Request SimTransport::post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer,
                                   int tag) {
-  if (peer < 0 || peer >= world_.size_) fail(op, detail::concat("peer ", peer, " is outside [0, ", world_.size_, ")"));
-  auto msg = std::make_shared<detail::sim::Message>();
-  msg->is_send = is_send;
-  msg->src = is_send ? rank_ : peer;
-  msg->dst = is_send ? peer : rank_;
-  msg->tag = tag;
-  msg->send = send;
-  msg->recv = recv;
-  msg->bytes = bytes;
-  {
-    SimWorld::Lock lock(world_.mutex_);
-    if (world_.aborted_) world_.raise_aborted(lock, rank_, op);
-    auto& box = world_.mailboxes_[{msg->src, msg->dst, tag}];
-    auto& mine = is_send ? box.sends : box.recvs;
-    auto& theirs = is_send ? box.recvs : box.sends;
-    if (theirs.empty()) {
-      mine.push_back(msg);
-    } else {  // matched: copy now, under the lock (both buffers are alive until their waits)
-      auto other = theirs.front();
-      theirs.pop_front();
-      auto& s = is_send ? msg : other;
-      auto& r = is_send ? other : msg;
-      if (s->bytes != r->bytes) {
-        s->error = r->error = detail::concat("rank ", s->src, " sends ", s->bytes, " bytes with tag ", tag, " to rank ", s->dst,
-                                             ", which receives ", r->bytes, " (sizes must agree)");
-      } else if (s->bytes) {
-        std::memcpy(r->recv, s->send, s->bytes);
-      }
-      s->done = r->done = true;
-      world_.cv_.notify_all();
-    }
-  }
-  const std::uint64_t id = next_request_++;
-  requests_.emplace(id, std::move(msg));
-  return Request{id};
+  auto msg = world_.new_message(rank_, op, is_send, send, recv, bytes, peer, tag);
+  // Paired: copy now, under the world's lock (both buffers are alive until their waits).
+  world_.post(rank_, op, msg, [](detail::sim::Message& s, detail::sim::Message& r) {
+    if (s.bytes) std::memcpy(r.recv, s.send, s.bytes);
+  });
+  return requests_.add(std::move(msg));
 }
 
 inline Request SimTransport::isend(const void* buf, std::size_t bytes, int peer, int tag) {
@@ -693,28 +440,7 @@ inline Request SimTransport::irecv(void* buf, std::size_t bytes, int peer, int t
 }
 
 inline void SimTransport::wait(Request request) {
-  const char* op = "wait";
-  auto it = requests_.find(request.id);
-  if (it == requests_.end()) fail(op, detail::concat("request ", request.id, " is not pending on this rank"));
-  const std::shared_ptr<detail::sim::Message> msg = std::move(it->second);
-  requests_.erase(it);
-  const int peer = msg->is_send ? msg->dst : msg->src;
-  std::string problem;
-  {
-    SimWorld::Lock lock(world_.mutex_);
-    bool peer_gone = false;
-    world_.wait_locked(lock, rank_, msg->is_send ? "wait (isend)" : "wait (irecv)", [&] {
-      peer_gone = !msg->done && world_.finished_[static_cast<std::size_t>(peer)];
-      return msg->done || peer_gone;
-    });
-    if (!msg->done) {
-      problem = detail::concat(msg->is_send ? "isend to" : "irecv from", " rank ", peer, " with tag ", msg->tag,
-                               " cannot complete: rank ", peer, " has returned from its function");
-    } else {
-      problem = msg->error;
-    }
-  }
-  if (!problem.empty()) fail(op, problem);
+  world_.wait_request(rank_, requests_, request);  // the bytes were copied when the two were paired
 }
 
 }  // namespace cpdispatch
