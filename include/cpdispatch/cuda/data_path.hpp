@@ -34,7 +34,6 @@
 #include <cstdint>
 #include <optional>
 #include <span>
-#include <tuple>  // before dispatch_plan.hpp, which uses std::tuple without including it (nvcc's front end does not get it transitively)
 #include <vector>
 
 #include "cpdispatch/cuda/device_metadata.hpp"
