@@ -136,6 +136,43 @@ Tensor<T> shaped_like(const Tensor<T>& like, std::size_t last) {
   return Tensor<T>(shape);
 }
 
+/// A linear layer's weight, bias and their gradients in the backend's memory,
+/// and the updates made to them. Shared by the sharded layers (buffers hold
+/// this rank's slice) and the wrapper's replicated layer (the full tensors).
+template <class G, class T>
+struct LinearParameters {
+  using buffer_type = typename G::template buffer<T>;
+
+  LinearParameters() = default;
+  LinearParameters(bool with_bias, std::size_t weight_count, std::size_t bias_count)
+      : has_bias(with_bias), weight(weight_count), bias(bias_count), grad_weight(weight_count),
+        grad_bias(bias_count) {}
+
+  void zero_grad(G& g) {
+    g.fill(grad_weight.data(), T(0), grad_weight.size());
+    if (has_bias) g.fill(grad_bias.data(), T(0), grad_bias.size());
+  }
+
+  /// Plain SGD: parameter -= lr * gradient (gradients are left as they are).
+  void sgd_step(G& g, T lr) {
+    g.axpy(-lr, grad_weight.data(), weight.data(), weight.size());
+    if (has_bias) g.axpy(-lr, grad_bias.data(), bias.data(), bias.size());
+  }
+
+  /// "weight" and, with a bias, "bias", with their gradients.
+  std::vector<Parameter<T>> list() {
+    std::vector<Parameter<T>> p{{"weight", weight.data(), grad_weight.data(), weight.size()}};
+    if (has_bias) p.push_back({"bias", bias.data(), grad_bias.data(), bias.size()});
+    return p;
+  }
+
+  bool has_bias = false;
+  buffer_type weight{};
+  buffer_type bias{};
+  buffer_type grad_weight{};
+  buffer_type grad_bias{};
+};
+
 enum class Split { out_features, in_features };
 
 /// What each rank says about a layer it builds; gathered to check agreement.
@@ -173,48 +210,38 @@ class ShardedLinear {
   std::size_t out_features() const noexcept { return out_; }
   int world_size() const noexcept { return world_size_; }
   int rank() const noexcept { return rank_; }
-  bool has_bias() const noexcept { return has_bias_; }
+  bool has_bias() const noexcept { return params_.has_bias; }
   DataType dtype() const noexcept { return data_type_of<T>(); }
   Tr& transport() const noexcept { return *transport_; }
   G& gemm() const noexcept { return *gemm_; }
 
   /// This rank's weight: [out_local, in] (RowParallel) or [out, in_local] (ColumnParallel).
-  const buffer_type& weight() const noexcept { return weight_; }
-  buffer_type& weight() noexcept { return weight_; }
+  const buffer_type& weight() const noexcept { return params_.weight; }
+  buffer_type& weight() noexcept { return params_.weight; }
   /// [out_local] (RowParallel) or [out] (ColumnParallel); empty without bias.
-  const buffer_type& bias() const noexcept { return bias_; }
-  buffer_type& bias() noexcept { return bias_; }
-  const buffer_type& grad_weight() const noexcept { return grad_weight_; }
-  buffer_type& grad_weight() noexcept { return grad_weight_; }
-  const buffer_type& grad_bias() const noexcept { return grad_bias_; }
-  buffer_type& grad_bias() noexcept { return grad_bias_; }
+  const buffer_type& bias() const noexcept { return params_.bias; }
+  buffer_type& bias() noexcept { return params_.bias; }
+  const buffer_type& grad_weight() const noexcept { return params_.grad_weight; }
+  buffer_type& grad_weight() noexcept { return params_.grad_weight; }
+  const buffer_type& grad_bias() const noexcept { return params_.grad_bias; }
+  buffer_type& grad_bias() noexcept { return params_.grad_bias; }
   /// {rows, columns} of this rank's weight.
   std::pair<std::size_t, std::size_t> weight_shape() const noexcept { return {rows_, cols_}; }
 
-  void zero_grad() {
-    gemm_->fill(grad_weight_.data(), T(0), grad_weight_.size());
-    if (has_bias_) gemm_->fill(grad_bias_.data(), T(0), grad_bias_.size());
-  }
+  void zero_grad() { params_.zero_grad(*gemm_); }
 
   /// Plain SGD: parameter -= lr * gradient (gradients are left as they are).
-  void sgd_step(T lr) {
-    gemm_->axpy(-lr, grad_weight_.data(), weight_.data(), weight_.size());
-    if (has_bias_) gemm_->axpy(-lr, grad_bias_.data(), bias_.data(), bias_.size());
-  }
+  void sgd_step(T lr) { params_.sgd_step(*gemm_, lr); }
 
   /// This rank's parameters ("weight", "bias") with their gradients.
-  std::vector<Parameter<T>> parameters() {
-    std::vector<Parameter<T>> p{{"weight", weight_.data(), grad_weight_.data(), weight_.size()}};
-    if (has_bias_) p.push_back({"bias", bias_.data(), grad_bias_.data(), bias_.size()});
-    return p;
-  }
+  std::vector<Parameter<T>> parameters() { return params_.list(); }
 
   /// The full (unsharded) weight [out, in] on every rank: collective (all_gather).
   Tensor<T> gather_weight() const
     requires(Tr::memory_space == MemorySpace::host)
   {
-    std::vector<T> gathered(static_cast<std::size_t>(world_size_) * weight_.size());
-    all_gather(*transport_, weight_.data(), gathered.data(), weight_.size());
+    std::vector<T> gathered(static_cast<std::size_t>(world_size_) * weight().size());
+    all_gather(*transport_, weight().data(), gathered.data(), weight().size());
     Tensor<T> full({out_, in_});
     if constexpr (S == Split::out_features) {
       std::copy(gathered.begin(), gathered.end(), full.data());
@@ -222,7 +249,7 @@ class ShardedLinear {
       const std::size_t in_local = cols_;
       for (int r = 0; r < world_size_; ++r) {
         for (std::size_t o = 0; o < out_; ++o) {
-          const T* src = gathered.data() + static_cast<std::size_t>(r) * weight_.size() + o * in_local;
+          const T* src = gathered.data() + static_cast<std::size_t>(r) * weight().size() + o * in_local;
           std::copy(src, src + in_local, full.data() + o * in_ + static_cast<std::size_t>(r) * in_local);
         }
       }
@@ -234,13 +261,13 @@ class ShardedLinear {
   std::vector<T> gather_bias() const
     requires(Tr::memory_space == MemorySpace::host)
   {
-    if (!has_bias_) return {};
+    if (!has_bias()) return {};
     if constexpr (S == Split::out_features) {
       std::vector<T> full(out_);
-      all_gather(*transport_, bias_.data(), full.data(), bias_.size());
+      all_gather(*transport_, bias().data(), full.data(), bias().size());
       return full;
     } else {
-      return std::vector<T>(bias_.data(), bias_.data() + bias_.size());
+      return std::vector<T>(bias().data(), bias().data() + bias().size());
     }
   }
 
@@ -248,7 +275,7 @@ class ShardedLinear {
   /// from_full == false: default initialisation from options.seed.
   ShardedLinear(Tr& transport, G& gemm, std::size_t in, std::size_t out, const LinearOptions& options, bool from_full,
                 const T* full_weight, std::size_t full_weight_size, const T* full_bias, std::size_t full_bias_size)
-      : transport_(&transport), gemm_(&gemm), in_(in), out_(out), has_bias_(options.bias) {
+      : transport_(&transport), gemm_(&gemm), in_(in), out_(out) {
     std::string local_error;
     if (from_full) {
       if (full_weight_size != in * out) {
@@ -274,7 +301,7 @@ class ShardedLinear {
     const std::size_t col0 = S == Split::out_features ? 0 : r * cols_;
 
     std::vector<T> host_w(rows_ * cols_);
-    std::vector<T> host_b(has_bias_ ? bias_count : 0);
+    std::vector<T> host_b(options.bias ? bias_count : 0);
     const double bound = 1.0 / std::sqrt(static_cast<double>(in_));
     for (std::size_t i = 0; i < rows_; ++i) {
       for (std::size_t j = 0; j < cols_; ++j) {
@@ -287,12 +314,9 @@ class ShardedLinear {
     for (std::size_t i = 0; i < host_b.size(); ++i) {
       host_b[i] = from_full ? full_bias[bias0 + i] : init_value<T>(options.seed, 1, bias0 + i, bound);
     }
-    weight_ = buffer_type(host_w.size());
-    gemm_->upload(host_w.data(), weight_.data(), host_w.size());
-    grad_weight_ = buffer_type(host_w.size());
-    bias_ = buffer_type(host_b.size());
-    grad_bias_ = buffer_type(host_b.size());
-    if (!host_b.empty()) gemm_->upload(host_b.data(), bias_.data(), host_b.size());
+    params_ = LinearParameters<G, T>(options.bias, host_w.size(), host_b.size());
+    gemm_->upload(host_w.data(), params_.weight.data(), host_w.size());
+    if (!host_b.empty()) gemm_->upload(host_b.data(), params_.bias.data(), host_b.size());
     zero_grad();
   }
 
@@ -389,13 +413,9 @@ class ShardedLinear {
   G* gemm_;
   std::size_t in_;
   std::size_t out_;
-  bool has_bias_;
   int world_size_ = 1;
   int rank_ = 0;
-  buffer_type weight_{};
-  buffer_type bias_{};
-  buffer_type grad_weight_{};
-  buffer_type grad_bias_{};
+  LinearParameters<G, T> params_{};
 };
 
 }  // namespace detail

@@ -274,53 +274,39 @@ class ReplicatedLinear {
   using buffer_type = typename G::template buffer<T>;
 
   ReplicatedLinear(G& gemm, const Linear<T>& full)
-      : gemm_(&gemm), in_(full.in_features), out_(full.out_features), has_bias_(full.has_bias()),
-        weight_(full.weight.size()), bias_(full.bias.size()), grad_weight_(full.weight.size()),
-        grad_bias_(full.bias.size()) {
-    gemm.upload(full.weight.data(), weight_.data(), full.weight.size());
-    if (has_bias_) gemm.upload(full.bias.data(), bias_.data(), full.bias.size());
+      : gemm_(&gemm), in_(full.in_features), out_(full.out_features),
+        params_(full.has_bias(), full.weight.size(), full.bias.size()) {
+    gemm.upload(full.weight.data(), params_.weight.data(), full.weight.size());
+    if (params_.has_bias) gemm.upload(full.bias.data(), params_.bias.data(), full.bias.size());
     zero_grad();
   }
 
   std::size_t in_features() const noexcept { return in_; }
   std::size_t out_features() const noexcept { return out_; }
-  bool has_bias() const noexcept { return has_bias_; }
-  const buffer_type& weight() const noexcept { return weight_; }
-  const buffer_type& bias() const noexcept { return bias_; }
-  const buffer_type& grad_weight() const noexcept { return grad_weight_; }
-  const buffer_type& grad_bias() const noexcept { return grad_bias_; }
+  bool has_bias() const noexcept { return params_.has_bias; }
+  const buffer_type& weight() const noexcept { return params_.weight; }
+  const buffer_type& bias() const noexcept { return params_.bias; }
+  const buffer_type& grad_weight() const noexcept { return params_.grad_weight; }
+  const buffer_type& grad_bias() const noexcept { return params_.grad_bias; }
 
   void forward(const T* x, std::size_t tokens, T* y) {
-    detail::linear_forward(*gemm_, x, tokens, in_, out_, weight_.data(), has_bias_ ? bias_.data() : nullptr, y);
+    detail::linear_forward(*gemm_, x, tokens, in_, out_, params_.weight.data(),
+                           params_.has_bias ? params_.bias.data() : nullptr, y);
   }
   void backward(const T* x, const T* dy, std::size_t tokens, T* dx) {
-    detail::linear_backward_params(*gemm_, x, dy, tokens, in_, out_, grad_weight_.data(),
-                                   has_bias_ ? grad_bias_.data() : nullptr);
-    if (dx != nullptr) detail::linear_backward_input(*gemm_, dy, tokens, in_, out_, weight_.data(), dx);
+    detail::linear_backward_params(*gemm_, x, dy, tokens, in_, out_, params_.grad_weight.data(),
+                                   params_.has_bias ? params_.grad_bias.data() : nullptr);
+    if (dx != nullptr) detail::linear_backward_input(*gemm_, dy, tokens, in_, out_, params_.weight.data(), dx);
   }
-  void zero_grad() {
-    gemm_->fill(grad_weight_.data(), T(0), grad_weight_.size());
-    if (has_bias_) gemm_->fill(grad_bias_.data(), T(0), grad_bias_.size());
-  }
-  void sgd_step(T lr) {
-    gemm_->axpy(-lr, grad_weight_.data(), weight_.data(), weight_.size());
-    if (has_bias_) gemm_->axpy(-lr, grad_bias_.data(), bias_.data(), bias_.size());
-  }
-  std::vector<Parameter<T>> parameters() {
-    std::vector<Parameter<T>> p{{"weight", weight_.data(), grad_weight_.data(), weight_.size()}};
-    if (has_bias_) p.push_back({"bias", bias_.data(), grad_bias_.data(), bias_.size()});
-    return p;
-  }
+  void zero_grad() { params_.zero_grad(*gemm_); }
+  void sgd_step(T lr) { params_.sgd_step(*gemm_, lr); }
+  std::vector<Parameter<T>> parameters() { return params_.list(); }
 
  private:
   G* gemm_;
   std::size_t in_;
   std::size_t out_;
-  bool has_bias_;
-  buffer_type weight_;
-  buffer_type bias_;
-  buffer_type grad_weight_;
-  buffer_type grad_bias_;
+  detail::LinearParameters<G, T> params_;
 };
 
 /// What the wrapper made of each layer of the model.
