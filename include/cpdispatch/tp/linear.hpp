@@ -190,8 +190,10 @@ struct LayerRecord {
   }
 };
 
-/// Parameters, gradients and the collective construction check of both layers.
-template <class Tr, class G, class T, Split S>
+/// Parameters, gradients, the collective construction check and the host-tensor
+/// forward/backward of both layers. Layer is the derived layer (CRTP): the
+/// host-tensor calls run its pointer-level forward/backward.
+template <class Layer, class Tr, class G, class T, Split S>
 class ShardedLinear {
   CPDISPATCH_CHECK_TRANSPORT(Tr);
   CPDISPATCH_CHECK_GEMM_BACKEND(G, T);
@@ -235,6 +237,34 @@ class ShardedLinear {
 
   /// This rank's parameters ("weight", "bias") with their gradients.
   std::vector<Parameter<T>> parameters() { return params_.list(); }
+
+  // This rank's weight is [rows_, cols_], so every layer maps [..., cols_] to
+  // [..., rows_]: [..., in] -> [..., out_local] (RowParallel),
+  // [..., in_local] -> [..., out] (ColumnParallel).
+
+  /// Host convenience: x [tokens, cols] or [B, L, cols] -> [..., rows].
+  Tensor<T> forward(const Tensor<T>& x)
+    requires(G::memory_space == MemorySpace::host)
+  {
+    const std::size_t tokens = tokens_of(x, cols_, forward_name, "the input");
+    Tensor<T> y = shaped_like(x, rows_);
+    layer().forward(x.data(), tokens, y.data());
+    return y;
+  }
+
+  /// Host convenience: returns dx shaped as x (RowParallel: all-reduced over ranks).
+  Tensor<T> backward(const Tensor<T>& x, const Tensor<T>& dy)
+    requires(G::memory_space == MemorySpace::host)
+  {
+    const std::size_t tokens = tokens_of(x, cols_, backward_name, "the input");
+    if (tokens_of(dy, rows_, backward_name, "the output gradient") != tokens) {
+      cpdispatch::detail::fail(backward_name, ": the output gradient has ", dy.numel() / rows_, " tokens, the input ",
+                               tokens);
+    }
+    Tensor<T> dx = shaped_like(x, cols_);
+    layer().backward(x.data(), dy.data(), tokens, dx.data());
+    return dx;
+  }
 
   /// The full (unsharded) weight [out, in] on every rank: collective (all_gather).
   Tensor<T> gather_weight() const
@@ -324,6 +354,15 @@ class ShardedLinear {
   std::size_t cols_ = 0;
 
  private:
+  // Whole literals, not layer_name + suffix: tokens_of takes a C string and a
+  // forward call should build none.
+  static constexpr const char* forward_name =
+      S == Split::out_features ? "RowParallelLinear::forward" : "ColumnParallelLinear::forward";
+  static constexpr const char* backward_name =
+      S == Split::out_features ? "RowParallelLinear::backward" : "ColumnParallelLinear::backward";
+
+  Layer& layer() noexcept { return static_cast<Layer&>(*this); }
+
   /// Every rank gathers every rank's record and raises the same error.
   void check(const LinearOptions& options, const std::string& local_error) {
     using cpdispatch::detail::concat;
@@ -423,8 +462,9 @@ class ShardedLinear {
 /// Splits out_features: rank r computes output features [r*out_local, (r+1)*out_local)
 /// with no communication (Megatron-LM's ColumnParallelLinear(gather_output=False)).
 template <class Tr, class G, class T = float>
-class RowParallelLinear : public detail::ShardedLinear<Tr, G, T, detail::Split::out_features> {
-  using Base = detail::ShardedLinear<Tr, G, T, detail::Split::out_features>;
+class RowParallelLinear
+    : public detail::ShardedLinear<RowParallelLinear<Tr, G, T>, Tr, G, T, detail::Split::out_features> {
+  using Base = detail::ShardedLinear<RowParallelLinear<Tr, G, T>, Tr, G, T, detail::Split::out_features>;
 
  public:
   /// Default-initialised layer (see LinearOptions::seed). Collective.
@@ -462,29 +502,10 @@ class RowParallelLinear : public detail::ShardedLinear<Tr, G, T, detail::Split::
     all_reduce_sum(this->transport(), dx, tokens * this->in_features());
   }
 
-  /// Host convenience: x [tokens, in] or [B, L, in] -> [..., out_local].
-  Tensor<T> forward(const Tensor<T>& x)
-    requires(G::memory_space == MemorySpace::host)
-  {
-    const std::size_t tokens = detail::tokens_of(x, this->in_features(), "RowParallelLinear::forward", "the input");
-    Tensor<T> y = detail::shaped_like(x, this->rows_);
-    forward(x.data(), tokens, y.data());
-    return y;
-  }
-
-  /// Host convenience: returns dx (all-reduced) shaped as x.
-  Tensor<T> backward(const Tensor<T>& x, const Tensor<T>& dy)
-    requires(G::memory_space == MemorySpace::host)
-  {
-    const std::size_t tokens = detail::tokens_of(x, this->in_features(), "RowParallelLinear::backward", "the input");
-    if (detail::tokens_of(dy, this->rows_, "RowParallelLinear::backward", "the output gradient") != tokens) {
-      cpdispatch::detail::fail("RowParallelLinear::backward: the output gradient has ", dy.numel() / this->rows_,
-                               " tokens, the input ", tokens);
-    }
-    Tensor<T> dx = detail::shaped_like(x, this->in_features());
-    backward(x.data(), dy.data(), tokens, dx.data());
-    return dx;
-  }
+  /// The host-tensor overloads: x [tokens, in] or [B, L, in] -> [..., out_local];
+  /// backward returns dx (all-reduced) shaped as x.
+  using Base::backward;
+  using Base::forward;
 
  private:
   RowParallelLinear(Tr& transport, G& gemm, std::size_t in, std::size_t out, const LinearOptions& options,
@@ -496,8 +517,9 @@ class RowParallelLinear : public detail::ShardedLinear<Tr, G, T, detail::Split::
 /// and the forward pass sums the partial outputs with one all-reduce
 /// (Megatron-LM's RowParallelLinear(input_is_parallel=True)).
 template <class Tr, class G, class T = float>
-class ColumnParallelLinear : public detail::ShardedLinear<Tr, G, T, detail::Split::in_features> {
-  using Base = detail::ShardedLinear<Tr, G, T, detail::Split::in_features>;
+class ColumnParallelLinear
+    : public detail::ShardedLinear<ColumnParallelLinear<Tr, G, T>, Tr, G, T, detail::Split::in_features> {
+  using Base = detail::ShardedLinear<ColumnParallelLinear<Tr, G, T>, Tr, G, T, detail::Split::in_features>;
 
  public:
   /// Default-initialised layer (see LinearOptions::seed). Collective.
@@ -538,31 +560,10 @@ class ColumnParallelLinear : public detail::ShardedLinear<Tr, G, T, detail::Spli
                                   dx_local);
   }
 
-  /// Host convenience: x_local [tokens, in_local] or [B, L, in_local] -> [..., out].
-  Tensor<T> forward(const Tensor<T>& x_local)
-    requires(G::memory_space == MemorySpace::host)
-  {
-    const std::size_t tokens = detail::tokens_of(x_local, this->cols_, "ColumnParallelLinear::forward", "the input");
-    Tensor<T> y = detail::shaped_like(x_local, this->out_features());
-    forward(x_local.data(), tokens, y.data());
-    return y;
-  }
-
-  /// Host convenience: returns dx_local shaped as x_local.
-  Tensor<T> backward(const Tensor<T>& x_local, const Tensor<T>& dy)
-    requires(G::memory_space == MemorySpace::host)
-  {
-    const std::size_t tokens =
-        detail::tokens_of(x_local, this->cols_, "ColumnParallelLinear::backward", "the input");
-    if (detail::tokens_of(dy, this->out_features(), "ColumnParallelLinear::backward", "the output gradient") !=
-        tokens) {
-      cpdispatch::detail::fail("ColumnParallelLinear::backward: the output gradient has ",
-                               dy.numel() / this->out_features(), " tokens, the input ", tokens);
-    }
-    Tensor<T> dx = detail::shaped_like(x_local, this->cols_);
-    backward(x_local.data(), dy.data(), tokens, dx.data());
-    return dx;
-  }
+  /// The host-tensor overloads: x_local [tokens, in_local] or [B, L, in_local] -> [..., out];
+  /// backward returns dx_local shaped as x_local.
+  using Base::backward;
+  using Base::forward;
 
  private:
   ColumnParallelLinear(Tr& transport, G& gemm, std::size_t in, std::size_t out, const LinearOptions& options,
