@@ -9,26 +9,18 @@
 
 #include "cpdispatch/transports/sim.hpp"
 #include "overlap_cases.hpp"
+#include "sim_world_fixture.hpp"
 
 namespace ov = cpdispatch::overlap;
 using cpdispatch::SimOptions;
 using cpdispatch::SimTransport;
 using cpdispatch::SimWorld;
-using namespace std::chrono_literals;
 
 namespace {
 
-class OverlapSim : public testing::TestWithParam<int> {
- protected:
-  template <class F>
-  void run(F&& per_rank) {
-    SimWorld world(GetParam(), SimOptions{60s});  // a hang fails the test instead of blocking it
-    world.run(per_rank);
-  }
-};
+class OverlapSim : public sim_test::WorldSizeTest {};
 
-INSTANTIATE_TEST_SUITE_P(TpSizes, OverlapSim, testing::Values(1, 2, 3, 4),
-                         [](const testing::TestParamInfo<int>& info) { return "tp" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(TpSizes, OverlapSim, testing::Values(1, 2, 3, 4), sim_test::WorldSizeName{"tp"});
 
 }  // namespace
 
@@ -67,7 +59,7 @@ TEST_P(OverlapSim, AFailingGemmStopsTheCallAndIsRethrown) {
   const auto tp = static_cast<std::size_t>(W);
   for (auto method : {ov::CommOverlapMethod::PIPELINE, ov::CommOverlapMethod::RING_EXCHANGE}) {
     const bool fails = !(method == ov::CommOverlapMethod::RING_EXCHANGE && W == 1);  // one partial only
-    SimWorld world(W, SimOptions{60s});
+    SimWorld world(W, SimOptions{sim_test::hang_timeout});
     try {
       world.run([&](SimTransport& t) {
         FailingGemm gemm;

@@ -11,22 +11,12 @@
 
 #include "cpdispatch/tp/tensor_parallel.hpp"
 #include "loopback_transport.hpp"
+#include "tp_test_util.hpp"
 
 namespace tp = cpdispatch::tp;
 using testing::HasSubstr;
+using tp_test::error_of;
 using tp_test::LoopbackTransport;
-
-namespace {
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const cpdispatch::error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-}  // namespace
 
 TEST(TpConfig, InitRecordsThisThreadsConfig) {
   tp::reset_tensor_parallel_config();

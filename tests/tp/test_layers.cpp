@@ -19,19 +19,10 @@
 namespace tp = cpdispatch::tp;
 using cpdispatch::Tensor;
 using testing::HasSubstr;
+using tp_test::error_of;
 using tp_test::LoopbackTransport;
 
 namespace {
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const cpdispatch::error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
 using HostGemm = tp::CblasGemm;

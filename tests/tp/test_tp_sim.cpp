@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "cpdispatch/transports/sim.hpp"
+#include "sim_world_fixture.hpp"
 #include "tp_cases.hpp"
 
 namespace tp = cpdispatch::tp;
@@ -20,17 +21,9 @@ using namespace std::chrono_literals;
 
 namespace {
 
-class TpSim : public testing::TestWithParam<int> {
- protected:
-  template <class F>
-  void run(F&& per_rank) {
-    SimWorld world(GetParam(), SimOptions{60s});  // a hang fails the test instead of blocking it
-    world.run(per_rank);
-  }
-};
+class TpSim : public sim_test::WorldSizeTest {};
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, TpSim, testing::Values(1, 2, 3, 4),
-                         [](const testing::TestParamInfo<int>& info) { return "W" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(WorldSizes, TpSim, testing::Values(1, 2, 3, 4), sim_test::WorldSizeName{"W"});
 
 }  // namespace
 
@@ -118,7 +111,7 @@ TEST(TpSimTimeout, WrapperForwardRaisesAllReduceTimeoutToo) {
 // ---- construction errors agree across ranks ------------------------------------
 
 TEST(TpSimErrors, ShapesMustMatchAcrossAllRanks) {
-  SimWorld world(3, SimOptions{60s});
+  SimWorld world(3, SimOptions{sim_test::hang_timeout});
   tp_cases::HostGemm gemm;
   std::vector<std::string> errors(3);
   world.run([&](SimTransport& t) {
@@ -133,7 +126,7 @@ TEST(TpSimErrors, ShapesMustMatchAcrossAllRanks) {
 }
 
 TEST(TpSimErrors, ABadShardOnOneRankFailsEveryRank) {
-  SimWorld world(2, SimOptions{60s});
+  SimWorld world(2, SimOptions{sim_test::hang_timeout});
   tp_cases::HostGemm gemm;
   std::vector<std::string> errors(2);
   world.run([&](SimTransport& t) {
@@ -150,7 +143,7 @@ TEST(TpSimErrors, ABadShardOnOneRankFailsEveryRank) {
 // ---- TP_DEBUG -------------------------------------------------------------------
 
 TEST(TpSimDebug, LogsEachCollectiveOfEachRank) {
-  SimWorld world(2, SimOptions{60s});
+  SimWorld world(2, SimOptions{sim_test::hang_timeout});
   tp_cases::HostGemm gemm;
   tp::set_debug_logging(true);
   testing::internal::CaptureStderr();

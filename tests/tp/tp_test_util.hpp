@@ -6,12 +6,25 @@
 #include <cstddef>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "cpdispatch/error.hpp"
 #include "cpdispatch/tensor.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
 
 namespace tp_test {
+
+/// What f throws as cpdispatch::error, or "(no error)" when it returns.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const cpdispatch::error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
 
 template <class T>
 std::vector<T> random_vector(std::size_t n, std::uint64_t seed, double scale = 1.0) {
