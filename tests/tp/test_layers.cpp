@@ -12,9 +12,6 @@
 #include "cpdispatch/tp/tensor_parallel.hpp"
 #include "loopback_transport.hpp"
 #include "tp_test_util.hpp"
-#ifdef CPDISPATCH_TEST_HAVE_BLAS
-#include "cpdispatch/tp/gemm_cblas.hpp"
-#endif
 
 namespace tp = cpdispatch::tp;
 using cpdispatch::Tensor;
@@ -24,11 +21,7 @@ using tp_test::LoopbackTransport;
 
 namespace {
 
-#ifdef CPDISPATCH_TEST_HAVE_BLAS
-using HostGemm = tp::CblasGemm;
-#else
-using HostGemm = tp::ReferenceGemm;
-#endif
+using tp_test::HostGemm;
 
 template <class T>
 class TpLayersTyped : public testing::Test {};

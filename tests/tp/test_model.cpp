@@ -10,34 +10,19 @@
 #include "cpdispatch/tp/tensor_parallel.hpp"
 #include "loopback_transport.hpp"
 #include "tp_test_util.hpp"
-#ifdef CPDISPATCH_TEST_HAVE_BLAS
-#include "cpdispatch/tp/gemm_cblas.hpp"
-#endif
 
 namespace tp = cpdispatch::tp;
 using cpdispatch::Tensor;
 using testing::ElementsAre;
 using testing::HasSubstr;
 using tp::Placement;
+using tp_test::error_of;
 using tp_test::LoopbackTransport;
 
 namespace {
 
-#ifdef CPDISPATCH_TEST_HAVE_BLAS
-using HostGemm = tp::CblasGemm;
-#else
-using HostGemm = tp::ReferenceGemm;
-#endif
+using tp_test::HostGemm;
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const cpdispatch::error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 /// The model stacks of the tests, by name.
 template <class T, class G>

@@ -11,20 +11,13 @@
 
 #include "cpdispatch/tp/tensor_parallel.hpp"
 #include "tp_test_util.hpp"
-#ifdef CPDISPATCH_TEST_HAVE_BLAS
-#include "cpdispatch/tp/gemm_cblas.hpp"
-#endif
 
 namespace tp_cases {
 
 namespace tp = cpdispatch::tp;
 using cpdispatch::Tensor;
 
-#ifdef CPDISPATCH_TEST_HAVE_BLAS
-using HostGemm = tp::CblasGemm;
-#else
-using HostGemm = tp::ReferenceGemm;
-#endif
+using tp_test::HostGemm;
 
 template <class T>
 constexpr double tol = tp_test::tolerance<T>();
@@ -173,15 +166,7 @@ void training_matches_unsharded(Tr& t) {
   }
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const cpdispatch::error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using tp_test::error_of;
 
 /// in_features not divisible by world_size is an error for the in-split
 /// layer (on every rank, with the numbers); divisible is fine.

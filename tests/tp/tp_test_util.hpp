@@ -12,8 +12,18 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/tensor.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
+#ifdef CPDISPATCH_TEST_HAVE_BLAS
+#include "cpdispatch/tp/gemm_cblas.hpp"
+#endif
 
 namespace tp_test {
+
+/// The host GEMM backend the tests run: CBLAS where it is built, else the reference.
+#ifdef CPDISPATCH_TEST_HAVE_BLAS
+using HostGemm = cpdispatch::tp::CblasGemm;
+#else
+using HostGemm = cpdispatch::tp::ReferenceGemm;
+#endif
 
 /// What f throws as cpdispatch::error, or "(no error)" when it returns.
 template <class F>
