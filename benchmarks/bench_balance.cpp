@@ -26,8 +26,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cpdispatch/balance.hpp"
-#include "cpdispatch/workload.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/workload.hpp"
 
 namespace {
 

@@ -28,9 +28,9 @@
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda/sim.hpp"
-#include "cpdispatch/dispatcher.hpp"
-#include "cpdispatch/generate.hpp"
-#include "cpdispatch/plan.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/plan.hpp"
 
 #include <algorithm>
 #include <cstddef>

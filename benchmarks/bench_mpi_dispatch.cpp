@@ -15,8 +15,8 @@
 // the same round, which cancels most of a loaded machine's drift.
 // Results: benchmarks/RESULTS.md.
 
-#include <cpdispatch/dispatcher.hpp>
-#include <cpdispatch/plan.hpp>
+#include <cpdispatch/execute/dispatcher.hpp>
+#include <cpdispatch/plan/plan.hpp>
 #include <cpdispatch/transports/mpi.hpp>
 
 #include <algorithm>

@@ -9,8 +9,8 @@
 
 #include <benchmark/benchmark.h>
 
-#include "cpdispatch/generate.hpp"
-#include "cpdispatch/plan.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/plan.hpp"
 
 namespace {
 

@@ -39,9 +39,9 @@
 
 #include <benchmark/benchmark.h>
 
-#include "cpdispatch/dispatcher.hpp"
-#include "cpdispatch/generate.hpp"
-#include "cpdispatch/plan.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/transports/sim.hpp"
 
 namespace {

@@ -28,9 +28,9 @@
 
 #include <benchmark/benchmark.h>
 
-#include "cpdispatch/generate.hpp"
-#include "cpdispatch/plan.hpp"
-#include "cpdispatch/simulate.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/execute/simulate.hpp"
 
 namespace {
 

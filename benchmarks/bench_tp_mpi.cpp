@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/tp/gemm_cblas.hpp"
+#include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
 
 namespace tp = cpdispatch::tp;

@@ -1,5 +1,5 @@
 # cpdispatch::blas: the CBLAS GEMM backend of the tensor-parallel layers
-# (include/cpdispatch/tp/gemm_cblas.hpp). Debian: libopenblas-dev.
+# (include/cpdispatch/gemm/gemm_cblas.hpp). Debian: libopenblas-dev.
 #
 # CPDISPATCH_BLAS = AUTO (default: the target exists when a BLAS with cblas.h
 # is found), ON (a missing BLAS is a configure error) or OFF.

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "cpdispatch/overlap/overlap.hpp"
-#include "cpdispatch/tp/gemm_cblas.hpp"
+#include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/transports/sim.hpp"
 
 namespace ov = cpdispatch::overlap;

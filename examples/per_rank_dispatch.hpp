@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 
 namespace cpdispatch_example {
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/tp/gemm_cblas.hpp"
+#include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
 #include "cpdispatch/transports/sim.hpp"
 

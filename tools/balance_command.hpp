@@ -11,9 +11,9 @@
 #include <string>
 #include <string_view>
 
-#include "cpdispatch/balance.hpp"
-#include "cpdispatch/json.hpp"
-#include "cpdispatch/svg.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/plan/svg.hpp"
 
 namespace cpdispatch_cli {
 

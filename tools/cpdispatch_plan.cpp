@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "balance_command.hpp"
-#include "cpdispatch/json.hpp"
+#include "cpdispatch/plan/json.hpp"
 
 namespace {
 

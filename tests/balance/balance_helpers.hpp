@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/balance.hpp"
+#include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/cpdispatch.hpp"
 #include "../core/helpers.hpp"
 

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/balance.hpp"
-#include "cpdispatch/generate.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/generate.hpp"
 
 namespace {
 

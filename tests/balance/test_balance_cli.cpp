@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/json.hpp"
+#include "cpdispatch/plan/json.hpp"
 
 namespace {
 

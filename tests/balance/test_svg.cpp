@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/svg.hpp"
+#include "cpdispatch/plan/svg.hpp"
 
 namespace {
 

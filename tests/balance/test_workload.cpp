@@ -14,8 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/balance.hpp"
-#include "cpdispatch/workload.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/workload.hpp"
 
 namespace {
 

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/generate.hpp"
-#include "cpdispatch/json.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/json.hpp"
 #include "spec_examples.hpp"
 
 extern char** environ;

@@ -1,4 +1,4 @@
-// include/cpdispatch/json.hpp: plan parsing with path-named errors, metadata
+// include/cpdispatch/plan/json.hpp: plan parsing with path-named errors, metadata
 // to_json / from_json, and the spec's worked examples through JSON.
 
 #include <gtest/gtest.h>
@@ -11,8 +11,8 @@
 #include <string_view>
 #include <vector>
 
-#include "cpdispatch/generate.hpp"
-#include "cpdispatch/json.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/json.hpp"
 #include "spec_examples.hpp"
 
 namespace cpdispatch {

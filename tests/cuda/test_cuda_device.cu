@@ -20,7 +20,7 @@
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda/sim.hpp"
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "cuda_test_util.hpp"
 #include "dispatch_helpers.hpp"

@@ -19,7 +19,7 @@
 #include "cpdispatch/cuda/error.hpp"
 #include "cpdispatch/cuda/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
-#include "cpdispatch/detail/dispatch_plan.hpp"
+#include "cpdispatch/execute/detail/dispatch_plan.hpp"
 #include "cpdispatch/transports/nccl.hpp"
 
 namespace {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "cpdispatch/cuda/data_path.hpp"
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/nccl.hpp"
 #include "cuda_test_util.hpp"
 #include "dispatch_helpers.hpp"

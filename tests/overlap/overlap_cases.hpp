@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "cpdispatch/overlap/overlap.hpp"
-#include "cpdispatch/tp/gemm.hpp"
+#include "cpdispatch/gemm/gemm.hpp"
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
-#include "cpdispatch/tp/gemm_cblas.hpp"
+#include "cpdispatch/gemm/gemm_cblas.hpp"
 #endif
 
 namespace overlap_cases {

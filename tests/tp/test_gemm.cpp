@@ -7,10 +7,10 @@
 #include <limits>
 #include <vector>
 
-#include "cpdispatch/tp/gemm.hpp"
+#include "cpdispatch/gemm/gemm.hpp"
 #include "tp_test_util.hpp"
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
-#include "cpdispatch/tp/gemm_cblas.hpp"
+#include "cpdispatch/gemm/gemm_cblas.hpp"
 #endif
 
 namespace tp = cpdispatch::tp;

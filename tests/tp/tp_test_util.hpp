@@ -13,7 +13,7 @@
 #include "cpdispatch/tensor.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
-#include "cpdispatch/tp/gemm_cblas.hpp"
+#include "cpdispatch/gemm/gemm_cblas.hpp"
 #endif
 
 namespace tp_test {

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 
 namespace cptest {
 

@@ -9,7 +9,7 @@
 #include <new>
 #include <vector>
 
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "dispatch_helpers.hpp"
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "dispatch_helpers.hpp"
 

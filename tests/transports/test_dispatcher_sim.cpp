@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "dispatch_helpers.hpp"

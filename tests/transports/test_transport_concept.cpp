@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <span>
 
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "cpdispatch/transport.hpp"
 #include "cpdispatch/transports/sim.hpp"

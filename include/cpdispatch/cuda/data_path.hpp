@@ -40,10 +40,10 @@
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
-#include "cpdispatch/detail/data_path.hpp"
-#include "cpdispatch/detail/dispatch_plan.hpp"
-#include "cpdispatch/metadata.hpp"
-#include "cpdispatch/simulate.hpp"
+#include "cpdispatch/execute/detail/data_path.hpp"
+#include "cpdispatch/execute/detail/dispatch_plan.hpp"
+#include "cpdispatch/plan/metadata.hpp"
+#include "cpdispatch/execute/simulate.hpp"
 
 namespace cpdispatch::cuda {
 

@@ -18,7 +18,7 @@
 
 #include "cpdispatch/cuda/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
-#include "cpdispatch/metadata.hpp"
+#include "cpdispatch/plan/metadata.hpp"
 
 namespace cpdispatch::cuda {
 

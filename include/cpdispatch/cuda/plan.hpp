@@ -20,9 +20,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpdispatch/detail/data_path.hpp"
+#include "cpdispatch/execute/detail/data_path.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/metadata.hpp"
+#include "cpdispatch/plan/metadata.hpp"
 
 namespace cpdispatch::cuda {
 

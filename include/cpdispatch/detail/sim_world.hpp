@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/detail/rethrow.hpp"
+#include "cpdispatch/execute/detail/rethrow.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 

@@ -1,7 +1,7 @@
 #pragma once
 // The overlapped GEMM (issue 6, seed 004): D = op(A) x op(B) with a
 // collective running while the GEMM computes, generic over the Transport
-// concept and the GEMM backend concept (tp/gemm.hpp). Host memory.
+// concept and the GEMM backend concept (gemm/gemm.hpp). Host memory.
 //
 //   comm_gemm(transport, gemm, buffer, a, transa, b, transb, d, rs_output)
 //   comm_gemm(transport, gemm, registry, type, method, id, a, transa, b, transb, d, rs_output)   // by buffer id
@@ -85,7 +85,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/overlap/comm_overlap.hpp"
-#include "cpdispatch/tp/gemm.hpp"
+#include "cpdispatch/gemm/gemm.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch::overlap {

@@ -1,6 +1,6 @@
 #pragma once
 // Communication-GEMM overlap (issue 6, seed 004). Host memory; the GEMM
-// backends are those of tp/gemm.hpp (CBLAS: include cpdispatch/tp/gemm_cblas.hpp).
+// backends are those of tp/gemm.hpp (CBLAS: include cpdispatch/gemm/gemm_cblas.hpp).
 //
 //   overlap/comm_overlap.hpp    CommOverlapType, CommOverlapMethod, ScalingMode, CommOverlapBuffer,
 //                               CommOverlapRegistry and the id-based create / destroy / destroy_all

@@ -35,7 +35,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/tensor.hpp"
 #include "cpdispatch/tp/collectives.hpp"
-#include "cpdispatch/tp/gemm.hpp"
+#include "cpdispatch/gemm/gemm.hpp"
 #include "cpdispatch/tp/linear.hpp"
 #include "cpdispatch/transport.hpp"
 

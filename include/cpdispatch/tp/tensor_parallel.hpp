@@ -1,8 +1,8 @@
 #pragma once
 // Tensor parallelism (issue 5, seed 003): everything but the CBLAS backend,
-// which needs cpdispatch::blas (include cpdispatch/tp/gemm_cblas.hpp).
+// which needs cpdispatch::blas (include cpdispatch/gemm/gemm_cblas.hpp).
 //
-//   tp/gemm.hpp         GemmBackend concept, ReferenceGemm (host loops)
+//   gemm/gemm.hpp       GemmBackend concept, ReferenceGemm (host loops)
 //   tp/collectives.hpp  all_reduce_sum, broadcast_tensor, synchronize_across_ranks, TP_DEBUG
 //   tp/config.hpp       init_tensor_parallel, get_tensor_parallel_config
 //   tp/linear.hpp       RowParallelLinear (out_features split), ColumnParallelLinear (in_features split)
@@ -11,7 +11,7 @@
 
 #include "cpdispatch/tp/collectives.hpp"
 #include "cpdispatch/tp/config.hpp"
-#include "cpdispatch/tp/gemm.hpp"
+#include "cpdispatch/gemm/gemm.hpp"
 #include "cpdispatch/tp/linear.hpp"
 #include "cpdispatch/tp/model.hpp"
 #include "cpdispatch/tp/single_rank.hpp"

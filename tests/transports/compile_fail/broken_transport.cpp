@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <span>
 
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 
 struct NoBarrier {
   static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::host;

@@ -1,5 +1,5 @@
 // Must NOT compile: a dispatcher over a device transport has no data path yet.
-#include "cpdispatch/dispatcher.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 
 int main() {

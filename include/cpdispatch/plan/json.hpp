@@ -28,8 +28,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/metadata.hpp"
-#include "cpdispatch/plan.hpp"
+#include "cpdispatch/plan/metadata.hpp"
+#include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/tensor.hpp"
 
 namespace cpdispatch {

@@ -50,7 +50,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan.hpp"
+#include "cpdispatch/plan/plan.hpp"
 
 namespace cpdispatch {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/generate.hpp"
+#include "cpdispatch/plan/generate.hpp"
 
 namespace cpdispatch {
 

@@ -17,7 +17,7 @@
 #include <mutex>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/tp/gemm.hpp"
+#include "cpdispatch/gemm/gemm.hpp"
 
 namespace cpdispatch::tp {
 

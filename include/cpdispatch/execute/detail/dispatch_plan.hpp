@@ -19,10 +19,10 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/detail/data_path.hpp"
+#include "cpdispatch/execute/detail/data_path.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/metadata.hpp"
-#include "cpdispatch/simulate.hpp"
+#include "cpdispatch/plan/metadata.hpp"
+#include "cpdispatch/execute/simulate.hpp"
 
 namespace cpdispatch::detail {
 

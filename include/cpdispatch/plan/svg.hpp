@@ -11,7 +11,7 @@
 #include <string>
 #include <string_view>
 
-#include "cpdispatch/balance.hpp"
+#include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/error.hpp"
 
 namespace cpdispatch {

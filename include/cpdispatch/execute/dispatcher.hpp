@@ -57,14 +57,14 @@
 // short buffers) naming the rank; an exception from the transport propagates
 // with "Dispatcher::<call> (rank r of W): all_to_all_v failed: " (or
 // all_to_all_pieces) in front of its message, keeping its kind (backend_error
-// keeps its code; the original is nested, see detail/rethrow.hpp). The
+// keeps its code; the original is nested, see execute/detail/rethrow.hpp). The
 // dispatcher stays usable afterwards (the transport may not be).
 //
 // The transport is held by reference and must outlive the dispatcher. A
 // dispatcher is not thread-safe (one per rank and thread).
 //
 // Memory spaces: the buffer types (const_buffer, mutable_buffer) and the data
-// path (local copies, combine, owned staging; detail/data_path.hpp) follow
+// path (local copies, combine, owned staging; execute/detail/data_path.hpp) follow
 // the transport's memory_space. Host transports take std::span<std::byte>.
 // Device transports (NCCL, the device sim) take cuda::DeviceSpan, which host
 // containers do not convert to, and need the CUDA data path: include
@@ -83,12 +83,12 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/detail/data_path.hpp"
-#include "cpdispatch/detail/dispatch_plan.hpp"
-#include "cpdispatch/detail/rethrow.hpp"
+#include "cpdispatch/execute/detail/data_path.hpp"
+#include "cpdispatch/execute/detail/dispatch_plan.hpp"
+#include "cpdispatch/execute/detail/rethrow.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/metadata.hpp"
-#include "cpdispatch/simulate.hpp"
+#include "cpdispatch/plan/metadata.hpp"
+#include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch {

@@ -13,7 +13,7 @@
 #include <boost/random/mersenne_twister.hpp>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan.hpp"
+#include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/tensor.hpp"
 
 namespace cpdispatch {

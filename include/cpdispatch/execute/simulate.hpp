@@ -19,7 +19,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/metadata.hpp"
+#include "cpdispatch/plan/metadata.hpp"
 
 namespace cpdispatch {
 

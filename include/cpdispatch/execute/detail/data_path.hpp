@@ -29,8 +29,8 @@
 #include <span>
 #include <vector>
 
-#include "cpdispatch/metadata.hpp"
-#include "cpdispatch/simulate.hpp"
+#include "cpdispatch/plan/metadata.hpp"
+#include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch::detail {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/metadata.hpp"
+#include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/tensor.hpp"
 
 namespace cpdispatch {
