@@ -43,6 +43,33 @@ struct QkvPlan {
   std::vector<RankDocuments> ranks;           ///< exactly world_size entries
 };
 
+/// One shard of a document that may span ranks: where its tokens live in the
+/// MLP layout (its home rank), how many there are, and the rank where its
+/// queries attend.
+struct DocumentShard {
+  std::int64_t rank = 0;  ///< home rank
+  std::int64_t len = 0;   ///< tokens, > 0
+  std::int64_t dst = 0;   ///< attention rank
+  friend bool operator==(const DocumentShard&, const DocumentShard&) = default;
+};
+
+/// A document as a list of shards in causal order; consecutive shards may
+/// live on different home ranks (a long document packed across ranks).
+struct PackedDocument {
+  std::vector<DocumentShard> shards;
+  friend bool operator==(const PackedDocument&, const PackedDocument&) = default;
+};
+
+/// A QKV plan in documents form: every document with its shards' home ranks.
+/// Rank r's MLP layout holds the shards whose home is r, ordered by
+/// (document, shard). The per-rank QkvPlan is the special case where all
+/// shards of a document share one home.
+struct QkvDocumentsPlan {
+  std::int64_t world_size = 0;
+  std::optional<std::int64_t> max_cp_degree;  ///< C; default: the most shards of any document
+  std::vector<PackedDocument> documents;
+};
+
 /// What flash-attention needs per destination rank (variable-length batch).
 struct AttentionLayout {
   std::vector<std::vector<std::int64_t>> seqlens_q;     ///< received query shards, arrival order
