@@ -36,7 +36,7 @@
 #include "cpdispatch/transports/sim.hpp"
 
 namespace ov = cpdispatch::overlap;
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::ReduceOp;
 using cpdispatch::SimTransport;
 using cpdispatch::SimWorld;
@@ -175,15 +175,15 @@ Row run_method(const Options& o, const std::string& name) {
     const std::size_t buffer_rows = m;
     const std::size_t buffer_cols = ag ? k : n;
     ov::CommOverlapBuffer buffer(ag ? CommOverlapType::AG : CommOverlapType::RS, method, {buffer_rows, buffer_cols},
-                                 DataType::float32, o.tp, options);
+                                 ElementType::float32, o.tp, options);
     if (method == CommOverlapMethod::BULK) buffer.copy_into(std::span<const float>(d.data(), d.size()));
 
     auto collective = [&] {
       if (ag) {
-        link.all_gather(a.data(), gathered.data(), ml * k, DataType::float32);
+        link.all_gather(a.data(), gathered.data(), ml * k, ElementType::float32);
       } else {
         link.reduce_scatter(method == CommOverlapMethod::BULK ? static_cast<const float*>(buffer.data()) : d.data(),
-                            out.data(), ml * n, DataType::float32, ReduceOp::sum);
+                            out.data(), ml * n, ElementType::float32, ReduceOp::sum);
       }
     };
     auto serial = [&] {

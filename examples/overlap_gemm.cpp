@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
         const auto B = ov::matrix_view<const float>(b.data(), k, n);
         ov::CommOverlapOptions options;
         options.num_splits = 4;
-        ov::CommOverlapBuffer buffer(mt.type, mt.method, {m, ag ? k : n}, cpdispatch::DataType::float32, tp, options);
+        ov::CommOverlapBuffer buffer(mt.type, mt.method, {m, ag ? k : n}, cpdispatch::ElementType::float32, tp, options);
         if (mt.method == CommOverlapMethod::BULK) {  // BULK reduce-scatters the caller's data, independent of the GEMM
           std::vector<float> fill(m * n);
           for (std::size_t i = 0; i < fill.size(); ++i) fill[i] = float((i * 4111 + r * 7) % 1000) / 1000.0f;
@@ -99,13 +99,13 @@ int main(int argc, char** argv) {
 
         auto unoverlapped = [&] {  // GEMM, then reduce-scatter (BULK: of the buffer); AG: all-gather, then GEMM
           if (ag) {
-            t.all_gather(a.data(), gathered.data(), ml * k, cpdispatch::DataType::float32);
+            t.all_gather(a.data(), gathered.data(), ml * k, cpdispatch::ElementType::float32);
             ov::comm_gemm(t, gemm, ov::matrix_view<const float>(gathered.data(), m, k), Transpose::no, B, Transpose::no,
                           ov::matrix_view(ref_d.data(), m, n));
           } else {
             ov::comm_gemm(t, gemm, A, Transpose::no, B, Transpose::no, ov::matrix_view(ref_d.data(), m, n));
             const float* send = mt.method == CommOverlapMethod::BULK ? buffer.view<float>().data() : ref_d.data();
-            t.reduce_scatter(send, ref_out.data(), ml * n, cpdispatch::DataType::float32, cpdispatch::ReduceOp::sum);
+            t.reduce_scatter(send, ref_out.data(), ml * n, cpdispatch::ElementType::float32, cpdispatch::ReduceOp::sum);
           }
         };
         auto overlapped = [&] {
@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
 
         double e = ag ? max_rel_error(d, ref_d) : max_rel_error(out, ref_out);
         if (mt.method == CommOverlapMethod::BULK) e = std::max(e, max_rel_error(d, ref_d));
-        sim.all_reduce(&e, 1, cpdispatch::DataType::float64, cpdispatch::ReduceOp::sum);  // any rank's error counts
+        sim.all_reduce(&e, 1, cpdispatch::ElementType::float64, cpdispatch::ReduceOp::sum);  // any rank's error counts
         if (sim.rank() == 0) {
           error = e;
           serial_ms = serial;

@@ -167,7 +167,7 @@ std::int64_t run_rank(AnyTransport& transport, const Options& opt, std::FILE* lo
 
   // 5. One verdict for all.
   const std::int64_t mine = bad;
-  transport.all_reduce(&bad, 1, DataType::int64, ReduceOp::sum);
+  transport.all_reduce(&bad, 1, ElementType::int64, ReduceOp::sum);
   if (log) {
     std::fprintf(log, "rank %d/%d: %lld MLP tokens, %lld query and %lld KV tokens in attention, staging %zu + %zu bytes: %s\n", r, W,
                  static_cast<long long>(T), static_cast<long long>(q_attn.size() / static_cast<std::size_t>(H)),

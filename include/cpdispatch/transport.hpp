@@ -12,7 +12,7 @@
 //   for NCCL. The dispatcher checks this at compile time through its
 //   buffer types.
 // - Counts and displacements of all_to_all_v, isend, irecv and broadcast are
-//   in BYTES; typed collectives count ELEMENTS of `DataType`.
+//   in BYTES; typed collectives count ELEMENTS of `ElementType`.
 // - Collective calls (all_to_all_v, barrier, broadcast, all_reduce,
 //   all_gather, reduce_scatter) must be made by every rank in the same order.
 //   Point-to-point messages between one pair of ranks with the same tag are
@@ -29,42 +29,12 @@
 #include <span>
 #include <type_traits>
 
+#include "cpdispatch/element_type.hpp"
+
 namespace cpdispatch {
 
 /// Where a transport's buffers live.
 enum class MemorySpace { host, device };
-
-/// Element types of typed collectives (MPI/NCCL style runtime tags, so a
-/// transport has plain virtual-free members that gMock can mock).
-enum class DataType { int8, uint8, int32, int64, float32, float64, bfloat16, float16 };
-
-constexpr std::size_t data_type_size(DataType t) noexcept {
-  switch (t) {
-    case DataType::int8:
-    case DataType::uint8: return 1;
-    case DataType::bfloat16:
-    case DataType::float16: return 2;
-    case DataType::int32:
-    case DataType::float32: return 4;
-    case DataType::int64:
-    case DataType::float64: return 8;
-  }
-  return 0;
-}
-
-constexpr const char* data_type_name(DataType t) noexcept {
-  switch (t) {
-    case DataType::int8: return "int8";
-    case DataType::uint8: return "uint8";
-    case DataType::int32: return "int32";
-    case DataType::int64: return "int64";
-    case DataType::float32: return "float32";
-    case DataType::float64: return "float64";
-    case DataType::bfloat16: return "bfloat16";
-    case DataType::float16: return "float16";
-  }
-  return "?";
-}
 
 /// Reductions of all_reduce / reduce_scatter.
 enum class ReduceOp { sum };
@@ -110,7 +80,7 @@ concept transport_has_barrier = requires(T& t) { t.barrier(); };
 template <class T>
 concept transport_has_broadcast = requires(T& t, void* buf, std::size_t bytes, int root) { t.broadcast(buf, bytes, root); };
 template <class T>
-concept transport_has_collectives = requires(T& t, const void* send, void* recv, std::size_t count, DataType type) {
+concept transport_has_collectives = requires(T& t, const void* send, void* recv, std::size_t count, ElementType type) {
   t.all_reduce(recv, count, type, ReduceOp::sum);
   t.all_gather(send, recv, count, type);
   t.reduce_scatter(send, recv, count, type, ReduceOp::sum);
@@ -128,9 +98,9 @@ concept transport_has_collectives = requires(T& t, const void* send, void* recv,
 ///   void wait(Request);
 ///   void barrier();
 ///   void broadcast(void* buf, size_t bytes, int root);
-///   void all_reduce(void* buf, size_t count, DataType, ReduceOp);                        // in place
-///   void all_gather(const void* send, void* recv, size_t count_per_rank, DataType);
-///   void reduce_scatter(const void* send, void* recv, size_t count_per_rank, DataType, ReduceOp);
+///   void all_reduce(void* buf, size_t count, ElementType, ReduceOp);                        // in place
+///   void all_gather(const void* send, void* recv, size_t count_per_rank, ElementType);
+///   void reduce_scatter(const void* send, void* recv, size_t count_per_rank, ElementType, ReduceOp);
 template <class T>
 concept Transport = detail::transport_has_memory_space<T> && detail::transport_has_rank<T> &&
                     detail::transport_has_all_to_all_v<T> && detail::transport_has_point_to_point<T> &&

@@ -27,7 +27,7 @@
 
 namespace {
 
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::Dispatcher;
 using cpdispatch::ElementType;
 using cpdispatch::cuda::DeviceBuffer;
@@ -155,7 +155,7 @@ TEST(WarpLogicOnTheHost, CombineMatchesTheHostCombineBitForBit) {
   }
 }
 
-template <DataType D>
+template <ElementType D>
 void sum_on_host(std::byte* out, std::byte* acc, const std::vector<const void*>& sources, std::size_t count) {
   const std::size_t per_pass = cpdispatch::cuda::kernels::sum_sources_per_pass;
   for (std::size_t at = 0; at < sources.size(); at += per_pass) {
@@ -170,18 +170,18 @@ void sum_on_host(std::byte* out, std::byte* acc, const std::vector<const void*>&
 TEST(WarpLogicOnTheHost, SumsMatchTheHostSimInRankOrder) {
   const std::size_t count = 777;
   for (int W : {1, 2, 8, 9, 20}) {
-    for (DataType type : {DataType::int8, DataType::uint8, DataType::int32, DataType::int64, DataType::float32, DataType::float64,
-                          DataType::bfloat16, DataType::float16}) {
-      SCOPED_TRACE(std::string(cpdispatch::data_type_name(type)) + " W " + std::to_string(W));
-      const std::size_t es = cpdispatch::data_type_size(type);
+    for (ElementType type : {ElementType::int8, ElementType::uint8, ElementType::int32, ElementType::int64, ElementType::float32, ElementType::float64,
+                          ElementType::bfloat16, ElementType::float16}) {
+      SCOPED_TRACE(std::string(cpdispatch::element_name(type)) + " W " + std::to_string(W));
+      const std::size_t es = cpdispatch::element_size(type);
       std::vector<Bytes> in;
       for (int s = 0; s < W; ++s) {
         const auto salt = static_cast<std::uint64_t>(s) * 31 + es;
         switch (type) {
-          case DataType::float32: in.push_back(rough_floats(count * es, salt, ElementType::float32)); break;
-          case DataType::float64: in.push_back(rough_floats(count * es, salt, ElementType::float64)); break;
-          case DataType::bfloat16: in.push_back(rough_floats(count * es, salt, ElementType::bfloat16)); break;
-          case DataType::float16: in.push_back(rough_floats(count * es, salt, ElementType::float16)); break;
+          case ElementType::float32: in.push_back(rough_floats(count * es, salt, ElementType::float32)); break;
+          case ElementType::float64: in.push_back(rough_floats(count * es, salt, ElementType::float64)); break;
+          case ElementType::bfloat16: in.push_back(rough_floats(count * es, salt, ElementType::bfloat16)); break;
+          case ElementType::float16: in.push_back(rough_floats(count * es, salt, ElementType::float16)); break;
           default: in.push_back(cptest::pattern(count * es, salt)); break;
         }
       }
@@ -196,14 +196,14 @@ TEST(WarpLogicOnTheHost, SumsMatchTheHostSimInRankOrder) {
       std::vector<double> acc(count);  // 8 bytes per element, aligned for every accumulator
       auto* a = reinterpret_cast<std::byte*>(acc.data());
       switch (type) {
-        case DataType::int8: sum_on_host<DataType::int8>(out.data(), a, sources, count); break;
-        case DataType::uint8: sum_on_host<DataType::uint8>(out.data(), a, sources, count); break;
-        case DataType::int32: sum_on_host<DataType::int32>(out.data(), a, sources, count); break;
-        case DataType::int64: sum_on_host<DataType::int64>(out.data(), a, sources, count); break;
-        case DataType::float32: sum_on_host<DataType::float32>(out.data(), a, sources, count); break;
-        case DataType::float64: sum_on_host<DataType::float64>(out.data(), a, sources, count); break;
-        case DataType::bfloat16: sum_on_host<DataType::bfloat16>(out.data(), a, sources, count); break;
-        case DataType::float16: sum_on_host<DataType::float16>(out.data(), a, sources, count); break;
+        case ElementType::int8: sum_on_host<ElementType::int8>(out.data(), a, sources, count); break;
+        case ElementType::uint8: sum_on_host<ElementType::uint8>(out.data(), a, sources, count); break;
+        case ElementType::int32: sum_on_host<ElementType::int32>(out.data(), a, sources, count); break;
+        case ElementType::int64: sum_on_host<ElementType::int64>(out.data(), a, sources, count); break;
+        case ElementType::float32: sum_on_host<ElementType::float32>(out.data(), a, sources, count); break;
+        case ElementType::float64: sum_on_host<ElementType::float64>(out.data(), a, sources, count); break;
+        case ElementType::bfloat16: sum_on_host<ElementType::bfloat16>(out.data(), a, sources, count); break;
+        case ElementType::float16: sum_on_host<ElementType::float16>(out.data(), a, sources, count); break;
       }
       EXPECT_EQ(out, expect);
     }
@@ -291,19 +291,19 @@ TEST(DeviceKernels, CopyPiecesOfEveryLengthAndAlignment) {
 TEST(DeviceKernels, SumMatchesTheHostSimForEveryTypeAndRankCount) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   const std::size_t count = 3001;
-  for (DataType type : {DataType::int8, DataType::uint8, DataType::int32, DataType::int64, DataType::float32, DataType::float64,
-                        DataType::bfloat16, DataType::float16}) {
-    const std::size_t es = cpdispatch::data_type_size(type);
+  for (ElementType type : {ElementType::int8, ElementType::uint8, ElementType::int32, ElementType::int64, ElementType::float32, ElementType::float64,
+                        ElementType::bfloat16, ElementType::float16}) {
+    const std::size_t es = cpdispatch::element_size(type);
     for (int W : {1, 2, 8, 9, 17}) {
-      SCOPED_TRACE(std::string(cpdispatch::data_type_name(type)) + " W " + std::to_string(W));
+      SCOPED_TRACE(std::string(cpdispatch::element_name(type)) + " W " + std::to_string(W));
       std::vector<Bytes> in;
       for (int s = 0; s < W; ++s) {
         const auto salt = static_cast<std::uint64_t>(s) * 77 + es;
         switch (type) {
-          case DataType::float32: in.push_back(rough_floats(count * es, salt, ElementType::float32)); break;
-          case DataType::float64: in.push_back(rough_floats(count * es, salt, ElementType::float64)); break;
-          case DataType::bfloat16: in.push_back(rough_floats(count * es, salt, ElementType::bfloat16)); break;
-          case DataType::float16: in.push_back(rough_floats(count * es, salt, ElementType::float16)); break;
+          case ElementType::float32: in.push_back(rough_floats(count * es, salt, ElementType::float32)); break;
+          case ElementType::float64: in.push_back(rough_floats(count * es, salt, ElementType::float64)); break;
+          case ElementType::bfloat16: in.push_back(rough_floats(count * es, salt, ElementType::bfloat16)); break;
+          case ElementType::float16: in.push_back(rough_floats(count * es, salt, ElementType::float16)); break;
           default: in.push_back(cptest::pattern(count * es, salt)); break;  // integers: any bits, wrapping sums
         }
       }
@@ -536,15 +536,15 @@ TEST(DeviceSimCollectives, MatchTheHostSimBitForBit) {
   for (int W : {1, 2, 5, 9}) {
     const auto U = static_cast<std::size_t>(W);
     const std::size_t n = 1000;  // elements per rank
-    for (DataType type : {DataType::int32, DataType::float32, DataType::bfloat16, DataType::float16, DataType::int8, DataType::float64}) {
-      SCOPED_TRACE(std::string(cpdispatch::data_type_name(type)) + " W " + std::to_string(W));
-      const std::size_t es = cpdispatch::data_type_size(type);
+    for (ElementType type : {ElementType::int32, ElementType::float32, ElementType::bfloat16, ElementType::float16, ElementType::int8, ElementType::float64}) {
+      SCOPED_TRACE(std::string(cpdispatch::element_name(type)) + " W " + std::to_string(W));
+      const std::size_t es = cpdispatch::element_size(type);
       auto data = [&](std::size_t bytes, std::uint64_t salt) {
         switch (type) {
-          case DataType::float32: return rough_floats(bytes, salt, ElementType::float32);
-          case DataType::float64: return rough_floats(bytes, salt, ElementType::float64);
-          case DataType::bfloat16: return rough_floats(bytes, salt, ElementType::bfloat16);
-          case DataType::float16: return rough_floats(bytes, salt, ElementType::float16);
+          case ElementType::float32: return rough_floats(bytes, salt, ElementType::float32);
+          case ElementType::float64: return rough_floats(bytes, salt, ElementType::float64);
+          case ElementType::bfloat16: return rough_floats(bytes, salt, ElementType::bfloat16);
+          case ElementType::float16: return rough_floats(bytes, salt, ElementType::float16);
           default: return cptest::pattern(bytes, salt);
         }
       };

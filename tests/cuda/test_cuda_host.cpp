@@ -108,18 +108,18 @@ static_assert(!cpdispatch::PieceTransport<cpdispatch::NcclTransport>);
 static_assert(!std::is_copy_constructible_v<cpdispatch::NcclTransport>);
 
 TEST(NcclTransport, DataTypesMapToNcclsOwn) {
-  using cpdispatch::DataType;
+  using cpdispatch::ElementType;
   using cpdispatch::detail::nccl_data_type;
-  static_assert(nccl_data_type(DataType::bfloat16) == ncclBfloat16);
-  static_assert(nccl_data_type(DataType::float16) == ncclFloat16);
-  static_assert(nccl_data_type(DataType::float32) == ncclFloat32);
-  static_assert(nccl_data_type(DataType::float64) == ncclFloat64);
-  static_assert(nccl_data_type(DataType::int8) == ncclInt8);
-  static_assert(nccl_data_type(DataType::uint8) == ncclUint8);
-  static_assert(nccl_data_type(DataType::int32) == ncclInt32);
-  static_assert(nccl_data_type(DataType::int64) == ncclInt64);
+  static_assert(nccl_data_type(ElementType::bfloat16) == ncclBfloat16);
+  static_assert(nccl_data_type(ElementType::float16) == ncclFloat16);
+  static_assert(nccl_data_type(ElementType::float32) == ncclFloat32);
+  static_assert(nccl_data_type(ElementType::float64) == ncclFloat64);
+  static_assert(nccl_data_type(ElementType::int8) == ncclInt8);
+  static_assert(nccl_data_type(ElementType::uint8) == ncclUint8);
+  static_assert(nccl_data_type(ElementType::int32) == ncclInt32);
+  static_assert(nccl_data_type(ElementType::int64) == ncclInt64);
   static_assert(cpdispatch::detail::nccl_reduce_op(cpdispatch::ReduceOp::sum) == ncclSum);
-  EXPECT_EQ(nccl_data_type(DataType::bfloat16), ncclBfloat16);
+  EXPECT_EQ(nccl_data_type(ElementType::bfloat16), ncclBfloat16);
 }
 
 TEST(NcclTransport, NullCommunicatorIsInvalidInput) {

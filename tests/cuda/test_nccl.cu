@@ -25,7 +25,7 @@
 
 namespace {
 
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::Dispatcher;
 using cpdispatch::ElementType;
 using cpdispatch::NcclTransport;
@@ -161,11 +161,11 @@ TEST(NcclTransportOneRank, CollectivesAndPointToPoint) {
     const Bytes a = cptest::float_pattern(4096, 3, ElementType::bfloat16), b = cptest::pattern(4096, 4);
     const auto d_a = to_device(a), d_b = to_device(b);
     DeviceBytesBuffer d_c(4096);
-    t.all_reduce(d_a.data(), 2048, DataType::bfloat16, cpdispatch::ReduceOp::sum);  // one rank: unchanged
-    t.all_gather(d_b.data(), d_c.data(), 4096, DataType::uint8);
+    t.all_reduce(d_a.data(), 2048, ElementType::bfloat16, cpdispatch::ReduceOp::sum);  // one rank: unchanged
+    t.all_gather(d_b.data(), d_c.data(), 4096, ElementType::uint8);
     EXPECT_EQ(to_host(d_a.data(), 4096), a);
     EXPECT_EQ(to_host(d_c.data(), 4096), b);
-    t.reduce_scatter(d_a.data(), d_c.data(), 1024, DataType::float32, cpdispatch::ReduceOp::sum);
+    t.reduce_scatter(d_a.data(), d_c.data(), 1024, ElementType::float32, cpdispatch::ReduceOp::sum);
     EXPECT_EQ(to_host(d_c.data(), 4096), a);
     t.broadcast(d_b.data(), 4096, 0);
     t.barrier();
@@ -206,7 +206,7 @@ TEST(NcclTransportOneRank, GraphCaptureOfAWholeStepReplaysTheSameBytes) {
       kv.forward(cbytes(kv_mlp), mbytes(kv_attn));
       q.reverse(cbytes(q_attn), mbytes(q_back));
       kv.reverse_combine(cbytes(kv_attn), mbytes(kv_replica), mbytes(kv_grad), ElementType::float16);
-      t.all_reduce(word.data(), 16, DataType::float32, cpdispatch::ReduceOp::sum);  // an NCCL call in the graph too
+      t.all_reduce(word.data(), 16, ElementType::float32, cpdispatch::ReduceOp::sum);  // an NCCL call in the graph too
     };
     CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(kv_replica.data(), 0, kv_replica.size(), t.stream()));
     step();

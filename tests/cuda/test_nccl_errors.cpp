@@ -78,7 +78,7 @@ TEST(NcclTransportErrors, WhatNcclRefusesIsAnNcclErrorNamingTheCall) {
   OneRank one;
   cpdispatch::NcclTransport t(one.comm(), one.stream());
   try {
-    t.all_reduce(nullptr, 16, cpdispatch::DataType::float32, cpdispatch::ReduceOp::sum);
+    t.all_reduce(nullptr, 16, cpdispatch::ElementType::float32, cpdispatch::ReduceOp::sum);
     ADD_FAILURE() << "no exception";
   } catch (const cpdispatch::nccl_error& e) {
     const std::string what = e.what();

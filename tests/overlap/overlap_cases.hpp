@@ -27,7 +27,7 @@
 namespace overlap_cases {
 
 namespace ov = cpdispatch::overlap;
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::ReduceOp;
 using ov::CommOverlapMethod;
 using ov::CommOverlapType;
@@ -73,8 +73,8 @@ constexpr double tolerance() {
 }
 
 template <class T>
-constexpr DataType dtype_of() {
-  return std::is_same_v<T, float> ? DataType::float32 : DataType::float64;
+constexpr ElementType dtype_of() {
+  return std::is_same_v<T, float> ? ElementType::float32 : ElementType::float64;
 }
 
 /// Element (i, j) of op(X) for X stored row-major with `cols` columns.
@@ -322,7 +322,7 @@ void indivisible_shapes_are_rejected(Tr& t, G& gemm) {
   ov::CommOverlapOptions three;
   three.num_splits = 3;
   try {
-    ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {3 * tp + 1, 4}, DataType::float32, W, three);
+    ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {3 * tp + 1, 4}, ElementType::float32, W, three);
     ADD_FAILURE() << "a PIPELINE buffer of " << 3 * tp + 1 << " rows was accepted";
   } catch (const cpdispatch::invalid_input& e) {
     EXPECT_NE(std::string(e.what()).find("is not divisible by tp_size * num_splits = " + std::to_string(W) + " * 3"),
@@ -334,7 +334,7 @@ void indivisible_shapes_are_rejected(Tr& t, G& gemm) {
                                 std::pair{CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE},
                                 std::pair{CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE}}) {
       try {
-        ov::CommOverlapBuffer(type, method, {2 * tp + 1, 4}, DataType::float32, W);
+        ov::CommOverlapBuffer(type, method, {2 * tp + 1, 4}, ElementType::float32, W);
         ADD_FAILURE() << ov::to_string(type) << " " << ov::to_string(method) << " accepted " << 2 * tp + 1 << " rows";
       } catch (const cpdispatch::invalid_input& e) {
         EXPECT_NE(std::string(e.what()).find("buffer_shape[0] = " + std::to_string(2 * tp + 1) +
@@ -345,7 +345,7 @@ void indivisible_shapes_are_rejected(Tr& t, G& gemm) {
     }
   }
   // A GEMM whose output does not fit the buffer: the seed's "Buffer size is incorrect".
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {2 * tp, 4}, DataType::float32, W,
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {2 * tp, 4}, ElementType::float32, W,
                                ov::CommOverlapOptions{.num_splits = 2});
   std::vector<float> a(4 * tp * 3), b(3 * 4), rs(4 * 4);
   try {

@@ -10,7 +10,7 @@
 #include "cpdispatch/overlap/comm_overlap.hpp"
 
 namespace ov = cpdispatch::overlap;
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using ov::CommOverlapMethod;
 using ov::CommOverlapType;
 
@@ -18,10 +18,10 @@ TEST(OverlapBuffer, HoldsItsParametersAndAZeroedAlignedBuffer) {
   ov::CommOverlapOptions options;
   options.num_splits = 3;
   options.tag = 77;
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {12, 5}, DataType::float64, 2, options);
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {12, 5}, ElementType::float64, 2, options);
   EXPECT_EQ(buffer.type(), CommOverlapType::RS);
   EXPECT_EQ(buffer.method(), CommOverlapMethod::PIPELINE);
-  EXPECT_EQ(buffer.dtype(), DataType::float64);
+  EXPECT_EQ(buffer.dtype(), ElementType::float64);
   EXPECT_EQ(buffer.tp_size(), 2);
   EXPECT_EQ(buffer.num_splits(), 3);
   EXPECT_EQ(buffer.options().tag, 77);
@@ -37,7 +37,7 @@ TEST(OverlapBuffer, HoldsItsParametersAndAZeroedAlignedBuffer) {
 }
 
 TEST(OverlapBuffer, RingExchangeReduceScatterHasStagingForItsPeers) {
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {8, 3}, DataType::float32, 4);
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {8, 3}, ElementType::float32, 4);
   EXPECT_EQ(buffer.size(), 24u);
   EXPECT_EQ(buffer.staging<float>().size(), 3u * 2u * 3u);  // tp - 1 blocks of 8/4 x 3
   EXPECT_EQ(buffer.staging<float>().data(), buffer.view<float>().data() + 24);
@@ -45,7 +45,7 @@ TEST(OverlapBuffer, RingExchangeReduceScatterHasStagingForItsPeers) {
 }
 
 TEST(OverlapBuffer, CopyInAndOutAndMove) {
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 3}, DataType::float32, 2);
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 3}, ElementType::float32, 2);
   std::vector<float> in(12);
   std::iota(in.begin(), in.end(), 1.0f);
   buffer.copy_into(std::span<const float>(in));

@@ -16,7 +16,7 @@
 #include "cpdispatch/testing/mock_transport.hpp"
 
 namespace ov = cpdispatch::overlap;
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::ReduceOp;
 using cpdispatch::Request;
 using cpdispatch::testing::MockTransport;
@@ -90,7 +90,7 @@ TEST_P(OverlapMock, RingExchangeAllGatherSendsNextReceivesPreviousEachStepInterl
   const std::size_t ml = 3, k = 5, n = 2, bytes = ml * k * sizeof(float);
   StrictMock<MockTransport> t(rank, tp);
   StrictMock<MockGemm> gemm;
-  ov::CommOverlapBuffer buffer(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {tp * ml, k}, DataType::float32, tp,
+  ov::CommOverlapBuffer buffer(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {tp * ml, k}, ElementType::float32, tp,
                                options());
   std::vector<float> shard(ml * k, 2.5f), b(k * n), d(tp * ml * n);
   float* gathered = buffer.view<float>().data();
@@ -127,7 +127,7 @@ TEST_P(OverlapMock, PipelineIssuesOneReduceScatterPerChunkInChunkOrderAfterThatC
   const std::size_t h = 2, m = tp * splits * h, block = m / tp, k = 3, n = 4;
   StrictMock<MockTransport> t(rank, tp);
   StrictMock<MockGemm> gemm;
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {m, n}, DataType::float32, tp,
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {m, n}, ElementType::float32, tp,
                                options(splits));
   std::vector<float> a(k * m), b(n * k), rs(block * n);  // A stored k x m (transa), B stored n x k (transb)
   float* out = buffer.view<float>().data();
@@ -142,7 +142,7 @@ TEST_P(OverlapMock, PipelineIssuesOneReduceScatterPerChunkInChunkOrderAfterThatC
                    .InSequence(gemm_order)
                    .WillOnce(slow_gemm());
     }
-    EXPECT_CALL(t, reduce_scatter(out + ui * tp * h * n, rs.data() + ui * h * n, h * n, DataType::float32, ReduceOp::sum))
+    EXPECT_CALL(t, reduce_scatter(out + ui * tp * h * n, rs.data() + ui * h * n, h * n, ElementType::float32, ReduceOp::sum))
         .InSequence(rs_order)
         .After(chunk);
   }
@@ -156,7 +156,7 @@ TEST_P(OverlapMock, RingExchangeReduceScatterSendsEachPartialOnceComputedOwnPart
   const std::size_t block = 2, m = tp * block, k = 3, n = 2, bytes = block * n * sizeof(float);
   StrictMock<MockTransport> t(rank, tp);
   StrictMock<MockGemm> gemm;
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {m, n}, DataType::float32, tp,
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {m, n}, ElementType::float32, tp,
                                options());
   std::vector<float> a(m * k), b(k * n), rs(block * n);
   float* partial = buffer.view<float>().data();
@@ -193,9 +193,9 @@ TEST_P(OverlapMock, BulkIssuesExactlyOneCollective) {
   const std::size_t rows = 8, cols = 3, m = 5, k = 2, n = 6;
   StrictMock<MockTransport> t(rank, tp);
   StrictMock<MockGemm> gemm;
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::BULK, {rows, cols}, DataType::float32, tp, options());
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::BULK, {rows, cols}, ElementType::float32, tp, options());
   std::vector<float> a(m * k), b(k * n), d(m * n), rs(rows / tp * cols);
-  EXPECT_CALL(t, reduce_scatter(buffer.data(), rs.data(), rows / tp * cols, DataType::float32, ReduceOp::sum)).Times(1);
+  EXPECT_CALL(t, reduce_scatter(buffer.data(), rs.data(), rows / tp * cols, ElementType::float32, ReduceOp::sum)).Times(1);
   EXPECT_CALL(gemm, gemm(Transpose::no, Transpose::no, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, d.data(), n)).Times(1);
   ov::comm_gemm(t, gemm, buffer, ov::matrix_view<const float>(a.data(), m, k), Transpose::no,
                 ov::matrix_view<const float>(b.data(), k, n), Transpose::no, ov::matrix_view(d.data(), m, n),
@@ -224,7 +224,7 @@ TEST_P(OverlapMock, AFailingReduceScatterIsRethrownAfterTheGemmSideStops) {
   const std::size_t m = 8, k = 2, n = 2;
   StrictMock<MockTransport> t(0, tp);
   StrictMock<MockGemm> gemm;
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {m, n}, DataType::float32, tp, options(2));
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {m, n}, ElementType::float32, tp, options(2));
   std::vector<float> a(m * k), b(k * n), rs(m / tp * n);
   EXPECT_CALL(t, reduce_scatter(_, _, _, _, _)).WillOnce(testing::Throw(cpdispatch::backend_error("link down", 7)));
   EXPECT_CALL(gemm, gemm(_, _, _, _, _, _, _, _, _, _, _, _, _)).Times(testing::Between(2, 4));  // chunk 1, maybe chunk 2
@@ -244,7 +244,7 @@ TEST_P(OverlapMock, AFailingReceiveStopsTheRingBeforeTheShardIsUsed) {
   const std::size_t ml = 2, k = 2, n = 2;
   StrictMock<MockTransport> t(0, tp);
   StrictMock<MockGemm> gemm;
-  ov::CommOverlapBuffer buffer(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {tp * ml, k}, DataType::float32, tp,
+  ov::CommOverlapBuffer buffer(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {tp * ml, k}, ElementType::float32, tp,
                                options());
   std::vector<float> shard(ml * k), b(k * n), d(tp * ml * n);
   EXPECT_CALL(t, irecv(_, _, 2, 42)).WillOnce(testing::Throw(cpdispatch::backend_error("peer gone", 3)));
@@ -257,26 +257,26 @@ TEST_P(OverlapMock, AFailingReceiveStopsTheRingBeforeTheShardIsUsed) {
 // ---- errors: raised before any transport call (StrictMock: none expected) -------
 
 TEST(OverlapErrors, UnsupportedCombinationsHaveTheSeedsMessages) {
-  EXPECT_THAT(message_of([] { ov::CommOverlapBuffer(CommOverlapType::AG, CommOverlapMethod::BULK, {4, 4}, DataType::float32, 2); }),
+  EXPECT_THAT(message_of([] { ov::CommOverlapBuffer(CommOverlapType::AG, CommOverlapMethod::BULK, {4, 4}, ElementType::float32, 2); }),
               HasSubstr("AllGather with bulk overlap not supported (comm_type AG, method BULK; AG takes RING_EXCHANGE)"));
   EXPECT_THAT(
-      message_of([] { ov::CommOverlapBuffer(CommOverlapType::AG, CommOverlapMethod::PIPELINE, {4, 4}, DataType::float32, 2); }),
+      message_of([] { ov::CommOverlapBuffer(CommOverlapType::AG, CommOverlapMethod::PIPELINE, {4, 4}, ElementType::float32, 2); }),
       HasSubstr("pipeline overlap is only supported for ReduceScatter (comm_type AG, method PIPELINE"));
   EXPECT_THAT(
-      message_of([] { ov::CommOverlapBuffer(CommOverlapType::NONE, CommOverlapMethod::PIPELINE, {4, 4}, DataType::float32, 2); }),
+      message_of([] { ov::CommOverlapBuffer(CommOverlapType::NONE, CommOverlapMethod::PIPELINE, {4, 4}, ElementType::float32, 2); }),
       HasSubstr("Invalid collective type: method PIPELINE overlaps a collective, expected RS or AG, got NONE"));
   EXPECT_THAT(
-      message_of([] { ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::NONE, {4, 4}, DataType::float32, 2); }),
+      message_of([] { ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::NONE, {4, 4}, ElementType::float32, 2); }),
       HasSubstr("Invalid collective type: method NONE runs a plain GEMM, so the collective type must be NONE, got RS"));
   EXPECT_THAT(
-      message_of([] { ov::CommOverlapBuffer(CommOverlapType::NONE, CommOverlapMethod::NONE, {4, 4}, DataType::float32, 2); }),
+      message_of([] { ov::CommOverlapBuffer(CommOverlapType::NONE, CommOverlapMethod::NONE, {4, 4}, ElementType::float32, 2); }),
       HasSubstr("Invalid collective type: method NONE runs a plain GEMM and needs no buffer (expected RS or AG, got NONE)"));
   EXPECT_THAT(message_of([] {
-                ov::CommOverlapBuffer(static_cast<CommOverlapType>(7), CommOverlapMethod::BULK, {4, 4}, DataType::float32, 2);
+                ov::CommOverlapBuffer(static_cast<CommOverlapType>(7), CommOverlapMethod::BULK, {4, 4}, ElementType::float32, 2);
               }),
               HasSubstr("Invalid collective type: expected NONE, RS or AG, got CommOverlapType(7)"));
   EXPECT_THAT(message_of([] {
-                ov::CommOverlapBuffer(CommOverlapType::RS, static_cast<CommOverlapMethod>(9), {4, 4}, DataType::float32, 2);
+                ov::CommOverlapBuffer(CommOverlapType::RS, static_cast<CommOverlapMethod>(9), {4, 4}, ElementType::float32, 2);
               }),
               HasSubstr("invalid overlap method: expected NONE, BULK, PIPELINE or RING_EXCHANGE, got CommOverlapMethod(9)"));
 }
@@ -287,7 +287,7 @@ TEST(OverlapErrors, ScalingModesOtherThanNoScalingAreNotSupported) {
     ov::CommOverlapOptions o;
     o.scaling_mode = mode;
     EXPECT_THAT(message_of([&] {
-                  ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 4}, DataType::float32, 2, o);
+                  ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 4}, ElementType::float32, 2, o);
                 }),
                 HasSubstr("scaling mode " + ov::to_string(mode) + " is not supported (expected NO_SCALING)"));
   }
@@ -299,7 +299,7 @@ TEST(OverlapErrors, AtomicGemmRequiresTheCudaBackend) {
   ov::CommOverlapOptions o;
   o.atomic_gemm = true;
   o.num_splits = 2;
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {4, 2}, DataType::float32, 2, o);
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {4, 2}, ElementType::float32, 2, o);
   EXPECT_TRUE(buffer.atomic_gemm());
   std::vector<float> a(4 * 2), b(2 * 2), rs(2 * 2);
   EXPECT_THAT(message_of([&] {
@@ -315,7 +315,7 @@ TEST(OverlapErrors, BufferSizeIsIncorrect) {
   StrictMock<MockGemm> gemm;
   std::vector<float> a(6 * 5), b(5 * 4), d(12 * 4), rs(3 * 4);
   // AG: 2 shards of op(A) = 6 x 5 need a 12 x 5 buffer.
-  ov::CommOverlapBuffer ag(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {10, 5}, DataType::float32, 2);
+  ov::CommOverlapBuffer ag(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {10, 5}, ElementType::float32, 2);
   EXPECT_THAT(message_of([&] {
                 ov::comm_gemm(t, gemm, ag, ov::matrix_view<const float>(a.data(), 6, 5), Transpose::no,
                               ov::matrix_view<const float>(b.data(), 5, 4), Transpose::no, ov::matrix_view(d.data(), 12, 4));
@@ -323,7 +323,7 @@ TEST(OverlapErrors, BufferSizeIsIncorrect) {
               HasSubstr("Buffer size is incorrect: AG RING_EXCHANGE puts the all-gathered op(A) (tp_size shards of op(A)) in the "
                         "buffer: expected 12 x 5 = 60 elements, got 10 x 5 = 50 elements"));
   // RS RING_EXCHANGE: the 6 x 4 GEMM output must be the buffer's shape, not only its size.
-  ov::CommOverlapBuffer rs_buffer(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {4, 6}, DataType::float32, 2);
+  ov::CommOverlapBuffer rs_buffer(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {4, 6}, ElementType::float32, 2);
   EXPECT_THAT(message_of([&] {
                 ov::comm_gemm(t, gemm, rs_buffer, ov::matrix_view<const float>(a.data(), 6, 5), Transpose::no,
                               ov::matrix_view<const float>(b.data(), 5, 4), Transpose::no, ov::MatrixView<float>{},
@@ -332,7 +332,7 @@ TEST(OverlapErrors, BufferSizeIsIncorrect) {
               HasSubstr("Buffer size is incorrect: RS RING_EXCHANGE puts the GEMM output op(A) x op(B) in the buffer: expected "
                         "6 x 4 = 24 elements, got 4 x 6 = 24 elements"));
   // Filling a buffer with the wrong number of elements.
-  ov::CommOverlapBuffer bulk(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 6}, DataType::float32, 2);
+  ov::CommOverlapBuffer bulk(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 6}, ElementType::float32, 2);
   std::vector<float> fill(23);
   EXPECT_THAT(message_of([&] { bulk.copy_into(std::span<const float>(fill)); }),
               HasSubstr("Buffer size is incorrect: expected 24 elements (4 x 6), got 23"));
@@ -342,7 +342,7 @@ TEST(OverlapErrors, ShapesTypesAndTpSize) {
   StrictMock<MockTransport> t(0, 2);
   StrictMock<MockGemm> gemm;
   std::vector<float> a(4 * 3), b(3 * 2), rs(2 * 2), d(4 * 2);
-  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {4, 2}, DataType::float32, 2);
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {4, 2}, ElementType::float32, 2);
   auto call = [&](ov::CommOverlapBuffer& buf, ov::MatrixView<const float> av, ov::MatrixView<const float> bv,
                   ov::MatrixView<float> dv, ov::MatrixView<float> rv) {
     return message_of([&] { ov::comm_gemm(t, gemm, buf, av, Transpose::no, bv, Transpose::no, dv, rv); });
@@ -364,11 +364,11 @@ TEST(OverlapErrors, ShapesTypesAndTpSize) {
   EXPECT_THAT(message_of([&] { ov::comm_gemm(four, gemm, buffer, A, Transpose::no, B, Transpose::no, {}, RS); }),
               HasSubstr("the buffer's tp_size = 2 does not match the transport's world_size() = 4"));
   // dtype: a float64 buffer with a float GEMM.
-  ov::CommOverlapBuffer doubles(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {4, 2}, DataType::float64, 2);
+  ov::CommOverlapBuffer doubles(CommOverlapType::RS, CommOverlapMethod::RING_EXCHANGE, {4, 2}, ElementType::float64, 2);
   EXPECT_THAT(call(doubles, A, B, {}, RS),
               HasSubstr("CommOverlapBuffer::comm_gemm: the buffer's dtype is float64, the element type asked for is float32"));
   // AG: rs_output is not used.
-  ov::CommOverlapBuffer ag(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {8, 3}, DataType::float32, 2);
+  ov::CommOverlapBuffer ag(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {8, 3}, ElementType::float32, 2);
   std::vector<float> dag(8 * 2);
   EXPECT_THAT(call(ag, A, B, ov::matrix_view(dag.data(), 8, 2), RS),
               HasSubstr("rs_output is not used by AG RING_EXCHANGE, expected an empty view ({}), got 2 x 2"));
@@ -377,31 +377,31 @@ TEST(OverlapErrors, ShapesTypesAndTpSize) {
 TEST(OverlapErrors, BufferCreationValidatesShapeDtypeAndSizes) {
   const std::vector<std::size_t> three_d{2, 2, 2};
   EXPECT_THAT(message_of([&] {
-                ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, three_d, DataType::float32, 2);
+                ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, three_d, ElementType::float32, 2);
               }),
               HasSubstr("buffer_shape has 3 dimensions, expected 2 (rows, cols)"));
-  EXPECT_THAT(message_of([] { ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 0}, DataType::float32, 2); }),
+  EXPECT_THAT(message_of([] { ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 0}, ElementType::float32, 2); }),
               HasSubstr("buffer_shape [4, 0] has an empty dimension"));
-  EXPECT_THAT(message_of([] { ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 4}, DataType::float32, 0); }),
+  EXPECT_THAT(message_of([] { ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 4}, ElementType::float32, 0); }),
               HasSubstr("tp_size = 0 must be at least 1"));
-  EXPECT_THAT(message_of([] { ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 4}, DataType::bfloat16, 2); }),
+  EXPECT_THAT(message_of([] { ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {4, 4}, ElementType::bfloat16, 2); }),
               HasSubstr("dtype bfloat16 is not supported (expected float32 or float64"));
   EXPECT_THAT(message_of([] {
-                ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {4, 4}, DataType::float32, 2,
+                ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {4, 4}, ElementType::float32, 2,
                                       ov::CommOverlapOptions{.num_splits = 0});
               }),
               HasSubstr("num_splits = 0 must be at least 1 for PIPELINE"));
   EXPECT_THAT(message_of([] {
-                ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {12, 4}, DataType::float32, 2,
+                ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {12, 4}, ElementType::float32, 2,
                                       ov::CommOverlapOptions{.num_splits = 4});
               }),
               HasSubstr("buffer_shape[0] = 12 is not divisible by tp_size * num_splits = 2 * 4 = 8"));
   EXPECT_THAT(message_of([] {
-                ov::CommOverlapBuffer(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {10, 4}, DataType::float32, 4);
+                ov::CommOverlapBuffer(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {10, 4}, ElementType::float32, 4);
               }),
               HasSubstr("buffer_shape[0] = 10 is not divisible by tp_size = 4 (AG RING_EXCHANGE splits the rows into one block per rank)"));
   EXPECT_THAT(message_of([] {
-                ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {SIZE_MAX / 2, 4}, DataType::float32, 1);
+                ov::CommOverlapBuffer(CommOverlapType::RS, CommOverlapMethod::BULK, {SIZE_MAX / 2, 4}, ElementType::float32, 1);
               }),
               HasSubstr("more elements than memory can address"));
 }
@@ -411,8 +411,8 @@ TEST(OverlapErrors, IdsOfDestroyedOrUnknownBuffersAreRejected) {
   StrictMock<MockGemm> gemm;
   ov::CommOverlapRegistry registry;
   EXPECT_THAT(message_of([&] { registry.get(1); }), HasSubstr("buffer id 1 is unknown (ids issued so far: none)"));
-  const auto first = registry.create(CommOverlapType::RS, CommOverlapMethod::BULK, {2, 2}, DataType::float32, 1);
-  const auto second = registry.create(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {2, 2}, DataType::float32, 1);
+  const auto first = registry.create(CommOverlapType::RS, CommOverlapMethod::BULK, {2, 2}, ElementType::float32, 1);
+  const auto second = registry.create(CommOverlapType::AG, CommOverlapMethod::RING_EXCHANGE, {2, 2}, ElementType::float32, 1);
   EXPECT_EQ(first, 1);
   EXPECT_EQ(second, 2);
   EXPECT_EQ(registry.size(), 2u);
@@ -447,19 +447,19 @@ TEST(OverlapErrors, IdsOfDestroyedOrUnknownBuffersAreRejected) {
               }),
               HasSubstr("buffer id 2 was destroyed"));
   // New ids never reuse old ones.
-  EXPECT_EQ(registry.create(CommOverlapType::RS, CommOverlapMethod::BULK, {2, 2}, DataType::float32, 1), 3);
+  EXPECT_EQ(registry.create(CommOverlapType::RS, CommOverlapMethod::BULK, {2, 2}, ElementType::float32, 1), 3);
 }
 
 TEST(OverlapErrors, TheProcessWideIdApi) {
-  const auto id = ov::create_comm_overlap_buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {8, 2}, DataType::float64, 2);
-  const auto other = ov::create_comm_overlap_buffer(CommOverlapType::RS, CommOverlapMethod::BULK, {8, 2}, DataType::float32, 2);
-  EXPECT_EQ(ov::default_comm_overlap_registry().get(id)->dtype(), DataType::float64);
+  const auto id = ov::create_comm_overlap_buffer(CommOverlapType::RS, CommOverlapMethod::PIPELINE, {8, 2}, ElementType::float64, 2);
+  const auto other = ov::create_comm_overlap_buffer(CommOverlapType::RS, CommOverlapMethod::BULK, {8, 2}, ElementType::float32, 2);
+  EXPECT_EQ(ov::default_comm_overlap_registry().get(id)->dtype(), ElementType::float64);
   {  // the GEMM by id, through the process-wide registry
     StrictMock<MockTransport> t(1, 2);
     StrictMock<MockGemm> gemm;
     std::vector<float> a(3 * 2), b(2 * 5), d(3 * 5), rs(4 * 2);
     const void* filled = ov::default_comm_overlap_registry().get(other)->data();
-    EXPECT_CALL(t, reduce_scatter(filled, rs.data(), 8u, DataType::float32, ReduceOp::sum)).Times(1);
+    EXPECT_CALL(t, reduce_scatter(filled, rs.data(), 8u, ElementType::float32, ReduceOp::sum)).Times(1);
     EXPECT_CALL(gemm, gemm(Transpose::no, Transpose::no, 3u, 5u, 2u, 1.0f, a.data(), 2u, b.data(), 5u, 0.0f, d.data(), 5u));
     ov::comm_gemm(t, gemm, CommOverlapType::RS, CommOverlapMethod::BULK, other, ov::matrix_view<const float>(a.data(), 3, 2),
                   Transpose::no, ov::matrix_view<const float>(b.data(), 2, 5), Transpose::no, ov::matrix_view(d.data(), 3, 5),
@@ -474,7 +474,7 @@ TEST(OverlapErrors, TheProcessWideIdApi) {
 
 TEST(OverlapErrors, ABufferDestroyedDuringACallLivesUntilTheCallReturns) {
   ov::CommOverlapRegistry registry;
-  const auto id = registry.create(CommOverlapType::RS, CommOverlapMethod::BULK, {2, 2}, DataType::float32, 1);
+  const auto id = registry.create(CommOverlapType::RS, CommOverlapMethod::BULK, {2, 2}, ElementType::float32, 1);
   auto held = registry.get(id);
   registry.destroy(id);
   EXPECT_EQ(held->size(), 4u);  // still valid: shared ownership

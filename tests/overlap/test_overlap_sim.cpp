@@ -64,7 +64,7 @@ TEST_P(OverlapSim, AFailingGemmStopsTheCallAndIsRethrown) {
       world.run([&](SimTransport& t) {
         FailingGemm gemm;
         gemm.fail_after = method == ov::CommOverlapMethod::PIPELINE ? W : 1;
-        ov::CommOverlapBuffer buffer(ov::CommOverlapType::RS, method, {4 * tp, 2}, cpdispatch::DataType::float32, W,
+        ov::CommOverlapBuffer buffer(ov::CommOverlapType::RS, method, {4 * tp, 2}, cpdispatch::ElementType::float32, W,
                                      ov::CommOverlapOptions{.num_splits = 2});
         std::vector<float> a(4 * tp * 3, 1.0f), b(3 * 2, 1.0f), rs(4 * 2);
         ov::comm_gemm(t, gemm, buffer, ov::matrix_view<const float>(a.data(), 4 * tp, 3), ov::Transpose::no,

@@ -14,7 +14,7 @@
 #include "cpdispatch/transports/sim.hpp"
 
 namespace ov = cpdispatch::overlap;
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::ReduceOp;
 using cpdispatch::SimOptions;
 using cpdispatch::SimTransport;
@@ -69,15 +69,15 @@ TEST(SimulatedLink, CollectivesPassTheDataAndTakeTheRingTime) {
     const std::size_t block = 1000;
     std::vector<float> send(3 * block, r + 1), recv(block), gathered(3 * block);
     auto t0 = Clock::now();
-    link.reduce_scatter(send.data(), recv.data(), block, DataType::float32, ReduceOp::sum);
+    link.reduce_scatter(send.data(), recv.data(), block, ElementType::float32, ReduceOp::sum);
     EXPECT_GE(Clock::now() - t0, 2 * (500us + 400us));
     EXPECT_THAT(recv, testing::Each(6.0f));
     t0 = Clock::now();
-    link.all_gather(recv.data(), gathered.data(), block, DataType::float32);
+    link.all_gather(recv.data(), gathered.data(), block, ElementType::float32);
     EXPECT_GE(Clock::now() - t0, 2 * (500us + 400us));
     EXPECT_THAT(gathered, testing::Each(6.0f));
     std::vector<double> sum(6, r);
-    link.all_reduce(sum.data(), sum.size(), DataType::float64, ReduceOp::sum);
+    link.all_reduce(sum.data(), sum.size(), ElementType::float64, ReduceOp::sum);
     EXPECT_THAT(sum, testing::Each(3.0));
     std::vector<char> bytes(16, static_cast<char>(sim.rank() == 2 ? 'x' : '-'));
     link.broadcast(bytes.data(), bytes.size(), 2);

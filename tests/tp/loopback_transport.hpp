@@ -48,15 +48,15 @@ class LoopbackTransport {
   void barrier() { calls.push_back({"barrier", 0}); }
   void broadcast(void*, std::size_t bytes, int) { calls.push_back({"broadcast", bytes}); }
 
-  void all_reduce(void* buf, std::size_t count, cpdispatch::DataType type, cpdispatch::ReduceOp) {
+  void all_reduce(void* buf, std::size_t count, cpdispatch::ElementType type, cpdispatch::ReduceOp) {
     calls.push_back({"all_reduce", count});
-    if (type == cpdispatch::DataType::float32) scale(static_cast<float*>(buf), count);
-    if (type == cpdispatch::DataType::float64) scale(static_cast<double*>(buf), count);
+    if (type == cpdispatch::ElementType::float32) scale(static_cast<float*>(buf), count);
+    if (type == cpdispatch::ElementType::float64) scale(static_cast<double*>(buf), count);
   }
 
-  void all_gather(const void* send, void* recv, std::size_t count, cpdispatch::DataType type) {
+  void all_gather(const void* send, void* recv, std::size_t count, cpdispatch::ElementType type) {
     calls.push_back({"all_gather", count});
-    const std::size_t bytes = count * cpdispatch::data_type_size(type);
+    const std::size_t bytes = count * cpdispatch::element_size(type);
     std::vector<char> mine(static_cast<const char*>(send), static_cast<const char*>(send) + bytes);
     for (int r = 0; r < world_size_; ++r) {
       char* slot = static_cast<char*>(recv) + static_cast<std::size_t>(r) * bytes;
@@ -65,7 +65,7 @@ class LoopbackTransport {
     }
   }
 
-  void reduce_scatter(const void*, void*, std::size_t count, cpdispatch::DataType, cpdispatch::ReduceOp) {
+  void reduce_scatter(const void*, void*, std::size_t count, cpdispatch::ElementType, cpdispatch::ReduceOp) {
     calls.push_back({"reduce_scatter", count});
   }
 

@@ -81,7 +81,7 @@ namespace {
 /// A transport whose all_reduce fails, to see the failure logged.
 struct FailingTransport : LoopbackTransport {
   FailingTransport() : LoopbackTransport(0, 2) {}
-  void all_reduce(void*, std::size_t, cpdispatch::DataType, cpdispatch::ReduceOp) {
+  void all_reduce(void*, std::size_t, cpdispatch::ElementType, cpdispatch::ReduceOp) {
     throw cpdispatch::error("All-reduce timeout (test)");
   }
 };

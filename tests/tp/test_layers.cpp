@@ -42,7 +42,7 @@ TYPED_TEST(TpLayersTyped, WorldSizeOneRowLayerIsALinearLayer) {
   EXPECT_EQ(layer.out_features_local(), 4u);
   EXPECT_EQ(layer.world_size(), 1);
   EXPECT_EQ(layer.rank(), 0);
-  EXPECT_EQ(layer.dtype(), (std::is_same_v<T, float> ? cpdispatch::DataType::float32 : cpdispatch::DataType::float64));
+  EXPECT_EQ(layer.dtype(), (std::is_same_v<T, float> ? cpdispatch::ElementType::float32 : cpdispatch::ElementType::float64));
   EXPECT_EQ(layer.weight_shape(), (std::pair<std::size_t, std::size_t>(4, 6)));
   EXPECT_EQ(layer.bias().size(), 4u);
 

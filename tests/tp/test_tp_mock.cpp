@@ -11,7 +11,7 @@
 #include "tp_cases.hpp"
 
 namespace tp = cpdispatch::tp;
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::ReduceOp;
 using cpdispatch::testing::MockTransport;
 using cpdispatch::testing::RecordingTransport;
@@ -25,10 +25,10 @@ using Gemm = tp::ReferenceGemm;
 
 /// The construction check's all_gather, answered as if every rank agreed.
 void expect_shape_checks(StrictMock<MockTransport>& t, int times) {
-  EXPECT_CALL(t, all_gather(_, _, 9u, DataType::int64))
+  EXPECT_CALL(t, all_gather(_, _, 9u, ElementType::int64))
       .Times(times)
-      .WillRepeatedly([&t](const void* send, void* recv, std::size_t count, DataType type) {
-        const std::size_t bytes = count * cpdispatch::data_type_size(type);
+      .WillRepeatedly([&t](const void* send, void* recv, std::size_t count, ElementType type) {
+        const std::size_t bytes = count * cpdispatch::element_size(type);
         for (int r = 0; r < t.world_size(); ++r) {
           std::memcpy(static_cast<char*>(recv) + static_cast<std::size_t>(r) * bytes, send, bytes);
         }
@@ -55,7 +55,7 @@ TEST(TpMock, ColumnParallelForwardMakesOneAllReduceOfTokensTimesOutFeatures) {
   testing::Mock::VerifyAndClearExpectations(&t);
   const std::size_t tokens = 7;
   std::vector<float> x(tokens * 3, 1.0f), y(tokens * 5);
-  EXPECT_CALL(t, all_reduce(y.data(), tokens * 5, DataType::float32, ReduceOp::sum)).Times(1);
+  EXPECT_CALL(t, all_reduce(y.data(), tokens * 5, ElementType::float32, ReduceOp::sum)).Times(1);
   layer.forward(x.data(), tokens, y.data());
 }
 
@@ -69,7 +69,7 @@ TEST(TpMock, BackwardCommunication) {
   const std::size_t tokens = 3;
   std::vector<double> x(tokens * 6, 1.0), h(tokens * 4, 1.0), dy(tokens * 5, 1.0), dh(tokens * 4), dx(tokens * 6);
   col.backward(h.data(), dy.data(), tokens, dh.data());  // the in-split layer: local
-  EXPECT_CALL(t, all_reduce(dx.data(), tokens * 6, DataType::float64, ReduceOp::sum)).Times(1);
+  EXPECT_CALL(t, all_reduce(dx.data(), tokens * 6, ElementType::float64, ReduceOp::sum)).Times(1);
   row.backward(x.data(), dh.data(), tokens, dx.data());  // the out-split layer: all-reduce of dx
 }
 
@@ -84,16 +84,16 @@ TEST(TpMock, WrapperOfFourLinearLayers) {
   std::vector<float> x(tokens * 10, 0.5f), y(tokens * 6);
   {
     InSequence forward;  // one all-reduce per (RowParallel, ColumnParallel) pair
-    EXPECT_CALL(t, all_reduce(_, tokens * 12, DataType::float32, ReduceOp::sum));
-    EXPECT_CALL(t, all_reduce(_, tokens * 6, DataType::float32, ReduceOp::sum));
+    EXPECT_CALL(t, all_reduce(_, tokens * 12, ElementType::float32, ReduceOp::sum));
+    EXPECT_CALL(t, all_reduce(_, tokens * 6, ElementType::float32, ReduceOp::sum));
   }
   wrapper.forward(x.data(), tokens, y.data());
   testing::Mock::VerifyAndClearExpectations(&t);
   std::vector<float> dy(tokens * 6, 1.0f), dx(tokens * 10);
   {
     InSequence backward;  // each RowParallelLinear's input gradient, last pair first
-    EXPECT_CALL(t, all_reduce(_, tokens * 12, DataType::float32, ReduceOp::sum));
-    EXPECT_CALL(t, all_reduce(_, tokens * 10, DataType::float32, ReduceOp::sum));
+    EXPECT_CALL(t, all_reduce(_, tokens * 12, ElementType::float32, ReduceOp::sum));
+    EXPECT_CALL(t, all_reduce(_, tokens * 10, ElementType::float32, ReduceOp::sum));
   }
   wrapper.backward(dy.data(), dx.data());
 }
@@ -106,12 +106,12 @@ TEST(TpMock, WrapperOnSimRecordsTwoAllReducesPerPassAndComputesTheModel) {
     Gemm gemm;
     tp::DistributedModelWrapper wrapper(model, t, gemm);
     const auto x = tp_test::random_tensor<float>({4, 10}, 3);
-    EXPECT_CALL(t, all_reduce(_, _, DataType::float32, ReduceOp::sum)).Times(2);
+    EXPECT_CALL(t, all_reduce(_, _, ElementType::float32, ReduceOp::sum)).Times(2);
     const auto y = wrapper.forward(x);
     testing::Mock::VerifyAndClearExpectations(&t);
     auto reference = model;
     EXPECT_LT(tp_test::rel_error(y, reference.forward(x)), 1e-5);
-    EXPECT_CALL(t, all_reduce(_, _, DataType::float32, ReduceOp::sum)).Times(2);
+    EXPECT_CALL(t, all_reduce(_, _, ElementType::float32, ReduceOp::sum)).Times(2);
     wrapper.backward(y);
   });
 }

@@ -89,9 +89,9 @@ TEST(MpiHandles, EveryObjectCreatedIsFreed) {
     const auto Wu = static_cast<std::size_t>(W);
     std::vector<std::uint16_t> halves(Wu * 10, 0x3f80);  // bfloat16 1.0
     std::vector<std::uint16_t> out(Wu * 10);
-    owned.all_reduce(halves.data(), 10, DataType::bfloat16, ReduceOp::sum);
-    owned.all_gather(halves.data(), out.data(), 10, DataType::float16);
-    owned.reduce_scatter(halves.data(), out.data(), 10, DataType::float16, ReduceOp::sum);
+    owned.all_reduce(halves.data(), 10, ElementType::bfloat16, ReduceOp::sum);
+    owned.all_gather(halves.data(), out.data(), 10, ElementType::float16);
+    owned.reduce_scatter(halves.data(), out.data(), 10, ElementType::float16, ReduceOp::sum);
     owned.broadcast(halves.data(), 20, 0);
     std::vector<std::size_t> counts(Wu, 8), displs(Wu);
     for (std::size_t i = 0; i < Wu; ++i) displs[i] = 8 * i;

@@ -213,41 +213,41 @@ TEST_P(MpiTransportP, BroadcastFromEveryRoot) {
   }
 }
 
-// ---- typed collectives: every DataType, exact values ---------------------------
+// ---- typed collectives: every ElementType, exact values ---------------------------
 
 template <class T>
 struct Element;
 template <>
 struct Element<std::int8_t> {
-  static constexpr DataType type = DataType::int8;
+  static constexpr ElementType type = ElementType::int8;
 };
 template <>
 struct Element<std::uint8_t> {
-  static constexpr DataType type = DataType::uint8;
+  static constexpr ElementType type = ElementType::uint8;
 };
 template <>
 struct Element<std::int32_t> {
-  static constexpr DataType type = DataType::int32;
+  static constexpr ElementType type = ElementType::int32;
 };
 template <>
 struct Element<std::int64_t> {
-  static constexpr DataType type = DataType::int64;
+  static constexpr ElementType type = ElementType::int64;
 };
 template <>
 struct Element<float> {
-  static constexpr DataType type = DataType::float32;
+  static constexpr ElementType type = ElementType::float32;
 };
 template <>
 struct Element<double> {
-  static constexpr DataType type = DataType::float64;
+  static constexpr ElementType type = ElementType::float64;
 };
 template <>
 struct Element<bfloat16> {
-  static constexpr DataType type = DataType::bfloat16;
+  static constexpr ElementType type = ElementType::bfloat16;
 };
 template <>
 struct Element<float16> {
-  static constexpr DataType type = DataType::float16;
+  static constexpr ElementType type = ElementType::float16;
 };
 
 template <class T>
@@ -290,7 +290,7 @@ using ElementTypes = ::testing::Types<std::int8_t, std::uint8_t, std::int32_t, s
 struct ElementNames {
   template <class T>
   static std::string GetName(int) {
-    return data_type_name(Element<T>::type);
+    return element_name(Element<T>::type);
   }
 };
 TYPED_TEST_SUITE(MpiCollectives, ElementTypes, ElementNames);
@@ -366,8 +366,8 @@ TEST(MpiCollectives16Bit, SumsRoundInFp32AfterEachAddition) {
   const int W = t.world_size();
   std::vector<bfloat16> b = {bfloat16(t.rank() == 0 ? 256.0f : 1.0f), bfloat16(0.5f)};
   std::vector<float16> h = {float16(t.rank() == 0 ? 2048.0f : 1.0f), float16(0.25f)};
-  t.all_reduce(b.data(), b.size(), DataType::bfloat16, ReduceOp::sum);
-  t.all_reduce(h.data(), h.size(), DataType::float16, ReduceOp::sum);
+  t.all_reduce(b.data(), b.size(), ElementType::bfloat16, ReduceOp::sum);
+  t.all_reduce(h.data(), h.size(), ElementType::float16, ReduceOp::sum);
   // Each +1 alone is lost to rounding; but for W >= 3 the order decides,
   // so only the exactly representable element is checked for every W.
   if (W == 2) {
@@ -502,7 +502,7 @@ TEST(MpiErrors, BadArgumentsAreInvalidInput) {
   std::byte buf[4] = {};
   EXPECT_THROW(t.isend(buf, 4, 0, -1), invalid_input);
   EXPECT_THROW(t.irecv(buf, 4, 0, t.reserved_tag()), invalid_input);
-  EXPECT_THROW(t.all_reduce(buf, 1, static_cast<DataType>(99), ReduceOp::sum), invalid_input);
+  EXPECT_THROW(t.all_reduce(buf, 1, static_cast<ElementType>(99), ReduceOp::sum), invalid_input);
   EXPECT_THROW(t.set_timeout(-1ms), invalid_input);
   EXPECT_THROW(MpiTransport(MPI_COMM_NULL), invalid_input);
   MpiTransportOptions zero;
@@ -553,7 +553,7 @@ TEST(MpiTimeout, AllReduceThatDoesNotCompleteRaisesAllReduceTimeout) {
     x = 1;
     t.set_timeout(200ms);
     try {
-      t.all_reduce(&x, 1, DataType::int32, ReduceOp::sum);
+      t.all_reduce(&x, 1, ElementType::int32, ReduceOp::sum);
       ADD_FAILURE() << "no timeout";
     } catch (const timeout_error& e) {
       EXPECT_EQ(e.code(), 0);
@@ -566,7 +566,7 @@ TEST(MpiTimeout, AllReduceThatDoesNotCompleteRaisesAllReduceTimeout) {
   } else {
     t.wait(t.irecv(&go, 1, 0, 11));
     std::int32_t x = 1;
-    t.all_reduce(&x, 1, DataType::int32, ReduceOp::sum);  // meets rank 0's abandoned all-reduce
+    t.all_reduce(&x, 1, ElementType::int32, ReduceOp::sum);  // meets rank 0's abandoned all-reduce
     EXPECT_EQ(x, W);
   }
   t.barrier();

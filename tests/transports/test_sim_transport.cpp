@@ -19,7 +19,7 @@
 
 namespace {
 
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::ReduceOp;
 using cpdispatch::Request;
 using cpdispatch::SimOptions;
@@ -158,31 +158,31 @@ TEST_P(SimWorldSizes, AllReduceSumsInRankOrderForEveryType) {
     const int r = t.rank();
     {
       std::vector<std::int8_t> v{static_cast<std::int8_t>(r), static_cast<std::int8_t>(100), -1};
-      t.all_reduce(v.data(), v.size(), DataType::int8, ReduceOp::sum);
+      t.all_reduce(v.data(), v.size(), ElementType::int8, ReduceOp::sum);
       EXPECT_EQ(v[0], static_cast<std::int8_t>(W * (W - 1) / 2));
       EXPECT_EQ(v[1], static_cast<std::int8_t>(static_cast<std::uint8_t>(100 * W)));  // wraps around
       EXPECT_EQ(v[2], static_cast<std::int8_t>(-W));
     }
     {
       std::vector<std::uint8_t> v{static_cast<std::uint8_t>(r + 1)};
-      t.all_reduce(v.data(), 1, DataType::uint8, ReduceOp::sum);
+      t.all_reduce(v.data(), 1, ElementType::uint8, ReduceOp::sum);
       EXPECT_EQ(v[0], static_cast<std::uint8_t>(W * (W + 1) / 2));
     }
     {
       std::vector<std::int32_t> v{r, -2 * r, 7};
-      t.all_reduce(v.data(), v.size(), DataType::int32, ReduceOp::sum);
+      t.all_reduce(v.data(), v.size(), ElementType::int32, ReduceOp::sum);
       EXPECT_EQ(v, (std::vector<std::int32_t>{W * (W - 1) / 2, -W * (W - 1), 7 * W}));
     }
     {
       std::vector<std::int64_t> v{std::int64_t{1} << 40, r};
-      t.all_reduce(v.data(), v.size(), DataType::int64, ReduceOp::sum);
+      t.all_reduce(v.data(), v.size(), ElementType::int64, ReduceOp::sum);
       EXPECT_EQ(v[0], (std::int64_t{1} << 40) * W);
       EXPECT_EQ(v[1], W * (W - 1) / 2);
     }
     {
       // Rank order matters for floats: 1e8 + 1 + 1 ... - 1e8 in fp32.
       std::vector<float> v{r == 0 ? 1e8f : (r == W - 1 && W > 1 ? -1e8f : 1.0f), 0.5f};
-      t.all_reduce(v.data(), v.size(), DataType::float32, ReduceOp::sum);
+      t.all_reduce(v.data(), v.size(), ElementType::float32, ReduceOp::sum);
       float expect = 1e8f;
       for (int s = 1; s < W; ++s) expect += (s == W - 1 ? -1e8f : 1.0f);
       EXPECT_EQ(v[0], expect);
@@ -190,17 +190,17 @@ TEST_P(SimWorldSizes, AllReduceSumsInRankOrderForEveryType) {
     }
     {
       std::vector<double> v{0.25 * r};
-      t.all_reduce(v.data(), 1, DataType::float64, ReduceOp::sum);
+      t.all_reduce(v.data(), 1, ElementType::float64, ReduceOp::sum);
       EXPECT_EQ(v[0], 0.25 * W * (W - 1) / 2);
     }
     {
       // 16-bit floats accumulate in fp32 and round once: 256 + 1 + 1 + ... in
       // bfloat16 would stay 256 (8-bit mantissa); in fp32 it counts.
       std::vector<cpdispatch::bfloat16> v{cpdispatch::bfloat16(r == 0 ? 256.0f : 1.0f)};
-      t.all_reduce(v.data(), 1, DataType::bfloat16, ReduceOp::sum);
+      t.all_reduce(v.data(), 1, ElementType::bfloat16, ReduceOp::sum);
       EXPECT_EQ(static_cast<float>(v[0]), static_cast<float>(cpdispatch::bfloat16(256.0f + static_cast<float>(W - 1))));
       std::vector<cpdispatch::float16> h{cpdispatch::float16(r == 0 ? 2048.0f : 1.0f)};
-      t.all_reduce(h.data(), 1, DataType::float16, ReduceOp::sum);
+      t.all_reduce(h.data(), 1, ElementType::float16, ReduceOp::sum);
       EXPECT_EQ(static_cast<float>(h[0]), static_cast<float>(cpdispatch::float16(2048.0f + static_cast<float>(W - 1))));
     }
   });
@@ -214,7 +214,7 @@ TEST_P(SimWorldSizes, AllGatherAndReduceScatter) {
     const int r = t.rank();
     std::vector<std::int32_t> mine{r, 10 * r};
     std::vector<std::int32_t> all(2 * U, -1);
-    t.all_gather(mine.data(), all.data(), 2, DataType::int32);
+    t.all_gather(mine.data(), all.data(), 2, ElementType::int32);
     for (int s = 0; s < W; ++s) {
       EXPECT_EQ(all[2 * static_cast<std::size_t>(s)], s);
       EXPECT_EQ(all[2 * static_cast<std::size_t>(s) + 1], 10 * s);
@@ -222,7 +222,7 @@ TEST_P(SimWorldSizes, AllGatherAndReduceScatter) {
     std::vector<float> send(3 * U);
     for (std::size_t i = 0; i < send.size(); ++i) send[i] = static_cast<float>(i) + static_cast<float>(r);
     std::vector<float> recv(3, -1.0f);
-    t.reduce_scatter(send.data(), recv.data(), 3, DataType::float32, ReduceOp::sum);
+    t.reduce_scatter(send.data(), recv.data(), 3, ElementType::float32, ReduceOp::sum);
     for (std::size_t i = 0; i < 3; ++i) {
       const float expect = static_cast<float>(W) * static_cast<float>(3 * static_cast<std::size_t>(r) + i) + static_cast<float>(W * (W - 1) / 2);
       EXPECT_EQ(recv[i], expect);
@@ -330,8 +330,8 @@ TEST(SimTransport, MismatchedCollectivesAreAnErrorNamingBoth) {
   const std::string msg = cptest::message_of<cpdispatch::invalid_input>([&] {
     world.run([&](SimTransport& t) {
       std::vector<float> v(4);
-      if (t.rank() == 2) t.all_reduce(v.data(), 3, DataType::float32, ReduceOp::sum);
-      else t.all_reduce(v.data(), 4, DataType::float32, ReduceOp::sum);
+      if (t.rank() == 2) t.all_reduce(v.data(), 3, ElementType::float32, ReduceOp::sum);
+      else t.all_reduce(v.data(), 4, ElementType::float32, ReduceOp::sum);
     });
   });
   EXPECT_THAT(msg, HasSubstr("all_reduce of 3 float32"));
@@ -432,7 +432,7 @@ TEST(SimTransport, TimeoutNamesRankOperationAndBound) {
         std::this_thread::sleep_for(std::chrono::milliseconds(500));  // late, but still arrives
       }
       std::vector<float> v(2, 1.0f);
-      t.all_reduce(v.data(), 2, DataType::float32, ReduceOp::sum);
+      t.all_reduce(v.data(), 2, ElementType::float32, ReduceOp::sum);
     });
     ADD_FAILURE() << "run() did not throw";
   } catch (const cpdispatch::timeout_error& e) {

@@ -14,7 +14,7 @@
 
 namespace {
 
-using cpdispatch::DataType;
+using cpdispatch::ElementType;
 using cpdispatch::MemorySpace;
 using cpdispatch::ReduceOp;
 using cpdispatch::Request;
@@ -49,9 +49,9 @@ struct Complete {
   void wait(Request) {}
   void barrier() {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, DataType, ReduceOp) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, ElementType, ReduceOp) {}
 };
 static_assert(Transport<Complete>);
 
@@ -64,9 +64,9 @@ struct NoMemorySpace {
   void wait(Request) {}
   void barrier() {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, DataType, ReduceOp) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, ElementType, ReduceOp) {}
 };
 static_assert(!Transport<NoMemorySpace>);
 
@@ -79,9 +79,9 @@ struct NoRank {
   void wait(Request) {}
   void barrier() {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, DataType, ReduceOp) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, ElementType, ReduceOp) {}
 };
 static_assert(!Transport<NoRank>);
 
@@ -99,9 +99,9 @@ struct NoAllToAll {
   void wait(Request) {}
   void barrier() {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, DataType, ReduceOp) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, ElementType, ReduceOp) {}
 };
 static_assert(!Transport<NoAllToAll>);
 
@@ -115,9 +115,9 @@ struct IsendReturnsVoid {
   void wait(Request) {}
   void barrier() {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, DataType, ReduceOp) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, ElementType, ReduceOp) {}
 };
 static_assert(!Transport<IsendReturnsVoid>);
 
@@ -130,9 +130,9 @@ struct NoWait {
   Request irecv(void*, std::size_t, int, int) { return {}; }
   void barrier() {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, DataType, ReduceOp) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, ElementType, ReduceOp) {}
 };
 static_assert(!Transport<NoWait>);
 
@@ -145,9 +145,9 @@ struct NoBarrier {
   Request irecv(void*, std::size_t, int, int) { return {}; }
   void wait(Request) {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, DataType, ReduceOp) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, ElementType, ReduceOp) {}
 };
 static_assert(!Transport<NoBarrier>);
 
@@ -160,9 +160,9 @@ struct NoBroadcast {
   Request irecv(void*, std::size_t, int, int) { return {}; }
   void wait(Request) {}
   void barrier() {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, DataType, ReduceOp) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, ElementType, ReduceOp) {}
 };
 static_assert(!Transport<NoBroadcast>);
 
@@ -176,8 +176,8 @@ struct NoReduceScatter {
   void wait(Request) {}
   void barrier() {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, DataType) {}
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, ElementType) {}
 };
 static_assert(!Transport<NoReduceScatter>);
 

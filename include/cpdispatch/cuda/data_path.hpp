@@ -110,6 +110,7 @@ class data_path<MemorySpace::device> {
   void combine(const RankMetadata&, const_buffer replica, mutable_buffer grad, std::size_t token_bytes, ElementType type) const {
     const std::size_t es = element_size(type);
     if (!metadata_) fail("device data path: the combine needs reverse KV metadata (with seq_recv_mask)");
+    if (!is_floating(type)) fail("device data path: the combine sums floating-point gradients, not ", element_name(type));
     if (token_bytes % es != 0 || reinterpret_cast<std::uintptr_t>(replica.data()) % es != 0 ||
         reinterpret_cast<std::uintptr_t>(grad.data()) % es != 0) {
       fail("device data path: the combine of ", element_name(type), " needs token_bytes and both buffers aligned to ", es, " bytes");

@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(Warps * 32) combine_kernel(const unsigned char
 
 // ---- sum (the device sim's reductions) ----------------------------------------
 
-template <DataType D>
+template <ElementType D>
 struct sum_element;
 template <class S, class U>  // integers: wrap around in the unsigned type, as the host sim does
 struct sum_integer {
@@ -272,19 +272,19 @@ struct sum_float {
   __host__ __device__ static storage store(acc a) { return a; }
 };
 template <>
-struct sum_element<DataType::int8> : sum_integer<std::int8_t, std::uint8_t> {};
+struct sum_element<ElementType::int8> : sum_integer<std::int8_t, std::uint8_t> {};
 template <>
-struct sum_element<DataType::uint8> : sum_integer<std::uint8_t, std::uint8_t> {};
+struct sum_element<ElementType::uint8> : sum_integer<std::uint8_t, std::uint8_t> {};
 template <>
-struct sum_element<DataType::int32> : sum_integer<std::int32_t, std::uint32_t> {};
+struct sum_element<ElementType::int32> : sum_integer<std::int32_t, std::uint32_t> {};
 template <>
-struct sum_element<DataType::int64> : sum_integer<std::int64_t, std::uint64_t> {};
+struct sum_element<ElementType::int64> : sum_integer<std::int64_t, std::uint64_t> {};
 template <>
-struct sum_element<DataType::float32> : sum_float<float> {};
+struct sum_element<ElementType::float32> : sum_float<float> {};
 template <>
-struct sum_element<DataType::float64> : sum_float<double> {};
+struct sum_element<ElementType::float64> : sum_float<double> {};
 template <>
-struct sum_element<DataType::bfloat16> {
+struct sum_element<ElementType::bfloat16> {
   using storage = std::uint16_t;
   using acc = float;
   __host__ __device__ static acc first(storage x) { return bfloat16::to_float(x); }
@@ -292,7 +292,7 @@ struct sum_element<DataType::bfloat16> {
   __host__ __device__ static storage store(acc a) { return bfloat16::from_float(a); }
 };
 template <>
-struct sum_element<DataType::float16> {
+struct sum_element<ElementType::float16> {
   using storage = std::uint16_t;
   using acc = float;
   __host__ __device__ static acc first(storage x) { return float16::to_float(x); }
@@ -309,7 +309,7 @@ struct SumSources {
 
 /// acc = (first ? src[0] : acc) + src[first ? 1 : 0] + ... ; on the last
 /// pass the result goes to `out` (rounded once for 16-bit types).
-template <DataType D>
+template <ElementType D>
 __host__ __device__ __forceinline__ void sum_at(void* out, void* acc_buffer, const SumSources& src, unsigned sources, bool first, bool last,
                                                 std::uint64_t i) {
   using S = sum_element<D>;
@@ -321,7 +321,7 @@ __host__ __device__ __forceinline__ void sum_at(void* out, void* acc_buffer, con
   if (last) static_cast<T*>(out)[i] = S::store(a); else static_cast<A*>(acc_buffer)[i] = a;
 }
 
-template <DataType D>
+template <ElementType D>
 __global__ void sum_kernel(void* out, void* acc_buffer, SumSources src, unsigned sources, bool first, bool last, std::uint64_t count) {
   for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < count; i += std::uint64_t{gridDim.x} * blockDim.x) {
     sum_at<D>(out, acc_buffer, src, sources, first, last, i);
@@ -360,6 +360,7 @@ inline void launch_combine(ElementType type, const std::byte* replica, std::byte
     case ElementType::float16:
       kernels::combine_kernel<ElementType::float16, warps_per_block><<<blocks, block_threads, 0, stream>>>(in, out, chunks, count, slab_bytes, mask, copies);
       break;
+    default: return;  // integer gradients: refused on the host by the data path
   }
   CPDISPATCH_CUDA_CHECK_LAUNCH("combine_kernel");
 }
@@ -370,7 +371,7 @@ inline void launch_combine(ElementType type, const std::byte* replica, std::byte
 /// sum_sources_per_pass sources, `acc_buffer` holds count accumulators
 /// (count * 8 bytes suffice); otherwise it may be null. `out` must not be one
 /// of the sources.
-inline void launch_sum(DataType type, void* out, void* acc_buffer, std::span<const void* const> sources, std::size_t count,
+inline void launch_sum(ElementType type, void* out, void* acc_buffer, std::span<const void* const> sources, std::size_t count,
                        cudaStream_t stream) {
   if (count == 0 || sources.empty()) return;
   constexpr unsigned threads = 256;
@@ -385,14 +386,14 @@ inline void launch_sum(DataType type, void* out, void* acc_buffer, std::span<con
     switch (type) {
 #define CPDISPATCH_SUM_CASE(D) \
   case D: kernels::sum_kernel<D><<<blocks, threads, 0, stream>>>(out, acc_buffer, src, m, first, last, count); break;
-      CPDISPATCH_SUM_CASE(DataType::int8)
-      CPDISPATCH_SUM_CASE(DataType::uint8)
-      CPDISPATCH_SUM_CASE(DataType::int32)
-      CPDISPATCH_SUM_CASE(DataType::int64)
-      CPDISPATCH_SUM_CASE(DataType::float32)
-      CPDISPATCH_SUM_CASE(DataType::float64)
-      CPDISPATCH_SUM_CASE(DataType::bfloat16)
-      CPDISPATCH_SUM_CASE(DataType::float16)
+      CPDISPATCH_SUM_CASE(ElementType::int8)
+      CPDISPATCH_SUM_CASE(ElementType::uint8)
+      CPDISPATCH_SUM_CASE(ElementType::int32)
+      CPDISPATCH_SUM_CASE(ElementType::int64)
+      CPDISPATCH_SUM_CASE(ElementType::float32)
+      CPDISPATCH_SUM_CASE(ElementType::float64)
+      CPDISPATCH_SUM_CASE(ElementType::bfloat16)
+      CPDISPATCH_SUM_CASE(ElementType::float16)
 #undef CPDISPATCH_SUM_CASE
     }
     CPDISPATCH_CUDA_CHECK_LAUNCH("sum_kernel");

@@ -138,9 +138,9 @@ class DeviceSimTransport {
   void wait(Request request);
   void barrier();
   void broadcast(void* buf, std::size_t bytes, int root);
-  void all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op);
-  void all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type);
-  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op);
+  void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op);
+  void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type);
+  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op);
 
  private:
   friend class DeviceSimWorld;
@@ -154,7 +154,7 @@ class DeviceSimTransport {
   /// Waits for rank s's stream to reach its publishing point in this collective.
   void after_publish_of(std::size_t s);
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag);
-  void sum(DataType type, void* out, std::span<const void* const> sources, std::size_t count);
+  void sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count);
 
   DeviceSimWorld& world_;
   int rank_;
@@ -396,7 +396,7 @@ inline void DeviceSimTransport::broadcast(void* buf, std::size_t bytes, int root
   });
 }
 
-inline void DeviceSimTransport::sum(DataType type, void* out, std::span<const void* const> sources, std::size_t count) {
+inline void DeviceSimTransport::sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count) {
   void* acc = nullptr;
   if (sources.size() > kernels::sum_sources_per_pass) {
     DeviceBuffer<std::byte>& a = world_.accumulators_[static_cast<std::size_t>(rank_)];
@@ -406,9 +406,9 @@ inline void DeviceSimTransport::sum(DataType type, void* out, std::span<const vo
   launch_sum(type, out, acc, sources, count, stream());
 }
 
-inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, DataType type, ReduceOp) {
+inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp) {
   const char* op = "all_reduce";
-  const std::size_t bytes = count * data_type_size(type);
+  const std::size_t bytes = count * element_size(type);
   DeviceBuffer<std::byte>& scratch = world_.scratch_[static_cast<std::size_t>(rank_)];
   collective({op, count, static_cast<int>(type), -1}, {.send = buf, .recv = buf}, [&] {
     if (scratch.size() < bytes) scratch.allocate(bytes);
@@ -424,9 +424,9 @@ inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, DataTyp
   if (bytes) CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(buf, scratch.data(), bytes, cudaMemcpyDeviceToDevice, stream()));
 }
 
-inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type) {
+inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
   const char* op = "all_gather";
-  const std::size_t bytes = count_per_rank * data_type_size(type);
+  const std::size_t bytes = count_per_rank * element_size(type);
   collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
     if (bytes == 0) return;
     for (std::size_t s = 0; s < world_.slots_.size(); ++s) {
@@ -437,9 +437,9 @@ inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::si
   });
 }
 
-inline void DeviceSimTransport::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp) {
+inline void DeviceSimTransport::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp) {
   const char* op = "reduce_scatter";
-  const std::size_t bytes = count_per_rank * data_type_size(type);
+  const std::size_t bytes = count_per_rank * element_size(type);
   collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
     sources_.assign(world_.slots_.size(), nullptr);
     for (std::size_t s = 0; s < sources_.size(); ++s) {

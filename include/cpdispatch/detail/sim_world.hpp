@@ -37,7 +37,7 @@ namespace cpdispatch::detail::sim {
 struct Call {
   const char* op = "";
   std::size_t count = 0;  // elements or bytes, per op
-  int type = -1;          // DataType, -1 when untyped
+  int type = -1;          // ElementType, -1 when untyped
   int root = -1;          // broadcast
   friend bool operator==(const Call& a, const Call& b) {
     return std::string_view(a.op) == b.op && a.count == b.count && a.type == b.type && a.root == b.root;
@@ -55,7 +55,7 @@ inline std::string title_of(std::string_view op) {
 
 inline std::string describe(const Call& c) {
   std::string s = c.op;
-  if (c.type >= 0) s += concat(" of ", c.count, " ", data_type_name(static_cast<DataType>(c.type)));
+  if (c.type >= 0) s += concat(" of ", c.count, " ", element_name(static_cast<ElementType>(c.type)));
   else if (std::string_view(c.op) == "broadcast") s += concat(" of ", c.count, " bytes from root ", c.root);
   return s;
 }

@@ -10,6 +10,7 @@
 #include <limits>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <unistd.h>
@@ -17,14 +18,13 @@
 #include <emmintrin.h>
 #endif
 
+#include "cpdispatch/bytes.hpp"
+#include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 
 namespace cpdispatch {
-
-using ConstBytes = std::span<const std::byte>;
-using MutableBytes = std::span<std::byte>;
 
 namespace detail {
 
@@ -169,33 +169,26 @@ void simulate(const Metadata& meta, const std::vector<std::vector<T>>& inputs, s
   simulate(meta, std::span<const ConstBytes>(in), std::span<const MutableBytes>(out), elems_per_token * sizeof(T));
 }
 
-/// Element types the byte-level combine understands.
-enum class ElementType { float32, float64, bfloat16, float16 };
+namespace detail {
 
-inline std::size_t element_size(ElementType t) {
-  switch (t) {
-    case ElementType::float32: return 4;
-    case ElementType::float64: return 8;
-    case ElementType::bfloat16:
-    case ElementType::float16: return 2;
+/// a + b; integers wrap (two's complement) instead of overflowing, so integer
+/// sums are exact modulo 2^bits and never undefined.
+template <class T>
+constexpr T sum_of(T a, T b) noexcept {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return a + b;
   }
-  return 0;
 }
 
-inline const char* element_name(ElementType t) {
-  switch (t) {
-    case ElementType::float32: return "float32";
-    case ElementType::float64: return "float64";
-    case ElementType::bfloat16: return "bfloat16";
-    case ElementType::float16: return "float16";
-  }
-  return "?";
-}
+}  // namespace detail
 
 /// KV-gradient combine on one rank: `replica` is the [C][T] buffer the
 /// reverse KV exchange filled (token = `token_elems` elements), `grad` gets
 /// [T]: for each shard, the sum over its copies whose seq_recv_mask is 1, in
-/// ascending copy order, accumulated in fp32 for 16-bit types.
+/// ascending copy order, accumulated in fp32 for 16-bit types (integers wrap).
 template <class T>
 void combine_copies(const RankMetadata& kv_rev, std::span<const T> replica, std::span<T> grad, std::size_t token_elems) {
   using detail::fail;
@@ -238,7 +231,7 @@ void combine_copies(const RankMetadata& kv_rev, std::span<const T> replica, std:
         for (std::size_t c = 0; c < C; ++c) {
           if (!mask[g * C + c]) continue;
           const T* in = replica.data() + c * slab + start + b;
-          if (first) std::copy(in, in + n, out); else for (std::size_t i = 0; i < n; ++i) out[i] += in[i];
+          if (first) std::copy(in, in + n, out); else for (std::size_t i = 0; i < n; ++i) out[i] = detail::sum_of(out[i], in[i]);
           first = false;
         }
         if (first) std::fill(out, out + n, T{});
@@ -275,6 +268,10 @@ inline void combine_copies(const RankMetadata& kv_rev, ConstBytes replica, Mutab
                       std::span<T>(reinterpret_cast<T*>(grad.data()), grad.size() / es), token_bytes / es);
   };
   switch (type) {
+    case ElementType::int8: run(static_cast<std::int8_t*>(nullptr)); break;
+    case ElementType::uint8: run(static_cast<std::uint8_t*>(nullptr)); break;
+    case ElementType::int32: run(static_cast<std::int32_t*>(nullptr)); break;
+    case ElementType::int64: run(static_cast<std::int64_t*>(nullptr)); break;
     case ElementType::float32: run(static_cast<float*>(nullptr)); break;
     case ElementType::float64: run(static_cast<double*>(nullptr)); break;
     case ElementType::bfloat16: run(static_cast<bfloat16*>(nullptr)); break;

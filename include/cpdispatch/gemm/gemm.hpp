@@ -223,22 +223,4 @@ struct ReferenceGemm : HostKernels {
   }
 };
 
-/// The cpdispatch DataType of an element type (what the collectives send).
-template <class T>
-constexpr DataType data_type_of() noexcept {
-  if constexpr (std::is_same_v<T, float>) {
-    return DataType::float32;
-  } else if constexpr (std::is_same_v<T, double>) {
-    return DataType::float64;
-  } else if constexpr (std::is_same_v<T, std::int64_t>) {
-    return DataType::int64;
-  } else if constexpr (std::is_same_v<T, std::int32_t>) {
-    return DataType::int32;
-  } else {
-    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                  "cpdispatch: tensor-parallel tensors are float (float32) or double (float64)");
-    return DataType::float32;
-  }
-}
-
 }  // namespace cpdispatch::tp

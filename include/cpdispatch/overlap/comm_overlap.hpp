@@ -157,7 +157,7 @@ class CommOverlapBuffer {
   static constexpr std::size_t alignment = 256;
 
   CommOverlapBuffer(CommOverlapType type, CommOverlapMethod method, std::span<const std::size_t> buffer_shape,
-                    DataType dtype, int tp_size, const CommOverlapOptions& options = {})
+                    ElementType dtype, int tp_size, const CommOverlapOptions& options = {})
       : type_(type), method_(method), dtype_(dtype), tp_size_(tp_size), options_(options) {
     const char* who = "CommOverlapBuffer";
     detail::check_combination(who, type, method);
@@ -168,8 +168,8 @@ class CommOverlapBuffer {
     if (options.scaling_mode != ScalingMode::NO_SCALING) {
       cpdispatch::detail::fail(who, ": scaling mode ", to_string(options.scaling_mode), " is not supported (expected NO_SCALING)");
     }
-    if (dtype != DataType::float32 && dtype != DataType::float64) {
-      cpdispatch::detail::fail(who, ": dtype ", data_type_name(dtype),
+    if (dtype != ElementType::float32 && dtype != ElementType::float64) {
+      cpdispatch::detail::fail(who, ": dtype ", element_name(dtype),
                    " is not supported (expected float32 or float64, the element types of the GEMM backends)");
     }
     if (tp_size < 1) cpdispatch::detail::fail(who, ": tp_size = ", tp_size, " must be at least 1");
@@ -200,8 +200,8 @@ class CommOverlapBuffer {
       staging = (rows_ / static_cast<std::size_t>(tp_size)) * cols_ * static_cast<std::size_t>(tp_size - 1);
     }
     std::size_t bytes = 0;
-    if (__builtin_add_overflow(size_, staging, &bytes) || __builtin_mul_overflow(bytes, data_type_size(dtype), &bytes)) {
-      cpdispatch::detail::fail(who, ": buffer_shape [", rows_, ", ", cols_, "] of ", data_type_name(dtype), " has more bytes than memory can address");
+    if (__builtin_add_overflow(size_, staging, &bytes) || __builtin_mul_overflow(bytes, element_size(dtype), &bytes)) {
+      cpdispatch::detail::fail(who, ": buffer_shape [", rows_, ", ", cols_, "] of ", element_name(dtype), " has more bytes than memory can address");
     }
     staging_ = staging;
     storage_.reset(static_cast<std::byte*>(::operator new[](bytes == 0 ? 1 : bytes, std::align_val_t{alignment})));
@@ -209,7 +209,7 @@ class CommOverlapBuffer {
   }
 
   CommOverlapBuffer(CommOverlapType type, CommOverlapMethod method, std::initializer_list<std::size_t> buffer_shape,
-                    DataType dtype, int tp_size, const CommOverlapOptions& options = {})
+                    ElementType dtype, int tp_size, const CommOverlapOptions& options = {})
       : CommOverlapBuffer(type, method, std::span<const std::size_t>(buffer_shape.begin(), buffer_shape.size()), dtype,
                           tp_size, options) {}
 
@@ -221,7 +221,7 @@ class CommOverlapBuffer {
 
   CommOverlapType type() const noexcept { return type_; }
   CommOverlapMethod method() const noexcept { return method_; }
-  DataType dtype() const noexcept { return dtype_; }
+  ElementType dtype() const noexcept { return dtype_; }
   int tp_size() const noexcept { return tp_size_; }
   const CommOverlapOptions& options() const noexcept { return options_; }
   bool atomic_gemm() const noexcept { return options_.atomic_gemm; }
@@ -233,7 +233,7 @@ class CommOverlapBuffer {
   std::size_t cols() const noexcept { return cols_; }
   /// Elements of the buffer proper (rows x cols), without the staging.
   std::size_t size() const noexcept { return size_; }
-  std::size_t bytes() const noexcept { return size_ * data_type_size(dtype_); }
+  std::size_t bytes() const noexcept { return size_ * element_size(dtype_); }
 
   void* data() noexcept { return storage_.get(); }
   const void* data() const noexcept { return storage_.get(); }
@@ -283,19 +283,19 @@ class CommOverlapBuffer {
   /// Throws unless T is the buffer's dtype.
   template <class T>
   void check_element_type(const char* what) const {
-    constexpr DataType wanted = std::is_same_v<T, double> ? DataType::float64 : DataType::float32;
+    constexpr ElementType wanted = std::is_same_v<T, double> ? ElementType::float64 : ElementType::float32;
     static_assert(std::is_same_v<std::remove_const_t<T>, float> || std::is_same_v<std::remove_const_t<T>, double>,
                   "cpdispatch: a CommOverlapBuffer holds float (float32) or double (float64)");
     if (wanted != dtype_) {
-      cpdispatch::detail::fail("CommOverlapBuffer::", what, ": the buffer's dtype is ", data_type_name(dtype_),
-                   ", the element type asked for is ", data_type_name(wanted));
+      cpdispatch::detail::fail("CommOverlapBuffer::", what, ": the buffer's dtype is ", element_name(dtype_),
+                   ", the element type asked for is ", element_name(wanted));
     }
   }
 
  private:
   CommOverlapType type_;
   CommOverlapMethod method_;
-  DataType dtype_;
+  ElementType dtype_;
   int tp_size_;
   CommOverlapOptions options_;
   std::size_t rows_ = 0;
@@ -313,7 +313,7 @@ class CommOverlapBuffer {
 class CommOverlapRegistry {
  public:
   std::int64_t create(CommOverlapType type, CommOverlapMethod method, std::span<const std::size_t> buffer_shape,
-                      DataType dtype, int tp_size, const CommOverlapOptions& options = {}) {
+                      ElementType dtype, int tp_size, const CommOverlapOptions& options = {}) {
     auto buffer = std::make_shared<CommOverlapBuffer>(type, method, buffer_shape, dtype, tp_size, options);
     const std::lock_guard lock(mutex_);
     const std::int64_t id = next_id_++;
@@ -321,7 +321,7 @@ class CommOverlapRegistry {
     return id;
   }
   std::int64_t create(CommOverlapType type, CommOverlapMethod method, std::initializer_list<std::size_t> buffer_shape,
-                      DataType dtype, int tp_size, const CommOverlapOptions& options = {}) {
+                      ElementType dtype, int tp_size, const CommOverlapOptions& options = {}) {
     return create(type, method, std::span<const std::size_t>(buffer_shape.begin(), buffer_shape.size()), dtype, tp_size,
                   options);
   }
@@ -380,7 +380,7 @@ inline CommOverlapRegistry& default_comm_overlap_registry() {
 
 /// Seed: CreateCommOverlapBuffer. Returns the new buffer's id.
 inline std::int64_t create_comm_overlap_buffer(CommOverlapType type, CommOverlapMethod method,
-                                               const std::vector<std::size_t>& buffer_shape, DataType dtype, int tp_size,
+                                               const std::vector<std::size_t>& buffer_shape, ElementType dtype, int tp_size,
                                                const CommOverlapOptions& options = {}) {
   return default_comm_overlap_registry().create(type, method, buffer_shape, dtype, tp_size, options);
 }

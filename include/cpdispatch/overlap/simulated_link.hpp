@@ -153,20 +153,20 @@ class SimulatedLinkTransport {
     occupy(peers() * model_.latency + model_.transmit_time(bytes));
   }
 
-  void all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op) {
+  void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
     inner_.all_reduce(buf, count, type, op);
-    const std::size_t block = count * data_type_size(type) / static_cast<std::size_t>(world_size());
+    const std::size_t block = count * element_size(type) / static_cast<std::size_t>(world_size());
     occupy(2 * peers() * (model_.latency + model_.transmit_time(block)));
   }
 
-  void all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type) {
+  void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
     inner_.all_gather(send, recv, count_per_rank, type);
-    occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * data_type_size(type))));
+    occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * element_size(type))));
   }
 
-  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op) {
+  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
     inner_.reduce_scatter(send, recv, count_per_rank, type, op);
-    occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * data_type_size(type))));
+    occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * element_size(type))));
   }
 
  private:

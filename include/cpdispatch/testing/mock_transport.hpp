@@ -46,9 +46,9 @@ class BasicMockTransport {
   MOCK_METHOD(void, wait, (Request request));
   MOCK_METHOD(void, barrier, ());
   MOCK_METHOD(void, broadcast, (void* buf, std::size_t bytes, int root));
-  MOCK_METHOD(void, all_reduce, (void* buf, std::size_t count, DataType type, ReduceOp op));
-  MOCK_METHOD(void, all_gather, (const void* send, void* recv, std::size_t count_per_rank, DataType type));
-  MOCK_METHOD(void, reduce_scatter, (const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op));
+  MOCK_METHOD(void, all_reduce, (void* buf, std::size_t count, ElementType type, ReduceOp op));
+  MOCK_METHOD(void, all_gather, (const void* send, void* recv, std::size_t count_per_rank, ElementType type));
+  MOCK_METHOD(void, reduce_scatter, (const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op));
 
  private:
   int rank_;

@@ -70,7 +70,7 @@ namespace detail {
 /// Times one collective and logs it when TP_DEBUG is on.
 class CollectiveLog {
  public:
-  CollectiveLog(int rank, int world_size, const char* operation, DataType type, std::size_t count)
+  CollectiveLog(int rank, int world_size, const char* operation, ElementType type, std::size_t count)
       : on_(debug_logging()), rank_(rank), world_size_(world_size), operation_(operation), type_(type), count_(count) {
     if (on_) start_ = std::chrono::steady_clock::now();
   }
@@ -82,7 +82,7 @@ class CollectiveLog {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
     // One fprintf per line, so lines of concurrent ranks do not interleave.
     std::fprintf(stderr, "[TP_DEBUG] rank %d/%d %s %s x %zu (%zu bytes) %s%.3f ms\n", rank_, world_size_, operation_,
-                 data_type_name(type_), count_, count_ * data_type_size(type_), done_ ? "" : "FAILED after ", ms);
+                 element_name(type_), count_, count_ * element_size(type_), done_ ? "" : "FAILED after ", ms);
   }
 
   void done() noexcept { done_ = true; }
@@ -93,7 +93,7 @@ class CollectiveLog {
   int rank_;
   int world_size_;
   const char* operation_;
-  DataType type_;
+  ElementType type_;
   std::size_t count_;
   std::chrono::steady_clock::time_point start_{};
 };
@@ -105,8 +105,8 @@ template <class Tr, class T>
 void all_reduce_sum(Tr& transport, T* data, std::size_t count) {
   CPDISPATCH_CHECK_TRANSPORT(Tr);
   if (transport.world_size() == 1) return;
-  detail::CollectiveLog log(transport.rank(), transport.world_size(), "all_reduce_sum", data_type_of<T>(), count);
-  transport.all_reduce(data, count, data_type_of<T>(), ReduceOp::sum);
+  detail::CollectiveLog log(transport.rank(), transport.world_size(), "all_reduce_sum", element_type_of<T>(), count);
+  transport.all_reduce(data, count, element_type_of<T>(), ReduceOp::sum);
   log.done();
 }
 template <class Tr, class T>
@@ -126,7 +126,7 @@ void broadcast_tensor(Tr& transport, T* data, std::size_t count, int src = 0) {
     cpdispatch::detail::fail("broadcast_tensor: src = ", src, " is outside [0, ", transport.world_size(), ")");
   }
   if (transport.world_size() == 1) return;
-  detail::CollectiveLog log(transport.rank(), transport.world_size(), "broadcast_tensor", data_type_of<T>(), count);
+  detail::CollectiveLog log(transport.rank(), transport.world_size(), "broadcast_tensor", element_type_of<T>(), count);
   transport.broadcast(data, count * sizeof(T), src);
   log.done();
 }
@@ -144,7 +144,7 @@ template <class Tr>
 void synchronize_across_ranks(Tr& transport) {
   CPDISPATCH_CHECK_TRANSPORT(Tr);
   if (transport.world_size() == 1) return;
-  detail::CollectiveLog log(transport.rank(), transport.world_size(), "synchronize_across_ranks", DataType::uint8, 0);
+  detail::CollectiveLog log(transport.rank(), transport.world_size(), "synchronize_across_ranks", ElementType::uint8, 0);
   transport.barrier();
   log.done();
 }
@@ -157,9 +157,9 @@ void all_gather(Tr& transport, const T* send, T* recv, std::size_t count_per_ran
     if (count_per_rank != 0 && send != recv) std::copy(send, send + count_per_rank, recv);
     return;
   }
-  detail::CollectiveLog log(transport.rank(), transport.world_size(), "all_gather", data_type_of<T>(),
+  detail::CollectiveLog log(transport.rank(), transport.world_size(), "all_gather", element_type_of<T>(),
                             count_per_rank);
-  transport.all_gather(send, recv, count_per_rank, data_type_of<T>());
+  transport.all_gather(send, recv, count_per_rank, element_type_of<T>());
   log.done();
 }
 

@@ -213,7 +213,7 @@ class ShardedLinear {
   int world_size() const noexcept { return world_size_; }
   int rank() const noexcept { return rank_; }
   bool has_bias() const noexcept { return params_.has_bias; }
-  DataType dtype() const noexcept { return data_type_of<T>(); }
+  ElementType dtype() const noexcept { return element_type_of<T>(); }
   Tr& transport() const noexcept { return *transport_; }
   G& gemm() const noexcept { return *gemm_; }
 

@@ -44,12 +44,12 @@ class SingleRankTransport {
   void broadcast(void*, std::size_t, int root) {
     if (root != 0) no_peer("broadcast", root);
   }
-  void all_reduce(void*, std::size_t, DataType, ReduceOp) {}
-  void all_gather(const void* send, void* recv, std::size_t count, DataType type) {
-    move(send, recv, count * data_type_size(type));
+  void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
+  void all_gather(const void* send, void* recv, std::size_t count, ElementType type) {
+    move(send, recv, count * element_size(type));
   }
-  void reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, ReduceOp) {
-    move(send, recv, count * data_type_size(type));
+  void reduce_scatter(const void* send, void* recv, std::size_t count, ElementType type, ReduceOp) {
+    move(send, recv, count * element_size(type));
   }
 
  private:

@@ -15,9 +15,9 @@ struct NoBarrier {
   cpdispatch::Request irecv(void*, std::size_t, int, int) { return {}; }
   void wait(cpdispatch::Request) {}
   void broadcast(void*, std::size_t, int) {}
-  void all_reduce(void*, std::size_t, cpdispatch::DataType, cpdispatch::ReduceOp) {}
-  void all_gather(const void*, void*, std::size_t, cpdispatch::DataType) {}
-  void reduce_scatter(const void*, void*, std::size_t, cpdispatch::DataType, cpdispatch::ReduceOp) {}
+  void all_reduce(void*, std::size_t, cpdispatch::ElementType, cpdispatch::ReduceOp) {}
+  void all_gather(const void*, void*, std::size_t, cpdispatch::ElementType) {}
+  void reduce_scatter(const void*, void*, std::size_t, cpdispatch::ElementType, cpdispatch::ReduceOp) {}
 };
 
 int main() {

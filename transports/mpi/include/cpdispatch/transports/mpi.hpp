@@ -404,10 +404,10 @@ class MpiTransport {
   }
 
   /// In place: `buf` holds `count` elements, every rank's sum afterwards.
-  void all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op) {
-    auto where = [&] { return describe("all_reduce(", count, " ", data_type_name(type), " elements)"); };
+  void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
+    auto where = [&] { return describe("all_reduce(", count, " ", element_name(type), " elements)"); };
     const Reduction red = reduction(type, op);  // not a structured binding: clang 14 cannot capture those
-    const std::size_t es = data_type_size(type);
+    const std::size_t es = element_size(type);
     checked_bytes(count, es, 1, "all_reduce");
     auto* p = static_cast<std::byte*>(buf);
     std::size_t done = 0;
@@ -427,9 +427,9 @@ class MpiTransport {
 
   /// recv holds world_size() blocks of count_per_rank elements, rank i's at
   /// block i. send == recv + rank() * block is MPI_IN_PLACE.
-  void all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type) {
-    auto where = [&] { return describe("all_gather(", count_per_rank, " ", data_type_name(type), " elements per rank)"); };
-    const std::size_t bytes = checked_bytes(count_per_rank, data_type_size(type), static_cast<std::size_t>(size_), "all_gather") /
+  void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
+    auto where = [&] { return describe("all_gather(", count_per_rank, " ", element_name(type), " elements per rank)"); };
+    const std::size_t bytes = checked_bytes(count_per_rank, element_size(type), static_cast<std::size_t>(size_), "all_gather") /
                               static_cast<std::size_t>(size_);
     const void* source = send == static_cast<const std::byte*>(recv) + static_cast<std::size_t>(rank_) * bytes ? MPI_IN_PLACE : send;
     const detail::MpiMessage m = detail::mpi_message(bytes, options_.max_count);
@@ -441,12 +441,12 @@ class MpiTransport {
 
   /// send holds world_size() blocks of count_per_rank elements; recv gets the
   /// sum over ranks of block rank().
-  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op) {
+  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
     auto where = [&] {
-      return describe("reduce_scatter(", count_per_rank, " ", data_type_name(type), " elements per rank)");
+      return describe("reduce_scatter(", count_per_rank, " ", element_name(type), " elements per rank)");
     };
     const Reduction red = reduction(type, op);  // not a structured binding: clang 14 cannot capture those
-    const std::size_t es = data_type_size(type);
+    const std::size_t es = element_size(type);
     checked_bytes(count_per_rank, es, static_cast<std::size_t>(size_), "reduce_scatter");
     if (count_per_rank <= options_.max_count) {
       const int n = static_cast<int>(count_per_rank);
@@ -559,22 +559,22 @@ class MpiTransport {
     MPI_Datatype type;
     MPI_Op op;
   };
-  Reduction reduction(DataType type, ReduceOp op) const {
+  Reduction reduction(ElementType type, ReduceOp op) const {
     switch (op) {
       case ReduceOp::sum: break;
       default: detail::fail("MpiTransport: unknown ReduceOp ", static_cast<int>(op));
     }
     switch (type) {
-      case DataType::int8: return {MPI_INT8_T, MPI_SUM};
-      case DataType::uint8: return {MPI_UINT8_T, MPI_SUM};
-      case DataType::int32: return {MPI_INT32_T, MPI_SUM};
-      case DataType::int64: return {MPI_INT64_T, MPI_SUM};
-      case DataType::float32: return {MPI_FLOAT, MPI_SUM};
-      case DataType::float64: return {MPI_DOUBLE, MPI_SUM};
-      case DataType::bfloat16: return {h_.half, h_.bf16_sum};
-      case DataType::float16: return {h_.half, h_.fp16_sum};
+      case ElementType::int8: return {MPI_INT8_T, MPI_SUM};
+      case ElementType::uint8: return {MPI_UINT8_T, MPI_SUM};
+      case ElementType::int32: return {MPI_INT32_T, MPI_SUM};
+      case ElementType::int64: return {MPI_INT64_T, MPI_SUM};
+      case ElementType::float32: return {MPI_FLOAT, MPI_SUM};
+      case ElementType::float64: return {MPI_DOUBLE, MPI_SUM};
+      case ElementType::bfloat16: return {h_.half, h_.bf16_sum};
+      case ElementType::float16: return {h_.half, h_.fp16_sum};
     }
-    detail::fail("MpiTransport: unknown DataType ", static_cast<int>(type));
+    detail::fail("MpiTransport: unknown ElementType ", static_cast<int>(type));
   }
 
   /// One collective: the blocking call, or with a timeout the non-blocking

@@ -17,7 +17,7 @@
 //   a pair of ranks must agree: NCCL cannot check that (a mismatch is
 //   undefined, as with MPI_Alltoallv), but the dispatcher's always do.
 // - Collectives map to NCCL's: broadcast (bytes), all_reduce (in place),
-//   all_gather, reduce_scatter; DataType bfloat16 is ncclBfloat16, float16 is
+//   all_gather, reduce_scatter; ElementType bfloat16 is ncclBfloat16, float16 is
 //   ncclFloat16, and so on. NCCL's reductions sum in its own order (ring or
 //   tree): 16-bit results may differ from the sim transports' in the last bit.
 // - barrier(): an all-reduce of one int on the stream. Stream-ordered, like
@@ -114,16 +114,16 @@ inline void nccl_check(ncclResult_t code, std::string_view call, std::string_vie
   throw make_nccl_error(code, call, file, line, last ? last : "");
 }
 
-constexpr ncclDataType_t nccl_data_type(DataType type) noexcept {
+constexpr ncclDataType_t nccl_data_type(ElementType type) noexcept {
   switch (type) {
-    case DataType::int8: return ncclInt8;
-    case DataType::uint8: return ncclUint8;
-    case DataType::int32: return ncclInt32;
-    case DataType::int64: return ncclInt64;
-    case DataType::float32: return ncclFloat32;
-    case DataType::float64: return ncclFloat64;
-    case DataType::bfloat16: return ncclBfloat16;
-    case DataType::float16: return ncclFloat16;
+    case ElementType::int8: return ncclInt8;
+    case ElementType::uint8: return ncclUint8;
+    case ElementType::int32: return ncclInt32;
+    case ElementType::int64: return ncclInt64;
+    case ElementType::float32: return ncclFloat32;
+    case ElementType::float64: return ncclFloat64;
+    case ElementType::bfloat16: return ncclBfloat16;
+    case ElementType::float16: return ncclFloat16;
   }
   return ncclUint8;
 }
@@ -224,18 +224,18 @@ class NcclTransport {
     CPDISPATCH_NCCL_CHECK_COMM(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_), comm_);
   }
 
-  void all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op) {
+  void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
     flush();
     CPDISPATCH_NCCL_CHECK_COMM(
         ncclAllReduce(buf, buf, count, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_), comm_);
   }
 
-  void all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type) {
+  void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
     flush();
     CPDISPATCH_NCCL_CHECK_COMM(ncclAllGather(send, recv, count_per_rank, detail::nccl_data_type(type), comm_, stream_), comm_);
   }
 
-  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op) {
+  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
     flush();
     CPDISPATCH_NCCL_CHECK_COMM(
         ncclReduceScatter(send, recv, count_per_rank, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_), comm_);

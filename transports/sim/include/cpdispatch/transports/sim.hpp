@@ -114,16 +114,16 @@ void sum_elements(std::byte* out, std::span<const std::byte* const> in, std::siz
   }
 }
 
-inline void sum(DataType type, std::byte* out, std::span<const std::byte* const> in, std::size_t count) {
+inline void sum(ElementType type, std::byte* out, std::span<const std::byte* const> in, std::size_t count) {
   switch (type) {
-    case DataType::int8: return sum_elements<std::int8_t>(out, in, count);
-    case DataType::uint8: return sum_elements<std::uint8_t>(out, in, count);
-    case DataType::int32: return sum_elements<std::int32_t>(out, in, count);
-    case DataType::int64: return sum_elements<std::int64_t>(out, in, count);
-    case DataType::float32: return sum_elements<float>(out, in, count);
-    case DataType::float64: return sum_elements<double>(out, in, count);
-    case DataType::bfloat16: return sum_elements<bfloat16>(out, in, count);
-    case DataType::float16: return sum_elements<float16>(out, in, count);
+    case ElementType::int8: return sum_elements<std::int8_t>(out, in, count);
+    case ElementType::uint8: return sum_elements<std::uint8_t>(out, in, count);
+    case ElementType::int32: return sum_elements<std::int32_t>(out, in, count);
+    case ElementType::int64: return sum_elements<std::int64_t>(out, in, count);
+    case ElementType::float32: return sum_elements<float>(out, in, count);
+    case ElementType::float64: return sum_elements<double>(out, in, count);
+    case ElementType::bfloat16: return sum_elements<bfloat16>(out, in, count);
+    case ElementType::float16: return sum_elements<float16>(out, in, count);
   }
 }
 
@@ -151,9 +151,9 @@ class SimTransport {
   void wait(Request request);
   void barrier();
   void broadcast(void* buf, std::size_t bytes, int root);
-  void all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op);
-  void all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type);
-  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp op);
+  void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op);
+  void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type);
+  void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op);
 
  private:
   friend class SimWorld;
@@ -191,9 +191,9 @@ class SimPackingTransport {
   void wait(Request request) { sim_.wait(request); }
   void barrier() { sim_.barrier(); }
   void broadcast(void* buf, std::size_t bytes, int root) { sim_.broadcast(buf, bytes, root); }
-  void all_reduce(void* buf, std::size_t count, DataType type, ReduceOp op) { sim_.all_reduce(buf, count, type, op); }
-  void all_gather(const void* send, void* recv, std::size_t count, DataType type) { sim_.all_gather(send, recv, count, type); }
-  void reduce_scatter(const void* send, void* recv, std::size_t count, DataType type, ReduceOp op) {
+  void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) { sim_.all_reduce(buf, count, type, op); }
+  void all_gather(const void* send, void* recv, std::size_t count, ElementType type) { sim_.all_gather(send, recv, count, type); }
+  void reduce_scatter(const void* send, void* recv, std::size_t count, ElementType type, ReduceOp op) {
     sim_.reduce_scatter(send, recv, count, type, op);
   }
 
@@ -374,9 +374,9 @@ inline void SimTransport::broadcast(void* buf, std::size_t bytes, int root) {
   world_.arrive_and_wait(rank_, call);
 }
 
-inline void SimTransport::all_reduce(void* buf, std::size_t count, DataType type, ReduceOp) {
+inline void SimTransport::all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp) {
   const char* op = "all_reduce";
-  const std::size_t bytes = count * data_type_size(type);
+  const std::size_t bytes = count * element_size(type);
   publish({.send = buf, .recv = buf});
   const detail::sim::Call call{op, count, static_cast<int>(type), -1};
   world_.arrive_and_wait(rank_, call);
@@ -390,9 +390,9 @@ inline void SimTransport::all_reduce(void* buf, std::size_t count, DataType type
   if (bytes) std::memcpy(buf, scratch_.data(), bytes);
 }
 
-inline void SimTransport::all_gather(const void* send, void* recv, std::size_t count_per_rank, DataType type) {
+inline void SimTransport::all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
   const char* op = "all_gather";
-  const std::size_t bytes = count_per_rank * data_type_size(type);
+  const std::size_t bytes = count_per_rank * element_size(type);
   publish({.send = send, .recv = recv});
   const detail::sim::Call call{op, count_per_rank, static_cast<int>(type), -1};
   world_.arrive_and_wait(rank_, call);
@@ -405,9 +405,9 @@ inline void SimTransport::all_gather(const void* send, void* recv, std::size_t c
   world_.arrive_and_wait(rank_, call);
 }
 
-inline void SimTransport::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, DataType type, ReduceOp) {
+inline void SimTransport::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp) {
   const char* op = "reduce_scatter";
-  const std::size_t bytes = count_per_rank * data_type_size(type);
+  const std::size_t bytes = count_per_rank * element_size(type);
   publish({.send = send, .recv = recv});
   const detail::sim::Call call{op, count_per_rank, static_cast<int>(type), -1};
   world_.arrive_and_wait(rank_, call);
