@@ -71,6 +71,14 @@ inline Bytes float_pattern(std::size_t n, std::uint64_t salt, cpdispatch::Elemen
       case ElementType::float64: { const double d = v; std::memcpy(p, &d, 8); break; }
       case ElementType::bfloat16: { const cpdispatch::bfloat16 h(v); std::memcpy(p, &h, 2); break; }
       case ElementType::float16: { const cpdispatch::float16 h(v); std::memcpy(p, &h, 2); break; }
+      case ElementType::int8:
+      case ElementType::uint8:
+      case ElementType::int32:
+      case ElementType::int64: {
+        const auto x = static_cast<std::int64_t>(v * 2.0f);  // small integers: the bytes of x, little-endian
+        std::memcpy(p, &x, es);
+        break;
+      }
     }
   }
   return out;
