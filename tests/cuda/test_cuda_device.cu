@@ -66,6 +66,7 @@ Bytes rough_floats(std::size_t n_bytes, std::uint64_t salt, ElementType type) {
       case ElementType::float64: { const double d = static_cast<double>(v) * 1.000000123; std::memcpy(p, &d, 8); break; }
       case ElementType::bfloat16: { const cpdispatch::bfloat16 b(v); std::memcpy(p, &b, 2); break; }
       case ElementType::float16: { const cpdispatch::float16 b(v * 0.01f); std::memcpy(p, &b, 2); break; }
+      default: break;  // floats only: integer tests use cptest::pattern
     }
   }
   return out;
@@ -144,6 +145,7 @@ TEST(WarpLogicOnTheHost, CombineMatchesTheHostCombineBitForBit) {
                 case ElementType::float64: combine_on_host<ElementType::float64>(slice, replica.data() + shift, grad.data(), tb); break;
                 case ElementType::bfloat16: combine_on_host<ElementType::bfloat16>(slice, replica.data() + shift, grad.data(), tb); break;
                 case ElementType::float16: combine_on_host<ElementType::float16>(slice, replica.data() + shift, grad.data(), tb); break;
+                default: FAIL() << "the device combine sums floating-point types only";
               }
               ASSERT_EQ(Bytes(grad.data(), grad.data() + expect.size()), expect) << "rank " << r;
               EXPECT_EQ(grad.data()[expect.size()], std::byte{0x33}) << "wrote past grad, rank " << r;
