@@ -1,5 +1,5 @@
-// cpdispatch-plan: reads a dispatch plan (JSON, ../shared/spec/plan-json.md
-// section 3) and writes its metadata as JSON, or a per-rank summary.
+// cpdispatch-plan: reads a dispatch plan (JSON, docs/plan-format.md section 3)
+// and writes its metadata as JSON, or a per-rank summary.
 //
 // Exit status: 0 success; 2 invalid input or usage (one line on stderr, nothing
 // on stdout); 1 any other failure (out of memory, stdout not writable).
@@ -41,10 +41,14 @@ constexpr std::string_view plan_usage = R"(Usage: cpdispatch-plan [FILE|-] [--su
 Reads a dispatch plan as JSON from FILE (standard input when FILE is - or
 absent) and writes its metadata as JSON to standard output.
 
-Plans ("kind" is optional: "ranks" means qkv, "seq_len" means query):
+Plans ("kind" is optional: "ranks" or "documents" mean qkv, "seq_len" query):
   {"kind": "qkv", "world_size": W, "max_cp_degree": C,
    "ranks": [{"docs": [{"shard_len": [...], "dst": [...]}, ...]}, ...]}
+  {"kind": "qkv", "world_size": W, "max_cp_degree": C,
+   "documents": [{"shards": [{"rank": r, "len": n, "dst": d}, ...]}, ...]}
   {"kind": "query", "world_size": W, "seq_len": [[...]], "dispatch": [[...]] or [[[...]]]}
+A qkv plan has "ranks" (each document on one rank) or "documents" (each
+shard with its home rank "rank", so a document may span ranks), never both.
 Unknown keys are errors, so a misspelt optional key is never ignored.
 Output: {"q_fwd", "q_rev", "kv_fwd", "kv_rev", "attn"} for a qkv plan,
 {"fwd", "rev"} for a query plan; each metadata object has dst_rank,
@@ -53,7 +57,9 @@ dst_offset, seq_len, num_recv_tokens, num_seqs, seq_recv_mask, recv_seq_lens.
 Options:
   --summary   instead of JSON, a per-rank table (shards, tokens, query tokens
               sent off-rank and received, KV tokens received; for a qkv plan
-              also the attention cost, in causal token pairs) and the max/mean
+              also the attention cost, in causal token pairs; for a plan in
+              documents form also "spanning": the rank's shards that belong
+              to documents continuing on other ranks) and the max/mean
               imbalance of received tokens and of attention cost
   --svg FILE  also write a picture of a qkv plan to FILE (SVG): tokens sent
               between ranks, and attention cost per rank (and with every
@@ -141,15 +147,47 @@ std::string imbalance(const cpdispatch::Metadata& m) {
   return cpdispatch_cli::max_over_mean_text(max, mean);
 }
 
-/// Per rank: its shards and tokens (MLP layout), query tokens it sends to
-/// other ranks and query (and KV) tokens it receives, and the attention cost
-/// (causal token pairs) when the qkv plan is given; then the imbalance.
-std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::QkvPlan* plan) {
-  const std::optional<cpdispatch::PlanCost> cost = plan ? std::optional(cpdispatch::plan_cost(*plan)) : std::nullopt;
-  const auto* qkv = std::get_if<cpdispatch::QkvMetadata>(&planned);
-  const cpdispatch::Metadata& q = qkv ? qkv->q_fwd : std::get<cpdispatch::QueryMetadata>(planned).fwd;
-  const auto W = static_cast<std::size_t>(q.world_size);
+/// Causal token pairs each destination attends, from its attention layout.
+std::vector<std::int64_t> attention_per_rank(const cpdispatch::AttentionLayout& attn) {
+  std::vector<std::int64_t> cost(attn.seqlens_q.size(), 0);
+  for (std::size_t d = 0; d < cost.size(); ++d) {
+    for (std::size_t i = 0; i < attn.seqlens_q[d].size(); ++i) {
+      const std::int64_t q = attn.seqlens_q[d][i];
+      const std::int64_t pairs = cpdispatch::attention_cost(attn.seqlens_kv[d][i] - q, q);
+      if (__builtin_add_overflow(cost[d], pairs, &cost[d])) cpdispatch::detail::fail("summary: attention cost of rank ", d, " overflows 64 bits");
+    }
+  }
+  return cost;
+}
+
+/// Per home rank: its shards that belong to documents with shards on other ranks.
+std::vector<std::int64_t> spanning_shards(const cpdispatch::QkvDocumentsPlan& plan) {
+  std::vector<std::int64_t> count(static_cast<std::size_t>(plan.world_size), 0);
+  for (const cpdispatch::PackedDocument& doc : plan.documents) {
+    bool spans = false;
+    for (const cpdispatch::DocumentShard& s : doc.shards) spans = spans || s.rank != doc.shards.front().rank;
+    if (!spans) continue;
+    for (const cpdispatch::DocumentShard& s : doc.shards) ++count[static_cast<std::size_t>(s.rank)];
+  }
+  return count;
+}
+
+/// "documents: 3, 1 spanning ranks" for a plan in documents form.
+std::string documents_line(const cpdispatch::QkvDocumentsPlan& plan) {
+  std::size_t spanning = 0;
+  for (const cpdispatch::PackedDocument& doc : plan.documents) {
+    for (const cpdispatch::DocumentShard& s : doc.shards) {
+      if (s.rank == doc.shards.front().rank) continue;
+      ++spanning;
+      break;
+    }
+  }
+  return "documents: " + std::to_string(plan.documents.size()) + ", " + std::to_string(spanning) + " spanning ranks\n";
+}
+
+std::string summary_head(const cpdispatch::Metadata& q, const cpdispatch::QkvMetadata* qkv) {
   std::ostringstream head;
+  const auto W = static_cast<std::size_t>(q.world_size);
   if (qkv) {
     head << "qkv plan: world_size " << W << ", max_cp_degree " << qkv->kv_fwd.num_copies() << '\n';
   } else if (q.has_copies()) {
@@ -157,23 +195,43 @@ std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::Q
   } else {
     head << "query plan: world_size " << W << ", dispatch [W][S]\n";
   }
+  return head.str();
+}
+
+/// Per rank: its shards and tokens (MLP layout), query tokens it sends to
+/// other ranks and query (and KV) tokens it receives, and for a qkv plan the
+/// attention cost (causal token pairs) and, in documents form, its shards of
+/// documents that span ranks; then the imbalance.
+std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::Plan& plan) {
+  const auto* qkv = std::get_if<cpdispatch::QkvMetadata>(&planned);
+  const auto* documents = std::get_if<cpdispatch::QkvDocumentsPlan>(&plan);
+  const cpdispatch::Metadata& q = qkv ? qkv->q_fwd : std::get<cpdispatch::QueryMetadata>(planned).fwd;
+  const auto W = static_cast<std::size_t>(q.world_size);
+  const std::vector<std::int64_t> cost = qkv ? attention_per_rank(qkv->attn) : std::vector<std::int64_t>{};
+  const std::vector<std::int64_t> spanning = documents ? spanning_shards(*documents) : std::vector<std::int64_t>{};
   std::vector<std::vector<std::string>> rows = {{"rank", "shards", "tokens", "q_sent_off_rank", "q_recv"}};
-  if (qkv) rows[0].push_back("kv_recv");
-  if (cost) rows[0].push_back("attn_cost");
+  if (qkv) rows[0].insert(rows[0].end(), {"kv_recv", "attn_cost"});
+  if (documents) rows[0].push_back("spanning");
   for (std::size_t r = 0; r < W; ++r) {
     std::int64_t sent_off_rank = 0;
     for (std::size_t d = 0; d < W; ++d) sent_off_rank += d == r ? 0 : q.num_recv_tokens(d, r);
     rows.push_back({std::to_string(r), std::to_string(q.num_seqs(r)), std::to_string(q.send_tokens(static_cast<std::int64_t>(r))),
                     std::to_string(sent_off_rank), std::to_string(q.num_recv_tokens(r, W))});
-    if (qkv) rows.back().push_back(std::to_string(qkv->kv_fwd.num_recv_tokens(r, W)));
-    if (cost) rows.back().push_back(std::to_string(cost->attention[r]));
+    if (qkv) rows.back().insert(rows.back().end(), {std::to_string(qkv->kv_fwd.num_recv_tokens(r, W)), std::to_string(cost[r])});
+    if (documents) rows.back().push_back(std::to_string(spanning[r]));
   }
-  std::string out = head.str() + format_table(rows);
+  std::string out = summary_head(q, qkv) + (documents ? documents_line(*documents) : std::string()) + format_table(rows);
   out += "imbalance (max/mean of tokens received): q " + imbalance(q);
   if (qkv) out += ", kv " + imbalance(qkv->kv_fwd);
   out += '\n';
-  if (cost && cost->total_attention() > 0) {
-    out += "imbalance of attention cost (max/mean): " + cpdispatch_cli::max_over_mean_text(cost->max_attention(), cost->mean_attention()) + '\n';
+  std::int64_t max = 0;
+  double total = 0;
+  for (std::int64_t c : cost) {
+    max = std::max(max, c);
+    total += static_cast<double>(c);
+  }
+  if (total > 0) {
+    out += "imbalance of attention cost (max/mean): " + cpdispatch_cli::max_over_mean_text(max, total / static_cast<double>(W)) + '\n';
   }
   return out;
 }
@@ -222,6 +280,9 @@ void write_json(const nlohmann::json& j, bool compact) {
 void write_svg(const PlanOptions& options, const cpdispatch::Plan& plan, std::int64_t q_bytes, std::int64_t kv_bytes) {
   if (options.svg.empty()) return;
   const auto* qkv = std::get_if<cpdispatch::QkvPlan>(&plan);
+  if (std::holds_alternative<cpdispatch::QkvDocumentsPlan>(plan)) {
+    cpdispatch::detail::fail("--svg draws qkv plans in the per-rank form (\"ranks\"); this plan is in the documents form");
+  }
   if (!qkv) cpdispatch::detail::fail("--svg draws qkv plans (documents); this is a query plan");
   cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*qkv, q_bytes, kv_bytes));
 }
@@ -236,7 +297,7 @@ int run_plan(Args args) {
   const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan);  // invalid plans stop here
   write_svg(options, plan, 1, 1);
   if (options.summary) {
-    write_output(summary(planned, std::get_if<cpdispatch::QkvPlan>(&plan)));
+    write_output(summary(planned, plan));
   } else {
     write_json(cpdispatch::metadata_to_json(planned), options.compact);
   }
@@ -259,7 +320,7 @@ int run_balance(Args args) {
   const cpdispatch::Plan plan = balanced;
   write_svg(options, plan, problem.q_bytes, problem.kv_bytes);
   if (options.summary) {
-    write_output(summary(cpdispatch::plan_metadata(plan), &balanced) + cpdispatch_cli::balance_report(problem, balanced));
+    write_output(summary(cpdispatch::plan_metadata(plan), plan) + cpdispatch_cli::balance_report(problem, balanced));
   } else {
     write_json(cpdispatch::plan_to_json(plan), options.compact);
   }

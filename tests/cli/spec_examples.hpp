@@ -1,6 +1,6 @@
 #pragma once
-// The worked examples of shared/spec/plan-json.md section 4 as plan JSON, and
-// every number the spec gives for them, checked on the metadata JSON (what
+// The worked examples of docs/plan-format.md (sections 2b and 4) as plan
+// JSON, and every number the format gives for them, checked on the metadata JSON (what
 // to_json writes and what cpdispatch-plan prints). data/spec_*.json hold the
 // same plans for the CLI tests.
 
@@ -20,6 +20,12 @@ inline constexpr const char* spec_qkv_plan = R"({"world_size": 2, "max_cp_degree
 
 inline constexpr const char* spec_query_plan = R"({"kind": "query", "world_size": 3,
   "seq_len": [[5, 3, 4], [2, 6, 1], [8, 2, 5]], "dispatch": [[0, 0, 1], [2, 2, 2], [1, 1, 0]]})";
+
+// Section 2b: document 0 spans ranks 0 and 1.
+inline constexpr const char* spec_documents_plan = R"({"kind": "qkv", "world_size": 2, "max_cp_degree": 3, "documents": [
+  {"shards": [{"rank": 0, "len": 3, "dst": 1}, {"rank": 1, "len": 2, "dst": 0}, {"rank": 1, "len": 4, "dst": 1}]},
+  {"shards": [{"rank": 0, "len": 5, "dst": 0}]},
+  {"shards": [{"rank": 1, "len": 1, "dst": 1}]}]})";
 
 using Expected = std::vector<std::pair<const char*, const char*>>;  // JSON pointer, value
 
@@ -61,6 +67,41 @@ inline const Expected spec_qkv_numbers = {
     {"/attn/cu_seqlens_kv", "[[0,6,9,14,22],[0,4,10]]"},
     {"/attn/max_seqlen_q", "[5,4]"},
     {"/attn/max_seqlen_kv", "[8,6]"},
+};
+
+// Section 2b verbatim, then what the format fixes for the other fields.
+inline const Expected spec_documents_numbers = {
+    {"/q_fwd/dst_rank", "[[1,0,-1],[0,1,1]]"},
+    {"/q_fwd/dst_offset", "[[0,0,0],[5,3,7]]"},
+    {"/q_fwd/seq_len", "[[3,5,0],[2,4,1]]"},
+    {"/q_fwd/num_recv_tokens", "[[5,2,7],[3,5,8]]"},
+    {"/q_fwd/num_seqs", "[2,3]"},
+    {"/q_rev/dst_rank", "[[0,1,-1],[0,1,1]]"},
+    {"/q_rev/dst_offset", "[[3,0,0],[0,2,6]]"},
+    {"/q_rev/seq_len", "[[5,2,0],[3,4,1]]"},
+    {"/q_rev/num_recv_tokens", "[[5,3,8],[2,5,7]]"},
+    {"/q_rev/num_seqs", "[2,3]"},
+    {"/kv_fwd/dst_rank", "[[[1,0,1],[0,-1,-1],[-1,-1,-1]],[[0,1,-1],[1,-1,-1],[1,-1,-1]]]"},
+    {"/kv_fwd/dst_offset", "[[[0,5,3],[0,0,0],[0,0,0]],[[8,6,0],[8,0,0],[12,0,0]]]"},
+    {"/kv_fwd/num_recv_tokens", "[[8,2,10],[6,7,13]]"},
+    {"/kv_fwd/num_seqs", "[2,3]"},
+    {"/kv_rev/dst_rank", "[[0,0,1,-1,-1],[0,0,1,1,1]]"},
+    {"/kv_rev/dst_offset", "[[3,8,0,0,0],[0,16,7,2,6]]"},
+    {"/kv_rev/seq_len", "[[5,3,2,0,0],[3,3,2,4,1]]"},
+    {"/kv_rev/num_recv_tokens", "[[8,6,14],[2,7,9]]"},
+    {"/kv_rev/num_seqs", "[3,5]"},
+    {"/kv_rev/seq_recv_mask", "[[[1,1,1],[1,0,0],[0,0,0]],[[1,1,0],[1,0,0],[1,0,0]]]"},
+    {"/attn/seqlens_q", "[[5,2],[3,4,1]]"},
+    {"/attn/seqlens_kv", "[[5,5],[3,9,1]]"},
+    // implied by sections 1-2b
+    {"/kv_fwd/seq_len", "[[3,5,0],[2,4,1]]"},
+    {"/kv_rev/recv_seq_lens", "[[3,5,0],[2,4,1]]"},
+    {"/q_fwd/seq_recv_mask", "null"},
+    {"/kv_fwd/seq_recv_mask", "null"},
+    {"/attn/cu_seqlens_q", "[[0,5,7],[0,3,7,8]]"},
+    {"/attn/cu_seqlens_kv", "[[0,5,10],[0,3,12,13]]"},
+    {"/attn/max_seqlen_q", "[5,4]"},
+    {"/attn/max_seqlen_kv", "[5,9]"},
 };
 
 inline const Expected spec_query_numbers = {

@@ -206,6 +206,59 @@ TEST_F(CliTest, SummaryOfAnEmptyPlan) {
   EXPECT_NE(r.out.find("q n/a (no tokens), kv n/a (no tokens)"), std::string::npos) << r.out;
 }
 
+// ---------------------------------------------------------------- documents form (section 2b)
+
+TEST_F(CliTest, SpecDocumentsExampleFile) {
+  const std::string path = data_dir + "/spec_documents.json";
+  EXPECT_EQ(cpdispatch::plan_to_json(cpdispatch::parse_plan(read_file(path))),
+            cpdispatch::plan_to_json(cpdispatch::parse_plan(cli_test::spec_documents_plan)));
+  const json out = expect_json(run({path}));
+  cli_test::expect_numbers(out, cli_test::spec_documents_numbers);
+  EXPECT_EQ(out, planned_json(read_file(path)));
+}
+
+TEST_F(CliTest, SummaryOfTheSpecDocumentsExample) {
+  const Result r = run({data_dir + "/spec_documents.json", "--summary"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.err, "");
+  // rank 0 holds doc0.0 (3) and doc1.0 (5), rank 1 doc0.1 (2), doc0.2 (4),
+  // doc2.0 (1); document 0 spans both, so 1 and 2 of their shards continue
+  // on another rank. Attention cost: rank 0 attends 5 (15) and 2 after 3
+  // (9) = 24; rank 1 attends 3 (6), 4 after 5 (30) and 1 (1) = 37.
+  EXPECT_EQ(r.out,
+            "qkv plan: world_size 2, max_cp_degree 3\n"
+            "documents: 3, 1 spanning ranks\n"
+            "rank  shards  tokens  q_sent_off_rank  q_recv  kv_recv  attn_cost  spanning\n"
+            "   0       2       8                3       7       10         24         1\n"
+            "   1       3       7                2       8       13         37         2\n"
+            "imbalance (max/mean of tokens received): q 1.067 (max 8, mean 7.5), kv 1.130 (max 13, mean 11.5)\n"
+            "imbalance of attention cost (max/mean): 1.213 (max 37, mean 30.5)\n");
+}
+
+TEST_F(CliTest, DocumentsFormBadInput) {
+  expect_invalid(run({}, R"({"world_size":1,"ranks":[{"docs":[]}],"documents":[]})"),
+                 "cpdispatch-plan: plan: has both \"ranks\" and \"documents\" (a qkv plan has one of them)\n");
+  expect_invalid(run({}, R"({"world_size":2,"documents":[{"shards":[{"rank":0,"len":1,"dst":0},{"rank":5,"len":1,"dst":0}]}]})"),
+                 "cpdispatch-plan: documents[0].shards[1].rank = 5 is outside [0, 2)\n");
+  expect_invalid(run({"--summary"}, R"({"world_size":2,"documents":[{"shards":[{"rank":0,"len":-3,"dst":0}]}]})"),
+                 "cpdispatch-plan: documents[0].shards[0].len = -3 must be positive\n");
+  expect_invalid(run({}, R"({"world_size":2,"documents":[{"shards":[]}]})"),
+                 "cpdispatch-plan: documents[0].shards is empty (a document has at least one shard)\n");
+  expect_invalid(run({}, R"({"world_size":2,"max_cp_degree":1,"documents":[{"shards":[{"rank":0,"len":1,"dst":0},{"rank":1,"len":1,"dst":1}]}]})"),
+                 "cpdispatch-plan: documents[0].shards has 2 shards, more than max_cp_degree = 1\n");
+  expect_invalid(run({}, R"({"world_size":1,"documents":[{"shards":[{"rank":0,"len":1,"dst":0,"extra":1}]}]})"),
+                 "documents[0].shards[0]: unknown key \"extra\"");
+}
+
+TEST_F(CliTest, DocumentsFormEqualsThePerRankForm) {
+  for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+    const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(4, 64, 3, 4, seed);
+    const Result per_rank = run({file("plan.json", json(plan).dump())});
+    const Result documents = run({file("plan.json", json(cpdispatch::to_documents(plan)).dump())});
+    EXPECT_EQ(expect_json(documents), expect_json(per_rank)) << "seed " << seed;
+  }
+}
+
 TEST_F(CliTest, Help) {
   for (const char* flag : {"--help", "-h"}) {
     const Result r = run({flag});

@@ -192,7 +192,7 @@ TEST(JsonPlan, MalformedPlansNameThePath) {
       // the document
       {"[1]", "plan: expected an object, got an array"},
       {"42", "plan: expected an object, got 42"},
-      {"{}", "plan: cannot tell its kind: expected \"ranks\" (qkv plan), \"seq_len\" (query plan) or \"kind\""},
+      {"{}", "plan: cannot tell its kind: expected \"ranks\" or \"documents\" (qkv plan), \"seq_len\" (query plan) or \"kind\""},
       {R"({"world_size":1,"ranks":[],"seq_len":[]})",
        "plan: has both \"ranks\" (qkv plan) and \"seq_len\" (query plan); set \"kind\""},
       {R"({"kind":"mlp","world_size":1})", "kind: expected \"query\" or \"qkv\", got \"mlp\""},
@@ -213,7 +213,7 @@ TEST(JsonPlan, MalformedPlansNameThePath) {
       {R"({"world_size":2,"ranks":[{"docs":[]}]})", "ranks has 1 entry, but world_size = 2"},
       {R"({"world_size":1,"ranks":[{"docs":[]},{"docs":[]}]})", "ranks has 2 entries, but world_size = 1"},
       {R"({"world_size":1,"ranks":{}})", "ranks: expected an array, got an empty object"},
-      {R"({"kind":"qkv","world_size":1})", "plan: missing \"ranks\""},
+      {R"({"kind":"qkv","world_size":1})", "plan: missing \"ranks\" or \"documents\" (a qkv plan has one of them)"},
       {R"({"world_size":2,"ranks":[[],{"docs":[]}]})", "ranks[0]: expected an object, got an empty array"},
       {R"({"world_size":2,"ranks":[{"docs":[]},{}]})", "ranks[1]: missing \"docs\""},
       {R"({"world_size":2,"ranks":[{"docs":[]},{"docs":5}]})", "ranks[1].docs: expected an array, got 5"},
@@ -452,3 +452,71 @@ TEST(JsonText, PrettyKeepsRowsOnOneLine) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------- documents form (section 2b)
+
+TEST(JsonDocumentsPlan, ReadsTheSection2bExample) {
+  const cpdispatch::Plan plan = cpdispatch::parse_plan(cli_test::spec_documents_plan);
+  ASSERT_TRUE(std::holds_alternative<cpdispatch::QkvDocumentsPlan>(plan));
+  EXPECT_STREQ(cpdispatch::plan_kind(plan), "qkv");
+  const auto& d = std::get<cpdispatch::QkvDocumentsPlan>(plan);
+  EXPECT_EQ(d.world_size, 2);
+  EXPECT_EQ(d.max_cp_degree, 3);
+  ASSERT_EQ(d.documents.size(), 3u);
+  EXPECT_EQ(d.documents[0], (cpdispatch::PackedDocument{{{0, 3, 1}, {1, 2, 0}, {1, 4, 1}}}));
+  cli_test::expect_numbers(metadata_json(cli_test::spec_documents_plan), cli_test::spec_documents_numbers);
+}
+
+TEST(JsonDocumentsPlan, KindIsImpliedByDocuments) {
+  const cpdispatch::Plan plan = cpdispatch::parse_plan(R"({"world_size":1,"documents":[]})");
+  EXPECT_TRUE(std::holds_alternative<cpdispatch::QkvDocumentsPlan>(plan));
+  EXPECT_FALSE(std::get<cpdispatch::QkvDocumentsPlan>(plan).max_cp_degree.has_value());
+}
+
+TEST(JsonDocumentsPlan, RoundTripsThroughPlanToJson) {
+  const cpdispatch::Plan plan = cpdispatch::parse_plan(cli_test::spec_documents_plan);
+  const cpdispatch::Plan again = cpdispatch::plan_from_json(cpdispatch::plan_to_json(plan));
+  ASSERT_TRUE(std::holds_alternative<cpdispatch::QkvDocumentsPlan>(again));
+  EXPECT_EQ(std::get<cpdispatch::QkvDocumentsPlan>(again).documents, std::get<cpdispatch::QkvDocumentsPlan>(plan).documents);
+  EXPECT_EQ(metadata_json(cpdispatch::plan_to_json(again).dump()), metadata_json(cli_test::spec_documents_plan));
+}
+
+TEST(JsonDocumentsPlan, BothFormsOfOnePlanGiveTheSameJson) {
+  for (std::uint64_t seed = 1; seed <= 5; ++seed) {
+    const cpdispatch::QkvPlan p = cpdispatch::create_qkv_dispatch(4, 64, 3, 4, seed);
+    EXPECT_EQ(metadata_json(json(p).dump()), metadata_json(json(cpdispatch::to_documents(p)).dump())) << "seed " << seed;
+  }
+}
+
+TEST(JsonDocumentsPlan, MalformedPlansNameThePath) {
+  const std::vector<BadInput> cases = {
+      {R"({"world_size":1,"ranks":[{"docs":[]}],"documents":[]})", "plan: has both \"ranks\" and \"documents\" (a qkv plan has one of them)"},
+      {R"({"world_size":1,"documents":{}})", "documents: expected an array, got an empty object"},
+      {R"({"world_size":1,"documents":[3]})", "documents[0]: expected an object, got 3"},
+      {R"({"world_size":1,"documents":[{}]})", "documents[0]: missing \"shards\""},
+      {R"({"world_size":1,"documents":[{"shards":[],"x":1}]})", "documents[0]: unknown key \"x\" (a document has \"shards\")"},
+      {R"({"world_size":1,"documents":[{"shards":[{"rank":0,"len":1,"dst":0}]},{"shards":[{"rank":0,"len":1}]}]})",
+       "documents[1].shards[0]: missing \"dst\""},
+      {R"({"world_size":1,"documents":[{"shards":[{"rank":0,"len":1,"dst":0,"home":0}]}]})",
+       "documents[0].shards[0]: unknown key \"home\" (a shard has \"rank\", \"len\", \"dst\")"},
+      {R"({"world_size":1,"documents":[{"shards":[{"rank":0,"len":"7","dst":0}]}]})", "documents[0].shards[0].len: expected an integer, got \"7\""},
+      {R"({"world_size":1,"documents":[{"shards":[{"rank":0,"len":1,"dst":0}]}],"ranks_":1})",
+       "plan: unknown key \"ranks_\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"documents\")"},
+      {R"({"world_size":1,"max_cp_degree":0,"documents":[]})", "max_cp_degree = 0 must be at least 1"},
+  };
+  for (const BadInput& c : cases) EXPECT_EQ(plan_error(c.text), c.message) << c.text;
+}
+
+TEST(JsonDocumentsPlan, OutOfRangeValuesNameTheShard) {
+  const std::vector<BadInput> cases = {
+      {R"({"world_size":2,"documents":[{"shards":[{"rank":0,"len":1,"dst":0},{"rank":2,"len":1,"dst":0}]}]})",
+       "plan_qkv: documents[0].shards[1].rank = 2 is outside [0, 2)"},
+      {R"({"world_size":2,"documents":[{"shards":[{"rank":0,"len":0,"dst":0}]}]})", "plan_qkv: documents[0].shards[0].len = 0 must be positive"},
+      {R"({"world_size":2,"documents":[{"shards":[{"rank":0,"len":1,"dst":-1}]}]})", "plan_qkv: documents[0].shards[0].dst = -1 is outside [0, 2)"},
+      {R"({"world_size":2,"documents":[{"shards":[{"rank":0,"len":1,"dst":0}]},{"shards":[]}]})",
+       "plan_qkv: documents[1].shards is empty (a document has at least one shard)"},
+      {R"({"world_size":2,"max_cp_degree":1,"documents":[{"shards":[{"rank":0,"len":1,"dst":0},{"rank":1,"len":1,"dst":0}]}]})",
+       "plan_qkv: documents[0].shards has 2 shards, more than max_cp_degree = 1"},
+  };
+  for (const BadInput& c : cases) EXPECT_EQ(planning_error(c.text), c.message) << c.text;
+}

@@ -1,5 +1,5 @@
 #pragma once
-// Seeded generators (seed 001's gen_seq_lens and create_qkv_dispatch). The
+// Seeded generators (gen_seq_lens, create_qkv_dispatch, random_documents_plan). The
 // output depends only on the arguments: Boost's mt19937_64 engine (its output
 // sequence is fixed by the standard) and our own integer arithmetic for
 // ranges, never std::uniform_*_distribution (implementation-defined).
@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <unordered_set>
 #include <vector>
 
@@ -88,7 +89,7 @@ inline Tensor<std::int64_t> gen_seq_lens(std::int64_t world_size, std::int64_t n
   return out;
 }
 
-/// A random QKV plan (seed 001's create_qkv_dispatch): each rank holds
+/// A random QKV plan (create_qkv_dispatch of the reference system): each rank holds
 /// `num_seqs` documents of `total_seq_len` tokens together; every document
 /// gets a power-of-two CP degree in [1, max_cp_degree], is cut into that many
 /// equal shards (lengths are multiples of max_cp_degree, so they divide), and
@@ -125,6 +126,50 @@ inline QkvPlan create_qkv_dispatch(std::int64_t world_size, std::int64_t total_s
         if (std::find(doc.dst.begin(), doc.dst.end(), d) == doc.dst.end()) doc.dst.push_back(d);
       }
       rank.docs.push_back(std::move(doc));
+    }
+  }
+  return plan;
+}
+
+/// The shape of random documents-form plans (random_documents_plan).
+struct RandomDocumentsOptions {
+  std::int64_t world_size = 4;
+  std::int64_t num_documents = 8;
+  std::int64_t max_shards = 4;                ///< shards per document, drawn in [1, max_shards]
+  std::int64_t max_len = 16;                  ///< tokens per shard, drawn in [1, max_len]
+  std::optional<std::int64_t> max_cp_degree;  ///< copied into the plan as given
+};
+
+/// A random documents-form plan for tests and benchmarks: each document
+/// starts on a random home rank and its next shard stays there, continues on
+/// the next rank (a document packed across ranks) or jumps to any rank, so a
+/// document may span up to min(shards, W) ranks; a shard's destination is
+/// often its predecessor's (repeated destinations), else any rank. Ranks no
+/// document lands on stay empty.
+inline QkvDocumentsPlan random_documents_plan(const RandomDocumentsOptions& o, std::uint64_t seed) {
+  using detail::fail;
+  if (o.world_size <= 0) fail("random_documents_plan: world_size = ", o.world_size, " must be at least 1");
+  if (o.num_documents < 0) fail("random_documents_plan: num_documents = ", o.num_documents, " is negative");
+  if (o.max_shards <= 0) fail("random_documents_plan: max_shards = ", o.max_shards, " must be at least 1");
+  if (o.max_len <= 0) fail("random_documents_plan: max_len = ", o.max_len, " must be at least 1");
+  Rng rng(seed);
+  const auto W = static_cast<std::uint64_t>(o.world_size);
+  QkvDocumentsPlan plan;
+  plan.world_size = o.world_size;
+  plan.max_cp_degree = o.max_cp_degree;
+  plan.documents.resize(static_cast<std::size_t>(o.num_documents));
+  for (PackedDocument& doc : plan.documents) {
+    const std::int64_t n = rng.between(1, o.max_shards);
+    auto home = static_cast<std::int64_t>(rng.below(W));
+    std::int64_t dst = static_cast<std::int64_t>(rng.below(W));
+    for (std::int64_t k = 0; k < n; ++k) {
+      if (k > 0) {
+        const std::uint64_t move = rng.below(4);  // 0, 1: stay; 2: next rank; 3: anywhere
+        if (move == 2) home = (home + 1) % o.world_size;
+        if (move == 3) home = static_cast<std::int64_t>(rng.below(W));
+        if (rng.below(4) != 0) dst = static_cast<std::int64_t>(rng.below(W));
+      }
+      doc.shards.push_back({home, rng.between(1, o.max_len), dst});
     }
   }
   return plan;

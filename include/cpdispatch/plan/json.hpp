@@ -1,6 +1,6 @@
 #pragma once
-// JSON I/O for plans and metadata (../shared/spec/plan-json.md, section 3),
-// on nlohmann-json (target cpdispatch::json).
+// JSON I/O for plans and metadata (docs/plan-format.md, section 3), on
+// nlohmann-json (target cpdispatch::json).
 //
 // Reading: every malformed input throws cpdispatch::invalid_input naming the
 // JSON path of the offending value, e.g.
@@ -34,7 +34,7 @@
 
 namespace cpdispatch {
 
-/// A query-level plan (spec section 1): shard lengths [W][S] and destinations
+/// A query-level plan (docs/plan-format.md, section 1): shard lengths [W][S] and destinations
 /// [W][S] or [W][S][C].
 struct QueryPlan {
   std::int64_t world_size = 0;
@@ -42,8 +42,9 @@ struct QueryPlan {
   Tensor<std::int64_t> dispatch;
 };
 
-/// Either kind of plan a JSON document may hold.
-using Plan = std::variant<QueryPlan, QkvPlan>;
+/// Any plan a JSON document may hold: a query plan, or a QKV plan in its
+/// per-rank (`ranks`) or documents (`documents`) form.
+using Plan = std::variant<QueryPlan, QkvPlan, QkvDocumentsPlan>;
 
 /// What planning a Plan gives: QueryMetadata for a query plan, QkvMetadata
 /// for a QKV plan.
@@ -52,9 +53,10 @@ using PlanMetadata = std::variant<QueryMetadata, QkvMetadata>;
 /// "query" or "qkv".
 inline const char* plan_kind(const Plan& plan) noexcept { return plan.index() == 0 ? "query" : "qkv"; }
 
-/// Plans either kind; errors come from plan_query / plan_qkv.
+/// Plans any kind; errors come from plan_query / plan_qkv.
 inline PlanMetadata plan_metadata(const Plan& plan) {
   if (const auto* q = std::get_if<QueryPlan>(&plan)) return plan_query(q->seq_len, q->dispatch);
+  if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) return plan_qkv(*d);
   return plan_qkv(std::get<QkvPlan>(plan));
 }
 
@@ -263,15 +265,52 @@ inline QueryPlan read_query_plan(const json& obj, const JsonPath& path) {
   return plan;
 }
 
+/// max_cp_degree, when present: at least 1.
+inline std::optional<std::int64_t> read_max_cp_degree(const json& obj, const JsonPath& path) {
+  const json* c = member(obj, path, "max_cp_degree", false);
+  if (!c) return std::nullopt;
+  const JsonPath p = path / "max_cp_degree";
+  const std::int64_t value = read_int(*c, p);
+  if (value < 1) fail_at(p, " = ", value, " must be at least 1");
+  return value;
+}
+
+/// {"shards": [{"rank": r, "len": n, "dst": d}, ...]}
+inline PackedDocument read_packed_document(const json& j, const JsonPath& path) {
+  read_object(j, path);
+  check_keys(j, path, "a document", {"shards"});
+  const JsonPath shards_path = path / "shards";
+  const json& shards = read_array(*member(j, path, "shards", true), shards_path);
+  PackedDocument doc;
+  doc.shards.reserve(shards.size());
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    const JsonPath p = shards_path[k];
+    const json& shard = read_object(shards[k], p);
+    check_keys(shard, p, "a shard", {"rank", "len", "dst"});
+    doc.shards.push_back({read_int(*member(shard, p, "rank", true), p / "rank"), read_int(*member(shard, p, "len", true), p / "len"),
+                          read_int(*member(shard, p, "dst", true), p / "dst")});
+  }
+  return doc;
+}
+
+/// A QKV plan in documents form; the values are checked by plan_qkv.
+inline QkvDocumentsPlan read_documents_plan(const json& obj, const JsonPath& path) {
+  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "documents"});
+  QkvDocumentsPlan plan;
+  plan.world_size = read_world_size(obj, path, true);
+  plan.max_cp_degree = read_max_cp_degree(obj, path);
+  const JsonPath docs_path = path / "documents";
+  const json& docs = read_array(*member(obj, path, "documents", true), docs_path);
+  plan.documents.reserve(docs.size());
+  for (std::size_t i = 0; i < docs.size(); ++i) plan.documents.push_back(read_packed_document(docs[i], docs_path[i]));
+  return plan;
+}
+
 inline QkvPlan read_qkv_plan(const json& obj, const JsonPath& path) {
   check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "ranks"});
   QkvPlan plan;
   plan.world_size = read_world_size(obj, path, true);
-  if (const json* c = member(obj, path, "max_cp_degree", false)) {
-    const JsonPath p = path / "max_cp_degree";
-    plan.max_cp_degree = read_int(*c, p);
-    if (*plan.max_cp_degree < 1) fail_at(p, " = ", *plan.max_cp_degree, " must be at least 1");
-  }
+  plan.max_cp_degree = read_max_cp_degree(obj, path);
   const JsonPath ranks_path = path / "ranks";
   const json& ranks = read_array(*member(obj, path, "ranks", true), ranks_path);
   if (ranks.size() != static_cast<std::size_t>(plan.world_size)) {
@@ -398,26 +437,39 @@ inline nlohmann::json parse_json(std::string_view text) {
   }
 }
 
-/// A plan from its JSON document (spec section 3).
+namespace detail {
+
+/// "query" or "qkv": the "kind" member, or what the plan's keys imply.
+inline std::string plan_kind_of(const json& j, const JsonPath& root) {
+  if (const json* k = member(j, root, "kind", false)) {
+    if (!k->is_string() || (*k != "query" && *k != "qkv")) {
+      fail_at(root / "kind", ": expected \"query\" or \"qkv\", got ", describe(*k));
+    }
+    return k->get<std::string>();
+  }
+  const bool has_qkv = j.contains("ranks") || j.contains("documents"), has_seq_len = j.contains("seq_len");
+  if (has_qkv && has_seq_len) {
+    fail_at(root, ": has both \"", j.contains("ranks") ? "ranks" : "documents", "\" (qkv plan) and \"seq_len\" (query plan); set \"kind\"");
+  }
+  if (!has_qkv && !has_seq_len) {
+    fail_at(root, ": cannot tell its kind: expected \"ranks\" or \"documents\" (qkv plan), \"seq_len\" (query plan) or \"kind\"");
+  }
+  return has_qkv ? "qkv" : "query";
+}
+
+}  // namespace detail
+
+/// A plan from its JSON document (docs/plan-format.md, section 3). A QKV
+/// plan has `ranks` (per-rank form) or `documents` (documents form), never both.
 inline Plan plan_from_json(const nlohmann::json& j) {
   using detail::fail_at;
   const auto root = detail::JsonPath::root("plan");
   detail::read_object(j, root);
-  std::string kind;
-  if (const nlohmann::json* k = detail::member(j, root, "kind", false)) {
-    if (!k->is_string() || (*k != "query" && *k != "qkv")) {
-      fail_at(root / "kind", ": expected \"query\" or \"qkv\", got ", detail::describe(*k));
-    }
-    kind = k->get<std::string>();
-  } else {
-    const bool has_ranks = j.contains("ranks"), has_seq_len = j.contains("seq_len");
-    if (has_ranks && has_seq_len) fail_at(root, ": has both \"ranks\" (qkv plan) and \"seq_len\" (query plan); set \"kind\"");
-    if (!has_ranks && !has_seq_len) {
-      fail_at(root, ": cannot tell its kind: expected \"ranks\" (qkv plan), \"seq_len\" (query plan) or \"kind\"");
-    }
-    kind = has_ranks ? "qkv" : "query";
-  }
-  if (kind == "query") return detail::read_query_plan(j, root);
+  if (detail::plan_kind_of(j, root) == "query") return detail::read_query_plan(j, root);
+  const bool has_ranks = j.contains("ranks"), has_documents = j.contains("documents");
+  if (has_ranks && has_documents) fail_at(root, ": has both \"ranks\" and \"documents\" (a qkv plan has one of them)");
+  if (has_documents) return detail::read_documents_plan(j, root);
+  if (!has_ranks) fail_at(root, ": missing \"ranks\" or \"documents\" (a qkv plan has one of them)");
   return detail::read_qkv_plan(j, root);
 }
 
@@ -426,7 +478,7 @@ inline Plan parse_plan(std::string_view text) { return plan_from_json(parse_json
 
 /// Metadata from the object to_json writes. `name` is its path in messages
 /// (e.g. "kv_rev", giving `kv_rev.dst_rank[0][1]: ...`); empty: the object
-/// is the document. Keys beyond the spec's are optional: `world_size`,
+/// is the document. Keys beyond the format's are optional: `world_size`,
 /// `has_copies`, `num_copies` and `mask_copies` fix shapes that empty arrays
 /// leave open and are checked against the arrays. The result has the shapes
 /// of seed 002 (detail::check_shapes); call validate() for the full rules.
@@ -552,7 +604,7 @@ inline void from_json(const nlohmann::json& j, QkvMetadata& q) { q = qkv_metadat
 // ---------------------------------------------------------------- writing
 // nlohmann-json's adl_serializer hooks: `nlohmann::json j = metadata;`.
 
-/// The spec's keys (absent ones null, masks 0/1) plus world_size, has_copies,
+/// The format's keys (absent ones null, masks 0/1) plus world_size, has_copies,
 /// num_copies (C, 1 for 2-D) and mask_copies (C of seq_recv_mask, or null):
 /// they keep empty shapes exact on a round trip.
 inline void to_json(nlohmann::json& j, const Metadata& m) {
@@ -601,6 +653,20 @@ inline void to_json(nlohmann::json& j, const QkvPlan& p) {
     ranks.push_back({{"docs", std::move(docs)}});
   }
   j["ranks"] = std::move(ranks);
+}
+
+inline void to_json(nlohmann::json& j, const QkvDocumentsPlan& p) {
+  j = nlohmann::json::object();
+  j["kind"] = "qkv";
+  j["world_size"] = p.world_size;
+  if (p.max_cp_degree) j["max_cp_degree"] = *p.max_cp_degree;
+  nlohmann::json docs = nlohmann::json::array();
+  for (const PackedDocument& doc : p.documents) {
+    nlohmann::json shards = nlohmann::json::array();
+    for (const DocumentShard& s : doc.shards) shards.push_back({{"rank", s.rank}, {"len", s.len}, {"dst", s.dst}});
+    docs.push_back({{"shards", std::move(shards)}});
+  }
+  j["documents"] = std::move(docs);
 }
 
 inline nlohmann::json plan_to_json(const Plan& plan) {

@@ -1,5 +1,6 @@
 #pragma once
-// Metadata: the communication description of one exchange (seed 002).
+// Metadata: the communication description of one exchange (the format is
+// docs/plan-format.md).
 //
 // One entry is a shard (or a received sequence, for reverse metadata) of a
 // source rank. Entry j of rank r occupies tokens [P_r(j), P_r(j)+seq_len) of
@@ -22,7 +23,7 @@
 
 namespace cpdispatch {
 
-/// The metadata of one rank (seed's `get_slice`): its own rows without
+/// The metadata of one rank (`get_slice`): its own rows without
 /// padding, flattened to [entries][copies].
 struct RankMetadata {
   std::int64_t rank = 0;
@@ -44,27 +45,32 @@ struct RankMetadata {
   std::size_t num_entries() const noexcept { return seq_len.size(); }
 
   /// Tokens this rank's send buffer holds: the sum of its entry lengths.
-  std::int64_t send_tokens() const noexcept {
+  /// A slice may come from anywhere, so the sum is checked: invalid_input
+  /// when it overflows 64 bits.
+  std::int64_t send_tokens() const {
     std::int64_t total = 0;
-    for (std::int64_t len : seq_len) total += len;
+    for (std::int64_t len : seq_len) total = detail::add_tokens(total, len, "send_tokens");
     return total;
   }
 
   /// Tokens this rank's receive buffer must hold. For reverse KV metadata
   /// that is the [C][T] replica buffer, otherwise everything received.
-  std::int64_t output_tokens() const noexcept {
-    if (recv_seq_lens) {
-      std::int64_t t = 0;
-      for (std::int64_t len : *recv_seq_lens) t += len;
-      return static_cast<std::int64_t>(mask_copies) * t;
+  /// Checked like send_tokens().
+  std::int64_t output_tokens() const {
+    if (!recv_seq_lens) return num_total_recv_tokens;
+    std::int64_t t = 0;
+    for (std::int64_t len : *recv_seq_lens) t = detail::add_tokens(t, len, "output_tokens");
+    std::int64_t out = 0;
+    if (__builtin_mul_overflow(static_cast<std::int64_t>(mask_copies), t, &out)) {
+      detail::fail("output_tokens: rank ", rank, "'s replica buffer (", mask_copies, " x ", t, " tokens) overflows 64 bits");
     }
-    return num_total_recv_tokens;
+    return out;
   }
 };
 
 struct NormalizedMetadata;
 
-/// Global metadata, all ranks' rows padded to a common length (seed 002).
+/// Global metadata, all ranks' rows padded to a common length.
 struct Metadata {
   Tensor<std::int64_t> dst_rank;         ///< [W][S] or [W][S][C]; -1 = padding / no copy
   Tensor<std::int64_t> dst_offset;       ///< same shape as dst_rank; tokens
@@ -85,14 +91,14 @@ struct Metadata {
   /// Tokens rank `rank`'s receive buffer must hold (see RankMetadata::output_tokens).
   std::int64_t output_tokens(std::int64_t rank) const;
 
-  /// This rank's rows without padding (seed's `get_slice`).
+  /// This rank's rows without padding.
   RankMetadata get_slice(std::int64_t rank) const;
 
-  /// The kernel dtypes of seed 002; throws invalid_input naming the first
+  /// The dtypes GPU kernels consume; throws invalid_input naming the first
   /// value that does not fit.
   NormalizedMetadata normalize_dtype() const;
 
-  /// Checks the invariants of seed 002 ("Validation Properties"): shapes,
+  /// Checks the invariants of the format (docs/plan-format.md): shapes,
   /// padding, conservation, offsets in bounds, destination regions that do
   /// not overlap and tile each receive buffer exactly. `name` prefixes
   /// messages (e.g. "kv_rev"). Throws invalid_input.
@@ -153,7 +159,7 @@ inline std::string shape_str(const std::vector<std::size_t>& shape) {
   return s + "]";
 }
 
-/// The shape rules of seed 002; everything that indexes metadata checks them first.
+/// The shape rules of the format; everything that indexes metadata checks them first.
 inline void check_shapes(const Metadata& m, std::string_view name) {
   if (m.world_size <= 0) fail(name, ".world_size = ", m.world_size, " must be positive");
   const auto W = static_cast<std::size_t>(m.world_size);
@@ -270,150 +276,188 @@ inline NormalizedMetadata Metadata::normalize_dtype() const {
   return n;
 }
 
-inline void Metadata::validate(std::string_view name) const {
-  using detail::fail;
-  using detail::index_str;
-  using detail::shape_str;
-  const auto W = static_cast<std::size_t>(world_size);
-  detail::check_shapes(*this, name);
-  const std::size_t S = dst_rank.size(1);
-  const std::size_t C = num_copies();
-  const std::size_t mask_s = seq_recv_mask ? seq_recv_mask->size(1) : 0;
-  const std::size_t mask_c = seq_recv_mask ? seq_recv_mask->size(2) : 0;
-  // 2-D metadata is read as one copy per entry.
-  auto rank_at = [&](std::size_t r, std::size_t j, std::size_t k) { return has_copies() ? dst_rank(r, j, k) : dst_rank(r, j); };
-  auto offset_at = [&](std::size_t r, std::size_t j, std::size_t k) { return has_copies() ? dst_offset(r, j, k) : dst_offset(r, j); };
-  auto entry_str = [&](std::size_t r, std::size_t j, std::size_t k) { return has_copies() ? index_str(r, j, k) : index_str(r, j); };
-  // ---- entries: ranges and padding
-  std::vector<std::int64_t> sent(W * W, 0);  // [d][s]
+namespace detail {
+
+/// Reads 2-D metadata as one copy per entry, so the checks below see [W][S][C].
+struct EntryView {
+  const Metadata& m;
+  std::int64_t rank(std::size_t r, std::size_t j, std::size_t k) const { return m.has_copies() ? m.dst_rank(r, j, k) : m.dst_rank(r, j); }
+  std::int64_t offset(std::size_t r, std::size_t j, std::size_t k) const { return m.has_copies() ? m.dst_offset(r, j, k) : m.dst_offset(r, j); }
+  std::string where(std::size_t r, std::size_t j, std::size_t k) const { return m.has_copies() ? index_str(r, j, k) : index_str(r, j); }
+};
+
+/// Ranges and padding of every entry, and num_seqs; returns the tokens each
+/// rank sends each destination ([d][s], flat).
+inline std::vector<std::int64_t> check_entries(const Metadata& m, std::string_view name) {
+  const EntryView v{m};
+  const auto W = static_cast<std::size_t>(m.world_size);
+  const std::size_t S = m.dst_rank.size(1), C = m.num_copies();
+  std::vector<std::int64_t> sent(W * W, 0);
   for (std::size_t r = 0; r < W; ++r) {
     bool padding_seen = false;
     std::int64_t entries = 0;
     for (std::size_t j = 0; j < S; ++j) {
-      const std::int64_t len = seq_len(r, j);
+      const std::int64_t len = m.seq_len(r, j);
       if (len < 0) fail(name, ".seq_len", index_str(r, j), " = ", len, " is negative");
       std::size_t copies = 0;
       for (std::size_t k = 0; k < C; ++k) {
-        const std::int64_t d = rank_at(r, j, k);
-        const std::int64_t off = offset_at(r, j, k);
-        const std::string ix = entry_str(r, j, k);
-        if (d < -1 || d >= world_size) fail(name, ".dst_rank", ix, " = ", d, " is outside [0, ", W, ") (-1 means no copy)");
-        if (off < 0) fail(name, ".dst_offset", ix, " = ", off, " is negative");
-        if (d >= 0) {
-          ++copies;
-          if (len == 0) fail(name, ".dst_rank", ix, " = ", d, " but seq_len", index_str(r, j), " = 0 (padding has no destination)");
-          auto& to_d = sent[static_cast<std::size_t>(d) * W + r];
-          to_d = detail::add_tokens(to_d, len, "validate");
-        } else if (off != 0) {
-          fail(name, ".dst_offset", ix, " = ", off, " but the copy has no destination (padding offset must be 0)");
+        const std::int64_t d = v.rank(r, j, k), off = v.offset(r, j, k);
+        if (d < -1 || d >= m.world_size) fail(name, ".dst_rank", v.where(r, j, k), " = ", d, " is outside [0, ", W, ") (-1 means no copy)");
+        if (off < 0) fail(name, ".dst_offset", v.where(r, j, k), " = ", off, " is negative");
+        if (d < 0) {
+          if (off != 0) fail(name, ".dst_offset", v.where(r, j, k), " = ", off, " but the copy has no destination (padding offset must be 0)");
+          continue;
         }
+        ++copies;
+        if (len == 0) fail(name, ".dst_rank", v.where(r, j, k), " = ", d, " but seq_len", index_str(r, j), " = 0 (padding has no destination)");
+        auto& to_d = sent[static_cast<std::size_t>(d) * W + r];
+        to_d = add_tokens(to_d, len, "validate");
       }
-      if (len > 0) {
-        if (padding_seen) fail(name, ".seq_len", index_str(r, j), " = ", len, " follows a padding entry (padding sits only at the end of a row)");
-        if (copies == 0) fail(name, ".seq_len", index_str(r, j), " = ", len, " but the entry has no destination");
-        ++entries;
-      } else {
+      if (len == 0) {
         padding_seen = true;
+        continue;
       }
+      if (padding_seen) fail(name, ".seq_len", index_str(r, j), " = ", len, " follows a padding entry (padding sits only at the end of a row)");
+      if (copies == 0) fail(name, ".seq_len", index_str(r, j), " = ", len, " but the entry has no destination");
+      ++entries;
     }
-    if (num_seqs(r) != entries) fail(name, ".num_seqs", index_str(r), " = ", num_seqs(r), ", but the row has ", entries, " non-padding entries");
+    if (m.num_seqs(r) != entries) fail(name, ".num_seqs", index_str(r), " = ", m.num_seqs(r), ", but the row has ", entries, " non-padding entries");
   }
-  // ---- conservation
+  return sent;
+}
+
+/// num_recv_tokens agrees with what the entries send, and its totals with the rows.
+inline void check_conservation(const Metadata& m, std::string_view name, const std::vector<std::int64_t>& sent) {
+  const auto W = static_cast<std::size_t>(m.world_size);
   for (std::size_t d = 0; d < W; ++d) {
     std::int64_t total = 0;
     for (std::size_t s = 0; s < W; ++s) {
-      const std::int64_t got = num_recv_tokens(d, s);
+      const std::int64_t got = m.num_recv_tokens(d, s);
       if (got != sent[d * W + s]) {
         fail(name, ".num_recv_tokens", index_str(d, s), " = ", got, ", but rank ", s, " sends ", sent[d * W + s], " tokens to rank ", d);
       }
-      total = detail::add_tokens(total, got, "validate");
+      total = add_tokens(total, got, "validate");
     }
-    if (num_recv_tokens(d, W) != total) fail(name, ".num_recv_tokens", index_str(d, W), " = ", num_recv_tokens(d, W), ", but the row sums to ", total);
-    if (num_total_recv_tokens[d] != total) fail(name, ".num_total_recv_tokens", index_str(d), " = ", num_total_recv_tokens[d], ", expected ", total);
+    if (m.num_recv_tokens(d, W) != total) fail(name, ".num_recv_tokens", index_str(d, W), " = ", m.num_recv_tokens(d, W), ", but the row sums to ", total);
+    if (m.num_total_recv_tokens[d] != total) fail(name, ".num_total_recv_tokens", index_str(d), " = ", m.num_total_recv_tokens[d], ", expected ", total);
   }
-  // ---- receive-side mask and lengths
+}
+
+/// The tokens each rank's receive buffer holds: everything received, or,
+/// with a mask, the [C][T] replica buffer (checking the mask and lengths).
+inline std::vector<std::int64_t> receive_capacity(const Metadata& m, std::string_view name) {
+  const auto W = static_cast<std::size_t>(m.world_size);
   std::vector<std::int64_t> capacity(W);
-  if (seq_recv_mask) {
-    for (std::size_t r = 0; r < W; ++r) {
-      bool padding_seen = false;
-      std::int64_t t = 0;
-      for (std::size_t g = 0; g < mask_s; ++g) {
-        const std::int64_t len = (*recv_seq_lens)(r, g);
-        if (len < 0) fail(name, ".recv_seq_lens", index_str(r, g), " = ", len, " is negative");
-        if (len > 0 && padding_seen) fail(name, ".recv_seq_lens", index_str(r, g), " = ", len, " follows a padding entry");
-        if (len == 0) padding_seen = true;
-        t = detail::add_tokens(t, len, "validate");
-        for (std::size_t c = 0; c < mask_c; ++c) {
-          const std::int64_t m = (*seq_recv_mask)(r, g, c);
-          if (m != 0 && m != 1) fail(name, ".seq_recv_mask", index_str(r, g, c), " = ", m, " is not 0 or 1");
-          if (m == 1 && len == 0) fail(name, ".seq_recv_mask", index_str(r, g, c), " = 1 but recv_seq_lens", index_str(r, g), " = 0");
-        }
-      }
-      if (mask_c > 0 && t > std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(mask_c)) {
-        fail(name, ".recv_seq_lens: rank ", r, "'s replica buffer (", mask_c, " x ", t, " tokens) overflows 64 bits");
-      }
-      capacity[r] = static_cast<std::int64_t>(mask_c) * t;
-    }
-  } else {
-    for (std::size_t d = 0; d < W; ++d) capacity[d] = num_recv_tokens(d, W);
+  if (!m.seq_recv_mask) {
+    for (std::size_t d = 0; d < W; ++d) capacity[d] = m.num_recv_tokens(d, W);
+    return capacity;
   }
-  // ---- destination regions: in bounds, disjoint, tiling the receive buffer
-  struct Region {
-    std::int64_t offset, len;
-    std::size_t r, j, k;
-  };
+  const auto& mask = *m.seq_recv_mask;
+  const auto& lens = *m.recv_seq_lens;
+  const std::size_t mask_s = mask.size(1), mask_c = mask.size(2);
+  for (std::size_t r = 0; r < W; ++r) {
+    bool padding_seen = false;
+    std::int64_t t = 0;
+    for (std::size_t g = 0; g < mask_s; ++g) {
+      const std::int64_t len = lens(r, g);
+      if (len < 0) fail(name, ".recv_seq_lens", index_str(r, g), " = ", len, " is negative");
+      if (len > 0 && padding_seen) fail(name, ".recv_seq_lens", index_str(r, g), " = ", len, " follows a padding entry");
+      if (len == 0) padding_seen = true;
+      t = add_tokens(t, len, "validate");
+      for (std::size_t c = 0; c < mask_c; ++c) {
+        const std::int64_t bit = mask(r, g, c);
+        if (bit != 0 && bit != 1) fail(name, ".seq_recv_mask", index_str(r, g, c), " = ", bit, " is not 0 or 1");
+        if (bit == 1 && len == 0) fail(name, ".seq_recv_mask", index_str(r, g, c), " = 1 but recv_seq_lens", index_str(r, g), " = 0");
+      }
+    }
+    if (mask_c > 0 && t > std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(mask_c)) {
+      fail(name, ".recv_seq_lens: rank ", r, "'s replica buffer (", mask_c, " x ", t, " tokens) overflows 64 bits");
+    }
+    capacity[r] = static_cast<std::int64_t>(mask_c) * t;
+  }
+  return capacity;
+}
+
+/// Where one copy lands: offset and length at its destination, and its entry.
+struct Region {
+  std::int64_t offset, len;
+  std::size_t r, j, k;
+};
+
+/// Every copy's region, per destination, after checking it ends in bounds.
+inline std::vector<std::vector<Region>> destination_regions(const Metadata& m, std::string_view name,
+                                                           const std::vector<std::int64_t>& capacity) {
+  const EntryView v{m};
+  const auto W = static_cast<std::size_t>(m.world_size);
+  const std::size_t S = m.dst_rank.size(1), C = m.num_copies();
   std::vector<std::vector<Region>> regions(W);
   for (std::size_t r = 0; r < W; ++r) {
     for (std::size_t j = 0; j < S; ++j) {
       for (std::size_t k = 0; k < C; ++k) {
-        const std::int64_t d = rank_at(r, j, k);
+        const std::int64_t d = v.rank(r, j, k);
         if (d < 0) continue;
-        const std::int64_t off = offset_at(r, j, k);
-        const std::int64_t len = seq_len(r, j);
-        const std::string ix = entry_str(r, j, k);
-        if (off > capacity[static_cast<std::size_t>(d)] - len) {
-          fail(name, ".dst_offset", ix, " = ", off, " with seq_len ", len, " ends past the ",
-               capacity[static_cast<std::size_t>(d)], " tokens rank ", d, " receives");
+        const std::int64_t off = v.offset(r, j, k), len = m.seq_len(r, j);
+        const std::int64_t cap = capacity[static_cast<std::size_t>(d)];
+        if (off > cap - len) {
+          fail(name, ".dst_offset", v.where(r, j, k), " = ", off, " with seq_len ", len, " ends past the ", cap, " tokens rank ", d, " receives");
         }
         regions[static_cast<std::size_t>(d)].push_back({off, len, r, j, k});
       }
     }
   }
-  for (std::size_t d = 0; d < W; ++d) {
-    auto& regs = regions[d];
-    std::sort(regs.begin(), regs.end(), [](const Region& a, const Region& b) { return a.offset < b.offset; });
-    auto where = [&](const Region& g) { return entry_str(g.r, g.j, g.k); };
-    for (std::size_t i = 1; i < regs.size(); ++i) {
-      if (regs[i].offset < regs[i - 1].offset + regs[i - 1].len) {
-        fail(name, ".dst_offset", where(regs[i]), " = ", regs[i].offset, " overlaps dst_offset", where(regs[i - 1]), " = ",
-             regs[i - 1].offset, " (length ", regs[i - 1].len, ") on rank ", d);
-      }
-    }
-    if (!seq_recv_mask) continue;  // in bounds + disjoint + total == capacity: tiles (checked by conservation)
-    // Reverse KV: the regions must be exactly the masked cells of the [C][T] replica buffer.
-    std::vector<std::pair<std::int64_t, std::int64_t>> cells;  // (offset, len), sorted: c major, g minor
-    std::int64_t t = 0;
-    for (std::size_t g = 0; g < mask_s; ++g) t += (*recv_seq_lens)(d, g);
-    for (std::size_t c = 0; c < mask_c; ++c) {
-      std::int64_t p = 0;
-      for (std::size_t g = 0; g < mask_s; ++g) {
-        const std::int64_t len = (*recv_seq_lens)(d, g);
-        if ((*seq_recv_mask)(d, g, c) == 1) cells.emplace_back(static_cast<std::int64_t>(c) * t + p, len);
-        p += len;
-      }
-    }
-    for (std::size_t i = 0; i < std::max(cells.size(), regs.size()); ++i) {
-      if (i >= regs.size()) {
-        fail(name, ".seq_recv_mask marks ", cells.size(), " copies returning to rank ", d, " but only ", regs.size(), " arrive");
-      }
-      if (i >= cells.size() || regs[i].offset != cells[i].first || regs[i].len != cells[i].second) {
-        fail(name, ".dst_offset", where(regs[i]), " = ", regs[i].offset, " (length ", regs[i].len,
-             ") is not a copy that seq_recv_mask marks on rank ", d);
-      }
+  return regions;
+}
+
+/// Sorts one destination's regions by offset and refuses any overlap.
+inline void check_disjoint(const Metadata& m, std::string_view name, std::size_t d, std::vector<Region>& regs) {
+  const EntryView v{m};
+  std::sort(regs.begin(), regs.end(), [](const Region& a, const Region& b) { return a.offset < b.offset; });
+  for (std::size_t i = 1; i < regs.size(); ++i) {
+    const Region &a = regs[i - 1], &b = regs[i];
+    if (b.offset < a.offset + a.len) {
+      fail(name, ".dst_offset", v.where(b.r, b.j, b.k), " = ", b.offset, " overlaps dst_offset", v.where(a.r, a.j, a.k), " = ", a.offset,
+           " (length ", a.len, ") on rank ", d);
     }
   }
-  // Without a mask, conservation already proved total == capacity, and with
-  // disjoint in-bounds regions that means the buffer is tiled exactly.
+}
+
+/// Reverse KV: rank d's sorted regions must be exactly the cells of its
+/// [C][T] replica buffer that seq_recv_mask marks.
+inline void check_replica_cells(const Metadata& m, std::string_view name, std::size_t d, const std::vector<Region>& regs) {
+  const EntryView v{m};
+  const auto& mask = *m.seq_recv_mask;
+  const auto& lens = *m.recv_seq_lens;
+  std::vector<std::pair<std::int64_t, std::int64_t>> cells;  // (offset, len), sorted: c major, g minor
+  std::int64_t t = 0;
+  for (std::size_t g = 0; g < mask.size(1); ++g) t += lens(d, g);
+  for (std::size_t c = 0; c < mask.size(2); ++c) {
+    std::int64_t p = 0;
+    for (std::size_t g = 0; g < mask.size(1); ++g) {
+      if (mask(d, g, c) == 1) cells.emplace_back(static_cast<std::int64_t>(c) * t + p, lens(d, g));
+      p += lens(d, g);
+    }
+  }
+  for (std::size_t i = 0; i < std::max(cells.size(), regs.size()); ++i) {
+    if (i >= regs.size()) fail(name, ".seq_recv_mask marks ", cells.size(), " copies returning to rank ", d, " but only ", regs.size(), " arrive");
+    if (i >= cells.size() || regs[i].offset != cells[i].first || regs[i].len != cells[i].second) {
+      fail(name, ".dst_offset", v.where(regs[i].r, regs[i].j, regs[i].k), " = ", regs[i].offset, " (length ", regs[i].len,
+           ") is not a copy that seq_recv_mask marks on rank ", d);
+    }
+  }
+}
+
+}  // namespace detail
+
+inline void Metadata::validate(std::string_view name) const {
+  detail::check_shapes(*this, name);
+  detail::check_conservation(*this, name, detail::check_entries(*this, name));
+  auto regions = detail::destination_regions(*this, name, detail::receive_capacity(*this, name));
+  for (std::size_t d = 0; d < regions.size(); ++d) {
+    detail::check_disjoint(*this, name, d, regions[d]);
+    // Without a mask, conservation proved total == capacity; with regions in
+    // bounds and disjoint, that means the buffer is tiled exactly.
+    if (seq_recv_mask) detail::check_replica_cells(*this, name, d, regions[d]);
+  }
 }
 
 }  // namespace cpdispatch

@@ -1,9 +1,9 @@
 #pragma once
-// Dispatch planning (../shared/spec/plan-json.md, sections 1 and 2): from
-// shard lengths and attention destinations to forward and reverse Metadata.
+// Dispatch planning (docs/plan-format.md, sections 1, 2 and 2b): from shard
+// lengths and attention destinations to forward and reverse Metadata.
 //
-// Cost: one pass over the dispatch entries plus the W x (W+1) count matrix;
-// no [entries x W] one-hot intermediates.
+// Cost: a few passes over the dispatch entries plus writing the W x (W+1)
+// count matrices once; no [entries x W] one-hot intermediates.
 
 #include <algorithm>
 #include <cstddef>
@@ -112,24 +112,22 @@ inline RowPrefix row_prefix(const Tensor<std::int64_t>& seq_len, std::size_t cop
   return p;
 }
 
-inline void fill_totals(Metadata& m) {
-  const std::size_t W = static_cast<std::size_t>(m.world_size);
-  m.num_total_recv_tokens.assign(W, 0);
-  for (std::size_t d = 0; d < W; ++d) {
-    std::int64_t total = 0;
-    for (std::size_t s = 0; s < W; ++s) total = add_tokens(total, m.num_recv_tokens(d, s), "plan");
-    m.num_recv_tokens(d, W) = total;
-    m.num_total_recv_tokens[d] = total;
-  }
-}
-
 }  // namespace detail
 
-/// Query-level planning (spec section 1). `seq_len` is [W][S]; `dispatch` is
-/// [W][S] (one destination per shard) or [W][S][C] (-1 = no copy).
-inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch) {
-  using detail::fail;
-  using detail::index_str;
+namespace detail {
+
+/// The two inputs of query-level planning, read as [W][S][C] whatever their rank.
+struct QueryInput {
+  const Tensor<std::int64_t>& seq_len;
+  const Tensor<std::int64_t>& dispatch;
+  std::size_t W = 0, S = 0, C = 1;
+  bool copies = false;
+
+  std::int64_t dst(std::size_t r, std::size_t j, std::size_t k) const { return copies ? dispatch(r, j, k) : dispatch(r, j); }
+  std::string where(std::size_t r, std::size_t j, std::size_t k) const { return copies ? index_str(r, j, k) : index_str(r, j); }
+};
+
+inline QueryInput check_query_shapes(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch) {
   if (seq_len.dim() != 2) fail("plan_query: seq_len has ", seq_len.dim(), " dimensions, expected 2 ([W][S])");
   const std::size_t W = seq_len.size(0), S = seq_len.size(1);
   if (W == 0) fail("plan_query: seq_len has no rows (world_size must be at least 1)");
@@ -137,28 +135,31 @@ inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tenso
     fail("plan_query: dispatch has ", dispatch.dim(), " dimensions, expected 2 ([W][S]) or 3 ([W][S][C])");
   }
   if (dispatch.size(0) != W || dispatch.size(1) != S) {
-    fail("plan_query: dispatch has shape ", detail::shape_str(dispatch.shape()), " but seq_len has ",
-         detail::shape_str(seq_len.shape()), " (the first two dimensions must agree)");
+    fail("plan_query: dispatch has shape ", shape_str(dispatch.shape()), " but seq_len has ", shape_str(seq_len.shape()),
+         " (the first two dimensions must agree)");
   }
   const bool copies = dispatch.dim() == 3;
-  const std::size_t C = copies ? dispatch.size(2) : 1;
-  const auto world = static_cast<std::int64_t>(W);
-  auto dst_of = [&](std::size_t r, std::size_t j, std::size_t k) { return copies ? dispatch(r, j, k) : dispatch(r, j); };
-  auto where = [&](std::size_t r, std::size_t j, std::size_t k) { return copies ? index_str(r, j, k) : index_str(r, j); };
+  return QueryInput{seq_len, dispatch, W, S, copies ? dispatch.size(2) : 1, copies};
+}
 
-  // ---- validation, and the number of entries each destination receives
-  std::vector<std::int64_t> entries_to(W, 0);
-  for (std::size_t r = 0; r < W; ++r) {
+/// Checks every entry (ranges, padding, a destination per shard) and counts
+/// the entries each destination receives.
+inline std::vector<std::int64_t> check_query_entries(const QueryInput& in) {
+  const auto world = static_cast<std::int64_t>(in.W);
+  std::vector<std::int64_t> entries_to(in.W, 0);
+  for (std::size_t r = 0; r < in.W; ++r) {
     bool padding_seen = false;
-    for (std::size_t j = 0; j < S; ++j) {
-      const std::int64_t len = seq_len(r, j);
+    for (std::size_t j = 0; j < in.S; ++j) {
+      const std::int64_t len = in.seq_len(r, j);
       if (len < 0) fail("plan_query: seq_len", index_str(r, j), " = ", len, " is negative");
       std::size_t n_dst = 0;
-      for (std::size_t k = 0; k < C; ++k) {
-        const std::int64_t d = dst_of(r, j, k);
-        if (d < -1 || d >= world) fail("plan_query: dispatch", where(r, j, k), " = ", d, " is outside [0, ", W, ") (-1 means no copy)");
+      for (std::size_t k = 0; k < in.C; ++k) {
+        const std::int64_t d = in.dst(r, j, k);
+        if (d < -1 || d >= world) fail("plan_query: dispatch", in.where(r, j, k), " = ", d, " is outside [0, ", in.W, ") (-1 means no copy)");
         if (d < 0) continue;
-        if (len == 0) fail("plan_query: dispatch", where(r, j, k), " = ", d, " but seq_len", index_str(r, j), " = 0 (a padding shard has no destination)");
+        if (len == 0) {
+          fail("plan_query: dispatch", in.where(r, j, k), " = ", d, " but seq_len", index_str(r, j), " = 0 (a padding shard has no destination)");
+        }
         ++n_dst;
         ++entries_to[static_cast<std::size_t>(d)];
       }
@@ -167,57 +168,91 @@ inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tenso
       if (len == 0) padding_seen = true;
     }
   }
-  const detail::RowPrefix prefix = detail::row_prefix(seq_len, C, "plan_query");
+  return entries_to;
+}
 
+/// Writes column W of a count matrix (and num_total_recv_tokens) from row
+/// totals kept while the cells were filled, so no W x W re-summing.
+inline void set_totals(Metadata& m, const std::vector<std::int64_t>& totals) {
+  const std::size_t W = totals.size();
+  for (std::size_t d = 0; d < W; ++d) m.num_recv_tokens(d, W) = totals[d];
+  m.num_total_recv_tokens = totals;
+}
+
+/// Forward and reverse metadata with their final shapes; `M` is the most
+/// entries any destination receives.
+inline QueryMetadata allocate_query(const QueryInput& in, std::size_t M) {
+  const std::size_t W = in.W;
   QueryMetadata out;
+  out.fwd.world_size = out.rev.world_size = static_cast<std::int64_t>(W);
+  out.fwd.dst_rank = in.dispatch;
+  out.fwd.seq_len = in.seq_len;
+  out.fwd.dst_offset = Tensor<std::int64_t>(in.dispatch.shape(), 0);
+  out.fwd.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  out.fwd.num_seqs = Tensor<std::int64_t>({W}, 0);
+  out.rev.dst_rank = Tensor<std::int64_t>({W, M}, -1);
+  out.rev.dst_offset = Tensor<std::int64_t>({W, M}, 0);
+  out.rev.seq_len = Tensor<std::int64_t>({W, M}, 0);
+  out.rev.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  out.rev.num_seqs = Tensor<std::int64_t>({W}, 0);
+  return out;
+}
+
+/// One pass in global order (r, j, k): each destination receives its entries
+/// back to back, and numbers them m = 0.. for the reverse.
+inline void fill_query(const QueryInput& in, const RowPrefix& prefix, QueryMetadata& out) {
   Metadata& fwd = out.fwd;
   Metadata& rev = out.rev;
-  fwd.world_size = rev.world_size = world;
-  fwd.dst_rank = dispatch;
-  fwd.seq_len = seq_len;
-  fwd.dst_offset = Tensor<std::int64_t>(dispatch.shape(), 0);
-  fwd.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
-  fwd.num_seqs = Tensor<std::int64_t>({W}, 0);
-
-  const std::size_t M = W ? static_cast<std::size_t>(*std::max_element(entries_to.begin(), entries_to.end())) : 0;
-  rev.dst_rank = Tensor<std::int64_t>({W, M}, -1);
-  rev.dst_offset = Tensor<std::int64_t>({W, M}, 0);
-  rev.seq_len = Tensor<std::int64_t>({W, M}, 0);
-  rev.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
-  rev.num_seqs = Tensor<std::int64_t>({W}, 0);
-
-  // One pass in global order (r, j, k): each destination receives its entries
-  // back to back, and numbers them m = 0.. for the reverse.
-  std::vector<std::int64_t> next_offset(W, 0);
-  for (std::size_t r = 0; r < W; ++r) {
-    for (std::size_t j = 0; j < S; ++j) {
-      const std::int64_t len = seq_len(r, j);
+  std::vector<std::int64_t> next_offset(in.W, 0), sent(in.W, 0);
+  for (std::size_t r = 0; r < in.W; ++r) {
+    for (std::size_t j = 0; j < in.S; ++j) {
+      const std::int64_t len = in.seq_len(r, j);
       if (len == 0) break;  // padding only at the end of a row
       ++fwd.num_seqs(r);
-      for (std::size_t k = 0; k < C; ++k) {
-        const std::int64_t d = dst_of(r, j, k);
+      for (std::size_t k = 0; k < in.C; ++k) {
+        const std::int64_t d = in.dst(r, j, k);
         if (d < 0) continue;
         const auto du = static_cast<std::size_t>(d);
         const std::int64_t off = next_offset[du];
-        next_offset[du] = detail::add_tokens(off, len, "plan_query");
-        if (copies) fwd.dst_offset(r, j, k) = off; else fwd.dst_offset(r, j) = off;
+        next_offset[du] = add_tokens(off, len, "plan_query");
+        if (in.copies) fwd.dst_offset(r, j, k) = off; else fwd.dst_offset(r, j) = off;
         fwd.num_recv_tokens(du, r) += len;
         rev.num_recv_tokens(r, du) += len;  // row-wise here, so no strided transpose later
+        sent[r] += len;  // bounded by C x T_r, which row_prefix checked
         const auto m = static_cast<std::size_t>(rev.num_seqs(du)++);
         rev.dst_rank(du, m) = static_cast<std::int64_t>(r);
         rev.seq_len(du, m) = len;
         // The entry's place in the source's [C][T_r] replica buffer.
-        rev.dst_offset(du, m) = static_cast<std::int64_t>(k) * prefix.totals[r] + prefix.starts[r * S + j];
+        rev.dst_offset(du, m) = static_cast<std::int64_t>(k) * prefix.totals[r] + prefix.starts[r * in.S + j];
       }
     }
   }
-  detail::fill_totals(fwd);
-  detail::fill_totals(rev);
-  if (copies) {
-    Tensor<std::int64_t> mask(dispatch.shape(), 0);
-    for (std::size_t i = 0; i < dispatch.numel(); ++i) mask.flat()[i] = dispatch.flat()[i] >= 0 ? 1 : 0;
-    rev.seq_recv_mask = std::move(mask);
-    rev.recv_seq_lens = seq_len;
+  set_totals(fwd, next_offset);  // a destination's offsets end at what it receives
+  set_totals(rev, sent);
+}
+
+/// 1 where a copy exists: which slabs of the replica buffer come back.
+inline Tensor<std::int64_t> copy_mask(const Tensor<std::int64_t>& dst_rank) {
+  Tensor<std::int64_t> mask(dst_rank.shape(), 0);
+  for (std::size_t i = 0; i < dst_rank.numel(); ++i) mask.flat()[i] = dst_rank.flat()[i] >= 0 ? 1 : 0;
+  return mask;
+}
+
+}  // namespace detail
+
+/// Query-level planning (section 1 of docs/plan-format.md). `seq_len` is
+/// [W][S]; `dispatch` is [W][S] (one destination per shard) or [W][S][C]
+/// (-1 = no copy).
+inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch) {
+  const detail::QueryInput in = detail::check_query_shapes(seq_len, dispatch);
+  const std::vector<std::int64_t> entries_to = detail::check_query_entries(in);
+  const detail::RowPrefix prefix = detail::row_prefix(seq_len, in.C, "plan_query");
+  const auto M = static_cast<std::size_t>(*std::max_element(entries_to.begin(), entries_to.end()));
+  QueryMetadata out = detail::allocate_query(in, M);
+  detail::fill_query(in, prefix, out);
+  if (in.copies) {
+    out.rev.seq_recv_mask = detail::copy_mask(dispatch);
+    out.rev.recv_seq_lens = seq_len;
   }
   return out;
 }
@@ -225,17 +260,47 @@ inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tenso
 /// The largest copy dimension plan_qkv accepts (CP degrees are a few dozen in practice).
 inline constexpr std::int64_t max_supported_cp_degree = 65536;
 
-/// QKV planning from documents (spec section 2).
-inline QkvMetadata plan_qkv(const QkvPlan& plan) {
-  using detail::fail;
+/// The documents form of a per-rank plan: rank 0's documents, then rank 1's,
+/// ... Planning either gives identical metadata.
+inline QkvDocumentsPlan to_documents(const QkvPlan& plan) {
+  QkvDocumentsPlan out;
+  out.world_size = plan.world_size;
+  out.max_cp_degree = plan.max_cp_degree;
+  for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
+    for (const Document& doc : plan.ranks[r].docs) {
+      PackedDocument packed;
+      packed.shards.reserve(doc.shard_len.size());
+      for (std::size_t s = 0; s < doc.shard_len.size(); ++s) {
+        packed.shards.push_back({static_cast<std::int64_t>(r), doc.shard_len[s], s < doc.dst.size() ? doc.dst[s] : -1});
+      }
+      out.documents.push_back(std::move(packed));
+    }
+  }
+  return out;
+}
+
+namespace detail {
+
+/// The copy dimension C: the plan's max_cp_degree, checked, or the most
+/// shards of any document (at least 1, so the copy axis is never empty).
+inline std::size_t copy_dimension(const std::optional<std::int64_t>& max_cp_degree, std::size_t most_shards) {
+  if (!max_cp_degree) return std::max<std::size_t>(most_shards, 1);
+  if (*max_cp_degree <= 0) fail("plan_qkv: max_cp_degree = ", *max_cp_degree, " must be at least 1");
+  // The copy axis is dense ([W][S][C] metadata, [C][T] replica buffers): an
+  // absurd C would only allocate padding, so refuse it up front.
+  if (*max_cp_degree > max_supported_cp_degree) {
+    fail("plan_qkv: max_cp_degree = ", *max_cp_degree, " exceeds the supported maximum of ", max_supported_cp_degree);
+  }
+  return static_cast<std::size_t>(*max_cp_degree);
+}
+
+/// Validates a per-rank plan; returns C.
+inline std::size_t check_rank_plan(const QkvPlan& plan) {
   if (plan.world_size <= 0) fail("plan_qkv: world_size = ", plan.world_size, " must be at least 1");
   const auto W = static_cast<std::size_t>(plan.world_size);
   if (plan.ranks.size() != W) fail("plan_qkv: ranks has ", plan.ranks.size(), " entries, but world_size = ", W);
-
-  // ---- validation; the widest row (S) and the most shards of a document (C)
-  std::size_t S = 0, most_shards = 0;
+  std::size_t most_shards = 0;
   for (std::size_t r = 0; r < W; ++r) {
-    std::size_t shards = 0;
     const auto& docs = plan.ranks[r].docs;
     for (std::size_t i = 0; i < docs.size(); ++i) {
       const Document& doc = docs[i];
@@ -249,147 +314,282 @@ inline QkvMetadata plan_qkv(const QkvPlan& plan) {
           fail("plan_qkv: ranks[", r, "].docs[", i, "].dst[", s, "] = ", doc.dst[s], " is outside [0, ", W, ")");
         }
       }
-      shards += doc.shard_len.size();
       most_shards = std::max(most_shards, doc.shard_len.size());
     }
-    S = std::max(S, shards);
   }
-  std::size_t C = most_shards;
-  if (plan.max_cp_degree) {
-    if (*plan.max_cp_degree <= 0) fail("plan_qkv: max_cp_degree = ", *plan.max_cp_degree, " must be at least 1");
-    // The copy axis is dense ([W][S][C] metadata, [C][T] replica buffers): an
-    // absurd C would only allocate padding, so refuse it up front.
-    if (*plan.max_cp_degree > max_supported_cp_degree) {
-      fail("plan_qkv: max_cp_degree = ", *plan.max_cp_degree, " exceeds the supported maximum of ", max_supported_cp_degree);
-    }
-    C = static_cast<std::size_t>(*plan.max_cp_degree);
-    if (C < most_shards) {
-      for (std::size_t r = 0; r < W; ++r)
-        for (std::size_t i = 0; i < plan.ranks[r].docs.size(); ++i)
-          if (plan.ranks[r].docs[i].shard_len.size() > C) {
-            fail("plan_qkv: max_cp_degree = ", C, " is smaller than the ", plan.ranks[r].docs[i].shard_len.size(),
-                 " shards of ranks[", r, "].docs[", i, "]");
-          }
-    }
-  }
-  if (C == 0) C = 1;  // no documents at all: keep the copy axis non-empty
-
-  // ---- local shard table: length, query destination, document base, context
-  Tensor<std::int64_t> seq_len({W, S}, 0), q_dst({W, S}, -1);
-  std::vector<std::size_t> doc_base(W * S, 0), doc_size(W * S, 0);
-  std::vector<std::int64_t> context(W * S, 0);
-  for (std::size_t r = 0; r < W; ++r) {
-    std::size_t j = 0;
-    for (const Document& doc : plan.ranks[r].docs) {
-      std::int64_t ctx = 0;
-      const std::size_t base = j;
-      for (std::size_t s = 0; s < doc.shard_len.size(); ++s, ++j) {
-        seq_len(r, j) = doc.shard_len[s];
-        q_dst(r, j) = doc.dst[s];
-        doc_base[r * S + j] = base;
-        doc_size[r * S + j] = doc.shard_len.size();
-        context[r * S + j] = ctx;
-        ctx = detail::add_tokens(ctx, doc.shard_len[s], "plan_qkv");
+  const std::size_t C = copy_dimension(plan.max_cp_degree, most_shards);
+  for (std::size_t r = 0; r < W && C < most_shards; ++r) {
+    for (std::size_t i = 0; i < plan.ranks[r].docs.size(); ++i) {
+      if (plan.ranks[r].docs[i].shard_len.size() > C) {
+        fail("plan_qkv: max_cp_degree = ", C, " is smaller than the ", plan.ranks[r].docs[i].shard_len.size(), " shards of ranks[", r, "].docs[", i, "]");
       }
     }
   }
+  return C;
+}
 
-  QkvMetadata out;
-  QueryMetadata q = plan_query(seq_len, q_dst);
-  out.q_fwd = std::move(q.fwd);
-  out.q_rev = std::move(q.rev);
-  const detail::RowPrefix prefix = detail::row_prefix(seq_len, C, "plan_qkv");
+/// Validates a documents-form plan; returns C.
+inline std::size_t check_documents_plan(const QkvDocumentsPlan& plan) {
+  if (plan.world_size <= 0) fail("plan_qkv: world_size = ", plan.world_size, " must be at least 1");
+  const std::int64_t W = plan.world_size;
+  std::size_t most_shards = 0;
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    const auto& shards = plan.documents[i].shards;
+    if (shards.empty()) fail("plan_qkv: documents[", i, "].shards is empty (a document has at least one shard)");
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      const DocumentShard& s = shards[k];
+      if (s.rank < 0 || s.rank >= W) fail("plan_qkv: documents[", i, "].shards[", k, "].rank = ", s.rank, " is outside [0, ", W, ")");
+      if (s.len <= 0) fail("plan_qkv: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
+      if (s.dst < 0 || s.dst >= W) fail("plan_qkv: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", W, ")");
+    }
+    most_shards = std::max(most_shards, shards.size());
+  }
+  const std::size_t C = copy_dimension(plan.max_cp_degree, most_shards);
+  for (std::size_t i = 0; i < plan.documents.size() && C < most_shards; ++i) {
+    if (plan.documents[i].shards.size() > C) {
+      fail("plan_qkv: documents[", i, "].shards has ", plan.documents[i].shards.size(), " shards, more than max_cp_degree = ", C);
+    }
+  }
+  return C;
+}
 
-  // ---- KV groups: one per query shard at its destination, in arrival order
-  std::vector<std::int64_t> group_start(W * S, 0);
-  std::vector<std::int64_t> kv_next(W, 0);
-  std::vector<std::size_t> kv_entries_to(W, 0);
-  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> arrivals(W);  // (source rank, local shard)
-  for (std::size_t d = 0; d < W; ++d) arrivals[d].reserve(static_cast<std::size_t>(out.q_rev.num_seqs(d)));
-  for (std::size_t r = 0; r < W; ++r) {
-    for (std::size_t j = 0; j < S && seq_len(r, j) > 0; ++j) {
-      const auto d = static_cast<std::size_t>(q_dst(r, j));
-      group_start[r * S + j] = kv_next[d];
-      kv_next[d] = detail::add_tokens(kv_next[d], detail::add_tokens(context[r * S + j], seq_len(r, j), "plan_qkv"), "plan_qkv");
-      kv_entries_to[d] += j - doc_base[r * S + j] + 1;  // KV shards 0..i of the document
-      arrivals[d].emplace_back(r, j);
+/// Every shard of a QKV plan, numbered in document order (document, then
+/// shard: the ids of one document are consecutive), with its home rank and
+/// its index in its home's MLP layout. Both plan forms fill it, so both are
+/// planned by the same code.
+struct ShardTable {
+  std::size_t W = 0, S = 0, C = 1;
+  std::vector<std::int64_t> len, dst, context;  // [N]; context = tokens of the document before the shard
+  std::vector<std::size_t> home, local, doc;    // [N]
+  std::vector<std::size_t> doc_begin{0};        // [D + 1]: the first id of each document
+  std::vector<std::size_t> rank_begin;          // [W + 1] into by_rank
+  std::vector<std::size_t> by_rank;             // ids, rank-major, each rank in MLP order
+
+  std::size_t size() const noexcept { return len.size(); }
+  std::size_t first_of(std::size_t id) const noexcept { return doc_begin[doc[id]]; }
+  std::size_t end_of(std::size_t id) const noexcept { return doc_begin[doc[id] + 1]; }
+
+  void reserve(std::size_t n) {
+    for (auto* v : {&len, &dst, &context}) v->reserve(n);
+    for (auto* v : {&home, &local, &doc}) v->reserve(n);
+  }
+  /// Appends the next shard of the current document.
+  void add(std::int64_t rank, std::int64_t length, std::int64_t destination) {
+    const bool first = doc_begin.back() == len.size();
+    context.push_back(first ? 0 : add_tokens(context.back(), len.back(), "plan_qkv"));
+    len.push_back(length);
+    dst.push_back(destination);
+    home.push_back(static_cast<std::size_t>(rank));
+    doc.push_back(doc_begin.size() - 1);
+  }
+  void end_document() { doc_begin.push_back(len.size()); }
+
+  /// Orders the shards by home rank (a stable counting sort keeps document
+  /// order on each rank: the MLP layout) and numbers them there.
+  void place(std::size_t world, std::size_t copies) {
+    W = world;
+    C = copies;
+    rank_begin.assign(W + 1, 0);
+    for (std::size_t r : home) ++rank_begin[r + 1];
+    for (std::size_t r = 0; r < W; ++r) {
+      S = std::max(S, rank_begin[r + 1]);
+      rank_begin[r + 1] += rank_begin[r];
+    }
+    by_rank.resize(size());
+    local.resize(size());
+    std::vector<std::size_t> next(rank_begin.begin(), rank_begin.end() - 1);
+    for (std::size_t id = 0; id < size(); ++id) {
+      const std::size_t pos = next[home[id]]++;
+      by_rank[pos] = id;
+      local[id] = pos - rank_begin[home[id]];
     }
   }
 
-  // ---- kv_fwd: KV shard k of a document is sent to query shards k..n-1
-  Metadata& kv_fwd = out.kv_fwd;
-  kv_fwd.world_size = plan.world_size;
-  kv_fwd.dst_rank = Tensor<std::int64_t>({W, S, C}, -1);
-  kv_fwd.dst_offset = Tensor<std::int64_t>({W, S, C}, 0);
-  kv_fwd.seq_len = seq_len;
-  kv_fwd.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
-  kv_fwd.num_seqs = out.q_fwd.num_seqs;
-  Metadata& kv_rev = out.kv_rev;
-  kv_rev.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  /// A per-shard field as a [W][S] rank-major tensor, `pad` beyond each row.
+  Tensor<std::int64_t> rank_major(const std::vector<std::int64_t>& field, std::int64_t pad) const {
+    Tensor<std::int64_t> out({W, S}, pad);
+    for (std::size_t r = 0; r < W; ++r) {
+      for (std::size_t p = rank_begin[r]; p < rank_begin[r + 1]; ++p) out(r, p - rank_begin[r]) = field[by_rank[p]];
+    }
+    return out;
+  }
+};
+
+inline ShardTable shard_table(const QkvPlan& plan, std::size_t C) {
+  ShardTable t;
+  std::size_t n = 0;
+  for (const auto& rank : plan.ranks)
+    for (const Document& d : rank.docs) n += d.shard_len.size();
+  t.reserve(n);
+  for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
+    for (const Document& d : plan.ranks[r].docs) {
+      for (std::size_t s = 0; s < d.shard_len.size(); ++s) t.add(static_cast<std::int64_t>(r), d.shard_len[s], d.dst[s]);
+      t.end_document();
+    }
+  }
+  t.place(plan.ranks.size(), C);
+  return t;
+}
+
+inline ShardTable shard_table(const QkvDocumentsPlan& plan, std::size_t C) {
+  ShardTable t;
+  std::size_t n = 0;
+  for (const PackedDocument& d : plan.documents) n += d.shards.size();
+  t.reserve(n);
+  for (const PackedDocument& d : plan.documents) {
+    for (const DocumentShard& s : d.shards) t.add(s.rank, s.len, s.dst);
+    t.end_document();
+  }
+  t.place(static_cast<std::size_t>(plan.world_size), C);
+  return t;
+}
+
+/// One KV group per query shard at its destination, in arrival order
+/// (global order over the query shards' home rank and local index).
+struct KvGroups {
+  std::vector<std::int64_t> start;      // [N]: where the group of query shard id begins at its destination
+  std::vector<std::size_t> dest_begin;  // [W + 1] into arrivals
+  std::vector<std::size_t> arrivals;    // query shard ids, destination-major, arrival order
+  std::size_t most_entries = 0;         // the most KV shards one destination receives
+};
+
+inline KvGroups kv_groups(const ShardTable& t) {
+  KvGroups g;
+  g.start.assign(t.size(), 0);
+  g.dest_begin.assign(t.W + 1, 0);
+  for (std::size_t id : t.by_rank) ++g.dest_begin[static_cast<std::size_t>(t.dst[id]) + 1];
+  for (std::size_t d = 0; d < t.W; ++d) g.dest_begin[d + 1] += g.dest_begin[d];
+  g.arrivals.resize(t.size());
+  std::vector<std::size_t> next(g.dest_begin.begin(), g.dest_begin.end() - 1);
+  for (std::size_t id : t.by_rank) g.arrivals[next[static_cast<std::size_t>(t.dst[id])]++] = id;
+  for (std::size_t d = 0; d < t.W; ++d) {
+    std::int64_t at = 0;
+    std::size_t entries = 0;
+    for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
+      const std::size_t q = g.arrivals[p];
+      g.start[q] = at;
+      at = add_tokens(at, add_tokens(t.context[q], t.len[q], "plan_qkv"), "plan_qkv");
+      entries += q - t.first_of(q) + 1;  // KV shards 0..i of the document
+    }
+    g.most_entries = std::max(g.most_entries, entries);
+  }
+  return g;
+}
+
+/// kv_fwd: KV shard k of a document goes in one copy per query shard
+/// k..n-1, copy c to the group of query shard k + c. Counts follow the
+/// bytes: they are charged to the KV shard's home rank.
+inline Metadata kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& num_seqs) {
+  const std::size_t W = t.W, S = t.S, C = t.C;
+  Metadata fwd;
+  fwd.world_size = static_cast<std::int64_t>(W);
+  fwd.dst_rank = Tensor<std::int64_t>({W, S, C}, -1);
+  fwd.dst_offset = Tensor<std::int64_t>({W, S, C}, 0);
+  fwd.seq_len = seq_len;
+  fwd.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  fwd.num_seqs = num_seqs;
+  std::vector<std::int64_t> received(W, 0);
   for (std::size_t r = 0; r < W; ++r) {
-    for (std::size_t g = 0; g < S && seq_len(r, g) > 0; ++g) {
-      const std::size_t base = doc_base[r * S + g];
-      const std::size_t n = doc_size[r * S + g];
-      const std::size_t k = g - base;
-      for (std::size_t c = 0; c + k < n; ++c) {
-        const std::size_t qj = g + c;  // query shard k + c of the same document
-        const auto d = static_cast<std::size_t>(q_dst(r, qj));
-        kv_fwd.dst_rank(r, g, c) = static_cast<std::int64_t>(d);
-        kv_fwd.dst_offset(r, g, c) = group_start[r * S + qj] + context[r * S + g];
-        kv_fwd.num_recv_tokens(d, r) += seq_len(r, g);
-        kv_rev.num_recv_tokens(r, d) += seq_len(r, g);
+    for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
+      const std::size_t id = t.by_rank[p], j = p - t.rank_begin[r];
+      for (std::size_t q = id; q < t.end_of(id); ++q) {  // query shards k.., copy c = q - id
+        const auto d = static_cast<std::size_t>(t.dst[q]);
+        fwd.dst_rank(r, j, q - id) = static_cast<std::int64_t>(d);
+        fwd.dst_offset(r, j, q - id) = g.start[q] + t.context[id];
+        fwd.num_recv_tokens(d, r) += t.len[id];
+        received[d] += t.len[id];  // bounded by the groups' total, which kv_groups checked
       }
     }
   }
-  detail::fill_totals(kv_fwd);
+  set_totals(fwd, received);
+  return fwd;
+}
 
-  // ---- kv_rev: at each destination, KV groups in order, shards in order
-  kv_rev.world_size = plan.world_size;
-  const std::size_t M = *std::max_element(kv_entries_to.begin(), kv_entries_to.end());
-  kv_rev.dst_rank = Tensor<std::int64_t>({W, M}, -1);
-  kv_rev.dst_offset = Tensor<std::int64_t>({W, M}, 0);
-  kv_rev.seq_len = Tensor<std::int64_t>({W, M}, 0);
-  kv_rev.num_seqs = Tensor<std::int64_t>({W}, 0);
+/// kv_rev: at each destination the KV groups in order, shards in order; each
+/// entry returns to slab c (its copy) of its home's [C][T] replica buffer.
+inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& prefix, const Tensor<std::int64_t>& seq_len) {
+  const std::size_t W = t.W, S = t.S, M = g.most_entries;
+  Metadata rev;
+  rev.world_size = static_cast<std::int64_t>(W);
+  rev.dst_rank = Tensor<std::int64_t>({W, M}, -1);
+  rev.dst_offset = Tensor<std::int64_t>({W, M}, 0);
+  rev.seq_len = Tensor<std::int64_t>({W, M}, 0);
+  rev.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  rev.num_seqs = Tensor<std::int64_t>({W}, 0);
+  std::vector<std::int64_t> returned(W, 0);
   for (std::size_t d = 0; d < W; ++d) {
     std::size_t m = 0;
-    for (auto [r, j] : arrivals[d]) {
-      const std::size_t base = doc_base[r * S + j];
-      const std::size_t i = j - base;
-      for (std::size_t k = 0; k <= i; ++k, ++m) {
-        const std::size_t g = base + k;
-        kv_rev.dst_rank(d, m) = static_cast<std::int64_t>(r);
-        kv_rev.seq_len(d, m) = seq_len(r, g);
-        kv_rev.dst_offset(d, m) = static_cast<std::int64_t>(i - k) * prefix.totals[r] + prefix.starts[r * S + g];
+    for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
+      const std::size_t q = g.arrivals[p];
+      for (std::size_t kv = t.first_of(q); kv <= q; ++kv, ++m) {
+        const std::size_t r = t.home[kv];
+        rev.dst_rank(d, m) = static_cast<std::int64_t>(r);
+        rev.seq_len(d, m) = t.len[kv];
+        rev.dst_offset(d, m) = static_cast<std::int64_t>(q - kv) * prefix.totals[r] + prefix.starts[r * S + t.local[kv]];
+        rev.num_recv_tokens(r, d) += t.len[kv];
+        returned[r] += t.len[kv];  // bounded by C x T_r, which row_prefix checked
       }
     }
-    kv_rev.num_seqs(d) = static_cast<std::int64_t>(m);
+    rev.num_seqs(d) = static_cast<std::int64_t>(m);
   }
-  detail::fill_totals(kv_rev);
-  Tensor<std::int64_t> mask({W, S, C}, 0);
-  for (std::size_t i = 0; i < mask.numel(); ++i) mask.flat()[i] = kv_fwd.dst_rank.flat()[i] >= 0 ? 1 : 0;
-  kv_rev.seq_recv_mask = std::move(mask);
-  kv_rev.recv_seq_lens = seq_len;
+  set_totals(rev, returned);
+  rev.recv_seq_lens = seq_len;
+  return rev;
+}
 
-  // ---- attention layout
-  AttentionLayout& attn = out.attn;
-  for (auto* v : {&attn.seqlens_q, &attn.seqlens_kv, &attn.cu_seqlens_q, &attn.cu_seqlens_kv}) v->resize(W);
-  attn.max_seqlen_q.assign(W, 0);
-  attn.max_seqlen_kv.assign(W, 0);
-  for (std::size_t d = 0; d < W; ++d) {
+/// What a varlen attention kernel needs at each destination.
+inline AttentionLayout attention_layout(const ShardTable& t, const KvGroups& g) {
+  AttentionLayout attn;
+  for (auto* v : {&attn.seqlens_q, &attn.seqlens_kv, &attn.cu_seqlens_q, &attn.cu_seqlens_kv}) v->resize(t.W);
+  attn.max_seqlen_q.assign(t.W, 0);
+  attn.max_seqlen_kv.assign(t.W, 0);
+  for (std::size_t d = 0; d < t.W; ++d) {
     attn.cu_seqlens_q[d].assign(1, 0);
     attn.cu_seqlens_kv[d].assign(1, 0);
-    for (auto [r, j] : arrivals[d]) {
-      const std::int64_t q = seq_len(r, j);
-      const std::int64_t kv = context[r * S + j] + q;
-      attn.seqlens_q[d].push_back(q);
+    for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
+      const std::size_t q = g.arrivals[p];
+      const std::int64_t len = t.len[q], kv = t.context[q] + len;
+      attn.seqlens_q[d].push_back(len);
       attn.seqlens_kv[d].push_back(kv);
-      attn.cu_seqlens_q[d].push_back(attn.cu_seqlens_q[d].back() + q);
+      attn.cu_seqlens_q[d].push_back(attn.cu_seqlens_q[d].back() + len);
       attn.cu_seqlens_kv[d].push_back(attn.cu_seqlens_kv[d].back() + kv);
-      attn.max_seqlen_q[d] = std::max(attn.max_seqlen_q[d], q);
+      attn.max_seqlen_q[d] = std::max(attn.max_seqlen_q[d], len);
       attn.max_seqlen_kv[d] = std::max(attn.max_seqlen_kv[d], kv);
     }
   }
+  return attn;
+}
+
+/// Plans a validated shard table: queries, KV forward and reverse, attention layout.
+inline QkvMetadata plan_shards(const ShardTable& t) {
+  const Tensor<std::int64_t> seq_len = t.rank_major(t.len, 0);
+  QkvMetadata out;
+  QueryMetadata q = plan_query(seq_len, t.rank_major(t.dst, -1));
+  out.q_fwd = std::move(q.fwd);
+  out.q_rev = std::move(q.rev);
+  const RowPrefix prefix = row_prefix(seq_len, t.C, "plan_qkv");
+  const KvGroups groups = kv_groups(t);
+  out.kv_fwd = kv_forward(t, groups, seq_len, out.q_fwd.num_seqs);
+  out.kv_rev = kv_reverse(t, groups, prefix, seq_len);
+  out.kv_rev.seq_recv_mask = copy_mask(out.kv_fwd.dst_rank);
+  out.attn = attention_layout(t, groups);
   return out;
+}
+
+}  // namespace detail
+
+/// QKV planning from per-rank documents (section 2 of docs/plan-format.md).
+inline QkvMetadata plan_qkv(const QkvPlan& plan) {
+  const std::size_t C = detail::check_rank_plan(plan);
+  return detail::plan_shards(detail::shard_table(plan, C));
+}
+
+/// QKV planning from documents whose shards may live on several home ranks
+/// (section 2b of docs/plan-format.md). A per-rank plan and its
+/// to_documents() form give identical metadata.
+inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan) {
+  const std::size_t C = detail::check_documents_plan(plan);
+  return detail::plan_shards(detail::shard_table(plan, C));
 }
 
 }  // namespace cpdispatch

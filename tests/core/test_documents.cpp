@@ -1,0 +1,294 @@
+// Documents that span ranks (docs/plan-format.md, section 2b): the worked
+// example number for number, the per-rank form as its special case, the
+// errors that name documents[i].shards[k], and large copy dimensions.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cpdispatch/cpdispatch.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "helpers.hpp"
+
+namespace {
+
+using cpdispatch::DocumentShard;
+using cpdispatch::invalid_input;
+using cpdispatch::make_tensor;
+using cpdispatch::PackedDocument;
+using cpdispatch::QkvDocumentsPlan;
+using cpdispatch::QkvMetadata;
+using cpdispatch::Tensor;
+using cptest::message_of;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using I = std::int64_t;
+using M2 = std::vector<std::vector<I>>;
+using M3 = std::vector<std::vector<std::vector<I>>>;
+
+Tensor<I> t2(const M2& m) { return make_tensor<I>(m); }
+Tensor<I> t3(const M3& m) { return make_tensor<I>(m); }
+Tensor<I> t1(const std::vector<I>& v) {
+  Tensor<I> t({v.size()});
+  for (std::size_t i = 0; i < v.size(); ++i) t(i) = v[i];
+  return t;
+}
+
+// Section 2b's example: document 0 has 3 tokens on rank 0, then 2 + 4 on rank 1.
+QkvDocumentsPlan section_2b_plan() {
+  QkvDocumentsPlan p;
+  p.world_size = 2;
+  p.max_cp_degree = 3;
+  p.documents = {PackedDocument{{{0, 3, 1}, {1, 2, 0}, {1, 4, 1}}}, PackedDocument{{{0, 5, 0}}}, PackedDocument{{{1, 1, 1}}}};
+  return p;
+}
+
+void expect_section_2b(const QkvMetadata& m) {
+  EXPECT_EQ(m.q_fwd.dst_rank, t2({{1, 0, -1}, {0, 1, 1}}));
+  EXPECT_EQ(m.q_fwd.dst_offset, t2({{0, 0, 0}, {5, 3, 7}}));
+  EXPECT_EQ(m.q_fwd.seq_len, t2({{3, 5, 0}, {2, 4, 1}}));
+  EXPECT_EQ(m.q_fwd.num_recv_tokens, t2({{5, 2, 7}, {3, 5, 8}}));
+  EXPECT_EQ(m.q_fwd.num_seqs, t1({2, 3}));
+  EXPECT_EQ(m.q_fwd.num_total_recv_tokens, (std::vector<I>{7, 8}));
+  EXPECT_EQ(m.q_rev.dst_rank, t2({{0, 1, -1}, {0, 1, 1}}));
+  EXPECT_EQ(m.q_rev.dst_offset, t2({{3, 0, 0}, {0, 2, 6}}));
+  EXPECT_EQ(m.q_rev.seq_len, t2({{5, 2, 0}, {3, 4, 1}}));
+  EXPECT_EQ(m.q_rev.num_recv_tokens, t2({{5, 3, 8}, {2, 5, 7}}));
+  EXPECT_EQ(m.q_rev.num_seqs, t1({2, 3}));
+  EXPECT_EQ(m.kv_fwd.dst_rank, t3({{{1, 0, 1}, {0, -1, -1}, {-1, -1, -1}}, {{0, 1, -1}, {1, -1, -1}, {1, -1, -1}}}));
+  EXPECT_EQ(m.kv_fwd.dst_offset, t3({{{0, 5, 3}, {0, 0, 0}, {0, 0, 0}}, {{8, 6, 0}, {8, 0, 0}, {12, 0, 0}}}));
+  EXPECT_EQ(m.kv_fwd.seq_len, t2({{3, 5, 0}, {2, 4, 1}}));
+  // Counts follow the bytes: rank 0 receives 3 tokens of doc0.0 from its home, rank 0.
+  EXPECT_EQ(m.kv_fwd.num_recv_tokens, t2({{8, 2, 10}, {6, 7, 13}}));
+  EXPECT_EQ(m.kv_fwd.num_seqs, t1({2, 3}));
+  EXPECT_EQ(m.kv_fwd.num_total_recv_tokens, (std::vector<I>{10, 13}));
+  EXPECT_EQ(m.kv_rev.dst_rank, t2({{0, 0, 1, -1, -1}, {0, 0, 1, 1, 1}}));
+  EXPECT_EQ(m.kv_rev.dst_offset, t2({{3, 8, 0, 0, 0}, {0, 16, 7, 2, 6}}));
+  EXPECT_EQ(m.kv_rev.seq_len, t2({{5, 3, 2, 0, 0}, {3, 3, 2, 4, 1}}));
+  EXPECT_EQ(m.kv_rev.num_recv_tokens, t2({{8, 6, 14}, {2, 7, 9}}));
+  EXPECT_EQ(m.kv_rev.num_seqs, t1({3, 5}));
+  EXPECT_EQ(m.kv_rev.num_total_recv_tokens, (std::vector<I>{14, 9}));
+  ASSERT_TRUE(m.kv_rev.seq_recv_mask.has_value());
+  ASSERT_TRUE(m.kv_rev.recv_seq_lens.has_value());
+  EXPECT_EQ(*m.kv_rev.seq_recv_mask, t3({{{1, 1, 1}, {1, 0, 0}, {0, 0, 0}}, {{1, 1, 0}, {1, 0, 0}, {1, 0, 0}}}));
+  EXPECT_EQ(*m.kv_rev.recv_seq_lens, t2({{3, 5, 0}, {2, 4, 1}}));
+  EXPECT_EQ(m.attn.seqlens_q, (M2{{5, 2}, {3, 4, 1}}));
+  EXPECT_EQ(m.attn.seqlens_kv, (M2{{5, 5}, {3, 9, 1}}));
+  EXPECT_EQ(m.attn.cu_seqlens_q, (M2{{0, 5, 7}, {0, 3, 7, 8}}));
+  EXPECT_EQ(m.attn.cu_seqlens_kv, (M2{{0, 5, 10}, {0, 3, 12, 13}}));
+  EXPECT_EQ(m.attn.max_seqlen_q, (std::vector<I>{5, 4}));
+  EXPECT_EQ(m.attn.max_seqlen_kv, (std::vector<I>{5, 9}));
+}
+
+bool same_metadata(const cpdispatch::Metadata& a, const cpdispatch::Metadata& b) {
+  return a.world_size == b.world_size && a.dst_rank == b.dst_rank && a.dst_offset == b.dst_offset && a.seq_len == b.seq_len &&
+         a.num_recv_tokens == b.num_recv_tokens && a.num_seqs == b.num_seqs && a.num_total_recv_tokens == b.num_total_recv_tokens &&
+         a.seq_recv_mask == b.seq_recv_mask && a.recv_seq_lens == b.recv_seq_lens;
+}
+
+::testing::AssertionResult same_qkv(const QkvMetadata& a, const QkvMetadata& b) {
+  for (auto [x, y, name] : {std::tuple{&a.q_fwd, &b.q_fwd, "q_fwd"}, std::tuple{&a.q_rev, &b.q_rev, "q_rev"},
+                            std::tuple{&a.kv_fwd, &b.kv_fwd, "kv_fwd"}, std::tuple{&a.kv_rev, &b.kv_rev, "kv_rev"}}) {
+    if (!same_metadata(*x, *y)) return ::testing::AssertionFailure() << name << " differs";
+  }
+  const auto &p = a.attn, &q = b.attn;
+  if (p.seqlens_q != q.seqlens_q || p.seqlens_kv != q.seqlens_kv || p.cu_seqlens_q != q.cu_seqlens_q ||
+      p.cu_seqlens_kv != q.cu_seqlens_kv || p.max_seqlen_q != q.max_seqlen_q || p.max_seqlen_kv != q.max_seqlen_kv) {
+    return ::testing::AssertionFailure() << "attn differs";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(CoreDocuments, Section2bWorkedExample) { expect_section_2b(cpdispatch::plan_qkv(section_2b_plan())); }
+
+TEST(CoreDocuments, Section2bWithDefaultCpDegreeIsTheSame) {
+  auto p = section_2b_plan();
+  p.max_cp_degree.reset();  // default: the most shards of a document, 3
+  expect_section_2b(cpdispatch::plan_qkv(p));
+}
+
+TEST(CoreDocuments, Section2bMetadataValidates) {
+  const auto m = cpdispatch::plan_qkv(section_2b_plan());
+  EXPECT_NO_THROW(m.q_fwd.validate("q_fwd"));
+  EXPECT_NO_THROW(m.q_rev.validate("q_rev"));
+  EXPECT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
+  EXPECT_NO_THROW(m.kv_rev.validate("kv_rev"));
+}
+
+TEST(CoreDocuments, PlanningLeavesThePlanUntouched) {
+  const auto p = section_2b_plan();
+  auto copy = p;
+  (void)cpdispatch::plan_qkv(copy);
+  EXPECT_EQ(copy.documents, p.documents);
+  EXPECT_EQ(copy.max_cp_degree, p.max_cp_degree);
+}
+
+TEST(CoreDocuments, PerRankSection2ExampleAsDocumentsIsIdentical) {
+  cpdispatch::QkvPlan p;
+  p.world_size = 2;
+  p.max_cp_degree = 3;
+  p.ranks.resize(2);
+  p.ranks[0].docs = {{{4, 2}, {1, 0}}, {{3}, {0}}};
+  p.ranks[1].docs = {{{5, 1, 2}, {0, 1, 0}}};
+  const QkvDocumentsPlan d = cpdispatch::to_documents(p);
+  ASSERT_EQ(d.documents.size(), 3u);
+  EXPECT_EQ(d.documents[2], (PackedDocument{{{1, 5, 0}, {1, 1, 1}, {1, 2, 0}}}));
+  EXPECT_TRUE(same_qkv(cpdispatch::plan_qkv(p), cpdispatch::plan_qkv(d)));
+}
+
+TEST(CoreDocuments, BothFormsAgreeOnRandomPerRankPlans) {
+  for (std::uint64_t seed = 0; seed < 200; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const cpdispatch::QkvPlan p = cptest::to_plan(cptest::random_qkv_plan(seed, {16, 3, 6, 20}));
+    ASSERT_TRUE(same_qkv(cpdispatch::plan_qkv(p), cpdispatch::plan_qkv(cpdispatch::to_documents(p))));
+  }
+}
+
+// Documents that each keep one home, listed in any order, are the per-rank
+// plan that lists each rank's documents in that same order.
+TEST(CoreDocuments, SingleHomeDocumentsInAnyOrderMatchThePerRankForm) {
+  for (std::uint64_t seed = 0; seed < 200; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    cpdispatch::RandomDocumentsOptions o;
+    o.world_size = 1 + static_cast<I>(seed % 9);
+    o.num_documents = static_cast<I>(seed % 13);
+    o.max_shards = 5;
+    QkvDocumentsPlan d = cpdispatch::random_documents_plan(o, seed);
+    cpdispatch::QkvPlan p;
+    p.world_size = d.world_size;
+    p.ranks.resize(static_cast<std::size_t>(d.world_size));
+    for (PackedDocument& doc : d.documents) {
+      cpdispatch::Document per_rank;
+      for (DocumentShard& s : doc.shards) {
+        s.rank = doc.shards[0].rank;
+        per_rank.shard_len.push_back(s.len);
+        per_rank.dst.push_back(s.dst);
+      }
+      p.ranks[static_cast<std::size_t>(doc.shards[0].rank)].docs.push_back(per_rank);
+    }
+    ASSERT_TRUE(same_qkv(cpdispatch::plan_qkv(p), cpdispatch::plan_qkv(d)));
+  }
+}
+
+TEST(CoreDocuments, RandomCrossRankPlansValidate) {
+  for (std::uint64_t seed = 0; seed < 100; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    cpdispatch::RandomDocumentsOptions o;
+    o.world_size = 1 + static_cast<I>(seed % 12);
+    o.num_documents = static_cast<I>(seed % 17);
+    o.max_shards = 8;
+    const auto m = cpdispatch::plan_qkv(cpdispatch::random_documents_plan(o, seed));
+    ASSERT_NO_THROW(m.q_fwd.validate("q_fwd"));
+    ASSERT_NO_THROW(m.q_rev.validate("q_rev"));
+    ASSERT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
+    ASSERT_NO_THROW(m.kv_rev.validate("kv_rev"));
+  }
+}
+
+// ---------------------------------------------------------------- bad input
+
+std::string error_of(const QkvDocumentsPlan& p) {
+  return message_of<invalid_input>([&] { (void)cpdispatch::plan_qkv(p); });
+}
+
+TEST(CoreDocuments, WorldSizeMustBePositive) {
+  auto p = section_2b_plan();
+  p.world_size = 0;
+  EXPECT_THAT(error_of(p), HasSubstr("world_size = 0 must be at least 1"));
+}
+
+TEST(CoreDocuments, EmptyDocumentIsNamed) {
+  auto p = section_2b_plan();
+  p.documents[1].shards.clear();
+  EXPECT_THAT(error_of(p), HasSubstr("documents[1].shards is empty"));
+}
+
+TEST(CoreDocuments, HomeRankOutsideTheWorldIsNamed) {
+  auto p = section_2b_plan();
+  p.documents[0].shards[2].rank = 2;
+  EXPECT_THAT(error_of(p), AllOf(HasSubstr("documents[0].shards[2].rank = 2"), HasSubstr("outside [0, 2)")));
+  p.documents[0].shards[2].rank = -1;
+  EXPECT_THAT(error_of(p), HasSubstr("documents[0].shards[2].rank = -1"));
+}
+
+TEST(CoreDocuments, NonPositiveLengthIsNamed) {
+  auto p = section_2b_plan();
+  p.documents[2].shards[0].len = 0;
+  EXPECT_THAT(error_of(p), AllOf(HasSubstr("documents[2].shards[0].len = 0"), HasSubstr("positive")));
+  p.documents[2].shards[0].len = -4;
+  EXPECT_THAT(error_of(p), HasSubstr("documents[2].shards[0].len = -4"));
+}
+
+TEST(CoreDocuments, DestinationOutsideTheWorldIsNamed) {
+  auto p = section_2b_plan();
+  p.documents[0].shards[1].dst = 5;
+  EXPECT_THAT(error_of(p), AllOf(HasSubstr("documents[0].shards[1].dst = 5"), HasSubstr("outside [0, 2)")));
+  p.documents[0].shards[1].dst = -1;  // a query shard always attends somewhere
+  EXPECT_THAT(error_of(p), HasSubstr("documents[0].shards[1].dst = -1"));
+}
+
+TEST(CoreDocuments, MoreShardsThanMaxCpDegreeIsNamed) {
+  auto p = section_2b_plan();
+  p.max_cp_degree = 2;
+  EXPECT_THAT(error_of(p), AllOf(HasSubstr("documents[0].shards has 3 shards"), HasSubstr("max_cp_degree = 2")));
+  p.max_cp_degree = 0;
+  EXPECT_THAT(error_of(p), HasSubstr("max_cp_degree = 0 must be at least 1"));
+}
+
+TEST(CoreDocuments, ContextThatOverflowsIsAnError) {
+  QkvDocumentsPlan p;
+  p.world_size = 2;
+  const I big = std::numeric_limits<I>::max() / 2 + 1;
+  p.documents = {PackedDocument{{{0, big, 0}, {1, big, 1}, {1, 1, 1}}}};
+  EXPECT_THAT(error_of(p), HasSubstr("overflows 64 bits"));
+}
+
+TEST(CoreDocuments, NoDocumentsAtAll) {
+  QkvDocumentsPlan p;
+  p.world_size = 3;
+  const auto m = cpdispatch::plan_qkv(p);
+  EXPECT_EQ(m.kv_fwd.dst_rank.shape(), (std::vector<std::size_t>{3, 0, 1}));
+  EXPECT_EQ(m.attn.cu_seqlens_q, (M2{{0}, {0}, {0}}));
+  EXPECT_NO_THROW(m.kv_rev.validate("kv_rev"));
+}
+
+// A 340K-token document over 64K-token ranks needs many shards; C = 256 plans
+// (the dense copy axis is the only cost that grows with C).
+TEST(CoreDocuments, LargeCopyDimension) {
+  QkvDocumentsPlan p;
+  p.world_size = 16;
+  p.max_cp_degree = 256;
+  PackedDocument doc;
+  for (I k = 0; k < 256; ++k) doc.shards.push_back({k / 16, 3, (k * 7) % 16});
+  p.documents = {doc, PackedDocument{{{15, 5, 0}}}};
+  const auto m = cpdispatch::plan_qkv(p);
+  EXPECT_EQ(m.kv_fwd.dst_rank.shape(), (std::vector<std::size_t>{16, 17, 256}));
+  EXPECT_EQ(m.kv_fwd.dst_rank(0, 0, 255), (255 * 7) % 16);  // KV shard 0 reaches the last query shard
+  EXPECT_EQ(m.kv_fwd.dst_rank(15, 15, 1), -1);             // the last shard has one copy
+  EXPECT_EQ(m.attn.max_seqlen_kv[(255 * 7) % 16], 256 * 3);
+  EXPECT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
+  EXPECT_NO_THROW(m.kv_rev.validate("kv_rev"));
+}
+
+// ---------------------------------------------------------------- slices
+
+// A slice handed to us (not one get_slice made) may hold any lengths: its
+// token totals must be checked arithmetic, not signed overflow.
+TEST(CoreDocuments, SliceTotalsThatOverflowAreErrors) {
+  cpdispatch::RankMetadata s;
+  s.world_size = 1;
+  s.seq_len = {std::numeric_limits<I>::max(), 1};
+  EXPECT_THAT(message_of<invalid_input>([&] { (void)s.send_tokens(); }), HasSubstr("overflows 64 bits"));
+  s.recv_seq_lens = std::vector<I>{std::numeric_limits<I>::max(), 2};
+  s.seq_recv_mask = std::vector<I>{1, 1};
+  s.mask_copies = 1;
+  EXPECT_THAT(message_of<invalid_input>([&] { (void)s.output_tokens(); }), HasSubstr("overflows 64 bits"));
+  s.recv_seq_lens = std::vector<I>{std::numeric_limits<I>::max() / 2, 1};
+  s.mask_copies = 3;  // the [C][T] product overflows even where the sum does not
+  EXPECT_THAT(message_of<invalid_input>([&] { (void)s.output_tokens(); }), HasSubstr("replica buffer"));
+}
+
+}  // namespace
