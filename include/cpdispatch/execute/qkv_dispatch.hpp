@@ -1,0 +1,115 @@
+#pragma once
+// One rank's queries and key-values through one object: what a training loop
+// holds per attention layer.
+//
+//   auto plan = cpdispatch::gather_plan(transport, my_documents);    // identical on every rank
+//   cpdispatch::QkvDispatch<Transport, bfloat16> qkv(transport, cpdispatch::plan_qkv(plan),
+//                                                    heads * head_dim, 2 * kv_heads * head_dim);
+//   qkv.forward_q(q_mlp, q_attn);         // std::span<const bfloat16> -> std::span<bfloat16>
+//   qkv.forward_kv(kv_mlp, kv_attn);
+//   const auto& a = qkv.attention();      // cu_seqlens_q/kv, max_seqlen_q/kv of this rank
+//   ... varlen attention over q_attn, kv_attn ...
+//   qkv.reverse_q(dq_attn, dq_mlp);
+//   qkv.reverse_kv(dkv_attn, dkv_mlp);    // gradients of every copy summed (fixed order)
+//
+// Token widths are in elements of E; the element type of the KV-gradient sum
+// is E's. The object owns the [C][T] replica buffer of the KV backward and
+// the dispatchers' staging, so after construction and the first calls nothing
+// is allocated. Host memory transports (sim, MPI); on device transports use
+// two Dispatchers over cuda::DeviceSpan buffers. Every call is one collective
+// of the transport: all ranks make the same calls in the same order.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cpdispatch/element_type.hpp"
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/transport.hpp"
+
+namespace cpdispatch {
+
+/// One rank's attention layout, as a varlen attention kernel takes it
+/// (flash-attention convention: cu_seqlens start at 0 and end at the total).
+struct RankAttention {
+  std::vector<std::int64_t> seqlens_q, seqlens_kv;        ///< per received query shard, arrival order
+  std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_kv;  ///< count + 1 entries
+  std::int64_t max_seqlen_q = 0, max_seqlen_kv = 0;
+  std::int64_t q_tokens() const noexcept { return cu_seqlens_q.empty() ? 0 : cu_seqlens_q.back(); }
+  std::int64_t kv_tokens() const noexcept { return cu_seqlens_kv.empty() ? 0 : cu_seqlens_kv.back(); }
+};
+
+/// Rank `rank`'s row of a global attention layout.
+inline RankAttention attention_of(const AttentionLayout& attn, std::int64_t rank) {
+  if (rank < 0 || static_cast<std::size_t>(rank) >= attn.seqlens_q.size()) {
+    detail::fail("attention_of: rank ", rank, " is outside [0, ", attn.seqlens_q.size(), ")");
+  }
+  const auto r = static_cast<std::size_t>(rank);
+  return RankAttention{attn.seqlens_q[r], attn.seqlens_kv[r],   attn.cu_seqlens_q[r],
+                       attn.cu_seqlens_kv[r], attn.max_seqlen_q[r], attn.max_seqlen_kv[r]};
+}
+
+template <class T, class E>
+class QkvDispatch {
+  static_assert(detail::memory_space_of<T>() == MemorySpace::host,
+                "cpdispatch: QkvDispatch takes host spans; on a device transport use two Dispatchers over cuda::DeviceSpan");
+  static_assert(has_element_type_v<E>, "cpdispatch: QkvDispatch's element type must be one of ElementType's");
+
+ public:
+  /// From the global metadata (every rank plans the same plan) and the widths
+  /// of a query and of a key-value token in elements of E.
+  QkvDispatch(T& transport, const QkvMetadata& meta, std::size_t q_width, std::size_t kv_width)
+      : q_width_(checked_width(q_width, "q_width")),
+        kv_width_(checked_width(kv_width, "kv_width")),
+        q_(transport, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E)),
+        kv_(transport, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E)),
+        attention_(attention_of(meta.attn, transport.rank())),
+        replica_(kv_.required_bytes().replica_bytes / sizeof(E)) {}
+
+  const RankAttention& attention() const noexcept { return attention_; }
+  /// Elements of each buffer: MLP layout (this rank's tokens), attention layout.
+  std::size_t q_mlp_size() const noexcept { return q_.required_bytes().mlp_bytes / sizeof(E); }
+  std::size_t q_attention_size() const noexcept { return q_.required_bytes().attention_bytes / sizeof(E); }
+  std::size_t kv_mlp_size() const noexcept { return kv_.required_bytes().mlp_bytes / sizeof(E); }
+  std::size_t kv_attention_size() const noexcept { return kv_.required_bytes().attention_bytes / sizeof(E); }
+
+  /// Queries (or attention outputs) MLP -> attention layout.
+  void forward_q(std::span<const E> q_mlp, std::span<E> q_attention) {
+    q_.forward(std::as_bytes(q_mlp), std::as_writable_bytes(q_attention));
+  }
+  /// Key-values MLP -> attention layout: each KV group holds its causal context.
+  void forward_kv(std::span<const E> kv_mlp, std::span<E> kv_attention) {
+    kv_.forward(std::as_bytes(kv_mlp), std::as_writable_bytes(kv_attention));
+  }
+  /// Query gradients attention -> MLP layout.
+  void reverse_q(std::span<const E> dq_attention, std::span<E> dq_mlp) {
+    q_.reverse(std::as_bytes(dq_attention), std::as_writable_bytes(dq_mlp));
+  }
+  /// KV gradients attention -> MLP layout, the copies of each shard summed in
+  /// ascending copy order (fp32 accumulation for 16-bit types).
+  void reverse_kv(std::span<const E> dkv_attention, std::span<E> dkv_mlp) {
+    kv_.reverse_combine(std::as_bytes(dkv_attention), std::as_writable_bytes(std::span<E>(replica_)), std::as_writable_bytes(dkv_mlp),
+                        element_type_of<E>());
+  }
+
+  /// The underlying dispatchers, for callers that manage buffers themselves.
+  Dispatcher<T>& queries() noexcept { return q_; }
+  Dispatcher<T>& key_values() noexcept { return kv_; }
+
+ private:
+  static std::size_t checked_width(std::size_t width, const char* name) {
+    if (width == 0) detail::fail("QkvDispatch: ", name, " = 0; a token has at least one element");
+    if (width > static_cast<std::size_t>(-1) / sizeof(E)) detail::fail("QkvDispatch: ", name, " = ", width, " elements overflow");
+    return width;
+  }
+
+  std::size_t q_width_, kv_width_;
+  Dispatcher<T> q_, kv_;
+  RankAttention attention_;
+  std::vector<E> replica_;
+};
+
+}  // namespace cpdispatch
