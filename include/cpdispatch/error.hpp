@@ -3,10 +3,12 @@
 // from cpdispatch::error, so callers can catch one type; the subclasses tell
 // bad input apart from a failing backend.
 
+#include <cstddef>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace cpdispatch {
@@ -73,13 +75,42 @@ template <class E = invalid_input, class... Args>
   throw E(concat(std::forward<Args>(args)...));
 }
 
-/// a + b for token counts, refusing to overflow (lengths come from users).
-inline std::int64_t add_tokens(std::int64_t a, std::int64_t b, const char* what) {
+// Checked arithmetic: the one place sizes and counts that come from users are
+// added and multiplied. Each throws invalid_input naming the caller instead of
+// wrapping around (and then allocating or copying too little).
+
+/// a + b for token counts.
+inline std::int64_t add_tokens(std::int64_t a, std::int64_t b, std::string_view what) {
   std::int64_t sum = 0;
   if (__builtin_add_overflow(a, b, &sum)) {
     fail(what, ": token count overflows 64 bits (", a, " + ", b, ")");
   }
   return sum;
+}
+
+/// a * b for sizes; `what` says what the product is.
+inline std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
+  std::size_t product = 0;
+  if (__builtin_mul_overflow(a, b, &product)) fail(what, ": ", a, " x ", b, " does not fit in memory");
+  return product;
+}
+
+/// count * element_size * blocks bytes (blocks: e.g. one per rank of a gather).
+inline std::size_t checked_bytes(std::size_t count, std::size_t element_size, std::size_t blocks, std::string_view who) {
+  std::size_t bytes = 0;
+  if (__builtin_mul_overflow(count, element_size, &bytes) || __builtin_mul_overflow(bytes, blocks, &bytes)) {
+    fail(who, ": ", count, " elements of ", element_size, " bytes x ", blocks, " do not fit in memory");
+  }
+  return bytes;
+}
+
+/// tokens * token_bytes bytes; a negative token count is refused too.
+inline std::size_t token_bytes_of(std::int64_t tokens, std::size_t token_bytes, std::string_view who) {
+  std::size_t bytes = 0;
+  if (tokens < 0 || __builtin_mul_overflow(static_cast<std::size_t>(tokens), token_bytes, &bytes)) {
+    fail(who, ": ", tokens, " tokens of ", token_bytes, " bytes do not fit in memory");
+  }
+  return bytes;
 }
 
 }  // namespace detail

@@ -1,11 +1,20 @@
 #pragma once
-// The Transport concept: what the dispatcher, the tensor-parallel layers and
-// the comm-GEMM overlap need from a communication backend.
+// The transport concepts: what the layers of cpdispatch need from a
+// communication backend, split by kind of communication so that each consumer
+// asks only for what it uses.
+//
+//   TransportBase            memory_space, rank(), world_size()
+//   AllToAllTransport        + all_to_all_v                 (the Dispatcher)
+//     PieceTransport         + all_to_all_pieces            (optional; spares the dispatcher its staging)
+//   CollectiveTransport      + barrier, broadcast, all_reduce, all_gather, reduce_scatter
+//                                                           (the tensor-parallel layers)
+//   PointToPointTransport    + isend, irecv, wait           (with CollectiveTransport: the comm-GEMM overlap)
+//   Transport                all of the above but PieceTransport (the sim, MPI and NCCL transports)
 //
 // Contract (every transport, whatever its backend):
 // - A transport is one rank's handle on a communicator of world_size() ranks.
-//   It is held by reference (gMock objects are not copyable); the concept
-//   never asks for copies or moves.
+//   It is held by reference (gMock objects are not copyable); the concepts
+//   never ask for copies or moves.
 // - Buffers belong to the caller and must stay valid until the call returns
 //   (blocking calls) or until wait() returns (isend/irecv). Pointers are in
 //   the transport's memory_space: host memory for sim and MPI, device memory
@@ -13,10 +22,19 @@
 //   buffer types.
 // - Counts and displacements of all_to_all_v, isend, irecv and broadcast are
 //   in BYTES; typed collectives count ELEMENTS of `ElementType`.
-// - Collective calls (all_to_all_v, barrier, broadcast, all_reduce,
-//   all_gather, reduce_scatter) must be made by every rank in the same order.
-//   Point-to-point messages between one pair of ranks with the same tag are
-//   matched in the order they were posted (MPI semantics).
+// - Collective calls (all_to_all_v, all_to_all_pieces, barrier, broadcast,
+//   all_reduce, all_gather, reduce_scatter) must be made by every rank in the
+//   same order.
+// - Point-to-point (the one contract MPI, NCCL and the sim honour):
+//   * the messages rank a sends rank b are matched with rank b's receives
+//     from rank a in the order each side posted them (first send with first
+//     receive, and so on), separately for each direction; a send and its
+//     receive must agree on the size;
+//   * tags are labels for diagnostics and take no part in matching (NCCL has
+//     none), so both sides must post the messages of a pair in the same order;
+//   * a transport may defer the actual transfer until wait(): post every
+//     send and receive of one exchange before waiting for any of them, and
+//     wait for every request exactly once.
 // - Device transports order work on their own stream; a call returns once the
 //   work is enqueued, and results are visible to later work on that stream.
 // - Failures throw an exception of the cpdispatch::error family
@@ -88,26 +106,18 @@ concept transport_has_collectives = requires(T& t, const void* send, void* recv,
 
 }  // namespace detail
 
-/// A communication backend (see the contract at the top of this header):
-///   static constexpr MemorySpace memory_space;
-///   int rank() const;  int world_size() const;
+/// The base of every transport: where its buffers live and who it is.
+///   static constexpr MemorySpace memory_space;   int rank() const;   int world_size() const;
+template <class T>
+concept TransportBase = detail::transport_has_memory_space<T> && detail::transport_has_rank<T>;
+
+/// An all-to-all of bytes, the one call the Dispatcher makes:
 ///   void all_to_all_v(const void* send, span<const size_t> send_counts, span<const size_t> send_displs,
 ///                     void* recv, span<const size_t> recv_counts, span<const size_t> recv_displs);   // bytes
-///   Request isend(const void* buf, size_t bytes, int peer, int tag);
-///   Request irecv(void* buf, size_t bytes, int peer, int tag);
-///   void wait(Request);
-///   void barrier();
-///   void broadcast(void* buf, size_t bytes, int root);
-///   void all_reduce(void* buf, size_t count, ElementType, ReduceOp);                        // in place
-///   void all_gather(const void* send, void* recv, size_t count_per_rank, ElementType);
-///   void reduce_scatter(const void* send, void* recv, size_t count_per_rank, ElementType, ReduceOp);
 template <class T>
-concept Transport = detail::transport_has_memory_space<T> && detail::transport_has_rank<T> &&
-                    detail::transport_has_all_to_all_v<T> && detail::transport_has_point_to_point<T> &&
-                    detail::transport_has_barrier<T> && detail::transport_has_broadcast<T> &&
-                    detail::transport_has_collectives<T>;
+concept AllToAllTransport = TransportBase<T> && detail::transport_has_all_to_all_v<T>;
 
-/// Optional refinement: an all-to-all of scattered pieces, which spares the
+/// Refinement of AllToAllTransport: an all-to-all of scattered pieces, which spares the
 /// dispatcher its pack into (and unpack from) staging:
 ///   void all_to_all_pieces(const void* send, span<const BytePiece> send_pieces, span<const size_t> send_splits,
 ///                          void* recv, span<const BytePiece> recv_pieces, span<const size_t> recv_splits);
@@ -116,28 +126,64 @@ concept Transport = detail::transport_has_memory_space<T> && detail::transport_h
 /// sender in order (boundaries need not line up; the totals must agree). A collective, like all_to_all_v. The
 /// dispatcher calls it instead of all_to_all_v when the transport has it (the sim transport does).
 template <class T>
-concept PieceTransport = Transport<T> && requires(T& t, const void* send, void* recv, std::span<const BytePiece> pieces,
-                                                  std::span<const std::size_t> splits) {
+concept PieceTransport = AllToAllTransport<T> && requires(T& t, const void* send, void* recv, std::span<const BytePiece> pieces,
+                                                           std::span<const std::size_t> splits) {
   t.all_to_all_pieces(send, pieces, splits, recv, pieces, splits);
 };
 
-/// Checks a transport type at its point of use: one readable line per missing
-/// member instead of a template backtrace. Use in every template that takes a
-/// transport: `CPDISPATCH_CHECK_TRANSPORT(T);`
-#define CPDISPATCH_CHECK_TRANSPORT(T)                                                                                  \
+/// Typed collectives, used by the tensor-parallel layers:
+///   void barrier();
+///   void broadcast(void* buf, size_t bytes, int root);
+///   void all_reduce(void* buf, size_t count, ElementType, ReduceOp);                        // in place
+///   void all_gather(const void* send, void* recv, size_t count_per_rank, ElementType);
+///   void reduce_scatter(const void* send, void* recv, size_t count_per_rank, ElementType, ReduceOp);
+template <class T>
+concept CollectiveTransport = TransportBase<T> && detail::transport_has_barrier<T> && detail::transport_has_broadcast<T> &&
+                              detail::transport_has_collectives<T>;
+
+/// Point-to-point messages (see the contract at the top of this header):
+///   Request isend(const void* buf, size_t bytes, int peer, int tag);
+///   Request irecv(void* buf, size_t bytes, int peer, int tag);
+///   void wait(Request);
+template <class T>
+concept PointToPointTransport = TransportBase<T> && detail::transport_has_point_to_point<T>;
+
+/// A transport that serves every layer: all-to-all, collectives and point-to-point.
+template <class T>
+concept Transport = AllToAllTransport<T> && CollectiveTransport<T> && PointToPointTransport<T>;
+
+// Checks a transport type at its point of use: one readable line per missing
+// member instead of a template backtrace. Each consumer uses the macro of the
+// concept it needs, e.g. `CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);`.
+#define CPDISPATCH_CHECK_TRANSPORT_BASE(T)                                                                             \
   static_assert(::cpdispatch::detail::transport_has_memory_space<T>,                                                   \
                 "cpdispatch: the transport lacks `static constexpr MemorySpace memory_space`");                        \
   static_assert(::cpdispatch::detail::transport_has_rank<T>,                                                           \
-                "cpdispatch: the transport lacks `int rank() const` or `int world_size() const`");                     \
+                "cpdispatch: the transport lacks `int rank() const` or `int world_size() const`")
+
+#define CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T)                                                                       \
+  CPDISPATCH_CHECK_TRANSPORT_BASE(T);                                                                                  \
   static_assert(::cpdispatch::detail::transport_has_all_to_all_v<T>,                                                   \
                 "cpdispatch: the transport lacks `all_to_all_v(send, send_counts, send_displs, recv, recv_counts, "    \
-                "recv_displs)`");                                                                                      \
-  static_assert(::cpdispatch::detail::transport_has_point_to_point<T>,                                                 \
-                "cpdispatch: the transport lacks `Request isend(...)`, `Request irecv(...)` or `wait(Request)`");      \
+                "recv_displs)`")
+
+#define CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(T)                                                                       \
+  CPDISPATCH_CHECK_TRANSPORT_BASE(T);                                                                                  \
   static_assert(::cpdispatch::detail::transport_has_barrier<T>, "cpdispatch: the transport lacks `barrier()`");       \
   static_assert(::cpdispatch::detail::transport_has_broadcast<T>,                                                      \
                 "cpdispatch: the transport lacks `broadcast(void* buf, size_t bytes, int root)`");                     \
   static_assert(::cpdispatch::detail::transport_has_collectives<T>,                                                    \
                 "cpdispatch: the transport lacks `all_reduce`, `all_gather` or `reduce_scatter` (typed collectives)")
+
+#define CPDISPATCH_CHECK_POINT_TO_POINT_TRANSPORT(T)                                                                   \
+  CPDISPATCH_CHECK_TRANSPORT_BASE(T);                                                                                  \
+  static_assert(::cpdispatch::detail::transport_has_point_to_point<T>,                                                 \
+                "cpdispatch: the transport lacks `Request isend(...)`, `Request irecv(...)` or `wait(Request)`")
+
+/// Every member of every concept (a transport meant to serve all layers).
+#define CPDISPATCH_CHECK_TRANSPORT(T)                                                                                  \
+  CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);                                                                            \
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(T);                                                                            \
+  CPDISPATCH_CHECK_POINT_TO_POINT_TRANSPORT(T)
 
 }  // namespace cpdispatch

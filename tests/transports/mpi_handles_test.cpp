@@ -81,7 +81,9 @@ TEST(MpiHandles, EveryObjectCreatedIsFreed) {
     MpiTransportOptions small;
     small.max_count = 3;  // derived datatypes for every message above 3 bytes
     MpiTransport owned = MpiTransport::duplicate(MPI_COMM_WORLD, small);
-    MpiTransport borrowed(MPI_COMM_WORLD);
+    MpiTransportOptions borrow;
+    borrow.communicator = MpiCommunicator::borrow;
+    MpiTransport borrowed(MPI_COMM_WORLD, borrow);
     EXPECT_EQ(live.comms, before.comms + 1);
     EXPECT_EQ(live.ops, before.ops + 4);  // bfloat16 and float16 sums, per transport
     EXPECT_EQ(live.errhandlers, before.errhandlers + 1);  // the borrowed communicator's saved handler

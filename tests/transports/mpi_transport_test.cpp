@@ -138,9 +138,9 @@ TEST_P(MpiTransportP, AllToAllVRejectsSpansOfTheWrongSize) {
 
 // ---- isend / irecv / wait ----------------------------------------------------
 
-TEST_P(MpiTransportP, PointToPointMessagesWithOneTagArriveInPostingOrder) {
+TEST_P(MpiTransportP, PointToPointMessagesOfAPairMatchInPostingOrderWhateverTheTags) {
   // Every rank sends every rank (itself included) three messages on tag 5,
-  // of 4, 0 and 11 bytes, and one message on each of tags 1 and 2.
+  // of 4, 0 and 11 bytes, then one on tag 1 and one on tag 2.
   const std::size_t sizes[3] = {4, 0, 11};
   const auto Wu = static_cast<std::size_t>(W);
   std::vector<std::vector<std::byte>> out(Wu * 5), in(Wu * 5);
@@ -151,11 +151,12 @@ TEST_P(MpiTransportP, PointToPointMessagesWithOneTagArriveInPostingOrder) {
       in[pu * 5 + k].assign(sizes[k], std::byte{0});
       recvs.push_back(t.irecv(in[pu * 5 + k].data(), sizes[k], p, 5));
     }
-    // Tag 2 posted before tag 1: matching goes by tag, not by arrival.
-    in[pu * 5 + 4].assign(6, std::byte{0});
-    recvs.push_back(t.irecv(in[pu * 5 + 4].data(), 6, p, 2));
+    // Receives labelled 2 then 1 get the messages labelled 1 then 2: tags
+    // take no part in matching (the point-to-point contract, transport.hpp).
     in[pu * 5 + 3].assign(6, std::byte{0});
-    recvs.push_back(t.irecv(in[pu * 5 + 3].data(), 6, p, 1));
+    recvs.push_back(t.irecv(in[pu * 5 + 3].data(), 6, p, 2));
+    in[pu * 5 + 4].assign(6, std::byte{0});
+    recvs.push_back(t.irecv(in[pu * 5 + 4].data(), 6, p, 1));
   }
   for (int p = 0; p < W; ++p) {
     const auto pu = static_cast<std::size_t>(p);
@@ -500,8 +501,6 @@ TEST(MpiErrors, TruncatedReceiveFailsInWait) {
 TEST(MpiErrors, BadArgumentsAreInvalidInput) {
   MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD);
   std::byte buf[4] = {};
-  EXPECT_THROW(t.isend(buf, 4, 0, -1), invalid_input);
-  EXPECT_THROW(t.irecv(buf, 4, 0, t.reserved_tag()), invalid_input);
   EXPECT_THROW(t.all_reduce(buf, 1, static_cast<ElementType>(99), ReduceOp::sum), invalid_input);
   EXPECT_THROW(t.set_timeout(-1ms), invalid_input);
   EXPECT_THROW(MpiTransport(MPI_COMM_NULL), invalid_input);
@@ -525,7 +524,9 @@ TEST(MpiErrors, BorrowedCommunicatorGetsItsErrorHandlerBack) {
   };
   EXPECT_TRUE(handler_is(MPI_ERRORS_ARE_FATAL));
   {
-    MpiTransport t(comm);
+    MpiTransportOptions borrow;
+    borrow.communicator = MpiCommunicator::borrow;
+    MpiTransport t(comm, borrow);
     EXPECT_EQ(t.comm(), comm);
     EXPECT_TRUE(handler_is(MPI_ERRORS_RETURN));
     MpiTransport moved(std::move(t));  // one owner, one restore
@@ -533,6 +534,26 @@ TEST(MpiErrors, BorrowedCommunicatorGetsItsErrorHandlerBack) {
     EXPECT_EQ(t.comm(), MPI_COMM_NULL);  // NOLINT(bugprone-use-after-move): the moved-from state is specified
   }
   EXPECT_TRUE(handler_is(MPI_ERRORS_ARE_FATAL));
+  MPI_Comm_free(&comm);
+}
+
+TEST(MpiErrors, ByDefaultTheCallersCommunicatorIsDuplicatedAndLeftAlone) {
+  MPI_Comm comm = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &comm), MPI_SUCCESS);
+  MPI_Errhandler h = MPI_ERRHANDLER_NULL;
+  {
+    MpiTransport t(comm);
+    EXPECT_NE(t.comm(), comm);
+    int result = MPI_UNEQUAL;
+    MPI_Comm_compare(t.comm(), comm, &result);
+    EXPECT_EQ(result, MPI_CONGRUENT);  // same ranks, another context: no message meets the caller's
+    MPI_Comm_get_errhandler(comm, &h);
+    EXPECT_EQ(h, MPI_ERRORS_ARE_FATAL);  // untouched
+    MPI_Errhandler_free(&h);
+    std::int32_t x = 1;
+    t.all_reduce(&x, 1, ElementType::int32, ReduceOp::sum);
+    EXPECT_EQ(x, t.world_size());
+  }
   MPI_Comm_free(&comm);
 }
 
@@ -545,6 +566,7 @@ TEST(MpiTimeout, AllReduceThatDoesNotCompleteRaisesAllReduceTimeout) {
   MpiTransportOptions options;
   options.timeout = 60s;  // on every rank: non-blocking collectives only match their like
   MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD, options);
+  MpiTransport side(MPI_COMM_WORLD);  // for the go-ahead: t is unusable on rank 0 after its timeout
   const int me = t.rank(), W = t.world_size();
   if (W < 2) GTEST_SKIP() << "needs a second rank to be late";
   std::byte go{1};
@@ -561,21 +583,33 @@ TEST(MpiTimeout, AllReduceThatDoesNotCompleteRaisesAllReduceTimeout) {
                 "All-reduce timeout on rank 0 in all_reduce(1 int32 elements): not complete after 200 ms "
                 "(MpiTransportOptions::timeout)");
     }
-    t.set_timeout(60s);
-    for (int p = 1; p < W; ++p) t.wait(t.isend(&go, 1, p, 11));
+    // The abandoned all-reduce may still read and write: every later call is refused.
+    EXPECT_TRUE(t.broken());
+    try {
+      (void)t.irecv(&go, 1, 0, 11);
+      ADD_FAILURE() << "a broken transport accepted irecv";
+    } catch (const timeout_error& e) {
+      EXPECT_NE(std::string(e.what()).find("MpiTransport::irecv on rank 0: the transport is unusable"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("All-reduce timeout on rank 0"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(t.barrier(), timeout_error);
+    EXPECT_THROW(t.all_reduce(&x, 1, ElementType::int32, ReduceOp::sum), timeout_error);
+    for (int p = 1; p < W; ++p) side.wait(side.isend(&go, 1, p, 11));
   } else {
-    t.wait(t.irecv(&go, 1, 0, 11));
+    side.wait(side.irecv(&go, 1, 0, 11));
     std::int32_t x = 1;
     t.all_reduce(&x, 1, ElementType::int32, ReduceOp::sum);  // meets rank 0's abandoned all-reduce
     EXPECT_EQ(x, W);
+    EXPECT_FALSE(t.broken());
   }
-  t.barrier();
+  side.barrier();
 }
 
 TEST(MpiTimeout, BarrierDoesNotCompleteBeforeTheLastRankEnters) {
   MpiTransportOptions options;
   options.timeout = 60s;
   MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD, options);
+  MpiTransport side(MPI_COMM_WORLD);  // t is unusable on rank 0 after its timeout
   const int me = t.rank(), W = t.world_size(), last = W - 1;
   if (W < 2) GTEST_SKIP() << "needs a last rank other than rank 0";
   std::byte go{1};
@@ -587,15 +621,14 @@ TEST(MpiTimeout, BarrierDoesNotCompleteBeforeTheLastRankEnters) {
     } catch (const timeout_error& e) {
       EXPECT_NE(std::string(e.what()).find("Barrier timeout on rank 0 in barrier()"), std::string::npos) << e.what();
     }
-    t.set_timeout(60s);
-    t.wait(t.isend(&go, 1, last, 12));  // now the last rank may enter
+    side.wait(side.isend(&go, 1, last, 12));  // now the last rank may enter
   } else if (me == last) {
-    t.wait(t.irecv(&go, 1, 0, 12));
-    t.barrier();
+    side.wait(side.irecv(&go, 1, 0, 12));
+    t.barrier();  // completes rank 0's abandoned barrier
   } else {
     t.barrier();
   }
-  t.barrier();  // rank 0's abandoned barrier completes along the way
+  side.barrier();
 }
 
 TEST(MpiTimeout, TimedOutWaitLeavesTheRequestPending) {
@@ -613,6 +646,7 @@ TEST(MpiTimeout, TimedOutWaitLeavesTheRequestPending) {
     } catch (const timeout_error& e) {
       EXPECT_NE(std::string(e.what()).find("Wait timeout on rank 1 in wait(Request{"), std::string::npos) << e.what();
     }
+    EXPECT_FALSE(t.broken());  // a timed-out wait abandons nothing
     t.set_timeout(30s);
     t.barrier();
     t.wait(r);  // the same request, now sent

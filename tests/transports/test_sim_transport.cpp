@@ -10,8 +10,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpdispatch/transports/sim.hpp"
@@ -230,12 +232,13 @@ TEST_P(SimWorldSizes, AllGatherAndReduceScatter) {
   });
 }
 
-TEST(SimTransport, PointToPointMatchesBySourceDestinationAndTagInPostingOrder) {
+TEST(SimTransport, PointToPointMatchesBySourceAndDestinationInPostingOrderWhateverTheTags) {
   SimWorld world(3, guarded());
   world.run([&](SimTransport& t) {
     const int r = t.rank();
     if (r == 0) {
-      // Receives posted before the sends exist, in an order different from the tags'.
+      // Receives posted before the sends exist, labelled differently from the
+      // sends: tags take no part in matching (transport.hpp's contract).
       std::int32_t a = 0, b = 0, c = 0, d = 0;
       Request rb = t.irecv(&b, 4, 1, /*tag=*/7);
       Request ra = t.irecv(&a, 4, 1, /*tag=*/5);
@@ -246,9 +249,9 @@ TEST(SimTransport, PointToPointMatchesBySourceDestinationAndTagInPostingOrder) {
       t.wait(rc);
       t.wait(ra);
       t.wait(rb);
-      EXPECT_EQ(a, 51);
-      EXPECT_EQ(c, 52);
-      EXPECT_EQ(b, 71);
+      EXPECT_EQ(b, 51);  // rank 1's first message
+      EXPECT_EQ(a, 71);  // its second
+      EXPECT_EQ(c, 52);  // its third
       EXPECT_EQ(d, 25);
     } else if (r == 1) {
       std::int32_t x = 51, y = 52, z = 71;
@@ -438,6 +441,50 @@ TEST(SimTransport, TimeoutNamesRankOperationAndBound) {
   } catch (const cpdispatch::timeout_error& e) {
     EXPECT_THAT(e.what(), HasSubstr("SimWorld rank 0 of 2: All-reduce timeout on rank 0 of 2 in all_reduce: not complete after 50 ms"));
   }
+}
+
+}  // namespace
+
+namespace {
+
+// run() from two threads at once: one runs, the other is refused (or runs
+// after it). Before running_ was written under the world's mutex, the end of
+// one run raced with the other's check; ThreadSanitizer reports that race.
+TEST(SimTransport, RunFromTwoThreadsAtOnceIsRefusedOrSerialised) {
+  SimWorld world(2, guarded());
+  std::atomic<int> ran{0}, refused{0};
+  auto runner = [&] {
+    for (int i = 0; i < 50; ++i) {
+      try {
+        world.run([&](SimTransport& t) { t.barrier(); });
+        ++ran;
+      } catch (const cpdispatch::invalid_input& e) {
+        EXPECT_THAT(e.what(), HasSubstr("the world is already running"));
+        ++refused;
+      }
+    }
+  };
+  std::thread a(runner), b(runner);
+  a.join();
+  b.join();
+  EXPECT_EQ(ran + refused, 100);
+  EXPECT_GE(ran, 1);
+  EXPECT_FALSE(world.running());
+}
+
+// Element counts whose byte size wraps around size_t are refused, not
+// silently turned into short copies.
+TEST(SimTransport, CollectiveByteSizesThatOverflowAreRefused) {
+  SimWorld world(1, guarded());
+  const std::size_t wraps = std::numeric_limits<std::size_t>::max() / 4 + 2;  // x 4 bytes = 8 after wrapping
+  float buf[4] = {};
+  auto expect_refused = [&](auto call) {
+    EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { world.run([&](SimTransport& t) { call(t); }); }),
+                HasSubstr("do not fit in memory"));
+  };
+  expect_refused([&](SimTransport& t) { t.all_reduce(buf, wraps, ElementType::float32, ReduceOp::sum); });
+  expect_refused([&](SimTransport& t) { t.all_gather(buf, buf + 2, wraps, ElementType::float32); });
+  expect_refused([&](SimTransport& t) { t.reduce_scatter(buf, buf + 2, wraps, ElementType::float32, ReduceOp::sum); });
 }
 
 }  // namespace

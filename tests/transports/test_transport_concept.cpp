@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstring>
 #include <span>
+#include <vector>
 
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "cpdispatch/transport.hpp"
 #include "cpdispatch/transports/sim.hpp"
@@ -185,6 +188,63 @@ static_assert(!Transport<NoReduceScatter>);
 static_assert(!cpdispatch::detail::transport_has_barrier<NoBarrier>);
 static_assert(cpdispatch::detail::transport_has_all_to_all_v<NoBarrier>);
 static_assert(!cpdispatch::detail::transport_has_collectives<NoReduceScatter>);
+
+// The refinements: each layer's concept asks only for its own members.
+using cpdispatch::AllToAllTransport;
+using cpdispatch::CollectiveTransport;
+using cpdispatch::PointToPointTransport;
+using cpdispatch::TransportBase;
+static_assert(AllToAllTransport<NoBarrier> && !CollectiveTransport<NoBarrier> && PointToPointTransport<NoBarrier>);
+static_assert(!AllToAllTransport<NoAllToAll> && CollectiveTransport<NoAllToAll> && PointToPointTransport<NoAllToAll>);
+static_assert(AllToAllTransport<NoWait> && CollectiveTransport<NoWait> && !PointToPointTransport<NoWait>);
+static_assert(AllToAllTransport<IsendReturnsVoid> && !PointToPointTransport<IsendReturnsVoid>);
+static_assert(!TransportBase<NoMemorySpace> && !AllToAllTransport<NoMemorySpace> && !CollectiveTransport<NoRank>);
+static_assert(AllToAllTransport<cpdispatch::testing::MockAllToAllTransport>);
+static_assert(!Transport<cpdispatch::testing::MockAllToAllTransport>);
+static_assert(CollectiveTransport<cpdispatch::testing::MockCollectiveTransport>);
+static_assert(PointToPointTransport<cpdispatch::testing::MockPointToPointTransport>);
+static_assert(Transport<cpdispatch::SimTransport> && Transport<MockTransport>);
+
+// Exactly the four members the Dispatcher uses, nothing else: one rank of a
+// pretend world whose peers each send 0x11 bytes.
+struct AllToAllOnly {
+  static constexpr MemorySpace memory_space = MemorySpace::host;
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  void all_to_all_v(const void*, Counts send_counts, Counts, void* recv, Counts recv_counts, Counts recv_displs) {
+    ++calls;
+    sent = std::vector<std::size_t>(send_counts.begin(), send_counts.end());
+    for (std::size_t p = 0; p < recv_counts.size(); ++p) {
+      std::memset(static_cast<std::byte*>(recv) + recv_displs[p], 0x11, recv_counts[p]);
+    }
+  }
+  int rank_ = 0;
+  int world_size_ = 1;
+  int calls = 0;
+  std::vector<std::size_t> sent;
+};
+static_assert(AllToAllTransport<AllToAllOnly> && !CollectiveTransport<AllToAllOnly> && !PointToPointTransport<AllToAllOnly>);
+
+TEST(TransportConcept, AnAllToAllOnlyTypeDrivesTheDispatcher) {
+  // The worked example (docs/plan-format.md), rank 1 of 2: its query shards of 5, 1, 2 tokens go to
+  // ranks 0, 1, 0; it receives 4 tokens from rank 0 and keeps its own shard 1.
+  cpdispatch::QkvPlan plan;
+  plan.world_size = 2;
+  plan.max_cp_degree = 3;
+  plan.ranks = {{{{{4, 2}, {1, 0}}, {{3}, {0}}}}, {{{{5, 1, 2}, {0, 1, 0}}}}};
+  const auto qkv = cpdispatch::plan_qkv(plan);
+  AllToAllOnly t;
+  t.rank_ = 1;
+  t.world_size_ = 2;
+  cpdispatch::Dispatcher d(t, qkv.q_fwd, qkv.q_rev, 2);  // the constructor from a forward, a reverse and token_bytes
+  std::vector<std::byte> mlp(16), attention(10);
+  for (std::size_t i = 0; i < mlp.size(); ++i) mlp[i] = static_cast<std::byte>(i + 1);
+  d.forward(mlp, attention);
+  EXPECT_EQ(t.calls, 1);
+  EXPECT_EQ(t.sent, (std::vector<std::size_t>{14, 0}));  // shards 0 and 2 to rank 0
+  EXPECT_EQ(std::vector<std::byte>(attention.begin(), attention.begin() + 8), std::vector<std::byte>(8, std::byte{0x11}));
+  EXPECT_EQ(std::vector<std::byte>(attention.begin() + 8, attention.end()), std::vector<std::byte>(mlp.begin() + 10, mlp.begin() + 12));
+}
 
 TEST(TransportConcept, ModelsAndNonModelsAreSortedAtCompileTime) {
   // Everything is checked by the static_asserts above; this test documents it

@@ -3,8 +3,9 @@
 // (transports/sim: host memory, memcpy) and cuda::DeviceSimWorld
 // (cuda/sim.hpp: one GPU, copies on CUDA streams): W ranks as W threads of
 // one process, their meetings for collectives (every rank must bring the
-// same call), point-to-point mailboxes matched by (source, destination, tag)
-// in posting order, timeouts, and the abort that releases every waiting rank
+// same call), point-to-point mailboxes matched by (source, destination) in
+// posting order (tags only label messages, as in the point-to-point contract
+// of transport.hpp), timeouts, and the abort that releases every waiting rank
 // when one fails. What moves the bytes stays in each world; the rules, and
 // the messages that name a failure, are the same in both because they are
 // written once, here.
@@ -157,18 +158,32 @@ class World {
     } catch (...) {  // could not start a thread: release the ones that run
       abort(static_cast<int>(threads.size()), std::current_exception());
       for (auto& t : threads) t.join();
-      running_ = false;
+      stop_running();
       throw;
     }
     for (auto& t : threads) t.join();
-    running_ = false;
-    if (first_error_) {
+    const auto [error, failed_rank] = stop_running();
+    if (error) {
       try {
-        std::rethrow_exception(first_error_);
+        std::rethrow_exception(error);
       } catch (...) {
-        rethrow_with_context(concat(names_.world, " rank ", failed_rank_, " of ", size_, ": "));
+        rethrow_with_context(concat(names_.world, " rank ", failed_rank, " of ", size_, ": "));
       }
     }
+  }
+
+  /// Ends a run under the lock (another thread's run() reads running_ under
+  /// it) and hands back its first error, which a next run may reset.
+  std::pair<std::exception_ptr, int> stop_running() {
+    Lock lock(mutex_);
+    running_ = false;
+    return {first_error_, failed_rank_};
+  }
+
+  /// Whether run() is under way (for tests and diagnostics).
+  bool running() const {
+    Lock lock(mutex_);
+    return running_;
   }
 
   /// Records the first failure and releases every waiting rank.
@@ -290,7 +305,7 @@ class World {
   void post(int rank, const char* op, const std::shared_ptr<M>& message, Pair&& pair) {
     Lock lock(mutex_);
     if (aborted_) raise_aborted(lock, rank, op);
-    Mailbox& box = mailboxes_[{message->src, message->dst, message->tag}];
+    Mailbox& box = mailboxes_[{message->src, message->dst}];
     auto& mine = message->is_send ? box.sends : box.recvs;
     auto& theirs = message->is_send ? box.recvs : box.sends;
     if (theirs.empty()) {
@@ -337,7 +352,7 @@ class World {
   }
 
  protected:
-  std::mutex mutex_;  // the worlds' published slots are guarded by it too
+  mutable std::mutex mutex_;  // the worlds' published slots are guarded by it too
 
  private:
   void abort_locked(int rank, std::exception_ptr e) {
@@ -398,8 +413,8 @@ class World {
   std::exception_ptr first_error_;
   int failed_rank_ = -1;
   std::string abort_reason_;
-  // point to point, keyed by (source, destination, tag)
-  std::map<std::tuple<int, int, int>, Mailbox> mailboxes_;
+  // point to point, keyed by (source, destination)
+  std::map<std::pair<int, int>, Mailbox> mailboxes_;
 };
 
 }  // namespace cpdispatch::detail::sim

@@ -88,7 +88,7 @@
 #include "cpdispatch/execute/detail/rethrow.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
-#include "cpdispatch/execute/simulate.hpp"
+#include "cpdispatch/bytes.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch {
@@ -111,7 +111,7 @@ constexpr MemorySpace memory_space_of() {
 
 template <class T>
 class Dispatcher {
-  CPDISPATCH_CHECK_TRANSPORT(T);
+  CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
   static_assert(detail::data_path<detail::memory_space_of<T>()>::available,
                 "cpdispatch: device transports need the CUDA data path (cpdispatch/cuda)");
   using path = detail::data_path<detail::memory_space_of<T>()>;
@@ -230,9 +230,7 @@ class Dispatcher {
   }
 
   void check_disjoint(const char* call, const Buffer& a, const Buffer& b) const {
-    if (a.used == 0 || b.used == 0) return;
-    const std::less<const std::byte*> before;
-    if (before(a.data, b.data + b.used) && before(b.data, a.data + a.used)) fail(call, a.name, " and ", b.name, " overlap");
+    if (detail::regions_overlap(a.data, a.used, b.data, b.used)) fail(call, a.name, " and ", b.name, " overlap");
   }
 
   static BufferSizes sizes_of(const detail::DispatchPlan& plan) noexcept {

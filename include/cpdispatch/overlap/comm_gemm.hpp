@@ -83,6 +83,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "cpdispatch/bytes.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/overlap/comm_overlap.hpp"
 #include "cpdispatch/gemm/gemm.hpp"
@@ -223,10 +224,8 @@ const T* op_row(MatrixView<const T> a, Transpose ta, std::size_t row) noexcept {
 
 template <class T>
 std::size_t checked_size(const char* who, const char* name, MatrixView<T> x) {
-  std::size_t n = 0;
-  if (__builtin_mul_overflow(x.rows, x.cols, &n) || __builtin_mul_overflow(n, sizeof(T), &n)) {
-    cpdispatch::detail::fail(who, ": ", name, " is ", x.rows, " x ", x.cols, ", more bytes than memory can address");
-  }
+  const std::string what = cpdispatch::detail::concat(who, ": ", name, " (", x.rows, " x ", x.cols, " elements of ", sizeof(T), " bytes)");
+  cpdispatch::detail::checked_mul(cpdispatch::detail::checked_mul(x.rows, x.cols, what), sizeof(T), what);
   return x.rows * x.cols;
 }
 
@@ -258,10 +257,7 @@ struct Region {
 
 /// Rejects two regions that share memory: one side writes what the other reads.
 inline void check_disjoint(const char* who, Region x, Region y) {
-  if (x.bytes == 0 || y.bytes == 0 || x.data == nullptr || y.data == nullptr) return;
-  const auto xb = reinterpret_cast<std::uintptr_t>(x.data);
-  const auto yb = reinterpret_cast<std::uintptr_t>(y.data);
-  if (xb < yb + y.bytes && yb < xb + x.bytes) {
+  if (cpdispatch::detail::regions_overlap(x.data, x.bytes, y.data, y.bytes)) {
     cpdispatch::detail::fail(who, ": ", x.name, " and ", y.name, " overlap in memory (", x.bytes, " bytes at ", x.data, ", ",
                              y.bytes, " bytes at ", y.data, "); the overlapped GEMM writes one while it reads the other");
   }
@@ -458,7 +454,7 @@ void ring_exchange_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixV
 template <class Tr, class G, class T>
 void comm_gemm(Tr& transport, G& gemm, MatrixView<const T> a, Transpose transa, MatrixView<const T> b, Transpose transb,
                MatrixView<T> d) {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_TRANSPORT_BASE(Tr);  // no communication
   CPDISPATCH_CHECK_GEMM_BACKEND(G, T);
   static_assert(G::memory_space == MemorySpace::host, "cpdispatch: comm_gemm needs a host GEMM backend");
   (void)transport;
@@ -474,7 +470,8 @@ void comm_gemm(Tr& transport, G& gemm, MatrixView<const T> a, Transpose transa, 
 template <class Tr, class G, class T>
 void comm_gemm(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, Transpose transa,
                MatrixView<const T> b, Transpose transb, MatrixView<T> d, MatrixView<T> rs_output = {}) {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_POINT_TO_POINT_TRANSPORT(Tr);
   CPDISPATCH_CHECK_GEMM_BACKEND(G, T);
   static_assert(Tr::memory_space == MemorySpace::host,
                 "cpdispatch: comm_gemm exchanges host memory (CommOverlapBuffer); the transport must be a host transport");

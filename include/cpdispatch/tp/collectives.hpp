@@ -103,7 +103,7 @@ class CollectiveLog {
 /// Sums `count` elements across all ranks, in place; every rank ends with the sum.
 template <class Tr, class T>
 void all_reduce_sum(Tr& transport, T* data, std::size_t count) {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
   if (transport.world_size() == 1) return;
   detail::CollectiveLog log(transport.rank(), transport.world_size(), "all_reduce_sum", element_type_of<T>(), count);
   transport.all_reduce(data, count, element_type_of<T>(), ReduceOp::sum);
@@ -121,7 +121,7 @@ void all_reduce_sum(Tr& transport, Tensor<T>& tensor) {
 /// Copies rank `src`'s `count` elements to every rank.
 template <class Tr, class T>
 void broadcast_tensor(Tr& transport, T* data, std::size_t count, int src = 0) {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
   if (src < 0 || src >= transport.world_size()) {
     cpdispatch::detail::fail("broadcast_tensor: src = ", src, " is outside [0, ", transport.world_size(), ")");
   }
@@ -142,7 +142,7 @@ void broadcast_tensor(Tr& transport, Tensor<T>& tensor, int src = 0) {
 /// Barrier: returns once every rank has called it.
 template <class Tr>
 void synchronize_across_ranks(Tr& transport) {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
   if (transport.world_size() == 1) return;
   detail::CollectiveLog log(transport.rank(), transport.world_size(), "synchronize_across_ranks", ElementType::uint8, 0);
   transport.barrier();
@@ -152,7 +152,7 @@ void synchronize_across_ranks(Tr& transport) {
 /// recv[r * count_per_rank + i] = rank r's send[i], on every rank.
 template <class Tr, class T>
 void all_gather(Tr& transport, const T* send, T* recv, std::size_t count_per_rank) {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
   if (transport.world_size() == 1) {
     if (count_per_rank != 0 && send != recv) std::copy(send, send + count_per_rank, recv);
     return;

@@ -73,7 +73,7 @@ inline std::optional<TensorParallelConfig>& thread_config() {
 /// are host transports, nccl a device one).
 template <class Tr>
 TensorParallelConfig init_tensor_parallel(Backend backend, const Tr& transport) {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
   if (backend == Backend::nccl) detail::nccl_not_built();
   if (Tr::memory_space != MemorySpace::host) {
     cpdispatch::detail::fail("init_tensor_parallel(\"", backend_name(backend),

@@ -195,7 +195,7 @@ struct LayerRecord {
 /// host-tensor calls run its pointer-level forward/backward.
 template <class Layer, class Tr, class G, class T, Split S>
 class ShardedLinear {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
   CPDISPATCH_CHECK_GEMM_BACKEND(G, T);
   static_assert(G::memory_space == Tr::memory_space,
                 "cpdispatch: the GEMM backend and the transport must work on the same memory space (host or device)");

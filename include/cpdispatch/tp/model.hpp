@@ -335,7 +335,7 @@ struct WrapperOptions {
 /// ranks); so are forward and backward.
 template <class Tr, class G, class T = float>
 class DistributedModelWrapper {
-  CPDISPATCH_CHECK_TRANSPORT(Tr);
+  CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
   CPDISPATCH_CHECK_GEMM_BACKEND(G, T);
 
  public:

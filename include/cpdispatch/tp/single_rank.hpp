@@ -1,5 +1,6 @@
 #pragma once
-// SingleRankTransport: a host Transport of world size 1, with no threads and
+// SingleRankTransport: a host transport of world size 1 (all-to-all and
+// collectives; no point-to-point), with no threads and
 // no dependency. The seed's "Single GPU (No Parallelism)" case: a layer or a
 // wrapper over it behaves exactly as the unsharded model.
 //
@@ -36,20 +37,16 @@ class SingleRankTransport {
     move(static_cast<const char*>(send) + send_displs[0], static_cast<char*>(recv) + recv_displs[0], send_counts[0]);
   }
 
-  /// Point-to-point messages have no use on one rank and are refused.
-  Request isend(const void*, std::size_t, int, int) { no_point_to_point("isend"); }
-  Request irecv(void*, std::size_t, int, int) { no_point_to_point("irecv"); }
-  void wait(Request) {}
   void barrier() {}
   void broadcast(void*, std::size_t, int root) {
     if (root != 0) no_peer("broadcast", root);
   }
   void all_reduce(void*, std::size_t, ElementType, ReduceOp) {}
   void all_gather(const void* send, void* recv, std::size_t count, ElementType type) {
-    move(send, recv, count * element_size(type));
+    move(send, recv, cpdispatch::detail::checked_bytes(count, element_size(type), 1, "SingleRankTransport::all_gather"));
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count, ElementType type, ReduceOp) {
-    move(send, recv, count * element_size(type));
+    move(send, recv, cpdispatch::detail::checked_bytes(count, element_size(type), 1, "SingleRankTransport::reduce_scatter"));
   }
 
  private:
@@ -59,11 +56,11 @@ class SingleRankTransport {
   [[noreturn]] static void no_peer(const char* op, int peer) {
     cpdispatch::detail::fail("SingleRankTransport::", op, ": rank ", peer, " is outside [0, 1)");
   }
-  [[noreturn]] static void no_point_to_point(const char* op) {
-    cpdispatch::detail::fail("SingleRankTransport::", op, ": a single rank has no peer to message");
-  }
 };
 
-static_assert(Transport<SingleRankTransport>);
+// One rank has no peer to message: no point-to-point members, so the
+// comm-GEMM overlap (which needs them) refuses it at compile time.
+static_assert(AllToAllTransport<SingleRankTransport> && CollectiveTransport<SingleRankTransport>);
+static_assert(!PointToPointTransport<SingleRankTransport>);
 
 }  // namespace cpdispatch::tp

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "cpdispatch/plan/metadata.hpp"
-#include "cpdispatch/execute/simulate.hpp"
+#include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch::detail {

@@ -22,7 +22,7 @@
 #include "cpdispatch/execute/detail/data_path.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
-#include "cpdispatch/execute/simulate.hpp"
+#include "cpdispatch/bytes.hpp"
 
 namespace cpdispatch::detail {
 

@@ -2,12 +2,20 @@
 // MpiTransport: the Transport concept (cpdispatch/transport.hpp) over an MPI
 // communicator, host memory. CMake target cpdispatch::mpi.
 //
-// - It wraps an MPI_Comm it does not own, or (MpiTransport::duplicate) a
-//   private duplicate that it frees. While it lives, the communicator's error
-//   handler is MPI_ERRORS_RETURN and every MPI return code is checked: a
-//   failure throws mpi_error naming the MPI call, the rank, the operation and
-//   MPI's own text (MPI_Error_string); code() is the MPI error code. The
-//   previous handler is restored when a borrowed communicator is released.
+// - By default it works on a private duplicate of the caller's communicator
+//   (MPI_Comm_dup, collective over it; freed with the transport): the
+//   caller's communicator keeps its error handler and never carries our
+//   messages. MpiCommunicator::borrow (MpiTransportOptions::communicator)
+//   uses the caller's communicator itself instead: then its error handler is
+//   MPI_ERRORS_RETURN while the transport lives (the previous one is restored
+//   after) and our messages travel on it with tags MPI_TAG_UB and
+//   MPI_TAG_UB - 1. Every MPI return code is checked: a failure throws
+//   mpi_error naming the MPI call, the rank, the operation and MPI's own text
+//   (MPI_Error_string); code() is the MPI error code.
+// - isend/irecv follow the point-to-point contract of transport.hpp: all of
+//   them travel on one tag, so the messages between two ranks match in
+//   posting order (MPI's non-overtaking rule); the caller's tags only label
+//   error messages.
 //   (Datatype and operator constructors report through MPI_COMM_WORLD's
 //   handler, as MPI prescribes; they only fail when MPI runs out of memory.)
 // - Byte counts are size_t. A message above `max_count` bytes (INT_MAX by
@@ -29,9 +37,12 @@
 //   all_reduce(4 float32 elements): not complete after 200 ms ...").
 //   Collectives then run as their non-blocking forms plus an MPI_Test loop;
 //   without a timeout they are the blocking calls. A collective abandoned at
-//   a timeout stays pending in MPI (MPI cannot cancel collectives) and may
-//   still write into its buffers: treat the communicator as broken. A
-//   timed-out wait() leaves its request pending, so it can be waited on again.
+//   a timeout (or an error) stays pending in MPI (MPI cannot cancel
+//   collectives) and may still read and write its buffers, the transport's
+//   own count arrays included: the transport is then broken, and every later
+//   call throws timeout_error (or backend_error) saying so; make a new one. A
+//   timed-out wait() leaves its request pending, so it can be waited on
+//   again (the transport stays usable).
 // - Every rank must use the same max_count, all_to_all and timeout-or-not:
 //   they choose the MPI calls, and a non-blocking collective does not match
 //   a blocking one. (The timeout's length may differ between ranks.)
@@ -55,6 +66,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <span>
 #include <string>
 #include <thread>
@@ -74,6 +86,12 @@ class mpi_error : public backend_error {
   using backend_error::backend_error;
 };
 
+/// Which communicator a transport uses (see the header comment).
+enum class MpiCommunicator {
+  duplicate,  ///< a private MPI_Comm_dup of the caller's (the default)
+  borrow,     ///< the caller's own; its error handler is MPI_ERRORS_RETURN while the transport lives
+};
+
 /// How all_to_all_v moves data while every count and displacement fits an int.
 enum class MpiAllToAll {
   alltoallv,       ///< one MPI_Alltoallv (MPI_Ialltoallv with a timeout)
@@ -89,6 +107,7 @@ struct MpiTransportOptions {
   /// 0: wait forever. Otherwise a call not complete after this long throws
   /// timeout_error (see the header comment).
   std::chrono::milliseconds timeout{0};
+  MpiCommunicator communicator = MpiCommunicator::duplicate;
 };
 
 namespace detail {
@@ -278,17 +297,26 @@ class MpiTransport {
  public:
   static constexpr MemorySpace memory_space = MemorySpace::host;
 
-  /// Uses `comm` (not owned; it must outlive the transport). Sets
-  /// MPI_ERRORS_RETURN on it until the transport is destroyed.
-  explicit MpiTransport(MPI_Comm comm, MpiTransportOptions options = {}) { init(comm, false, options); }
-
   /// A transport on a private duplicate of `comm` (collective over `comm`),
-  /// freed with the transport: its traffic cannot meet anybody else's.
-  static MpiTransport duplicate(MPI_Comm comm, MpiTransportOptions options = {}) {
+  /// freed with the transport: its traffic cannot meet anybody else's. With
+  /// options.communicator == MpiCommunicator::borrow, on `comm` itself (not
+  /// owned; it must outlive the transport).
+  explicit MpiTransport(MPI_Comm comm, MpiTransportOptions options = {}) {
     check_mpi_usable(comm);
-    MPI_Comm dup = MPI_COMM_NULL;
-    detail::mpi_check(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", [] { return std::string("in MpiTransport::duplicate"); });
-    return MpiTransport(dup, options, owned_tag{});
+    check_options(options);
+    if (options.communicator == MpiCommunicator::borrow) {
+      init(comm, false, options);
+      return;
+    }
+    detail::mpi_check(MPI_Comm_dup(comm, &h_.comm), "MPI_Comm_dup", [] { return std::string("in the MpiTransport constructor"); });
+    h_.owns_comm = true;  // freed by h_ even if init() throws
+    init(h_.comm, true, options);
+  }
+
+  /// The same as the constructor with MpiCommunicator::duplicate.
+  static MpiTransport duplicate(MPI_Comm comm, MpiTransportOptions options = {}) {
+    options.communicator = MpiCommunicator::duplicate;
+    return MpiTransport(comm, options);
   }
 
   MpiTransport(MpiTransport&&) noexcept = default;
@@ -301,9 +329,8 @@ class MpiTransport {
   int world_size() const noexcept { return size_; }
   MPI_Comm comm() const noexcept { return h_.comm; }
   const MpiTransportOptions& options() const noexcept { return options_; }
-  /// The tag all_to_all_v's point-to-point messages use (MPI_TAG_UB);
-  /// isend/irecv take tags in [0, reserved_tag()).
-  int reserved_tag() const noexcept { return reserved_tag_; }
+  /// Whether an abandoned operation broke the transport (see the header comment).
+  bool broken() const noexcept { return !broken_.empty(); }
 
   /// 0 turns the timeout off.
   void set_timeout(std::chrono::milliseconds timeout) {
@@ -313,6 +340,7 @@ class MpiTransport {
 
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    check_usable("all_to_all_v");
     check_per_rank(send_counts, "send_counts");
     check_per_rank(send_displs, "send_displs");
     check_per_rank(recv_counts, "recv_counts");
@@ -350,22 +378,22 @@ class MpiTransport {
   }
 
   Request isend(const void* buf, std::size_t bytes, int peer, int tag) {
-    check_tag(tag, "isend");
+    check_usable("isend");
     auto where = [&] { return describe("isend(", bytes, " bytes to peer ", peer, ", tag ", tag, ")"); };
     const detail::MpiMessage m = detail::mpi_message(bytes, options_.max_count);
     const std::size_t slot = acquire_slot();
-    const int rc = MPI_Isend(buf, m.count, m.type, peer, tag, h_.comm, &h_.pending[slot]);
+    const int rc = MPI_Isend(buf, m.count, m.type, peer, point_to_point_tag(), h_.comm, &h_.pending[slot]);
     if (rc != MPI_SUCCESS) release_slot(slot);
     detail::mpi_check(rc, "MPI_Isend", where);
     return request_of(slot);
   }
 
   Request irecv(void* buf, std::size_t bytes, int peer, int tag) {
-    check_tag(tag, "irecv");
+    check_usable("irecv");
     auto where = [&] { return describe("irecv(", bytes, " bytes from peer ", peer, ", tag ", tag, ")"); };
     const detail::MpiMessage m = detail::mpi_message(bytes, options_.max_count);
     const std::size_t slot = acquire_slot();
-    const int rc = MPI_Irecv(buf, m.count, m.type, peer, tag, h_.comm, &h_.pending[slot]);
+    const int rc = MPI_Irecv(buf, m.count, m.type, peer, point_to_point_tag(), h_.comm, &h_.pending[slot]);
     if (rc != MPI_SUCCESS) release_slot(slot);
     detail::mpi_check(rc, "MPI_Irecv", where);
     return request_of(slot);
@@ -375,6 +403,7 @@ class MpiTransport {
   /// message was longer than the receive) consumes the request; a timeout
   /// leaves it pending.
   void wait(Request request) {
+    check_usable("wait");
     const std::size_t slot = slot_of(request);
     auto where = [&] { return describe("wait(Request{", request.id, "})"); };
     try {
@@ -389,6 +418,7 @@ class MpiTransport {
   }
 
   void barrier() {
+    check_usable("barrier");
     auto where = [&] { return describe("barrier()"); };
     collective(
         "Barrier", "MPI_Barrier", "MPI_Ibarrier", [&] { return MPI_Barrier(h_.comm); },
@@ -396,6 +426,7 @@ class MpiTransport {
   }
 
   void broadcast(void* buf, std::size_t bytes, int root) {
+    check_usable("broadcast");
     auto where = [&] { return describe("broadcast(", bytes, " bytes, root ", root, ")"); };
     const detail::MpiMessage m = detail::mpi_message(bytes, options_.max_count);
     collective(
@@ -405,10 +436,11 @@ class MpiTransport {
 
   /// In place: `buf` holds `count` elements, every rank's sum afterwards.
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
+    check_usable("all_reduce");
     auto where = [&] { return describe("all_reduce(", count, " ", element_name(type), " elements)"); };
     const Reduction red = reduction(type, op);  // not a structured binding: clang 14 cannot capture those
     const std::size_t es = element_size(type);
-    checked_bytes(count, es, 1, "all_reduce");
+    detail::checked_bytes(count, es, 1, "all_reduce");
     auto* p = static_cast<std::byte*>(buf);
     std::size_t done = 0;
     do {  // chunks of at most max_count elements (one chunk normally)
@@ -428,8 +460,9 @@ class MpiTransport {
   /// recv holds world_size() blocks of count_per_rank elements, rank i's at
   /// block i. send == recv + rank() * block is MPI_IN_PLACE.
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
+    check_usable("all_gather");
     auto where = [&] { return describe("all_gather(", count_per_rank, " ", element_name(type), " elements per rank)"); };
-    const std::size_t bytes = checked_bytes(count_per_rank, element_size(type), static_cast<std::size_t>(size_), "all_gather") /
+    const std::size_t bytes = detail::checked_bytes(count_per_rank, element_size(type), static_cast<std::size_t>(size_), "all_gather") /
                               static_cast<std::size_t>(size_);
     const void* source = send == static_cast<const std::byte*>(recv) + static_cast<std::size_t>(rank_) * bytes ? MPI_IN_PLACE : send;
     const detail::MpiMessage m = detail::mpi_message(bytes, options_.max_count);
@@ -442,12 +475,13 @@ class MpiTransport {
   /// send holds world_size() blocks of count_per_rank elements; recv gets the
   /// sum over ranks of block rank().
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
+    check_usable("reduce_scatter");
     auto where = [&] {
       return describe("reduce_scatter(", count_per_rank, " ", element_name(type), " elements per rank)");
     };
     const Reduction red = reduction(type, op);  // not a structured binding: clang 14 cannot capture those
     const std::size_t es = element_size(type);
-    checked_bytes(count_per_rank, es, static_cast<std::size_t>(size_), "reduce_scatter");
+    detail::checked_bytes(count_per_rank, es, static_cast<std::size_t>(size_), "reduce_scatter");
     if (count_per_rank <= options_.max_count) {
       const int n = static_cast<int>(count_per_rank);
       collective(
@@ -482,13 +516,6 @@ class MpiTransport {
   }
 
  private:
-  struct owned_tag {};
-  MpiTransport(MPI_Comm owned, MpiTransportOptions options, owned_tag) {
-    h_.comm = owned;  // freed by h_ even if init() throws
-    h_.owns_comm = true;
-    init(owned, true, options);
-  }
-
   static void check_mpi_usable(MPI_Comm comm) {
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
@@ -499,12 +526,14 @@ class MpiTransport {
     if (comm == MPI_COMM_NULL) detail::fail("MpiTransport: the communicator is MPI_COMM_NULL");
   }
 
-  void init(MPI_Comm comm, bool owned, const MpiTransportOptions& options) {
-    check_mpi_usable(comm);
+  static void check_options(const MpiTransportOptions& options) {
     if (options.max_count == 0 || options.max_count > static_cast<std::size_t>(INT_MAX)) {
       detail::fail("MpiTransport: max_count = ", options.max_count, " is outside [1, INT_MAX]");
     }
     if (options.timeout.count() < 0) detail::fail("MpiTransport: timeout = ", options.timeout.count(), " ms is negative");
+  }
+
+  void init(MPI_Comm comm, bool owned, const MpiTransportOptions& options) {
     options_ = options;
     auto where = [] { return std::string("in the MpiTransport constructor"); };
     if (!owned) {
@@ -539,21 +568,16 @@ class MpiTransport {
     }
   }
 
-  void check_tag(int tag, const char* call) const {
-    if (tag < 0) detail::fail(call, ": tag ", tag, " is negative (wildcards are not part of the Transport contract)");
-    if (tag == reserved_tag_) {
-      detail::fail(call, ": tag ", tag, " (MPI_TAG_UB) is reserved for all_to_all_v's point-to-point messages");
-    }
+  /// Refuses every call once an abandoned operation broke the transport.
+  void check_usable(const char* call) const {
+    if (broken_.empty()) [[likely]] return;
+    throw timeout_error(detail::concat("MpiTransport::", call, " on rank ", rank_, ": the transport is unusable since an earlier ",
+                                       "operation was abandoned while MPI may still use its buffers (", broken_,
+                                       "); make a new transport"));
   }
 
-  /// count * element_size * blocks, refusing to overflow.
-  static std::size_t checked_bytes(std::size_t count, std::size_t element_size, std::size_t blocks, const char* who) {
-    std::size_t bytes = 0;
-    if (__builtin_mul_overflow(count, element_size, &bytes) || __builtin_mul_overflow(bytes, blocks, &bytes)) {
-      detail::fail(who, ": ", count, " elements of ", element_size, " bytes x ", blocks, " ranks do not fit in memory");
-    }
-    return bytes;
-  }
+  /// The tag of isend/irecv: one for all, so a pair's messages match in posting order.
+  int point_to_point_tag() const noexcept { return reserved_tag_ - 1; }
 
   struct Reduction {
     MPI_Datatype type;
@@ -645,9 +669,23 @@ class MpiTransport {
   }
 
   /// Keeps still-pending requests for the destructor (see MpiTransportHandles).
+  /// Called while the exception that stopped the operation is in flight:
+  /// it becomes the reason the transport is broken.
   void abandon(std::span<MPI_Request> reqs) {
     for (MPI_Request& r : reqs) {
-      if (r != MPI_REQUEST_NULL) h_.abandoned.push_back(std::exchange(r, MPI_REQUEST_NULL));
+      if (r == MPI_REQUEST_NULL) continue;
+      h_.abandoned.push_back(std::exchange(r, MPI_REQUEST_NULL));
+      if (broken_.empty()) broken_ = current_reason();
+    }
+  }
+
+  static std::string current_reason() {
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      return e.what();
+    } catch (...) {
+      return "an unknown exception";
     }
   }
 
@@ -726,7 +764,8 @@ class MpiTransport {
   MpiTransportOptions options_;
   int rank_ = 0;
   int size_ = 0;
-  int reserved_tag_ = 32767;
+  int reserved_tag_ = 32767;  // MPI_TAG_UB: all_to_all_v's messages; MPI_TAG_UB - 1: isend/irecv
+  std::string broken_;        // why the transport is unusable; empty while it is usable
   std::vector<int> ints_;                  // all_to_all_v counts/displacements as int: [4][W]
   std::vector<MPI_Request> requests_;      // all_to_all_v / reduce_scatter in flight: [2W]
   std::vector<MPI_Status> statuses_;       // [2W]

@@ -208,6 +208,7 @@ class SimWorld : private detail::sim::World<detail::sim::Message> {
       : World({"SimWorld", "SimTransport", "SimOptions::timeout"}, world_size, options.timeout), options_(options) {}
 
   using World::world_size;
+  using World::running;  // whether run() is under way
   const SimOptions& options() const noexcept { return options_; }
 
   /// Runs per_rank(SimTransport&) on world_size() threads at once (rank r on
@@ -376,7 +377,7 @@ inline void SimTransport::broadcast(void* buf, std::size_t bytes, int root) {
 
 inline void SimTransport::all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp) {
   const char* op = "all_reduce";
-  const std::size_t bytes = count * element_size(type);
+  const std::size_t bytes = detail::checked_bytes(count, element_size(type), 1, "SimTransport::all_reduce");
   publish({.send = buf, .recv = buf});
   const detail::sim::Call call{op, count, static_cast<int>(type), -1};
   world_.arrive_and_wait(rank_, call);
@@ -392,7 +393,8 @@ inline void SimTransport::all_reduce(void* buf, std::size_t count, ElementType t
 
 inline void SimTransport::all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
   const char* op = "all_gather";
-  const std::size_t bytes = count_per_rank * element_size(type);
+  const std::size_t bytes = detail::checked_bytes(count_per_rank, element_size(type), 1, "SimTransport::all_gather");
+  detail::checked_bytes(count_per_rank, element_size(type), world_.slots_.size(), "SimTransport::all_gather");
   publish({.send = send, .recv = recv});
   const detail::sim::Call call{op, count_per_rank, static_cast<int>(type), -1};
   world_.arrive_and_wait(rank_, call);
@@ -407,7 +409,8 @@ inline void SimTransport::all_gather(const void* send, void* recv, std::size_t c
 
 inline void SimTransport::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp) {
   const char* op = "reduce_scatter";
-  const std::size_t bytes = count_per_rank * element_size(type);
+  const std::size_t bytes = detail::checked_bytes(count_per_rank, element_size(type), 1, "SimTransport::reduce_scatter");
+  detail::checked_bytes(count_per_rank, element_size(type), world_.slots_.size(), "SimTransport::reduce_scatter");
   publish({.send = send, .recv = recv});
   const detail::sim::Call call{op, count_per_rank, static_cast<int>(type), -1};
   world_.arrive_and_wait(rank_, call);
