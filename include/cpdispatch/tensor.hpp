@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -20,33 +21,54 @@
 namespace cpdispatch {
 namespace detail {
 
-/// Allocator for zero-filled arithmetic storage: calloc hands out memory the
-/// kernel has already zeroed, and value-initialising construct() is a no-op,
-/// so large mostly-zero metadata (the W x (W+1) counts) costs no memset and
-/// no page touched until written. Only used by Tensor, which never shrinks
-/// and regrows its storage.
+/// Zero-filled arithmetic storage of a fixed size: calloc hands out memory
+/// the kernel has already zeroed, so large mostly-zero metadata (the
+/// W x (W+1) counts) costs no memset and no page touched until written.
+/// The size is set once, at construction: there is no resize that could hand
+/// back reused memory believed to be zero.
 template <class T>
-struct ZeroedAllocator {
-  static_assert(std::is_arithmetic_v<T>, "ZeroedAllocator holds arithmetic types only");
-  using value_type = T;
-  ZeroedAllocator() = default;
-  template <class U>
-  ZeroedAllocator(const ZeroedAllocator<U>&) noexcept {}
-  T* allocate(std::size_t n) {
+class ZeroedBuffer {
+  static_assert(std::is_arithmetic_v<T>, "ZeroedBuffer holds arithmetic types only");
+
+ public:
+  ZeroedBuffer() = default;
+  explicit ZeroedBuffer(std::size_t n) : data_(allocate(n)), size_(n) {}
+  ZeroedBuffer(const ZeroedBuffer& other) : data_(allocate(other.size_)), size_(other.size_) {
+    if (size_ != 0) std::memcpy(data_, other.data_, size_ * sizeof(T));
+  }
+  ZeroedBuffer(ZeroedBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  ZeroedBuffer& operator=(ZeroedBuffer other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(size_, other.size_);
+    return *this;
+  }
+  ~ZeroedBuffer() { std::free(data_); }
+
+  std::size_t size() const noexcept { return size_; }
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  T* begin() noexcept { return data_; }
+  T* end() noexcept { return data_ + size_; }
+  const T* begin() const noexcept { return data_; }
+  const T* end() const noexcept { return data_ + size_; }
+  T& operator[](std::size_t i) noexcept { return data_[i]; }
+  const T& operator[](std::size_t i) const noexcept { return data_[i]; }
+
+  friend bool operator==(const ZeroedBuffer& a, const ZeroedBuffer& b) noexcept {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+
+ private:
+  static T* allocate(std::size_t n) {
     if (n == 0) return nullptr;
     void* p = std::calloc(n, sizeof(T));
     if (!p) throw std::bad_alloc();
     return static_cast<T*>(p);
   }
-  void deallocate(T* p, std::size_t) noexcept { std::free(p); }
-  template <class U>
-  void construct(U*) noexcept {}  // calloc'd memory already holds zero
-  template <class U, class... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-  template <class U>
-  friend bool operator==(const ZeroedAllocator&, const ZeroedAllocator<U>&) noexcept { return true; }
+
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
 };
 
 }  // namespace detail
@@ -79,7 +101,7 @@ class Tensor {
         detail::fail("Tensor: shape [", dims, "] has more elements than memory can address");
       }
     }
-    data_.resize(n);  // zero, without touching the pages
+    data_ = detail::ZeroedBuffer<T>(n);  // zero, without touching the pages
     if (fill != T{}) std::fill(data_.begin(), data_.end(), fill);
   }
 
@@ -91,8 +113,8 @@ class Tensor {
 
   T* data() noexcept { return data_.data(); }
   const T* data() const noexcept { return data_.data(); }
-  std::span<T> flat() noexcept { return data_; }
-  std::span<const T> flat() const noexcept { return data_; }
+  std::span<T> flat() noexcept { return {data_.data(), data_.size()}; }
+  std::span<const T> flat() const noexcept { return {data_.data(), data_.size()}; }
   /// A copy of the elements in row-major order.
   std::vector<T> values() const { return {data_.begin(), data_.end()}; }
 
@@ -116,13 +138,16 @@ class Tensor {
   }
 
   /// Row `i` of the leading axis: every element whose first index is `i`.
-  std::span<T> row(std::size_t i) noexcept {
-    const std::size_t n = dim_ ? data_.size() / shape_[0] : 0;
-    return std::span<T>(data_).subspan(i * n, n);
-  }
-  std::span<const T> row(std::size_t i) const noexcept {
-    const std::size_t n = dim_ ? data_.size() / shape_[0] : 0;
-    return std::span<const T>(data_).subspan(i * n, n);
+  /// Throws invalid_input when `i` is not below size(0) (a tensor with a
+  /// leading extent of 0 has no rows).
+  std::span<T> row(std::size_t i) { return flat().subspan(row_start(i), row_size()); }
+  std::span<const T> row(std::size_t i) const { return flat().subspan(row_start(i), row_size()); }
+
+  /// Elements per row of the leading axis (the product of the other extents).
+  std::size_t row_size() const noexcept {
+    std::size_t n = 1;
+    for (std::size_t axis = 1; axis < dim_; ++axis) n *= shape_[axis];  // no overflow: the constructor checked the product
+    return n;
   }
 
   friend bool operator==(const Tensor& a, const Tensor& b) {
@@ -130,6 +155,11 @@ class Tensor {
   }
 
  private:
+  std::size_t row_start(std::size_t i) const {
+    if (dim_ == 0 || i >= shape_[0]) detail::fail("Tensor::row: row ", i, " is outside [0, ", size(0), ")");
+    return i * row_size();
+  }
+
   void check_index(std::initializer_list<std::size_t> ix) const {
     if (ix.size() != dim_) {
       detail::fail("Tensor::at: ", ix.size(), " indices given for a ", dim_, "-D tensor");
@@ -145,7 +175,7 @@ class Tensor {
 
   std::size_t dim_ = 0;
   std::array<std::size_t, 3> shape_{};
-  std::vector<T, detail::ZeroedAllocator<T>> data_;
+  detail::ZeroedBuffer<T> data_;
 };
 
 /// A 2-D tensor from nested rows (rows must have equal length); handy in tests.

@@ -159,3 +159,13 @@ class data_path<MemorySpace::device> {
 };
 
 }  // namespace cpdispatch::detail
+
+namespace cpdispatch::cuda {
+
+/// The device data path, as device transports name it: `using data_path = cuda::DeviceDataPath;`.
+class DeviceDataPath : public detail::data_path<MemorySpace::device> {
+ public:
+  using detail::data_path<MemorySpace::device>::data_path;
+};
+
+}  // namespace cpdispatch::cuda

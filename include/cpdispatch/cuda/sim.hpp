@@ -118,10 +118,13 @@ struct SimSlot {
 
 namespace cpdispatch::cuda {
 
+class DeviceDataPath;  // the dispatcher's data path: cpdispatch/cuda/data_path.hpp
+
 /// One rank's handle on a DeviceSimWorld; owned by the world, handed to run() / capture().
 class DeviceSimTransport {
  public:
   static constexpr MemorySpace memory_space = MemorySpace::device;
+  using data_path = cuda::DeviceDataPath;  ///< the dispatcher's data path (cpdispatch/cuda/data_path.hpp)
 
   DeviceSimTransport(const DeviceSimTransport&) = delete;
   DeviceSimTransport& operator=(const DeviceSimTransport&) = delete;

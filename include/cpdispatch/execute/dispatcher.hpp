@@ -67,9 +67,11 @@
 // path (local copies, combine, owned staging; execute/detail/data_path.hpp) follow
 // the transport's memory_space. Host transports take std::span<std::byte>.
 // Device transports (NCCL, the device sim) take cuda::DeviceSpan, which host
-// containers do not convert to, and need the CUDA data path: include
-// cpdispatch/cuda/data_path.hpp from a CUDA translation unit, or the
-// dispatcher is refused at compile time with a readable message. On a device
+// containers do not convert to, and name the CUDA data path as their member
+// type `data_path` (cuda::DeviceDataPath): a translation unit that makes a
+// dispatcher over them includes cpdispatch/cuda/data_path.hpp (compiled by
+// nvcc), wherever it likes; without it the dispatcher is refused at compile
+// time with a readable message. On a device
 // path every call is stream-ordered on the transport's stream (kernels for
 // the copies and the combine, pieces uploaded once at construction): no host
 // synchronisation and no host access to the buffers, so a sequence of calls
@@ -103,18 +105,27 @@ struct BufferSizes {
 };
 
 namespace detail {
+/// The transport's data path; the host one while the transport's own checks fail (one diagnostic each).
 template <class T>
-constexpr MemorySpace memory_space_of() {
-  if constexpr (transport_has_memory_space<T>) return T::memory_space; else return MemorySpace::host;
+struct dispatcher_path {
+  using type = data_path<MemorySpace::host>;
+};
+template <class T>
+  requires transport_has_memory_space<T>
+struct dispatcher_path<T> : data_path_for<T> {};
+template <class P>
+constexpr bool data_path_available() {
+  if constexpr (defined_type<P>) return P::available; else return false;
 }
 }  // namespace detail
 
 template <class T>
 class Dispatcher {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
-  static_assert(detail::data_path<detail::memory_space_of<T>()>::available,
-                "cpdispatch: device transports need the CUDA data path (cpdispatch/cuda)");
-  using path = detail::data_path<detail::memory_space_of<T>()>;
+  using path = typename detail::dispatcher_path<T>::type;
+  static_assert(detail::data_path_available<path>(),
+                "cpdispatch: device transports need the CUDA data path (cpdispatch/cuda): the transport names it as "
+                "`using data_path = cuda::DeviceDataPath;`, defined by cpdispatch/cuda/data_path.hpp in a .cu file");
   using Direction = detail::Direction;
   using Stage = detail::Stage;
 

@@ -1,10 +1,14 @@
 #pragma once
 // The data path of the dispatcher: the local copies (pack, unpack, traffic to
-// oneself), the KV-gradient combine and the dispatcher-owned staging, chosen
-// by the transport's memory space. The dispatch logic (who sends what where)
-// lives in dispatcher.hpp and never touches memory itself, so the device data
-// path (CUDA kernels, cpdispatch/cuda/data_path.hpp) is one more
-// specialisation of data_path here. Each dispatcher owns one data path object:
+// oneself), the KV-gradient combine and the dispatcher-owned staging. The
+// transport names its data path (data_path_for below): a member type
+// `data_path` when it has one (the device transports name
+// cuda::DeviceDataPath, defined in cpdispatch/cuda/data_path.hpp), the host
+// path for host transports otherwise. So no include order chooses it: a
+// device dispatcher whose data path is not defined in the translation unit
+// is refused at compile time, never silently given another path. The
+// dispatch logic (who sends what where) lives in dispatcher.hpp and never
+// touches memory itself. Each dispatcher owns one data path object:
 //
 //   template <> class data_path<Space> {
 //    public:
@@ -27,6 +31,7 @@
 #include <cstddef>
 #include <cstring>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "cpdispatch/plan/metadata.hpp"
@@ -51,9 +56,9 @@ enum class Direction { forward, reverse };
 /// (traffic to oneself), staging -> output.
 enum class Stage { pack, self, unpack };
 
-/// No data path for this memory space: the dispatcher refuses it at compile
-/// time with a readable message (include cpdispatch/cuda/data_path.hpp, from
-/// a CUDA translation unit, for MemorySpace::device).
+/// The data path of a memory space: the host one below; none (refused at
+/// compile time with a readable message) for other spaces. The device path
+/// specialises it in cpdispatch/cuda/data_path.hpp.
 template <MemorySpace Space>
 class data_path {
  public:
@@ -92,5 +97,29 @@ class data_path<MemorySpace::host> {
  private:
   std::vector<std::byte> staging_;
 };
+
+/// What a device transport that names no data path gets: refused.
+struct unnamed_data_path {
+  static constexpr bool available = false;
+  using const_buffer = ConstBytes;
+  using mutable_buffer = MutableBytes;
+};
+
+/// The data path a transport names: its member type `data_path`, or the host
+/// path for a host transport without one (a device transport must name one).
+template <class T>
+struct data_path_for {
+  using type = std::conditional_t<T::memory_space == MemorySpace::host, data_path<MemorySpace::host>, unnamed_data_path>;
+};
+template <class T>
+  requires requires { typename T::data_path; }
+struct data_path_for<T> {
+  using type = typename T::data_path;
+};
+
+/// Whether a type is defined here (a device data path is only declared
+/// unless cpdispatch/cuda/data_path.hpp is included).
+template <class P>
+concept defined_type = requires { sizeof(P); };
 
 }  // namespace cpdispatch::detail

@@ -145,9 +145,14 @@ constexpr ncclRedOp_t nccl_reduce_op(ReduceOp op) noexcept {
 
 namespace cpdispatch {
 
+namespace cuda {
+class DeviceDataPath;  // the dispatcher's data path: cpdispatch/cuda/data_path.hpp
+}  // namespace cuda
+
 class NcclTransport {
  public:
   static constexpr MemorySpace memory_space = MemorySpace::device;
+  using data_path = cuda::DeviceDataPath;  ///< the dispatcher's data path (cpdispatch/cuda/data_path.hpp)
 
   /// Borrows `comm` and `stream`; allocates one int of device memory (the barrier's).
   NcclTransport(ncclComm_t comm, cudaStream_t stream) : comm_(comm), stream_(stream) {
