@@ -26,9 +26,10 @@ if(NOT CPDISPATCH_BLAS STREQUAL "OFF")
     set_target_properties(cpdispatch_blas PROPERTIES EXPORT_NAME blas)
     target_link_libraries(cpdispatch_blas INTERFACE cpdispatch BLAS::BLAS)
     # SYSTEM: OpenBLAS's headers use C99 _Complex, which -Wpedantic rejects in C++.
-    # The folder is a system path (not ours), so installed consumers get it as is.
-    target_include_directories(cpdispatch_blas SYSTEM INTERFACE $<BUILD_INTERFACE:${CPDISPATCH_CBLAS_INCLUDE_DIR}>
-                                                                $<INSTALL_INTERFACE:${CPDISPATCH_CBLAS_INCLUDE_DIR}>)
+    # Build tree only: the installed package looks cblas.h up again on the
+    # consumer's machine (cpdispatchConfig.cmake), so no path of this machine
+    # is written into the exported targets.
+    target_include_directories(cpdispatch_blas SYSTEM INTERFACE $<BUILD_INTERFACE:${CPDISPATCH_CBLAS_INCLUDE_DIR}>)
     message(STATUS "cpdispatch: CBLAS GEMM backend (cpdispatch::blas): ${BLAS_LIBRARIES}, ${CPDISPATCH_CBLAS_INCLUDE_DIR}/cblas.h")
   elseif(CPDISPATCH_BLAS STREQUAL "ON")
     message(FATAL_ERROR "cpdispatch: CPDISPATCH_BLAS=ON but no BLAS with cblas.h was found "

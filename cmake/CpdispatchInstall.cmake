@@ -25,6 +25,8 @@ set(_cpd_dev COMPONENT cpdispatch_Development)
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/"
         DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" ${_cpd_dev}
         FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
+install(FILES "${PROJECT_BINARY_DIR}/generated/include/cpdispatch/version.hpp"
+        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/cpdispatch" ${_cpd_dev})
 
 # ---- targets ---------------------------------------------------------------
 # The core, then each optional INTERFACE target cpdispatch_<name> (EXPORT_NAME

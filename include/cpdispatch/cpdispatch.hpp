@@ -1,16 +1,28 @@
 #pragma once
-// The core of cpdispatch: planning (given and load-balanced), metadata,
-// generators and the memcpy simulation. Standard library and Boost headers
-// only; transports, JSON and the tensor-parallel layers have their own headers.
+// The core of cpdispatch, everything the target cpdispatch::cpdispatch compiles
+// alone (standard library and Boost headers): the vocabulary, planning
+// (plan/), host execution (execute/: the Dispatcher, the combine, the
+// reference simulation) and the transport concepts.
+//
+// Not included, because each needs another target or compiler: the
+// transports (cpdispatch/transports/sim.hpp, mpi.hpp, nccl.hpp), JSON
+// (plan/json.hpp), the CBLAS GEMM backend (gemm/gemm_cblas.hpp), the CUDA
+// data path (cuda/), the test doubles (testing/), and the layers on top, which
+// have umbrellas of their own (tp/tensor_parallel.hpp, overlap/overlap.hpp).
 
-#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/bytes.hpp"
+#include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/execute/combine.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/float16.hpp"
+#include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
-#include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/plan/svg.hpp"
-#include "cpdispatch/tensor.hpp"
-#include "cpdispatch/version.hpp"
 #include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/tensor.hpp"
+#include "cpdispatch/transport.hpp"
+#include "cpdispatch/version.hpp"

@@ -12,6 +12,9 @@
 #include <thread>
 #include <vector>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "cpdispatch/overlap/overlap.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 
@@ -200,6 +203,34 @@ TEST_P(OverlapMock, BulkIssuesExactlyOneCollective) {
   ov::comm_gemm(t, gemm, buffer, ov::matrix_view<const float>(a.data(), m, k), Transpose::no,
                 ov::matrix_view<const float>(b.data(), k, n), Transpose::no, ov::matrix_view(d.data(), m, n),
                 ov::matrix_view(rs.data(), rows / tp, cols));
+}
+
+// One helper thread per buffer, reused by every call: the side on the helper
+// runs on the same kernel thread each time (thread ids, unlike std::thread::id,
+// are not reused soon after a thread ends), never on the caller's.
+TEST_P(OverlapMock, EveryCallOfABufferRunsOnTheSameHelperThread) {
+  const int tp = 2, rank = 0;
+  const std::size_t rows = 4, cols = 3, m = 2, k = 2, n = 2;
+  StrictMock<MockTransport> t(rank, tp);
+  StrictMock<MockGemm> gemm;
+  ov::CommOverlapBuffer buffer(CommOverlapType::RS, CommOverlapMethod::BULK, {rows, cols}, ElementType::float32, tp, options());
+  std::vector<float> a(m * k), b(k * n), d(m * n), rs(rows / tp * cols);
+  std::vector<long> helper_tids;
+  const bool comm_on_helper = GetParam() == HelperThread::communication;
+  auto record = [&] { helper_tids.push_back(static_cast<long>(::syscall(SYS_gettid))); };
+  EXPECT_CALL(t, reduce_scatter(_, _, _, _, _)).Times(3).WillRepeatedly([&](auto&&...) { if (comm_on_helper) record(); });
+  EXPECT_CALL(gemm, gemm(_, _, _, _, _, _, _, _, _, _, _, _, _)).Times(3).WillRepeatedly([&](auto&&...) {
+    if (!comm_on_helper) record();
+  });
+  for (int call = 0; call < 3; ++call) {
+    ov::comm_gemm(t, gemm, buffer, ov::matrix_view<const float>(a.data(), m, k), Transpose::no,
+                  ov::matrix_view<const float>(b.data(), k, n), Transpose::no, ov::matrix_view(d.data(), m, n),
+                  ov::matrix_view(rs.data(), rows / tp, cols));
+  }
+  ASSERT_EQ(helper_tids.size(), 3u);
+  EXPECT_EQ(helper_tids[0], helper_tids[1]);
+  EXPECT_EQ(helper_tids[1], helper_tids[2]);
+  EXPECT_NE(helper_tids[0], static_cast<long>(::syscall(SYS_gettid)));
 }
 
 TEST(OverlapMockNone, NoneIssuesNoCollective) {

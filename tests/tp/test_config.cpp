@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpdispatch/testing/mock_transport.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
 #include "loopback_transport.hpp"
 #include "tp_test_util.hpp"
@@ -36,11 +37,17 @@ TEST(TpConfig, InitRecordsThisThreadsConfig) {
   tp::reset_tensor_parallel_config();
 }
 
-TEST(TpConfig, NcclIsAClearErrorUntilItsTransportExists) {
+TEST(TpConfig, NcclTakesADeviceTransportAndTheHostBackendsAHostOne) {
   tp::SingleRankTransport one;
   EXPECT_THAT(error_of([&] { tp::init_tensor_parallel("nccl", one); }),
-              HasSubstr("init_tensor_parallel(\"nccl\"): the NCCL transport is not built"));
-  EXPECT_THAT(error_of([] { tp::init_tensor_parallel("nccl"); }), HasSubstr("the NCCL transport is not built"));
+              HasSubstr("init_tensor_parallel(\"nccl\"): this backend runs on device memory but the transport works on host memory"));
+  EXPECT_THAT(error_of([] { tp::init_tensor_parallel("nccl"); }),
+              HasSubstr("init_tensor_parallel(\"nccl\"): pass this rank's transport too"));
+  const cpdispatch::testing::BasicMockCollectiveTransport<cpdispatch::MemorySpace::device> device(1, 2);
+  EXPECT_EQ(tp::init_tensor_parallel("nccl", device), (tp::TensorParallelConfig{2, 1, tp::Backend::nccl}));
+  EXPECT_THAT(error_of([&] { tp::init_tensor_parallel("mpi", device); }),
+              HasSubstr("this backend runs on host memory but the transport works on device memory"));
+  tp::reset_tensor_parallel_config();
 }
 
 TEST(TpConfig, BackendNames) {

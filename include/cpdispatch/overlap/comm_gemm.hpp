@@ -169,10 +169,10 @@ struct OverlapSync {
   }
 };
 
-/// Runs the GEMM side and the communication side at once, one of them on a
-/// helper thread, and rethrows the first failure after both have stopped.
+/// Runs the GEMM side and the communication side at once, one of them on the
+/// buffer's helper thread, and rethrows the first failure after both have stopped.
 template <class GemmSide, class CommSide>
-void run_side_by_side(HelperThread helper, OverlapSync& sync, GemmSide&& gemm_side, CommSide&& comm_side) {
+void run_side_by_side(CommOverlapBuffer& buffer, OverlapSync& sync, GemmSide&& gemm_side, CommSide&& comm_side) {
   auto guarded_gemm = [&] {
     try {
       gemm_side();
@@ -187,22 +187,15 @@ void run_side_by_side(HelperThread helper, OverlapSync& sync, GemmSide&& gemm_si
       sync.fail(std::current_exception());
     }
   };
-  std::thread worker;
-  try {
-    if (helper == HelperThread::communication) {
-      worker = std::thread(guarded_comm);
-    } else {
-      worker = std::thread(guarded_gemm);
-    }
-  } catch (const std::system_error& e) {
-    throw error(cpdispatch::detail::concat("comm_gemm: could not start the helper thread: ", e.what()));
-  }
-  if (helper == HelperThread::communication) {
+  HelperWorker& helper = buffer.helper();
+  if (buffer.options().helper_thread == HelperThread::communication) {
+    helper.run(guarded_comm);
     guarded_gemm();
   } else {
+    helper.run(guarded_gemm);
     guarded_comm();
   }
-  worker.join();
+  helper.wait();
   if (sync.first_error) std::rethrow_exception(sync.first_error);
 }
 
@@ -313,7 +306,7 @@ void bulk_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const
   const T* send = buffer.view<T>().data();
   OverlapSync sync;
   run_side_by_side(
-      buffer.options().helper_thread, sync,
+      buffer, sync,
       [&] { gemm_rows(gemm, a, ta, 0, dims.m, b, tb, dims.n, dims.k, d.data); },  // one call: nothing to stop
       [&] { transport.reduce_scatter(send, rs_output.data, count, buffer.dtype(), ReduceOp::sum); });
 }
@@ -328,7 +321,7 @@ void pipeline_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<c
   T* out = buffer.view<T>().data();
   OverlapSync sync;
   run_side_by_side(
-      buffer.options().helper_thread, sync,
+      buffer, sync,
       [&] {
         for (int i = 0; i < splits; ++i) {
           if (sync.computed.aborted()) return;  // the communication failed: stop computing
@@ -370,7 +363,7 @@ void ring_exchange_ag(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixV
   const std::size_t bytes = shard_elems * sizeof(T);
   const int tag = buffer.options().tag;
   run_side_by_side(
-      buffer.options().helper_thread, sync,
+      buffer, sync,
       [&] {
         for (int i = 0; i < tp; ++i) {
           if (i > 0 && !sync.communicated.wait_for(i)) return;
@@ -423,7 +416,7 @@ void ring_exchange_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixV
   const std::size_t bytes = block_elems * sizeof(T);
   const int tag = buffer.options().tag;
   run_side_by_side(
-      buffer.options().helper_thread, sync,
+      buffer, sync,
       [&] {
         for (int s = 0; s + 1 < tp; ++s) {
           if (sync.computed.aborted()) return;  // the communication failed: stop computing

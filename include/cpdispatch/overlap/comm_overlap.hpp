@@ -26,9 +26,11 @@
 // expected and the actual values.
 
 #include <array>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -36,6 +38,8 @@
 #include <new>
 #include <span>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -146,6 +150,62 @@ inline void check_combination(const char* who, CommOverlapType type, CommOverlap
   }
 }
 
+/// The helper thread of one buffer: started on the first overlapped call and
+/// reused by every later one (a thread per call would cost a thread start
+/// per GEMM). run(task) hands it one task; the caller then waits for it with
+/// wait(). Tasks must not throw (comm_gemm's catch everything).
+class HelperWorker {
+ public:
+  HelperWorker() : thread_([this] { loop(); }) {}
+  HelperWorker(const HelperWorker&) = delete;
+  HelperWorker& operator=(const HelperWorker&) = delete;
+  ~HelperWorker() {
+    {
+      const std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  void run(std::function<void()> task) {
+    {
+      const std::lock_guard lock(mutex_);
+      task_ = std::move(task);
+      busy_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  void wait() {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return !busy_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || task_; });
+      if (stop_) return;
+      std::function<void()> task = std::move(task_);
+      task_ = nullptr;
+      lock.unlock();
+      task();
+      lock.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::function<void()> task_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the state it reads
+};
+
 }  // namespace detail
 
 /// One communication buffer: the seed's CommOverlap object, owning its
@@ -235,6 +295,18 @@ class CommOverlapBuffer {
   std::size_t size() const noexcept { return size_; }
   std::size_t bytes() const noexcept { return size_ * element_size(dtype_); }
 
+  /// The buffer's helper thread, started on first use (see CommOverlapOptions::helper_thread).
+  detail::HelperWorker& helper() {
+    if (!helper_) {
+      try {
+        helper_ = std::make_unique<detail::HelperWorker>();
+      } catch (const std::system_error& e) {
+        cpdispatch::detail::fail<error>("comm_gemm: could not start the helper thread: ", e.what());
+      }
+    }
+    return *helper_;
+  }
+
   void* data() noexcept { return storage_.get(); }
   const void* data() const noexcept { return storage_.get(); }
 
@@ -303,6 +375,7 @@ class CommOverlapBuffer {
   std::size_t size_ = 0;
   std::size_t staging_ = 0;
   std::unique_ptr<std::byte[], detail::AlignedDelete> storage_{nullptr, detail::AlignedDelete{alignment}};
+  std::unique_ptr<detail::HelperWorker> helper_;  // started by the first overlapped call
 };
 
 /// Buffers by id: the seed's CreateCommOverlapBuffer / DestroyCommOverlapBuffer /

@@ -3,9 +3,11 @@
 // get_tensor_parallel_config().
 //
 // A rank's configuration (world size, rank, backend) comes from its transport
-// and is recorded per THREAD: simulated ranks are threads of one process, an
-// MPI rank is a process, and both read their own configuration back with
-// get_tensor_parallel_config().
+// and is recorded per THREAD (a thread_local, the one piece of hidden state
+// here): simulated ranks are threads of one process, an MPI rank is a
+// process, and both read their own configuration back with
+// get_tensor_parallel_config(). Nothing else reads it: the layers take their
+// transport explicitly, so the record is for the caller's convenience only.
 //
 //   cpdispatch::SimWorld world(4);                 // sim: inside each rank's function
 //   world.run([](cpdispatch::SimTransport& t) {
@@ -14,8 +16,8 @@
 //   cpdispatch::MpiTransport t(MPI_COMM_WORLD);    // mpi: after MPI_Init
 //   auto config = tp::init_tensor_parallel("mpi", t);
 //
-// "nccl" is accepted by name but raises a clear error until cpdispatch has
-// an NCCL transport.
+// "sim" and "mpi" take a host transport, "nccl" a device one
+// (cpdispatch::NcclTransport, target cpdispatch::nccl).
 
 #include <optional>
 #include <string>
@@ -60,11 +62,8 @@ inline std::optional<TensorParallelConfig>& thread_config() {
   return config;
 }
 
-[[noreturn]] inline void nccl_not_built() {
-  throw error(
-      "init_tensor_parallel(\"nccl\"): the NCCL transport is not built: cpdispatch has no cpdispatch::nccl target "
-      "yet; use \"sim\" (threads) or \"mpi\" (mpiexec)");
-}
+/// The memory space a backend's transports work on.
+constexpr MemorySpace memory_space_of(Backend b) noexcept { return b == Backend::nccl ? MemorySpace::device : MemorySpace::host; }
 
 }  // namespace detail
 
@@ -74,10 +73,10 @@ inline std::optional<TensorParallelConfig>& thread_config() {
 template <class Tr>
 TensorParallelConfig init_tensor_parallel(Backend backend, const Tr& transport) {
   CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
-  if (backend == Backend::nccl) detail::nccl_not_built();
-  if (Tr::memory_space != MemorySpace::host) {
-    cpdispatch::detail::fail("init_tensor_parallel(\"", backend_name(backend),
-                             "\"): this backend runs on host memory but the transport works on device memory");
+  if (Tr::memory_space != detail::memory_space_of(backend)) {
+    const bool host = detail::memory_space_of(backend) == MemorySpace::host;
+    cpdispatch::detail::fail("init_tensor_parallel(\"", backend_name(backend), "\"): this backend runs on ",
+                             host ? "host" : "device", " memory but the transport works on ", host ? "device" : "host", " memory");
   }
   const TensorParallelConfig config{transport.world_size(), transport.rank(), backend};
   if (config.world_size < 1 || config.rank < 0 || config.rank >= config.world_size) {
@@ -94,11 +93,10 @@ TensorParallelConfig init_tensor_parallel(std::string_view backend, const Tr& tr
 }
 
 /// The seed's one-argument form. A rank's transport is the caller's (a
-/// SimTransport from SimWorld::run, an MpiTransport over a communicator), so
-/// "sim" and "mpi" ask for it; "nccl" raises the not-built error.
+/// SimTransport from SimWorld::run, an MpiTransport or NcclTransport over a
+/// communicator), so every backend asks for it.
 inline TensorParallelConfig init_tensor_parallel(std::string_view backend) {
-  const Backend b = parse_backend(backend);
-  if (b == Backend::nccl) detail::nccl_not_built();
+  (void)parse_backend(backend);  // an unknown name is reported as such
   cpdispatch::detail::fail("init_tensor_parallel(\"", backend, "\"): pass this rank's transport too: ",
                            "init_tensor_parallel(\"", backend, "\", transport)");
 }

@@ -144,7 +144,7 @@ inline void check_slice(const RankMetadata& m, const char* name, const std::stri
   std::int64_t total = 0;
   for (std::size_t s = 0; s < static_cast<std::size_t>(W); ++s) {
     if (m.num_recv_tokens[s] < 0) fail(who, ": ", name, ".num_recv_tokens[", s, "] = ", m.num_recv_tokens[s], " is negative");
-    total = add_tokens(total, m.num_recv_tokens[s], who.c_str());
+    total = add_tokens(total, m.num_recv_tokens[s], who);
   }
   if (m.num_recv_tokens[static_cast<std::size_t>(W)] != total) {
     fail(who, ": ", name, ".num_recv_tokens[", W, "] = ", m.num_recv_tokens[static_cast<std::size_t>(W)], " but the row sums to ", total);
@@ -158,12 +158,9 @@ inline void check_slice(const RankMetadata& m, const char* name, const std::stri
   }
 }
 
-/// Builds both exchanges of rank `rank` from its forward and reverse slices
-/// (see the header comment), checking that the two slices belong together as
-/// far as one rank can tell: per-peer token counts, and its traffic to itself.
-inline DispatchPlan plan_dispatch(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, int rank,
-                                  int world_size) {
-  const std::string who = concat("Dispatcher (rank ", rank, " of ", world_size, ")");
+/// The arguments and both slices, each on its own: this rank's, of this world, well formed.
+inline void check_slices(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, int rank, int world_size,
+                         const std::string& who) {
   if (token_bytes == 0) fail(who, ": token_bytes must be positive");
   if (world_size <= 0) fail(who, ": the transport's world_size() = ", world_size, " must be positive");
   if (rank < 0 || rank >= world_size) fail(who, ": the transport's rank() = ", rank, " is outside [0, ", world_size, ")");
@@ -180,75 +177,95 @@ inline DispatchPlan plan_dispatch(const RankMetadata& fwd, const RankMetadata& r
   for (std::size_t m = 0; m < rev.seq_len.size(); ++m) {
     if (rev.dst_rank[m] < 0) fail(who, ": rev.dst_rank[", m, "] = -1, but every received entry goes back to a rank");
   }
-  const auto W = static_cast<std::size_t>(world_size);
-  const auto me = static_cast<std::size_t>(rank);
-  const std::size_t C = fwd.num_copies;
+}
 
-  // MLP positions P(j), attention positions Q(m), and the buffer sizes.
-  std::vector<std::int64_t> P(fwd.seq_len.size()), Q(rev.seq_len.size());
-  std::int64_t T = 0, A = 0;
-  for (std::size_t j = 0; j < P.size(); ++j) {
-    P[j] = T;
-    T = add_tokens(T, fwd.seq_len[j], who.c_str());
+/// Where this rank's tokens sit, in tokens: P[j] of shard j in the MLP layout
+/// (T tokens), Q[m] of entry m in the attention layout (A tokens), and the
+/// reverse output (R: T, or C x T for the replica buffer).
+struct Positions {
+  std::vector<std::int64_t> P, Q;
+  std::int64_t T = 0, A = 0, R = 0;
+
+  /// Where copy k of shard j returns to in the reverse output.
+  std::int64_t replica_pos(const RankMetadata& fwd, std::size_t j, std::size_t k) const noexcept {
+    return (fwd.has_copies ? static_cast<std::int64_t>(k) * T : 0) + P[j];
   }
-  for (std::size_t m = 0; m < Q.size(); ++m) {
-    Q[m] = A;
-    A = add_tokens(A, rev.seq_len[m], who.c_str());
+};
+
+/// The positions, checking that the sizes of the two slices agree.
+inline Positions positions_of(const RankMetadata& fwd, const RankMetadata& rev, const std::string& who) {
+  Positions at;
+  at.P.resize(fwd.seq_len.size());
+  at.Q.resize(rev.seq_len.size());
+  for (std::size_t j = 0; j < at.P.size(); ++j) {
+    at.P[j] = at.T;
+    at.T = add_tokens(at.T, fwd.seq_len[j], who);
   }
-  if (A != fwd.num_total_recv_tokens || A != fwd.num_recv_tokens[W]) {
-    fail(who, ": rev's entries hold ", A, " tokens, but fwd.num_recv_tokens says this rank receives ", fwd.num_recv_tokens[W],
+  for (std::size_t m = 0; m < at.Q.size(); ++m) {
+    at.Q[m] = at.A;
+    at.A = add_tokens(at.A, rev.seq_len[m], who);
+  }
+  const std::size_t W = fwd.num_recv_tokens.size() - 1, C = fwd.num_copies;
+  if (at.A != fwd.num_total_recv_tokens || at.A != fwd.num_recv_tokens[W]) {
+    fail(who, ": rev's entries hold ", at.A, " tokens, but fwd.num_recv_tokens says this rank receives ", fwd.num_recv_tokens[W],
          " (fwd and rev are not slices of one plan)");
   }
-  std::int64_t R = T;  // the reverse output: MLP layout, or the [C][T] replica buffer
-  if (fwd.has_copies && __builtin_mul_overflow(static_cast<std::int64_t>(C), T, &R)) {
-    fail(who, ": the replica buffer of ", C, " copies x ", T, " tokens overflows 64 bits");
+  at.R = at.T;
+  if (fwd.has_copies && __builtin_mul_overflow(static_cast<std::int64_t>(C), at.T, &at.R)) {
+    fail(who, ": the replica buffer of ", C, " copies x ", at.T, " tokens overflows 64 bits");
   }
-  if (rev.output_tokens() != R) {
-    fail(who, ": rev returns into ", rev.output_tokens(), " tokens, but fwd's ", fwd.has_copies ? "replica buffer holds " : "shards hold ", R,
-         fwd.has_copies ? concat(" (", C, " copies x ", T, " tokens)") : std::string(), " (fwd and rev are not slices of one plan)");
+  if (rev.output_tokens() != at.R) {
+    fail(who, ": rev returns into ", rev.output_tokens(), " tokens, but fwd's ", fwd.has_copies ? "replica buffer holds " : "shards hold ",
+         at.R, fwd.has_copies ? concat(" (", C, " copies x ", at.T, " tokens)") : std::string(), " (fwd and rev are not slices of one plan)");
   }
   if (rev.recv_seq_lens && (rev.mask_copies != C || *rev.recv_seq_lens != fwd.seq_len)) {
     fail(who, ": rev.recv_seq_lens / seq_recv_mask (", rev.mask_copies, " copies) do not describe fwd's ", fwd.seq_len.size(),
          " shards of ", C, " copies");
   }
-  DispatchPlan plan;
-  plan.forward.input_tokens = T;
-  plan.forward.output_tokens = plan.reverse.input_tokens = A;
-  plan.reverse.output_tokens = R;
-  for (ExchangePlan* ex : {&plan.forward, &plan.reverse}) {
-    ex->input_bytes = token_bytes_of(ex->input_tokens, token_bytes, who);
-    ex->output_bytes = token_bytes_of(ex->output_tokens, token_bytes, who);
-  }
+  return at;
+}
 
-  // Forward sends (= reverse receives), per peer in ascending dst_offset.
-  struct Copy {
-    std::int64_t dst_offset;  // at the receiver's attention layout
-    std::size_t j, k;
-  };
-  std::vector<std::vector<Copy>> to_peer(W);
+/// One copy of a shard this rank sends.
+struct ShardCopy {
+  std::int64_t dst_offset;  ///< at the receiver's attention layout
+  std::size_t j, k;         ///< shard, copy
+};
+
+/// Who this rank exchanges what with, per peer, in wire order: the forward
+/// sends (= reverse receives) by ascending dst_offset, the reverse sends
+/// (= forward receives) by ascending entry.
+struct Routes {
+  std::vector<std::vector<ShardCopy>> to_peer;
+  std::vector<std::vector<std::size_t>> from_peer;
+};
+
+inline Routes routes_of(const RankMetadata& fwd, const RankMetadata& rev, std::size_t W) {
+  Routes routes{std::vector<std::vector<ShardCopy>>(W), std::vector<std::vector<std::size_t>>(W)};
+  const std::size_t C = fwd.num_copies;
   for (std::size_t j = 0; j < fwd.seq_len.size(); ++j) {
     if (fwd.seq_len[j] == 0) continue;
     for (std::size_t k = 0; k < C; ++k) {
       const std::int64_t d = fwd.dst_rank[j * C + k];
-      if (d >= 0) to_peer[static_cast<std::size_t>(d)].push_back({fwd.dst_offset[j * C + k], j, k});
+      if (d >= 0) routes.to_peer[static_cast<std::size_t>(d)].push_back({fwd.dst_offset[j * C + k], j, k});
     }
   }
-  for (auto& copies : to_peer) {
-    std::sort(copies.begin(), copies.end(), [](const Copy& a, const Copy& b) {
+  for (auto& copies : routes.to_peer) {
+    std::sort(copies.begin(), copies.end(), [](const ShardCopy& a, const ShardCopy& b) {
       return a.dst_offset != b.dst_offset ? a.dst_offset < b.dst_offset : a.j != b.j ? a.j < b.j : a.k < b.k;
     });
   }
-  // Reverse sends (= forward receives), per peer in ascending m.
-  std::vector<std::vector<std::size_t>> from_peer(W);
   for (std::size_t m = 0; m < rev.seq_len.size(); ++m) {
-    if (rev.seq_len[m] > 0) from_peer[static_cast<std::size_t>(rev.dst_rank[m])].push_back(m);
+    if (rev.seq_len[m] > 0) routes.from_peer[static_cast<std::size_t>(rev.dst_rank[m])].push_back(m);
   }
+  return routes;
+}
 
-  // Per-peer token counts must agree with num_recv_tokens of both slices.
-  for (std::size_t p = 0; p < W; ++p) {
+/// Per-peer token counts must agree with num_recv_tokens of both slices.
+inline void check_peer_counts(const RankMetadata& fwd, const RankMetadata& rev, const Routes& routes, const std::string& who) {
+  for (std::size_t p = 0; p < routes.to_peer.size(); ++p) {
     std::int64_t sent = 0, received = 0;
-    for (const Copy& c : to_peer[p]) sent += fwd.seq_len[c.j];
-    for (std::size_t m : from_peer[p]) received += rev.seq_len[m];
+    for (const ShardCopy& c : routes.to_peer[p]) sent = add_tokens(sent, fwd.seq_len[c.j], who);
+    for (std::size_t m : routes.from_peer[p]) received = add_tokens(received, rev.seq_len[m], who);
     if (sent != rev.num_recv_tokens[p]) {
       fail(who, ": fwd sends ", sent, " tokens to rank ", p, ", but rev.num_recv_tokens[", p, "] = ", rev.num_recv_tokens[p],
            " come back (fwd and rev are not slices of one plan)");
@@ -258,47 +275,53 @@ inline DispatchPlan plan_dispatch(const RankMetadata& fwd, const RankMetadata& r
            " (fwd and rev are not slices of one plan)");
     }
   }
-  // Traffic to oneself: fwd's copies to this rank (by dst_offset) and rev's
-  // entries from this rank (by m) must be the same pieces.
-  const auto& self_copies = to_peer[me];
-  const auto& self_entries = from_peer[me];
+}
+
+/// Traffic to oneself: fwd's copies to this rank (by dst_offset) and rev's
+/// entries from this rank (by entry) must be the same pieces.
+inline void check_self_traffic(const RankMetadata& fwd, const RankMetadata& rev, const Positions& at, const Routes& routes,
+                               std::size_t me, const std::string& who) {
+  const auto& self_copies = routes.to_peer[me];
+  const auto& self_entries = routes.from_peer[me];
   if (self_entries.size() != self_copies.size()) {
     fail(who, ": fwd sends ", self_copies.size(), " pieces to this rank itself, rev receives ", self_entries.size(),
          " from it (fwd and rev are not slices of one plan)");
   }
   for (std::size_t i = 0; i < self_copies.size(); ++i) {
-    const Copy& c = self_copies[i];
+    const ShardCopy& c = self_copies[i];
     const std::size_t m = self_entries[i];
     const std::int64_t len = fwd.seq_len[c.j];
-    const std::int64_t replica_pos = (fwd.has_copies ? static_cast<std::int64_t>(c.k) * T : 0) + P[c.j];
-    if (Q[m] != c.dst_offset || rev.seq_len[m] != len || rev.dst_offset[m] != replica_pos) {
+    const std::int64_t back_to = at.replica_pos(fwd, c.j, c.k);
+    if (at.Q[m] != c.dst_offset || rev.seq_len[m] != len || rev.dst_offset[m] != back_to) {
       fail(who, ": fwd.dst_offset", entry_str(fwd, c.j, c.k), " = ", c.dst_offset, " (", len, " tokens to itself) does not match rev entry ",
-           m, " (at ", Q[m], ", ", rev.seq_len[m], " tokens, back to ", rev.dst_offset[m], ", expected ", replica_pos,
+           m, " (at ", at.Q[m], ", ", rev.seq_len[m], " tokens, back to ", rev.dst_offset[m], ", expected ", back_to,
            "): fwd and rev are not slices of one plan");
     }
   }
+}
 
-  // Lay out both exchanges.
+/// Both exchanges' piece lists from the checked routes.
+inline void lay_out_exchanges(DispatchPlan& plan, const RankMetadata& fwd, const RankMetadata& rev, const Positions& at,
+                              const Routes& routes, std::size_t me, std::size_t token_bytes) {
+  const std::size_t W = routes.to_peer.size();
+  const auto bytes = [token_bytes](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * token_bytes; };
   std::vector<std::vector<TokenRange>> fwd_send(W), fwd_recv(W), rev_send(W), rev_recv(W);
   for (std::size_t p = 0; p < W; ++p) {
-    for (const Copy& c : to_peer[p]) {
+    for (const ShardCopy& c : routes.to_peer[p]) {
       const std::int64_t len = fwd.seq_len[c.j];
-      const std::int64_t replica_pos = (fwd.has_copies ? static_cast<std::int64_t>(c.k) * T : 0) + P[c.j];
       if (p == me) {
-        append_piece(plan.forward.self, static_cast<std::size_t>(P[c.j]) * token_bytes, static_cast<std::size_t>(c.dst_offset) * token_bytes,
-                     static_cast<std::size_t>(len) * token_bytes);
+        append_piece(plan.forward.self, bytes(at.P[c.j]), bytes(c.dst_offset), bytes(len));
       } else {
-        fwd_send[p].push_back({P[c.j], len});
-        rev_recv[p].push_back({replica_pos, len});
+        fwd_send[p].push_back({at.P[c.j], len});
+        rev_recv[p].push_back({at.replica_pos(fwd, c.j, c.k), len});
       }
     }
-    for (std::size_t m : from_peer[p]) {
+    for (std::size_t m : routes.from_peer[p]) {
       if (p == me) {
-        append_piece(plan.reverse.self, static_cast<std::size_t>(Q[m]) * token_bytes, static_cast<std::size_t>(rev.dst_offset[m]) * token_bytes,
-                     static_cast<std::size_t>(rev.seq_len[m]) * token_bytes);
+        append_piece(plan.reverse.self, bytes(at.Q[m]), bytes(rev.dst_offset[m]), bytes(rev.seq_len[m]));
       } else {
-        fwd_recv[p].push_back({Q[m], rev.seq_len[m]});
-        rev_send[p].push_back({Q[m], rev.seq_len[m]});
+        fwd_recv[p].push_back({at.Q[m], rev.seq_len[m]});
+        rev_send[p].push_back({at.Q[m], rev.seq_len[m]});
       }
     }
   }
@@ -306,6 +329,29 @@ inline DispatchPlan plan_dispatch(const RankMetadata& fwd, const RankMetadata& r
     ex->send = lay_out_side(*send, token_bytes, true);
     ex->recv = lay_out_side(*recv, token_bytes, false);
   }
+}
+
+/// Builds both exchanges of rank `rank` from its forward and reverse slices
+/// (see the header comment), checking that the two slices belong together as
+/// far as one rank can tell: sizes, per-peer token counts, and its traffic to itself.
+inline DispatchPlan plan_dispatch(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, int rank,
+                                  int world_size) {
+  const std::string who = concat("Dispatcher (rank ", rank, " of ", world_size, ")");
+  check_slices(fwd, rev, token_bytes, rank, world_size, who);
+  const Positions at = positions_of(fwd, rev, who);
+  const Routes routes = routes_of(fwd, rev, static_cast<std::size_t>(world_size));
+  check_peer_counts(fwd, rev, routes, who);
+  check_self_traffic(fwd, rev, at, routes, static_cast<std::size_t>(rank), who);
+
+  DispatchPlan plan;
+  plan.forward.input_tokens = at.T;
+  plan.forward.output_tokens = plan.reverse.input_tokens = at.A;
+  plan.reverse.output_tokens = at.R;
+  for (ExchangePlan* ex : {&plan.forward, &plan.reverse}) {
+    ex->input_bytes = token_bytes_of(ex->input_tokens, token_bytes, who);
+    ex->output_bytes = token_bytes_of(ex->output_tokens, token_bytes, who);
+  }
+  lay_out_exchanges(plan, fwd, rev, at, routes, static_cast<std::size_t>(rank), token_bytes);
   return plan;
 }
 
