@@ -105,6 +105,12 @@ struct BufferSizes {
 };
 
 namespace detail {
+/// The transport's memory space; host while its own check fails (one diagnostic).
+template <class T>
+constexpr MemorySpace memory_space_of() {
+  if constexpr (transport_has_memory_space<T>) return T::memory_space; else return MemorySpace::host;
+}
+
 /// The transport's data path; the host one while the transport's own checks fail (one diagnostic each).
 template <class T>
 struct dispatcher_path {
