@@ -1,5 +1,5 @@
 #pragma once
-// The overlapped GEMM (issue 6, seed 004): D = op(A) x op(B) with a
+// The overlapped GEMM: D = op(A) x op(B) with a
 // collective running while the GEMM computes, generic over the Transport
 // concept and the GEMM backend concept (gemm/gemm.hpp). Host memory.
 //
@@ -62,7 +62,7 @@
 // With tp = 1 ring exchange has nothing to send and starts no thread.
 //
 // Errors (cpdispatch::error family; messages give expected and actual
-// values): the seed's "AllGather with bulk overlap not supported", "pipeline
+// values): the reference API's "AllGather with bulk overlap not supported", "pipeline
 // overlap is only supported for ReduceScatter", "Buffer size is incorrect",
 // "Invalid collective type"; "atomic GEMM requires the CUDA backend" (every
 // backend: cpdispatch has no CUDA GEMM backend yet, and a device backend does
@@ -537,7 +537,7 @@ void comm_gemm(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<con
   return detail::ring_exchange_rs(transport, gemm, buffer, a, transa, b, transb, dims, rs_output);
 }
 
-/// The seed's GemmFFI: the buffer by id. Method and type NONE run the plain
+/// The reference API's GemmFFI: the buffer by id. Method and type NONE run the plain
 /// GEMM (the id is not looked up); otherwise they must be the buffer's own.
 template <class Tr, class G, class T>
 void comm_gemm(Tr& transport, G& gemm, const CommOverlapRegistry& registry, CommOverlapType type, CommOverlapMethod method,

@@ -1,5 +1,5 @@
 #pragma once
-// Communication-GEMM overlap (issue 6, seed 004): the collective types and
+// Communication-GEMM overlap: the collective types and
 // overlap methods, the communication buffer, and the id-based buffer API.
 //
 //   CommOverlapType    NONE, RS (reduce-scatter), AG (all-gather)
@@ -7,7 +7,7 @@
 //   ScalingMode        NO_SCALING (supported); the FP8 modes are rejected
 //   CommOverlapBuffer  RAII: one buffer for a method + type + shape + dtype + tp_size
 //   CommOverlapRegistry / create_comm_overlap_buffer / destroy_comm_overlap_buffer /
-//   destroy_all_comm_overlap_buffers: the seed's id-based API, for callers that
+//   destroy_all_comm_overlap_buffers: the reference API's id-based API, for callers that
 //   pass handles through C interfaces
 //
 // The supported combinations and what the buffer holds (the overlapped GEMM
@@ -94,7 +94,7 @@ inline std::string to_string(ScalingMode s) {
   return cpdispatch::detail::concat("ScalingMode(", static_cast<int>(s), ")");
 }
 
-/// The seed's "..." of CreateCommOverlapBuffer: everything but the type,
+/// The reference API's "..." of CreateCommOverlapBuffer: everything but the type,
 /// method, shape, dtype and tp_size.
 struct CommOverlapOptions {
   /// Atomic GEMM (the GEMM signals finished output tiles to the communication).
@@ -123,7 +123,7 @@ inline std::size_t row_divisor(CommOverlapMethod method, int tp_size, int num_sp
   return method == CommOverlapMethod::PIPELINE ? tp * static_cast<std::size_t>(num_splits) : tp;
 }
 
-/// Throws for every (type, method) pair the seed does not support; the messages are the seed's.
+/// Throws for every (type, method) pair the reference API does not support; the messages are the reference API's.
 inline void check_combination(const char* who, CommOverlapType type, CommOverlapMethod method) {
   const bool type_known = type == CommOverlapType::NONE || type == CommOverlapType::RS || type == CommOverlapType::AG;
   if (!type_known) {
@@ -208,7 +208,7 @@ class HelperWorker {
 
 }  // namespace detail
 
-/// One communication buffer: the seed's CommOverlap object, owning its
+/// One communication buffer: the reference API's CommOverlap object, owning its
 /// memory (RAII; movable, not copyable). See the table at the top of this
 /// header for what it holds per (type, method). Creation validates
 /// everything that does not depend on the GEMM operands.
@@ -378,7 +378,7 @@ class CommOverlapBuffer {
   std::unique_ptr<detail::HelperWorker> helper_;  // started by the first overlapped call
 };
 
-/// Buffers by id: the seed's CreateCommOverlapBuffer / DestroyCommOverlapBuffer /
+/// Buffers by id: the reference API's CreateCommOverlapBuffer / DestroyCommOverlapBuffer /
 /// DestroyAllCommOverlapBuffers. Thread-safe. Ids start at 1 and are never
 /// reused, so a destroyed id is told apart from one never issued. get()
 /// hands out shared ownership: a buffer destroyed while a call still uses it
@@ -445,23 +445,27 @@ class CommOverlapRegistry {
   std::int64_t next_id_ = 1;
 };
 
-/// The process-wide registry behind the free functions below.
+/// The process-wide registry behind the free functions below: hidden global
+/// state, kept for callers of the id-based API. Buffers it holds live until
+/// destroyed (or until the process ends); code that can hold its buffers
+/// itself should use CommOverlapBuffer or its own CommOverlapRegistry and the
+/// comm_gemm overloads that take them.
 inline CommOverlapRegistry& default_comm_overlap_registry() {
   static CommOverlapRegistry registry;
   return registry;
 }
 
-/// Seed: CreateCommOverlapBuffer. Returns the new buffer's id.
+/// CreateCommOverlapBuffer of the reference API. Returns the new buffer's id.
 inline std::int64_t create_comm_overlap_buffer(CommOverlapType type, CommOverlapMethod method,
                                                const std::vector<std::size_t>& buffer_shape, ElementType dtype, int tp_size,
                                                const CommOverlapOptions& options = {}) {
   return default_comm_overlap_registry().create(type, method, buffer_shape, dtype, tp_size, options);
 }
 
-/// Seed: DestroyCommOverlapBuffer.
+/// DestroyCommOverlapBuffer of the reference API.
 inline void destroy_comm_overlap_buffer(std::int64_t id) { default_comm_overlap_registry().destroy(id); }
 
-/// Seed: DestroyAllCommOverlapBuffers.
+/// DestroyAllCommOverlapBuffers of the reference API.
 inline void destroy_all_comm_overlap_buffers() { default_comm_overlap_registry().destroy_all(); }
 
 }  // namespace cpdispatch::overlap

@@ -1,5 +1,5 @@
 #pragma once
-// Communication-GEMM overlap (issue 6, seed 004). Host memory; the GEMM
+// Communication-GEMM overlap. Host memory; the GEMM
 // backends are those of tp/gemm.hpp (CBLAS: include cpdispatch/gemm/gemm_cblas.hpp).
 //
 //   overlap/comm_overlap.hpp    CommOverlapType, CommOverlapMethod, ScalingMode, CommOverlapBuffer,

@@ -1,16 +1,16 @@
 #pragma once
-// Tensor-parallel linear layers (issue 5, seed 003).
+// Tensor-parallel linear layers.
 //
-// The names are the seed's and are the REVERSE of Megatron-LM's:
+// The names are the reference API's and are the REVERSE of Megatron-LM's:
 //
-// | this library (seed 003) | splits                                  | forward communication              | Megatron-LM equivalent                    |
+// | this library | splits                                  | forward communication              | Megatron-LM equivalent                    |
 // |-------------------------|-----------------------------------------|------------------------------------|-------------------------------------------|
 // | RowParallelLinear       | out_features (rows of the weight [out, in]) | none; output is this rank's out_features / world_size slice | ColumnParallelLinear(gather_output=False) |
 // | ColumnParallelLinear    | in_features (columns of the weight)     | one all-reduce (sum) of the output | RowParallelLinear(input_is_parallel=True) |
 //
 // Both layers keep the weight as nn.Linear does, [out_features, in_features]
 // row-major, and compute y = x W^T + b on row-major inputs [tokens, features]
-// (the seed's B x L flattened into tokens).
+// (the reference API's B x L flattened into tokens).
 //
 //   RowParallelLinear     weight [out_local, in], bias [out_local]   (out_local = out / world_size)
 //     forward:  y_local = x W_local^T + b_local                      no communication
@@ -48,14 +48,14 @@
 
 namespace cpdispatch::tp {
 
-/// The seed's constructor arguments besides in/out_features.
+/// The reference API's constructor arguments besides in/out_features.
 struct LinearOptions {
   bool bias = true;
-  /// The seed's world_size: 0 takes the transport's; otherwise it must equal
+  /// The reference API's world_size: 0 takes the transport's; otherwise it must equal
   /// the transport's world size on every rank ("world_size must match across
   /// all ranks").
   int world_size = 0;
-  /// The seed's rank: -1 takes the transport's; otherwise it must equal it.
+  /// The reference API's rank: -1 takes the transport's; otherwise it must equal it.
   int rank = -1;
   /// Check shapes and world size across ranks with one all_gather when the
   /// layer is built. Turn off only where every rank is known to agree.

@@ -1,7 +1,7 @@
 #pragma once
 // SingleRankTransport: a host transport of world size 1 (all-to-all and
 // collectives; no point-to-point), with no threads and
-// no dependency. The seed's "Single GPU (No Parallelism)" case: a layer or a
+// no dependency. The reference API's "Single GPU (No Parallelism)" case: a layer or a
 // wrapper over it behaves exactly as the unsharded model.
 //
 //   cpdispatch::tp::SingleRankTransport one;

@@ -1,5 +1,5 @@
 #pragma once
-// Tensor parallelism (issue 5, seed 003): everything but the CBLAS backend,
+// Tensor parallelism: everything but the CBLAS backend,
 // which needs cpdispatch::blas (include cpdispatch/gemm/gemm_cblas.hpp).
 //
 //   gemm/gemm.hpp       GemmBackend concept, ReferenceGemm (host loops)
