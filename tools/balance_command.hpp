@@ -1,8 +1,10 @@
 #pragma once
-// cpdispatch-plan's load-balancing parts (issue 7): the `balance`
-// subcommand's input document and report, and the --svg picture of a qkv
-// plan. I/O and option parsing stay in cpdispatch_plan.cpp.
+// cpdispatch-plan's load-balancing parts: the `balance` subcommand's input
+// document (a packed batch, or documents per rank), its documents-form
+// output and report, and the --svg picture of a qkv plan. Option parsing
+// stays in cpdispatch_plan.cpp.
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -10,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/json.hpp"
@@ -19,23 +22,31 @@ namespace cpdispatch_cli {
 
 constexpr std::string_view balance_usage = R"(Usage: cpdispatch-plan balance [FILE|-] [--summary] [--svg FILE] [--compact]
 
-Reads the documents each rank holds and writes a load-balanced qkv plan (JSON,
-the format cpdispatch-plan reads): documents are cut into at most C
-contiguous shards and attended where the largest per-rank causal attention
-cost (token pairs) is smallest, then where the fewest bytes move.
+Reads a batch of documents and writes a load-balanced qkv plan (JSON, the
+format cpdispatch-plan reads): documents are cut into at most C contiguous
+shards and attended where the largest per-rank causal attention cost (token
+pairs) is smallest, then where the fewest bytes move.
 
-Input (FILE, or standard input when FILE is - or absent):
+Input (FILE, or standard input when FILE is - or absent): a packed batch,
   {"world_size": W, "max_cp_degree": C,
-   "ranks": [{"docs": [length, ...]}, ...],      (W entries, MLP-layout order)
+   "documents": [{"pieces": [{"rank": r, "len": n}, ...]}, ...],
+                                                  (every document's pieces in
+                                                   causal order, each a run of
+                                                   the document on its home rank)
    "recv_capacity": [tokens, ...],                (optional: W entries, the most
                                                    KV tokens a rank may hold)
    "q_bytes": 1, "kv_bytes": 1}                   (optional: bytes per query and
                                                    per key-value token)
+  or, with "ranks": [{"docs": [length, ...]}, ...] (W entries, MLP-layout order)
+  instead of "documents", the whole documents each rank holds.
+
+Output: for "documents", a documents-form qkv plan (every document's shards
+in causal order, {"rank": home, "len": n, "dst": attention rank}; a shard
+never crosses a piece boundary); for "ranks", a per-rank qkv plan.
 
 Options:
-  --summary    instead of the plan, its per-rank table (as cpdispatch-plan
-               --summary) and a line comparing it with the unbalanced plan
-               and the lower bound
+  --summary    instead of the plan, its per-rank table and a line comparing
+               it with the unbalanced plan and the lower bound
   --svg FILE   also write a picture of the plan to FILE: bytes sent between
                ranks, and attention cost per rank before and after
   --compact    JSON on one line instead of pretty-printed
@@ -45,12 +56,61 @@ Exit status: 0 success, 2 invalid input or usage (one line on standard error),
 1 other failures.
 )";
 
+/// `documents[i].pieces` of a balance input: objects {"rank", "len"}.
+inline std::vector<std::vector<cpdispatch::DocumentPiece>> read_packed_documents(const nlohmann::json& j, const cpdispatch::detail::JsonPath& path,
+                                                                                 std::int64_t world_size, std::int64_t max_cp_degree) {
+  using namespace cpdispatch::detail;
+  const nlohmann::json& docs = read_array(j, path);
+  std::vector<std::vector<cpdispatch::DocumentPiece>> out(docs.size());
+  for (std::size_t i = 0; i < docs.size(); ++i) {
+    const JsonPath doc_path = path[i];
+    check_keys(read_object(docs[i], doc_path), doc_path, "a document", {"pieces"});
+    const JsonPath pieces_path = doc_path / "pieces";
+    const nlohmann::json& pieces = read_array(*member(docs[i], doc_path, "pieces", true), pieces_path);
+    if (pieces.empty()) fail_at(pieces_path, " is empty: a document has at least one piece");
+    if (static_cast<std::int64_t>(pieces.size()) > max_cp_degree) {
+      fail_at(pieces_path, " has ", entries(pieces.size()), ", but max_cp_degree = ", max_cp_degree,
+              " (a shard never crosses a piece boundary, so the document needs at least ", pieces.size(), " shards)");
+    }
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      const JsonPath piece_path = pieces_path[k];
+      check_keys(read_object(pieces[k], piece_path), piece_path, "a piece", {"rank", "len"});
+      const JsonPath rank_path = piece_path / "rank", len_path = piece_path / "len";
+      const std::int64_t rank = read_int(*member(pieces[k], piece_path, "rank", true), rank_path);
+      const std::int64_t len = read_int(*member(pieces[k], piece_path, "len", true), len_path);
+      if (rank < 0 || rank >= world_size) fail_at(rank_path, " = ", rank, " is outside [0, ", world_size, ")");
+      if (len < 1) fail_at(len_path, " = ", len, " must be a positive length");
+      out[i].push_back({rank, len});
+    }
+  }
+  return out;
+}
+
+/// `ranks` of a balance input: W objects {"docs": [length, ...]}.
+inline std::vector<std::vector<std::int64_t>> read_rank_documents(const nlohmann::json& j, const cpdispatch::detail::JsonPath& path,
+                                                                  std::size_t W) {
+  using namespace cpdispatch::detail;
+  const nlohmann::json& ranks = read_array(j, path);
+  if (ranks.size() != W) fail_at(path, " has ", entries(ranks.size()), ", but world_size = ", W);
+  std::vector<std::vector<std::int64_t>> out;
+  for (std::size_t r = 0; r < W; ++r) {
+    const JsonPath rank_path = path[r];
+    const nlohmann::json& rank = read_object(ranks[r], rank_path);
+    check_keys(rank, rank_path, "a rank", {"docs"});
+    const JsonPath docs_path = rank_path / "docs";
+    out.push_back(read_int_vector(*member(rank, rank_path, "docs", true), docs_path));
+    for (std::size_t i = 0; i < out.back().size(); ++i)
+      if (out.back()[i] < 1) fail_at(docs_path[i], " = ", out.back()[i], " must be a positive length");
+  }
+  return out;
+}
+
 /// The balance subcommand's input document (see balance_usage).
 inline cpdispatch::BalanceProblem balance_problem_from_json(const nlohmann::json& j) {
   using namespace cpdispatch::detail;
   const auto root = JsonPath::root("input");
   read_object(j, root);
-  check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "ranks", "recv_capacity", "q_bytes", "kv_bytes"});
+  check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes"});
   cpdispatch::BalanceProblem p;
   p.world_size = read_world_size(j, root, true);
   const auto W = static_cast<std::size_t>(p.world_size);
@@ -65,18 +125,12 @@ inline cpdispatch::BalanceProblem balance_problem_from_json(const nlohmann::json
   p.max_cp_degree = at_least("max_cp_degree", 1, true, 1);
   p.q_bytes = at_least("q_bytes", 0, false, 1);
   p.kv_bytes = at_least("kv_bytes", 0, false, 1);
-  const JsonPath ranks_path = root / "ranks";
-  const nlohmann::json& ranks = read_array(*member(j, root, "ranks", true), ranks_path);
-  if (ranks.size() != W) fail_at(ranks_path, " has ", entries(ranks.size()), ", but world_size = ", W);
-  for (std::size_t r = 0; r < W; ++r) {
-    const JsonPath rank_path = ranks_path[r];
-    const nlohmann::json& rank = read_object(ranks[r], rank_path);
-    check_keys(rank, rank_path, "a rank", {"docs"});
-    const JsonPath docs_path = rank_path / "docs";
-    p.docs.push_back(read_int_vector(*member(rank, rank_path, "docs", true), docs_path));
-    for (std::size_t i = 0; i < p.docs.back().size(); ++i)
-      if (p.docs.back()[i] < 1) fail_at(docs_path[i], " = ", p.docs.back()[i], " must be a positive length");
-  }
+  const nlohmann::json* documents = member(j, root, "documents", false);
+  const nlohmann::json* ranks = member(j, root, "ranks", false);
+  if (documents && ranks) fail_at(root, ": both \"documents\" and \"ranks\" are given; a balance input has one of them");
+  if (!documents && !ranks) fail_at(root, ": missing \"documents\" (a packed batch) or \"ranks\" (documents per rank)");
+  if (documents) p.documents = read_packed_documents(*documents, root / "documents", p.world_size, p.max_cp_degree);
+  else p.docs = read_rank_documents(*ranks, root / "ranks", W);
   if (const nlohmann::json* cap = member(j, root, "recv_capacity", false)) {
     const JsonPath path = root / "recv_capacity";
     p.recv_capacity = read_int_vector(*cap, path);
@@ -95,8 +149,18 @@ inline std::string max_over_mean_text(std::int64_t max, double mean) {
   return buf;
 }
 
+/// Writes `text` to the file `path` (a failure is not invalid input: exit 1).
+inline void write_file(const std::string& path, std::string_view text) {
+  std::FILE* out = std::fopen(path.c_str(), "wb");
+  const bool ok = out && std::fwrite(text.data(), 1, text.size(), out) == text.size();
+  const int error = errno;
+  if (out && std::fclose(out) != 0 && ok) throw std::runtime_error("cannot write '" + path + "': " + std::strerror(errno));
+  if (!ok) throw std::runtime_error("cannot write '" + path + "': " + std::strerror(error));
+}
+
 /// The `balance --summary` line: the plan against the unbalanced one and the bound.
-inline std::string balance_report(const cpdispatch::BalanceProblem& problem, const cpdispatch::QkvPlan& plan) {
+template <class PlanForm>
+std::string balance_report(const cpdispatch::BalanceProblem& problem, const PlanForm& plan) {
   const auto after = cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes);
   const auto before = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem), problem.q_bytes, problem.kv_bytes);
   const double bound = cpdispatch::balance_lower_bound(problem);
@@ -111,9 +175,10 @@ inline std::string balance_report(const cpdispatch::BalanceProblem& problem, con
   return buf;
 }
 
-/// The SVG picture of a qkv plan; the bars show the unbalanced plan of the
-/// same documents too when it differs.
-inline std::string plan_picture(const cpdispatch::QkvPlan& plan, std::int64_t q_bytes, std::int64_t kv_bytes) {
+/// The SVG picture of a qkv plan (either form); the bars show the
+/// unbalanced plan of the same documents too when it differs.
+template <class PlanForm>
+std::string plan_picture(const PlanForm& plan, std::int64_t q_bytes, std::int64_t kv_bytes) {
   const cpdispatch::BalanceProblem docs = cpdispatch::balance_problem_of(plan, q_bytes, kv_bytes);
   const auto after = cpdispatch::plan_cost(plan, q_bytes, kv_bytes);
   const auto before = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(docs), q_bytes, kv_bytes);
@@ -122,13 +187,76 @@ inline std::string plan_picture(const cpdispatch::QkvPlan& plan, std::int64_t q_
   return cpdispatch::plan_svg(after, before.attention == after.attention ? nullptr : &before, title);
 }
 
-/// Writes `text` to the file `path` (a failure is not invalid input: exit 1).
-inline void write_file(const std::string& path, std::string_view text) {
-  std::FILE* out = std::fopen(path.c_str(), "wb");
-  const bool ok = out && std::fwrite(text.data(), 1, text.size(), out) == text.size();
-  const int error = errno;
-  if (out && std::fclose(out) != 0 && ok) throw std::runtime_error("cannot write '" + path + "': " + std::strerror(errno));
-  if (!ok) throw std::runtime_error("cannot write '" + path + "': " + std::strerror(error));
+/// A documents-form qkv plan as the JSON cpdispatch-plan reads.
+inline nlohmann::json documents_plan_to_json(const cpdispatch::QkvDocumentsPlan& plan) {
+  nlohmann::json docs = nlohmann::json::array();
+  for (const cpdispatch::PackedDocument& d : plan.documents) {
+    nlohmann::json shards = nlohmann::json::array();
+    for (const cpdispatch::DocumentShard& s : d.shards) shards.push_back({{"rank", s.rank}, {"len", s.len}, {"dst", s.dst}});
+    docs.push_back({{"shards", std::move(shards)}});
+  }
+  nlohmann::json out = {{"kind", "qkv"}, {"world_size", plan.world_size}};
+  if (plan.max_cp_degree) out["max_cp_degree"] = *plan.max_cp_degree;
+  out["documents"] = std::move(docs);
+  return out;
+}
+
+/// Right-aligned columns, two spaces apart.
+inline std::string columns(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<std::size_t> width;
+  for (const auto& row : rows) {
+    width.resize(std::max(width.size(), row.size()), 0);
+    for (std::size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  std::string out;
+  for (const auto& row : rows) {
+    for (std::size_t c = 0; c < row.size(); ++c) out += std::string(c ? 2 : 0, ' ') + std::string(width[c] - row[c].size(), ' ') + row[c];
+    out += '\n';
+  }
+  return out;
+}
+
+/// Per rank of a documents-form plan: the shards it holds (MLP layout), their
+/// tokens, how many belong to documents that continue on other ranks, the
+/// query and KV tokens it attends, the bytes it sends, its attention cost.
+inline std::string documents_summary(const cpdispatch::BalanceProblem& problem, const cpdispatch::QkvDocumentsPlan& plan) {
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  const auto cost = cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes);
+  std::vector<std::int64_t> shards(W, 0), tokens(W, 0), spanning(W, 0), q_recv(W, 0);
+  for (const cpdispatch::PackedDocument& d : plan.documents) {
+    const bool spans = std::any_of(d.shards.begin(), d.shards.end(), [&](const auto& s) { return s.rank != d.shards.front().rank; });
+    for (const cpdispatch::DocumentShard& s : d.shards) {
+      const auto home = static_cast<std::size_t>(s.rank);
+      ++shards[home];
+      tokens[home] += s.len;
+      spanning[home] += spans ? 1 : 0;
+      q_recv[static_cast<std::size_t>(s.dst)] += s.len;
+    }
+  }
+  std::vector<std::vector<std::string>> rows = {{"rank", "shards", "tokens", "spanning", "q_recv", "kv_recv", "bytes_sent", "attn_cost"}};
+  for (std::size_t r = 0; r < W; ++r) {
+    std::int64_t sent = 0;
+    for (std::size_t d = 0; d < W; ++d) sent += cost.sent(r, d);
+    rows.push_back({std::to_string(r), std::to_string(shards[r]), std::to_string(tokens[r]), std::to_string(spanning[r]),
+                    std::to_string(q_recv[r]), std::to_string(cost.kv_tokens[r]), std::to_string(sent), std::to_string(cost.attention[r])});
+  }
+  const std::size_t spans = cpdispatch::spanning_documents(problem.documents);
+  std::string out = "qkv plan (documents form): world_size " + std::to_string(W) + ", max_cp_degree " +
+                    std::to_string(plan.max_cp_degree.value_or(0)) + ", " + std::to_string(plan.documents.size()) + " documents, " +
+                    std::to_string(spans) + " spanning ranks (up to " + std::to_string(cpdispatch::widest_span(problem.documents)) + ")\n";
+  out += columns(rows);
+  if (cost.total_attention() > 0) out += "imbalance of attention cost (max/mean): " + max_over_mean_text(cost.max_attention(), cost.mean_attention()) + '\n';
+  return out + balance_report(problem, plan);
+}
+
+/// `balance` on a packed batch: the documents-form plan as JSON (or its
+/// summary), and its picture written to `svg_path` when one is named.
+inline std::string balance_packed(const cpdispatch::BalanceProblem& problem, bool summary, bool compact, const std::string& svg_path) {
+  const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(problem);
+  if (!svg_path.empty()) write_file(svg_path, plan_picture(plan, problem.q_bytes, problem.kv_bytes));
+  if (summary) return documents_summary(problem, plan);
+  const nlohmann::json j = documents_plan_to_json(plan);
+  return (compact ? j.dump() : cpdispatch::to_pretty_string(j)) + '\n';
 }
 
 }  // namespace cpdispatch_cli

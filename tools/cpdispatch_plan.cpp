@@ -316,7 +316,11 @@ int run_balance(Args args) {
   }
   const cpdispatch::BalanceProblem problem =
       cpdispatch_cli::balance_problem_from_json(cpdispatch::parse_json(read_input(options.input)));
-  const cpdispatch::QkvPlan balanced = cpdispatch::plan_balanced(problem);
+  if (problem.docs.empty()) {  // a packed batch: a documents-form plan
+    write_output(cpdispatch_cli::balance_packed(problem, options.summary, options.compact, options.svg));
+    return 0;
+  }
+  const cpdispatch::QkvPlan balanced = cpdispatch::to_rank_plan(cpdispatch::plan_balanced(problem));
   const cpdispatch::Plan plan = balanced;
   write_svg(options, plan, problem.q_bytes, problem.kv_bytes);
   if (options.summary) {

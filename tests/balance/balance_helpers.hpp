@@ -81,6 +81,57 @@ inline AssertionResult valid_plan(const cpdispatch::BalanceProblem& p, const cpd
   return AssertionSuccess();
 }
 
+/// Sum over the documents of a packed batch of their whole-document cost.
+inline I total_packed_cost(const cpdispatch::BalanceProblem& p) {
+  I total = 0;
+  for (const auto& doc : p.documents) {
+    I len = 0;
+    for (const auto& pc : doc) len += pc.len;
+    total += len * (len + 1) / 2;
+  }
+  return total;
+}
+
+/// A documents-form plan of a packed batch: every document in order, at most
+/// C shards, each shard inside one piece and on its home, the shards tiling
+/// every piece in order; attention cost conserved; capacities respected.
+inline AssertionResult valid_packed_plan(const cpdispatch::BalanceProblem& p, const cpdispatch::QkvDocumentsPlan& plan,
+                                         bool check_cp_degree = true) {
+  if (plan.world_size != p.world_size) return AssertionFailure() << "world size differs";
+  if (check_cp_degree && plan.max_cp_degree != p.max_cp_degree) return AssertionFailure() << "max_cp_degree " << plan.max_cp_degree.value_or(-1);
+  if (plan.documents.size() != p.documents.size()) return AssertionFailure() << plan.documents.size() << " documents, input " << p.documents.size();
+  for (std::size_t i = 0; i < p.documents.size(); ++i) {
+    const auto& shards = plan.documents[i].shards;
+    if (shards.empty() || (check_cp_degree && static_cast<I>(shards.size()) > p.max_cp_degree)) {
+      return AssertionFailure() << "documents[" << i << "] has " << shards.size() << " shards, C = " << p.max_cp_degree;
+    }
+    std::size_t k = 0;
+    for (std::size_t j = 0; j < p.documents[i].size(); ++j) {
+      const auto& pc = p.documents[i][j];
+      I covered = 0;
+      while (covered < pc.len) {
+        if (k == shards.size()) return AssertionFailure() << "documents[" << i << "]: shards end inside piece " << j;
+        const auto& s = shards[k++];
+        if (s.rank != pc.rank) return AssertionFailure() << "documents[" << i << "].shards[" << k - 1 << "] is on rank " << s.rank << ", its piece on " << pc.rank;
+        if (s.len < 1) return AssertionFailure() << "documents[" << i << "].shards[" << k - 1 << "] has " << s.len << " tokens";
+        if (s.dst < 0 || s.dst >= p.world_size) return AssertionFailure() << "documents[" << i << "].shards[" << k - 1 << "].dst = " << s.dst;
+        covered += s.len;
+      }
+      if (covered != pc.len) return AssertionFailure() << "documents[" << i << "]: a shard crosses the end of piece " << j;
+    }
+    if (k != shards.size()) return AssertionFailure() << "documents[" << i << "] has shards beyond its pieces";
+  }
+  const cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan, p.q_bytes, p.kv_bytes);
+  if (cost.total_attention() != total_packed_cost(p)) {
+    return AssertionFailure() << "attention cost " << cost.total_attention() << " differs from the documents' " << total_packed_cost(p);
+  }
+  for (std::size_t r = 0; r < p.recv_capacity.size(); ++r)
+    if (cost.kv_tokens[r] > p.recv_capacity[r]) {
+      return AssertionFailure() << "rank " << r << " holds " << cost.kv_tokens[r] << " KV tokens, capacity " << p.recv_capacity[r];
+    }
+  return AssertionSuccess();
+}
+
 /// Attention cost per rank and bytes per (source, destination), counted token
 /// by token from the spec's rules, independently of plan_cost.
 struct Count {
@@ -103,6 +154,28 @@ inline Count count_by_token(const cpdispatch::QkvPlan& plan, I q_bytes, I kv_byt
         c.bytes[r * W + d] += q_bytes * doc.shard_len[i];
         for (std::size_t k = 0; k <= i; ++k) c.bytes[r * W + d] += kv_bytes * doc.shard_len[k];  // KV shard k's copy
       }
+    }
+  }
+  return c;
+}
+
+/// The same for a documents-form plan: a KV token is sent to a query
+/// shard's destination unless that is its own home rank.
+inline Count count_by_token(const cpdispatch::QkvDocumentsPlan& plan, I q_bytes, I kv_bytes) {
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  Count c{std::vector<I>(W, 0), std::vector<I>(W * W, 0)};
+  for (const auto& doc : plan.documents) {
+    std::vector<std::size_t> home_of;  // per token of the document
+    for (const auto& s : doc.shards) home_of.insert(home_of.end(), static_cast<std::size_t>(s.len), static_cast<std::size_t>(s.rank));
+    I start = 0;
+    for (const auto& s : doc.shards) {
+      const auto d = static_cast<std::size_t>(s.dst), home = static_cast<std::size_t>(s.rank);
+      for (I t = start; t < start + s.len; ++t)
+        for (I key = 0; key <= t; ++key) ++c.attention[d];
+      if (d != home) c.bytes[home * W + d] += q_bytes * s.len;
+      for (I key = 0; key < start + s.len; ++key)  // this shard's KV group: every token up to its end
+        if (home_of[static_cast<std::size_t>(key)] != d) c.bytes[home_of[static_cast<std::size_t>(key)] * W + d] += kv_bytes;
+      start += s.len;
     }
   }
   return c;

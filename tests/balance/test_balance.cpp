@@ -1,4 +1,4 @@
-// Load-balanced planning (issue 7): plans are valid, conserve and count cost
+// Load-balanced planning of documents given per rank: plans are valid, conserve and count cost
 // exactly, round-trip through the simulation, balance, respect capacities,
 // and fail with messages that name what is wrong.
 
@@ -44,6 +44,11 @@ BalanceProblem random_problem(std::uint64_t seed, I W, I C, I tokens_per_rank) {
   return problem(std::move(docs), C);
 }
 
+// Plans of per-rank problems keep every document on one rank: their per-rank form.
+QkvPlan balanced(const BalanceProblem& p, const cpdispatch::BalanceOptions& o = {}) { return cpdispatch::to_rank_plan(cpdispatch::plan_balanced(p, o)); }
+QkvPlan greedy(const BalanceProblem& p) { return cpdispatch::to_rank_plan(cpdispatch::plan_greedy(p)); }
+QkvPlan unbalanced(const BalanceProblem& p) { return cpdispatch::to_rank_plan(cpdispatch::plan_unbalanced(p)); }
+
 double imbalance(const BalanceProblem& p, const QkvPlan& plan) {
   return static_cast<double>(cpdispatch::plan_cost(plan, p.q_bytes, p.kv_bytes).max_attention()) / cpdispatch::balance_lower_bound(p);
 }
@@ -67,7 +72,7 @@ TEST(PlanCost, MatchesAPerTokenCountAndTheMetadata) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     const I W = 1 + static_cast<I>(seed % 6), C = 1 + static_cast<I>(seed % 4);
     const BalanceProblem p = random_problem(seed, W, C, 60);
-    for (const QkvPlan& plan : {cpdispatch::plan_balanced(p), cpdispatch::plan_greedy(p), cpdispatch::plan_unbalanced(p)}) {
+    for (const QkvPlan& plan : {balanced(p), greedy(p), unbalanced(p)}) {
       const I qb = 3, kvb = 5;
       const PlanCost cost = cpdispatch::plan_cost(plan, qb, kvb);
       const baltest::Count want = baltest::count_by_token(plan, qb, kvb);
@@ -111,11 +116,11 @@ TEST(PlanBalanced, PlansAreValidAndRoundTrip) {
     BalanceProblem p = random_problem(seed, W, C, 40 + static_cast<I>(seed % 3) * 100);
     p.q_bytes = 1 + static_cast<I>(seed % 3);
     p.kv_bytes = 1 + static_cast<I>(seed % 2);
-    const QkvPlan plan = cpdispatch::plan_balanced(p);
+    const QkvPlan plan = balanced(p);
     ASSERT_TRUE(baltest::valid_plan(p, plan));
     ASSERT_TRUE(baltest::round_trip(plan));
     const PlanCost cost = cpdispatch::plan_cost(plan, p.q_bytes, p.kv_bytes);
-    const PlanCost none = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(p), p.q_bytes, p.kv_bytes);
+    const PlanCost none = cpdispatch::plan_cost(unbalanced(p), p.q_bytes, p.kv_bytes);
     EXPECT_LE(cost.max_attention(), none.max_attention());
     EXPECT_GE(static_cast<double>(cost.max_attention()), cpdispatch::balance_lower_bound(p) - 0.5);  // it is a lower bound
   }
@@ -126,18 +131,18 @@ TEST(PlanBalanced, BalancesLargerBatches) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     for (I C : {4, 8}) {
       const BalanceProblem p = random_problem(seed, 16, C, 8192);
-      const QkvPlan plan = cpdispatch::plan_balanced(p);
+      const QkvPlan plan = balanced(p);
       ASSERT_TRUE(baltest::valid_plan(p, plan));
       EXPECT_LE(imbalance(p, plan), 1.03);
-      const QkvPlan greedy = cpdispatch::plan_greedy(p);
-      ASSERT_TRUE(baltest::valid_plan(p, greedy));
+      const QkvPlan greedy_plan = greedy(p);
+      ASSERT_TRUE(baltest::valid_plan(p, greedy_plan));
     }
   }
 }
 
 TEST(PlanBalanced, IsDeterministic) {
   const BalanceProblem p = random_problem(7, 12, 4, 3000);
-  const QkvPlan a = cpdispatch::plan_balanced(p), b = cpdispatch::plan_balanced(p);
+  const QkvPlan a = balanced(p), b = balanced(p);
   for (std::size_t r = 0; r < a.ranks.size(); ++r)
     for (std::size_t i = 0; i < a.ranks[r].docs.size(); ++i) {
       EXPECT_EQ(a.ranks[r].docs[i].shard_len, b.ranks[r].docs[i].shard_len);
@@ -149,7 +154,7 @@ TEST(PlanBalanced, SingleDocumentIsCutIntoCEqualCostShards) {
   for (I C : {1, 2, 3, 4, 8}) {
     SCOPED_TRACE("C = " + std::to_string(C));
     const BalanceProblem p = problem({{1000}, {}, {}, {}, {}, {}, {}, {}}, C);
-    const QkvPlan plan = cpdispatch::plan_balanced(p);
+    const QkvPlan plan = balanced(p);
     ASSERT_TRUE(baltest::valid_plan(p, plan));
     ASSERT_TRUE(baltest::round_trip(plan));
     const auto& doc = plan.ranks[0].docs[0];
@@ -161,7 +166,7 @@ TEST(PlanBalanced, SingleDocumentIsCutIntoCEqualCostShards) {
 
 TEST(PlanBalanced, EqualDocumentsStayHome) {
   const BalanceProblem p = problem({{500, 20, 20}, {500, 20, 20}, {500, 20, 20}, {500, 20, 20}}, 4);
-  const QkvPlan plan = cpdispatch::plan_balanced(p);
+  const QkvPlan plan = balanced(p);
   ASSERT_TRUE(baltest::valid_plan(p, plan));
   const PlanCost cost = cpdispatch::plan_cost(plan);
   EXPECT_EQ(cost.bytes_moved, 0);
@@ -172,7 +177,7 @@ TEST(PlanBalanced, OneHugeDocumentAmongTinyOnes) {
   std::vector<std::vector<I>> docs(8, std::vector<I>(50, 3));
   docs[5].insert(docs[5].begin() + 10, 4000);
   const BalanceProblem p = problem(docs, 8);
-  const QkvPlan plan = cpdispatch::plan_balanced(p);
+  const QkvPlan plan = balanced(p);
   ASSERT_TRUE(baltest::valid_plan(p, plan));
   ASSERT_TRUE(baltest::round_trip(plan));
   EXPECT_LE(imbalance(p, plan), 1.03);
@@ -187,7 +192,7 @@ TEST(PlanBalanced, OneHugeDocumentAmongTinyOnes) {
 
 TEST(PlanBalanced, OneRank) {
   const BalanceProblem p = problem({{5, 900, 7}}, 4);
-  const QkvPlan plan = cpdispatch::plan_balanced(p);
+  const QkvPlan plan = balanced(p);
   ASSERT_TRUE(baltest::valid_plan(p, plan));
   for (const auto& doc : plan.ranks[0].docs) EXPECT_EQ(doc.dst, std::vector<I>{0});
   EXPECT_EQ(cpdispatch::plan_cost(plan).bytes_moved, 0);
@@ -195,18 +200,18 @@ TEST(PlanBalanced, OneRank) {
 
 TEST(PlanBalanced, DocumentsShorterThanC) {
   const BalanceProblem p = problem({{1, 2, 3, 2, 1, 3}, {}, {1}, {}}, 8);
-  const QkvPlan plan = cpdispatch::plan_balanced(p);
+  const QkvPlan plan = balanced(p);
   ASSERT_TRUE(baltest::valid_plan(p, plan));  // every shard has at least one token
   ASSERT_TRUE(baltest::round_trip(plan));
   const BalanceProblem single = problem({{3}, {}, {}, {}}, 8);
-  const QkvPlan cut = cpdispatch::plan_balanced(single);
+  const QkvPlan cut = balanced(single);
   ASSERT_TRUE(baltest::valid_plan(single, cut));
   EXPECT_LE(cut.ranks[0].docs[0].shard_len.size(), 3u);
 }
 
 TEST(PlanBalanced, NoDocumentsAtAll) {
   const BalanceProblem p = problem({{}, {}, {}}, 2);
-  const QkvPlan plan = cpdispatch::plan_balanced(p);
+  const QkvPlan plan = balanced(p);
   ASSERT_TRUE(baltest::valid_plan(p, plan));
   EXPECT_EQ(cpdispatch::balance_lower_bound(p), 0.0);
 }
@@ -216,7 +221,7 @@ TEST(PlanBalanced, WeighsQueryAndKvBytes) {
   // only itself) beats moving its tail (whose KV group is the whole document).
   BalanceProblem p = problem({{2000}, {}}, 2);
   p.kv_bytes = 8;
-  const QkvPlan plan = cpdispatch::plan_balanced(p);
+  const QkvPlan plan = balanced(p);
   ASSERT_TRUE(baltest::valid_plan(p, plan));
   const auto& doc = plan.ranks[0].docs[0];
   ASSERT_EQ(doc.dst.size(), 2u);
@@ -226,14 +231,14 @@ TEST(PlanBalanced, WeighsQueryAndKvBytes) {
 
 TEST(PlanBalanced, CostLimitTradesBalanceForBytes) {
   const BalanceProblem p = random_problem(11, 16, 4, 4096);
-  const PlanCost tight = cpdispatch::plan_cost(cpdispatch::plan_balanced(p));
+  const PlanCost tight = cpdispatch::plan_cost(balanced(p));
   cpdispatch::BalanceOptions loose;
   loose.cost_limit = tight.max_attention() * 13 / 10;
-  const PlanCost relaxed = cpdispatch::plan_cost(cpdispatch::plan_balanced(p, loose));
+  const PlanCost relaxed = cpdispatch::plan_cost(balanced(p, loose));
   EXPECT_LE(relaxed.max_attention(), loose.cost_limit);
   EXPECT_LE(relaxed.bytes_moved, tight.bytes_moved);
-  loose.cost_limit = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(p)).max_attention();
-  EXPECT_EQ(cpdispatch::plan_cost(cpdispatch::plan_balanced(p, loose)).bytes_moved, 0);
+  loose.cost_limit = cpdispatch::plan_cost(unbalanced(p)).max_attention();
+  EXPECT_EQ(cpdispatch::plan_cost(balanced(p, loose)).bytes_moved, 0);
 }
 
 TEST(PlanBalanced, RespectsReceiveCapacities) {
@@ -244,7 +249,7 @@ TEST(PlanBalanced, RespectsReceiveCapacities) {
     for (const auto& r : p.docs)
       for (I len : r) longest = std::max(longest, len);
     p.recv_capacity.assign(6, std::max<I>(longest, 650));
-    const QkvPlan plan = cpdispatch::plan_balanced(p);
+    const QkvPlan plan = balanced(p);
     ASSERT_TRUE(baltest::valid_plan(p, plan));  // checks kv_tokens <= recv_capacity
   }
 }
@@ -254,7 +259,7 @@ TEST(PlanBalanced, CapacityForcesDocumentsAway) {
   // even though balance alone would not ask for it.
   BalanceProblem p = problem({{100, 100, 100}, {100}, {100}, {100}}, 2);
   p.recv_capacity = {100, 1000, 1000, 1000};
-  const QkvPlan plan = cpdispatch::plan_balanced(p);
+  const QkvPlan plan = balanced(p);
   ASSERT_TRUE(baltest::valid_plan(p, plan));
   EXPECT_LE(cpdispatch::plan_cost(plan).kv_tokens[0], 100);
 }
@@ -262,17 +267,17 @@ TEST(PlanBalanced, CapacityForcesDocumentsAway) {
 TEST(PlanBalanced, InfeasibleCapacityNamesRankAndAmounts) {
   BalanceProblem p = problem({{50, 700}, {30}}, 4);
   p.recv_capacity = {600, 650};
-  const std::string m = baltest::message_of<cpdispatch::capacity_error>([&] { cpdispatch::plan_balanced(p); });
+  const std::string m = baltest::message_of<cpdispatch::capacity_error>([&] { balanced(p); });
   EXPECT_THAT(m, HasSubstr("docs[0][1] has 700 tokens"));
   EXPECT_THAT(m, HasSubstr("largest recv_capacity is 650 tokens (rank 1)"));
   p.recv_capacity = {700, 70};
-  const std::string total = baltest::message_of<cpdispatch::capacity_error>([&] { cpdispatch::plan_balanced(p); });
+  const std::string total = baltest::message_of<cpdispatch::capacity_error>([&] { balanced(p); });
   EXPECT_THAT(total, HasSubstr("total 770 tokens, but the documents hold 780"));
 }
 
 TEST(PlanBalanced, RejectsMalformedProblems) {
   using cpdispatch::invalid_input;
-  auto msg = [](BalanceProblem p) { return baltest::message_of<invalid_input>([&] { cpdispatch::plan_balanced(p); }); };
+  auto msg = [](BalanceProblem p) { return baltest::message_of<invalid_input>([&] { balanced(p); }); };
   EXPECT_THAT(msg(problem({}, 2)), HasSubstr("world_size = 0"));
   BalanceProblem p = problem({{4}, {5}}, 2);
   p.world_size = 3;
@@ -300,7 +305,7 @@ TEST(PlanBalanced, TheReadmeSnippet) {  // README.md, "Load-balanced planning"
   p.kv_bytes = 4096;                                  //   per key-value token
   // p.recv_capacity = {...};                         // optional: KV tokens a rank may hold
 
-  cpdispatch::QkvPlan plan = cpdispatch::plan_balanced(p);    // deterministic
+  cpdispatch::QkvPlan plan = balanced(p);    // deterministic
   cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan, p.q_bytes, p.kv_bytes);
   // cost.attention[r], cost.max_over_mean(), cost.bytes_moved, cost.sent(src, dst)
   double bound = cpdispatch::balance_lower_bound(p);  // no plan's max is below this
@@ -318,7 +323,7 @@ TEST(LowerBound, IsTheMeanOrTheCheapestCutOfTheCostliestDocument) {
   // Never above what a plan reaches.
   for (std::uint64_t seed = 1; seed <= 20; ++seed) {
     const BalanceProblem p = random_problem(seed, 5, 3, 200);
-    EXPECT_LE(cpdispatch::balance_lower_bound(p), static_cast<double>(cpdispatch::plan_cost(cpdispatch::plan_balanced(p)).max_attention()));
+    EXPECT_LE(cpdispatch::balance_lower_bound(p), static_cast<double>(cpdispatch::plan_cost(balanced(p)).max_attention()));
   }
 }
 
@@ -326,7 +331,7 @@ TEST(PlanGreedy, MovesUntilWithinTenPercentOrStuck) {
   for (std::uint64_t seed = 1; seed <= 20; ++seed) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     const BalanceProblem p = random_problem(seed, 8, 8, 2000);
-    const QkvPlan plan = cpdispatch::plan_greedy(p);
+    const QkvPlan plan = greedy(p);
     ASSERT_TRUE(baltest::valid_plan(p, plan));
     ASSERT_TRUE(baltest::round_trip(plan));
   }
@@ -334,8 +339,8 @@ TEST(PlanGreedy, MovesUntilWithinTenPercentOrStuck) {
   std::vector<std::vector<I>> docs(8);
   for (std::size_t r = 0; r < 8; ++r) docs[r].assign(10 + 10 * r, 20);
   const BalanceProblem p = problem(docs, 4);
-  EXPECT_LE(imbalance(p, cpdispatch::plan_greedy(p)), 1.10);
-  EXPECT_GT(imbalance(p, cpdispatch::plan_unbalanced(p)), 1.5);
+  EXPECT_LE(imbalance(p, greedy(p)), 1.10);
+  EXPECT_GT(imbalance(p, unbalanced(p)), 1.5);
 }
 
 }  // namespace

@@ -85,7 +85,7 @@ TEST_F(BalanceCli, WritesTheLibrarysPlanWhichCpdispatchPlanAccepts) {
   const auto& qkv = std::get<cpdispatch::QkvPlan>(plan);
   const cpdispatch::BalanceProblem p = input_problem();
   ASSERT_TRUE(baltest::valid_plan(p, qkv));
-  EXPECT_EQ(cpdispatch::plan_to_json(plan), cpdispatch::plan_to_json(cpdispatch::Plan(cpdispatch::plan_balanced(p))));
+  EXPECT_EQ(cpdispatch::plan_to_json(plan), cpdispatch::plan_to_json(cpdispatch::Plan(cpdispatch::to_rank_plan(cpdispatch::plan_balanced(p)))));
   // ... and plan mode plans it.
   const Result planned = run(file("plan.json", r.out));
   EXPECT_EQ(planned.status, 0) << planned.err;

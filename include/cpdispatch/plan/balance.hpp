@@ -1,37 +1,44 @@
 #pragma once
 // Load-balanced dispatch planning: the library chooses the QKV plan.
 //
-// Input: the lengths of the documents each rank holds in the MLP layout, the
-// most shards per document C, optionally a receive capacity per rank, and the
-// bytes per token of queries and of key-values. Output: a QkvPlan (documents
-// cut into contiguous shards, each with an attention destination) that
+// Input: a packed batch -- every document as its pieces in causal order, each
+// piece a contiguous run of the document on its home rank (a data loader
+// packs documents end to end into the ranks' token budgets, so a long
+// document starts on one rank and continues on the next ones) -- or, the
+// special case, the lengths of the whole documents each rank holds. Also the
+// most shards per document C, optionally a receive capacity per rank, and
+// the bytes per token of queries and of key-values. Output: a documents-form
+// plan (QkvDocumentsPlan) whose shards tile every piece in order (a shard
+// never crosses a piece boundary and keeps its piece's home rank), at most C
+// shards per document, each shard with an attention rank, that
 //   1. minimises the largest attention cost of any rank, where a query shard
 //      of q tokens after p tokens of its document costs q*p + q*(q+1)/2
 //      (causal token pairs), and
 //   2. among plans whose largest cost is within `cost_slack` of the best found,
-//      moves the fewest bytes, counted exactly as the spec's layout sends them:
-//      q_bytes per query token sent off its home rank, kv_bytes per token of
-//      every key-value copy sent off its home rank (query shard i attends to
-//      key-value shards 0..i, each copied to it; two query shards of one
-//      document on one rank get their own copies).
+//      moves the fewest bytes, counted exactly as the layout of
+//      docs/plan-format.md sends them: q_bytes per query token attended off
+//      its home rank, kv_bytes per token of every key-value copy whose home
+//      is not the attention rank (query shard i attends to key-value shards
+//      0..i of its document, wherever they live, each copied to it; two
+//      query shards of one document on one rank get their own copies).
 //
 // The algorithm (balance_detail::Planner) searches the target T on the
 // largest rank cost upward from the lower bound (balance_lower_bound), and
 // builds a plan for one T in three steps:
-//   1. a document that costs more than T is cut into the fewest equal-cost
-//      shards under T (later shards are shorter; C at most); its home keeps
-//      the shard that would cost the most bytes to send, the others go to
-//      the ranks with the most room left after their own documents;
-//   2. everything else stays home, except that a rank over T sends pieces
-//      away one at a time, each time the choice moving the fewest bytes per
-//      unit of cost: a document's whole rest, its front (the head alone
-//      moves, with only its own key-values) or its back (the tail moves, and
-//      its whole context with it), sized to what the rank must shed or to the
-//      receiving rank's room, into the tightest room that takes all it must
-//      shed, else the roomiest; a document never exceeds C shards;
-//   3. a rank with room left takes back its own pieces that fit.
+//   1. a piece that costs more than T is cut into the fewest equal-cost
+//      shards under T (later shards are shorter); its home keeps the shard
+//      that would cost the most bytes to send, the others go to the ranks
+//      with the most room left after their own pieces;
+//   2. everything else stays home, except that a rank over T sends work away
+//      one shard at a time, each time the choice moving the fewest bytes per
+//      unit of cost: a piece's whole rest, its front (the head alone moves,
+//      with its context) or its back (the tail moves, and its context with
+//      it), sized to what the rank must shed or to the receiving rank's room,
+//      into the tightest room that takes all it must shed, else the roomiest;
+//      a document never exceeds C shards;
+//   3. a rank with room left takes back its own shards that fit.
 // Step 1 is also tried with one shard more, and not at all (step 2 then cuts
-// those documents too); the cheapest construction that reaches T wins. The
+// those pieces too); the cheapest construction that reaches T wins. The
 // smallest T reached (within 0.1%) is then relaxed by up to `cost_slack` when
 // that moves fewer bytes. Deterministic: integer arithmetic and fixed
 // tie-breaks throughout (a floating square root only seeds cut positions,
@@ -54,11 +61,25 @@
 
 namespace cpdispatch {
 
-/// What load-balanced planning starts from.
+/// A contiguous run of a document's tokens on one rank (its home in the MLP
+/// layout). A document packed across ranks is a list of pieces in causal order.
+struct DocumentPiece {
+  std::int64_t rank = 0;  ///< home rank
+  std::int64_t len = 0;   ///< tokens, > 0
+  friend bool operator==(const DocumentPiece&, const DocumentPiece&) = default;
+};
+
+/// What load-balanced planning starts from. Give the documents either as a
+/// packed batch (`documents`) or per rank (`docs`), not both.
 struct BalanceProblem {
   std::int64_t world_size = 0;
   std::int64_t max_cp_degree = 1;  ///< C: the most shards one document may be cut into
-  /// [W]: the lengths of the documents each rank holds, in MLP-layout order.
+  /// Packed batch: every document's pieces in causal order. Rank r's MLP
+  /// layout holds the pieces whose home is r, ordered by (document, piece).
+  std::vector<std::vector<DocumentPiece>> documents;
+  /// Per-rank form, [W] (or empty when `documents` is used): the lengths of
+  /// the whole documents each rank holds, in MLP-layout order. The same as
+  /// listing rank 0's documents, then rank 1's, ... as one-piece documents.
   std::vector<std::vector<std::int64_t>> docs;
   /// Empty, or [W]: the most tokens each rank's attention layout may hold,
   /// counted as its KV groups (context + own length of every query shard it
@@ -140,7 +161,7 @@ inline std::int64_t min_begin(std::int64_t a, std::int64_t b, std::int64_t budge
   return m;
 }
 
-/// The fewest contiguous pieces of [a, b) that each cost at most `limit`
+/// The fewest contiguous shards of [a, b) that each cost at most `limit`
 /// (greedy from the front is optimal for a monotone cost); `cap + 1` when
 /// more than `cap` are needed.
 inline std::int64_t pieces_needed(std::int64_t a, std::int64_t b, std::int64_t limit, std::int64_t cap) noexcept {
@@ -155,19 +176,38 @@ inline std::int64_t pieces_needed(std::int64_t a, std::int64_t b, std::int64_t l
   return n;
 }
 
-/// The cheapest largest piece of [0, len) cut into at most `c` contiguous pieces.
-inline std::int64_t min_max_piece(std::int64_t len, std::int64_t c) noexcept {
-  const std::int64_t total = pairs(0, len);
-  std::int64_t lo = (total + c - 1) / c, hi = total;  // hi always works
+/// A run [lo, hi) of token positions of one document.
+struct Range {
+  std::int64_t lo, hi;
+};
+
+/// The cheapest largest shard when the runs (the pieces of one document,
+/// each cut on its own) are cut into at most `c` shards in all; `c` is at
+/// least the number of runs.
+inline std::int64_t min_max_shard(const std::vector<Range>& runs, std::int64_t c) noexcept {
+  std::int64_t total = 0, hi = 0;
+  for (const Range& r : runs) {
+    total += pairs(r.lo, r.hi);
+    hi = std::max(hi, pairs(r.lo, r.hi));  // every run whole: always within c
+  }
+  std::int64_t lo = (total + c - 1) / c;
   while (lo < hi) {
     const std::int64_t mid = lo + (hi - lo) / 2;
-    if (pieces_needed(0, len, mid, c) <= c) hi = mid; else lo = mid + 1;
+    std::int64_t used = 0;
+    for (const Range& r : runs) {
+      used += pieces_needed(r.lo, r.hi, mid, c);
+      if (used > c) break;
+    }
+    if (used <= c) hi = mid; else lo = mid + 1;
   }
   return hi;
 }
 
-/// n + 1 boundaries cutting [a, b) into n pieces of (nearly) equal cost,
-/// every piece at least one token (n <= b - a).
+/// The cheapest largest shard of [0, len) cut into at most `c` contiguous shards.
+inline std::int64_t min_max_piece(std::int64_t len, std::int64_t c) noexcept { return min_max_shard({Range{0, len}}, c); }
+
+/// n + 1 boundaries cutting [a, b) into n shards of (nearly) equal cost,
+/// every shard at least one token (n <= b - a).
 inline std::vector<std::int64_t> equal_cost_cuts(std::int64_t a, std::int64_t b, std::int64_t n) {
   std::vector<std::int64_t> cut(static_cast<std::size_t>(n) + 1);
   cut[0] = a;
@@ -183,57 +223,64 @@ inline std::vector<std::int64_t> equal_cost_cuts(std::int64_t a, std::int64_t b,
   return cut;
 }
 
-/// One contiguous piece [begin, end) of document `doc` and the rank attending it.
+/// One piece of the input: positions [begin, end) of document `document`,
+/// held by rank `home`.
 struct Piece {
-  std::size_t doc = 0;
+  std::size_t document = 0;
+  std::size_t index = 0;  ///< its place in the document
+  std::size_t home = 0;
+  std::size_t slot = 0;   ///< its place on the home rank (per-rank form: the document's index there)
+  std::int64_t begin = 0, end = 0;
+  std::int64_t cost = 0;  ///< pairs(begin, end)
+};
+
+/// One shard of a plan: positions [begin, end) of piece `piece`'s document,
+/// attended on rank `dst`.
+struct Shard {
+  std::size_t piece = 0;
   std::int64_t begin = 0, end = 0;
   std::size_t dst = 0;
 };
 
-/// Bytes a piece [a, b) of a document moves when attended away from home:
-/// its queries, and a copy of key-value shards 0..b (its context and itself).
+/// Bytes a shard [a, b) of a document moves at most when attended away from
+/// home: its queries, and a copy of the key-values 0..b (its context and
+/// itself; the part already at the destination moves nothing, which only
+/// plan_cost counts exactly).
 inline std::int64_t away_bytes(std::int64_t a, std::int64_t b, std::int64_t q_bytes, std::int64_t kv_bytes) noexcept {
   return q_bytes * (b - a) + kv_bytes * b;
 }
 
-struct Doc {
-  std::size_t home = 0;   ///< rank holding it in the MLP layout
-  std::size_t index = 0;  ///< its place on that rank
-  std::int64_t len = 0;
-  std::int64_t cost = 0;  ///< pairs(0, len)
-};
-
-/// One candidate plan: every document's pieces, documents in order, each
-/// document's pieces in order; pieces[first[d] .. first[d+1]) are document d's.
+/// One candidate plan: every piece's shards, pieces in order, each piece's
+/// shards in order; shards[first[p] .. first[p+1]) are piece p's.
 struct Layout {
-  std::vector<Piece> pieces;
+  std::vector<Shard> shards;
   std::vector<std::size_t> first;
   std::int64_t max_cost = 0;
   std::int64_t bytes = 0;
 };
 
-/// Sorts pieces by document and position, merges neighbours attended on one
+/// Sorts shards by piece and position, merges neighbours attended on one
 /// rank, and fills `first` and `bytes` (`max_cost` is the caller's).
-inline Layout make_layout(std::vector<Piece>& pieces, const std::vector<Doc>& docs, std::int64_t q, std::int64_t kv) {
-  std::sort(pieces.begin(), pieces.end(),
-            [](const Piece& x, const Piece& y) { return x.doc != y.doc ? x.doc < y.doc : x.begin < y.begin; });
+inline Layout make_layout(std::vector<Shard>& shards, const std::vector<Piece>& pieces, std::int64_t q, std::int64_t kv) {
+  std::sort(shards.begin(), shards.end(),
+            [](const Shard& x, const Shard& y) { return x.piece != y.piece ? x.piece < y.piece : x.begin < y.begin; });
   Layout out;
-  out.pieces.reserve(pieces.size());
-  out.first.assign(docs.size() + 1, 0);
-  for (const Piece& pc : pieces) {
-    Piece* last = out.pieces.empty() ? nullptr : &out.pieces.back();
-    if (last && last->doc == pc.doc && last->dst == pc.dst && last->end == pc.begin) last->end = pc.end;
-    else out.pieces.push_back(pc);
+  out.shards.reserve(shards.size());
+  out.first.assign(pieces.size() + 1, 0);
+  for (const Shard& s : shards) {
+    Shard* last = out.shards.empty() ? nullptr : &out.shards.back();
+    if (last && last->piece == s.piece && last->dst == s.dst && last->end == s.begin) last->end = s.end;
+    else out.shards.push_back(s);
   }
-  for (const Piece& pc : out.pieces) {
-    ++out.first[pc.doc + 1];
-    if (pc.dst != docs[pc.doc].home) out.bytes += away_bytes(pc.begin, pc.end, q, kv);
+  for (const Shard& s : out.shards) {
+    ++out.first[s.piece + 1];
+    if (s.dst != pieces[s.piece].home) out.bytes += away_bytes(s.begin, s.end, q, kv);
   }
-  for (std::size_t d = 0; d < docs.size(); ++d) out.first[d + 1] += out.first[d];
+  for (std::size_t p = 0; p < pieces.size(); ++p) out.first[p + 1] += out.first[p];
   return out;
 }
 
-/// How one construction treats documents that cost more than the target.
+/// How one construction treats pieces that cost more than the target.
 struct Variant {
   bool precut = true;        ///< cut them first into equal-cost shards placed on the roomiest ranks
   bool extra_piece = false;  ///< ... one shard more than needed
@@ -242,97 +289,36 @@ struct Variant {
 class Planner {
  public:
   explicit Planner(const BalanceProblem& p) : p_(p) {
-    if (p.world_size <= 0) fail("plan_balanced: world_size = ", p.world_size, " must be at least 1");
+    check_settings();
     W_ = static_cast<std::size_t>(p.world_size);
-    if (p.docs.size() != W_) fail("plan_balanced: docs has ", p.docs.size(), " ranks, but world_size = ", W_);
-    if (p.max_cp_degree <= 0) fail("plan_balanced: max_cp_degree = ", p.max_cp_degree, " must be at least 1");
-    if (p.max_cp_degree > max_supported_cp_degree) {
-      fail("plan_balanced: max_cp_degree = ", p.max_cp_degree, " exceeds the supported maximum of ", max_supported_cp_degree);
-    }
-    if (p.q_bytes < 0 || p.kv_bytes < 0) {
-      fail("plan_balanced: q_bytes = ", p.q_bytes, " and kv_bytes = ", p.kv_bytes, " must not be negative");
-    }
     C_ = p.max_cp_degree;
     home_load_.assign(W_, 0);
-    docs_of_.resize(W_);
-    std::int64_t tokens = 0;
-    for (std::size_t r = 0; r < W_; ++r) {
-      for (std::size_t i = 0; i < p.docs[r].size(); ++i) {
-        const std::int64_t len = p.docs[r][i];
-        if (len <= 0) fail("plan_balanced: docs[", r, "][", i, "] = ", len, " must be positive");
-        std::int64_t sq = 0;
-        if (__builtin_mul_overflow(len, len + 1, &sq)) {
-          fail("plan_balanced: docs[", r, "][", i, "] = ", len, " tokens: its attention cost overflows 64 bits");
-        }
-        const std::int64_t cost = sq / 2;
-        if (__builtin_add_overflow(total_, cost, &total_) || total_ > unlimited) {
-          fail("plan_balanced: the total attention cost overflows 64 bits (documents too long)");
-        }
-        tokens = detail::add_tokens(tokens, len, "plan_balanced");
-        home_load_[r] += cost;
-        docs_of_[r].push_back(docs_.size());
-        docs_.push_back({r, i, len, cost});
-      }
-    }
+    pieces_of_.resize(W_);
+    const std::int64_t tokens = p.docs.empty() ? add_packed() : add_per_rank();
     // Byte counts of any plan stay below (q + C * kv) * tokens.
     if (static_cast<long double>(p.q_bytes + C_ * p.kv_bytes) * static_cast<long double>(tokens) > static_cast<long double>(unlimited)) {
       fail("plan_balanced: byte counts overflow 64 bits (q_bytes = ", p.q_bytes, ", kv_bytes = ", p.kv_bytes, ", ", tokens, " tokens)");
     }
-    by_cost_.resize(docs_.size());
+    by_cost_.resize(pieces_.size());
     std::iota(by_cost_.begin(), by_cost_.end(), std::size_t{0});
-    std::stable_sort(by_cost_.begin(), by_cost_.end(), [&](std::size_t x, std::size_t y) { return docs_[x].cost > docs_[y].cost; });
-    cap_.assign(W_, unlimited);
-    if (!p.recv_capacity.empty()) {
-      if (p.recv_capacity.size() != W_) {
-        fail("plan_balanced: recv_capacity has ", p.recv_capacity.size(), " entries, but world_size = ", W_);
-      }
-      for (std::size_t r = 0; r < W_; ++r) {
-        if (p.recv_capacity[r] < 0) fail("plan_balanced: recv_capacity[", r, "] = ", p.recv_capacity[r], " is negative");
-        cap_[r] = std::min(p.recv_capacity[r], unlimited);
-      }
-      check_capacity(tokens);
-    }
+    std::stable_sort(by_cost_.begin(), by_cost_.end(), [&](std::size_t x, std::size_t y) { return pieces_[x].cost > pieces_[y].cost; });
+    read_capacity(tokens);
+    bound_ = compute_bound();
   }
 
-  /// The mean cost and the cheapest largest shard of the costliest document:
-  /// no plan's largest rank cost is below either.
-  double lower_bound() const {
-    if (docs_.empty()) return 0;
-    const double mean = static_cast<double>(total_) / static_cast<double>(W_);
-    const Doc& top = docs_[by_cost_.front()];
-    return std::max(mean, static_cast<double>(min_max_piece(top.len, std::min(C_, top.len))));
-  }
+  /// The mean cost and, per document, its cheapest largest shard when cut
+  /// into at most C shards inside its pieces: no plan's largest rank cost is
+  /// below either.
+  double lower_bound() const { return bound_; }
 
   /// The balanced layout: the smallest target a construction reaches, then
   /// the fewest bytes within the slack (or within `cost_limit`).
   Layout plan(const BalanceOptions& opt) {
-    if (docs_.empty()) return unbalanced();
+    if (pieces_.empty()) return unbalanced();
     const auto lb = static_cast<std::int64_t>(std::ceil(lower_bound()));
-    const std::int64_t top = *std::max_element(home_load_.begin(), home_load_.end());
-    std::optional<Layout> found = reach(lb);
     std::int64_t target = lb;
-    if (!found) {
-      // Widen geometrically from the bound (plans usually land within a few
-      // percent of it), then bisect to 0.1%.
-      std::int64_t lo = lb, hi = lb;  // lo fails, hi reaches
-      for (std::int64_t step = std::max<std::int64_t>(1, lb / 256); !found; step *= 4) {
-        lo = hi;
-        if (lo >= total_) capacity_failure();  // not even with no limit on cost
-        hi = std::min(total_, lo + step);
-        if (lo < top && hi > top) hi = top;  // where every document stays home
-        found = reach(hi);
-      }
-      while (hi - lo > std::max<std::int64_t>(1, lo / 1024)) {
-        const std::int64_t mid = lo + (hi - lo) / 2;
-        if (auto l = reach(mid)) {
-          hi = mid;
-          found = std::move(l);
-        } else {
-          lo = mid;
-        }
-      }
-      target = hi;
-    }
+    std::optional<Layout> found = reach(lb);
+    if (!found) found = search_target(lb, target);
     // Within the slack, the plan moving the fewest bytes.
     const std::int64_t limit =
         opt.cost_limit > 0 ? std::max(opt.cost_limit, found->max_cost)
@@ -346,41 +332,184 @@ class Planner {
     return best;
   }
 
-  /// Every document whole on its own rank.
+  /// Every piece whole on its own rank.
   Layout unbalanced() const {
-    std::vector<Piece> pieces;
-    for (std::size_t id = 0; id < docs_.size(); ++id) pieces.push_back({id, 0, docs_[id].len, docs_[id].home});
-    Layout out = make_layout(pieces, docs_, p_.q_bytes, p_.kv_bytes);
-    out.max_cost = *std::max_element(home_load_.begin(), home_load_.end());
+    std::vector<Shard> shards;
+    for (std::size_t id = 0; id < pieces_.size(); ++id) shards.push_back({id, pieces_[id].begin, pieces_[id].end, pieces_[id].home});
+    Layout out = make_layout(shards, pieces_, p_.q_bytes, p_.kv_bytes);
+    out.max_cost = home_load_.empty() ? 0 : *std::max_element(home_load_.begin(), home_load_.end());
     return out;
   }
 
-  /// A QkvPlan from a layout: every rank's documents in their MLP order.
-  QkvPlan to_plan(const Layout& layout) const {
-    QkvPlan out;
+  /// The documents-form plan of a layout: documents and pieces in input order.
+  QkvDocumentsPlan to_plan(const Layout& layout) const {
+    QkvDocumentsPlan out;
     out.world_size = p_.world_size;
     out.max_cp_degree = C_;
-    out.ranks.resize(W_);
-    for (std::size_t r = 0; r < W_; ++r) {
-      for (std::size_t id : docs_of_[r]) {
-        Document d;
-        for (std::size_t k = layout.first[id]; k < layout.first[id + 1]; ++k) {
-          d.shard_len.push_back(layout.pieces[k].end - layout.pieces[k].begin);
-          d.dst.push_back(static_cast<std::int64_t>(layout.pieces[k].dst));
-        }
-        out.ranks[r].docs.push_back(std::move(d));
+    out.documents.resize(first_piece_.size() - 1);
+    for (std::size_t id = 0; id < pieces_.size(); ++id) {
+      auto& shards = out.documents[pieces_[id].document].shards;
+      for (std::size_t k = layout.first[id]; k < layout.first[id + 1]; ++k) {
+        const Shard& s = layout.shards[k];
+        shards.push_back({static_cast<std::int64_t>(pieces_[id].home), s.end - s.begin, static_cast<std::int64_t>(s.dst)});
       }
     }
     return out;
   }
 
-  const std::vector<Doc>& docs() const { return docs_; }
+  const std::vector<Piece>& pieces() const { return pieces_; }
+  std::size_t num_documents() const { return first_piece_.size() - 1; }
   std::size_t world() const { return W_; }
   std::int64_t cp_degree() const { return C_; }
 
  private:
   static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
   static constexpr Variant variants[] = {{true, false}, {false, false}, {true, true}};
+
+  // ---- reading the problem
+
+  void check_settings() const {
+    const BalanceProblem& p = p_;
+    if (p.world_size <= 0) fail("plan_balanced: world_size = ", p.world_size, " must be at least 1");
+    if (!p.docs.empty() && !p.documents.empty()) {
+      fail("plan_balanced: both documents (a packed batch) and docs (per rank) are given; give one");
+    }
+    if (!p.docs.empty() && p.docs.size() != static_cast<std::size_t>(p.world_size)) {
+      fail("plan_balanced: docs has ", p.docs.size(), " ranks, but world_size = ", p.world_size);
+    }
+    if (p.max_cp_degree <= 0) fail("plan_balanced: max_cp_degree = ", p.max_cp_degree, " must be at least 1");
+    if (p.max_cp_degree > max_supported_cp_degree) {
+      fail("plan_balanced: max_cp_degree = ", p.max_cp_degree, " exceeds the supported maximum of ", max_supported_cp_degree);
+    }
+    if (p.q_bytes < 0 || p.kv_bytes < 0) {
+      fail("plan_balanced: q_bytes = ", p.q_bytes, " and kv_bytes = ", p.kv_bytes, " must not be negative");
+    }
+  }
+
+  /// Appends one piece of `len` tokens (> 0) to the current document.
+  void add_piece(std::size_t home, std::int64_t len, std::int64_t& end) {
+    const std::size_t doc = first_piece_.size() - 1;
+    const std::int64_t begin = end;
+    end = begin + len;  // within 64 bits: checked against the document's length below
+    Piece pc{doc, pieces_.size() - first_piece_.back(), home, pieces_of_[home].size(), begin, end, 0};
+    std::int64_t sq = 0;
+    if (__builtin_mul_overflow(end, end + 1, &sq)) fail("plan_balanced: ", where(pc), ": its document's attention cost overflows 64 bits");
+    pc.cost = pairs(begin, end);
+    if (__builtin_add_overflow(total_, pc.cost, &total_) || total_ > unlimited) {
+      fail("plan_balanced: the total attention cost overflows 64 bits (documents too long)");
+    }
+    home_load_[home] += pc.cost;
+    pieces_of_[home].push_back(pieces_.size());
+    pieces_.push_back(pc);
+  }
+
+  void end_document() { first_piece_.push_back(pieces_.size()); }
+
+  std::int64_t add_per_rank() {
+    per_rank_ = true;
+    std::int64_t tokens = 0;
+    for (std::size_t r = 0; r < W_; ++r) {
+      for (std::size_t i = 0; i < p_.docs[r].size(); ++i) {
+        const std::int64_t len = p_.docs[r][i];
+        if (len <= 0) fail("plan_balanced: docs[", r, "][", i, "] = ", len, " must be positive");
+        std::int64_t end = 0;
+        add_piece(r, len, end);
+        end_document();
+        tokens = detail::add_tokens(tokens, len, "plan_balanced");
+      }
+    }
+    return tokens;
+  }
+
+  std::int64_t add_packed() {
+    std::int64_t tokens = 0;
+    for (std::size_t i = 0; i < p_.documents.size(); ++i) {
+      const auto& doc = p_.documents[i];
+      if (doc.empty()) fail("plan_balanced: documents[", i, "] has no pieces");
+      if (static_cast<std::int64_t>(doc.size()) > C_) {
+        fail("plan_balanced: documents[", i, "] has ", doc.size(), " pieces, but max_cp_degree = ", C_,
+             " (a shard never crosses a piece boundary, so it needs at least ", doc.size(), " shards)");
+      }
+      std::int64_t end = 0;
+      for (std::size_t k = 0; k < doc.size(); ++k) {
+        const DocumentPiece& pc = doc[k];
+        if (pc.rank < 0 || pc.rank >= p_.world_size) {
+          fail("plan_balanced: documents[", i, "].pieces[", k, "].rank = ", pc.rank, " is outside [0, ", W_, ")");
+        }
+        if (pc.len <= 0) fail("plan_balanced: documents[", i, "].pieces[", k, "].len = ", pc.len, " must be positive");
+        if (pc.len > unlimited - end) fail("plan_balanced: documents[", i, "] is too long: its length overflows 64 bits");
+        add_piece(static_cast<std::size_t>(pc.rank), pc.len, end);
+        tokens = detail::add_tokens(tokens, pc.len, "plan_balanced");
+      }
+      end_document();
+    }
+    return tokens;
+  }
+
+  /// How messages name a piece: as the user gave it.
+  std::string where(const Piece& pc) const {
+    return per_rank_ ? detail::concat("docs[", pc.home, "][", pc.slot, "]")
+                     : detail::concat("documents[", pc.document, "].pieces[", pc.index, "]");
+  }
+
+  void read_capacity(std::int64_t tokens) {
+    cap_.assign(W_, unlimited);
+    if (p_.recv_capacity.empty()) return;
+    if (p_.recv_capacity.size() != W_) {
+      fail("plan_balanced: recv_capacity has ", p_.recv_capacity.size(), " entries, but world_size = ", W_);
+    }
+    for (std::size_t r = 0; r < W_; ++r) {
+      if (p_.recv_capacity[r] < 0) fail("plan_balanced: recv_capacity[", r, "] = ", p_.recv_capacity[r], " is negative");
+      cap_[r] = std::min(p_.recv_capacity[r], unlimited);
+    }
+    check_capacity(tokens);
+  }
+
+  double compute_bound() const {
+    if (pieces_.empty()) return 0;
+    std::int64_t best = 0;
+    std::vector<std::size_t> docs(num_documents());
+    std::vector<std::int64_t> doc_cost(docs.size(), 0);
+    for (const Piece& pc : pieces_) doc_cost[pc.document] += pc.cost;
+    std::iota(docs.begin(), docs.end(), std::size_t{0});
+    std::stable_sort(docs.begin(), docs.end(), [&](std::size_t x, std::size_t y) { return doc_cost[x] > doc_cost[y]; });
+    std::vector<Range> runs;
+    for (std::size_t d : docs) {
+      if (doc_cost[d] <= best) break;  // its largest shard cannot cost more than all of it
+      runs.clear();
+      for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1]; ++id) runs.push_back({pieces_[id].begin, pieces_[id].end});
+      best = std::max(best, min_max_shard(runs, C_));
+    }
+    return std::max(static_cast<double>(total_) / static_cast<double>(W_), static_cast<double>(best));
+  }
+
+  // ---- searching the target
+
+  /// Widens geometrically from the bound `lb` (plans usually land within a
+  /// few percent of it), then bisects to 0.1%; sets `target` to the one reached.
+  Layout search_target(std::int64_t lb, std::int64_t& target) {
+    const std::int64_t top = *std::max_element(home_load_.begin(), home_load_.end());
+    std::optional<Layout> found;
+    std::int64_t lo = lb, hi = lb;  // lo fails, hi reaches
+    for (std::int64_t step = std::max<std::int64_t>(1, lb / 256); !found; step *= 4) {
+      lo = hi;
+      if (lo >= total_) capacity_failure();  // not even with no limit on cost
+      hi = std::min(total_, lo + step);
+      if (lo < top && hi > top) hi = top;  // where every piece stays home
+      found = reach(hi);
+    }
+    while (hi - lo > std::max<std::int64_t>(1, lo / 1024)) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (auto l = reach(mid)) {
+        hi = mid;
+        found = std::move(l);
+      } else {
+        lo = mid;
+      }
+    }
+    target = hi;
+    return std::move(*found);
+  }
 
   /// The first variant that reaches target T (for the search).
   std::optional<Layout> reach(std::int64_t T) {
@@ -402,18 +531,16 @@ class Planner {
     return best;
   }
 
-  struct Range {
-    std::int64_t lo, hi;
-  };
+  // ---- one construction for target T
 
-  /// Puts [a, b) of document `doc` on rank d.
-  void place(std::size_t doc, std::int64_t a, std::int64_t b, std::size_t d) {
-    pieces_.push_back({doc, a, b, d});
+  /// Puts [a, b) of piece `id` on rank d.
+  void place(std::size_t id, std::int64_t a, std::int64_t b, std::size_t d) {
+    shards_.push_back({id, a, b, d});
     excess_[d] += pairs(a, b);
     kv_excess_[d] += b;
   }
 
-  /// Every piece of the cut non-empty and costing at most T.
+  /// Every shard of the cut non-empty and costing at most T.
   static bool fits_under(const std::vector<std::int64_t>& cut, std::int64_t T) {
     for (std::size_t i = 0; i + 1 < cut.size(); ++i)
       if (cut[i + 1] <= cut[i] || pairs(cut[i], cut[i + 1]) > T) return false;
@@ -424,127 +551,151 @@ class Planner {
 
   /// One plan whose largest rank cost is at most T, or nothing.
   std::optional<Layout> construct(std::int64_t T, Variant v) {
-    pieces_.clear();
+    start_construction(T);
+    if (v.precut && (!cut_giants(T, v) || !place_giants())) return std::nullopt;
+    keep_the_rest_home(T, v);
+    if (!shed_excess()) return std::nullopt;
+    for (std::size_t id = 0; id < pieces_.size(); ++id)
+      if (home_[id].hi > home_[id].lo) shards_.push_back({id, home_[id].lo, home_[id].hi, pieces_[id].home});
+    take_back_home();
+    Layout out = make_layout(shards_, pieces_, p_.q_bytes, p_.kv_bytes);
+    out.max_cost = T + *std::max_element(excess_.begin(), excess_.end());
+    return out;
+  }
+
+  void start_construction(std::int64_t T) {
+    shards_.clear();
     excess_.assign(W_, -T);  // cost above T on each rank (negative: room left)
     kv_excess_.resize(W_);
     for (std::size_t r = 0; r < W_; ++r) kv_excess_[r] = -cap_[r];
-    // ---- documents above the target: equal-cost shards, the home keeps the
-    // one costliest to send, the others go where the most room is left
-    // after each rank's own documents
     pending_ = home_load_;  // cost each rank still holds of its own, not yet placed
-    home_.assign(docs_.size(), Range{0, 0});
-    shards_.assign(docs_.size(), 1);
+    home_.assign(pieces_.size(), Range{0, 0});
+    shards_of_.resize(num_documents());
+    for (std::size_t d = 0; d < shards_of_.size(); ++d) shards_of_[d] = static_cast<std::int64_t>(first_piece_[d + 1] - first_piece_[d]);
     giants_.clear();
+  }
+
+  /// Pieces above the target: cut into the fewest equal-cost shards under T
+  /// (one more in the extra variant), within the document's C; the home
+  /// keeps the shard costliest to send when it has room for it.
+  bool cut_giants(std::int64_t T, Variant v) {
     for (std::size_t id : by_cost_) {
-      if (!v.precut || docs_[id].cost <= T) break;
+      if (pieces_[id].cost <= T) break;
       giants_.push_back(id);
-      pending_[docs_[id].home] -= docs_[id].cost;
+      pending_[pieces_[id].home] -= pieces_[id].cost;
     }
     cuts_.resize(giants_.size());
     kept_.resize(giants_.size());
     for (std::size_t g = 0; g < giants_.size(); ++g) {
-      const Doc& d = docs_[giants_[g]];
-      std::int64_t n = pieces_needed(0, d.len, T, C_);
-      if (n > C_) return std::nullopt;
-      if (v.extra_piece && n < C_ && n < d.len) ++n;
-      cuts_[g] = equal_cost_cuts(0, d.len, n);
-      if (!fits_under(cuts_[g], T)) {
-        // Rounding pushed a piece over T: cut greedily at T instead, leaving every piece a token.
+      const Piece& pc = pieces_[giants_[g]];
+      std::int64_t& count = shards_of_[pc.document];
+      const std::int64_t allowed = C_ - count + 1;  // this piece already counts one
+      std::int64_t n = pieces_needed(pc.begin, pc.end, T, allowed);
+      if (n > allowed) return false;
+      if (v.extra_piece && n < allowed && n < pc.end - pc.begin) ++n;
+      count += n - 1;
+      auto& cut = cuts_[g];
+      cut = equal_cost_cuts(pc.begin, pc.end, n);
+      if (!fits_under(cut, T)) {
+        // Rounding pushed a shard over T: cut greedily at T instead, leaving every shard a token.
         for (std::size_t k = 1; k < static_cast<std::size_t>(n); ++k) {
-          cuts_[g][k] = std::min(max_end(cuts_[g][k - 1], d.len, T), d.len - (n - static_cast<std::int64_t>(k)));
+          cut[k] = std::min(max_end(cut[k - 1], pc.end, T), pc.end - (n - static_cast<std::int64_t>(k)));
         }
-        if (!fits_under(cuts_[g], T)) return std::nullopt;
+        if (!fits_under(cut, T)) return false;
       }
-      shards_[giants_[g]] = n;
       std::size_t& keep = kept_[g];
       keep = none;
-      for (std::size_t i = 0; i + 1 < cuts_[g].size(); ++i) {
-        const std::int64_t a = cuts_[g][i], b = cuts_[g][i + 1];
-        if (excess_[d.home] + pairs(a, b) <= 0 && kv_excess_[d.home] + b <= 0 &&
-            (keep == none || away_bytes(a, b) > away_bytes(cuts_[g][keep], cuts_[g][keep + 1]))) {
+      for (std::size_t i = 0; i + 1 < cut.size(); ++i) {
+        const std::int64_t a = cut[i], b = cut[i + 1];
+        if (excess_[pc.home] + pairs(a, b) <= 0 && kv_excess_[pc.home] + b <= 0 &&
+            (keep == none || away_bytes(a, b) > away_bytes(cut[keep], cut[keep + 1]))) {
           keep = i;
         }
       }
-      if (keep != none) place(giants_[g], cuts_[g][keep], cuts_[g][keep + 1], d.home);
+      if (keep != none) place(giants_[g], cut[keep], cut[keep + 1], pc.home);
     }
+    return true;
+  }
+
+  /// The giants' other shards go where the most room is left after each
+  /// rank's own pieces, one shard of a piece per rank.
+  bool place_giants() {
     for (std::size_t g = 0; g < giants_.size(); ++g) {
-      const std::size_t id = giants_[g], first = pieces_.size();
+      const std::size_t id = giants_[g], first = shards_.size();
       for (std::size_t i = 0; i + 1 < cuts_[g].size(); ++i) {
         if (i == kept_[g]) continue;
         const std::int64_t a = cuts_[g][i], b = cuts_[g][i + 1], c = pairs(a, b);
         std::size_t to = none;
         for (std::size_t r = 0; r < W_; ++r) {
-          if (r == docs_[id].home || excess_[r] + c > 0 || kv_excess_[r] + b > 0) continue;
-          bool taken = false;  // one shard of a document per rank
-          for (std::size_t k = first; k < pieces_.size(); ++k) taken = taken || pieces_[k].dst == r;
+          if (r == pieces_[id].home || excess_[r] + c > 0 || kv_excess_[r] + b > 0) continue;
+          bool taken = false;
+          for (std::size_t k = first; k < shards_.size(); ++k) taken = taken || shards_[k].dst == r;
           if (taken) continue;
           if (to == none || excess_[r] + pending_[r] < excess_[to] + pending_[to]) to = r;
         }
-        if (to == none) return std::nullopt;
+        if (to == none) return false;
         place(id, a, b, to);
       }
     }
-    // ---- the rest stays home, except what a rank over the target sends
-    // away: piece by piece, the fewest bytes per unit of cost, into the room
-    // other ranks have left
-    for (std::size_t id = 0; id < docs_.size(); ++id) {
-      if (v.precut && docs_[id].cost > T) continue;  // placed above
-      home_[id] = Range{0, docs_[id].len};
-      excess_[docs_[id].home] += docs_[id].cost;
-      kv_excess_[docs_[id].home] += docs_[id].len;
+    return true;
+  }
+
+  /// Every other piece starts at home; the ranks over the target queue to
+  /// send, the others offer their room.
+  void keep_the_rest_home(std::int64_t T, Variant v) {
+    for (std::size_t id = 0; id < pieces_.size(); ++id) {
+      const Piece& pc = pieces_[id];
+      if (v.precut && pc.cost > T) continue;  // placed as a giant
+      home_[id] = Range{pc.begin, pc.end};
+      excess_[pc.home] += pc.cost;
+      kv_excess_[pc.home] += pc.end;
     }
-    // The rank furthest over sends next (ranks over only for the capacity
-    // after them), so ranks over the target share the largest rooms.
     over_.clear();
-    rooms_.clear();  // the ranks that can take work, by room
+    rooms_.clear();
     for (std::size_t r = 0; r < W_; ++r) {
       if (excess_[r] > 0 || kv_excess_[r] > 0) over_.insert({excess_[r], r});
       else if (excess_[r] < 0 && kv_excess_[r] < 0) rooms_.insert({-excess_[r], r});
     }
+  }
+
+  /// The rank furthest over sends next (ranks over only for the capacity
+  /// after them), so ranks over the target share the largest rooms.
+  bool shed_excess() {
     while (!over_.empty()) {
       const std::size_t r = std::prev(over_.end())->second;
       over_.erase(std::prev(over_.end()));
-      if (!send_one(r)) return std::nullopt;
+      if (!send_one(r)) return false;
       if (excess_[r] > 0 || kv_excess_[r] > 0) over_.insert({excess_[r], r});
       else if (excess_[r] < 0 && kv_excess_[r] < 0) rooms_.insert({-excess_[r], r});
     }
-    for (std::size_t id = 0; id < docs_.size(); ++id)
-      if (home_[id].hi > home_[id].lo) pieces_.push_back({id, home_[id].lo, home_[id].hi, docs_[id].home});
-    // ---- a rank with room left takes back its own pieces that fit
-    for (Piece& pc : pieces_) {
-      const std::size_t home = docs_[pc.doc].home;
-      const std::int64_t c = pairs(pc.begin, pc.end);
-      if (pc.dst == home || excess_[home] + c > 0 || kv_excess_[home] + pc.end > 0) continue;
-      excess_[pc.dst] -= c;
-      kv_excess_[pc.dst] -= pc.end;
-      excess_[home] += c;
-      kv_excess_[home] += pc.end;
-      pc.dst = home;
-    }
-    Layout out = make_layout(pieces_, docs_, p_.q_bytes, p_.kv_bytes);
-    out.max_cost = T + *std::max_element(excess_.begin(), excess_.end());
-    return out;
+    return true;
   }
 
-  /// Rank r sends one piece of one of its documents into the room another
-  /// rank has left: of its documents' whole rest, front piece (just enough
-  /// cost, or what the room takes) and back piece, the one moving the fewest
-  /// bytes per unit of cost shed. With no cost left to shed it sends whole
-  /// rests, for the receive capacity. False when nothing can go.
-  bool send_one(std::size_t r) {
-    const std::int64_t need = excess_[r];
-    // The receiver: the tightest room that takes all of `need`, else the roomiest.
-    if (rooms_.empty()) return false;
-    auto slot = need > 0 ? rooms_.lower_bound({need, 0}) : rooms_.end();
-    if (slot == rooms_.end()) slot = std::prev(rooms_.end());
-    const std::size_t to = slot->second;
-    const std::int64_t room = -excess_[to], kv_room = -kv_excess_[to];
-    enum Kind { whole, front, back };
-    struct Choice {
-      std::size_t id;
-      Kind kind;
-      std::int64_t cut, bytes, gain;
-    };
+  /// A rank with room left takes back its own shards that fit.
+  void take_back_home() {
+    for (Shard& s : shards_) {
+      const std::size_t home = pieces_[s.piece].home;
+      const std::int64_t c = pairs(s.begin, s.end);
+      if (s.dst == home || excess_[home] + c > 0 || kv_excess_[home] + s.end > 0) continue;
+      excess_[s.dst] -= c;
+      kv_excess_[s.dst] -= s.end;
+      excess_[home] += c;
+      kv_excess_[home] += s.end;
+      s.dst = home;
+    }
+  }
+
+  enum Kind { whole, front, back };
+  struct Choice {
+    std::size_t id;
+    Kind kind;
+    std::int64_t cut, bytes, gain;
+  };
+
+  /// Rank r's candidate moves into a room of `room` cost and `kv_room`
+  /// tokens: of each piece's rest, all of it, its front (just enough cost,
+  /// or what the room takes) or its back; the fewest bytes per unit of cost.
+  std::optional<Choice> best_move(std::size_t r, std::int64_t need, std::int64_t room, std::int64_t kv_room) const {
     std::optional<Choice> best;
     auto consider = [&](const Choice& c) {
       if (c.gain <= 0) return;
@@ -555,14 +706,14 @@ class Planner {
       }
       best = c;
     };
-    for (std::size_t id : docs_of_[r]) {
+    for (std::size_t id : pieces_of_[r]) {
       const std::int64_t lo = home_[id].lo, hi = home_[id].hi;
       if (hi <= lo) continue;
       const std::int64_t all = pairs(lo, hi);
       if (all <= room && hi <= kv_room) consider({id, whole, 0, away_bytes(lo, hi), need > 0 ? std::min(all, need) : hi});
-      if (need <= 0 || shards_[id] >= C_ || hi - lo < 2) continue;  // (tokens for the capacity: only whole rests)
-      // A front or back piece keeps the rest of the document home; where all
-      // of it would go anyway, only whole (no one-token shards left behind).
+      if (need <= 0 || shards_of_[pieces_[id].document] >= C_ || hi - lo < 2) continue;  // (capacity: only whole rests)
+      // A front or back shard keeps the rest of the piece home; where all of
+      // it would go anyway, only whole (no one-token shards left behind).
       std::int64_t m = all >= need ? max_end(lo, hi, need - 1) + 1 : hi;  // [lo, m) costs at least need
       m = std::min({m, max_end(lo, hi, room), kv_room});
       if (m > lo && m < hi) consider({id, front, m, away_bytes(lo, m), std::min(pairs(lo, m), need)});
@@ -570,6 +721,20 @@ class Planner {
       b = std::max(b, min_begin(lo, hi, room));
       if (b > lo && b < hi && hi <= kv_room) consider({id, back, b, away_bytes(b, hi), std::min(pairs(b, hi), need)});
     }
+    return best;
+  }
+
+  /// Rank r sends one shard of one of its pieces into the room another rank
+  /// has left (best_move). With no cost left to shed it sends whole rests,
+  /// for the receive capacity. False when nothing can go.
+  bool send_one(std::size_t r) {
+    const std::int64_t need = excess_[r];
+    // The receiver: the tightest room that takes all of `need`, else the roomiest.
+    if (rooms_.empty()) return false;
+    auto slot = need > 0 ? rooms_.lower_bound({need, 0}) : rooms_.end();
+    if (slot == rooms_.end()) slot = std::prev(rooms_.end());
+    const std::size_t to = slot->second;
+    const std::optional<Choice> best = best_move(r, need, -excess_[to], -kv_excess_[to]);
     if (!best) return false;
     Range& h = home_[best->id];
     std::int64_t a = h.lo, b = h.hi;
@@ -578,7 +743,7 @@ class Planner {
       case front: b = h.lo = best->cut; break;
       case back: a = h.hi = best->cut; break;
     }
-    if (best->kind != whole) ++shards_[best->id];
+    if (best->kind != whole) ++shards_of_[pieces_[best->id].document];
     // What the home keeps is [h.lo, h.hi): its KV group ends at h.hi.
     excess_[r] -= pairs(a, b);
     kv_excess_[r] -= best->kind == whole ? b : best->kind == back ? b - a : 0;
@@ -590,12 +755,12 @@ class Planner {
 
   void check_capacity(std::int64_t tokens) const {
     const auto widest = static_cast<std::size_t>(std::max_element(cap_.begin(), cap_.end()) - cap_.begin());
-    // A document's last shard attends to all of it: some rank must hold it whole.
-    for (const Doc& d : docs_) {
-      if (d.len > cap_[widest]) {
-        fail<capacity_error>("plan_balanced: docs[", d.home, "][", d.index, "] has ", d.len,
-                             " tokens and its last shard's KV group holds all of them, but the largest recv_capacity is ",
-                             cap_[widest], " tokens (rank ", widest, ")");
+    // A piece's last shard attends to all of the document up to the piece's end: some rank must hold that.
+    for (const Piece& pc : pieces_) {
+      if (pc.end > cap_[widest]) {
+        fail<capacity_error>("plan_balanced: ", where(pc), per_rank_ ? " has " : " ends ", pc.end, per_rank_ ? " tokens" : " tokens into its document",
+                             " and its last shard's KV group holds all of them, but the largest recv_capacity is ", cap_[widest],
+                             " tokens (rank ", widest, ")");
       }
     }
     std::int64_t capacity = 0;
@@ -609,7 +774,7 @@ class Planner {
   [[noreturn]] void capacity_failure() const {
     std::size_t tight = 0, widest = 0;
     std::vector<std::int64_t> held(W_, 0);
-    for (const Doc& d : docs_) held[d.home] += d.len;
+    for (const Piece& pc : pieces_) held[pc.home] += pc.end - pc.begin;
     for (std::size_t r = 0; r < W_; ++r) {
       if (cap_[r] - held[r] < cap_[tight] - held[tight]) tight = r;
       if (cap_[r] > cap_[widest]) widest = r;
@@ -623,14 +788,17 @@ class Planner {
   std::size_t W_ = 0;
   std::int64_t C_ = 1;
   std::int64_t total_ = 0;
-  std::vector<Doc> docs_;
-  std::vector<std::vector<std::size_t>> docs_of_;
+  double bound_ = 0;
+  bool per_rank_ = false;
+  std::vector<Piece> pieces_;
+  std::vector<std::size_t> first_piece_{0};           // pieces of document d: [first_piece_[d], first_piece_[d+1])
+  std::vector<std::vector<std::size_t>> pieces_of_;   // per home rank, in MLP order
   std::vector<std::size_t> by_cost_;
   std::vector<std::int64_t> home_load_, cap_;
   // scratch of one construction
-  std::vector<Piece> pieces_;
-  std::vector<Range> home_;           // what of each document is still home, not yet placed
-  std::vector<std::int64_t> shards_;  // shards of each document so far
+  std::vector<Shard> shards_;
+  std::vector<Range> home_;               // what of each piece is still home, not yet placed
+  std::vector<std::int64_t> shards_of_;   // shards of each document so far
   std::vector<std::int64_t> excess_, kv_excess_, pending_;
   std::vector<std::size_t> giants_, kept_;
   std::set<std::pair<std::int64_t, std::size_t>> over_;   // (cost above the target, rank) of the ranks that must send
@@ -652,20 +820,57 @@ inline std::int64_t attention_cost(std::int64_t context, std::int64_t len) {
 }
 
 /// No plan's largest rank cost is below this: the larger of the mean rank
-/// cost and the largest shard of the costliest document cut into C shards of
-/// (as nearly as integer positions allow) equal cost.
+/// cost and, for each document, the cheapest possible largest shard when it
+/// is cut into at most C shards inside its pieces.
 inline double balance_lower_bound(const BalanceProblem& problem) { return balance_detail::Planner(problem).lower_bound(); }
 
-/// The load-balanced plan (see the top of this header). Throws invalid_input
-/// for a malformed problem and capacity_error (naming ranks and token counts)
-/// when the receive capacities cannot hold the documents.
-inline QkvPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}) {
+/// The load-balanced plan (see the top of this header), in documents form:
+/// documents in input order (for the per-rank form: rank 0's documents,
+/// then rank 1's, ...), each piece tiled by its shards in order. Throws
+/// invalid_input for a malformed problem (naming `documents[i].pieces[k]`
+/// or `docs[r][i]`) and capacity_error (naming ranks and token counts) when
+/// the receive capacities cannot hold the documents.
+inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}) {
   balance_detail::Planner planner(problem);
   return planner.to_plan(planner.plan(options));
 }
 
-/// The documents of a plan as a balancing problem: each rank's document
-/// lengths in order, C from the plan (its largest shard count when unset).
+/// Baseline: every piece whole, attended on its own home rank (moves nothing).
+inline QkvDocumentsPlan plan_unbalanced(const BalanceProblem& problem) {
+  balance_detail::Planner planner(problem);
+  return planner.to_plan(planner.unbalanced());
+}
+
+/// The per-rank form of a documents-form plan whose documents each live on
+/// one rank (every plan of a per-rank problem): document order kept within
+/// each rank. Throws invalid_input naming the first document that spans ranks.
+inline QkvPlan to_rank_plan(const QkvDocumentsPlan& plan) {
+  using detail::fail;
+  if (plan.world_size <= 0) fail("to_rank_plan: world_size = ", plan.world_size, " must be at least 1");
+  QkvPlan out;
+  out.world_size = plan.world_size;
+  out.max_cp_degree = plan.max_cp_degree;
+  out.ranks.resize(static_cast<std::size_t>(plan.world_size));
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    const auto& shards = plan.documents[i].shards;
+    if (shards.empty()) fail("to_rank_plan: documents[", i, "] has no shards");
+    const std::int64_t home = shards.front().rank;
+    if (home < 0 || home >= plan.world_size) fail("to_rank_plan: documents[", i, "].shards[0].rank = ", home, " is outside [0, ", plan.world_size, ")");
+    Document doc;
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      if (shards[k].rank != home) {
+        fail("to_rank_plan: documents[", i, "] spans ranks ", home, " and ", shards[k].rank, " (shards[", k, "]); only the documents form holds it");
+      }
+      doc.shard_len.push_back(shards[k].len);
+      doc.dst.push_back(shards[k].dst);
+    }
+    out.ranks[static_cast<std::size_t>(home)].docs.push_back(std::move(doc));
+  }
+  return out;
+}
+
+/// The documents of a per-rank plan as a balancing problem: each rank's
+/// document lengths in order, C from the plan (its largest shard count when unset).
 inline BalanceProblem balance_problem_of(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
   BalanceProblem p;
   p.world_size = plan.world_size;
@@ -684,96 +889,248 @@ inline BalanceProblem balance_problem_of(const QkvPlan& plan, std::int64_t q_byt
   return p;
 }
 
-/// Baseline: every document whole, attended on its own rank (moves nothing).
-inline QkvPlan plan_unbalanced(const BalanceProblem& problem) {
-  balance_detail::Planner planner(problem);
-  return planner.to_plan(planner.unbalanced());
+/// The documents of a documents-form plan as a packed batch: consecutive
+/// shards with one home rank form a piece; C from the plan (its largest
+/// shard count when unset).
+inline BalanceProblem balance_problem_of(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
+  BalanceProblem p;
+  p.world_size = plan.world_size;
+  p.q_bytes = q_bytes;
+  p.kv_bytes = kv_bytes;
+  p.max_cp_degree = plan.max_cp_degree.value_or(1);
+  for (const PackedDocument& doc : plan.documents) {
+    auto& pieces = p.documents.emplace_back();
+    for (const DocumentShard& s : doc.shards) {
+      if (!pieces.empty() && pieces.back().rank == s.rank) pieces.back().len = detail::add_tokens(pieces.back().len, s.len, "balance_problem_of");
+      else pieces.push_back({s.rank, s.len});
+    }
+    if (!plan.max_cp_degree) p.max_cp_degree = std::max(p.max_cp_degree, static_cast<std::int64_t>(doc.shards.size()));
+  }
+  return p;
 }
+
+/// How many documents of a packed batch span more than one rank.
+inline std::size_t spanning_documents(const std::vector<std::vector<DocumentPiece>>& documents) {
+  std::size_t n = 0;
+  for (const auto& doc : documents)
+    n += std::any_of(doc.begin(), doc.end(), [&](const DocumentPiece& pc) { return pc.rank != doc.front().rank; }) ? 1u : 0u;
+  return n;
+}
+
+/// The most ranks any document of a packed batch spans.
+inline std::size_t widest_span(const std::vector<std::vector<DocumentPiece>>& documents) {
+  std::size_t widest = 0;
+  for (const auto& doc : documents) {
+    std::vector<std::int64_t> ranks;
+    for (const DocumentPiece& pc : doc) ranks.push_back(pc.rank);
+    std::sort(ranks.begin(), ranks.end());
+    widest = std::max(widest, static_cast<std::size_t>(std::unique(ranks.begin(), ranks.end()) - ranks.begin()));
+  }
+  return widest;
+}
+
+namespace balance_detail {
+
+/// One greedy move: the costliest whole shard on rank `hi` within `amount`,
+/// else a cut off the end of its costliest shard that can still be cut
+/// (within the document's C), moved to rank `lo`. The cost moved, 0 for none.
+inline std::int64_t greedy_move(std::vector<std::vector<Shard>>& shards, std::vector<std::int64_t>& count, const std::vector<Piece>& pieces,
+                                std::size_t hi, std::size_t lo, std::int64_t amount, std::int64_t C) {
+  Shard* whole = nullptr;
+  std::vector<Shard>* cut_piece = nullptr;
+  std::size_t cut_i = 0;
+  std::int64_t whole_cost = 0, cut_cost = 0;
+  for (auto& ps : shards) {
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      if (ps[i].dst != hi) continue;
+      const std::int64_t c = pairs(ps[i].begin, ps[i].end);
+      if (c <= amount && c > whole_cost) whole = &ps[i], whole_cost = c;
+      if (c > amount && c > cut_cost && count[pieces[ps[i].piece].document] < C && ps[i].end - ps[i].begin > 1) {
+        cut_piece = &ps, cut_i = i, cut_cost = c;
+      }
+    }
+  }
+  if (whole) {
+    whole->dst = lo;
+    return whole_cost;
+  }
+  if (!cut_piece) return 0;
+  const Shard s = (*cut_piece)[cut_i];
+  const std::int64_t m = std::clamp(min_begin(s.begin, s.end, amount), s.begin + 1, s.end - 1);
+  (*cut_piece)[cut_i].end = m;
+  cut_piece->insert(cut_piece->begin() + static_cast<std::ptrdiff_t>(cut_i) + 1, Shard{s.piece, m, s.end, lo});
+  ++count[pieces[s.piece].document];
+  return pairs(m, s.end);
+}
+
+}  // namespace balance_detail
 
 /// Baseline: repeatedly move work from the most loaded rank to the least
 /// loaded one, either the costliest whole shard that fits the least loaded
-/// rank's deficit or, when none does, a piece cut off the end of the
-/// costliest shard sized to that deficit, until the largest cost is within
-/// `within` of the level any plan could reach (balance_lower_bound: the mean,
-/// or more when the costliest document cannot be cut finely enough) or no
-/// move is left. Ignores receive capacities.
-inline QkvPlan plan_greedy(const BalanceProblem& problem, double within = 0.10) {
+/// rank's deficit or, when none does, a shard cut off the end of the
+/// costliest shard sized to that deficit (inside its piece, at most C shards
+/// per document), until the largest cost is within `within` of the level any
+/// plan could reach (balance_lower_bound) or no move is left. Ignores
+/// receive capacities.
+inline QkvDocumentsPlan plan_greedy(const BalanceProblem& problem, double within = 0.10) {
   using namespace balance_detail;
   Planner planner(problem);
-  const auto& docs = planner.docs();
+  const auto& pieces = planner.pieces();
   const std::size_t W = planner.world();
-  const std::int64_t C = planner.cp_degree();
-  std::vector<std::vector<Piece>> shards(docs.size());  // per document, in order
-  std::vector<std::int64_t> load(W, 0);
-  for (std::size_t id = 0; id < docs.size(); ++id) {
-    shards[id].push_back({id, 0, docs[id].len, docs[id].home});
-    load[docs[id].home] += docs[id].cost;
+  std::vector<std::vector<Shard>> shards(pieces.size());  // per piece, in order
+  std::vector<std::int64_t> load(W, 0), count(planner.num_documents(), 0);
+  for (std::size_t id = 0; id < pieces.size(); ++id) {
+    shards[id].push_back({id, pieces[id].begin, pieces[id].end, pieces[id].home});
+    load[pieces[id].home] += pieces[id].cost;
+    ++count[pieces[id].document];
   }
   const auto level = static_cast<std::int64_t>(std::ceil(planner.lower_bound()));
   const auto stop = static_cast<std::int64_t>(static_cast<double>(level) * (1.0 + within));
-  const std::size_t max_moves = 64 * W + 4 * docs.size();
-  for (std::size_t move = 0; move < max_moves && !docs.empty(); ++move) {
+  const std::size_t max_moves = 64 * W + 4 * pieces.size();
+  for (std::size_t move = 0; move < max_moves && !pieces.empty(); ++move) {
     const auto hi = static_cast<std::size_t>(std::max_element(load.begin(), load.end()) - load.begin());
     const auto lo = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
     if (load[hi] <= stop) break;
     const std::int64_t amount = std::min(load[hi] - level, level - load[lo]);
     if (amount <= 0) break;
-    // The costliest whole shard within the deficit, else the costliest shard that can still be cut.
-    Piece* whole = nullptr;
-    std::vector<Piece>* cut_doc = nullptr;
-    std::size_t cut_i = 0;
-    std::int64_t whole_cost = 0, cut_cost = 0;
-    for (auto& ps : shards) {
-      for (std::size_t i = 0; i < ps.size(); ++i) {
-        if (ps[i].dst != hi) continue;
-        const std::int64_t c = pairs(ps[i].begin, ps[i].end);
-        if (c <= amount && c > whole_cost) whole = &ps[i], whole_cost = c;
-        if (c > amount && c > cut_cost && static_cast<std::int64_t>(ps.size()) < C && ps[i].end - ps[i].begin > 1) {
-          cut_doc = &ps, cut_i = i, cut_cost = c;
-        }
-      }
-    }
-    std::int64_t moved = 0;
-    if (whole) {
-      whole->dst = lo;
-      moved = whole_cost;
-    } else if (cut_doc) {
-      const Piece pc = (*cut_doc)[cut_i];
-      const std::int64_t m = std::clamp(min_begin(pc.begin, pc.end, amount), pc.begin + 1, pc.end - 1);
-      (*cut_doc)[cut_i].end = m;
-      cut_doc->insert(cut_doc->begin() + static_cast<std::ptrdiff_t>(cut_i) + 1, Piece{pc.doc, m, pc.end, lo});
-      moved = pairs(m, pc.end);
-    } else {
-      break;
-    }
+    const std::int64_t moved = greedy_move(shards, count, pieces, hi, lo, amount, planner.cp_degree());
+    if (moved == 0) break;
     load[hi] -= moved;
     load[lo] += moved;
   }
-  std::vector<Piece> pieces;
-  for (const auto& ps : shards) pieces.insert(pieces.end(), ps.begin(), ps.end());
-  return planner.to_plan(make_layout(pieces, docs, problem.q_bytes, problem.kv_bytes));
+  std::vector<Shard> all;
+  for (const auto& ps : shards) all.insert(all.end(), ps.begin(), ps.end());
+  return planner.to_plan(make_layout(all, pieces, problem.q_bytes, problem.kv_bytes));
 }
 
-/// Attention cost and bytes moved of any QKV plan, counted as the spec's
-/// layout sends them (see the top of this header).
-inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
-  using detail::fail;
-  if (plan.world_size <= 0) fail("plan_cost: world_size = ", plan.world_size, " must be at least 1");
-  const auto W = static_cast<std::size_t>(plan.world_size);
-  if (plan.ranks.size() != W) fail("plan_cost: ranks has ", plan.ranks.size(), " entries, but world_size = ", W);
+/// Baseline: per-document zig-zag, the causal load balancing of Megatron-LM
+/// and Transformer Engine. Every document is cut into 2W chunks of (nearly)
+/// equal length, chunk i attended on rank min(i, 2W-1-i), so each rank gets
+/// one early and one late chunk of every document; chunks are further cut at
+/// piece boundaries (a shard keeps its piece's home). Ignores C and receive
+/// capacities: the plan's max_cp_degree is the most shards it gives a
+/// document (up to 2W - 1 plus the piece boundaries).
+inline QkvDocumentsPlan plan_zigzag(const BalanceProblem& problem) {
+  using namespace balance_detail;
+  BalanceProblem wide = problem;  // C does not limit zig-zag: only every piece's own shard
+  for (const auto& doc : problem.documents) wide.max_cp_degree = std::max(wide.max_cp_degree, static_cast<std::int64_t>(doc.size()));
+  Planner planner(wide);  // validates, and lists the pieces
+  const auto& pieces = planner.pieces();
+  const auto W = static_cast<std::int64_t>(planner.world());
+  std::vector<std::int64_t> doc_len(planner.num_documents(), 0);
+  for (const Piece& pc : pieces) doc_len[pc.document] = pc.end;
+  std::vector<Shard> shards;
+  for (std::size_t id = 0; id < pieces.size(); ++id) {
+    const Piece& pc = pieces[id];
+    const std::int64_t L = doc_len[pc.document];
+    auto chunk_start = [&](std::int64_t i) { return L / (2 * W) * i + L % (2 * W) * i / (2 * W); };
+    // The chunk holding position pc.begin, then every chunk up to pc.end.
+    std::int64_t i = std::min(2 * W - 1, pc.begin / std::max<std::int64_t>(1, L / (2 * W)));
+    while (i > 0 && chunk_start(i) > pc.begin) --i;
+    while (i + 1 < 2 * W && chunk_start(i + 1) <= pc.begin) ++i;
+    for (std::int64_t a = pc.begin; a < pc.end; ++i) {
+      const std::int64_t b = i + 1 < 2 * W ? std::min(pc.end, chunk_start(i + 1)) : pc.end;
+      if (b > a) shards.push_back({id, a, b, static_cast<std::size_t>(std::min(i, 2 * W - 1 - i))});
+      a = b;
+    }
+  }
+  QkvDocumentsPlan out = planner.to_plan(make_layout(shards, pieces, problem.q_bytes, problem.kv_bytes));
+  std::int64_t most = 1;
+  for (const PackedDocument& d : out.documents) most = std::max(most, static_cast<std::int64_t>(d.shards.size()));
+  out.max_cp_degree = most;
+  return out;
+}
+
+namespace balance_detail {
+
+/// Checked arithmetic for plan_cost.
+inline void add_to(std::int64_t& acc, std::int64_t v) {
+  if (__builtin_add_overflow(acc, v, &acc)) fail("plan_cost: a total overflows 64 bits");
+}
+inline std::int64_t times(std::int64_t a, std::int64_t b) {
+  std::int64_t v = 0;
+  if (__builtin_mul_overflow(a, b, &v)) fail("plan_cost: a byte count overflows 64 bits");
+  return v;
+}
+
+inline PlanCost empty_cost(std::int64_t world_size) {
+  if (world_size <= 0) fail("plan_cost: world_size = ", world_size, " must be at least 1");
+  const auto W = static_cast<std::size_t>(world_size);
   PlanCost out;
-  out.world_size = plan.world_size;
+  out.world_size = world_size;
   out.attention.assign(W, 0);
   out.kv_tokens.assign(W, 0);
   out.bytes.assign(W * W, 0);
-  auto add = [](std::int64_t& acc, std::int64_t v) {
-    if (__builtin_add_overflow(acc, v, &acc)) fail("plan_cost: a total overflows 64 bits");
-  };
-  auto mul = [](std::int64_t a, std::int64_t b) {
-    std::int64_t v = 0;
-    if (__builtin_mul_overflow(a, b, &v)) fail("plan_cost: a byte count overflows 64 bits");
-    return v;
-  };
+  return out;
+}
+
+/// Adds one document's shards (validated) to `out`: attention and KV group
+/// at each shard's destination; its queries when attended off home, and a
+/// copy of every key-value shard 0..i whose home is not the destination.
+/// `held` is scratch: the tokens so far per home rank of this document.
+inline void add_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
+                         std::vector<std::pair<std::size_t, std::int64_t>>& held) {
+  const auto W = static_cast<std::size_t>(out.world_size);
+  held.clear();
+  std::int64_t context = 0;
+  for (const DocumentShard& s : shards) {
+    const auto home = static_cast<std::size_t>(s.rank), d = static_cast<std::size_t>(s.dst);
+    add_to(out.attention[d], attention_cost(context, s.len));
+    const std::int64_t end = detail::add_tokens(context, s.len, "plan_cost");
+    add_to(out.kv_tokens[d], end);
+    auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == home; });
+    if (it == held.end()) it = held.insert(held.end(), {home, 0});
+    it->second += s.len;
+    if (d != home) {
+      const std::int64_t qb = times(q_bytes, s.len);
+      add_to(out.bytes[home * W + d], qb);
+      add_to(out.query_bytes, qb);
+    }
+    for (const auto& [from, tokens] : held) {
+      if (from == d) continue;
+      const std::int64_t kvb = times(kv_bytes, tokens);
+      add_to(out.bytes[from * W + d], kvb);
+      add_to(out.kv_bytes, kvb);
+    }
+    context = end;
+  }
+}
+
+}  // namespace balance_detail
+
+/// Attention cost and bytes moved of a documents-form plan, counted as the
+/// layout of docs/plan-format.md sends them (see the top of this header).
+/// Throws invalid_input naming `documents[i].shards[k].<field>` for a home
+/// or destination outside [0, W), a non-positive length or an empty document.
+inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
+  using detail::fail;
+  PlanCost out = balance_detail::empty_cost(plan.world_size);
+  std::vector<std::pair<std::size_t, std::int64_t>> held;
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    const auto& shards = plan.documents[i].shards;
+    if (shards.empty()) fail("plan_cost: documents[", i, "] has no shards");
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      const DocumentShard& s = shards[k];
+      if (s.rank < 0 || s.rank >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].rank = ", s.rank, " is outside [0, ", plan.world_size, ")");
+      if (s.dst < 0 || s.dst >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", plan.world_size, ")");
+      if (s.len <= 0) fail("plan_cost: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
+    }
+    balance_detail::add_document(out, shards, q_bytes, kv_bytes, held);
+  }
+  balance_detail::add_to(out.bytes_moved, out.query_bytes);
+  balance_detail::add_to(out.bytes_moved, out.kv_bytes);
+  return out;
+}
+
+/// Attention cost and bytes moved of a per-rank plan (every document on
+/// one rank), counted as for the documents form.
+inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
+  using detail::fail;
+  PlanCost out = balance_detail::empty_cost(plan.world_size);
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  if (plan.ranks.size() != W) fail("plan_cost: ranks has ", plan.ranks.size(), " entries, but world_size = ", W);
+  std::vector<std::pair<std::size_t, std::int64_t>> held;
+  std::vector<DocumentShard> shards;
   for (std::size_t r = 0; r < W; ++r) {
     const auto& docs = plan.ranks[r].docs;
     for (std::size_t i = 0; i < docs.size(); ++i) {
@@ -781,29 +1138,18 @@ inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::in
       if (doc.dst.size() != doc.shard_len.size()) {
         fail("plan_cost: ranks[", r, "].docs[", i, "].dst has ", doc.dst.size(), " entries but shard_len has ", doc.shard_len.size());
       }
-      std::int64_t context = 0;
+      shards.clear();
       for (std::size_t s = 0; s < doc.shard_len.size(); ++s) {
         const std::int64_t len = doc.shard_len[s], d = doc.dst[s];
         if (len <= 0) fail("plan_cost: ranks[", r, "].docs[", i, "].shard_len[", s, "] = ", len, " must be positive");
         if (d < 0 || d >= plan.world_size) fail("plan_cost: ranks[", r, "].docs[", i, "].dst[", s, "] = ", d, " is outside [0, ", W, ")");
-        const auto du = static_cast<std::size_t>(d);
-        add(out.attention[du], attention_cost(context, len));
-        const std::int64_t end = detail::add_tokens(context, len, "plan_cost");
-        add(out.kv_tokens[du], end);
-        if (du != r) {
-          // The query shard, and a copy of every key-value shard 0..s of its document.
-          const std::int64_t qb = mul(q_bytes, len), kvb = mul(kv_bytes, end);
-          add(out.bytes[r * W + du], qb);
-          add(out.bytes[r * W + du], kvb);
-          add(out.query_bytes, qb);
-          add(out.kv_bytes, kvb);
-        }
-        context = end;
+        shards.push_back({static_cast<std::int64_t>(r), len, d});
       }
+      balance_detail::add_document(out, shards, q_bytes, kv_bytes, held);
     }
   }
-  add(out.bytes_moved, out.query_bytes);
-  add(out.bytes_moved, out.kv_bytes);
+  balance_detail::add_to(out.bytes_moved, out.query_bytes);
+  balance_detail::add_to(out.bytes_moved, out.kv_bytes);
   return out;
 }
 

@@ -1,0 +1,221 @@
+// Balancing packed batches, whose long documents span ranks: the balanced,
+// greedy, zig-zag and unbalanced plans tile every piece in order on its home
+// rank, keep at most C shards per document (zig-zag excepted), conserve
+// attention cost, never beat the lower bound, and are costed exactly; bad
+// batches fail naming the document and piece.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "balance_helpers.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/workload.hpp"
+
+namespace {
+
+using baltest::I;
+using cpdispatch::BalanceProblem;
+using cpdispatch::DocumentPiece;
+using cpdispatch::PlanCost;
+using cpdispatch::QkvDocumentsPlan;
+using ::testing::HasSubstr;
+
+/// A packed batch: heavy-tailed lengths laid end to end over W ranks of
+/// `tokens_per_rank`, so some documents span several ranks.
+BalanceProblem random_batch(std::uint64_t seed, I W, I C, I tokens_per_rank) {
+  cpdispatch::Rng rng(seed);
+  std::vector<I> sample;
+  for (int i = 0; i < 32; ++i) sample.push_back(rng.below(6) == 0 ? rng.between(1, 3 * tokens_per_rank) : rng.between(1, tokens_per_rank / 8 + 1));
+  BalanceProblem p;
+  p.world_size = W;
+  p.documents = cpdispatch::draw_workload(sample, W, tokens_per_rank, rng);
+  p.max_cp_degree = std::max<I>(C, static_cast<I>(cpdispatch::widest_span(p.documents)));
+  p.q_bytes = 1 + static_cast<I>(seed % 3);
+  p.kv_bytes = 1 + static_cast<I>(seed % 2);
+  return p;
+}
+
+double ratio(const BalanceProblem& p, const QkvDocumentsPlan& plan) {
+  return static_cast<double>(cpdispatch::plan_cost(plan, p.q_bytes, p.kv_bytes).max_attention()) / cpdispatch::balance_lower_bound(p);
+}
+
+TEST(PackedBalance, PlansTilePiecesKeepHomesAndConserveCost) {
+  std::size_t spanning = 0;
+  for (std::uint64_t seed = 1; seed <= 80; ++seed) {
+    const I W = 1 + static_cast<I>(seed % 9), C = 1 + static_cast<I>(seed % 6);
+    const BalanceProblem p = random_batch(seed, W, C, 30 + static_cast<I>(seed % 4) * 60);
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", W " + std::to_string(W) + ", C " + std::to_string(p.max_cp_degree));
+    spanning += cpdispatch::spanning_documents(p.documents);
+    const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);
+    ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
+    ASSERT_TRUE(baltest::valid_packed_plan(p, cpdispatch::plan_greedy(p)));
+    ASSERT_TRUE(baltest::valid_packed_plan(p, cpdispatch::plan_unbalanced(p)));
+    ASSERT_TRUE(baltest::valid_packed_plan(p, cpdispatch::plan_zigzag(p), false));
+    const double bound = cpdispatch::balance_lower_bound(p);
+    const PlanCost cost = cpdispatch::plan_cost(plan, p.q_bytes, p.kv_bytes);
+    EXPECT_GE(static_cast<double>(cost.max_attention()), bound - 0.5);
+    EXPECT_LE(cost.max_attention(), cpdispatch::plan_cost(cpdispatch::plan_unbalanced(p)).max_attention());
+    // Small batches are coarse; the real-sample targets are in test_workload.cpp and bench_balance.
+    EXPECT_LE(ratio(p, plan), 1.25);
+  }
+  EXPECT_GT(spanning, 80u);  // the batches do exercise documents across ranks
+}
+
+TEST(PackedBalance, IsDeterministicAndTheUnbalancedPlanMovesOnlyCrossRankContext) {
+  const BalanceProblem p = random_batch(7, 6, 4, 200);
+  EXPECT_EQ(cpdispatch::plan_balanced(p).documents, cpdispatch::plan_balanced(p).documents);
+  const QkvDocumentsPlan none = cpdispatch::plan_unbalanced(p);
+  const PlanCost cost = cpdispatch::plan_cost(none);
+  EXPECT_EQ(cost.query_bytes, 0);
+  // Every piece attends at home, but needs the KV of its document's earlier pieces on other ranks.
+  I context = 0;
+  for (std::size_t i = 0; i < p.documents.size(); ++i) {
+    ASSERT_EQ(none.documents[i].shards.size(), p.documents[i].size());
+    for (std::size_t k = 0; k < p.documents[i].size(); ++k)
+      for (std::size_t j = 0; j < k; ++j) context += p.documents[i][j].rank != p.documents[i][k].rank ? p.documents[i][j].len : 0;
+  }
+  EXPECT_GT(context, 0);
+  EXPECT_EQ(cost.kv_bytes, context);
+}
+
+TEST(PackedBalance, PlanCostMatchesAPerTokenCount) {
+  for (std::uint64_t seed = 1; seed <= 30; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const BalanceProblem p = random_batch(seed, 1 + static_cast<I>(seed % 5), 4, 40);
+    for (const QkvDocumentsPlan& plan : {cpdispatch::plan_balanced(p), cpdispatch::plan_greedy(p), cpdispatch::plan_zigzag(p)}) {
+      const PlanCost cost = cpdispatch::plan_cost(plan, 3, 5);
+      const baltest::Count want = baltest::count_by_token(plan, 3, 5);
+      EXPECT_EQ(cost.attention, want.attention);
+      EXPECT_EQ(cost.bytes, want.bytes);
+      EXPECT_EQ(cost.bytes_moved, cost.query_bytes + cost.kv_bytes);
+    }
+  }
+}
+
+// The plan of docs/plan-format.md section 2b: its q_fwd and kv_fwd token
+// counts are the bytes plan_cost counts at one byte per token.
+TEST(PackedBalance, PlanCostAgreesWithTheDocumentsFormWorkedExample) {
+  QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.max_cp_degree = 3;
+  plan.documents = {{{{0, 3, 1}, {1, 2, 0}, {1, 4, 1}}}, {{{0, 5, 0}}}, {{{1, 1, 1}}}};
+  const PlanCost c = cpdispatch::plan_cost(plan);
+  // q_fwd num_recv_tokens [[5,2,7],[3,5,8]], kv_fwd num_recv_tokens [[8,2,10],[6,7,13]]
+  EXPECT_EQ(c.sent(0, 1), 3 + 6);
+  EXPECT_EQ(c.sent(1, 0), 2 + 2);
+  EXPECT_EQ(c.query_bytes, 3 + 2);
+  EXPECT_EQ(c.kv_bytes, 6 + 2);
+  EXPECT_EQ(c.kv_tokens, (std::vector<I>{10, 13}));
+  // attn seqlens_q [[5,2],[3,4,1]], seqlens_kv [[5,5],[3,9,1]]
+  EXPECT_EQ(c.attention[0], cpdispatch::attention_cost(0, 5) + cpdispatch::attention_cost(3, 2));
+  EXPECT_EQ(c.attention[1], cpdispatch::attention_cost(0, 3) + cpdispatch::attention_cost(5, 4) + cpdispatch::attention_cost(0, 1));
+}
+
+TEST(PackedBalance, ALongDocumentIsSpreadAcrossRanks) {
+  // One document over ranks 0..2 (8 + 8 + 8 tokens) and short ones on rank 3.
+  BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 8;
+  p.documents = {{{0, 8}, {1, 8}, {2, 8}}, {{3, 2}}, {{3, 2}}};
+  const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);
+  ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
+  // Its last piece alone costs 17*8 + 36 = 172 of 300 in all: balanced, it is cut and shared with rank 3.
+  const PlanCost cost = cpdispatch::plan_cost(plan);
+  EXPECT_LE(static_cast<double>(cost.max_attention()), 1.10 * cpdispatch::balance_lower_bound(p));
+  EXPECT_GT(cost.attention[3], cpdispatch::attention_cost(0, 2) * 2);
+}
+
+TEST(PackedBalance, TheBoundCutsEachDocumentInsideItsPieces) {
+  // One document of two pieces of 10 tokens, W = 8: the mean is 210/8, but
+  // with C = 2 each piece is one shard, the second costing 155.
+  BalanceProblem p;
+  p.world_size = 8;
+  p.max_cp_degree = 2;
+  p.documents = {{{0, 10}, {1, 10}}};
+  EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p), 155.0);
+  p.max_cp_degree = 3;  // the second piece in two: the cheapest largest shard
+  const double three = cpdispatch::balance_lower_bound(p);
+  EXPECT_LT(three, 155.0);
+  EXPECT_GE(three, cpdispatch::attention_cost(15, 5) - 20.0);
+  EXPECT_EQ(cpdispatch::plan_cost(cpdispatch::plan_balanced(p)).max_attention(), static_cast<I>(three));
+}
+
+TEST(Zigzag, CutsEachDocumentIn2WChunksAttendedOnMinOfIAnd2WMinus1MinusI) {
+  BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 1;  // zig-zag ignores C
+  p.documents = {{{0, 16}}, {{1, 5}, {2, 3}}};
+  const QkvDocumentsPlan plan = cpdispatch::plan_zigzag(p);
+  ASSERT_TRUE(baltest::valid_packed_plan(p, plan, false));
+  // 16 tokens: 8 chunks of 2 on ranks 0 1 2 3 3 2 1 0 (chunks 3 and 4 merge).
+  std::vector<cpdispatch::DocumentShard> want = {{0, 2, 0}, {0, 2, 1}, {0, 2, 2}, {0, 4, 3}, {0, 2, 2}, {0, 2, 1}, {0, 2, 0}};
+  EXPECT_EQ(plan.documents[0].shards, want);
+  // 8 tokens over two pieces (5 on rank 1, 3 on rank 2): chunks of 1, cut at the piece boundary.
+  want = {{1, 1, 0}, {1, 1, 1}, {1, 1, 2}, {1, 2, 3}, {2, 1, 2}, {2, 1, 1}, {2, 1, 0}};
+  EXPECT_EQ(plan.documents[1].shards, want);
+  EXPECT_EQ(plan.max_cp_degree, 7);
+}
+
+TEST(PackedBalance, ToRankPlanAndBalanceProblemOfRoundTrip) {
+  BalanceProblem p;
+  p.world_size = 3;
+  p.max_cp_degree = 4;
+  p.docs = {{50, 7}, {}, {300}};
+  const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);
+  const cpdispatch::QkvPlan ranks = cpdispatch::to_rank_plan(plan);
+  EXPECT_EQ(cpdispatch::plan_cost(ranks).bytes, cpdispatch::plan_cost(plan).bytes);
+  EXPECT_EQ(cpdispatch::balance_problem_of(ranks).docs, p.docs);
+  const BalanceProblem packed = cpdispatch::balance_problem_of(plan);
+  EXPECT_EQ(packed.documents, (std::vector<std::vector<DocumentPiece>>{{{0, 50}}, {{0, 7}}, {{2, 300}}}));
+  QkvDocumentsPlan spans;
+  spans.world_size = 2;
+  spans.documents = {{{{0, 1, 0}, {1, 1, 0}}}};
+  EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::to_rank_plan(spans); }),
+              HasSubstr("documents[0] spans ranks 0 and 1"));
+}
+
+TEST(PackedBalance, BadBatchesNameTheDocumentAndPiece) {
+  auto msg = [](BalanceProblem p) { return baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::plan_balanced(p); }); };
+  BalanceProblem p;
+  p.world_size = 2;
+  p.max_cp_degree = 2;
+  p.documents = {{{0, 4}}, {{1, 2}, {2, 3}}};
+  EXPECT_THAT(msg(p), HasSubstr("documents[1].pieces[1].rank = 2 is outside [0, 2)"));
+  p.documents = {{{0, 4}}, {{1, 0}}};
+  EXPECT_THAT(msg(p), HasSubstr("documents[1].pieces[0].len = 0 must be positive"));
+  p.documents = {{{0, 4}}, {}};
+  EXPECT_THAT(msg(p), HasSubstr("documents[1] has no pieces"));
+  p.documents = {{{0, 4}, {1, 1}, {0, 1}}};
+  EXPECT_THAT(msg(p), HasSubstr("documents[0] has 3 pieces, but max_cp_degree = 2"));
+  p.documents = {{{0, 4}}};
+  p.docs = {{1}, {2}};
+  EXPECT_THAT(msg(p), HasSubstr("both documents (a packed batch) and docs (per rank)"));
+  p.docs.clear();
+  p.recv_capacity = {3, 3};
+  EXPECT_THAT(baltest::message_of<cpdispatch::capacity_error>([&] { cpdispatch::plan_balanced(p); }),
+              HasSubstr("documents[0].pieces[0] ends 4 tokens into its document"));
+  // plan_cost checks a documents-form plan too.
+  QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.documents = {{{{0, 1, 0}, {1, 2, 5}}}};
+  EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::plan_cost(plan); }),
+              HasSubstr("documents[0].shards[1].dst = 5 is outside [0, 2)"));
+  plan.documents = {{}};
+  EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::plan_cost(plan); }), HasSubstr("documents[0] has no shards"));
+}
+
+TEST(PackedBalance, NothingTheUserGaveIsModified) {
+  const BalanceProblem p = random_batch(3, 5, 4, 100);
+  const BalanceProblem copy = p;
+  (void)cpdispatch::plan_balanced(p);
+  (void)cpdispatch::plan_greedy(p);
+  (void)cpdispatch::plan_zigzag(p);
+  EXPECT_EQ(p.documents, copy.documents);
+}
+
+}  // namespace
