@@ -129,7 +129,7 @@ TEST_F(BalanceCli, SvgOfTheBalancedPlanIsWellFormed) {
   EXPECT_THAT(r.out, HasSubstr("\"kind\": \"qkv\""));  // the plan still goes to stdout
   const std::string picture = slurp(svg);
   ASSERT_TRUE(baltest::well_formed_xml(picture));
-  EXPECT_THAT(picture, HasSubstr("before (every document at home)"));
+  EXPECT_THAT(picture, HasSubstr("before (every piece at its home rank)"));
   EXPECT_THAT(picture, HasSubstr("attention cost per rank"));
   // Plan mode draws any qkv plan; an unbalanced one has no "before" bars.
   const Result again = run(file("plan.json", R"({"world_size": 2, "ranks": [{"docs": [{"shard_len": [3], "dst": [0]}]}, {"docs": []}]})") +
@@ -157,6 +157,88 @@ TEST_F(BalanceCli, ErrorsNameTheField) {
        "docs[0][1] has 700 tokens and its last shard's KV group holds all of them, but the largest recv_capacity is 650 tokens (rank 1)"},
       {"[1, 2]", "input: expected an object"},
       {"{", "invalid JSON"},
+  };
+  for (const Case& c : cases) {
+    const Result r = run("balance", c.input);
+    EXPECT_EQ(r.status, 2) << c.input;
+    EXPECT_EQ(r.out, "") << c.input;
+    EXPECT_THAT(r.err, StartsWith("cpdispatch-plan: ")) << c.input;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << c.input;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
+// A packed batch: document 0 spans ranks 0..2, document 2 ranks 2..3.
+constexpr const char* kPacked = R"({"world_size": 4, "max_cp_degree": 6, "documents": [
+  {"pieces": [{"rank": 0, "len": 900}, {"rank": 1, "len": 1000}, {"rank": 2, "len": 200}]},
+  {"pieces": [{"rank": 2, "len": 500}]},
+  {"pieces": [{"rank": 2, "len": 300}, {"rank": 3, "len": 1000}]}]})";
+
+cpdispatch::BalanceProblem packed_problem() {
+  cpdispatch::BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 6;
+  p.documents = {{{0, 900}, {1, 1000}, {2, 200}}, {{2, 500}}, {{2, 300}, {3, 1000}}};
+  return p;
+}
+
+/// The documents-form plan in cpdispatch-plan's JSON.
+cpdispatch::QkvDocumentsPlan documents_plan(const nlohmann::json& j) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = j.at("world_size").get<I>();
+  plan.max_cp_degree = j.at("max_cp_degree").get<I>();
+  for (const auto& d : j.at("documents")) {
+    auto& doc = plan.documents.emplace_back();
+    for (const auto& s : d.at("shards")) doc.shards.push_back({s.at("rank").get<I>(), s.at("len").get<I>(), s.at("dst").get<I>()});
+  }
+  return plan;
+}
+
+TEST_F(BalanceCli, APackedBatchGivesTheLibrarysDocumentsFormPlan) {
+  const Result r = run("balance " + file("in.json", kPacked));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("kind"), "qkv");
+  const cpdispatch::QkvDocumentsPlan plan = documents_plan(j);
+  const cpdispatch::BalanceProblem p = packed_problem();
+  ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
+  EXPECT_EQ(plan.documents, cpdispatch::plan_balanced(p).documents);
+  const Result compact = run("balance - --compact", kPacked);
+  EXPECT_EQ(compact.status, 0);
+  EXPECT_EQ(nlohmann::json::parse(compact.out), j);
+}
+
+TEST_F(BalanceCli, PackedSummaryCountsShardsOfDocumentsThatSpanRanks) {
+  const std::string svg = path("packed.svg");
+  made_.push_back(svg);
+  const Result r = run("balance --summary --svg " + svg, kPacked);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, StartsWith("qkv plan (documents form): world_size 4, max_cp_degree 6, 3 documents, 2 spanning ranks (up to 3)\n"
+                                "rank  shards  tokens  spanning"));
+  EXPECT_THAT(r.out, HasSubstr("x the lower bound"));
+  ASSERT_TRUE(baltest::well_formed_xml(slurp(svg)));
+}
+
+TEST_F(BalanceCli, PackedErrorsNameTheJsonPath) {
+  struct Case {
+    std::string input, message;
+  };
+  auto batch = [](const std::string& docs, const std::string& extra = "") {
+    return R"({"world_size": 2, "max_cp_degree": 2, "documents": [{"pieces": [{"rank": 0, "len": 3}]}, )" + docs + "]" + extra + "}";
+  };
+  const std::vector<Case> cases = {
+      {batch(R"({"pieces": [{"rank": 1, "len": 2}, {"rank": 2, "len": 1}]})"), "documents[1].pieces[1].rank = 2 is outside [0, 2)"},
+      {batch(R"({"pieces": [{"rank": 1, "len": 2}, {"rank": 1, "len": 0}]})"), "documents[1].pieces[1].len = 0 must be a positive length"},
+      {batch(R"({"pieces": [{"rank": 1, "len": -4}]})"), "documents[1].pieces[0].len = -4 must be a positive length"},
+      {batch(R"({"pieces": []})"), "documents[1].pieces is empty"},
+      {batch(R"({"pieces": [{"rank": 0, "len": 1}, {"rank": 1, "len": 1}, {"rank": 0, "len": 1}]})"),
+       "documents[1].pieces has 3 entries, but max_cp_degree = 2"},
+      {batch(R"({"pieces": [{"rank": 1, "len": 2, "dst": 0}]})"), "documents[1].pieces[0]: unknown key \"dst\""},
+      {batch(R"({"pieces": [{"rank": 1}]})"), "documents[1].pieces[0]: missing \"len\""},
+      {batch(R"({"shards": []})"), "documents[1]: unknown key \"shards\""},
+      {batch(R"({"pieces": [{"rank": 1, "len": 2}]})", R"(, "ranks": [{"docs": [1]}, {"docs": [2]}])"), "both \"documents\" and \"ranks\""},
+      {R"({"world_size": 2, "max_cp_degree": 2})", "missing \"documents\" (a packed batch) or \"ranks\""},
   };
   for (const Case& c : cases) {
     const Result r = run("balance", c.input);
@@ -199,6 +281,36 @@ TEST_F(BalanceCli, TheReadmeExampleIsWhatTheToolWrites) {
   const std::string readme = slurp(src + "/README.md");
   std::istringstream lines(r.out);
   for (std::string line; std::getline(lines, line);) EXPECT_THAT(readme, HasSubstr(line + "\n")) << "README.md's example summary is stale";
+}
+
+TEST_F(BalanceCli, ThePackedExampleIsWhatTheToolWrites) {
+  // docs/balance-example-packed.*: a ProLong batch (W = 16, 16K tokens per
+  // rank, C = 32) whose documents span up to 6 ranks. After a planner change:
+  //   build/bin/cpdispatch-plan balance docs/balance-example-packed.json --summary
+  //     --svg docs/balance-example-packed.svg > docs/balance-example-packed.txt
+  const std::string src = CPDISPATCH_SOURCE_DIR;
+  const std::string svg = path("packed.svg");
+  made_.push_back(svg);
+  const Result r = run("balance " + src + "/docs/balance-example-packed.json --summary --svg " + svg);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, slurp(src + "/docs/balance-example-packed.txt")) << "docs/balance-example-packed.txt is stale";
+  EXPECT_EQ(slurp(svg), slurp(src + "/docs/balance-example-packed.svg")) << "docs/balance-example-packed.svg is stale";
+  EXPECT_THAT(r.out, HasSubstr("spanning ranks (up to 6)"));
+  // ... and the plan is valid and within 3% of the bound.
+  const Result plan = run("balance " + src + "/docs/balance-example-packed.json");
+  ASSERT_EQ(plan.status, 0) << plan.err;
+  const nlohmann::json input = nlohmann::json::parse(slurp(src + "/docs/balance-example-packed.json"));
+  cpdispatch::BalanceProblem p;
+  p.world_size = input.at("world_size").get<I>();
+  p.max_cp_degree = input.at("max_cp_degree").get<I>();
+  for (const auto& d : input.at("documents")) {
+    auto& doc = p.documents.emplace_back();
+    for (const auto& pc : d.at("pieces")) doc.push_back({pc.at("rank").get<I>(), pc.at("len").get<I>()});
+  }
+  const cpdispatch::QkvDocumentsPlan balanced = documents_plan(nlohmann::json::parse(plan.out));
+  ASSERT_TRUE(baltest::valid_packed_plan(p, balanced));
+  EXPECT_EQ(cpdispatch::widest_span(p.documents), 6u);
+  EXPECT_LE(static_cast<double>(cpdispatch::plan_cost(balanced).max_attention()), 1.03 * cpdispatch::balance_lower_bound(p));
 }
 
 }  // namespace
