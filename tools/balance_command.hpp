@@ -1,10 +1,9 @@
 #pragma once
 // cpdispatch-plan's load-balancing parts: the `balance` subcommand's input
-// document (a packed batch, or documents per rank), its documents-form
-// output and report, and the --svg picture of a qkv plan. Option parsing
-// stays in cpdispatch_plan.cpp.
+// document (a packed batch, or documents per rank) and report, and the --svg
+// picture of a qkv plan in either form. I/O and option parsing stay in
+// cpdispatch_plan.cpp.
 
-#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -185,78 +184,6 @@ std::string plan_picture(const PlanForm& plan, std::int64_t q_bytes, std::int64_
   std::string title = "cpdispatch plan: " + std::to_string(plan.world_size) + " ranks";
   if (plan.max_cp_degree) title += ", at most " + std::to_string(*plan.max_cp_degree) + " shards per document";
   return cpdispatch::plan_svg(after, before.attention == after.attention ? nullptr : &before, title);
-}
-
-/// A documents-form qkv plan as the JSON cpdispatch-plan reads.
-inline nlohmann::json documents_plan_to_json(const cpdispatch::QkvDocumentsPlan& plan) {
-  nlohmann::json docs = nlohmann::json::array();
-  for (const cpdispatch::PackedDocument& d : plan.documents) {
-    nlohmann::json shards = nlohmann::json::array();
-    for (const cpdispatch::DocumentShard& s : d.shards) shards.push_back({{"rank", s.rank}, {"len", s.len}, {"dst", s.dst}});
-    docs.push_back({{"shards", std::move(shards)}});
-  }
-  nlohmann::json out = {{"kind", "qkv"}, {"world_size", plan.world_size}};
-  if (plan.max_cp_degree) out["max_cp_degree"] = *plan.max_cp_degree;
-  out["documents"] = std::move(docs);
-  return out;
-}
-
-/// Right-aligned columns, two spaces apart.
-inline std::string columns(const std::vector<std::vector<std::string>>& rows) {
-  std::vector<std::size_t> width;
-  for (const auto& row : rows) {
-    width.resize(std::max(width.size(), row.size()), 0);
-    for (std::size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
-  }
-  std::string out;
-  for (const auto& row : rows) {
-    for (std::size_t c = 0; c < row.size(); ++c) out += std::string(c ? 2 : 0, ' ') + std::string(width[c] - row[c].size(), ' ') + row[c];
-    out += '\n';
-  }
-  return out;
-}
-
-/// Per rank of a documents-form plan: the shards it holds (MLP layout), their
-/// tokens, how many belong to documents that continue on other ranks, the
-/// query and KV tokens it attends, the bytes it sends, its attention cost.
-inline std::string documents_summary(const cpdispatch::BalanceProblem& problem, const cpdispatch::QkvDocumentsPlan& plan) {
-  const auto W = static_cast<std::size_t>(plan.world_size);
-  const auto cost = cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes);
-  std::vector<std::int64_t> shards(W, 0), tokens(W, 0), spanning(W, 0), q_recv(W, 0);
-  for (const cpdispatch::PackedDocument& d : plan.documents) {
-    const bool spans = std::any_of(d.shards.begin(), d.shards.end(), [&](const auto& s) { return s.rank != d.shards.front().rank; });
-    for (const cpdispatch::DocumentShard& s : d.shards) {
-      const auto home = static_cast<std::size_t>(s.rank);
-      ++shards[home];
-      tokens[home] += s.len;
-      spanning[home] += spans ? 1 : 0;
-      q_recv[static_cast<std::size_t>(s.dst)] += s.len;
-    }
-  }
-  std::vector<std::vector<std::string>> rows = {{"rank", "shards", "tokens", "spanning", "q_recv", "kv_recv", "bytes_sent", "attn_cost"}};
-  for (std::size_t r = 0; r < W; ++r) {
-    std::int64_t sent = 0;
-    for (std::size_t d = 0; d < W; ++d) sent += cost.sent(r, d);
-    rows.push_back({std::to_string(r), std::to_string(shards[r]), std::to_string(tokens[r]), std::to_string(spanning[r]),
-                    std::to_string(q_recv[r]), std::to_string(cost.kv_tokens[r]), std::to_string(sent), std::to_string(cost.attention[r])});
-  }
-  const std::size_t spans = cpdispatch::spanning_documents(problem.documents);
-  std::string out = "qkv plan (documents form): world_size " + std::to_string(W) + ", max_cp_degree " +
-                    std::to_string(plan.max_cp_degree.value_or(0)) + ", " + std::to_string(plan.documents.size()) + " documents, " +
-                    std::to_string(spans) + " spanning ranks (up to " + std::to_string(cpdispatch::widest_span(problem.documents)) + ")\n";
-  out += columns(rows);
-  if (cost.total_attention() > 0) out += "imbalance of attention cost (max/mean): " + max_over_mean_text(cost.max_attention(), cost.mean_attention()) + '\n';
-  return out + balance_report(problem, plan);
-}
-
-/// `balance` on a packed batch: the documents-form plan as JSON (or its
-/// summary), and its picture written to `svg_path` when one is named.
-inline std::string balance_packed(const cpdispatch::BalanceProblem& problem, bool summary, bool compact, const std::string& svg_path) {
-  const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(problem);
-  if (!svg_path.empty()) write_file(svg_path, plan_picture(plan, problem.q_bytes, problem.kv_bytes));
-  if (summary) return documents_summary(problem, plan);
-  const nlohmann::json j = documents_plan_to_json(plan);
-  return (compact ? j.dump() : cpdispatch::to_pretty_string(j)) + '\n';
 }
 
 }  // namespace cpdispatch_cli

@@ -279,10 +279,10 @@ void write_json(const nlohmann::json& j, bool compact) {
 /// kv_bytes per token.
 void write_svg(const PlanOptions& options, const cpdispatch::Plan& plan, std::int64_t q_bytes, std::int64_t kv_bytes) {
   if (options.svg.empty()) return;
-  const auto* qkv = std::get_if<cpdispatch::QkvPlan>(&plan);
-  if (std::holds_alternative<cpdispatch::QkvDocumentsPlan>(plan)) {
-    cpdispatch::detail::fail("--svg draws qkv plans in the per-rank form (\"ranks\"); this plan is in the documents form");
+  if (const auto* documents = std::get_if<cpdispatch::QkvDocumentsPlan>(&plan)) {
+    return cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*documents, q_bytes, kv_bytes));
   }
+  const auto* qkv = std::get_if<cpdispatch::QkvPlan>(&plan);
   if (!qkv) cpdispatch::detail::fail("--svg draws qkv plans (documents); this is a query plan");
   cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*qkv, q_bytes, kv_bytes));
 }
@@ -316,12 +316,9 @@ int run_balance(Args args) {
   }
   const cpdispatch::BalanceProblem problem =
       cpdispatch_cli::balance_problem_from_json(cpdispatch::parse_json(read_input(options.input)));
-  if (problem.docs.empty()) {  // a packed batch: a documents-form plan
-    write_output(cpdispatch_cli::balance_packed(problem, options.summary, options.compact, options.svg));
-    return 0;
-  }
-  const cpdispatch::QkvPlan balanced = cpdispatch::to_rank_plan(cpdispatch::plan_balanced(problem));
-  const cpdispatch::Plan plan = balanced;
+  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem);
+  // A packed batch gets the documents form back, documents per rank the per-rank form.
+  const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
   write_svg(options, plan, problem.q_bytes, problem.kv_bytes);
   if (options.summary) {
     write_output(summary(cpdispatch::plan_metadata(plan), plan) + cpdispatch_cli::balance_report(problem, balanced));

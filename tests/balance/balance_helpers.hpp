@@ -121,6 +121,15 @@ inline AssertionResult valid_packed_plan(const cpdispatch::BalanceProblem& p, co
     }
     if (k != shards.size()) return AssertionFailure() << "documents[" << i << "] has shards beyond its pieces";
   }
+  try {
+    const cpdispatch::QkvMetadata m = cpdispatch::plan_qkv(plan);
+    m.q_fwd.validate("q_fwd");
+    m.q_rev.validate("q_rev");
+    m.kv_fwd.validate("kv_fwd");
+    m.kv_rev.validate("kv_rev");
+  } catch (const cpdispatch::error& e) {
+    return AssertionFailure() << "plan_qkv/validate: " << e.what();
+  }
   const cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan, p.q_bytes, p.kv_bytes);
   if (cost.total_attention() != total_packed_cost(p)) {
     return AssertionFailure() << "attention cost " << cost.total_attention() << " differs from the documents' " << total_packed_cost(p);

@@ -204,6 +204,10 @@ TEST_F(BalanceCli, APackedBatchGivesTheLibrarysDocumentsFormPlan) {
   const cpdispatch::BalanceProblem p = packed_problem();
   ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
   EXPECT_EQ(plan.documents, cpdispatch::plan_balanced(p).documents);
+  // ... which plan mode plans.
+  const Result planned = run(file("plan.json", r.out));
+  EXPECT_EQ(planned.status, 0) << planned.err;
+  EXPECT_THAT(planned.out, HasSubstr("\"kv_rev\""));
   const Result compact = run("balance - --compact", kPacked);
   EXPECT_EQ(compact.status, 0);
   EXPECT_EQ(nlohmann::json::parse(compact.out), j);
@@ -214,8 +218,8 @@ TEST_F(BalanceCli, PackedSummaryCountsShardsOfDocumentsThatSpanRanks) {
   made_.push_back(svg);
   const Result r = run("balance --summary --svg " + svg, kPacked);
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_THAT(r.out, StartsWith("qkv plan (documents form): world_size 4, max_cp_degree 6, 3 documents, 2 spanning ranks (up to 3)\n"
-                                "rank  shards  tokens  spanning"));
+  EXPECT_THAT(r.out, StartsWith("qkv plan: world_size 4, max_cp_degree 6\ndocuments: 3, 2 spanning ranks\n"
+                                "rank  shards  tokens  q_sent_off_rank  q_recv  kv_recv  attn_cost  spanning\n"));
   EXPECT_THAT(r.out, HasSubstr("x the lower bound"));
   ASSERT_TRUE(baltest::well_formed_xml(slurp(svg)));
 }
@@ -295,7 +299,7 @@ TEST_F(BalanceCli, ThePackedExampleIsWhatTheToolWrites) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(r.out, slurp(src + "/docs/balance-example-packed.txt")) << "docs/balance-example-packed.txt is stale";
   EXPECT_EQ(slurp(svg), slurp(src + "/docs/balance-example-packed.svg")) << "docs/balance-example-packed.svg is stale";
-  EXPECT_THAT(r.out, HasSubstr("spanning ranks (up to 6)"));
+  EXPECT_THAT(r.out, HasSubstr("documents: 46, 11 spanning ranks"));
   // ... and the plan is valid and within 3% of the bound.
   const Result plan = run("balance " + src + "/docs/balance-example-packed.json");
   ASSERT_EQ(plan.status, 0) << plan.err;

@@ -93,6 +93,15 @@ TEST(PackedBalance, PlanCostMatchesAPerTokenCount) {
       EXPECT_EQ(cost.attention, want.attention);
       EXPECT_EQ(cost.bytes, want.bytes);
       EXPECT_EQ(cost.bytes_moved, cost.query_bytes + cost.kv_bytes);
+      // ... and what the metadata sends between ranks (KV counted at the KV shard's home).
+      const cpdispatch::QkvMetadata m = cpdispatch::plan_qkv(plan);
+      const auto W = static_cast<std::size_t>(plan.world_size);
+      for (std::size_t s = 0; s < W; ++s)
+        for (std::size_t d = 0; d < W; ++d) {
+          const I sent = s == d ? 0 : 3 * m.q_fwd.num_recv_tokens(d, s) + 5 * m.kv_fwd.num_recv_tokens(d, s);
+          EXPECT_EQ(cost.sent(s, d), sent) << s << " -> " << d;
+        }
+      for (std::size_t d = 0; d < W; ++d) EXPECT_EQ(cost.kv_tokens[d], m.kv_fwd.num_recv_tokens(d, W));
     }
   }
 }
