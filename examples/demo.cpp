@@ -1,19 +1,24 @@
-// cpdispatch-demo: the whole context-parallel QKV dispatch on the memcpy
-// simulation, every byte checked.
+// cpdispatch-demo: context-parallel QKV dispatch of a packed batch on the
+// memcpy simulation, every byte checked.
 //
-//   1. plan a batch: each rank holds variable-length documents, each document
-//      is cut into 1, 2 or 4 shards (its CP degree) that attend on distinct
-//      ranks (create_qkv_dispatch), and plan_qkv computes the metadata;
+//   1. draw a batch: documents with lengths from a real sample (ProLong by
+//      default) packed end to end into every rank's token budget, so a long
+//      document starts on one rank and continues on the next ones
+//      (draw_workload); balance it (plan_balanced: shards inside each piece,
+//      attended where the largest causal attention cost is smallest), and
+//      plan the metadata of the documents-form plan (plan_qkv);
 //   2. forward: queries and key-values from the MLP layout to the attention
 //      layout (KV shards replicated to every later query shard of their
-//      document, for causal attention);
+//      document, wherever that document's shards live);
 //   3. reverse: queries back (the round trip must be the identity), and the
 //      KV gradients back into [C][T] replica buffers that combine_copies sums;
-//   4. checks: every query lands where the attention layout says, every KV
-//      group at its attention rank is exactly its document's causal prefix,
-//      each KV copy equals its source, the query round trip is the identity,
-//      and the combined KV gradient equals source x number of copies;
-//   5. prints the per-rank table and the bytes moved per second.
+//   4. checks, from the plan itself: every query shard of every document
+//      lands where the attention layout says, its KV group is exactly its
+//      document's causal prefix gathered from all the ranks the document
+//      spans, each KV copy equals its source, the query round trip is the
+//      identity, and the combined KV gradient equals source x copies;
+//   5. prints the per-rank table, the balance against the lower bound and
+//      the bytes moved per second.
 //
 // The KV gradient sent back is the forwarded KV itself, so the expected
 // combined gradient is the source times its number of copies. KV values are
@@ -22,6 +27,7 @@
 // Exit status: 0 when every check passes, 1 when one fails, 2 on bad options.
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <chrono>
 #include <cstddef>
@@ -29,7 +35,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <initializer_list>
+#include <iterator>
 #include <span>
 #include <string>
 #include <string_view>
@@ -45,30 +53,40 @@ using cpdispatch::bfloat16;
 using cpdispatch::Metadata;
 using Buffers = std::vector<std::vector<bfloat16>>;  // one per rank: [tokens][hidden]
 
+#ifndef CPDISPATCH_DOC_LENGTHS_DIR
+#define CPDISPATCH_DOC_LENGTHS_DIR ""
+#endif
+
 struct Options {
   std::int64_t world_size = 8;
-  std::int64_t tokens = 4096;  // per rank
-  std::int64_t docs = 8;       // per rank
-  std::int64_t max_cp = 0;     // 0: min(4, the largest power of two <= world size)
-  std::int64_t hidden = 256;   // bfloat16 elements per token
+  std::int64_t tokens = 8192;  // per rank
+  std::int64_t docs = 4;       // mean documents per rank of the built-in sample (when no length file is found)
+  std::int64_t max_cp = 8;     // most shards per document (raised to the widest span of a document)
+  std::int64_t hidden = 128;   // bfloat16 elements per token
   std::uint64_t seed = 42;
+  std::string lengths;         // JSON array of document lengths; empty: the ProLong sample when present
   bool help = false;
 };
 
 constexpr const char* kUsage = R"(usage: cpdispatch-demo [options]
 
-Plans a batch of variable-length documents over the ranks, runs the forward
-and reverse query and key-value exchanges and the KV-gradient combine on the
-memcpy simulation, checks every byte and prints a per-rank table.
+Draws a batch of documents packed end to end over the ranks (long documents
+span ranks), balances it, runs the forward and reverse query and key-value
+exchanges and the KV-gradient combine on the memcpy simulation, checks every
+byte and prints a per-rank table.
 
 options (--name value or --name=value):
   -w, --world-size N   ranks (default 8)
-  -t, --tokens N       tokens per rank, a multiple of the CP degree (default 4096)
-  -d, --docs N         documents per rank (default 8)
-  -c, --max-cp N       largest CP degree, a power of two <= world size
-                       (default 4, or less when the world is smaller)
-  -H, --hidden N       bfloat16 elements per token (default 256: 512-byte tokens)
-  -s, --seed N         seed of the plan and the data (default 42)
+  -t, --tokens N       tokens per rank (default 8192)
+  -l, --lengths FILE   document lengths to draw from, a JSON array (default:
+                       the ProLong sample prolong.json of the doc-lengths
+                       folder configured at build time, when it exists)
+  -d, --docs N         without a length file: mean documents per rank of the
+                       built-in heavy-tailed sample (default 4)
+  -c, --max-cp N       most shards per document, 1..256 (default 8; raised to
+                       the most ranks one document spans)
+  -H, --hidden N       bfloat16 elements per token (default 128: 256-byte tokens)
+  -s, --seed N         seed of the batch and the data (default 42)
   -h, --help           this text
 
 exit status: 0 all checks passed, 1 a check failed, 2 bad options
@@ -109,6 +127,7 @@ Options parse_options(int argc, char** argv) {
     };
     if (arg == "-w" || arg == "--world-size") o.world_size = parse_int<std::int64_t>("--world-size", next());
     else if (arg == "-t" || arg == "--tokens") o.tokens = parse_int<std::int64_t>("--tokens", next());
+    else if (arg == "-l" || arg == "--lengths") o.lengths = std::string(next());
     else if (arg == "-d" || arg == "--docs") o.docs = parse_int<std::int64_t>("--docs", next());
     else if (arg == "-c" || arg == "--max-cp") o.max_cp = parse_int<std::int64_t>("--max-cp", next());
     else if (arg == "-H" || arg == "--hidden") o.hidden = parse_int<std::int64_t>("--hidden", next());
@@ -123,19 +142,8 @@ Options parse_options(int argc, char** argv) {
   at_least_one("--tokens", o.tokens);
   at_least_one("--docs", o.docs);
   at_least_one("--hidden", o.hidden);
-  if (o.max_cp == 0) {
-    o.max_cp = 1;
-    while (o.max_cp < 4 && o.max_cp * 2 <= o.world_size) o.max_cp *= 2;
-  }
-  if (o.max_cp < 1 || (o.max_cp & (o.max_cp - 1)) != 0 || o.max_cp > o.world_size) {
-    throw UsageError{"--max-cp = " + std::to_string(o.max_cp) + " must be a power of two in [1, world size = " +
-                     std::to_string(o.world_size) + "]"};
-  }
+  at_least_one("--max-cp", o.max_cp);
   if (o.max_cp > 256) throw UsageError{"--max-cp = " + std::to_string(o.max_cp) + " is above 256 (the checks need exact bfloat16 sums)"};
-  if (o.tokens % o.max_cp != 0 || o.tokens / o.max_cp < o.docs) {
-    throw UsageError{"--tokens = " + std::to_string(o.tokens) + " must be a multiple of --max-cp = " + std::to_string(o.max_cp) +
-                     " and at least --docs x --max-cp = " + std::to_string(o.docs * o.max_cp)};
-  }
   return o;
 }
 
@@ -237,49 +245,156 @@ class Checker {
 std::string at(std::size_t a, std::size_t b) { return "[" + std::to_string(a) + "][" + std::to_string(b) + "]"; }
 std::string at(std::size_t a, std::size_t b, std::size_t c) { return at(a, b) + "[" + std::to_string(c) + "]"; }
 
-// MLP-layout start of every shard: starts[r][j] = P_r(j).
-std::vector<std::vector<std::int64_t>> shard_starts(const Metadata& fwd) {
-  std::vector<std::vector<std::int64_t>> starts(static_cast<std::size_t>(fwd.world_size));
-  for (std::size_t r = 0; r < starts.size(); ++r) {
-    std::int64_t p = 0;
-    for (std::size_t j = 0; j < static_cast<std::size_t>(fwd.num_seqs(r)); ++j) {
-      starts[r].push_back(p);
-      p += fwd.seq_len(r, j);
-    }
+// ---- the batch ----------------------------------------------------------------
+
+// A JSON array of positive integers (the doc-lengths sample format).
+std::vector<std::int64_t> read_lengths(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw UsageError{"cannot read the length file '" + path + "'"};
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::int64_t> out;
+  std::size_t i = text.find('[');
+  if (i == std::string::npos) throw UsageError{"'" + path + "' is not a JSON array of lengths"};
+  for (++i; i < text.size() && text[i] != ']'; ++i) {
+    if (text[i] == ',' || std::isspace(static_cast<unsigned char>(text[i]))) continue;
+    std::size_t end = i;
+    while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) ++end;
+    if (end == i) throw UsageError{"'" + path + "': expected a positive integer at byte " + std::to_string(i)};
+    out.push_back(parse_int<std::int64_t>("a length", std::string_view(text).substr(i, end - i)));
+    if (out.back() < 1) throw UsageError{"'" + path + "': a length is not positive"};
+    i = end - 1;
   }
-  return starts;
+  if (out.empty()) throw UsageError{"'" + path + "' holds no lengths"};
+  return out;
 }
 
-int run_demo(const Options& o) {
-  using clock = std::chrono::steady_clock;
-  const auto W = static_cast<std::size_t>(o.world_size);
-  const auto H = static_cast<std::size_t>(o.hidden);
+// Heavy-tailed lengths, mean about `mean`: most short, one in eight up to 8x the mean.
+std::vector<std::int64_t> builtin_sample(std::int64_t mean, std::uint64_t seed) {
+  cpdispatch::Rng rng(seed);
+  std::vector<std::int64_t> out;
+  const std::int64_t short_max = std::max<std::int64_t>(1, mean / 2), long_max = std::max<std::int64_t>(1, mean * 8);
+  for (int i = 0; i < 1024; ++i) out.push_back(rng.below(8) == 0 ? rng.between(1, long_max) : rng.between(1, short_max));
+  return out;
+}
 
-  // ---- 1. plan
-  const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(o.world_size, o.tokens, o.docs, o.max_cp, o.seed);
-  const auto p0 = clock::now();
-  const cpdispatch::QkvMetadata meta = cpdispatch::plan_qkv(plan);
-  const double plan_s = std::chrono::duration<double>(clock::now() - p0).count();
-  const std::size_t C = meta.kv_fwd.num_copies();
+struct Sample {
+  std::vector<std::int64_t> lengths;
+  std::string name;
+};
 
-  std::printf("cpdispatch %s demo: %zu ranks x %lld tokens, %lld documents per rank, CP degree <= %lld, "
-              "%zu-byte tokens (bf16 x %zu), seed %llu\n",
-              cpdispatch::version_string, W, static_cast<long long>(o.tokens), static_cast<long long>(o.docs),
-              static_cast<long long>(o.max_cp), H * sizeof(bfloat16), H, static_cast<unsigned long long>(o.seed));
-  std::printf("planned in %.3f ms\n\nrank 0's documents (length -> attention ranks of its shards):\n", plan_s * 1e3);
-  for (std::size_t i = 0; i < plan.ranks[0].docs.size() && i < 8; ++i) {
-    const cpdispatch::Document& doc = plan.ranks[0].docs[i];
-    std::int64_t len = 0;
-    std::string dst;
-    for (std::size_t s = 0; s < doc.shard_len.size(); ++s) {
-      len += doc.shard_len[s];
-      dst += (s ? ", " : "") + std::to_string(doc.dst[s]);
+Sample choose_sample(const Options& o) {
+  if (!o.lengths.empty()) return {read_lengths(o.lengths), o.lengths};
+  const std::string prolong = std::string(CPDISPATCH_DOC_LENGTHS_DIR) + "/prolong.json";
+  if (!std::string_view(CPDISPATCH_DOC_LENGTHS_DIR).empty() && std::ifstream(prolong)) return {read_lengths(prolong), "ProLong (" + prolong + ")"};
+  return {builtin_sample(std::max<std::int64_t>(1, o.tokens / o.docs), o.seed),
+          "built-in heavy-tailed sample, mean " + std::to_string(std::max<std::int64_t>(1, o.tokens / o.docs)) + " tokens (no ProLong sample found)"};
+}
+
+struct Batch {
+  cpdispatch::BalanceProblem problem;
+  cpdispatch::QkvDocumentsPlan plan;
+  cpdispatch::QkvMetadata meta;
+  cpdispatch::PlanCost before, after;
+  double bound = 0, plan_ms = 0;
+};
+
+Batch plan_batch(const Options& o, const Sample& sample) {
+  Batch b;
+  b.problem.world_size = o.world_size;
+  b.problem.documents = cpdispatch::draw_workload(sample.lengths, o.world_size, o.tokens, o.seed);
+  // A shard never crosses a piece boundary: a document over n ranks needs n shards.
+  b.problem.max_cp_degree = std::max(o.max_cp, static_cast<std::int64_t>(cpdispatch::widest_span(b.problem.documents)));
+  b.problem.q_bytes = b.problem.kv_bytes = o.hidden * static_cast<std::int64_t>(sizeof(bfloat16));
+  const auto t0 = std::chrono::steady_clock::now();
+  b.plan = cpdispatch::plan_balanced(b.problem);
+  b.meta = cpdispatch::plan_qkv(b.plan);
+  b.plan_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  b.bound = cpdispatch::balance_lower_bound(b.problem);
+  b.before = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(b.problem), b.problem.q_bytes, b.problem.kv_bytes);
+  b.after = cpdispatch::plan_cost(b.plan, b.problem.q_bytes, b.problem.kv_bytes);
+  return b;
+}
+
+// Where every shard of the plan lives in the MLP layout: rank `home` holds
+// its shards ordered by (document, shard), from token `offset`.
+struct ShardAt {
+  std::size_t home, doc, index;
+  std::int64_t offset, len, dst;
+};
+
+std::vector<std::vector<ShardAt>> shard_places(const cpdispatch::QkvDocumentsPlan& plan) {
+  std::vector<std::int64_t> next(static_cast<std::size_t>(plan.world_size), 0);
+  std::vector<std::vector<ShardAt>> out(plan.documents.size());
+  for (std::size_t d = 0; d < plan.documents.size(); ++d)
+    for (std::size_t k = 0; k < plan.documents[d].shards.size(); ++k) {
+      const cpdispatch::DocumentShard& s = plan.documents[d].shards[k];
+      const auto home = static_cast<std::size_t>(s.rank);
+      out[d].push_back({home, d, k, next[home], s.len, s.dst});
+      next[home] += s.len;
     }
-    std::printf("  doc %zu: %6lld tokens -> CP %zu on ranks [%s]\n", i, static_cast<long long>(len), doc.shard_len.size(), dst.c_str());
-  }
-  if (plan.ranks[0].docs.size() > 8) std::printf("  ... (%zu documents)\n", plan.ranks[0].docs.size());
+  return out;
+}
 
-  Checker check(H);
+void print_batch(const Options& o, const Sample& sample, const Batch& b) {
+  const auto& docs = b.problem.documents;
+  std::printf("cpdispatch %s demo: %lld ranks x %lld tokens, %zu-byte tokens (bf16 x %lld), seed %llu\n", cpdispatch::version_string,
+              static_cast<long long>(o.world_size), static_cast<long long>(o.tokens), static_cast<std::size_t>(o.hidden) * sizeof(bfloat16),
+              static_cast<long long>(o.hidden), static_cast<unsigned long long>(o.seed));
+  std::printf("lengths: %s\n", sample.name.c_str());
+  std::printf("packed batch: %zu documents, %zu of them span ranks (up to %zu ranks); at most %lld shards per document\n",
+              docs.size(), cpdispatch::spanning_documents(docs), cpdispatch::widest_span(docs),
+              static_cast<long long>(b.problem.max_cp_degree));
+  std::printf("balanced and planned in %.3f ms: largest attention cost %.4g = %.3f x the lower bound (before balancing %.3f x); "
+              "%.1f MiB moved\n\nspanning documents (pieces: rank x tokens -> attention ranks of the shards):\n",
+              b.plan_ms, static_cast<double>(b.after.max_attention()), static_cast<double>(b.after.max_attention()) / b.bound,
+              static_cast<double>(b.before.max_attention()) / b.bound, static_cast<double>(b.after.bytes_moved) / (1 << 20));
+  int shown = 0;
+  for (std::size_t i = 0; i < docs.size() && shown < 4; ++i) {
+    if (std::all_of(docs[i].begin(), docs[i].end(), [&](const auto& pc) { return pc.rank == docs[i].front().rank; })) continue;
+    std::string pieces, dst;
+    for (const auto& pc : docs[i]) pieces += (pieces.empty() ? "" : " + ") + std::to_string(pc.rank) + "x" + std::to_string(pc.len);
+    for (const auto& s : b.plan.documents[i].shards) dst += (dst.empty() ? "" : ", ") + std::to_string(s.dst);
+    std::printf("  doc %zu: %s -> [%s]\n", i, pieces.c_str(), dst.c_str());
+    ++shown;
+  }
+}
+
+// ---- the exchanges and the checks ----------------------------------------------
+
+struct Run {
+  Buffers q_in, kv_in, q_attn, q_back, kv_attn, kv_replica, kv_grad;
+  std::vector<Exchange> exchanges;
+  double combine_s = 0;
+};
+
+Run run_exchanges(const cpdispatch::QkvMetadata& meta, std::size_t H, std::uint64_t seed) {
+  const std::size_t W = static_cast<std::size_t>(meta.q_fwd.world_size), C = meta.kv_fwd.num_copies();
+  Run x;
+  x.q_in = make_data(meta.q_fwd, H, seed, 0);
+  x.kv_in = make_data(meta.kv_fwd, H, seed + 1, std::max<std::int64_t>(1, 256 / static_cast<std::int64_t>(C)));
+  auto outputs_of = [&](const Metadata& m) {
+    return make_outputs(W, H, [&](std::size_t r) { return m.output_tokens(static_cast<std::int64_t>(r)); });
+  };
+  x.q_attn = outputs_of(meta.q_fwd);
+  x.q_back = outputs_of(meta.q_rev);
+  x.kv_attn = outputs_of(meta.kv_fwd);
+  x.kv_replica = outputs_of(meta.kv_rev);
+  x.kv_grad = make_outputs(W, H, [&](std::size_t r) { return meta.kv_fwd.send_tokens(static_cast<std::int64_t>(r)); });
+  x.exchanges.push_back(run("q forward", meta.q_fwd, x.q_in, x.q_attn, H));
+  x.exchanges.push_back(run("kv forward", meta.kv_fwd, x.kv_in, x.kv_attn, H));
+  x.exchanges.push_back(run("q reverse", meta.q_rev, x.q_attn, x.q_back, H));
+  x.exchanges.push_back(run("kv reverse (grad)", meta.kv_rev, x.kv_attn, x.kv_replica, H));
+  const auto c0 = std::chrono::steady_clock::now();
+  for (std::size_t r = 0; r < W; ++r) {
+    cpdispatch::combine_copies<bfloat16>(meta.kv_rev, static_cast<std::int64_t>(r), std::span<const bfloat16>(x.kv_replica[r]),
+                                         std::span<bfloat16>(x.kv_grad[r]), H);
+  }
+  x.combine_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
+  return x;
+}
+
+// The metadata validates, queries return unchanged, and every KV copy equals its source.
+void check_metadata_and_copies(Checker& check, const cpdispatch::QkvMetadata& meta, const Run& x) {
   for (auto [m, name] : {std::pair{&meta.q_fwd, "q_fwd"}, std::pair{&meta.q_rev, "q_rev"}, std::pair{&meta.kv_fwd, "kv_fwd"},
                          std::pair{&meta.kv_rev, "kv_rev"}}) {
     try {
@@ -289,102 +404,96 @@ int run_demo(const Options& o) {
       check.expect(false, e.what());
     }
   }
-
-  // ---- 2./3. the exchanges
-  const Buffers q_in = make_data(meta.q_fwd, H, o.seed, 0);
-  const Buffers kv_in = make_data(meta.kv_fwd, H, o.seed + 1, std::max<std::int64_t>(1, 256 / static_cast<std::int64_t>(C)));
-  auto outputs_of = [&](const Metadata& m) {
-    return make_outputs(W, H, [&](std::size_t r) { return m.output_tokens(static_cast<std::int64_t>(r)); });
-  };
-  Buffers q_attn = outputs_of(meta.q_fwd), q_back = outputs_of(meta.q_rev);
-  Buffers kv_attn = outputs_of(meta.kv_fwd), kv_replica = outputs_of(meta.kv_rev);
-  Buffers kv_grad = make_outputs(W, H, [&](std::size_t r) { return meta.kv_fwd.send_tokens(static_cast<std::int64_t>(r)); });
-
-  std::vector<Exchange> exchanges;
-  exchanges.push_back(run("q forward", meta.q_fwd, q_in, q_attn, H));
-  exchanges.push_back(run("kv forward", meta.kv_fwd, kv_in, kv_attn, H));
-  exchanges.push_back(run("q reverse", meta.q_rev, q_attn, q_back, H));
-  exchanges.push_back(run("kv reverse (grad)", meta.kv_rev, kv_attn, kv_replica, H));
-  const auto c0 = clock::now();
+  const auto W = static_cast<std::size_t>(meta.q_fwd.world_size);
   for (std::size_t r = 0; r < W; ++r) {
-    cpdispatch::combine_copies<bfloat16>(meta.kv_rev, static_cast<std::int64_t>(r), std::span<const bfloat16>(kv_replica[r]),
-                                         std::span<bfloat16>(kv_grad[r]), H);
-  }
-  const double combine_s = std::chrono::duration<double>(clock::now() - c0).count();
-
-  // ---- 4. checks
-  const auto starts = shard_starts(meta.q_fwd);
-  // Every query shard lands where q_fwd says; the round trip is the identity.
-  for (std::size_t r = 0; r < W; ++r) {
-    for (std::size_t j = 0; j < starts[r].size(); ++j) {
-      const auto d = static_cast<std::size_t>(meta.q_fwd.dst_rank(r, j));
-      check.same(q_attn[d], meta.q_fwd.dst_offset(r, j), q_in[r], starts[r][j], meta.q_fwd.seq_len(r, j), "q_fwd" + at(r, j));
-    }
-    check.same(q_back[r], 0, q_in[r], 0, meta.q_fwd.send_tokens(static_cast<std::int64_t>(r)), "q round trip on rank " + std::to_string(r));
-    check.expect(q_back[r].size() == q_in[r].size(), "q round trip size on rank " + std::to_string(r));
-  }
-  // Each KV copy equals its source.
-  for (std::size_t r = 0; r < W; ++r)
-    for (std::size_t g = 0; g < starts[r].size(); ++g)
-      for (std::size_t c = 0; c < C; ++c) {
+    check.same(x.q_back[r], 0, x.q_in[r], 0, meta.q_fwd.send_tokens(static_cast<std::int64_t>(r)), "q round trip on rank " + std::to_string(r));
+    check.expect(x.q_back[r].size() == x.q_in[r].size(), "q round trip size on rank " + std::to_string(r));
+    std::int64_t start = 0;
+    for (std::size_t g = 0; g < static_cast<std::size_t>(meta.kv_fwd.num_seqs(r)); ++g) {
+      for (std::size_t c = 0; c < meta.kv_fwd.num_copies(); ++c) {
         const std::int64_t d = meta.kv_fwd.dst_rank(r, g, c);
         if (d < 0) continue;
-        check.same(kv_attn[static_cast<std::size_t>(d)], meta.kv_fwd.dst_offset(r, g, c), kv_in[r], starts[r][g],
-                   meta.kv_fwd.seq_len(r, g), "kv_fwd" + at(r, g, c));
+        check.same(x.kv_attn[static_cast<std::size_t>(d)], meta.kv_fwd.dst_offset(r, g, c), x.kv_in[r], start, meta.kv_fwd.seq_len(r, g),
+                   "kv_fwd" + at(r, g, c));
       }
-  // The attention layout: query m at rank d is its shard, and its KV group is
-  // the document's causal prefix (shards of a document are contiguous at the source).
+      start += meta.kv_fwd.seq_len(r, g);
+    }
+  }
+}
+
+// From the plan alone: at each attention rank, query shards arrive in order of
+// (home rank, place there); each is its own tokens, and its KV group is its
+// document's shards 0..i gathered from their homes, in order.
+void check_attention_layout(Checker& check, const cpdispatch::QkvMetadata& meta, const std::vector<std::vector<ShardAt>>& places,
+                            const Run& x) {
+  const auto W = static_cast<std::size_t>(meta.q_fwd.world_size);
+  std::vector<std::vector<const ShardAt*>> arrivals(W);
+  for (const auto& doc : places)
+    for (const ShardAt& s : doc) arrivals[static_cast<std::size_t>(s.dst)].push_back(&s);
+  for (auto& list : arrivals)
+    std::sort(list.begin(), list.end(), [](const ShardAt* a, const ShardAt* b) { return a->home != b->home ? a->home < b->home : a->offset < b->offset; });
   for (std::size_t d = 0; d < W; ++d) {
     const auto& cu_q = meta.attn.cu_seqlens_q[d];
     const auto& cu_kv = meta.attn.cu_seqlens_kv[d];
-    check.expect(static_cast<std::size_t>(cu_q.back()) * H == q_attn[d].size(), "cu_seqlens_q of rank " + std::to_string(d));
-    check.expect(static_cast<std::size_t>(cu_kv.back()) * H == kv_attn[d].size(), "cu_seqlens_kv of rank " + std::to_string(d));
-    for (std::size_t m = 0; m + 1 < cu_q.size(); ++m) {
-      const auto r = static_cast<std::size_t>(meta.q_rev.dst_rank(d, m));
-      const std::int64_t start = meta.q_rev.dst_offset(d, m), q_len = meta.attn.seqlens_q[d][m], kv_len = meta.attn.seqlens_kv[d][m];
-      check.same(q_attn[d], cu_q[m], q_in[r], start, q_len, "attention query " + at(d, m));
-      check.same(kv_attn[d], cu_kv[m], kv_in[r], start + q_len - kv_len, kv_len, "attention KV group " + at(d, m));
+    check.expect(cu_q.size() == arrivals[d].size() + 1, "query shards attended on rank " + std::to_string(d));
+    for (std::size_t m = 0; m < arrivals[d].size() && m + 1 < cu_q.size(); ++m) {
+      const ShardAt& q = *arrivals[d][m];
+      check.same(x.q_attn[d], cu_q[m], x.q_in[q.home], q.offset, q.len, "attention query " + at(d, m));
+      std::int64_t kv_at = cu_kv[m];
+      for (std::size_t k = 0; k <= q.index; ++k) {
+        const ShardAt& kv = places[q.doc][k];
+        check.same(x.kv_attn[d], kv_at, x.kv_in[kv.home], kv.offset, kv.len, "attention KV group " + at(d, m) + " shard " + std::to_string(k));
+        kv_at += kv.len;
+      }
+      check.expect(kv_at == cu_kv[m + 1], "KV group length " + at(d, m));
     }
   }
-  // The combined gradient is the source times the number of its copies.
-  std::int64_t combined_tokens = 0;
-  for (std::size_t r = 0; r < W; ++r) {
-    for (std::size_t g = 0; g < starts[r].size(); ++g) {
-      std::int64_t copies = 0;
-      for (std::size_t c = 0; c < C; ++c) copies += (*meta.kv_rev.seq_recv_mask)(r, g, c);
-      const std::size_t begin = static_cast<std::size_t>(starts[r][g]) * H;
-      const std::size_t end = begin + static_cast<std::size_t>(meta.kv_fwd.seq_len(r, g)) * H;
+}
+
+// Each KV shard k of an n-shard document has n - k copies: its combined
+// gradient is its source times n - k. Returns the replica tokens summed.
+std::int64_t check_combine(Checker& check, const std::vector<std::vector<ShardAt>>& places, const Run& x, std::size_t H) {
+  std::int64_t combined = 0;
+  for (const auto& doc : places) {
+    for (const ShardAt& s : doc) {
+      const auto copies = static_cast<float>(doc.size() - s.index);
+      const std::size_t begin = static_cast<std::size_t>(s.offset) * H, end = begin + static_cast<std::size_t>(s.len) * H;
       std::size_t bad = end;
       for (std::size_t i = begin; i < end && bad == end; ++i)
-        if (!(kv_grad[r][i] == bfloat16(static_cast<float>(kv_in[r][i]) * static_cast<float>(copies)))) bad = i;
-      check.expect(bad == end, "combined KV gradient" + at(r, g) + " (" + std::to_string(copies) + " copies) at element " +
-                                   std::to_string(bad - begin));
-      combined_tokens += meta.kv_fwd.seq_len(r, g) * copies;
+        if (!(x.kv_grad[s.home][i] == bfloat16(static_cast<float>(x.kv_in[s.home][i]) * copies))) bad = i;
+      check.expect(bad == end, "combined KV gradient of document " + std::to_string(s.doc) + " shard " + std::to_string(s.index) +
+                                   " at element " + std::to_string(bad - begin));
+      combined += s.len * static_cast<std::int64_t>(doc.size() - s.index);
     }
   }
+  return combined;
+}
 
-  // ---- 5. report
-  std::printf("\n%4s %5s %6s %10s %10s %8s %10s %6s %8s %8s\n", "rank", "docs", "shards", "q sent", "q recv", "(local)",
-              "kv recv", "seqs", "max q", "max kv");
-  std::int64_t tot[6] = {};
+// ---- the report -----------------------------------------------------------------
+
+void print_table(const Batch& b, const std::vector<std::vector<ShardAt>>& places) {
+  const auto W = static_cast<std::size_t>(b.plan.world_size);
+  const cpdispatch::QkvMetadata& meta = b.meta;
+  std::vector<std::int64_t> spanning(W, 0);
+  for (const auto& doc : places)
+    for (const ShardAt& s : doc) spanning[s.home] += doc.front().home != doc.back().home ? 1 : 0;
+  std::printf("\n%4s %6s %8s %8s %8s %8s %12s %12s %6s %7s %7s\n", "rank", "shards", "spanning", "tokens", "q recv", "kv recv",
+              "attn before", "attn after", "seqs", "max q", "max kv");
   for (std::size_t r = 0; r < W; ++r) {
-    const std::int64_t row[6] = {static_cast<std::int64_t>(plan.ranks[r].docs.size()), meta.q_fwd.num_seqs(r),
-                                 meta.q_fwd.send_tokens(static_cast<std::int64_t>(r)), meta.q_fwd.num_recv_tokens(r, W),
-                                 meta.q_fwd.num_recv_tokens(r, r), meta.kv_fwd.num_recv_tokens(r, W)};
-    for (int i = 0; i < 6; ++i) tot[i] += row[i];
-    std::printf("%4zu %5lld %6lld %10lld %10lld %8lld %10lld %6zu %8lld %8lld\n", r, static_cast<long long>(row[0]),
-                static_cast<long long>(row[1]), static_cast<long long>(row[2]), static_cast<long long>(row[3]),
-                static_cast<long long>(row[4]), static_cast<long long>(row[5]), meta.attn.seqlens_q[r].size(),
+    std::printf("%4zu %6lld %8lld %8lld %8lld %8lld %12.4g %12.4g %6zu %7lld %7lld\n", r, static_cast<long long>(meta.q_fwd.num_seqs(r)),
+                static_cast<long long>(spanning[r]), static_cast<long long>(meta.q_fwd.send_tokens(static_cast<std::int64_t>(r))),
+                static_cast<long long>(meta.q_fwd.num_recv_tokens(r, W)), static_cast<long long>(meta.kv_fwd.num_recv_tokens(r, W)),
+                static_cast<double>(b.before.attention[r]), static_cast<double>(b.after.attention[r]), meta.attn.seqlens_q[r].size(),
                 static_cast<long long>(meta.attn.max_seqlen_q[r]), static_cast<long long>(meta.attn.max_seqlen_kv[r]));
   }
-  std::printf("%4s %5lld %6lld %10lld %10lld %8lld %10lld\n", "all", static_cast<long long>(tot[0]), static_cast<long long>(tot[1]),
-              static_cast<long long>(tot[2]), static_cast<long long>(tot[3]), static_cast<long long>(tot[4]),
-              static_cast<long long>(tot[5]));
-  std::printf("(q sent/recv, kv recv: tokens; local: received from itself; seqs: query shards attended on the rank)\n\n");
+  std::printf("(shards: held in the MLP layout; spanning: of documents that span ranks; q/kv recv: tokens attended;\n"
+              " attn: causal token pairs attended, before balancing and after; seqs: query shards attended)\n\n");
+}
 
+void print_throughput(const Run& x, std::int64_t combined_tokens, std::size_t H) {
   std::printf("%-20s %12s %10s %10s\n", "simulated exchange", "MiB moved", "ms", "GB/s");
   double bytes = 0, seconds = 0;
-  for (const Exchange& e : exchanges) {
+  for (const Exchange& e : x.exchanges) {
     std::printf("%-20s %12.1f %10.3f %10.2f\n", e.name, e.bytes / (1 << 20), e.seconds * 1e3, e.bytes / e.seconds / 1e9);
     bytes += e.bytes;
     seconds += e.seconds;
@@ -392,14 +501,28 @@ int run_demo(const Options& o) {
   std::printf("%-20s %12.1f %10.3f %10.2f\n", "all exchanges", bytes / (1 << 20), seconds * 1e3, bytes / seconds / 1e9);
   const double combine_bytes = static_cast<double>(combined_tokens) * static_cast<double>(H * sizeof(bfloat16));
   std::printf("%-20s %12.1f %10.3f %10.2f  (replica bytes summed)\n\n", "kv grad combine", combine_bytes / (1 << 20),
-              combine_s * 1e3, combine_bytes / combine_s / 1e9);
+              x.combine_s * 1e3, combine_bytes / x.combine_s / 1e9);
+}
 
+int run_demo(const Options& o) {
+  const auto H = static_cast<std::size_t>(o.hidden);
+  const Sample sample = choose_sample(o);
+  const Batch batch = plan_batch(o, sample);
+  print_batch(o, sample, batch);
+  const auto places = shard_places(batch.plan);
+  const Run x = run_exchanges(batch.meta, H, o.seed);
+  Checker check(H);
+  check_metadata_and_copies(check, batch.meta, x);
+  check_attention_layout(check, batch.meta, places, x);
+  const std::int64_t combined = check_combine(check, places, x, H);
+  print_table(batch, places);
+  print_throughput(x, combined, H);
   if (check.failures() > 0) {
     std::printf("verification FAILED: %lld of %lld checks\n", static_cast<long long>(check.failures()),
                 static_cast<long long>(check.checks()));
     return 1;
   }
-  std::printf("all checks passed (%lld checks: placements, KV groups, copies, round trip, combined gradients)\n",
+  std::printf("all checks passed (%lld checks: placements, KV groups across ranks, copies, round trip, combined gradients)\n",
               static_cast<long long>(check.checks()));
   return 0;
 }
@@ -420,6 +543,9 @@ int main(int argc, char** argv) {
   }
   try {
     return run_demo(options);
+  } catch (const UsageError& e) {  // an unreadable length file
+    std::fprintf(stderr, "cpdispatch-demo: %s\n", e.message.c_str());
+    return 2;
   } catch (const cpdispatch::error& e) {
     std::fprintf(stderr, "cpdispatch-demo: %s\n", e.what());
     return 1;
