@@ -299,20 +299,25 @@ TEST(PlanBalanced, RejectsMalformedProblems) {
 TEST(PlanBalanced, TheReadmeSnippet) {  // README.md, "Load-balanced planning"
   cpdispatch::BalanceProblem p;
   p.world_size = 4;
-  p.max_cp_degree = 4;                                // C
-  p.docs = {{9000, 300}, {500, 700, 40}, {1200}, {100, 100, 100}};
-  p.q_bytes = 8192;                                   // optional: bytes per query token,
-  p.kv_bytes = 4096;                                  //   per key-value token
-  // p.recv_capacity = {...};                         // optional: KV tokens a rank may hold
+  p.max_cp_degree = 8;                                   // C: the most shards per document
+  // A packed batch: every document's pieces in causal order, {home rank, tokens}.
+  p.documents = {{{0, 11000}, {1, 2000}},                // starts on rank 0, continues on rank 1
+                 {{1, 9000}, {2, 11000}, {3, 3000}},     // spans ranks 1 to 3
+                 {{3, 8000}}};
+  // (or p.docs = {{...}, ...}: the lengths of the whole documents on each rank)
+  p.q_bytes = 8192;                                      // optional: bytes per query token,
+  p.kv_bytes = 4096;                                     //   per key-value token
 
-  cpdispatch::QkvPlan plan = balanced(p);    // deterministic
+  cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);  // deterministic
+  cpdispatch::QkvMetadata meta = cpdispatch::plan_qkv(plan);        // ready to dispatch
   cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan, p.q_bytes, p.kv_bytes);
   // cost.attention[r], cost.max_over_mean(), cost.bytes_moved, cost.sent(src, dst)
-  double bound = cpdispatch::balance_lower_bound(p);  // no plan's max is below this
+  double bound = cpdispatch::balance_lower_bound(p);     // no plan's max is below this
 
-  ASSERT_TRUE(baltest::valid_plan(p, plan));
+  ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
+  EXPECT_EQ(meta.attn.seqlens_q.size(), 4u);
   EXPECT_LE(static_cast<double>(cost.max_attention()), bound * 1.011);
-  EXPECT_GT(cost.bytes_moved, 0);
+  EXPECT_GT(static_cast<double>(cpdispatch::plan_cost(cpdispatch::plan_unbalanced(p)).max_attention()), bound * 1.5);
 }
 
 TEST(LowerBound, IsTheMeanOrTheCheapestCutOfTheCostliestDocument) {
