@@ -222,6 +222,13 @@ TEST_F(BalanceCli, PackedSummaryCountsShardsOfDocumentsThatSpanRanks) {
                                 "rank  shards  tokens  q_sent_off_rank  q_recv  kv_recv  attn_cost  spanning\n"));
   EXPECT_THAT(r.out, HasSubstr("x the lower bound"));
   ASSERT_TRUE(baltest::well_formed_xml(slurp(svg)));
+  EXPECT_THAT(slurp(svg), HasSubstr("before (every piece at its home rank)"));
+  // Plan mode draws a documents-form plan too.
+  std::remove(svg.c_str());
+  const Result plan = run("balance", kPacked);
+  const Result drawn = run(file("plan.json", plan.out) + " --summary --svg " + svg);
+  ASSERT_EQ(drawn.status, 0) << drawn.err;
+  ASSERT_TRUE(baltest::well_formed_xml(slurp(svg)));
 }
 
 TEST_F(BalanceCli, PackedErrorsNameTheJsonPath) {
