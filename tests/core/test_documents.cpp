@@ -1,5 +1,5 @@
 // Documents that span ranks (docs/plan-format.md, section 2b): the worked
-// example number for number, the per-rank form as its special case, the
+// example of section 4.3 number for number, the per-rank form as its special case, the
 // errors that name documents[i].shards[k], and large copy dimensions.
 
 #include <gmock/gmock.h>

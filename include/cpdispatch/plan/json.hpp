@@ -481,7 +481,7 @@ inline Plan parse_plan(std::string_view text) { return plan_from_json(parse_json
 /// is the document. Keys beyond the format's are optional: `world_size`,
 /// `has_copies`, `num_copies` and `mask_copies` fix shapes that empty arrays
 /// leave open and are checked against the arrays. The result has the shapes
-/// of seed 002 (detail::check_shapes); call validate() for the full rules.
+/// of the format (detail::check_shapes); call validate() for the full rules.
 inline Metadata metadata_from_json(const nlohmann::json& j, std::string_view name = "") {
   using detail::Extent;
   using detail::fail_at;
