@@ -17,6 +17,7 @@
 
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/plan/rank.hpp"
 
 namespace {
 
@@ -105,5 +106,24 @@ void BM_PlanQkvCrossRank(benchmark::State& state) { plan_and_count(state, packed
 
 BENCHMARK(BM_PlanQkvDocumentsForm)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PlanQkvCrossRank)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+namespace {
+
+void BM_PlanQkvForRank(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  for (auto _ : state) {
+    cpdispatch::RankQkvMetadata mine = cpdispatch::plan_qkv_for_rank(plan, world / 2);
+    benchmark::DoNotOptimize(mine);
+    benchmark::ClobberMemory();
+  }
+  const auto entries = static_cast<double>(dispatch_entries(plan));
+  state.counters["entries"] = benchmark::Counter(entries);
+  state.counters["entries/s"] = benchmark::Counter(entries, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+BENCHMARK(BM_PlanQkvForRank)->ArgName("W")->Arg(8)->Arg(64)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
 
 }  // namespace
