@@ -55,16 +55,16 @@ template <class Plan>
 }
 
 TEST(RankPlanning, PerRankFormEqualsTheGlobalSlices) {
-  for (std::uint64_t seed = 1; seed <= 200; ++seed) {
+  for (std::uint64_t seed = 1; seed <= 150; ++seed) {
     const cpdispatch::QkvPlan plan = cptest::to_plan(cptest::random_qkv_plan(seed, {64, 3, 8, 30}));
     ASSERT_TRUE(every_rank_matches(plan)) << "seed " << seed;
   }
 }
 
 TEST(RankPlanning, DocumentsFormEqualsTheGlobalSlices) {
-  for (std::uint64_t seed = 1; seed <= 200; ++seed) {
+  for (std::uint64_t seed = 1; seed <= 150; ++seed) {
     cpdispatch::RandomDocumentsOptions o;
-    o.world_size = 1 + static_cast<I>(seed * 7 % 64);
+    o.world_size = 1 + static_cast<I>(seed % 5 == 0 ? seed * 7 % 64 : seed % 12);  // mostly small, up to 64
     o.num_documents = static_cast<I>(seed % 40);  // few documents over many ranks: empty ranks
     o.max_shards = 1 + static_cast<I>(seed % 16);
     o.max_len = 20;
@@ -74,7 +74,7 @@ TEST(RankPlanning, DocumentsFormEqualsTheGlobalSlices) {
 }
 
 TEST(RankPlanning, QueryPlansEqualTheGlobalSlices) {
-  for (std::uint64_t seed = 1; seed <= 150; ++seed) {
+  for (std::uint64_t seed = 1; seed <= 100; ++seed) {
     const cptest::QueryCase c = cptest::random_query_plan(seed);
     const auto seq_len = c.seq_len_tensor(), dispatch = c.dispatch_tensor();
     const cpdispatch::QueryMetadata global = cpdispatch::plan_query(seq_len, dispatch);
