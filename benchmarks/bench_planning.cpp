@@ -2,8 +2,14 @@
 // cut into 1, 2, 4 or 8 shards (create_qkv_dispatch, max_cp_degree 8).
 //
 // Counters: `entries` (dispatch entries of one plan: query entries + KV
-// copies) and `entries/s` (entries planned per second). Target (issue 2):
-// W = 1024 under 50 ms. Results: benchmarks/RESULTS.md.
+// copies) and `entries/s` (entries planned per second). Target: W = 1024
+// under 50 ms. Results: benchmarks/RESULTS.md.
+//
+// The documents form (documents that may span ranks) is measured against the
+// per-rank form of the same layout in the same run: BM_PlanQkvDocumentsForm
+// plans to_documents() of BM_PlanQkv's plan (target: at most 1.2x), and
+// BM_PlanQkvCrossRank a packed plan (16 shards per rank) whose long
+// documents continue over consecutive ranks.
 
 #include <cstdint>
 
@@ -11,6 +17,7 @@
 
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/plan/rank.hpp"
 
 namespace {
 
@@ -46,5 +53,77 @@ void BM_PlanQkv(benchmark::State& state) {
 }
 
 BENCHMARK(BM_PlanQkv)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
+
+std::int64_t dispatch_entries(const cpdispatch::QkvDocumentsPlan& plan) {
+  std::int64_t entries = 0;
+  for (const auto& doc : plan.documents) {
+    const auto n = static_cast<std::int64_t>(doc.shards.size());
+    entries += n + n * (n + 1) / 2;
+  }
+  return entries;
+}
+
+template <class Plan>
+void plan_and_count(benchmark::State& state, const Plan& plan) {
+  for (auto _ : state) {
+    cpdispatch::QkvMetadata meta = cpdispatch::plan_qkv(plan);
+    benchmark::DoNotOptimize(meta);
+    benchmark::ClobberMemory();
+  }
+  const auto entries = static_cast<double>(dispatch_entries(plan));
+  state.counters["entries"] = benchmark::Counter(entries);
+  state.counters["entries/s"] = benchmark::Counter(entries, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_PlanQkvDocumentsForm(benchmark::State& state) {
+  const cpdispatch::QkvPlan plan =
+      cpdispatch::create_qkv_dispatch(state.range(0), kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  plan_and_count(state, cpdispatch::to_documents(plan));
+}
+
+/// A packed batch: documents of 1..8 shards laid end to end over the ranks
+/// in order, so a document's shards sit on one or more consecutive ranks
+/// (16 shards per rank on average), each attending on a random rank.
+cpdispatch::QkvDocumentsPlan packed_plan(std::int64_t world) {
+  cpdispatch::Rng rng(kSeed);
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = world;
+  plan.max_cp_degree = kMaxCpDegree;
+  const std::int64_t shards_per_rank = 16;
+  std::int64_t placed = 0;
+  while (placed < world * shards_per_rank) {
+    cpdispatch::PackedDocument doc;
+    const std::int64_t n = rng.between(1, kMaxCpDegree);
+    for (std::int64_t k = 0; k < n && placed < world * shards_per_rank; ++k, ++placed) {
+      doc.shards.push_back({placed / shards_per_rank, rng.between(1, 2048), rng.between(0, world - 1)});
+    }
+    plan.documents.push_back(std::move(doc));
+  }
+  return plan;
+}
+
+void BM_PlanQkvCrossRank(benchmark::State& state) { plan_and_count(state, packed_plan(state.range(0))); }
+
+BENCHMARK(BM_PlanQkvDocumentsForm)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlanQkvCrossRank)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+namespace {
+
+void BM_PlanQkvForRank(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  for (auto _ : state) {
+    cpdispatch::RankQkvMetadata mine = cpdispatch::plan_qkv_for_rank(plan, world / 2);
+    benchmark::DoNotOptimize(mine);
+    benchmark::ClobberMemory();
+  }
+  const auto entries = static_cast<double>(dispatch_entries(plan));
+  state.counters["entries"] = benchmark::Counter(entries);
+  state.counters["entries/s"] = benchmark::Counter(entries, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+BENCHMARK(BM_PlanQkvForRank)->ArgName("W")->Arg(8)->Arg(64)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -35,7 +35,7 @@ constexpr int exit_failure = 1;
 
 using Args = std::span<const std::string_view>;
 
-constexpr std::string_view plan_usage = R"(Usage: cpdispatch-plan [FILE|-] [--summary] [--svg FILE] [--compact]
+constexpr std::string_view plan_usage = R"(Usage: cpdispatch-plan [FILE|-] [--summary | --rank R] [--svg FILE] [--compact]
        cpdispatch-plan balance [FILE|-] [...]   (choose a balanced plan: balance --help)
 
 Reads a dispatch plan as JSON from FILE (standard input when FILE is - or
@@ -61,6 +61,11 @@ Options:
               documents form also "spanning": the rank's shards that belong
               to documents continuing on other ranks) and the max/mean
               imbalance of received tokens and of attention cost
+  --rank R    only rank R's share, planned without the global metadata:
+              {"rank": R, "q_fwd", "q_rev", "kv_fwd", "kv_rev": slice, "attn"}
+              ({"rank", "fwd", "rev"} for a query plan); a slice is rank R's
+              row of each metadata object, without padding, "attn" its
+              seqlens_q/kv, cu_seqlens_q/kv and max_seqlen_q/kv
   --svg FILE  also write a picture of a qkv plan to FILE (SVG): tokens sent
               between ranks, and attention cost per rank (and with every
               document at home, when that differs)
@@ -83,7 +88,7 @@ std::string single_line(std::string_view message) {
 /// The planners prefix their messages with their own name; here the message
 /// is about the user's file, so the JSON path alone reads better.
 std::string_view without_planner_prefix(std::string_view message) {
-  for (std::string_view prefix : {"plan_qkv: ", "plan_query: "}) {
+  for (std::string_view prefix : {"plan_qkv: ", "plan_query: ", "plan_qkv_for_rank: ", "plan_query_for_rank: "}) {
     if (message.starts_with(prefix)) return message.substr(prefix.size());
   }
   return message;
@@ -241,10 +246,21 @@ std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::P
 struct PlanOptions {
   std::string input = "-";
   std::string svg;  // --svg FILE
+  std::optional<std::int64_t> rank;  // --rank R
   bool summary = false;
   bool compact = false;
   bool help = false;
 };
+
+/// The R of --rank R: a whole decimal number.
+std::int64_t parse_rank(std::string_view text) {
+  const std::string s(text);
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE) cpdispatch::detail::fail("--rank needs a rank number, got '", text, "'");
+  return value;
+}
 
 PlanOptions parse_plan_options(Args args) {
   using cpdispatch::detail::fail;
@@ -258,6 +274,9 @@ PlanOptions parse_plan_options(Args args) {
       else if (arg.starts_with("--svg=")) options.svg = std::string(arg.substr(6));
       else if (arg == "--svg" && i + 1 < args.size()) options.svg = std::string(args[++i]);
       else if (arg == "--svg") fail("--svg needs a file name (--svg FILE)");
+      else if (arg.starts_with("--rank=")) options.rank = parse_rank(arg.substr(7));
+      else if (arg == "--rank" && i + 1 < args.size()) options.rank = parse_rank(args[++i]);
+      else if (arg == "--rank") fail("--rank needs a rank number (--rank R)");
       else if (arg == "--compact") options.compact = true;
       else if (arg == "--help" || arg == "-h") options.help = true;
       else fail("unknown option '", arg, "' (see --help)");
@@ -268,6 +287,7 @@ PlanOptions parse_plan_options(Args args) {
     have_input = true;
   }
   if (options.summary && options.compact) fail("--compact applies to the JSON output, not to --summary");
+  if (options.summary && options.rank) fail("--rank prints one rank's JSON; it does not combine with --summary");
   return options;
 }
 
@@ -294,6 +314,12 @@ int run_plan(Args args) {
     return 0;
   }
   const cpdispatch::Plan plan = cpdispatch::parse_plan(read_input(options.input));
+  if (options.rank) {
+    const nlohmann::json mine = cpdispatch::rank_metadata_to_json(cpdispatch::plan_metadata_for_rank(plan, *options.rank));
+    write_svg(options, plan, 1, 1);
+    write_json(mine, options.compact);
+    return 0;
+  }
   const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan);  // invalid plans stop here
   write_svg(options, plan, 1, 1);
   if (options.summary) {
@@ -314,6 +340,7 @@ int run_balance(Args args) {
     write_output(cpdispatch_cli::balance_usage);
     return 0;
   }
+  if (options.rank) cpdispatch::detail::fail("--rank applies to plan mode, not to balance");
   const cpdispatch::BalanceProblem problem =
       cpdispatch_cli::balance_problem_from_json(cpdispatch::parse_json(read_input(options.input)));
   const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem);

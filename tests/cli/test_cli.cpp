@@ -259,12 +259,67 @@ TEST_F(CliTest, DocumentsFormEqualsThePerRankForm) {
   }
 }
 
+// ---------------------------------------------------------------- --rank
+
+/// What --rank R must print: rank R's get_slice() of the global plan.
+json expected_rank_json(const std::string& plan_text, std::int64_t r) {
+  const auto planned = cpdispatch::plan_metadata(cpdispatch::parse_plan(plan_text));
+  if (const auto* q = std::get_if<cpdispatch::QueryMetadata>(&planned)) {
+    return {{"rank", r}, {"fwd", q->fwd.get_slice(r)}, {"rev", q->rev.get_slice(r)}};
+  }
+  const auto& m = std::get<cpdispatch::QkvMetadata>(planned);
+  const auto u = static_cast<std::size_t>(r);
+  const json attn = {{"seqlens_q", m.attn.seqlens_q[u]},       {"seqlens_kv", m.attn.seqlens_kv[u]},
+                     {"cu_seqlens_q", m.attn.cu_seqlens_q[u]}, {"cu_seqlens_kv", m.attn.cu_seqlens_kv[u]},
+                     {"max_seqlen_q", m.attn.max_seqlen_q[u]}, {"max_seqlen_kv", m.attn.max_seqlen_kv[u]}};
+  return {{"rank", r},
+          {"q_fwd", m.q_fwd.get_slice(r)},
+          {"q_rev", m.q_rev.get_slice(r)},
+          {"kv_fwd", m.kv_fwd.get_slice(r)},
+          {"kv_rev", m.kv_rev.get_slice(r)},
+          {"attn", attn}};
+}
+
+TEST_F(CliTest, RankPrintsTheGlobalSliceOfEveryRank) {
+  const cpdispatch::QkvPlan random = cpdispatch::create_qkv_dispatch(4, 64, 3, 4, 5);
+  for (const std::string& text :
+       {std::string(cli_test::spec_documents_plan), std::string(cli_test::spec_query_plan), json(cpdispatch::to_documents(random)).dump()}) {
+    const std::string path = file("plan.json", text);
+    const auto W = json::parse(text)["world_size"].get<std::int64_t>();
+    for (std::int64_t r = 0; r < W; ++r) {
+      EXPECT_EQ(expect_json(run({path, "--rank", std::to_string(r)})), expected_rank_json(text, r)) << text << " rank " << r;
+    }
+  }
+}
+
+TEST_F(CliTest, RankOfTheSection2bExample) {
+  // Rank 1 receives doc0.0 (3) and doc0.2 (4, after 5 tokens of context) and doc2.0 (1).
+  const json out = expect_json(run({data_dir + "/spec_documents.json", "--rank=1", "--compact"}));
+  EXPECT_EQ(out["kv_fwd"]["dst_rank"], json::parse("[[0,1,-1],[1,-1,-1],[1,-1,-1]]"));
+  EXPECT_EQ(out["kv_fwd"]["num_recv_tokens"], json::parse("[6,7,13]"));
+  EXPECT_EQ(out["kv_rev"]["dst_offset"], json::parse("[0,16,7,2,6]"));
+  EXPECT_EQ(out["kv_rev"]["seq_recv_mask"], json::parse("[[1,1,0],[1,0,0],[1,0,0]]"));
+  EXPECT_EQ(out["attn"]["cu_seqlens_kv"], json::parse("[0,3,12,13]"));
+  EXPECT_EQ(out["attn"]["max_seqlen_kv"], 9);
+}
+
+TEST_F(CliTest, RankErrors) {
+  const std::string plan = data_dir + "/spec_documents.json";
+  expect_invalid(run({plan, "--rank", "2"}), "cpdispatch-plan: rank 2 is outside [0, 2)\n");
+  expect_invalid(run({plan, "--rank=-1"}), "cpdispatch-plan: rank -1 is outside [0, 2)\n");
+  expect_invalid(run({plan, "--rank", "one"}), "--rank needs a rank number, got 'one'");
+  expect_invalid(run({plan, "--rank"}), "--rank needs a rank number (--rank R)");
+  expect_invalid(run({plan, "--rank", "0", "--summary"}), "does not combine with --summary");
+  expect_invalid(run({"--rank", "0"}, R"({"world_size":2,"documents":[{"shards":[{"rank":0,"len":1,"dst":3}]}]})"),
+                 "cpdispatch-plan: documents[0].shards[0].dst = 3 is outside [0, 2)\n");
+}
+
 TEST_F(CliTest, Help) {
   for (const char* flag : {"--help", "-h"}) {
     const Result r = run({flag});
     EXPECT_EQ(r.status, 0);
     EXPECT_EQ(r.err, "");
-    EXPECT_EQ(r.out.rfind("Usage: cpdispatch-plan [FILE|-] [--summary] [--svg FILE] [--compact]\n", 0), 0u) << r.out;
+    EXPECT_EQ(r.out.rfind("Usage: cpdispatch-plan [FILE|-] [--summary | --rank R] [--svg FILE] [--compact]\n", 0), 0u) << r.out;
   }
 }
 

@@ -1,5 +1,6 @@
 // include/cpdispatch/plan/json.hpp: plan parsing with path-named errors, metadata
-// to_json / from_json, and the spec's worked examples through JSON.
+// to_json / from_json, and the worked examples of docs/plan-format.md
+// (section 4) through JSON.
 
 #include <gtest/gtest.h>
 
@@ -397,7 +398,7 @@ TEST(JsonMetadata, MalformedMetadataNamesThePath) {
   EXPECT_EQ(metadata_error("q_fwd", [](json& j) { j["has_copies"] = true; }), "q_fwd.dst_rank[0][0]: expected an array, got 1");
   EXPECT_EQ(metadata_error("q_fwd", [](json& j) { j["dst_rank"] = json::array(); j.erase("world_size"); }),
             "q_fwd.dst_rank has no rows (world_size must be at least 1)");
-  // What is left to the shape rules of seed 002 (detail::check_shapes).
+  // What is left to the shape rules of the format (detail::check_shapes).
   EXPECT_EQ(metadata_error("q_fwd", [](json& j) { j["num_seqs"][0] = 9; }), "q_fwd.num_seqs[0] = 9 is outside [0, 3]");
   // Unnamed: the object is the document.
   EXPECT_EQ(error_of([] { cpdispatch::metadata_from_json(json::array()); }), "metadata: expected an object, got an empty array");

@@ -1,6 +1,6 @@
 #pragma once
 // An independent brute-force reference of the dispatch planner, written
-// straight from the prose of shared/spec/plan-json.md (sections 1 and 2).
+// straight from the prose of docs/plan-format.md (sections 1 and 2).
 // It deliberately shares no code (and no headers) with cpdispatch: plain
 // nested vectors, quadratic scans, each field computed from its definition.
 

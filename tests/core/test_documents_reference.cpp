@@ -32,8 +32,13 @@ struct Piece {
 
 struct Model {
   std::size_t W = 0, S = 0, C = 0;
-  std::vector<Piece> all;                      // document order
-  std::vector<std::vector<std::size_t>> mlp;   // per home rank: indices into all
+  std::vector<Piece> all;                                    // document order
+  std::vector<std::size_t> doc_first;                        // index in `all` of each document's shard 0
+  std::vector<std::vector<std::size_t>> mlp;                 // per home rank: indices into all
+  std::vector<std::pair<std::size_t, std::size_t>> placed;   // per piece: (home rank, local index)
+  std::vector<I> ctx;                                        // per piece: tokens of its document before it
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> arrived;  // per destination: (home, local), global order
+  std::vector<I> group;                                      // per piece: start of its KV group at its destination
 
   const Piece& at(std::size_t r, std::size_t j) const { return all[mlp[r][j]]; }
   std::size_t doc_size(std::size_t doc) const {
@@ -41,25 +46,14 @@ struct Model {
     for (const Piece& p : all) n += p.doc == doc ? 1 : 0;
     return n;
   }
-  std::size_t find(std::size_t doc, std::size_t k) const {
-    for (std::size_t i = 0; i < all.size(); ++i)
-      if (all[i].doc == doc && all[i].k == k) return i;
-    return all.size();
-  }
-  /// (home rank, local index) of all[i]
-  std::pair<std::size_t, std::size_t> place(std::size_t i) const {
-    for (std::size_t r = 0; r < W; ++r)
-      for (std::size_t j = 0; j < mlp[r].size(); ++j)
-        if (mlp[r][j] == i) return {r, j};
-    return {W, 0};
-  }
+  std::size_t find(std::size_t doc, std::size_t k) const { return doc_first[doc] + k; }
+  std::pair<std::size_t, std::size_t> place(std::size_t i) const { return placed[i]; }
   I P(std::size_t r, std::size_t j) const {
     I p = 0;
     for (std::size_t i = 0; i < j; ++i) p += at(r, i).len;
     return p;
   }
   I T(std::size_t r) const { return P(r, mlp[r].size()); }
-  std::vector<I> ctx;  // per piece: tokens of its document before it
   I context(const Piece& q) const { return ctx[find(q.doc, q.k)]; }
 };
 
@@ -70,6 +64,7 @@ Model model_of(const cpdispatch::QkvDocumentsPlan& plan) {
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
     const auto& shards = plan.documents[i].shards;
     most = std::max(most, shards.size());
+    m.doc_first.push_back(m.all.size());
     for (std::size_t k = 0; k < shards.size(); ++k) m.all.push_back({i, k, shards[k].rank, shards[k].len, shards[k].dst});
   }
   m.C = plan.max_cp_degree ? static_cast<std::size_t>(*plan.max_cp_degree) : std::max<std::size_t>(most, 1);
@@ -79,46 +74,50 @@ Model model_of(const cpdispatch::QkvDocumentsPlan& plan) {
       if (m.all[i].home == static_cast<I>(r)) m.mlp[r].push_back(i);
     m.S = std::max(m.S, m.mlp[r].size());
   }
+  m.placed.assign(m.all.size(), {0, 0});
+  for (std::size_t r = 0; r < m.W; ++r)
+    for (std::size_t j = 0; j < m.mlp[r].size(); ++j) m.placed[m.mlp[r][j]] = {r, j};
   for (const Piece& q : m.all) {
     I c = 0;
     for (const Piece& p : m.all)
       if (p.doc == q.doc && p.k < q.k) c += p.len;
     m.ctx.push_back(c);
   }
+  // Arrivals at each destination in global order, and the KV group starts:
+  // each group after the groups of the query shards that arrived before it.
+  m.arrived.resize(m.W);
+  m.group.assign(m.all.size(), 0);
+  for (std::size_t r = 0; r < m.W; ++r) {
+    for (std::size_t j = 0; j < m.mlp[r].size(); ++j) {
+      const Piece& q = m.at(r, j);
+      auto& list = m.arrived[static_cast<std::size_t>(q.dst)];
+      I start = 0;
+      for (auto [r2, j2] : list) start += m.context(m.at(r2, j2)) + m.at(r2, j2).len;
+      m.group[m.mlp[r][j]] = start;
+      list.emplace_back(r, j);
+    }
+  }
   return m;
 }
 
 /// Query shards arriving at d: (home, local) in global order.
-std::vector<std::pair<std::size_t, std::size_t>> arrivals(const Model& m, std::size_t d) {
-  std::vector<std::pair<std::size_t, std::size_t>> out;
-  for (std::size_t r = 0; r < m.W; ++r)
-    for (std::size_t j = 0; j < m.mlp[r].size(); ++j)
-      if (m.at(r, j).dst == static_cast<I>(d)) out.emplace_back(r, j);
-  return out;
-}
+const std::vector<std::pair<std::size_t, std::size_t>>& arrivals(const Model& m, std::size_t d) { return m.arrived[d]; }
 
 /// Where the KV group of query shard (r, j) starts at its destination.
-I group_start(const Model& m, std::size_t r, std::size_t j) {
-  I start = 0;
-  for (auto [r2, j2] : arrivals(m, static_cast<std::size_t>(m.at(r, j).dst))) {
-    if (r2 == r && j2 == j) break;
-    start += m.context(m.at(r2, j2)) + m.at(r2, j2).len;
-  }
-  return start;
-}
+I group_start(const Model& m, std::size_t r, std::size_t j) { return m.group[m.mlp[r][j]]; }
 
 ref::Meta query_fwd(const Model& m) {
   Mat dst(m.W, Vec(m.S, -1)), off(m.W, Vec(m.S, 0)), len(m.W, Vec(m.S, 0)), recv(m.W, Vec(m.W, 0));
-  Vec nseq(m.W, 0);
+  Vec nseq(m.W, 0), sent_so_far(m.W, 0);  // per destination: tokens of the entries before, in global order
   for (std::size_t r = 0; r < m.W; ++r) {
     for (std::size_t j = 0; j < m.mlp[r].size(); ++j) {
       const Piece& p = m.at(r, j);
+      const auto d = static_cast<std::size_t>(p.dst);
       dst[r][j] = p.dst;
       len[r][j] = p.len;
-      for (std::size_t r2 = 0; r2 < m.W; ++r2)  // entries before (r, j) to the same destination
-        for (std::size_t j2 = 0; j2 < m.mlp[r2].size(); ++j2)
-          if ((r2 < r || (r2 == r && j2 < j)) && m.at(r2, j2).dst == p.dst) off[r][j] += m.at(r2, j2).len;
-      recv[static_cast<std::size_t>(p.dst)][r] += p.len;
+      off[r][j] = sent_so_far[d];
+      sent_so_far[d] += p.len;
+      recv[d][r] += p.len;
       ++nseq[r];
     }
   }
@@ -154,7 +153,8 @@ ref::Meta kv_fwd(const Model& m, Cube& mask) {
       const Piece& kv = m.at(r, j);
       len[r][j] = kv.len;
       ++nseq[r];
-      for (std::size_t c = 0; kv.k + c < m.doc_size(kv.doc); ++c) {
+      const std::size_t n = m.doc_size(kv.doc);
+      for (std::size_t c = 0; kv.k + c < n; ++c) {
         const auto [qr, qj] = m.place(m.find(kv.doc, kv.k + c));
         const I d = m.at(qr, qj).dst;
         dst[r][j][c] = d;
@@ -238,7 +238,7 @@ ref::Qkv brute_force(const cpdispatch::QkvDocumentsPlan& plan) {
 cpdispatch::QkvDocumentsPlan random_plan(std::uint64_t seed) {
   cptest::TestRng rng(seed);
   cpdispatch::QkvDocumentsPlan p;
-  p.world_size = 1 + static_cast<I>(rng.below(rng.chance(30) ? 64 : 12));
+  p.world_size = 1 + static_cast<I>(rng.below(rng.chance(20) ? 64 : 12));
   const I W = p.world_size;
   const I docs = rng.between(0, 12);
   std::size_t most = 0;
@@ -279,7 +279,7 @@ TEST(CoreDocumentsReference, ModelAgreesWithSection2bExample) {
 
 TEST(CoreDocumentsReference, PlannerAgreesOnRandomCrossRankPlans) {
   const auto one = seed_override();
-  const std::uint64_t first = one ? *one : 1, last = one ? *one : 1200;
+  const std::uint64_t first = one ? *one : 1, last = one ? *one : 1000;
   std::size_t spanning = 0;
   for (std::uint64_t seed = first; seed <= last; ++seed) {
     const cpdispatch::QkvDocumentsPlan plan = random_plan(seed);
@@ -292,7 +292,7 @@ TEST(CoreDocumentsReference, PlannerAgreesOnRandomCrossRankPlans) {
     ASSERT_TRUE(result) << "seed " << seed << " (CPDISPATCH_TEST_SEED=" << seed << ")";
   }
   if (!one) {
-    EXPECT_GT(spanning, 1000u);  // the plans really do span ranks
+    EXPECT_GT(spanning, 800u);  // the plans really do span ranks
   }
 }
 

@@ -1,4 +1,4 @@
-// The seeded generators (seed 001: gen_seq_lens, create_qkv_dispatch).
+// The seeded generators (gen_seq_lens, create_qkv_dispatch, random_documents_plan).
 // Fixed seeds give fixed, checked-in values: they were produced once by our
 // own portable generator and pin it across compilers and platforms (GCC and
 // Clang agree). Then the generators' properties and argument errors.
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
+#include "cpdispatch/plan/generate.hpp"
 #include "helpers.hpp"
 
 namespace {
@@ -215,6 +216,66 @@ TEST(CoreGenerators, CreateQkvDispatchArgumentErrors) {
   EXPECT_THAT(message_of<invalid_input>([] { create_qkv_dispatch(8, 64, 0, 4, 1); }), HasSubstr("num_seqs = 0"));
   // 8 documents cannot share 16 / 4 = 4 units of 4 tokens
   EXPECT_THAT(message_of<invalid_input>([] { create_qkv_dispatch(8, 16, 8, 4, 1); }), HasSubstr("8 positive lengths"));
+}
+
+// ------------------------------------------------------------ random_documents_plan
+
+TEST(CoreGenerators, RandomDocumentsPlanIsReproducibleAndSeeded) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = 6;
+  o.num_documents = 10;
+  o.max_shards = 6;
+  const auto a = cpdispatch::random_documents_plan(o, 42), b = cpdispatch::random_documents_plan(o, 42);
+  const auto c = cpdispatch::random_documents_plan(o, 43);
+  EXPECT_EQ(a.documents, b.documents);
+  EXPECT_NE(a.documents, c.documents);
+}
+
+TEST(CoreGenerators, RandomDocumentsPlanKeepsItsShapeAndSpansRanks) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = 16;
+  o.num_documents = 4;  // few documents over many ranks: some ranks stay empty
+  o.max_shards = 12;
+  o.max_len = 5;
+  o.max_cp_degree = 12;
+  std::size_t spanning = 0, repeated_dst = 0, plans_with_empty_ranks = 0;
+  for (std::uint64_t seed = 1; seed <= 50; ++seed) {
+    const auto p = cpdispatch::random_documents_plan(o, seed);
+    ASSERT_EQ(p.world_size, 16);
+    ASSERT_EQ(p.max_cp_degree, 12);
+    ASSERT_EQ(p.documents.size(), 4u);
+    std::set<I> homes;
+    for (const auto& doc : p.documents) {
+      ASSERT_GE(doc.shards.size(), 1u);
+      ASSERT_LE(doc.shards.size(), 12u);
+      std::set<I> doc_homes, doc_dsts;
+      for (const auto& s : doc.shards) {
+        ASSERT_TRUE(s.rank >= 0 && s.rank < 16 && s.dst >= 0 && s.dst < 16 && s.len >= 1 && s.len <= 5) << "seed " << seed;
+        doc_homes.insert(s.rank);
+        doc_dsts.insert(s.dst);
+        homes.insert(s.rank);
+      }
+      spanning += doc_homes.size() > 1 ? 1 : 0;
+      repeated_dst += doc_dsts.size() < doc.shards.size() ? 1 : 0;
+    }
+    plans_with_empty_ranks += homes.size() < 16 ? 1 : 0;
+    EXPECT_NO_THROW((void)cpdispatch::plan_qkv(p)) << "seed " << seed;
+  }
+  EXPECT_GT(spanning, 50u);
+  EXPECT_GT(repeated_dst, 50u);
+  EXPECT_GT(plans_with_empty_ranks, 25u);
+}
+
+TEST(CoreGenerators, RandomDocumentsPlanArgumentErrors) {
+  auto error = [](auto edit) {
+    cpdispatch::RandomDocumentsOptions o;
+    edit(o);
+    return message_of<invalid_input>([&] { (void)cpdispatch::random_documents_plan(o, 1); });
+  };
+  EXPECT_THAT(error([](auto& o) { o.world_size = 0; }), HasSubstr("world_size = 0"));
+  EXPECT_THAT(error([](auto& o) { o.num_documents = -1; }), HasSubstr("num_documents = -1"));
+  EXPECT_THAT(error([](auto& o) { o.max_shards = 0; }), HasSubstr("max_shards = 0"));
+  EXPECT_THAT(error([](auto& o) { o.max_len = 0; }), HasSubstr("max_len = 0"));
 }
 
 }  // namespace

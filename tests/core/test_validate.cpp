@@ -1,6 +1,6 @@
 // Metadata::validate() rejects hand-corrupted metadata, one test per
 // invariant, and the message names the field and its indices. The starting
-// point is always the spec's worked QKV example (section 4), which validates.
+// point is always the worked QKV example of docs/plan-format.md (section 4.1), which validates.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

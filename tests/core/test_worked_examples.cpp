@@ -1,6 +1,6 @@
-// The worked examples of shared/spec/plan-json.md section 4, number for
-// number, for plan_qkv / plan_query and for the test-side reference (so the
-// reference is itself pinned to the spec before it judges random plans).
+// The worked examples of docs/plan-format.md (sections 4.1 and 4.2), number
+// for number, for plan_qkv / plan_query and for the test-side reference (so
+// the reference is itself pinned to the format before it judges random plans).
 
 #include <gtest/gtest.h>
 

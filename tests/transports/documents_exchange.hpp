@@ -15,6 +15,7 @@
 
 #include "cpdispatch/cpdispatch.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/plan/rank.hpp"
 
 namespace cptest {
 
@@ -65,14 +66,13 @@ inline std::vector<float> expected_kv_gradient(const cpdispatch::QkvDocumentsPla
 /// Checks the attention layout at `rank` after the forward exchanges: query
 /// group i is a shard of one document that attends here, and KV group i is
 /// that document's tokens 0.. up to the end of the shard.
-inline void expect_attention_layout(const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::AttentionLayout& attn, int rank,
+inline void expect_attention_layout(const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::RankAttentionLayout& attn, int rank,
                                     const std::vector<std::int32_t>& q, const std::vector<std::int32_t>& kv) {
-  const auto r = static_cast<std::size_t>(rank);
-  ASSERT_EQ(q.size(), 2 * static_cast<std::size_t>(attn.cu_seqlens_q[r].back())) << "rank " << rank;
-  ASSERT_EQ(kv.size(), 2 * static_cast<std::size_t>(attn.cu_seqlens_kv[r].back())) << "rank " << rank;
-  for (std::size_t i = 0; i < attn.seqlens_q[r].size(); ++i) {
-    const auto q0 = static_cast<std::size_t>(attn.cu_seqlens_q[r][i]), kv0 = static_cast<std::size_t>(attn.cu_seqlens_kv[r][i]);
-    const std::int64_t len = attn.seqlens_q[r][i], context = attn.seqlens_kv[r][i] - len;
+  ASSERT_EQ(q.size(), 2 * static_cast<std::size_t>(attn.cu_seqlens_q.back())) << "rank " << rank;
+  ASSERT_EQ(kv.size(), 2 * static_cast<std::size_t>(attn.cu_seqlens_kv.back())) << "rank " << rank;
+  for (std::size_t i = 0; i < attn.seqlens_q.size(); ++i) {
+    const auto q0 = static_cast<std::size_t>(attn.cu_seqlens_q[i]), kv0 = static_cast<std::size_t>(attn.cu_seqlens_kv[i]);
+    const std::int64_t len = attn.seqlens_q[i], context = attn.seqlens_kv[i] - len;
     const std::int32_t doc = q[2 * q0];
     ASSERT_TRUE(attends_on(plan, doc, context, len, rank)) << "rank " << rank << " group " << i << ": document " << doc << " tokens "
                                                            << context << ".." << context + len << " do not attend here";
@@ -90,19 +90,21 @@ inline void expect_attention_layout(const cpdispatch::QkvDocumentsPlan& plan, co
 }
 
 /// Forward Q and KV, reverse Q (the identity) and the KV combine on this
-/// rank of transport `t`, each checked against the plan.
-template <class Transport>
-void check_documents_exchange(Transport& t, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::QkvMetadata& m) {
+/// rank, with dispatchers built from `q_fwd`/`q_rev` and `kv_fwd`/`kv_rev`
+/// (global Metadata or this rank's slices), each checked against the plan.
+template <class Transport, class M>
+void check_exchanges(Transport& t, const cpdispatch::QkvDocumentsPlan& plan, const M& q_fwd, const M& q_rev, const M& kv_fwd, const M& kv_rev,
+                     const cpdispatch::RankAttentionLayout& attn) {
   const int rank = t.rank();
   const std::size_t token_bytes = 2 * sizeof(std::int32_t);
   const std::vector<std::int32_t> mlp = document_tokens(plan, rank);
-  cpdispatch::Dispatcher q(t, m.q_fwd, m.q_rev, token_bytes), kv(t, m.kv_fwd, m.kv_rev, token_bytes);
+  cpdispatch::Dispatcher q(t, q_fwd, q_rev, token_bytes), kv(t, kv_fwd, kv_rev, token_bytes);
   ASSERT_EQ(q.required_bytes().mlp_bytes, mlp.size() * sizeof(std::int32_t)) << "rank " << rank;
   std::vector<std::int32_t> q_attn(q.required_bytes().attention_bytes / sizeof(std::int32_t), -7);
   std::vector<std::int32_t> kv_attn(kv.required_bytes().attention_bytes / sizeof(std::int32_t), -7);
   q.forward(std::as_bytes(std::span(mlp)), std::as_writable_bytes(std::span(q_attn)));
   kv.forward(std::as_bytes(std::span(mlp)), std::as_writable_bytes(std::span(kv_attn)));
-  expect_attention_layout(plan, m.attn, rank, q_attn, kv_attn);
+  expect_attention_layout(plan, attn, rank, q_attn, kv_attn);
 
   std::vector<std::int32_t> back(q.required_bytes().replica_bytes / sizeof(std::int32_t), -7);
   q.reverse(std::as_bytes(std::span(q_attn)), std::as_writable_bytes(std::span(back)));
@@ -113,6 +115,23 @@ void check_documents_exchange(Transport& t, const cpdispatch::QkvDocumentsPlan& 
   kv.reverse_combine(std::as_bytes(std::span(grads)), std::as_writable_bytes(std::span(replica)), std::as_writable_bytes(std::span(grad)),
                      cpdispatch::ElementType::float32);
   EXPECT_EQ(grad, expected_kv_gradient(plan, rank)) << "KV combine on rank " << rank;
+}
+
+/// The exchanges with dispatchers built from the global metadata `m`.
+template <class Transport>
+void check_documents_exchange(Transport& t, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::QkvMetadata& m) {
+  const auto r = static_cast<std::size_t>(t.rank());
+  const cpdispatch::RankAttentionLayout attn{m.attn.seqlens_q[r],    m.attn.seqlens_kv[r],   m.attn.cu_seqlens_q[r],
+                                             m.attn.cu_seqlens_kv[r], m.attn.max_seqlen_q[r], m.attn.max_seqlen_kv[r]};
+  check_exchanges(t, plan, m.q_fwd, m.q_rev, m.kv_fwd, m.kv_rev, attn);
+}
+
+/// The exchanges with dispatchers built from this rank's own plan
+/// (plan_qkv_for_rank): no global metadata anywhere.
+template <class Transport>
+void check_documents_exchange_per_rank(Transport& t, const cpdispatch::QkvDocumentsPlan& plan) {
+  const cpdispatch::RankQkvMetadata mine = cpdispatch::plan_qkv_for_rank(plan, t.rank());
+  check_exchanges(t, plan, mine.q_fwd, mine.q_rev, mine.kv_fwd, mine.kv_rev, mine.attn);
 }
 
 }  // namespace cptest

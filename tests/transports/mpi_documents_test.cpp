@@ -36,4 +36,19 @@ TEST(MpiDocuments, CrossRankDocumentsMoveExactly) {
   }
 }
 
+// Each rank plans only its own share (plan_qkv_for_rank) and builds its
+// dispatchers from it.
+TEST(MpiDocuments, DispatchersFromPerRankPlanning) {
+  cpdispatch::MpiTransport t = cpdispatch::MpiTransport::duplicate(MPI_COMM_WORLD);
+  for (std::uint64_t seed = 21; seed <= 24; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", W = " + std::to_string(t.world_size()));
+    cpdispatch::RandomDocumentsOptions o;
+    o.world_size = t.world_size();
+    o.num_documents = 6;
+    o.max_shards = 2 * t.world_size() + 1;
+    o.max_len = 7;
+    cptest::check_documents_exchange_per_rank(t, cpdispatch::random_documents_plan(o, seed));
+  }
+}
+
 }  // namespace

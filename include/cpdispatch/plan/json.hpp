@@ -30,6 +30,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/tensor.hpp"
 
 namespace cpdispatch {
@@ -58,6 +59,17 @@ inline PlanMetadata plan_metadata(const Plan& plan) {
   if (const auto* q = std::get_if<QueryPlan>(&plan)) return plan_query(q->seq_len, q->dispatch);
   if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) return plan_qkv(*d);
   return plan_qkv(std::get<QkvPlan>(plan));
+}
+
+/// What per-rank planning of a Plan gives: RankQueryMetadata for a query
+/// plan, RankQkvMetadata for a QKV plan.
+using RankPlanMetadata = std::variant<RankQueryMetadata, RankQkvMetadata>;
+
+/// Plans rank `rank`'s share of any kind (plan_query_for_rank / plan_qkv_for_rank).
+inline RankPlanMetadata plan_metadata_for_rank(const Plan& plan, std::int64_t rank) {
+  if (const auto* q = std::get_if<QueryPlan>(&plan)) return plan_query_for_rank(q->seq_len, q->dispatch, rank);
+  if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) return plan_qkv_for_rank(*d, rank);
+  return plan_qkv_for_rank(std::get<QkvPlan>(plan), rank);
 }
 
 namespace detail {
@@ -481,7 +493,7 @@ inline Plan parse_plan(std::string_view text) { return plan_from_json(parse_json
 /// is the document. Keys beyond the format's are optional: `world_size`,
 /// `has_copies`, `num_copies` and `mask_copies` fix shapes that empty arrays
 /// leave open and are checked against the arrays. The result has the shapes
-/// of seed 002 (detail::check_shapes); call validate() for the full rules.
+/// of the format (detail::check_shapes); call validate() for the full rules.
 inline Metadata metadata_from_json(const nlohmann::json& j, std::string_view name = "") {
   using detail::Extent;
   using detail::fail_at;
@@ -632,6 +644,56 @@ inline void to_json(nlohmann::json& j, const QueryMetadata& q) { j = {{"fwd", q.
 
 inline void to_json(nlohmann::json& j, const QkvMetadata& q) {
   j = {{"q_fwd", q.q_fwd}, {"q_rev", q.q_rev}, {"kv_fwd", q.kv_fwd}, {"kv_rev", q.kv_rev}, {"attn", q.attn}};
+}
+
+namespace detail {
+
+/// `values` as [n] (one per entry) or [n][copies].
+inline nlohmann::json rows_of(const std::vector<std::int64_t>& values, std::size_t copies, bool nested) {
+  if (!nested) return values;
+  nlohmann::json out = nlohmann::json::array();
+  for (std::size_t i = 0; i + copies <= values.size() && copies > 0; i += copies) {
+    out.push_back(std::vector<std::int64_t>(values.begin() + static_cast<std::ptrdiff_t>(i),
+                                            values.begin() + static_cast<std::ptrdiff_t>(i + copies)));
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// One rank's slice as the Metadata object of its row: dst_rank and
+/// dst_offset [n] or [n][C], seq_len [n], num_recv_tokens the row of W + 1,
+/// num_seqs the count, seq_recv_mask [shards][C] and recv_seq_lens [shards]
+/// or null; plus rank, world_size, has_copies, num_copies, mask_copies.
+inline void to_json(nlohmann::json& j, const RankMetadata& m) {
+  j = nlohmann::json::object();
+  j["rank"] = m.rank;
+  j["world_size"] = m.world_size;
+  j["has_copies"] = m.has_copies;
+  j["num_copies"] = m.num_copies;
+  j["dst_rank"] = detail::rows_of(m.dst_rank, m.num_copies, m.has_copies);
+  j["dst_offset"] = detail::rows_of(m.dst_offset, m.num_copies, m.has_copies);
+  j["seq_len"] = m.seq_len;
+  j["num_recv_tokens"] = m.num_recv_tokens;
+  j["num_seqs"] = m.num_seqs;
+  j["seq_recv_mask"] = m.seq_recv_mask ? detail::rows_of(*m.seq_recv_mask, m.mask_copies, true) : nlohmann::json(nullptr);
+  j["mask_copies"] = m.seq_recv_mask ? nlohmann::json(m.mask_copies) : nlohmann::json(nullptr);
+  j["recv_seq_lens"] = m.recv_seq_lens ? nlohmann::json(*m.recv_seq_lens) : nlohmann::json(nullptr);
+}
+
+inline void to_json(nlohmann::json& j, const RankAttentionLayout& a) {
+  j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
+       {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
+}
+
+inline void to_json(nlohmann::json& j, const RankQkvMetadata& m) {
+  j = {{"rank", m.q_fwd.rank}, {"q_fwd", m.q_fwd}, {"q_rev", m.q_rev}, {"kv_fwd", m.kv_fwd}, {"kv_rev", m.kv_rev}, {"attn", m.attn}};
+}
+
+inline void to_json(nlohmann::json& j, const RankQueryMetadata& m) { j = {{"rank", m.fwd.rank}, {"fwd", m.fwd}, {"rev", m.rev}}; }
+
+inline nlohmann::json rank_metadata_to_json(const RankPlanMetadata& metadata) {
+  return std::visit([](const auto& m) { return nlohmann::json(m); }, metadata);
 }
 
 inline void to_json(nlohmann::json& j, const QueryPlan& p) {

@@ -1,0 +1,312 @@
+#pragma once
+// Per-rank planning: what one rank needs from a plan (its metadata slices and
+// its attention layout) without the global metadata. The result equals
+// plan_qkv(plan) followed by get_slice(rank) on every metadata, for both plan
+// forms, but costs O(shards + copies + W) time and memory: no W x W count
+// matrix is built, so it stays cheap at thousands of ranks. Use it when every
+// rank plans for itself each step; use plan_qkv when one process needs the
+// whole plan (the JSON output, checks, pictures).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/metadata.hpp"
+#include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/tensor.hpp"
+
+namespace cpdispatch {
+
+/// One destination rank's row of AttentionLayout.
+struct RankAttentionLayout {
+  std::vector<std::int64_t> seqlens_q;      ///< received query shards, arrival order
+  std::vector<std::int64_t> seqlens_kv;     ///< context + own length of each
+  std::vector<std::int64_t> cu_seqlens_q;   ///< leading 0, total last
+  std::vector<std::int64_t> cu_seqlens_kv;
+  std::int64_t max_seqlen_q = 0;            ///< 0 when the rank receives nothing
+  std::int64_t max_seqlen_kv = 0;
+};
+
+/// What one rank needs of a QKV plan: the get_slice() of each metadata and
+/// its attention layout. Dispatcher(transport, q_fwd, q_rev, token_bytes)
+/// and Dispatcher(transport, kv_fwd, kv_rev, token_bytes) take the slices.
+struct RankQkvMetadata {
+  RankMetadata q_fwd, q_rev, kv_fwd, kv_rev;
+  RankAttentionLayout attn;
+};
+
+/// What one rank needs of a query plan: the get_slice() of fwd and rev.
+struct RankQueryMetadata {
+  RankMetadata fwd, rev;
+};
+
+namespace detail {
+
+/// Where every shard starts on its home rank (P) and each rank's token count
+/// (T), refusing a [C][T] replica buffer that 64 bits cannot address.
+struct ShardPositions {
+  std::vector<std::int64_t> start;  // [N]
+  std::vector<std::int64_t> total;  // [W]
+};
+
+inline ShardPositions shard_positions(const ShardTable& t, const char* who) {
+  ShardPositions pos{std::vector<std::int64_t>(t.size(), 0), std::vector<std::int64_t>(t.W, 0)};
+  const auto copies = static_cast<std::int64_t>(t.C);
+  for (std::size_t r = 0; r < t.W; ++r) {
+    std::int64_t at = 0;
+    for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
+      pos.start[t.by_rank[p]] = at;
+      at = add_tokens(at, t.len[t.by_rank[p]], who);
+    }
+    if (copies > 1 && at > std::numeric_limits<std::int64_t>::max() / copies) {
+      fail(who, ": rank ", r, " holds ", at, " tokens; its replica buffer of ", copies, " copies overflows 64 bits");
+    }
+    pos.total[r] = at;
+  }
+  return pos;
+}
+
+/// An empty slice of rank `rank` with `copies` copies per entry.
+inline RankMetadata rank_slice(std::size_t rank, std::size_t W, bool has_copies, std::size_t copies) {
+  RankMetadata s;
+  s.rank = static_cast<std::int64_t>(rank);
+  s.world_size = static_cast<std::int64_t>(W);
+  s.has_copies = has_copies;
+  s.num_copies = copies;
+  s.num_recv_tokens.assign(W + 1, 0);
+  return s;
+}
+
+/// Sets the row total (column W) from the cells.
+inline void finish_slice(RankMetadata& s, const char* who) {
+  const std::size_t W = s.num_recv_tokens.size() - 1;
+  std::int64_t total = 0;
+  for (std::size_t i = 0; i < W; ++i) total = add_tokens(total, s.num_recv_tokens[i], who);
+  s.num_recv_tokens[W] = total;
+  s.num_total_recv_tokens = total;
+  s.num_seqs = static_cast<std::int64_t>(s.seq_len.size());
+}
+
+/// q_fwd row of rank R: its shards, each placed after everything earlier
+/// ranks and earlier shards of R send to the same destination.
+inline RankMetadata q_forward_slice(const ShardTable& t, std::size_t R) {
+  RankMetadata s = rank_slice(R, t.W, false, 1);
+  std::vector<std::int64_t> before(t.W, 0);
+  for (std::size_t p = 0; p < t.rank_begin[R]; ++p) {
+    const std::size_t id = t.by_rank[p];
+    auto& b = before[static_cast<std::size_t>(t.dst[id])];
+    b = add_tokens(b, t.len[id], "plan_qkv_for_rank");
+  }
+  for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
+    const std::size_t id = t.by_rank[p];
+    auto& b = before[static_cast<std::size_t>(t.dst[id])];
+    s.dst_rank.push_back(t.dst[id]);
+    s.dst_offset.push_back(b);
+    s.seq_len.push_back(t.len[id]);
+    b = add_tokens(b, t.len[id], "plan_qkv_for_rank");
+  }
+  for (std::size_t id = 0; id < t.size(); ++id) {
+    if (t.dst[id] == static_cast<std::int64_t>(R)) s.num_recv_tokens[t.home[id]] += t.len[id];  // within R's KV groups, which kv_groups checked
+  }
+  finish_slice(s, "plan_qkv_for_rank");
+  return s;
+}
+
+/// q_rev row of rank R: the query shards that attend on R, in arrival order,
+/// each returning to its place in its home's MLP layout.
+inline RankMetadata q_reverse_slice(const ShardTable& t, const KvGroups& g, const ShardPositions& pos, std::size_t R) {
+  RankMetadata s = rank_slice(R, t.W, false, 1);
+  for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
+    const std::size_t q = g.arrivals[p];
+    s.dst_rank.push_back(static_cast<std::int64_t>(t.home[q]));
+    s.dst_offset.push_back(pos.start[q]);
+    s.seq_len.push_back(t.len[q]);
+  }
+  for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
+    const std::size_t id = t.by_rank[p];
+    s.num_recv_tokens[static_cast<std::size_t>(t.dst[id])] += t.len[id];  // at most T_R
+  }
+  finish_slice(s, "plan_qkv_for_rank");
+  return s;
+}
+
+/// kv_fwd row of rank R: each of its KV shards to the groups of its
+/// document's query shards k.., and the KV tokens R's own groups receive.
+inline RankMetadata kv_forward_slice(const ShardTable& t, const KvGroups& g, std::size_t R) {
+  RankMetadata s = rank_slice(R, t.W, true, t.C);
+  for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
+    const std::size_t id = t.by_rank[p];
+    s.seq_len.push_back(t.len[id]);
+    for (std::size_t c = 0; c < t.C; ++c) {
+      const std::size_t q = id + c;
+      const bool sent = q < t.end_of(id);
+      s.dst_rank.push_back(sent ? t.dst[q] : -1);
+      s.dst_offset.push_back(sent ? g.start[q] + t.context[id] : 0);
+    }
+  }
+  for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
+    const std::size_t q = g.arrivals[p];
+    for (std::size_t kv = t.first_of(q); kv <= q; ++kv) s.num_recv_tokens[t.home[kv]] += t.len[kv];  // within R's groups
+  }
+  finish_slice(s, "plan_qkv_for_rank");
+  return s;
+}
+
+/// kv_rev row of rank R: the KV shards of R's groups back to slab c of their
+/// home's replica buffer, and the mask of R's own shards' copies.
+inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, const ShardPositions& pos, std::size_t R) {
+  RankMetadata s = rank_slice(R, t.W, false, 1);
+  for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
+    const std::size_t q = g.arrivals[p];
+    for (std::size_t kv = t.first_of(q); kv <= q; ++kv) {
+      const std::size_t home = t.home[kv];
+      s.dst_rank.push_back(static_cast<std::int64_t>(home));
+      s.dst_offset.push_back(static_cast<std::int64_t>(q - kv) * pos.total[home] + pos.start[kv]);
+      s.seq_len.push_back(t.len[kv]);
+    }
+  }
+  s.mask_copies = t.C;
+  std::vector<std::int64_t> mask, lens;
+  for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
+    const std::size_t id = t.by_rank[p];
+    lens.push_back(t.len[id]);
+    for (std::size_t c = 0; c < t.C; ++c) {
+      const bool sent = id + c < t.end_of(id);
+      mask.push_back(sent ? 1 : 0);
+      if (sent) s.num_recv_tokens[static_cast<std::size_t>(t.dst[id + c])] += t.len[id];  // at most C x T_R
+    }
+  }
+  s.seq_recv_mask = std::move(mask);
+  s.recv_seq_lens = std::move(lens);
+  finish_slice(s, "plan_qkv_for_rank");
+  return s;
+}
+
+inline RankAttentionLayout rank_attention(const ShardTable& t, const KvGroups& g, std::size_t R) {
+  RankAttentionLayout a;
+  a.cu_seqlens_q.assign(1, 0);
+  a.cu_seqlens_kv.assign(1, 0);
+  for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
+    const std::size_t q = g.arrivals[p];
+    const std::int64_t len = t.len[q], kv = t.context[q] + len;
+    a.seqlens_q.push_back(len);
+    a.seqlens_kv.push_back(kv);
+    a.cu_seqlens_q.push_back(a.cu_seqlens_q.back() + len);
+    a.cu_seqlens_kv.push_back(a.cu_seqlens_kv.back() + kv);
+    a.max_seqlen_q = std::max(a.max_seqlen_q, len);
+    a.max_seqlen_kv = std::max(a.max_seqlen_kv, kv);
+  }
+  return a;
+}
+
+inline std::size_t checked_rank(std::int64_t rank, std::int64_t world_size, const char* who) {
+  if (rank < 0 || rank >= world_size) fail(who, ": rank ", rank, " is outside [0, ", world_size, ")");
+  return static_cast<std::size_t>(rank);
+}
+
+/// Rank R's share of a validated shard table.
+inline RankQkvMetadata plan_shards_for_rank(const ShardTable& t, std::size_t R) {
+  const ShardPositions pos = shard_positions(t, "plan_qkv_for_rank");
+  const KvGroups groups = kv_groups(t);
+  RankQkvMetadata out;
+  out.q_fwd = q_forward_slice(t, R);
+  out.q_rev = q_reverse_slice(t, groups, pos, R);
+  out.kv_fwd = kv_forward_slice(t, groups, R);
+  out.kv_rev = kv_reverse_slice(t, groups, pos, R);
+  out.attn = rank_attention(t, groups, R);
+  return out;
+}
+
+}  // namespace detail
+
+/// plan_qkv(plan).X.get_slice(rank) for every metadata X, and row `rank` of
+/// the attention layout, in O(shards + copies + W).
+inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank) {
+  const std::size_t C = detail::check_rank_plan(plan);
+  const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
+  return detail::plan_shards_for_rank(detail::shard_table(plan, C), R);
+}
+
+/// The same for a plan in documents form.
+inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
+  const std::size_t C = detail::check_documents_plan(plan);
+  const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
+  return detail::plan_shards_for_rank(detail::shard_table(plan, C), R);
+}
+
+namespace detail {
+
+/// fwd row of rank R of a query plan: its entries, each after what earlier
+/// entries (global order) send to the same destination.
+inline RankMetadata query_forward_slice(const QueryInput& in, std::size_t R) {
+  RankMetadata s = rank_slice(R, in.W, in.copies, in.C);
+  std::vector<std::int64_t> next(in.W, 0);
+  for (std::size_t r = 0; r <= R; ++r) {
+    for (std::size_t j = 0; j < in.S && in.seq_len(r, j) > 0; ++j) {
+      if (r == R) s.seq_len.push_back(in.seq_len(r, j));
+      for (std::size_t k = 0; k < in.C; ++k) {
+        const std::int64_t d = in.dst(r, j, k);
+        const std::int64_t off = d < 0 ? 0 : next[static_cast<std::size_t>(d)];
+        if (d >= 0) next[static_cast<std::size_t>(d)] = add_tokens(off, in.seq_len(r, j), "plan_query_for_rank");
+        if (r == R) s.dst_rank.push_back(d);
+        if (r == R) s.dst_offset.push_back(off);
+      }
+    }
+  }
+  for (std::size_t r = 0; r < in.W; ++r)
+    for (std::size_t j = 0; j < in.S; ++j)
+      for (std::size_t k = 0; k < in.C; ++k)
+        if (in.dst(r, j, k) == static_cast<std::int64_t>(R)) {
+          s.num_recv_tokens[r] = add_tokens(s.num_recv_tokens[r], in.seq_len(r, j), "plan_query_for_rank");
+        }
+  finish_slice(s, "plan_query_for_rank");
+  return s;
+}
+
+/// rev row of rank R of a query plan: what R received, in global order,
+/// back to slab k of its source's replica buffer.
+inline RankMetadata query_reverse_slice(const QueryInput& in, const RowPrefix& prefix, std::size_t R) {
+  RankMetadata s = rank_slice(R, in.W, false, 1);
+  for (std::size_t r = 0; r < in.W; ++r) {
+    for (std::size_t j = 0; j < in.S; ++j) {
+      for (std::size_t k = 0; k < in.C; ++k) {
+        const std::int64_t d = in.dst(r, j, k);
+        if (r == R && d >= 0) s.num_recv_tokens[static_cast<std::size_t>(d)] += in.seq_len(r, j);  // at most C x T_R
+        if (d != static_cast<std::int64_t>(R)) continue;
+        s.dst_rank.push_back(static_cast<std::int64_t>(r));
+        s.dst_offset.push_back(static_cast<std::int64_t>(k) * prefix.totals[r] + prefix.starts[r * in.S + j]);
+        s.seq_len.push_back(in.seq_len(r, j));
+      }
+    }
+  }
+  if (in.copies) {
+    s.mask_copies = in.C;
+    std::vector<std::int64_t> mask, lens;
+    for (std::size_t j = 0; j < in.S && in.seq_len(R, j) > 0; ++j) {
+      lens.push_back(in.seq_len(R, j));
+      for (std::size_t k = 0; k < in.C; ++k) mask.push_back(in.dst(R, j, k) >= 0 ? 1 : 0);
+    }
+    s.seq_recv_mask = std::move(mask);
+    s.recv_seq_lens = std::move(lens);
+  }
+  finish_slice(s, "plan_query_for_rank");
+  return s;
+}
+
+}  // namespace detail
+
+/// plan_query(seq_len, dispatch).fwd/.rev .get_slice(rank), in O(entries + W).
+inline RankQueryMetadata plan_query_for_rank(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch,
+                                             std::int64_t rank) {
+  const detail::QueryInput in = detail::check_query_shapes(seq_len, dispatch);
+  (void)detail::check_query_entries(in);
+  const std::size_t R = detail::checked_rank(rank, static_cast<std::int64_t>(in.W), "plan_query_for_rank");
+  const detail::RowPrefix prefix = detail::row_prefix(seq_len, in.C, "plan_query_for_rank");
+  return {detail::query_forward_slice(in, R), detail::query_reverse_slice(in, prefix, R)};
+}
+
+}  // namespace cpdispatch

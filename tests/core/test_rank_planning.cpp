@@ -1,0 +1,108 @@
+// Per-rank planning (plan_qkv_for_rank, plan_query_for_rank) equals the
+// global plan's get_slice() for every rank, metadata and attention row, on
+// random plans of both QKV forms and on random query plans.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cpdispatch/cpdispatch.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/rank.hpp"
+#include "helpers.hpp"
+
+namespace {
+
+using cpdispatch::RankMetadata;
+using cptest::I;
+
+::testing::AssertionResult same_slice(const RankMetadata& got, const RankMetadata& want, const std::string& name) {
+  auto differs = [&](const char* field) { return ::testing::AssertionFailure() << name << "." << field << " differs"; };
+  if (got.rank != want.rank || got.world_size != want.world_size) return differs("rank/world_size");
+  if (got.has_copies != want.has_copies || got.num_copies != want.num_copies) return differs("copies");
+  if (got.dst_rank != want.dst_rank) return differs("dst_rank");
+  if (got.dst_offset != want.dst_offset) return differs("dst_offset");
+  if (got.seq_len != want.seq_len) return differs("seq_len");
+  if (got.num_recv_tokens != want.num_recv_tokens) return differs("num_recv_tokens");
+  if (got.num_seqs != want.num_seqs || got.num_total_recv_tokens != want.num_total_recv_tokens) return differs("num_seqs/total");
+  if (got.seq_recv_mask != want.seq_recv_mask || got.mask_copies != want.mask_copies) return differs("seq_recv_mask");
+  if (got.recv_seq_lens != want.recv_seq_lens) return differs("recv_seq_lens");
+  return ::testing::AssertionSuccess();
+}
+
+template <class Plan>
+::testing::AssertionResult every_rank_matches(const Plan& plan) {
+  const cpdispatch::QkvMetadata global = cpdispatch::plan_qkv(plan);
+  for (I r = 0; r < plan.world_size; ++r) {
+    const cpdispatch::RankQkvMetadata mine = cpdispatch::plan_qkv_for_rank(plan, r);
+    const std::string at = "rank " + std::to_string(r) + ": ";
+    for (auto [got, want, name] : {std::tuple{&mine.q_fwd, &global.q_fwd, "q_fwd"}, std::tuple{&mine.q_rev, &global.q_rev, "q_rev"},
+                                   std::tuple{&mine.kv_fwd, &global.kv_fwd, "kv_fwd"}, std::tuple{&mine.kv_rev, &global.kv_rev, "kv_rev"}}) {
+      auto same = same_slice(*got, want->get_slice(r), at + name);
+      if (!same) return same;
+    }
+    const auto u = static_cast<std::size_t>(r);
+    const auto& a = global.attn;
+    if (mine.attn.seqlens_q != a.seqlens_q[u] || mine.attn.seqlens_kv != a.seqlens_kv[u] || mine.attn.cu_seqlens_q != a.cu_seqlens_q[u] ||
+        mine.attn.cu_seqlens_kv != a.cu_seqlens_kv[u] || mine.attn.max_seqlen_q != a.max_seqlen_q[u] ||
+        mine.attn.max_seqlen_kv != a.max_seqlen_kv[u]) {
+      return ::testing::AssertionFailure() << at << "attention layout differs";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(RankPlanning, PerRankFormEqualsTheGlobalSlices) {
+  for (std::uint64_t seed = 1; seed <= 150; ++seed) {
+    const cpdispatch::QkvPlan plan = cptest::to_plan(cptest::random_qkv_plan(seed, {64, 3, 8, 30}));
+    ASSERT_TRUE(every_rank_matches(plan)) << "seed " << seed;
+  }
+}
+
+TEST(RankPlanning, DocumentsFormEqualsTheGlobalSlices) {
+  for (std::uint64_t seed = 1; seed <= 150; ++seed) {
+    cpdispatch::RandomDocumentsOptions o;
+    o.world_size = 1 + static_cast<I>(seed % 5 == 0 ? seed * 7 % 64 : seed % 12);  // mostly small, up to 64
+    o.num_documents = static_cast<I>(seed % 40);  // few documents over many ranks: empty ranks
+    o.max_shards = 1 + static_cast<I>(seed % 16);
+    o.max_len = 20;
+    if (seed % 3 == 0) o.max_cp_degree = o.max_shards + 2;
+    ASSERT_TRUE(every_rank_matches(cpdispatch::random_documents_plan(o, seed))) << "seed " << seed;
+  }
+}
+
+TEST(RankPlanning, QueryPlansEqualTheGlobalSlices) {
+  for (std::uint64_t seed = 1; seed <= 100; ++seed) {
+    const cptest::QueryCase c = cptest::random_query_plan(seed);
+    const auto seq_len = c.seq_len_tensor(), dispatch = c.dispatch_tensor();
+    const cpdispatch::QueryMetadata global = cpdispatch::plan_query(seq_len, dispatch);
+    for (I r = 0; r < global.fwd.world_size; ++r) {
+      const cpdispatch::RankQueryMetadata mine = cpdispatch::plan_query_for_rank(seq_len, dispatch, r);
+      ASSERT_TRUE(same_slice(mine.fwd, global.fwd.get_slice(r), "fwd")) << "seed " << seed << " rank " << r;
+      ASSERT_TRUE(same_slice(mine.rev, global.rev.get_slice(r), "rev")) << "seed " << seed << " rank " << r;
+    }
+  }
+}
+
+TEST(RankPlanning, RankOutsideTheWorldIsAnError) {
+  const auto plan = cpdispatch::create_qkv_dispatch(4, 64, 2, 2, 1);
+  EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_qkv_for_rank(plan, 4); }),
+              ::testing::HasSubstr("plan_qkv_for_rank: rank 4 is outside [0, 4)"));
+  EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_qkv_for_rank(cpdispatch::to_documents(plan), -1); }),
+              ::testing::HasSubstr("rank -1 is outside [0, 4)"));
+  const auto seq_len = cpdispatch::gen_seq_lens(2, 2, 8, 1);
+  EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_query_for_rank(seq_len, cpdispatch::make_tensor<I>({{0, 1}, {1, 0}}), 2); }),
+              ::testing::HasSubstr("plan_query_for_rank: rank 2 is outside [0, 2)"));
+}
+
+TEST(RankPlanning, InvalidPlansFailLikeTheGlobalPlanner) {
+  cpdispatch::QkvDocumentsPlan p;
+  p.world_size = 2;
+  p.documents = {{{{0, 3, 1}, {1, 2, 7}}}};
+  EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_qkv_for_rank(p, 0); }),
+              ::testing::HasSubstr("documents[0].shards[1].dst = 7"));
+}
+
+}  // namespace
