@@ -1,6 +1,6 @@
 // One attention layer's communication, as a training loop writes it: each
 // rank knows only its own documents; gather_plan makes the global plan,
-// QkvDispatch moves typed queries and key-values there and back.
+// plan_qkv_for_rank this rank's share of it, and QkvDispatch moves typed queries and key-values there and back.
 // Runs W ranks as threads (the sim transport); with MPI or NCCL only the
 // transport changes.  qkv_step [world size]   (exit status 0: every check passed)
 
@@ -11,6 +11,7 @@
 #include "cpdispatch/execute/gather_plan.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
 #include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/sim.hpp"
 
 using cpdispatch::bfloat16;
@@ -26,13 +27,14 @@ int main(int argc, char** argv) {
   world.run([&](cpdispatch::SimTransport& t) {
     const auto& mine = batch.ranks[static_cast<std::size_t>(t.rank())].docs;  // this rank's documents only
     const auto plan = cpdispatch::gather_plan(t, std::span<const cpdispatch::Document>(mine), batch.max_cp_degree);
-    cpdispatch::QkvDispatch<cpdispatch::SimTransport, bfloat16> qkv(t, cpdispatch::plan_qkv(plan), q_width, kv_width);
+    const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());  // this rank's metadata only
+    cpdispatch::QkvDispatch<cpdispatch::SimTransport, bfloat16> qkv(t, share, q_width, kv_width);
 
     std::vector<bfloat16> q(qkv.q_mlp_size(), bfloat16(1.0f)), kv(qkv.kv_mlp_size(), bfloat16(1.0f));
     std::vector<bfloat16> q_attn(qkv.q_attention_size()), kv_attn(qkv.kv_attention_size());
     qkv.forward_q(q, q_attn);
     qkv.forward_kv(kv, kv_attn);
-    const cpdispatch::RankAttention& a = qkv.attention();  // cu_seqlens_q/kv, max_seqlen_q/kv for varlen attention
+    const cpdispatch::RankAttentionLayout& a = qkv.attention();  // cu_seqlens_q/kv, max_seqlen_q/kv for varlen attention
     // ... attention forward and backward; here the gradients are the inputs themselves ...
     std::vector<bfloat16> dq(q.size()), dkv(kv.size());
     qkv.reverse_q(q_attn, dq);

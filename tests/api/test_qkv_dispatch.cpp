@@ -14,6 +14,7 @@
 #include "cpdispatch/execute/gather_plan.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
 #include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/sim.hpp"
 
 namespace {
@@ -172,10 +173,31 @@ void round_trip_matches_two_dispatchers(int W) {
                        std::as_writable_bytes(std::span(dkv_ref)), element_type_of<E>());
     EXPECT_TRUE(dkv == dkv_ref) << "rank " << t.rank();
     // The attention layout of this rank, sized like the buffers.
-    const RankAttention& a = qkv.attention();
+    const RankAttentionLayout& a = qkv.attention();
     EXPECT_EQ(a.cu_seqlens_q, meta.attn.cu_seqlens_q[static_cast<std::size_t>(t.rank())]);
     EXPECT_EQ(static_cast<std::size_t>(a.q_tokens()) * q_width, q_attn.size());
     EXPECT_EQ(static_cast<std::size_t>(a.kv_tokens()) * kv_width, kv_attn.size());
+  });
+}
+
+TEST_P(QkvDispatchSim, PerRankPlanningGivesTheSameExchange) {
+  const int W = GetParam();
+  const QkvPlan plan = create_qkv_dispatch(W, 64, 3, W >= 2 ? 2 : 1, 9);
+  const QkvMetadata global = plan_qkv(plan);
+  SimWorld world(W, SimOptions{sim_test::hang_timeout});
+  world.run([&](SimTransport& t) {
+    QkvDispatch<SimTransport, float> from_global(t, global, 2, 3);
+    QkvDispatch<SimTransport, float> from_share(t, plan_qkv_for_rank(plan, t.rank()), 2, 3);
+    EXPECT_EQ(from_share.attention().cu_seqlens_kv, from_global.attention().cu_seqlens_kv);
+    ASSERT_EQ(from_share.kv_attention_size(), from_global.kv_attention_size());
+    const auto kv = values<float>(from_share.kv_mlp_size(), t.rank(), 4);
+    std::vector<float> a(from_share.kv_attention_size()), b(a.size()), da(kv.size()), db(kv.size());
+    from_global.forward_kv(kv, a);
+    from_share.forward_kv(kv, b);
+    EXPECT_TRUE(a == b) << "rank " << t.rank();
+    from_global.reverse_kv(a, da);
+    from_share.reverse_kv(b, db);
+    EXPECT_TRUE(da == db) << "rank " << t.rank();
   });
 }
 

@@ -3,7 +3,8 @@
 // holds per attention layer.
 //
 //   auto plan = cpdispatch::gather_plan(transport, my_documents);    // identical on every rank
-//   cpdispatch::QkvDispatch<Transport, bfloat16> qkv(transport, cpdispatch::plan_qkv(plan),
+//   auto mine = cpdispatch::plan_qkv_for_rank(plan, transport.rank());  // this rank's share only
+//   cpdispatch::QkvDispatch<Transport, bfloat16> qkv(transport, mine,
 //                                                    heads * head_dim, 2 * kv_heads * head_dim);
 //   qkv.forward_q(q_mlp, q_attn);         // std::span<const bfloat16> -> std::span<bfloat16>
 //   qkv.forward_kv(kv_mlp, kv_attn);
@@ -28,28 +29,19 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch {
 
-/// One rank's attention layout, as a varlen attention kernel takes it
-/// (flash-attention convention: cu_seqlens start at 0 and end at the total).
-struct RankAttention {
-  std::vector<std::int64_t> seqlens_q, seqlens_kv;        ///< per received query shard, arrival order
-  std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_kv;  ///< count + 1 entries
-  std::int64_t max_seqlen_q = 0, max_seqlen_kv = 0;
-  std::int64_t q_tokens() const noexcept { return cu_seqlens_q.empty() ? 0 : cu_seqlens_q.back(); }
-  std::int64_t kv_tokens() const noexcept { return cu_seqlens_kv.empty() ? 0 : cu_seqlens_kv.back(); }
-};
-
 /// Rank `rank`'s row of a global attention layout.
-inline RankAttention attention_of(const AttentionLayout& attn, std::int64_t rank) {
+inline RankAttentionLayout attention_of(const AttentionLayout& attn, std::int64_t rank) {
   if (rank < 0 || static_cast<std::size_t>(rank) >= attn.seqlens_q.size()) {
     detail::fail("attention_of: rank ", rank, " is outside [0, ", attn.seqlens_q.size(), ")");
   }
   const auto r = static_cast<std::size_t>(rank);
-  return RankAttention{attn.seqlens_q[r], attn.seqlens_kv[r],   attn.cu_seqlens_q[r],
-                       attn.cu_seqlens_kv[r], attn.max_seqlen_q[r], attn.max_seqlen_kv[r]};
+  return RankAttentionLayout{attn.seqlens_q[r],    attn.seqlens_kv[r],   attn.cu_seqlens_q[r],
+                             attn.cu_seqlens_kv[r], attn.max_seqlen_q[r], attn.max_seqlen_kv[r]};
 }
 
 template <class T, class E>
@@ -69,7 +61,16 @@ class QkvDispatch {
         attention_(attention_of(meta.attn, transport.rank())),
         replica_(kv_.required_bytes().replica_bytes / sizeof(E)) {}
 
-  const RankAttention& attention() const noexcept { return attention_; }
+  /// From this rank's share alone (plan_qkv_for_rank: no global metadata).
+  QkvDispatch(T& transport, const RankQkvMetadata& meta, std::size_t q_width, std::size_t kv_width)
+      : q_width_(checked_width(q_width, "q_width")),
+        kv_width_(checked_width(kv_width, "kv_width")),
+        q_(transport, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E)),
+        kv_(transport, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E)),
+        attention_(meta.attn),
+        replica_(kv_.required_bytes().replica_bytes / sizeof(E)) {}
+
+  const RankAttentionLayout& attention() const noexcept { return attention_; }
   /// Elements of each buffer: MLP layout (this rank's tokens), attention layout.
   std::size_t q_mlp_size() const noexcept { return q_.required_bytes().mlp_bytes / sizeof(E); }
   std::size_t q_attention_size() const noexcept { return q_.required_bytes().attention_bytes / sizeof(E); }
@@ -108,7 +109,7 @@ class QkvDispatch {
 
   std::size_t q_width_, kv_width_;
   Dispatcher<T> q_, kv_;
-  RankAttention attention_;
+  RankAttentionLayout attention_;
   std::vector<E> replica_;
 };
 

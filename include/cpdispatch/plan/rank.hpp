@@ -29,6 +29,8 @@ struct RankAttentionLayout {
   std::vector<std::int64_t> cu_seqlens_kv;
   std::int64_t max_seqlen_q = 0;            ///< 0 when the rank receives nothing
   std::int64_t max_seqlen_kv = 0;
+  std::int64_t q_tokens() const noexcept { return cu_seqlens_q.empty() ? 0 : cu_seqlens_q.back(); }
+  std::int64_t kv_tokens() const noexcept { return cu_seqlens_kv.empty() ? 0 : cu_seqlens_kv.back(); }
 };
 
 /// What one rank needs of a QKV plan: the get_slice() of each metadata and
