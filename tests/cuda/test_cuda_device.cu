@@ -233,9 +233,10 @@ TEST(DeviceKernels, SixteenBitConversionsMatchTheHostBitForBit) {
   DeviceBuffer<std::uint16_t> d_out(in.size());
   CPDISPATCH_CUDA_CHECK(cudaMemcpy(d_in.data(), in.data(), in.size() * 4, cudaMemcpyHostToDevice));
   for (bool bf16 : {true, false}) {
-    if (bf16) cpdispatch::cuda::kernels::convert_from_float_kernel<true><<<256, 256>>>(d_in.data(), d_out.data(), in.size());
-    else cpdispatch::cuda::kernels::convert_from_float_kernel<false><<<256, 256>>>(d_in.data(), d_out.data(), in.size());
-    CPDISPATCH_CUDA_CHECK_LAUNCH("convert_from_float_kernel");
+    cpdispatch::cuda::launch_kernel("convert_from_float_kernel",
+                                    bf16 ? &cpdispatch::cuda::kernels::convert_from_float_kernel<true>
+                                         : &cpdispatch::cuda::kernels::convert_from_float_kernel<false>,
+                                    256, 256, nullptr, d_in.data(), d_out.data(), std::uint64_t{in.size()});
     std::vector<std::uint16_t> out(in.size());
     CPDISPATCH_CUDA_CHECK(cudaMemcpy(out.data(), d_out.data(), out.size() * 2, cudaMemcpyDeviceToHost));
     std::size_t bad = 0;
@@ -517,7 +518,9 @@ TEST(DeviceSimGraph, CapturedForwardAndReverseReplayTheSameBytes) {
   const cpdispatch::cuda::DeviceSimGraph graph = world.capture(step);
   world.synchronize();
   for (std::size_t r = 0; r < U; ++r) {
-    if (q_back[r].size()) EXPECT_EQ(to_host(q_back[r].data(), 1)[0], std::byte{0xEE}) << "the capture ran the step, rank " << r;
+    if (q_back[r].size()) {
+      EXPECT_EQ(to_host(q_back[r].data(), 1)[0], std::byte{0xEE}) << "the capture ran the step, rank " << r;
+    }
   }
   // Replay: the same bytes; with new inputs, the new results (the graph reads the buffers when it runs).
   const cpdispatch::cuda::Stream stream;

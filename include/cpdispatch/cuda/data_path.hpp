@@ -22,7 +22,7 @@
 // Device transports must offer `cudaStream_t stream() const`: the stream
 // their work, and so the data path's, is ordered on.
 
-#if !defined(__CUDACC__)
+#if !defined(__CUDACC__) && !defined(CPDISPATCH_CUDA_HOST_HARNESS)
 #error "cpdispatch/cuda/data_path.hpp launches CUDA kernels: include it from a .cu file compiled by nvcc"
 #endif
 
