@@ -277,6 +277,10 @@ class DeviceSimTransport {
   void after_publish_of(std::size_t s);
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag);
   void sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count);
+  /// Replaces `buffer` by a larger one when it holds fewer than `bytes`, keeping the old one alive.
+  void grow(DeviceBuffer<std::byte>& buffer, std::size_t bytes);
+  /// count * element_size(type), or invalid_input naming `op` when it overflows.
+  std::size_t bytes_of(const char* op, std::size_t count, ElementType type);
 
   DeviceSimWorld& world_;
   int rank_;
@@ -425,6 +429,8 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
   std::vector<Event> joined_;     // per rank: its stream at the end of a capture
   std::vector<DeviceBuffer<std::byte>> scratch_;       // all_reduce results before they are written back
   std::vector<DeviceBuffer<std::byte>> accumulators_;  // sums over more than kernels::sum_sources_per_pass ranks
+  std::vector<DeviceBuffer<std::byte>> outgrown_;      // replaced scratch and accumulators: captured graphs may still use them
+  std::mutex outgrown_mutex_;
   std::vector<detail::device_sim::SimSlot> slots_;     // guarded by the world's mutex
   std::vector<std::unique_ptr<DeviceSimTransport>> transports_;  // last: made from the members above
 };
@@ -518,11 +524,29 @@ inline void DeviceSimTransport::broadcast(void* buf, std::size_t bytes, int root
   });
 }
 
+inline void DeviceSimTransport::grow(DeviceBuffer<std::byte>& buffer, std::size_t bytes) {
+  if (buffer.size() >= bytes) return;
+  DeviceBuffer<std::byte> bigger(bytes);
+  {
+    std::lock_guard lock(world_.outgrown_mutex_);
+    world_.outgrown_.push_back(std::move(buffer));  // a graph captured before may still read and write it
+  }
+  buffer = std::move(bigger);
+}
+
+inline std::size_t DeviceSimTransport::bytes_of(const char* op, std::size_t count, ElementType type) {
+  std::size_t bytes = 0;
+  if (__builtin_mul_overflow(count, element_size(type), &bytes)) {
+    fail(op, detail::concat(count, " elements of ", element_name(type), " overflow the size type"));
+  }
+  return bytes;
+}
+
 inline void DeviceSimTransport::sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count) {
   void* acc = nullptr;
   if (sources.size() > kernels::sum_sources_per_pass) {
     DeviceBuffer<std::byte>& a = world_.accumulators_[static_cast<std::size_t>(rank_)];
-    if (a.size() < count * 8) a.allocate(count * 8);
+    grow(a, count * 8);  // count * element size did not overflow, and elements are at least 1 byte: checked below 2^61
     acc = a.data();
   }
   launch_sum(type, out, acc, sources, count, stream());
@@ -530,10 +554,11 @@ inline void DeviceSimTransport::sum(ElementType type, void* out, std::span<const
 
 inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp) {
   const char* op = "all_reduce";
-  const std::size_t bytes = count * element_size(type);
+  const std::size_t bytes = bytes_of(op, count, type);
+  if (count > (std::size_t{1} << 60)) fail(op, detail::concat(count, " elements are more than the accumulators can hold"));
   DeviceBuffer<std::byte>& scratch = world_.scratch_[static_cast<std::size_t>(rank_)];
   collective({op, count, static_cast<int>(type), -1}, {.send = buf, .recv = buf}, [&] {
-    if (scratch.size() < bytes) scratch.allocate(bytes);
+    grow(scratch, bytes);
     sources_.assign(world_.slots_.size(), nullptr);
     for (std::size_t s = 0; s < sources_.size(); ++s) {
       after_publish_of(s);
@@ -548,7 +573,10 @@ inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, Element
 
 inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
   const char* op = "all_gather";
-  const std::size_t bytes = count_per_rank * element_size(type);
+  const std::size_t bytes = bytes_of(op, count_per_rank, type);
+  if (bytes > static_cast<std::size_t>(-1) / static_cast<std::size_t>(world_size())) {
+    fail(op, detail::concat(world_size(), " ranks x ", bytes, " bytes overflow the size type"));
+  }
   collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
     if (bytes == 0) return;
     for (std::size_t s = 0; s < world_.slots_.size(); ++s) {
@@ -561,7 +589,11 @@ inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::si
 
 inline void DeviceSimTransport::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp) {
   const char* op = "reduce_scatter";
-  const std::size_t bytes = count_per_rank * element_size(type);
+  const std::size_t bytes = bytes_of(op, count_per_rank, type);
+  if (count_per_rank > (std::size_t{1} << 60)) fail(op, detail::concat(count_per_rank, " elements are more than the accumulators can hold"));
+  if (bytes > static_cast<std::size_t>(-1) / static_cast<std::size_t>(world_size())) {
+    fail(op, detail::concat(world_size(), " ranks x ", bytes, " bytes overflow the size type"));
+  }
   collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
     sources_.assign(world_.slots_.size(), nullptr);
     for (std::size_t s = 0; s < sources_.size(); ++s) {

@@ -370,11 +370,12 @@ class Runtime {
     for (auto& s : streams) add(s.get(), "a");
     return out;
   }
-  cudaError_t drain_all(std::unique_lock<std::mutex>& lock) {
-    return drain(lock, [&] {
+  /// Runs the work of `device`'s streams (and the legacy stream) to the end.
+  cudaError_t drain_device(std::unique_lock<std::mutex>& lock, int device) {
+    return drain(lock, [this, device] {
       if (!legacy.queue.empty()) return false;
       for (auto& s : streams) {
-        if (!s->queue.empty()) return false;
+        if (s->device == device && !s->queue.empty()) return false;
       }
       return true;
     });
@@ -415,6 +416,27 @@ inline std::vector<std::string> take_violations() {
 }
 
 inline std::uint64_t seed() { return Runtime::get().seed; }
+
+/// Live device allocations: how many, and their bytes.
+inline std::pair<std::size_t, std::size_t> live_allocations() {
+  Runtime& rt = Runtime::get();
+  std::lock_guard lock(rt.mutex);
+  std::pair<std::size_t, std::size_t> out{0, 0};
+  for (const auto& [at, a] : rt.allocations) {
+    if (a.live) {
+      ++out.first;
+      out.second += a.size;
+    }
+  }
+  return out;
+}
+
+/// How long the scheduler waits for work that cannot run before calling it a deadlock.
+inline void set_stall_limit(std::chrono::milliseconds limit) {
+  Runtime& rt = Runtime::get();
+  std::lock_guard lock(rt.mutex);
+  rt.stall_limit = limit;
+}
 
 /// Locks the runtime for an API call.
 inline std::unique_lock<std::mutex> lock() { return std::unique_lock<std::mutex>(Runtime::get().mutex); }
@@ -497,6 +519,12 @@ inline const char* cudaGetErrorName(cudaError_t e) {
 inline const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
     case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered (cuda-cpu harness: see the violations printed)";
     case cudaErrorLaunchTimeout: return "no progress (cuda-cpu harness: a wait that can never be met)";
     case cudaErrorStreamCaptureUnjoined: return "capture was not joined back to the origin stream";
@@ -559,7 +587,7 @@ inline cudaError_t cudaFree(void* p) {
   auto l = lock();
   Runtime& rt = Runtime::get();
   if (rt.syncing_during_capture()) return fail(cudaErrorStreamCaptureUnsupported);
-  const cudaError_t rc = rt.drain_all(l);  // cudaFree waits for the device
+  const cudaError_t rc = rt.drain_device(l, current_device);  // cudaFree waits for the device
   auto it = rt.allocations.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == rt.allocations.end() || !it->second.live) {
     rt.violation(it == rt.allocations.end() ? "cudaFree of a pointer cudaMalloc did not return" : "cudaFree of freed device memory");
@@ -606,12 +634,25 @@ inline cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   const std::uint64_t target = s->enqueued;
   return fail(rt.drain(l, [s, target] { return s->completed >= target; }));
 }
+/// Runs what can run now, then says whether the stream's work is done.
+inline cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  using namespace cuda_harness;
+  auto l = lock();
+  Runtime& rt = Runtime::get();
+  Stream* s = rt.resolve(stream);
+  if (s->capture) return fail(rt.invalidate_all(cudaErrorStreamCaptureUnsupported));
+  const std::size_t before = rt.violations.size();
+  while (!s->queue.empty() && rt.step_any()) {
+  }
+  if (rt.violations.size() != before) return fail(cudaErrorIllegalAddress);
+  return s->queue.empty() ? cudaSuccess : cudaErrorNotReady;
+}
 inline cudaError_t cudaDeviceSynchronize() {
   using namespace cuda_harness;
   auto l = lock();
   Runtime& rt = Runtime::get();
   if (rt.syncing_during_capture()) return fail(cudaErrorStreamCaptureUnsupported);
-  return fail(rt.drain_all(l));
+  return fail(rt.drain_device(l, current_device));
 }
 
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {

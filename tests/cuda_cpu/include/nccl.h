@@ -144,6 +144,8 @@ inline State& state() {
 }
 
 inline thread_local std::string last_error;
+/// Test hook: the next ncclGroupEnd on this thread drops its group and returns this (ncclSuccess: none).
+inline thread_local ncclResult_t fail_next_group_end = ncclSuccess;
 inline thread_local int group_depth = 0;
 inline thread_local std::vector<Part> group;
 
@@ -500,6 +502,9 @@ inline ncclResult_t ncclGroupEnd() {
   if (--group_depth > 0) return ncclSuccess;
   std::vector<Part> parts = std::move(group);
   group.clear();
+  if (const ncclResult_t injected = std::exchange(fail_next_group_end, ncclSuccess); injected != ncclSuccess) {
+    return error(injected, "ncclGroupEnd: failure injected by the test");
+  }
   if (parts.empty()) return ncclSuccess;
   return submit(std::move(parts));
 }
