@@ -23,11 +23,14 @@
 // float16.hpp's own (__host__ __device__ under nvcc): device and host round
 // alike by construction.
 //
-// Bit-identical results need IEEE arithmetic on the device: --use_fast_math
-// (which implies --ftz=true) flushes subnormal fp32 values, and so bf16/fp16
-// subnormals in the combine's fp32 accumulation, to zero. It is refused at
-// compile time; define CPDISPATCH_ALLOW_FAST_MATH to accept results that
-// differ from the host's for subnormal values.
+// Bit-identical results need IEEE arithmetic: --use_fast_math (which implies
+// --ftz=true) flushes subnormal fp32 values, and so bf16/fp16 subnormals in
+// the combine's fp32 accumulation, to zero. Do not build device code with
+// it. It is refused at compile time where the compiler says so (__FAST_MATH__,
+// __USE_FAST_MATH__; nvcc 13 defines neither, so the project's CMake refuses
+// --use_fast_math and -ftz=true in CMAKE_CUDA_FLAGS); define
+// CPDISPATCH_ALLOW_FAST_MATH to accept results that differ from the host's
+// for subnormal values.
 //
 // Requires nvcc (kernels): include from a .cu translation unit. (The
 // project's tests also compile it with the host compiler against a CUDA
@@ -37,8 +40,8 @@
 #if !defined(__CUDACC__) && !defined(CPDISPATCH_CUDA_HOST_HARNESS)
 #error "cpdispatch/cuda/kernels.hpp holds CUDA kernels: include it from a .cu file compiled by nvcc"
 #endif
-#if defined(__USE_FAST_MATH__) && !defined(CPDISPATCH_ALLOW_FAST_MATH)
-#error "cpdispatch/cuda/kernels.hpp: compiled with --use_fast_math, which flushes bf16/fp16 subnormals to zero on the device and breaks the combine's bit-identical results; build without it, or define CPDISPATCH_ALLOW_FAST_MATH to accept the difference"
+#if (defined(__USE_FAST_MATH__) || defined(__FAST_MATH__)) && !defined(CPDISPATCH_ALLOW_FAST_MATH)
+#error "cpdispatch/cuda/kernels.hpp: compiled with fast math, which flushes bf16/fp16 subnormals to zero and breaks the combine's bit-identical results; build without it, or define CPDISPATCH_ALLOW_FAST_MATH to accept the difference"
 #endif
 
 #include <cuda_runtime.h>
