@@ -115,7 +115,7 @@ void expect_dispatch_matches_simulation(NcclComms& comms, std::uint64_t seed) {
   const int W = comms.size();
   const auto U = static_cast<std::size_t>(W);
   for (const auto& c : cptest::pair_cases(W, seed)) {
-    for (std::size_t tb : {2u, 12u, 1000u, 8192u}) {
+    for (std::size_t tb : cptest::sizes<std::size_t>({2, 12, 1000, 8192}, {12, 1000})) {
       SCOPED_TRACE(c.name + " token_bytes " + std::to_string(tb));
       const auto mlp = cptest::inputs_for(W, tb, seed, [&](int r) { return c.fwd.send_tokens(r); });
       const auto attention_in = cptest::inputs_for(W, tb, seed + 7, [&](int r) { return c.rev.send_tokens(r); });
@@ -169,7 +169,7 @@ void expect_dispatch_matches_simulation(NcclComms& comms, std::uint64_t seed) {
 TEST(NcclTransportOneRank, DispatcherMatchesTheHostSimulation) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   NcclComms comms(1);
-  for (std::uint64_t seed : {1u, 2u}) expect_dispatch_matches_simulation(comms, seed);
+  for (std::uint64_t seed : cptest::sizes<std::uint64_t>({1, 2}, {1})) expect_dispatch_matches_simulation(comms, seed);
 }
 
 TEST(NcclTransportOneRank, CollectivesAndPointToPoint) {
