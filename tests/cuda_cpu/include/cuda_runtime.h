@@ -88,7 +88,7 @@ inline thread_local dim3 grid_dim{1, 1, 1};
 #define gridDim (::cuda_harness::grid_dim)
 
 // ---- the runtime API's types -------------------------------------------------------
-enum cudaError_t {
+enum cudaError_t : int {  // a fixed type: any code converts (as from a real runtime)
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,

@@ -41,7 +41,7 @@
 #define NCCL_PATCH 5
 #define NCCL_VERSION_CODE 22105
 
-enum ncclResult_t {
+enum ncclResult_t : int {
   ncclSuccess = 0,
   ncclUnhandledCudaError = 1,
   ncclSystemError = 2,
