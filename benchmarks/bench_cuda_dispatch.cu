@@ -3,9 +3,10 @@
 // same bytes, in the same run.
 //
 //   bin/bench_cuda_dispatch [world_size=8] [tokens_per_rank=8192] [iterations=20]
+//   bin/bench_cuda_dispatch --check [world_size=4] [tokens_per_rank=256]
 //
 // Plan: create_qkv_dispatch(W, tokens_per_rank, 16 documents per rank,
-// max_cp_degree = min(W, 8)) -> plan_qkv. One step = Q forward, KV forward
+// max_cp_degree = the largest power of two <= min(W, 8)) -> plan_qkv. One step = Q forward, KV forward
 // (every copy), Q reverse, KV reverse into the [C][T] replica buffer, on
 // every rank: per rank and exchange, the pack kernel, one all_to_all_v
 // (device-to-device copies between the ranks' buffers), the copy to itself
@@ -14,7 +15,14 @@
 // Baseline, "same bytes": the same step with every stage replaced by ONE
 // cudaMemcpyAsync (device to device) of that stage's byte count on the
 // same rank's stream (pack bytes, exchanged bytes, bytes to itself, unpack
-// bytes): what moving those bytes costs when nothing is scattered.
+// bytes): what moving those bytes costs when nothing is scattered. Each
+// stage copies its own region of a buffer as large as the whole step moves,
+// as the dispatcher's stages do, so small stages do not stay in L2.
+//
+// --check: no timing; the step's results (Q and KV forward, Q and KV
+// reverse) compared byte for byte with the host dispatcher over the host sim
+// transport, and the baseline's regions checked to be disjoint. Exits 1 on
+// any difference.
 //
 // Both are captured once as CUDA graphs (DeviceSimWorld::capture: all ranks
 // in one graph) and replayed; a sample is one replay timed with CUDA events
@@ -31,13 +39,16 @@
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/transports/sim.hpp"
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -79,6 +90,13 @@ StageBytes stage_bytes(const cpdispatch::detail::ExchangePlan& ex) {
   b.self = sum_of(ex.self);
   b.unpack = ex.recv.direct ? 0 : sum_of(ex.recv.copies);
   return b;
+}
+
+/// The baseline's buffer: one region per stage, back to back.
+std::size_t baseline_bytes(const std::vector<std::size_t>& stages) {
+  std::size_t n = 0;
+  for (std::size_t s : stages) n += s;
+  return n;
 }
 
 /// Median milliseconds of `launch()` on `stream`, timed with events.
@@ -134,9 +152,9 @@ Row run(DeviceSimWorld& world, const cpdispatch::QkvMetadata& qkv, std::size_t t
     kv_mlp[r].allocate(kv[r]->required_bytes().mlp_bytes);
     kv_attn[r].allocate(kv[r]->required_bytes().attention_bytes);
     kv_replica[r].allocate(kv[r]->required_bytes().replica_bytes);
-    const std::size_t biggest = stages[r].empty() ? 0 : *std::max_element(stages[r].begin(), stages[r].end());
-    scratch_in[r].allocate(biggest);
-    scratch_out[r].allocate(biggest);
+    const std::size_t total = baseline_bytes(stages[r]);
+    scratch_in[r].allocate(total);
+    scratch_out[r].allocate(total);
     for (Bytes* b : {&q_mlp[r], &kv_mlp[r], &scratch_in[r]}) {
       if (b->size()) CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(b->data(), 0x3c, b->size(), t.stream()));
     }
@@ -151,8 +169,10 @@ Row run(DeviceSimWorld& world, const cpdispatch::QkvMetadata& qkv, std::size_t t
   };
   auto baseline = [&](DeviceSimTransport& t) {
     const auto r = static_cast<std::size_t>(t.rank());
-    for (std::size_t n : stages[r]) {
-      CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(scratch_out[r].data(), scratch_in[r].data(), n, cudaMemcpyDeviceToDevice, t.stream()));
+    std::size_t at = 0;
+    for (std::size_t n : stages[r]) {  // each stage its own region: nothing is read twice in one step
+      CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(scratch_out[r].data() + at, scratch_in[r].data() + at, n, cudaMemcpyDeviceToDevice, t.stream()));
+      at += n;
     }
   };
   world.run(step);  // warm-up (first-touch of everything)
@@ -193,9 +213,124 @@ Row run(DeviceSimWorld& world, const cpdispatch::QkvMetadata& qkv, std::size_t t
   return row;
 }
 
+/// The step on the device sim against the host dispatcher over the host sim, byte for byte.
+bool check(int W, const cpdispatch::QkvMetadata& qkv, std::size_t tb) {
+  const auto U = static_cast<std::size_t>(W);
+  using HostBytes = std::vector<std::byte>;
+  std::vector<HostBytes> q_in(U), kv_in(U), host_out(U * 4), device_out(U * 4);
+  auto pattern = [](std::size_t n, std::size_t salt) {
+    HostBytes b(n);
+    for (std::size_t i = 0; i < n; ++i) b[i] = static_cast<std::byte>((i * 131 + salt * 7 + (i >> 9)) & 0xff);
+    return b;
+  };
+  cpdispatch::SimWorld host(W);
+  host.run([&](cpdispatch::SimTransport& t) {
+    const auto r = static_cast<std::size_t>(t.rank());
+    Dispatcher q(t, qkv.q_fwd, qkv.q_rev, tb), kv(t, qkv.kv_fwd, qkv.kv_rev, tb);
+    q_in[r] = pattern(q.required_bytes().mlp_bytes, r);
+    kv_in[r] = pattern(kv.required_bytes().mlp_bytes, r + 100);
+    HostBytes q_attn(q.required_bytes().attention_bytes), kv_attn(kv.required_bytes().attention_bytes);
+    HostBytes q_back(q.required_bytes().replica_bytes), kv_replica(kv.required_bytes().replica_bytes);
+    q.forward(q_in[r], q_attn);
+    kv.forward(kv_in[r], kv_attn);
+    q.reverse(q_attn, q_back);
+    kv.reverse(kv_attn, kv_replica);
+    host_out[r * 4] = q_attn;
+    host_out[r * 4 + 1] = kv_attn;
+    host_out[r * 4 + 2] = q_back;
+    host_out[r * 4 + 3] = kv_replica;
+  });
+  DeviceSimWorld world(W);
+  world.run([&](DeviceSimTransport& t) {
+    const auto r = static_cast<std::size_t>(t.rank());
+    Dispatcher q(t, qkv.q_fwd, qkv.q_rev, tb), kv(t, qkv.kv_fwd, qkv.kv_rev, tb);
+    Bytes q_mlp(q_in[r].size()), kv_mlp(kv_in[r].size()), q_attn(q.required_bytes().attention_bytes),
+        kv_attn(kv.required_bytes().attention_bytes), q_back(q.required_bytes().replica_bytes), kv_replica(kv.required_bytes().replica_bytes);
+    q_mlp.upload(std::span<const std::byte>(q_in[r]), t.stream());
+    kv_mlp.upload(std::span<const std::byte>(kv_in[r]), t.stream());
+    for (Bytes* b : {&q_attn, &kv_attn, &q_back, &kv_replica}) {  // as the host's zeroed vectors: slots no copy fills stay 0
+      if (b->size()) CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(b->data(), 0, b->size(), t.stream()));
+    }
+    q.forward(DeviceConstBytes(q_mlp.span()), q_attn.span());
+    kv.forward(DeviceConstBytes(kv_mlp.span()), kv_attn.span());
+    q.reverse(DeviceConstBytes(q_attn.span()), q_back.span());
+    kv.reverse(DeviceConstBytes(kv_attn.span()), kv_replica.span());
+    t.barrier();  // no rank frees its buffers while another still reads them
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
+    const Bytes* outs[4] = {&q_attn, &kv_attn, &q_back, &kv_replica};
+    for (std::size_t k = 0; k < 4; ++k) {
+      device_out[r * 4 + k].resize(outs[k]->size());
+      if (outs[k]->size()) {
+        CPDISPATCH_CUDA_CHECK(cudaMemcpy(device_out[r * 4 + k].data(), outs[k]->data(), outs[k]->size(), cudaMemcpyDeviceToHost));
+      }
+    }
+    t.barrier();
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
+  });
+  bool same = true;
+  const char* names[4] = {"Q forward", "KV forward", "Q reverse", "KV reverse"};
+  for (std::size_t i = 0; i < host_out.size(); ++i) {
+    if (host_out[i] != device_out[i]) {
+      std::fprintf(stderr, "bench_cuda_dispatch --check: %s of rank %zu differs from the host dispatcher (token bytes %zu)\n", names[i % 4], i / 4, tb);
+      same = false;
+    }
+  }
+  return same;
+}
+
+/// The baseline copies every stage from its own region (no stage reads bytes another already brought into cache).
+bool check_baseline(int W, const cpdispatch::QkvMetadata& qkv, std::size_t tb) {
+  for (int r = 0; r < W; ++r) {
+    std::size_t moved = 0;
+    std::vector<std::size_t> stages;
+    for (const auto* pair : {&qkv.q_fwd, &qkv.kv_fwd}) {
+      const auto& rev = pair == &qkv.q_fwd ? qkv.q_rev : qkv.kv_rev;
+      const auto plan = cpdispatch::detail::plan_dispatch(pair->get_slice(r), rev.get_slice(r), tb, r, W);
+      for (const auto* ex : {&plan.forward, &plan.reverse}) {
+        const StageBytes b = stage_bytes(*ex);
+        for (std::size_t n : {b.pack, b.exchange, b.self, b.unpack}) {
+          if (n) stages.push_back(n);
+        }
+        moved += b.total();
+      }
+    }
+    if (baseline_bytes(stages) != moved) {
+      std::fprintf(stderr, "bench_cuda_dispatch --check: the baseline of rank %d covers %zu bytes, the step moves %zu\n", r, baseline_bytes(stages), moved);
+      return false;
+    }
+  }
+  return true;
+}
+
+/// --check [W] [tokens]: correctness only (any machine with the CUDA runtime, or the cuda-cpu harness).
+int run_check(int argc, char** argv) {
+  const int W = argc > 2 ? std::atoi(argv[2]) : 4;
+  const std::int64_t tokens = argc > 3 ? std::atoll(argv[3]) : 256;
+  if (W < 1 || tokens < 1) {
+    std::fprintf(stderr, "usage: %s --check [world_size>=1] [tokens_per_rank>=1]\n", argv[0]);
+    return 2;
+  }
+  std::int64_t cp = 1;
+  while (cp * 2 <= std::min(W, 8)) cp *= 2;
+  const std::int64_t T = std::max<std::int64_t>(tokens / cp * cp, cp);
+  const auto qkv = cpdispatch::plan_qkv(cpdispatch::create_qkv_dispatch(W, T, 4, cp, 2024));
+  bool ok = true;
+  for (std::size_t tb : {std::size_t{16}, std::size_t{1000}}) ok = check(W, qkv, tb) && check_baseline(W, qkv, tb) && ok;
+  std::printf("bench_cuda_dispatch --check: W %d, %lld tokens per rank: %s\n", W, static_cast<long long>(T), ok ? "identical to the host dispatcher" : "DIFFERENT");
+  return ok ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--check") {
+    try {
+      return run_check(argc, argv);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench_cuda_dispatch --check: %s\n", e.what());
+      return 1;
+    }
+  }
   const int W = argc > 1 ? std::atoi(argv[1]) : 8;
   const std::int64_t tokens = argc > 2 ? std::atoll(argv[2]) : 8192;
   const int iterations = argc > 3 ? std::atoi(argv[3]) : 20;

@@ -1,14 +1,23 @@
-# CUDA: the device data path (kernels), the single-GPU simulation and the
-# NCCL transport cpdispatch::nccl. Included from the top-level CMakeLists.txt,
-# because enable_language(CUDA) must run in the directory that holds every
-# target using the language (tests/ and benchmarks/ do).
+# CUDA: the device data path (kernels) and the single-GPU simulation, as
+# cpdispatch::cuda, and the NCCL transport cpdispatch::nccl when NCCL is
+# found too. Included from the top-level CMakeLists.txt, because
+# enable_language(CUDA) must run in the directory that holds every target
+# using the language (tests/ and benchmarks/ do).
 #
-#   CPDISPATCH_WITH_CUDA=AUTO  on when a CUDA compiler (nvcc), the CUDA toolkit
-#                              and NCCL are all found (default)
-#   CPDISPATCH_WITH_CUDA=ON    require them: anything missing is a configure error
+#   CPDISPATCH_WITH_CUDA=AUTO  on when a CUDA compiler (nvcc) and the CUDA
+#                              toolkit are found (default); NCCL is optional
+#   CPDISPATCH_WITH_CUDA=ON    require nvcc, the toolkit and NCCL: anything
+#                              missing is a configure error
 #   CPDISPATCH_WITH_CUDA=OFF   no CUDA at all (CUDA is never enabled)
 #
-# Sets CPDISPATCH_CUDA_ENABLED (ON/OFF) and defines cpdispatch_cuda_target().
+# Sets CPDISPATCH_CUDA_ENABLED and CPDISPATCH_NCCL_ENABLED (ON/OFF), defines
+# the target cpdispatch::cuda (the CUDA runtime; build-tree only for now) and
+# cpdispatch_cuda_target().
+#
+# --use_fast_math (or -ftz=true) in CMAKE_CUDA_FLAGS is refused: it flushes
+# bf16/fp16 subnormals in the device combine and breaks its bit-identical
+# results (nvcc defines no macro the headers could test). Set
+# CPDISPATCH_ALLOW_FAST_MATH=ON to accept that.
 # Architectures: CMAKE_CUDA_ARCHITECTURES (or the CUDAARCHS environment
 # variable) when given, otherwise "90-real;90-virtual": native code for sm_90
 # (H100/H200) plus PTX that newer GPUs compile at load time. One architecture
@@ -63,14 +72,32 @@ if(_cpd_with_cuda STREQUAL "ON")
 else()
   find_package(NCCL QUIET)
 endif()
-if(NOT NCCL_FOUND)
+if(NOT NCCL_FOUND AND _cpd_with_cuda STREQUAL "ON")
   _cpd_cuda_missing("NCCL was not found (nccl.h and libnccl; set NCCL_ROOT, or Debian: libnccl-dev)")
 endif()
 
+option(CPDISPATCH_ALLOW_FAST_MATH "Accept --use_fast_math / -ftz=true in CMAKE_CUDA_FLAGS (the device combine is then not bit-identical for subnormals)" OFF)
+if(CMAKE_CUDA_FLAGS MATCHES "(use_fast_math|ftz=true)" AND NOT CPDISPATCH_ALLOW_FAST_MATH)
+  message(FATAL_ERROR "cpdispatch: CMAKE_CUDA_FLAGS has --use_fast_math or -ftz=true, which flushes bf16/fp16 subnormals to zero on the "
+                      "device and breaks the combine's bit-identical results; remove it, or set CPDISPATCH_ALLOW_FAST_MATH=ON")
+endif()
+
 set(CPDISPATCH_CUDA_ENABLED ON)
-message(STATUS "cpdispatch: CUDA enabled (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}, "
-               "NCCL ${NCCL_VERSION})")
+set(CPDISPATCH_NCCL_ENABLED ${NCCL_FOUND})
+if(NCCL_FOUND)
+  message(STATUS "cpdispatch: CUDA enabled (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}, "
+                 "NCCL ${NCCL_VERSION})")
+else()
+  message(STATUS "cpdispatch: CUDA enabled (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}); "
+                 "NCCL was not found, cpdispatch::nccl is not built")
+endif()
 unset(_cpd_with_cuda)
+
+# cpdispatch::cuda: the device data path and the device sim (headers in
+# include/cpdispatch/cuda/, kernels included from .cu files) over the CUDA runtime.
+add_library(cpdispatch_cuda INTERFACE)
+add_library(cpdispatch::cuda ALIAS cpdispatch_cuda)
+target_link_libraries(cpdispatch_cuda INTERFACE cpdispatch CUDA::cudart)
 
 # For the project's own CUDA targets (tests, benchmarks): C++20 for .cu
 # files, and warnings as errors on the host code nvcc hands to the host

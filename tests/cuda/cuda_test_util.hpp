@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,21 @@
 #include "cpdispatch/cuda/memory.hpp"
 
 namespace cptest {
+
+/// True when the tests run on the CPU against the CUDA runtime double
+/// (tests/cuda_cpu): there every test runs under three scheduler seeds, on
+/// one core, so the tests pick smaller sizes (the same cases, fewer bytes).
+#ifdef CPDISPATCH_CUDA_HOST_HARNESS
+inline constexpr bool cpu_harness = true;
+#else
+inline constexpr bool cpu_harness = false;
+#endif
+
+/// `gpu` on a GPU, `cpu` under the harness.
+template <class T>
+std::vector<T> sizes(std::initializer_list<T> gpu, std::initializer_list<T> cpu) {
+  return cpu_harness ? std::vector<T>(cpu) : std::vector<T>(gpu);
+}
 
 /// Empty when a CUDA device can be used; otherwise why not, starting with
 /// "no CUDA device" (the reason CI machines, which have nvcc but no GPU, give).

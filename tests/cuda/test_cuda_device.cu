@@ -122,12 +122,12 @@ void combine_on_host(const cpdispatch::RankMetadata& rev, const std::byte* repli
 }
 
 TEST(WarpLogicOnTheHost, CombineMatchesTheHostCombineBitForBit) {
-  for (int W : {1, 3, 4}) {
+  for (int W : cptest::sizes({1, 3, 4}, {3})) {
     for (const auto& c : cptest::pair_cases(W, 9)) {
       if (!c.kv) continue;
       for (auto type : {ElementType::float32, ElementType::float64, ElementType::bfloat16, ElementType::float16}) {
         const std::size_t es = cpdispatch::element_size(type);
-        for (std::size_t elems : {1u, 3u, 8u, 24u, 2100u}) {  // 2100 x 8 bytes crosses chunk boundaries
+        for (std::size_t elems : cptest::sizes<std::size_t>({1, 3, 8, 24, 2100}, {3, 24, 1100})) {  // x 8 bytes crosses chunk boundaries
           for (std::size_t shift : {std::size_t{0}, es}) {     // replica at 16 bytes, or off by one element (scalar path)
             const std::size_t tb = elems * es;
             SCOPED_TRACE(c.name + " W " + std::to_string(W) + " " + cpdispatch::element_name(type) + " token_bytes " + std::to_string(tb) +
@@ -223,7 +223,7 @@ TEST(DeviceKernels, SixteenBitConversionsMatchTheHostBitForBit) {
     std::memcpy(&f, &bits, 4);
     in.push_back(f);
   }
-  for (std::uint64_t i = 0; i < (1u << 20); ++i) {
+  for (std::uint64_t i = 0; i < (cptest::cpu_harness ? 1u << 16 : 1u << 20); ++i) {
     const auto bits = static_cast<std::uint32_t>(i * 4093u + (i >> 7));  // spread over every exponent and the rounding bits
     float f;
     std::memcpy(&f, &bits, 4);
@@ -233,9 +233,10 @@ TEST(DeviceKernels, SixteenBitConversionsMatchTheHostBitForBit) {
   DeviceBuffer<std::uint16_t> d_out(in.size());
   CPDISPATCH_CUDA_CHECK(cudaMemcpy(d_in.data(), in.data(), in.size() * 4, cudaMemcpyHostToDevice));
   for (bool bf16 : {true, false}) {
-    if (bf16) cpdispatch::cuda::kernels::convert_from_float_kernel<true><<<256, 256>>>(d_in.data(), d_out.data(), in.size());
-    else cpdispatch::cuda::kernels::convert_from_float_kernel<false><<<256, 256>>>(d_in.data(), d_out.data(), in.size());
-    CPDISPATCH_CUDA_CHECK_LAUNCH("convert_from_float_kernel");
+    cpdispatch::cuda::launch_kernel("convert_from_float_kernel",
+                                    bf16 ? &cpdispatch::cuda::kernels::convert_from_float_kernel<true>
+                                         : &cpdispatch::cuda::kernels::convert_from_float_kernel<false>,
+                                    256, 256, nullptr, d_in.data(), d_out.data(), std::uint64_t{in.size()});
     std::vector<std::uint16_t> out(in.size());
     CPDISPATCH_CUDA_CHECK(cudaMemcpy(out.data(), d_out.data(), out.size() * 2, cudaMemcpyDeviceToHost));
     std::size_t bad = 0;
@@ -263,7 +264,7 @@ TEST(DeviceKernels, CopyPiecesOfEveryLengthAndAlignment) {
         // Pieces of 0 .. 40000 bytes at every offset modulo 16, disjoint destinations.
         std::vector<cpdispatch::detail::CopyPiece> pieces;
         std::size_t at = 0;
-        for (std::uint64_t i = 0; i < 300; ++i) {
+        for (std::uint64_t i = 0; i < (cptest::cpu_harness ? 60 : 300); ++i) {
           const std::uint64_t h = mix(i * 31 + src_base * 7 + dst_base);
           const std::size_t len = i % 10 == 0 ? 30000 + h % 10001 : h % 700;
           const std::size_t from = (h >> 20) % (src_bytes - len);
@@ -337,10 +338,10 @@ TEST_P(DeviceSimDispatch, ByteIdenticalToTheHostSimulation) {
   const int W = GetParam();
   const auto U = static_cast<std::size_t>(W);
   DeviceSimWorld world(W, guarded());
-  for (std::uint64_t seed : {1u, 2u}) {
+  for (std::uint64_t seed : cptest::sizes<std::uint64_t>({1, 2}, {1})) {
     for (const auto& c : cptest::pair_cases(W, seed)) {
       // Token widths from 2 bytes to 8 KiB, aligned to 16 and not.
-      for (std::size_t tb : {2u, 3u, 12u, 16u, 100u, 1000u, 1024u, 4100u, 8192u}) {
+      for (std::size_t tb : cptest::sizes<std::size_t>({2, 3, 12, 16, 100, 1000, 1024, 4100, 8192}, {3, 16, 1000})) {
         SCOPED_TRACE(c.name + " seed " + std::to_string(seed) + " token_bytes " + std::to_string(tb));
         const auto mlp = cptest::inputs_for(W, tb, seed, [&](int r) { return c.fwd.send_tokens(r); });
         const auto attention_in = cptest::inputs_for(W, tb, seed + 7, [&](int r) { return c.rev.send_tokens(r); });
@@ -389,12 +390,12 @@ TEST_P(DeviceSimDispatch, KvCombineMatchesTheHostCombine) {
   const int W = GetParam();
   const auto U = static_cast<std::size_t>(W);
   DeviceSimWorld world(W, guarded());
-  for (std::uint64_t seed : {4u, 5u}) {
+  for (std::uint64_t seed : cptest::sizes<std::uint64_t>({4, 5}, {4})) {
     for (const auto& c : cptest::pair_cases(W, seed)) {
       if (!c.kv) continue;
       for (auto type : {ElementType::float32, ElementType::float64, ElementType::bfloat16, ElementType::float16}) {
         // 16-byte aligned tokens (vector path) and not (scalar path).
-        for (std::size_t elems : {8u, 3u, 520u}) {
+        for (std::size_t elems : cptest::sizes<std::size_t>({8, 3, 520}, {8})) {
           const std::size_t tb = elems * cpdispatch::element_size(type);
           for (bool exact : {true, false}) {
             SCOPED_TRACE(c.name + " seed " + std::to_string(seed) + " " + cpdispatch::element_name(type) + " token_bytes " +
@@ -517,7 +518,9 @@ TEST(DeviceSimGraph, CapturedForwardAndReverseReplayTheSameBytes) {
   const cpdispatch::cuda::DeviceSimGraph graph = world.capture(step);
   world.synchronize();
   for (std::size_t r = 0; r < U; ++r) {
-    if (q_back[r].size()) EXPECT_EQ(to_host(q_back[r].data(), 1)[0], std::byte{0xEE}) << "the capture ran the step, rank " << r;
+    if (q_back[r].size()) {
+      EXPECT_EQ(to_host(q_back[r].data(), 1)[0], std::byte{0xEE}) << "the capture ran the step, rank " << r;
+    }
   }
   // Replay: the same bytes; with new inputs, the new results (the graph reads the buffers when it runs).
   const cpdispatch::cuda::Stream stream;

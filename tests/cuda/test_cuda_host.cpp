@@ -217,7 +217,7 @@ TEST(NormalizeSlice, KernelDtypesOfARealPlan) {
   EXPECT_EQ(n.rank, 2);
   EXPECT_EQ(n.world_size, 4);
   ASSERT_EQ(n.seq_len.size(), rev.seq_len.size());
-  for (std::size_t i = 0; i < rev.seq_len.size(); ++i) EXPECT_EQ(n.seq_len[i], static_cast<std::uint32_t>(rev.seq_len[i]));
+  for (std::size_t i = 0; i < rev.seq_len.size(); ++i) EXPECT_EQ(n.seq_len[i], static_cast<std::uint64_t>(rev.seq_len[i]));
   for (std::size_t i = 0; i < rev.dst_rank.size(); ++i) EXPECT_EQ(n.dst_rank[i], static_cast<std::int32_t>(rev.dst_rank[i]));
   ASSERT_EQ(n.seq_recv_mask.size(), rev.seq_recv_mask->size());
   for (std::size_t i = 0; i < n.seq_recv_mask.size(); ++i) EXPECT_EQ(n.seq_recv_mask[i], (*rev.seq_recv_mask)[i]);
@@ -228,12 +228,12 @@ TEST(NormalizeSlice, KernelDtypesOfARealPlan) {
 TEST(NormalizeSlice, ValuesOutsideTheKernelDtypesNameTheField) {
   const auto qkv = cpdispatch::plan_qkv(cpdispatch::create_qkv_dispatch(2, 16, 2, 2, 3));
   cpdispatch::RankMetadata m = qkv.kv_fwd.get_slice(0);
-  m.dst_offset[1] = std::int64_t{1} << 32;
+  m.dst_offset[1] = -1;
   try {
     (void)cpdispatch::cuda::normalize_slice(m, "kv_fwd");
     FAIL() << "no exception";
   } catch (const cpdispatch::invalid_input& e) {
-    EXPECT_THAT(std::string(e.what()), HasSubstr("kv_fwd.dst_offset[1] = 4294967296 does not fit the kernel dtype (range [0, 4294967295])"));
+    EXPECT_THAT(std::string(e.what()), HasSubstr("kv_fwd.dst_offset[1] = -1 does not fit the kernel dtype (range [0, 9223372036854775807])"));
   }
   m = qkv.kv_fwd.get_slice(0);
   m.dst_rank[0] = 2;
@@ -246,6 +246,22 @@ TEST(NormalizeSlice, ValuesOutsideTheKernelDtypesNameTheField) {
   } catch (const cpdispatch::invalid_input& e) {
     EXPECT_THAT(std::string(e.what()), HasSubstr("kv_rev.seq_recv_mask[0] = 2 does not fit"));
   }
+}
+
+TEST(NormalizeSlice, AcceptsOffsetsAndLengthsBeyond32BitsAsTheHostDoes) {
+  const auto qkv = cpdispatch::plan_qkv(cpdispatch::create_qkv_dispatch(2, 16, 2, 2, 3));
+  cpdispatch::RankMetadata m = qkv.kv_rev.get_slice(0);
+  const std::int64_t big = (std::int64_t{1} << 32) + 7;
+  m.dst_offset[0] = big;
+  m.seq_len[0] = big;
+  (*m.recv_seq_lens)[0] = big;
+  const auto n = cpdispatch::cuda::normalize_slice(m, "kv_rev");
+  EXPECT_EQ(n.dst_offset[0], static_cast<std::uint64_t>(big));
+  EXPECT_EQ(n.seq_len[0], static_cast<std::uint64_t>(big));
+  EXPECT_EQ(n.recv_seq_lens[0], static_cast<std::uint64_t>(big));
+  // The combine's work split covers such a shard too (in chunks of at most combine_chunk_bytes).
+  const auto plan = cpdispatch::cuda::plan_combine_chunks(n, 2);
+  EXPECT_GE(plan.slab_bytes, static_cast<std::uint64_t>(big) * 2);
 }
 
 TEST(CombineChunks, CoverEveryShardInBytes) {

@@ -9,10 +9,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstddef>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,41 +44,58 @@ using DeviceBytesBuffer = DeviceBuffer<std::byte>;
 /// One communicator per GPU 0..n-1 of this process (ncclCommInitAll).
 class NcclComms {
  public:
-  explicit NcclComms(int n) : comms_(static_cast<std::size_t>(n)), devices_(static_cast<std::size_t>(n)) {
+  explicit NcclComms(int n) : comms_(static_cast<std::size_t>(n)), devices_(static_cast<std::size_t>(n)), aborted_(static_cast<std::size_t>(n)) {
     for (int d = 0; d < n; ++d) devices_[static_cast<std::size_t>(d)] = d;
     CPDISPATCH_NCCL_CHECK(ncclCommInitAll(comms_.data(), n, devices_.data()));
   }
   NcclComms(const NcclComms&) = delete;
   NcclComms& operator=(const NcclComms&) = delete;
   ~NcclComms() {
-    if (aborted_) return;  // ncclCommAbort freed them
-    for (ncclComm_t c : comms_) (void)ncclCommDestroy(c);
+    for (std::size_t r = 0; r < comms_.size(); ++r) {
+      if (!aborted_[r]) (void)ncclCommDestroy(comms_[r]);  // ncclCommAbort freed the others
+    }
   }
   int size() const { return static_cast<int>(comms_.size()); }
 
   /// Runs f(transport) for every rank on its own thread and GPU, then waits
-  /// for the streams. A failing rank aborts the communicators (so no rank
-  /// hangs on it) and its exception is rethrown.
+  /// for the streams. A failing rank aborts its own communicator, and the
+  /// others abort theirs when they see it, each thread touching only its own
+  /// (ncclCommAbort on a communicator another thread still uses is a race).
+  /// The first exception is rethrown; the communicators are then unusable.
   template <class F>
   void run(F f) {
     std::mutex mutex;
     std::exception_ptr first;
+    std::atomic<bool> failed{false};
     std::vector<std::thread> threads;
     for (int r = 0; r < size(); ++r) {
       threads.emplace_back([&, r] {
-        try {
-          CPDISPATCH_CUDA_CHECK(cudaSetDevice(devices_[static_cast<std::size_t>(r)]));
-          const cpdispatch::cuda::Stream stream;
-          NcclTransport t(comms_[static_cast<std::size_t>(r)], stream.get());
-          f(t);
-          stream.synchronize();
-        } catch (...) {
+        const auto me = static_cast<std::size_t>(r);
+        auto give_up = [&] {  // abort our own communicator before anything of ours is released
+          failed = true;
+          if (!aborted_[me]) (void)ncclCommAbort(comms_[me]);
+          aborted_[me] = true;
           std::lock_guard lock(mutex);
-          if (!first) {
-            first = std::current_exception();
-            for (ncclComm_t c : comms_) (void)ncclCommAbort(c);
-            aborted_ = true;
+          if (!first) first = std::current_exception();
+        };
+        try {
+          CPDISPATCH_CUDA_CHECK(cudaSetDevice(devices_[me]));
+          const cpdispatch::cuda::Stream stream;
+          NcclTransport t(comms_[me], stream.get());
+          try {
+            f(t);
+            // Poll rather than block: a peer's failure must be able to end the wait.
+            cudaError_t rc;
+            while ((rc = cudaStreamQuery(stream.get())) == cudaErrorNotReady) {
+              if (failed) throw std::runtime_error("rank " + std::to_string(r) + " stopped: another rank failed");
+              std::this_thread::yield();
+            }
+            CPDISPATCH_CUDA_CHECK(rc);
+          } catch (...) {
+            give_up();
           }
+        } catch (...) {
+          give_up();
         }
       });
     }
@@ -86,7 +106,7 @@ class NcclComms {
  private:
   std::vector<ncclComm_t> comms_;
   std::vector<int> devices_;
-  bool aborted_ = false;
+  std::vector<char> aborted_;  // per rank, written by that rank's thread only
 };
 
 /// Forward and reverse of every pair case, and the combine of the KV ones,
@@ -95,7 +115,7 @@ void expect_dispatch_matches_simulation(NcclComms& comms, std::uint64_t seed) {
   const int W = comms.size();
   const auto U = static_cast<std::size_t>(W);
   for (const auto& c : cptest::pair_cases(W, seed)) {
-    for (std::size_t tb : {2u, 12u, 1000u, 8192u}) {
+    for (std::size_t tb : cptest::sizes<std::size_t>({2, 12, 1000, 8192}, {12, 1000})) {
       SCOPED_TRACE(c.name + " token_bytes " + std::to_string(tb));
       const auto mlp = cptest::inputs_for(W, tb, seed, [&](int r) { return c.fwd.send_tokens(r); });
       const auto attention_in = cptest::inputs_for(W, tb, seed + 7, [&](int r) { return c.rev.send_tokens(r); });
@@ -149,7 +169,7 @@ void expect_dispatch_matches_simulation(NcclComms& comms, std::uint64_t seed) {
 TEST(NcclTransportOneRank, DispatcherMatchesTheHostSimulation) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   NcclComms comms(1);
-  for (std::uint64_t seed : {1u, 2u}) expect_dispatch_matches_simulation(comms, seed);
+  for (std::uint64_t seed : cptest::sizes<std::uint64_t>({1, 2}, {1})) expect_dispatch_matches_simulation(comms, seed);
 }
 
 TEST(NcclTransportOneRank, CollectivesAndPointToPoint) {
@@ -232,13 +252,41 @@ TEST(NcclTransportOneRank, GraphCaptureOfAWholeStepReplaysTheSameBytes) {
   });
 }
 
-TEST(NcclTransportMultiGpu, DispatcherMatchesTheHostSimulation) {
+/// W ranks, one per GPU: the dispatcher byte for byte against the host simulation.
+class NcclTransportWorlds : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(Gpus, NcclTransportWorlds, ::testing::Values(2, 3, 4, 5, 6, 7, 8),
+                         [](const ::testing::TestParamInfo<int>& info) { return std::string("W").append(std::to_string(info.param)); });
+
+TEST_P(NcclTransportWorlds, DispatcherMatchesTheHostSimulation) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const int W = GetParam();
+  int count = 0;
+  CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (count < W) GTEST_SKIP() << "needs " << W << " CUDA devices (this machine has " << count << ")";
+  NcclComms comms(W);
+  expect_dispatch_matches_simulation(comms, 3 + static_cast<std::uint64_t>(W));
+}
+
+TEST(NcclTransportFailure, AFailingRankEndsTheRunWithoutTouchingOtherRanksCommunicators) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   int count = 0;
   CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
-  if (count < 2) GTEST_SKIP() << "needs at least 2 CUDA devices (this machine has " << count << ")";
-  NcclComms comms(count < 8 ? count : 8);
-  expect_dispatch_matches_simulation(comms, 3);
+  if (count < 2) GTEST_SKIP() << "needs 2 CUDA devices (this machine has " << count << ")";
+  NcclComms comms(2);
+  std::atomic<bool> thrown{false};
+  DeviceBytesBuffer word(64);  // freed after the run: cudaFree waits for the device
+  const std::string what = cptest::message_of<std::runtime_error>([&] {
+    comms.run([&](NcclTransport& t) {
+      if (t.rank() == 1) {
+        thrown = true;
+        throw std::runtime_error("rank 1 fails before its all_reduce");
+      }
+      while (!thrown) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 1's failure handling has run
+      t.all_reduce(word.data(), 16, ElementType::float32, cpdispatch::ReduceOp::sum);  // its communicator must still be valid
+    });
+  });
+  EXPECT_THAT(what, ::testing::HasSubstr("rank 1 fails before its all_reduce"));
 }
 
 }  // namespace

@@ -10,9 +10,11 @@
 //   q.forward(cuda::DeviceConstBytes(mlp, n), cuda::DeviceBytes(attn, m));
 //
 // At construction (once per plan) the data path splits each of the plan's six
-// piece lists into warp-sized chunks and uploads them, uploads the reverse
-// metadata the combine reads (normalised dtypes), and allocates the
-// dispatcher's own staging, all on the transport's stream. Each dispatcher
+// piece lists into warp-sized chunks and uploads them, splits the combine
+// into chunks and uploads them with the one array of the reverse metadata the
+// combine kernel reads (seq_recv_mask), and allocates the dispatcher's own
+// staging, all on the transport's stream. Offsets and lengths stay 64-bit:
+// every plan the host path accepts, the device path accepts. Each dispatcher
 // call then launches the copy kernel for the pack, the traffic to itself and
 // the unpack, and the combine kernel, on that stream: no allocation, no host
 // synchronisation, no host access to device memory, so whole calls can be
@@ -22,7 +24,7 @@
 // Device transports must offer `cudaStream_t stream() const`: the stream
 // their work, and so the data path's, is ordered on.
 
-#if !defined(__CUDACC__)
+#if !defined(__CUDACC__) && !defined(CPDISPATCH_CUDA_HOST_HARNESS)
 #error "cpdispatch/cuda/data_path.hpp launches CUDA kernels: include it from a .cu file compiled by nvcc"
 #endif
 
@@ -32,11 +34,9 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <span>
 #include <vector>
 
-#include "cpdispatch/cuda/device_metadata.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
@@ -84,11 +84,16 @@ class data_path<MemorySpace::device> {
     }
     chunks_.allocate(host_chunks_.size());
     chunks_.upload(std::span<const cuda::CopyChunk>(host_chunks_), stream_);
-    if (rev.seq_recv_mask) {  // reverse KV: the combine's metadata and chunks
-      metadata_.emplace(rev, stream_, "rev");
-      combine_plan_ = cuda::plan_combine_chunks(metadata_->host(), token_bytes);
+    if (rev.seq_recv_mask) {  // reverse KV: the combine's chunks and mask
+      cuda::NormalizedRankMetadata n = cuda::normalize_slice(rev, "rev");
+      combine_plan_ = cuda::plan_combine_chunks(n, token_bytes);
       combine_chunks_.allocate(combine_plan_.chunks.size());
       combine_chunks_.upload(std::span<const cuda::CombineChunk>(combine_plan_.chunks), stream_);
+      mask_copies_ = n.mask_copies;
+      host_mask_ = std::move(n.seq_recv_mask);
+      mask_.allocate(host_mask_.size());
+      mask_.upload(std::span<const std::uint8_t>(host_mask_), stream_);
+      has_combine_ = true;
     }
     staging_.allocate(staging_bytes);
   }
@@ -106,22 +111,21 @@ class data_path<MemorySpace::device> {
   }
 
   /// The KV-gradient combine on the device: same order and accumulation as
-  /// combine_copies (bit-identical for finite values).
+  /// combine_copies (bit-identical for finite values; integers wrap).
   void combine(const RankMetadata&, const_buffer replica, mutable_buffer grad, std::size_t token_bytes, ElementType type) const {
     const std::size_t es = element_size(type);
-    if (!metadata_) fail("device data path: the combine needs reverse KV metadata (with seq_recv_mask)");
-    if (!is_floating(type)) fail("device data path: the combine sums floating-point gradients, not ", element_name(type));
+    if (!has_combine_) fail("device data path: the combine needs reverse KV metadata (with seq_recv_mask)");
     if (token_bytes % es != 0 || reinterpret_cast<std::uintptr_t>(replica.data()) % es != 0 ||
         reinterpret_cast<std::uintptr_t>(grad.data()) % es != 0) {
       fail("device data path: the combine of ", element_name(type), " needs token_bytes and both buffers aligned to ", es, " bytes");
     }
-    const std::uint64_t copies = metadata_->host().mask_copies;
+    const std::uint64_t copies = mask_copies_;
     if (replica.size() < combine_plan_.slab_bytes * copies || grad.size() < combine_plan_.slab_bytes) {
       fail<capacity_error>("device data path: the combine needs ", combine_plan_.slab_bytes * copies, " bytes of replica and ",
                            combine_plan_.slab_bytes, " of grad, got ", replica.size(), " and ", grad.size());
     }
     cuda::launch_combine(type, replica.data(), grad.data(), combine_chunks_.data(), combine_plan_.chunks.size(), combine_plan_.slab_bytes,
-                         metadata_->view().seq_recv_mask, metadata_->host().mask_copies, stream_);
+                         mask_.data(), mask_copies_, stream_);
   }
 
   /// The dispatcher-owned staging, allocated at construction.
@@ -152,7 +156,10 @@ class data_path<MemorySpace::device> {
   std::array<List, 6> lists_{};
   std::vector<cuda::CopyChunk> host_chunks_;  // kept: the stream-ordered upload reads it
   cuda::DeviceBuffer<cuda::CopyChunk> chunks_;
-  std::optional<cuda::DeviceRankMetadata> metadata_;
+  bool has_combine_ = false;
+  std::uint32_t mask_copies_ = 0;
+  std::vector<std::uint8_t> host_mask_;  // kept: the stream-ordered upload reads it
+  cuda::DeviceBuffer<std::uint8_t> mask_;
   cuda::CombinePlan combine_plan_;
   cuda::DeviceBuffer<cuda::CombineChunk> combine_chunks_;
   cuda::DeviceBuffer<std::byte> staging_;

@@ -1,6 +1,6 @@
 #pragma once
-// One rank's metadata slice on the device, in the kernel dtypes (int32
-// ranks, uint32 offsets and lengths, uint64 counts, uint8 masks): normalised
+// One rank's metadata slice on the device, in the device dtypes (int32
+// ranks, 64-bit offsets, lengths and counts, uint8 masks): normalised
 // and copied once per plan, then reused by every step (RAII device buffers).
 //
 //   cuda::DeviceRankMetadata rev(qkv.kv_rev.get_slice(rank), stream, "kv_rev");
@@ -25,11 +25,11 @@ namespace cpdispatch::cuda {
 /// What kernels take (by value): device pointers and sizes of one slice.
 struct DeviceRankMetadataView {
   const std::int32_t* dst_rank = nullptr;         ///< [entries * num_copies], -1 = no copy
-  const std::uint32_t* dst_offset = nullptr;      ///< [entries * num_copies], tokens
-  const std::uint32_t* seq_len = nullptr;         ///< [entries], tokens
+  const std::uint64_t* dst_offset = nullptr;      ///< [entries * num_copies], tokens
+  const std::uint64_t* seq_len = nullptr;         ///< [entries], tokens
   const std::uint64_t* num_recv_tokens = nullptr; ///< [world_size + 1]
   const std::uint8_t* seq_recv_mask = nullptr;    ///< [shards * mask_copies] (reverse KV) or null
-  const std::uint32_t* recv_seq_lens = nullptr;   ///< [shards] (reverse KV) or null
+  const std::uint64_t* recv_seq_lens = nullptr;   ///< [shards] (reverse KV) or null
   std::uint32_t num_entries = 0;
   std::uint32_t num_copies = 1;
   std::uint32_t num_shards = 0;
@@ -82,11 +82,11 @@ class DeviceRankMetadata {
 
   NormalizedRankMetadata host_;  // kept: the stream-ordered uploads read it
   DeviceBuffer<std::int32_t> dst_rank_;
-  DeviceBuffer<std::uint32_t> dst_offset_;
-  DeviceBuffer<std::uint32_t> seq_len_;
+  DeviceBuffer<std::uint64_t> dst_offset_;
+  DeviceBuffer<std::uint64_t> seq_len_;
   DeviceBuffer<std::uint64_t> num_recv_tokens_;
   DeviceBuffer<std::uint8_t> seq_recv_mask_;
-  DeviceBuffer<std::uint32_t> recv_seq_lens_;
+  DeviceBuffer<std::uint64_t> recv_seq_lens_;
 };
 
 }  // namespace cpdispatch::cuda

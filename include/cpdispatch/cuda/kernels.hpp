@@ -7,8 +7,8 @@
 //   launch_combine  the KV-gradient combine: per element, the sum of the
 //                   returned copies in ascending copy order; fp32 accumulation
 //                   for bf16/fp16, rounding as cpdispatch::bfloat16/float16 do
-//   launch_sum      element-wise sum of W buffers in rank order (the device
-//                   sim's reductions), with the sim transport's semantics
+//
+// (The device sim's reduction kernel lives with the device sim, cuda/sim.hpp.)
 //
 // Every kernel reads and writes each byte once, with 16-byte accesses where
 // the addresses allow and narrower ones (down to single bytes) where they do
@@ -23,10 +23,25 @@
 // float16.hpp's own (__host__ __device__ under nvcc): device and host round
 // alike by construction.
 //
-// Requires nvcc (kernels): include from a .cu translation unit.
+// Bit-identical results need IEEE arithmetic: --use_fast_math (which implies
+// --ftz=true) flushes subnormal fp32 values, and so bf16/fp16 subnormals in
+// the combine's fp32 accumulation, to zero. Do not build device code with
+// it. It is refused at compile time where the compiler says so (__FAST_MATH__,
+// __USE_FAST_MATH__; nvcc 13 defines neither, so the project's CMake refuses
+// --use_fast_math and -ftz=true in CMAKE_CUDA_FLAGS); define
+// CPDISPATCH_ALLOW_FAST_MATH to accept results that differ from the host's
+// for subnormal values.
+//
+// Requires nvcc (kernels): include from a .cu translation unit. (The
+// project's tests also compile it with the host compiler against a CUDA
+// runtime double, CPDISPATCH_CUDA_HOST_HARNESS, which runs launches as host
+// loops over the grid.)
 
-#if !defined(__CUDACC__)
+#if !defined(__CUDACC__) && !defined(CPDISPATCH_CUDA_HOST_HARNESS)
 #error "cpdispatch/cuda/kernels.hpp holds CUDA kernels: include it from a .cu file compiled by nvcc"
+#endif
+#if (defined(__USE_FAST_MATH__) || defined(__FAST_MATH__)) && !defined(CPDISPATCH_ALLOW_FAST_MATH)
+#error "cpdispatch/cuda/kernels.hpp: compiled with fast math, which flushes bf16/fp16 subnormals to zero and breaks the combine's bit-identical results; build without it, or define CPDISPATCH_ALLOW_FAST_MATH to accept the difference"
 #endif
 
 #include <cuda_runtime.h>
@@ -34,6 +49,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 
 #include "cpdispatch/cuda/error.hpp"
 #include "cpdispatch/cuda/plan.hpp"
@@ -50,6 +66,20 @@
 #endif
 
 namespace cpdispatch::cuda {
+
+/// Launches `kernel` on `stream` (no dynamic shared memory) and reports a
+/// failed launch as cuda_error naming `name`. The one place with <<<>>>:
+/// the test harness replaces it by a host loop over the grid.
+template <class... Params, class... Args>
+void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+#if defined(__CUDACC__)
+  kernel<<<grid, block, 0, stream>>>(std::forward<Args>(args)...);
+#else
+  (void)cuda_harness::launch(name, kernel, grid, block, 0, stream, std::forward<Args>(args)...);
+#endif
+  ::cpdispatch::detail::cuda_check(cudaGetLastError(), name, __FILE__, __LINE__);
+}
+
 namespace kernels {
 
 // ---- host and device ------------------------------------------------------------
@@ -166,9 +196,28 @@ struct combine_element<ElementType::float16> {
   __host__ __device__ static storage store(acc a) { return float16::from_float(a); }
 };
 
+/// Integers: a wrapping sum (in the unsigned type), as the host's combine.
+template <class S, class U>
+struct combine_integer {
+  using storage = S;
+  using acc = U;
+  static constexpr bool starts_from_copy = true;
+  __host__ __device__ static acc load(storage x) { return static_cast<acc>(x); }
+  __host__ __device__ static storage store(acc a) { return static_cast<storage>(a); }
+};
+template <>
+struct combine_element<ElementType::int8> : combine_integer<std::int8_t, std::uint8_t> {};
+template <>
+struct combine_element<ElementType::uint8> : combine_integer<std::uint8_t, std::uint8_t> {};
+template <>
+struct combine_element<ElementType::int32> : combine_integer<std::int32_t, std::uint32_t> {};
+template <>
+struct combine_element<ElementType::int64> : combine_integer<std::int64_t, std::uint64_t> {};
+
 template <class Traits>
 __host__ __device__ __forceinline__ void accumulate(typename Traits::acc& a, typename Traits::storage x, bool first) {
-  if (Traits::starts_from_copy && first) a = Traits::load(x); else a += Traits::load(x);
+  if (Traits::starts_from_copy && first) a = Traits::load(x);
+  else a = static_cast<typename Traits::acc>(a + Traits::load(x));
 }
 
 /// Combines `n` elements at `in` (copy c at in + c * slab) into `out`.
@@ -251,91 +300,13 @@ __global__ void __launch_bounds__(Warps * 32) combine_kernel(const unsigned char
   }
 }
 
-// ---- sum (the device sim's reductions) ----------------------------------------
-
-template <ElementType D>
-struct sum_element;
-template <class S, class U>  // integers: wrap around in the unsigned type, as the host sim does
-struct sum_integer {
-  using storage = S;
-  using acc = U;
-  __host__ __device__ static acc first(storage x) { return static_cast<acc>(x); }
-  __host__ __device__ static acc add(acc a, storage x) { return static_cast<acc>(a + static_cast<acc>(x)); }
-  __host__ __device__ static storage store(acc a) { return static_cast<storage>(a); }
-};
-template <class F>
-struct sum_float {
-  using storage = F;
-  using acc = F;
-  __host__ __device__ static acc first(storage x) { return x; }
-  __host__ __device__ static acc add(acc a, storage x) { return a + x; }
-  __host__ __device__ static storage store(acc a) { return a; }
-};
-template <>
-struct sum_element<ElementType::int8> : sum_integer<std::int8_t, std::uint8_t> {};
-template <>
-struct sum_element<ElementType::uint8> : sum_integer<std::uint8_t, std::uint8_t> {};
-template <>
-struct sum_element<ElementType::int32> : sum_integer<std::int32_t, std::uint32_t> {};
-template <>
-struct sum_element<ElementType::int64> : sum_integer<std::int64_t, std::uint64_t> {};
-template <>
-struct sum_element<ElementType::float32> : sum_float<float> {};
-template <>
-struct sum_element<ElementType::float64> : sum_float<double> {};
-template <>
-struct sum_element<ElementType::bfloat16> {
-  using storage = std::uint16_t;
-  using acc = float;
-  __host__ __device__ static acc first(storage x) { return bfloat16::to_float(x); }
-  __host__ __device__ static acc add(acc a, storage x) { return a + bfloat16::to_float(x); }
-  __host__ __device__ static storage store(acc a) { return bfloat16::from_float(a); }
-};
-template <>
-struct sum_element<ElementType::float16> {
-  using storage = std::uint16_t;
-  using acc = float;
-  __host__ __device__ static acc first(storage x) { return float16::to_float(x); }
-  __host__ __device__ static acc add(acc a, storage x) { return a + float16::to_float(x); }
-  __host__ __device__ static storage store(acc a) { return float16::from_float(a); }
-};
-
-/// Sources per sum pass (kernel parameters); more ranks take several passes
-/// through an accumulator buffer, which keeps the order and the rounding.
-inline constexpr unsigned sum_sources_per_pass = 8;
-struct SumSources {
-  const void* at[sum_sources_per_pass];
-};
-
-/// acc = (first ? src[0] : acc) + src[first ? 1 : 0] + ... ; on the last
-/// pass the result goes to `out` (rounded once for 16-bit types).
-template <ElementType D>
-__host__ __device__ __forceinline__ void sum_at(void* out, void* acc_buffer, const SumSources& src, unsigned sources, bool first, bool last,
-                                                std::uint64_t i) {
-  using S = sum_element<D>;
-  using T = typename S::storage;
-  using A = typename S::acc;
-  unsigned s = 0;
-  A a = first ? S::first(static_cast<const T*>(src.at[s++])[i]) : static_cast<const A*>(acc_buffer)[i];
-  for (; s < sources; ++s) a = S::add(a, static_cast<const T*>(src.at[s])[i]);
-  if (last) static_cast<T*>(out)[i] = S::store(a); else static_cast<A*>(acc_buffer)[i] = a;
-}
-
-template <ElementType D>
-__global__ void sum_kernel(void* out, void* acc_buffer, SumSources src, unsigned sources, bool first, bool last, std::uint64_t count) {
-  for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < count; i += std::uint64_t{gridDim.x} * blockDim.x) {
-    sum_at<D>(out, acc_buffer, src, sources, first, last, i);
-  }
-}
-
 }  // namespace kernels
 
 /// Copies `count` chunks (device array) from src to dst on `stream`.
 inline void launch_copy(const std::byte* src, std::byte* dst, const CopyChunk* chunks, std::size_t count, cudaStream_t stream) {
   if (count == 0) return;
-  kernels::copy_chunks_kernel<warps_per_block><<<static_cast<unsigned>(blocks_for(count)), block_threads, 0, stream>>>(
-      reinterpret_cast<const unsigned char*>(src), reinterpret_cast<unsigned char*>(dst), chunks, count);
-  CPDISPATCH_CUDA_CHECK_LAUNCH("copy_chunks_kernel");
+  launch_kernel("copy_chunks_kernel", &kernels::copy_chunks_kernel<warps_per_block>, static_cast<unsigned>(blocks_for(count)), block_threads,
+                stream, reinterpret_cast<const unsigned char*>(src), reinterpret_cast<unsigned char*>(dst), chunks, std::uint64_t{count});
 }
 
 /// The combine over `count` chunks (device array); `mask` is the device
@@ -347,56 +318,18 @@ inline void launch_combine(ElementType type, const std::byte* replica, std::byte
   const auto blocks = static_cast<unsigned>(blocks_for(count));
   const auto* in = reinterpret_cast<const unsigned char*>(replica);
   auto* out = reinterpret_cast<unsigned char*>(grad);
+  auto run = [&](auto kernel) {
+    launch_kernel("combine_kernel", kernel, blocks, block_threads, stream, in, out, chunks, std::uint64_t{count}, slab_bytes, mask, copies);
+  };
   switch (type) {
-    case ElementType::float32:
-      kernels::combine_kernel<ElementType::float32, warps_per_block><<<blocks, block_threads, 0, stream>>>(in, out, chunks, count, slab_bytes, mask, copies);
-      break;
-    case ElementType::float64:
-      kernels::combine_kernel<ElementType::float64, warps_per_block><<<blocks, block_threads, 0, stream>>>(in, out, chunks, count, slab_bytes, mask, copies);
-      break;
-    case ElementType::bfloat16:
-      kernels::combine_kernel<ElementType::bfloat16, warps_per_block><<<blocks, block_threads, 0, stream>>>(in, out, chunks, count, slab_bytes, mask, copies);
-      break;
-    case ElementType::float16:
-      kernels::combine_kernel<ElementType::float16, warps_per_block><<<blocks, block_threads, 0, stream>>>(in, out, chunks, count, slab_bytes, mask, copies);
-      break;
-    default: return;  // integer gradients: refused on the host by the data path
-  }
-  CPDISPATCH_CUDA_CHECK_LAUNCH("combine_kernel");
-}
-
-/// out[i] = sources[0][i] + sources[1][i] + ... in this order, for `count`
-/// elements of `type` (the sim transport's semantics: fp32 accumulation and
-/// one rounding for 16-bit floats, wrap-around for integers). With more than
-/// sum_sources_per_pass sources, `acc_buffer` holds count accumulators
-/// (count * 8 bytes suffice); otherwise it may be null. `out` must not be one
-/// of the sources.
-inline void launch_sum(ElementType type, void* out, void* acc_buffer, std::span<const void* const> sources, std::size_t count,
-                       cudaStream_t stream) {
-  if (count == 0 || sources.empty()) return;
-  constexpr unsigned threads = 256;
-  const std::size_t wanted = (count + threads - 1) / threads;
-  const auto blocks = static_cast<unsigned>(wanted < max_blocks ? wanted : max_blocks);
-  for (std::size_t at = 0; at < sources.size(); at += kernels::sum_sources_per_pass) {
-    kernels::SumSources src{};
-    const std::size_t n = std::min<std::size_t>(kernels::sum_sources_per_pass, sources.size() - at);
-    for (std::size_t s = 0; s < n; ++s) src.at[s] = sources[at + s];
-    const bool first = at == 0, last = at + n == sources.size();
-    const auto m = static_cast<unsigned>(n);
-    switch (type) {
-#define CPDISPATCH_SUM_CASE(D) \
-  case D: kernels::sum_kernel<D><<<blocks, threads, 0, stream>>>(out, acc_buffer, src, m, first, last, count); break;
-      CPDISPATCH_SUM_CASE(ElementType::int8)
-      CPDISPATCH_SUM_CASE(ElementType::uint8)
-      CPDISPATCH_SUM_CASE(ElementType::int32)
-      CPDISPATCH_SUM_CASE(ElementType::int64)
-      CPDISPATCH_SUM_CASE(ElementType::float32)
-      CPDISPATCH_SUM_CASE(ElementType::float64)
-      CPDISPATCH_SUM_CASE(ElementType::bfloat16)
-      CPDISPATCH_SUM_CASE(ElementType::float16)
-#undef CPDISPATCH_SUM_CASE
-    }
-    CPDISPATCH_CUDA_CHECK_LAUNCH("sum_kernel");
+    case ElementType::int8: run(&kernels::combine_kernel<ElementType::int8, warps_per_block>); break;
+    case ElementType::uint8: run(&kernels::combine_kernel<ElementType::uint8, warps_per_block>); break;
+    case ElementType::int32: run(&kernels::combine_kernel<ElementType::int32, warps_per_block>); break;
+    case ElementType::int64: run(&kernels::combine_kernel<ElementType::int64, warps_per_block>); break;
+    case ElementType::float32: run(&kernels::combine_kernel<ElementType::float32, warps_per_block>); break;
+    case ElementType::float64: run(&kernels::combine_kernel<ElementType::float64, warps_per_block>); break;
+    case ElementType::bfloat16: run(&kernels::combine_kernel<ElementType::bfloat16, warps_per_block>); break;
+    case ElementType::float16: run(&kernels::combine_kernel<ElementType::float16, warps_per_block>); break;
   }
 }
 

@@ -81,19 +81,19 @@ constexpr std::size_t blocks_for(std::size_t chunks) noexcept {
   return blocks < max_blocks ? blocks : max_blocks;
 }
 
-/// This rank's metadata in the kernel dtypes of seed 002 (int32 ranks,
-/// uint32 offsets and lengths, uint64 counts, uint8 masks), flattened as in
-/// RankMetadata.
+/// This rank's metadata in the device dtypes (int32 ranks, 64-bit offsets,
+/// lengths and counts, so that the device accepts every plan the host does,
+/// uint8 masks), flattened as in RankMetadata.
 struct NormalizedRankMetadata {
   std::int64_t rank = 0;
   std::int64_t world_size = 0;
   std::uint32_t num_copies = 1;
   std::vector<std::int32_t> dst_rank;           ///< [entries * num_copies]
-  std::vector<std::uint32_t> dst_offset;        ///< [entries * num_copies]
-  std::vector<std::uint32_t> seq_len;           ///< [entries]
+  std::vector<std::uint64_t> dst_offset;        ///< [entries * num_copies]
+  std::vector<std::uint64_t> seq_len;           ///< [entries]
   std::vector<std::uint64_t> num_recv_tokens;   ///< [W + 1]
   std::vector<std::uint8_t> seq_recv_mask;      ///< [shards * mask_copies] (reverse KV), else empty
-  std::vector<std::uint32_t> recv_seq_lens;     ///< [shards] (reverse KV), else empty
+  std::vector<std::uint64_t> recv_seq_lens;     ///< [shards] (reverse KV), else empty
   std::uint32_t mask_copies = 0;
   bool has_mask = false;
 };
@@ -138,8 +138,8 @@ inline NormalizedRankMetadata normalize_slice(const RankMetadata& m, std::string
   }
   n.num_copies = static_cast<std::uint32_t>(m.num_copies);
   n.dst_rank = detail::narrow_slice_vector<std::int32_t>(m.dst_rank, -1, m.world_size - 1, name, "dst_rank");
-  n.dst_offset = detail::narrow_slice_vector<std::uint32_t>(m.dst_offset, 0, u32, name, "dst_offset");
-  n.seq_len = detail::narrow_slice_vector<std::uint32_t>(m.seq_len, 0, u32, name, "seq_len");
+  n.dst_offset = detail::narrow_slice_vector<std::uint64_t>(m.dst_offset, 0, i64, name, "dst_offset");
+  n.seq_len = detail::narrow_slice_vector<std::uint64_t>(m.seq_len, 0, i64, name, "seq_len");
   n.num_recv_tokens = detail::narrow_slice_vector<std::uint64_t>(m.num_recv_tokens, 0, i64, name, "num_recv_tokens");
   if (m.seq_recv_mask.has_value() != m.recv_seq_lens.has_value()) {
     cpdispatch::detail::fail("normalize_slice: ", name, ".seq_recv_mask and recv_seq_lens must be both present or both absent");
@@ -153,7 +153,7 @@ inline NormalizedRankMetadata normalize_slice(const RankMetadata& m, std::string
     n.has_mask = true;
     n.mask_copies = static_cast<std::uint32_t>(m.mask_copies);
     n.seq_recv_mask = detail::narrow_slice_vector<std::uint8_t>(*m.seq_recv_mask, 0, 1, name, "seq_recv_mask");
-    n.recv_seq_lens = detail::narrow_slice_vector<std::uint32_t>(*m.recv_seq_lens, 0, u32, name, "recv_seq_lens");
+    n.recv_seq_lens = detail::narrow_slice_vector<std::uint64_t>(*m.recv_seq_lens, 0, i64, name, "recv_seq_lens");
   }
   return n;
 }

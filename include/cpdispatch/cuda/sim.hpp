@@ -29,7 +29,9 @@
 //   floats accumulate in fp32 and round once; integers wrap around), so the
 //   device and host sims agree bit for bit on finite values. all_reduce
 //   works through a per-rank scratch buffer that grows on first use (a
-//   cudaMalloc: make one call of each size before capturing a graph).
+//   cudaMalloc: make one call of each size before capturing a graph). A
+//   buffer outgrown later is kept until the world is destroyed, so a graph
+//   captured before still finds the memory it was recorded with.
 // - isend/irecv match by (source, destination, tag) in posting order, as in
 //   the host sim. The copy is enqueued on the receiver's stream when the two
 //   are matched (by whichever rank posts second), after the sender's stream
@@ -59,12 +61,13 @@
 //
 // Requires nvcc (the reductions are kernels): include from a .cu file.
 
-#if !defined(__CUDACC__)
+#if !defined(__CUDACC__) && !defined(CPDISPATCH_CUDA_HOST_HARNESS)
 #error "cpdispatch/cuda/sim.hpp launches CUDA kernels: include it from a .cu file compiled by nvcc"
 #endif
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -85,6 +88,122 @@
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch::cuda {
+namespace kernels {
+
+// ---- the reductions: element-wise sums of W buffers in rank order ---------------
+
+template <ElementType D>
+struct sum_element;
+template <class S, class U>  // integers: wrap around in the unsigned type, as the host sim does
+struct sum_integer {
+  using storage = S;
+  using acc = U;
+  __host__ __device__ static acc first(storage x) { return static_cast<acc>(x); }
+  __host__ __device__ static acc add(acc a, storage x) { return static_cast<acc>(a + static_cast<acc>(x)); }
+  __host__ __device__ static storage store(acc a) { return static_cast<storage>(a); }
+};
+template <class F>
+struct sum_float {
+  using storage = F;
+  using acc = F;
+  __host__ __device__ static acc first(storage x) { return x; }
+  __host__ __device__ static acc add(acc a, storage x) { return a + x; }
+  __host__ __device__ static storage store(acc a) { return a; }
+};
+template <class Half>
+struct sum_half {  // fp32 accumulation, one rounding at the end
+  using storage = std::uint16_t;
+  using acc = float;
+  __host__ __device__ static acc first(storage x) { return Half::to_float(x); }
+  __host__ __device__ static acc add(acc a, storage x) { return a + Half::to_float(x); }
+  __host__ __device__ static storage store(acc a) { return Half::from_float(a); }
+};
+template <>
+struct sum_element<ElementType::int8> : sum_integer<std::int8_t, std::uint8_t> {};
+template <>
+struct sum_element<ElementType::uint8> : sum_integer<std::uint8_t, std::uint8_t> {};
+template <>
+struct sum_element<ElementType::int32> : sum_integer<std::int32_t, std::uint32_t> {};
+template <>
+struct sum_element<ElementType::int64> : sum_integer<std::int64_t, std::uint64_t> {};
+template <>
+struct sum_element<ElementType::float32> : sum_float<float> {};
+template <>
+struct sum_element<ElementType::float64> : sum_float<double> {};
+template <>
+struct sum_element<ElementType::bfloat16> : sum_half<bfloat16> {};
+template <>
+struct sum_element<ElementType::float16> : sum_half<float16> {};
+
+/// Sources per sum pass (kernel parameters); more ranks take several passes
+/// through an accumulator buffer, which keeps the order and the rounding.
+inline constexpr unsigned sum_sources_per_pass = 8;
+struct SumSources {
+  const void* at[sum_sources_per_pass];
+};
+
+/// acc = (first ? src[0] : acc) + src[first ? 1 : 0] + ... ; on the last
+/// pass the result goes to `out` (rounded once for 16-bit types). The loop
+/// over the sources runs over every slot with constant indices (unrolled on
+/// the device), so the sources stay in registers instead of a stack copy.
+template <ElementType D>
+__host__ __device__ __forceinline__ void sum_at(void* out, void* acc_buffer, const SumSources& src, unsigned sources, bool first, bool last,
+                                                std::uint64_t i) {
+  using S = sum_element<D>;
+  using T = typename S::storage;
+  using A = typename S::acc;
+  const T x0 = static_cast<const T*>(src.at[0])[i];  // every pass has at least one source
+  A a = first ? S::first(x0) : S::add(static_cast<const A*>(acc_buffer)[i], x0);
+CPDISPATCH_UNROLL
+  for (unsigned s = 1; s < sum_sources_per_pass; ++s) {
+    if (s < sources) a = S::add(a, static_cast<const T*>(src.at[s])[i]);
+  }
+  if (last) static_cast<T*>(out)[i] = S::store(a); else static_cast<A*>(acc_buffer)[i] = a;
+}
+
+template <ElementType D>
+__global__ void sum_kernel(void* out, void* acc_buffer, SumSources src, unsigned sources, bool first, bool last, std::uint64_t count) {
+  for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < count; i += std::uint64_t{gridDim.x} * blockDim.x) {
+    sum_at<D>(out, acc_buffer, src, sources, first, last, i);
+  }
+}
+
+}  // namespace kernels
+
+/// out[i] = sources[0][i] + sources[1][i] + ... in this order, for `count`
+/// elements of `type` (the sim transport's semantics: fp32 accumulation and
+/// one rounding for 16-bit floats, wrap-around for integers). With more than
+/// sum_sources_per_pass sources, `acc_buffer` must hold count accumulators
+/// (count * 8 bytes suffice; invalid_input when it is null); otherwise it
+/// may be null. `out` must not be one of the sources.
+inline void launch_sum(ElementType type, void* out, void* acc_buffer, std::span<const void* const> sources, std::size_t count,
+                       cudaStream_t stream) {
+  if (count == 0 || sources.empty()) return;
+  if (sources.size() > kernels::sum_sources_per_pass && acc_buffer == nullptr) {
+    detail::fail("launch_sum: ", sources.size(), " sources take several passes and need an accumulator buffer, but acc_buffer is null");
+  }
+  constexpr unsigned threads = 256;
+  const std::size_t wanted = (count + threads - 1) / threads;
+  const auto blocks = static_cast<unsigned>(wanted < max_blocks ? wanted : max_blocks);
+  for (std::size_t at = 0; at < sources.size(); at += kernels::sum_sources_per_pass) {
+    kernels::SumSources src{};
+    const std::size_t n = std::min<std::size_t>(kernels::sum_sources_per_pass, sources.size() - at);
+    for (std::size_t s = 0; s < n; ++s) src.at[s] = sources[at + s];
+    const bool first = at == 0, last = at + n == sources.size();
+    const auto m = static_cast<unsigned>(n);
+    auto run = [&](auto kernel) { launch_kernel("sum_kernel", kernel, blocks, threads, stream, out, acc_buffer, src, m, first, last, std::uint64_t{count}); };
+    switch (type) {
+      case ElementType::int8: run(&kernels::sum_kernel<ElementType::int8>); break;
+      case ElementType::uint8: run(&kernels::sum_kernel<ElementType::uint8>); break;
+      case ElementType::int32: run(&kernels::sum_kernel<ElementType::int32>); break;
+      case ElementType::int64: run(&kernels::sum_kernel<ElementType::int64>); break;
+      case ElementType::float32: run(&kernels::sum_kernel<ElementType::float32>); break;
+      case ElementType::float64: run(&kernels::sum_kernel<ElementType::float64>); break;
+      case ElementType::bfloat16: run(&kernels::sum_kernel<ElementType::bfloat16>); break;
+      case ElementType::float16: run(&kernels::sum_kernel<ElementType::float16>); break;
+    }
+  }
+}
 
 struct DeviceSimOptions {
   /// Bound on every host-side wait (meeting the other ranks, wait()); none: wait forever.
@@ -158,6 +277,10 @@ class DeviceSimTransport {
   void after_publish_of(std::size_t s);
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag);
   void sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count);
+  /// Replaces `buffer` by a larger one when it holds fewer than `bytes`, keeping the old one alive.
+  void grow(DeviceBuffer<std::byte>& buffer, std::size_t bytes);
+  /// count * element_size(type), or invalid_input naming `op` when it overflows.
+  std::size_t bytes_of(const char* op, std::size_t count, ElementType type);
 
   DeviceSimWorld& world_;
   int rank_;
@@ -306,6 +429,8 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
   std::vector<Event> joined_;     // per rank: its stream at the end of a capture
   std::vector<DeviceBuffer<std::byte>> scratch_;       // all_reduce results before they are written back
   std::vector<DeviceBuffer<std::byte>> accumulators_;  // sums over more than kernels::sum_sources_per_pass ranks
+  std::vector<DeviceBuffer<std::byte>> outgrown_;      // replaced scratch and accumulators: captured graphs may still use them
+  std::mutex outgrown_mutex_;
   std::vector<detail::device_sim::SimSlot> slots_;     // guarded by the world's mutex
   std::vector<std::unique_ptr<DeviceSimTransport>> transports_;  // last: made from the members above
 };
@@ -399,11 +524,29 @@ inline void DeviceSimTransport::broadcast(void* buf, std::size_t bytes, int root
   });
 }
 
+inline void DeviceSimTransport::grow(DeviceBuffer<std::byte>& buffer, std::size_t bytes) {
+  if (buffer.size() >= bytes) return;
+  DeviceBuffer<std::byte> bigger(bytes);
+  {
+    std::lock_guard lock(world_.outgrown_mutex_);
+    world_.outgrown_.push_back(std::move(buffer));  // a graph captured before may still read and write it
+  }
+  buffer = std::move(bigger);
+}
+
+inline std::size_t DeviceSimTransport::bytes_of(const char* op, std::size_t count, ElementType type) {
+  std::size_t bytes = 0;
+  if (__builtin_mul_overflow(count, element_size(type), &bytes)) {
+    fail(op, detail::concat(count, " elements of ", element_name(type), " overflow the size type"));
+  }
+  return bytes;
+}
+
 inline void DeviceSimTransport::sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count) {
   void* acc = nullptr;
   if (sources.size() > kernels::sum_sources_per_pass) {
     DeviceBuffer<std::byte>& a = world_.accumulators_[static_cast<std::size_t>(rank_)];
-    if (a.size() < count * 8) a.allocate(count * 8);
+    grow(a, count * 8);  // count * element size did not overflow, and elements are at least 1 byte: checked below 2^61
     acc = a.data();
   }
   launch_sum(type, out, acc, sources, count, stream());
@@ -411,10 +554,11 @@ inline void DeviceSimTransport::sum(ElementType type, void* out, std::span<const
 
 inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp) {
   const char* op = "all_reduce";
-  const std::size_t bytes = count * element_size(type);
+  const std::size_t bytes = bytes_of(op, count, type);
+  if (count > (std::size_t{1} << 60)) fail(op, detail::concat(count, " elements are more than the accumulators can hold"));
   DeviceBuffer<std::byte>& scratch = world_.scratch_[static_cast<std::size_t>(rank_)];
   collective({op, count, static_cast<int>(type), -1}, {.send = buf, .recv = buf}, [&] {
-    if (scratch.size() < bytes) scratch.allocate(bytes);
+    grow(scratch, bytes);
     sources_.assign(world_.slots_.size(), nullptr);
     for (std::size_t s = 0; s < sources_.size(); ++s) {
       after_publish_of(s);
@@ -429,7 +573,10 @@ inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, Element
 
 inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
   const char* op = "all_gather";
-  const std::size_t bytes = count_per_rank * element_size(type);
+  const std::size_t bytes = bytes_of(op, count_per_rank, type);
+  if (bytes > static_cast<std::size_t>(-1) / static_cast<std::size_t>(world_size())) {
+    fail(op, detail::concat(world_size(), " ranks x ", bytes, " bytes overflow the size type"));
+  }
   collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
     if (bytes == 0) return;
     for (std::size_t s = 0; s < world_.slots_.size(); ++s) {
@@ -442,7 +589,11 @@ inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::si
 
 inline void DeviceSimTransport::reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp) {
   const char* op = "reduce_scatter";
-  const std::size_t bytes = count_per_rank * element_size(type);
+  const std::size_t bytes = bytes_of(op, count_per_rank, type);
+  if (count_per_rank > (std::size_t{1} << 60)) fail(op, detail::concat(count_per_rank, " elements are more than the accumulators can hold"));
+  if (bytes > static_cast<std::size_t>(-1) / static_cast<std::size_t>(world_size())) {
+    fail(op, detail::concat(world_size(), " ranks x ", bytes, " bytes overflow the size type"));
+  }
   collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
     sources_.assign(world_.slots_.size(), nullptr);
     for (std::size_t s = 0; s < sources_.size(); ++s) {

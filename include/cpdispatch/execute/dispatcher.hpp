@@ -290,7 +290,7 @@ class Dispatcher {
       path_.copy(dir, Stage::self, ex.self, in.data(), out.data());
     } else {
       std::byte* send_staging = staging.data();
-      std::byte* recv_staging = staging.data() + ex.send.staging;
+      std::byte* recv_staging = staging.data() + ex.recv_staging_offset();
       if (!ex.send.direct) path_.copy(dir, Stage::pack, ex.send.copies, in.data(), send_staging);
       if (world_size_ > 1) {
         try {

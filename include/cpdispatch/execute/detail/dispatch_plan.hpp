@@ -50,7 +50,10 @@ struct ExchangePlan {
   std::size_t input_bytes = 0, output_bytes = 0;
 
   /// Staging for all_to_all_v: the send side's, then the receive side's.
-  std::size_t staging_bytes() const noexcept { return send.staging + recv.staging; }
+  /// The receive staging starts 256-byte aligned after the send staging, so
+  /// that the unpack can use wide accesses whatever the token size.
+  std::size_t recv_staging_offset() const noexcept { return send.staging == 0 ? 0 : (send.staging + 255) / 256 * 256; }
+  std::size_t staging_bytes() const noexcept { return recv_staging_offset() + recv.staging; }
 };
 
 struct DispatchPlan {

@@ -41,7 +41,16 @@
 //   (invalid usage ...)"; code() is the ncclResult_t), after clearing CUDA's
 //   last error. Bad arguments (span sizes, peers, roots) are invalid_input.
 //   Non-blocking communicators are supported: an ncclInProgress result is
-//   waited out with ncclCommGetAsyncError.
+//   waited out by polling ncclCommGetAsyncError, for at most
+//   NcclTransportOptions::timeout when one is given. A call still in progress
+//   then (a dead or mismatched peer) aborts the communicator (ncclCommAbort)
+//   and throws timeout_error naming the call and the rank; check_async()
+//   reports (and aborts on) an asynchronous error NCCL found. After an abort
+//   the transport is broken: every later call throws nccl_error. A request
+//   whose group failed to issue throws from its wait().
+// - The communicator's GPU (ncclCommCuDevice) must be the current device of
+//   the calling thread: checked at construction and at every call
+//   (invalid_input naming both devices).
 // - Not thread-safe: one thread at a time per transport. Movable, not copyable.
 //
 // Plain C++ over the CUDA runtime and NCCL: compiles with the host compiler
@@ -50,11 +59,14 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
+#include <optional>
+#include <thread>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -149,16 +161,30 @@ namespace cuda {
 class DeviceDataPath;  // the dispatcher's data path: cpdispatch/cuda/data_path.hpp
 }  // namespace cuda
 
+// Inside NcclTransport: checks an NCCL call with the transport's timeout.
+#define CPDISPATCH_NCCL_TRANSPORT_CHECK(expr) check((expr), #expr, __FILE__, __LINE__)
+
+struct NcclTransportOptions {
+  /// Bound on waiting out ncclInProgress (non-blocking communicators) in any
+  /// call; past it the communicator is aborted and timeout_error thrown.
+  /// None: wait as long as NCCL says the call is in progress.
+  std::optional<std::chrono::milliseconds> timeout;
+};
+
 class NcclTransport {
  public:
   static constexpr MemorySpace memory_space = MemorySpace::device;
   using data_path = cuda::DeviceDataPath;  ///< the dispatcher's data path (cpdispatch/cuda/data_path.hpp)
 
-  /// Borrows `comm` and `stream`; allocates one int of device memory (the barrier's).
-  NcclTransport(ncclComm_t comm, cudaStream_t stream) : comm_(comm), stream_(stream) {
+  /// Borrows `comm` and `stream`; allocates one int of device memory (the
+  /// barrier's). The communicator's device must be current.
+  NcclTransport(ncclComm_t comm, cudaStream_t stream, NcclTransportOptions options = {})
+      : comm_(comm), stream_(stream), options_(options) {
     if (comm == nullptr) detail::fail("NcclTransport: the communicator is null");
-    CPDISPATCH_NCCL_CHECK_COMM(ncclCommUserRank(comm, &rank_), comm);
-    CPDISPATCH_NCCL_CHECK_COMM(ncclCommCount(comm, &size_), comm);
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclCommUserRank(comm, &rank_));
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclCommCount(comm, &size_));
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclCommCuDevice(comm, &device_));
+    check_device("NcclTransport");
     barrier_word_.allocate(1);
     CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(barrier_word_.data(), 0, sizeof(std::int32_t), stream_));
   }
@@ -171,6 +197,23 @@ class NcclTransport {
   int rank() const noexcept { return rank_; }
   int world_size() const noexcept { return size_; }
   ncclComm_t comm() const noexcept { return comm_; }
+  /// The communicator's GPU.
+  int device() const noexcept { return device_; }
+  /// True after the communicator was aborted (a timeout or an asynchronous error).
+  bool broken() const noexcept { return !broken_.empty(); }
+
+  /// Throws nccl_error, after aborting the communicator, when NCCL reports
+  /// an asynchronous error on it (e.g. a peer failed); returns otherwise.
+  void check_async() {
+    usable("check_async");
+    ncclResult_t state = ncclSuccess;
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclCommGetAsyncError(comm_, &state));
+    if (state == ncclSuccess || state == ncclInProgress) return;
+    abort(detail::concat("asynchronous error ", detail::nccl_result_name(state)));
+    throw nccl_error(detail::concat("NcclTransport: check_async on rank ", rank_, " of ", size_, ": NCCL reports the asynchronous error ",
+                                    detail::nccl_result_name(state), " (", ncclGetErrorString(state), "); the communicator was aborted"),
+                     static_cast<int>(state));
+  }
   cudaStream_t stream() const noexcept { return stream_; }
 
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
@@ -181,6 +224,7 @@ class NcclTransport {
                            std::pair{"recv_displs", recv_displs}}) {
       if (s.size() != W) fail(op, detail::concat(name, " has ", s.size(), " entries, world_size is ", W));
     }
+    usable(op);
     const auto me = static_cast<std::size_t>(rank_);
     if (send_counts[me] != recv_counts[me]) {
       fail(op, detail::concat("send_counts[", me, "] = ", send_counts[me], " to itself but recv_counts[", me, "] = ", recv_counts[me]));
@@ -189,12 +233,12 @@ class NcclTransport {
     const auto* in = static_cast<const std::byte*>(send);
     auto* out = static_cast<std::byte*>(recv);
     {
-      Group group(comm_);
+      Group group(*this);
       for (std::size_t p = 0; p < W; ++p) {
         if (p == me) continue;
         const int peer = static_cast<int>(p);
-        if (send_counts[p]) CPDISPATCH_NCCL_CHECK_COMM(ncclSend(in + send_displs[p], send_counts[p], ncclUint8, peer, comm_, stream_), comm_);
-        if (recv_counts[p]) CPDISPATCH_NCCL_CHECK_COMM(ncclRecv(out + recv_displs[p], recv_counts[p], ncclUint8, peer, comm_, stream_), comm_);
+        if (send_counts[p]) CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclSend(in + send_displs[p], send_counts[p], ncclUint8, peer, comm_, stream_));
+        if (recv_counts[p]) CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclRecv(out + recv_displs[p], recv_counts[p], ncclUint8, peer, comm_, stream_));
       }
       group.end();
     }
@@ -208,6 +252,12 @@ class NcclTransport {
   Request irecv(void* buf, std::size_t bytes, int peer, int tag) { return post("irecv", false, nullptr, buf, bytes, peer, tag); }
 
   void wait(Request request) {
+    if (failed_.erase(request.id)) {
+      throw nccl_error(detail::concat("NcclTransport: wait on rank ", rank_, " of ", size_, ": request ", request.id,
+                                      " was never issued: the NCCL group that carried it failed"),
+                       static_cast<int>(ncclInvalidUsage));
+    }
+    usable("wait");
     if (issued_.erase(request.id)) return;
     for (const Posted& p : posted_) {
       if (p.id != request.id) continue;
@@ -219,31 +269,35 @@ class NcclTransport {
   }
 
   void barrier() {
+    usable("barrier");
     flush();
-    CPDISPATCH_NCCL_CHECK_COMM(ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclInt32, ncclSum, comm_, stream_), comm_);
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclInt32, ncclSum, comm_, stream_));
   }
 
   void broadcast(void* buf, std::size_t bytes, int root) {
     if (root < 0 || root >= size_) fail("broadcast", detail::concat("root ", root, " is outside [0, ", size_, ")"));
+    usable("broadcast");
     flush();
-    CPDISPATCH_NCCL_CHECK_COMM(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_), comm_);
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
   }
 
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
+    usable("all_reduce");
     flush();
-    CPDISPATCH_NCCL_CHECK_COMM(
-        ncclAllReduce(buf, buf, count, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_), comm_);
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllReduce(buf, buf, count, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_));
   }
 
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
+    usable("all_gather");
     flush();
-    CPDISPATCH_NCCL_CHECK_COMM(ncclAllGather(send, recv, count_per_rank, detail::nccl_data_type(type), comm_, stream_), comm_);
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllGather(send, recv, count_per_rank, detail::nccl_data_type(type), comm_, stream_));
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
+    usable("reduce_scatter");
     flush();
-    CPDISPATCH_NCCL_CHECK_COMM(
-        ncclReduceScatter(send, recv, count_per_rank, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_), comm_);
+    CPDISPATCH_NCCL_TRANSPORT_CHECK(
+        ncclReduceScatter(send, recv, count_per_rank, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_));
   }
 
   /// Point-to-point operations recorded and not yet issued.
@@ -262,7 +316,7 @@ class NcclTransport {
   /// ncclGroupStart ... ncclGroupEnd; ends the group also when a call in it threw.
   class Group {
    public:
-    explicit Group(ncclComm_t comm) : comm_(comm) { CPDISPATCH_NCCL_CHECK(ncclGroupStart()); }
+    explicit Group(NcclTransport& t) : t_(t) { CPDISPATCH_NCCL_CHECK(ncclGroupStart()); }
     Group(const Group&) = delete;
     Group& operator=(const Group&) = delete;
     ~Group() {
@@ -270,13 +324,62 @@ class NcclTransport {
     }
     void end() {
       open_ = false;
-      CPDISPATCH_NCCL_CHECK_COMM(ncclGroupEnd(), comm_);
+      t_.check(ncclGroupEnd(), "ncclGroupEnd()", __FILE__, __LINE__);
     }
 
    private:
-    ncclComm_t comm_;
+    NcclTransport& t_;
     bool open_ = true;
   };
+
+  /// Throws nccl_error unless `code` is ncclSuccess; ncclInProgress is
+  /// waited out, within the timeout.
+  void check(ncclResult_t code, const char* call, const char* file, int line) {
+    if (code == ncclInProgress) code = wait_in_progress(call);
+    if (code == ncclSuccess) [[likely]] return;
+    const char* last = ncclGetLastError(comm_);
+    throw detail::make_nccl_error(code, call, file, line, last ? last : "");
+  }
+
+  ncclResult_t wait_in_progress(const char* call) {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      if (const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state); rc != ncclSuccess) return rc;
+      if (state != ncclInProgress) return state;
+      if (options_.timeout && std::chrono::steady_clock::now() - start > *options_.timeout) {
+        const std::string name(detail::call_name_of(call));
+        abort(name + " timed out");
+        throw timeout_error(detail::concat("NcclTransport: ", name, " on rank ", rank_, " of ", size_, ": not complete after ",
+                                           options_.timeout->count(), " ms (NcclTransportOptions::timeout); the communicator was aborted"));
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  /// Aborts the communicator: its pending work is dropped, and this transport refuses every later call.
+  void abort(std::string why) {
+    (void)ncclCommAbort(comm_);
+    broken_ = std::move(why);
+  }
+
+  /// Refuses calls on a broken transport and from a thread whose current device is not the communicator's.
+  void usable(const char* op) const {
+    if (!broken_.empty()) {
+      throw nccl_error(detail::concat("NcclTransport: ", op, " on rank ", rank_, " of ", size_, ": the communicator was aborted (", broken_,
+                                      "); make a new one"),
+                       static_cast<int>(ncclInvalidUsage));
+    }
+    check_device(op);
+  }
+
+  void check_device(const char* op) const {
+    int current = -1;
+    CPDISPATCH_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device_) {
+      fail(op, detail::concat("the current device is ", current, ", but the communicator's is ", device_, " (cudaSetDevice(", device_, ") first)"));
+    }
+  }
 
   [[noreturn]] void fail(const char* op, const std::string& what) const {
     detail::fail("NcclTransport: ", op, " on rank ", rank_, " of ", size_, ": ", what);
@@ -284,34 +387,48 @@ class NcclTransport {
 
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int /*tag: see the header*/) {
     if (peer < 0 || peer >= size_) fail(op, detail::concat("peer ", peer, " is outside [0, ", size_, ")"));
+    usable(op);
     const std::uint64_t id = next_request_++;
     posted_.push_back({id, is_send, send, recv, bytes, peer});
     return Request{id};
   }
 
-  /// Issues every recorded point-to-point operation as one group, in posting order.
+  /// Issues every recorded point-to-point operation as one group, in posting
+  /// order. Requests count as issued only once the group went through; when
+  /// it fails, each of them fails its wait().
   void flush() {
     if (posted_.empty()) return;
     std::vector<Posted> batch = std::move(posted_);
     posted_.clear();
-    for (const Posted& p : batch) issued_.insert(p.id);  // waited for later, even when issuing fails
-    Group group(comm_);
-    for (const Posted& p : batch) {
-      if (p.bytes == 0) continue;  // both sides skip it: nothing to match
-      if (p.is_send) CPDISPATCH_NCCL_CHECK_COMM(ncclSend(p.send, p.bytes, ncclUint8, p.peer, comm_, stream_), comm_);
-      else CPDISPATCH_NCCL_CHECK_COMM(ncclRecv(p.recv, p.bytes, ncclUint8, p.peer, comm_, stream_), comm_);
+    try {
+      Group group(*this);
+      for (const Posted& p : batch) {
+        if (p.bytes == 0) continue;  // both sides skip it: nothing to match
+        if (p.is_send) CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclSend(p.send, p.bytes, ncclUint8, p.peer, comm_, stream_));
+        else CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclRecv(p.recv, p.bytes, ncclUint8, p.peer, comm_, stream_));
+      }
+      group.end();
+    } catch (...) {
+      for (const Posted& p : batch) failed_.insert(p.id);
+      throw;
     }
-    group.end();
+    for (const Posted& p : batch) issued_.insert(p.id);
   }
 
   ncclComm_t comm_;
   cudaStream_t stream_;
+  NcclTransportOptions options_;
   int rank_ = 0;
   int size_ = 0;
+  int device_ = 0;
+  std::string broken_;  // why the communicator was aborted; empty while usable
   cuda::DeviceBuffer<std::int32_t> barrier_word_;
   std::vector<Posted> posted_;
   std::unordered_set<std::uint64_t> issued_;  // issued, not yet waited for
+  std::unordered_set<std::uint64_t> failed_;  // in a group that failed to issue, not yet waited for
   std::uint64_t next_request_ = 1;
 };
+
+#undef CPDISPATCH_NCCL_TRANSPORT_CHECK
 
 }  // namespace cpdispatch
