@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/json.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 
@@ -41,6 +42,14 @@ TEST(FuzzFindings, GetSliceRejectsNumSeqsBeyondTheRow) {
   EXPECT_THAT(invalid_input_message([&] { (void)m.get_slice(1); }), HasSubstr("num_seqs[1]"));
   m.num_seqs(1) = -1;
   EXPECT_THAT(invalid_input_message([&] { (void)m.get_slice(0); }), HasSubstr("num_seqs[1] = -1"));
+}
+
+// A number beyond double's range made nlohmann-json throw out_of_range,
+// which escaped parse_json as a non-cpdispatch exception.
+TEST(FuzzFindings, ParseJsonReportsNumberOverflowAsInvalidInput) {
+  EXPECT_THAT(invalid_input_message([] { (void)cpdispatch::parse_json("1e2133"); }), HasSubstr("invalid JSON: number overflow"));
+  EXPECT_THAT(invalid_input_message([] { (void)cpdispatch::parse_plan(R"({"world_size": 1e999, "ranks": []})"); }),
+              HasSubstr("invalid JSON"));
 }
 
 }  // namespace
