@@ -1,0 +1,135 @@
+// Faults injected under MPI (run with 4 processes): the dispatcher over a
+// FaultInjectingTransport<MpiTransport> with a timeout. A rank that stops
+// (error, stall) leaves every rank with an exception within the timeout or
+// with complete, right output; a corrupted or short payload changes exactly
+// one float, unreported (MPI checks neither); a fault every rank sees before
+// reaching MPI leaves the transport and the dispatcher usable. Each case runs on its own duplicate of
+// MPI_COMM_WORLD, since a collective abandoned at a timeout stays pending on
+// the communicator it was started on.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/transports/mpi.hpp"
+#include "fault_cases.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using cpdispatch::MpiTransport;
+using cpdispatch::testing::FaultInjectingTransport;
+using cpdispatch::testing::FaultOptions;
+using cpdispatch::testing::FaultRule;
+using fault_cases::Fault;
+using fault_cases::Outcome;
+using fault_cases::Step;
+using fault_cases::TransportCall;
+
+constexpr auto mpi_timeout = 500ms;
+const FaultOptions fault_options{.error_code = 77, .stall = 1000ms, .short_bytes = 4};
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int w = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &w);
+  return w;
+}
+
+/// The sum over ranks of `v` (through MPI_COMM_WORLD, which no case breaks).
+long long sum_over_ranks(long long v) {
+  long long s = 0;
+  MPI_Allreduce(&v, &s, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  return s;
+}
+double max_over_ranks(double v) {
+  double m = 0;
+  MPI_Allreduce(&v, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return m;
+}
+
+Outcome dispatch_with_fault(const std::vector<FaultRule>& rules, Step step, int repeat = 1) {
+  const int W = world_size();
+  const auto meta = fault_cases::ring_plan(W);
+  const auto data = fault_cases::step_data(meta, step);
+  MpiTransport mpi = MpiTransport::duplicate(MPI_COMM_WORLD, {.timeout = mpi_timeout});
+  FaultInjectingTransport t(mpi, rules, fault_options);
+  cpdispatch::Dispatcher d(t, meta.kv_fwd, meta.kv_rev, fault_cases::token_bytes);
+  Outcome o;
+  for (int i = 0; i < repeat; ++i) fault_cases::run_step(d, step, data, static_cast<std::size_t>(world_rank()), o);
+  return o;
+}
+
+void report(const char* step, Fault fault, const Outcome& o) {
+  const long long threw = sum_over_ranks(o.threw ? 1 : 0);
+  const double slowest = max_over_ranks(o.ms);
+  if (world_rank() == 0) {
+    std::printf("fault-matrix | Dispatcher::%s | MPI (%d processes) | %s | %lld/%d ranks threw | slowest %.0f ms\n", step,
+                world_size(), cpdispatch::testing::fault_name(fault), threw, world_size(), slowest);
+  }
+}
+
+class MpiFaults : public testing::TestWithParam<std::tuple<Fault, Step>> {};
+
+// Under MPI a rank whose own exchange never involves the faulty rank can
+// complete its all-to-all: there is no agreement step after it. What holds
+// on every rank: it threw, or its output is complete and right; nobody hangs.
+TEST_P(MpiFaults, NoRankHangsOrReturnsWrongData) {
+  const auto [fault, step] = GetParam();
+  const int faulty = world_size() - 1;
+  const Outcome o = dispatch_with_fault({FaultRule{TransportCall::all_to_all_v, 1, fault, faulty}}, step);
+  report(fault_cases::step_name(step), fault, o);
+  EXPECT_TRUE(o.input_unchanged);
+  const long long wrong = sum_over_ranks(static_cast<long long>(o.wrong_floats));
+  if (fault == Fault::corrupt || fault == Fault::short_delivery) {
+    // MPI_Alltoallv checks neither payloads nor that the counts agree: exactly
+    // the float hit (corrupt) or withheld (4 bytes short) is wrong, silently.
+    EXPECT_FALSE(o.threw) << o.what;
+    EXPECT_EQ(wrong, 1);
+    return;
+  }
+  if (world_rank() == faulty) {
+    EXPECT_TRUE(o.threw);
+    if (fault == Fault::error) EXPECT_EQ(o.code, 77);
+    if (fault == Fault::stall) EXPECT_TRUE(o.timeout) << o.what;
+  }
+  if (o.threw) EXPECT_TRUE(o.backend) << o.what;
+  EXPECT_EQ(wrong, 0);
+  // The faulty rank's peers (it sends to ranks faulty+1 and faulty+2) are left waiting: they time out.
+  EXPECT_GE(sum_over_ranks(o.threw ? 1 : 0), 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Mpi, MpiFaults,
+                         testing::Combine(testing::Values(Fault::error, Fault::stall, Fault::short_delivery, Fault::corrupt),
+                                          testing::Values(Step::forward, Step::reverse, Step::reverse_combine)),
+                         [](const testing::TestParamInfo<std::tuple<Fault, Step>>& info) {
+                           return std::string(cpdispatch::testing::fault_name(std::get<0>(info.param))) + "_" +
+                                  fault_cases::step_name(std::get<1>(info.param));
+                         });
+
+TEST(MpiFaultsReuse, DispatcherWorksAgainAfterATransientFault) {
+  const int W = world_size();
+  const auto meta = fault_cases::ring_plan(W);
+  const auto data = fault_cases::step_data(meta, Step::forward);
+  MpiTransport mpi = MpiTransport::duplicate(MPI_COMM_WORLD, {.timeout = mpi_timeout});
+  FaultInjectingTransport t(mpi, {FaultRule{TransportCall::all_to_all_v, 1, Fault::error, -1}}, fault_options);
+  cpdispatch::Dispatcher d(t, meta.kv_fwd, meta.kv_rev, fault_cases::token_bytes);
+  Outcome first, again;
+  fault_cases::run_step(d, Step::forward, data, static_cast<std::size_t>(world_rank()), first);
+  fault_cases::run_step(d, Step::forward, data, static_cast<std::size_t>(world_rank()), again);
+  EXPECT_TRUE(first.threw);
+  EXPECT_FALSE(again.threw) << again.what;
+  EXPECT_EQ(again.wrong_floats, 0u);
+}
+
+}  // namespace
