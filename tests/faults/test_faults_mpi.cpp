@@ -19,6 +19,8 @@
 #include "cpdispatch/testing/fault_injection.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 #include "fault_cases.hpp"
+#include "overlap_cases.hpp"
+#include "tp_cases.hpp"
 
 namespace {
 
@@ -70,14 +72,19 @@ Outcome dispatch_with_fault(const std::vector<FaultRule>& rules, Step step, int 
   return o;
 }
 
-void report(const char* step, Fault fault, const Outcome& o) {
+/// One row of the fault matrix (printed by rank 0): how many ranks threw,
+/// the faulty rank's (the last) time to error and the slowest of the others'.
+void report_component(const std::string& component, Fault fault, const Outcome& o) {
   const long long threw = sum_over_ranks(o.threw ? 1 : 0);
-  const double slowest = max_over_ranks(o.ms);
+  const bool faulty = world_rank() == world_size() - 1;
+  const double faulty_ms = max_over_ranks(faulty ? o.ms : 0), others = max_over_ranks(faulty ? 0 : o.ms);
   if (world_rank() == 0) {
-    std::printf("fault-matrix | Dispatcher::%s | MPI (%d processes) | %s | %lld/%d ranks threw | slowest %.0f ms\n", step,
-                world_size(), cpdispatch::testing::fault_name(fault), threw, world_size(), slowest);
+    std::printf("fault-matrix | %s | MPI (%d processes) | %s | %lld/%d ranks threw | faulty rank %.0f ms | others %.0f ms\n",
+                component.c_str(), world_size(), cpdispatch::testing::fault_name(fault), threw, world_size(), faulty_ms, others);
   }
 }
+
+void report(const char* step, Fault fault, const Outcome& o) { report_component(std::string("Dispatcher::") + step, fault, o); }
 
 class MpiFaults : public testing::TestWithParam<std::tuple<Fault, Step>> {};
 
@@ -100,10 +107,16 @@ TEST_P(MpiFaults, NoRankHangsOrReturnsWrongData) {
   }
   if (world_rank() == faulty) {
     EXPECT_TRUE(o.threw);
-    if (fault == Fault::error) EXPECT_EQ(o.code, 77);
-    if (fault == Fault::stall) EXPECT_TRUE(o.timeout) << o.what;
+    if (fault == Fault::error) {
+      EXPECT_EQ(o.code, 77);
+    }
+    if (fault == Fault::stall) {
+      EXPECT_TRUE(o.timeout) << o.what;
+    }
   }
-  if (o.threw) EXPECT_TRUE(o.backend) << o.what;
+  if (o.threw) {
+    EXPECT_TRUE(o.backend) << o.what;
+  }
   EXPECT_EQ(wrong, 0);
   // The faulty rank's peers (it sends to ranks faulty+1 and faulty+2) are left waiting: they time out.
   EXPECT_GE(sum_over_ranks(o.threw ? 1 : 0), 2);
@@ -131,5 +144,52 @@ TEST(MpiFaultsReuse, DispatcherWorksAgainAfterATransientFault) {
   EXPECT_FALSE(again.threw) << again.what;
   EXPECT_EQ(again.wrong_floats, 0u);
 }
+
+// ---- the tensor-parallel layer and the overlap --------------------------------
+
+template <class F>
+Outcome component_with_fault(const FaultRule& rule, F&& body) {
+  MpiTransport mpi = MpiTransport::duplicate(MPI_COMM_WORLD, {.timeout = mpi_timeout});
+  FaultInjectingTransport t(mpi, {rule}, fault_options);
+  Outcome o;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    body(t);
+  } catch (...) {
+    fault_cases::record_exception(o, start);
+  }
+  return o;
+}
+
+class MpiLayerFaults : public testing::TestWithParam<Fault> {};
+
+// The row-parallel layer's all-reduce needs every rank: all of them time out.
+TEST_P(MpiLayerFaults, RowParallelLinearFaultSurfacesOnEveryRank) {
+  const Fault fault = GetParam();
+  const Outcome o = component_with_fault(FaultRule{TransportCall::all_reduce, 1, fault, world_size() - 1},
+                                         [](auto& t) { tp_cases::row_layer_matches_unsharded<float>(t); });
+  report_component("RowParallelLinear", fault, o);
+  EXPECT_TRUE(o.threw);
+  EXPECT_TRUE(o.backend) << o.what;
+}
+
+// The ring exchange waits on its neighbour each step: the stop travels round the ring.
+TEST_P(MpiLayerFaults, OverlapRingExchangeFaultSurfacesOnEveryRank) {
+  const Fault fault = GetParam();
+  const overlap_cases::Case c{cpdispatch::overlap::CommOverlapType::AG, cpdispatch::overlap::CommOverlapMethod::RING_EXCHANGE,
+                              cpdispatch::overlap::Transpose::no, cpdispatch::overlap::Transpose::no, 1,
+                              cpdispatch::overlap::HelperThread::gemm};  // MPI stays on the main thread
+  const Outcome o = component_with_fault(FaultRule{TransportCall::isend, 1, fault, world_size() - 1}, [&](auto& t) {
+    cpdispatch::tp::ReferenceGemm gemm;
+    const auto buffer = overlap_cases::buffer_for<float>(c, t.world_size());
+    overlap_cases::run_case<float>(t, gemm, c, buffer.get(), 0);
+  });
+  report_component("comm_gemm AG RING_EXCHANGE", fault, o);
+  EXPECT_TRUE(o.threw);
+  EXPECT_TRUE(o.backend) << o.what;
+}
+
+INSTANTIATE_TEST_SUITE_P(Mpi, MpiLayerFaults, testing::Values(Fault::error, Fault::stall),
+                         [](const testing::TestParamInfo<Fault>& info) { return cpdispatch::testing::fault_name(info.param); });
 
 }  // namespace

@@ -75,7 +75,7 @@ struct TouchingTransport {
   void reduce_scatter(const void*, void*, std::size_t, cpdispatch::ElementType, cpdispatch::ReduceOp) {}
 };
 
-constexpr std::size_t max_buffer_bytes = 1 << 20;  // larger asks are skipped: one input stays fast
+constexpr std::size_t max_buffer_bytes = 1 << 16;  // larger asks are skipped: one input stays fast
 
 Tensor<std::int64_t> random_tensor(Choices& in, const std::vector<std::size_t>& shape) {
   Tensor<std::int64_t> t(shape);
