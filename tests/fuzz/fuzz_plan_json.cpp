@@ -1,4 +1,4 @@
-// Fuzz target: a plan document (query form, QKV form) as a user hands it to
+// Fuzz target: a plan document (query form, QKV per-rank and documents forms) as a user hands it to
 // cpdispatch-plan. Reading and planning must either succeed or throw
 // invalid_input; a plan that plans must survive writing and reading back
 // unchanged (same metadata).
