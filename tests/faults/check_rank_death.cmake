@@ -3,8 +3,14 @@
 # seconds, with a non-zero exit status, after the victim said it exits.
 separate_arguments(preflags UNIX_COMMAND "${PREFLAGS}")
 string(TIMESTAMP start "%s")
+# Output through a file, not a pipe: a process the launcher is still
+# tearing down may hold a pipe open after mpiexec itself has ended.
+set(log ${CMAKE_CURRENT_BINARY_DIR}/rank_death_$ENV{PPID}_${start}.log)
 execute_process(COMMAND ${MPIEXEC} -n ${NP} ${preflags} ${PROGRAM} 2
-                TIMEOUT ${LIMIT} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+                TIMEOUT ${LIMIT} RESULT_VARIABLE rc OUTPUT_FILE ${log} ERROR_FILE ${log}.err)
+file(READ ${log} out)
+file(READ ${log}.err err)
+file(REMOVE ${log} ${log}.err)
 string(TIMESTAMP stop "%s")
 math(EXPR seconds "${stop} - ${start}")
 message("${out}${err}")
