@@ -34,8 +34,8 @@ using fault_cases::Outcome;
 using fault_cases::Step;
 using fault_cases::TransportCall;
 
-constexpr auto mpi_timeout = 500ms;
-const FaultOptions fault_options{.error_code = 77, .stall = 1000ms, .short_bytes = 4};
+constexpr auto mpi_timeout = 2000ms;  // generous: a loaded CI machine must not make a healthy step time out
+const FaultOptions fault_options{.error_code = 77, .stall = 3000ms, .short_bytes = 4};
 
 int world_rank() {
   int r = 0;
