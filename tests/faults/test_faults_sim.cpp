@@ -252,7 +252,19 @@ TEST(FaultInjector, RefusesPayloadFaultsOnCallsWithoutPayload) {
   });
 }
 
+/// A transport with the all-to-all alone (no collectives, no point-to-point).
+struct AllToAllOnly {
+  [[maybe_unused]] static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::host;
+  int rank() const { return 0; }
+  int world_size() const { return 1; }
+  void all_to_all_v(const void*, std::span<const std::size_t>, std::span<const std::size_t>, void*, std::span<const std::size_t>,
+                    std::span<const std::size_t>) {}
+};
+
 TEST(FaultInjector, HasExactlyTheMembersOfItsInnerTransport) {
+  static_assert(cpdispatch::AllToAllTransport<FaultInjectingTransport<AllToAllOnly>>);
+  static_assert(!cpdispatch::CollectiveTransport<FaultInjectingTransport<AllToAllOnly>>);
+  static_assert(!cpdispatch::PointToPointTransport<FaultInjectingTransport<AllToAllOnly>>);
   static_assert(cpdispatch::PieceTransport<FaultInjectingTransport<SimTransport>>);
   static_assert(cpdispatch::Transport<FaultInjectingTransport<SimPackingTransport>>);
   static_assert(!cpdispatch::PieceTransport<FaultInjectingTransport<SimPackingTransport>>);
