@@ -440,7 +440,7 @@ inline void write_pretty(const json& j, std::size_t indent, std::size_t column, 
 inline nlohmann::json parse_json(std::string_view text) {
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     std::string what = e.what();
     if (const auto end = what.find("] "); what.rfind("[json.exception.", 0) == 0 && end != std::string::npos) {
       what.erase(0, end + 2);

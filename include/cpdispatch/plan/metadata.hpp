@@ -230,6 +230,7 @@ inline RankMetadata Metadata::get_slice(std::int64_t rank) const {
   if (rank < 0 || rank >= world_size) {
     detail::fail("get_slice: rank ", rank, " is outside [0, ", world_size, ")");
   }
+  detail::check_shapes(*this, "get_slice: metadata");  // num_seqs bounds the rows read below
   const auto r = static_cast<std::size_t>(rank);
   const std::size_t n = static_cast<std::size_t>(num_seqs(r));
   const std::size_t c = num_copies();

@@ -259,11 +259,15 @@ struct MpiTransportHandles {
   void release() noexcept {
     int finalized = 1;
     if (MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) {
-      // Requests nobody waited for: point-to-point ones can be freed (they
-      // complete in the background); an abandoned collective cannot, so it
-      // is tested once and leaked if still pending.
-      for (MPI_Request& r : pending)
-        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+      // Requests nobody waited for: point-to-point ones are cancelled, then
+      // freed (a receive left posted by a call that failed must not write
+      // into a buffer its owner has freed since); an abandoned collective
+      // cannot be, so it is tested once and leaked if still pending.
+      for (MPI_Request& r : pending) {
+        if (r == MPI_REQUEST_NULL) continue;
+        MPI_Cancel(&r);
+        MPI_Request_free(&r);
+      }
       for (MPI_Request& r : abandoned) {
         int done = 0;
         if (r != MPI_REQUEST_NULL) MPI_Test(&r, &done, MPI_STATUS_IGNORE);

@@ -1,0 +1,45 @@
+// Fuzz target: the input document of `cpdispatch-plan balance` (document
+// lengths per rank, C, capacities, bytes per token). Reading, the lower
+// bound, the balanced, unbalanced and greedy plans and their costs must
+// succeed or throw invalid_input (capacity_error included); a plan the
+// balancer returns must itself plan.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+
+#include "balance_command.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "fuzz_target.hpp"
+
+namespace {
+
+// The planner is polynomial in documents and ranks; bound them so one input
+// stays in the milliseconds (lengths are left free: their arithmetic is what
+// is fuzzed).
+bool small_enough(const cpdispatch::BalanceProblem& p) {
+  std::size_t docs = 0;
+  for (const auto& rank : p.docs) docs += rank.size();
+  return p.world_size <= 16 && docs <= 64;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  cpdispatch_fuzz::expect_valid_or_invalid_input([&] {
+    const cpdispatch::BalanceProblem problem =
+        cpdispatch_cli::balance_problem_from_json(cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size)));
+    if (!small_enough(problem)) return;
+    (void)cpdispatch::balance_lower_bound(problem);
+    (void)cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem), problem.q_bytes, problem.kv_bytes);
+    (void)cpdispatch::plan_cost(cpdispatch::plan_greedy(problem), problem.q_bytes, problem.kv_bytes);
+    const cpdispatch::QkvPlan plan = cpdispatch::plan_balanced(problem);
+    (void)cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes);
+    try {
+      (void)cpdispatch::plan_qkv(plan);  // the balancer's own output must be a valid plan
+    } catch (...) {
+      std::abort();
+    }
+  });
+  return 0;
+}
