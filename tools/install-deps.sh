@@ -5,8 +5,10 @@
 # skip this step (e.g. on a non-Debian system with the dependencies at hand).
 set -euo pipefail
 
+# libclang-rt-14-dev: libFuzzer for Debian 12's clang 14 (the fuzz targets); iproute2: network namespaces (multihost tests).
 packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev libboost-dev
-          libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev "$@")
+          libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
+          libclang-rt-14-dev iproute2 "$@")
 
 if [ "${CPDISPATCH_SKIP_DEPS:-0}" = 1 ]; then
   exit 0
