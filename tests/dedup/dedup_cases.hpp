@@ -64,28 +64,35 @@ inline QkvPlan zigzag_plan(std::int64_t W, std::int64_t docs_per_rank, std::int6
   return plan;
 }
 
-/// A small random per-rank plan; `repeat` makes repeated destinations within a document likely.
-inline QkvPlan random_plan(Rng& rng, bool repeat) {
+/// A small random per-rank plan of W ranks; `repeat` makes repeated
+/// destinations within a document likely.
+inline QkvPlan random_plan(Rng& rng, std::int64_t W, bool repeat) {
   QkvPlan plan;
-  plan.world_size = rng.between(1, 6);
+  plan.world_size = W;
   const std::int64_t most = rng.between(1, 5);
-  plan.ranks.resize(static_cast<std::size_t>(plan.world_size));
+  plan.ranks.resize(static_cast<std::size_t>(W));
   for (auto& rank : plan.ranks) {
     const std::int64_t docs = rng.between(0, 4);
     for (std::int64_t k = 0; k < docs; ++k) {
       Document d;
       const std::int64_t n = rng.between(1, most);
-      const std::int64_t spread = repeat ? std::min<std::int64_t>(plan.world_size, 2) : plan.world_size;
-      const std::int64_t first = rng.between(0, plan.world_size - 1);
+      const std::int64_t spread = repeat ? std::min<std::int64_t>(W, 2) : W;
+      const std::int64_t first = rng.between(0, W - 1);
       for (std::int64_t i = 0; i < n; ++i) {
         d.shard_len.push_back(rng.between(1, 9));
-        d.dst.push_back((first + rng.between(0, spread - 1)) % plan.world_size);
+        d.dst.push_back((first + rng.between(0, spread - 1)) % W);
       }
       rank.docs.push_back(d);
     }
   }
   if (rng.below(4) == 0) plan.max_cp_degree = most + rng.between(0, 2);
   return plan;
+}
+
+/// The same with a random world size in [1, 6].
+inline QkvPlan random_plan(Rng& rng, bool repeat) {
+  const std::int64_t W = rng.between(1, 6);
+  return random_plan(rng, W, repeat);
 }
 
 /// What the model predicts for section 2c, field by field.
