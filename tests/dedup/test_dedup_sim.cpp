@@ -2,8 +2,7 @@
 // attention layout is byte-identical to the section 2 Dispatcher's, the
 // backward gradient equals its reverse_combine (exactly for integers and
 // exactly representable sums, within the element type's rounding otherwise)
-// and is bit-identical run to run; bad buffers are refused before anything is
-// written.
+// and is bit-identical run to run.
 
 #include <gtest/gtest.h>
 
@@ -19,122 +18,21 @@
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "../common/sim_world_fixture.hpp"
-#include "dedup_cases.hpp"
+#include "dedup_exec.hpp"
 
 namespace {
 
-using cpdispatch::ElementType;
-using cpdispatch::KvWireDispatcher;
 using cpdispatch::SimTransport;
-using Bytes = std::vector<std::byte>;
+using namespace dedup_test;
 
-struct Case {
-  std::string name;
-  cpdispatch::QkvMetadata meta;
-  cpdispatch::KvWireMetadata wire;
-};
-
-std::vector<Case> cases_for(int W) {
-  std::vector<Case> out;
-  auto add = [&](std::string name, const cpdispatch::QkvPlan& plan) {
-    auto meta = cpdispatch::plan_qkv(plan);
-    auto wire = cpdispatch::plan_kv_wire(meta);
-    out.push_back({std::move(name), std::move(meta), std::move(wire)});
-  };
-  add("zigzag", dedup_test::zigzag_plan(W, 2, 6 * W));
-  cpdispatch::Rng rng(static_cast<std::uint64_t>(W) * 31 + 5);
-  for (int i = 0; i < 6; ++i) add("random " + std::to_string(i), dedup_test::random_plan(rng, W, i % 2 == 0));
-  return out;
-}
-
-/// Per-rank element values: integers use the full range (sums wrap), floats
-/// lie in [-1, 1], or are small integers when `exact` (every sum representable).
-template <class E>
-std::vector<E> values(std::size_t n, std::uint64_t seed, bool exact) {
-  cpdispatch::Rng rng(seed);
-  std::vector<E> v(n);
-  for (E& x : v) {
-    if constexpr (std::is_integral_v<E>) {
-      x = static_cast<E>(rng.next());
-    } else if (exact) {
-      x = E(static_cast<float>(rng.between(-4, 4)));
-    } else {
-      x = E(static_cast<float>(rng.between(-1000000, 1000000)) / 1e6f);
-    }
-  }
-  return v;
-}
-
-template <class E>
-Bytes bytes_of(const std::vector<E>& v) {
-  Bytes b(v.size() * sizeof(E));
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
-
-template <class E>
-std::vector<E> elements_of(const Bytes& b) {
-  std::vector<E> v(b.size() / sizeof(E));
-  std::memcpy(v.data(), b.data(), b.size());
-  return v;
-}
-
-struct RankResult {
-  Bytes attention_ref, attention, grad_ref, grad, grad_again;
-};
-
-/// Both exchanges on every rank of a SimWorld; element type E, 3 per token.
-template <class E>
-std::vector<RankResult> run_both(int W, const Case& c, bool exact) {
-  const std::size_t tb = 3 * sizeof(E);
-  const ElementType type = cpdispatch::element_type_of<E>();
-  std::vector<RankResult> results(static_cast<std::size_t>(W));
-  cpdispatch::SimWorld world(W, cpdispatch::SimOptions{sim_test::hang_timeout});
-  world.run([&](SimTransport& t) {
-    const auto r = static_cast<std::size_t>(t.rank());
-    cpdispatch::Dispatcher<SimTransport> kv(t, c.meta.kv_fwd, c.meta.kv_rev, tb);
-    KvWireDispatcher<SimTransport> dd(t, c.wire, tb);
-    const auto& s = dd.required_bytes();
-    EXPECT_EQ(s.mlp_bytes, kv.required_bytes().mlp_bytes);
-    EXPECT_EQ(s.attention_bytes, kv.required_bytes().attention_bytes);
-    EXPECT_EQ(s.replica_bytes, kv.required_bytes().replica_bytes);
-    const Bytes mlp = bytes_of(values<E>(s.mlp_bytes / sizeof(E), 100 + r, exact));
-    const Bytes dattn = bytes_of(values<E>(s.attention_bytes / sizeof(E), 200 + r, exact));
-    RankResult& out = results[r];
-    out.attention_ref.assign(s.attention_bytes, std::byte{0x5A});
-    out.attention.assign(s.attention_bytes, std::byte{0xA5});
-    Bytes wire(s.wire_bytes), replica(s.replica_bytes), replica_ref(s.replica_bytes);
-    out.grad_ref.assign(s.mlp_bytes, std::byte{});
-    out.grad.assign(s.mlp_bytes, std::byte{});
-    out.grad_again.assign(s.mlp_bytes, std::byte{});
-    kv.forward(mlp, out.attention_ref);
-    dd.forward(mlp, out.attention, wire);
-    kv.reverse_combine(dattn, replica_ref, out.grad_ref, type);
-    dd.reverse_combine(dattn, wire, replica, out.grad, type);
-    std::fill(replica.begin(), replica.end(), std::byte{0x11});
-    dd.reverse_combine(dattn, wire, replica, out.grad_again, type);
-  });
-  return results;
-}
-
-/// The largest |dedup - section 2| over all ranks and elements, after
-/// checking the forward bytes and the run-to-run identity.
+/// Both exchanges on every rank of a SimWorld.
 template <class E>
 double check_case(int W, const Case& c, bool exact) {
-  const std::vector<RankResult> res = run_both<E>(W, c, exact);
+  std::vector<RankResult> res(static_cast<std::size_t>(W));
+  cpdispatch::SimWorld world(W, cpdispatch::SimOptions{sim_test::hang_timeout});
+  world.run([&](SimTransport& t) { res[static_cast<std::size_t>(t.rank())] = run_rank<E>(t, c, exact); });
   double worst = 0;
-  for (std::size_t r = 0; r < res.size(); ++r) {
-    EXPECT_EQ(res[r].attention, res[r].attention_ref) << "forward attention layout of rank " << r;
-    EXPECT_EQ(res[r].grad, res[r].grad_again) << "the gradient of rank " << r << " changed between runs";
-    const auto a = elements_of<E>(res[r].grad), b = elements_of<E>(res[r].grad_ref);
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      if constexpr (std::is_integral_v<E>) {
-        EXPECT_EQ(a[i], b[i]) << "rank " << r << " element " << i;
-      } else {
-        worst = std::max(worst, std::fabs(static_cast<double>(static_cast<float>(a[i])) - static_cast<double>(static_cast<float>(b[i]))));
-      }
-    }
-  }
+  for (std::size_t r = 0; r < res.size(); ++r) worst = std::max(worst, check_rank<E>(r, res[r]));
   return worst;
 }
 
