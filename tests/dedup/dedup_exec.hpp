@@ -101,7 +101,7 @@ RankResult run_rank(Transport& t, const Case& c, bool exact) {
   out.grad.assign(s.mlp_bytes, std::byte{});
   out.grad_again.assign(s.mlp_bytes, std::byte{});
   kv.forward(mlp, out.attention_ref);
-  dd.forward(mlp, out.attention, wire);
+  dd.forward(mlp, out.attention);
   kv.reverse_combine(dattn, replica_ref, out.grad_ref, type);
   dd.reverse_combine(dattn, wire, replica, out.grad, type);
   std::fill(replica.begin(), replica.end(), std::byte{0x11});

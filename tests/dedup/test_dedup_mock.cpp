@@ -132,7 +132,7 @@ TEST(DedupMock, ForwardAndBackwardAreOneWireExchangeEach) {
                                   [&](std::size_t p) { return segment(w.fwd, ref.wire_grad[p], p, me); }));
       }
       V attention(ref.attention[me].size(), -1), wire(ref.wire[me].size()), replica(d.required_bytes().replica_bytes / 4), grad(ref.grad[me].size());
-      d.forward(cbytes(ref.mlp[me]), bytes(attention), bytes(wire));
+      d.forward(cbytes(ref.mlp[me]), bytes(attention));
       EXPECT_EQ(attention, ref.attention[me]);
       d.reverse_combine(cbytes(ref.dattn[me]), bytes(wire), bytes(replica), bytes(grad), ElementType::int32);
       EXPECT_EQ(grad, ref.grad[me]);
@@ -164,23 +164,29 @@ TEST_F(BadInput, ShortBuffersNameTheBufferAndSizesAndWriteNothing) {
   KvWireDispatcher<MockTransport> d(t, w, tb);
   const auto& s = d.required_bytes();
   ASSERT_GT(s.wire_bytes, 0u);
-  V mlp(s.mlp_bytes / 4, 1), attention(s.attention_bytes / 4, -9), wire(s.wire_bytes / 4 - 1, -9);
-  EXPECT_THAT(message_of<cpdispatch::capacity_error>([&] { d.forward(cbytes(mlp), bytes(attention), bytes(wire)); }),
-              HasSubstr("KvWireDispatcher::forward (rank 0 of 2): wire holds " + std::to_string(s.wire_bytes - 4) +
-                        " bytes, the plan needs " + std::to_string(s.wire_bytes)));
+  V short_mlp(s.mlp_bytes / 4 - 1, 1), attention(s.attention_bytes / 4, -9);
+  EXPECT_THAT(message_of<cpdispatch::capacity_error>([&] { d.forward(cbytes(short_mlp), bytes(attention)); }),
+              HasSubstr("KvWireDispatcher::forward (rank 0 of 2): mlp holds " + std::to_string(s.mlp_bytes - 4) +
+                        " bytes, the plan needs " + std::to_string(s.mlp_bytes)));
   EXPECT_EQ(attention, V(attention.size(), -9));
-  EXPECT_EQ(wire, V(wire.size(), -9));
-  V short_attention(s.attention_bytes / 4 - 1, -9), full_wire(s.wire_bytes / 4, -9);
-  EXPECT_THAT(message_of<cpdispatch::capacity_error>([&] { d.forward(cbytes(mlp), bytes(short_attention), bytes(full_wire)); }),
+  V mlp(s.mlp_bytes / 4, 1), short_attention(s.attention_bytes / 4 - 1, -9);
+  EXPECT_THAT(message_of<cpdispatch::capacity_error>([&] { d.forward(cbytes(mlp), bytes(short_attention)); }),
               HasSubstr("attention holds " + std::to_string(s.attention_bytes - 4) + " bytes, the plan needs " + std::to_string(s.attention_bytes)));
-  EXPECT_EQ(full_wire, V(full_wire.size(), -9));
+  EXPECT_EQ(short_attention, V(short_attention.size(), -9));
 
-  V replica(s.replica_bytes / 4 - 1, -9), grad(s.mlp_bytes / 4, -9);
+  V wire(s.wire_bytes / 4, -9), short_wire(s.wire_bytes / 4 - 1, -9), replica(s.replica_bytes / 4, -9), grad(s.mlp_bytes / 4, -9);
   EXPECT_THAT(message_of<cpdispatch::capacity_error>(
-                  [&] { d.reverse_combine(cbytes(attention), bytes(full_wire), bytes(replica), bytes(grad), ElementType::int32); }),
-              HasSubstr("KvWireDispatcher::reverse_combine (rank 0 of 2): replica holds " + std::to_string(s.replica_bytes - 4)));
-  EXPECT_EQ(full_wire, V(full_wire.size(), -9)) << "the fan-in ran before the checks";
+                  [&] { d.reverse_combine(cbytes(attention), bytes(short_wire), bytes(replica), bytes(grad), ElementType::int32); }),
+              HasSubstr("KvWireDispatcher::reverse_combine (rank 0 of 2): wire holds " + std::to_string(s.wire_bytes - 4) +
+                        " bytes, the plan needs " + std::to_string(s.wire_bytes)));
+  V short_replica(s.replica_bytes / 4 - 1, -9);
+  EXPECT_THAT(message_of<cpdispatch::capacity_error>(
+                  [&] { d.reverse_combine(cbytes(attention), bytes(wire), bytes(short_replica), bytes(grad), ElementType::int32); }),
+              HasSubstr("replica holds " + std::to_string(s.replica_bytes - 4)));
+  EXPECT_EQ(wire, V(wire.size(), -9)) << "the fan-in ran before the checks";
+  EXPECT_EQ(short_wire, V(short_wire.size(), -9));
   EXPECT_EQ(grad, V(grad.size(), -9));
+  EXPECT_EQ(short_replica, V(short_replica.size(), -9));
 }
 
 TEST_F(BadInput, ElementTypesTheFanInCannotSumAreRefused) {
@@ -202,9 +208,12 @@ TEST_F(BadInput, ElementTypesTheFanInCannotSumAreRefused) {
 TEST_F(BadInput, OverlappingBuffersAreRefused) {
   KvWireDispatcher<MockTransport> d(t, w, tb);
   const auto& s = d.required_bytes();
-  V mlp(s.mlp_bytes / 4), both((s.attention_bytes + s.wire_bytes) / 4);
-  EXPECT_THAT(message_of<cpdispatch::invalid_input>([&] { d.forward(cbytes(mlp), bytes(both), bytes(both)); }),
-              HasSubstr("attention and wire overlap"));
+  V both((s.attention_bytes + s.mlp_bytes) / 4);
+  EXPECT_THAT(message_of<cpdispatch::invalid_input>([&] { d.forward(cbytes(both), bytes(both)); }), HasSubstr("mlp and attention overlap"));
+  V grads((s.attention_bytes + s.wire_bytes) / 4), replica(s.replica_bytes / 4), grad(s.mlp_bytes / 4);
+  EXPECT_THAT(message_of<cpdispatch::invalid_input>(
+                  [&] { d.reverse_combine(cbytes(grads), bytes(grads), bytes(replica), bytes(grad), ElementType::int32); }),
+              HasSubstr("attention_grad and wire overlap"));
 }
 
 TEST_F(BadInput, AFanListThatDoesNotBelongToTheWireIsRefused) {

@@ -5,34 +5,39 @@
 //   const QkvMetadata meta = plan_qkv(plan);          // same plan on every rank
 //   const KvWireMetadata wire = plan_kv_wire(meta);
 //   KvWireDispatcher kv(transport, wire, kv_token_bytes);
-//   kv.forward(kv_mlp, kv_attn, kv_wire);              // one exchange + local fan-out
+//   kv.forward(kv_mlp, kv_attn);                       // one exchange + local fan-out
 //   ... attention ...
-//   kv.reverse_combine(dkv_attn, kv_wire, dkv_replica, dkv_mlp, ElementType::bfloat16);
+//   kv.reverse_combine(dkv_attn, dkv_wire, dkv_replica, dkv_mlp, ElementType::bfloat16);
 //
-// forward: ONE exchange of the wire (a Dispatcher over kv_wire_fwd/_rev) into
-// this rank's wire buffer, then the fan-out copies every received shard into
-// each KV group of the attention layout that needs it. The attention layout is
+// forward: ONE exchange (all_to_all_v, or all_to_all_pieces where the
+// transport has it) carries each KV shard once per destination rank, straight
+// into the place of its first copy in the attention layout; the fan-out then
+// copies it to the places of its other copies. The attention layout is
 // exactly the one Dispatcher(kv_fwd, kv_rev).forward writes.
 // reverse_combine: the fan-in sums, for every received shard, the gradients of
 // its copies (copy index ascending; fp32 accumulation for 16-bit types,
-// integers wrap) into the wire buffer, ONE exchange takes them home into slot
-// u of the [C][T] replica buffer, and the home sums the slots in use
+// integers wrap) into the wire buffer (the shards this rank received, once
+// each, back to back in wire order), ONE exchange takes them home into slot u
+// of the [C][T] replica buffer, and the home sums the slots in use
 // (ascending). Equal to the non-deduplicated reverse_combine up to
-// floating-point reassociation, exact for integers, deterministic.
+// floating-point reassociation (each fan-in sum is rounded to the element
+// type once), exact for integers, deterministic.
 //
 // When to use it: when query shards of one document share a destination rank
 // (zig-zag causal balancing puts two on every rank), the wire carries fewer
 // bytes than kv_fwd; when they never do, the wire equals kv_fwd and the
-// fan-out is pure overhead.
+// fan-in is one extra local copy.
 //
 // Buffers are the caller's (bytes; a token is `token_bytes` wide): mlp [T],
-// attention (this rank's KV attention layout), wire (this rank's wire buffer:
-// the KV shards it receives, once each), replica [C][T], grad [T], and the
-// staging of the underlying Dispatcher (or the overloads without it, which own
-// it). required_bytes() gives the sizes; short buffers throw capacity_error
-// naming the buffer, the needed and the given size, before anything is
-// written. Buffers of one call must not overlap. After the first call nothing
-// is allocated. Every rank makes the same calls (each is one collective).
+// attention (this rank's KV attention layout), wire (backward scratch),
+// replica [C][T], grad [T]. required_bytes() gives the sizes; short buffers
+// throw capacity_error naming the buffer, the needed and the given size,
+// before anything is written. Buffers of one call must not overlap. Staging
+// for transports without all_to_all_pieces is allocated at construction;
+// calls do not allocate. Every rank makes the same calls (each is one
+// collective). The transport is held by reference and must outlive the
+// dispatcher; errors from it propagate with "KvWireDispatcher::<call> (rank r
+// of W): all_to_all_v failed: " in front, keeping their kind.
 //
 // Host transports only: the device fan-out and fan-in kernels are not written
 // yet, so a device transport is refused at compile time.
@@ -42,6 +47,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -49,7 +56,10 @@
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
+#include "cpdispatch/execute/detail/rethrow.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/execute/simulate.hpp"
+#include "cpdispatch/transport.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 
@@ -59,9 +69,8 @@ namespace cpdispatch {
 struct KvWireBufferSizes {
   std::size_t mlp_bytes = 0;        ///< forward input; reverse_combine's gradient output
   std::size_t attention_bytes = 0;  ///< forward output; reverse_combine's input
-  std::size_t wire_bytes = 0;       ///< the received shards, once each (forward and backward scratch)
+  std::size_t wire_bytes = 0;       ///< reverse_combine's scratch: the fan-in's sums, one per received shard
   std::size_t replica_bytes = 0;    ///< [C][T] replica buffer
-  std::size_t staging_bytes = 0;    ///< the wire Dispatcher's staging (0: none)
   friend bool operator==(const KvWireBufferSizes&, const KvWireBufferSizes&) = default;
 };
 
@@ -149,15 +158,137 @@ inline void check_fan_list(const KvFanList& fan, const RankMetadata& wire_rev, c
         fail(who, ": fan.attn_offset[", i, "] = ", fan.attn_offset[i], " with ", len, " tokens falls outside the attention layout of ",
              fan.attention_tokens, " tokens");
       }
+      const std::int64_t gap = fan.attn_offset[i] - fan.attn_offset[fan.copy_splits[e]];
+      if (i > fan.copy_splits[e] && gap < len && -gap < len) {
+        fail(who, ": fan.attn_offset[", i, "] = ", fan.attn_offset[i], " overlaps the first copy of fan entry ", e);
+      }
     }
   }
   if (fan.wire_tokens != at) fail(who, ": fan.wire_tokens = ", fan.wire_tokens, " but its entries hold ", at);
+}
+
+/// Both exchanges of one rank's deduplicated KV path, and its fan-out,
+/// computed once. Forward: home MLP layout -> the attention layout at each
+/// wire entry's FIRST copy (so the wire never needs a buffer of its own),
+/// then the fan-out copies that first copy to the others. Reverse: the
+/// fan-in's sums in the wire buffer -> slot u of the home's replica buffer.
+struct WirePlan {
+  ExchangePlan forward, reverse;
+  std::vector<CopyPiece> fan_out;  ///< attention -> attention, bytes
+  std::int64_t mlp_tokens = 0, attention_tokens = 0, wire_tokens = 0, replica_tokens = 0;
+};
+
+/// This rank's wire traffic as home (shard g, slot u to each peer) and as
+/// destination (its fan entries from each peer), both in wire order.
+struct WireTraffic {
+  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> home_to;  // [peer] -> (g, u)
+  std::vector<std::vector<std::size_t>> entries_from;                     // [peer] -> fan entry
+};
+
+inline WireTraffic wire_traffic(const RankMetadata& fwd, const RankMetadata& rev, const KvFanList& fan, const std::string& who) {
+  const auto W = static_cast<std::size_t>(fwd.world_size);
+  const std::size_t C = fwd.num_copies;
+  WireTraffic t{std::vector<std::vector<std::pair<std::size_t, std::size_t>>>(W), std::vector<std::vector<std::size_t>>(W)};
+  for (std::size_t g = 0; g < fwd.seq_len.size(); ++g) {
+    for (std::size_t u = 0; u < C; ++u) {
+      const std::int64_t d = fwd.dst_rank[g * C + u];
+      if ((*rev.seq_recv_mask)[g * C + u] != (d >= 0 ? 1 : 0)) {
+        fail(who, ": kv_wire_rev.seq_recv_mask[", g, "][", u, "] = ", (*rev.seq_recv_mask)[g * C + u], " but kv_wire_fwd.dst_rank[", g,
+             "][", u, "] = ", d);
+      }
+      if (d >= 0 && fwd.seq_len[g] > 0) t.home_to[static_cast<std::size_t>(d)].emplace_back(g, u);
+    }
+  }
+  for (std::size_t e = 0; e < fan.num_entries(); ++e) t.entries_from[static_cast<std::size_t>(fan.src_rank[e])].push_back(e);
+  for (std::size_t p = 0; p < W; ++p) {  // what one rank can check of the others: per-peer token counts
+    std::int64_t sent = 0, received = 0;
+    for (auto [g, u] : t.home_to[p]) sent += fwd.seq_len[g];
+    for (std::size_t e : t.entries_from[p]) received += fan.seq_len[e];
+    if (sent != rev.num_recv_tokens[p] || received != fwd.num_recv_tokens[p]) {
+      fail(who, ": rank ", p, " gets ", sent, " tokens and sends ", received, ", but kv_wire_rev / kv_wire_fwd count ", rev.num_recv_tokens[p],
+           " and ", fwd.num_recv_tokens[p], " (the slices are not of one plan)");
+    }
+  }
+  return t;
+}
+
+
+/// The piece lists of both exchanges and the fan-out (see WirePlan); `lens`
+/// and `P` are this rank's shard lengths and MLP positions.
+inline void lay_out_wire(WirePlan& plan, const KvFanList& fan, const WireTraffic& t, const std::vector<std::int64_t>& lens,
+                         const std::vector<std::int64_t>& P, std::size_t tb, std::size_t me, const std::string& who) {
+  const std::size_t W = t.home_to.size();
+  const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
+  const auto first = [&fan](std::size_t e) { return fan.attn_offset[fan.copy_splits[e]]; };
+  const auto slot = [&](std::size_t g, std::size_t u) { return static_cast<std::int64_t>(u) * plan.mlp_tokens + P[g]; };
+  std::vector<std::vector<TokenRange>> fwd_send(W), fwd_recv(W), rev_send(W), rev_recv(W);
+  for (std::size_t p = 0; p < W; ++p) {
+    if (p == me) continue;
+    for (auto [g, u] : t.home_to[p]) {
+      fwd_send[p].push_back({P[g], lens[g]});
+      rev_recv[p].push_back({slot(g, u), lens[g]});
+    }
+    for (std::size_t e : t.entries_from[p]) {
+      fwd_recv[p].push_back({first(e), fan.seq_len[e]});
+      rev_send[p].push_back({fan.wire_offset[e], fan.seq_len[e]});
+    }
+  }
+  // Traffic to itself: its shards to itself pair with its own fan entries, in order.
+  const auto& mine = t.home_to[me];
+  const auto& own = t.entries_from[me];
+  if (mine.size() != own.size()) fail(who, ": it sends ", mine.size(), " shards to itself but its fan list receives ", own.size(), " from itself");
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    const auto [g, u] = mine[i];
+    if (fan.seq_len[own[i]] != lens[g]) {
+      fail(who, ": its own fan entry ", own[i], " (", fan.seq_len[own[i]], " tokens) does not match its shard ", g, " (", lens[g], ")");
+    }
+    append_piece(plan.forward.self, bytes(P[g]), bytes(first(own[i])), bytes(lens[g]));
+    append_piece(plan.reverse.self, bytes(fan.wire_offset[own[i]]), bytes(slot(g, u)), bytes(lens[g]));
+  }
+  for (std::size_t e = 0; e < fan.num_entries(); ++e) {
+    for (std::size_t i = fan.copy_splits[e] + 1; i < fan.copy_splits[e + 1]; ++i) {
+      append_piece(plan.fan_out, bytes(first(e)), bytes(fan.attn_offset[i]), bytes(fan.seq_len[e]));
+    }
+  }
+  plan.forward.send = lay_out_side(fwd_send, tb, true);
+  plan.forward.recv = lay_out_side(fwd_recv, tb, false);
+  plan.reverse.send = lay_out_side(rev_send, tb, true);
+  plan.reverse.recv = lay_out_side(rev_recv, tb, false);
+}
+
+inline WirePlan plan_wire_exchange(const RankMetadata& fwd, const RankMetadata& rev, const KvFanList& fan, std::size_t tb, int rank, int world) {
+  const std::string who = concat("KvWireDispatcher (rank ", rank, " of ", world, ")");
+  if (tb == 0) fail(who, ": token_bytes must be positive");
+  if (world <= 0 || rank < 0 || rank >= world) fail(who, ": the transport's rank() / world_size() are not a rank of a world");
+  for (auto [name, m] : {std::pair{"kv_wire_fwd", &fwd}, std::pair{"kv_wire_rev", &rev}}) {
+    if (m->world_size != world) fail(who, ": ", name, ".world_size = ", m->world_size, " but the transport's world_size() = ", world);
+    if (m->rank != rank) fail(who, ": ", name, " is the slice of rank ", m->rank, " but the transport is rank ", rank);
+    check_slice(*m, name, who);
+  }
+  const std::size_t C = fwd.num_copies;
+  if (!fwd.has_copies || rev.has_copies || !rev.seq_recv_mask || rev.mask_copies != C || *rev.recv_seq_lens != fwd.seq_len) {
+    fail(who, ": kv_wire_fwd / kv_wire_rev are not the forward (with copies) and reverse (with seq_recv_mask) slices of one wire plan");
+  }
+  check_fan_list(fan, rev, who);
+  const WireTraffic traffic = wire_traffic(fwd, rev, fan, who);
+  WirePlan plan;
+  std::vector<std::int64_t> P(fwd.seq_len.size());
+  for (std::size_t g = 0; g < P.size(); ++g) {
+    P[g] = plan.mlp_tokens;
+    plan.mlp_tokens = add_tokens(plan.mlp_tokens, fwd.seq_len[g], who.c_str());
+  }
+  if (__builtin_mul_overflow(static_cast<std::int64_t>(C), plan.mlp_tokens, &plan.replica_tokens)) fail(who, ": the replica buffer overflows 64 bits");
+  plan.attention_tokens = fan.attention_tokens;
+  plan.wire_tokens = fan.wire_tokens;
+  lay_out_wire(plan, fan, traffic, fwd.seq_len, P, tb, static_cast<std::size_t>(rank), who);
+  return plan;
 }
 
 }  // namespace detail
 
 template <class T>
 class KvWireDispatcher {
+  CPDISPATCH_CHECK_TRANSPORT(T);
   static_assert(detail::memory_space_of<T>() == MemorySpace::host,
                 "cpdispatch: the deduplicated KV exchange (KvWireDispatcher) runs on host transports only for now");
 
@@ -169,18 +300,19 @@ class KvWireDispatcher {
   /// From this rank's part of plan_kv_wire's output. Throws invalid_input when
   /// it is not this transport's rank, or its parts do not belong together.
   KvWireDispatcher(T& transport, RankKvWire slice, std::size_t token_bytes)
-      : wire_(transport, std::move(slice.fwd), slice.rev, token_bytes), fan_(std::move(slice.fan)) {
-    detail::check_fan_list(fan_, slice.rev, detail::concat("KvWireDispatcher (rank ", wire_.rank(), " of ", wire_.world_size(), ")"));
-    const std::size_t tb = token_bytes;
-    for (std::size_t e = 0; e < fan_.num_entries(); ++e) {
-      const auto from = static_cast<std::size_t>(fan_.wire_offset[e]) * tb, bytes = static_cast<std::size_t>(fan_.seq_len[e]) * tb;
-      for (std::size_t i = fan_.copy_splits[e]; i < fan_.copy_splits[e + 1]; ++i) {
-        detail::append_piece(fan_out_, from, static_cast<std::size_t>(fan_.attn_offset[i]) * tb, bytes);
-      }
+      : transport_(transport),
+        rank_(transport.rank()),
+        world_size_(transport.world_size()),
+        token_bytes_(token_bytes),
+        plan_(detail::plan_wire_exchange(slice.fwd, slice.rev, slice.fan, token_bytes, rank_, world_size_)),
+        rev_(std::move(slice.rev)),
+        fan_(std::move(slice.fan)) {
+    const char* who = "KvWireDispatcher";
+    sizes_ = {detail::token_bytes_of(plan_.mlp_tokens, token_bytes, who), detail::token_bytes_of(plan_.attention_tokens, token_bytes, who),
+              detail::token_bytes_of(plan_.wire_tokens, token_bytes, who), detail::token_bytes_of(plan_.replica_tokens, token_bytes, who)};
+    if constexpr (!PieceTransport<T>) {  // owned staging, allocated once: calls do not allocate
+      staging_.resize(std::max(plan_.forward.staging_bytes(), plan_.reverse.staging_bytes()));
     }
-    const BufferSizes& inner = wire_.required_bytes();
-    sizes_ = {inner.mlp_bytes, detail::token_bytes_of(fan_.attention_tokens, tb, "KvWireDispatcher"), inner.attention_bytes,
-              inner.replica_bytes, inner.staging_bytes};
   }
 
   /// The same from the global wire metadata: takes the part of transport.rank().
@@ -188,24 +320,40 @@ class KvWireDispatcher {
       : KvWireDispatcher(transport, slice_of(transport, wire), token_bytes) {}
 
   const KvWireBufferSizes& required_bytes() const noexcept { return sizes_; }
-  int rank() const noexcept { return wire_.rank(); }
-  int world_size() const noexcept { return wire_.world_size(); }
-  std::size_t token_bytes() const noexcept { return wire_.token_bytes(); }
+  int rank() const noexcept { return rank_; }
+  int world_size() const noexcept { return world_size_; }
+  std::size_t token_bytes() const noexcept { return token_bytes_; }
 
-  /// MLP layout -> attention layout: one wire exchange into `wire`, then the fan-out.
-  void forward(const_buffer mlp, mutable_buffer attention, mutable_buffer wire) { forward_impl(mlp, attention, wire, nullptr); }
-  void forward(const_buffer mlp, mutable_buffer attention, mutable_buffer wire, mutable_buffer staging) {
-    forward_impl(mlp, attention, wire, &staging);
+  /// MLP layout -> attention layout: one exchange (each shard once per
+  /// destination, into its first copy's place), then the local fan-out.
+  void forward(const_buffer mlp, mutable_buffer attention) {
+    const char* call = "forward";
+    check_buffers(call, {{mlp.data(), mlp.size(), "mlp", sizes_.mlp_bytes}, {attention.data(), attention.size(), "attention", sizes_.attention_bytes}});
+    exchange(call, plan_.forward, mlp.data(), attention.data());
+    for (const detail::CopyPiece& p : plan_.fan_out) std::memcpy(attention.data() + p.dst, attention.data() + p.src, p.bytes);
   }
 
-  /// Attention-layout gradients -> `grad` [T]: fan-in into `wire`, one wire
-  /// exchange home into `replica` ([C][T], slot u in slab u), the home combine.
+  /// Attention-layout gradients -> `grad` [T]: the fan-in sums each received
+  /// shard's copies into `wire`, one exchange takes them home into `replica`
+  /// ([C][T], slot u in slab u), and the home sums the slots in use.
   void reverse_combine(const_buffer attention_grad, mutable_buffer wire, mutable_buffer replica, mutable_buffer grad, ElementType type) {
-    reverse_impl(attention_grad, wire, replica, grad, type, nullptr);
-  }
-  void reverse_combine(const_buffer attention_grad, mutable_buffer wire, mutable_buffer replica, mutable_buffer grad, ElementType type,
-                       mutable_buffer staging) {
-    reverse_impl(attention_grad, wire, replica, grad, type, &staging);
+    const char* call = "reverse_combine";
+    const std::size_t es = element_size(type);
+    if (token_bytes_ % es != 0) {
+      fail(call, "token_bytes = ", token_bytes_, " is not a multiple of the ", es, "-byte ", element_name(type), " element");
+    }
+    const std::byte* data[] = {attention_grad.data(), wire.data(), replica.data(), grad.data()};
+    const char* names[] = {"attention_grad", "wire", "replica", "grad"};
+    for (std::size_t i = 0; i < 4; ++i) {
+      if (reinterpret_cast<std::uintptr_t>(data[i]) % es != 0) fail(call, names[i], " is not aligned to ", es, " bytes for ", element_name(type));
+    }
+    check_buffers(call, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
+                         {wire.data(), wire.size(), "wire", sizes_.wire_bytes},
+                         {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
+                         {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
+    detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan_, attention_grad.data(), wire.data(), token_bytes_ / es); });
+    exchange(call, plan_.reverse, wire.data(), replica.data());
+    combine_copies(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
   }
 
  private:
@@ -217,9 +365,10 @@ class KvWireDispatcher {
   };
 
   static RankKvWire slice_of(const T& transport, const KvWireMetadata& wire) {
-    if (wire.fwd.world_size != transport.world_size() || wire.fan.size() != static_cast<std::size_t>(transport.world_size())) {
-      detail::fail("KvWireDispatcher (rank ", transport.rank(), " of ", transport.world_size(), "): the wire metadata is for ",
-                   wire.fwd.world_size, " ranks, with ", wire.fan.size(), " fan lists");
+    const int W = transport.world_size();
+    if (wire.fwd.world_size != W || wire.rev.world_size != W || wire.fan.size() != static_cast<std::size_t>(W)) {
+      detail::fail("KvWireDispatcher (rank ", transport.rank(), " of ", W, "): the wire metadata is for ", wire.fwd.world_size, " ranks, with ",
+                   wire.fan.size(), " fan lists");
     }
     detail::check_shapes(wire.fwd, "kv_wire_fwd");
     detail::check_shapes(wire.rev, "kv_wire_rev");
@@ -228,7 +377,7 @@ class KvWireDispatcher {
 
   template <class E = invalid_input, class... Args>
   [[noreturn]] void fail(const char* call, Args&&... args) const {
-    detail::fail<E>("KvWireDispatcher::", call, " (rank ", rank(), " of ", world_size(), "): ", std::forward<Args>(args)...);
+    detail::fail<E>("KvWireDispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ", std::forward<Args>(args)...);
   }
 
   /// Capacity of every buffer first, then pairwise overlap: nothing is written before all pass.
@@ -246,45 +395,40 @@ class KvWireDispatcher {
     }
   }
 
-  void forward_impl(const_buffer mlp, mutable_buffer attention, mutable_buffer wire, mutable_buffer* staging) {
-    const char* call = "forward";
-    const std::size_t stage = staging ? sizes_.staging_bytes : 0;
-    check_buffers(call, {{mlp.data(), mlp.size(), "mlp", sizes_.mlp_bytes},
-                         {attention.data(), attention.size(), "attention", sizes_.attention_bytes},
-                         {wire.data(), wire.size(), "wire", sizes_.wire_bytes},
-                         {staging ? staging->data() : nullptr, staging ? staging->size() : 0, "staging", stage}});
-    const mutable_buffer into = wire.first(sizes_.wire_bytes);
-    if (staging) wire_.forward(mlp, into, *staging); else wire_.forward(mlp, into);
-    for (const detail::CopyPiece& p : fan_out_) std::memcpy(attention.data() + p.dst, wire.data() + p.src, p.bytes);
+  /// One collective (none when alone), then the traffic to itself.
+  void exchange(const char* call, const detail::ExchangePlan& ex, const std::byte* in, std::byte* out) {
+    try {
+      if constexpr (PieceTransport<T>) {
+        if (world_size_ > 1) transport_.all_to_all_pieces(in, ex.send.pieces, ex.send.splits, out, ex.recv.pieces, ex.recv.splits);
+      } else {
+        std::byte* send_staging = staging_.data();
+        std::byte* recv_staging = staging_.data() + ex.send.staging;
+        if (!ex.send.direct) copy(ex.send.copies, in, send_staging);
+        if (world_size_ > 1) {
+          transport_.all_to_all_v(ex.send.direct ? static_cast<const void*>(in) : send_staging, ex.send.counts, ex.send.displs,
+                                  ex.recv.direct ? static_cast<void*>(out) : recv_staging, ex.recv.counts, ex.recv.displs);
+        }
+        if (!ex.recv.direct) copy(ex.recv.copies, recv_staging, out);
+      }
+    } catch (...) {
+      detail::rethrow_with_context(detail::concat("KvWireDispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ",
+                                                  PieceTransport<T> ? "all_to_all_pieces" : "all_to_all_v", " failed: "));
+    }
+    copy(ex.self, in, out);
   }
 
-  void reverse_impl(const_buffer attention_grad, mutable_buffer wire, mutable_buffer replica, mutable_buffer grad, ElementType type,
-                    mutable_buffer* staging) {
-    const char* call = "reverse_combine";
-    const std::size_t es = element_size(type);
-    if (token_bytes() % es != 0) {
-      fail(call, "token_bytes = ", token_bytes(), " is not a multiple of the ", es, "-byte ", element_name(type), " element");
-    }
-    for (const auto& [data, name] : {std::pair{attention_grad.data(), "attention_grad"}, std::pair{static_cast<const std::byte*>(wire.data()), "wire"},
-                                     std::pair{static_cast<const std::byte*>(replica.data()), "replica"},
-                                     std::pair{static_cast<const std::byte*>(grad.data()), "grad"}}) {
-      if (reinterpret_cast<std::uintptr_t>(data) % es != 0) fail(call, name, " is not aligned to ", es, " bytes for ", element_name(type));
-    }
-    const std::size_t stage = staging ? sizes_.staging_bytes : 0;
-    check_buffers(call, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
-                         {wire.data(), wire.size(), "wire", sizes_.wire_bytes},
-                         {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
-                         {grad.data(), grad.size(), "grad", sizes_.mlp_bytes},
-                         {staging ? staging->data() : nullptr, staging ? staging->size() : 0, "staging", stage}});
-    detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan_, attention_grad.data(), wire.data(), token_bytes() / es); });
-    const mutable_buffer from = wire.first(sizes_.wire_bytes);
-    if (staging) wire_.reverse_combine(from, replica, grad, type, *staging); else wire_.reverse_combine(from, replica, grad, type);
+  static void copy(const std::vector<detail::CopyPiece>& pieces, const std::byte* src, std::byte* dst) noexcept {
+    for (const detail::CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
   }
 
-  Dispatcher<T> wire_;
-  KvFanList fan_;
-  std::vector<detail::CopyPiece> fan_out_;  // wire -> attention, bytes
+  T& transport_;
+  int rank_;
+  int world_size_;
+  std::size_t token_bytes_;
+  detail::WirePlan plan_;
+  RankMetadata rev_;  // the home combine's mask
+  KvFanList fan_;     // the fan-in
   KvWireBufferSizes sizes_;
+  std::vector<std::byte> staging_;
 };
-
 }  // namespace cpdispatch

@@ -1,0 +1,223 @@
+// The deduplicated KV exchange (spec section 2c) against the section 2 one,
+// side by side in one run.
+//
+// BM_WireTokens: KV tokens that cross between ranks, section 2 (`kv_tokens`)
+// and deduplicated (`wire_tokens`), `ratio` = wire / kv, and the time of
+// plan_kv_wire (the benchmark time; `plan_qkv_ms` is plan_qkv's on the same
+// plan, for scale). Plans:
+//   zigzag:   Megatron-LM / TransformerEngine causal load balancing: each
+//             rank's document cut into 2W chunks, chunk i attended on rank
+//             min(i, 2W-1-i) (two query shards of every document per rank);
+//   prolong, wlbllm: balanced packed batches, documents drawn from the
+//             samples in ../shared/data/doc-lengths (draw_workload, seeds
+//             0..3, summed), planned by plan_balanced (C = 8).
+// BM_SimFwdBwd: forward + backward of the KV tensor on the sim transport
+// (ranks as threads), 4 KiB tokens, bfloat16 gradients, zig-zag plans:
+// inside one SimWorld::run each rank alternates the section 2 path
+// (Dispatcher forward + reverse_combine) and the deduplicated one
+// (KvWireDispatcher forward + reverse_combine), each timed barrier to
+// barrier. Benchmark time: the deduplicated path's; counters `plain_ms`,
+// `dedup_ms` and `speedup` = plain / dedup. `pieces` 1 is SimTransport (one
+// all_to_all_pieces: receivers copy straight from the senders' buffers);
+// 0 is SimPackingTransport (pack, all_to_all_v, unpack, as over MPI).
+// Results: benchmarks/RESULTS.md.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <nlohmann/json.hpp>
+
+#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/transports/sim.hpp"
+
+namespace {
+
+using I = std::int64_t;
+using Bytes = std::vector<std::byte>;
+using clock_type = std::chrono::steady_clock;
+
+/// Zig-zag causal balancing: `docs_per_rank` documents of `doc_len` tokens
+/// per rank, each cut into 2W chunks, chunk i attended on min(i, 2W-1-i).
+cpdispatch::QkvPlan zigzag(I W, I docs_per_rank, I doc_len) {
+  cpdispatch::QkvPlan plan;
+  plan.world_size = W;
+  plan.ranks.resize(static_cast<std::size_t>(W));
+  for (auto& rank : plan.ranks) {
+    for (I k = 0; k < docs_per_rank; ++k) {
+      cpdispatch::Document d;
+      for (I i = 0; i < 2 * W; ++i) {
+        d.shard_len.push_back(doc_len / (2 * W));
+        d.dst.push_back(std::min(i, 2 * W - 1 - i));
+      }
+      rank.docs.push_back(d);
+    }
+  }
+  return plan;
+}
+
+const std::vector<I>& sample(const std::string& name) {
+  static std::vector<std::pair<std::string, std::vector<I>>> cache;
+  for (const auto& [n, v] : cache)
+    if (n == name) return v;
+  const char* env = std::getenv("CPDISPATCH_DOC_LENGTHS_DIR");
+  const std::filesystem::path dir = env && *env ? env : CPDISPATCH_DOC_LENGTHS_DIR;
+  std::ifstream in(dir / (name + ".json"));
+  if (!in) {
+    std::fprintf(stderr, "bench_dedup: cannot read %s (set CPDISPATCH_DOC_LENGTHS_DIR)\n", (dir / (name + ".json")).c_str());
+    std::exit(2);
+  }
+  cache.emplace_back(name, nlohmann::json::parse(in).get<std::vector<I>>());
+  return cache.back().second;
+}
+
+constexpr I kBalancedTokensPerRank = 32 * 1024;
+constexpr I kBalancedC = 8;
+constexpr int kBatches = 4;
+
+std::vector<cpdispatch::QkvPlan> plans_of(const std::string& kind, I W) {
+  if (kind == "zigzag") return {zigzag(W, 2, 2 * W * 64)};
+  std::vector<cpdispatch::QkvPlan> plans;
+  for (int seed = 0; seed < kBatches; ++seed) {
+    cpdispatch::BalanceProblem p;
+    p.world_size = W;
+    p.max_cp_degree = kBalancedC;
+    p.docs = cpdispatch::draw_workload(sample(kind), W, kBalancedTokensPerRank, static_cast<std::uint64_t>(seed));
+    plans.push_back(cpdispatch::plan_balanced(p));
+  }
+  return plans;
+}
+
+void BM_WireTokens(benchmark::State& state, std::string kind) {
+  const I W = state.range(0);
+  std::vector<cpdispatch::QkvMetadata> metas;
+  double qkv_s = 0;
+  for (const auto& plan : plans_of(kind, W)) {
+    const auto t0 = clock_type::now();
+    metas.push_back(cpdispatch::plan_qkv(plan));
+    qkv_s += std::chrono::duration<double>(clock_type::now() - t0).count();
+  }
+  I kv = 0, wire = 0;
+  for (const auto& m : metas) {
+    kv += cpdispatch::off_rank_tokens(m.kv_fwd);
+    wire += cpdispatch::off_rank_tokens(cpdispatch::plan_kv_wire(m).fwd);
+  }
+  std::size_t i = 0;
+  for (auto _ : state) {
+    auto w = cpdispatch::plan_kv_wire(metas[i++ % metas.size()]);
+    benchmark::DoNotOptimize(w);
+  }
+  state.counters["kv_tokens"] = static_cast<double>(kv);
+  state.counters["wire_tokens"] = static_cast<double>(wire);
+  state.counters["ratio"] = static_cast<double>(wire) / static_cast<double>(kv);
+  state.counters["plan_qkv_ms"] = qkv_s * 1e3 / static_cast<double>(metas.size());
+}
+
+constexpr int kRepsPerRun = 4;
+constexpr std::size_t kTokenBytes = 4096;
+
+struct RankBuffers {
+  Bytes mlp, attn, grad_attn, wire, replica, grad;
+};
+
+/// One rank's interleaved runs; rank 0 adds its barrier-to-barrier times.
+template <class T>
+void run_rank(cpdispatch::SimTransport& sim, T& t, const cpdispatch::QkvMetadata& meta, const cpdispatch::KvWireMetadata& wire,
+              RankBuffers& b, double& plain_s, double& dedup_s) {
+  cpdispatch::Dispatcher<T> plain(t, meta.kv_fwd, meta.kv_rev, kTokenBytes);
+  cpdispatch::KvWireDispatcher<T> dedup(t, wire, kTokenBytes);
+  const auto type = cpdispatch::ElementType::bfloat16;
+  auto run_plain = [&] {
+    plain.forward(b.mlp, b.attn);
+    plain.reverse_combine(b.grad_attn, b.replica, b.grad, type);
+  };
+  auto run_dedup = [&] {
+    dedup.forward(b.mlp, b.attn);
+    dedup.reverse_combine(b.grad_attn, b.wire, b.replica, b.grad, type);
+  };
+  run_plain();  // warm-up: staging allocated, pages touched
+  run_dedup();
+  for (int i = 0; i < kRepsPerRun; ++i) {
+    sim.barrier();
+    const auto t0 = clock_type::now();
+    run_plain();
+    sim.barrier();
+    const auto t1 = clock_type::now();
+    run_dedup();
+    sim.barrier();
+    const auto t2 = clock_type::now();
+    if (sim.rank() == 0) {
+      plain_s += std::chrono::duration<double>(t1 - t0).count();
+      dedup_s += std::chrono::duration<double>(t2 - t1).count();
+    }
+  }
+}
+
+void BM_SimFwdBwd(benchmark::State& state) {
+  const I W = state.range(0), tokens_per_rank = state.range(1);
+  const bool pieces = state.range(2) != 0;
+  const auto meta = cpdispatch::plan_qkv(zigzag(W, 1, tokens_per_rank));
+  const auto wire = cpdispatch::plan_kv_wire(meta);
+  std::vector<RankBuffers> buffers(static_cast<std::size_t>(W));
+  for (I r = 0; r < W; ++r) {
+    RankBuffers& b = buffers[static_cast<std::size_t>(r)];
+    const auto& f = wire.fan[static_cast<std::size_t>(r)];
+    b.mlp.assign(static_cast<std::size_t>(meta.kv_fwd.send_tokens(r)) * kTokenBytes, std::byte{1});
+    b.attn.assign(static_cast<std::size_t>(f.attention_tokens) * kTokenBytes, std::byte{0});
+    b.grad_attn.assign(b.attn.size(), std::byte{0});  // zero: valid bfloat16 gradients
+    b.wire.assign(static_cast<std::size_t>(f.wire_tokens) * kTokenBytes, std::byte{0});
+    b.replica.assign(static_cast<std::size_t>(meta.kv_rev.output_tokens(r)) * kTokenBytes, std::byte{0});
+    b.grad.assign(b.mlp.size(), std::byte{0});
+  }
+  double plain_total = 0, dedup_total = 0;
+  cpdispatch::SimWorld world(static_cast<int>(W));
+  for (auto _ : state) {
+    double plain_s = 0, dedup_s = 0;
+    world.run([&](cpdispatch::SimTransport& sim) {
+      RankBuffers& b = buffers[static_cast<std::size_t>(sim.rank())];
+      if (pieces) {
+        run_rank(sim, sim, meta, wire, b, plain_s, dedup_s);
+      } else {
+        cpdispatch::SimPackingTransport packing(sim);
+        run_rank(sim, packing, meta, wire, b, plain_s, dedup_s);
+      }
+    });
+    plain_total += plain_s;
+    dedup_total += dedup_s;
+    state.SetIterationTime(dedup_s / kRepsPerRun);
+  }
+  const double reps = static_cast<double>(state.iterations()) * kRepsPerRun;
+  state.counters["plain_ms"] = plain_total / reps * 1e3;
+  state.counters["dedup_ms"] = dedup_total / reps * 1e3;
+  state.counters["speedup"] = plain_total / dedup_total;
+  state.counters["kv_tokens"] = static_cast<double>(cpdispatch::off_rank_tokens(meta.kv_fwd));
+  state.counters["wire_tokens"] = static_cast<double>(cpdispatch::off_rank_tokens(wire.fwd));
+}
+
+BENCHMARK_CAPTURE(BM_WireTokens, zigzag, std::string("zigzag"))->ArgName("W")->Arg(8)->Arg(16)->Arg(64)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_WireTokens, prolong, std::string("prolong"))->ArgName("W")->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_WireTokens, wlbllm, std::string("wlbllm"))->ArgName("W")->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SimFwdBwd)
+    ->ArgNames({"W", "tokens_per_rank", "pieces"})
+    ->Args({4, 1024, 1})
+    ->Args({8, 1024, 1})
+    ->Args({4, 1024, 0})
+    ->Args({8, 1024, 0})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
