@@ -15,9 +15,11 @@
 // (ranks as threads), 4 KiB tokens, bfloat16 gradients, zig-zag plans:
 // inside one SimWorld::run each rank alternates the section 2 path
 // (Dispatcher forward + reverse_combine) and the deduplicated one
-// (KvWireDispatcher forward + reverse_combine), each timed barrier to
-// barrier. Benchmark time: the deduplicated path's; counters `plain_ms`,
-// `dedup_ms` and `speedup` = plain / dedup. `pieces` 1 is SimTransport (one
+// (KvWireDispatcher forward + reverse_combine, and reverse_combine_in_place),
+// each phase timed barrier to barrier (the slowest rank decides). Benchmark
+// time: the deduplicated forward + backward; counters: each phase's mean
+// (`*_ms`), `speedup` = plain / dedup (forward + reverse_combine) and
+// `speedup_in_place` = plain / dedup (forward + reverse_combine_in_place). `pieces` 1 is SimTransport (one
 // all_to_all_pieces: receivers copy straight from the senders' buffers);
 // 0 is SimPackingTransport (pack, all_to_all_v, unpack, as over MPI).
 // Results: benchmarks/RESULTS.md.
@@ -134,35 +136,33 @@ struct RankBuffers {
   Bytes mlp, attn, grad_attn, wire, replica, grad;
 };
 
+/// The five timed phases, in the order they run.
+enum Phase { plain_fwd, plain_bwd, dedup_fwd, dedup_bwd, dedup_bwd_in_place, phases };
+
 /// One rank's interleaved runs; rank 0 adds its barrier-to-barrier times.
 template <class T>
 void run_rank(cpdispatch::SimTransport& sim, T& t, const cpdispatch::QkvMetadata& meta, const cpdispatch::KvWireMetadata& wire,
-              RankBuffers& b, double& plain_s, double& dedup_s) {
+              RankBuffers& b, std::vector<double>& seconds) {
   cpdispatch::Dispatcher<T> plain(t, meta.kv_fwd, meta.kv_rev, kTokenBytes);
   cpdispatch::KvWireDispatcher<T> dedup(t, wire, kTokenBytes);
   const auto type = cpdispatch::ElementType::bfloat16;
-  auto run_plain = [&] {
-    plain.forward(b.mlp, b.attn);
-    plain.reverse_combine(b.grad_attn, b.replica, b.grad, type);
+  auto run = [&](int phase) {
+    switch (phase) {
+      case plain_fwd: plain.forward(b.mlp, b.attn); break;
+      case plain_bwd: plain.reverse_combine(b.grad_attn, b.replica, b.grad, type); break;
+      case dedup_fwd: dedup.forward(b.mlp, b.attn); break;
+      case dedup_bwd: dedup.reverse_combine(b.grad_attn, b.wire, b.replica, b.grad, type); break;
+      default: dedup.reverse_combine_in_place(b.grad_attn, b.replica, b.grad, type); break;  // zeros stay zeros
+    }
   };
-  auto run_dedup = [&] {
-    dedup.forward(b.mlp, b.attn);
-    dedup.reverse_combine(b.grad_attn, b.wire, b.replica, b.grad, type);
-  };
-  run_plain();  // warm-up: staging allocated, pages touched
-  run_dedup();
+  for (int p = 0; p < phases; ++p) run(p);  // warm-up: staging allocated, pages touched
   for (int i = 0; i < kRepsPerRun; ++i) {
-    sim.barrier();
-    const auto t0 = clock_type::now();
-    run_plain();
-    sim.barrier();
-    const auto t1 = clock_type::now();
-    run_dedup();
-    sim.barrier();
-    const auto t2 = clock_type::now();
-    if (sim.rank() == 0) {
-      plain_s += std::chrono::duration<double>(t1 - t0).count();
-      dedup_s += std::chrono::duration<double>(t2 - t1).count();
+    for (int p = 0; p < phases; ++p) {
+      sim.barrier();
+      const auto t0 = clock_type::now();
+      run(p);
+      sim.barrier();
+      if (sim.rank() == 0) seconds[static_cast<std::size_t>(p)] += std::chrono::duration<double>(clock_type::now() - t0).count();
     }
   }
 }
@@ -183,27 +183,28 @@ void BM_SimFwdBwd(benchmark::State& state) {
     b.replica.assign(static_cast<std::size_t>(meta.kv_rev.output_tokens(r)) * kTokenBytes, std::byte{0});
     b.grad.assign(b.mlp.size(), std::byte{0});
   }
-  double plain_total = 0, dedup_total = 0;
+  std::vector<double> total(phases, 0.0);
   cpdispatch::SimWorld world(static_cast<int>(W));
   for (auto _ : state) {
-    double plain_s = 0, dedup_s = 0;
+    std::vector<double> seconds(phases, 0.0);
     world.run([&](cpdispatch::SimTransport& sim) {
       RankBuffers& b = buffers[static_cast<std::size_t>(sim.rank())];
       if (pieces) {
-        run_rank(sim, sim, meta, wire, b, plain_s, dedup_s);
+        run_rank(sim, sim, meta, wire, b, seconds);
       } else {
         cpdispatch::SimPackingTransport packing(sim);
-        run_rank(sim, packing, meta, wire, b, plain_s, dedup_s);
+        run_rank(sim, packing, meta, wire, b, seconds);
       }
     });
-    plain_total += plain_s;
-    dedup_total += dedup_s;
-    state.SetIterationTime(dedup_s / kRepsPerRun);
+    for (int p = 0; p < phases; ++p) total[static_cast<std::size_t>(p)] += seconds[static_cast<std::size_t>(p)];
+    state.SetIterationTime((seconds[dedup_fwd] + seconds[dedup_bwd]) / kRepsPerRun);
   }
-  const double reps = static_cast<double>(state.iterations()) * kRepsPerRun;
-  state.counters["plain_ms"] = plain_total / reps * 1e3;
-  state.counters["dedup_ms"] = dedup_total / reps * 1e3;
-  state.counters["speedup"] = plain_total / dedup_total;
+  const double ms = 1e3 / (static_cast<double>(state.iterations()) * kRepsPerRun);
+  const char* names[] = {"plain_fwd_ms", "plain_bwd_ms", "dedup_fwd_ms", "dedup_bwd_ms", "inplace_bwd_ms"};
+  for (int p = 0; p < phases; ++p) state.counters[names[p]] = total[static_cast<std::size_t>(p)] * ms;
+  const double plain = total[plain_fwd] + total[plain_bwd];
+  state.counters["speedup"] = plain / (total[dedup_fwd] + total[dedup_bwd]);
+  state.counters["speedup_in_place"] = plain / (total[dedup_fwd] + total[dedup_bwd_in_place]);
   state.counters["kv_tokens"] = static_cast<double>(cpdispatch::off_rank_tokens(meta.kv_fwd));
   state.counters["wire_tokens"] = static_cast<double>(cpdispatch::off_rank_tokens(wire.fwd));
 }

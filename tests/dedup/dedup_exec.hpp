@@ -75,7 +75,7 @@ std::vector<E> elements_of(const Bytes& b) {
 }
 
 struct RankResult {
-  Bytes attention_ref, attention, grad_ref, grad, grad_again;
+  Bytes attention_ref, attention, grad_ref, grad, grad_again, grad_in_place;
 };
 
 /// Both exchanges on one rank (the section 2 Dispatcher and KvWireDispatcher);
@@ -106,6 +106,10 @@ RankResult run_rank(Transport& t, const Case& c, bool exact) {
   dd.reverse_combine(dattn, wire, replica, out.grad, type);
   std::fill(replica.begin(), replica.end(), std::byte{0x11});
   dd.reverse_combine(dattn, wire, replica, out.grad_again, type);
+  Bytes consumed = dattn;
+  out.grad_in_place.assign(s.mlp_bytes, std::byte{});
+  std::fill(replica.begin(), replica.end(), std::byte{0x22});
+  dd.reverse_combine_in_place(consumed, replica, out.grad_in_place, type);
   return out;
 }
 
@@ -116,6 +120,7 @@ double check_rank(std::size_t r, const RankResult& res) {
   double worst = 0;
   EXPECT_EQ(res.attention, res.attention_ref) << "forward attention layout of rank " << r;
   EXPECT_EQ(res.grad, res.grad_again) << "the gradient of rank " << r << " changed between runs";
+  EXPECT_EQ(res.grad, res.grad_in_place) << "reverse_combine_in_place differs from reverse_combine on rank " << r;
   const auto a = elements_of<E>(res.grad), b = elements_of<E>(res.grad_ref);
   for (std::size_t i = 0; i < a.size(); ++i) {
     if constexpr (std::is_integral_v<E>) {

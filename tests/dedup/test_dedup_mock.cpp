@@ -1,8 +1,8 @@
 // KvWireDispatcher on a strict mock transport, one rank at a time (the mock
 // plays the other ranks): forward is exactly ONE all_to_all_v carrying the
-// wire counts, reverse_combine exactly ONE with the mirror counts, and the
-// bytes and results match the global reference. Bad input reaches no
-// transport call and writes nothing.
+// wire counts, reverse_combine (and reverse_combine_in_place) exactly ONE
+// with the mirror counts, and the bytes and results match the global
+// reference. Bad input reaches no transport call and writes nothing.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -127,15 +127,19 @@ TEST(DedupMock, ForwardAndBackwardAreOneWireExchangeEach) {
         EXPECT_CALL(t, all_to_all_v(_, ElementsAreArray(send), _, _, ElementsAreArray(recv), _))
             .WillOnce(exchange_of(me, [&](std::size_t p) { return segment(w.fwd, ref.wire[p], p, me); },
                                   [&](std::size_t p) { return segment(w.fwd, ref.wire[me], me, p); }));
-        EXPECT_CALL(t, all_to_all_v(_, ElementsAreArray(recv), _, _, ElementsAreArray(send), _))  // the mirror image
-            .WillOnce(exchange_of(me, [&](std::size_t p) { return segment(w.fwd, ref.wire_grad[me], me, p); },
-                                  [&](std::size_t p) { return segment(w.fwd, ref.wire_grad[p], p, me); }));
+        EXPECT_CALL(t, all_to_all_v(_, ElementsAreArray(recv), _, _, ElementsAreArray(send), _))  // the mirror image, twice
+            .Times(2)
+            .WillRepeatedly(exchange_of(me, [&](std::size_t p) { return segment(w.fwd, ref.wire_grad[me], me, p); },
+                                        [&](std::size_t p) { return segment(w.fwd, ref.wire_grad[p], p, me); }));
       }
       V attention(ref.attention[me].size(), -1), wire(ref.wire[me].size()), replica(d.required_bytes().replica_bytes / 4), grad(ref.grad[me].size());
       d.forward(cbytes(ref.mlp[me]), bytes(attention));
       EXPECT_EQ(attention, ref.attention[me]);
       d.reverse_combine(cbytes(ref.dattn[me]), bytes(wire), bytes(replica), bytes(grad), ElementType::int32);
       EXPECT_EQ(grad, ref.grad[me]);
+      V consumed = ref.dattn[me], grad_in_place(grad.size());
+      d.reverse_combine_in_place(bytes(consumed), bytes(replica), bytes(grad_in_place), ElementType::int32);
+      EXPECT_EQ(grad_in_place, ref.grad[me]);
     }
   }
 }

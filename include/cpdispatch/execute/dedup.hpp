@@ -86,7 +86,8 @@ void fan_in_entry(const E* attention, std::span<const std::int64_t> copies, std:
   }
   using Acc = accumulator_t<E>;
   if constexpr (std::is_same_v<Acc, E>) {
-    std::memcpy(out, attention + static_cast<std::size_t>(copies[0]) * token_elems, count * sizeof(E));
+    const E* first = attention + static_cast<std::size_t>(copies[0]) * token_elems;
+    if (out != first) std::memcpy(out, first, count * sizeof(E));  // in place: `out` is the first copy
     for (std::size_t c = 1; c < copies.size(); ++c) {
       const E* in = attention + static_cast<std::size_t>(copies[c]) * token_elems;
       for (std::size_t i = 0; i < count; ++i) out[i] = sum_of(out[i], in[i]);
@@ -114,6 +115,19 @@ void fan_in(const KvFanList& fan, const std::byte* attention, std::byte* wire, s
     const std::span<const std::int64_t> copies(fan.attn_offset.data() + fan.copy_splits[e], fan.copy_splits[e + 1] - fan.copy_splits[e]);
     fan_in_entry<E>(in, copies, static_cast<std::size_t>(fan.seq_len[e]) * token_elems, token_elems,
                     out + static_cast<std::size_t>(fan.wire_offset[e]) * token_elems);
+  }
+}
+
+/// The in-place fan-in: each received shard with several copies gets their
+/// sum at its first copy (a single copy already is its own sum).
+template <class E>
+void fan_in_in_place(const KvFanList& fan, std::byte* attention, std::size_t token_elems) {
+  E* a = reinterpret_cast<E*>(attention);
+  for (std::size_t e = 0; e < fan.num_entries(); ++e) {
+    const std::span<const std::int64_t> copies(fan.attn_offset.data() + fan.copy_splits[e], fan.copy_splits[e + 1] - fan.copy_splits[e]);
+    if (copies.size() < 2) continue;
+    fan_in_entry<E>(a, copies, static_cast<std::size_t>(fan.seq_len[e]) * token_elems, token_elems,
+                    a + static_cast<std::size_t>(copies[0]) * token_elems);
   }
 }
 
@@ -174,6 +188,7 @@ inline void check_fan_list(const KvFanList& fan, const RankMetadata& wire_rev, c
 /// fan-in's sums in the wire buffer -> slot u of the home's replica buffer.
 struct WirePlan {
   ExchangePlan forward, reverse;
+  ExchangePlan reverse_in_place;  ///< the same from each shard's first copy in the attention layout
   std::vector<CopyPiece> fan_out;  ///< attention -> attention, bytes
   std::int64_t mlp_tokens = 0, attention_tokens = 0, wire_tokens = 0, replica_tokens = 0;
 };
@@ -221,7 +236,7 @@ inline void lay_out_wire(WirePlan& plan, const KvFanList& fan, const WireTraffic
   const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
   const auto first = [&fan](std::size_t e) { return fan.attn_offset[fan.copy_splits[e]]; };
   const auto slot = [&](std::size_t g, std::size_t u) { return static_cast<std::int64_t>(u) * plan.mlp_tokens + P[g]; };
-  std::vector<std::vector<TokenRange>> fwd_send(W), fwd_recv(W), rev_send(W), rev_recv(W);
+  std::vector<std::vector<TokenRange>> fwd_send(W), fwd_recv(W), rev_send(W), rev_recv(W), in_place_send(W);
   for (std::size_t p = 0; p < W; ++p) {
     if (p == me) continue;
     for (auto [g, u] : t.home_to[p]) {
@@ -231,6 +246,7 @@ inline void lay_out_wire(WirePlan& plan, const KvFanList& fan, const WireTraffic
     for (std::size_t e : t.entries_from[p]) {
       fwd_recv[p].push_back({first(e), fan.seq_len[e]});
       rev_send[p].push_back({fan.wire_offset[e], fan.seq_len[e]});
+      in_place_send[p].push_back({first(e), fan.seq_len[e]});
     }
   }
   // Traffic to itself: its shards to itself pair with its own fan entries, in order.
@@ -244,6 +260,7 @@ inline void lay_out_wire(WirePlan& plan, const KvFanList& fan, const WireTraffic
     }
     append_piece(plan.forward.self, bytes(P[g]), bytes(first(own[i])), bytes(lens[g]));
     append_piece(plan.reverse.self, bytes(fan.wire_offset[own[i]]), bytes(slot(g, u)), bytes(lens[g]));
+    append_piece(plan.reverse_in_place.self, bytes(first(own[i])), bytes(slot(g, u)), bytes(lens[g]));
   }
   for (std::size_t e = 0; e < fan.num_entries(); ++e) {
     for (std::size_t i = fan.copy_splits[e] + 1; i < fan.copy_splits[e + 1]; ++i) {
@@ -254,6 +271,8 @@ inline void lay_out_wire(WirePlan& plan, const KvFanList& fan, const WireTraffic
   plan.forward.recv = lay_out_side(fwd_recv, tb, false);
   plan.reverse.send = lay_out_side(rev_send, tb, true);
   plan.reverse.recv = lay_out_side(rev_recv, tb, false);
+  plan.reverse_in_place.send = lay_out_side(in_place_send, tb, true);
+  plan.reverse_in_place.recv = plan.reverse.recv;
 }
 
 inline WirePlan plan_wire_exchange(const RankMetadata& fwd, const RankMetadata& rev, const KvFanList& fan, std::size_t tb, int rank, int world) {
@@ -311,7 +330,7 @@ class KvWireDispatcher {
     sizes_ = {detail::token_bytes_of(plan_.mlp_tokens, token_bytes, who), detail::token_bytes_of(plan_.attention_tokens, token_bytes, who),
               detail::token_bytes_of(plan_.wire_tokens, token_bytes, who), detail::token_bytes_of(plan_.replica_tokens, token_bytes, who)};
     if constexpr (!PieceTransport<T>) {  // owned staging, allocated once: calls do not allocate
-      staging_.resize(std::max(plan_.forward.staging_bytes(), plan_.reverse.staging_bytes()));
+      staging_.resize(std::max({plan_.forward.staging_bytes(), plan_.reverse.staging_bytes(), plan_.reverse_in_place.staging_bytes()}));
     }
   }
 
@@ -338,21 +357,29 @@ class KvWireDispatcher {
   /// ([C][T], slot u in slab u), and the home sums the slots in use.
   void reverse_combine(const_buffer attention_grad, mutable_buffer wire, mutable_buffer replica, mutable_buffer grad, ElementType type) {
     const char* call = "reverse_combine";
+    check_combine(call, type, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
+                               {wire.data(), wire.size(), "wire", sizes_.wire_bytes},
+                               {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
+                               {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
     const std::size_t es = element_size(type);
-    if (token_bytes_ % es != 0) {
-      fail(call, "token_bytes = ", token_bytes_, " is not a multiple of the ", es, "-byte ", element_name(type), " element");
-    }
-    const std::byte* data[] = {attention_grad.data(), wire.data(), replica.data(), grad.data()};
-    const char* names[] = {"attention_grad", "wire", "replica", "grad"};
-    for (std::size_t i = 0; i < 4; ++i) {
-      if (reinterpret_cast<std::uintptr_t>(data[i]) % es != 0) fail(call, names[i], " is not aligned to ", es, " bytes for ", element_name(type));
-    }
-    check_buffers(call, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
-                         {wire.data(), wire.size(), "wire", sizes_.wire_bytes},
-                         {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
-                         {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
     detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan_, attention_grad.data(), wire.data(), token_bytes_ / es); });
     exchange(call, plan_.reverse, wire.data(), replica.data());
+    combine_copies(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
+  }
+
+  /// The same without the wire buffer, for a caller that no longer needs the
+  /// attention-layout gradients: the fan-in sums in place, at each shard's
+  /// first copy, and the exchange sends from there. `attention_grad`'s
+  /// contents afterwards are unspecified. Same results, bit for bit, as
+  /// reverse_combine; one pass over the shards with a single copy less.
+  void reverse_combine_in_place(mutable_buffer attention_grad, mutable_buffer replica, mutable_buffer grad, ElementType type) {
+    const char* call = "reverse_combine_in_place";
+    check_combine(call, type, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
+                               {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
+                               {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
+    const std::size_t elems = token_bytes_ / element_size(type);
+    detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in_in_place<E>(fan_, attention_grad.data(), elems); });
+    exchange(call, plan_.reverse_in_place, attention_grad.data(), replica.data());
     combine_copies(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
   }
 
@@ -378,6 +405,18 @@ class KvWireDispatcher {
   template <class E = invalid_input, class... Args>
   [[noreturn]] void fail(const char* call, Args&&... args) const {
     detail::fail<E>("KvWireDispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ", std::forward<Args>(args)...);
+  }
+
+  /// The element type's fit, alignment, then check_buffers.
+  void check_combine(const char* call, ElementType type, std::initializer_list<Buffer> buffers) const {
+    const std::size_t es = element_size(type);
+    if (token_bytes_ % es != 0) {
+      fail(call, "token_bytes = ", token_bytes_, " is not a multiple of the ", es, "-byte ", element_name(type), " element");
+    }
+    for (const Buffer& b : buffers) {
+      if (reinterpret_cast<std::uintptr_t>(b.data) % es != 0) fail(call, b.name, " is not aligned to ", es, " bytes for ", element_name(type));
+    }
+    check_buffers(call, buffers);
   }
 
   /// Capacity of every buffer first, then pairwise overlap: nothing is written before all pass.
