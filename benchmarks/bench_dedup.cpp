@@ -19,7 +19,12 @@
 // each phase timed barrier to barrier (the slowest rank decides). Benchmark
 // time: the deduplicated forward + backward; counters: each phase's mean
 // (`*_ms`), `speedup` = plain / dedup (forward + reverse_combine) and
-// `speedup_in_place` = plain / dedup (forward + reverse_combine_in_place). `pieces` 1 is SimTransport (one
+// `speedup_in_place` = plain / dedup (forward + reverse_combine_in_place),
+// and the same from the CPU time the ranks' threads spent
+// (CLOCK_THREAD_CPUTIME_ID, summed over ranks: the work itself, without the
+// time a rank waits for a core or for the others; on a loaded machine the
+// wall-clock ratios are noisy): `cpu_speedup`, `cpu_speedup_in_place`,
+// `cpu_fwd_speedup`, `cpu_bwd_speedup`. `pieces` 1 is SimTransport (one
 // all_to_all_pieces: receivers copy straight from the senders' buffers);
 // 0 is SimPackingTransport (pack, all_to_all_v, unpack, as over MPI).
 // Results: benchmarks/RESULTS.md.
@@ -30,6 +35,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -136,13 +142,19 @@ struct RankBuffers {
   Bytes mlp, attn, grad_attn, wire, replica, grad;
 };
 
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 /// The five timed phases, in the order they run.
 enum Phase { plain_fwd, plain_bwd, dedup_fwd, dedup_bwd, dedup_bwd_in_place, phases };
 
 /// One rank's interleaved runs; rank 0 adds its barrier-to-barrier times.
 template <class T>
 void run_rank(cpdispatch::SimTransport& sim, T& t, const cpdispatch::QkvMetadata& meta, const cpdispatch::KvWireMetadata& wire,
-              RankBuffers& b, std::vector<double>& seconds) {
+              RankBuffers& b, std::vector<double>& seconds, std::vector<double>& cpu) {
   cpdispatch::Dispatcher<T> plain(t, meta.kv_fwd, meta.kv_rev, kTokenBytes);
   cpdispatch::KvWireDispatcher<T> dedup(t, wire, kTokenBytes);
   const auto type = cpdispatch::ElementType::bfloat16;
@@ -160,7 +172,9 @@ void run_rank(cpdispatch::SimTransport& sim, T& t, const cpdispatch::QkvMetadata
     for (int p = 0; p < phases; ++p) {
       sim.barrier();
       const auto t0 = clock_type::now();
+      const double c0 = thread_cpu_seconds();
       run(p);
+      cpu[static_cast<std::size_t>(p)] += thread_cpu_seconds() - c0;
       sim.barrier();
       if (sim.rank() == 0) seconds[static_cast<std::size_t>(p)] += std::chrono::duration<double>(clock_type::now() - t0).count();
     }
@@ -184,16 +198,17 @@ void BM_SimFwdBwd(benchmark::State& state) {
     b.grad.assign(b.mlp.size(), std::byte{0});
   }
   std::vector<double> total(phases, 0.0);
+  std::vector<std::vector<double>> cpu(static_cast<std::size_t>(W), std::vector<double>(phases, 0.0));  // [rank][phase]
   cpdispatch::SimWorld world(static_cast<int>(W));
   for (auto _ : state) {
     std::vector<double> seconds(phases, 0.0);
     world.run([&](cpdispatch::SimTransport& sim) {
       RankBuffers& b = buffers[static_cast<std::size_t>(sim.rank())];
       if (pieces) {
-        run_rank(sim, sim, meta, wire, b, seconds);
+        run_rank(sim, sim, meta, wire, b, seconds, cpu[static_cast<std::size_t>(sim.rank())]);
       } else {
         cpdispatch::SimPackingTransport packing(sim);
-        run_rank(sim, packing, meta, wire, b, seconds);
+        run_rank(sim, packing, meta, wire, b, seconds, cpu[static_cast<std::size_t>(sim.rank())]);
       }
     });
     for (int p = 0; p < phases; ++p) total[static_cast<std::size_t>(p)] += seconds[static_cast<std::size_t>(p)];
@@ -205,8 +220,14 @@ void BM_SimFwdBwd(benchmark::State& state) {
   const double plain = total[plain_fwd] + total[plain_bwd];
   state.counters["speedup"] = plain / (total[dedup_fwd] + total[dedup_bwd]);
   state.counters["speedup_in_place"] = plain / (total[dedup_fwd] + total[dedup_bwd_in_place]);
-  state.counters["kv_tokens"] = static_cast<double>(cpdispatch::off_rank_tokens(meta.kv_fwd));
-  state.counters["wire_tokens"] = static_cast<double>(cpdispatch::off_rank_tokens(wire.fwd));
+  std::vector<double> busy(phases, 0.0);  // CPU seconds of all ranks per phase
+  for (const auto& rank : cpu)
+    for (int p = 0; p < phases; ++p) busy[static_cast<std::size_t>(p)] += rank[static_cast<std::size_t>(p)];
+  const double plain_cpu = busy[plain_fwd] + busy[plain_bwd];
+  state.counters["cpu_speedup"] = plain_cpu / (busy[dedup_fwd] + busy[dedup_bwd]);
+  state.counters["cpu_speedup_in_place"] = plain_cpu / (busy[dedup_fwd] + busy[dedup_bwd_in_place]);
+  state.counters["cpu_fwd_speedup"] = busy[plain_fwd] / busy[dedup_fwd];
+  state.counters["cpu_bwd_speedup"] = busy[plain_bwd] / busy[dedup_bwd];
 }
 
 BENCHMARK_CAPTURE(BM_WireTokens, zigzag, std::string("zigzag"))->ArgName("W")->Arg(8)->Arg(16)->Arg(64)->Unit(benchmark::kMillisecond);

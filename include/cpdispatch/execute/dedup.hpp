@@ -76,6 +76,15 @@ struct KvWireBufferSizes {
 
 namespace detail {
 
+/// bfloat16::from_float without a branch (the same bits), so that the
+/// fan-in's loops vectorise: round to nearest even, NaN stays a quiet NaN.
+inline std::uint16_t bfloat16_bits(float f) noexcept {
+  const std::uint32_t x = bits_of_float(f);
+  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const std::uint32_t quiet_nan = (x >> 16) | 0x0040u;
+  return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
 /// Fan-in of one wire entry: out = sum of the copies at `ins` (ascending),
 /// accumulated in accumulator_t<E> (fp32 for 16-bit types; integers wrap).
 template <class E>
@@ -99,9 +108,13 @@ void fan_in_entry(const E* attention, std::span<const std::int64_t> copies, std:
       Acc acc[block] = {};
       for (std::int64_t at : copies) {
         const E* in = attention + static_cast<std::size_t>(at) * token_elems + b;
-        for (std::size_t i = 0; i < n; ++i) acc[i] += static_cast<Acc>(in[i]);
+        for (std::size_t i = 0; i < n; ++i) acc[i] += E::to_float(in[i].bits);
       }
-      for (std::size_t i = 0; i < n; ++i) out[b + i] = E(acc[i]);
+      if constexpr (std::is_same_v<E, bfloat16>) {
+        for (std::size_t i = 0; i < n; ++i) out[b + i].bits = bfloat16_bits(acc[i]);
+      } else {
+        for (std::size_t i = 0; i < n; ++i) out[b + i] = E(acc[i]);
+      }
     }
   }
 }
