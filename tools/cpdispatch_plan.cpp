@@ -70,6 +70,10 @@ Options:
               between ranks, and attention cost per rank (and with every
               document at home, when that differs)
   --compact   JSON on one line instead of pretty-printed
+  --dedup     (qkv plans; also "dedup": true in the plan) the deduplicated KV
+              exchange: the output gains "kv_wire_fwd" and "kv_wire_rev"
+              (each KV shard sent once per destination rank), --summary a
+              line with the KV tokens sent off-rank without and with it
   -h, --help  this help
 
 Exit status: 0 success, 2 invalid input or usage (one line on standard error
@@ -241,6 +245,16 @@ std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::P
   return out;
 }
 
+/// --dedup's summary line: KV tokens that cross between ranks, without and with deduplication.
+std::string dedup_line(const cpdispatch::Metadata& kv_fwd, const cpdispatch::KvWireMetadata& wire) {
+  const std::int64_t plain = cpdispatch::off_rank_tokens(kv_fwd), dedup = cpdispatch::off_rank_tokens(wire.fwd);
+  std::ostringstream line;
+  line << "kv tokens sent off-rank: " << plain << ", deduplicated " << dedup;
+  if (plain > 0) line << " (" << std::fixed << std::setprecision(3) << static_cast<double>(dedup) / static_cast<double>(plain) << "x)";
+  line << '\n';
+  return line.str();
+}
+
 // ---------------------------------------------------------------- plan mode
 
 struct PlanOptions {
@@ -249,6 +263,7 @@ struct PlanOptions {
   std::optional<std::int64_t> rank;  // --rank R
   bool summary = false;
   bool compact = false;
+  bool dedup = false;
   bool help = false;
 };
 
@@ -278,6 +293,7 @@ PlanOptions parse_plan_options(Args args) {
       else if (arg == "--rank" && i + 1 < args.size()) options.rank = parse_rank(args[++i]);
       else if (arg == "--rank") fail("--rank needs a rank number (--rank R)");
       else if (arg == "--compact") options.compact = true;
+      else if (arg == "--dedup") options.dedup = true;
       else if (arg == "--help" || arg == "-h") options.help = true;
       else fail("unknown option '", arg, "' (see --help)");
       continue;
@@ -313,19 +329,27 @@ int run_plan(Args args) {
     write_output(plan_usage);
     return 0;
   }
-  const cpdispatch::Plan plan = cpdispatch::parse_plan(read_input(options.input));
+  const nlohmann::json input = cpdispatch::parse_json(read_input(options.input));
+  const cpdispatch::Plan plan = cpdispatch::plan_from_json(input);
+  const bool dedup = options.dedup || cpdispatch::dedup_requested(input);
+  if (dedup && plan.index() == 0) cpdispatch::detail::fail("--dedup applies to qkv plans (key-value copies); this is a query plan");
   if (options.rank) {
+    if (dedup) cpdispatch::detail::fail("--dedup does not combine with --rank (the wire metadata is written for all ranks)");
     const nlohmann::json mine = cpdispatch::rank_metadata_to_json(cpdispatch::plan_metadata_for_rank(plan, *options.rank));
     write_svg(options, plan, 1, 1);
     write_json(mine, options.compact);
     return 0;
   }
   const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan);  // invalid plans stop here
+  const auto* qkv = std::get_if<cpdispatch::QkvMetadata>(&planned);
+  const std::optional<cpdispatch::KvWireMetadata> wire = dedup ? std::optional(cpdispatch::plan_kv_wire(*qkv)) : std::nullopt;
   write_svg(options, plan, 1, 1);
   if (options.summary) {
-    write_output(summary(planned, plan));
+    write_output(summary(planned, plan) + (wire ? dedup_line(qkv->kv_fwd, *wire) : std::string()));
   } else {
-    write_json(cpdispatch::metadata_to_json(planned), options.compact);
+    nlohmann::json out = cpdispatch::metadata_to_json(planned);
+    if (wire) cpdispatch::add_kv_wire(out, *wire);
+    write_json(out, options.compact);
   }
   return 0;
 }

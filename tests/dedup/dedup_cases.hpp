@@ -95,6 +95,50 @@ inline QkvPlan random_plan(Rng& rng, bool repeat) {
   return random_plan(rng, W, repeat);
 }
 
+/// A documents-form plan as the model's document list.
+inline Docs docs_of(const cpdispatch::QkvDocumentsPlan& plan) {
+  Docs docs;
+  for (const auto& d : plan.documents) {
+    std::vector<Shard> shards;
+    for (const auto& s : d.shards) shards.push_back({s.rank, s.len, s.dst});
+    docs.push_back(shards);
+  }
+  return docs;
+}
+
+/// A random documents-form plan of W ranks: documents packed end to end over
+/// the home ranks (a document may continue on the next ones), random
+/// attention ranks; `repeat` makes repeated destinations within a document likely.
+inline cpdispatch::QkvDocumentsPlan random_documents_plan(Rng& rng, std::int64_t W, bool repeat) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = W;
+  const std::int64_t docs = rng.between(0, 8), most = rng.between(1, 5);
+  std::int64_t home = 0;
+  for (std::int64_t i = 0; i < docs; ++i) {
+    cpdispatch::PackedDocument d;
+    const std::int64_t n = rng.between(1, most);
+    const std::int64_t spread = repeat ? std::min<std::int64_t>(W, 2) : W, first = rng.between(0, W - 1);
+    for (std::int64_t k = 0; k < n; ++k) {
+      if (rng.below(3) == 0) home = std::min(home + 1, W - 1);  // packed: the next shard may start the next rank
+      d.shards.push_back({home, rng.between(1, 9), (first + rng.between(0, spread - 1)) % W});
+    }
+    plan.documents.push_back(d);
+  }
+  if (rng.below(4) == 0) plan.max_cp_degree = most + rng.between(0, 2);
+  return plan;
+}
+
+/// One document of 2W chunks packed over all W ranks (chunks 2r and 2r+1 on
+/// rank r), zig-zag balanced: chunk i attends on min(i, 2W-1-i).
+inline cpdispatch::QkvDocumentsPlan zigzag_documents_plan(std::int64_t W, std::int64_t chunk_len) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = W;
+  cpdispatch::PackedDocument d;
+  for (std::int64_t i = 0; i < 2 * W; ++i) d.shards.push_back({i / 2, chunk_len, std::min(i, 2 * W - 1 - i)});
+  plan.documents.push_back(d);
+  return plan;
+}
+
 /// What the model predicts for section 2c, field by field.
 struct Model {
   std::vector<std::vector<std::vector<std::int64_t>>> dispatch;     // [r][g][u]

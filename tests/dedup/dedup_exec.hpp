@@ -31,7 +31,7 @@ struct Case {
 
 std::vector<Case> cases_for(int W) {
   std::vector<Case> out;
-  auto add = [&](std::string name, const cpdispatch::QkvPlan& plan) {
+  auto add = [&](std::string name, const auto& plan) {
     auto meta = cpdispatch::plan_qkv(plan);
     auto wire = cpdispatch::plan_kv_wire(meta);
     out.push_back({std::move(name), std::move(meta), std::move(wire)});
@@ -39,6 +39,8 @@ std::vector<Case> cases_for(int W) {
   add("zigzag", dedup_test::zigzag_plan(W, 2, 6 * W));
   cpdispatch::Rng rng(static_cast<std::uint64_t>(W) * 31 + 5);
   for (int i = 0; i < 6; ++i) add("random " + std::to_string(i), dedup_test::random_plan(rng, W, i % 2 == 0));
+  add("zigzag across ranks", dedup_test::zigzag_documents_plan(W, 3));
+  for (int i = 0; i < 4; ++i) add("random across ranks " + std::to_string(i), dedup_test::random_documents_plan(rng, W, i % 2 == 0));
   return out;
 }
 

@@ -73,6 +73,19 @@ void expect_spec_2c(const KvWireMetadata& w) {
 
 TEST(DedupPlan, Section2cWorkedExampleFromTheSpecsKvFwd) { expect_spec_2c(cpdispatch::plan_kv_wire(spec_2b_kv_fwd())); }
 
+// The same through the planner: section 2b's documents plan.
+TEST(DedupPlan, Section2cWorkedExampleFromTheDocumentsPlan) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.max_cp_degree = 3;
+  plan.documents = {{{{0, 3, 1}, {1, 2, 0}, {1, 4, 1}}}, {{{0, 5, 0}}}, {{{1, 1, 1}}}};
+  const cpdispatch::QkvMetadata meta = cpdispatch::plan_qkv(plan);
+  const Metadata spec = spec_2b_kv_fwd();
+  EXPECT_EQ(meta.kv_fwd.dst_rank, spec.dst_rank);
+  EXPECT_EQ(meta.kv_fwd.dst_offset, spec.dst_offset);
+  expect_spec_2c(cpdispatch::plan_kv_wire(meta));
+}
+
 /// The model's prediction as tensors, compared field by field.
 void expect_matches_model(const cpdispatch::QkvMetadata& meta, const KvWireMetadata& w, const dedup_test::Model& m) {
   const auto W = static_cast<std::size_t>(meta.kv_fwd.world_size);
@@ -115,6 +128,8 @@ void expect_matches_model(const cpdispatch::QkvMetadata& meta, const KvWireMetad
   w.rev.validate("kv_wire_rev");
 }
 
+void expect_round_trip(const cpdispatch::QkvMetadata& meta, const KvWireMetadata& w);
+
 std::string describe(const cpdispatch::QkvPlan& plan) {
   std::string s = "W=" + std::to_string(plan.world_size) + ":";
   for (const auto& r : plan.ranks) {
@@ -137,6 +152,30 @@ TEST(DedupPlan, MatchesAnIndependentModelOnRandomPerRankPlans) {
     const cpdispatch::QkvMetadata meta = cpdispatch::plan_qkv(plan);
     const KvWireMetadata w = cpdispatch::plan_kv_wire(meta);
     expect_matches_model(meta, w, dedup_test::model_of(plan.world_size, meta.kv_fwd.num_copies(), dedup_test::docs_of(plan)));
+    if (HasFailure()) return;
+  }
+}
+
+std::string describe(const cpdispatch::QkvDocumentsPlan& plan) {
+  std::string s = "W=" + std::to_string(plan.world_size) + ":";
+  for (const auto& d : plan.documents) {
+    s += " (";
+    for (const auto& x : d.shards) s += std::to_string(x.len) + "@" + std::to_string(x.rank) + "->" + std::to_string(x.dst) + " ";
+    s += ")";
+  }
+  return s;
+}
+
+TEST(DedupPlan, MatchesTheModelOnRandomCrossRankPlans) {
+  cpdispatch::Rng rng(4711);
+  for (int i = 0; i < 1200; ++i) {
+    const cpdispatch::QkvDocumentsPlan plan = i % 50 == 0 ? dedup_test::zigzag_documents_plan(1 + i % 7, 1 + i % 3)
+                                                          : dedup_test::random_documents_plan(rng, rng.between(1, 6), i % 2 == 0);
+    SCOPED_TRACE(describe(plan));
+    const cpdispatch::QkvMetadata meta = cpdispatch::plan_qkv(plan);
+    const KvWireMetadata w = cpdispatch::plan_kv_wire(meta);
+    expect_matches_model(meta, w, dedup_test::model_of(plan.world_size, meta.kv_fwd.num_copies(), dedup_test::docs_of(plan)));
+    if (i % 4 == 0) expect_round_trip(meta, w);
     if (HasFailure()) return;
   }
 }

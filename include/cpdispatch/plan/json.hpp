@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
@@ -264,6 +265,7 @@ inline bool is_3d(const json& j) {
 }
 
 inline QueryPlan read_query_plan(const json& obj, const JsonPath& path) {
+  if (obj.contains("dedup")) fail_at(path / "dedup", ": deduplication applies to qkv plans (key-value copies); a query plan sends each shard once");
   check_keys(obj, path, "a query plan", {"kind", "world_size", "seq_len", "dispatch"});
   QueryPlan plan;
   plan.world_size = read_world_size(obj, path, true);
@@ -307,7 +309,7 @@ inline PackedDocument read_packed_document(const json& j, const JsonPath& path) 
 
 /// A QKV plan in documents form; the values are checked by plan_qkv.
 inline QkvDocumentsPlan read_documents_plan(const json& obj, const JsonPath& path) {
-  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "documents"});
+  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "documents", "dedup"});
   QkvDocumentsPlan plan;
   plan.world_size = read_world_size(obj, path, true);
   plan.max_cp_degree = read_max_cp_degree(obj, path);
@@ -319,7 +321,7 @@ inline QkvDocumentsPlan read_documents_plan(const json& obj, const JsonPath& pat
 }
 
 inline QkvPlan read_qkv_plan(const json& obj, const JsonPath& path) {
-  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "ranks"});
+  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "ranks", "dedup"});
   QkvPlan plan;
   plan.world_size = read_world_size(obj, path, true);
   plan.max_cp_degree = read_max_cp_degree(obj, path);
@@ -487,6 +489,15 @@ inline Plan plan_from_json(const nlohmann::json& j) {
 
 /// A plan from JSON text.
 inline Plan parse_plan(std::string_view text) { return plan_from_json(parse_json(text)); }
+
+/// Whether a plan's JSON asks for the deduplicated KV exchange ("dedup": true,
+/// docs/plan-format.md section 2c); false when the key is absent.
+inline bool dedup_requested(const nlohmann::json& j) {
+  const auto root = detail::JsonPath::root("plan");
+  const nlohmann::json* d = j.is_object() ? detail::member(j, root, "dedup", false) : nullptr;
+  if (d && !d->is_boolean()) detail::fail_at(root / "dedup", ": expected true or false, got ", detail::describe(*d));
+  return d && d->get<bool>();
+}
 
 /// Metadata from the object to_json writes. `name` is its path in messages
 /// (e.g. "kv_rev", giving `kv_rev.dst_rank[0][1]: ...`); empty: the object
@@ -694,6 +705,12 @@ inline void to_json(nlohmann::json& j, const RankQueryMetadata& m) { j = {{"rank
 
 inline nlohmann::json rank_metadata_to_json(const RankPlanMetadata& metadata) {
   return std::visit([](const auto& m) { return nlohmann::json(m); }, metadata);
+}
+
+/// Adds "kv_wire_fwd" and "kv_wire_rev" (section 2c) to a QKV metadata object.
+inline void add_kv_wire(nlohmann::json& qkv, const KvWireMetadata& wire) {
+  qkv["kv_wire_fwd"] = wire.fwd;
+  qkv["kv_wire_rev"] = wire.rev;
 }
 
 inline void to_json(nlohmann::json& j, const QueryPlan& p) {
