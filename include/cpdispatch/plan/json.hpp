@@ -309,7 +309,7 @@ inline PackedDocument read_packed_document(const json& j, const JsonPath& path) 
 
 /// A QKV plan in documents form; the values are checked by plan_qkv.
 inline QkvDocumentsPlan read_documents_plan(const json& obj, const JsonPath& path) {
-  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "documents", "dedup"});
+  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "documents"});
   QkvDocumentsPlan plan;
   plan.world_size = read_world_size(obj, path, true);
   plan.max_cp_degree = read_max_cp_degree(obj, path);
@@ -321,7 +321,7 @@ inline QkvDocumentsPlan read_documents_plan(const json& obj, const JsonPath& pat
 }
 
 inline QkvPlan read_qkv_plan(const json& obj, const JsonPath& path) {
-  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "ranks", "dedup"});
+  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "ranks"});
   QkvPlan plan;
   plan.world_size = read_world_size(obj, path, true);
   plan.max_cp_degree = read_max_cp_degree(obj, path);
@@ -480,6 +480,11 @@ inline Plan plan_from_json(const nlohmann::json& j) {
   const auto root = detail::JsonPath::root("plan");
   detail::read_object(j, root);
   if (detail::plan_kind_of(j, root) == "query") return detail::read_query_plan(j, root);
+  if (j.contains("dedup")) {  // an execution switch (see dedup_requested), not part of the plan
+    nlohmann::json plan = j;
+    plan.erase("dedup");
+    return plan_from_json(plan);
+  }
   const bool has_ranks = j.contains("ranks"), has_documents = j.contains("documents");
   if (has_ranks && has_documents) fail_at(root, ": has both \"ranks\" and \"documents\" (a qkv plan has one of them)");
   if (has_documents) return detail::read_documents_plan(j, root);
