@@ -65,14 +65,14 @@ std::vector<E> values(std::size_t n, std::uint64_t seed, bool exact) {
 template <class E>
 Bytes bytes_of(const std::vector<E>& v) {
   Bytes b(v.size() * sizeof(E));
-  std::memcpy(b.data(), v.data(), b.size());
+  if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
   return b;
 }
 
 template <class E>
 std::vector<E> elements_of(const Bytes& b) {
   std::vector<E> v(b.size() / sizeof(E));
-  std::memcpy(v.data(), b.data(), b.size());
+  if (!b.empty()) std::memcpy(v.data(), b.data(), b.size());
   return v;
 }
 
