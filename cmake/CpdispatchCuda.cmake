@@ -11,7 +11,8 @@
 #   CPDISPATCH_WITH_CUDA=OFF   no CUDA at all (CUDA is never enabled)
 #
 # Sets CPDISPATCH_CUDA_ENABLED and CPDISPATCH_NCCL_ENABLED (ON/OFF), defines
-# the target cpdispatch::cuda (the CUDA runtime; build-tree only for now) and
+# the target cpdispatch::cuda (the device data path over the CUDA runtime; an
+# installed package component) and
 # cpdispatch_cuda_target().
 #
 # --use_fast_math (or -ftz=true) in CMAKE_CUDA_FLAGS is refused: it flushes
@@ -97,6 +98,7 @@ unset(_cpd_with_cuda)
 # include/cpdispatch/cuda/, kernels included from .cu files) over the CUDA runtime.
 add_library(cpdispatch_cuda INTERFACE)
 add_library(cpdispatch::cuda ALIAS cpdispatch_cuda)
+set_target_properties(cpdispatch_cuda PROPERTIES EXPORT_NAME cuda)
 target_link_libraries(cpdispatch_cuda INTERFACE cpdispatch CUDA::cudart)
 
 # For the project's own CUDA targets (tests, benchmarks): C++20 for .cu

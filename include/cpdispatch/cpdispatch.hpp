@@ -1,8 +1,10 @@
 #pragma once
 // The core of cpdispatch, everything the target cpdispatch::cpdispatch compiles
 // alone (standard library and Boost headers): the vocabulary, planning
-// (plan/), host execution (execute/: the Dispatcher, the combine, the
-// reference simulation) and the transport concepts.
+// (plan/: both plan forms, per-rank planning, balancing, deduplicated KV
+// wire planning), host execution (execute/: the Dispatcher, KvWireDispatcher,
+// QkvDispatch and gather_plan, the combine, the reference simulation) and the
+// transport concepts.
 //
 // Not included, because each needs another target or compiler: the
 // transports (cpdispatch/transports/sim.hpp, mpi.hpp, nccl.hpp), JSON
@@ -14,13 +16,18 @@
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/combine.hpp"
+#include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/execute/gather_plan.hpp"
+#include "cpdispatch/execute/qkv_dispatch.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/plan/svg.hpp"
 #include "cpdispatch/plan/workload.hpp"
 #include "cpdispatch/tensor.hpp"

@@ -3,7 +3,7 @@
 // MemorySpace::device): include this header, from a CUDA translation unit,
 // wherever a Dispatcher over a device transport is instantiated.
 //
-//   #include "cpdispatch/cuda/data_path.hpp"        // before using the dispatcher
+//   #include "cpdispatch/cuda/data_path.hpp"        // anywhere: NcclTransport names its data path
 //   #include "cpdispatch/transports/nccl.hpp"
 //   cpdispatch::NcclTransport t(comm, stream);
 //   cpdispatch::Dispatcher q(t, qkv.q_fwd, qkv.q_rev, token_bytes);
@@ -43,7 +43,7 @@
 #include "cpdispatch/execute/detail/data_path.hpp"
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
 #include "cpdispatch/plan/metadata.hpp"
-#include "cpdispatch/execute/simulate.hpp"
+#include "cpdispatch/execute/combine.hpp"
 
 namespace cpdispatch::cuda {
 

@@ -54,7 +54,7 @@
 #include "cpdispatch/cuda/error.hpp"
 #include "cpdispatch/cuda/plan.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/execute/simulate.hpp"
+#include "cpdispatch/element_type.hpp"
 #include "cpdispatch/transport.hpp"
 
 // `#pragma unroll` in __host__ __device__ code, for the device pass only
