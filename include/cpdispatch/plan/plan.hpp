@@ -185,15 +185,15 @@ inline QueryMetadata allocate_query(const QueryInput& in, std::size_t M) {
   const std::size_t W = in.W;
   QueryMetadata out;
   out.fwd.world_size = out.rev.world_size = static_cast<std::int64_t>(W);
-  out.fwd.dst_rank = in.dispatch;
-  out.fwd.seq_len = in.seq_len;
-  out.fwd.dst_offset = Tensor<std::int64_t>(in.dispatch.shape(), 0);
-  out.fwd.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  out.fwd.dst_rank = output_copy(in.dispatch);
+  out.fwd.seq_len = output_copy(in.seq_len);
+  out.fwd.dst_offset = output_tensor<std::int64_t>(in.dispatch.shape(), 0);
+  out.fwd.num_recv_tokens = count_matrix(W);
   out.fwd.num_seqs = Tensor<std::int64_t>({W}, 0);
-  out.rev.dst_rank = Tensor<std::int64_t>({W, M}, -1);
-  out.rev.dst_offset = Tensor<std::int64_t>({W, M}, 0);
-  out.rev.seq_len = Tensor<std::int64_t>({W, M}, 0);
-  out.rev.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  out.rev.dst_rank = output_tensor<std::int64_t>({W, M}, -1);
+  out.rev.dst_offset = output_tensor<std::int64_t>({W, M}, 0);
+  out.rev.seq_len = output_tensor<std::int64_t>({W, M}, 0);
+  out.rev.num_recv_tokens = count_matrix(W);
   out.rev.num_seqs = Tensor<std::int64_t>({W}, 0);
   return out;
 }
@@ -233,7 +233,7 @@ inline void fill_query(const QueryInput& in, const RowPrefix& prefix, QueryMetad
 
 /// 1 where a copy exists: which slabs of the replica buffer come back.
 inline Tensor<std::int64_t> copy_mask(const Tensor<std::int64_t>& dst_rank) {
-  Tensor<std::int64_t> mask(dst_rank.shape(), 0);
+  Tensor<std::int64_t> mask = output_tensor<std::int64_t>(dst_rank.shape(), 0);
   for (std::size_t i = 0; i < dst_rank.numel(); ++i) mask.flat()[i] = dst_rank.flat()[i] >= 0 ? 1 : 0;
   return mask;
 }
@@ -252,7 +252,7 @@ inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tenso
   detail::fill_query(in, prefix, out);
   if (in.copies) {
     out.rev.seq_recv_mask = detail::copy_mask(dispatch);
-    out.rev.recv_seq_lens = seq_len;
+    out.rev.recv_seq_lens = detail::output_copy(seq_len);
   }
   return out;
 }
@@ -407,7 +407,7 @@ struct ShardTable {
 
   /// A per-shard field as a [W][S] rank-major tensor, `pad` beyond each row.
   Tensor<std::int64_t> rank_major(const std::vector<std::int64_t>& field, std::int64_t pad) const {
-    Tensor<std::int64_t> out({W, S}, pad);
+    Tensor<std::int64_t> out = output_tensor<std::int64_t>({W, S}, pad);
     for (std::size_t r = 0; r < W; ++r) {
       for (std::size_t p = rank_begin[r]; p < rank_begin[r + 1]; ++p) out(r, p - rank_begin[r]) = field[by_rank[p]];
     }
@@ -483,10 +483,10 @@ inline Metadata kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<
   const std::size_t W = t.W, S = t.S, C = t.C;
   Metadata fwd;
   fwd.world_size = static_cast<std::int64_t>(W);
-  fwd.dst_rank = Tensor<std::int64_t>({W, S, C}, -1);
-  fwd.dst_offset = Tensor<std::int64_t>({W, S, C}, 0);
-  fwd.seq_len = seq_len;
-  fwd.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  fwd.dst_rank = output_tensor<std::int64_t>({W, S, C}, -1);
+  fwd.dst_offset = output_tensor<std::int64_t>({W, S, C}, 0);
+  fwd.seq_len = output_copy(seq_len);
+  fwd.num_recv_tokens = count_matrix(W);
   fwd.num_seqs = num_seqs;
   std::vector<std::int64_t> received(W, 0);
   for (std::size_t r = 0; r < W; ++r) {
@@ -511,10 +511,10 @@ inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPref
   const std::size_t W = t.W, S = t.S, M = g.most_entries;
   Metadata rev;
   rev.world_size = static_cast<std::int64_t>(W);
-  rev.dst_rank = Tensor<std::int64_t>({W, M}, -1);
-  rev.dst_offset = Tensor<std::int64_t>({W, M}, 0);
-  rev.seq_len = Tensor<std::int64_t>({W, M}, 0);
-  rev.num_recv_tokens = Tensor<std::int64_t>({W, W + 1}, 0);
+  rev.dst_rank = output_tensor<std::int64_t>({W, M}, -1);
+  rev.dst_offset = output_tensor<std::int64_t>({W, M}, 0);
+  rev.seq_len = output_tensor<std::int64_t>({W, M}, 0);
+  rev.num_recv_tokens = count_matrix(W);
   rev.num_seqs = Tensor<std::int64_t>({W}, 0);
   std::vector<std::int64_t> returned(W, 0);
   for (std::size_t d = 0; d < W; ++d) {
@@ -533,7 +533,7 @@ inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPref
     rev.num_seqs(d) = static_cast<std::int64_t>(m);
   }
   set_totals(rev, returned);
-  rev.recv_seq_lens = seq_len;
+  rev.recv_seq_lens = output_copy(seq_len);
   return rev;
 }
 
