@@ -198,6 +198,18 @@ inline QueryMetadata allocate_query(const QueryInput& in, std::size_t M) {
   return out;
 }
 
+/// The forward counts [d][s], read back from the reverse rows (each
+/// destination's arrivals, in order) so the W x (W+1) matrix is written row
+/// by row rather than one scattered column per source.
+inline void count_arrivals(const Metadata& rev, Metadata& fwd) {
+  for (std::size_t d = 0; d < rev.num_seqs.size(0); ++d) {
+    const auto arrivals = static_cast<std::size_t>(rev.num_seqs(d));
+    const auto from = rev.dst_rank.row(d), lens = rev.seq_len.row(d);
+    auto counts = fwd.num_recv_tokens.row(d);
+    for (std::size_t m = 0; m < arrivals; ++m) counts[static_cast<std::size_t>(from[m])] += lens[m];
+  }
+}
+
 /// One pass in global order (r, j, k): each destination receives its entries
 /// back to back, and numbers them m = 0.. for the reverse.
 inline void fill_query(const QueryInput& in, const RowPrefix& prefix, QueryMetadata& out) {
@@ -216,8 +228,7 @@ inline void fill_query(const QueryInput& in, const RowPrefix& prefix, QueryMetad
         const std::int64_t off = next_offset[du];
         next_offset[du] = add_tokens(off, len, "plan_query");
         if (in.copies) fwd.dst_offset(r, j, k) = off; else fwd.dst_offset(r, j) = off;
-        fwd.num_recv_tokens(du, r) += len;
-        rev.num_recv_tokens(r, du) += len;  // row-wise here, so no strided transpose later
+        rev.num_recv_tokens(r, du) += len;  // row r: written row by row
         sent[r] += len;  // bounded by C x T_r, which row_prefix checked
         const auto m = static_cast<std::size_t>(rev.num_seqs(du)++);
         rev.dst_rank(du, m) = static_cast<std::int64_t>(r);
@@ -227,6 +238,7 @@ inline void fill_query(const QueryInput& in, const RowPrefix& prefix, QueryMetad
       }
     }
   }
+  count_arrivals(rev, fwd);
   set_totals(fwd, next_offset);  // a destination's offsets end at what it receives
   set_totals(rev, sent);
 }
@@ -476,6 +488,52 @@ inline KvGroups kv_groups(const ShardTable& t) {
   return g;
 }
 
+/// kv_fwd's counts [d][r]: each destination's KV groups, shard by shard,
+/// charged to the shards' home ranks; filled one destination row at a time.
+/// Column W holds each row's total (bounded by the groups' total, which
+/// kv_groups checked).
+inline Tensor<std::int64_t> kv_arrival_counts(const ShardTable& t, const KvGroups& g) {
+  Tensor<std::int64_t> counts = count_matrix(t.W);
+  for (std::size_t d = 0; d < t.W; ++d) {
+    auto row = counts.row(d);
+    for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
+      const std::size_t q = g.arrivals[p];
+      for (std::size_t kv = t.first_of(q); kv <= q; ++kv) {
+        row[t.home[kv]] += t.len[kv];
+        row[t.W] += t.len[kv];
+      }
+    }
+  }
+  return counts;
+}
+
+/// kv_rev's counts [r][d]: the copies of each home rank's KV shards, charged
+/// to the destinations they return from; filled one home row at a time.
+/// Column W holds each row's total (bounded by C x T_r, which row_prefix
+/// checked).
+inline Tensor<std::int64_t> kv_return_counts(const ShardTable& t) {
+  Tensor<std::int64_t> counts = count_matrix(t.W);
+  for (std::size_t r = 0; r < t.W; ++r) {
+    auto row = counts.row(r);
+    for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
+      const std::size_t id = t.by_rank[p];
+      for (std::size_t q = id; q < t.end_of(id); ++q) {
+        row[static_cast<std::size_t>(t.dst[q])] += t.len[id];
+        row[t.W] += t.len[id];
+      }
+    }
+  }
+  return counts;
+}
+
+/// Column W of a count matrix: num_total_recv_tokens.
+inline std::vector<std::int64_t> row_totals(const Tensor<std::int64_t>& counts) {
+  const std::size_t W = counts.size(0);
+  std::vector<std::int64_t> totals(W);
+  for (std::size_t d = 0; d < W; ++d) totals[d] = counts(d, W);
+  return totals;
+}
+
 /// kv_fwd: KV shard k of a document goes in one copy per query shard
 /// k..n-1, copy c to the group of query shard k + c. Counts follow the
 /// bytes: they are charged to the KV shard's home rank.
@@ -486,9 +544,7 @@ inline Metadata kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<
   fwd.dst_rank = output_tensor<std::int64_t>({W, S, C}, -1);
   fwd.dst_offset = output_tensor<std::int64_t>({W, S, C}, 0);
   fwd.seq_len = output_copy(seq_len);
-  fwd.num_recv_tokens = count_matrix(W);
   fwd.num_seqs = num_seqs;
-  std::vector<std::int64_t> received(W, 0);
   for (std::size_t r = 0; r < W; ++r) {
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p], j = p - t.rank_begin[r];
@@ -496,12 +552,11 @@ inline Metadata kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<
         const auto d = static_cast<std::size_t>(t.dst[q]);
         fwd.dst_rank(r, j, q - id) = static_cast<std::int64_t>(d);
         fwd.dst_offset(r, j, q - id) = g.start[q] + t.context[id];
-        fwd.num_recv_tokens(d, r) += t.len[id];
-        received[d] += t.len[id];  // bounded by the groups' total, which kv_groups checked
       }
     }
   }
-  set_totals(fwd, received);
+  fwd.num_recv_tokens = kv_arrival_counts(t, g);
+  fwd.num_total_recv_tokens = row_totals(fwd.num_recv_tokens);
   return fwd;
 }
 
@@ -514,9 +569,7 @@ inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPref
   rev.dst_rank = output_tensor<std::int64_t>({W, M}, -1);
   rev.dst_offset = output_tensor<std::int64_t>({W, M}, 0);
   rev.seq_len = output_tensor<std::int64_t>({W, M}, 0);
-  rev.num_recv_tokens = count_matrix(W);
   rev.num_seqs = Tensor<std::int64_t>({W}, 0);
-  std::vector<std::int64_t> returned(W, 0);
   for (std::size_t d = 0; d < W; ++d) {
     std::size_t m = 0;
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
@@ -526,13 +579,12 @@ inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPref
         rev.dst_rank(d, m) = static_cast<std::int64_t>(r);
         rev.seq_len(d, m) = t.len[kv];
         rev.dst_offset(d, m) = static_cast<std::int64_t>(q - kv) * prefix.totals[r] + prefix.starts[r * S + t.local[kv]];
-        rev.num_recv_tokens(r, d) += t.len[kv];
-        returned[r] += t.len[kv];  // bounded by C x T_r, which row_prefix checked
       }
     }
     rev.num_seqs(d) = static_cast<std::int64_t>(m);
   }
-  set_totals(rev, returned);
+  rev.num_recv_tokens = kv_return_counts(t);
+  rev.num_total_recv_tokens = row_totals(rev.num_recv_tokens);
   rev.recv_seq_lens = output_copy(seq_len);
   return rev;
 }
