@@ -560,16 +560,25 @@ inline Metadata kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<
   return fwd;
 }
 
+/// Where each shard starts in its home's send buffer, by shard id: a
+/// document's shards are read together, so this keeps those reads local.
+inline std::vector<std::int64_t> send_starts(const ShardTable& t, const RowPrefix& prefix) {
+  std::vector<std::int64_t> start(t.size());
+  for (std::size_t id = 0; id < t.size(); ++id) start[id] = prefix.starts[t.home[id] * t.S + t.local[id]];
+  return start;
+}
+
 /// kv_rev: at each destination the KV groups in order, shards in order; each
 /// entry returns to slab c (its copy) of its home's [C][T] replica buffer.
 inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& prefix, const Tensor<std::int64_t>& seq_len) {
-  const std::size_t W = t.W, S = t.S, M = g.most_entries;
+  const std::size_t W = t.W, M = g.most_entries;
   Metadata rev;
   rev.world_size = static_cast<std::int64_t>(W);
   rev.dst_rank = output_tensor<std::int64_t>({W, M}, -1);
   rev.dst_offset = output_tensor<std::int64_t>({W, M}, 0);
   rev.seq_len = output_tensor<std::int64_t>({W, M}, 0);
   rev.num_seqs = Tensor<std::int64_t>({W}, 0);
+  const std::vector<std::int64_t> start = send_starts(t, prefix);
   for (std::size_t d = 0; d < W; ++d) {
     std::size_t m = 0;
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
@@ -578,7 +587,7 @@ inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPref
         const std::size_t r = t.home[kv];
         rev.dst_rank(d, m) = static_cast<std::int64_t>(r);
         rev.seq_len(d, m) = t.len[kv];
-        rev.dst_offset(d, m) = static_cast<std::int64_t>(q - kv) * prefix.totals[r] + prefix.starts[r * S + t.local[kv]];
+        rev.dst_offset(d, m) = static_cast<std::int64_t>(q - kv) * prefix.totals[r] + start[kv];
       }
     }
     rev.num_seqs(d) = static_cast<std::int64_t>(m);
@@ -596,6 +605,9 @@ inline AttentionLayout attention_layout(const ShardTable& t, const KvGroups& g) 
   attn.max_seqlen_q.assign(t.W, 0);
   attn.max_seqlen_kv.assign(t.W, 0);
   for (std::size_t d = 0; d < t.W; ++d) {
+    const std::size_t arrivals = g.dest_begin[d + 1] - g.dest_begin[d];
+    for (auto* v : {&attn.seqlens_q[d], &attn.seqlens_kv[d]}) v->reserve(arrivals);
+    for (auto* v : {&attn.cu_seqlens_q[d], &attn.cu_seqlens_kv[d]}) v->reserve(arrivals + 1);
     attn.cu_seqlens_q[d].assign(1, 0);
     attn.cu_seqlens_kv[d].assign(1, 0);
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
