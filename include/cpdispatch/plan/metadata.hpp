@@ -21,9 +21,6 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/tensor.hpp"
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 namespace cpdispatch {
 
@@ -124,24 +121,6 @@ struct NormalizedMetadata {
 };
 
 namespace detail {
-
-/// Planner outputs are large (a W = 4096 count matrix is 128 MiB) and first
-/// written scattered, so on 4 KiB pages nearly every write is a page fault.
-/// Asking for huge pages on the buffer's 2 MiB-aligned interior cuts the
-/// faults 512-fold. Advice only: contents are unchanged, and where the kernel
-/// (or the platform) does not follow it nothing changes.
-template <class T>
-void advise_huge_pages(Tensor<T>& t) noexcept {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr std::uintptr_t huge = std::uintptr_t{1} << 21;
-  const auto begin = reinterpret_cast<std::uintptr_t>(t.data());
-  const std::uintptr_t end = begin + t.numel() * sizeof(T);
-  const std::uintptr_t first = (begin + huge - 1) & ~(huge - 1), last = end & ~(huge - 1);
-  if (last > first) (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#else
-  (void)t;
-#endif
-}
 
 /// A planner output of the given shape filled with `fill`, advised to huge
 /// pages before any page is touched.
