@@ -128,7 +128,7 @@ TEST(MockDispatch, PlannerPlansReceiveForwardAndSendReverseInPlace) {
   }
 }
 
-// The spec's worked example (plan-json.md section 4): exact arguments, displacements included.
+// The worked example of docs/plan-format.md, section 4: exact arguments, displacements included.
 TEST(MockDispatch, WorkedExampleExactArguments) {
   cpdispatch::QkvPlan plan;
   plan.world_size = 2;

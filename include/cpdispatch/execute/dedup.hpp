@@ -1,5 +1,5 @@
 #pragma once
-// The deduplicated KV exchange on one rank (../shared/spec/plan-json.md,
+// The deduplicated KV exchange on one rank (docs/plan-format.md,
 // section 2c): each KV shard crosses the network once per destination rank.
 //
 //   const QkvMetadata meta = plan_qkv(plan);          // same plan on every rank

@@ -1,5 +1,5 @@
 #pragma once
-// Deduplicated KV exchange planning (../shared/spec/plan-json.md, section 2c).
+// Deduplicated KV exchange planning (docs/plan-format.md, section 2c).
 //
 // In the layout of section 2 a rank that computes attention for several query
 // shards of one document receives one copy of each shared KV shard per query

@@ -1,4 +1,4 @@
-// Plans the spec's query example (W = 3, ../shared/spec/plan-json.md section 4)
+// Plans the format's query example (W = 3, docs/plan-format.md section 4)
 // and checks a few of its numbers: proof that the library arrived and works.
 #include <cpdispatch/cpdispatch.hpp>
 
