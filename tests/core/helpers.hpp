@@ -37,6 +37,17 @@ namespace cptest {
 
 using I = std::int64_t;
 using cpdispatch::Tensor;
+using M2 = std::vector<std::vector<I>>;
+using M3 = std::vector<std::vector<std::vector<I>>>;
+
+/// Integer tensors written as literals: the worked examples' numbers.
+inline Tensor<I> t1(const std::vector<I>& v) {
+  Tensor<I> t({v.size()});
+  for (std::size_t i = 0; i < v.size(); ++i) t(i) = v[i];
+  return t;
+}
+inline Tensor<I> t2(const M2& m) { return cpdispatch::make_tensor<I>(m); }
+inline Tensor<I> t3(const M3& m) { return cpdispatch::make_tensor<I>(m); }
 
 // ------------------------------------------------------------------- errors
 

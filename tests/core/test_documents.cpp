@@ -26,16 +26,11 @@ using cptest::message_of;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using I = std::int64_t;
-using M2 = std::vector<std::vector<I>>;
-using M3 = std::vector<std::vector<std::vector<I>>>;
-
-Tensor<I> t2(const M2& m) { return make_tensor<I>(m); }
-Tensor<I> t3(const M3& m) { return make_tensor<I>(m); }
-Tensor<I> t1(const std::vector<I>& v) {
-  Tensor<I> t({v.size()});
-  for (std::size_t i = 0; i < v.size(); ++i) t(i) = v[i];
-  return t;
-}
+using cptest::M2;
+using cptest::M3;
+using cptest::t1;
+using cptest::t2;
+using cptest::t3;
 
 // Section 2b's example: document 0 has 3 tokens on rank 0, then 2 + 4 on rank 1.
 QkvDocumentsPlan section_2b_plan() {

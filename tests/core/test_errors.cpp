@@ -29,11 +29,10 @@ using cptest::I;
 using cptest::message_of;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-using M2 = std::vector<std::vector<I>>;
-using M3 = std::vector<std::vector<std::vector<I>>>;
-
-Tensor<I> t2(const M2& m) { return make_tensor<I>(m); }
-Tensor<I> t3(const M3& m) { return make_tensor<I>(m); }
+using cptest::M2;
+using cptest::M3;
+using cptest::t2;
+using cptest::t3;
 
 TEST(CoreErrors, ExceptionHierarchy) {
   static_assert(std::is_base_of_v<std::runtime_error, cpdispatch::error>);

@@ -16,16 +16,11 @@ namespace {
 using cpdispatch::make_tensor;
 using cpdispatch::Tensor;
 using I = std::int64_t;
-using M2 = std::vector<std::vector<I>>;
-using M3 = std::vector<std::vector<std::vector<I>>>;
-
-Tensor<I> t2(const M2& m) { return make_tensor<I>(m); }
-Tensor<I> t3(const M3& m) { return make_tensor<I>(m); }
-Tensor<I> t1(const std::vector<I>& v) {
-  Tensor<I> t({v.size()});
-  for (std::size_t i = 0; i < v.size(); ++i) t(i) = v[i];
-  return t;
-}
+using cptest::M2;
+using cptest::M3;
+using cptest::t1;
+using cptest::t2;
+using cptest::t3;
 
 // {"world_size": 2, "max_cp_degree": 3, "ranks": [
 //   {"docs": [{"shard_len": [4, 2], "dst": [1, 0]}, {"shard_len": [3], "dst": [0]}]},

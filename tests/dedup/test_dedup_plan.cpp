@@ -13,6 +13,7 @@
 
 #include "cpdispatch/cpdispatch.hpp"
 #include "cpdispatch/plan/dedup.hpp"
+#include "../core/helpers.hpp"
 #include "dedup_cases.hpp"
 
 namespace {
@@ -22,16 +23,11 @@ using cpdispatch::Metadata;
 using cpdispatch::make_tensor;
 using cpdispatch::Tensor;
 using I = std::int64_t;
-using M2 = std::vector<std::vector<I>>;
-using M3 = std::vector<std::vector<std::vector<I>>>;
-
-Tensor<I> t2(const M2& m) { return make_tensor<I>(m); }
-Tensor<I> t3(const M3& m) { return make_tensor<I>(m); }
-Tensor<I> t1(const std::vector<I>& v) {
-  Tensor<I> t({v.size()});
-  for (std::size_t i = 0; i < v.size(); ++i) t(i) = v[i];
-  return t;
-}
+using cptest::M2;
+using cptest::M3;
+using cptest::t1;
+using cptest::t2;
+using cptest::t3;
 
 // kv_fwd of section 2b's worked example (documents spanning ranks), as the spec prints it.
 Metadata spec_2b_kv_fwd() {
