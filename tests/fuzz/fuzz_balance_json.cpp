@@ -1,8 +1,9 @@
-// Fuzz target: the input document of `cpdispatch-plan balance` (document
-// lengths per rank, C, capacities, bytes per token). Reading, the lower
-// bound, the balanced, unbalanced and greedy plans and their costs must
-// succeed or throw invalid_input (capacity_error included); a plan the
-// balancer returns must itself plan.
+// Fuzz target: the input document of `cpdispatch-plan balance` (a packed
+// batch of document pieces, or the document lengths per rank; C,
+// capacities, bytes per token). Reading, the lower bound, the balanced,
+// unbalanced and greedy plans and their costs must succeed or throw
+// invalid_input (capacity_error included); a plan the balancer returns must
+// itself plan.
 
 #include <cstddef>
 #include <cstdint>
@@ -20,6 +21,7 @@ namespace {
 bool small_enough(const cpdispatch::BalanceProblem& p) {
   std::size_t docs = 0;
   for (const auto& rank : p.docs) docs += rank.size();
+  for (const auto& document : p.documents) docs += document.size();  // pieces of a packed batch
   return p.world_size <= 16 && docs <= 64;
 }
 
@@ -33,7 +35,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     (void)cpdispatch::balance_lower_bound(problem);
     (void)cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem), problem.q_bytes, problem.kv_bytes);
     (void)cpdispatch::plan_cost(cpdispatch::plan_greedy(problem), problem.q_bytes, problem.kv_bytes);
-    const cpdispatch::QkvPlan plan = cpdispatch::plan_balanced(problem);
+    const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(problem);
     (void)cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes);
     try {
       (void)cpdispatch::plan_qkv(plan);  // the balancer's own output must be a valid plan
