@@ -83,8 +83,9 @@ struct CliRun {
 
 /// Runs cpdispatch-plan with `args` on a plan file holding `plan`.
 CliRun run_cli(const std::string& plan, const std::string& args) {
-  const std::string dir = ::testing::TempDir();
-  const std::string in = dir + "dedup-plan.json", out = dir + "dedup-out.txt", err = dir + "dedup-err.txt";
+  // ctest runs the tests of this file as parallel processes: the files are named after the test.
+  const std::string dir = ::testing::TempDir() + ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string in = dir + "-plan.json", out = dir + "-out.txt", err = dir + "-err.txt";
   std::ofstream(in) << plan;
   const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
   const int raw = std::system(cmd.c_str());

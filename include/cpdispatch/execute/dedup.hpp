@@ -454,7 +454,7 @@ class KvWireDispatcher {
         if (world_size_ > 1) transport_.all_to_all_pieces(in, ex.send.pieces, ex.send.splits, out, ex.recv.pieces, ex.recv.splits);
       } else {
         std::byte* send_staging = staging_.data();
-        std::byte* recv_staging = staging_.data() + ex.send.staging;
+        std::byte* recv_staging = staging_.data() + ex.recv_staging_offset();
         if (!ex.send.direct) copy(ex.send.copies, in, send_staging);
         if (world_size_ > 1) {
           transport_.all_to_all_v(ex.send.direct ? static_cast<const void*>(in) : send_staging, ex.send.counts, ex.send.displs,

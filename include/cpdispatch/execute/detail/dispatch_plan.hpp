@@ -51,8 +51,11 @@ struct ExchangePlan {
 
   /// Staging for all_to_all_v: the send side's, then the receive side's.
   /// The receive staging starts 256-byte aligned after the send staging, so
-  /// that the unpack can use wide accesses whatever the token size.
-  std::size_t recv_staging_offset() const noexcept { return send.staging == 0 ? 0 : (send.staging + 255) / 256 * 256; }
+  /// that the unpack can use wide accesses whatever the token size (no
+  /// padding when either side needs no staging).
+  std::size_t recv_staging_offset() const noexcept {
+    return send.staging == 0 || recv.staging == 0 ? send.staging : (send.staging + 255) / 256 * 256;
+  }
   std::size_t staging_bytes() const noexcept { return recv_staging_offset() + recv.staging; }
 };
 
