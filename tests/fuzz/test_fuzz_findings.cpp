@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "cpdispatch/error.hpp"
@@ -50,6 +52,17 @@ TEST(FuzzFindings, ParseJsonReportsNumberOverflowAsInvalidInput) {
   EXPECT_THAT(invalid_input_message([] { (void)cpdispatch::parse_json("1e2133"); }), HasSubstr("invalid JSON: number overflow"));
   EXPECT_THAT(invalid_input_message([] { (void)cpdispatch::parse_plan(R"({"world_size": 1e999, "ranks": []})"); }),
               HasSubstr("invalid JSON"));
+}
+
+// output_tokens multiplied the copy count by the summed recv_seq_lens
+// unchecked: negative lengths in unvalidated metadata overflowed downwards
+// (signed overflow, undefined behaviour).
+TEST(FuzzFindings, OutputTokensRefusesAReplicaSizeThatOverflowsDownwards) {
+  cpdispatch::Metadata m = small_plan().kv_rev;
+  ASSERT_TRUE(m.recv_seq_lens.has_value());
+  ASSERT_GE(m.seq_recv_mask->size(2), 2u);
+  (*m.recv_seq_lens)(0, 0) = std::numeric_limits<std::int64_t>::min() / 2 - 100;
+  EXPECT_THAT(invalid_input_message([&] { (void)m.output_tokens(0); }), HasSubstr("overflows 64 bits"));
 }
 
 }  // namespace

@@ -240,10 +240,11 @@ inline std::int64_t Metadata::output_tokens(std::int64_t rank) const {
     std::int64_t t = 0;
     for (std::int64_t len : recv_seq_lens->row(r)) t = detail::add_tokens(t, len, "output_tokens");
     const auto c = static_cast<std::int64_t>(seq_recv_mask->size(2));
-    if (c > 0 && t > std::numeric_limits<std::int64_t>::max() / c) {
+    std::int64_t tokens = 0;  // negative lengths (unvalidated metadata) may overflow downwards too
+    if (__builtin_mul_overflow(c, t, &tokens)) {
       detail::fail("output_tokens: rank ", rank, "'s replica buffer (", c, " x ", t, " tokens) overflows 64 bits");
     }
-    return c * t;
+    return tokens;
   }
   return num_recv_tokens(r, static_cast<std::size_t>(world_size));
 }
