@@ -25,12 +25,21 @@ namespace {
 using cpdispatch::SimTransport;
 using namespace dedup_test;
 
-/// Both exchanges on every rank of a SimWorld.
+/// Both exchanges on every rank of a SimWorld; `packing`: through
+/// SimPackingTransport (pack, all_to_all_v, unpack, as over MPI).
 template <class E>
-double check_case(int W, const Case& c, bool exact) {
+double check_case(int W, const Case& c, bool exact, bool packing = false) {
   std::vector<RankResult> res(static_cast<std::size_t>(W));
   cpdispatch::SimWorld world(W, cpdispatch::SimOptions{sim_test::hang_timeout});
-  world.run([&](SimTransport& t) { res[static_cast<std::size_t>(t.rank())] = run_rank<E>(t, c, exact); });
+  world.run([&](SimTransport& t) {
+    RankResult& mine = res[static_cast<std::size_t>(t.rank())];
+    if (packing) {
+      cpdispatch::SimPackingTransport p(t);
+      mine = run_rank<E>(p, c, exact);
+    } else {
+      mine = run_rank<E>(t, c, exact);
+    }
+  });
   double worst = 0;
   for (std::size_t r = 0; r < res.size(); ++r) worst = std::max(worst, check_rank<E>(r, res[r]));
   return worst;
@@ -70,6 +79,18 @@ TEST_P(DedupSim, FloatingGradientsAgreeWithinRounding) {
     EXPECT_LE(check_case<double>(GetParam(), c, false), 2 * C * std::ldexp(1.0, -52));
     EXPECT_LE(check_case<cpdispatch::bfloat16>(GetParam(), c, false), 2 * C * std::ldexp(1.0, -7));
     EXPECT_LE(check_case<cpdispatch::float16>(GetParam(), c, false), 2 * C * std::ldexp(1.0, -10));
+  }
+}
+
+// The same through the staging path (the in-place fan-in writes straight
+// into the send staging there).
+TEST_P(DedupSim, PackingTransportAgreesToo) {
+  for (const Case& c : cases_for(GetParam())) {
+    SCOPED_TRACE(c.name);
+    check_case<std::int32_t>(GetParam(), c, false, true);
+    EXPECT_EQ(check_case<cpdispatch::bfloat16>(GetParam(), c, true, true), 0.0);
+    const double C = static_cast<double>(c.meta.kv_fwd.num_copies());
+    EXPECT_LE(check_case<cpdispatch::bfloat16>(GetParam(), c, false, true), 2 * C * std::ldexp(1.0, -7));
   }
 }
 

@@ -437,7 +437,8 @@ class KvWireDispatcher {
     sizes_ = {detail::token_bytes_of(plan_.mlp_tokens, token_bytes, who), detail::token_bytes_of(plan_.attention_tokens, token_bytes, who),
               detail::token_bytes_of(plan_.wire_tokens, token_bytes, who), detail::token_bytes_of(plan_.replica_tokens, token_bytes, who)};
     if constexpr (!PieceTransport<T>) {  // owned staging, allocated once: calls do not allocate
-      staging_.resize(std::max({plan_.forward.staging_bytes(), plan_.reverse.staging_bytes(), plan_.reverse_in_place.staging_bytes()}));
+      wire_staging_bytes_ = (sizes_.wire_bytes + 255) / 256 * 256;
+      staging_.resize(std::max({plan_.forward.staging_bytes(), plan_.reverse.staging_bytes(), wire_staging_bytes_ + plan_.reverse.staging_bytes()}));
     }
   }
 
@@ -475,18 +476,26 @@ class KvWireDispatcher {
   }
 
   /// The same without the wire buffer, for a caller that no longer needs the
-  /// attention-layout gradients: the fan-in sums in place, at each shard's
-  /// first copy, and the exchange sends from there. `attention_grad`'s
-  /// contents afterwards are unspecified. Same results, bit for bit, as
-  /// reverse_combine; one pass over the shards with a single copy less.
+  /// attention-layout gradients (their contents afterwards are unspecified).
+  /// Same results, bit for bit, as reverse_combine, with less memory traffic:
+  /// where the transport has all_to_all_pieces, the fan-in sums in place, at
+  /// each shard's first copy, and the exchange sends from there (shards with
+  /// a single copy are not copied at all); otherwise the fan-in writes
+  /// straight into the send staging (no pack pass).
   void reverse_combine_in_place(mutable_buffer attention_grad, mutable_buffer replica, mutable_buffer grad, ElementType type) {
     const char* call = "reverse_combine_in_place";
     check_combine(call, type, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
                                {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
                                {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
     const std::size_t elems = token_bytes_ / element_size(type);
-    detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in_in_place<E>(fan_, attention_grad.data(), elems); });
-    exchange(call, plan_.reverse_in_place, attention_grad.data(), replica.data());
+    if constexpr (PieceTransport<T>) {
+      detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in_in_place<E>(fan_, attention_grad.data(), elems); });
+      exchange(call, plan_.reverse_in_place, attention_grad.data(), replica.data());
+    } else {  // the staging's head is the wire buffer, the exchange's own staging follows it
+      std::byte* wire = staging_.data();
+      detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan_, attention_grad.data(), wire, elems); });
+      exchange(call, plan_.reverse, wire, replica.data(), wire_staging_bytes_);
+    }
     combine_copies(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
   }
 
@@ -541,14 +550,16 @@ class KvWireDispatcher {
     }
   }
 
-  /// One collective (none when alone), then the traffic to itself.
-  void exchange(const char* call, const detail::ExchangePlan& ex, const std::byte* in, std::byte* out) {
+  /// One collective (none when alone), then the traffic to itself. Without
+  /// all_to_all_pieces, the exchange's staging starts `staging_at` bytes into
+  /// the owned staging.
+  void exchange(const char* call, const detail::ExchangePlan& ex, const std::byte* in, std::byte* out, std::size_t staging_at = 0) {
     try {
       if constexpr (PieceTransport<T>) {
         if (world_size_ > 1) transport_.all_to_all_pieces(in, ex.send.pieces, ex.send.splits, out, ex.recv.pieces, ex.recv.splits);
       } else {
-        std::byte* send_staging = staging_.data();
-        std::byte* recv_staging = staging_.data() + ex.recv_staging_offset();
+        std::byte* send_staging = staging_.data() + staging_at;
+        std::byte* recv_staging = send_staging + ex.recv_staging_offset();
         if (!ex.send.direct) copy(ex.send.copies, in, send_staging);
         if (world_size_ > 1) {
           transport_.all_to_all_v(ex.send.direct ? static_cast<const void*>(in) : send_staging, ex.send.counts, ex.send.displs,
@@ -575,6 +586,7 @@ class KvWireDispatcher {
   RankMetadata rev_;  // the home combine's mask
   KvFanList fan_;     // the fan-in
   KvWireBufferSizes sizes_;
+  std::size_t wire_staging_bytes_ = 0;  // without all_to_all_pieces: the in-place fan-in's wire, at the staging's head
   std::vector<std::byte> staging_;
 };
 }  // namespace cpdispatch
