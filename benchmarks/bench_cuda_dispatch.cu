@@ -35,7 +35,7 @@
 
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
-#include "cpdispatch/cuda/sim.hpp"
+#include "cpdispatch/transports/device_sim.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"

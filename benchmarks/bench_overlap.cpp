@@ -34,6 +34,7 @@
 #include "cpdispatch/overlap/overlap.hpp"
 #include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "cpdispatch/transports/simulated_link.hpp"
 
 namespace ov = cpdispatch::overlap;
 using cpdispatch::ElementType;
@@ -43,7 +44,7 @@ using cpdispatch::SimWorld;
 using Clock = std::chrono::steady_clock;
 using ov::CommOverlapMethod;
 using ov::CommOverlapType;
-using ov::Transpose;
+using cpdispatch::gemm::Transpose;
 
 namespace {
 
@@ -137,7 +138,7 @@ Row run_method(const Options& o, const std::string& name) {
 
   SimWorld world(o.tp);
   world.run([&](SimTransport& sim) {
-    cpdispatch::tp::CblasGemm gemm(1);  // one BLAS thread per rank
+    cpdispatch::gemm::CblasGemm gemm(1);  // one BLAS thread per rank
     const std::size_t m = o.m, n = o.n, k = o.k, ml = m / tp;
     // RS: this rank's A (m x k) and B (k x n); AG: its shard (m/tp x k) and B.
     std::vector<float> a((ag ? ml : m) * k), b(k * n), d(m * n), out(ml * n), gathered(m * k);
@@ -166,8 +167,8 @@ Row run_method(const Options& o, const std::string& name) {
     const double target_s = g0 * o.comm_ratio / 1e3 - static_cast<double>(tp - 1) * o.latency_us * 1e-6;
     const double bandwidth =
         tp == 1 ? 1e12 : static_cast<double>((tp - 1) * block_bytes) / std::max(target_s, 1e-4);
-    ov::SimulatedLinkTransport link(
-        sim, ov::LinkModel{std::chrono::nanoseconds(static_cast<long long>(o.latency_us * 1e3)), bandwidth});
+    cpdispatch::SimulatedLinkTransport link(
+        sim, cpdispatch::LinkModel{std::chrono::nanoseconds(static_cast<long long>(o.latency_us * 1e3)), bandwidth});
 
     ov::CommOverlapOptions options;
     options.num_splits = o.splits;

@@ -27,8 +27,8 @@ namespace {
 
 constexpr int kInner = 5;
 
-tp::Sequential<float, tp::CblasGemm> make_model(std::size_t hidden) {
-  tp::Sequential<float, tp::CblasGemm> m;
+tp::Sequential<float, cpdispatch::gemm::CblasGemm> make_model(std::size_t hidden) {
+  tp::Sequential<float, cpdispatch::gemm::CblasGemm> m;
   m.linear(hidden, 4 * hidden, true, 1)
       .gelu()
       .linear(4 * hidden, hidden, true, 2)
@@ -43,7 +43,7 @@ void BM_TpForward(benchmark::State& state) {
   const auto tokens = static_cast<std::size_t>(state.range(0));
   const auto hidden = static_cast<std::size_t>(state.range(1));
   const int world = static_cast<int>(state.range(2));
-  tp::CblasGemm::set_blas_threads(1);
+  cpdispatch::gemm::CblasGemm::set_blas_threads(1);
   auto model = make_model(hidden);
   const cpdispatch::Tensor<float> x({tokens, hidden}, 0.5f);
 
@@ -59,7 +59,7 @@ void BM_TpForward(benchmark::State& state) {
     for (auto _ : state) {
       double seconds = 0;
       sim.run([&](cpdispatch::SimTransport& t) {
-        tp::CblasGemm gemm;
+        cpdispatch::gemm::CblasGemm gemm;
         tp::DistributedModelWrapper wrapper(model, t, gemm, {.check_across_ranks = false});
         std::vector<float> y(tokens * hidden);
         wrapper.forward(x.data(), tokens, y.data());  // warm-up: buffers

@@ -146,9 +146,9 @@ void allreduce(const Args& args, MPI_Comm comm, int rank, int W) {
 
 void forward(const Args& args, MPI_Comm comm, int rank, int W) {
   cpdispatch::MpiTransport transport = cpdispatch::MpiTransport::duplicate(comm);
-  tp::CblasGemm gemm;  // one BLAS thread per rank
+  cpdispatch::gemm::CblasGemm gemm;  // one BLAS thread per rank
   const std::size_t H = args.hidden, T = args.tokens;
-  tp::Sequential<float, tp::CblasGemm> model;
+  tp::Sequential<float, cpdispatch::gemm::CblasGemm> model;
   model.linear(H, 4 * H, true, 1).gelu().linear(4 * H, H, true, 2).gelu().linear(H, 4 * H, true, 3).gelu().linear(
       4 * H, H, true, 4);
   tp::DistributedModelWrapper wrapper(model, transport, gemm);

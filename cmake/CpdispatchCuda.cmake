@@ -1,6 +1,6 @@
-# CUDA: the device data path (kernels) and the single-GPU simulation, as
-# cpdispatch::cuda, and the NCCL transport cpdispatch::nccl when NCCL is
-# found too. Included from the top-level CMakeLists.txt, because
+# CUDA: the device data path (kernels) as cpdispatch::cuda; the transports
+# over it, the single-GPU simulation cpdispatch::device_sim and, when NCCL is
+# found too, cpdispatch::nccl, are defined in transports/. Included from the top-level CMakeLists.txt, because
 # enable_language(CUDA) must run in the directory that holds every target
 # using the language (tests/ and benchmarks/ do).
 #
@@ -94,8 +94,8 @@ else()
 endif()
 unset(_cpd_with_cuda)
 
-# cpdispatch::cuda: the device data path and the device sim (headers in
-# include/cpdispatch/cuda/, kernels included from .cu files) over the CUDA runtime.
+# cpdispatch::cuda: the device data path (headers in include/cpdispatch/cuda/,
+# kernels included from .cu files) over the CUDA runtime.
 add_library(cpdispatch_cuda INTERFACE)
 add_library(cpdispatch::cuda ALIAS cpdispatch_cuda)
 set_target_properties(cpdispatch_cuda PROPERTIES EXPORT_NAME cuda)

@@ -17,11 +17,12 @@
 #include "cpdispatch/overlap/overlap.hpp"
 #include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "cpdispatch/transports/simulated_link.hpp"
 
 namespace ov = cpdispatch::overlap;
 using ov::CommOverlapMethod;
 using ov::CommOverlapType;
-using ov::Transpose;
+using cpdispatch::gemm::Transpose;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -59,7 +60,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "overlap_gemm: option %s has no value\n", argv[argc - 1]);
     return 2;
   }
-  const ov::LinkModel link_model{std::chrono::nanoseconds(static_cast<long long>(latency_us * 1e3)), bandwidth_mb * 1e6};
+  const cpdispatch::LinkModel link_model{std::chrono::nanoseconds(static_cast<long long>(latency_us * 1e3)), bandwidth_mb * 1e6};
   struct Method {
     CommOverlapType type;
     CommOverlapMethod method;
@@ -77,8 +78,8 @@ int main(int argc, char** argv) {
       double error = 0, serial_ms = 0, overlapped_ms = 0;
       cpdispatch::SimWorld world(tp);
       world.run([&](cpdispatch::SimTransport& sim) {
-        ov::SimulatedLinkTransport t(sim, link_model);
-        cpdispatch::tp::CblasGemm gemm;  // one BLAS thread per rank
+        cpdispatch::SimulatedLinkTransport t(sim, link_model);
+        cpdispatch::gemm::CblasGemm gemm;  // one BLAS thread per rank
         const std::size_t ml = m / static_cast<std::size_t>(tp);
         const std::size_t a_rows = ag ? ml : m;  // AG: this rank's shard of A
         std::vector<float> a(a_rows * k), b(k * n), d(m * n), out(ml * n), gathered(m * k), ref_d(m * n), ref_out(ml * n);

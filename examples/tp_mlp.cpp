@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
   const std::size_t H = args.hidden;
 
   // The unsharded model (the seed's nn.Sequential(Linear, ReLU, Linear)).
-  tp::Sequential<float, tp::CblasGemm> model;
+  tp::Sequential<float, cpdispatch::gemm::CblasGemm> model;
   model.linear(H, 4 * H, true, 1).relu().linear(4 * H, H, true, 2);
 
   cpdispatch::SimWorld world(args.world_size);
@@ -91,7 +91,7 @@ int main(int argc, char** argv) {
   try {
     world.run([&](cpdispatch::SimTransport& t) {
       const auto config = tp::init_tensor_parallel("sim", t);
-      tp::CblasGemm gemm;  // one BLAS thread per rank
+      cpdispatch::gemm::CblasGemm gemm;  // one BLAS thread per rank
       tp::DistributedModelWrapper parallel(model, t, gemm);
       auto reference = model;  // each rank's unsharded copy, to compare with
 

@@ -19,7 +19,7 @@
 // The device data path first: the dispatcher needs it for device transports.
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
-#include "cpdispatch/cuda/sim.hpp"
+#include "cpdispatch/transports/device_sim.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "cuda_test_util.hpp"

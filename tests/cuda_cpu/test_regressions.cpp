@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cpdispatch/cuda/data_path.hpp"
-#include "cpdispatch/cuda/sim.hpp"
+#include "cpdispatch/transports/device_sim.hpp"
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/nccl.hpp"

@@ -17,7 +17,11 @@
 
 namespace fault_cases {
 
+// The fault-injection vocabulary every fault test uses (with `using namespace fault_cases;`).
 using cpdispatch::testing::Fault;
+using cpdispatch::testing::FaultInjectingTransport;
+using cpdispatch::testing::FaultOptions;
+using cpdispatch::testing::FaultRule;
 using cpdispatch::testing::TransportCall;
 
 /// Each rank r: a document [3, 2] attended on r+1 and r, and a document [4] attended on r+2.

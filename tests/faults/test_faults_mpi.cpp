@@ -25,14 +25,8 @@
 namespace {
 
 using namespace std::chrono_literals;
+using namespace fault_cases;
 using cpdispatch::MpiTransport;
-using cpdispatch::testing::FaultInjectingTransport;
-using cpdispatch::testing::FaultOptions;
-using cpdispatch::testing::FaultRule;
-using fault_cases::Fault;
-using fault_cases::Outcome;
-using fault_cases::Step;
-using fault_cases::TransportCall;
 
 constexpr auto mpi_timeout = 2000ms;  // generous: a loaded CI machine must not make a healthy step time out
 const FaultOptions fault_options{.error_code = 77, .stall = 3000ms, .short_bytes = 4};
@@ -180,10 +174,10 @@ TEST_P(MpiLayerFaults, RowParallelLinearFaultSurfacesOnEveryRank) {
 TEST_P(MpiLayerFaults, OverlapRingExchangeFaultSurfacesOnEveryRank) {
   const Fault fault = GetParam();
   const overlap_cases::Case c{cpdispatch::overlap::CommOverlapType::AG, cpdispatch::overlap::CommOverlapMethod::RING_EXCHANGE,
-                              cpdispatch::overlap::Transpose::no, cpdispatch::overlap::Transpose::no, 1,
+                              cpdispatch::gemm::Transpose::no, cpdispatch::gemm::Transpose::no, 1,
                               cpdispatch::overlap::HelperThread::gemm};  // MPI stays on the main thread
   const Outcome o = component_with_fault(FaultRule{TransportCall::isend, 1, fault, world_size() - 1}, [&](auto& t) {
-    cpdispatch::tp::ReferenceGemm gemm;
+    cpdispatch::gemm::ReferenceGemm gemm;
     const auto buffer = overlap_cases::buffer_for<float>(c, t.world_size());
     overlap_cases::run_case<float>(t, gemm, c, buffer.get(), 0);
   });

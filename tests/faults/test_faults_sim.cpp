@@ -26,17 +26,11 @@
 namespace {
 
 using namespace std::chrono_literals;
+using namespace fault_cases;
 using cpdispatch::SimOptions;
 using cpdispatch::SimPackingTransport;
 using cpdispatch::SimTransport;
 using cpdispatch::SimWorld;
-using cpdispatch::testing::FaultInjectingTransport;
-using cpdispatch::testing::FaultOptions;
-using cpdispatch::testing::FaultRule;
-using fault_cases::Fault;
-using fault_cases::Outcome;
-using fault_cases::Step;
-using fault_cases::TransportCall;
 using testing::HasSubstr;
 
 constexpr auto sim_timeout = 1000ms;  // generous: a loaded CI machine must not make a healthy step time out
@@ -191,11 +185,11 @@ TEST_P(LayerFaults, OverlapRingExchangeFaultSurfacesOnEveryRank) {
   const auto [W, fault] = GetParam();
   // AG RING_EXCHANGE: isend/irecv/wait per step; the fault hits rank W-1's first isend.
   const overlap_cases::Case c{cpdispatch::overlap::CommOverlapType::AG, cpdispatch::overlap::CommOverlapMethod::RING_EXCHANGE,
-                              cpdispatch::overlap::Transpose::no, cpdispatch::overlap::Transpose::no};
+                              cpdispatch::gemm::Transpose::no, cpdispatch::gemm::Transpose::no};
   const auto out = run_world<Pieces>(W, {FaultRule{TransportCall::isend, 1, fault, W - 1}}, [&](auto& t, std::size_t, Outcome& o) {
     const auto start = std::chrono::steady_clock::now();
     try {
-      cpdispatch::tp::ReferenceGemm gemm;
+      cpdispatch::gemm::ReferenceGemm gemm;
       const auto buffer = overlap_cases::buffer_for<float>(c, t.world_size());
       overlap_cases::run_case<float>(t, gemm, c, buffer.get(), 0);
     } catch (...) {

@@ -32,7 +32,7 @@ using cpdispatch::ReduceOp;
 using ov::CommOverlapMethod;
 using ov::CommOverlapType;
 using ov::HelperThread;
-using ov::Transpose;
+using cpdispatch::gemm::Transpose;
 
 /// Deterministic values in [-1, 1) (splitmix64), the same on every rank and process.
 template <class T>
@@ -365,13 +365,13 @@ void indivisible_shapes_are_rejected(Tr& t, G& gemm) {
 /// Every check of this file, for float and double, with the reference backend and (when built) CBLAS.
 template <class Tr>
 void all_checks(Tr& t, std::optional<HelperThread> only = std::nullopt) {
-  cpdispatch::tp::ReferenceGemm reference;
+  cpdispatch::gemm::ReferenceGemm reference;
   every_case_matches_reference<float>(t, reference, only);
   every_case_matches_reference<double>(t, reference, only);
   by_id_matches_reference<float>(t, reference);
   indivisible_shapes_are_rejected(t, reference);
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
-  cpdispatch::tp::CblasGemm blas;
+  cpdispatch::gemm::CblasGemm blas;
   every_case_matches_reference<float>(t, blas, only);
   every_case_matches_reference<double>(t, blas, only);
   by_id_matches_reference<double>(t, blas);

@@ -26,7 +26,7 @@ using cpdispatch::testing::MockTransport;
 using ov::CommOverlapMethod;
 using ov::CommOverlapType;
 using ov::HelperThread;
-using ov::Transpose;
+using cpdispatch::gemm::Transpose;
 using testing::_;
 using testing::Expectation;
 using testing::HasSubstr;
@@ -38,12 +38,12 @@ using testing::StrictMock;
 namespace {
 
 /// A GEMM backend whose gemm is a mock (the element-wise kernels are the host ones).
-struct MockGemm : cpdispatch::tp::HostKernels {
+struct MockGemm : cpdispatch::gemm::HostKernels {
   MOCK_METHOD(void, gemm,
               (Transpose ta, Transpose tb, std::size_t m, std::size_t n, std::size_t k, float alpha, const float* a,
                std::size_t lda, const float* b, std::size_t ldb, float beta, float* c, std::size_t ldc));
 };
-static_assert(cpdispatch::tp::GemmBackend<MockGemm, float>);
+static_assert(cpdispatch::gemm::GemmBackend<MockGemm, float>);
 
 int mod(int x, int m) { return ((x % m) + m) % m; }
 

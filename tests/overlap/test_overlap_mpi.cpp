@@ -11,6 +11,7 @@
 #include <chrono>
 
 #include "cpdispatch/transports/mpi.hpp"
+#include "cpdispatch/transports/simulated_link.hpp"
 #include "overlap_cases.hpp"
 
 namespace ov = cpdispatch::overlap;
@@ -59,14 +60,14 @@ TEST(OverlapMpi, EveryMethodMatchesTheUnoverlappedReferenceCommunicationOnHelper
 
 TEST(OverlapMpi, IndivisibleShapesAreRejected) {
   MpiTransport t = world_transport();
-  cpdispatch::tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   overlap_cases::indivisible_shapes_are_rejected(t, gemm);
 }
 
 TEST(OverlapMpi, OverTheSimulatedLinkTheResultsAreTheSame) {
   // The adapter wraps any transport; its timestamps are CLOCK_MONOTONIC, shared by the processes of one host.
   MpiTransport mpi = world_transport();
-  ov::SimulatedLinkTransport link(mpi, ov::LinkModel{std::chrono::microseconds(20), 1e10});
-  cpdispatch::tp::ReferenceGemm gemm;
+  cpdispatch::SimulatedLinkTransport link(mpi, cpdispatch::LinkModel{std::chrono::microseconds(20), 1e10});
+  cpdispatch::gemm::ReferenceGemm gemm;
   overlap_cases::every_case_matches_reference<float>(link, gemm, ov::HelperThread::gemm);
 }

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "cpdispatch/transports/sim.hpp"
+#include "cpdispatch/transports/simulated_link.hpp"
 #include "overlap_cases.hpp"
 #include "sim_world_fixture.hpp"
 
@@ -30,8 +31,8 @@ TEST_P(OverlapSim, EveryMethodMatchesTheUnoverlappedReference) {
 
 TEST_P(OverlapSim, OverTheSimulatedLinkTheResultsAreTheSame) {
   run([](SimTransport& sim) {
-    ov::SimulatedLinkTransport link(sim, ov::LinkModel{std::chrono::microseconds(20), 1e10});
-    cpdispatch::tp::ReferenceGemm gemm;
+    cpdispatch::SimulatedLinkTransport link(sim, cpdispatch::LinkModel{std::chrono::microseconds(20), 1e10});
+    cpdispatch::gemm::ReferenceGemm gemm;
     overlap_cases::every_case_matches_reference<float>(link, gemm);
   });
 }
@@ -39,10 +40,10 @@ TEST_P(OverlapSim, OverTheSimulatedLinkTheResultsAreTheSame) {
 namespace {
 
 /// The reference GEMM, failing from its (fail_after + 1)-th call on.
-struct FailingGemm : cpdispatch::tp::ReferenceGemm {
+struct FailingGemm : cpdispatch::gemm::ReferenceGemm {
   int fail_after = 0;
   int calls = 0;
-  void gemm(ov::Transpose ta, ov::Transpose tb, std::size_t m, std::size_t n, std::size_t k, float alpha, const float* a,
+  void gemm(cpdispatch::gemm::Transpose ta, cpdispatch::gemm::Transpose tb, std::size_t m, std::size_t n, std::size_t k, float alpha, const float* a,
             std::size_t lda, const float* b, std::size_t ldb, float beta, float* c, std::size_t ldc) {
     if (++calls > fail_after) throw cpdispatch::error("injected GEMM failure");
     ReferenceGemm::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
@@ -67,8 +68,8 @@ TEST_P(OverlapSim, AFailingGemmStopsTheCallAndIsRethrown) {
         ov::CommOverlapBuffer buffer(ov::CommOverlapType::RS, method, {4 * tp, 2}, cpdispatch::ElementType::float32, W,
                                      ov::CommOverlapOptions{.num_splits = 2});
         std::vector<float> a(4 * tp * 3, 1.0f), b(3 * 2, 1.0f), rs(4 * 2);
-        ov::comm_gemm(t, gemm, buffer, ov::matrix_view<const float>(a.data(), 4 * tp, 3), ov::Transpose::no,
-                      ov::matrix_view<const float>(b.data(), 3, 2), ov::Transpose::no, ov::MatrixView<float>{},
+        ov::comm_gemm(t, gemm, buffer, ov::matrix_view<const float>(a.data(), 4 * tp, 3), cpdispatch::gemm::Transpose::no,
+                      ov::matrix_view<const float>(b.data(), 3, 2), cpdispatch::gemm::Transpose::no, ov::MatrixView<float>{},
                       ov::matrix_view(rs.data(), 4, 2));
         if (!fails) {
           EXPECT_THAT(rs, testing::Each(3.0f));

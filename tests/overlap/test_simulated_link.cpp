@@ -10,10 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/overlap/simulated_link.hpp"
+#include "cpdispatch/transports/simulated_link.hpp"
 #include "cpdispatch/transports/sim.hpp"
 
-namespace ov = cpdispatch::overlap;
 using cpdispatch::ElementType;
 using cpdispatch::ReduceOp;
 using cpdispatch::SimOptions;
@@ -22,16 +21,16 @@ using cpdispatch::SimWorld;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-static_assert(cpdispatch::Transport<ov::SimulatedLinkTransport<SimTransport>>);
+static_assert(cpdispatch::Transport<cpdispatch::SimulatedLinkTransport<SimTransport>>);
 
 TEST(SimulatedLink, PointToPointDeliversTheDataAfterLatencyPlusBytesOverBandwidth) {
   // 40 000 bytes at 20 MB/s: 2 ms on the link, then 1 ms of latency; sent twice back to back.
-  const ov::LinkModel model{1ms, 20e6};
+  const cpdispatch::LinkModel model{1ms, 20e6};
   const std::size_t count = 10000;
   Clock::time_point posted;  // written by rank 0 before it sends; read by rank 1 once the data has arrived
   SimWorld world(2, SimOptions{60s});
   world.run([&](SimTransport& sim) {
-    ov::SimulatedLinkTransport link(sim, model);
+    cpdispatch::SimulatedLinkTransport link(sim, model);
     EXPECT_EQ(link.rank(), sim.rank());
     EXPECT_EQ(link.world_size(), 2);
     std::vector<float> first(count), second(count);
@@ -61,10 +60,10 @@ TEST(SimulatedLink, PointToPointDeliversTheDataAfterLatencyPlusBytesOverBandwidt
 }
 
 TEST(SimulatedLink, CollectivesPassTheDataAndTakeTheRingTime) {
-  const ov::LinkModel model{500us, 10e6};  // 4 000 bytes per block: 0.4 ms + 0.5 ms per ring step
+  const cpdispatch::LinkModel model{500us, 10e6};  // 4 000 bytes per block: 0.4 ms + 0.5 ms per ring step
   SimWorld world(3, SimOptions{60s});
   world.run([&](SimTransport& sim) {
-    ov::SimulatedLinkTransport link(sim, model);
+    cpdispatch::SimulatedLinkTransport link(sim, model);
     const auto r = static_cast<float>(sim.rank());
     const std::size_t block = 1000;
     std::vector<float> send(3 * block, r + 1), recv(block), gathered(3 * block);
@@ -95,9 +94,9 @@ TEST(SimulatedLink, CollectivesPassTheDataAndTakeTheRingTime) {
 TEST(SimulatedLink, BadModelsAndRequestsAreRejected) {
   SimWorld world(1);
   world.run([&](SimTransport& sim) {
-    EXPECT_THROW(ov::SimulatedLinkTransport(sim, ov::LinkModel{0ns, 0.0}), cpdispatch::invalid_input);
-    EXPECT_THROW(ov::SimulatedLinkTransport(sim, ov::LinkModel{-1ns, 1e9}), cpdispatch::invalid_input);
-    ov::SimulatedLinkTransport link(sim, ov::LinkModel{});
+    EXPECT_THROW(cpdispatch::SimulatedLinkTransport(sim, cpdispatch::LinkModel{0ns, 0.0}), cpdispatch::invalid_input);
+    EXPECT_THROW(cpdispatch::SimulatedLinkTransport(sim, cpdispatch::LinkModel{-1ns, 1e9}), cpdispatch::invalid_input);
+    cpdispatch::SimulatedLinkTransport link(sim, cpdispatch::LinkModel{});
     try {
       link.wait(cpdispatch::Request{99});
       ADD_FAILURE() << "an unknown request was waited for";

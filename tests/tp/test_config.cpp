@@ -11,6 +11,7 @@
 
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
+#include "cpdispatch/transports/single_rank.hpp"
 #include "loopback_transport.hpp"
 #include "tp_test_util.hpp"
 
@@ -30,7 +31,7 @@ TEST(TpConfig, InitRecordsThisThreadsConfig) {
   // Another thread (another simulated rank) has its own.
   std::thread([] {
     EXPECT_THROW(tp::get_tensor_parallel_config(), cpdispatch::error);
-    tp::SingleRankTransport one;
+    cpdispatch::SingleRankTransport one;
     EXPECT_EQ(tp::init_tensor_parallel(tp::Backend::sim, one), (tp::TensorParallelConfig{1, 0, tp::Backend::sim}));
   }).join();
   EXPECT_EQ(tp::get_tensor_parallel_config().rank, 2);
@@ -38,7 +39,7 @@ TEST(TpConfig, InitRecordsThisThreadsConfig) {
 }
 
 TEST(TpConfig, NcclTakesADeviceTransportAndTheHostBackendsAHostOne) {
-  tp::SingleRankTransport one;
+  cpdispatch::SingleRankTransport one;
   EXPECT_THAT(error_of([&] { tp::init_tensor_parallel("nccl", one); }),
               HasSubstr("init_tensor_parallel(\"nccl\"): this backend runs on device memory but the transport works on host memory"));
   EXPECT_THAT(error_of([] { tp::init_tensor_parallel("nccl"); }),

@@ -14,22 +14,22 @@
 #endif
 
 namespace tp = cpdispatch::tp;
-using tp::Transpose;
+using cpdispatch::gemm::Transpose;
 
 namespace {
 
 struct NotABackend {
   static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::host;
 };
-static_assert(tp::GemmBackend<tp::ReferenceGemm, float>);
-static_assert(tp::GemmBackend<tp::ReferenceGemm, double>);
-static_assert(!tp::GemmBackend<NotABackend, float>);
-static_assert(!tp::detail::gemm_has_gemm<NotABackend, float>);
+static_assert(cpdispatch::gemm::GemmBackend<cpdispatch::gemm::ReferenceGemm, float>);
+static_assert(cpdispatch::gemm::GemmBackend<cpdispatch::gemm::ReferenceGemm, double>);
+static_assert(!cpdispatch::gemm::GemmBackend<NotABackend, float>);
+static_assert(!cpdispatch::gemm::detail::gemm_has_gemm<NotABackend, float>);
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
-static_assert(tp::GemmBackend<tp::CblasGemm, float>);
-static_assert(tp::GemmBackend<tp::CblasGemm, double>);
+static_assert(cpdispatch::gemm::GemmBackend<cpdispatch::gemm::CblasGemm, float>);
+static_assert(cpdispatch::gemm::GemmBackend<cpdispatch::gemm::CblasGemm, double>);
 // CblasGemm has gemm overloads for float and double only.
-static_assert(!tp::detail::gemm_has_gemm<tp::CblasGemm, long double>);
+static_assert(!cpdispatch::gemm::detail::gemm_has_gemm<cpdispatch::gemm::CblasGemm, long double>);
 #endif
 
 /// C = alpha op(A) op(B) + beta C in plain double loops.
@@ -84,20 +84,20 @@ void check_gemm(G& g) {
 }  // namespace
 
 TEST(TpGemm, ReferenceMatchesNaiveLoops) {
-  tp::ReferenceGemm g;
-  check_gemm<tp::ReferenceGemm, float>(g);
-  check_gemm<tp::ReferenceGemm, double>(g);
+  cpdispatch::gemm::ReferenceGemm g;
+  check_gemm<cpdispatch::gemm::ReferenceGemm, float>(g);
+  check_gemm<cpdispatch::gemm::ReferenceGemm, double>(g);
 }
 
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
 TEST(TpGemm, CblasMatchesNaiveLoops) {
-  tp::CblasGemm g;
-  check_gemm<tp::CblasGemm, float>(g);
-  check_gemm<tp::CblasGemm, double>(g);
+  cpdispatch::gemm::CblasGemm g;
+  check_gemm<cpdispatch::gemm::CblasGemm, float>(g);
+  check_gemm<cpdispatch::gemm::CblasGemm, double>(g);
 }
 
 TEST(TpGemm, CblasRefusesSizesBeyondItsIntegers) {
-  tp::CblasGemm g;
+  cpdispatch::gemm::CblasGemm g;
   const std::size_t huge = static_cast<std::size_t>(INT_MAX) + 1;
   float c = 0;
   try {
@@ -114,7 +114,7 @@ TEST(TpGemm, CblasMatchesNaiveLoops) { GTEST_SKIP() << "cpdispatch::blas is not 
 #endif
 
 TEST(TpGemm, BiasAndRowSums) {
-  tp::ReferenceGemm g;
+  cpdispatch::gemm::ReferenceGemm g;
   std::vector<double> y{1, 2, 3, 4, 5, 6};  // [2, 3]
   const std::vector<double> bias{10, 20, 30};
   g.add_bias(y.data(), bias.data(), 2, 3);
@@ -127,16 +127,16 @@ TEST(TpGemm, BiasAndRowSums) {
 }
 
 TEST(TpGemm, ActivationsAndTheirDerivatives) {
-  tp::ReferenceGemm g;
+  cpdispatch::gemm::ReferenceGemm g;
   const std::vector<double> x{-2.5, -1.0, -0.1, 0.3, 1.0, 2.0};
   std::vector<double> y(x.size());
-  g.activation_forward(tp::Activation::relu, x.data(), y.data(), x.size());
+  g.activation_forward(cpdispatch::gemm::Activation::relu, x.data(), y.data(), x.size());
   EXPECT_EQ(y, (std::vector<double>{0, 0, 0, 0.3, 1.0, 2.0}));
-  g.activation_forward(tp::Activation::gelu, x.data(), y.data(), x.size());
+  g.activation_forward(cpdispatch::gemm::Activation::gelu, x.data(), y.data(), x.size());
   EXPECT_NEAR(y[4], 0.8413447460685429, 1e-12);  // GELU(1) = Phi(1)
   EXPECT_NEAR(y[1], -0.15865525393145707, 1e-12);
-  for (tp::Activation act : {tp::Activation::identity, tp::Activation::relu, tp::Activation::gelu,
-                             tp::Activation::tanh}) {
+  for (cpdispatch::gemm::Activation act : {cpdispatch::gemm::Activation::identity, cpdispatch::gemm::Activation::relu, cpdispatch::gemm::Activation::gelu,
+                             cpdispatch::gemm::Activation::tanh}) {
     std::vector<double> dy(x.size(), 1.0), dx(x.size());
     g.activation_backward(act, x.data(), dy.data(), dx.data(), x.size());
     for (std::size_t i = 0; i < x.size(); ++i) {
@@ -144,17 +144,17 @@ TEST(TpGemm, ActivationsAndTheirDerivatives) {
       double lo = x[i] - h, hi = x[i] + h, flo = 0, fhi = 0;
       g.activation_forward(act, &lo, &flo, 1);
       g.activation_forward(act, &hi, &fhi, 1);
-      EXPECT_NEAR(dx[i], (fhi - flo) / (2 * h), 1e-6) << tp::activation_name(act) << " at " << x[i];
+      EXPECT_NEAR(dx[i], (fhi - flo) / (2 * h), 1e-6) << cpdispatch::gemm::activation_name(act) << " at " << x[i];
     }
   }
   // In place is allowed.
   std::vector<double> z = x;
-  g.activation_forward(tp::Activation::relu, z.data(), z.data(), z.size());
+  g.activation_forward(cpdispatch::gemm::Activation::relu, z.data(), z.data(), z.size());
   EXPECT_EQ(z[0], 0.0);
 }
 
 TEST(TpGemm, UpdateKernels) {
-  tp::ReferenceGemm g;
+  cpdispatch::gemm::ReferenceGemm g;
   std::vector<float> p{1, 2, 3}, grad{1, 1, 2};
   g.axpy(-0.5f, grad.data(), p.data(), p.size());
   EXPECT_EQ(p, (std::vector<float>{0.5f, 1.5f, 2.0f}));

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpdispatch/tp/tensor_parallel.hpp"
+#include "cpdispatch/transports/single_rank.hpp"
 #include "loopback_transport.hpp"
 #include "tp_test_util.hpp"
 
@@ -34,9 +35,9 @@ TYPED_TEST_SUITE(TpLayersTyped, ElementTypes);
 
 TYPED_TEST(TpLayersTyped, WorldSizeOneRowLayerIsALinearLayer) {
   using T = TypeParam;
-  tp::SingleRankTransport one;
+  cpdispatch::SingleRankTransport one;
   HostGemm gemm;
-  tp::RowParallelLinear<tp::SingleRankTransport, HostGemm, T> layer(one, gemm, 6, 4, {.seed = 7});
+  tp::RowParallelLinear<cpdispatch::SingleRankTransport, HostGemm, T> layer(one, gemm, 6, 4, {.seed = 7});
   EXPECT_EQ(layer.in_features(), 6u);
   EXPECT_EQ(layer.out_features(), 4u);
   EXPECT_EQ(layer.out_features_local(), 4u);
@@ -67,10 +68,10 @@ TYPED_TEST(TpLayersTyped, WorldSizeOneRowLayerIsALinearLayer) {
 
 TYPED_TEST(TpLayersTyped, WorldSizeOneColumnLayerIsALinearLayer) {
   using T = TypeParam;
-  tp::SingleRankTransport one;
+  cpdispatch::SingleRankTransport one;
   HostGemm gemm;
   const auto full = tp::Linear<T>::make(5, 3, true, 11);
-  auto layer = tp::ColumnParallelLinear<tp::SingleRankTransport, HostGemm, T>::from_full(one, gemm, 5, 3, full.weight,
+  auto layer = tp::ColumnParallelLinear<cpdispatch::SingleRankTransport, HostGemm, T>::from_full(one, gemm, 5, 3, full.weight,
                                                                                           full.bias);
   EXPECT_EQ(layer.in_features_local(), 5u);
   EXPECT_EQ(layer.weight_shape(), (std::pair<std::size_t, std::size_t>(3, 5)));
@@ -86,8 +87,8 @@ TYPED_TEST(TpLayersTyped, WorldSizeOneColumnLayerIsALinearLayer) {
 }
 
 TEST(TpLayers, GradientsAccumulateUntilZeroGrad) {
-  tp::SingleRankTransport one;
-  tp::ReferenceGemm gemm;
+  cpdispatch::SingleRankTransport one;
+  cpdispatch::gemm::ReferenceGemm gemm;
   tp::RowParallelLinear layer(one, gemm, 3, 2);
   const auto x = tp_test::random_tensor<float>({4, 3}, 5);
   const auto dy = tp_test::random_tensor<float>({4, 2}, 6);
@@ -101,8 +102,8 @@ TEST(TpLayers, GradientsAccumulateUntilZeroGrad) {
 }
 
 TEST(TpLayers, NoBias) {
-  tp::SingleRankTransport one;
-  tp::ReferenceGemm gemm;
+  cpdispatch::SingleRankTransport one;
+  cpdispatch::gemm::ReferenceGemm gemm;
   tp::ColumnParallelLinear layer(one, gemm, 3, 2, {.bias = false});
   EXPECT_FALSE(layer.has_bias());
   EXPECT_TRUE(layer.bias().empty());
@@ -114,8 +115,8 @@ TEST(TpLayers, NoBias) {
 }
 
 TEST(TpLayers, InputShapeErrors) {
-  tp::SingleRankTransport one;
-  tp::ReferenceGemm gemm;
+  cpdispatch::SingleRankTransport one;
+  cpdispatch::gemm::ReferenceGemm gemm;
   tp::RowParallelLinear layer(one, gemm, 4, 2);
   EXPECT_EQ(error_of([&] { layer.forward(Tensor<float>({3, 5})); }),
             "RowParallelLinear::forward: the input has 5 features in its last dimension, expected 4");
@@ -125,9 +126,9 @@ TEST(TpLayers, InputShapeErrors) {
 }
 
 TEST(TpLayers, FromFullChecksSizes) {
-  tp::SingleRankTransport one;
-  tp::ReferenceGemm gemm;
-  using Row = tp::RowParallelLinear<tp::SingleRankTransport, tp::ReferenceGemm>;
+  cpdispatch::SingleRankTransport one;
+  cpdispatch::gemm::ReferenceGemm gemm;
+  using Row = tp::RowParallelLinear<cpdispatch::SingleRankTransport, cpdispatch::gemm::ReferenceGemm>;
   const std::vector<float> w(11), b(2);
   EXPECT_EQ(error_of([&] { Row::from_full(one, gemm, 4, 3, w, b); }),
             "RowParallelLinear::from_full: the weight has 11 elements, expected out_features x in_features = 3 x 4 "
@@ -144,7 +145,7 @@ TEST(TpLayers, FromFullChecksSizes) {
 
 TEST(TpLayers, RankTakesItsSliceOfTheFullWeight) {
   const auto full = tp::Linear<float>::make(6, 8, true, 3);
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(1, 4);  // rank 1 of 4
   tp::RowParallelLinear row(t, gemm, 6, 8, {.seed = 3});
   EXPECT_EQ(t.count("all_gather"), 1u);  // the construction check
@@ -166,7 +167,7 @@ TEST(TpLayers, RankTakesItsSliceOfTheFullWeight) {
 }
 
 TEST(TpLayers, CommunicationOfEachPass) {
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(0, 2);
   tp::RowParallelLinear row(t, gemm, 6, 8);
   tp::ColumnParallelLinear col(t, gemm, 8, 5);
@@ -195,11 +196,11 @@ TEST(TpLayers, CommunicationOfEachPass) {
 TEST(TpLayers, ColumnLayerAddsTheBiasOnceAfterTheReduction) {
   // Loopback's all-reduce multiplies by world_size (every rank holds the same
   // partial): the bias must not be multiplied.
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(0, 2);
   const std::vector<float> w{1, 0, 0, 1};  // [2, 2]; rank 0 holds column 0
   const std::vector<float> b{10, 20};
-  auto col = tp::ColumnParallelLinear<LoopbackTransport, tp::ReferenceGemm>::from_full(t, gemm, 2, 2, w, b);
+  auto col = tp::ColumnParallelLinear<LoopbackTransport, cpdispatch::gemm::ReferenceGemm>::from_full(t, gemm, 2, 2, w, b);
   std::vector<float> x{3}, y(2);
   col.forward(x.data(), 1, y.data());
   EXPECT_EQ(y, (std::vector<float>{2 * 3 + 10, 0 + 20}));
@@ -208,7 +209,7 @@ TEST(TpLayers, ColumnLayerAddsTheBiasOnceAfterTheReduction) {
 // ---- construction errors, as the seed names them -----------------------------
 
 TEST(TpLayerErrors, OutFeaturesMustBeDivisibleByWorldSize) {
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(0, 4);
   EXPECT_EQ(error_of([&] { tp::RowParallelLinear(t, gemm, 8, 10); }),
             "out_features must be divisible by world_size: RowParallelLinear has out_features 10 and world_size 4 "
@@ -222,7 +223,7 @@ TEST(TpLayerErrors, OutFeaturesMustBeDivisibleByWorldSize) {
 }
 
 TEST(TpLayerErrors, WorldSizeMustMatchTheTransport) {
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(0, 4);
   EXPECT_EQ(error_of([&] { tp::RowParallelLinear(t, gemm, 8, 8, {.world_size = 2}); }),
             "world_size must match across all ranks: RowParallelLinear was built with world_size 2 but the transport "
@@ -230,7 +231,7 @@ TEST(TpLayerErrors, WorldSizeMustMatchTheTransport) {
 }
 
 TEST(TpLayerErrors, WorldSizeMustMatchAcrossAllRanks) {
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(0, 4);
   t.edit_peer = [](int r, char* block, std::size_t) {
     if (r == 3) {
@@ -244,7 +245,7 @@ TEST(TpLayerErrors, WorldSizeMustMatchAcrossAllRanks) {
 }
 
 TEST(TpLayerErrors, ShapesMustMatchAcrossAllRanks) {
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(0, 2);
   t.edit_peer = [](int, char* block, std::size_t) {
     const std::int64_t twelve = 12;
@@ -257,7 +258,7 @@ TEST(TpLayerErrors, ShapesMustMatchAcrossAllRanks) {
 }
 
 TEST(TpLayerErrors, ARankThatCannotBuildItsShardFailsEveryRank) {
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(0, 3);
   t.edit_peer = [](int r, char* block, std::size_t) {
     if (r == 2) {
@@ -270,14 +271,14 @@ TEST(TpLayerErrors, ARankThatCannotBuildItsShardFailsEveryRank) {
 }
 
 TEST(TpLayerErrors, RankMustMatchTheTransport) {
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(1, 2);
   EXPECT_EQ(error_of([&] { tp::RowParallelLinear(t, gemm, 4, 4, {.rank = 0}); }),
             "RowParallelLinear: rank 1 was built with rank = 0 but its transport is rank 1");
 }
 
 TEST(TpLayerErrors, ChecksCanBeLocalOnly) {
-  tp::ReferenceGemm gemm;
+  cpdispatch::gemm::ReferenceGemm gemm;
   LoopbackTransport t(0, 2);
   tp::RowParallelLinear row(t, gemm, 4, 4, {.check_across_ranks = false});
   EXPECT_EQ(t.count("all_gather"), 0u);

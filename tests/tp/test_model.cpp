@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cpdispatch/tp/tensor_parallel.hpp"
+#include "cpdispatch/transports/single_rank.hpp"
 #include "loopback_transport.hpp"
 #include "tp_test_util.hpp"
 
@@ -46,7 +47,7 @@ tp::Sequential<T, G> stack(const std::string& name) {
 }  // namespace
 
 TEST(TpWrapper, PairsEachLinearLayerWithTheNextOne) {
-  tp::SingleRankTransport one;
+  cpdispatch::SingleRankTransport one;
   HostGemm gemm;
   {
     tp::DistributedModelWrapper w(stack<float, HostGemm>("mlp4"), one, gemm);
@@ -83,10 +84,10 @@ TEST(TpWrapper, PairsEachLinearLayerWithTheNextOne) {
 template <class T>
 void check_world_size_one_is_exact(const std::string& name) {
   SCOPED_TRACE(name);
-  tp::SingleRankTransport one;
+  cpdispatch::SingleRankTransport one;
   HostGemm gemm;
   auto reference = stack<T, HostGemm>(name);
-  tp::DistributedModelWrapper<tp::SingleRankTransport, HostGemm, T> wrapper(reference, one, gemm);
+  tp::DistributedModelWrapper<cpdispatch::SingleRankTransport, HostGemm, T> wrapper(reference, one, gemm);
   const auto x = tp_test::random_tensor<T>({2, 5, reference.in_features()}, 42);
   for (int step = 0; step < 3; ++step) {
     const Tensor<T> y = wrapper.forward(x);
@@ -122,8 +123,8 @@ TEST(TpWrapper, WorldSizeOneIsExactlyTheOriginal) {
 TEST(TpWrapper, CommunicationCountsOnOneRankOfTwo) {
   // Rank 0 of a pretend 2-rank world: every transport call is counted.
   LoopbackTransport t(0, 2);
-  tp::ReferenceGemm gemm;
-  tp::DistributedModelWrapper w(stack<float, tp::ReferenceGemm>("mlp4"), t, gemm);
+  cpdispatch::gemm::ReferenceGemm gemm;
+  tp::DistributedModelWrapper w(stack<float, cpdispatch::gemm::ReferenceGemm>("mlp4"), t, gemm);
   EXPECT_EQ(t.count("all_gather"), 4u);  // one shape check per sharded layer
   t.calls.clear();
   const std::size_t tokens = 3;
@@ -145,8 +146,8 @@ TEST(TpWrapper, CommunicationCountsOnOneRankOfTwo) {
 }
 
 TEST(TpWrapper, Errors) {
-  tp::SingleRankTransport one;
-  tp::ReferenceGemm gemm;
+  cpdispatch::SingleRankTransport one;
+  cpdispatch::gemm::ReferenceGemm gemm;
   EXPECT_EQ(error_of([&] { tp::DistributedModelWrapper(tp::Sequential<float>(), one, gemm); }),
             "DistributedModelWrapper: the model has no layers");
   LoopbackTransport four(0, 4);
@@ -175,7 +176,7 @@ TEST(TpSequential, ShapeErrors) {
 }
 
 TEST(TpSequential, BackwardMatchesFiniteDifferences) {
-  auto m = stack<double, tp::ReferenceGemm>("odd3");
+  auto m = stack<double, cpdispatch::gemm::ReferenceGemm>("odd3");
   const auto x = tp_test::random_tensor<double>({3, 6}, 9);
   const auto target = tp_test::random_tensor<double>({3, 5}, 10);
   Tensor<double> dy;

@@ -21,7 +21,7 @@ using testing::StrictMock;
 
 namespace {
 
-using Gemm = tp::ReferenceGemm;
+using Gemm = cpdispatch::gemm::ReferenceGemm;
 
 /// The construction check's all_gather, answered as if every rank agreed.
 void expect_shape_checks(StrictMock<MockTransport>& t, int times) {

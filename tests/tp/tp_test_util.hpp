@@ -20,9 +20,9 @@ namespace tp_test {
 
 /// The host GEMM backend the tests run: CBLAS where it is built, else the reference.
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
-using HostGemm = cpdispatch::tp::CblasGemm;
+using HostGemm = cpdispatch::gemm::CblasGemm;
 #else
-using HostGemm = cpdispatch::tp::ReferenceGemm;
+using HostGemm = cpdispatch::gemm::ReferenceGemm;
 #endif
 
 /// What f throws as cpdispatch::error, or "(no error)" when it returns.

@@ -288,6 +288,36 @@ TEST(MockDispatch, ConstructionChecksTheSlicesAgainstTheTransport) {
               HasSubstr("rank() = 7 is outside [0, 4)"));
 }
 
+// The dispatcher checks a slice by the format's own per-rank rules
+// (RankMetadata::validate), so the reverse-KV lengths and mask are checked
+// too, worded as the global validation words them.
+TEST(MockDispatch, SlicesAreCheckedByTheFormatsRules) {
+  const auto qkv = cptest::random_qkv(4, 2);
+  StrictMock<MockTransport> t(2, 4);
+  using cpdispatch::invalid_input;
+  const auto fwd = qkv.kv_fwd.get_slice(2);
+  auto rev = qkv.kv_rev.get_slice(2);
+  ASSERT_TRUE(rev.recv_seq_lens && !rev.recv_seq_lens->empty() && rev.mask_copies > 0);
+  const auto message = [&](const cpdispatch::RankMetadata& r) {
+    return cptest::message_of<invalid_input>([&] { Dispatcher d(t, fwd, r, 8); });
+  };
+  auto negative = rev;
+  (*negative.recv_seq_lens)[0] = -3;
+  EXPECT_THAT(message(negative), HasSubstr("Dispatcher (rank 2 of 4): rev.recv_seq_lens[0] = -3 is negative"));
+  auto not_a_bit = rev;
+  (*not_a_bit.seq_recv_mask)[0] = 2;
+  EXPECT_THAT(message(not_a_bit), HasSubstr("Dispatcher (rank 2 of 4): rev.seq_recv_mask[0][0] = 2 is not 0 or 1"));
+  auto total = rev;
+  total.num_recv_tokens.back() += 1;
+  EXPECT_THAT(message(total), HasSubstr("rev.num_recv_tokens[4] = " + std::to_string(total.num_recv_tokens.back()) +
+                                        ", but the row sums to " + std::to_string(rev.num_recv_tokens.back())));
+  // The same rule, the same words, on the slice alone.
+  EXPECT_THAT(cptest::message_of<invalid_input>([&] { negative.validate("kv_rev"); }),
+              HasSubstr("kv_rev.recv_seq_lens[0] = -3 is negative"));
+  EXPECT_NO_THROW(rev.validate("kv_rev"));
+  EXPECT_NO_THROW(fwd.validate("kv_fwd"));
+}
+
 TEST(MockDispatch, BuffersAreCheckedBeforeAnyCommunication) {
   const int W = 4;
   const auto qkv = cptest::random_qkv(W, 5);

@@ -12,7 +12,7 @@
 //
 // Backends in this library:
 //   ReferenceGemm  (this header)        host, naive loops, accumulates float in double
-//   CblasGemm      (tp/gemm_cblas.hpp)  host, CBLAS (OpenBLAS), target cpdispatch::blas
+//   CblasGemm      (gemm/gemm_cblas.hpp)  host, CBLAS (OpenBLAS), target cpdispatch::blas
 // A cuBLAS backend is meant to slot in with memory_space == device and a
 // device buffer type; nothing in the layers assumes host memory except the
 // convenience overloads taking cpdispatch::Tensor, which require a host backend.
@@ -29,7 +29,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 
-namespace cpdispatch::tp {
+namespace cpdispatch::gemm {
 
 /// op(A) of a GEMM operand: A itself or its transpose.
 enum class Transpose : bool { no = false, yes = true };
@@ -98,14 +98,14 @@ concept GemmBackend = detail::gemm_has_memory_space<G> && detail::gemm_has_buffe
 
 /// Checks a GEMM backend at its point of use, one readable line per missing part.
 #define CPDISPATCH_CHECK_GEMM_BACKEND(G, T)                                                                            \
-  static_assert(::cpdispatch::tp::detail::gemm_has_memory_space<G>,                                                    \
+  static_assert(::cpdispatch::gemm::detail::gemm_has_memory_space<G>,                                                    \
                 "cpdispatch: the GEMM backend lacks `static constexpr MemorySpace memory_space`");                     \
-  static_assert(::cpdispatch::tp::detail::gemm_has_buffer<G, T>,                                                       \
+  static_assert(::cpdispatch::gemm::detail::gemm_has_buffer<G, T>,                                                       \
                 "cpdispatch: the GEMM backend lacks `template <class T> using buffer` (buffer(n), data(), size())");   \
-  static_assert(::cpdispatch::tp::detail::gemm_has_gemm<G, T>,                                                         \
+  static_assert(::cpdispatch::gemm::detail::gemm_has_gemm<G, T>,                                                         \
                 "cpdispatch: the GEMM backend lacks `gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)` "     \
                 "for this element type");                                                                              \
-  static_assert(::cpdispatch::tp::detail::gemm_has_kernels<G, T>,                                                      \
+  static_assert(::cpdispatch::gemm::detail::gemm_has_kernels<G, T>,                                                      \
                 "cpdispatch: the GEMM backend lacks an element-wise kernel (add_bias, sum_rows, activation_forward, "  \
                 "activation_backward, axpy, fill, copy, upload, download)")
 
@@ -223,4 +223,4 @@ struct ReferenceGemm : HostKernels {
   }
 };
 
-}  // namespace cpdispatch::tp
+}  // namespace cpdispatch::gemm

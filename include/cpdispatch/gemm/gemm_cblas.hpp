@@ -19,7 +19,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/gemm/gemm.hpp"
 
-namespace cpdispatch::tp {
+namespace cpdispatch::gemm {
 
 struct CblasGemm : HostKernels {
   /// blas_threads > 0: set OpenBLAS's thread count (process-wide) to it;
@@ -76,4 +76,4 @@ struct CblasGemm : HostKernels {
   }
 };
 
-}  // namespace cpdispatch::tp
+}  // namespace cpdispatch::gemm

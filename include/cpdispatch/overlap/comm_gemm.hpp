@@ -91,7 +91,6 @@
 
 namespace cpdispatch::overlap {
 
-using tp::Transpose;
 
 /// A row-major matrix in the caller's memory, rows contiguous (leading
 /// dimension == cols). An empty view ({}) stands for "not used".
@@ -205,14 +204,14 @@ struct OpShape {
   std::size_t cols;
 };
 template <class T>
-OpShape op_shape(MatrixView<const T> x, Transpose t) noexcept {
-  return t == Transpose::no ? OpShape{x.rows, x.cols} : OpShape{x.cols, x.rows};
+OpShape op_shape(MatrixView<const T> x, gemm::Transpose t) noexcept {
+  return t == gemm::Transpose::no ? OpShape{x.rows, x.cols} : OpShape{x.cols, x.rows};
 }
 
 /// Row `row` of op(A): a pointer that, with lda = a.cols, addresses op(A)'s rows from there on.
 template <class T>
-const T* op_row(MatrixView<const T> a, Transpose ta, std::size_t row) noexcept {
-  return ta == Transpose::no ? a.data + row * a.cols : a.data + row;
+const T* op_row(MatrixView<const T> a, gemm::Transpose ta, std::size_t row) noexcept {
+  return ta == gemm::Transpose::no ? a.data + row * a.cols : a.data + row;
 }
 
 template <class T>
@@ -263,8 +262,8 @@ Region region(const char* name, MatrixView<T> x) noexcept {
 
 /// D (m x n, row stride n) = op(A) rows [row0, row0 + rows) x op(B).
 template <class G, class T>
-void gemm_rows(G& gemm, MatrixView<const T> a, Transpose ta, std::size_t row0, std::size_t rows, MatrixView<const T> b,
-               Transpose tb, std::size_t n, std::size_t k, T* out) {
+void gemm_rows(G& gemm, MatrixView<const T> a, gemm::Transpose ta, std::size_t row0, std::size_t rows, MatrixView<const T> b,
+               gemm::Transpose tb, std::size_t n, std::size_t k, T* out) {
   gemm.gemm(ta, tb, rows, n, k, T(1), op_row(a, ta, row0), a.cols, b.data, b.cols, T(0), out, n);
 }
 
@@ -273,7 +272,7 @@ struct GemmDims {
   std::size_t m, n, k;
 };
 template <class T>
-GemmDims gemm_dims(const char* who, MatrixView<const T> a, Transpose ta, MatrixView<const T> b, Transpose tb) {
+GemmDims gemm_dims(const char* who, MatrixView<const T> a, gemm::Transpose ta, MatrixView<const T> b, gemm::Transpose tb) {
   checked_size(who, "A", a);
   checked_size(who, "B", b);
   const OpShape oa = op_shape(a, ta);
@@ -300,8 +299,8 @@ inline void check_buffer_shape(const char* who, const CommOverlapBuffer& buffer,
 // ---- the methods ---------------------------------------------------------------
 
 template <class Tr, class G, class T>
-void bulk_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, Transpose ta,
-             MatrixView<const T> b, Transpose tb, GemmDims dims, MatrixView<T> d, MatrixView<T> rs_output) {
+void bulk_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, gemm::Transpose ta,
+             MatrixView<const T> b, gemm::Transpose tb, GemmDims dims, MatrixView<T> d, MatrixView<T> rs_output) {
   const std::size_t count = (buffer.rows() / static_cast<std::size_t>(buffer.tp_size())) * buffer.cols();
   const T* send = buffer.view<T>().data();
   OverlapSync sync;
@@ -312,8 +311,8 @@ void bulk_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const
 }
 
 template <class Tr, class G, class T>
-void pipeline_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, Transpose ta,
-                 MatrixView<const T> b, Transpose tb, GemmDims dims, MatrixView<T> rs_output) {
+void pipeline_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, gemm::Transpose ta,
+                 MatrixView<const T> b, gemm::Transpose tb, GemmDims dims, MatrixView<T> rs_output) {
   const auto tp = static_cast<std::size_t>(buffer.tp_size());
   const int splits = buffer.num_splits();
   const std::size_t block = dims.m / tp;                                // rows per rank
@@ -345,8 +344,8 @@ void pipeline_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<c
 inline int ring_peer(int rank, int offset, int tp) noexcept { return ((rank + offset) % tp + tp) % tp; }
 
 template <class Tr, class G, class T>
-void ring_exchange_ag(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> shard, Transpose ta,
-                      MatrixView<const T> b, Transpose tb, std::size_t ml, std::size_t n, std::size_t k, MatrixView<T> d) {
+void ring_exchange_ag(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> shard, gemm::Transpose ta,
+                      MatrixView<const T> b, gemm::Transpose tb, std::size_t ml, std::size_t n, std::size_t k, MatrixView<T> d) {
   const int tp = buffer.tp_size();
   const int rank = transport.rank();
   const std::size_t shard_elems = ml * k;
@@ -355,7 +354,7 @@ void ring_exchange_ag(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixV
   if (shard.data != slot(rank)) gemm.copy(shard.data, slot(rank), shard_elems);
   // op(A) of shard c, as stored in its slot: ml x k, or k x ml when transa.
   auto held = [&](int c) {
-    return ta == Transpose::no ? MatrixView<const T>{slot(c), ml, k} : MatrixView<const T>{slot(c), k, ml};
+    return ta == gemm::Transpose::no ? MatrixView<const T>{slot(c), ml, k} : MatrixView<const T>{slot(c), k, ml};
   };
   auto multiply = [&](int c) { gemm_rows(gemm, held(c), ta, 0, ml, b, tb, n, k, d.data + static_cast<std::size_t>(c) * ml * n); };
   if (tp == 1) return multiply(rank);
@@ -384,8 +383,8 @@ void ring_exchange_ag(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixV
 }
 
 template <class Tr, class G, class T>
-void ring_exchange_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, Transpose ta,
-                      MatrixView<const T> b, Transpose tb, GemmDims dims, MatrixView<T> rs_output) {
+void ring_exchange_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, gemm::Transpose ta,
+                      MatrixView<const T> b, gemm::Transpose tb, GemmDims dims, MatrixView<T> rs_output) {
   const int tp = buffer.tp_size();
   const int rank = transport.rank();
   const std::size_t block = dims.m / static_cast<std::size_t>(tp);
@@ -445,7 +444,7 @@ void ring_exchange_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixV
 
 /// Method NONE: the plain GEMM D = op(A) x op(B); no transport call.
 template <class Tr, class G, class T>
-void comm_gemm(Tr& transport, G& gemm, MatrixView<const T> a, Transpose transa, MatrixView<const T> b, Transpose transb,
+void comm_gemm(Tr& transport, G& gemm, MatrixView<const T> a, gemm::Transpose transa, MatrixView<const T> b, gemm::Transpose transb,
                MatrixView<T> d) {
   CPDISPATCH_CHECK_TRANSPORT_BASE(Tr);  // no communication
   CPDISPATCH_CHECK_GEMM_BACKEND(G, T);
@@ -461,8 +460,8 @@ void comm_gemm(Tr& transport, G& gemm, MatrixView<const T> a, Transpose transa, 
 
 /// The overlapped GEMM with `buffer`'s collective and method (see the top of this header).
 template <class Tr, class G, class T>
-void comm_gemm(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, Transpose transa,
-               MatrixView<const T> b, Transpose transb, MatrixView<T> d, MatrixView<T> rs_output = {}) {
+void comm_gemm(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<const T> a, gemm::Transpose transa,
+               MatrixView<const T> b, gemm::Transpose transb, MatrixView<T> d, MatrixView<T> rs_output = {}) {
   CPDISPATCH_CHECK_COLLECTIVE_TRANSPORT(Tr);
   CPDISPATCH_CHECK_POINT_TO_POINT_TRANSPORT(Tr);
   CPDISPATCH_CHECK_GEMM_BACKEND(G, T);
@@ -541,7 +540,7 @@ void comm_gemm(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<con
 /// GEMM (the id is not looked up); otherwise they must be the buffer's own.
 template <class Tr, class G, class T>
 void comm_gemm(Tr& transport, G& gemm, const CommOverlapRegistry& registry, CommOverlapType type, CommOverlapMethod method,
-               std::int64_t id, MatrixView<const T> a, Transpose transa, MatrixView<const T> b, Transpose transb,
+               std::int64_t id, MatrixView<const T> a, gemm::Transpose transa, MatrixView<const T> b, gemm::Transpose transb,
                MatrixView<T> d, MatrixView<T> rs_output = {}) {
   detail::check_combination("comm_gemm", type, method);
   if (method == CommOverlapMethod::NONE) {
@@ -559,7 +558,7 @@ void comm_gemm(Tr& transport, G& gemm, const CommOverlapRegistry& registry, Comm
 /// The same with the process-wide registry (create_comm_overlap_buffer's ids).
 template <class Tr, class G, class T>
 void comm_gemm(Tr& transport, G& gemm, CommOverlapType type, CommOverlapMethod method, std::int64_t id,
-               MatrixView<const T> a, Transpose transa, MatrixView<const T> b, Transpose transb, MatrixView<T> d,
+               MatrixView<const T> a, gemm::Transpose transa, MatrixView<const T> b, gemm::Transpose transb, MatrixView<T> d,
                MatrixView<T> rs_output = {}) {
   comm_gemm(transport, gemm, default_comm_overlap_registry(), type, method, id, a, transa, b, transb, d, rs_output);
 }

@@ -45,6 +45,13 @@ struct RankMetadata {
 
   std::size_t num_entries() const noexcept { return seq_len.size(); }
 
+  /// Checks the slice on its own, by the rules Metadata::validate applies
+  /// to each rank's row: shapes, entry lengths, destinations and offsets in
+  /// range, num_recv_tokens non-negative and summing to its total, the
+  /// reverse-KV mask and lengths. `name` prefixes messages (e.g. "fwd").
+  /// Throws invalid_input.
+  void validate(std::string_view name = "slice") const;
+
   /// Tokens this rank's send buffer holds: the sum of its entry lengths.
   /// A slice may come from anywhere, so the sum is checked: invalid_input
   /// when it overflows 64 bits.
@@ -181,6 +188,38 @@ inline std::string shape_str(const std::vector<std::size_t>& shape) {
   return s + "]";
 }
 
+// ---- the rules of one entry, one row, one shard: shared by the global
+// ---- metadata's checks and a rank's slice's, so both word them alike.
+
+inline void check_seq_len(std::string_view name, const std::string& where, std::int64_t len) {
+  if (len < 0) fail(name, ".seq_len", where, " = ", len, " is negative");
+}
+
+/// One copy's destination rank (-1: none) and offset.
+inline void check_copy(std::string_view name, const std::string& where, std::int64_t dst, std::int64_t offset, std::int64_t W) {
+  if (dst < -1 || dst >= W) fail(name, ".dst_rank", where, " = ", dst, " is outside [0, ", W, ") (-1 means no copy)");
+  if (offset < 0) fail(name, ".dst_offset", where, " = ", offset, " is negative");
+}
+
+/// A num_recv_tokens row's last value against the sum of the others.
+inline void check_row_total(std::string_view name, const std::string& where, std::int64_t value, std::int64_t total) {
+  if (value != total) fail(name, ".num_recv_tokens", where, " = ", value, ", but the row sums to ", total);
+}
+
+inline void check_mask_pairing(std::string_view name, bool has_mask, bool has_lens) {
+  if (has_mask != has_lens) fail(name, ": seq_recv_mask and recv_seq_lens must be both present or both absent");
+}
+
+/// One returning shard: its length and its copies' mask bits.
+inline void check_recv_shard(std::string_view name, const std::string& where, std::int64_t len) {
+  if (len < 0) fail(name, ".recv_seq_lens", where, " = ", len, " is negative");
+}
+inline void check_mask_bit(std::string_view name, const std::string& where, std::int64_t bit, std::int64_t len,
+                           const std::string& len_where) {
+  if (bit != 0 && bit != 1) fail(name, ".seq_recv_mask", where, " = ", bit, " is not 0 or 1");
+  if (bit == 1 && len == 0) fail(name, ".seq_recv_mask", where, " = 1 but recv_seq_lens", len_where, " = 0");
+}
+
 /// The shape rules of the format; everything that indexes metadata checks them first.
 inline void check_shapes(const Metadata& m, std::string_view name) {
   if (m.world_size <= 0) fail(name, ".world_size = ", m.world_size, " must be positive");
@@ -212,9 +251,7 @@ inline void check_shapes(const Metadata& m, std::string_view name) {
   if (m.num_total_recv_tokens.size() != W) {
     fail(name, ".num_total_recv_tokens has ", m.num_total_recv_tokens.size(), " entries, expected ", W);
   }
-  if (m.seq_recv_mask.has_value() != m.recv_seq_lens.has_value()) {
-    fail(name, ": seq_recv_mask and recv_seq_lens must be both present or both absent");
-  }
+  check_mask_pairing(name, m.seq_recv_mask.has_value(), m.recv_seq_lens.has_value());
   if (m.seq_recv_mask) {
     if (m.seq_recv_mask->dim() != 3 || m.seq_recv_mask->size(0) != W) {
       fail(name, ".seq_recv_mask has shape ", shape_str(m.seq_recv_mask->shape()), ", expected [", W, ", S, C]");
@@ -322,12 +359,11 @@ inline std::vector<std::int64_t> check_entries(const Metadata& m, std::string_vi
     std::int64_t entries = 0;
     for (std::size_t j = 0; j < S; ++j) {
       const std::int64_t len = m.seq_len(r, j);
-      if (len < 0) fail(name, ".seq_len", index_str(r, j), " = ", len, " is negative");
+      check_seq_len(name, index_str(r, j), len);
       std::size_t copies = 0;
       for (std::size_t k = 0; k < C; ++k) {
         const std::int64_t d = v.rank(r, j, k), off = v.offset(r, j, k);
-        if (d < -1 || d >= m.world_size) fail(name, ".dst_rank", v.where(r, j, k), " = ", d, " is outside [0, ", W, ") (-1 means no copy)");
-        if (off < 0) fail(name, ".dst_offset", v.where(r, j, k), " = ", off, " is negative");
+        check_copy(name, v.where(r, j, k), d, off, m.world_size);
         if (d < 0) {
           if (off != 0) fail(name, ".dst_offset", v.where(r, j, k), " = ", off, " but the copy has no destination (padding offset must be 0)");
           continue;
@@ -362,7 +398,7 @@ inline void check_conservation(const Metadata& m, std::string_view name, const s
       }
       total = add_tokens(total, got, "validate");
     }
-    if (m.num_recv_tokens(d, W) != total) fail(name, ".num_recv_tokens", index_str(d, W), " = ", m.num_recv_tokens(d, W), ", but the row sums to ", total);
+    check_row_total(name, index_str(d, W), m.num_recv_tokens(d, W), total);
     if (m.num_total_recv_tokens[d] != total) fail(name, ".num_total_recv_tokens", index_str(d), " = ", m.num_total_recv_tokens[d], ", expected ", total);
   }
 }
@@ -384,14 +420,12 @@ inline std::vector<std::int64_t> receive_capacity(const Metadata& m, std::string
     std::int64_t t = 0;
     for (std::size_t g = 0; g < mask_s; ++g) {
       const std::int64_t len = lens(r, g);
-      if (len < 0) fail(name, ".recv_seq_lens", index_str(r, g), " = ", len, " is negative");
+      check_recv_shard(name, index_str(r, g), len);
       if (len > 0 && padding_seen) fail(name, ".recv_seq_lens", index_str(r, g), " = ", len, " follows a padding entry");
       if (len == 0) padding_seen = true;
       t = add_tokens(t, len, "validate");
       for (std::size_t c = 0; c < mask_c; ++c) {
-        const std::int64_t bit = mask(r, g, c);
-        if (bit != 0 && bit != 1) fail(name, ".seq_recv_mask", index_str(r, g, c), " = ", bit, " is not 0 or 1");
-        if (bit == 1 && len == 0) fail(name, ".seq_recv_mask", index_str(r, g, c), " = 1 but recv_seq_lens", index_str(r, g), " = 0");
+        check_mask_bit(name, index_str(r, g, c), mask(r, g, c), len, index_str(r, g));
       }
     }
     if (mask_c > 0 && t > std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(mask_c)) {
@@ -482,6 +516,61 @@ inline void Metadata::validate(std::string_view name) const {
     // bounds and disjoint, that means the buffer is tiled exactly.
     if (seq_recv_mask) detail::check_replica_cells(*this, name, d, regions[d]);
   }
+}
+
+namespace detail {
+
+/// A slice's sizes against its own num_seqs, num_copies and world_size.
+inline void check_slice_shapes(const RankMetadata& m, std::string_view name) {
+  const std::size_t n = m.seq_len.size(), C = m.num_copies;
+  if (m.world_size <= 0) fail(name, ".world_size = ", m.world_size, " must be positive");
+  if (m.rank < 0 || m.rank >= m.world_size) fail(name, ".rank = ", m.rank, " is outside [0, ", m.world_size, ")");
+  if (C == 0) fail(name, ".num_copies is 0");
+  if (m.num_seqs != static_cast<std::int64_t>(n)) fail(name, ".num_seqs = ", m.num_seqs, " but seq_len has ", n, " entries");
+  if (m.dst_rank.size() != n * C || m.dst_offset.size() != n * C) {
+    fail(name, ".dst_rank and dst_offset have ", m.dst_rank.size(), " and ", m.dst_offset.size(), " values, expected ", n,
+         " entries x ", C, " copies");
+  }
+  if (m.num_recv_tokens.size() != static_cast<std::size_t>(m.world_size) + 1) {
+    fail(name, ".num_recv_tokens has ", m.num_recv_tokens.size(), " values, expected world_size + 1 = ", m.world_size + 1);
+  }
+  check_mask_pairing(name, m.seq_recv_mask.has_value(), m.recv_seq_lens.has_value());
+  if (m.seq_recv_mask && m.seq_recv_mask->size() != m.recv_seq_lens->size() * m.mask_copies) {
+    fail(name, ".seq_recv_mask has ", m.seq_recv_mask->size(), " values, expected ", m.recv_seq_lens->size(), " shards x ",
+         m.mask_copies, " copies");
+  }
+}
+
+/// A slice's values: entries, its num_recv_tokens row, its returning shards.
+inline void check_slice_values(const RankMetadata& m, std::string_view name) {
+  const std::size_t n = m.seq_len.size(), C = m.num_copies;
+  const auto where = [&](std::size_t j, std::size_t k) { return m.has_copies ? index_str(j, k) : index_str(j); };
+  for (std::size_t j = 0; j < n; ++j) {
+    check_seq_len(name, index_str(j), m.seq_len[j]);
+    for (std::size_t k = 0; k < C; ++k) check_copy(name, where(j, k), m.dst_rank[j * C + k], m.dst_offset[j * C + k], m.world_size);
+  }
+  const auto W = static_cast<std::size_t>(m.world_size);
+  std::int64_t total = 0;
+  for (std::size_t s = 0; s < W; ++s) {
+    if (m.num_recv_tokens[s] < 0) fail(name, ".num_recv_tokens", index_str(s), " = ", m.num_recv_tokens[s], " is negative");
+    total = add_tokens(total, m.num_recv_tokens[s], "validate");
+  }
+  check_row_total(name, index_str(W), m.num_recv_tokens[W], total);
+  if (!m.recv_seq_lens) return;
+  for (std::size_t g = 0; g < m.recv_seq_lens->size(); ++g) {
+    const std::int64_t len = (*m.recv_seq_lens)[g];
+    check_recv_shard(name, index_str(g), len);
+    for (std::size_t c = 0; c < m.mask_copies; ++c) {
+      check_mask_bit(name, index_str(g, c), (*m.seq_recv_mask)[g * m.mask_copies + c], len, index_str(g));
+    }
+  }
+}
+
+}  // namespace detail
+
+inline void RankMetadata::validate(std::string_view name) const {
+  detail::check_slice_shapes(*this, name);
+  detail::check_slice_values(*this, name);
 }
 
 }  // namespace cpdispatch

@@ -84,21 +84,21 @@ namespace detail {
 template <class G, class T>
 void linear_forward(G& g, const T* x, std::size_t tokens, std::size_t in, std::size_t out, const T* w, const T* bias,
                     T* y) {
-  g.gemm(Transpose::no, Transpose::yes, tokens, out, in, T(1), x, in, w, in, T(0), y, out);
+  g.gemm(gemm::Transpose::no, gemm::Transpose::yes, tokens, out, in, T(1), x, in, w, in, T(0), y, out);
   if (bias != nullptr) g.add_bias(y, bias, tokens, out);
 }
 
 /// dx[tokens, in] = dy[tokens, out] W[out, in].
 template <class G, class T>
 void linear_backward_input(G& g, const T* dy, std::size_t tokens, std::size_t in, std::size_t out, const T* w, T* dx) {
-  g.gemm(Transpose::no, Transpose::no, tokens, in, out, T(1), dy, out, w, in, T(0), dx, in);
+  g.gemm(gemm::Transpose::no, gemm::Transpose::no, tokens, in, out, T(1), dy, out, w, in, T(0), dx, in);
 }
 
 /// grad_w[out, in] += dy^T x; grad_b[out] += sum over tokens of dy.
 template <class G, class T>
 void linear_backward_params(G& g, const T* x, const T* dy, std::size_t tokens, std::size_t in, std::size_t out,
                             T* grad_w, T* grad_b) {
-  g.gemm(Transpose::yes, Transpose::no, out, in, tokens, T(1), dy, out, x, in, T(1), grad_w, in);
+  g.gemm(gemm::Transpose::yes, gemm::Transpose::no, out, in, tokens, T(1), dy, out, x, in, T(1), grad_w, in);
   if (grad_b != nullptr) g.sum_rows(dy, tokens, out, grad_b, true);
 }
 
@@ -365,8 +365,6 @@ class ShardedLinear {
 
   /// Every rank gathers every rank's record and raises the same error.
   void check(const LinearOptions& options, const std::string& local_error) {
-    using cpdispatch::detail::concat;
-    using cpdispatch::detail::fail;
     const int transport_world = transport_->world_size();
     const int transport_rank = transport_->rank();
     const LayerRecord mine{S == Split::out_features ? 0 : 1,
@@ -378,20 +376,32 @@ class ShardedLinear {
                            options.bias ? 1 : 0,
                            static_cast<std::int64_t>(sizeof(T)),
                            local_error.empty() ? 0 : 1};
-    std::vector<LayerRecord> all;
-    if (options.check_across_ranks) {
-      const auto send = mine.to_array();
-      std::vector<std::int64_t> recv(static_cast<std::size_t>(transport_world) * LayerRecord::fields);
-      all_gather(*transport_, send.data(), recv.data(), LayerRecord::fields);
-      for (int r = 0; r < transport_world; ++r) {
-        all.push_back(LayerRecord::from(recv.data() + static_cast<std::size_t>(r) * LayerRecord::fields));
-      }
-    } else {
-      all.assign(1, mine);
-    }
+    const std::vector<LayerRecord> all = gather_records(mine, options.check_across_ranks);
+    // Without the gather, the one record is this rank's own.
     const auto rank_of = [&](std::size_t i) { return options.check_across_ranks ? static_cast<int>(i) : transport_rank; };
+    if (!local_error.empty()) cpdispatch::detail::fail(local_error);
+    check_ranks_agree(all, rank_of, transport_world);
+    check_features(transport_world);
+    world_size_ = transport_world;
+    rank_ = transport_rank;
+  }
 
-    if (!local_error.empty()) fail(local_error);
+  /// Every rank's record (all_gather over the transport), or only this rank's.
+  std::vector<LayerRecord> gather_records(const LayerRecord& mine, bool across_ranks) {
+    if (!across_ranks) return {mine};
+    const auto send = mine.to_array();
+    const auto world = static_cast<std::size_t>(transport_->world_size());
+    std::vector<std::int64_t> recv(world * LayerRecord::fields);
+    all_gather(*transport_, send.data(), recv.data(), LayerRecord::fields);
+    std::vector<LayerRecord> all;
+    for (std::size_t r = 0; r < world; ++r) all.push_back(LayerRecord::from(recv.data() + r * LayerRecord::fields));
+    return all;
+  }
+
+  /// No rank failed locally; world size, rank and layer agree across the records.
+  template <class RankOf>
+  static void check_ranks_agree(const std::vector<LayerRecord>& all, const RankOf& rank_of, int transport_world) {
+    using cpdispatch::detail::fail;
     for (std::size_t i = 0; i < all.size(); ++i) {
       if (all[i].local_error != 0) {
         fail(layer_name, ": rank ", rank_of(i), " could not build its shard (its own error names the cause)");
@@ -408,26 +418,36 @@ class ShardedLinear {
       fail("world_size must match across all ranks: ", layer_name, " was built with world_size ",
            all[0].declared_world_size, " but the transport has ", transport_world, " ranks");
     }
-    for (std::size_t i = 0; i < all.size(); ++i) {
-      if (all[i].declared_rank != all[i].transport_rank) {
-        fail(layer_name, ": rank ", all[i].transport_rank, " was built with rank = ", all[i].declared_rank,
-             " but its transport is rank ", all[i].transport_rank);
+    for (const LayerRecord& r : all) {
+      if (r.declared_rank != r.transport_rank) {
+        fail(layer_name, ": rank ", r.transport_rank, " was built with rank = ", r.declared_rank,
+             " but its transport is rank ", r.transport_rank);
       }
     }
+    check_same_layer(all, rank_of);
+  }
+
+  template <class RankOf>
+  static void check_same_layer(const std::vector<LayerRecord>& all, const RankOf& rank_of) {
     const auto describe = [](const LayerRecord& r) {
-      return concat(r.split == 0 ? "RowParallelLinear" : "ColumnParallelLinear", "(in_features ", r.in_features,
-                    ", out_features ", r.out_features, ", bias ", r.bias != 0 ? "on" : "off", ", ",
-                    r.dtype_bytes == 4 ? "float32" : "float64", ")");
+      return cpdispatch::detail::concat(r.split == 0 ? "RowParallelLinear" : "ColumnParallelLinear", "(in_features ",
+                                        r.in_features, ", out_features ", r.out_features, ", bias ",
+                                        r.bias != 0 ? "on" : "off", ", ", r.dtype_bytes == 4 ? "float32" : "float64", ")");
     };
+    const LayerRecord& a = all[0];
     for (std::size_t i = 0; i < all.size(); ++i) {
-      const LayerRecord& a = all[0];
       const LayerRecord& b = all[i];
       if (a.split != b.split || a.in_features != b.in_features || a.out_features != b.out_features ||
           a.bias != b.bias || a.dtype_bytes != b.dtype_bytes) {
-        fail(layer_name, ": the layer must be the same on all ranks: rank ", rank_of(0), " builds ", describe(a),
-             ", rank ", rank_of(i), " builds ", describe(b));
+        cpdispatch::detail::fail(layer_name, ": the layer must be the same on all ranks: rank ", rank_of(0), " builds ",
+                                 describe(a), ", rank ", rank_of(i), " builds ", describe(b));
       }
     }
+  }
+
+  /// Positive features, the split one divisible by the world size.
+  void check_features(int transport_world) const {
+    using cpdispatch::detail::fail;
     if (in_ == 0 || out_ == 0) {
       fail(layer_name, ": in_features and out_features must be positive (in_features ", in_, ", out_features ", out_,
            ")");
@@ -444,8 +464,6 @@ class ShardedLinear {
              " and world_size ", w, " (", in_, " % ", w, " = ", in_ % w, ")");
       }
     }
-    world_size_ = transport_world;
-    rank_ = transport_rank;
   }
 
   Tr* transport_;

@@ -93,12 +93,12 @@ struct Linear {
 
 /// One entry of a Sequential: a linear layer or an element-wise activation.
 template <class T = float>
-using Layer = std::variant<Linear<T>, Activation>;
+using Layer = std::variant<Linear<T>, gemm::Activation>;
 
 /// The unsharded reference model: a stack of Linear layers and activations
 /// (torch.nn.Sequential), on a host GEMM backend. Layers are named by their
 /// index, "0", "1", ..., as in PyTorch.
-template <class T = float, class G = ReferenceGemm>
+template <class T = float, class G = gemm::ReferenceGemm>
 class Sequential {
   CPDISPATCH_CHECK_GEMM_BACKEND(G, T);
   static_assert(G::memory_space == MemorySpace::host, "cpdispatch: Sequential runs on a host GEMM backend");
@@ -122,16 +122,16 @@ class Sequential {
     layers_.emplace_back(std::move(linear));
     return *this;
   }
-  Sequential& add(Activation activation) {
+  Sequential& add(gemm::Activation activation) {
     layers_.emplace_back(activation);
     return *this;
   }
   Sequential& linear(std::size_t in_features, std::size_t out_features, bool bias = true, std::uint64_t seed = 0) {
     return add(Linear<T>::make(in_features, out_features, bias, seed));
   }
-  Sequential& relu() { return add(Activation::relu); }
-  Sequential& gelu() { return add(Activation::gelu); }
-  Sequential& tanh() { return add(Activation::tanh); }
+  Sequential& relu() { return add(gemm::Activation::relu); }
+  Sequential& gelu() { return add(gemm::Activation::gelu); }
+  Sequential& tanh() { return add(gemm::Activation::tanh); }
 
   std::size_t size() const noexcept { return layers_.size(); }
   const std::vector<Layer<T>>& layers() const noexcept { return layers_; }
@@ -167,7 +167,7 @@ class Sequential {
         width = lin->out_features;
       } else {
         out.resize(in.size());
-        gemm_.activation_forward(std::get<Activation>(layers_[i]), in.data(), out.data(), in.size());
+        gemm_.activation_forward(std::get<gemm::Activation>(layers_[i]), in.data(), out.data(), in.size());
       }
     }
     Tensor<T> y = detail::shaped_like(x, width);
@@ -195,7 +195,7 @@ class Sequential {
                                       lin->weight.data(), next.data());
       } else {
         next.resize(g.size());
-        gemm_.activation_backward(std::get<Activation>(layers_[i]), in.data(), g.data(), next.data(), g.size());
+        gemm_.activation_backward(std::get<gemm::Activation>(layers_[i]), in.data(), g.data(), next.data(), g.size());
       }
       std::swap(g, next);
     }
@@ -345,7 +345,7 @@ class DistributedModelWrapper {
   using Column = ColumnParallelLinear<Tr, G, T>;
   using Replicated = ReplicatedLinear<G, T>;
   /// One stage of the parallel model, in the order of the original layers.
-  using Stage = std::variant<Row, Column, Replicated, Activation>;
+  using Stage = std::variant<Row, Column, Replicated, gemm::Activation>;
 
   template <class H>
   DistributedModelWrapper(const Sequential<T, H>& model, Tr& transport, G& gemm, WrapperOptions options = {})
@@ -360,7 +360,7 @@ class DistributedModelWrapper {
     stages_.reserve(layers.size());
     for (std::size_t i = 0; i < layers.size(); ++i) {
       if (placements_[i] == Placement::activation) {
-        stages_.emplace_back(std::get<Activation>(layers[i]));
+        stages_.emplace_back(std::get<gemm::Activation>(layers[i]));
         continue;
       }
       const Linear<T>& lin = std::get<Linear<T>>(layers[i]);
@@ -410,8 +410,8 @@ class DistributedModelWrapper {
       std::visit(
           [&](const auto& st) {
             using S = std::decay_t<decltype(st)>;
-            if constexpr (std::is_same_v<S, Activation>) {
-              s += activation_name(st);
+            if constexpr (std::is_same_v<S, gemm::Activation>) {
+              s += gemm::activation_name(st);
             } else if constexpr (std::is_same_v<S, Row>) {
               s += cpdispatch::detail::concat("Linear(", st.in_features(), " -> ", st.out_features(),
                                               "): RowParallelLinear, out_features ", st.out_features_local(),
@@ -444,7 +444,7 @@ class DistributedModelWrapper {
       std::visit(
           [&](auto& st) {
             using S = std::decay_t<decltype(st)>;
-            if constexpr (std::is_same_v<S, Activation>) {
+            if constexpr (std::is_same_v<S, gemm::Activation>) {
               gemm_->activation_forward(st, in, out, tokens * widths_[i]);
             } else {
               st.forward(in, tokens, out);
@@ -473,7 +473,7 @@ class DistributedModelWrapper {
       std::visit(
           [&](auto& st) {
             using S = std::decay_t<decltype(st)>;
-            if constexpr (std::is_same_v<S, Activation>) {
+            if constexpr (std::is_same_v<S, gemm::Activation>) {
               if (next != nullptr) gemm_->activation_backward(st, in, g, next, tokens * widths_[i]);
             } else {
               st.backward(in, g, tokens, next);
@@ -516,7 +516,7 @@ class DistributedModelWrapper {
     for (auto& st : stages_) {
       std::visit(
           [](auto& s) {
-            if constexpr (!std::is_same_v<std::decay_t<decltype(s)>, Activation>) s.zero_grad();
+            if constexpr (!std::is_same_v<std::decay_t<decltype(s)>, gemm::Activation>) s.zero_grad();
           },
           st);
     }
@@ -526,7 +526,7 @@ class DistributedModelWrapper {
     for (auto& st : stages_) {
       std::visit(
           [lr](auto& s) {
-            if constexpr (!std::is_same_v<std::decay_t<decltype(s)>, Activation>) s.sgd_step(lr);
+            if constexpr (!std::is_same_v<std::decay_t<decltype(s)>, gemm::Activation>) s.sgd_step(lr);
           },
           st);
     }
@@ -538,7 +538,7 @@ class DistributedModelWrapper {
     for (std::size_t i = 0; i < stages_.size(); ++i) {
       std::visit(
           [&](auto& s) {
-            if constexpr (!std::is_same_v<std::decay_t<decltype(s)>, Activation>) {
+            if constexpr (!std::is_same_v<std::decay_t<decltype(s)>, gemm::Activation>) {
               for (auto& p : s.parameters()) {
                 p.name = std::to_string(i) + "." + p.name;
                 all.push_back(std::move(p));
@@ -560,7 +560,7 @@ class DistributedModelWrapper {
       std::visit(
           [&](const auto& s) {
             using S = std::decay_t<decltype(s)>;
-            if constexpr (std::is_same_v<S, Activation>) {
+            if constexpr (std::is_same_v<S, gemm::Activation>) {
               model.add(s);
             } else if constexpr (std::is_same_v<S, Replicated>) {
               Linear<T> l = Linear<T>::from(s.in_features(), s.out_features(), s.weight(), s.bias());
@@ -600,7 +600,7 @@ class DistributedModelWrapper {
     std::vector<Placement> p(layers.size(), Placement::activation);
     std::size_t pending = layers.size();  // an unpaired linear layer, or none
     for (std::size_t i = 0; i < layers.size(); ++i) {
-      if (std::holds_alternative<Activation>(layers[i])) continue;
+      if (std::holds_alternative<gemm::Activation>(layers[i])) continue;
       if (pending < layers.size()) {
         p[pending] = Placement::row_parallel;
         p[i] = Placement::column_parallel;
@@ -617,7 +617,7 @@ class DistributedModelWrapper {
     return std::visit(
         [in](const auto& s) -> std::size_t {
           using S = std::decay_t<decltype(s)>;
-          if constexpr (std::is_same_v<S, Activation>) {
+          if constexpr (std::is_same_v<S, gemm::Activation>) {
             return in;
           } else if constexpr (std::is_same_v<S, Row>) {
             return s.out_features_local();

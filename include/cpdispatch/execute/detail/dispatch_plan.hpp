@@ -126,42 +126,10 @@ inline std::string entry_str(const RankMetadata& m, std::size_t j, std::size_t k
   return m.has_copies ? index_str(j, k) : index_str(j);
 }
 
-/// Shapes and ranges of one slice; `who` and `name` prefix the messages.
+/// One slice on its own, by the format's per-rank rules (RankMetadata::validate);
+/// messages read "<who>: <name>.<field>...".
 inline void check_slice(const RankMetadata& m, const char* name, const std::string& who) {
-  const std::size_t n = m.seq_len.size(), C = m.num_copies;
-  const std::int64_t W = m.world_size;
-  if (C == 0) fail(who, ": ", name, ".num_copies is 0");
-  if (m.num_seqs != static_cast<std::int64_t>(n)) fail(who, ": ", name, ".num_seqs = ", m.num_seqs, " but seq_len has ", n, " entries");
-  if (m.dst_rank.size() != n * C || m.dst_offset.size() != n * C) {
-    fail(who, ": ", name, ".dst_rank and dst_offset have ", m.dst_rank.size(), " and ", m.dst_offset.size(), " values, expected ", n,
-         " entries x ", C, " copies");
-  }
-  if (m.num_recv_tokens.size() != static_cast<std::size_t>(W) + 1) {
-    fail(who, ": ", name, ".num_recv_tokens has ", m.num_recv_tokens.size(), " values, expected world_size + 1 = ", W + 1);
-  }
-  for (std::size_t j = 0; j < n; ++j) {
-    if (m.seq_len[j] < 0) fail(who, ": ", name, ".seq_len[", j, "] = ", m.seq_len[j], " is negative");
-    for (std::size_t k = 0; k < C; ++k) {
-      const std::int64_t d = m.dst_rank[j * C + k], off = m.dst_offset[j * C + k];
-      if (d < -1 || d >= W) fail(who, ": ", name, ".dst_rank", entry_str(m, j, k), " = ", d, " is outside [0, ", W, ") (-1 means no copy)");
-      if (off < 0) fail(who, ": ", name, ".dst_offset", entry_str(m, j, k), " = ", off, " is negative");
-    }
-  }
-  std::int64_t total = 0;
-  for (std::size_t s = 0; s < static_cast<std::size_t>(W); ++s) {
-    if (m.num_recv_tokens[s] < 0) fail(who, ": ", name, ".num_recv_tokens[", s, "] = ", m.num_recv_tokens[s], " is negative");
-    total = add_tokens(total, m.num_recv_tokens[s], who);
-  }
-  if (m.num_recv_tokens[static_cast<std::size_t>(W)] != total) {
-    fail(who, ": ", name, ".num_recv_tokens[", W, "] = ", m.num_recv_tokens[static_cast<std::size_t>(W)], " but the row sums to ", total);
-  }
-  if (m.seq_recv_mask.has_value() != m.recv_seq_lens.has_value()) {
-    fail(who, ": ", name, ".seq_recv_mask and recv_seq_lens must be both present or both absent");
-  }
-  if (m.seq_recv_mask && m.seq_recv_mask->size() != m.recv_seq_lens->size() * m.mask_copies) {
-    fail(who, ": ", name, ".seq_recv_mask has ", m.seq_recv_mask->size(), " values, expected ", m.recv_seq_lens->size(), " shards x ",
-         m.mask_copies, " copies");
-  }
+  m.validate(who + ": " + name);
 }
 
 /// The arguments and both slices, each on its own: this rank's, of this world, well formed.

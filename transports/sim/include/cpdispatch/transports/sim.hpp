@@ -41,7 +41,7 @@
 //   default.
 //
 // The threads, the meetings, the mailboxes and the abort are
-// detail/sim_world.hpp's, shared with the single-GPU cuda::DeviceSimWorld;
+// transports/detail/sim_world.hpp's, shared with the single-GPU cuda::DeviceSimWorld;
 // this header adds what moves the bytes (memcpy, and the shared exchange).
 
 #include <atomic>
@@ -59,7 +59,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/detail/sim_world.hpp"
+#include "cpdispatch/transports/detail/sim_world.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/transport.hpp"

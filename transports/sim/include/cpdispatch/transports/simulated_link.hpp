@@ -42,7 +42,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 
-namespace cpdispatch::overlap {
+namespace cpdispatch {
 
 /// The simulated network: one outgoing link per rank.
 struct LinkModel {
@@ -202,4 +202,4 @@ class SimulatedLinkTransport {
   std::vector<std::unique_ptr<Pending>> retired_;  // headers of failed requests, kept until the adapter goes
 };
 
-}  // namespace cpdispatch::overlap
+}  // namespace cpdispatch

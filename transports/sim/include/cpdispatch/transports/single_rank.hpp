@@ -4,8 +4,8 @@
 // no dependency. The reference API's "Single GPU (No Parallelism)" case: a layer or a
 // wrapper over it behaves exactly as the unsharded model.
 //
-//   cpdispatch::tp::SingleRankTransport one;
-//   cpdispatch::tp::ReferenceGemm gemm;
+//   cpdispatch::SingleRankTransport one;
+//   cpdispatch::gemm::ReferenceGemm gemm;
 //   cpdispatch::tp::RowParallelLinear layer(one, gemm, 4096, 16384);   // works like nn.Linear
 
 #include <cstddef>
@@ -15,7 +15,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 
-namespace cpdispatch::tp {
+namespace cpdispatch {
 
 class SingleRankTransport {
  public:
@@ -63,4 +63,4 @@ class SingleRankTransport {
 static_assert(AllToAllTransport<SingleRankTransport> && CollectiveTransport<SingleRankTransport>);
 static_assert(!PointToPointTransport<SingleRankTransport>);
 
-}  // namespace cpdispatch::tp
+}  // namespace cpdispatch

@@ -42,7 +42,7 @@
 // - No all_to_all_pieces: a dispatcher over this transport packs, calls
 //   all_to_all_v and unpacks with the device kernels, as over NCCL.
 // - Failure and timeouts as in the host sim, by the same code
-//   (detail/sim_world.hpp): a failing rank aborts the world, ranks waiting
+//   (transports/detail/sim_world.hpp): a failing rank aborts the world, ranks waiting
 //   for it are released with an error, run() rethrows the first exception
 //   with "DeviceSimWorld rank r of W: " in front; a timeout reads
 //   "All-reduce timeout on rank 2 of 4 in all_reduce: not complete after
@@ -62,7 +62,7 @@
 // Requires nvcc (the reductions are kernels): include from a .cu file.
 
 #if !defined(__CUDACC__) && !defined(CPDISPATCH_CUDA_HOST_HARNESS)
-#error "cpdispatch/cuda/sim.hpp launches CUDA kernels: include it from a .cu file compiled by nvcc"
+#error "cpdispatch/transports/device_sim.hpp launches CUDA kernels: include it from a .cu file compiled by nvcc"
 #endif
 
 #include <cuda_runtime.h>
@@ -83,7 +83,7 @@
 #include "cpdispatch/cuda/error.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda/memory.hpp"
-#include "cpdispatch/detail/sim_world.hpp"
+#include "cpdispatch/transports/detail/sim_world.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 

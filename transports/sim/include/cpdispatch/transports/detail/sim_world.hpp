@@ -1,7 +1,7 @@
 #pragma once
 // The host-side machinery of the two in-process worlds, SimWorld
 // (transports/sim: host memory, memcpy) and cuda::DeviceSimWorld
-// (cuda/sim.hpp: one GPU, copies on CUDA streams): W ranks as W threads of
+// (transports/device_sim.hpp: one GPU, copies on CUDA streams): W ranks as W threads of
 // one process, their meetings for collectives (every rank must bring the
 // same call), point-to-point mailboxes matched by (source, destination) in
 // posting order (tags only label messages, as in the point-to-point contract
