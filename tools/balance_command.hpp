@@ -19,7 +19,7 @@
 
 namespace cpdispatch_cli {
 
-constexpr std::string_view balance_usage = R"(Usage: cpdispatch-plan balance [FILE|-] [--summary] [--svg FILE] [--compact]
+constexpr std::string_view balance_usage = R"(Usage: cpdispatch-plan balance [FILE|-] [--summary] [--svg FILE] [--compact] [--dedup]
 
 Reads a batch of documents and writes a load-balanced qkv plan (JSON, the
 format cpdispatch-plan reads): documents are cut into at most C contiguous
@@ -34,14 +34,17 @@ Input (FILE, or standard input when FILE is - or absent): a packed batch,
                                                    the document on its home rank)
    "recv_capacity": [tokens, ...],                (optional: W entries, the most
                                                    KV tokens a rank may hold)
-   "q_bytes": 1, "kv_bytes": 1}                   (optional: bytes per query and
+   "q_bytes": 1, "kv_bytes": 1,                   (optional: bytes per query and
                                                    per key-value token)
+   "dedup": false}                                (optional: as --dedup)
   or, with "ranks": [{"docs": [length, ...]}, ...] (W entries, MLP-layout order)
   instead of "documents", the whole documents each rank holds.
 
 Output: for "documents", a documents-form qkv plan (every document's shards
 in causal order, {"rank": home, "len": n, "dst": attention rank}; a shard
-never crosses a piece boundary); for "ranks", a per-rank qkv plan.
+never crosses a piece boundary); for "ranks", a per-rank qkv plan. With
+dedup, the plan also carries "dedup": true, so that cpdispatch-plan writes
+its deduplicated KV exchange.
 
 Options:
   --summary    instead of the plan, its per-rank table and a line comparing
@@ -49,6 +52,10 @@ Options:
   --svg FILE   also write a picture of the plan to FILE: bytes sent between
                ranks, and attention cost per rank before and after
   --compact    JSON on one line instead of pretty-printed
+  --dedup      count key-value bytes as the deduplicated exchange sends them
+               (once per document and destination rank): the plan may put
+               several shards of a document on one rank where that moves
+               fewer bytes at no cost to balance
   -h, --help   this help
 
 Exit status: 0 success, 2 invalid input or usage (one line on standard error),
@@ -109,7 +116,7 @@ inline cpdispatch::BalanceProblem balance_problem_from_json(const nlohmann::json
   using namespace cpdispatch::detail;
   const auto root = JsonPath::root("input");
   read_object(j, root);
-  check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes"});
+  check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes", "dedup"});
   cpdispatch::BalanceProblem p;
   p.world_size = read_world_size(j, root, true);
   const auto W = static_cast<std::size_t>(p.world_size);
@@ -138,6 +145,24 @@ inline cpdispatch::BalanceProblem balance_problem_from_json(const nlohmann::json
       if (p.recv_capacity[r] < 0) fail_at(path[r], " = ", p.recv_capacity[r], " must not be negative");
   }
   return p;
+}
+
+/// The balance input's planning options: its optional "dedup" (true or false).
+inline cpdispatch::BalanceOptions balance_options_from_json(const nlohmann::json& j) {
+  using namespace cpdispatch::detail;
+  const auto root = JsonPath::root("input");
+  cpdispatch::BalanceOptions options;
+  const nlohmann::json* dedup = member(read_object(j, root), root, "dedup", false);
+  if (dedup && !dedup->is_boolean()) fail_at(root / "dedup", ": expected true or false, got ", describe(*dedup));
+  options.dedup = dedup && dedup->get<bool>();
+  return options;
+}
+
+/// The balanced plan's JSON; balanced for dedup, it asks for the deduplicated exchange.
+inline nlohmann::json balanced_plan_json(const cpdispatch::Plan& plan, bool dedup) {
+  nlohmann::json out = cpdispatch::plan_to_json(plan);
+  if (dedup) out["dedup"] = true;
+  return out;
 }
 
 /// "2.134 (max 47, mean 22)": a per-rank quantity's max/mean, for summaries.

@@ -365,16 +365,21 @@ int run_balance(Args args) {
     return 0;
   }
   if (options.rank) cpdispatch::detail::fail("--rank applies to plan mode, not to balance");
-  const cpdispatch::BalanceProblem problem =
-      cpdispatch_cli::balance_problem_from_json(cpdispatch::parse_json(read_input(options.input)));
-  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem);
+  const nlohmann::json input = cpdispatch::parse_json(read_input(options.input));
+  const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(input);
+  cpdispatch::BalanceOptions balancing = cpdispatch_cli::balance_options_from_json(input);
+  balancing.dedup = balancing.dedup || options.dedup;
+  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, balancing);
   // A packed batch gets the documents form back, documents per rank the per-rank form.
   const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
   write_svg(options, plan, problem.q_bytes, problem.kv_bytes);
   if (options.summary) {
-    write_output(summary(cpdispatch::plan_metadata(plan), plan) + cpdispatch_cli::balance_report(problem, balanced));
+    const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan);
+    const auto& kv_fwd = std::get<cpdispatch::QkvMetadata>(planned).kv_fwd;
+    write_output(summary(planned, plan) + cpdispatch_cli::balance_report(problem, balanced) +
+                 (balancing.dedup ? dedup_line(kv_fwd, cpdispatch::plan_kv_wire(kv_fwd)) : std::string()));
   } else {
-    write_json(cpdispatch::plan_to_json(plan), options.compact);
+    write_json(cpdispatch_cli::balanced_plan_json(plan, balancing.dedup), options.compact);
   }
   return 0;
 }

@@ -324,4 +324,62 @@ TEST_F(BalanceCli, ThePackedExampleIsWhatTheToolWrites) {
   EXPECT_LE(static_cast<double>(cpdispatch::plan_cost(balanced).max_attention()), 1.03 * cpdispatch::balance_lower_bound(p));
 }
 
+// Rank 2 may take two shards of document 2 (from ranks 1 and 0) when bytes
+// are counted as the deduplicated exchange sends them (test_dedup_balance.cpp).
+constexpr const char* kDedupBatch = R"({"world_size": 3, "max_cp_degree": 3, "documents": [
+  {"pieces": [{"rank": 2, "len": 6}]}, {"pieces": [{"rank": 1, "len": 11}]},
+  {"pieces": [{"rank": 1, "len": 5}, {"rank": 0, "len": 9}]}]})";
+
+cpdispatch::BalanceProblem dedup_problem() {
+  cpdispatch::BalanceProblem p;
+  p.world_size = 3;
+  p.max_cp_degree = 3;
+  p.documents = {{{2, 6}}, {{1, 11}}, {{1, 5}, {0, 9}}};
+  return p;
+}
+
+TEST_F(BalanceCli, DedupBalancesForTheWireAndTheOutputAsksForIt) {
+  cpdispatch::BalanceOptions dedup;
+  dedup.dedup = true;
+  const cpdispatch::QkvDocumentsPlan expected = cpdispatch::plan_balanced(dedup_problem(), dedup);
+  ASSERT_NE(expected.documents, cpdispatch::plan_balanced(dedup_problem()).documents);  // the option matters here
+  nlohmann::json with_key = nlohmann::json::parse(kDedupBatch);
+  with_key["dedup"] = true;
+  const Result from_key = run("balance " + file("in.json", with_key.dump()));
+  const Result from_flag = run("balance --dedup " + file("plain.json", kDedupBatch));
+  for (const Result* r : {&from_key, &from_flag}) {
+    ASSERT_EQ(r->status, 0) << r->err;
+    const nlohmann::json out = nlohmann::json::parse(r->out);
+    EXPECT_EQ(out.at("dedup"), true);
+    EXPECT_EQ(documents_plan(out).documents, expected.documents);
+  }
+  // Plan mode then writes the wire metadata of section 2c.
+  const Result planned = run(file("plan.json", from_key.out));
+  ASSERT_EQ(planned.status, 0) << planned.err;
+  EXPECT_THAT(planned.out, HasSubstr("\"kv_wire_fwd\""));
+  // Off (absent or false): the plan of plain balancing, without the key.
+  with_key["dedup"] = false;
+  const Result off = run("balance " + file("off.json", with_key.dump()));
+  ASSERT_EQ(off.status, 0) << off.err;
+  EXPECT_FALSE(nlohmann::json::parse(off.out).contains("dedup"));
+  EXPECT_EQ(documents_plan(nlohmann::json::parse(off.out)).documents, cpdispatch::plan_balanced(dedup_problem()).documents);
+  // --summary adds the wire line: 19 KV tokens in the section 2 exchange, 14 deduplicated.
+  const Result summary = run("balance --summary --dedup " + file("sum.json", kDedupBatch));
+  ASSERT_EQ(summary.status, 0) << summary.err;
+  EXPECT_THAT(summary.out, HasSubstr("kv tokens sent off-rank: 19, deduplicated 14 (0.737x)"));
+}
+
+TEST_F(BalanceCli, DedupMustBeABoolean) {
+  // (null, like any optional key's, means absent.)
+  for (const char* bad : {"1", "\"yes\"", "[true]"}) {
+    nlohmann::json input = nlohmann::json::parse(kDedupBatch);
+    input["dedup"] = nlohmann::json::parse(bad);
+    const Result r = run("balance", input.dump());
+    EXPECT_EQ(r.status, 2) << bad;
+    EXPECT_EQ(r.out, "");
+    EXPECT_THAT(r.err, HasSubstr("dedup: expected true or false, got ")) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
 }  // namespace

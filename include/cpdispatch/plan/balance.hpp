@@ -43,6 +43,15 @@
 // that moves fewer bytes. Deterministic: integer arithmetic and fixed
 // tie-breaks throughout (a floating square root only seeds cut positions,
 // which are then fixed exactly in integers).
+//
+// With BalanceOptions::dedup the bytes are counted as the deduplicated
+// exchange (docs/plan-format.md, section 2c) sends them: a key-value token
+// crosses to a rank once however many of its document's query shards attend
+// there. The balanced plan above is built first; then constructions that may
+// send a shard to a rank already attending its document (charged only the
+// key-values that rank lacks) compete with it, and one wins only by moving
+// fewer bytes with a largest rank cost no higher. So dedup never costs
+// balance, and may put several shards of one document on one rank.
 
 #include <algorithm>
 #include <cmath>
@@ -52,6 +61,7 @@
 #include <numeric>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -97,6 +107,9 @@ struct BalanceOptions {
   /// most this count as equal (e.g. to compare bytes with another plan at
   /// its level of balance).
   std::int64_t cost_limit = 0;
+  /// Count key-value bytes as the deduplicated exchange sends them (once per
+  /// document and destination rank), for plans run with dedup switched on.
+  bool dedup = false;
 };
 
 /// What a plan costs: attention work and communication, per rank.
@@ -284,6 +297,7 @@ inline Layout make_layout(std::vector<Shard>& shards, const std::vector<Piece>& 
 struct Variant {
   bool precut = true;        ///< cut them first into equal-cost shards placed on the roomiest ranks
   bool extra_piece = false;  ///< ... one shard more than needed
+  bool share = false;        ///< (dedup) a shard may join its document on a rank already attending it
 };
 
 class Planner {
@@ -315,8 +329,16 @@ class Planner {
   /// the fewest bytes within the slack (or within `cost_limit`).
   Layout plan(const BalanceOptions& opt) {
     if (pieces_.empty()) return unbalanced();
+    std::int64_t target = 0;
+    Layout best = fewest_bytes(opt, target);
+    return opt.dedup ? fewer_wire_bytes(std::move(best), target) : best;
+  }
+
+  /// The smallest target T a construction reaches (set in `target`), then
+  /// the fewest bytes within the slack (or within `cost_limit`).
+  Layout fewest_bytes(const BalanceOptions& opt, std::int64_t& target) {
     const auto lb = static_cast<std::int64_t>(std::ceil(lower_bound()));
-    std::int64_t target = lb;
+    target = lb;
     std::optional<Layout> found = reach(lb);
     if (!found) found = search_target(lb, target);
     // Within the slack, the plan moving the fewest bytes.
@@ -330,6 +352,49 @@ class Planner {
       if (auto l = cheapest(t); l && l->max_cost <= limit && l->bytes < best.bytes) best = std::move(*l);
     }
     return best;
+  }
+
+  /// Dedup: `plain` (fewest_bytes' layout, reached at `target`) against
+  /// constructions that may also share ranks, all counted in wire bytes; one
+  /// wins only with fewer bytes at a largest cost no higher than plain's.
+  Layout fewer_wire_bytes(Layout plain, std::int64_t target) {
+    dedup_ = true;
+    plain.bytes = wire_bytes(plain);
+    Layout best = std::move(plain);
+    const std::int64_t top = best.max_cost, low = std::min(target, top);
+    std::int64_t previous = -1;
+    for (const std::int64_t t : {top, low + (top - low) / 2, low}) {
+      if (t == previous) continue;
+      previous = t;
+      auto l = cheapest(t);
+      if (l && l->max_cost <= top && (l->bytes < best.bytes || (l->bytes == best.bytes && l->max_cost < best.max_cost))) best = std::move(*l);
+    }
+    return best;
+  }
+
+  /// Bytes of a layout as the deduplicated exchange sends them: the queries
+  /// of every shard attended off its home, and for each document and rank t
+  /// attending it, once, the key-values up to the end of its last shard on t
+  /// that live on other ranks.
+  std::int64_t wire_bytes(const Layout& l) const {
+    std::int64_t bytes = 0;
+    std::vector<std::pair<std::size_t, std::int64_t>> last;  // (rank, end of the document's last shard there)
+    for (std::size_t d = 0; d + 1 < first_piece_.size(); ++d) {
+      last.clear();
+      for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1]; ++id) {
+        for (std::size_t k = l.first[id]; k < l.first[id + 1]; ++k) {
+          const Shard& s = l.shards[k];
+          if (s.dst != pieces_[id].home) bytes += p_.q_bytes * (s.end - s.begin);
+          auto it = std::find_if(last.begin(), last.end(), [&](const auto& x) { return x.first == s.dst; });
+          if (it == last.end()) last.emplace_back(s.dst, s.end);
+          else it->second = std::max(it->second, s.end);
+        }
+      }
+      for (const auto& [t, e] : last)
+        for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1] && pieces_[id].begin < e; ++id)
+          if (pieces_[id].home != t) bytes += p_.kv_bytes * (std::min(pieces_[id].end, e) - pieces_[id].begin);
+    }
+    return bytes;
   }
 
   /// Every piece whole on its own rank.
@@ -364,7 +429,10 @@ class Planner {
 
  private:
   static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
-  static constexpr Variant variants[] = {{true, false}, {false, false}, {true, true}};
+  // The first three build plans; the sharing ones join them when counting wire bytes.
+  static constexpr Variant variants[] = {{true, false, false}, {false, false, false}, {true, true, false},
+                                         {true, false, true},  {false, false, true},  {true, true, true}};
+  std::span<const Variant> active_variants() const { return std::span<const Variant>(variants).first(dedup_ ? 6 : 3); }
 
   // ---- reading the problem
 
@@ -513,7 +581,7 @@ class Planner {
 
   /// The first variant that reaches target T (for the search).
   std::optional<Layout> reach(std::int64_t T) {
-    for (const Variant& v : variants) {
+    for (const Variant& v : active_variants()) {
       if (v.extra_piece && C_ == 1) continue;
       if (auto l = construct(T, v)) return l;
     }
@@ -523,7 +591,7 @@ class Planner {
   /// The variant reaching target T with the fewest bytes.
   std::optional<Layout> cheapest(std::int64_t T) {
     std::optional<Layout> best;
-    for (const Variant& v : variants) {
+    for (const Variant& v : active_variants()) {
       if (v.extra_piece && C_ == 1) continue;
       auto l = construct(T, v);
       if (l && (!best || l->bytes < best->bytes || (l->bytes == best->bytes && l->max_cost < best->max_cost))) best = std::move(l);
@@ -538,6 +606,7 @@ class Planner {
     shards_.push_back({id, a, b, d});
     excess_[d] += pairs(a, b);
     kv_excess_[d] += b;
+    if (share_) placed_[pieces_[id].document].emplace_back(d, b);
   }
 
   /// Every shard of the cut non-empty and costing at most T.
@@ -551,6 +620,7 @@ class Planner {
 
   /// One plan whose largest rank cost is at most T, or nothing.
   std::optional<Layout> construct(std::int64_t T, Variant v) {
+    share_ = v.share;
     start_construction(T);
     if (v.precut && (!cut_giants(T, v) || !place_giants())) return std::nullopt;
     keep_the_rest_home(T, v);
@@ -560,6 +630,7 @@ class Planner {
     take_back_home();
     Layout out = make_layout(shards_, pieces_, p_.q_bytes, p_.kv_bytes);
     out.max_cost = T + *std::max_element(excess_.begin(), excess_.end());
+    if (dedup_) out.bytes = wire_bytes(out);
     return out;
   }
 
@@ -573,6 +644,10 @@ class Planner {
     shards_of_.resize(num_documents());
     for (std::size_t d = 0; d < shards_of_.size(); ++d) shards_of_[d] = static_cast<std::int64_t>(first_piece_[d + 1] - first_piece_[d]);
     giants_.clear();
+    if (share_) {
+      placed_.resize(num_documents());
+      for (auto& ranks : placed_) ranks.clear();
+    }
   }
 
   /// Pieces above the target: cut into the fewest equal-cost shards under T
@@ -690,38 +765,78 @@ class Planner {
     std::size_t id;
     Kind kind;
     std::int64_t cut, bytes, gain;
+    std::size_t to;
   };
 
-  /// Rank r's candidate moves into a room of `room` cost and `kv_room`
-  /// tokens: of each piece's rest, all of it, its front (just enough cost,
-  /// or what the room takes) or its back; the fewest bytes per unit of cost.
-  std::optional<Choice> best_move(std::size_t r, std::int64_t need, std::int64_t room, std::int64_t kv_room) const {
+  /// Fewer bytes per unit of cost than `best`; on a tie, more cost.
+  static bool cheaper_per_cost(const Choice& c, const Choice& best) {
+    const long double lhs = static_cast<long double>(c.bytes) * static_cast<long double>(best.gain);
+    const long double rhs = static_cast<long double>(best.bytes) * static_cast<long double>(c.gain);
+    return lhs < rhs || (lhs == rhs && c.gain > best.gain);
+  }
+
+  /// Bytes of sending [a, b) of piece `id` to rank `to`: away_bytes, or, in a
+  /// sharing construction, without the key-values `to` already holds.
+  std::int64_t move_bytes(std::size_t id, std::int64_t a, std::int64_t b, std::size_t to) const {
+    if (!share_) return away_bytes(a, b);
+    return p_.q_bytes * (b - a) + p_.kv_bytes * (b - std::min(b, context_at(to, pieces_[id].document)));
+  }
+
+  /// How far into document `doc` rank t holds the key-values so far: to the
+  /// end of its last shard placed on t, or of a rest kept home on t.
+  std::int64_t context_at(std::size_t t, std::size_t doc) const {
+    std::int64_t end = 0;
+    for (const auto& [rank, e] : placed_[doc])
+      if (rank == t) end = std::max(end, e);
+    for (std::size_t id = first_piece_[doc]; id < first_piece_[doc + 1]; ++id)
+      if (pieces_[id].home == t && home_[id].hi > home_[id].lo) end = std::max(end, home_[id].hi);
+    return end;
+  }
+
+  /// Rank r's candidate moves to rank `to` (into its room of cost and KV
+  /// tokens): of each piece's rest (or only piece `only`'s), all of it, its
+  /// front (just enough cost, or what the room takes) or its back; the
+  /// fewest bytes per unit of cost.
+  std::optional<Choice> best_move(std::size_t r, std::int64_t need, std::size_t to, std::size_t only = none) const {
+    const std::int64_t room = -excess_[to], kv_room = -kv_excess_[to];
     std::optional<Choice> best;
     auto consider = [&](const Choice& c) {
-      if (c.gain <= 0) return;
-      if (best) {
-        const long double lhs = static_cast<long double>(c.bytes) * static_cast<long double>(best->gain);
-        const long double rhs = static_cast<long double>(best->bytes) * static_cast<long double>(c.gain);
-        if (lhs > rhs || (lhs == rhs && c.gain <= best->gain)) return;
-      }
-      best = c;
+      if (c.gain > 0 && (!best || cheaper_per_cost(c, *best))) best = c;
     };
     for (std::size_t id : pieces_of_[r]) {
+      if (only != none && id != only) continue;
       const std::int64_t lo = home_[id].lo, hi = home_[id].hi;
       if (hi <= lo) continue;
       const std::int64_t all = pairs(lo, hi);
-      if (all <= room && hi <= kv_room) consider({id, whole, 0, away_bytes(lo, hi), need > 0 ? std::min(all, need) : hi});
+      if (all <= room && hi <= kv_room) consider({id, whole, 0, move_bytes(id, lo, hi, to), need > 0 ? std::min(all, need) : hi, to});
       if (need <= 0 || shards_of_[pieces_[id].document] >= C_ || hi - lo < 2) continue;  // (capacity: only whole rests)
       // A front or back shard keeps the rest of the piece home; where all of
       // it would go anyway, only whole (no one-token shards left behind).
       std::int64_t m = all >= need ? max_end(lo, hi, need - 1) + 1 : hi;  // [lo, m) costs at least need
       m = std::min({m, max_end(lo, hi, room), kv_room});
-      if (m > lo && m < hi) consider({id, front, m, away_bytes(lo, m), std::min(pairs(lo, m), need)});
+      if (m > lo && m < hi) consider({id, front, m, move_bytes(id, lo, m, to), std::min(pairs(lo, m), need), to});
       std::int64_t b = all >= need ? min_begin(lo, hi, need - 1) - 1 : lo;  // [b, hi) costs at least need
       b = std::max(b, min_begin(lo, hi, room));
-      if (b > lo && b < hi && hi <= kv_room) consider({id, back, b, away_bytes(b, hi), std::min(pairs(b, hi), need)});
+      if (b > lo && b < hi && hi <= kv_room) consider({id, back, b, move_bytes(id, b, hi, to), std::min(pairs(b, hi), need), to});
     }
     return best;
+  }
+
+  /// (sharing) Moves of r's pieces onto the ranks with room that already
+  /// attend their documents, where they lack fewer key-values; better ones
+  /// replace `best`.
+  void join_context(std::size_t r, std::int64_t need, std::optional<Choice>& best) const {
+    for (std::size_t id : pieces_of_[r]) {
+      if (home_[id].hi <= home_[id].lo) continue;
+      const std::size_t doc = pieces_[id].document;
+      auto try_rank = [&](std::size_t t) {
+        if (t == r || !rooms_.count({-excess_[t], t})) return;
+        if (auto c = best_move(r, need, t, id); c && (!best || cheaper_per_cost(*c, *best))) best = c;
+      };
+      for (const auto& [t, end] : placed_[doc]) try_rank(t);
+      for (std::size_t k = first_piece_[doc]; k < first_piece_[doc + 1]; ++k)
+        if (k != id && home_[k].hi > home_[k].lo) try_rank(pieces_[k].home);
+    }
   }
 
   /// Rank r sends one shard of one of its pieces into the room another rank
@@ -733,9 +848,11 @@ class Planner {
     if (rooms_.empty()) return false;
     auto slot = need > 0 ? rooms_.lower_bound({need, 0}) : rooms_.end();
     if (slot == rooms_.end()) slot = std::prev(rooms_.end());
-    const std::size_t to = slot->second;
-    const std::optional<Choice> best = best_move(r, need, -excess_[to], -kv_excess_[to]);
+    std::optional<Choice> best = best_move(r, need, slot->second);
+    if (share_) join_context(r, need, best);
     if (!best) return false;
+    const std::size_t to = best->to;
+    if (to != slot->second) slot = rooms_.find({-excess_[to], to});
     Range& h = home_[best->id];
     std::int64_t a = h.lo, b = h.hi;
     switch (best->kind) {
@@ -804,6 +921,9 @@ class Planner {
   std::set<std::pair<std::int64_t, std::size_t>> over_;   // (cost above the target, rank) of the ranks that must send
   std::set<std::pair<std::int64_t, std::size_t>> rooms_;  // (room left, rank) of the ranks that can take work
   std::vector<std::vector<std::int64_t>> cuts_;
+  bool dedup_ = false;  // bytes counted on the wire (section 2c); the sharing variants on
+  bool share_ = false;  // this construction's Variant::share
+  std::vector<std::vector<std::pair<std::size_t, std::int64_t>>> placed_;  // (sharing) per document: (rank, shard end) placed
 };
 
 }  // namespace balance_detail
@@ -869,26 +989,6 @@ inline QkvPlan to_rank_plan(const QkvDocumentsPlan& plan) {
   return out;
 }
 
-/// The documents of a per-rank plan as a balancing problem: each rank's
-/// document lengths in order, C from the plan (its largest shard count when unset).
-inline BalanceProblem balance_problem_of(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
-  BalanceProblem p;
-  p.world_size = plan.world_size;
-  p.q_bytes = q_bytes;
-  p.kv_bytes = kv_bytes;
-  p.max_cp_degree = plan.max_cp_degree.value_or(1);
-  for (const RankDocuments& rank : plan.ranks) {
-    auto& lengths = p.docs.emplace_back();
-    for (const Document& doc : rank.docs) {
-      std::int64_t len = 0;
-      for (std::int64_t s : doc.shard_len) len = detail::add_tokens(len, s, "balance_problem_of");
-      lengths.push_back(len);
-      if (!plan.max_cp_degree) p.max_cp_degree = std::max(p.max_cp_degree, static_cast<std::int64_t>(doc.shard_len.size()));
-    }
-  }
-  return p;
-}
-
 /// The documents of a documents-form plan as a packed batch: consecutive
 /// shards with one home rank form a piece; C from the plan (its largest
 /// shard count when unset).
@@ -906,6 +1006,20 @@ inline BalanceProblem balance_problem_of(const QkvDocumentsPlan& plan, std::int6
     }
     if (!plan.max_cp_degree) p.max_cp_degree = std::max(p.max_cp_degree, static_cast<std::int64_t>(doc.shards.size()));
   }
+  return p;
+}
+
+/// The documents of a per-rank plan as a balancing problem: each rank's
+/// document lengths in order, C from the plan (its largest shard count when unset).
+inline BalanceProblem balance_problem_of(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
+  BalanceProblem p = balance_problem_of(to_documents(plan), q_bytes, kv_bytes);
+  // to_documents lists rank 0's documents, then rank 1's, ...; each is one piece on its rank.
+  auto piece = p.documents.begin();
+  for (const RankDocuments& rank : plan.ranks) {
+    auto& lengths = p.docs.emplace_back();
+    for (std::size_t i = 0; i < rank.docs.size(); ++i, ++piece) lengths.push_back(piece->empty() ? 0 : piece->front().len);
+  }
+  p.documents.clear();
   return p;
 }
 
