@@ -17,6 +17,12 @@
 // heads of dimension 128, so a query token is 8192 bytes and a key-value
 // token (K and V) 4096 bytes. The samples are read from
 // $CPDISPATCH_DOC_LENGTHS_DIR, else from the folder configured at build time.
+//
+// A second table compares, per row, the plan balanced for the deduplicated
+// KV exchange (BalanceOptions::dedup) with the plan balanced without it:
+// both plans' key-value tokens on the wire when run deduplicated (counted by
+// plan_kv_wire, docs/plan-format.md section 2c), their ratio, and both
+// imbalances. plan_balanced_dedup/... times planning with the option.
 
 #include <benchmark/benchmark.h>
 
@@ -33,6 +39,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/workload.hpp"
 
 namespace {
@@ -57,6 +64,10 @@ struct BatchQuality {
   double spanning = 0;                         // documents that span ranks
   double none = 0, greedy = 0, zigzag = 0, ours = 0;  // max rank cost / bound
   I greedy_bytes = 0, zigzag_bytes = 0, ours_bytes = 0;
+  // Balanced for the deduplicated exchange, against ours (balanced without).
+  double dedup = 0;                // max rank cost / bound
+  I ours_wire_kv = 0, dedup_wire_kv = 0;  // KV tokens on the wire, both run deduplicated
+  I ours_wire = 0, dedup_wire = 0;        // bytes on the wire (queries + deduplicated KV)
 };
 
 std::map<std::string, std::vector<std::vector<I>>> samples;           // name -> lengths (one entry)
@@ -91,6 +102,24 @@ const std::vector<cpdispatch::BalanceProblem>& batches_of(const Config& c) {
   return out;
 }
 
+/// KV tokens the deduplicated exchange of a plan sends between ranks.
+I wire_kv_tokens(const cpdispatch::QkvDocumentsPlan& plan) {
+  return cpdispatch::off_rank_tokens(cpdispatch::plan_kv_wire(cpdispatch::plan_qkv(plan)).fwd);
+}
+
+void measure_dedup(const cpdispatch::BalanceProblem& p, const cpdispatch::QkvDocumentsPlan& ours, BatchQuality& b) {
+  cpdispatch::BalanceOptions with;
+  with.dedup = true;
+  const cpdispatch::QkvDocumentsPlan dedup = cpdispatch::plan_balanced(p, with);
+  const auto ours_cost = cpdispatch::plan_cost(ours, p.q_bytes, p.kv_bytes);
+  const auto dedup_cost = cpdispatch::plan_cost(dedup, p.q_bytes, p.kv_bytes);
+  b.dedup = static_cast<double>(dedup_cost.max_attention()) / b.bound;
+  b.ours_wire_kv = wire_kv_tokens(ours);
+  b.dedup_wire_kv = wire_kv_tokens(dedup);
+  b.ours_wire = ours_cost.query_bytes + p.kv_bytes * b.ours_wire_kv;
+  b.dedup_wire = dedup_cost.query_bytes + p.kv_bytes * b.dedup_wire_kv;
+}
+
 void measure_quality(const Config& c) {
   auto& q = quality[c.name()];
   if (!q.empty()) return;
@@ -104,7 +133,8 @@ void measure_quality(const Config& c) {
     b.bound_by_cut = b.bound > none.mean_attention() * (1 + 1e-12);
     const auto greedy = cost(cpdispatch::plan_greedy(p));
     const auto zigzag = cost(cpdispatch::plan_zigzag(p));
-    const auto ours = cost(cpdispatch::plan_balanced(p));
+    const cpdispatch::QkvDocumentsPlan ours_plan = cpdispatch::plan_balanced(p);
+    const auto ours = cost(ours_plan);
     b.none = static_cast<double>(none.max_attention()) / b.bound;
     b.greedy = static_cast<double>(greedy.max_attention()) / b.bound;
     b.zigzag = static_cast<double>(zigzag.max_attention()) / b.bound;
@@ -112,6 +142,7 @@ void measure_quality(const Config& c) {
     b.greedy_bytes = greedy.bytes_moved;
     b.zigzag_bytes = zigzag.bytes_moved;
     b.ours_bytes = ours.bytes_moved;
+    measure_dedup(p, ours_plan, b);
     q.push_back(b);
   }
 }
@@ -125,6 +156,17 @@ void bm_plan_balanced(benchmark::State& state, Config c) {
     benchmark::DoNotOptimize(plan);
   }
   state.counters["docs"] = static_cast<double>(bs.front().documents.size());
+}
+
+void bm_plan_balanced_dedup(benchmark::State& state, Config c) {
+  const auto& bs = batches_of(c);
+  cpdispatch::BalanceOptions with;
+  with.dedup = true;
+  std::size_t i = 0;
+  for (auto _ : state) {
+    cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(bs[i++ % bs.size()], with);
+    benchmark::DoNotOptimize(plan);
+  }
 }
 
 /// Captures each benchmark's CPU and real time per plan for the table: the
@@ -196,6 +238,44 @@ void print_table(const std::vector<Config>& configs, const Reporter& rep) {
   if (!notes.empty()) std::printf("\n%s", notes.c_str());
 }
 
+double ratio(I a, I b) { return b > 0 ? static_cast<double>(a) / static_cast<double>(b) : 1.0; }
+
+/// Balanced for dedup vs balanced without, both run with the deduplicated exchange.
+void print_dedup_table(const std::vector<Config>& configs, const Reporter& rep) {
+  std::printf("\nBalanced for the deduplicated KV exchange (dedup) vs balanced without (ours), both run deduplicated, %d batches per row.\n"
+              "KV: key-value tokens on the wire (plan_kv_wire), summed over the batches; ratio = dedup / ours (per batch: min, median).\n"
+              "wire bytes: queries + deduplicated key-values. Imbalance = largest rank cost / lower bound (median, max).\n\n",
+              kBatches);
+  std::printf("| workload | W | tokens/rank | C | imbalance ours | imbalance dedup | KV Mtok ours | KV Mtok dedup | KV ratio (min, median) "
+              "| wire bytes ratio | batches fewer | time ms CPU ours / dedup |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Config& c : configs) {
+    auto it = quality.find(c.name());
+    if (it == quality.end()) continue;
+    std::vector<double> ours, dedup, kv_ratio;
+    I ours_kv = 0, dedup_kv = 0, ours_wire = 0, dedup_wire = 0;
+    int fewer = 0;
+    for (const BatchQuality& b : it->second) {
+      ours.push_back(b.ours);
+      dedup.push_back(b.dedup);
+      kv_ratio.push_back(ratio(b.dedup_wire_kv, b.ours_wire_kv));
+      ours_kv += b.ours_wire_kv;
+      dedup_kv += b.dedup_wire_kv;
+      ours_wire += b.ours_wire;
+      dedup_wire += b.dedup_wire;
+      fewer += b.dedup_wire < b.ours_wire;
+    }
+    char time[64] = "-";
+    const auto t = rep.times.find(c.name()), td = rep.times.find("plan_balanced_dedup" + c.name().substr(std::string("plan_balanced").size()));
+    if (t != rep.times.end() && td != rep.times.end()) std::snprintf(time, sizeof time, "%.2f / %.2f", t->second.cpu_ms, td->second.cpu_ms);
+    std::printf("| %s | %lld | %s | %lld | %.4f (%.4f) | %.4f (%.4f) | %.3f | %.3f | %.3f (%.3f, %.3f) | %.4f | %d/%d | %s |\n", c.sample.c_str(),
+                static_cast<long long>(c.world), tokens_text(c.tokens).c_str(), static_cast<long long>(c.C), median(ours), most(ours),
+                median(dedup), most(dedup), static_cast<double>(ours_kv) / 1e6, static_cast<double>(dedup_kv) / 1e6, ratio(dedup_kv, ours_kv),
+                kv_ratio.empty() ? 1.0 : *std::min_element(kv_ratio.begin(), kv_ratio.end()), median(kv_ratio), ratio(dedup_wire, ours_wire),
+                fewer, kBatches, time);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -208,10 +288,13 @@ int main(int argc, char** argv) {
         for (I c : {8, 16, 32}) configs.push_back({s, w, t, c});
   for (const Config& c : configs) {
     benchmark::RegisterBenchmark(c.name().c_str(), bm_plan_balanced, c)->Unit(benchmark::kMillisecond);
+    const std::string dedup = "plan_balanced_dedup" + c.name().substr(std::string("plan_balanced").size());
+    benchmark::RegisterBenchmark(dedup.c_str(), bm_plan_balanced_dedup, c)->Unit(benchmark::kMillisecond);
   }
   Reporter rep;
   benchmark::RunSpecifiedBenchmarks(&rep);
   print_table(configs, rep);
+  print_dedup_table(configs, rep);
   benchmark::Shutdown();
   return 0;
 }
