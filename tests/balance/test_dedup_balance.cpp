@@ -132,6 +132,27 @@ TEST(DedupBalance, TwoShardsOfOneDocumentShareARankAndMoveFewerKeyValues) {
   EXPECT_GT(cpdispatch::off_rank_tokens(cpdispatch::plan_qkv(dedup).kv_fwd), wire_kv_tokens(dedup));
 }
 
+TEST(DedupBalance, EdgeSettingsPlanAndFailAsWithout) {
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    BalanceProblem p = random_batch(seed);
+    p.max_cp_degree = static_cast<I>(cpdispatch::widest_span(p.documents));  // as few shards as the pieces allow
+    p.q_bytes = static_cast<I>(seed % 2);  // 0: only key-values weigh
+    p.kv_bytes = static_cast<I>(seed % 3 == 0 ? 0 : 3);
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const QkvDocumentsPlan dedup = cpdispatch::plan_balanced(p, with_dedup());
+    ASSERT_TRUE(baltest::valid_packed_plan(p, dedup));
+    EXPECT_LE(max_cost(dedup), max_cost(cpdispatch::plan_balanced(p)));
+  }
+  // Capacities too small for any plan fail the same way with dedup.
+  BalanceProblem tight;
+  tight.world_size = 2;
+  tight.max_cp_degree = 2;
+  tight.documents = {{{0, 50}}, {{1, 40}}};
+  tight.recv_capacity = {30, 60};
+  EXPECT_EQ(baltest::message_of<cpdispatch::capacity_error>([&] { cpdispatch::plan_balanced(tight, with_dedup()); }),
+            baltest::message_of<cpdispatch::capacity_error>([&] { cpdispatch::plan_balanced(tight); }));
+}
+
 TEST(DedupBalance, OffByDefaultAndDeterministic) {
   const BalanceProblem p = random_batch(51);
   EXPECT_FALSE(BalanceOptions{}.dedup);
