@@ -359,15 +359,18 @@ class Planner {
   /// wins only with fewer bytes at a largest cost no higher than plain's.
   Layout fewer_wire_bytes(Layout plain, std::int64_t target) {
     dedup_ = true;
+    const std::int64_t top = plain.max_cost, low = std::min(target, top);
     plain.bytes = wire_bytes(plain);
+    join_documents(plain, top);
     Layout best = std::move(plain);
-    const std::int64_t top = best.max_cost, low = std::min(target, top);
     std::int64_t previous = -1;
     for (const std::int64_t t : {top, low + (top - low) / 2, low}) {
       if (t == previous) continue;
       previous = t;
       auto l = cheapest(t);
-      if (l && l->max_cost <= top && (l->bytes < best.bytes || (l->bytes == best.bytes && l->max_cost < best.max_cost))) best = std::move(*l);
+      if (!l || l->max_cost > top) continue;
+      join_documents(*l, top);
+      if (l->bytes < best.bytes || (l->bytes == best.bytes && l->max_cost < best.max_cost)) best = std::move(*l);
     }
     return best;
   }
@@ -378,23 +381,72 @@ class Planner {
   /// that live on other ranks.
   std::int64_t wire_bytes(const Layout& l) const {
     std::int64_t bytes = 0;
-    std::vector<std::pair<std::size_t, std::int64_t>> last;  // (rank, end of the document's last shard there)
-    for (std::size_t d = 0; d + 1 < first_piece_.size(); ++d) {
-      last.clear();
-      for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1]; ++id) {
-        for (std::size_t k = l.first[id]; k < l.first[id + 1]; ++k) {
-          const Shard& s = l.shards[k];
-          if (s.dst != pieces_[id].home) bytes += p_.q_bytes * (s.end - s.begin);
-          auto it = std::find_if(last.begin(), last.end(), [&](const auto& x) { return x.first == s.dst; });
-          if (it == last.end()) last.emplace_back(s.dst, s.end);
-          else it->second = std::max(it->second, s.end);
-        }
-      }
-      for (const auto& [t, e] : last)
-        for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1] && pieces_[id].begin < e; ++id)
-          if (pieces_[id].home != t) bytes += p_.kv_bytes * (std::min(pieces_[id].end, e) - pieces_[id].begin);
-    }
+    for (std::size_t d = 0; d + 1 < first_piece_.size(); ++d) bytes += document_wire_bytes(l, d);
     return bytes;
+  }
+
+  std::int64_t document_wire_bytes(const Layout& l, std::size_t d) const {
+    std::int64_t bytes = 0;
+    std::vector<std::pair<std::size_t, std::int64_t>>& last = last_;  // (rank, end of the document's last shard there)
+    last.clear();
+    for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1]; ++id) {
+      for (std::size_t k = l.first[id]; k < l.first[id + 1]; ++k) {
+        const Shard& s = l.shards[k];
+        if (s.dst != pieces_[id].home) bytes += p_.q_bytes * (s.end - s.begin);
+        auto it = std::find_if(last.begin(), last.end(), [&](const auto& x) { return x.first == s.dst; });
+        if (it == last.end()) last.emplace_back(s.dst, s.end);
+        else it->second = std::max(it->second, s.end);
+      }
+    }
+    for (const auto& [t, e] : last)
+      for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1] && pieces_[id].begin < e; ++id)
+        if (pieces_[id].home != t) bytes += p_.kv_bytes * (std::min(pieces_[id].end, e) - pieces_[id].begin);
+    return bytes;
+  }
+
+  /// Dedup: moves single shards onto ranks that already attend or hold their
+  /// document, where that sends fewer bytes and the rank stays within `top`
+  /// cost and its receive capacity; neighbours that meet on a rank merge.
+  void join_documents(Layout& l, std::int64_t top) const {
+    std::vector<std::int64_t> load(W_, 0), kv(W_, 0);
+    for (const Shard& s : l.shards) load[s.dst] += pairs(s.begin, s.end), kv[s.dst] += s.end;
+    bool moved = false;
+    std::vector<std::size_t> ranks;
+    for (std::size_t d = 0; d + 1 < first_piece_.size(); ++d) {
+      const std::size_t lo = l.first[first_piece_[d]], hi = l.first[first_piece_[d + 1]];
+      if (hi - lo < 2) continue;
+      ranks.clear();  // where the document is attended or held
+      for (std::size_t k = lo; k < hi; ++k) ranks.push_back(l.shards[k].dst), ranks.push_back(pieces_[l.shards[k].piece].home);
+      std::sort(ranks.begin(), ranks.end());
+      ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+      for (std::size_t k = lo; k < hi; ++k) moved = move_to_fewest_bytes(l, d, k, ranks, top, load, kv) || moved;
+    }
+    if (!moved) return;
+    const std::int64_t max_cost = *std::max_element(load.begin(), load.end());
+    l = make_layout(l.shards, pieces_, p_.q_bytes, p_.kv_bytes);
+    l.max_cost = max_cost;
+    l.bytes = wire_bytes(l);
+  }
+
+  /// Shard k of document d to whichever of `ranks` sends the document fewest bytes (within `top` and capacity).
+  bool move_to_fewest_bytes(Layout& l, std::size_t d, std::size_t k, const std::vector<std::size_t>& ranks, std::int64_t top,
+                            std::vector<std::int64_t>& load, std::vector<std::int64_t>& kv) const {
+    Shard& s = l.shards[k];
+    const std::size_t from = s.dst;
+    const std::int64_t cost = pairs(s.begin, s.end);
+    std::int64_t best = document_wire_bytes(l, d);
+    std::size_t to = from;
+    for (std::size_t t : ranks) {
+      if (t == from || load[t] + cost > top || kv[t] + s.end > cap_[t]) continue;
+      s.dst = t;
+      const std::int64_t bytes = document_wire_bytes(l, d);
+      if (bytes < best) best = bytes, to = t;
+    }
+    s.dst = to;
+    if (to == from) return false;
+    load[from] -= cost, kv[from] -= s.end;
+    load[to] += cost, kv[to] += s.end;
+    return true;
   }
 
   /// Every piece whole on its own rank.
@@ -924,6 +976,7 @@ class Planner {
   bool dedup_ = false;  // bytes counted on the wire (section 2c); the sharing variants on
   bool share_ = false;  // this construction's Variant::share
   std::vector<std::vector<std::pair<std::size_t, std::int64_t>>> placed_;  // (sharing) per document: (rank, shard end) placed
+  mutable std::vector<std::pair<std::size_t, std::int64_t>> last_;         // scratch of document_wire_bytes
 };
 
 }  // namespace balance_detail
