@@ -49,9 +49,11 @@
 // crosses to a rank once however many of its document's query shards attend
 // there. The balanced plan above is built first; then constructions that may
 // send a shard to a rank already attending its document (charged only the
-// key-values that rank lacks) compete with it, and one wins only by moving
-// fewer bytes with a largest rank cost no higher. So dedup never costs
-// balance, and may put several shards of one document on one rank.
+// key-values that rank lacks) compete with it, each followed by a pass that
+// moves single shards onto ranks attending or holding their document where
+// that sends fewer bytes; one wins only by moving fewer bytes with a largest
+// rank cost no higher than the first plan's. So dedup never costs balance,
+// and may put several shards of one document on one rank.
 
 #include <algorithm>
 #include <cmath>
@@ -385,6 +387,7 @@ class Planner {
     return bytes;
   }
 
+  /// Document d's part of wire_bytes.
   std::int64_t document_wire_bytes(const Layout& l, std::size_t d) const {
     std::int64_t bytes = 0;
     std::vector<std::pair<std::size_t, std::int64_t>>& last = last_;  // (rank, end of the document's last shard there)
