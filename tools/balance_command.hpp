@@ -48,7 +48,8 @@ its deduplicated KV exchange.
 
 Options:
   --summary    instead of the plan, its per-rank table and a line comparing
-               it with the unbalanced plan and the lower bound
+               it with the unbalanced plan and the lower bound (with dedup,
+               also the KV tokens sent off-rank without and with it)
   --svg FILE   also write a picture of the plan to FILE: bytes sent between
                ranks, and attention cost per rank before and after
   --compact    JSON on one line instead of pretty-printed
