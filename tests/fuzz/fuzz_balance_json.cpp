@@ -1,6 +1,6 @@
 // Fuzz target: the input document of `cpdispatch-plan balance` (a packed
 // batch of document pieces, or the document lengths per rank; C,
-// capacities, bytes per token). Reading, the lower bound, the balanced,
+// capacities, bytes per token, dedup). Reading, the lower bound, the balanced,
 // unbalanced and greedy plans and their costs must succeed or throw
 // invalid_input (capacity_error included); a plan the balancer returns must
 // itself plan.
@@ -29,13 +29,14 @@ bool small_enough(const cpdispatch::BalanceProblem& p) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   cpdispatch_fuzz::expect_valid_or_invalid_input([&] {
-    const cpdispatch::BalanceProblem problem =
-        cpdispatch_cli::balance_problem_from_json(cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size)));
+    const nlohmann::json input = cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size));
+    const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(input);
+    const cpdispatch::BalanceOptions options = cpdispatch_cli::balance_options_from_json(input);
     if (!small_enough(problem)) return;
     (void)cpdispatch::balance_lower_bound(problem);
     (void)cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem), problem.q_bytes, problem.kv_bytes);
     (void)cpdispatch::plan_cost(cpdispatch::plan_greedy(problem), problem.q_bytes, problem.kv_bytes);
-    const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(problem);
+    const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(problem, options);
     (void)cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes);
     try {
       (void)cpdispatch::plan_qkv(plan);  // the balancer's own output must be a valid plan
