@@ -7,6 +7,9 @@
 //   launch_combine  the KV-gradient combine: per element, the sum of the
 //                   returned copies in ascending copy order; fp32 accumulation
 //                   for bf16/fp16, rounding as cpdispatch::bfloat16/float16 do
+//   launch_fan_in   the deduplicated exchange's fan-in: per received KV shard,
+//                   the sum of its copies' gradients in fan-list order, with
+//                   the combine's arithmetic (its fan-out is launch_copy)
 //
 // (The device sim's reduction kernel lives with the device sim, cuda/sim.hpp.)
 //
@@ -49,6 +52,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <utility>
 
 #include "cpdispatch/cuda/error.hpp"
@@ -79,6 +83,18 @@ void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 
 #endif
   ::cpdispatch::detail::cuda_check(cudaGetLastError(), name, __FILE__, __LINE__);
 }
+
+/// One warp's share of a fan-in: `bytes` bytes of fan entry `entry`,
+/// starting `offset` bytes into each of its copies, summed into the output
+/// at byte `dst`.
+struct FanInChunk {
+  std::uint64_t dst = 0;
+  std::uint64_t offset = 0;
+  std::uint32_t bytes = 0;
+  std::uint32_t entry = 0;
+  friend bool operator==(const FanInChunk&, const FanInChunk&) = default;
+};
+static_assert(std::is_trivially_copyable_v<FanInChunk> && sizeof(FanInChunk) == 24);
 
 namespace kernels {
 
@@ -300,6 +316,81 @@ __global__ void __launch_bounds__(Warps * 32) combine_kernel(const unsigned char
   }
 }
 
+
+// ---- fan-in (deduplicated KV exchange) ------------------------------------------
+
+/// Lane `lane`'s share of summing `copies` regions (copy c at base + at[c] +
+/// offset) of n elements into `out` (disjoint from them), in the order of
+/// `at`, with the combine's arithmetic.
+template <ElementType E>
+__host__ __device__ __forceinline__ void fan_in_range(const unsigned char* __restrict__ base, const std::uint64_t* __restrict__ at,
+                                                      std::uint64_t copies, std::uint64_t offset,
+                                                      typename combine_element<E>::storage* __restrict__ out, std::uint64_t n, unsigned lane) {
+  using Traits = combine_element<E>;
+  using T = typename Traits::storage;
+  using A = typename Traits::acc;
+  auto copy = [&](std::uint64_t c) { return reinterpret_cast<const T*>(base + at[c] + offset); };
+  auto scalar = [&](std::uint64_t i) {
+    A a = A(0);
+    for (std::uint64_t c = 0; c < copies; ++c) accumulate<Traits>(a, load_once(copy(c) + i), c == 0);
+    out[i] = Traits::store(a);
+  };
+  const auto out_at = reinterpret_cast<std::uintptr_t>(out);
+  std::uintptr_t misaligned = 0;  // 16-byte accesses when every copy is congruent to out modulo 16
+  for (std::uint64_t c = 0; c < copies; ++c) misaligned |= reinterpret_cast<std::uintptr_t>(copy(c)) - out_at;
+  if (misaligned % 16 != 0) {
+    for (std::uint64_t i = lane; i < n; i += 32) scalar(i);
+    return;
+  }
+  constexpr unsigned per_vec = 16 / sizeof(T);
+  std::uint64_t head = ((16 - out_at % 16) % 16) / sizeof(T);
+  if (head > n) head = n;
+  if (lane < head) scalar(lane);
+  const std::uint64_t vecs = (n - head) / per_vec;
+  union Vec {
+    uint4 v;
+    T e[per_vec];
+  };
+  for (std::uint64_t v = lane; v < vecs; v += 32) {
+    const std::uint64_t i = head + v * per_vec;
+    A a[per_vec];
+CPDISPATCH_UNROLL
+    for (unsigned k = 0; k < per_vec; ++k) a[k] = A(0);
+    for (std::uint64_t c = 0; c < copies; ++c) {
+      Vec x;
+      x.v = load_once(reinterpret_cast<const uint4*>(copy(c) + i));
+CPDISPATCH_UNROLL
+      for (unsigned k = 0; k < per_vec; ++k) accumulate<Traits>(a[k], x.e[k], c == 0);
+    }
+    Vec y;
+CPDISPATCH_UNROLL
+    for (unsigned k = 0; k < per_vec; ++k) y.e[k] = Traits::store(a[k]);
+    *reinterpret_cast<uint4*>(out + i) = y.v;
+  }
+  const std::uint64_t tail = head + vecs * per_vec;
+  if (lane < n - tail) scalar(tail + lane);
+}
+
+/// Warp w sums fan-in chunks w, w + (warps in the grid), ...: chunk k's
+/// entry has copies at attention + copy_at[splits[entry] ..
+/// splits[entry + 1]), and its sum goes to out + chunk.dst (a region of
+/// out disjoint from the attention buffer).
+template <ElementType E, unsigned Warps>
+__global__ void __launch_bounds__(Warps * 32) fan_in_kernel(const unsigned char* __restrict__ attention, unsigned char* __restrict__ out,
+                                                           const FanInChunk* __restrict__ chunks, std::uint64_t count,
+                                                           const std::uint64_t* __restrict__ copy_at,
+                                                           const std::uint64_t* __restrict__ splits) {
+  using T = typename combine_element<E>::storage;
+  const unsigned lane = threadIdx.x % 32;
+  const std::uint64_t stride = std::uint64_t{gridDim.x} * Warps;
+  for (std::uint64_t c = blockIdx.x * std::uint64_t{Warps} + threadIdx.x / 32; c < count; c += stride) {
+    const FanInChunk chunk = chunks[c];
+    const std::uint64_t first = splits[chunk.entry];
+    fan_in_range<E>(attention, copy_at + first, splits[chunk.entry + 1] - first, chunk.offset, reinterpret_cast<T*>(out + chunk.dst),
+                    chunk.bytes / sizeof(T), lane);
+  }
+}
+
 }  // namespace kernels
 
 /// Copies `count` chunks (device array) from src to dst on `stream`.
@@ -330,6 +421,28 @@ inline void launch_combine(ElementType type, const std::byte* replica, std::byte
     case ElementType::float64: run(&kernels::combine_kernel<ElementType::float64, warps_per_block>); break;
     case ElementType::bfloat16: run(&kernels::combine_kernel<ElementType::bfloat16, warps_per_block>); break;
     case ElementType::float16: run(&kernels::combine_kernel<ElementType::float16, warps_per_block>); break;
+  }
+}
+
+/// The fan-in over `count` chunks (device array): see fan_in_kernel.
+/// `copy_at` and `splits` are the fan list's copy byte offsets and entry
+/// splits on the device; both buffers must be aligned to the element size.
+inline void launch_fan_in(ElementType type, const std::byte* attention, std::byte* out, const FanInChunk* chunks, std::size_t count,
+                          const std::uint64_t* copy_at, const std::uint64_t* splits, cudaStream_t stream) {
+  if (count == 0) return;
+  const auto blocks = static_cast<unsigned>(blocks_for(count));
+  const auto* in = reinterpret_cast<const unsigned char*>(attention);
+  auto* o = reinterpret_cast<unsigned char*>(out);
+  auto run = [&](auto kernel) { launch_kernel("fan_in_kernel", kernel, blocks, block_threads, stream, in, o, chunks, std::uint64_t{count}, copy_at, splits); };
+  switch (type) {
+    case ElementType::int8: run(&kernels::fan_in_kernel<ElementType::int8, warps_per_block>); break;
+    case ElementType::uint8: run(&kernels::fan_in_kernel<ElementType::uint8, warps_per_block>); break;
+    case ElementType::int32: run(&kernels::fan_in_kernel<ElementType::int32, warps_per_block>); break;
+    case ElementType::int64: run(&kernels::fan_in_kernel<ElementType::int64, warps_per_block>); break;
+    case ElementType::float32: run(&kernels::fan_in_kernel<ElementType::float32, warps_per_block>); break;
+    case ElementType::float64: run(&kernels::fan_in_kernel<ElementType::float64, warps_per_block>); break;
+    case ElementType::bfloat16: run(&kernels::fan_in_kernel<ElementType::bfloat16, warps_per_block>); break;
+    case ElementType::float16: run(&kernels::fan_in_kernel<ElementType::float16, warps_per_block>); break;
   }
 }
 

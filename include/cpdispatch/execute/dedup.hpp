@@ -39,8 +39,15 @@
 // dispatcher; errors from it propagate with "KvWireDispatcher::<call> (rank r
 // of W): all_to_all_v failed: " in front, keeping their kind.
 //
-// Host transports only: the device fan-out and fan-in kernels are not written
-// yet, so a device transport is refused at compile time.
+// Memory spaces: as the Dispatcher's. Host transports take std::span<std::byte>;
+// device transports (NCCL, the device sim) take cuda::DeviceSpan and need
+// cpdispatch/cuda/data_path.hpp in the translation unit (compiled by nvcc),
+// else the dispatcher is refused at compile time. On the device, the fan-out
+// is a copy kernel and the fan-in a summing kernel (same order and
+// arithmetic as the host's: bit-identical results), the piece lists and fan
+// lists are uploaded once at construction, and every call is stream-ordered
+// on the transport's stream with no allocation and no host synchronisation,
+// so calls can be captured in a CUDA graph.
 
 #include <algorithm>
 #include <cstddef>
@@ -288,6 +295,21 @@ inline void check_fan_list(const KvFanList& fan, const RankMetadata& wire_rev, c
   if (fan.wire_tokens != at) fail(who, ": fan.wire_tokens = ", fan.wire_tokens, " but its entries hold ", at);
 }
 
+/// The three exchanges of the deduplicated path (the piece lists a wire data path runs).
+enum class WireExchange { forward, reverse, reverse_in_place };
+
+/// The data path of the deduplicated exchange, named by the transport's
+/// Dispatcher data path: the local copies of each exchange, the fan-out, the
+/// fan-in, the home combine and the owned staging. The host one is below; the
+/// device one is in cpdispatch/cuda/data_path.hpp; any other is refused.
+template <class DataPath>
+class wire_path {
+ public:
+  static constexpr bool available = false;
+  using const_buffer = ConstBytes;  // only so that the dispatcher's static_assert is the one error
+  using mutable_buffer = MutableBytes;
+};
+
 /// Both exchanges of one rank's deduplicated KV path, and its fan-out,
 /// computed once. Forward: home MLP layout -> the attention layout at each
 /// wire entry's FIRST copy (so the wire never needs a buffer of its own),
@@ -410,18 +432,56 @@ inline WirePlan plan_wire_exchange(const RankMetadata& fwd, const RankMetadata& 
   return plan;
 }
 
+/// The host wire path: memcpy, the fan-in functions above, combine_copies.
+template <>
+class wire_path<data_path<MemorySpace::host>> {
+ public:
+  static constexpr bool available = true;
+  using const_buffer = ConstBytes;
+  using mutable_buffer = MutableBytes;
+
+  /// `staging_bytes` of owned staging, allocated here: calls do not allocate.
+  template <class Transport>
+  wire_path(Transport&, const WirePlan&, const KvFanList&, const RankMetadata&, std::size_t, std::size_t staging_bytes)
+      : staging_(staging_bytes) {}
+
+  void copy(WireExchange, Stage, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const noexcept {
+    for (const CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
+  }
+  void fan_out(std::span<const CopyPiece> pieces, std::byte* attention) const noexcept {
+    for (const CopyPiece& p : pieces) std::memcpy(attention + p.dst, attention + p.src, p.bytes);
+  }
+  void fan_in(const KvFanList& fan, ElementType type, const std::byte* attention, std::byte* wire, std::size_t token_bytes) const {
+    with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan, attention, wire, token_bytes / sizeof(E)); });
+  }
+  void fan_in_in_place(const KvFanList& fan, ElementType type, std::byte* attention, std::size_t token_bytes) const {
+    with_element_type(type, [&]<class E>(E*) { detail::fan_in_in_place<E>(fan, attention, token_bytes / sizeof(E)); });
+  }
+  void combine(const RankMetadata& rev, ConstBytes replica, MutableBytes grad, std::size_t token_bytes, ElementType type) const {
+    combine_copies(rev, replica, grad, token_bytes, type);
+  }
+  std::byte* staging() noexcept { return staging_.data(); }
+
+ private:
+  std::vector<std::byte> staging_;
+};
+
 }  // namespace detail
 
 template <class T>
 class KvWireDispatcher {
-  CPDISPATCH_CHECK_TRANSPORT(T);
-  static_assert(detail::memory_space_of<T>() == MemorySpace::host,
-                "cpdispatch: the deduplicated KV exchange (KvWireDispatcher) runs on host transports only for now");
+  CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
+  using path = detail::wire_path<typename detail::dispatcher_path<T>::type>;
+  static_assert(path::available,
+                "cpdispatch: KvWireDispatcher over a device transport needs the CUDA data path: include cpdispatch/cuda/data_path.hpp "
+                "(from a .cu file) where it is used");
+  using Stage = detail::Stage;
+  using Exchange = detail::WireExchange;
 
  public:
   using transport_type = T;
-  using const_buffer = ConstBytes;
-  using mutable_buffer = MutableBytes;
+  using const_buffer = typename path::const_buffer;  ///< in the transport's memory space
+  using mutable_buffer = typename path::mutable_buffer;
 
   /// From this rank's part of plan_kv_wire's output. Throws invalid_input when
   /// it is not this transport's rank, or its parts do not belong together.
@@ -432,15 +492,10 @@ class KvWireDispatcher {
         token_bytes_(token_bytes),
         plan_(detail::plan_wire_exchange(slice.fwd, slice.rev, slice.fan, token_bytes, rank_, world_size_)),
         rev_(std::move(slice.rev)),
-        fan_(std::move(slice.fan)) {
-    const char* who = "KvWireDispatcher";
-    sizes_ = {detail::token_bytes_of(plan_.mlp_tokens, token_bytes, who), detail::token_bytes_of(plan_.attention_tokens, token_bytes, who),
-              detail::token_bytes_of(plan_.wire_tokens, token_bytes, who), detail::token_bytes_of(plan_.replica_tokens, token_bytes, who)};
-    if constexpr (!PieceTransport<T>) {  // owned staging, allocated once: calls do not allocate
-      wire_staging_bytes_ = (sizes_.wire_bytes + 255) / 256 * 256;
-      staging_.resize(std::max({plan_.forward.staging_bytes(), plan_.reverse.staging_bytes(), wire_staging_bytes_ + plan_.reverse.staging_bytes()}));
-    }
-  }
+        fan_(std::move(slice.fan)),
+        sizes_(sizes_of(plan_, token_bytes)),
+        wire_staging_bytes_(wire_staging_of(sizes_)),
+        path_(transport, plan_, fan_, rev_, token_bytes, staging_of(plan_, wire_staging_bytes_)) {}
 
   /// The same from the global wire metadata: takes the part of transport.rank().
   KvWireDispatcher(T& transport, const KvWireMetadata& wire, std::size_t token_bytes)
@@ -456,8 +511,8 @@ class KvWireDispatcher {
   void forward(const_buffer mlp, mutable_buffer attention) {
     const char* call = "forward";
     check_buffers(call, {{mlp.data(), mlp.size(), "mlp", sizes_.mlp_bytes}, {attention.data(), attention.size(), "attention", sizes_.attention_bytes}});
-    exchange(call, plan_.forward, mlp.data(), attention.data());
-    for (const detail::CopyPiece& p : plan_.fan_out) std::memcpy(attention.data() + p.dst, attention.data() + p.src, p.bytes);
+    exchange(call, Exchange::forward, mlp.data(), attention.data());
+    path_.fan_out(plan_.fan_out, attention.data());
   }
 
   /// Attention-layout gradients -> `grad` [T]: the fan-in sums each received
@@ -469,10 +524,9 @@ class KvWireDispatcher {
                                {wire.data(), wire.size(), "wire", sizes_.wire_bytes},
                                {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
                                {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
-    const std::size_t es = element_size(type);
-    detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan_, attention_grad.data(), wire.data(), token_bytes_ / es); });
-    exchange(call, plan_.reverse, wire.data(), replica.data());
-    combine_copies(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
+    path_.fan_in(fan_, type, attention_grad.data(), wire.data(), token_bytes_);
+    exchange(call, Exchange::reverse, wire.data(), replica.data());
+    path_.combine(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
   }
 
   /// The same without the wire buffer, for a caller that no longer needs the
@@ -487,16 +541,15 @@ class KvWireDispatcher {
     check_combine(call, type, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
                                {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
                                {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
-    const std::size_t elems = token_bytes_ / element_size(type);
     if constexpr (PieceTransport<T>) {
-      detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in_in_place<E>(fan_, attention_grad.data(), elems); });
-      exchange(call, plan_.reverse_in_place, attention_grad.data(), replica.data());
+      path_.fan_in_in_place(fan_, type, attention_grad.data(), token_bytes_);
+      exchange(call, Exchange::reverse_in_place, attention_grad.data(), replica.data());
     } else {  // the staging's head is the wire buffer, the exchange's own staging follows it
-      std::byte* wire = staging_.data();
-      detail::with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan_, attention_grad.data(), wire, elems); });
-      exchange(call, plan_.reverse, wire, replica.data(), wire_staging_bytes_);
+      std::byte* wire = path_.staging();
+      path_.fan_in(fan_, type, attention_grad.data(), wire, token_bytes_);
+      exchange(call, Exchange::reverse, wire, replica.data(), wire_staging_bytes_);
     }
-    combine_copies(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
+    path_.combine(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
   }
 
  private:
@@ -506,6 +559,25 @@ class KvWireDispatcher {
     const char* name;
     std::size_t used;
   };
+
+  static KvWireBufferSizes sizes_of(const detail::WirePlan& plan, std::size_t tb) {
+    const char* who = "KvWireDispatcher";
+    return {detail::token_bytes_of(plan.mlp_tokens, tb, who), detail::token_bytes_of(plan.attention_tokens, tb, who),
+            detail::token_bytes_of(plan.wire_tokens, tb, who), detail::token_bytes_of(plan.replica_tokens, tb, who)};
+  }
+
+  /// Without all_to_all_pieces, reverse_combine_in_place's wire buffer heads
+  /// the owned staging (256-byte aligned end); none otherwise.
+  static std::size_t wire_staging_of(const KvWireBufferSizes& sizes) noexcept {
+    if constexpr (PieceTransport<T>) return 0;
+    else return (sizes.wire_bytes + 255) / 256 * 256;
+  }
+
+  /// The owned staging: none with all_to_all_pieces.
+  static std::size_t staging_of(const detail::WirePlan& plan, std::size_t wire_staging) noexcept {
+    if constexpr (PieceTransport<T>) return 0;
+    else return std::max({plan.forward.staging_bytes(), plan.reverse.staging_bytes(), wire_staging + plan.reverse.staging_bytes()});
+  }
 
   static RankKvWire slice_of(const T& transport, const KvWireMetadata& wire) {
     const int W = transport.world_size();
@@ -553,29 +625,26 @@ class KvWireDispatcher {
   /// One collective (none when alone), then the traffic to itself. Without
   /// all_to_all_pieces, the exchange's staging starts `staging_at` bytes into
   /// the owned staging.
-  void exchange(const char* call, const detail::ExchangePlan& ex, const std::byte* in, std::byte* out, std::size_t staging_at = 0) {
+  void exchange(const char* call, Exchange which, const std::byte* in, std::byte* out, std::size_t staging_at = 0) {
+    const detail::ExchangePlan& ex = which == Exchange::forward ? plan_.forward : which == Exchange::reverse ? plan_.reverse : plan_.reverse_in_place;
     try {
       if constexpr (PieceTransport<T>) {
         if (world_size_ > 1) transport_.all_to_all_pieces(in, ex.send.pieces, ex.send.splits, out, ex.recv.pieces, ex.recv.splits);
       } else {
-        std::byte* send_staging = staging_.data() + staging_at;
+        std::byte* send_staging = path_.staging() + staging_at;
         std::byte* recv_staging = send_staging + ex.recv_staging_offset();
-        if (!ex.send.direct) copy(ex.send.copies, in, send_staging);
+        if (!ex.send.direct) path_.copy(which, Stage::pack, ex.send.copies, in, send_staging);
         if (world_size_ > 1) {
           transport_.all_to_all_v(ex.send.direct ? static_cast<const void*>(in) : send_staging, ex.send.counts, ex.send.displs,
                                   ex.recv.direct ? static_cast<void*>(out) : recv_staging, ex.recv.counts, ex.recv.displs);
         }
-        if (!ex.recv.direct) copy(ex.recv.copies, recv_staging, out);
+        if (!ex.recv.direct) path_.copy(which, Stage::unpack, ex.recv.copies, recv_staging, out);
       }
     } catch (...) {
       detail::rethrow_with_context(detail::concat("KvWireDispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ",
                                                   PieceTransport<T> ? "all_to_all_pieces" : "all_to_all_v", " failed: "));
     }
-    copy(ex.self, in, out);
-  }
-
-  static void copy(const std::vector<detail::CopyPiece>& pieces, const std::byte* src, std::byte* dst) noexcept {
-    for (const detail::CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
+    path_.copy(which, Stage::self, ex.self, in, out);
   }
 
   T& transport_;
@@ -586,7 +655,7 @@ class KvWireDispatcher {
   RankMetadata rev_;  // the home combine's mask
   KvFanList fan_;     // the fan-in
   KvWireBufferSizes sizes_;
-  std::size_t wire_staging_bytes_ = 0;  // without all_to_all_pieces: the in-place fan-in's wire, at the staging's head
-  std::vector<std::byte> staging_;
+  std::size_t wire_staging_bytes_;  // without all_to_all_pieces: the in-place fan-in's wire, at the staging's head
+  path path_;  // local copies, fan-out, fan-in, combine, owned staging (last: built from the above)
 };
 }  // namespace cpdispatch
