@@ -35,6 +35,36 @@
 #include "dispatch_helpers.hpp"
 #include "../dedup/dedup_exec.hpp"
 
+// A named namespace: nvcc reports static members of classes in an unnamed
+// one that only constant expressions read as never referenced.
+namespace dedup_device_test {
+
+using Counts = std::vector<std::size_t>;
+using Watcher = ::testing::StrictMock<::testing::MockFunction<void(Counts send_counts, Counts recv_counts)>>;
+
+/// The device sim's transport, reporting each all_to_all_v to a mock first.
+class WatchedTransport {
+ public:
+  static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::device;
+  using data_path = cpdispatch::cuda::DeviceDataPath;
+
+  WatchedTransport(cpdispatch::cuda::DeviceSimTransport& sim, Watcher& watcher) : sim_(sim), watcher_(watcher) {}
+  int rank() const noexcept { return sim_.rank(); }
+  int world_size() const noexcept { return sim_.world_size(); }
+  cudaStream_t stream() const noexcept { return sim_.stream(); }
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
+                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    watcher_.Call(Counts(send_counts.begin(), send_counts.end()), Counts(recv_counts.begin(), recv_counts.end()));
+    sim_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+  }
+
+ private:
+  cpdispatch::cuda::DeviceSimTransport& sim_;
+  Watcher& watcher_;
+};
+
+}  // namespace dedup_device_test
+
 namespace {
 
 using cpdispatch::ElementType;
@@ -361,29 +391,10 @@ TEST(DedupDeviceGraph, CapturedStepReplaysTheHostResults) {
 
 // ---- one wire exchange per call, watched by a strict mock ----------------------
 
-using Counts = std::vector<std::size_t>;
-using Watcher = ::testing::StrictMock<::testing::MockFunction<void(Counts send_counts, Counts recv_counts)>>;
+using dedup_device_test::Counts;
+using dedup_device_test::Watcher;
 
-/// The device sim's transport, reporting each all_to_all_v to a mock first.
-class WatchedTransport {
- public:
-  static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::device;
-  using data_path = cpdispatch::cuda::DeviceDataPath;
-
-  WatchedTransport(DeviceSimTransport& sim, Watcher& watcher) : sim_(sim), watcher_(watcher) {}
-  int rank() const noexcept { return sim_.rank(); }
-  int world_size() const noexcept { return sim_.world_size(); }
-  cudaStream_t stream() const noexcept { return sim_.stream(); }
-  void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
-                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
-    watcher_.Call(Counts(send_counts.begin(), send_counts.end()), Counts(recv_counts.begin(), recv_counts.end()));
-    sim_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
-  }
-
- private:
-  DeviceSimTransport& sim_;
-  Watcher& watcher_;
-};
+using dedup_device_test::WatchedTransport;
 
 /// Bytes rank `me` sends to (sending) or receives from each peer on the wire; 0 to itself.
 Counts wire_counts(const cpdispatch::Metadata& wire_fwd, std::size_t me, bool sending, std::size_t tb) {
