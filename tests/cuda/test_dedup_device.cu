@@ -241,6 +241,41 @@ std::vector<Kind> kinds_for(std::size_t case_index, int W) {
   return out;
 }
 
+// ---- the fan-in kernel's per-warp logic, lane by lane on the host -------------
+// (the lanes of a warp share nothing: lanes 0..31 in turn do what the warp does)
+
+TEST(FanInWarpLogicOnTheHost, MatchesTheHostFanInForEveryTypeAndAlignment) {
+  // Elements per copy (heads, 16-byte vectors and tails), from a runtime list.
+  const std::vector<std::size_t> lengths = {75, 40};
+  // Copy offsets in elements: all congruent modulo 16 bytes (vector path once
+  // `out` is too), and not (scalar path); two and three copies.
+  const std::vector<std::vector<std::int64_t>> copy_sets = {{0, 160}, {16, 320, 480}, {3, 200, 517}, {161, 7}};
+  for (ElementType type : {ElementType::int8, ElementType::uint8, ElementType::int32, ElementType::int64, ElementType::float32,
+                           ElementType::float64, ElementType::bfloat16, ElementType::float16}) {
+    cpdispatch::detail::with_element_type(type, [&]<class E>(E*) {
+      constexpr ElementType kind = cpdispatch::element_type_of<E>();
+      using Storage = typename cpdispatch::cuda::kernels::combine_element<kind>::storage;
+      const std::vector<E> attention = dedup_test::values<E>(1200, 7, false);
+      for (const auto& copies : copy_sets) {
+        for (std::size_t k = 0; k < 32; ++k) {  // out's misalignment (k % 16 elements) and length
+          const std::size_t shift = k % 16, n = lengths[k / 16];
+          SCOPED_TRACE(std::string(cpdispatch::element_name(type)) + ", " + std::to_string(copies.size()) + " copies from " +
+                       std::to_string(copies[0]) + ", out shifted by " + std::to_string(shift) + ", " + std::to_string(n) + " elements");
+          std::vector<E> expect(n + 16, E{}), got(n + 16, E{});
+          cpdispatch::detail::fan_in_entry<E>(attention.data(), copies, n, 1, expect.data() + shift);
+          std::vector<std::uint64_t> at;
+          for (std::int64_t c : copies) at.push_back(static_cast<std::uint64_t>(c) * sizeof(E));
+          for (unsigned lane = 0; lane < 32; ++lane) {
+            cpdispatch::cuda::kernels::fan_in_range<kind>(reinterpret_cast<const unsigned char*>(attention.data()), at.data(), at.size(), 0,
+                                                          reinterpret_cast<Storage*>(got.data() + shift), n, lane);
+          }
+          EXPECT_EQ(dedup_test::bytes_of(got), dedup_test::bytes_of(expect));
+        }
+      }
+    });
+  }
+}
+
 // ---- the device sim, every rank ------------------------------------------------
 
 class DedupDeviceSim : public ::testing::TestWithParam<int> {};
