@@ -11,7 +11,7 @@
 //                   the sum of its copies' gradients in fan-list order, with
 //                   the combine's arithmetic (its fan-out is launch_copy)
 //
-// (The device sim's reduction kernel lives with the device sim, cuda/sim.hpp.)
+// (The device sim's reduction kernel lives with the device sim, transports/device_sim.hpp.)
 //
 // Every kernel reads and writes each byte once, with 16-byte accesses where
 // the addresses allow and narrower ones (down to single bytes) where they do
