@@ -225,12 +225,209 @@ inline RankQkvMetadata plan_shards_for_rank(const ShardTable& t, std::size_t R) 
 
 }  // namespace detail
 
+/// Memory a rank keeps between planning steps. Planning every step with the
+/// same workspace and the same RankQkvMetadata reuses their storage: after
+/// the first step nothing is allocated unless the plan grows.
+struct RankPlanWorkspace {
+  std::vector<std::int64_t> q_next;       ///< [W]: query tokens each destination has been sent so far
+  std::vector<std::int64_t> group_next;   ///< [W]: KV-group tokens each destination holds so far
+  std::vector<std::int64_t> group_start;  ///< the current document's group starts, shard by shard
+  std::vector<std::int64_t> slab;         ///< kv_rev: each entry's copy index, until its home's total is known
+};
+
+namespace detail {
+
+/// Empties a slice for reuse, keeping its vectors' memory. `mask_copies` > 0
+/// gives it an (empty) copy mask of that width.
+inline void reset_slice(RankMetadata& s, std::size_t rank, std::size_t W, bool has_copies, std::size_t copies, std::size_t mask_copies) {
+  s.rank = static_cast<std::int64_t>(rank);
+  s.world_size = static_cast<std::int64_t>(W);
+  s.has_copies = has_copies;
+  s.num_copies = copies;
+  s.dst_rank.clear();
+  s.dst_offset.clear();
+  s.seq_len.clear();
+  s.num_recv_tokens.assign(W + 1, 0);
+  s.num_seqs = 0;
+  s.num_total_recv_tokens = 0;
+  s.mask_copies = mask_copies;
+  if (mask_copies == 0) {
+    s.seq_recv_mask.reset();
+    s.recv_seq_lens.reset();
+    return;
+  }
+  if (!s.seq_recv_mask) s.seq_recv_mask.emplace();
+  if (!s.recv_seq_lens) s.recv_seq_lens.emplace();
+  s.seq_recv_mask->clear();
+  s.recv_seq_lens->clear();
+}
+
+inline void reset_attention(RankAttentionLayout& a) {
+  a.seqlens_q.clear();
+  a.seqlens_kv.clear();
+  a.cu_seqlens_q.assign(1, 0);
+  a.cu_seqlens_kv.assign(1, 0);
+  a.max_seqlen_q = a.max_seqlen_kv = 0;
+}
+
+/// Rank R's share of a per-rank plan in one pass over the shards in global
+/// order (rank, document, shard). That order is every destination's arrival
+/// order, so running totals per destination give every offset and nothing
+/// the size of the plan is kept: only [W] totals and the outputs.
+class RankStream {
+ public:
+  RankStream(std::size_t W, std::size_t C, std::size_t R, RankQkvMetadata& out, RankPlanWorkspace& ws)
+      : C_(C), R_(R), out_(out), ws_(ws) {
+    reset_slice(out.q_fwd, R, W, false, 1, 0);
+    reset_slice(out.q_rev, R, W, false, 1, 0);
+    reset_slice(out.kv_fwd, R, W, true, C, 0);
+    reset_slice(out.kv_rev, R, W, false, 1, C);
+    reset_attention(out.attn);
+    ws.q_next.assign(W, 0);
+    ws.group_next.assign(W, 0);
+  }
+
+  void begin_rank() {
+    tokens_ = 0;
+    rev_first_ = out_.kv_rev.dst_offset.size();
+    ws_.slab.clear();
+  }
+
+  /// The shards of one document of rank r, in order.
+  void document(std::size_t r, const Document& doc) {
+    const std::size_t n = doc.shard_len.size();
+    ws_.group_start.resize(n);
+    std::int64_t context = 0;
+    for (std::size_t s = 0; s < n; ++s) {
+      const auto d = static_cast<std::size_t>(doc.dst[s]);
+      const std::int64_t len = doc.shard_len[s], kv = add_tokens(context, len, "plan_qkv");
+      ws_.group_start[s] = ws_.group_next[d];
+      ws_.group_next[d] = add_tokens(ws_.group_next[d], kv, "plan_qkv");
+      const std::int64_t offset = ws_.q_next[d];
+      ws_.q_next[d] = add_tokens(offset, len, "plan_qkv");
+      if (r == R_) push(out_.q_fwd, doc.dst[s], offset, len);
+      if (d == R_) arrival(r, doc, s, context);
+      context = kv;
+    }
+    if (r == R_) own_kv_forward(doc);
+    tokens_ = add_tokens(tokens_, context, "plan_qkv");
+  }
+
+  /// Rank r's total is known: its replica buffer is checked and the reverse
+  /// KV offsets into it are completed.
+  void end_rank(std::size_t r, const std::vector<Document>& docs) {
+    const auto copies = static_cast<std::int64_t>(C_);
+    if (copies > 1 && tokens_ > std::numeric_limits<std::int64_t>::max() / copies) {
+      fail("plan_qkv_for_rank: rank ", r, " holds ", tokens_, " tokens; its replica buffer of ", C_, " copies overflows 64 bits");
+    }
+    auto& offsets = out_.kv_rev.dst_offset;
+    for (std::size_t i = rev_first_; i < offsets.size(); ++i) offsets[i] += ws_.slab[i - rev_first_] * tokens_;
+    if (r == R_) own_returns(docs);
+  }
+
+  void finish() {
+    for (RankMetadata* s : {&out_.q_fwd, &out_.q_rev, &out_.kv_fwd, &out_.kv_rev}) finish_slice(*s, "plan_qkv_for_rank");
+  }
+
+ private:
+  static void push(RankMetadata& s, std::int64_t rank, std::int64_t offset, std::int64_t len) {
+    s.dst_rank.push_back(rank);
+    s.dst_offset.push_back(offset);
+    s.seq_len.push_back(len);
+  }
+
+  /// Query shard s of a document of rank r attends on R: its reverse entry,
+  /// its attention row, and the KV shards 0..s it brings along.
+  void arrival(std::size_t r, const Document& doc, std::size_t s, std::int64_t context) {
+    const std::int64_t len = doc.shard_len[s], kv = context + len;  // both within R's totals, checked
+    const std::int64_t doc_start = tokens_;
+    push(out_.q_rev, static_cast<std::int64_t>(r), add_tokens(doc_start, context, "plan_qkv"), len);
+    out_.q_fwd.num_recv_tokens[r] += len;
+    out_.kv_fwd.num_recv_tokens[r] += kv;
+    RankAttentionLayout& a = out_.attn;
+    a.seqlens_q.push_back(len);
+    a.seqlens_kv.push_back(kv);
+    a.cu_seqlens_q.push_back(a.cu_seqlens_q.back() + len);
+    a.cu_seqlens_kv.push_back(a.cu_seqlens_kv.back() + kv);
+    a.max_seqlen_q = std::max(a.max_seqlen_q, len);
+    a.max_seqlen_kv = std::max(a.max_seqlen_kv, kv);
+    // KV shard k goes back to slab s - k of rank r's replica buffer; the
+    // slab's size (rank r's total) is added in end_rank.
+    std::int64_t at = doc_start;
+    for (std::size_t k = 0; k <= s; ++k) {
+      push(out_.kv_rev, static_cast<std::int64_t>(r), at, doc.shard_len[k]);
+      ws_.slab.push_back(static_cast<std::int64_t>(s - k));
+      if (k < s) at += doc.shard_len[k];  // below the arrival's start, checked above
+    }
+  }
+
+  /// kv_fwd rows of one of R's documents: KV shard k, copy c, to the group of
+  /// query shard k + c.
+  void own_kv_forward(const Document& doc) {
+    const std::size_t n = doc.shard_len.size();
+    std::int64_t context = 0;
+    for (std::size_t k = 0; k < n; ++k) {
+      out_.kv_fwd.seq_len.push_back(doc.shard_len[k]);
+      for (std::size_t q = k; q < k + C_; ++q) {
+        const bool sent = q < n;
+        out_.kv_fwd.dst_rank.push_back(sent ? doc.dst[q] : -1);
+        out_.kv_fwd.dst_offset.push_back(sent ? ws_.group_start[q] + context : 0);  // within the group, checked
+      }
+      context += doc.shard_len[k];
+    }
+  }
+
+  /// What comes back to R: the counts of q_rev and kv_rev (bounded by T_R and
+  /// C x T_R, checked in end_rank) and kv_rev's copy mask.
+  void own_returns(const std::vector<Document>& docs) {
+    RankMetadata& kv = out_.kv_rev;
+    for (const Document& doc : docs) {
+      const std::size_t n = doc.shard_len.size();
+      for (std::size_t k = 0; k < n; ++k) {
+        const std::int64_t len = doc.shard_len[k];
+        out_.q_rev.num_recv_tokens[static_cast<std::size_t>(doc.dst[k])] += len;
+        kv.recv_seq_lens->push_back(len);
+        for (std::size_t q = k; q < k + C_; ++q) {
+          kv.seq_recv_mask->push_back(q < n ? 1 : 0);
+          if (q < n) kv.num_recv_tokens[static_cast<std::size_t>(doc.dst[q])] += len;
+        }
+      }
+    }
+  }
+
+  std::size_t C_, R_;
+  RankQkvMetadata& out_;
+  RankPlanWorkspace& ws_;
+  std::int64_t tokens_ = 0;     // the current rank's tokens so far
+  std::size_t rev_first_ = 0;   // its first kv_rev entry
+};
+
+}  // namespace detail
+
+/// Rank `rank`'s share of a per-rank plan, written into `out` (its storage is
+/// reused), with `workspace` kept by the caller between steps. Equal to
+/// plan_qkv_for_rank(plan, rank). Throws invalid_input like it; after a
+/// throw `out` holds no meaningful plan.
+inline void plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace) {
+  const std::size_t C = detail::check_rank_plan(plan);
+  const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
+  const std::size_t W = plan.ranks.size();
+  detail::RankStream stream(W, C, R, out, workspace);
+  for (std::size_t r = 0; r < W; ++r) {
+    stream.begin_rank();
+    for (const Document& doc : plan.ranks[r].docs) stream.document(r, doc);
+    stream.end_rank(r, plan.ranks[r].docs);
+  }
+  stream.finish();
+}
+
 /// plan_qkv(plan).X.get_slice(rank) for every metadata X, and row `rank` of
 /// the attention layout, in O(shards + copies + W).
 inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank) {
-  const std::size_t C = detail::check_rank_plan(plan);
-  const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
-  return detail::plan_shards_for_rank(detail::shard_table(plan, C), R);
+  RankQkvMetadata out;
+  RankPlanWorkspace workspace;
+  plan_qkv_for_rank(plan, rank, out, workspace);
+  return out;
 }
 
 /// The same for a plan in documents form.
