@@ -105,4 +105,40 @@ TEST(RankPlanning, InvalidPlansFailLikeTheGlobalPlanner) {
               ::testing::HasSubstr("documents[0].shards[1].dst = 7"));
 }
 
+// One output and workspace kept over many planning steps (plans growing and
+// shrinking, other ranks): every step equals a fresh plan_qkv_for_rank.
+TEST(RankPlanning, ReusedStorageGivesTheSameShares) {
+  cpdispatch::RankQkvMetadata kept;
+  cpdispatch::RankPlanWorkspace workspace;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const cpdispatch::QkvPlan plan = cptest::to_plan(cptest::random_qkv_plan(seed, {seed % 2 ? 64 : 3, 3, 8, 30}));
+    const I r = static_cast<I>(seed * 7 % static_cast<std::uint64_t>(plan.world_size));
+    cpdispatch::plan_qkv_for_rank(plan, r, kept, workspace);
+    const cpdispatch::RankQkvMetadata fresh = cpdispatch::plan_qkv_for_rank(plan, r);
+    for (auto [got, want, name] : {std::tuple{&kept.q_fwd, &fresh.q_fwd, "q_fwd"}, std::tuple{&kept.q_rev, &fresh.q_rev, "q_rev"},
+                                   std::tuple{&kept.kv_fwd, &fresh.kv_fwd, "kv_fwd"}, std::tuple{&kept.kv_rev, &fresh.kv_rev, "kv_rev"}}) {
+      ASSERT_TRUE(same_slice(*got, *want, name)) << "seed " << seed;
+    }
+    ASSERT_EQ(kept.attn.cu_seqlens_kv, fresh.attn.cu_seqlens_kv) << "seed " << seed;
+    ASSERT_EQ(kept.attn.seqlens_q, fresh.attn.seqlens_q) << "seed " << seed;
+    ASSERT_EQ(kept.attn.max_seqlen_kv, fresh.attn.max_seqlen_kv) << "seed " << seed;
+  }
+}
+
+// A replica buffer 64 bits cannot address is refused per rank as globally,
+// whichever rank plans.
+TEST(RankPlanning, ReplicaBufferOverflowIsRefusedOnEveryRank) {
+  cpdispatch::QkvPlan plan;
+  plan.world_size = 2;
+  plan.ranks.resize(2);
+  const I big = I{1} << 61;
+  plan.ranks[1].docs.push_back({{big, big}, {0, 1}});
+  for (I r = 0; r < 2; ++r) {
+    EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_qkv_for_rank(plan, r); }),
+                ::testing::HasSubstr("rank 1 holds 4611686018427387904 tokens; its replica buffer of 2 copies overflows 64 bits"));
+  }
+  EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_qkv(plan); }),
+              ::testing::HasSubstr("its replica buffer of 2 copies overflows 64 bits"));
+}
+
 }  // namespace

@@ -11,10 +11,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/tensor.hpp"
@@ -233,6 +235,9 @@ struct RankPlanWorkspace {
   std::vector<std::int64_t> group_next;   ///< [W]: KV-group tokens each destination holds so far
   std::vector<std::int64_t> group_start;  ///< the current document's group starts, shard by shard
   std::vector<std::int64_t> slab;         ///< kv_rev: each entry's copy index, until its home's total is known
+  std::vector<std::int64_t> wire_next;    ///< [W]: wire tokens each destination has been sent so far
+  std::vector<std::int64_t> wire_slot;    ///< kv_wire_rev: each entry's slot, until its home's total is known
+  std::vector<std::uint64_t> wire_seen;   ///< [W]: the last KV shard with a wire slot at each destination
 };
 
 namespace detail {
@@ -270,14 +275,116 @@ inline void reset_attention(RankAttentionLayout& a) {
   a.max_seqlen_q = a.max_seqlen_kv = 0;
 }
 
+/// Rank R's slices of the deduplicated exchange (section 2c), fed the KV
+/// shards in global order (home rank, index there): each shard takes one
+/// wire slot per distinct destination of its copies, in first-copy order.
+class RankWireStream {
+ public:
+  RankWireStream(std::size_t W, std::size_t C, std::size_t R, RankKvWire& out, RankPlanWorkspace& ws) : C_(C), R_(R), out_(out), ws_(ws) {
+    reset_slice(out.fwd, R, W, true, C, 0);
+    reset_slice(out.rev, R, W, false, 1, C);
+    KvFanList& fan = out.fan;
+    for (auto* v : {&fan.wire_offset, &fan.seq_len, &fan.src_rank, &fan.src_shard, &fan.attn_offset}) v->clear();
+    fan.copy_splits.assign(1, 0);
+    ws.wire_next.assign(W, 0);
+    ws.wire_seen.assign(W, 0);
+  }
+
+  void begin_rank() {
+    rev_first_ = out_.rev.dst_offset.size();
+    ws_.wire_slot.clear();
+  }
+
+  /// KV shard g of rank r: `start` tokens into r's MLP layout, `len` long;
+  /// its n copies go to dst[0..n) at group_start[0..n) + context.
+  void shard(std::size_t r, std::size_t g, std::int64_t start, std::int64_t len, const std::int64_t* dst, const std::int64_t* group_start,
+             std::int64_t context, std::size_t n) {
+    ++shard_id_;
+    const std::size_t base = out_.fwd.dst_rank.size();
+    if (r == R_) own_shard(len);
+    std::size_t slots = 0;
+    for (std::size_t c = 0; c < n; ++c) {
+      const auto d = static_cast<std::size_t>(dst[c]);
+      if (ws_.wire_seen[d] != shard_id_) {  // first copy to d: a wire slot
+        ws_.wire_seen[d] = shard_id_;
+        const std::int64_t offset = ws_.wire_next[d];
+        ws_.wire_next[d] = add_tokens(offset, len, "plan_kv_wire");
+        if (r == R_) {
+          out_.fwd.dst_rank[base + slots] = dst[c];
+          out_.fwd.dst_offset[base + slots] = offset;
+          (*out_.rev.seq_recv_mask)[base + slots] = 1;
+        }
+        if (d == R_) arrival(r, g, start, len, offset, slots);
+        ++slots;
+      }
+      if (d == R_) {  // every copy at R is a fan-out target of R's newest wire entry
+        out_.fan.attn_offset.push_back(group_start[c] + context);
+        ++out_.fan.copy_splits.back();
+      }
+    }
+  }
+
+  /// Rank r holds `tokens` (checked against its replica buffer already).
+  void end_rank(std::size_t r, std::int64_t tokens) {
+    auto& offsets = out_.rev.dst_offset;
+    for (std::size_t i = rev_first_; i < offsets.size(); ++i) offsets[i] += ws_.wire_slot[i - rev_first_] * tokens;
+    if (r != R_) return;
+    for (std::size_t e = 0; e < out_.fwd.seq_len.size(); ++e) {  // what returns to R: at most C x T_R
+      for (std::size_t u = 0; u < C_; ++u) {
+        const std::int64_t d = out_.fwd.dst_rank[e * C_ + u];
+        if (d >= 0) out_.rev.num_recv_tokens[static_cast<std::size_t>(d)] += out_.fwd.seq_len[e];
+      }
+    }
+  }
+
+  /// `attention_tokens`: the KV tokens R's attention layout holds.
+  void finish(std::int64_t attention_tokens) {
+    finish_slice(out_.fwd, "plan_kv_wire_for_rank");
+    finish_slice(out_.rev, "plan_kv_wire_for_rank");
+    out_.fan.wire_tokens = ws_.wire_next[R_];
+    out_.fan.attention_tokens = attention_tokens;
+  }
+
+ private:
+  void own_shard(std::int64_t len) {
+    out_.fwd.seq_len.push_back(len);
+    out_.fwd.dst_rank.insert(out_.fwd.dst_rank.end(), C_, -1);
+    out_.fwd.dst_offset.insert(out_.fwd.dst_offset.end(), C_, 0);
+    out_.rev.recv_seq_lens->push_back(len);
+    out_.rev.seq_recv_mask->insert(out_.rev.seq_recv_mask->end(), C_, 0);
+  }
+
+  /// The shard's wire slot at R: a fan entry, its way home (slot `slot` of
+  /// rank r's replica buffer, completed in end_rank), and R's count from r.
+  void arrival(std::size_t r, std::size_t g, std::int64_t start, std::int64_t len, std::int64_t offset, std::size_t slot) {
+    KvFanList& fan = out_.fan;
+    fan.wire_offset.push_back(offset);
+    fan.seq_len.push_back(len);
+    fan.src_rank.push_back(static_cast<std::int64_t>(r));
+    fan.src_shard.push_back(static_cast<std::int64_t>(g));
+    fan.copy_splits.push_back(fan.copy_splits.back());
+    out_.rev.dst_rank.push_back(static_cast<std::int64_t>(r));
+    out_.rev.dst_offset.push_back(start);
+    out_.rev.seq_len.push_back(len);
+    ws_.wire_slot.push_back(static_cast<std::int64_t>(slot));
+    out_.fwd.num_recv_tokens[r] += len;  // within R's wire total, checked
+  }
+
+  std::size_t C_, R_;
+  RankKvWire& out_;
+  RankPlanWorkspace& ws_;
+  std::uint64_t shard_id_ = 0;
+  std::size_t rev_first_ = 0;
+};
+
 /// Rank R's share of a per-rank plan in one pass over the shards in global
 /// order (rank, document, shard). That order is every destination's arrival
 /// order, so running totals per destination give every offset and nothing
 /// the size of the plan is kept: only [W] totals and the outputs.
 class RankStream {
  public:
-  RankStream(std::size_t W, std::size_t C, std::size_t R, RankQkvMetadata& out, RankPlanWorkspace& ws)
-      : C_(C), R_(R), out_(out), ws_(ws) {
+  RankStream(std::size_t W, std::size_t C, std::size_t R, RankQkvMetadata& out, RankPlanWorkspace& ws, RankWireStream* wire)
+      : C_(C), R_(R), out_(out), ws_(ws), wire_(wire) {
     reset_slice(out.q_fwd, R, W, false, 1, 0);
     reset_slice(out.q_rev, R, W, false, 1, 0);
     reset_slice(out.kv_fwd, R, W, true, C, 0);
@@ -289,8 +396,10 @@ class RankStream {
 
   void begin_rank() {
     tokens_ = 0;
+    shards_ = 0;
     rev_first_ = out_.kv_rev.dst_offset.size();
     ws_.slab.clear();
+    if (wire_) wire_->begin_rank();
   }
 
   /// The shards of one document of rank r, in order.
@@ -310,7 +419,9 @@ class RankStream {
       context = kv;
     }
     if (r == R_) own_kv_forward(doc);
+    if (wire_) wire_document(r, doc);
     tokens_ = add_tokens(tokens_, context, "plan_qkv");
+    shards_ += n;
   }
 
   /// Rank r's total is known: its replica buffer is checked and the reverse
@@ -323,10 +434,12 @@ class RankStream {
     auto& offsets = out_.kv_rev.dst_offset;
     for (std::size_t i = rev_first_; i < offsets.size(); ++i) offsets[i] += ws_.slab[i - rev_first_] * tokens_;
     if (r == R_) own_returns(docs);
+    if (wire_) wire_->end_rank(r, tokens_);
   }
 
   void finish() {
     for (RankMetadata* s : {&out_.q_fwd, &out_.q_rev, &out_.kv_fwd, &out_.kv_rev}) finish_slice(*s, "plan_qkv_for_rank");
+    if (wire_) wire_->finish(out_.kv_fwd.num_total_recv_tokens);
   }
 
  private:
@@ -377,6 +490,16 @@ class RankStream {
     }
   }
 
+  /// The document's KV shards on the wire, in order (its group starts are known).
+  void wire_document(std::size_t r, const Document& doc) {
+    const std::size_t n = doc.shard_len.size();
+    std::int64_t context = 0;
+    for (std::size_t k = 0; k < n; ++k) {
+      wire_->shard(r, shards_ + k, tokens_ + context, doc.shard_len[k], doc.dst.data() + k, ws_.group_start.data() + k, context, n - k);
+      context += doc.shard_len[k];  // within the document's total, checked
+    }
+  }
+
   /// What comes back to R: the counts of q_rev and kv_rev (bounded by T_R and
   /// C x T_R, checked in end_rank) and kv_rev's copy mask.
   void own_returns(const std::vector<Document>& docs) {
@@ -398,7 +521,9 @@ class RankStream {
   std::size_t C_, R_;
   RankQkvMetadata& out_;
   RankPlanWorkspace& ws_;
+  RankWireStream* wire_;        // null: no dedup slices
   std::int64_t tokens_ = 0;     // the current rank's tokens so far
+  std::size_t shards_ = 0;      // and its shards
   std::size_t rev_first_ = 0;   // its first kv_rev entry
 };
 
@@ -406,13 +531,18 @@ class RankStream {
 
 /// Rank `rank`'s share of a per-rank plan, written into `out` (its storage is
 /// reused), with `workspace` kept by the caller between steps. Equal to
-/// plan_qkv_for_rank(plan, rank). Throws invalid_input like it; after a
-/// throw `out` holds no meaningful plan.
-inline void plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace) {
+/// plan_qkv_for_rank(plan, rank); with `wire`, also fills the rank's slices of
+/// the deduplicated KV exchange (plan_kv_wire_for_rank) in the same pass.
+/// Throws invalid_input like plan_qkv_for_rank; after a throw the outputs
+/// hold no meaningful plan.
+inline void plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace,
+                              RankKvWire* wire = nullptr) {
   const std::size_t C = detail::check_rank_plan(plan);
   const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
   const std::size_t W = plan.ranks.size();
-  detail::RankStream stream(W, C, R, out, workspace);
+  std::optional<detail::RankWireStream> wire_stream;
+  if (wire) wire_stream.emplace(W, C, R, *wire, workspace);
+  detail::RankStream stream(W, C, R, out, workspace, wire_stream ? &*wire_stream : nullptr);
   for (std::size_t r = 0; r < W; ++r) {
     stream.begin_rank();
     for (const Document& doc : plan.ranks[r].docs) stream.document(r, doc);
@@ -435,6 +565,50 @@ inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int6
   const std::size_t C = detail::check_documents_plan(plan);
   const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
   return detail::plan_shards_for_rank(detail::shard_table(plan, C), R);
+}
+
+namespace detail {
+
+/// Rank R's slices of the deduplicated exchange of a validated shard table.
+inline RankKvWire wire_for_rank(const ShardTable& t, std::size_t R) {
+  const ShardPositions pos = shard_positions(t, "plan_kv_wire_for_rank");
+  const KvGroups groups = kv_groups(t);
+  RankKvWire out;
+  RankPlanWorkspace workspace;
+  RankWireStream wire(t.W, t.C, R, out, workspace);
+  for (std::size_t r = 0; r < t.W; ++r) {
+    wire.begin_rank();
+    for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
+      const std::size_t id = t.by_rank[p];
+      wire.shard(r, p - t.rank_begin[r], pos.start[id], t.len[id], t.dst.data() + id, groups.start.data() + id, t.context[id], t.end_of(id) - id);
+    }
+    wire.end_rank(r, pos.total[r]);
+  }
+  std::int64_t attention = 0;  // R's KV groups, whose total kv_groups checked
+  for (std::size_t p = groups.dest_begin[R]; p < groups.dest_begin[R + 1]; ++p) attention += t.context[groups.arrivals[p]] + t.len[groups.arrivals[p]];
+  wire.finish(attention);
+  return out;
+}
+
+}  // namespace detail
+
+/// plan_kv_wire(plan_qkv(plan)).get_slice(rank): rank `rank`'s slices of
+/// kv_wire_fwd and kv_wire_rev and its fan list, in O(shards + copies + W)
+/// without the global metadata. KvWireDispatcher takes the result directly.
+inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank) {
+  (void)detail::checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
+  RankQkvMetadata share;
+  RankPlanWorkspace workspace;
+  RankKvWire wire;
+  plan_qkv_for_rank(plan, rank, share, workspace, &wire);
+  return wire;
+}
+
+/// The same for a plan in documents form.
+inline RankKvWire plan_kv_wire_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
+  const std::size_t C = detail::check_documents_plan(plan);
+  const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
+  return detail::wire_for_rank(detail::shard_table(plan, C), R);
 }
 
 namespace detail {
