@@ -72,8 +72,9 @@ Options:
   --compact   JSON on one line instead of pretty-printed
   --dedup     (qkv plans; also "dedup": true in the plan) the deduplicated KV
               exchange: the output gains "kv_wire_fwd" and "kv_wire_rev"
-              (each KV shard sent once per destination rank), --summary a
-              line with the KV tokens sent off-rank without and with it
+              (each KV shard sent once per destination rank; with --rank R
+              rank R's slices of them), --summary a line with the KV tokens
+              sent off-rank without and with it
   -h, --help  this help
 
 Exit status: 0 success, 2 invalid input or usage (one line on standard error
@@ -92,7 +93,7 @@ std::string single_line(std::string_view message) {
 /// The planners prefix their messages with their own name; here the message
 /// is about the user's file, so the JSON path alone reads better.
 std::string_view without_planner_prefix(std::string_view message) {
-  for (std::string_view prefix : {"plan_qkv: ", "plan_query: ", "plan_qkv_for_rank: ", "plan_query_for_rank: "}) {
+  for (std::string_view prefix : {"plan_qkv: ", "plan_query: ", "plan_qkv_for_rank: ", "plan_query_for_rank: ", "plan_kv_wire_for_rank: "}) {
     if (message.starts_with(prefix)) return message.substr(prefix.size());
   }
   return message;
@@ -334,8 +335,8 @@ int run_plan(Args args) {
   const bool dedup = options.dedup || cpdispatch::dedup_requested(input);
   if (dedup && plan.index() == 0) cpdispatch::detail::fail("--dedup applies to qkv plans (key-value copies); this is a query plan");
   if (options.rank) {
-    if (dedup) cpdispatch::detail::fail("--dedup does not combine with --rank (the wire metadata is written for all ranks)");
-    const nlohmann::json mine = cpdispatch::rank_metadata_to_json(cpdispatch::plan_metadata_for_rank(plan, *options.rank));
+    const nlohmann::json mine = dedup ? cpdispatch::rank_share_with_wire_to_json(plan, *options.rank)
+                                      : cpdispatch::rank_metadata_to_json(cpdispatch::plan_metadata_for_rank(plan, *options.rank));
     write_svg(options, plan, 1, 1);
     write_json(mine, options.compact);
     return 0;

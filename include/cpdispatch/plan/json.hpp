@@ -718,6 +718,33 @@ inline void add_kv_wire(nlohmann::json& qkv, const KvWireMetadata& wire) {
   qkv["kv_wire_rev"] = wire.rev;
 }
 
+/// Adds one rank's "kv_wire_fwd" and "kv_wire_rev" slices to its share's
+/// JSON object (the rows get_slice gives, as for the other slices).
+inline void add_kv_wire(nlohmann::json& share, const RankKvWire& wire) {
+  share["kv_wire_fwd"] = wire.fwd;
+  share["kv_wire_rev"] = wire.rev;
+}
+
+/// Rank `rank`'s share of a QKV plan with its slices of the deduplicated
+/// exchange, planned without the global metadata (plan_qkv_for_rank and
+/// plan_kv_wire_for_rank; one pass for a per-rank plan).
+inline nlohmann::json rank_share_with_wire_to_json(const Plan& plan, std::int64_t rank) {
+  RankQkvMetadata share;
+  RankKvWire wire;
+  if (const auto* p = std::get_if<QkvPlan>(&plan)) {
+    RankPlanWorkspace workspace;
+    plan_qkv_for_rank(*p, rank, share, workspace, &wire);
+  } else if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) {
+    share = plan_qkv_for_rank(*d, rank);
+    wire = plan_kv_wire_for_rank(*d, rank);
+  } else {
+    detail::fail("plan_kv_wire_for_rank: deduplication applies to qkv plans (key-value copies); this is a query plan");
+  }
+  nlohmann::json out = share;
+  add_kv_wire(out, wire);
+  return out;
+}
+
 inline void to_json(nlohmann::json& j, const QueryPlan& p) {
   j = {{"kind", "query"},
        {"world_size", p.world_size},

@@ -1,0 +1,98 @@
+// cpdispatch-plan --dedup --rank R, run for real: rank R's share gains its
+// kv_wire_fwd / kv_wire_rev slices, equal to the global wire metadata's
+// get_slice(R), the rest unchanged; both plan forms; the errors.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "cpdispatch/plan/json.hpp"
+
+namespace {
+
+using json = nlohmann::json;
+using ::testing::HasSubstr;
+
+// Section 2b's documents plan: a document spanning ranks, two of its query
+// shards attending on rank 1 (the one KV shard rank 1 receives once, not twice).
+const char* const spec_documents = R"({"kind": "qkv", "world_size": 2, "max_cp_degree": 3, "documents": [
+  {"shards": [{"rank": 0, "len": 3, "dst": 1}, {"rank": 1, "len": 2, "dst": 0}, {"rank": 1, "len": 4, "dst": 1}]},
+  {"shards": [{"rank": 0, "len": 5, "dst": 0}]},
+  {"shards": [{"rank": 1, "len": 1, "dst": 1}]}]})";
+
+// A per-rank plan of three ranks, repeated destinations, rank 2 empty.
+const char* const per_rank = R"({"world_size": 3, "ranks": [
+  {"docs": [{"shard_len": [4, 2, 3], "dst": [1, 1, 0]}, {"shard_len": [5], "dst": [2]}]},
+  {"docs": [{"shard_len": [1, 6], "dst": [0, 0]}]},
+  {"docs": []}]})";
+
+struct CliRun {
+  int status = -1;
+  std::string out, err;
+};
+
+/// Runs cpdispatch-plan with `args` on a plan file holding `plan`.
+CliRun run_cli(const std::string& plan, const std::string& args) {
+  // ctest runs the tests of this file as parallel processes: the files are named after the test.
+  const std::string dir = ::testing::TempDir() + "rank-cli-" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string in = dir + "-plan.json", out = dir + "-out.txt", err = dir + "-err.txt";
+  std::ofstream(in) << plan;
+  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int raw = std::system(cmd.c_str());
+  auto slurp = [](const std::string& path) {
+    std::stringstream s;
+    s << std::ifstream(path).rdbuf();
+    return s.str();
+  };
+  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
+}
+
+void expect_round_trip(const char* plan_text) {
+  const cpdispatch::Plan plan = cpdispatch::parse_plan(plan_text);
+  const auto meta = std::get<cpdispatch::QkvMetadata>(cpdispatch::plan_metadata(plan));
+  const cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(meta);
+  for (std::int64_t r = 0; r < wire.fwd.world_size; ++r) {
+    const CliRun with = run_cli(plan_text, "--dedup --rank " + std::to_string(r) + " --compact");
+    ASSERT_EQ(with.status, 0) << with.err;
+    json got = json::parse(with.out);
+    EXPECT_EQ(got.at("kv_wire_fwd"), json(wire.fwd.get_slice(r))) << "rank " << r;
+    EXPECT_EQ(got.at("kv_wire_rev"), json(wire.rev.get_slice(r))) << "rank " << r;
+    const CliRun without = run_cli(plan_text, "--rank " + std::to_string(r));
+    ASSERT_EQ(without.status, 0) << without.err;
+    got.erase("kv_wire_fwd");
+    got.erase("kv_wire_rev");
+    EXPECT_EQ(got, json::parse(without.out)) << "rank " << r;
+  }
+}
+
+TEST(DedupRankCli, DocumentsPlanSlicesEqualTheGlobalWire) { expect_round_trip(spec_documents); }
+
+TEST(DedupRankCli, PerRankPlanSlicesEqualTheGlobalWire) { expect_round_trip(per_rank); }
+
+TEST(DedupRankCli, TheDedupKeyAsksForTheSlicesToo) {
+  json plan = json::parse(per_rank);
+  plan["dedup"] = true;
+  const CliRun r = run_cli(plan.dump(), "--rank 1");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(json::parse(r.out).contains("kv_wire_rev"));
+}
+
+TEST(DedupRankCli, ErrorsAreUsageErrors) {
+  const CliRun out_of_range = run_cli(spec_documents, "--dedup --rank 2");
+  EXPECT_EQ(out_of_range.status, 2);
+  EXPECT_THAT(out_of_range.err, HasSubstr("rank 2 is outside [0, 2)"));
+  EXPECT_EQ(out_of_range.out, "");
+  const CliRun query = run_cli(R"({"world_size": 1, "seq_len": [[2]], "dispatch": [[0]]})", "--dedup --rank 0");
+  EXPECT_EQ(query.status, 2);
+  EXPECT_THAT(query.err, HasSubstr("--dedup applies to qkv plans"));
+  EXPECT_EQ(query.out, "");
+}
+
+}  // namespace
