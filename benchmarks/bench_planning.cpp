@@ -15,6 +15,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
@@ -124,6 +125,90 @@ void BM_PlanQkvForRank(benchmark::State& state) {
   state.counters["entries/s"] = benchmark::Counter(entries, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-BENCHMARK(BM_PlanQkvForRank)->ArgName("W")->Arg(8)->Arg(64)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlanQkvForRank)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
+
+void count_entries(benchmark::State& state, double entries) {
+  state.counters["entries"] = benchmark::Counter(entries);
+  state.counters["entries/s"] = benchmark::Counter(entries, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// Per-rank planning every step into the same output and workspace (the
+/// storage-reusing overload), against BM_PlanQkvForRank's fresh result.
+void BM_PlanQkvForRankReuse(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  cpdispatch::RankQkvMetadata mine;
+  cpdispatch::RankPlanWorkspace workspace;
+  for (auto _ : state) {
+    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
+    benchmark::DoNotOptimize(mine);
+    benchmark::ClobberMemory();
+  }
+  count_entries(state, static_cast<double>(dispatch_entries(plan)));
+}
+
+/// Per-rank planning of the same layout in documents form (a shard table
+/// sorted by home rank instead of one pass over the ranks).
+void BM_PlanQkvForRankDocumentsForm(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvDocumentsPlan plan =
+      cpdispatch::to_documents(cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed));
+  for (auto _ : state) {
+    cpdispatch::RankQkvMetadata mine = cpdispatch::plan_qkv_for_rank(plan, world / 2);
+    benchmark::DoNotOptimize(mine);
+    benchmark::ClobberMemory();
+  }
+  count_entries(state, static_cast<double>(dispatch_entries(plan)));
+}
+
+/// Per-rank planning with the deduplicated exchange's slices in the same
+/// pass (reused storage), against BM_PlanQkvForRankReuse without them.
+void BM_PlanQkvForRankDedup(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  cpdispatch::RankQkvMetadata mine;
+  cpdispatch::RankKvWire wire;
+  cpdispatch::RankPlanWorkspace workspace;
+  for (auto _ : state) {
+    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace, &wire);
+    benchmark::DoNotOptimize(mine);
+    benchmark::DoNotOptimize(wire);
+    benchmark::ClobberMemory();
+  }
+  count_entries(state, static_cast<double>(dispatch_entries(plan)));
+}
+
+/// The same slices from the global route: plan_qkv, plan_kv_wire, get_slice.
+void BM_PlanKvWireGlobalSlice(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  for (auto _ : state) {
+    cpdispatch::RankKvWire wire = cpdispatch::plan_kv_wire(cpdispatch::plan_qkv(plan)).get_slice(world / 2);
+    benchmark::DoNotOptimize(wire);
+    benchmark::ClobberMemory();
+  }
+  count_entries(state, static_cast<double>(dispatch_entries(plan)));
+}
+
+BENCHMARK(BM_PlanQkvForRankReuse)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlanQkvForRankDocumentsForm)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlanQkvForRankDedup)->ArgName("W")->Arg(8)->Arg(64)->Arg(1024)->Arg(16384)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlanKvWireGlobalSlice)->ArgName("W")->Arg(8)->Arg(64)->Arg(1024)->Unit(benchmark::kMillisecond);
+
+/// Global planning every step into the same QkvMetadata (the storage-reusing
+/// overload), against BM_PlanQkv's fresh metadata.
+void BM_PlanQkvReuse(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  cpdispatch::QkvMetadata meta;
+  for (auto _ : state) {
+    cpdispatch::plan_qkv(plan, meta);
+    benchmark::DoNotOptimize(meta);
+    benchmark::ClobberMemory();
+  }
+  count_entries(state, static_cast<double>(dispatch_entries(plan)));
+}
+
+BENCHMARK(BM_PlanQkvReuse)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -149,6 +150,43 @@ Tensor<T> output_copy(const Tensor<T>& src) {
 
 /// A zero [W][W+1] count matrix.
 inline Tensor<std::int64_t> count_matrix(std::size_t W) { return output_tensor<std::int64_t>({W, W + 1}, 0); }
+
+/// Makes `t` a planner output of `shape` filled with `fill`, reusing its
+/// storage when it already has that shape (planning again into the same
+/// metadata then touches no fresh memory).
+template <class T>
+void reuse_output(Tensor<T>& t, const std::vector<std::size_t>& shape, T fill) {
+  if (t.shape() != shape) {
+    t = output_tensor<T>(shape, fill);
+    return;
+  }
+  std::fill(t.flat().begin(), t.flat().end(), fill);
+}
+
+/// Makes `t` a copy of `src`, reusing its storage when the shapes agree.
+template <class T>
+void reuse_copy(Tensor<T>& t, const Tensor<T>& src) {
+  if (t.shape() != src.shape()) {
+    t = output_copy(src);
+    return;
+  }
+  std::copy(src.flat().begin(), src.flat().end(), t.flat().begin());
+}
+
+/// Makes `t` a [W][W+1] count matrix, reusing its storage when it has that
+/// shape. Its contents are left as they are: the planner zeroes each row just
+/// before filling it, so the matrix is written once, row by row, while the
+/// row is in cache.
+inline void reuse_counts(Tensor<std::int64_t>& t, std::size_t W) {
+  if (t.shape() != std::vector<std::size_t>{W, W + 1}) t = count_matrix(W);
+}
+
+/// Row `r` of a count matrix, zeroed, ready to be filled.
+inline std::span<std::int64_t> fresh_row(Tensor<std::int64_t>& counts, std::size_t r) {
+  auto row = counts.row(r);
+  std::fill(row.begin(), row.end(), 0);
+  return row;
+}
 
 /// Converts an int64 tensor to `To`, refusing values outside its range.
 template <class To>

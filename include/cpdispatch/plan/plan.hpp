@@ -179,23 +179,22 @@ inline void set_totals(Metadata& m, const std::vector<std::int64_t>& totals) {
   m.num_total_recv_tokens = totals;
 }
 
-/// Forward and reverse metadata with their final shapes; `M` is the most
-/// entries any destination receives.
-inline QueryMetadata allocate_query(const QueryInput& in, std::size_t M) {
+/// Forward and reverse metadata with their final shapes (storage reused
+/// where the shapes already agree); `M` is the most entries any destination
+/// receives.
+inline void prepare_query(const QueryInput& in, std::size_t M, Metadata& fwd, Metadata& rev) {
   const std::size_t W = in.W;
-  QueryMetadata out;
-  out.fwd.world_size = out.rev.world_size = static_cast<std::int64_t>(W);
-  out.fwd.dst_rank = output_copy(in.dispatch);
-  out.fwd.seq_len = output_copy(in.seq_len);
-  out.fwd.dst_offset = output_tensor<std::int64_t>(in.dispatch.shape(), 0);
-  out.fwd.num_recv_tokens = count_matrix(W);
-  out.fwd.num_seqs = Tensor<std::int64_t>({W}, 0);
-  out.rev.dst_rank = output_tensor<std::int64_t>({W, M}, -1);
-  out.rev.dst_offset = output_tensor<std::int64_t>({W, M}, 0);
-  out.rev.seq_len = output_tensor<std::int64_t>({W, M}, 0);
-  out.rev.num_recv_tokens = count_matrix(W);
-  out.rev.num_seqs = Tensor<std::int64_t>({W}, 0);
-  return out;
+  fwd.world_size = rev.world_size = static_cast<std::int64_t>(W);
+  reuse_copy(fwd.dst_rank, in.dispatch);
+  reuse_copy(fwd.seq_len, in.seq_len);
+  reuse_output<std::int64_t>(fwd.dst_offset, in.dispatch.shape(), 0);
+  reuse_counts(fwd.num_recv_tokens, W);
+  reuse_output<std::int64_t>(fwd.num_seqs, {W}, 0);
+  reuse_output<std::int64_t>(rev.dst_rank, {W, M}, -1);
+  reuse_output<std::int64_t>(rev.dst_offset, {W, M}, 0);
+  reuse_output<std::int64_t>(rev.seq_len, {W, M}, 0);
+  reuse_counts(rev.num_recv_tokens, W);
+  reuse_output<std::int64_t>(rev.num_seqs, {W}, 0);
 }
 
 /// The forward counts [d][s], read back from the reverse rows (each
@@ -205,18 +204,17 @@ inline void count_arrivals(const Metadata& rev, Metadata& fwd) {
   for (std::size_t d = 0; d < rev.num_seqs.size(0); ++d) {
     const auto arrivals = static_cast<std::size_t>(rev.num_seqs(d));
     const auto from = rev.dst_rank.row(d), lens = rev.seq_len.row(d);
-    auto counts = fwd.num_recv_tokens.row(d);
+    auto counts = fresh_row(fwd.num_recv_tokens, d);
     for (std::size_t m = 0; m < arrivals; ++m) counts[static_cast<std::size_t>(from[m])] += lens[m];
   }
 }
 
 /// One pass in global order (r, j, k): each destination receives its entries
 /// back to back, and numbers them m = 0.. for the reverse.
-inline void fill_query(const QueryInput& in, const RowPrefix& prefix, QueryMetadata& out) {
-  Metadata& fwd = out.fwd;
-  Metadata& rev = out.rev;
+inline void fill_query(const QueryInput& in, const RowPrefix& prefix, Metadata& fwd, Metadata& rev) {
   std::vector<std::int64_t> next_offset(in.W, 0), sent(in.W, 0);
   for (std::size_t r = 0; r < in.W; ++r) {
+    (void)fresh_row(rev.num_recv_tokens, r);
     for (std::size_t j = 0; j < in.S; ++j) {
       const std::int64_t len = in.seq_len(r, j);
       if (len == 0) break;  // padding only at the end of a row
@@ -244,10 +242,30 @@ inline void fill_query(const QueryInput& in, const RowPrefix& prefix, QueryMetad
 }
 
 /// 1 where a copy exists: which slabs of the replica buffer come back.
-inline Tensor<std::int64_t> copy_mask(const Tensor<std::int64_t>& dst_rank) {
-  Tensor<std::int64_t> mask = output_tensor<std::int64_t>(dst_rank.shape(), 0);
-  for (std::size_t i = 0; i < dst_rank.numel(); ++i) mask.flat()[i] = dst_rank.flat()[i] >= 0 ? 1 : 0;
-  return mask;
+inline void copy_mask(const Tensor<std::int64_t>& dst_rank, std::optional<Tensor<std::int64_t>>& mask) {
+  if (!mask) mask.emplace();
+  if (mask->shape() != dst_rank.shape()) *mask = output_tensor<std::int64_t>(dst_rank.shape(), 0);
+  for (std::size_t i = 0; i < dst_rank.numel(); ++i) mask->flat()[i] = dst_rank.flat()[i] >= 0 ? 1 : 0;
+}
+
+/// plan_query into `fwd` and `rev`, reusing their storage.
+inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch, Metadata& fwd, Metadata& rev) {
+  const QueryInput in = check_query_shapes(seq_len, dispatch);
+  const std::vector<std::int64_t> entries_to = check_query_entries(in);
+  const RowPrefix prefix = row_prefix(seq_len, in.C, "plan_query");
+  const auto M = static_cast<std::size_t>(*std::max_element(entries_to.begin(), entries_to.end()));
+  prepare_query(in, M, fwd, rev);
+  fill_query(in, prefix, fwd, rev);
+  fwd.seq_recv_mask.reset();
+  fwd.recv_seq_lens.reset();
+  if (!in.copies) {
+    rev.seq_recv_mask.reset();
+    rev.recv_seq_lens.reset();
+    return;
+  }
+  copy_mask(dispatch, rev.seq_recv_mask);
+  if (!rev.recv_seq_lens) rev.recv_seq_lens.emplace();
+  reuse_copy(*rev.recv_seq_lens, seq_len);
 }
 
 }  // namespace detail
@@ -256,16 +274,8 @@ inline Tensor<std::int64_t> copy_mask(const Tensor<std::int64_t>& dst_rank) {
 /// [W][S]; `dispatch` is [W][S] (one destination per shard) or [W][S][C]
 /// (-1 = no copy).
 inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch) {
-  const detail::QueryInput in = detail::check_query_shapes(seq_len, dispatch);
-  const std::vector<std::int64_t> entries_to = detail::check_query_entries(in);
-  const detail::RowPrefix prefix = detail::row_prefix(seq_len, in.C, "plan_query");
-  const auto M = static_cast<std::size_t>(*std::max_element(entries_to.begin(), entries_to.end()));
-  QueryMetadata out = detail::allocate_query(in, M);
-  detail::fill_query(in, prefix, out);
-  if (in.copies) {
-    out.rev.seq_recv_mask = detail::copy_mask(dispatch);
-    out.rev.recv_seq_lens = detail::output_copy(seq_len);
-  }
+  QueryMetadata out;
+  detail::plan_query_into(seq_len, dispatch, out.fwd, out.rev);
   return out;
 }
 
@@ -492,10 +502,10 @@ inline KvGroups kv_groups(const ShardTable& t) {
 /// charged to the shards' home ranks; filled one destination row at a time.
 /// Column W holds each row's total (bounded by the groups' total, which
 /// kv_groups checked).
-inline Tensor<std::int64_t> kv_arrival_counts(const ShardTable& t, const KvGroups& g) {
-  Tensor<std::int64_t> counts = count_matrix(t.W);
+inline void kv_arrival_counts(const ShardTable& t, const KvGroups& g, Tensor<std::int64_t>& counts) {
+  reuse_counts(counts, t.W);
   for (std::size_t d = 0; d < t.W; ++d) {
-    auto row = counts.row(d);
+    auto row = fresh_row(counts, d);
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
       const std::size_t q = g.arrivals[p];
       for (std::size_t kv = t.first_of(q); kv <= q; ++kv) {
@@ -504,17 +514,16 @@ inline Tensor<std::int64_t> kv_arrival_counts(const ShardTable& t, const KvGroup
       }
     }
   }
-  return counts;
 }
 
 /// kv_rev's counts [r][d]: the copies of each home rank's KV shards, charged
 /// to the destinations they return from; filled one home row at a time.
 /// Column W holds each row's total (bounded by C x T_r, which row_prefix
 /// checked).
-inline Tensor<std::int64_t> kv_return_counts(const ShardTable& t) {
-  Tensor<std::int64_t> counts = count_matrix(t.W);
+inline void kv_return_counts(const ShardTable& t, Tensor<std::int64_t>& counts) {
+  reuse_counts(counts, t.W);
   for (std::size_t r = 0; r < t.W; ++r) {
-    auto row = counts.row(r);
+    auto row = fresh_row(counts, r);
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p];
       for (std::size_t q = id; q < t.end_of(id); ++q) {
@@ -523,7 +532,6 @@ inline Tensor<std::int64_t> kv_return_counts(const ShardTable& t) {
       }
     }
   }
-  return counts;
 }
 
 /// Column W of a count matrix: num_total_recv_tokens.
@@ -537,14 +545,16 @@ inline std::vector<std::int64_t> row_totals(const Tensor<std::int64_t>& counts) 
 /// kv_fwd: KV shard k of a document goes in one copy per query shard
 /// k..n-1, copy c to the group of query shard k + c. Counts follow the
 /// bytes: they are charged to the KV shard's home rank.
-inline Metadata kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& num_seqs) {
+inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& num_seqs,
+                       Metadata& fwd) {
   const std::size_t W = t.W, S = t.S, C = t.C;
-  Metadata fwd;
   fwd.world_size = static_cast<std::int64_t>(W);
-  fwd.dst_rank = output_tensor<std::int64_t>({W, S, C}, -1);
-  fwd.dst_offset = output_tensor<std::int64_t>({W, S, C}, 0);
-  fwd.seq_len = output_copy(seq_len);
-  fwd.num_seqs = num_seqs;
+  reuse_output<std::int64_t>(fwd.dst_rank, {W, S, C}, -1);
+  reuse_output<std::int64_t>(fwd.dst_offset, {W, S, C}, 0);
+  reuse_copy(fwd.seq_len, seq_len);
+  reuse_copy(fwd.num_seqs, num_seqs);
+  fwd.seq_recv_mask.reset();
+  fwd.recv_seq_lens.reset();
   for (std::size_t r = 0; r < W; ++r) {
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p], j = p - t.rank_begin[r];
@@ -555,9 +565,8 @@ inline Metadata kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<
       }
     }
   }
-  fwd.num_recv_tokens = kv_arrival_counts(t, g);
+  kv_arrival_counts(t, g, fwd.num_recv_tokens);
   fwd.num_total_recv_tokens = row_totals(fwd.num_recv_tokens);
-  return fwd;
 }
 
 /// Where each shard starts in its home's send buffer, by shard id: a
@@ -570,14 +579,13 @@ inline std::vector<std::int64_t> send_starts(const ShardTable& t, const RowPrefi
 
 /// kv_rev: at each destination the KV groups in order, shards in order; each
 /// entry returns to slab c (its copy) of its home's [C][T] replica buffer.
-inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& prefix, const Tensor<std::int64_t>& seq_len) {
+inline void kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& prefix, const Tensor<std::int64_t>& seq_len, Metadata& rev) {
   const std::size_t W = t.W, M = g.most_entries;
-  Metadata rev;
   rev.world_size = static_cast<std::int64_t>(W);
-  rev.dst_rank = output_tensor<std::int64_t>({W, M}, -1);
-  rev.dst_offset = output_tensor<std::int64_t>({W, M}, 0);
-  rev.seq_len = output_tensor<std::int64_t>({W, M}, 0);
-  rev.num_seqs = Tensor<std::int64_t>({W}, 0);
+  reuse_output<std::int64_t>(rev.dst_rank, {W, M}, -1);
+  reuse_output<std::int64_t>(rev.dst_offset, {W, M}, 0);
+  reuse_output<std::int64_t>(rev.seq_len, {W, M}, 0);
+  reuse_output<std::int64_t>(rev.num_seqs, {W}, 0);
   const std::vector<std::int64_t> start = send_starts(t, prefix);
   for (std::size_t d = 0; d < W; ++d) {
     std::size_t m = 0;
@@ -592,16 +600,18 @@ inline Metadata kv_reverse(const ShardTable& t, const KvGroups& g, const RowPref
     }
     rev.num_seqs(d) = static_cast<std::int64_t>(m);
   }
-  rev.num_recv_tokens = kv_return_counts(t);
+  kv_return_counts(t, rev.num_recv_tokens);
   rev.num_total_recv_tokens = row_totals(rev.num_recv_tokens);
-  rev.recv_seq_lens = output_copy(seq_len);
-  return rev;
+  if (!rev.recv_seq_lens) rev.recv_seq_lens.emplace();
+  reuse_copy(*rev.recv_seq_lens, seq_len);
 }
 
 /// What a varlen attention kernel needs at each destination.
-inline AttentionLayout attention_layout(const ShardTable& t, const KvGroups& g) {
-  AttentionLayout attn;
-  for (auto* v : {&attn.seqlens_q, &attn.seqlens_kv, &attn.cu_seqlens_q, &attn.cu_seqlens_kv}) v->resize(t.W);
+inline void attention_layout(const ShardTable& t, const KvGroups& g, AttentionLayout& attn) {
+  for (auto* v : {&attn.seqlens_q, &attn.seqlens_kv, &attn.cu_seqlens_q, &attn.cu_seqlens_kv}) {
+    v->resize(t.W);
+    for (auto& row : *v) row.clear();  // keeps each row's memory for the next plan
+  }
   attn.max_seqlen_q.assign(t.W, 0);
   attn.max_seqlen_kv.assign(t.W, 0);
   for (std::size_t d = 0; d < t.W; ++d) {
@@ -621,23 +631,19 @@ inline AttentionLayout attention_layout(const ShardTable& t, const KvGroups& g) 
       attn.max_seqlen_kv[d] = std::max(attn.max_seqlen_kv[d], kv);
     }
   }
-  return attn;
 }
 
-/// Plans a validated shard table: queries, KV forward and reverse, attention layout.
-inline QkvMetadata plan_shards(const ShardTable& t) {
+/// Plans a validated shard table into `out`: queries, KV forward and
+/// reverse, attention layout.
+inline void plan_shards(const ShardTable& t, QkvMetadata& out) {
   const Tensor<std::int64_t> seq_len = t.rank_major(t.len, 0);
-  QkvMetadata out;
-  QueryMetadata q = plan_query(seq_len, t.rank_major(t.dst, -1));
-  out.q_fwd = std::move(q.fwd);
-  out.q_rev = std::move(q.rev);
+  plan_query_into(seq_len, t.rank_major(t.dst, -1), out.q_fwd, out.q_rev);
   const RowPrefix prefix = row_prefix(seq_len, t.C, "plan_qkv");
   const KvGroups groups = kv_groups(t);
-  out.kv_fwd = kv_forward(t, groups, seq_len, out.q_fwd.num_seqs);
-  out.kv_rev = kv_reverse(t, groups, prefix, seq_len);
-  out.kv_rev.seq_recv_mask = copy_mask(out.kv_fwd.dst_rank);
-  out.attn = attention_layout(t, groups);
-  return out;
+  kv_forward(t, groups, seq_len, out.q_fwd.num_seqs, out.kv_fwd);
+  kv_reverse(t, groups, prefix, seq_len, out.kv_rev);
+  copy_mask(out.kv_fwd.dst_rank, out.kv_rev.seq_recv_mask);
+  attention_layout(t, groups, out.attn);
 }
 
 }  // namespace detail
@@ -645,7 +651,18 @@ inline QkvMetadata plan_shards(const ShardTable& t) {
 /// QKV planning from per-rank documents (section 2 of docs/plan-format.md).
 inline QkvMetadata plan_qkv(const QkvPlan& plan) {
   const std::size_t C = detail::check_rank_plan(plan);
-  return detail::plan_shards(detail::shard_table(plan, C));
+  QkvMetadata out;
+  detail::plan_shards(detail::shard_table(plan, C), out);
+  return out;
+}
+
+/// plan_qkv(plan) written into `out`, reusing its storage where the shapes
+/// agree: a job that plans every step into the same QkvMetadata touches no
+/// fresh memory for the W x (W+1) count matrices. Throws invalid_input like
+/// plan_qkv; after a throw `out` holds no meaningful plan.
+inline void plan_qkv(const QkvPlan& plan, QkvMetadata& out) {
+  const std::size_t C = detail::check_rank_plan(plan);
+  detail::plan_shards(detail::shard_table(plan, C), out);
 }
 
 /// QKV planning from documents whose shards may live on several home ranks
@@ -653,7 +670,15 @@ inline QkvMetadata plan_qkv(const QkvPlan& plan) {
 /// to_documents() form give identical metadata.
 inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan) {
   const std::size_t C = detail::check_documents_plan(plan);
-  return detail::plan_shards(detail::shard_table(plan, C));
+  QkvMetadata out;
+  detail::plan_shards(detail::shard_table(plan, C), out);
+  return out;
+}
+
+/// The same into `out`, reusing its storage (see plan_qkv(const QkvPlan&, QkvMetadata&)).
+inline void plan_qkv(const QkvDocumentsPlan& plan, QkvMetadata& out) {
+  const std::size_t C = detail::check_documents_plan(plan);
+  detail::plan_shards(detail::shard_table(plan, C), out);
 }
 
 }  // namespace cpdispatch
