@@ -173,20 +173,26 @@ void reuse_copy(Tensor<T>& t, const Tensor<T>& src) {
   std::copy(src.flat().begin(), src.flat().end(), t.flat().begin());
 }
 
-/// Makes `t` a [W][W+1] count matrix, reusing its storage when it has that
-/// shape. Its contents are left as they are: the planner zeroes each row just
-/// before filling it, so the matrix is written once, row by row, while the
-/// row is in cache.
-inline void reuse_counts(Tensor<std::int64_t>& t, std::size_t W) {
-  if (t.shape() != std::vector<std::size_t>{W, W + 1}) t = count_matrix(W);
-}
+/// A [W][W+1] count matrix being filled row by row, its storage reused when
+/// it already has that shape. Fresh storage is zero already (and untouched);
+/// reused storage has each row zeroed just before it is filled, while the
+/// row is in cache. Either way the matrix is written once.
+class CountRows {
+ public:
+  CountRows(Tensor<std::int64_t>& counts, std::size_t W) : counts_(counts), fresh_(counts.shape() != std::vector<std::size_t>{W, W + 1}) {
+    if (fresh_) counts = count_matrix(W);
+  }
+  /// Row `r`, all zero, to be filled now.
+  std::span<std::int64_t> row(std::size_t r) {
+    auto row = counts_.row(r);
+    if (!fresh_) std::fill(row.begin(), row.end(), 0);
+    return row;
+  }
 
-/// Row `r` of a count matrix, zeroed, ready to be filled.
-inline std::span<std::int64_t> fresh_row(Tensor<std::int64_t>& counts, std::size_t r) {
-  auto row = counts.row(r);
-  std::fill(row.begin(), row.end(), 0);
-  return row;
-}
+ private:
+  Tensor<std::int64_t>& counts_;
+  bool fresh_;
+};
 
 /// Converts an int64 tensor to `To`, refusing values outside its range.
 template <class To>

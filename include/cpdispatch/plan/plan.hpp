@@ -188,12 +188,10 @@ inline void prepare_query(const QueryInput& in, std::size_t M, Metadata& fwd, Me
   reuse_copy(fwd.dst_rank, in.dispatch);
   reuse_copy(fwd.seq_len, in.seq_len);
   reuse_output<std::int64_t>(fwd.dst_offset, in.dispatch.shape(), 0);
-  reuse_counts(fwd.num_recv_tokens, W);
   reuse_output<std::int64_t>(fwd.num_seqs, {W}, 0);
   reuse_output<std::int64_t>(rev.dst_rank, {W, M}, -1);
   reuse_output<std::int64_t>(rev.dst_offset, {W, M}, 0);
   reuse_output<std::int64_t>(rev.seq_len, {W, M}, 0);
-  reuse_counts(rev.num_recv_tokens, W);
   reuse_output<std::int64_t>(rev.num_seqs, {W}, 0);
 }
 
@@ -201,10 +199,11 @@ inline void prepare_query(const QueryInput& in, std::size_t M, Metadata& fwd, Me
 /// destination's arrivals, in order) so the W x (W+1) matrix is written row
 /// by row rather than one scattered column per source.
 inline void count_arrivals(const Metadata& rev, Metadata& fwd) {
+  CountRows rows(fwd.num_recv_tokens, rev.num_seqs.size(0));
   for (std::size_t d = 0; d < rev.num_seqs.size(0); ++d) {
     const auto arrivals = static_cast<std::size_t>(rev.num_seqs(d));
     const auto from = rev.dst_rank.row(d), lens = rev.seq_len.row(d);
-    auto counts = fresh_row(fwd.num_recv_tokens, d);
+    auto counts = rows.row(d);
     for (std::size_t m = 0; m < arrivals; ++m) counts[static_cast<std::size_t>(from[m])] += lens[m];
   }
 }
@@ -213,8 +212,9 @@ inline void count_arrivals(const Metadata& rev, Metadata& fwd) {
 /// back to back, and numbers them m = 0.. for the reverse.
 inline void fill_query(const QueryInput& in, const RowPrefix& prefix, Metadata& fwd, Metadata& rev) {
   std::vector<std::int64_t> next_offset(in.W, 0), sent(in.W, 0);
+  CountRows rows(rev.num_recv_tokens, in.W);
   for (std::size_t r = 0; r < in.W; ++r) {
-    (void)fresh_row(rev.num_recv_tokens, r);
+    (void)rows.row(r);
     for (std::size_t j = 0; j < in.S; ++j) {
       const std::int64_t len = in.seq_len(r, j);
       if (len == 0) break;  // padding only at the end of a row
@@ -503,9 +503,9 @@ inline KvGroups kv_groups(const ShardTable& t) {
 /// Column W holds each row's total (bounded by the groups' total, which
 /// kv_groups checked).
 inline void kv_arrival_counts(const ShardTable& t, const KvGroups& g, Tensor<std::int64_t>& counts) {
-  reuse_counts(counts, t.W);
+  CountRows rows(counts, t.W);
   for (std::size_t d = 0; d < t.W; ++d) {
-    auto row = fresh_row(counts, d);
+    auto row = rows.row(d);
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
       const std::size_t q = g.arrivals[p];
       for (std::size_t kv = t.first_of(q); kv <= q; ++kv) {
@@ -521,9 +521,9 @@ inline void kv_arrival_counts(const ShardTable& t, const KvGroups& g, Tensor<std
 /// Column W holds each row's total (bounded by C x T_r, which row_prefix
 /// checked).
 inline void kv_return_counts(const ShardTable& t, Tensor<std::int64_t>& counts) {
-  reuse_counts(counts, t.W);
+  CountRows rows(counts, t.W);
   for (std::size_t r = 0; r < t.W; ++r) {
-    auto row = fresh_row(counts, r);
+    auto row = rows.row(r);
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p];
       for (std::size_t q = id; q < t.end_of(id); ++q) {
