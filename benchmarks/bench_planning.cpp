@@ -12,6 +12,7 @@
 // documents continue over consecutive ranks.
 
 #include <cstdint>
+#include <ctime>
 
 #include <benchmark/benchmark.h>
 
@@ -210,5 +211,61 @@ void BM_PlanQkvReuse(benchmark::State& state) {
 }
 
 BENCHMARK(BM_PlanQkvReuse)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
+
+/// CPU seconds of this process so far (the phases below are timed in CPU
+/// time: the machine is shared).
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+/// plan_qkv's phases one by one, each a counter in ms of CPU per plan:
+/// validate, shard table, queries (q_fwd and q_rev are written in one pass),
+/// KV groups, kv_fwd, kv_rev (with its copy mask), attention layout. Arg
+/// `reuse` 1 plans into the same QkvMetadata every time (steady state), 0
+/// into a fresh one.
+void BM_PlanQkvPhases(benchmark::State& state) {
+  namespace d = cpdispatch::detail;
+  const std::int64_t world = state.range(0);
+  const bool reuse = state.range(1) != 0;
+  const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  const char* names[] = {"validate_ms", "shard_table_ms", "q_fwd+q_rev_ms", "kv_groups_ms", "kv_fwd_ms", "kv_rev_ms", "attn_ms"};
+  double spent[7] = {};
+  cpdispatch::QkvMetadata kept;
+  for (auto _ : state) {
+    cpdispatch::QkvMetadata fresh;
+    cpdispatch::QkvMetadata& out = reuse ? kept : fresh;
+    double at = cpu_seconds();
+    auto lap = [&](int phase) {
+      const double now = cpu_seconds();
+      spent[phase] += now - at;
+      at = now;
+    };
+    const std::size_t C = d::check_rank_plan(plan);
+    lap(0);
+    const d::ShardTable t = d::shard_table(plan, C);
+    lap(1);
+    const cpdispatch::Tensor<std::int64_t> seq_len = t.rank_major(t.len, 0);
+    d::plan_query_into(seq_len, t.rank_major(t.dst, -1), out.q_fwd, out.q_rev);
+    lap(2);
+    const d::RowPrefix prefix = d::row_prefix(seq_len, t.C, "plan_qkv");
+    const d::KvGroups groups = d::kv_groups(t);
+    lap(3);
+    d::kv_forward(t, groups, seq_len, out.q_fwd.num_seqs, out.kv_fwd);
+    lap(4);
+    d::kv_reverse(t, groups, prefix, seq_len, out.kv_rev);
+    d::copy_mask(out.kv_fwd.dst_rank, out.kv_rev.seq_recv_mask);
+    lap(5);
+    d::attention_layout(t, groups, out.attn);
+    lap(6);
+    benchmark::DoNotOptimize(out);
+    benchmark::ClobberMemory();
+  }
+  for (int i = 0; i < 7; ++i) state.counters[names[i]] = benchmark::Counter(1e3 * spent[i] / static_cast<double>(state.iterations()));
+  count_entries(state, static_cast<double>(dispatch_entries(plan)));
+}
+
+BENCHMARK(BM_PlanQkvPhases)->ArgNames({"W", "reuse"})->Args({1024, 0})->Args({1024, 1})->Args({4096, 0})->Args({4096, 1})->Unit(benchmark::kMillisecond);
 
 }  // namespace
