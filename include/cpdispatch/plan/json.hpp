@@ -632,23 +632,48 @@ inline void from_json(const nlohmann::json& j, QkvMetadata& q) { q = qkv_metadat
 // ---------------------------------------------------------------- writing
 // nlohmann-json's adl_serializer hooks: `nlohmann::json j = metadata;`.
 
-/// The format's keys (absent ones null, masks 0/1) plus world_size, has_copies,
-/// num_copies (C, 1 for 2-D) and mask_copies (C of seq_recv_mask, or null):
-/// they keep empty shapes exact on a round trip.
+namespace detail {
+
+/// The fields of a Metadata object (global or one rank's slice), each
+/// already in its JSON shape; an absent mask is null.
+struct MetadataFields {
+  std::int64_t world_size = 0;
+  bool has_copies = false;
+  std::size_t num_copies = 1;
+  nlohmann::json dst_rank, dst_offset, seq_len, num_recv_tokens, num_seqs;
+  nlohmann::json seq_recv_mask, mask_copies, recv_seq_lens;  // null when absent
+};
+
+/// The format's keys (absent ones null, masks 0/1) plus world_size,
+/// has_copies, num_copies (C, 1 for 2-D) and mask_copies (C of
+/// seq_recv_mask, or null): they keep empty shapes exact on a round trip.
+inline nlohmann::json metadata_object(MetadataFields f) {
+  nlohmann::json j = nlohmann::json::object();
+  j["world_size"] = f.world_size;
+  j["has_copies"] = f.has_copies;
+  j["num_copies"] = f.num_copies;
+  j["dst_rank"] = std::move(f.dst_rank);
+  j["dst_offset"] = std::move(f.dst_offset);
+  j["seq_len"] = std::move(f.seq_len);
+  j["num_recv_tokens"] = std::move(f.num_recv_tokens);
+  j["num_seqs"] = std::move(f.num_seqs);
+  j["seq_recv_mask"] = std::move(f.seq_recv_mask);
+  j["mask_copies"] = std::move(f.mask_copies);
+  j["recv_seq_lens"] = std::move(f.recv_seq_lens);
+  return j;
+}
+
+}  // namespace detail
+
+/// A Metadata object (detail::metadata_object's keys) of the whole plan.
 inline void to_json(nlohmann::json& j, const Metadata& m) {
   using detail::tensor_to_json;
-  j = nlohmann::json::object();
-  j["world_size"] = m.world_size;
-  j["has_copies"] = m.has_copies();
-  j["num_copies"] = m.num_copies();
-  j["dst_rank"] = tensor_to_json(m.dst_rank);
-  j["dst_offset"] = tensor_to_json(m.dst_offset);
-  j["seq_len"] = tensor_to_json(m.seq_len);
-  j["num_recv_tokens"] = tensor_to_json(m.num_recv_tokens);
-  j["num_seqs"] = tensor_to_json(m.num_seqs);
-  j["seq_recv_mask"] = m.seq_recv_mask ? tensor_to_json(*m.seq_recv_mask) : nlohmann::json(nullptr);
-  j["mask_copies"] = m.seq_recv_mask ? nlohmann::json(m.seq_recv_mask->size(2)) : nlohmann::json(nullptr);
-  j["recv_seq_lens"] = m.recv_seq_lens ? tensor_to_json(*m.recv_seq_lens) : nlohmann::json(nullptr);
+  const bool masked = m.seq_recv_mask.has_value();
+  j = detail::metadata_object({m.world_size, m.has_copies(), m.num_copies(), tensor_to_json(m.dst_rank), tensor_to_json(m.dst_offset),
+                               tensor_to_json(m.seq_len), tensor_to_json(m.num_recv_tokens), tensor_to_json(m.num_seqs),
+                               masked ? tensor_to_json(*m.seq_recv_mask) : nlohmann::json(nullptr),
+                               masked ? nlohmann::json(m.seq_recv_mask->size(2)) : nlohmann::json(nullptr),
+                               m.recv_seq_lens ? tensor_to_json(*m.recv_seq_lens) : nlohmann::json(nullptr)});
 }
 
 inline void to_json(nlohmann::json& j, const AttentionLayout& a) {
@@ -682,19 +707,13 @@ inline nlohmann::json rows_of(const std::vector<std::int64_t>& values, std::size
 /// num_seqs the count, seq_recv_mask [shards][C] and recv_seq_lens [shards]
 /// or null; plus rank, world_size, has_copies, num_copies, mask_copies.
 inline void to_json(nlohmann::json& j, const RankMetadata& m) {
-  j = nlohmann::json::object();
+  const bool masked = m.seq_recv_mask.has_value();
+  j = detail::metadata_object({m.world_size, m.has_copies, m.num_copies, detail::rows_of(m.dst_rank, m.num_copies, m.has_copies),
+                               detail::rows_of(m.dst_offset, m.num_copies, m.has_copies), m.seq_len, m.num_recv_tokens, m.num_seqs,
+                               masked ? detail::rows_of(*m.seq_recv_mask, m.mask_copies, true) : nlohmann::json(nullptr),
+                               masked ? nlohmann::json(m.mask_copies) : nlohmann::json(nullptr),
+                               m.recv_seq_lens ? nlohmann::json(*m.recv_seq_lens) : nlohmann::json(nullptr)});
   j["rank"] = m.rank;
-  j["world_size"] = m.world_size;
-  j["has_copies"] = m.has_copies;
-  j["num_copies"] = m.num_copies;
-  j["dst_rank"] = detail::rows_of(m.dst_rank, m.num_copies, m.has_copies);
-  j["dst_offset"] = detail::rows_of(m.dst_offset, m.num_copies, m.has_copies);
-  j["seq_len"] = m.seq_len;
-  j["num_recv_tokens"] = m.num_recv_tokens;
-  j["num_seqs"] = m.num_seqs;
-  j["seq_recv_mask"] = m.seq_recv_mask ? detail::rows_of(*m.seq_recv_mask, m.mask_copies, true) : nlohmann::json(nullptr);
-  j["mask_copies"] = m.seq_recv_mask ? nlohmann::json(m.mask_copies) : nlohmann::json(nullptr);
-  j["recv_seq_lens"] = m.recv_seq_lens ? nlohmann::json(*m.recv_seq_lens) : nlohmann::json(nullptr);
 }
 
 inline void to_json(nlohmann::json& j, const RankAttentionLayout& a) {
