@@ -162,6 +162,22 @@ void BM_PlanQkvForRankDocumentsForm(benchmark::State& state) {
   count_entries(state, static_cast<double>(dispatch_entries(plan)));
 }
 
+/// The documents form planned every step with a kept workspace (its shard
+/// table rebuilt in place), against BM_PlanQkvForRankDocumentsForm.
+void BM_PlanQkvForRankDocumentsFormReuse(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvDocumentsPlan plan =
+      cpdispatch::to_documents(cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed));
+  cpdispatch::RankQkvMetadata mine;
+  cpdispatch::RankPlanWorkspace workspace;
+  for (auto _ : state) {
+    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
+    benchmark::DoNotOptimize(mine);
+    benchmark::ClobberMemory();
+  }
+  count_entries(state, static_cast<double>(dispatch_entries(plan)));
+}
+
 /// Per-rank planning with the deduplicated exchange's slices in the same
 /// pass (reused storage), against BM_PlanQkvForRankReuse without them.
 void BM_PlanQkvForRankDedup(benchmark::State& state) {
@@ -193,6 +209,7 @@ void BM_PlanKvWireGlobalSlice(benchmark::State& state) {
 
 BENCHMARK(BM_PlanQkvForRankReuse)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PlanQkvForRankDocumentsForm)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlanQkvForRankDocumentsFormReuse)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PlanQkvForRankDedup)->ArgName("W")->Arg(8)->Arg(64)->Arg(1024)->Arg(16384)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PlanKvWireGlobalSlice)->ArgName("W")->Arg(8)->Arg(64)->Arg(1024)->Unit(benchmark::kMillisecond);
 

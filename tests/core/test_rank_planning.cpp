@@ -108,7 +108,7 @@ TEST(RankPlanning, InvalidPlansFailLikeTheGlobalPlanner) {
 // One output and workspace kept over many planning steps (plans growing and
 // shrinking, other ranks): every step equals a fresh plan_qkv_for_rank.
 TEST(RankPlanning, ReusedStorageGivesTheSameShares) {
-  cpdispatch::RankQkvMetadata kept;
+  cpdispatch::RankQkvMetadata kept, kept_documents;
   cpdispatch::RankPlanWorkspace workspace;
   for (std::uint64_t seed = 1; seed <= 40; ++seed) {
     const cpdispatch::QkvPlan plan = cptest::to_plan(cptest::random_qkv_plan(seed, {seed % 2 ? 64 : 3, 3, 8, 30}));
@@ -122,6 +122,14 @@ TEST(RankPlanning, ReusedStorageGivesTheSameShares) {
     ASSERT_EQ(kept.attn.cu_seqlens_kv, fresh.attn.cu_seqlens_kv) << "seed " << seed;
     ASSERT_EQ(kept.attn.seqlens_q, fresh.attn.seqlens_q) << "seed " << seed;
     ASSERT_EQ(kept.attn.max_seqlen_kv, fresh.attn.max_seqlen_kv) << "seed " << seed;
+    // The documents form through the same workspace (its shard table rebuilt in place).
+    cpdispatch::plan_qkv_for_rank(cpdispatch::to_documents(plan), r, kept_documents, workspace);
+    for (auto [got, want, name] : {std::tuple{&kept_documents.q_fwd, &fresh.q_fwd, "q_fwd"}, std::tuple{&kept_documents.q_rev, &fresh.q_rev, "q_rev"},
+                                   std::tuple{&kept_documents.kv_fwd, &fresh.kv_fwd, "kv_fwd"},
+                                   std::tuple{&kept_documents.kv_rev, &fresh.kv_rev, "kv_rev"}}) {
+      ASSERT_TRUE(same_slice(*got, *want, name)) << "documents form, seed " << seed;
+    }
+    ASSERT_EQ(kept_documents.attn.cu_seqlens_kv, fresh.attn.cu_seqlens_kv) << "documents form, seed " << seed;
   }
 }
 

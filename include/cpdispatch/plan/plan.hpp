@@ -391,6 +391,14 @@ struct ShardTable {
   std::size_t first_of(std::size_t id) const noexcept { return doc_begin[doc[id]]; }
   std::size_t end_of(std::size_t id) const noexcept { return doc_begin[doc[id] + 1]; }
 
+  /// Empty, keeping the memory of every field (a table refilled each step).
+  void clear() {
+    for (auto* v : {&len, &dst, &context}) v->clear();
+    for (auto* v : {&home, &local, &doc, &by_rank}) v->clear();
+    doc_begin.assign(1, 0);
+    W = S = 0;
+    C = 1;
+  }
   void reserve(std::size_t n) {
     for (auto* v : {&len, &dst, &context}) v->reserve(n);
     for (auto* v : {&home, &local, &doc}) v->reserve(n);
@@ -453,8 +461,9 @@ inline ShardTable shard_table(const QkvPlan& plan, std::size_t C) {
   return t;
 }
 
-inline ShardTable shard_table(const QkvDocumentsPlan& plan, std::size_t C) {
-  ShardTable t;
+/// The shard table of a documents-form plan, written into `t` (its memory reused).
+inline void shard_table(const QkvDocumentsPlan& plan, std::size_t C, ShardTable& t) {
+  t.clear();
   std::size_t n = 0;
   for (const PackedDocument& d : plan.documents) n += d.shards.size();
   t.reserve(n);
@@ -463,6 +472,11 @@ inline ShardTable shard_table(const QkvDocumentsPlan& plan, std::size_t C) {
     t.end_document();
   }
   t.place(static_cast<std::size_t>(plan.world_size), C);
+}
+
+inline ShardTable shard_table(const QkvDocumentsPlan& plan, std::size_t C) {
+  ShardTable t;
+  shard_table(plan, C, t);
   return t;
 }
 
@@ -475,8 +489,9 @@ struct KvGroups {
   std::size_t most_entries = 0;         // the most KV shards one destination receives
 };
 
-inline KvGroups kv_groups(const ShardTable& t) {
-  KvGroups g;
+/// The KV groups of `t`, written into `g` (its memory reused).
+inline void kv_groups(const ShardTable& t, KvGroups& g) {
+  g.most_entries = 0;
   g.start.assign(t.size(), 0);
   g.dest_begin.assign(t.W + 1, 0);
   for (std::size_t id : t.by_rank) ++g.dest_begin[static_cast<std::size_t>(t.dst[id]) + 1];
@@ -495,6 +510,11 @@ inline KvGroups kv_groups(const ShardTable& t) {
     }
     g.most_entries = std::max(g.most_entries, entries);
   }
+}
+
+inline KvGroups kv_groups(const ShardTable& t) {
+  KvGroups g;
+  kv_groups(t, g);
   return g;
 }
 

@@ -57,8 +57,9 @@ struct ShardPositions {
   std::vector<std::int64_t> total;  // [W]
 };
 
-inline ShardPositions shard_positions(const ShardTable& t, const char* who) {
-  ShardPositions pos{std::vector<std::int64_t>(t.size(), 0), std::vector<std::int64_t>(t.W, 0)};
+inline void shard_positions(const ShardTable& t, const char* who, ShardPositions& pos) {
+  pos.start.resize(t.size());  // every entry is written below
+  pos.total.resize(t.W);
   const auto copies = static_cast<std::int64_t>(t.C);
   for (std::size_t r = 0; r < t.W; ++r) {
     std::int64_t at = 0;
@@ -71,7 +72,6 @@ inline ShardPositions shard_positions(const ShardTable& t, const char* who) {
     }
     pos.total[r] = at;
   }
-  return pos;
 }
 
 /// An empty slice of rank `rank` with `copies` copies per entry.
@@ -212,25 +212,32 @@ inline std::size_t checked_rank(std::int64_t rank, std::int64_t world_size, cons
   return static_cast<std::size_t>(rank);
 }
 
-/// Rank R's share of a validated shard table.
-inline RankQkvMetadata plan_shards_for_rank(const ShardTable& t, std::size_t R) {
-  const ShardPositions pos = shard_positions(t, "plan_qkv_for_rank");
-  const KvGroups groups = kv_groups(t);
-  RankQkvMetadata out;
+/// The shard table of a documents-form plan with its home positions and KV
+/// groups: what per-rank planning of that form builds (O(shards + W)).
+struct DocumentsTables {
+  ShardTable table;
+  ShardPositions positions;
+  KvGroups groups;
+};
+
+/// Rank R's share of the shard table in `tables`.
+inline void plan_shards_for_rank(const DocumentsTables& tables, std::size_t R, RankQkvMetadata& out) {
+  const ShardTable& t = tables.table;
   out.q_fwd = q_forward_slice(t, R);
-  out.q_rev = q_reverse_slice(t, groups, pos, R);
-  out.kv_fwd = kv_forward_slice(t, groups, R);
-  out.kv_rev = kv_reverse_slice(t, groups, pos, R);
-  out.attn = rank_attention(t, groups, R);
-  return out;
+  out.q_rev = q_reverse_slice(t, tables.groups, tables.positions, R);
+  out.kv_fwd = kv_forward_slice(t, tables.groups, R);
+  out.kv_rev = kv_reverse_slice(t, tables.groups, tables.positions, R);
+  out.attn = rank_attention(t, tables.groups, R);
 }
 
 }  // namespace detail
 
 /// Memory a rank keeps between planning steps. Planning every step with the
-/// same workspace and the same RankQkvMetadata reuses their storage: after
-/// the first step nothing is allocated unless the plan grows.
+/// same workspace and the same RankQkvMetadata reuses their storage, so the
+/// plan-sized tables (a documents-form plan's shard table) and the outputs of
+/// a per-rank plan touch no fresh memory after the first step.
 struct RankPlanWorkspace {
+  detail::DocumentsTables documents;      ///< a documents-form plan's shard table, positions and groups
   std::vector<std::int64_t> q_next;       ///< [W]: query tokens each destination has been sent so far
   std::vector<std::int64_t> group_next;   ///< [W]: KV-group tokens each destination holds so far
   std::vector<std::int64_t> group_start;  ///< the current document's group starts, shard by shard
@@ -560,22 +567,15 @@ inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank)
   return out;
 }
 
-/// The same for a plan in documents form.
-inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
-  const std::size_t C = detail::check_documents_plan(plan);
-  const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
-  return detail::plan_shards_for_rank(detail::shard_table(plan, C), R);
-}
-
 namespace detail {
 
-/// Rank R's slices of the deduplicated exchange of a validated shard table.
-inline RankKvWire wire_for_rank(const ShardTable& t, std::size_t R) {
-  const ShardPositions pos = shard_positions(t, "plan_kv_wire_for_rank");
-  const KvGroups groups = kv_groups(t);
-  RankKvWire out;
-  RankPlanWorkspace workspace;
-  RankWireStream wire(t.W, t.C, R, out, workspace);
+/// Rank R's slices of the deduplicated exchange of the shard table in
+/// `ws.documents`.
+inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out) {
+  const ShardTable& t = ws.documents.table;
+  const ShardPositions& pos = ws.documents.positions;
+  const KvGroups& groups = ws.documents.groups;
+  RankWireStream wire(t.W, t.C, R, out, ws);
   for (std::size_t r = 0; r < t.W; ++r) {
     wire.begin_rank();
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
@@ -587,10 +587,33 @@ inline RankKvWire wire_for_rank(const ShardTable& t, std::size_t R) {
   std::int64_t attention = 0;  // R's KV groups, whose total kv_groups checked
   for (std::size_t p = groups.dest_begin[R]; p < groups.dest_begin[R + 1]; ++p) attention += t.context[groups.arrivals[p]] + t.len[groups.arrivals[p]];
   wire.finish(attention);
-  return out;
 }
 
 }  // namespace detail
+
+/// Rank `rank`'s share of a documents-form plan into `out`, with the
+/// caller's workspace (its shard table is rebuilt in place each step) and,
+/// with `wire`, the rank's dedup slices. Equal to plan_qkv_for_rank(plan,
+/// rank) and plan_kv_wire_for_rank(plan, rank).
+inline void plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace,
+                              RankKvWire* wire = nullptr) {
+  const std::size_t C = detail::check_documents_plan(plan);
+  const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
+  detail::DocumentsTables& tables = workspace.documents;
+  detail::shard_table(plan, C, tables.table);
+  detail::shard_positions(tables.table, "plan_qkv_for_rank", tables.positions);
+  detail::kv_groups(tables.table, tables.groups);
+  detail::plan_shards_for_rank(tables, R, out);
+  if (wire) detail::wire_for_rank(workspace, R, *wire);
+}
+
+/// The same for a plan in documents form.
+inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
+  RankQkvMetadata out;
+  RankPlanWorkspace workspace;
+  plan_qkv_for_rank(plan, rank, out, workspace);
+  return out;
+}
 
 /// plan_kv_wire(plan_qkv(plan)).get_slice(rank): rank `rank`'s slices of
 /// kv_wire_fwd and kv_wire_rev and its fan list, in O(shards + copies + W)
@@ -606,9 +629,12 @@ inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank) 
 
 /// The same for a plan in documents form.
 inline RankKvWire plan_kv_wire_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
-  const std::size_t C = detail::check_documents_plan(plan);
-  const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
-  return detail::wire_for_rank(detail::shard_table(plan, C), R);
+  (void)detail::checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
+  RankQkvMetadata share;
+  RankPlanWorkspace workspace;
+  RankKvWire wire;
+  plan_qkv_for_rank(plan, rank, share, workspace, &wire);
+  return wire;
 }
 
 namespace detail {
