@@ -188,7 +188,7 @@ void round_into(const float* acc, E* out, std::size_t n) noexcept {
   }
 }
 
-/// Fan-in of one wire entry with copies at `rows` (ascending) of `count`
+/// Fan-in of one wire entry with its copies at token offsets `copies` (ascending), `count`
 /// elements each: out = their sum, accumulated in accumulator_t<E> (fp32 for
 /// 16-bit types; integers wrap). `out` may be the first copy (in place).
 template <class E>
@@ -206,10 +206,14 @@ void fan_in_entry(const E* attention, std::span<const std::int64_t> copies, std:
       const E* in = row(c);
       for (std::size_t i = 0; i < count; ++i) out[i] = sum_of(out[i], in[i]);
     }
-  } else if (std::is_same_v<E, bfloat16> && copies.size() == 2) {
-    sum_two_bfloat16(reinterpret_cast<const std::uint16_t*>(row(0)), reinterpret_cast<const std::uint16_t*>(row(1)),
-                     reinterpret_cast<std::uint16_t*>(out), count);
   } else {
+    if constexpr (std::is_same_v<E, bfloat16>) {
+      if (copies.size() == 2) {
+        sum_two_bfloat16(reinterpret_cast<const std::uint16_t*>(row(0)), reinterpret_cast<const std::uint16_t*>(row(1)),
+                         reinterpret_cast<std::uint16_t*>(out), count);
+        return;
+      }
+    }
     constexpr std::size_t block = 512;  // fp32 partial sums on the stack, in L1
     float acc[block];
     for (std::size_t b = 0; b < count; b += block) {
