@@ -668,37 +668,36 @@ inline void plan_shards(const ShardTable& t, QkvMetadata& out) {
 
 }  // namespace detail
 
-/// QKV planning from per-rank documents (section 2 of docs/plan-format.md).
-inline QkvMetadata plan_qkv(const QkvPlan& plan) {
-  const std::size_t C = detail::check_rank_plan(plan);
-  QkvMetadata out;
-  detail::plan_shards(detail::shard_table(plan, C), out);
-  return out;
-}
-
-/// plan_qkv(plan) written into `out`, reusing its storage where the shapes
-/// agree: a job that plans every step into the same QkvMetadata touches no
-/// fresh memory for the W x (W+1) count matrices. Throws invalid_input like
-/// plan_qkv; after a throw `out` holds no meaningful plan.
+/// QKV planning from per-rank documents (section 2 of docs/plan-format.md),
+/// written into `out`, reusing its storage where the shapes agree: a job that
+/// plans every step into the same QkvMetadata touches no fresh memory for the
+/// W x (W+1) count matrices. Throws invalid_input like plan_qkv(plan); after
+/// a throw `out` holds no meaningful plan.
 inline void plan_qkv(const QkvPlan& plan, QkvMetadata& out) {
   const std::size_t C = detail::check_rank_plan(plan);
   detail::plan_shards(detail::shard_table(plan, C), out);
 }
 
 /// QKV planning from documents whose shards may live on several home ranks
-/// (section 2b of docs/plan-format.md). A per-rank plan and its
-/// to_documents() form give identical metadata.
-inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan) {
-  const std::size_t C = detail::check_documents_plan(plan);
-  QkvMetadata out;
-  detail::plan_shards(detail::shard_table(plan, C), out);
-  return out;
-}
-
-/// The same into `out`, reusing its storage (see plan_qkv(const QkvPlan&, QkvMetadata&)).
+/// (section 2b of docs/plan-format.md), into `out` (see above). A per-rank
+/// plan and its to_documents() form give identical metadata.
 inline void plan_qkv(const QkvDocumentsPlan& plan, QkvMetadata& out) {
   const std::size_t C = detail::check_documents_plan(plan);
   detail::plan_shards(detail::shard_table(plan, C), out);
+}
+
+/// QKV planning of a per-rank plan into fresh metadata.
+inline QkvMetadata plan_qkv(const QkvPlan& plan) {
+  QkvMetadata out;
+  plan_qkv(plan, out);
+  return out;
+}
+
+/// QKV planning of a documents-form plan into fresh metadata.
+inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan) {
+  QkvMetadata out;
+  plan_qkv(plan, out);
+  return out;
 }
 
 }  // namespace cpdispatch

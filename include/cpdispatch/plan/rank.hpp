@@ -615,11 +615,11 @@ inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int6
   return out;
 }
 
-/// plan_kv_wire(plan_qkv(plan)).get_slice(rank): rank `rank`'s slices of
-/// kv_wire_fwd and kv_wire_rev and its fan list, in O(shards + copies + W)
-/// without the global metadata. KvWireDispatcher takes the result directly.
-inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank) {
-  (void)detail::checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
+namespace detail {
+
+template <class Plan>
+RankKvWire kv_wire_for_rank(const Plan& plan, std::int64_t rank) {
+  (void)checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
   RankQkvMetadata share;
   RankPlanWorkspace workspace;
   RankKvWire wire;
@@ -627,14 +627,18 @@ inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank) 
   return wire;
 }
 
+}  // namespace detail
+
+/// plan_kv_wire(plan_qkv(plan)).get_slice(rank): rank `rank`'s slices of
+/// kv_wire_fwd and kv_wire_rev and its fan list, in O(shards + copies + W)
+/// without the global metadata. KvWireDispatcher takes the result directly.
+inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank) {
+  return detail::kv_wire_for_rank(plan, rank);
+}
+
 /// The same for a plan in documents form.
 inline RankKvWire plan_kv_wire_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
-  (void)detail::checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
-  RankQkvMetadata share;
-  RankPlanWorkspace workspace;
-  RankKvWire wire;
-  plan_qkv_for_rank(plan, rank, share, workspace, &wire);
-  return wire;
+  return detail::kv_wire_for_rank(plan, rank);
 }
 
 namespace detail {
