@@ -22,6 +22,7 @@
 #include "cpdispatch/testing/fault_injection.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 #include "dedup_fault_cases.hpp"
+#include "mpi_world.hpp"
 
 namespace {
 
@@ -38,26 +39,10 @@ using fault_cases::TransportCall;
 constexpr auto mpi_timeout = 1500ms;  // generous: a loaded CI machine must not make a healthy step time out
 const FaultOptions fault_options{.error_code = 77, .stall = 2000ms, .short_bytes = 4};
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int w = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &w);
-  return w;
-}
-long long sum_over_ranks(long long v) {
-  long long s = 0;
-  MPI_Allreduce(&v, &s, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
-  return s;
-}
-double max_over_ranks(double v) {
-  double m = 0;
-  MPI_Allreduce(&v, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return m;
-}
+using fault_mpi::max_over_ranks;
+using fault_mpi::sum_over_ranks;
+using fault_mpi::world_rank;
+using fault_mpi::world_size;
 
 /// `repeat` steps of a KvWireDispatcher over this rank's fault injector; the outcome of the last.
 DedupOutcome step_with_fault(const std::vector<FaultRule>& rules, Step step, int repeat = 1) {
