@@ -12,25 +12,14 @@
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "helpers.hpp"
+#include "../common/same_slice.hpp"
 
 namespace {
 
 using cpdispatch::RankMetadata;
 using cptest::I;
 
-::testing::AssertionResult same_slice(const RankMetadata& got, const RankMetadata& want, const std::string& name) {
-  auto differs = [&](const char* field) { return ::testing::AssertionFailure() << name << "." << field << " differs"; };
-  if (got.rank != want.rank || got.world_size != want.world_size) return differs("rank/world_size");
-  if (got.has_copies != want.has_copies || got.num_copies != want.num_copies) return differs("copies");
-  if (got.dst_rank != want.dst_rank) return differs("dst_rank");
-  if (got.dst_offset != want.dst_offset) return differs("dst_offset");
-  if (got.seq_len != want.seq_len) return differs("seq_len");
-  if (got.num_recv_tokens != want.num_recv_tokens) return differs("num_recv_tokens");
-  if (got.num_seqs != want.num_seqs || got.num_total_recv_tokens != want.num_total_recv_tokens) return differs("num_seqs/total");
-  if (got.seq_recv_mask != want.seq_recv_mask || got.mask_copies != want.mask_copies) return differs("seq_recv_mask");
-  if (got.recv_seq_lens != want.recv_seq_lens) return differs("recv_seq_lens");
-  return ::testing::AssertionSuccess();
-}
+using cptest::same_slice;
 
 template <class Plan>
 ::testing::AssertionResult every_rank_matches(const Plan& plan) {

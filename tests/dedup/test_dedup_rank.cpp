@@ -16,6 +16,7 @@
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "../common/sim_world_fixture.hpp"
+#include "../common/same_slice.hpp"
 #include "dedup_cases.hpp"
 
 namespace {
@@ -25,19 +26,7 @@ using cpdispatch::RankKvWire;
 using cpdispatch::RankMetadata;
 using cpdispatch::Rng;
 
-::testing::AssertionResult same_slice(const RankMetadata& got, const RankMetadata& want, const char* name) {
-  auto differs = [&](const char* field) { return ::testing::AssertionFailure() << name << "." << field << " differs"; };
-  if (got.rank != want.rank || got.world_size != want.world_size) return differs("rank/world_size");
-  if (got.has_copies != want.has_copies || got.num_copies != want.num_copies) return differs("copies");
-  if (got.dst_rank != want.dst_rank) return differs("dst_rank");
-  if (got.dst_offset != want.dst_offset) return differs("dst_offset");
-  if (got.seq_len != want.seq_len) return differs("seq_len");
-  if (got.num_recv_tokens != want.num_recv_tokens) return differs("num_recv_tokens");
-  if (got.num_seqs != want.num_seqs || got.num_total_recv_tokens != want.num_total_recv_tokens) return differs("num_seqs/total");
-  if (got.seq_recv_mask != want.seq_recv_mask || got.mask_copies != want.mask_copies) return differs("seq_recv_mask");
-  if (got.recv_seq_lens != want.recv_seq_lens) return differs("recv_seq_lens");
-  return ::testing::AssertionSuccess();
-}
+using cptest::same_slice;
 
 ::testing::AssertionResult same_wire(const RankKvWire& got, const RankKvWire& want) {
   if (auto fwd = same_slice(got.fwd, want.fwd, "kv_wire_fwd"); !fwd) return fwd;
