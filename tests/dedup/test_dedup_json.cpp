@@ -12,16 +12,14 @@
 #include <string>
 
 #include "cpdispatch/plan/json.hpp"
+#include "dedup_cli.hpp"
 
 namespace {
 
 using json = nlohmann::json;
 using ::testing::HasSubstr;
 
-const char* const spec_documents = R"({"kind": "qkv", "world_size": 2, "max_cp_degree": 3, "documents": [
-  {"shards": [{"rank": 0, "len": 3, "dst": 1}, {"rank": 1, "len": 2, "dst": 0}, {"rank": 1, "len": 4, "dst": 1}]},
-  {"shards": [{"rank": 0, "len": 5, "dst": 0}]},
-  {"shards": [{"rank": 1, "len": 1, "dst": 1}]}]})";
+using dedup_cli::spec_documents;
 
 json with_dedup(const char* text, json value) {
   json j = json::parse(text);
@@ -76,26 +74,9 @@ TEST(DedupJson, AddKvWireWritesSection2c) {
 }
 
 #ifdef CPDISPATCH_PLAN_EXE
-struct CliRun {
-  int status = -1;
-  std::string out, err;
-};
+using dedup_cli::CliRun;
 
-/// Runs cpdispatch-plan with `args` on a plan file holding `plan`.
-CliRun run_cli(const std::string& plan, const std::string& args) {
-  // ctest runs the tests of this file as parallel processes: the files are named after the test.
-  const std::string dir = ::testing::TempDir() + ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const std::string in = dir + "-plan.json", out = dir + "-out.txt", err = dir + "-err.txt";
-  std::ofstream(in) << plan;
-  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int raw = std::system(cmd.c_str());
-  auto slurp = [](const std::string& path) {
-    std::stringstream s;
-    s << std::ifstream(path).rdbuf();
-    return s.str();
-  };
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
-}
+CliRun run_cli(const std::string& plan, const std::string& args) { return dedup_cli::run_cli("", plan, args); }
 
 TEST(DedupCli, DedupOptionAndKeyWriteTheWireMetadata) {
   const CliRun opt = run_cli(spec_documents, "--dedup");

@@ -14,18 +14,14 @@
 #include <string>
 
 #include "cpdispatch/plan/json.hpp"
+#include "dedup_cli.hpp"
 
 namespace {
 
 using json = nlohmann::json;
 using ::testing::HasSubstr;
 
-// Section 2b's documents plan: a document spanning ranks, two of its query
-// shards attending on rank 1 (the one KV shard rank 1 receives once, not twice).
-const char* const spec_documents = R"({"kind": "qkv", "world_size": 2, "max_cp_degree": 3, "documents": [
-  {"shards": [{"rank": 0, "len": 3, "dst": 1}, {"rank": 1, "len": 2, "dst": 0}, {"rank": 1, "len": 4, "dst": 1}]},
-  {"shards": [{"rank": 0, "len": 5, "dst": 0}]},
-  {"shards": [{"rank": 1, "len": 1, "dst": 1}]}]})";
+using dedup_cli::spec_documents;
 
 // A per-rank plan of three ranks, repeated destinations, rank 2 empty.
 const char* const per_rank = R"({"world_size": 3, "ranks": [
@@ -33,26 +29,9 @@ const char* const per_rank = R"({"world_size": 3, "ranks": [
   {"docs": [{"shard_len": [1, 6], "dst": [0, 0]}]},
   {"docs": []}]})";
 
-struct CliRun {
-  int status = -1;
-  std::string out, err;
-};
+using dedup_cli::CliRun;
 
-/// Runs cpdispatch-plan with `args` on a plan file holding `plan`.
-CliRun run_cli(const std::string& plan, const std::string& args) {
-  // ctest runs the tests of this file as parallel processes: the files are named after the test.
-  const std::string dir = ::testing::TempDir() + "rank-cli-" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const std::string in = dir + "-plan.json", out = dir + "-out.txt", err = dir + "-err.txt";
-  std::ofstream(in) << plan;
-  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int raw = std::system(cmd.c_str());
-  auto slurp = [](const std::string& path) {
-    std::stringstream s;
-    s << std::ifstream(path).rdbuf();
-    return s.str();
-  };
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
-}
+CliRun run_cli(const std::string& plan, const std::string& args) { return dedup_cli::run_cli("rank-cli-", plan, args); }
 
 void expect_round_trip(const char* plan_text) {
   const cpdispatch::Plan plan = cpdispatch::parse_plan(plan_text);
