@@ -25,6 +25,7 @@
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/mask.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
