@@ -28,8 +28,6 @@ set(_cpd_dev COMPONENT cpdispatch_Development)
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/"
         DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" ${_cpd_dev}
         FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
-install(FILES "${PROJECT_BINARY_DIR}/generated/include/cpdispatch/version.hpp"
-        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/cpdispatch" ${_cpd_dev})
 
 # ---- the document-length samples --------------------------------------------
 install(FILES "${CPDISPATCH_DOC_LENGTHS_DIR}/prolong.json" "${CPDISPATCH_DOC_LENGTHS_DIR}/wlbllm.json"
