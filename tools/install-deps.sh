@@ -6,7 +6,7 @@
 set -euo pipefail
 
 # libclang-rt-14-dev: libFuzzer for Debian 12's clang 14 (the fuzz targets); iproute2: network namespaces (multihost tests).
-packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev libboost-dev
+packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev
           libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
           libclang-rt-14-dev iproute2 "$@")
 
