@@ -32,9 +32,10 @@ __all__ = ["plan", "plan_for_rank", "balance", "token_indices", "position_ids", 
 CAUSAL = {"type": "causal"}
 
 
-def _with_attention_mask(result, plan):
-    # The output of a qkv plan carries the plan's mask as attn.mask (section 2d).
-    if "attn" in result:
+def _with_attention_mask(result, plan, has_mask):
+    # The output of a qkv plan carries the plan's mask as attn.mask (section
+    # 2d), where the library's layouts do (as the CLI writes them).
+    if has_mask and "attn" in result:
         result["attn"]["mask"] = mask_of(plan)
     return result
 
@@ -44,7 +45,7 @@ def plan(plan, dedup=False):
 
     ``dedup=True`` (or ``"dedup": true`` in the plan) adds ``kv_wire_fwd`` and
     ``kv_wire_rev``, the deduplicated KV exchange."""
-    return _with_attention_mask(_cpdispatch.plan(plan, dedup), plan)
+    return _with_attention_mask(_cpdispatch.plan(plan, dedup), plan, _cpdispatch.layout_has_mask)
 
 
 def plan_for_rank(plan, rank, dedup=False):
@@ -52,7 +53,7 @@ def plan_for_rank(plan, rank, dedup=False):
     ``cpdispatch-plan --rank R``): ``rank``, each metadata's slice (its rows
     without padding), ``attn`` (this rank's seqlens, cu_seqlens, max_seqlen),
     ``varlen`` (int32 cu_seqlens), and with dedup its ``kv_wire_fwd`` / ``kv_wire_rev`` slices."""
-    return _with_attention_mask(_cpdispatch.plan_for_rank(plan, rank, dedup), plan)
+    return _with_attention_mask(_cpdispatch.plan_for_rank(plan, rank, dedup), plan, _cpdispatch.rank_layout_has_mask)
 
 
 def balance(batch, dedup=False, **options):

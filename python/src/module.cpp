@@ -407,6 +407,9 @@ std::string without_planner_prefix(std::string message) {
   return message;
 }
 
+template <class Layout>
+constexpr bool has_mask = requires(const Layout& a) { a.mask; };
+
 }  // namespace
 
 PYBIND11_MODULE(_cpdispatch, m) {
@@ -418,6 +421,10 @@ PYBIND11_MODULE(_cpdispatch, m) {
       PyErr_SetString(PyExc_ValueError, without_planner_prefix(e.what()).c_str());
     }
   });
+  // Whether the library's attention layouts carry the plan's mask (section
+  // 2d): then the CLI writes attn.mask, and the Python layer adds it too.
+  m.attr("layout_has_mask") = has_mask<cpdispatch::AttentionLayout>;
+  m.attr("rank_layout_has_mask") = has_mask<cpdispatch::RankAttentionLayout>;
   m.def("plan", &plan, py::arg("plan"), py::arg("dedup") = false);
   m.def("plan_for_rank", &plan_for_rank, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false);
   m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false);
