@@ -9,7 +9,7 @@ set -euo pipefail
 # The Python module and its tests (for Debian's /usr/bin/python3): pybind11-dev, python3-dev,
 # python3-numpy, python3-pytest, python3-torch (CPU; the torch.distributed tests use gloo),
 # python3-venv (the installed-package test).
-packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev libboost-dev
+packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev
           libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
           libclang-rt-14-dev iproute2
           pybind11-dev python3-dev python3-numpy python3-pytest python3-torch python3-venv python3-pip "$@")
