@@ -37,6 +37,7 @@
 #include "cpdispatch/attention/detail/lse_merge.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/detail/staged_exchange.hpp"
+#include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/execute/detail/rethrow.hpp"
 #include "cpdispatch/attention/kernel.hpp"
@@ -85,7 +86,7 @@ std::span<std::byte> bytes_of(std::span<E> s) { return std::as_writable_bytes(s)
 
 }  // namespace detail
 
-template <class T, class E, class Kernel>
+template <class T, class E, class Kernel = HostAttentionKernel>
 class ContextParallelAttention {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
   static_assert(detail::memory_space_of<T>() == MemorySpace::host,
@@ -110,13 +111,14 @@ class ContextParallelAttention {
   /// Takes the next step's share. Buffers keep their storage: nothing is
   /// allocated while the new plan fits what earlier plans (or reserve) sized.
   void replan(const RankQkvMetadata& share) {
-    const RankKvWire* wire = detail::kv_wire_of(share);
-    if (options_.dedup && wire == nullptr) {
-      fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
-    }
     q_.emplace(transport_, share.q_fwd, share.q_rev, q_token_elems() * sizeof(E));
     kv_.emplace(transport_, share.kv_fwd, share.kv_rev, kv_token_elems() * sizeof(E));
-    if (options_.dedup) kv_wire_.emplace(transport_, *wire, kv_token_elems() * sizeof(E)); else kv_wire_.reset();
+    kv_wire_.reset();
+    if (options_.dedup) {
+      const RankKvWire* wire = detail::kv_wire_of(share);
+      if (wire == nullptr) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
+      kv_wire_.emplace(transport_, *wire, kv_token_elems() * sizeof(E));
+    }
     layout_ = share.attn;
     mask_ = detail::mask_of(share);
     check_layout();
