@@ -16,6 +16,13 @@
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/error.hpp"
 
+// The same tests run on both block-product builds, under names that tell them apart.
+#ifdef CPDISPATCH_ATTENTION_CBLAS
+#define HOST_KERNEL_SUITE HostAttentionKernelCblas
+#else
+#define HOST_KERNEL_SUITE HostAttentionKernel
+#endif
+
 namespace cpdispatch::testing {
 namespace {
 
@@ -102,7 +109,7 @@ std::vector<Config> float_configs() {
           {make_shape(6, 3, 16), {33}, {1, 128, 256}}};      // GQA, one block per document
 }
 
-TEST(HostAttentionKernel, FloatMatchesTheReferenceForEveryMask) {
+TEST(HOST_KERNEL_SUITE, FloatMatchesTheReferenceForEveryMask) {
   for (const Config& c : float_configs()) {
     HostAttentionKernel kernel(c.options);
     const Batch<float> batch(c.shape, c.lengths, 7);
@@ -129,7 +136,7 @@ struct Merged {
 /// One document cut into query parts and key parts; every (query part, key
 /// part) pair is attended once, n pairs per call (pair i with part (i + shift) mod n,
 /// so no call shares a row), each entry with its own diagonal.
-TEST(HostAttentionKernel, PartsOfADocumentMergeToTheWhole) {
+TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
   const AttentionShape s = make_shape(4, 2, 6);
   const std::int64_t L = 19, wq = s.heads_q * s.head_dim, wk = s.heads_kv * s.head_dim;
   const std::vector<std::int64_t> q_cuts{0, 5, 11, 19}, k_cuts{0, 7, 8, 19};
@@ -200,7 +207,7 @@ TEST(HostAttentionKernel, PartsOfADocumentMergeToTheWhole) {
 /// Entries without keys or without queries, rows that see no key and keys no
 /// row sees: zeros and -infinity where the concept says so, and rows outside
 /// every entry left as they were.
-TEST(HostAttentionKernel, EmptyEntriesAndRowsThatSeeNothing) {
+TEST(HOST_KERNEL_SUITE, EmptyEntriesAndRowsThatSeeNothing) {
   const AttentionShape s = make_shape(2, 1, 4);
   const std::int64_t tokens = 12;
   std::mt19937 rng(3);
@@ -251,7 +258,7 @@ TEST(HostAttentionKernel, EmptyEntriesAndRowsThatSeeNothing) {
 }
 
 /// Every output element is summed by one thread in a fixed order.
-TEST(HostAttentionKernel, ResultsAreBitwiseTheSameForEveryThreadCount) {
+TEST(HOST_KERNEL_SUITE, ResultsAreBitwiseTheSameForEveryThreadCount) {
   const Batch<float> batch(make_shape(4, 2, 8), {9, 30, 2}, 5);
   HostAttentionKernel one({1, 4, 8}), four({4, 4, 8});
   for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::sliding_window(5)}) {
@@ -363,11 +370,11 @@ void expect_within_twice_the_straightforward_error() {
   }
 }
 
-TEST(HostAttentionKernel, Bfloat16WithinTwiceTheStraightforwardError) { expect_within_twice_the_straightforward_error<bfloat16>(); }
-TEST(HostAttentionKernel, Float16WithinTwiceTheStraightforwardError) { expect_within_twice_the_straightforward_error<float16>(); }
+TEST(HOST_KERNEL_SUITE, Bfloat16WithinTwiceTheStraightforwardError) { expect_within_twice_the_straightforward_error<bfloat16>(); }
+TEST(HOST_KERNEL_SUITE, Float16WithinTwiceTheStraightforwardError) { expect_within_twice_the_straightforward_error<float16>(); }
 
 /// Every broken rule is an invalid_input naming the field.
-TEST(HostAttentionKernel, BadInputIsRefusedWithTheFieldNamed) {
+TEST(HOST_KERNEL_SUITE, BadInputIsRefusedWithTheFieldNamed) {
   const Batch<float> b(make_shape(4, 2, 4), {6}, 1);
   HostAttentionKernel kernel({1, 4, 4});
   std::vector<float> out(b.q.size()), lse(4 * 6), dq(b.q.size()), dk(b.k.size()), dv(b.k.size());
