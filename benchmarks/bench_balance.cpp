@@ -16,7 +16,7 @@
 // Llama-3-8B-like attention layer in bf16: 32 query heads and 8 key-value
 // heads of dimension 128, so a query token is 8192 bytes and a key-value
 // token (K and V) 4096 bytes. The samples are read from
-// $CPDISPATCH_DOC_LENGTHS_DIR, else from the folder configured at build time.
+// $CPDISPATCH_DOC_LENGTHS_DIR, else from the project's data/ folder.
 //
 // A second table compares, per row, the plan balanced for the deduplicated
 // KV exchange (BalanceOptions::dedup) with the plan balanced without it:

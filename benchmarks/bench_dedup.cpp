@@ -9,7 +9,7 @@
 //             rank's document cut into 2W chunks, chunk i attended on rank
 //             min(i, 2W-1-i) (two query shards of every document per rank);
 //   prolong, wlbllm: balanced packed batches, documents drawn from the
-//             samples in ../shared/data/doc-lengths (draw_workload, seeds
+//             samples in data/ (draw_workload, seeds
 //             0..3, summed), planned by plan_balanced (C = 8).
 // BM_SimFwdBwd: forward + backward of the KV tensor on the sim transport
 // (ranks as threads), 4 KiB tokens, bfloat16 gradients, zig-zag plans (one

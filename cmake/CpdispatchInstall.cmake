@@ -4,7 +4,7 @@
 #   find_package(cpdispatch CONFIG REQUIRED)               # cpdispatch::cpdispatch
 #   find_package(cpdispatch CONFIG REQUIRED COMPONENTS mpi) # + cpdispatch::mpi
 # Every installed target is header-only (INTERFACE). What the targets link
-# (Boost headers, nlohmann-json, MPI, CUDA) is found again by the package
+# (nlohmann-json, BLAS, MPI, CUDA) is found again by the package
 # config on the consumer's side, only for the components being loaded; no
 # compile flags are pushed on consumers beyond the C++20 requirement.
 #
@@ -18,6 +18,9 @@ include(CMakePackageConfigHelpers)
 set(CPDISPATCH_INSTALL_CMAKEDIR "${CMAKE_INSTALL_LIBDIR}/cmake/cpdispatch"
     CACHE STRING "Where the cpdispatch CMake package files are installed (relative to the prefix)")
 mark_as_advanced(CPDISPATCH_INSTALL_CMAKEDIR)
+# The document-length samples of data/, for realistic workloads downstream
+# (the package config names this folder cpdispatch_DATA_DIR).
+set(CPDISPATCH_INSTALL_DATADIR "${CMAKE_INSTALL_DATADIR}/cpdispatch/data")
 
 set(_cpd_dev COMPONENT cpdispatch_Development)
 
@@ -25,8 +28,11 @@ set(_cpd_dev COMPONENT cpdispatch_Development)
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/"
         DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" ${_cpd_dev}
         FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
-install(FILES "${PROJECT_BINARY_DIR}/generated/include/cpdispatch/version.hpp"
-        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/cpdispatch" ${_cpd_dev})
+
+# ---- the document-length samples --------------------------------------------
+install(FILES "${CPDISPATCH_DOC_LENGTHS_DIR}/prolong.json" "${CPDISPATCH_DOC_LENGTHS_DIR}/wlbllm.json"
+              "${CPDISPATCH_DOC_LENGTHS_DIR}/README.md"
+        DESTINATION "${CPDISPATCH_INSTALL_DATADIR}" ${_cpd_dev})
 
 # ---- targets ---------------------------------------------------------------
 # The core, then each optional INTERFACE target cpdispatch_<name> (EXPORT_NAME
@@ -88,6 +94,7 @@ configure_package_config_file(
   "${CMAKE_CURRENT_LIST_DIR}/cpdispatchConfig.cmake.in"
   "${PROJECT_BINARY_DIR}/cpdispatchConfig.cmake"
   INSTALL_DESTINATION "${CPDISPATCH_INSTALL_CMAKEDIR}"
+  PATH_VARS CPDISPATCH_INSTALL_DATADIR
   NO_SET_AND_CHECK_MACRO)
 # Header-only: the package does not depend on the consumer's pointer size.
 write_basic_package_version_file(

@@ -54,17 +54,18 @@ using cpdispatch::Metadata;
 using Buffers = std::vector<std::vector<bfloat16>>;  // one per rank: [tokens][hidden]
 
 #ifndef CPDISPATCH_DOC_LENGTHS_DIR
-#define CPDISPATCH_DOC_LENGTHS_DIR ""
+#error "CPDISPATCH_DOC_LENGTHS_DIR: the folder of the document-length samples (examples/CMakeLists.txt sets it)"
 #endif
 
 struct Options {
   std::int64_t world_size = 8;
   std::int64_t tokens = 8192;  // per rank
-  std::int64_t docs = 4;       // mean documents per rank of the built-in sample (when no length file is found)
+  std::int64_t docs = 0;       // with builtin: mean documents per rank of the built-in sample
+  bool builtin = false;        // --docs given: draw from the built-in sample
   std::int64_t max_cp = 8;     // most shards per document (raised to the widest span of a document)
   std::int64_t hidden = 128;   // bfloat16 elements per token
   std::uint64_t seed = 42;
-  std::string lengths;         // JSON array of document lengths; empty: the ProLong sample when present
+  std::string lengths;         // JSON array of document lengths; empty: data/prolong.json (unless --docs)
   bool help = false;
 };
 
@@ -79,10 +80,9 @@ options (--name value or --name=value):
   -w, --world-size N   ranks (default 8)
   -t, --tokens N       tokens per rank (default 8192)
   -l, --lengths FILE   document lengths to draw from, a JSON array (default:
-                       the ProLong sample prolong.json of the doc-lengths
-                       folder configured at build time, when it exists)
-  -d, --docs N         without a length file: mean documents per rank of the
-                       built-in heavy-tailed sample (default 4)
+                       the project's ProLong sample, data/prolong.json)
+  -d, --docs N         draw from a built-in heavy-tailed sample instead, with
+                       N documents per rank on average
   -c, --max-cp N       most shards per document, 1..256 (default 8; raised to
                        the most ranks one document spans)
   -H, --hidden N       bfloat16 elements per token (default 128: 256-byte tokens)
@@ -128,8 +128,10 @@ Options parse_options(int argc, char** argv) {
     if (arg == "-w" || arg == "--world-size") o.world_size = parse_int<std::int64_t>("--world-size", next());
     else if (arg == "-t" || arg == "--tokens") o.tokens = parse_int<std::int64_t>("--tokens", next());
     else if (arg == "-l" || arg == "--lengths") o.lengths = std::string(next());
-    else if (arg == "-d" || arg == "--docs") o.docs = parse_int<std::int64_t>("--docs", next());
-    else if (arg == "-c" || arg == "--max-cp") o.max_cp = parse_int<std::int64_t>("--max-cp", next());
+    else if (arg == "-d" || arg == "--docs") {
+      o.docs = parse_int<std::int64_t>("--docs", next());
+      o.builtin = true;
+    } else if (arg == "-c" || arg == "--max-cp") o.max_cp = parse_int<std::int64_t>("--max-cp", next());
     else if (arg == "-H" || arg == "--hidden") o.hidden = parse_int<std::int64_t>("--hidden", next());
     else if (arg == "-s" || arg == "--seed") o.seed = parse_int<std::uint64_t>("--seed", next());
     else throw UsageError{"unknown option '" + std::string(argv[i]) + "' (see --help)"};
@@ -140,7 +142,8 @@ Options parse_options(int argc, char** argv) {
   };
   at_least_one("--world-size", o.world_size);
   at_least_one("--tokens", o.tokens);
-  at_least_one("--docs", o.docs);
+  if (o.builtin) at_least_one("--docs", o.docs);
+  if (o.builtin && !o.lengths.empty()) throw UsageError{"--docs and --lengths each choose the sample: give one"};
   at_least_one("--hidden", o.hidden);
   at_least_one("--max-cp", o.max_cp);
   if (o.max_cp > 256) throw UsageError{"--max-cp = " + std::to_string(o.max_cp) + " is above 256 (the checks need exact bfloat16 sums)"};
@@ -284,10 +287,12 @@ struct Sample {
 
 Sample choose_sample(const Options& o) {
   if (!o.lengths.empty()) return {read_lengths(o.lengths), o.lengths};
+  if (o.builtin) {
+    const std::int64_t mean = std::max<std::int64_t>(1, o.tokens / o.docs);
+    return {builtin_sample(mean, o.seed), "built-in heavy-tailed sample, mean " + std::to_string(mean) + " tokens"};
+  }
   const std::string prolong = std::string(CPDISPATCH_DOC_LENGTHS_DIR) + "/prolong.json";
-  if (!std::string_view(CPDISPATCH_DOC_LENGTHS_DIR).empty() && std::ifstream(prolong)) return {read_lengths(prolong), "ProLong (" + prolong + ")"};
-  return {builtin_sample(std::max<std::int64_t>(1, o.tokens / o.docs), o.seed),
-          "built-in heavy-tailed sample, mean " + std::to_string(std::max<std::int64_t>(1, o.tokens / o.docs)) + " tokens (no ProLong sample found)"};
+  return {read_lengths(prolong), "ProLong (" + prolong + ")"};
 }
 
 struct Batch {

@@ -1,6 +1,6 @@
 #pragma once
 // The core of cpdispatch, everything the target cpdispatch::cpdispatch compiles
-// alone (standard library and Boost headers): the vocabulary, planning
+// alone (the standard library only): the vocabulary, planning
 // (plan/: both plan forms, per-rank planning, balancing, deduplicated KV
 // wire planning), host execution (execute/: the Dispatcher, KvWireDispatcher,
 // QkvDispatch and gather_plan, the combine, the reference simulation) and the

@@ -1,5 +1,5 @@
 // The packed-batch generator, and the balanced planner on batches drawn from
-// the real document-length samples (../shared/data/doc-lengths).
+// the real document-length samples of the project's data/ folder.
 
 #include <gtest/gtest.h>
 
@@ -22,7 +22,7 @@ namespace {
 using baltest::I;
 using ::testing::HasSubstr;
 
-/// The length sample `name` (prolong, wlbllm), or empty when the data folder is absent.
+/// The length sample `name` (prolong, wlbllm) of data/; empty when it cannot be read.
 std::vector<I> load_sample(const std::string& name) {
   const std::filesystem::path file = std::filesystem::path(CPDISPATCH_DOC_LENGTHS_DIR) / (name + ".json");
   std::ifstream in(file);
@@ -100,7 +100,7 @@ TEST(DrawWorkload, RejectsBadArguments) {
 TEST(RealWorkloads, BalancedPlansAreValidAndNearTheBound) {
   for (const char* name : {"prolong", "wlbllm"}) {
     const std::vector<I> sample = load_sample(name);
-    if (sample.empty()) GTEST_SKIP() << "no " << name << ".json under " << CPDISPATCH_DOC_LENGTHS_DIR;
+    ASSERT_FALSE(sample.empty()) << "cannot read " << name << ".json under " << CPDISPATCH_DOC_LENGTHS_DIR;
     for (I W : {8, 16}) {
       for (I C : {8, 16}) {
         std::vector<double> ratios;

@@ -33,7 +33,7 @@ using Docs = std::vector<cpdispatch::Document>;
 // ------------------------------------------------------------- fixed values
 
 TEST(CoreGenerators, RngIsTheStandardMt19937_64) {
-  // Boost's engine produces the sequence the C++ standard fixes for mt19937_64.
+  // Rng draws the sequence the C++ standard fixes for mt19937_64, whatever the library.
   for (std::uint64_t seed : {0ull, 1ull, 5489ull, 2024ull, 0xffffffffffffffffull}) {
     cpdispatch::Rng rng(seed);
     std::mt19937_64 std_engine(seed);

@@ -1,17 +1,16 @@
 #pragma once
 // Seeded generators (gen_seq_lens, create_qkv_dispatch, random_documents_plan). The
-// output depends only on the arguments: Boost's mt19937_64 engine (its output
-// sequence is fixed by the standard) and our own integer arithmetic for
-// ranges, never std::uniform_*_distribution (implementation-defined).
+// output depends only on the arguments: std::mt19937_64 (its output sequence
+// is fixed by the standard) and our own integer arithmetic for ranges, never
+// std::uniform_*_distribution (implementation-defined).
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <random>
 #include <unordered_set>
 #include <vector>
-
-#include <boost/random/mersenne_twister.hpp>
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/plan.hpp"
@@ -42,7 +41,7 @@ class Rng {
   }
 
  private:
-  boost::random::mt19937_64 engine_;
+  std::mt19937_64 engine_;
 };
 
 /// `num_seqs` positive lengths summing exactly to `total_len`, drawn

@@ -4,10 +4,12 @@
 // rank; rank 0 prints it with its file, line and rank; only rank 0 prints
 // GoogleTest's output; every rank exits with the same code.
 //
-//   #include <cpdispatch/testing/mpi_gtest.hpp>
+//   #include "../common/mpi_gtest.hpp"
 //   int main(int argc, char** argv) { return cpdispatch::testing::mpi_gtest_main(argc, argv); }
 //
-// Needs cpdispatch::mpi and GTest::gtest. Tests must run the same collective
+// Part of the tests, not of the installed MPI transport: tests/transports/
+// mpi_main.cpp is the main() of every program cpdispatch_add_mpi_test makes
+// (tests/transports/mpi_tests.cmake). Needs cpdispatch::mpi and GTest::gtest. Tests must run the same collective
 // calls in the same order on every rank; a rank that returns early from a
 // test while the others wait in a collective hangs the run (give the
 // transport a timeout, MpiTransportOptions::timeout, to turn that into a

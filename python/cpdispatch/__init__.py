@@ -1,0 +1,118 @@
+"""cpdispatch from Python: context-parallel dispatch planning and balancing.
+
+The planning runs in cpdispatch's C++ core (the same code as the
+``cpdispatch-plan`` CLI); this package only converts. Plans are the JSON
+contract's dicts (docs/plan-format.md, section 3), or JSON text:
+
+    import cpdispatch
+    meta = cpdispatch.plan({"world_size": 2, "ranks": [
+        {"docs": [{"shard_len": [4, 2], "dst": [1, 0]}]},
+        {"docs": [{"shard_len": [5], "dst": [1]}]}]})
+    meta["kv_fwd"]["dst_offset"]        # numpy.int64 array, [W][S][C]
+
+Results have exactly the keys of ``cpdispatch-plan``'s JSON output, nested the
+same way; every array is a NumPy int64 array that owns the planner's storage
+(no copy), ragged per-rank rows (``attn``) are lists of arrays, scalars are
+ints, absent fields None. QKV results add ``"varlen"``: per rank,
+``cu_seqlens_q`` / ``cu_seqlens_kv`` as int32 arrays (flash-attention's varlen
+dtype; ``torch.from_numpy`` shares them) and ``max_seqlen_q`` / ``max_seqlen_kv``.
+
+Bad input raises ValueError with the library's message, naming the field
+(e.g. ``ranks[1].docs[0].dst[0]: ...``).
+"""
+
+import copy as _copy
+import json as _json
+
+from . import _cpdispatch
+
+__all__ = ["plan", "plan_for_rank", "balance", "token_indices", "position_ids", "mask_of", "CAUSAL"]
+
+#: The mask a plan without "mask" has (docs/plan-format.md, section 2d).
+CAUSAL = {"type": "causal"}
+
+
+def _with_attention_mask(result, plan, has_mask):
+    # The output of a qkv plan carries the plan's mask as attn.mask (section
+    # 2d), where the library's layouts do (as the CLI writes them).
+    if has_mask and "attn" in result:
+        result["attn"]["mask"] = mask_of(plan)
+    return result
+
+
+def plan(plan, dedup=False):
+    """Plans a whole plan: cpdispatch-plan's output as a dict (see the module doc).
+
+    ``dedup=True`` (or ``"dedup": true`` in the plan) adds ``kv_wire_fwd`` and
+    ``kv_wire_rev``, the deduplicated KV exchange."""
+    return _with_attention_mask(_cpdispatch.plan(plan, dedup), plan, _cpdispatch.layout_has_mask)
+
+
+def plan_for_rank(plan, rank, dedup=False):
+    """One rank's share, planned without the global metadata (as
+    ``cpdispatch-plan --rank R``): ``rank``, each metadata's slice (its rows
+    without padding), ``attn`` (this rank's seqlens, cu_seqlens, max_seqlen),
+    ``varlen`` (int32 cu_seqlens), and with dedup its ``kv_wire_fwd`` / ``kv_wire_rev`` slices."""
+    return _with_attention_mask(_cpdispatch.plan_for_rank(plan, rank, dedup), plan, _cpdispatch.rank_layout_has_mask)
+
+
+def balance(batch, dedup=False, **options):
+    """A load-balanced qkv plan (dict) for a batch, as ``cpdispatch-plan balance``.
+
+    ``batch`` is balance's input: ``{"world_size": W, "max_cp_degree": C,
+    "documents": [{"pieces": [{"rank": r, "len": n}, ...]}, ...]}`` (a packed
+    batch: documents may span ranks) or ``"ranks": [{"docs": [len, ...]}, ...]``.
+    Keyword options are added to it (``max_cp_degree``, ``q_bytes``,
+    ``kv_bytes``, ``recv_capacity``, ``mask``...). The result is a plan that
+    plan() and plan_for_rank() take."""
+    if options:
+        batch = dict(batch, **options)
+    return _json.loads(_cpdispatch.balance(batch, dedup))
+
+
+def token_indices(plan, rank, dedup=False):
+    """Rank ``rank``'s gather/scatter token indices from the C++ dispatcher's
+    plan: ``"q"`` and ``"kv"`` (and with dedup ``"kv_wire"``, ``"fan"``), each
+    with its ``forward`` / ``reverse`` exchange (``send_index``,
+    ``send_counts``, ``recv_index``, ``recv_counts``) and the copy combine
+    (``combine_source`` -> ``combine_target``). cpdispatch.torch runs them."""
+    return _cpdispatch.token_indices(plan, rank, dedup)
+
+
+def mask_of(plan):
+    """The plan's attention mask dict (causal when the plan has none)."""
+    if isinstance(plan, (str, bytes)):
+        plan = _json.loads(plan)
+    mask = plan.get("mask") if isinstance(plan, dict) else None
+    return _copy.deepcopy(mask) if mask is not None else dict(CAUSAL)
+
+
+def _rank_shards(plan, rank):
+    """(document index, shard start within the document, length) of each of
+    rank ``rank``'s shards in its MLP-layout order."""
+    if isinstance(plan, (str, bytes)):
+        plan = _json.loads(plan)
+    shards = []
+    if "documents" in plan:
+        for d, doc in enumerate(plan["documents"]):
+            start = 0
+            for s in doc["shards"]:
+                if int(s["rank"]) == rank:
+                    shards.append((d, start, int(s["len"])))
+                start += int(s["len"])
+    else:
+        for d, doc in enumerate(plan["ranks"][rank]["docs"]):
+            start = 0
+            for n in doc["shard_len"]:
+                shards.append((d, start, int(n)))
+                start += int(n)
+    return shards
+
+
+def position_ids(plan, rank):
+    """Position of each of rank ``rank``'s tokens (MLP layout) within its
+    document, counted from 0: the positions RoPE rotates by. A NumPy int64 array."""
+    import numpy as np
+
+    pieces = [np.arange(start, start + n, dtype=np.int64) for _, start, n in _rank_shards(plan, rank)]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)

@@ -1,0 +1,434 @@
+// _cpdispatch: the C++ planner for Python. Plans come in as the JSON
+// contract's dict (or JSON text) and go through the library's JSON reader, so
+// every check and message is the CLI's; results go out as dicts with the
+// CLI's keys whose arrays are NumPy int64 arrays that own the planner's
+// storage (moved, not copied). The pure-Python layer (cpdispatch/__init__.py)
+// documents the public functions.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <new>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "balance_command.hpp"
+#include "cpdispatch/execute/token_indices.hpp"
+#include "cpdispatch/plan/json.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using cpdispatch::Metadata;
+using cpdispatch::RankMetadata;
+using Int64Array = py::array_t<std::int64_t>;
+
+// ---------------------------------------------------------------- input
+
+nlohmann::json to_json(py::handle value, const std::string& where);
+
+nlohmann::json sequence_to_json(py::handle seq, const std::string& where) {
+  nlohmann::json out = nlohmann::json::array();
+  for (py::handle item : py::reinterpret_borrow<py::iterable>(seq)) out.push_back(to_json(item, where));
+  return out;
+}
+
+/// A Python value as JSON: dict, list/tuple/ndarray, int (also NumPy
+/// integers), float, bool, str, None. Anything else is a ValueError naming
+/// the key it sits under.
+nlohmann::json to_json(py::handle value, const std::string& where) {
+  if (value.is_none()) return nullptr;
+  if (PyBool_Check(value.ptr())) return value.cast<bool>();
+  if (py::isinstance<py::dict>(value)) {
+    nlohmann::json out = nlohmann::json::object();
+    for (auto [key, item] : py::reinterpret_borrow<py::dict>(value)) {
+      if (!py::isinstance<py::str>(key)) cpdispatch::detail::fail(where.empty() ? "plan" : where, ": keys must be strings, got ", std::string(py::repr(key)));
+      const std::string name = key.cast<std::string>();
+      out[name] = to_json(item, where.empty() ? name : where + '.' + name);
+    }
+    return out;
+  }
+  if (py::isinstance<py::str>(value)) return value.cast<std::string>();
+  if (py::isinstance<py::array>(value)) return sequence_to_json(value.attr("tolist")(), where);
+  if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) return sequence_to_json(value, where);
+  if (PyIndex_Check(value.ptr())) {
+    const py::int_ v = py::reinterpret_steal<py::int_>(PyNumber_Index(value.ptr()));
+    int overflow = 0;
+    const long long n = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow != 0) cpdispatch::detail::fail(where, ": ", std::string(py::str(value)), " is outside the 64-bit signed integer range");
+    return static_cast<std::int64_t>(n);
+  }
+  if (PyFloat_Check(value.ptr())) return value.cast<double>();
+  cpdispatch::detail::fail(where.empty() ? "plan" : where, ": a ", std::string(py::str(value.get_type().attr("__name__"))),
+                           " is not a JSON value (expected a dict, list, int, float, bool, str or None)");
+}
+
+/// A plan (or balance input) given as a dict or as JSON text.
+nlohmann::json input_json(py::handle input) {
+  if (py::isinstance<py::str>(input)) return cpdispatch::parse_json(input.cast<std::string>());
+  if (py::isinstance<py::bytes>(input)) return cpdispatch::parse_json(input.cast<std::string>());
+  if (!py::isinstance<py::dict>(input)) {
+    cpdispatch::detail::fail("plan: expected a dict or JSON text, got a ", std::string(py::str(input.get_type().attr("__name__"))));
+  }
+  return to_json(input, "");
+}
+
+// ---------------------------------------------------------------- output arrays
+
+/// An int64 array that owns `values` (moved to the heap; freed with the array).
+template <class Storage>
+Int64Array owning_array(Storage&& values, std::vector<py::ssize_t> shape) {
+  auto* owned = new Storage(std::move(values));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<Storage*>(p); });
+  std::vector<py::ssize_t> strides(shape.size(), sizeof(std::int64_t));
+  for (std::size_t a = shape.size(); a-- > 1;) strides[a - 1] = strides[a] * shape[a];
+  return Int64Array(std::move(shape), std::move(strides), owned->data(), free_when_done);
+}
+
+Int64Array array_of(cpdispatch::Tensor<std::int64_t>&& t) {
+  std::vector<py::ssize_t> shape;
+  for (std::size_t extent : t.shape()) shape.push_back(static_cast<py::ssize_t>(extent));
+  if (shape.empty()) shape.push_back(0);
+  return owning_array(std::move(t), std::move(shape));
+}
+
+Int64Array array_of(std::vector<std::int64_t>&& v) {
+  const auto n = static_cast<py::ssize_t>(v.size());
+  return owning_array(std::move(v), {n});
+}
+
+/// [n][copies] when `nested` (a slice's rows), else [n].
+Int64Array rows_of(std::vector<std::int64_t>&& v, std::size_t copies, bool nested) {
+  if (!nested) return array_of(std::move(v));
+  const auto c = static_cast<py::ssize_t>(copies);
+  const py::ssize_t n = c == 0 ? 0 : static_cast<py::ssize_t>(v.size()) / c;
+  return owning_array(std::move(v), {n, c});
+}
+
+py::list arrays_of(std::vector<std::vector<std::int64_t>>&& rows) {
+  py::list out;
+  for (auto& row : rows) out.append(array_of(std::move(row)));
+  return out;
+}
+
+/// cu_seqlens as int32, the dtype flash-attention's varlen API takes.
+py::array_t<std::int32_t> int32_of(const std::vector<std::int64_t>& v, std::string_view field) {
+  py::array_t<std::int32_t> out(static_cast<py::ssize_t>(v.size()));
+  auto* p = out.mutable_data();
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (v[i] > std::numeric_limits<std::int32_t>::max()) {
+      cpdispatch::detail::fail(field, '[', i, "] = ", v[i], " does not fit in int32 (flash-attention's cu_seqlens)");
+    }
+    p[i] = static_cast<std::int32_t>(v[i]);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- output dicts
+
+/// The CLI's Metadata object (detail::metadata_object's keys).
+py::dict metadata_dict(Metadata&& m) {
+  py::dict d;
+  d["world_size"] = m.world_size;
+  d["has_copies"] = m.has_copies();
+  d["num_copies"] = m.num_copies();
+  d["mask_copies"] = m.seq_recv_mask ? py::object(py::int_(m.seq_recv_mask->size(2))) : py::object(py::none());
+  d["dst_rank"] = array_of(std::move(m.dst_rank));
+  d["dst_offset"] = array_of(std::move(m.dst_offset));
+  d["seq_len"] = array_of(std::move(m.seq_len));
+  d["num_recv_tokens"] = array_of(std::move(m.num_recv_tokens));
+  d["num_seqs"] = array_of(std::move(m.num_seqs));
+  d["seq_recv_mask"] = m.seq_recv_mask ? py::object(array_of(std::move(*m.seq_recv_mask))) : py::object(py::none());
+  d["recv_seq_lens"] = m.recv_seq_lens ? py::object(array_of(std::move(*m.recv_seq_lens))) : py::object(py::none());
+  return d;
+}
+
+/// One rank's slice, as the CLI's --rank writes it.
+py::dict slice_dict(RankMetadata&& m) {
+  py::dict d;
+  const bool masked = m.seq_recv_mask.has_value();
+  d["rank"] = m.rank;
+  d["world_size"] = m.world_size;
+  d["has_copies"] = m.has_copies;
+  d["num_copies"] = m.num_copies;
+  d["mask_copies"] = masked ? py::object(py::int_(m.mask_copies)) : py::object(py::none());
+  d["dst_rank"] = rows_of(std::move(m.dst_rank), m.num_copies, m.has_copies);
+  d["dst_offset"] = rows_of(std::move(m.dst_offset), m.num_copies, m.has_copies);
+  d["seq_len"] = array_of(std::move(m.seq_len));
+  d["num_recv_tokens"] = array_of(std::move(m.num_recv_tokens));
+  d["num_seqs"] = m.num_seqs;
+  d["seq_recv_mask"] = masked ? py::object(rows_of(std::move(*m.seq_recv_mask), m.mask_copies, true)) : py::object(py::none());
+  d["recv_seq_lens"] = m.recv_seq_lens ? py::object(array_of(std::move(*m.recv_seq_lens))) : py::object(py::none());
+  return d;
+}
+
+py::dict varlen_dict(const std::vector<std::int64_t>& cu_q, const std::vector<std::int64_t>& cu_kv, std::int64_t max_q, std::int64_t max_kv,
+                     std::size_t rank) {
+  py::dict d;
+  d["cu_seqlens_q"] = int32_of(cu_q, cpdispatch::detail::concat("attn.cu_seqlens_q[", rank, "]"));
+  d["cu_seqlens_kv"] = int32_of(cu_kv, cpdispatch::detail::concat("attn.cu_seqlens_kv[", rank, "]"));
+  d["max_seqlen_q"] = max_q;
+  d["max_seqlen_kv"] = max_kv;
+  return d;
+}
+
+/// "attn" of a whole plan; `varlen` gets each rank's int32 cu_seqlens.
+py::dict attention_dict(cpdispatch::AttentionLayout&& a, py::list& varlen) {
+  for (std::size_t d = 0; d < a.cu_seqlens_q.size(); ++d) {
+    varlen.append(varlen_dict(a.cu_seqlens_q[d], a.cu_seqlens_kv[d], a.max_seqlen_q[d], a.max_seqlen_kv[d], d));
+  }
+  py::dict d;
+  d["seqlens_q"] = arrays_of(std::move(a.seqlens_q));
+  d["seqlens_kv"] = arrays_of(std::move(a.seqlens_kv));
+  d["cu_seqlens_q"] = arrays_of(std::move(a.cu_seqlens_q));
+  d["cu_seqlens_kv"] = arrays_of(std::move(a.cu_seqlens_kv));
+  d["max_seqlen_q"] = array_of(std::move(a.max_seqlen_q));
+  d["max_seqlen_kv"] = array_of(std::move(a.max_seqlen_kv));
+  return d;
+}
+
+py::dict rank_attention_dict(cpdispatch::RankAttentionLayout&& a, std::size_t rank, py::dict& varlen) {
+  varlen = varlen_dict(a.cu_seqlens_q, a.cu_seqlens_kv, a.max_seqlen_q, a.max_seqlen_kv, rank);
+  py::dict d;
+  d["seqlens_q"] = array_of(std::move(a.seqlens_q));
+  d["seqlens_kv"] = array_of(std::move(a.seqlens_kv));
+  d["cu_seqlens_q"] = array_of(std::move(a.cu_seqlens_q));
+  d["cu_seqlens_kv"] = array_of(std::move(a.cu_seqlens_kv));
+  d["max_seqlen_q"] = a.max_seqlen_q;
+  d["max_seqlen_kv"] = a.max_seqlen_kv;
+  return d;
+}
+
+// ---------------------------------------------------------------- planning
+
+struct ParsedPlan {
+  cpdispatch::Plan plan;
+  bool dedup = false;
+};
+
+ParsedPlan parse_plan(py::handle input, bool dedup) {
+  const nlohmann::json j = input_json(input);
+  ParsedPlan out{cpdispatch::plan_from_json(j), dedup || cpdispatch::dedup_requested(j)};
+  if (out.dedup && out.plan.index() == 0) {
+    cpdispatch::detail::fail("dedup: deduplication applies to qkv plans (key-value copies); this is a query plan");
+  }
+  return out;
+}
+
+/// The whole plan's metadata: cpdispatch-plan's output, plus "varlen".
+py::dict plan_dict(cpdispatch::PlanMetadata&& planned, bool dedup) {
+  py::dict out;
+  if (auto* q = std::get_if<cpdispatch::QueryMetadata>(&planned)) {
+    out["fwd"] = metadata_dict(std::move(q->fwd));
+    out["rev"] = metadata_dict(std::move(q->rev));
+    return out;
+  }
+  auto& qkv = std::get<cpdispatch::QkvMetadata>(planned);
+  if (dedup) {
+    cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(qkv);
+    out["kv_wire_fwd"] = metadata_dict(std::move(wire.fwd));
+    out["kv_wire_rev"] = metadata_dict(std::move(wire.rev));
+  }
+  py::list varlen;
+  out["q_fwd"] = metadata_dict(std::move(qkv.q_fwd));
+  out["q_rev"] = metadata_dict(std::move(qkv.q_rev));
+  out["kv_fwd"] = metadata_dict(std::move(qkv.kv_fwd));
+  out["kv_rev"] = metadata_dict(std::move(qkv.kv_rev));
+  out["attn"] = attention_dict(std::move(qkv.attn), varlen);
+  out["varlen"] = varlen;
+  return out;
+}
+
+py::dict plan(py::handle input, bool dedup) {
+  const ParsedPlan parsed = parse_plan(input, dedup);
+  return plan_dict(cpdispatch::plan_metadata(parsed.plan), parsed.dedup);
+}
+
+/// Rank `rank`'s share (and, with dedup, its wire slices and fan list), planned per rank.
+struct RankShare {
+  cpdispatch::RankPlanMetadata metadata;
+  std::optional<cpdispatch::RankKvWire> wire;
+};
+
+RankShare plan_rank_share(const ParsedPlan& parsed, std::int64_t rank) {
+  if (!parsed.dedup) return {cpdispatch::plan_metadata_for_rank(parsed.plan, rank), std::nullopt};
+  cpdispatch::RankQkvMetadata share;
+  cpdispatch::RankKvWire wire;
+  if (const auto* p = std::get_if<cpdispatch::QkvPlan>(&parsed.plan)) {
+    cpdispatch::RankPlanWorkspace workspace;
+    cpdispatch::plan_qkv_for_rank(*p, rank, share, workspace, &wire);
+  } else {
+    const auto& d = std::get<cpdispatch::QkvDocumentsPlan>(parsed.plan);
+    share = cpdispatch::plan_qkv_for_rank(d, rank);
+    wire = cpdispatch::plan_kv_wire_for_rank(d, rank);
+  }
+  return {std::move(share), std::move(wire)};
+}
+
+py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup) {
+  const ParsedPlan parsed = parse_plan(input, dedup);
+  RankShare share = plan_rank_share(parsed, rank);
+  py::dict out;
+  if (auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
+    out["rank"] = q->fwd.rank;
+    out["fwd"] = slice_dict(std::move(q->fwd));
+    out["rev"] = slice_dict(std::move(q->rev));
+    return out;
+  }
+  auto& m = std::get<cpdispatch::RankQkvMetadata>(share.metadata);
+  out["rank"] = m.q_fwd.rank;
+  out["q_fwd"] = slice_dict(std::move(m.q_fwd));
+  out["q_rev"] = slice_dict(std::move(m.q_rev));
+  out["kv_fwd"] = slice_dict(std::move(m.kv_fwd));
+  out["kv_rev"] = slice_dict(std::move(m.kv_rev));
+  py::dict varlen;
+  out["attn"] = rank_attention_dict(std::move(m.attn), static_cast<std::size_t>(rank), varlen);
+  out["varlen"] = varlen;
+  if (share.wire) {
+    out["kv_wire_fwd"] = slice_dict(std::move(share.wire->fwd));
+    out["kv_wire_rev"] = slice_dict(std::move(share.wire->rev));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- token indices
+
+py::dict exchange_dict(cpdispatch::ExchangeIndices&& e) {
+  py::dict d;
+  d["send_index"] = array_of(std::move(e.send_index));
+  d["send_counts"] = array_of(std::move(e.send_counts));
+  d["recv_index"] = array_of(std::move(e.recv_index));
+  d["recv_counts"] = array_of(std::move(e.recv_counts));
+  d["input_tokens"] = e.input_tokens;
+  d["output_tokens"] = e.output_tokens;
+  return d;
+}
+
+py::dict indices_dict(const RankMetadata& fwd, const RankMetadata& rev) {
+  cpdispatch::DispatchIndices ix = cpdispatch::dispatch_indices(fwd, rev);
+  py::dict d;
+  d["forward"] = exchange_dict(std::move(ix.forward));
+  d["reverse"] = exchange_dict(std::move(ix.reverse));
+  d["copies"] = ix.copies;
+  d["tokens"] = ix.tokens;
+  d["combine_source"] = array_of(std::move(ix.combine_source));
+  d["combine_target"] = array_of(std::move(ix.combine_target));
+  return d;
+}
+
+/// Rank `rank`'s gather/scatter indices: "q" (queries and outputs), "kv"
+/// (key-values), and with dedup "kv_wire" and "fan" (the fan-out).
+py::dict token_indices(py::handle input, std::int64_t rank, bool dedup) {
+  const ParsedPlan parsed = parse_plan(input, dedup);
+  const RankShare share = plan_rank_share(parsed, rank);
+  py::dict out;
+  if (const auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
+    out["q"] = indices_dict(q->fwd, q->rev);
+    return out;
+  }
+  const auto& m = std::get<cpdispatch::RankQkvMetadata>(share.metadata);
+  out["q"] = indices_dict(m.q_fwd, m.q_rev);
+  out["kv"] = indices_dict(m.kv_fwd, m.kv_rev);
+  if (share.wire) {
+    out["kv_wire"] = indices_dict(share.wire->fwd, share.wire->rev);
+    cpdispatch::FanIndices fan = cpdispatch::fan_indices(share.wire->fan);
+    py::dict f;
+    f["fan_source"] = array_of(std::move(fan.fan_source));
+    f["wire_tokens"] = fan.wire_tokens;
+    f["attention_tokens"] = fan.attention_tokens;
+    out["fan"] = f;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- balancing
+
+/// cpdispatch-plan balance's output for `input`, as JSON text.
+std::string balance(py::handle input, bool dedup) {
+  const nlohmann::json j = input_json(input);
+  const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(j);
+  cpdispatch::BalanceOptions options = cpdispatch_cli::balance_options_from_json(j);
+  options.dedup = options.dedup || dedup;
+  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options);
+  const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
+  return cpdispatch_cli::balanced_plan_json(plan, options.dedup).dump();
+}
+
+// ---------------------------------------------------------------- timing (benchmarks)
+
+/// Seconds per call of `work`, the best of `repeats` calls.
+template <class F>
+double best_seconds(int repeats, F&& work) {
+  double best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    work();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return best;
+}
+
+/// The C++ planning calls behind plan / plan_for_rank, timed in C++ on a
+/// plan already read (rank < 0: the whole plan).
+double time_plan(py::handle input, std::int64_t rank, bool dedup, int repeats) {
+  const ParsedPlan parsed = parse_plan(input, dedup);
+  py::gil_scoped_release unlocked;
+  return best_seconds(repeats, [&] {
+    if (rank >= 0) {
+      RankShare share = plan_rank_share(parsed, rank);
+      return;
+    }
+    cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(parsed.plan);
+    if (parsed.dedup) cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(std::get<cpdispatch::QkvMetadata>(planned));
+  });
+}
+
+/// plan_balanced behind balance, timed in C++ on an input already read.
+double time_balance(py::handle input, int repeats) {
+  const nlohmann::json j = input_json(input);
+  const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(j);
+  const cpdispatch::BalanceOptions options = cpdispatch_cli::balance_options_from_json(j);
+  py::gil_scoped_release unlocked;
+  return best_seconds(repeats, [&] { cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options); });
+}
+
+/// The planners prefix messages with their own name; for a Python caller the
+/// field path reads better alone (as in the CLI's messages).
+std::string without_planner_prefix(std::string message) {
+  for (std::string_view prefix : {"plan_qkv: ", "plan_query: ", "plan_qkv_for_rank: ", "plan_query_for_rank: ", "plan_kv_wire_for_rank: "}) {
+    if (std::string_view(message).starts_with(prefix)) return message.substr(prefix.size());
+  }
+  return message;
+}
+
+template <class Layout>
+constexpr bool has_mask = requires(const Layout& a) { a.mask; };
+
+}  // namespace
+
+PYBIND11_MODULE(_cpdispatch, m) {
+  m.doc() = "cpdispatch's C++ planner (use the cpdispatch package, which documents these functions)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const cpdispatch::invalid_input& e) {
+      PyErr_SetString(PyExc_ValueError, without_planner_prefix(e.what()).c_str());
+    }
+  });
+  // Whether the library's attention layouts carry the plan's mask (section
+  // 2d): then the CLI writes attn.mask, and the Python layer adds it too.
+  m.attr("layout_has_mask") = has_mask<cpdispatch::AttentionLayout>;
+  m.attr("rank_layout_has_mask") = has_mask<cpdispatch::RankAttentionLayout>;
+  m.def("plan", &plan, py::arg("plan"), py::arg("dedup") = false);
+  m.def("plan_for_rank", &plan_for_rank, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false);
+  m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false);
+  m.def("balance", &balance, py::arg("batch"), py::arg("dedup") = false);
+  m.def("time_plan", &time_plan, py::arg("plan"), py::arg("rank"), py::arg("dedup"), py::arg("repeats"));
+  m.def("time_balance", &time_balance, py::arg("batch"), py::arg("repeats"));
+}

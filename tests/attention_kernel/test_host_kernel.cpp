@@ -1,0 +1,413 @@
+// HostAttentionKernel against the double-precision reference over whole
+// documents: forward (out, log-sum-exp) and backward (dq, dk, dv), every
+// mask, MHA and GQA, several block sizes and thread counts; entries covering
+// parts of a document merged through the log-sum-exp; empty entries and rows
+// that see nothing; 16-bit types; bad input.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+
+#include "attention_case.hpp"
+#include "cpdispatch/attention/host_kernel.hpp"
+#include "cpdispatch/error.hpp"
+
+// The same tests run on both block-product builds, under names that tell them apart.
+#ifdef CPDISPATCH_ATTENTION_CBLAS
+#define HOST_KERNEL_SUITE HostAttentionKernelCblas
+#else
+#define HOST_KERNEL_SUITE HostAttentionKernel
+#endif
+
+namespace cpdispatch::testing {
+namespace {
+
+constexpr double float_tolerance = 1e-5;
+constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+constexpr double minus_inf = -std::numeric_limits<double>::infinity();
+
+/// A batch of documents laid out back to back, each attended as one entry.
+template <class E>
+struct Batch {
+  AttentionShape shape;
+  std::vector<std::int64_t> cu;
+  std::vector<E> q, k, v, dout;
+
+  Batch(AttentionShape s, const std::vector<std::int64_t>& lengths, unsigned seed) : shape(s), cu(prefix_sums(lengths)) {
+    std::mt19937 rng(seed);
+    const auto t = static_cast<std::size_t>(cu.back());
+    q = random_elements<E>(t * static_cast<std::size_t>(s.heads_q * s.head_dim), rng);
+    k = random_elements<E>(t * static_cast<std::size_t>(s.heads_kv * s.head_dim), rng);
+    v = random_elements<E>(t * static_cast<std::size_t>(s.heads_kv * s.head_dim), rng);
+    dout = random_elements<E>(q.size(), rng);
+  }
+  std::int64_t tokens() const { return cu.back(); }
+  std::vector<AttentionEntry> entries() const { return layout_entries(cu, cu); }
+};
+
+template <class E>
+struct Results {
+  std::vector<E> out, dq, dk, dv;
+  std::vector<float> lse;
+};
+
+template <class E>
+Results<E> run_kernel(HostAttentionKernel& kernel, const Batch<E>& b, const AttentionMask& mask) {
+  Results<E> r{std::vector<E>(b.q.size(), to_element<E>(nan)), std::vector<E>(b.q.size(), to_element<E>(nan)),
+               std::vector<E>(b.k.size(), to_element<E>(nan)), std::vector<E>(b.k.size(), to_element<E>(nan)),
+               std::vector<float>(static_cast<std::size_t>(b.shape.heads_q * b.tokens()), nan)};
+  const auto entries = b.entries();
+  kernel.forward<E>(b.shape, mask, entries, b.q, b.k, b.v, r.out, r.lse);
+  kernel.backward<E>(b.shape, mask, entries, b.q, b.k, b.v, r.out, r.lse, b.dout, r.dq, r.dk, r.dv);
+  return r;
+}
+
+/// Per document: the kernel's tensors and the reference's, as doubles.
+struct DocumentErrors {
+  double out = 0, lse = 0, dq = 0, dk = 0, dv = 0;
+};
+
+inline std::vector<double> lse_rows(const std::vector<double>& lse, std::int64_t heads, std::int64_t tokens,
+                                    std::int64_t first, std::int64_t count) {
+  std::vector<double> x;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t p = first; p < first + count; ++p) x.push_back(lse[static_cast<std::size_t>(h * tokens + p)]);
+  }
+  return x;
+}
+
+template <class E>
+DocumentErrors document_errors(const Batch<E>& b, const Results<E>& r, const AttentionMask& mask, std::size_t d) {
+  const AttentionShape& s = b.shape;
+  const std::int64_t first = b.cu[d], L = b.cu[d + 1] - b.cu[d];
+  const std::int64_t wq = s.heads_q * s.head_dim, wk = s.heads_kv * s.head_dim;
+  const auto q = rows_of(as_doubles<E>(b.q), first, L, wq), k = rows_of(as_doubles<E>(b.k), first, L, wk);
+  const auto v = rows_of(as_doubles<E>(b.v), first, L, wk), dout = rows_of(as_doubles<E>(b.dout), first, L, wq);
+  const auto fwd = reference_attention_forward(q, k, v, L, reference_shape(s), mask);
+  const auto grad = reference_attention_backward(q, k, v, dout, L, reference_shape(s), mask);
+  std::vector<double> lse(r.lse.begin(), r.lse.end());
+  return {relative_error(rows_of(as_doubles<E>(r.out), first, L, wq), fwd.out),
+          relative_error(lse_rows(lse, s.heads_q, b.tokens(), first, L), lse_rows(fwd.lse, s.heads_q, L, 0, L)),
+          relative_error(rows_of(as_doubles<E>(r.dq), first, L, wq), grad.dq),
+          relative_error(rows_of(as_doubles<E>(r.dk), first, L, wk), grad.dk),
+          relative_error(rows_of(as_doubles<E>(r.dv), first, L, wk), grad.dv)};
+}
+
+struct Config {
+  AttentionShape shape;
+  std::vector<std::int64_t> lengths;
+  HostAttentionOptions options;
+};
+
+std::vector<Config> float_configs() {
+  return {{make_shape(2, 2, 8), {1, 7, 16, 21}, {3, 4, 8}},  // MHA, blocks much smaller than the documents
+          {make_shape(4, 1, 5), {13, 3}, {2, 3, 5}},         // GQA, odd head_dim and block sizes
+          {make_shape(6, 3, 16), {33}, {1, 128, 256}}};      // GQA, one block per document
+}
+
+TEST(HOST_KERNEL_SUITE, FloatMatchesTheReferenceForEveryMask) {
+  for (const Config& c : float_configs()) {
+    HostAttentionKernel kernel(c.options);
+    const Batch<float> batch(c.shape, c.lengths, 7);
+    for (const AttentionMask& mask : all_masks()) {
+      SCOPED_TRACE(to_string(mask) + ", heads " + std::to_string(c.shape.heads_q) + "/" + std::to_string(c.shape.heads_kv));
+      const auto r = run_kernel(kernel, batch, mask);
+      for (std::size_t d = 0; d + 1 < batch.cu.size(); ++d) {
+        const auto e = document_errors(batch, r, mask, d);
+        EXPECT_LE(e.out, float_tolerance) << "document " << d;
+        EXPECT_LE(e.lse, float_tolerance) << "document " << d;
+        EXPECT_LE(e.dq, float_tolerance) << "document " << d;
+        EXPECT_LE(e.dk, float_tolerance) << "document " << d;
+        EXPECT_LE(e.dv, float_tolerance) << "document " << d;
+      }
+    }
+  }
+}
+
+/// Log-sum-exp merge of partial attentions: out = sum_i exp(lse_i - lse) out_i.
+struct Merged {
+  std::vector<double> out, lse;
+};
+
+/// One document cut into query parts and key parts; every (query part, key
+/// part) pair is attended once, n pairs per call (pair i with part (i + shift) mod n,
+/// so no call shares a row), each entry with its own diagonal.
+TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
+  const AttentionShape s = make_shape(4, 2, 6);
+  const std::int64_t L = 19, wq = s.heads_q * s.head_dim, wk = s.heads_kv * s.head_dim;
+  const std::vector<std::int64_t> q_cuts{0, 5, 11, 19}, k_cuts{0, 7, 8, 19};
+  const std::size_t n = 3;
+  const Batch<float> b(s, {L}, 11);
+  HostAttentionKernel kernel({2, 4, 4});
+  for (const AttentionMask& mask : all_masks()) {
+    SCOPED_TRACE(to_string(mask));
+    const auto q = as_doubles<float>(b.q), k = as_doubles<float>(b.k), v = as_doubles<float>(b.v);
+    const auto fwd = reference_attention_forward(q, k, v, L, reference_shape(s), mask);
+    const auto grad = reference_attention_backward(q, k, v, as_doubles<float>(b.dout), L, reference_shape(s), mask);
+    std::vector<std::vector<AttentionEntry>> calls;
+    for (std::size_t shift = 0; shift < n; ++shift) {
+      std::vector<AttentionEntry> entries;
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::size_t j = (i + shift) % n;
+        entries.push_back({q_cuts[i], q_cuts[i + 1] - q_cuts[i], k_cuts[j], k_cuts[j + 1] - k_cuts[j], q_cuts[i] - k_cuts[j]});
+      }
+      calls.push_back(entries);
+    }
+    // Forward: merge the parts' outputs through their log-sum-exp.
+    std::vector<double> lse(fwd.lse.size(), minus_inf), out(fwd.out.size(), 0.0);
+    std::vector<std::vector<float>> part_out, part_lse;
+    for (const auto& entries : calls) {
+      std::vector<float> o(b.q.size(), nan), l(lse.size(), nan);
+      kernel.forward<float>(s, mask, entries, b.q, b.k, b.v, o, l);
+      for (std::size_t i = 0; i < lse.size(); ++i) {
+        const double m = std::max(lse[i], static_cast<double>(l[i]));
+        if (m != minus_inf) lse[i] = m + std::log(std::exp(lse[i] - m) + std::exp(l[i] - m));
+      }
+      part_out.push_back(o);
+      part_lse.push_back(l);
+    }
+    for (std::size_t c = 0; c < calls.size(); ++c) {
+      for (std::int64_t p = 0; p < L; ++p) {
+        for (std::int64_t h = 0; h < s.heads_q; ++h) {
+          const auto li = static_cast<std::size_t>(h * L + p);
+          if (lse[li] == minus_inf) continue;
+          const double w = std::exp(part_lse[c][li] - lse[li]);
+          for (std::int64_t d = 0; d < s.head_dim; ++d) {
+            const auto oi = static_cast<std::size_t>(p * wq + h * s.head_dim + d);
+            out[oi] += w * part_out[c][oi];
+          }
+        }
+      }
+    }
+    EXPECT_LE(relative_error(out, fwd.out), float_tolerance);
+    EXPECT_LE(relative_error(lse, fwd.lse), float_tolerance);
+    // Backward: each part, given the whole attention's out and lse, yields a share; the shares sum to the whole.
+    std::vector<float> whole_out(fwd.out.begin(), fwd.out.end()), whole_lse(fwd.lse.begin(), fwd.lse.end());
+    std::vector<double> dq(b.q.size(), 0.0), dk(b.k.size(), 0.0), dv(b.k.size(), 0.0);
+    for (const auto& entries : calls) {
+      std::vector<float> gq(b.q.size(), nan), gk(b.k.size(), nan), gv(b.k.size(), nan);
+      kernel.backward<float>(s, mask, entries, b.q, b.k, b.v, whole_out, whole_lse, b.dout, gq, gk, gv);
+      for (std::size_t i = 0; i < dq.size(); ++i) dq[i] += gq[i];
+      for (std::size_t i = 0; i < dk.size(); ++i) {
+        dk[i] += gk[i];
+        dv[i] += gv[i];
+      }
+    }
+    EXPECT_LE(relative_error(dq, grad.dq), float_tolerance);
+    EXPECT_LE(relative_error(dk, grad.dk), float_tolerance);
+    EXPECT_LE(relative_error(dv, grad.dv), float_tolerance);
+    (void)wk;
+  }
+}
+
+/// Entries without keys or without queries, rows that see no key and keys no
+/// row sees: zeros and -infinity where the concept says so, and rows outside
+/// every entry left as they were.
+TEST(HOST_KERNEL_SUITE, EmptyEntriesAndRowsThatSeeNothing) {
+  const AttentionShape s = make_shape(2, 1, 4);
+  const std::int64_t tokens = 12;
+  std::mt19937 rng(3);
+  const auto q = random_elements<float>(static_cast<std::size_t>(tokens * 8), rng);
+  const auto k = random_elements<float>(static_cast<std::size_t>(tokens * 4), rng);
+  const auto v = random_elements<float>(k.size(), rng);
+  const auto dout = random_elements<float>(q.size(), rng);
+  const std::vector<AttentionEntry> entries{
+      {0, 3, 0, 0, 0},    // query rows 0-2 without keys
+      {3, 0, 0, 3, 0},    // key rows 0-2 without queries
+      {3, 4, 3, 4, -2},   // causal: rows 3, 4 see nothing, row 5 key 3, row 6 keys 3, 4; keys 5, 6 unseen
+      {7, 4, 7, 4, -10},  // every row before every key: nothing is seen
+  };
+  HostAttentionKernel kernel({2, 2, 2});
+  constexpr float untouched = 42.0f;
+  std::vector<float> out(q.size(), untouched), lse(static_cast<std::size_t>(2 * tokens), untouched);
+  kernel.forward<float>(s, AttentionMask::causal(), entries, q, k, v, out, lse);
+  std::vector<float> dq(q.size(), untouched), dk(k.size(), untouched), dv(k.size(), untouched);
+  kernel.backward<float>(s, AttentionMask::causal(), entries, q, k, v, out, lse, dout, dq, dk, dv);
+  auto q_row_zero = [&](const std::vector<float>& x, std::int64_t row) {
+    for (std::int64_t i = row * 8; i < row * 8 + 8; ++i) {
+      if (x[static_cast<std::size_t>(i)] != 0.0f) return false;
+    }
+    return true;
+  };
+  for (std::int64_t row : {0, 1, 2, 3, 4, 7, 8, 9, 10}) {
+    EXPECT_TRUE(q_row_zero(out, row)) << "out row " << row;
+    EXPECT_TRUE(q_row_zero(dq, row)) << "dq row " << row;
+    for (std::int64_t h = 0; h < 2; ++h) EXPECT_EQ(lse[static_cast<std::size_t>(h * tokens + row)], -INFINITY) << row;
+  }
+  for (std::int64_t row : {5, 6}) {  // row 5 sees key 3, row 6 keys 3 and 4
+    EXPECT_FALSE(q_row_zero(out, row)) << "out row " << row;
+    EXPECT_TRUE(std::isfinite(lse[static_cast<std::size_t>(row)]));
+  }
+  for (std::int64_t row : {0, 1, 2, 5, 6, 7, 8, 9, 10}) {  // keys nobody sees
+    for (std::int64_t i = row * 4; i < row * 4 + 4; ++i) {
+      EXPECT_EQ(dk[static_cast<std::size_t>(i)], 0.0f) << "dk row " << row;
+      EXPECT_EQ(dv[static_cast<std::size_t>(i)], 0.0f) << "dv row " << row;
+    }
+  }
+  for (std::int64_t i = 11 * 8; i < 12 * 8; ++i) {  // row 11 belongs to no entry
+    EXPECT_EQ(out[static_cast<std::size_t>(i)], untouched);
+    EXPECT_EQ(dq[static_cast<std::size_t>(i)], untouched);
+  }
+  for (std::int64_t i = 11 * 4; i < 12 * 4; ++i) EXPECT_EQ(dk[static_cast<std::size_t>(i)], untouched);
+  EXPECT_EQ(lse[11], untouched);
+  EXPECT_EQ(lse[tokens + 11], untouched);
+}
+
+/// Every output element is summed by one thread in a fixed order.
+TEST(HOST_KERNEL_SUITE, ResultsAreBitwiseTheSameForEveryThreadCount) {
+  const Batch<float> batch(make_shape(4, 2, 8), {9, 30, 2}, 5);
+  HostAttentionKernel one({1, 4, 8}), four({4, 4, 8});
+  for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::sliding_window(5)}) {
+    const auto a = run_kernel(one, batch, mask), b = run_kernel(four, batch, mask), c = run_kernel(four, batch, mask);
+    EXPECT_EQ(a.out, b.out);
+    EXPECT_EQ(a.lse, b.lse);
+    EXPECT_EQ(a.dq, b.dq);
+    EXPECT_EQ(a.dk, b.dk);
+    EXPECT_EQ(a.dv, b.dv);
+    EXPECT_EQ(b.dq, c.dq);
+  }
+}
+
+
+/// The straightforward 16-bit computation (as a framework without a fused
+/// kernel does it): scores, probabilities, output and every gradient product
+/// rounded to E, sums in fp32. Its error against the double reference is the
+/// yardstick for the kernel's in E.
+template <class E>
+struct Straightforward {
+  static float r(float x) { return static_cast<float>(to_element<E>(x)); }
+
+  static Results<E> run(const Batch<E>& b, const AttentionMask& mask) {
+    const AttentionShape& s = b.shape;
+    const std::int64_t T = b.tokens(), D = s.head_dim, group = s.heads_q / s.heads_kv;
+    std::vector<float> out(b.q.size(), 0.0f), dq(b.q.size(), 0.0f), dk(b.k.size(), 0.0f), dv(b.k.size(), 0.0f);
+    std::vector<float> lse(static_cast<std::size_t>(s.heads_q * T), -INFINITY);
+    auto at = [](const std::vector<E>& x, std::int64_t i) { return static_cast<float>(x[static_cast<std::size_t>(i)]); };
+    for (std::size_t doc = 0; doc + 1 < b.cu.size(); ++doc) {
+      const std::int64_t first = b.cu[doc], L = b.cu[doc + 1] - first;
+      for (std::int64_t h = 0; h < s.heads_q; ++h) {
+        const std::int64_t g = h / group;
+        for (std::int64_t p = 0; p < L; ++p) {
+          const std::int64_t qi = ((first + p) * s.heads_q + h) * D;
+          std::vector<float> prob(static_cast<std::size_t>(L), 0.0f), dprob(static_cast<std::size_t>(L), 0.0f);
+          float m = -INFINITY;
+          for (std::int64_t t = 0; t < L; ++t) {
+            if (!mask.sees(p, t)) continue;
+            float dot = 0;
+            for (std::int64_t d = 0; d < D; ++d) dot += at(b.q, qi + d) * at(b.k, ((first + t) * s.heads_kv + g) * D + d);
+            prob[static_cast<std::size_t>(t)] = r(dot * s.softmax_scale);
+            m = std::max(m, prob[static_cast<std::size_t>(t)]);
+          }
+          if (m == -INFINITY) continue;
+          float sum = 0;
+          for (std::int64_t t = 0; t < L; ++t) sum += mask.sees(p, t) ? std::exp(prob[static_cast<std::size_t>(t)] - m) : 0.0f;
+          lse[static_cast<std::size_t>(h * T + first + p)] = m + std::log(sum);
+          for (std::int64_t t = 0; t < L; ++t) {
+            auto& x = prob[static_cast<std::size_t>(t)];
+            x = mask.sees(p, t) ? r(std::exp(x - m) / sum) : 0.0f;
+          }
+          std::vector<float> o(static_cast<std::size_t>(D), 0.0f);
+          for (std::int64_t t = 0; t < L; ++t) {
+            for (std::int64_t d = 0; d < D; ++d) {
+              o[static_cast<std::size_t>(d)] += prob[static_cast<std::size_t>(t)] * at(b.v, ((first + t) * s.heads_kv + g) * D + d);
+            }
+          }
+          float delta = 0;
+          for (std::int64_t d = 0; d < D; ++d) {
+            out[static_cast<std::size_t>(qi + d)] = r(o[static_cast<std::size_t>(d)]);
+            delta += out[static_cast<std::size_t>(qi + d)] * at(b.dout, qi + d);
+          }
+          for (std::int64_t t = 0; t < L; ++t) {
+            const std::int64_t ki = ((first + t) * s.heads_kv + g) * D;
+            float dp = 0;
+            for (std::int64_t d = 0; d < D; ++d) dp += at(b.dout, qi + d) * at(b.v, ki + d);
+            const float pt = prob[static_cast<std::size_t>(t)];
+            const float ds = r(pt * (r(dp) - delta));
+            for (std::int64_t d = 0; d < D; ++d) {
+              dv[static_cast<std::size_t>(ki + d)] += pt * at(b.dout, qi + d);
+              dq[static_cast<std::size_t>(qi + d)] += ds * at(b.k, ki + d) * s.softmax_scale;
+              dk[static_cast<std::size_t>(ki + d)] += ds * at(b.q, qi + d) * s.softmax_scale;
+            }
+          }
+        }
+      }
+    }
+    auto round_all = [](const std::vector<float>& x) {
+      std::vector<E> y(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) y[i] = to_element<E>(x[i]);
+      return y;
+    };
+    return {round_all(out), round_all(dq), round_all(dk), round_all(dv), lse};
+  }
+};
+
+/// flash-attention's rule for 16-bit types: the kernel's error against the
+/// double reference (on the same rounded inputs) is at most twice the
+/// straightforward 16-bit computation's, plus 1e-6 of the largest magnitude
+/// for tensors the straightforward computation happens to get exact.
+template <class E>
+void expect_within_twice_the_straightforward_error() {
+  for (const Config& c : float_configs()) {
+    HostAttentionKernel kernel(c.options);
+    const Batch<E> batch(c.shape, c.lengths, 19);
+    for (const AttentionMask& mask : all_masks()) {
+      SCOPED_TRACE(to_string(mask) + ", heads " + std::to_string(c.shape.heads_q) + "/" + std::to_string(c.shape.heads_kv));
+      const auto got = run_kernel(kernel, batch, mask);
+      const auto plain = Straightforward<E>::run(batch, mask);
+      for (std::size_t d = 0; d + 1 < batch.cu.size(); ++d) {
+        const auto e = document_errors(batch, got, mask, d), p = document_errors(batch, plain, mask, d);
+        EXPECT_LE(e.out, 2 * p.out + 1e-6) << "document " << d;
+        EXPECT_LE(e.lse, 2 * p.lse + 1e-6) << "document " << d;
+        EXPECT_LE(e.dq, 2 * p.dq + 1e-6) << "document " << d;
+        EXPECT_LE(e.dk, 2 * p.dk + 1e-6) << "document " << d;
+        EXPECT_LE(e.dv, 2 * p.dv + 1e-6) << "document " << d;
+      }
+    }
+  }
+}
+
+TEST(HOST_KERNEL_SUITE, Bfloat16WithinTwiceTheStraightforwardError) { expect_within_twice_the_straightforward_error<bfloat16>(); }
+TEST(HOST_KERNEL_SUITE, Float16WithinTwiceTheStraightforwardError) { expect_within_twice_the_straightforward_error<float16>(); }
+
+/// Every broken rule is an invalid_input naming the field.
+TEST(HOST_KERNEL_SUITE, BadInputIsRefusedWithTheFieldNamed) {
+  const Batch<float> b(make_shape(4, 2, 4), {6}, 1);
+  HostAttentionKernel kernel({1, 4, 4});
+  std::vector<float> out(b.q.size()), lse(4 * 6), dq(b.q.size()), dk(b.k.size()), dv(b.k.size());
+  const auto entries = b.entries();
+  auto forward = [&](AttentionShape s, AttentionMask m, std::vector<AttentionEntry> e, std::size_t out_size) {
+    std::vector<float> o(out_size);
+    kernel.forward<float>(s, m, e, b.q, b.k, b.v, o, lse);
+  };
+  using ::testing::HasSubstr;
+  auto expect_refused = [](auto&& call, const std::string& what) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one naming " << what;
+    } catch (const invalid_input& e) {
+      EXPECT_THAT(e.what(), HasSubstr(what));
+    }
+  };
+  const auto causal = AttentionMask::causal();
+  expect_refused([&] { forward(make_shape(4, 3, 4), causal, entries, out.size()); }, "heads_kv");
+  expect_refused([&] { forward(make_shape(4, 2, 0), causal, entries, out.size()); }, "head_dim");
+  expect_refused([&] { forward(AttentionShape{4, 2, 4, NAN}, causal, entries, out.size()); }, "softmax_scale");
+  expect_refused([&] { forward(b.shape, AttentionMask{MaskType::sliding_window, 0}, entries, out.size()); }, "mask.window");
+  expect_refused([&] { forward(b.shape, causal, entries, out.size() - 1); }, "out");
+  expect_refused([&] { forward(b.shape, causal, {{0, 7, 0, 6, 0}}, out.size()); }, "entries[0] has query rows");
+  expect_refused([&] { forward(b.shape, causal, {{0, 6, 2, 5, 0}}, out.size()); }, "entries[0] has key-value rows");
+  expect_refused([&] { forward(b.shape, causal, {{0, 3, 0, 3, 0}, {2, 3, 3, 3, 0}}, out.size()); }, "share query rows");
+  expect_refused([&] { forward(b.shape, causal, {{0, 3, 0, 3, 0}, {3, 3, 2, 3, 0}}, out.size()); }, "share key-value rows");
+  expect_refused([&] { forward(b.shape, causal, {{0, 3, 0, 3, INT64_MAX}}, out.size()); }, "entries[0].diagonal");
+  expect_refused([&] { kernel.backward<float>(b.shape, causal, entries, b.q, b.k, b.v, out, lse, b.dout, dq, dk, std::span<float>(dv).first(3)); }, "dv");
+  expect_refused([&] { kernel.backward<float>(b.shape, causal, entries, b.q, b.k, b.v, out, std::span<const float>(lse).first(3), b.dout, dq, dk, dv); }, "lse");
+  expect_refused([&] { HostAttentionKernel k2({-1, 4, 4}); }, "threads");
+  expect_refused([&] { HostAttentionKernel k2({1, 0, 4}); }, "block_q");
+}
+
+}  // namespace
+}  // namespace cpdispatch::testing

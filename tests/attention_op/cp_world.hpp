@@ -1,0 +1,208 @@
+#pragma once
+// A world for the op's tests: a documents-form plan, random Q, K, V per whole
+// document, every rank's MLP layout cut from them, and the double-precision
+// reference attention over each whole document to compare against.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/reference_attention.hpp"
+#include "cpdispatch/attention/context_parallel.hpp"
+#include "cpdispatch/attention/detail/lse_merge.hpp"
+#include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/plan/rank.hpp"
+
+namespace attention_test {
+
+/// One shard of the MLP layout: document `doc`, positions [start, start + len).
+struct Piece {
+  std::size_t doc;
+  std::int64_t start, len;
+};
+
+/// The tensors of one rank, in its MLP layout (float copies of E values).
+struct RankTensors {
+  std::vector<float> q, k, v, dout;
+};
+
+/// What a rank's op returned.
+struct RankResult {
+  std::vector<float> out, dq, dk, dv, lse;  // lse: attention layout [heads_q][q tokens]
+  cpdispatch::RankMetadata q_rev;
+};
+
+class CpWorld {
+ public:
+  CpWorld(cpdispatch::QkvDocumentsPlan plan, const cpdispatch::AttentionShape& shape, const cpdispatch::AttentionMask& mask,
+          std::uint64_t seed, float (*round)(float))
+      : plan_(std::move(plan)), shape_(shape), mask_(mask) {
+    const auto W = static_cast<std::size_t>(plan_.world_size);
+    pieces_.resize(W);
+    for (std::size_t d = 0; d < plan_.documents.size(); ++d) {
+      std::int64_t at = 0;
+      for (const cpdispatch::DocumentShard& s : plan_.documents[d].shards) {
+        pieces_[static_cast<std::size_t>(s.rank)].push_back({d, at, s.len});
+        at += s.len;
+      }
+      lengths_.push_back(at);
+    }
+    draw(seed, round);
+    reference();
+  }
+
+  const cpdispatch::QkvDocumentsPlan& plan() const { return plan_; }
+  const std::vector<Piece>& pieces(std::size_t rank) const { return pieces_[rank]; }
+
+  /// Rank r's q, k, v and dout in its MLP layout.
+  RankTensors tensors(std::size_t rank) const {
+    RankTensors t;
+    for (const Piece& p : pieces_[rank]) {
+      append(t.q, docs_[p.doc].q, p, shape_.heads_q);
+      append(t.k, docs_[p.doc].k, p, shape_.heads_kv);
+      append(t.v, docs_[p.doc].v, p, shape_.heads_kv);
+      append(t.dout, docs_[p.doc].dout, p, shape_.heads_q);
+    }
+    return t;
+  }
+
+  /// Compares every rank's results with the reference: the largest error of
+  /// each tensor relative to its largest reference magnitude must be <= tol.
+  void expect_equal(const std::vector<RankResult>& results, double tol) const {
+    const std::array<double, 5> rel = relative_errors(results);
+    const char* names[5] = {"out", "dq", "dk", "dv", "lse"};
+    for (int i = 0; i < 5; ++i) EXPECT_LE(rel[static_cast<std::size_t>(i)], tol) << names[i] << ": largest error relative to the largest magnitude";
+  }
+
+  /// Each tensor's largest error over its largest reference magnitude: out, dq, dk, dv, lse.
+  std::array<double, 5> relative_errors(const std::vector<RankResult>& results) const {
+    double err[5] = {}, mag[5] = {};
+    for (std::size_t r = 0; r < results.size(); ++r) {
+      std::int64_t row = 0;
+      for (const Piece& p : pieces_[r]) {
+        const Doc& doc = docs_[p.doc];
+        accumulate(results[r].out, doc.ref.out, p, row, shape_.heads_q, err[0], mag[0]);
+        accumulate(results[r].dq, doc.grads.dq, p, row, shape_.heads_q, err[1], mag[1]);
+        accumulate(results[r].dk, doc.grads.dk, p, row, shape_.heads_kv, err[2], mag[2]);
+        accumulate(results[r].dv, doc.grads.dv, p, row, shape_.heads_kv, err[3], mag[3]);
+        row += p.len;
+      }
+      compare_lse(r, results[r], err[4], mag[4]);
+    }
+    std::array<double, 5> rel{};
+    for (std::size_t i = 0; i < 5; ++i) rel[i] = err[i] / std::max(mag[i], 1e-30);
+    return rel;
+  }
+
+  /// The same documents and data as one rank holding every document whole (the unsharded run).
+  static cpdispatch::QkvDocumentsPlan unsharded(const cpdispatch::QkvDocumentsPlan& plan) {
+    cpdispatch::QkvDocumentsPlan one;
+    one.world_size = 1;
+    for (const cpdispatch::PackedDocument& d : plan.documents) {
+      std::int64_t L = 0;
+      for (const cpdispatch::DocumentShard& s : d.shards) L += s.len;
+      one.documents.push_back({{{0, L, 0}}});
+    }
+    return one;
+  }
+
+ private:
+  struct Doc {
+    std::vector<double> q, k, v, dout;
+    cpdispatch::testing::ReferenceForward ref;
+    cpdispatch::testing::ReferenceGradients grads;
+  };
+
+  void draw(std::uint64_t seed, float (*round)(float)) {
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    auto fill = [&](std::vector<double>& x, std::int64_t n) {
+      x.resize(static_cast<std::size_t>(n));
+      for (double& e : x) e = round(u(rng));
+    };
+    for (std::int64_t L : lengths_) {
+      Doc d;
+      fill(d.q, L * shape_.heads_q * shape_.head_dim);
+      fill(d.k, L * shape_.heads_kv * shape_.head_dim);
+      fill(d.v, L * shape_.heads_kv * shape_.head_dim);
+      fill(d.dout, L * shape_.heads_q * shape_.head_dim);
+      docs_.push_back(std::move(d));
+    }
+  }
+
+  void reference() {
+    const cpdispatch::testing::ReferenceShape s{shape_.heads_q, shape_.heads_kv, shape_.head_dim, static_cast<double>(shape_.softmax_scale)};
+    for (std::size_t i = 0; i < docs_.size(); ++i) {
+      Doc& d = docs_[i];
+      d.ref = cpdispatch::testing::reference_attention_forward(d.q, d.k, d.v, lengths_[i], s, mask_);
+      d.grads = cpdispatch::testing::reference_attention_backward(d.q, d.k, d.v, d.dout, lengths_[i], s, mask_);
+    }
+  }
+
+  void append(std::vector<float>& to, const std::vector<double>& from, const Piece& p, std::int64_t heads) const {
+    const auto width = static_cast<std::size_t>(heads * shape_.head_dim);
+    for (std::size_t i = static_cast<std::size_t>(p.start) * width; i < static_cast<std::size_t>(p.start + p.len) * width; ++i) {
+      to.push_back(static_cast<float>(from[i]));
+    }
+  }
+
+  void accumulate(const std::vector<float>& got, const std::vector<double>& want, const Piece& p, std::int64_t row, std::int64_t heads,
+                  double& err, double& mag) const {
+    const auto width = static_cast<std::size_t>(heads * shape_.head_dim);
+    for (std::size_t i = 0; i < static_cast<std::size_t>(p.len) * width; ++i) {
+      const double w = want[static_cast<std::size_t>(p.start) * width + i];
+      err = std::max(err, std::abs(static_cast<double>(got[static_cast<std::size_t>(row) * width + i]) - w));
+      mag = std::max(mag, std::abs(w));
+    }
+  }
+
+  /// The attention layout's rows: entry m of q_rev came from rank dst_rank[m], at dst_offset[m] there.
+  void compare_lse(std::size_t rank, const RankResult& res, double& err, double& mag) const {
+    const std::int64_t tq = static_cast<std::int64_t>(res.lse.size()) / shape_.heads_q;
+    std::int64_t row = 0;
+    for (std::size_t m = 0; m < res.q_rev.seq_len.size(); ++m) {
+      const Piece& p = piece_at(static_cast<std::size_t>(res.q_rev.dst_rank[m]), res.q_rev.dst_offset[m]);
+      const std::int64_t L = lengths_[p.doc];
+      for (std::int64_t h = 0; h < shape_.heads_q; ++h) {
+        for (std::int64_t j = 0; j < p.len; ++j) {
+          const double w = docs_[p.doc].ref.lse[static_cast<std::size_t>(h * L + p.start + j)];
+          const double g = res.lse[static_cast<std::size_t>(h * tq + row + j)];
+          if (std::isinf(w) || std::isinf(g)) {
+            EXPECT_EQ(w, g) << "rank " << rank << " lse row " << row + j;
+            continue;
+          }
+          err = std::max(err, std::abs(g - w));
+          mag = std::max(mag, std::abs(w));
+        }
+      }
+      row += res.q_rev.seq_len[m];
+    }
+    EXPECT_EQ(row, tq) << "rank " << rank;
+  }
+
+  const Piece& piece_at(std::size_t home, std::int64_t offset) const {
+    std::int64_t at = 0;
+    for (const Piece& p : pieces_[home]) {
+      if (at == offset) return p;
+      at += p.len;
+    }
+    throw std::runtime_error("no shard starts at offset " + std::to_string(offset) + " of rank " + std::to_string(home));
+  }
+
+  cpdispatch::QkvDocumentsPlan plan_;
+  cpdispatch::AttentionShape shape_;
+  cpdispatch::AttentionMask mask_;
+  std::vector<std::vector<Piece>> pieces_;
+  std::vector<std::int64_t> lengths_;
+  std::vector<Doc> docs_;
+};
+
+}  // namespace attention_test

@@ -1,0 +1,181 @@
+// ContextParallelAttention equals attention over each whole document (the
+// double-precision reference), forward and backward, on the sim transport.
+// Cases are chosen pairwise over world size, heads, mask, dedup and stages.
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "attention_op/run_op.hpp"
+#include "cpdispatch/plan/generate.hpp"
+
+namespace {
+
+using attention_test::CpWorld;
+using attention_test::ExactKernel;
+using attention_test::run_op;
+using cpdispatch::AttentionMask;
+using cpdispatch::AttentionShape;
+using cpdispatch::CpAttentionOptions;
+
+struct Case {
+  const char* name;
+  int world_size;
+  std::int64_t heads_q, heads_kv;
+  AttentionMask mask;
+  bool dedup;
+  int stages;
+  std::uint64_t seed;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+AttentionShape shape_of(const Case& c) { return {c.heads_q, c.heads_kv, 4, 0.45f}; }
+
+cpdispatch::QkvDocumentsPlan plan_of(const Case& c) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = c.world_size;
+  o.num_documents = c.world_size + 2;
+  o.max_shards = 4;
+  o.max_len = 5;
+  return cpdispatch::random_documents_plan(o, c.seed);
+}
+
+class CpAttentionTest : public testing::TestWithParam<Case> {};
+
+TEST_P(CpAttentionTest, EqualsWholeDocumentAttention) {
+  const Case& c = GetParam();
+  const CpWorld world(plan_of(c), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
+  world.expect_equal(run_op<float>(world, shape_of(c), CpAttentionOptions{c.dedup, c.stages}), 1e-5);
+}
+
+const Case cases[] = {
+    {"W1_mha_s1", 1, 2, 2, AttentionMask::causal(), false, 1, 11},
+    {"W2_gqa_s2", 2, 4, 2, AttentionMask::causal(), false, 2, 12},
+    {"W3_gqa4_s3", 3, 4, 1, AttentionMask::causal(), false, 3, 13},
+    {"W4_mha_s4", 4, 1, 1, AttentionMask::causal(), false, 4, 14},
+    {"W5_gqa_s1", 5, 2, 1, AttentionMask::causal(), false, 1, 15},
+    {"W6_mha_s3", 6, 2, 2, AttentionMask::causal(), false, 3, 16},
+    {"W7_gqa_s2", 7, 4, 2, AttentionMask::causal(), false, 2, 17},
+    {"W8_mha_s4", 8, 2, 2, AttentionMask::causal(), false, 4, 18},
+    {"W8_gqa_s1", 8, 4, 2, AttentionMask::causal(), false, 1, 19},
+    {"W1_gqa_s3", 1, 4, 2, AttentionMask::causal(), false, 3, 20},
+};
+
+INSTANTIATE_TEST_SUITE_P(Pairwise, CpAttentionTest, testing::ValuesIn(cases),
+                         [](const testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+/// SimTransport without post_all_to_all_v: the op exchanges in blocking calls where it would post.
+class BlockingOnlyTransport {
+ public:
+  static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::host;
+  explicit BlockingOnlyTransport(cpdispatch::SimTransport& sim) : sim_(sim) {}
+  int rank() const { return sim_.rank(); }
+  int world_size() const { return sim_.world_size(); }
+  void all_to_all_v(const void* send, std::span<const std::size_t> sc, std::span<const std::size_t> sd, void* recv,
+                    std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
+    sim_.all_to_all_v(send, sc, sd, recv, rc, rd);
+  }
+
+ private:
+  cpdispatch::SimTransport& sim_;
+};
+
+static_assert(cpdispatch::posted_all_to_all_v<cpdispatch::SimTransport>);
+static_assert(!cpdispatch::posted_all_to_all_v<BlockingOnlyTransport>);
+
+TEST(CpAttentionTransports, StagesOverABlockingOnlyTransportEqualTheReference) {
+  const Case c{"W4", 4, 2, 1, AttentionMask::causal(), false, 3, 31};
+  const CpWorld world(plan_of(c), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
+  std::vector<attention_test::RankResult> results(4);
+  cpdispatch::SimWorld sim(4, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) {
+    BlockingOnlyTransport blocking(t);
+    const auto share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+    cpdispatch::ContextParallelAttention<BlockingOnlyTransport, float, ExactKernel> op(blocking, share, shape_of(c), {false, 3});
+    const auto r = static_cast<std::size_t>(t.rank());
+    results[r] = attention_test::step<float>(op, world.tensors(r));
+    results[r].q_rev = share.q_rev;
+  });
+  world.expect_equal(results, 1e-5);
+}
+
+/// Rank 2 holds tokens but attends to nothing; rank 3 holds nothing and attends to nothing.
+cpdispatch::QkvDocumentsPlan idle_ranks_plan() {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 4;
+  plan.documents = {{{{0, 3, 1}, {1, 2, 1}, {2, 3, 0}}}, {{{1, 4, 0}}}, {{{2, 2, 1}}}};
+  return plan;
+}
+
+TEST(CpAttentionIdleRanks, EmptyRankAndRankThatAttendsNothing) {
+  const AttentionShape shape{2, 1, 4, 0.5f};
+  const CpWorld world(idle_ranks_plan(), shape, AttentionMask::causal(), 7, attention_test::round_to<float>);
+  world.expect_equal(run_op<float>(world, shape, {}), 1e-5);
+}
+
+TEST(CpAttentionReproducible, OneStageIsBitwiseEqualRunToRun) {
+  const Case c{"W5", 5, 4, 2, AttentionMask::causal(), false, 1, 21};
+  const CpWorld world(plan_of(c), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
+  const auto a = run_op<float>(world, shape_of(c), {}), b = run_op<float>(world, shape_of(c), {});
+  for (std::size_t r = 0; r < a.size(); ++r) {
+    for (auto m : {&attention_test::RankResult::out, &attention_test::RankResult::dq, &attention_test::RankResult::dk,
+                   &attention_test::RankResult::dv}) {
+      ASSERT_EQ((a[r].*m).size(), (b[r].*m).size());
+      EXPECT_EQ(0, std::memcmp((a[r].*m).data(), (b[r].*m).data(), (a[r].*m).size() * sizeof(float))) << "rank " << r;
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+/// Runs body(share, transport) on one rank of a world of one.
+template <class F>
+void on_one_rank(F&& body) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 1;
+  plan.documents = {{{{0, 3, 0}}}};
+  cpdispatch::SimWorld sim(1, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) { body(cpdispatch::plan_qkv_for_rank(plan, 0), t); });
+}
+
+template <class F>
+void expect_error(F&& f, const std::string& words) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one naming \"" << words << "\"";
+  } catch (const cpdispatch::invalid_input& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+  }
+}
+
+using Op = cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel>;
+
+TEST(CpAttentionErrors, BadShapeAndOptionsAreNamed) {
+  on_one_rank([](const cpdispatch::RankQkvMetadata& share, cpdispatch::SimTransport& t) {
+    expect_error([&] { Op(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
+    expect_error([&] { Op(t, share, {2, 2, 0, 1.0f}); }, "shape.head_dim = 0");
+    expect_error([&] { Op(t, share, {2, 2, 4, 0.0f}); }, "shape.softmax_scale");
+    expect_error([&] { Op(t, share, {2, 2, 4, 1.0f}, {false, 0}); }, "options.stages = 0");
+    expect_error([&] { Op(t, share, {2, 2, 4, 1.0f}, {true, 1}); }, "options.dedup is set but the share has no kv_wire");
+  });
+}
+
+TEST(CpAttentionErrors, WrongBufferSizesAndBackwardFirstAreNamed) {
+  on_one_rank([](const cpdispatch::RankQkvMetadata& share, cpdispatch::SimTransport& t) {
+    Op op(t, share, {2, 1, 4, 1.0f});
+    std::vector<float> q(3 * 8), kv(3 * 4), out(3 * 8), small(5);
+    expect_error([&] { op.backward(q, out, kv, kv); }, "backward needs the forward");
+    expect_error([&] { op.forward(q, small, kv, out); }, "k has 5 elements, but 3 tokens x 1 heads x 4 = 12");
+    op.forward(q, kv, kv, out);
+    std::vector<float> dk(3 * 4), dv(3 * 4);
+    expect_error([&] { op.backward(q, small, dk, dv); }, "dq has 5 elements");
+  });
+}
+
+}  // namespace

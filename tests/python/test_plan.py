@@ -1,0 +1,148 @@
+"""cpdispatch.plan / plan_for_rank / balance against the cpdispatch-plan CLI,
+and the errors bad input raises."""
+
+import json
+import random
+import subprocess
+
+import pytest
+
+from conftest import require
+from plans import documents_plan, random_plans, rank_plan
+
+np = require("numpy")
+cpdispatch = require("cpdispatch")
+
+PLANS = random_plans(seed=20240601, count=6)
+
+
+def run_cli(cli, document, *args):
+    done = subprocess.run([cli, *args, "-", "--compact"], input=json.dumps(document), capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def as_json(value, where="result"):
+    """The result with every array as nested lists, checking each is int64
+    (int32 under "varlen", which the CLI does not write and is dropped)."""
+    if isinstance(value, dict):
+        return {k: as_json(v, f"{where}.{k}") for k, v in value.items() if k != "varlen"}
+    if isinstance(value, list):
+        return [as_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, np.ndarray):
+        assert value.dtype == np.int64, f"{where} is {value.dtype}"
+        return value.tolist()
+    assert not isinstance(value, np.generic), f"{where} is a NumPy scalar"
+    return value
+
+
+@pytest.mark.parametrize("name,plan,dedup", PLANS, ids=[p[0] for p in PLANS])
+def test_plan_equals_cli(cli, name, plan, dedup):
+    expected = run_cli(cli, plan, *(["--dedup"] if dedup else []))
+    assert as_json(cpdispatch.plan(plan, dedup=dedup)) == expected
+
+
+@pytest.mark.parametrize("name,plan,dedup", PLANS, ids=[p[0] for p in PLANS])
+def test_plan_for_rank_equals_cli(cli, name, plan, dedup):
+    for rank in range(plan["world_size"]):
+        expected = run_cli(cli, plan, "--rank", str(rank), *(["--dedup"] if dedup else []))
+        assert as_json(cpdispatch.plan_for_rank(plan, rank, dedup=dedup)) == expected
+
+
+def test_plan_takes_json_text_and_the_dedup_key(cli):
+    plan = documents_plan(random.Random(7))
+    text = json.dumps(dict(plan, dedup=True))
+    result = cpdispatch.plan(text)
+    assert "kv_wire_fwd" in result
+    assert as_json(result) == run_cli(cli, plan, "--dedup")
+
+
+def test_varlen_is_int32_cu_seqlens():
+    plan = rank_plan(random.Random(3), max_world=4)
+    whole = cpdispatch.plan(plan)
+    for rank, varlen in enumerate(whole["varlen"]):
+        for key in ("cu_seqlens_q", "cu_seqlens_kv"):
+            assert varlen[key].dtype == np.int32
+            assert varlen[key].tolist() == whole["attn"][key][rank].tolist()
+        assert varlen["max_seqlen_kv"] == whole["attn"]["max_seqlen_kv"][rank]
+        mine = cpdispatch.plan_for_rank(plan, rank)["varlen"]
+        assert mine["cu_seqlens_kv"].dtype == np.int32
+        assert mine["cu_seqlens_kv"].tolist() == varlen["cu_seqlens_kv"].tolist()
+
+
+def test_arrays_own_the_planner_storage():
+    # The arrays keep the C++ storage alive (a base object), not a NumPy copy.
+    whole = cpdispatch.plan(rank_plan(random.Random(5)))
+    arr = whole["kv_fwd"]["dst_offset"]
+    assert not arr.flags.owndata and arr.base is not None
+    assert arr.flags.c_contiguous and arr.flags.writeable
+    del whole
+    assert arr.sum() >= 0  # still valid after the dict is gone
+
+
+@pytest.mark.parametrize("form", ["documents", "ranks"])
+def test_balance_equals_cli(cli, form):
+    rng = random.Random(11)
+    world = 4
+    if form == "documents":
+        batch = {"world_size": world, "max_cp_degree": 3, "documents": [
+            {"pieces": [{"rank": r, "len": rng.randint(2, 40)}]} for r in range(world) for _ in range(2)]}
+        batch["documents"].append({"pieces": [{"rank": 0, "len": 30}, {"rank": 1, "len": 25}]})
+    else:
+        batch = {"world_size": world, "max_cp_degree": 2, "ranks": [{"docs": [rng.randint(1, 60) for _ in range(3)]} for _ in range(world)]}
+    expected = run_cli(cli, batch, "balance")
+    balanced = cpdispatch.balance(batch)
+    assert balanced == expected
+    assert as_json(cpdispatch.plan(balanced)) == run_cli(cli, expected)
+
+
+def test_balance_keyword_options_join_the_batch(cli):
+    batch = {"world_size": 2, "documents": [{"pieces": [{"rank": 0, "len": 50}]}, {"pieces": [{"rank": 1, "len": 3}]}]}
+    assert cpdispatch.balance(batch, max_cp_degree=2, dedup=True) == run_cli(cli, dict(batch, max_cp_degree=2, dedup=True), "balance")
+
+
+def test_numpy_values_are_accepted():
+    plan = {"world_size": np.int64(2), "seq_len": np.array([[3, 2], [4, 0]]), "dispatch": np.array([[1, 0], [0, -1]])}
+    assert cpdispatch.plan(plan)["fwd"]["num_recv_tokens"].tolist() == [[2, 4, 6], [3, 0, 3]]
+
+
+def test_position_ids_count_from_each_document_start():
+    plan = {"world_size": 2, "documents": [
+        {"shards": [{"rank": 0, "len": 3, "dst": 1}, {"rank": 1, "len": 2, "dst": 0}, {"rank": 1, "len": 4, "dst": 1}]},
+        {"shards": [{"rank": 0, "len": 5, "dst": 0}]}]}
+    assert cpdispatch.position_ids(plan, 0).tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert cpdispatch.position_ids(plan, 1).tolist() == [3, 4, 5, 6, 7, 8]
+    per_rank = {"world_size": 1, "ranks": [{"docs": [{"shard_len": [2, 3], "dst": [0, 0]}, {"shard_len": [1], "dst": [0]}]}]}
+    assert cpdispatch.position_ids(per_rank, 0).tolist() == [0, 1, 2, 3, 4, 0]
+
+
+BAD = [
+    ({"world_size": 2, "ranks": [{"docs": [{"shard_len": [1], "dst": [5]}]}, {"docs": []}]}, "ranks[0].docs[0].dst[0]"),
+    ({"world_size": 2, "ranks": [{"docs": []}]}, "ranks has 1 entry"),
+    ({"world_size": 1, "ranks": [{"docs": [{"shard_len": [1], "dst": [0]}]}], "max_cp_dgree": 2}, "max_cp_dgree"),
+    ({"world_size": 1, "documents": [{"shards": [{"rank": 0, "len": 0, "dst": 0}]}]}, "documents[0].shards[0].len"),
+    ({"world_size": 1, "documents": [{"shards": [{"rank": 0, "len": "x", "dst": 0}]}]}, "documents[0].shards[0].len"),
+    ({"world_size": 0, "seq_len": [], "dispatch": []}, "world_size"),
+    ({"world_size": 1, "seq_len": [[1]], "dispatch": [[0]], "dedup": True}, "dedup"),
+    ({"world_size": 1, "ranks": [{"docs": [{"shard_len": [1.5], "dst": [0]}]}]}, "ranks[0].docs[0].shard_len[0]"),
+    ({"world_size": 1, "ranks": [{"docs": [{"shard_len": [object()], "dst": [0]}]}]}, "ranks.docs.shard_len"),
+    ("{not json", "invalid JSON"),
+]
+
+
+@pytest.mark.parametrize("plan,field", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_raises_value_error_naming_the_field(plan, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        cpdispatch.plan(plan)
+
+
+def test_bad_rank_and_bad_types_raise():
+    plan = rank_plan(random.Random(1), max_world=2)
+    with pytest.raises(ValueError, match="rank"):
+        cpdispatch.plan_for_rank(plan, plan["world_size"])
+    with pytest.raises(ValueError, match="expected a dict or JSON text"):
+        cpdispatch.plan([1, 2])
+    with pytest.raises(ValueError, match="dedup"):
+        cpdispatch.plan({"world_size": 1, "seq_len": [[1]], "dispatch": [[0]]}, dedup=True)
+    with pytest.raises(ValueError, match="max_cp_degree"):
+        cpdispatch.balance({"world_size": 1, "max_cp_degree": 0, "documents": [{"pieces": [{"rank": 0, "len": 3}]}]})
