@@ -1052,8 +1052,10 @@ class MaskPlanner {
     for (int k = 0; k < 400; ++k) {
       const double step = k < 100 ? 0.001 * k : 0.1 + 0.01 * (k - 100);
       const auto T = static_cast<std::int64_t>(static_cast<double>(start) * (1.0 + step)) + (k == 0 ? 0 : 1);
-      std::vector<Shard> shards;
-      if (build(T, shards)) return finish(shards);
+      for (const bool extra : {false, true}) {  // pieces over T in the fewest shards, or one more
+        std::vector<Shard> shards;
+        if (build(T, extra, shards)) return finish(shards);
+      }
     }
     return base_.unbalanced();
   }
@@ -1116,31 +1118,77 @@ class MaskPlanner {
     return hi;
   }
 
-  /// One layout whose largest rank cost is at most T, if this scheme finds one.
-  bool build(std::int64_t T, std::vector<Shard>& shards) const {
+  /// One layout whose largest rank cost is at most T, if this scheme finds
+  /// one. A piece over T is cut into the fewest equal-cost shards (`extra`:
+  /// one more, room permitting); its home keeps the first, and the others go,
+  /// costliest first, to the ranks with the most room after their own
+  /// pieces; every other piece starts at home.
+  bool build(std::int64_t T, bool extra, std::vector<Shard>& shards) const {
     const auto& pieces = base_.pieces();
     std::vector<std::int64_t> load(base_.world(), 0), count(base_.num_documents(), 0);
-    for (std::size_t id = 0; id < pieces.size(); ++id) {
+    std::vector<std::size_t> order(pieces.size()), away;
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::vector<std::int64_t> piece_cost(pieces.size());
+    for (std::size_t id = 0; id < pieces.size(); ++id) piece_cost[id] = cost(pieces[id].document, pieces[id].begin, pieces[id].end);
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return piece_cost[x] > piece_cost[y]; });
+    for (std::size_t id : order) {
       const Piece& pc = pieces[id];
-      const std::int64_t n = needed(pc.document, pc.begin, pc.end, T, C_);
+      std::int64_t n = needed(pc.document, pc.begin, pc.end, T, C_);
+      if (extra && n > 1 && count[pc.document] + n < C_ && n < pc.end - pc.begin) ++n;
       count[pc.document] += n;
       if (count[pc.document] > C_) return false;
-      // n shards of nearly equal cost, front to back.
       std::int64_t a = pc.begin;
       for (std::int64_t k = 0; k < n; ++k) {
         const std::int64_t rest = cost(pc.document, a, pc.end), share = (rest + (n - k) - 1) / (n - k);
         const std::int64_t b = k + 1 == n ? pc.end : std::max(a + 1, max_end(pc.document, a, pc.end, share));
         shards.push_back({id, a, b, pc.home});
-        load[pc.home] += cost(pc.document, a, b);
+        if (k == 0) load[pc.home] += cost(pc.document, a, b);
+        else away.push_back(shards.size() - 1);
         a = b;
       }
+    }
+    // The cut-off shards, costliest first, to the ranks with the most room after their own pieces.
+    const auto shard_cost = [&](std::size_t s) { return cost(pieces[shards[s].piece].document, shards[s].begin, shards[s].end); };
+    std::stable_sort(away.begin(), away.end(), [&](std::size_t x, std::size_t y) { return shard_cost(x) > shard_cost(y); });
+    for (std::size_t s : away) {
+      const auto to = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      shards[s].dst = to;
+      load[to] += shard_cost(s);
     }
     return shed(T, shards, load, count);
   }
 
-  /// Every rank above T sends tails of its shards to the roomiest ranks.
+  /// Moves work of shard `pick` (on a rank `excess` over T) to rank `to`
+  /// with `room` left: the whole shard, or its shortest tail that covers the
+  /// excess (else the longest that fits) while its document may gain a shard.
+  bool move_work(std::vector<Shard>& shards, std::size_t pick, std::size_t to, std::int64_t room, std::int64_t excess,
+                 std::vector<std::int64_t>& load, std::vector<std::int64_t>& count) const {
+    Shard& s = shards[pick];
+    const std::size_t d = base_.pieces()[s.piece].document, from = s.dst;
+    const std::int64_t whole = cost(d, s.begin, s.end);
+    if (whole <= room && (whole <= excess || count[d] >= C_)) {
+      s.dst = to;
+      load[from] -= whole;
+      load[to] += whole;
+      return true;
+    }
+    if (count[d] >= C_) return false;
+    std::int64_t m = min_begin(d, s.begin, s.end, room);
+    if (cost(d, m, s.end) >= excess) m = std::max(m, min_begin(d, s.begin, s.end, excess - 1) - 1);
+    if (m <= s.begin || m >= s.end) return false;
+    const std::int64_t tail = cost(d, m, s.end);
+    const Shard moved{s.piece, m, s.end, to};
+    s.end = m;
+    load[from] += cost(d, s.begin, m) - whole;
+    load[to] += tail;
+    ++count[d];
+    shards.push_back(moved);
+    return true;
+  }
+
+  /// Every rank above T sends work to the rank with the most room, trying
+  /// its shards from the last placed to the first.
   bool shed(std::int64_t T, std::vector<Shard>& shards, std::vector<std::int64_t>& load, std::vector<std::int64_t>& count) const {
-    const auto& pieces = base_.pieces();
     for (std::size_t r = 0; r < load.size(); ++r) {
       std::size_t guard = 0;
       while (load[r] > T) {
@@ -1148,36 +1196,11 @@ class MaskPlanner {
         const std::size_t to = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
         const std::int64_t room = T - load[to], excess = load[r] - T;
         if (room <= 0) return false;
-        // The shard on r whose tail moves the work: the last one of r (its tail is a document's end more often).
-        std::size_t pick = shards.size();
-        for (std::size_t s = shards.size(); s-- > 0;) {
-          if (shards[s].dst == r) { pick = s; break; }
+        bool moved = false;
+        for (std::size_t s = shards.size(); s-- > 0 && !moved;) {
+          if (shards[s].dst == r) moved = move_work(shards, s, to, room, excess, load, count);
         }
-        if (pick == shards.size()) return false;
-        Shard& s = shards[pick];
-        const std::size_t d = pieces[s.piece].document;
-        const std::int64_t whole = cost(d, s.begin, s.end);
-        if (whole <= room && (whole <= excess || count[d] >= C_)) {  // the whole shard moves
-          s.dst = to;
-          load[r] -= whole;
-          load[to] += whole;
-          std::rotate(shards.begin() + static_cast<std::ptrdiff_t>(pick), shards.begin() + static_cast<std::ptrdiff_t>(pick) + 1, shards.end());
-          continue;
-        }
-        if (count[d] >= C_) return false;
-        // The shortest tail costing at least the excess, else the longest
-        // that fits the room; the front stays.
-        std::int64_t m = min_begin(d, s.begin, s.end, room);
-        if (cost(d, m, s.end) >= excess) m = std::max(m, min_begin(d, s.begin, s.end, excess - 1) - 1);
-        if (m <= s.begin || m >= s.end) return false;
-        const std::int64_t tail = cost(d, m, s.end), front = cost(d, s.begin, m);
-        const Shard moved{s.piece, m, s.end, to};
-        s.end = m;
-        load[r] += front - whole;
-        load[to] += tail;
-        ++count[d];
-        shards.insert(shards.begin() + static_cast<std::ptrdiff_t>(pick), moved);
-        std::rotate(shards.begin() + static_cast<std::ptrdiff_t>(pick), shards.begin() + static_cast<std::ptrdiff_t>(pick) + 1, shards.end());
+        if (!moved) return false;
       }
     }
     return true;
