@@ -1,4 +1,4 @@
-// bench_overlap: communication-GEMM overlap (issue 6) on the simulated link.
+// bench_overlap: communication-GEMM overlap on the simulated link.
 //
 // tp_size ranks run as threads (SimWorld); their transport is a
 // SimulatedLinkTransport, whose messages take latency + bytes / bandwidth of

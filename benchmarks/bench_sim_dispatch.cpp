@@ -26,7 +26,7 @@
 // the others at a meeting point (two per dispatch call here). On a loaded
 // machine the two differ a lot. The benchmark time is the dispatch's (manual
 // time, wall clock).
-// Target (issue 3): forward ratio of at least 0.7. Results: benchmarks/RESULTS.md.
+// Target: forward ratio of at least 0.7. Results: benchmarks/RESULTS.md.
 
 #include <algorithm>
 #include <chrono>

@@ -14,7 +14,7 @@
 //
 // Counters: `bytes` (bytes copied per iteration), `sim_GB/s` and
 // `memcpy_GB/s` (10^9 bytes per second), `ratio` = sim / memcpy throughput.
-// The benchmark time is simulate's (manual time). Target (issue 2): ratio of
+// The benchmark time is simulate's (manual time). Target: ratio of
 // at least 0.8 for tokens of 1 KiB and more. Results: benchmarks/RESULTS.md.
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// overlap_gemm: the overlapped GEMM (seed 004) on sim ranks over a simulated
+// overlap_gemm: the overlapped GEMM (comm_gemm) on sim ranks over a simulated
 // link. For each supported method it runs comm_gemm and the unoverlapped
 // computation (GEMM, then the collective; AG: the collective, then the GEMM),
 // checks that they agree, and prints both times.

@@ -4,4 +4,5 @@
 // whole document (docs/attention.md).
 
 #include "cpdispatch/attention/context_parallel.hpp"  // IWYU pragma: export
+#include "cpdispatch/attention/host_kernel.hpp"       // IWYU pragma: export
 #include "cpdispatch/attention/kernel.hpp"            // IWYU pragma: export

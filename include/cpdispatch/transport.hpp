@@ -6,6 +6,7 @@
 //   TransportBase            memory_space, rank(), world_size()
 //   AllToAllTransport        + all_to_all_v                 (the Dispatcher)
 //     PieceTransport         + all_to_all_pieces            (optional; spares the dispatcher its staging)
+//     PostedAllToAllTransport + post_all_to_all_v, wait      (optional; lets compute run while an exchange travels)
 //   CollectiveTransport      + barrier, broadcast, all_reduce, all_gather, reduce_scatter
 //                                                           (the tensor-parallel layers)
 //   PointToPointTransport    + isend, irecv, wait           (with CollectiveTransport: the comm-GEMM overlap)
@@ -94,6 +95,11 @@ concept transport_has_point_to_point = requires(T& t, const void* send, void* re
   t.wait(r);
 };
 template <class T>
+concept transport_has_posted_all_to_all = requires(T& t, const void* send, void* recv, std::span<const std::size_t> counts, Request r) {
+  { t.post_all_to_all_v(send, counts, counts, recv, counts, counts) } -> std::same_as<Request>;
+  t.wait(r);
+};
+template <class T>
 concept transport_has_barrier = requires(T& t) { t.barrier(); };
 template <class T>
 concept transport_has_broadcast = requires(T& t, void* buf, std::size_t bytes, int root) { t.broadcast(buf, bytes, root); };
@@ -130,6 +136,28 @@ concept PieceTransport = AllToAllTransport<T> && requires(T& t, const void* send
                                                            std::span<const std::size_t> splits) {
   t.all_to_all_pieces(send, pieces, splits, recv, pieces, splits);
 };
+
+/// Refinement of AllToAllTransport: an all-to-all posted now and completed by a later wait, so that the caller
+/// computes while it travels (ContextParallelAttention's stages):
+///   Request post_all_to_all_v(const void* send, span<const size_t> send_counts, span<const size_t> send_displs,
+///                             void* recv, span<const size_t> recv_counts, span<const size_t> recv_displs);   // bytes
+///   void wait(Request);
+/// Contract:
+/// - Posting is a collective: every rank posts the same exchanges in the same order, in one sequence with its
+///   blocking collectives. Several exchanges may be posted before the first wait; each is waited for exactly once,
+///   in any order.
+/// - The send buffer must not change and the receive buffer must not be read until wait() returns; the count and
+///   displacement spans need only live during the post (the transport keeps what it needs).
+/// - A transport may move the bytes at the post (the sim: every rank meets there), in the background, or at the
+///   wait; the received bytes are in place when wait() returns. Errors surface at the post or at the wait.
+/// A transport with only all_to_all_v still serves every consumer: they call it where they would post (no overlap).
+/// `posted_all_to_all_v<T>` says which a consumer got.
+template <class T>
+concept PostedAllToAllTransport = AllToAllTransport<T> && detail::transport_has_posted_all_to_all<T>;
+
+/// Whether consumers of T overlap exchanges with compute (T posts) or exchange in one blocking call.
+template <class T>
+inline constexpr bool posted_all_to_all_v = PostedAllToAllTransport<T>;
 
 /// Typed collectives, used by the tensor-parallel layers:
 ///   void barrier();

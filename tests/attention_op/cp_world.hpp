@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -76,6 +77,13 @@ class CpWorld {
   /// Compares every rank's results with the reference: the largest error of
   /// each tensor relative to its largest reference magnitude must be <= tol.
   void expect_equal(const std::vector<RankResult>& results, double tol) const {
+    const std::array<double, 5> rel = relative_errors(results);
+    const char* names[5] = {"out", "dq", "dk", "dv", "lse"};
+    for (int i = 0; i < 5; ++i) EXPECT_LE(rel[static_cast<std::size_t>(i)], tol) << names[i] << ": largest error relative to the largest magnitude";
+  }
+
+  /// Each tensor's largest error over its largest reference magnitude: out, dq, dk, dv, lse.
+  std::array<double, 5> relative_errors(const std::vector<RankResult>& results) const {
     double err[5] = {}, mag[5] = {};
     for (std::size_t r = 0; r < results.size(); ++r) {
       std::int64_t row = 0;
@@ -89,10 +97,21 @@ class CpWorld {
       }
       compare_lse(r, results[r], err[4], mag[4]);
     }
-    const char* names[5] = {"out", "dq", "dk", "dv", "lse"};
-    for (int i = 0; i < 5; ++i) {
-      EXPECT_LE(err[i], tol * std::max(mag[i], 1e-30)) << names[i] << ": largest error " << err[i] << ", largest magnitude " << mag[i];
+    std::array<double, 5> rel{};
+    for (std::size_t i = 0; i < 5; ++i) rel[i] = err[i] / std::max(mag[i], 1e-30);
+    return rel;
+  }
+
+  /// The same documents and data as one rank holding every document whole (the unsharded run).
+  static cpdispatch::QkvDocumentsPlan unsharded(const cpdispatch::QkvDocumentsPlan& plan) {
+    cpdispatch::QkvDocumentsPlan one;
+    one.world_size = 1;
+    for (const cpdispatch::PackedDocument& d : plan.documents) {
+      std::int64_t L = 0;
+      for (const cpdispatch::DocumentShard& s : d.shards) L += s.len;
+      one.documents.push_back({{{0, L, 0}}});
     }
+    return one;
   }
 
  private:

@@ -44,16 +44,17 @@ RankResult step(Op& op, const RankTensors& x) {
   return r;
 }
 
-/// Every rank plans its own share, builds the op and runs one step.
-template <class E, class Kernel = ExactKernel>
-std::vector<RankResult> run_op(const CpWorld& world, const cpdispatch::AttentionShape& shape, cpdispatch::CpAttentionOptions options) {
+/// Every rank plans its own share, builds the op (its kernel from kernel_args) and runs one step.
+template <class E, class Kernel = ExactKernel, class... KernelArgs>
+std::vector<RankResult> run_op(const CpWorld& world, const cpdispatch::AttentionShape& shape, cpdispatch::CpAttentionOptions options,
+                               const KernelArgs&... kernel_args) {
   const auto W = static_cast<std::size_t>(world.plan().world_size);
   std::vector<RankResult> results(W);
   cpdispatch::SimWorld sim(static_cast<int>(W), cpdispatch::SimOptions{sim_test::hang_timeout});
   sim.run([&](cpdispatch::SimTransport& t) {
     const auto r = static_cast<std::size_t>(t.rank());
     const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
-    cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, E, Kernel> op(t, share, shape, options);
+    cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, E, Kernel> op(t, share, shape, options, Kernel(kernel_args...));
     results[r] = step<E>(op, world.tensors(r));
     results[r].q_rev = share.q_rev;
   });

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,8 @@ struct Case {
   std::uint64_t seed;
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 AttentionShape shape_of(const Case& c) { return {c.heads_q, c.heads_kv, 4, 0.45f}; }
 
 cpdispatch::QkvDocumentsPlan plan_of(const Case& c) {
@@ -50,18 +53,55 @@ TEST_P(CpAttentionTest, EqualsWholeDocumentAttention) {
 }
 
 const Case cases[] = {
-    {"W1_mha", 1, 2, 2, AttentionMask::causal(), false, 1, 11},
-    {"W2_gqa", 2, 4, 2, AttentionMask::causal(), false, 1, 12},
-    {"W3_gqa4", 3, 4, 1, AttentionMask::causal(), false, 1, 13},
-    {"W4_mha", 4, 1, 1, AttentionMask::causal(), false, 1, 14},
-    {"W5_gqa", 5, 2, 1, AttentionMask::causal(), false, 1, 15},
-    {"W6_mha", 6, 2, 2, AttentionMask::causal(), false, 1, 16},
-    {"W7_gqa", 7, 4, 2, AttentionMask::causal(), false, 1, 17},
-    {"W8_mha", 8, 2, 2, AttentionMask::causal(), false, 1, 18},
+    {"W1_mha_s1", 1, 2, 2, AttentionMask::causal(), false, 1, 11},
+    {"W2_gqa_s2", 2, 4, 2, AttentionMask::causal(), false, 2, 12},
+    {"W3_gqa4_s3", 3, 4, 1, AttentionMask::causal(), false, 3, 13},
+    {"W4_mha_s4", 4, 1, 1, AttentionMask::causal(), false, 4, 14},
+    {"W5_gqa_s1", 5, 2, 1, AttentionMask::causal(), false, 1, 15},
+    {"W6_mha_s3", 6, 2, 2, AttentionMask::causal(), false, 3, 16},
+    {"W7_gqa_s2", 7, 4, 2, AttentionMask::causal(), false, 2, 17},
+    {"W8_mha_s4", 8, 2, 2, AttentionMask::causal(), false, 4, 18},
+    {"W8_gqa_s1", 8, 4, 2, AttentionMask::causal(), false, 1, 19},
+    {"W1_gqa_s3", 1, 4, 2, AttentionMask::causal(), false, 3, 20},
 };
 
 INSTANTIATE_TEST_SUITE_P(Pairwise, CpAttentionTest, testing::ValuesIn(cases),
                          [](const testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+/// SimTransport without post_all_to_all_v: the op exchanges in blocking calls where it would post.
+class BlockingOnlyTransport {
+ public:
+  static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::host;
+  explicit BlockingOnlyTransport(cpdispatch::SimTransport& sim) : sim_(sim) {}
+  int rank() const { return sim_.rank(); }
+  int world_size() const { return sim_.world_size(); }
+  void all_to_all_v(const void* send, std::span<const std::size_t> sc, std::span<const std::size_t> sd, void* recv,
+                    std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
+    sim_.all_to_all_v(send, sc, sd, recv, rc, rd);
+  }
+
+ private:
+  cpdispatch::SimTransport& sim_;
+};
+
+static_assert(cpdispatch::posted_all_to_all_v<cpdispatch::SimTransport>);
+static_assert(!cpdispatch::posted_all_to_all_v<BlockingOnlyTransport>);
+
+TEST(CpAttentionTransports, StagesOverABlockingOnlyTransportEqualTheReference) {
+  const Case c{"W4", 4, 2, 1, AttentionMask::causal(), false, 3, 31};
+  const CpWorld world(plan_of(c), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
+  std::vector<attention_test::RankResult> results(4);
+  cpdispatch::SimWorld sim(4, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) {
+    BlockingOnlyTransport blocking(t);
+    const auto share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+    cpdispatch::ContextParallelAttention<BlockingOnlyTransport, float, ExactKernel> op(blocking, share, shape_of(c), {false, 3});
+    const auto r = static_cast<std::size_t>(t.rank());
+    results[r] = attention_test::step<float>(op, world.tensors(r));
+    results[r].q_rev = share.q_rev;
+  });
+  world.expect_equal(results, 1e-5);
+}
 
 /// Rank 2 holds tokens but attends to nothing; rank 3 holds nothing and attends to nothing.
 cpdispatch::QkvDocumentsPlan idle_ranks_plan() {

@@ -296,7 +296,7 @@ TEST(PlanBalanced, RejectsMalformedProblems) {
   EXPECT_THAT(msg(problem({{I{1} << 40}}, 2)), HasSubstr("overflows 64 bits"));
 }
 
-TEST(PlanBalanced, TheReadmeSnippet) {  // README.md, "Load-balanced planning"
+TEST(PlanBalanced, ThePlanningPageSnippet) {  // docs/planning.md, "Load-balanced planning"
   cpdispatch::BalanceProblem p;
   p.world_size = 4;
   p.max_cp_degree = 8;                                   // C: the most shards per document

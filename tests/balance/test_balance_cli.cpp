@@ -279,8 +279,8 @@ TEST_F(BalanceCli, UsageErrorsAndHelp) {
   EXPECT_THAT(unwritable.err, HasSubstr("cannot write '/nonexistent-dir/x.svg'"));
 }
 
-TEST_F(BalanceCli, TheReadmeExampleIsWhatTheToolWrites) {
-  // README.md's "Load-balanced planning" shows this command's summary and
+TEST_F(BalanceCli, ThePlanningPageExampleIsWhatTheToolWrites) {
+  // docs/planning.md's "Load-balanced planning" shows this command's summary and
   // docs/balance-example.svg. After a planner change, regenerate both:
   //   build/bin/cpdispatch-plan balance docs/balance-example.json --summary --svg docs/balance-example.svg
   const std::string src = CPDISPATCH_SOURCE_DIR;
@@ -289,9 +289,9 @@ TEST_F(BalanceCli, TheReadmeExampleIsWhatTheToolWrites) {
   const Result r = run("balance " + src + "/docs/balance-example.json --summary --svg " + svg);
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(slurp(svg), slurp(src + "/docs/balance-example.svg")) << "docs/balance-example.svg is stale";
-  const std::string readme = slurp(src + "/README.md");
+  const std::string page = slurp(src + "/docs/planning.md");
   std::istringstream lines(r.out);
-  for (std::string line; std::getline(lines, line);) EXPECT_THAT(readme, HasSubstr(line + "\n")) << "README.md's example summary is stale";
+  for (std::string line; std::getline(lines, line);) EXPECT_THAT(page, HasSubstr(line + "\n")) << "docs/planning.md's example summary is stale";
 }
 
 TEST_F(BalanceCli, ThePackedExampleIsWhatTheToolWrites) {

@@ -1,4 +1,4 @@
-// Every bad-input class of issue 2: the exception type (invalid_input or
+// Every class of bad input to the planner core: the exception type (invalid_input or
 // capacity_error, both cpdispatch::error) and a message naming the culprit.
 
 #include <gmock/gmock.h>

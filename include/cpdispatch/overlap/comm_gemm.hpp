@@ -62,8 +62,8 @@
 // With tp = 1 ring exchange has nothing to send and starts no thread.
 //
 // Errors (cpdispatch::error family; messages give expected and actual
-// values): the reference API's "AllGather with bulk overlap not supported", "pipeline
-// overlap is only supported for ReduceScatter", "Buffer size is incorrect",
+// values): Transformer Engine's "AllGather with bulk overlap not supported",
+// "pipeline overlap is only supported for ReduceScatter", "Buffer size is incorrect",
 // "Invalid collective type"; "atomic GEMM requires the CUDA backend" (every
 // backend: cpdispatch has no CUDA GEMM backend yet, and a device backend does
 // not compile here: the buffer is host memory); shape, dtype, tp_size and
@@ -536,8 +536,9 @@ void comm_gemm(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixView<con
   return detail::ring_exchange_rs(transport, gemm, buffer, a, transa, b, transb, dims, rs_output);
 }
 
-/// The reference API's GemmFFI: the buffer by id. Method and type NONE run the plain
-/// GEMM (the id is not looked up); otherwise they must be the buffer's own.
+/// Transformer Engine's GemmFFI (the GEMM entry point of its JAX extension):
+/// the buffer by id. Method and type NONE run the plain GEMM (the id is not
+/// looked up); otherwise they must be the buffer's own.
 template <class Tr, class G, class T>
 void comm_gemm(Tr& transport, G& gemm, const CommOverlapRegistry& registry, CommOverlapType type, CommOverlapMethod method,
                std::int64_t id, MatrixView<const T> a, gemm::Transpose transa, MatrixView<const T> b, gemm::Transpose transb,

@@ -1,13 +1,16 @@
 #pragma once
 // Communication-GEMM overlap: the collective types and
 // overlap methods, the communication buffer, and the id-based buffer API.
+// Names, supported combinations and error messages follow Transformer
+// Engine's communication-GEMM overlap (its CommOverlap classes and the
+// buffer functions of its JAX extension).
 //
 //   CommOverlapType    NONE, RS (reduce-scatter), AG (all-gather)
 //   CommOverlapMethod  NONE, BULK, PIPELINE, RING_EXCHANGE
 //   ScalingMode        NO_SCALING (supported); the FP8 modes are rejected
 //   CommOverlapBuffer  RAII: one buffer for a method + type + shape + dtype + tp_size
 //   CommOverlapRegistry / create_comm_overlap_buffer / destroy_comm_overlap_buffer /
-//   destroy_all_comm_overlap_buffers: the reference API's id-based API, for callers that
+//   destroy_all_comm_overlap_buffers: Transformer Engine's id-based API, for callers that
 //   pass handles through C interfaces
 //
 // The supported combinations and what the buffer holds (the overlapped GEMM
@@ -94,7 +97,7 @@ inline std::string to_string(ScalingMode s) {
   return cpdispatch::detail::concat("ScalingMode(", static_cast<int>(s), ")");
 }
 
-/// The reference API's "..." of CreateCommOverlapBuffer: everything but the type,
+/// The "..." of Transformer Engine's CreateCommOverlapBuffer: everything but the type,
 /// method, shape, dtype and tp_size.
 struct CommOverlapOptions {
   /// Atomic GEMM (the GEMM signals finished output tiles to the communication).
@@ -123,7 +126,7 @@ inline std::size_t row_divisor(CommOverlapMethod method, int tp_size, int num_sp
   return method == CommOverlapMethod::PIPELINE ? tp * static_cast<std::size_t>(num_splits) : tp;
 }
 
-/// Throws for every (type, method) pair the reference API does not support; the messages are the reference API's.
+/// Throws for every (type, method) pair Transformer Engine does not support; the messages are Transformer Engine's.
 inline void check_combination(const char* who, CommOverlapType type, CommOverlapMethod method) {
   const bool type_known = type == CommOverlapType::NONE || type == CommOverlapType::RS || type == CommOverlapType::AG;
   if (!type_known) {
@@ -208,7 +211,7 @@ class HelperWorker {
 
 }  // namespace detail
 
-/// One communication buffer: the reference API's CommOverlap object, owning its
+/// One communication buffer: Transformer Engine's CommOverlap object, owning its
 /// memory (RAII; movable, not copyable). See the table at the top of this
 /// header for what it holds per (type, method). Creation validates
 /// everything that does not depend on the GEMM operands.
@@ -378,7 +381,7 @@ class CommOverlapBuffer {
   std::unique_ptr<detail::HelperWorker> helper_;  // started by the first overlapped call
 };
 
-/// Buffers by id: the reference API's CreateCommOverlapBuffer / DestroyCommOverlapBuffer /
+/// Buffers by id: Transformer Engine's CreateCommOverlapBuffer / DestroyCommOverlapBuffer /
 /// DestroyAllCommOverlapBuffers. Thread-safe. Ids start at 1 and are never
 /// reused, so a destroyed id is told apart from one never issued. get()
 /// hands out shared ownership: a buffer destroyed while a call still uses it
@@ -455,17 +458,17 @@ inline CommOverlapRegistry& default_comm_overlap_registry() {
   return registry;
 }
 
-/// CreateCommOverlapBuffer of the reference API. Returns the new buffer's id.
+/// Transformer Engine's CreateCommOverlapBuffer. Returns the new buffer's id.
 inline std::int64_t create_comm_overlap_buffer(CommOverlapType type, CommOverlapMethod method,
                                                const std::vector<std::size_t>& buffer_shape, ElementType dtype, int tp_size,
                                                const CommOverlapOptions& options = {}) {
   return default_comm_overlap_registry().create(type, method, buffer_shape, dtype, tp_size, options);
 }
 
-/// DestroyCommOverlapBuffer of the reference API.
+/// Transformer Engine's DestroyCommOverlapBuffer.
 inline void destroy_comm_overlap_buffer(std::int64_t id) { default_comm_overlap_registry().destroy(id); }
 
-/// DestroyAllCommOverlapBuffers of the reference API.
+/// Transformer Engine's DestroyAllCommOverlapBuffers.
 inline void destroy_all_comm_overlap_buffers() { default_comm_overlap_registry().destroy_all(); }
 
 }  // namespace cpdispatch::overlap

@@ -1,9 +1,10 @@
 #pragma once
-// The reference API's communication utilities over any Transport: all_reduce_sum,
+// The communication utilities of the Python tensor-parallel module the layers
+// follow (tp/linear.hpp), over any Transport: all_reduce_sum,
 // broadcast_tensor, synchronize_across_ranks (and all_gather, which the
 // layers use to check their shapes across ranks and to gather shards).
 //
-// Unlike the reference API's Python functions these take the rank's transport
+// Unlike the Python functions these take the rank's transport
 // explicitly: there is no process-global communicator (simulated ranks are
 // threads of one process).
 //

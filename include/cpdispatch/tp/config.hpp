@@ -1,5 +1,6 @@
 #pragma once
-// The reference API's configuration utilities: init_tensor_parallel(backend) and
+// The configuration utilities of the Python tensor-parallel module the layers
+// follow (tp/linear.hpp): init_tensor_parallel(backend) and
 // get_tensor_parallel_config().
 //
 // A rank's configuration (world size, rank, backend) comes from its transport
@@ -47,7 +48,7 @@ inline Backend parse_backend(std::string_view name) {
   cpdispatch::detail::fail("init_tensor_parallel: unknown backend \"", name, "\"; expected \"sim\", \"mpi\" or \"nccl\"");
 }
 
-/// The reference API's config: what a rank knows about the tensor-parallel group.
+/// The Python module's config: what a rank knows about the tensor-parallel group.
 struct TensorParallelConfig {
   int world_size = 1;
   int rank = 0;
@@ -92,7 +93,7 @@ TensorParallelConfig init_tensor_parallel(std::string_view backend, const Tr& tr
   return init_tensor_parallel(parse_backend(backend), transport);
 }
 
-/// The reference API's one-argument form. A rank's transport is the caller's (a
+/// The Python module's one-argument form. A rank's transport is the caller's (a
 /// SimTransport from SimWorld::run, an MpiTransport or NcclTransport over a
 /// communicator), so every backend asks for it.
 inline TensorParallelConfig init_tensor_parallel(std::string_view backend) {

@@ -1,7 +1,10 @@
 #pragma once
 // Tensor-parallel linear layers.
 //
-// The names are the reference API's and are the REVERSE of Megatron-LM's:
+// The names are those of the Python tensor-parallel module this library's
+// layers follow (src.distributed.tensor_parallel: RowParallelLinear,
+// ColumnParallelLinear, DistributedModelWrapper, init_tensor_parallel), and
+// they are the REVERSE of Megatron-LM's:
 //
 // | this library | splits                                  | forward communication              | Megatron-LM equivalent                    |
 // |-------------------------|-----------------------------------------|------------------------------------|-------------------------------------------|
@@ -10,7 +13,7 @@
 //
 // Both layers keep the weight as nn.Linear does, [out_features, in_features]
 // row-major, and compute y = x W^T + b on row-major inputs [tokens, features]
-// (the reference API's B x L flattened into tokens).
+// (the Python module's B x L flattened into tokens).
 //
 //   RowParallelLinear     weight [out_local, in], bias [out_local]   (out_local = out / world_size)
 //     forward:  y_local = x W_local^T + b_local                      no communication
@@ -48,14 +51,14 @@
 
 namespace cpdispatch::tp {
 
-/// The reference API's constructor arguments besides in/out_features.
+/// The Python module's constructor arguments besides in/out_features.
 struct LinearOptions {
   bool bias = true;
-  /// The reference API's world_size: 0 takes the transport's; otherwise it must equal
+  /// The Python module's world_size: 0 takes the transport's; otherwise it must equal
   /// the transport's world size on every rank ("world_size must match across
   /// all ranks").
   int world_size = 0;
-  /// The reference API's rank: -1 takes the transport's; otherwise it must equal it.
+  /// The Python module's rank: -1 takes the transport's; otherwise it must equal it.
   int rank = -1;
   /// Check shapes and world size across ranks with one all_gather when the
   /// layer is built. Turn off only where every rank is known to agree.

@@ -1,6 +1,7 @@
 #pragma once
 // The unsharded reference model (Sequential of Linear layers and element-wise
-// activations) and the reference API's DistributedModelWrapper, which shards it.
+// activations) and DistributedModelWrapper (named as in the Python tensor-parallel module the
+// layers follow, tp/linear.hpp), which shards it.
 //
 // Pairing: the wrapper walks the stack and pairs each linear layer with the
 // next linear layer after it, provided only element-wise activations sit
@@ -322,14 +323,14 @@ constexpr const char* placement_name(Placement p) noexcept {
   return "?";
 }
 
-/// The reference API's wrapper arguments besides the model.
+/// The Python wrapper's arguments besides the model.
 struct WrapperOptions {
   int world_size = 0;  ///< 0: the transport's (see LinearOptions::world_size)
   int rank = -1;       ///< -1: the transport's
   bool check_across_ranks = true;
 };
 
-/// The reference API's DistributedModelWrapper: shards a Sequential over the
+/// DistributedModelWrapper, as in the Python tensor-parallel module: shards a Sequential over the
 /// transport's ranks (see the top of this header for the pairing rule).
 /// Building it is collective (each sharded layer checks its shape across
 /// ranks); so are forward and backward.
@@ -389,14 +390,14 @@ class DistributedModelWrapper {
     for (std::size_t i = 0; i < stages_.size(); ++i) widths_[i + 1] = output_width(i, widths_[i]);
   }
 
-  /// The reference API's wrapper.world_size / wrapper.rank.
+  /// The Python wrapper's wrapper.world_size / wrapper.rank.
   int world_size() const noexcept { return transport_->world_size(); }
   int rank() const noexcept { return transport_->rank(); }
-  /// The reference API's wrapper.parallelized_layers: names of the layers that were sharded.
+  /// The Python wrapper's wrapper.parallelized_layers: names of the layers that were sharded.
   const std::vector<std::string>& parallelized_layers() const noexcept { return parallelized_; }
   /// What became of each layer of the original model.
   const std::vector<Placement>& placements() const noexcept { return placements_; }
-  /// The parallel model (the reference API's wrapper.base_model), stage i for layer i.
+  /// The parallel model (the Python wrapper's wrapper.base_model), stage i for layer i.
   const std::vector<Stage>& stages() const noexcept { return stages_; }
   std::vector<Stage>& stages() noexcept { return stages_; }
   std::size_t in_features() const noexcept { return widths_.front(); }

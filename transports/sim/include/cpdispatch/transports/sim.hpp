@@ -35,6 +35,10 @@
 //   (PieceTransport): receivers copy straight from the senders' pieces, so a
 //   Dispatcher over it needs no staging. SimPackingTransport hides that
 //   member (the pack / all_to_all_v / unpack path, as over MPI).
+// - It posts exchanges too (PostedAllToAllTransport): post_all_to_all_v is
+//   all_to_all_v (every rank meets at the post and the bytes move there),
+//   and wait() then only retires the request. So the sim never overlaps;
+//   SimulatedLinkTransport over it models a link that does.
 // - SimOptions::timeout bounds every wait; expiry throws timeout_error naming
 //   the rank, the operation and the bound ("All-reduce timeout on rank 2 of 4
 //   in all_reduce: not complete after 100 ms") and aborts the world. None by
@@ -44,6 +48,7 @@
 // transports/detail/sim_world.hpp's, shared with the single-GPU cuda::DeviceSimWorld;
 // this header adds what moves the bytes (memcpy, and the shared exchange).
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -146,6 +151,9 @@ class SimTransport {
   /// senders' pieces into their own (no staging anywhere).
   void all_to_all_pieces(const void* send, std::span<const BytePiece> send_pieces, std::span<const std::size_t> send_splits,
                          void* recv, std::span<const BytePiece> recv_pieces, std::span<const std::size_t> recv_splits);
+  /// The PostedAllToAllTransport member: the exchange completes here; wait() retires the request.
+  Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                            void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs);
   Request isend(const void* buf, std::size_t bytes, int peer, int tag);
   Request irecv(void* buf, std::size_t bytes, int peer, int tag);
   void wait(Request request);
@@ -169,6 +177,9 @@ class SimTransport {
   std::vector<const std::byte*> sources_;  // reduction inputs, one per rank
   std::vector<std::byte> scratch_;         // all_reduce result before it is written back
   detail::sim::Requests<detail::sim::Message> requests_;
+  std::vector<std::uint64_t> posted_;      // posted exchanges not yet waited for (their ids have the top bit set)
+  std::uint64_t next_posted_ = 0;
+  static constexpr std::uint64_t posted_bit = std::uint64_t{1} << 63;
 };
 
 /// A SimTransport seen as a plain Transport, without all_to_all_pieces: a
@@ -185,6 +196,10 @@ class SimPackingTransport {
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     sim_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+  }
+  Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                            void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    return sim_.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
   }
   Request isend(const void* buf, std::size_t bytes, int peer, int tag) { return sim_.isend(buf, bytes, peer, tag); }
   Request irecv(void* buf, std::size_t bytes, int peer, int tag) { return sim_.irecv(buf, bytes, peer, tag); }
@@ -442,7 +457,22 @@ inline Request SimTransport::irecv(void* buf, std::size_t bytes, int peer, int t
   return post("irecv", false, nullptr, buf, bytes, peer, tag);
 }
 
+inline Request SimTransport::post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts,
+                                               std::span<const std::size_t> send_displs, void* recv,
+                                               std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+  all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+  const std::uint64_t id = posted_bit | next_posted_++;
+  posted_.push_back(id);
+  return Request{id};
+}
+
 inline void SimTransport::wait(Request request) {
+  if (request.id & posted_bit) {  // a posted exchange: its bytes moved at the post
+    const auto it = std::find(posted_.begin(), posted_.end(), request.id);
+    if (it == posted_.end()) fail("wait", detail::concat("request ", request.id, " is not a pending posted exchange on this rank"));
+    posted_.erase(it);
+    return;
+  }
   world_.wait_request(rank_, requests_, request);  // the bytes were copied when the two were paired
 }
 

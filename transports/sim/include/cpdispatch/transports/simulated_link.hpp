@@ -26,6 +26,10 @@
 //     all_to_all_v                 (W-1) L + max(bytes sent, bytes received to and from peers)/bw
 //     barrier                      ceil(log2 W) L            (dissemination)
 //   One rank (W = 1) costs nothing.
+// - post_all_to_all_v (PostedAllToAllTransport): the bytes move through the
+//   inner all_to_all_v at the post, and the link is busy for the
+//   all_to_all_v time above from then (or from when it frees up); wait()
+//   sleeps until that time has passed. Compute between the two hides it.
 // - Like the transports it wraps, it is used by one thread at a time.
 
 #include <algorithm>
@@ -120,6 +124,10 @@ class SimulatedLinkTransport {
     }
     std::unique_ptr<Pending> pending = std::move(it->second);
     pending_.erase(it);
+    if (pending->posted) {  // an all-to-all whose bytes are in place: only the link's time remains
+      std::this_thread::sleep_until(pending->done_at);
+      return;
+    }
     try {
       inner_.wait(pending->header_request);
       inner_.wait(pending->payload_request);
@@ -134,11 +142,17 @@ class SimulatedLinkTransport {
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    std::size_t sent = 0, received = 0;
-    const auto me = static_cast<std::size_t>(rank());
-    for (std::size_t p = 0; p < send_counts.size(); ++p) sent += p == me ? 0 : send_counts[p];
-    for (std::size_t p = 0; p < recv_counts.size(); ++p) received += p == me ? 0 : recv_counts[p];
-    occupy(peers() * model_.latency + model_.transmit_time(std::max(sent, received)));
+    occupy(all_to_all_time(send_counts, recv_counts));
+  }
+
+  Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                            void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+    auto pending = std::make_unique<Pending>();
+    pending->posted = true;
+    pending->done_at = std::max(Clock::now(), link_free_) + all_to_all_time(send_counts, recv_counts);
+    link_free_ = pending->done_at;
+    return remember(std::move(pending));
   }
 
   void barrier() {
@@ -172,6 +186,7 @@ class SimulatedLinkTransport {
  private:
   struct Pending {
     bool is_send = false;
+    bool posted = false;  // a posted all-to-all (no inner requests)
     std::int64_t header = 0;  // the delivery time, in steady_clock ticks since its epoch
     Request header_request;
     Request payload_request;
@@ -185,6 +200,16 @@ class SimulatedLinkTransport {
   }
 
   std::int64_t peers() const { return world_size() - 1; }
+
+  /// An all-to-all's modelled time: the latency to every peer, then the larger of the bytes sent and received off-rank.
+  std::chrono::nanoseconds all_to_all_time(std::span<const std::size_t> send_counts, std::span<const std::size_t> recv_counts) const {
+    std::size_t sent = 0, received = 0;
+    const auto me = static_cast<std::size_t>(rank());
+    for (std::size_t p = 0; p < send_counts.size(); ++p) sent += p == me ? 0 : send_counts[p];
+    for (std::size_t p = 0; p < recv_counts.size(); ++p) received += p == me ? 0 : recv_counts[p];
+    if (world_size() == 1) return std::chrono::nanoseconds{0};
+    return peers() * model_.latency + model_.transmit_time(std::max(sent, received));
+  }
 
   /// A collective's modelled time: the link is busy for `span` from now (or from when it frees up).
   void occupy(std::chrono::nanoseconds span) {
