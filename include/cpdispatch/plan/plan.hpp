@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/tensor.hpp"
 
@@ -249,11 +250,14 @@ inline void copy_mask(const Tensor<std::int64_t>& dst_rank, std::optional<Tensor
 }
 
 /// plan_query into `fwd` and `rev`, reusing their storage.
-inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch, Metadata& fwd, Metadata& rev) {
+inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch, Metadata& fwd, Metadata& rev,
+                            const PlanLimits& limits = {}) {
   const QueryInput in = check_query_shapes(seq_len, dispatch);
   const std::vector<std::int64_t> entries_to = check_query_entries(in);
-  const RowPrefix prefix = row_prefix(seq_len, in.C, "plan_query");
   const auto M = static_cast<std::size_t>(*std::max_element(entries_to.begin(), entries_to.end()));
+  check_footprint(limits, footprint::query(in.W, in.S, in.C, M), "plan_query",
+                  concat("a plan of world_size = ", in.W, ", ", in.S, " shards a rank, ", in.C, " copies, ", M, " entries at one rank"));
+  const RowPrefix prefix = row_prefix(seq_len, in.C, "plan_query");
   prepare_query(in, M, fwd, rev);
   fill_query(in, prefix, fwd, rev);
   fwd.seq_recv_mask.reset();
@@ -272,10 +276,11 @@ inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<st
 
 /// Query-level planning (section 1 of docs/plan-format.md). `seq_len` is
 /// [W][S]; `dispatch` is [W][S] (one destination per shard) or [W][S][C]
-/// (-1 = no copy).
-inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch) {
+/// (-1 = no copy). A plan whose metadata would exceed `limits` is an
+/// invalid_input naming its sizes, raised before the metadata is allocated.
+inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch, const PlanLimits& limits = {}) {
   QueryMetadata out;
-  detail::plan_query_into(seq_len, dispatch, out.fwd, out.rev);
+  detail::plan_query_into(seq_len, dispatch, out.fwd, out.rev, limits);
   return out;
 }
 
@@ -653,13 +658,30 @@ inline void attention_layout(const ShardTable& t, const KvGroups& g, AttentionLa
   }
 }
 
+/// The shard tables of a validated plan of `shards` shards, checked before
+/// they are built.
+inline void check_table_footprint(std::size_t W, std::size_t shards, std::size_t C, const PlanLimits& limits) {
+  check_footprint(limits, footprint::shard_tables(W, shards), "plan_qkv",
+                  concat("a plan of world_size = ", W, ", ", shards, " shards, max_cp_degree = ", C));
+}
+
+/// The dense metadata of a shard table, checked before it is allocated.
+inline void check_qkv_footprint(const ShardTable& t, const KvGroups& g, const PlanLimits& limits) {
+  std::size_t Mq = 0;
+  for (std::size_t d = 0; d < t.W; ++d) Mq = std::max(Mq, g.dest_begin[d + 1] - g.dest_begin[d]);
+  check_footprint(limits, footprint::qkv(t.W, t.size(), t.S, t.C, Mq, g.most_entries), "plan_qkv",
+                  concat("a plan of world_size = ", t.W, ", ", t.size(), " shards (", t.S, " on one rank), max_cp_degree = ", t.C, ", ", Mq,
+                         " query and ", g.most_entries, " key-value entries at one rank"));
+}
+
 /// Plans a validated shard table into `out`: queries, KV forward and
 /// reverse, attention layout.
-inline void plan_shards(const ShardTable& t, QkvMetadata& out) {
-  const Tensor<std::int64_t> seq_len = t.rank_major(t.len, 0);
-  plan_query_into(seq_len, t.rank_major(t.dst, -1), out.q_fwd, out.q_rev);
-  const RowPrefix prefix = row_prefix(seq_len, t.C, "plan_qkv");
+inline void plan_shards(const ShardTable& t, QkvMetadata& out, const PlanLimits& limits) {
   const KvGroups groups = kv_groups(t);
+  check_qkv_footprint(t, groups, limits);
+  const Tensor<std::int64_t> seq_len = t.rank_major(t.len, 0);
+  plan_query_into(seq_len, t.rank_major(t.dst, -1), out.q_fwd, out.q_rev, limits);
+  const RowPrefix prefix = row_prefix(seq_len, t.C, "plan_qkv");
   kv_forward(t, groups, seq_len, out.q_fwd.num_seqs, out.kv_fwd);
   kv_reverse(t, groups, prefix, seq_len, out.kv_rev);
   copy_mask(out.kv_fwd.dst_rank, out.kv_rev.seq_recv_mask);
@@ -672,31 +694,40 @@ inline void plan_shards(const ShardTable& t, QkvMetadata& out) {
 /// written into `out`, reusing its storage where the shapes agree: a job that
 /// plans every step into the same QkvMetadata touches no fresh memory for the
 /// W x (W+1) count matrices. Throws invalid_input like plan_qkv(plan); after
-/// a throw `out` holds no meaningful plan.
-inline void plan_qkv(const QkvPlan& plan, QkvMetadata& out) {
+/// a throw `out` holds no meaningful plan. A plan whose metadata would
+/// exceed `limits` is refused (invalid_input naming its sizes) before the
+/// metadata is allocated.
+inline void plan_qkv(const QkvPlan& plan, QkvMetadata& out, const PlanLimits& limits = {}) {
   const std::size_t C = detail::check_rank_plan(plan);
-  detail::plan_shards(detail::shard_table(plan, C), out);
+  std::size_t shards = 0;
+  for (const RankDocuments& rank : plan.ranks)
+    for (const Document& d : rank.docs) shards += d.shard_len.size();
+  detail::check_table_footprint(plan.ranks.size(), shards, C, limits);
+  detail::plan_shards(detail::shard_table(plan, C), out, limits);
 }
 
 /// QKV planning from documents whose shards may live on several home ranks
 /// (section 2b of docs/plan-format.md), into `out` (see above). A per-rank
 /// plan and its to_documents() form give identical metadata.
-inline void plan_qkv(const QkvDocumentsPlan& plan, QkvMetadata& out) {
+inline void plan_qkv(const QkvDocumentsPlan& plan, QkvMetadata& out, const PlanLimits& limits = {}) {
   const std::size_t C = detail::check_documents_plan(plan);
-  detail::plan_shards(detail::shard_table(plan, C), out);
+  std::size_t shards = 0;
+  for (const PackedDocument& d : plan.documents) shards += d.shards.size();
+  detail::check_table_footprint(static_cast<std::size_t>(plan.world_size), shards, C, limits);
+  detail::plan_shards(detail::shard_table(plan, C), out, limits);
 }
 
 /// QKV planning of a per-rank plan into fresh metadata.
-inline QkvMetadata plan_qkv(const QkvPlan& plan) {
+inline QkvMetadata plan_qkv(const QkvPlan& plan, const PlanLimits& limits = {}) {
   QkvMetadata out;
-  plan_qkv(plan, out);
+  plan_qkv(plan, out, limits);
   return out;
 }
 
 /// QKV planning of a documents-form plan into fresh metadata.
-inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan) {
+inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan, const PlanLimits& limits = {}) {
   QkvMetadata out;
-  plan_qkv(plan, out);
+  plan_qkv(plan, out, limits);
   return out;
 }
 

@@ -17,6 +17,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/tensor.hpp"
@@ -543,9 +544,10 @@ class RankStream {
 /// Throws invalid_input like plan_qkv_for_rank; after a throw the outputs
 /// hold no meaningful plan.
 inline void plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace,
-                              RankKvWire* wire = nullptr) {
+                              RankKvWire* wire = nullptr, const PlanLimits& limits = {}) {
   const std::size_t C = detail::check_rank_plan(plan);
   const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
+  detail::check_rank_share(plan, R, C, limits, "plan_qkv_for_rank");
   const std::size_t W = plan.ranks.size();
   std::optional<detail::RankWireStream> wire_stream;
   if (wire) wire_stream.emplace(W, C, R, *wire, workspace);
@@ -560,10 +562,10 @@ inline void plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, RankQkvMet
 
 /// plan_qkv(plan).X.get_slice(rank) for every metadata X, and row `rank` of
 /// the attention layout, in O(shards + copies + W).
-inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank) {
+inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
   RankQkvMetadata out;
   RankPlanWorkspace workspace;
-  plan_qkv_for_rank(plan, rank, out, workspace);
+  plan_qkv_for_rank(plan, rank, out, workspace, nullptr, limits);
   return out;
 }
 
@@ -596,9 +598,10 @@ inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out)
 /// with `wire`, the rank's dedup slices. Equal to plan_qkv_for_rank(plan,
 /// rank) and plan_kv_wire_for_rank(plan, rank).
 inline void plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace,
-                              RankKvWire* wire = nullptr) {
+                              RankKvWire* wire = nullptr, const PlanLimits& limits = {}) {
   const std::size_t C = detail::check_documents_plan(plan);
   const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
+  detail::check_rank_share(plan, R, C, limits, "plan_qkv_for_rank");
   detail::DocumentsTables& tables = workspace.documents;
   detail::shard_table(plan, C, tables.table);
   detail::shard_positions(tables.table, "plan_qkv_for_rank", tables.positions);
@@ -608,22 +611,22 @@ inline void plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, R
 }
 
 /// The same for a plan in documents form.
-inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
+inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
   RankQkvMetadata out;
   RankPlanWorkspace workspace;
-  plan_qkv_for_rank(plan, rank, out, workspace);
+  plan_qkv_for_rank(plan, rank, out, workspace, nullptr, limits);
   return out;
 }
 
 namespace detail {
 
 template <class Plan>
-RankKvWire kv_wire_for_rank(const Plan& plan, std::int64_t rank) {
+RankKvWire kv_wire_for_rank(const Plan& plan, std::int64_t rank, const PlanLimits& limits) {
   (void)checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
   RankQkvMetadata share;
   RankPlanWorkspace workspace;
   RankKvWire wire;
-  plan_qkv_for_rank(plan, rank, share, workspace, &wire);
+  plan_qkv_for_rank(plan, rank, share, workspace, &wire, limits);
   return wire;
 }
 
@@ -632,13 +635,13 @@ RankKvWire kv_wire_for_rank(const Plan& plan, std::int64_t rank) {
 /// plan_kv_wire(plan_qkv(plan)).get_slice(rank): rank `rank`'s slices of
 /// kv_wire_fwd and kv_wire_rev and its fan list, in O(shards + copies + W)
 /// without the global metadata. KvWireDispatcher takes the result directly.
-inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank) {
-  return detail::kv_wire_for_rank(plan, rank);
+inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
+  return detail::kv_wire_for_rank(plan, rank, limits);
 }
 
 /// The same for a plan in documents form.
-inline RankKvWire plan_kv_wire_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
-  return detail::kv_wire_for_rank(plan, rank);
+inline RankKvWire plan_kv_wire_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
+  return detail::kv_wire_for_rank(plan, rank, limits);
 }
 
 namespace detail {
@@ -704,8 +707,10 @@ inline RankMetadata query_reverse_slice(const QueryInput& in, const RowPrefix& p
 
 /// plan_query(seq_len, dispatch).fwd/.rev .get_slice(rank), in O(entries + W).
 inline RankQueryMetadata plan_query_for_rank(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch,
-                                             std::int64_t rank) {
+                                             std::int64_t rank, const PlanLimits& limits = {}) {
   const detail::QueryInput in = detail::check_query_shapes(seq_len, dispatch);
+  detail::check_footprint(limits, footprint::query_rank_share(in.W, dispatch.numel()), "plan_query_for_rank",
+                          detail::concat("a rank's share of a plan of world_size = ", in.W, " and ", dispatch.numel(), " dispatch entries"));
   (void)detail::check_query_entries(in);
   const std::size_t R = detail::checked_rank(rank, static_cast<std::int64_t>(in.W), "plan_query_for_rank");
   const detail::RowPrefix prefix = detail::row_prefix(seq_len, in.C, "plan_query_for_rank");
