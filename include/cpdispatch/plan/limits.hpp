@@ -222,12 +222,14 @@ inline void check_json_text(std::string_view text, const PlanLimits& limits) {
 struct RankShareSizes {
   std::uint64_t shards = 0, own = 0, queries = 0, kv_entries = 0;
 
-  void add(std::uint64_t home, std::uint64_t dst, std::uint64_t index_in_document, std::uint64_t R) {
+  /// `needed`: the KV shards the query shard needs, at most (i + 1 under
+  /// the causal mask, the document's shard count under any mask).
+  void add(std::uint64_t home, std::uint64_t dst, std::uint64_t needed, std::uint64_t R) {
     ++shards;
     own += home == R ? 1 : 0;
     if (dst != R) return;
     ++queries;
-    kv_entries = sat_add(kv_entries, index_in_document + 1);  // KV shards 0..i of the document
+    kv_entries = sat_add(kv_entries, needed);
   }
 };
 
@@ -236,14 +238,16 @@ struct RankShareSizes {
 template <class QkvPlanForm>
 RankShareSizes rank_share_sizes(const QkvPlanForm& plan, std::uint64_t R) {
   RankShareSizes s;
+  const bool causal = plan.mask == decltype(plan.mask)::causal();  // other masks: counted as if each shard needed all
+  const auto needed = [&](std::size_t k, std::size_t n) { return static_cast<std::uint64_t>(causal ? k + 1 : n); };
   if constexpr (requires { plan.ranks; }) {
     for (std::size_t r = 0; r < plan.ranks.size(); ++r)
       for (const auto& doc : plan.ranks[r].docs)
-        for (std::size_t k = 0; k < doc.shard_len.size(); ++k) s.add(r, static_cast<std::uint64_t>(doc.dst[k]), k, R);
+        for (std::size_t k = 0; k < doc.shard_len.size(); ++k) s.add(r, static_cast<std::uint64_t>(doc.dst[k]), needed(k, doc.shard_len.size()), R);
   } else {
     for (const auto& doc : plan.documents)
       for (std::size_t k = 0; k < doc.shards.size(); ++k) {
-        s.add(static_cast<std::uint64_t>(doc.shards[k].rank), static_cast<std::uint64_t>(doc.shards[k].dst), k, R);
+        s.add(static_cast<std::uint64_t>(doc.shards[k].rank), static_cast<std::uint64_t>(doc.shards[k].dst), needed(k, doc.shards.size()), R);
       }
   }
   return s;
