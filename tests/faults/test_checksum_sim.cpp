@@ -210,6 +210,7 @@ TEST(ChecksummedTransport, PostedExchangeIsCheckedInItsWait) {
   SimWorld world(W, SimOptions{sim_timeout});
   std::vector<int> source(W, -1);
   std::vector<std::uint64_t> checked(W, 0);
+  std::vector<char> aborted(W, 0);
   try {
     world.run([&](SimTransport& sim) {
       LossyTransport lossy(sim, 2, 1, 0);
@@ -226,12 +227,16 @@ TEST(ChecksummedTransport, PostedExchangeIsCheckedInItsWait) {
         source[r] = e.source_rank();
         EXPECT_THAT(e.what(), HasSubstr("rank 1 of 4: the segment from rank 2 in exchange #1"));
         throw;
+      } catch (const cpdispatch::error&) {
+        aborted[r] = 1;
+        throw;
       }
     });
   } catch (const cpdispatch::error&) {
   }
   for (std::size_t r = 0; r < W; ++r) EXPECT_EQ(source[r], r == 1 ? 2 : -1) << "rank " << r;
-  EXPECT_EQ(checked[0], 3u);  // a rank that was not hit checked its three remote segments
+  // A rank that was not hit checked its three remote segments, unless the world's abort (rank 1 left) reached its wait first.
+  EXPECT_TRUE(checked[0] == 3u || aborted[0]) << checked[0];
 }
 
 TEST(ChecksummedTransport, HasTheMembersOfItsInnerTransport) {
