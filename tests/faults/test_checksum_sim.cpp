@@ -1,11 +1,12 @@
 // ChecksummedTransport over the sim transport (ranks as threads): a healthy
 // step is unchanged and every remote segment is checked; a corrupted segment
-// (FaultInjectingTransport's corrupt, underneath the checksums) is a
-// corruption_error on the rank that received it, naming the source rank and
-// the segment, while the other ranks complete with right output; a short
-// delivery that the transport itself lets through (as MPI does) is caught
-// the same way; posted exchanges are checked in their wait. Prints
-// "fault-matrix |" rows for docs/reliability.md.
+// (FaultInjectingTransport's corrupt, underneath the checksums) is an error
+// on every rank naming the source rank (the receiving rank's names the
+// segment); without agreement only the receiving rank throws and the others
+// complete with right output; a short delivery that the transport itself
+// lets through (as MPI does) is caught the same way; posted exchanges are
+// checked in their wait. Prints "fault-matrix |" rows for
+// docs/reliability.md.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -46,7 +47,7 @@ struct Checked : Outcome {
 /// One dispatcher step on every rank of a world of W, each over
 /// ChecksummedTransport<FaultInjectingTransport<sim or packing>>.
 template <bool packing>
-std::vector<Checked> checked_step(int W, const std::vector<FaultRule>& rules, Step step) {
+std::vector<Checked> checked_step(int W, const std::vector<FaultRule>& rules, Step step, cpdispatch::ChecksumOptions options = {}) {
   const auto meta = ring_plan(W);
   const auto data = step_data(meta, step);
   SimWorld world(W, SimOptions{sim_timeout});
@@ -56,7 +57,7 @@ std::vector<Checked> checked_step(int W, const std::vector<FaultRule>& rules, St
       const auto r = static_cast<std::size_t>(sim.rank());
       auto body = [&](auto& inner) {
         FaultInjectingTransport faulty(inner, rules, fault_options);
-        ChecksummedTransport t(faulty);
+        ChecksummedTransport t(faulty, options);
         cpdispatch::Dispatcher d(t, meta.kv_fwd, meta.kv_rev, token_bytes);
         run_step(d, step, data, r, out[r]);
         out[r].checked = t.checked_segments();
@@ -67,8 +68,8 @@ std::vector<Checked> checked_step(int W, const std::vector<FaultRule>& rules, St
       } else {
         body(sim);
       }
-      if (out[r].what.find("segment from rank") != std::string::npos) {
-        out[r].source = std::stoi(out[r].what.substr(out[r].what.find("segment from rank") + 18));
+      if (const auto at = out[r].what.find("from rank "); at != std::string::npos && out[r].what.find("corrupted or short") != std::string::npos) {
+        out[r].source = std::stoi(out[r].what.substr(at + 10));
       }
     });
   } catch (const cpdispatch::error&) {
@@ -82,7 +83,8 @@ void report(const char* component, const char* transport, const char* fault, int
   double faulty = 0, others = 0;
   for (const Checked& o : out) {
     threw += o.threw;
-    (o.source >= 0 ? faulty : others) = std::max(o.source >= 0 ? faulty : others, o.ms);
+    const bool detecting = o.what.find("fails its CRC32C check") != std::string::npos;
+    (detecting ? faulty : others) = std::max(detecting ? faulty : others, o.ms);
   }
   std::printf("fault-matrix | %s | %s | %s | W=%d | %d/%d ranks threw | detecting rank %.0f ms | others %.0f ms\n", component, transport,
               fault, W, threw, W, faulty, others);
@@ -101,29 +103,48 @@ TEST_P(ChecksumFaults, HealthyStepIsUnchangedAndEveryRemoteSegmentChecked) {
   }
 }
 
-TEST_P(ChecksumFaults, CorruptedSegmentIsAnErrorNamingItsSourceOnItsReceiver) {
+TEST_P(ChecksumFaults, CorruptedSegmentIsAnErrorOnEveryRankNamingItsSource) {
   const auto [W, step, packing] = GetParam();
   const int faulty = W - 1;
   const TransportCall call = packing ? TransportCall::all_to_all_v : TransportCall::all_to_all_pieces;
-  const auto out = packing ? checked_step<true>(W, {FaultRule{call, 1, Fault::corrupt, faulty}}, step)
-                           : checked_step<false>(W, {FaultRule{call, 1, Fault::corrupt, faulty}}, step);
+  const std::vector<FaultRule> rules = {FaultRule{call, 1, Fault::corrupt, faulty}};
+  const auto out = packing ? checked_step<true>(W, rules, step) : checked_step<false>(W, rules, step);
   report((std::string("Dispatcher::") + step_name(step) + " + ChecksummedTransport").c_str(), packing ? "sim (all_to_all_v)" : "sim (pieces)",
          "corrupt", W, out);
   int detected = 0;
   for (std::size_t r = 0; r < out.size(); ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     EXPECT_TRUE(out[r].input_unchanged);
-    if (out[r].source >= 0) {
+    EXPECT_TRUE(out[r].threw);
+    // Its own corruption_error, or the world's abort quoting the first rank's: the source is named either way.
+    EXPECT_EQ(out[r].source, faulty) << out[r].what;
+    if (out[r].what.find("fails its CRC32C check") != std::string::npos) {
+      ++detected;
+      EXPECT_THAT(out[r].what, packing ? HasSubstr("of the receive buffer") : HasSubstr("pieces"));
+    }
+  }
+  EXPECT_LE(detected, 1);  // only the receiver of the flipped byte finds a bad checksum
+}
+
+TEST_P(ChecksumFaults, WithoutAgreementOnlyTheReceiverThrows) {
+  const auto [W, step, packing] = GetParam();
+  const int faulty = W - 1;
+  const TransportCall call = packing ? TransportCall::all_to_all_v : TransportCall::all_to_all_pieces;
+  const std::vector<FaultRule> rules = {FaultRule{call, 1, Fault::corrupt, faulty}};
+  const cpdispatch::ChecksumOptions alone{.agree = false};
+  const auto out = packing ? checked_step<true>(W, rules, step, alone) : checked_step<false>(W, rules, step, alone);
+  int detected = 0;
+  for (std::size_t r = 0; r < out.size(); ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    if (out[r].what.find("fails its CRC32C check") != std::string::npos) {
       ++detected;
       EXPECT_EQ(out[r].source, faulty);
-      EXPECT_THAT(out[r].what, HasSubstr("fails its CRC32C check"));
       EXPECT_THAT(out[r].what, HasSubstr("rank " + std::to_string(r) + " of " + std::to_string(W)));
-      EXPECT_THAT(out[r].what, packing ? HasSubstr("of the receive buffer") : HasSubstr("pieces"));
     } else if (!out[r].threw) {
       EXPECT_EQ(out[r].wrong_floats, 0u);  // every rank that completed has right output
     }
   }
-  EXPECT_EQ(detected, 1);  // the one receiver of the flipped byte
+  EXPECT_EQ(detected, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sim, ChecksumFaults,
@@ -184,7 +205,7 @@ TEST(ChecksummedTransport, ShortDeliveryLetThroughByTheTransportIsCaught) {
     try {
       world.run([&](SimTransport& sim) {
         LossyTransport lossy(sim, W - 1, 0, 4);
-        ChecksummedTransport t(lossy);
+        ChecksummedTransport t(lossy, {.agree = false});
         const auto r = static_cast<std::size_t>(sim.rank());
         std::vector<std::size_t> counts(static_cast<std::size_t>(W), 64), displs(static_cast<std::size_t>(W));
         for (std::size_t p = 0; p < displs.size(); ++p) displs[p] = 64 * p;
