@@ -19,9 +19,11 @@
 #include <vector>
 
 #include "cpdispatch/execute/checksummed_transport.hpp"
+#include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/testing/fault_injection.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "dedup_fault_cases.hpp"
 #include "fault_cases.hpp"
 
 namespace {
@@ -154,6 +156,43 @@ INSTANTIATE_TEST_SUITE_P(Sim, ChecksumFaults,
                            return "W" + std::to_string(std::get<0>(info.param)) + "_" + step_name(std::get<1>(info.param)) +
                                   (std::get<2>(info.param) ? "_packing" : "_pieces");
                          });
+
+// The deduplicated KV exchange passes through the same adapter unchanged.
+TEST(ChecksummedTransport, KvWireDispatcherCorruptionIsAnErrorOnEveryRank) {
+  namespace dfc = dedup_fault_cases;
+  for (const int W : {2, 3, 5}) {
+    for (const dfc::Step step : {dfc::Step::forward, dfc::Step::reverse_combine, dfc::Step::reverse_combine_in_place}) {
+      SCOPED_TRACE(testing::Message() << "W = " << W << ", " << dfc::step_name(step));
+      const auto plan = dfc::shared_plan(W);
+      const auto data = dfc::step_data(plan, step);
+      for (const bool corrupt : {false, true}) {
+        std::vector<dfc::DedupOutcome> out(static_cast<std::size_t>(W));
+        SimWorld world(W, SimOptions{sim_timeout});
+        const std::vector<FaultRule> rules = corrupt ? std::vector<FaultRule>{FaultRule{TransportCall::all_to_all_pieces, 1, Fault::corrupt, W - 1}}
+                                                     : std::vector<FaultRule>{};
+        try {
+          world.run([&](SimTransport& sim) {
+            FaultInjectingTransport faulty(sim, rules, fault_options);
+            ChecksummedTransport t(faulty);
+            cpdispatch::KvWireDispatcher d(t, plan.wire, token_bytes);
+            dfc::run_step(d, step, data, static_cast<std::size_t>(sim.rank()), out[static_cast<std::size_t>(sim.rank())]);
+          });
+        } catch (const cpdispatch::error&) {
+        }
+        for (std::size_t r = 0; r < out.size(); ++r) {
+          if (!corrupt) {
+            EXPECT_FALSE(out[r].threw) << out[r].what;
+            EXPECT_EQ(out[r].wrong_floats, 0u) << "rank " << r;
+            continue;
+          }
+          EXPECT_TRUE(out[r].threw) << "rank " << r;
+          EXPECT_THAT(out[r].what, HasSubstr("from rank " + std::to_string(W - 1)));
+          EXPECT_THAT(out[r].what, HasSubstr("corrupted or short"));
+        }
+      }
+    }
+  }
+}
 
 /// A transport that, like MPI, lets a short delivery through: the last
 /// `short_bytes` of the segment rank `from` sends rank `to` keep the
