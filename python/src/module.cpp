@@ -93,8 +93,8 @@ Int64Array owning_array(Storage&& values, std::vector<py::ssize_t> shape) {
 
 Int64Array array_of(cpdispatch::Tensor<std::int64_t>&& t) {
   std::vector<py::ssize_t> shape;
-  for (std::size_t extent : t.shape()) shape.push_back(static_cast<py::ssize_t>(extent));
-  if (shape.empty()) shape.push_back(0);
+  for (std::size_t a = 0; a < t.dim(); ++a) shape.push_back(static_cast<py::ssize_t>(t.size(a)));
+  if (shape.empty()) shape.push_back(0);  // a tensor never shaped: the CLI writes []
   return owning_array(std::move(t), std::move(shape));
 }
 

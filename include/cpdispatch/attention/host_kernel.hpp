@@ -125,6 +125,7 @@ class HostAttentionKernel {
  public:
   HostAttentionKernel() : HostAttentionKernel(HostAttentionOptions{}) {}
   explicit HostAttentionKernel(HostAttentionOptions options) : options_(checked(options)) {
+    detail::attention::use_one_blas_thread();
     pool_ = std::make_unique<detail::attention::WorkPool>(options_.threads);
     scratch_.resize(static_cast<std::size_t>(options_.threads));
   }
@@ -216,7 +217,7 @@ class HostAttentionKernel {
     if (got != want) detail::fail("HostAttentionKernel::", call, ": ", field, " has ", got, " elements; expected ", want);
   }
 
-  static Sizes check_call(const char* call, const AttentionShape& s, const AttentionMask& mask,
+  Sizes check_call(const char* call, const AttentionShape& s, const AttentionMask& mask,
                           std::span<const AttentionEntry> entries, std::size_t q_size, std::size_t k_size,
                           std::size_t v_size) {
     constexpr std::int64_t max_heads = 4096, max_dim = 4096;  // keeps every stride within a BLAS int
@@ -248,7 +249,7 @@ class HostAttentionKernel {
     return z;
   }
 
-  static void check_entries(const char* call, std::span<const AttentionEntry> entries, const Sizes& z) {
+  void check_entries(const char* call, std::span<const AttentionEntry> entries, const Sizes& z) {
     constexpr std::int64_t max_diagonal = std::int64_t{1} << 62;
     for (std::size_t i = 0; i < entries.size(); ++i) {
       const AttentionEntry& e = entries[i];
@@ -268,19 +269,21 @@ class HostAttentionKernel {
     check_disjoint(call, entries, "key-value", &AttentionEntry::kv_start, &AttentionEntry::kv_len);
   }
 
-  /// Two entries sharing a row would race (and a share would be written twice).
-  static void check_disjoint(const char* call, std::span<const AttentionEntry> entries, const char* what,
-                             std::int64_t AttentionEntry::*start, std::int64_t AttentionEntry::*len) {
-    for (std::size_t a = 0; a < entries.size(); ++a) {
-      if (entries[a].*len == 0) continue;
-      for (std::size_t b = a + 1; b < entries.size(); ++b) {
-        if (entries[b].*len == 0) continue;
-        const bool overlap = entries[a].*start < entries[b].*start + entries[b].*len &&
-                             entries[b].*start < entries[a].*start + entries[a].*len;
-        if (overlap) {
-          detail::fail("HostAttentionKernel::", call, ": entries[", a, "] and entries[", b, "] share ", what,
-                       " rows; the entries of one call must not");
-        }
+  /// Two entries sharing a row would race (and a share would be written
+  /// twice): sort the non-empty ranges by start and compare neighbours.
+  void check_disjoint(const char* call, std::span<const AttentionEntry> entries, const char* what,
+                      std::int64_t AttentionEntry::*start, std::int64_t AttentionEntry::*len) {
+    order_.clear();
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      if (entries[i].*len > 0) order_.emplace_back(entries[i].*start, i);
+    }
+    std::sort(order_.begin(), order_.end());
+    for (std::size_t n = 1; n < order_.size(); ++n) {
+      const AttentionEntry& prev = entries[order_[n - 1].second];
+      if (prev.*start + prev.*len > order_[n].first) {
+        const auto a = std::min(order_[n - 1].second, order_[n].second), b = std::max(order_[n - 1].second, order_[n].second);
+        detail::fail("HostAttentionKernel::", call, ": entries[", a, "] and entries[", b, "] share ", what,
+                     " rows; the entries of one call must not");
       }
     }
   }
@@ -546,6 +549,7 @@ class HostAttentionKernel {
   std::unique_ptr<detail::attention::WorkPool> pool_;
   std::vector<ThreadScratch> scratch_;
   std::vector<WorkItem> items_;
+  std::vector<std::pair<std::int64_t, std::size_t>> order_;  // entries by first row, for check_disjoint
   std::vector<float> q32_, k32_, v32_, dout32_, delta_;
 };
 
