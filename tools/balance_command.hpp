@@ -185,9 +185,9 @@ inline void write_file(const std::string& path, std::string_view text) {
 
 /// The `balance --summary` line: the plan against the unbalanced one and the bound.
 template <class PlanForm>
-std::string balance_report(const cpdispatch::BalanceProblem& problem, const PlanForm& plan) {
-  const auto after = cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes);
-  const auto before = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem), problem.q_bytes, problem.kv_bytes);
+std::string balance_report(const cpdispatch::BalanceProblem& problem, const PlanForm& plan, const cpdispatch::PlanLimits& limits) {
+  const auto after = cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes, limits);
+  const auto before = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem, limits), problem.q_bytes, problem.kv_bytes, limits);
   const double bound = cpdispatch::balance_lower_bound(problem);
   char buf[256];
   std::snprintf(buf, sizeof buf,
@@ -203,10 +203,10 @@ std::string balance_report(const cpdispatch::BalanceProblem& problem, const Plan
 /// The SVG picture of a qkv plan (either form); the bars show the
 /// unbalanced plan of the same documents too when it differs.
 template <class PlanForm>
-std::string plan_picture(const PlanForm& plan, std::int64_t q_bytes, std::int64_t kv_bytes) {
+std::string plan_picture(const PlanForm& plan, std::int64_t q_bytes, std::int64_t kv_bytes, const cpdispatch::PlanLimits& limits) {
   const cpdispatch::BalanceProblem docs = cpdispatch::balance_problem_of(plan, q_bytes, kv_bytes);
-  const auto after = cpdispatch::plan_cost(plan, q_bytes, kv_bytes);
-  const auto before = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(docs), q_bytes, kv_bytes);
+  const auto after = cpdispatch::plan_cost(plan, q_bytes, kv_bytes, limits);
+  const auto before = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(docs, limits), q_bytes, kv_bytes, limits);
   std::string title = "cpdispatch plan: " + std::to_string(plan.world_size) + " ranks";
   if (plan.max_cp_degree) title += ", at most " + std::to_string(*plan.max_cp_degree) + " shards per document";
   return cpdispatch::plan_svg(after, before.attention == after.attention ? nullptr : &before, title);

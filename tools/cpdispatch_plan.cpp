@@ -9,12 +9,15 @@
 // stderr line. Plan mode (run_plan) is the default when no subcommand name
 // matches.
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <new>
 #include <optional>
 #include <span>
@@ -32,6 +35,9 @@ namespace {
 constexpr std::string_view program = "cpdispatch-plan";
 constexpr int exit_invalid = 2;
 constexpr int exit_failure = 1;
+/// What one integer of the output costs beyond the metadata's own 8 bytes:
+/// a 16-byte JSON value and its text (up to 20 digits and a separator).
+constexpr std::uint64_t json_bytes_per_integer = 40;
 
 using Args = std::span<const std::string_view>;
 
@@ -70,6 +76,11 @@ Options:
               between ranks, and attention cost per rank (and with every
               document at home, when that differs)
   --compact   JSON on one line instead of pretty-printed
+  --max-memory SIZE
+              refuse, before allocating it, a plan whose metadata (and JSON
+              output) would take more than SIZE bytes (suffixes K, M, G, T:
+              powers of 1024); default: the smaller of 4G and half the
+              available memory
   --dedup     (qkv plans; also "dedup": true in the plan) the deduplicated KV
               exchange: the output gains "kv_wire_fwd" and "kv_wire_rev"
               (each KV shard sent once per destination rank; with --rank R
@@ -99,14 +110,20 @@ std::string_view without_planner_prefix(std::string_view message) {
   return message;
 }
 
-/// The whole of FILE, or of standard input for "-".
-std::string read_input(const std::string& path) {
+/// The whole of FILE, or of standard input for "-"; an input larger than
+/// `max_bytes` is refused as soon as that much has been read.
+std::string read_input(const std::string& path, std::size_t max_bytes) {
   std::FILE* in = path == "-" ? stdin : std::fopen(path.c_str(), "rb");
   if (in == nullptr) cpdispatch::detail::fail("cannot open '", path, "': ", std::strerror(errno));
   std::string text;
   char buffer[1 << 16];
   std::size_t n = 0;
-  while ((n = std::fread(buffer, 1, sizeof buffer, in)) > 0) text.append(buffer, n);
+  while (text.size() <= max_bytes && (n = std::fread(buffer, 1, sizeof buffer, in)) > 0) text.append(buffer, n);
+  if (text.size() > max_bytes) {
+    if (in != stdin) std::fclose(in);
+    cpdispatch::detail::fail("'", path == "-" ? "standard input" : path, "' is larger than ", max_bytes,
+                             " bytes, the most JSON text --max-memory allows");
+  }
   const bool failed = std::ferror(in) != 0;
   const int read_errno = errno;
   if (in != stdin) std::fclose(in);
@@ -262,6 +279,7 @@ struct PlanOptions {
   std::string input = "-";
   std::string svg;  // --svg FILE
   std::optional<std::int64_t> rank;  // --rank R
+  std::uint64_t max_memory = 0;      // --max-memory SIZE; 0: the default
   bool summary = false;
   bool compact = false;
   bool dedup = false;
@@ -276,6 +294,67 @@ std::int64_t parse_rank(std::string_view text) {
   const long long value = std::strtoll(s.c_str(), &end, 10);
   if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE) cpdispatch::detail::fail("--rank needs a rank number, got '", text, "'");
   return value;
+}
+
+/// The SIZE of --max-memory SIZE: a whole number of bytes, optionally with
+/// K, M, G or T (powers of 1024, "KiB" etc. also accepted).
+std::uint64_t parse_size(std::string_view text) {
+  std::string s(text);
+  std::uint64_t scale = 1;
+  for (const std::string_view suffix : {"iB", "B"}) {
+    if (s.size() > suffix.size() && std::string_view(s).ends_with(suffix)) {
+      s.resize(s.size() - suffix.size());
+      break;
+    }
+  }
+  if (!s.empty()) {
+    const std::string_view units = "KMGT";
+    if (const auto u = units.find(static_cast<char>(std::toupper(static_cast<unsigned char>(s.back())))); u != std::string_view::npos) {
+      scale = std::uint64_t{1} << (10 * (u + 1));
+      s.pop_back();
+    }
+  }
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long value = std::strtoull(s.c_str(), &end, 10);
+  if (s.empty() || s.front() == '-' || end != s.c_str() + s.size() || errno == ERANGE || value == 0 ||
+      value > std::numeric_limits<std::uint64_t>::max() / scale) {
+    cpdispatch::detail::fail("--max-memory needs a positive size in bytes (e.g. 512M or 2G), got '", text, "'");
+  }
+  return value * scale;
+}
+
+/// Half the memory the system reports available (MemAvailable), 0 when unknown.
+std::uint64_t half_available_memory() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return kib * 1024 / 2;
+}
+
+/// The limits planning runs under: --max-memory, or the smaller of 4 GiB and
+/// half the available memory. JSON output keeps a second and third copy of
+/// every integer (the JSON tree, 16 bytes, and its text), so each costs more.
+cpdispatch::PlanLimits plan_limits(const PlanOptions& options, bool json_output) {
+  cpdispatch::PlanLimits limits;
+  if (options.max_memory > 0) {
+    limits.max_bytes = options.max_memory;
+  } else if (const std::uint64_t half = half_available_memory(); half > 0) {
+    limits.max_bytes = std::min(limits.max_bytes, half);
+  }
+  if (json_output) limits.bytes_per_element += json_bytes_per_integer;
+  return limits;
+}
+
+/// The most JSON text the limits let a command read.
+std::size_t max_input_bytes(const cpdispatch::PlanLimits& limits) {
+  const cpdispatch::PlanFootprint per_byte = cpdispatch::footprint::json_document(1);
+  return static_cast<std::size_t>(limits.max_bytes / cpdispatch::footprint_bytes(per_byte, limits));
 }
 
 PlanOptions parse_plan_options(Args args) {
@@ -294,6 +373,9 @@ PlanOptions parse_plan_options(Args args) {
       else if (arg == "--rank" && i + 1 < args.size()) options.rank = parse_rank(args[++i]);
       else if (arg == "--rank") fail("--rank needs a rank number (--rank R)");
       else if (arg == "--compact") options.compact = true;
+      else if (arg.starts_with("--max-memory=")) options.max_memory = parse_size(arg.substr(13));
+      else if (arg == "--max-memory" && i + 1 < args.size()) options.max_memory = parse_size(args[++i]);
+      else if (arg == "--max-memory") fail("--max-memory needs a size (--max-memory SIZE)");
       else if (arg == "--dedup") options.dedup = true;
       else if (arg == "--help" || arg == "-h") options.help = true;
       else fail("unknown option '", arg, "' (see --help)");
@@ -314,14 +396,15 @@ void write_json(const nlohmann::json& j, bool compact) {
 
 /// --svg FILE: the picture of a qkv plan, bytes weighed at q_bytes and
 /// kv_bytes per token.
-void write_svg(const PlanOptions& options, const cpdispatch::Plan& plan, std::int64_t q_bytes, std::int64_t kv_bytes) {
+void write_svg(const PlanOptions& options, const cpdispatch::Plan& plan, std::int64_t q_bytes, std::int64_t kv_bytes,
+               const cpdispatch::PlanLimits& limits) {
   if (options.svg.empty()) return;
   if (const auto* documents = std::get_if<cpdispatch::QkvDocumentsPlan>(&plan)) {
-    return cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*documents, q_bytes, kv_bytes));
+    return cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*documents, q_bytes, kv_bytes, limits));
   }
   const auto* qkv = std::get_if<cpdispatch::QkvPlan>(&plan);
   if (!qkv) cpdispatch::detail::fail("--svg draws qkv plans (documents); this is a query plan");
-  cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*qkv, q_bytes, kv_bytes));
+  cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*qkv, q_bytes, kv_bytes, limits));
 }
 
 int run_plan(Args args) {
@@ -330,21 +413,24 @@ int run_plan(Args args) {
     write_output(plan_usage);
     return 0;
   }
-  const nlohmann::json input = cpdispatch::parse_json(read_input(options.input));
+  const cpdispatch::PlanLimits reading = plan_limits(options, false);
+  const nlohmann::json input = cpdispatch::parse_json(read_input(options.input, max_input_bytes(reading)), reading);
   const cpdispatch::Plan plan = cpdispatch::plan_from_json(input);
   const bool dedup = options.dedup || cpdispatch::dedup_requested(input);
   if (dedup && plan.index() == 0) cpdispatch::detail::fail("--dedup applies to qkv plans (key-value copies); this is a query plan");
+  cpdispatch::PlanLimits limits = plan_limits(options, !options.summary);
   if (options.rank) {
-    const nlohmann::json mine = dedup ? cpdispatch::rank_share_with_wire_to_json(plan, *options.rank)
-                                      : cpdispatch::rank_metadata_to_json(cpdispatch::plan_metadata_for_rank(plan, *options.rank));
-    write_svg(options, plan, 1, 1);
+    const nlohmann::json mine = dedup ? cpdispatch::rank_share_with_wire_to_json(plan, *options.rank, limits)
+                                      : cpdispatch::rank_metadata_to_json(cpdispatch::plan_metadata_for_rank(plan, *options.rank, limits));
+    write_svg(options, plan, 1, 1, reading);
     write_json(mine, options.compact);
     return 0;
   }
-  const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan);  // invalid plans stop here
+  if (dedup) limits.bytes_per_element += limits.bytes_per_element / 2;  // the wire metadata repeats half of the KV shapes and more
+  const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan, limits);  // invalid plans stop here
   const auto* qkv = std::get_if<cpdispatch::QkvMetadata>(&planned);
   const std::optional<cpdispatch::KvWireMetadata> wire = dedup ? std::optional(cpdispatch::plan_kv_wire(*qkv)) : std::nullopt;
-  write_svg(options, plan, 1, 1);
+  write_svg(options, plan, 1, 1, reading);
   if (options.summary) {
     write_output(summary(planned, plan) + (wire ? dedup_line(qkv->kv_fwd, *wire) : std::string()));
   } else {
@@ -366,18 +452,19 @@ int run_balance(Args args) {
     return 0;
   }
   if (options.rank) cpdispatch::detail::fail("--rank applies to plan mode, not to balance");
-  const nlohmann::json input = cpdispatch::parse_json(read_input(options.input));
+  const cpdispatch::PlanLimits reading = plan_limits(options, false);
+  const nlohmann::json input = cpdispatch::parse_json(read_input(options.input, max_input_bytes(reading)), reading);
   const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(input);
   cpdispatch::BalanceOptions balancing = cpdispatch_cli::balance_options_from_json(input);
   balancing.dedup = balancing.dedup || options.dedup;
-  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, balancing);
+  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, balancing, reading);
   // A packed batch gets the documents form back, documents per rank the per-rank form.
   const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
-  write_svg(options, plan, problem.q_bytes, problem.kv_bytes);
+  write_svg(options, plan, problem.q_bytes, problem.kv_bytes, reading);
   if (options.summary) {
-    const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan);
+    const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan, reading);
     const auto& kv_fwd = std::get<cpdispatch::QkvMetadata>(planned).kv_fwd;
-    write_output(summary(planned, plan) + cpdispatch_cli::balance_report(problem, balanced) +
+    write_output(summary(planned, plan) + cpdispatch_cli::balance_report(problem, balanced, reading) +
                  (balancing.dedup ? dedup_line(kv_fwd, cpdispatch::plan_kv_wire(kv_fwd)) : std::string()));
   } else {
     write_json(cpdispatch_cli::balanced_plan_json(plan, balancing.dedup), options.compact);
@@ -388,7 +475,10 @@ int run_balance(Args args) {
 // ---------------------------------------------------------------- dispatch
 
 int report(std::string_view message, int status) {
-  std::cerr << program << ": " << single_line(message) << std::endl;
+  std::string line = single_line(message);
+  // The library names its own knob; here the user sets --max-memory.
+  if (const auto at = line.find("(PlanLimits::max_bytes)"); at != std::string::npos) line.replace(at, 23, "(--max-memory)");
+  std::cerr << program << ": " << line << std::endl;
   return status;
 }
 

@@ -29,15 +29,15 @@ bool small_enough(const cpdispatch::BalanceProblem& p) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   cpdispatch_fuzz::expect_valid_or_invalid_input([&] {
-    const nlohmann::json input = cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size));
+    const nlohmann::json input = cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size), cpdispatch_fuzz::limits);
     const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(input);
     const cpdispatch::BalanceOptions options = cpdispatch_cli::balance_options_from_json(input);
     if (!small_enough(problem)) return;
-    (void)cpdispatch::balance_lower_bound(problem);
-    (void)cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem), problem.q_bytes, problem.kv_bytes);
-    (void)cpdispatch::plan_cost(cpdispatch::plan_greedy(problem), problem.q_bytes, problem.kv_bytes);
-    const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(problem, options);
-    (void)cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes);
+    (void)cpdispatch::balance_lower_bound(problem, cpdispatch_fuzz::limits);
+    (void)cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem, cpdispatch_fuzz::limits), problem.q_bytes, problem.kv_bytes, cpdispatch_fuzz::limits);
+    (void)cpdispatch::plan_cost(cpdispatch::plan_greedy(problem, 0.10, cpdispatch_fuzz::limits), problem.q_bytes, problem.kv_bytes, cpdispatch_fuzz::limits);
+    const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(problem, options, cpdispatch_fuzz::limits);
+    (void)cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes, cpdispatch_fuzz::limits);
     try {
       (void)cpdispatch::plan_qkv(plan);  // the balancer's own output must be a valid plan
     } catch (...) {

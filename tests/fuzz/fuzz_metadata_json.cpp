@@ -44,7 +44,7 @@ void exercise(const cpdispatch::Metadata& m) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   cpdispatch_fuzz::expect_valid_or_invalid_input([&] {
-    const nlohmann::json j = cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size));
+    const nlohmann::json j = cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size), cpdispatch_fuzz::limits);
     if (j.is_object() && j.contains("q_fwd")) {
       const cpdispatch::QkvMetadata q = cpdispatch::qkv_metadata_from_json(j);
       for (const cpdispatch::Metadata* m : {&q.q_fwd, &q.q_rev, &q.kv_fwd, &q.kv_rev}) exercise(*m);

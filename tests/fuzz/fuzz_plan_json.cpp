@@ -14,14 +14,14 @@
 namespace {
 
 std::string metadata_text(const cpdispatch::Plan& plan) {
-  return cpdispatch::metadata_to_json(cpdispatch::plan_metadata(plan)).dump();
+  return cpdispatch::metadata_to_json(cpdispatch::plan_metadata(plan, cpdispatch_fuzz::limits)).dump();
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   cpdispatch_fuzz::expect_valid_or_invalid_input([&] {
-    const cpdispatch::Plan plan = cpdispatch::parse_plan(cpdispatch_fuzz::as_text(data, size));
+    const cpdispatch::Plan plan = cpdispatch::plan_from_json(cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size), cpdispatch_fuzz::limits));
     const std::string planned = metadata_text(plan);
     const std::string written = cpdispatch::to_pretty_string(cpdispatch::plan_to_json(plan));
     // Past this point the input was valid: any exception is a finding.

@@ -69,6 +69,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/plan.hpp"
 
 namespace cpdispatch {
@@ -995,10 +996,30 @@ inline std::int64_t attention_cost(std::int64_t context, std::int64_t len) {
   return balance_detail::pairs(context, end);
 }
 
+namespace balance_detail {
+
+/// The planner's memory, from the problem's sizes (no allocation), checked
+/// before it is built. The settings' own checks come first, so that a bad
+/// world_size is named as such.
+inline void check_footprint(const BalanceProblem& p, const PlanLimits& limits, std::uint64_t shards_per_piece = 0) {
+  if (p.world_size <= 0 || p.max_cp_degree <= 0) return;  // Planner names these
+  std::uint64_t pieces = 0;
+  for (const auto& doc : p.documents) pieces += doc.size();
+  for (const auto& rank : p.docs) pieces += rank.size();
+  const auto W = static_cast<std::uint64_t>(p.world_size), C = static_cast<std::uint64_t>(p.max_cp_degree);
+  detail::check_footprint(limits, footprint::balance(W, pieces, shards_per_piece ? shards_per_piece : std::min<std::uint64_t>(C, 64)), "plan_balanced",
+                          detail::concat("a problem of world_size = ", W, ", ", pieces, " pieces, max_cp_degree = ", C));
+}
+
+}  // namespace balance_detail
+
 /// No plan's largest rank cost is below this: the larger of the mean rank
 /// cost and, for each document, the cheapest possible largest shard when it
 /// is cut into at most C shards inside its pieces.
-inline double balance_lower_bound(const BalanceProblem& problem) { return balance_detail::Planner(problem).lower_bound(); }
+inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimits& limits = {}) {
+  balance_detail::check_footprint(problem, limits);
+  return balance_detail::Planner(problem).lower_bound();
+}
 
 /// The load-balanced plan (see the top of this header), in documents form:
 /// documents in input order (for the per-rank form: rank 0's documents,
@@ -1006,13 +1027,15 @@ inline double balance_lower_bound(const BalanceProblem& problem) { return balanc
 /// invalid_input for a malformed problem (naming `documents[i].pieces[k]`
 /// or `docs[r][i]`) and capacity_error (naming ranks and token counts) when
 /// the receive capacities cannot hold the documents.
-inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}) {
+inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}, const PlanLimits& limits = {}) {
+  balance_detail::check_footprint(problem, limits);
   balance_detail::Planner planner(problem);
   return planner.to_plan(planner.plan(options));
 }
 
 /// Baseline: every piece whole, attended on its own home rank (moves nothing).
-inline QkvDocumentsPlan plan_unbalanced(const BalanceProblem& problem) {
+inline QkvDocumentsPlan plan_unbalanced(const BalanceProblem& problem, const PlanLimits& limits = {}) {
+  balance_detail::check_footprint(problem, limits);
   balance_detail::Planner planner(problem);
   return planner.to_plan(planner.unbalanced());
 }
@@ -1142,8 +1165,9 @@ inline std::int64_t greedy_move(std::vector<std::vector<Shard>>& shards, std::ve
 /// per document), until the largest cost is within `within` of the level any
 /// plan could reach (balance_lower_bound) or no move is left. Ignores
 /// receive capacities.
-inline QkvDocumentsPlan plan_greedy(const BalanceProblem& problem, double within = 0.10) {
+inline QkvDocumentsPlan plan_greedy(const BalanceProblem& problem, double within = 0.10, const PlanLimits& limits = {}) {
   using namespace balance_detail;
+  check_footprint(problem, limits);
   Planner planner(problem);
   const auto& pieces = planner.pieces();
   const std::size_t W = planner.world();
@@ -1180,8 +1204,9 @@ inline QkvDocumentsPlan plan_greedy(const BalanceProblem& problem, double within
 /// piece boundaries (a shard keeps its piece's home). Ignores C and receive
 /// capacities: the plan's max_cp_degree is the most shards it gives a
 /// document (up to 2W - 1 plus the piece boundaries).
-inline QkvDocumentsPlan plan_zigzag(const BalanceProblem& problem) {
+inline QkvDocumentsPlan plan_zigzag(const BalanceProblem& problem, const PlanLimits& limits = {}) {
   using namespace balance_detail;
+  check_footprint(problem, limits, 2 * static_cast<std::uint64_t>(std::max<std::int64_t>(problem.world_size, 0)));  // 2W chunks a document
   BalanceProblem wide = problem;  // C does not limit zig-zag: only every piece's own shard
   for (const auto& doc : problem.documents) wide.max_cp_degree = std::max(wide.max_cp_degree, static_cast<std::int64_t>(doc.size()));
   Planner planner(wide);  // validates, and lists the pieces
@@ -1223,9 +1248,10 @@ inline std::int64_t times(std::int64_t a, std::int64_t b) {
   return v;
 }
 
-inline PlanCost empty_cost(std::int64_t world_size) {
+inline PlanCost empty_cost(std::int64_t world_size, const PlanLimits& limits) {
   if (world_size <= 0) fail("plan_cost: world_size = ", world_size, " must be at least 1");
   const auto W = static_cast<std::size_t>(world_size);
+  detail::check_footprint(limits, footprint::plan_cost(W), "plan_cost", detail::concat("the [W][W] byte matrix of world_size = ", W));
   PlanCost out;
   out.world_size = world_size;
   out.attention.assign(W, 0);
@@ -1272,9 +1298,9 @@ inline void add_document(PlanCost& out, const std::vector<DocumentShard>& shards
 /// layout of docs/plan-format.md sends them (see the top of this header).
 /// Throws invalid_input naming `documents[i].shards[k].<field>` for a home
 /// or destination outside [0, W), a non-positive length or an empty document.
-inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
+inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
-  PlanCost out = balance_detail::empty_cost(plan.world_size);
+  PlanCost out = balance_detail::empty_cost(plan.world_size, limits);
   std::vector<std::pair<std::size_t, std::int64_t>> held;
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
     const auto& shards = plan.documents[i].shards;
@@ -1294,9 +1320,9 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
 
 /// Attention cost and bytes moved of a per-rank plan (every document on
 /// one rank), counted as for the documents form.
-inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
+inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
-  PlanCost out = balance_detail::empty_cost(plan.world_size);
+  PlanCost out = balance_detail::empty_cost(plan.world_size, limits);
   const auto W = static_cast<std::size_t>(plan.world_size);
   if (plan.ranks.size() != W) fail("plan_cost: ranks has ", plan.ranks.size(), " entries, but world_size = ", W);
   std::vector<std::pair<std::size_t, std::int64_t>> held;

@@ -29,6 +29,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
@@ -55,11 +56,11 @@ using PlanMetadata = std::variant<QueryMetadata, QkvMetadata>;
 /// "query" or "qkv".
 inline const char* plan_kind(const Plan& plan) noexcept { return plan.index() == 0 ? "query" : "qkv"; }
 
-/// Plans any kind; errors come from plan_query / plan_qkv.
-inline PlanMetadata plan_metadata(const Plan& plan) {
-  if (const auto* q = std::get_if<QueryPlan>(&plan)) return plan_query(q->seq_len, q->dispatch);
-  if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) return plan_qkv(*d);
-  return plan_qkv(std::get<QkvPlan>(plan));
+/// Plans any kind within `limits`; errors come from plan_query / plan_qkv.
+inline PlanMetadata plan_metadata(const Plan& plan, const PlanLimits& limits = {}) {
+  if (const auto* q = std::get_if<QueryPlan>(&plan)) return plan_query(q->seq_len, q->dispatch, limits);
+  if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) return plan_qkv(*d, limits);
+  return plan_qkv(std::get<QkvPlan>(plan), limits);
 }
 
 /// What per-rank planning of a Plan gives: RankQueryMetadata for a query
@@ -67,10 +68,10 @@ inline PlanMetadata plan_metadata(const Plan& plan) {
 using RankPlanMetadata = std::variant<RankQueryMetadata, RankQkvMetadata>;
 
 /// Plans rank `rank`'s share of any kind (plan_query_for_rank / plan_qkv_for_rank).
-inline RankPlanMetadata plan_metadata_for_rank(const Plan& plan, std::int64_t rank) {
-  if (const auto* q = std::get_if<QueryPlan>(&plan)) return plan_query_for_rank(q->seq_len, q->dispatch, rank);
-  if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) return plan_qkv_for_rank(*d, rank);
-  return plan_qkv_for_rank(std::get<QkvPlan>(plan), rank);
+inline RankPlanMetadata plan_metadata_for_rank(const Plan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
+  if (const auto* q = std::get_if<QueryPlan>(&plan)) return plan_query_for_rank(q->seq_len, q->dispatch, rank, limits);
+  if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) return plan_qkv_for_rank(*d, rank, limits);
+  return plan_qkv_for_rank(std::get<QkvPlan>(plan), rank, limits);
 }
 
 namespace detail {
@@ -438,8 +439,11 @@ inline void write_pretty(const json& j, std::size_t indent, std::size_t column, 
 // ---------------------------------------------------------------- reading
 
 /// Parses JSON text; a syntax error throws invalid_input ("invalid JSON: parse
-/// error at line 1, column 5: ...").
-inline nlohmann::json parse_json(std::string_view text) {
+/// error at line 1, column 5: ..."), and so does a text whose parsed form
+/// would exceed `limits` or that nests deeper than it allows (checked
+/// before parsing).
+inline nlohmann::json parse_json(std::string_view text, const PlanLimits& limits = {}) {
+  detail::check_json_text(text, limits);
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
@@ -747,15 +751,15 @@ inline void add_kv_wire(nlohmann::json& share, const RankKvWire& wire) {
 /// Rank `rank`'s share of a QKV plan with its slices of the deduplicated
 /// exchange, planned without the global metadata (plan_qkv_for_rank and
 /// plan_kv_wire_for_rank; one pass for a per-rank plan).
-inline nlohmann::json rank_share_with_wire_to_json(const Plan& plan, std::int64_t rank) {
+inline nlohmann::json rank_share_with_wire_to_json(const Plan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
   RankQkvMetadata share;
   RankKvWire wire;
   if (const auto* p = std::get_if<QkvPlan>(&plan)) {
     RankPlanWorkspace workspace;
-    plan_qkv_for_rank(*p, rank, share, workspace, &wire);
+    plan_qkv_for_rank(*p, rank, share, workspace, &wire, limits);
   } else if (const auto* d = std::get_if<QkvDocumentsPlan>(&plan)) {
-    share = plan_qkv_for_rank(*d, rank);
-    wire = plan_kv_wire_for_rank(*d, rank);
+    share = plan_qkv_for_rank(*d, rank, limits);
+    wire = plan_kv_wire_for_rank(*d, rank, limits);
   } else {
     detail::fail("plan_kv_wire_for_rank: deduplication applies to qkv plans (key-value copies); this is a query plan");
   }

@@ -3,8 +3,11 @@
 // One mask holds for a whole plan; it decides which key-value shards each
 // query shard needs, and so the whole KV exchange.
 
+#include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "cpdispatch/error.hpp"
 
@@ -59,5 +62,64 @@ inline std::string to_string(const AttentionMask& mask) {
   }
   return "causal";
 }
+
+namespace detail {
+
+/// Section 2d's ranges for one document of n shards (lengths len[0..n)):
+/// query shard i needs KV shards lo[i] .. hi[i] (inclusive), and KV shard k
+/// is needed by query shards first[k] .. end[k] - 1, its users in increasing
+/// order (copy c of k goes to query shard first[k] + c). Both ranges are
+/// contiguous for these masks because lo and hi never decrease with i.
+struct DocumentRanges {
+  std::vector<std::size_t> lo, hi, first, end;
+
+  std::size_t users(std::size_t k) const noexcept { return end[k] - first[k]; }
+
+  /// O(n); the vectors keep their memory between documents.
+  void compute(const AttentionMask& mask, const std::int64_t* len, std::size_t n) {
+    for (auto* v : {&lo, &hi, &first, &end}) v->resize(n);
+    needed(mask, len, n);
+    std::size_t i = 0;  // first[k]: the first query shard whose range reaches k
+    for (std::size_t k = 0; k < n; ++k) {
+      while (hi[i] < k) ++i;
+      first[k] = i;
+    }
+    i = 0;  // end[k]: one past the last query shard whose range starts at or before k
+    for (std::size_t k = 0; k < n; ++k) {
+      while (i < n && lo[i] <= k) ++i;
+      end[k] = i;
+    }
+  }
+
+ private:
+  void needed(const AttentionMask& mask, const std::int64_t* len, std::size_t n) {
+    if (mask.type != MaskType::sliding_window) {
+      for (std::size_t i = 0; i < n; ++i) {
+        lo[i] = 0;
+        hi[i] = mask.type == MaskType::full ? n - 1 : i;
+      }
+      return;
+    }
+    // lo(i): the first k with b_k >= a_i - w + 2 (its last key t = b_k - 1
+    // satisfies t > a_i - w, so the first query of shard i sees it).
+    // Positions saturate rather than overflow: planning refuses such a
+    // document by its total anyway.
+    std::size_t k = 0;
+    std::int64_t a = 0, b = n > 0 ? len[0] : 0;  // a = a_i, b = b_k
+    for (std::size_t i = 0; i < n; ++i) {
+      while (k < i && b - a < 2 - mask.window) b = saturated_add(b, len[++k]);  // b_i - a_i >= 1 >= 2 - w
+      lo[i] = k;
+      hi[i] = i;
+      a = saturated_add(a, len[i]);
+    }
+  }
+
+  static std::int64_t saturated_add(std::int64_t x, std::int64_t y) noexcept {
+    std::int64_t sum = 0;
+    return __builtin_add_overflow(x, y, &sum) ? std::numeric_limits<std::int64_t>::max() : sum;
+  }
+};
+
+}  // namespace detail
 
 }  // namespace cpdispatch

@@ -10,10 +10,14 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/limits.hpp"
+#include "cpdispatch/plan/mask.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/tensor.hpp"
 
@@ -39,8 +43,10 @@ struct RankDocuments {
 /// A QKV plan: per rank, its documents in MLP-layout order.
 struct QkvPlan {
   std::int64_t world_size = 0;
-  std::optional<std::int64_t> max_cp_degree;  ///< C; default: the most shards of any document
+  std::optional<std::int64_t> max_cp_degree;  ///< C; default: the most users of any KV shard (section 2d)
   std::vector<RankDocuments> ranks;           ///< exactly world_size entries
+  AttentionMask mask;                         ///< which keys each query sees; decides the KV exchange
+  bool dedup = false;                         ///< also plan the deduplicated KV exchange (section 2c)
 };
 
 /// One shard of a document that may span ranks: where its tokens live in the
@@ -66,18 +72,21 @@ struct PackedDocument {
 /// shards of a document share one home.
 struct QkvDocumentsPlan {
   std::int64_t world_size = 0;
-  std::optional<std::int64_t> max_cp_degree;  ///< C; default: the most shards of any document
+  std::optional<std::int64_t> max_cp_degree;  ///< C; default: the most users of any KV shard (section 2d)
   std::vector<PackedDocument> documents;
+  AttentionMask mask;                         ///< which keys each query sees; decides the KV exchange
+  bool dedup = false;                         ///< also plan the deduplicated KV exchange (section 2c)
 };
 
 /// What flash-attention needs per destination rank (variable-length batch).
 struct AttentionLayout {
   std::vector<std::vector<std::int64_t>> seqlens_q;     ///< received query shards, arrival order
-  std::vector<std::vector<std::int64_t>> seqlens_kv;    ///< context + own length of each
+  std::vector<std::vector<std::int64_t>> seqlens_kv;    ///< each one's KV group: the KV shards it needs, back to back
   std::vector<std::vector<std::int64_t>> cu_seqlens_q;  ///< leading 0, total last
   std::vector<std::vector<std::int64_t>> cu_seqlens_kv;
   std::vector<std::int64_t> max_seqlen_q;               ///< 0 when a rank receives nothing
   std::vector<std::int64_t> max_seqlen_kv;
+  AttentionMask mask;  ///< the plan's mask; a kernel applies it bottom-right aligned (mask.allows with diagonal lk - lq)
 };
 
 struct QkvMetadata {
@@ -249,11 +258,14 @@ inline void copy_mask(const Tensor<std::int64_t>& dst_rank, std::optional<Tensor
 }
 
 /// plan_query into `fwd` and `rev`, reusing their storage.
-inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch, Metadata& fwd, Metadata& rev) {
+inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch, Metadata& fwd, Metadata& rev,
+                            const PlanLimits& limits = {}) {
   const QueryInput in = check_query_shapes(seq_len, dispatch);
   const std::vector<std::int64_t> entries_to = check_query_entries(in);
-  const RowPrefix prefix = row_prefix(seq_len, in.C, "plan_query");
   const auto M = static_cast<std::size_t>(*std::max_element(entries_to.begin(), entries_to.end()));
+  check_footprint(limits, footprint::query(in.W, in.S, in.C, M), "plan_query",
+                  concat("a plan of world_size = ", in.W, ", ", in.S, " shards a rank, ", in.C, " copies, ", M, " entries at one rank"));
+  const RowPrefix prefix = row_prefix(seq_len, in.C, "plan_query");
   prepare_query(in, M, fwd, rev);
   fill_query(in, prefix, fwd, rev);
   fwd.seq_recv_mask.reset();
@@ -272,10 +284,11 @@ inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<st
 
 /// Query-level planning (section 1 of docs/plan-format.md). `seq_len` is
 /// [W][S]; `dispatch` is [W][S] (one destination per shard) or [W][S][C]
-/// (-1 = no copy).
-inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch) {
+/// (-1 = no copy). A plan whose metadata would exceed `limits` is an
+/// invalid_input naming its sizes, raised before the metadata is allocated.
+inline QueryMetadata plan_query(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch, const PlanLimits& limits = {}) {
   QueryMetadata out;
-  detail::plan_query_into(seq_len, dispatch, out.fwd, out.rev);
+  detail::plan_query_into(seq_len, dispatch, out.fwd, out.rev, limits);
   return out;
 }
 
@@ -288,6 +301,8 @@ inline QkvDocumentsPlan to_documents(const QkvPlan& plan) {
   QkvDocumentsPlan out;
   out.world_size = plan.world_size;
   out.max_cp_degree = plan.max_cp_degree;
+  out.mask = plan.mask;
+  out.dedup = plan.dedup;
   for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
     for (const Document& doc : plan.ranks[r].docs) {
       PackedDocument packed;
@@ -304,9 +319,9 @@ inline QkvDocumentsPlan to_documents(const QkvPlan& plan) {
 namespace detail {
 
 /// The copy dimension C: the plan's max_cp_degree, checked, or the most
-/// shards of any document (at least 1, so the copy axis is never empty).
-inline std::size_t copy_dimension(const std::optional<std::int64_t>& max_cp_degree, std::size_t most_shards) {
-  if (!max_cp_degree) return std::max<std::size_t>(most_shards, 1);
+/// users of any KV shard (at least 1, so the copy axis is never empty).
+inline std::size_t copy_dimension(const std::optional<std::int64_t>& max_cp_degree, std::size_t most_users) {
+  if (!max_cp_degree) return std::max<std::size_t>(most_users, 1);
   if (*max_cp_degree <= 0) fail("plan_qkv: max_cp_degree = ", *max_cp_degree, " must be at least 1");
   // The copy axis is dense ([W][S][C] metadata, [C][T] replica buffers): an
   // absurd C would only allocate padding, so refuse it up front.
@@ -316,12 +331,39 @@ inline std::size_t copy_dimension(const std::optional<std::int64_t>& max_cp_degr
   return static_cast<std::size_t>(*max_cp_degree);
 }
 
+/// The KV shard of one document with the most users under `mask`:
+/// (users, shard). Causal and full: shard 0, used by every query shard.
+inline std::pair<std::size_t, std::size_t> most_users(const AttentionMask& mask, const std::int64_t* len, std::size_t n, DocumentRanges& ranges) {
+  if (mask.type != MaskType::sliding_window) return {n, 0};
+  ranges.compute(mask, len, n);
+  std::pair<std::size_t, std::size_t> best{0, 0};
+  for (std::size_t k = 0; k < n; ++k) best = std::max(best, std::pair{ranges.users(k), n - 1 - k});
+  return {best.first, n - 1 - best.second};  // the first shard with the most users
+}
+
+/// " whose queries need <shard> (<mask> mask)" for the C error; empty under
+/// the causal mask, whose every shard needs shard 0.
+template <class... Parts>
+std::string mask_detail(const AttentionMask& mask, const Parts&... shard) {
+  if (mask.type == MaskType::causal) return {};
+  std::ostringstream os;
+  os << " whose queries need ";
+  (os << ... << shard);
+  os << " (" << to_string(mask) << " mask)";
+  return os.str();
+}
+
+inline void check_mask(const AttentionMask& mask) {
+  if (mask.type == MaskType::sliding_window && mask.window < 1) {
+    fail("plan_qkv: mask.window = ", mask.window, "; a sliding window must be at least 1 token");
+  }
+}
+
 /// Validates a per-rank plan; returns C.
 inline std::size_t check_rank_plan(const QkvPlan& plan) {
   if (plan.world_size <= 0) fail("plan_qkv: world_size = ", plan.world_size, " must be at least 1");
   const auto W = static_cast<std::size_t>(plan.world_size);
   if (plan.ranks.size() != W) fail("plan_qkv: ranks has ", plan.ranks.size(), " entries, but world_size = ", W);
-  std::size_t most_shards = 0;
   for (std::size_t r = 0; r < W; ++r) {
     const auto& docs = plan.ranks[r].docs;
     for (std::size_t i = 0; i < docs.size(); ++i) {
@@ -336,14 +378,22 @@ inline std::size_t check_rank_plan(const QkvPlan& plan) {
           fail("plan_qkv: ranks[", r, "].docs[", i, "].dst[", s, "] = ", doc.dst[s], " is outside [0, ", W, ")");
         }
       }
-      most_shards = std::max(most_shards, doc.shard_len.size());
     }
   }
-  const std::size_t C = copy_dimension(plan.max_cp_degree, most_shards);
-  for (std::size_t r = 0; r < W && C < most_shards; ++r) {
+  check_mask(plan.mask);
+  DocumentRanges ranges;
+  std::size_t most = 0;
+  for (std::size_t r = 0; r < W; ++r) {
+    for (const Document& doc : plan.ranks[r].docs) most = std::max(most, most_users(plan.mask, doc.shard_len.data(), doc.shard_len.size(), ranges).first);
+  }
+  const std::size_t C = copy_dimension(plan.max_cp_degree, most);
+  for (std::size_t r = 0; r < W && C < most; ++r) {
     for (std::size_t i = 0; i < plan.ranks[r].docs.size(); ++i) {
-      if (plan.ranks[r].docs[i].shard_len.size() > C) {
-        fail("plan_qkv: max_cp_degree = ", C, " is smaller than the ", plan.ranks[r].docs[i].shard_len.size(), " shards of ranks[", r, "].docs[", i, "]");
+      const auto& len = plan.ranks[r].docs[i].shard_len;
+      const auto [users, k] = most_users(plan.mask, len.data(), len.size(), ranges);
+      if (users > C) {  // causal: shard 0 is needed by every shard, as the message has always said
+        fail("plan_qkv: max_cp_degree = ", C, " is smaller than the ", users, " shards of ranks[", r, "].docs[", i, "]",
+             mask_detail(plan.mask, "its shard_len[", k, "]"));
       }
     }
   }
@@ -354,7 +404,6 @@ inline std::size_t check_rank_plan(const QkvPlan& plan) {
 inline std::size_t check_documents_plan(const QkvDocumentsPlan& plan) {
   if (plan.world_size <= 0) fail("plan_qkv: world_size = ", plan.world_size, " must be at least 1");
   const std::int64_t W = plan.world_size;
-  std::size_t most_shards = 0;
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
     const auto& shards = plan.documents[i].shards;
     if (shards.empty()) fail("plan_qkv: documents[", i, "].shards is empty (a document has at least one shard)");
@@ -364,12 +413,23 @@ inline std::size_t check_documents_plan(const QkvDocumentsPlan& plan) {
       if (s.len <= 0) fail("plan_qkv: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
       if (s.dst < 0 || s.dst >= W) fail("plan_qkv: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", W, ")");
     }
-    most_shards = std::max(most_shards, shards.size());
   }
-  const std::size_t C = copy_dimension(plan.max_cp_degree, most_shards);
-  for (std::size_t i = 0; i < plan.documents.size() && C < most_shards; ++i) {
-    if (plan.documents[i].shards.size() > C) {
-      fail("plan_qkv: documents[", i, "].shards has ", plan.documents[i].shards.size(), " shards, more than max_cp_degree = ", C);
+  check_mask(plan.mask);
+  DocumentRanges ranges;
+  std::vector<std::int64_t> len;
+  std::size_t most = 0;
+  const auto users_of = [&](const PackedDocument& d) {
+    len.clear();
+    for (const DocumentShard& s : d.shards) len.push_back(s.len);
+    return most_users(plan.mask, len.data(), len.size(), ranges);
+  };
+  for (const PackedDocument& d : plan.documents) most = std::max(most, users_of(d).first);
+  const std::size_t C = copy_dimension(plan.max_cp_degree, most);
+  for (std::size_t i = 0; i < plan.documents.size() && C < most; ++i) {
+    const auto [users, k] = users_of(plan.documents[i]);
+    if (users > C) {
+      fail("plan_qkv: documents[", i, "].shards has ", users, " shards", mask_detail(plan.mask, "documents[", i, "].shards[", k, "]"),
+           ", more than max_cp_degree = ", C);
     }
   }
   return C;
@@ -386,22 +446,30 @@ struct ShardTable {
   std::vector<std::size_t> doc_begin{0};        // [D + 1]: the first id of each document
   std::vector<std::size_t> rank_begin;          // [W + 1] into by_rank
   std::vector<std::size_t> by_rank;             // ids, rank-major, each rank in MLP order
+  AttentionMask mask;                           // set before the first add()
+  // Section 2d, as ids: query shard id needs KV shards lo[id]..hi[id]; KV
+  // shard id is needed by query shards first[id]..end[id]-1 (its users).
+  std::vector<std::size_t> lo, hi, first, end;  // [N]
+  DocumentRanges ranges;                        // one document's, relative to its first id
 
   std::size_t size() const noexcept { return len.size(); }
-  std::size_t first_of(std::size_t id) const noexcept { return doc_begin[doc[id]]; }
-  std::size_t end_of(std::size_t id) const noexcept { return doc_begin[doc[id] + 1]; }
+  std::size_t users(std::size_t id) const noexcept { return end[id] - first[id]; }
+  /// Tokens of the KV group of query shard q: KV shards lo..hi back to back.
+  std::int64_t group_tokens(std::size_t q) const { return add_tokens(context[hi[q]], len[hi[q]], "plan_qkv") - context[lo[q]]; }
+  /// Where KV shard kv sits inside the KV group of query shard q.
+  std::int64_t group_offset(std::size_t q, std::size_t kv) const noexcept { return context[kv] - context[lo[q]]; }
 
   /// Empty, keeping the memory of every field (a table refilled each step).
   void clear() {
     for (auto* v : {&len, &dst, &context}) v->clear();
-    for (auto* v : {&home, &local, &doc, &by_rank}) v->clear();
+    for (auto* v : {&home, &local, &doc, &by_rank, &lo, &hi, &first, &end}) v->clear();
     doc_begin.assign(1, 0);
     W = S = 0;
     C = 1;
   }
   void reserve(std::size_t n) {
     for (auto* v : {&len, &dst, &context}) v->reserve(n);
-    for (auto* v : {&home, &local, &doc}) v->reserve(n);
+    for (auto* v : {&home, &local, &doc, &lo, &hi, &first, &end}) v->reserve(n);
   }
   /// Appends the next shard of the current document.
   void add(std::int64_t rank, std::int64_t length, std::int64_t destination) {
@@ -412,7 +480,18 @@ struct ShardTable {
     home.push_back(static_cast<std::size_t>(rank));
     doc.push_back(doc_begin.size() - 1);
   }
-  void end_document() { doc_begin.push_back(len.size()); }
+  /// Closes the current document: its needed ranges and users, as ids.
+  void end_document() {
+    const std::size_t base = doc_begin.back(), n = len.size() - base;
+    ranges.compute(mask, len.data() + base, n);
+    for (std::size_t k = 0; k < n; ++k) {
+      lo.push_back(base + ranges.lo[k]);
+      hi.push_back(base + ranges.hi[k]);
+      first.push_back(base + ranges.first[k]);
+      end.push_back(base + ranges.end[k]);
+    }
+    doc_begin.push_back(len.size());
+  }
 
   /// Orders the shards by home rank (a stable counting sort keeps document
   /// order on each rank: the MLP layout) and numbers them there.
@@ -447,6 +526,7 @@ struct ShardTable {
 
 inline ShardTable shard_table(const QkvPlan& plan, std::size_t C) {
   ShardTable t;
+  t.mask = plan.mask;
   std::size_t n = 0;
   for (const auto& rank : plan.ranks)
     for (const Document& d : rank.docs) n += d.shard_len.size();
@@ -464,6 +544,7 @@ inline ShardTable shard_table(const QkvPlan& plan, std::size_t C) {
 /// The shard table of a documents-form plan, written into `t` (its memory reused).
 inline void shard_table(const QkvDocumentsPlan& plan, std::size_t C, ShardTable& t) {
   t.clear();
+  t.mask = plan.mask;
   std::size_t n = 0;
   for (const PackedDocument& d : plan.documents) n += d.shards.size();
   t.reserve(n);
@@ -505,8 +586,8 @@ inline void kv_groups(const ShardTable& t, KvGroups& g) {
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
       const std::size_t q = g.arrivals[p];
       g.start[q] = at;
-      at = add_tokens(at, add_tokens(t.context[q], t.len[q], "plan_qkv"), "plan_qkv");
-      entries += q - t.first_of(q) + 1;  // KV shards 0..i of the document
+      at = add_tokens(at, t.group_tokens(q), "plan_qkv");  // a group lies within its document, whose total add() checked
+      entries += t.hi[q] - t.lo[q] + 1;
     }
     g.most_entries = std::max(g.most_entries, entries);
   }
@@ -528,7 +609,7 @@ inline void kv_arrival_counts(const ShardTable& t, const KvGroups& g, Tensor<std
     auto row = rows.row(d);
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
       const std::size_t q = g.arrivals[p];
-      for (std::size_t kv = t.first_of(q); kv <= q; ++kv) {
+      for (std::size_t kv = t.lo[q]; kv <= t.hi[q]; ++kv) {
         row[t.home[kv]] += t.len[kv];
         row[t.W] += t.len[kv];
       }
@@ -546,7 +627,7 @@ inline void kv_return_counts(const ShardTable& t, Tensor<std::int64_t>& counts) 
     auto row = rows.row(r);
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p];
-      for (std::size_t q = id; q < t.end_of(id); ++q) {
+      for (std::size_t q = t.first[id]; q < t.end[id]; ++q) {
         row[static_cast<std::size_t>(t.dst[q])] += t.len[id];
         row[t.W] += t.len[id];
       }
@@ -562,8 +643,8 @@ inline std::vector<std::int64_t> row_totals(const Tensor<std::int64_t>& counts) 
   return totals;
 }
 
-/// kv_fwd: KV shard k of a document goes in one copy per query shard
-/// k..n-1, copy c to the group of query shard k + c. Counts follow the
+/// kv_fwd: KV shard k of a document goes in one copy per user (query shard
+/// that needs it), copy c to the group of its c-th user. Counts follow the
 /// bytes: they are charged to the KV shard's home rank.
 inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& num_seqs,
                        Metadata& fwd) {
@@ -578,10 +659,10 @@ inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std:
   for (std::size_t r = 0; r < W; ++r) {
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p], j = p - t.rank_begin[r];
-      for (std::size_t q = id; q < t.end_of(id); ++q) {  // query shards k.., copy c = q - id
-        const auto d = static_cast<std::size_t>(t.dst[q]);
-        fwd.dst_rank(r, j, q - id) = static_cast<std::int64_t>(d);
-        fwd.dst_offset(r, j, q - id) = g.start[q] + t.context[id];
+      for (std::size_t q = t.first[id]; q < t.end[id]; ++q) {  // its users, copy c = q - first
+        const std::size_t c = q - t.first[id];
+        fwd.dst_rank(r, j, c) = t.dst[q];
+        fwd.dst_offset(r, j, c) = g.start[q] + t.group_offset(q, id);
       }
     }
   }
@@ -611,11 +692,11 @@ inline void kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& 
     std::size_t m = 0;
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
       const std::size_t q = g.arrivals[p];
-      for (std::size_t kv = t.first_of(q); kv <= q; ++kv, ++m) {
+      for (std::size_t kv = t.lo[q]; kv <= t.hi[q]; ++kv, ++m) {
         const std::size_t r = t.home[kv];
         rev.dst_rank(d, m) = static_cast<std::int64_t>(r);
         rev.seq_len(d, m) = t.len[kv];
-        rev.dst_offset(d, m) = static_cast<std::int64_t>(q - kv) * prefix.totals[r] + start[kv];
+        rev.dst_offset(d, m) = static_cast<std::int64_t>(q - t.first[kv]) * prefix.totals[r] + start[kv];
       }
     }
     rev.num_seqs(d) = static_cast<std::int64_t>(m);
@@ -634,6 +715,7 @@ inline void attention_layout(const ShardTable& t, const KvGroups& g, AttentionLa
   }
   attn.max_seqlen_q.assign(t.W, 0);
   attn.max_seqlen_kv.assign(t.W, 0);
+  attn.mask = t.mask;
   for (std::size_t d = 0; d < t.W; ++d) {
     const std::size_t arrivals = g.dest_begin[d + 1] - g.dest_begin[d];
     for (auto* v : {&attn.seqlens_q[d], &attn.seqlens_kv[d]}) v->reserve(arrivals);
@@ -642,7 +724,7 @@ inline void attention_layout(const ShardTable& t, const KvGroups& g, AttentionLa
     attn.cu_seqlens_kv[d].assign(1, 0);
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
       const std::size_t q = g.arrivals[p];
-      const std::int64_t len = t.len[q], kv = t.context[q] + len;
+      const std::int64_t len = t.len[q], kv = t.group_tokens(q);
       attn.seqlens_q[d].push_back(len);
       attn.seqlens_kv[d].push_back(kv);
       attn.cu_seqlens_q[d].push_back(attn.cu_seqlens_q[d].back() + len);
@@ -653,13 +735,30 @@ inline void attention_layout(const ShardTable& t, const KvGroups& g, AttentionLa
   }
 }
 
+/// The shard tables of a validated plan of `shards` shards, checked before
+/// they are built.
+inline void check_table_footprint(std::size_t W, std::size_t shards, std::size_t C, const PlanLimits& limits) {
+  check_footprint(limits, footprint::shard_tables(W, shards), "plan_qkv",
+                  concat("a plan of world_size = ", W, ", ", shards, " shards, max_cp_degree = ", C));
+}
+
+/// The dense metadata of a shard table, checked before it is allocated.
+inline void check_qkv_footprint(const ShardTable& t, const KvGroups& g, const PlanLimits& limits) {
+  std::size_t Mq = 0;
+  for (std::size_t d = 0; d < t.W; ++d) Mq = std::max(Mq, g.dest_begin[d + 1] - g.dest_begin[d]);
+  check_footprint(limits, footprint::qkv(t.W, t.size(), t.S, t.C, Mq, g.most_entries), "plan_qkv",
+                  concat("a plan of world_size = ", t.W, ", ", t.size(), " shards (", t.S, " on one rank), max_cp_degree = ", t.C, ", ", Mq,
+                         " query and ", g.most_entries, " key-value entries at one rank"));
+}
+
 /// Plans a validated shard table into `out`: queries, KV forward and
 /// reverse, attention layout.
-inline void plan_shards(const ShardTable& t, QkvMetadata& out) {
-  const Tensor<std::int64_t> seq_len = t.rank_major(t.len, 0);
-  plan_query_into(seq_len, t.rank_major(t.dst, -1), out.q_fwd, out.q_rev);
-  const RowPrefix prefix = row_prefix(seq_len, t.C, "plan_qkv");
+inline void plan_shards(const ShardTable& t, QkvMetadata& out, const PlanLimits& limits) {
   const KvGroups groups = kv_groups(t);
+  check_qkv_footprint(t, groups, limits);
+  const Tensor<std::int64_t> seq_len = t.rank_major(t.len, 0);
+  plan_query_into(seq_len, t.rank_major(t.dst, -1), out.q_fwd, out.q_rev, limits);
+  const RowPrefix prefix = row_prefix(seq_len, t.C, "plan_qkv");
   kv_forward(t, groups, seq_len, out.q_fwd.num_seqs, out.kv_fwd);
   kv_reverse(t, groups, prefix, seq_len, out.kv_rev);
   copy_mask(out.kv_fwd.dst_rank, out.kv_rev.seq_recv_mask);
@@ -672,31 +771,40 @@ inline void plan_shards(const ShardTable& t, QkvMetadata& out) {
 /// written into `out`, reusing its storage where the shapes agree: a job that
 /// plans every step into the same QkvMetadata touches no fresh memory for the
 /// W x (W+1) count matrices. Throws invalid_input like plan_qkv(plan); after
-/// a throw `out` holds no meaningful plan.
-inline void plan_qkv(const QkvPlan& plan, QkvMetadata& out) {
+/// a throw `out` holds no meaningful plan. A plan whose metadata would
+/// exceed `limits` is refused (invalid_input naming its sizes) before the
+/// metadata is allocated.
+inline void plan_qkv(const QkvPlan& plan, QkvMetadata& out, const PlanLimits& limits = {}) {
   const std::size_t C = detail::check_rank_plan(plan);
-  detail::plan_shards(detail::shard_table(plan, C), out);
+  std::size_t shards = 0;
+  for (const RankDocuments& rank : plan.ranks)
+    for (const Document& d : rank.docs) shards += d.shard_len.size();
+  detail::check_table_footprint(plan.ranks.size(), shards, C, limits);
+  detail::plan_shards(detail::shard_table(plan, C), out, limits);
 }
 
 /// QKV planning from documents whose shards may live on several home ranks
 /// (section 2b of docs/plan-format.md), into `out` (see above). A per-rank
 /// plan and its to_documents() form give identical metadata.
-inline void plan_qkv(const QkvDocumentsPlan& plan, QkvMetadata& out) {
+inline void plan_qkv(const QkvDocumentsPlan& plan, QkvMetadata& out, const PlanLimits& limits = {}) {
   const std::size_t C = detail::check_documents_plan(plan);
-  detail::plan_shards(detail::shard_table(plan, C), out);
+  std::size_t shards = 0;
+  for (const PackedDocument& d : plan.documents) shards += d.shards.size();
+  detail::check_table_footprint(static_cast<std::size_t>(plan.world_size), shards, C, limits);
+  detail::plan_shards(detail::shard_table(plan, C), out, limits);
 }
 
 /// QKV planning of a per-rank plan into fresh metadata.
-inline QkvMetadata plan_qkv(const QkvPlan& plan) {
+inline QkvMetadata plan_qkv(const QkvPlan& plan, const PlanLimits& limits = {}) {
   QkvMetadata out;
-  plan_qkv(plan, out);
+  plan_qkv(plan, out, limits);
   return out;
 }
 
 /// QKV planning of a documents-form plan into fresh metadata.
-inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan) {
+inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan, const PlanLimits& limits = {}) {
   QkvMetadata out;
-  plan_qkv(plan, out);
+  plan_qkv(plan, out, limits);
   return out;
 }
 

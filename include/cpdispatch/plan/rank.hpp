@@ -17,6 +17,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/tensor.hpp"
@@ -26,11 +27,12 @@ namespace cpdispatch {
 /// One destination rank's row of AttentionLayout.
 struct RankAttentionLayout {
   std::vector<std::int64_t> seqlens_q;      ///< received query shards, arrival order
-  std::vector<std::int64_t> seqlens_kv;     ///< context + own length of each
+  std::vector<std::int64_t> seqlens_kv;     ///< each one's KV group: the KV shards it needs, back to back
   std::vector<std::int64_t> cu_seqlens_q;   ///< leading 0, total last
   std::vector<std::int64_t> cu_seqlens_kv;
   std::int64_t max_seqlen_q = 0;            ///< 0 when the rank receives nothing
   std::int64_t max_seqlen_kv = 0;
+  AttentionMask mask;  ///< the plan's mask; a kernel applies it bottom-right aligned (mask.allows with diagonal lk - lq)
   std::int64_t q_tokens() const noexcept { return cu_seqlens_q.empty() ? 0 : cu_seqlens_q.back(); }
   std::int64_t kv_tokens() const noexcept { return cu_seqlens_kv.empty() ? 0 : cu_seqlens_kv.back(); }
 };
@@ -41,6 +43,7 @@ struct RankAttentionLayout {
 struct RankQkvMetadata {
   RankMetadata q_fwd, q_rev, kv_fwd, kv_rev;
   RankAttentionLayout attn;
+  std::optional<RankKvWire> kv_wire;  ///< the rank's kv_wire_fwd / kv_wire_rev slices and fan list when the plan asks for dedup
 };
 
 /// What one rank needs of a query plan: the get_slice() of fwd and rev.
@@ -138,23 +141,23 @@ inline RankMetadata q_reverse_slice(const ShardTable& t, const KvGroups& g, cons
   return s;
 }
 
-/// kv_fwd row of rank R: each of its KV shards to the groups of its
-/// document's query shards k.., and the KV tokens R's own groups receive.
+/// kv_fwd row of rank R: each of its KV shards to the groups of its users,
+/// and the KV tokens R's own groups receive.
 inline RankMetadata kv_forward_slice(const ShardTable& t, const KvGroups& g, std::size_t R) {
   RankMetadata s = rank_slice(R, t.W, true, t.C);
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p];
     s.seq_len.push_back(t.len[id]);
     for (std::size_t c = 0; c < t.C; ++c) {
-      const std::size_t q = id + c;
-      const bool sent = q < t.end_of(id);
+      const std::size_t q = t.first[id] + c;
+      const bool sent = q < t.end[id];
       s.dst_rank.push_back(sent ? t.dst[q] : -1);
-      s.dst_offset.push_back(sent ? g.start[q] + t.context[id] : 0);
+      s.dst_offset.push_back(sent ? g.start[q] + t.group_offset(q, id) : 0);
     }
   }
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
-    for (std::size_t kv = t.first_of(q); kv <= q; ++kv) s.num_recv_tokens[t.home[kv]] += t.len[kv];  // within R's groups
+    for (std::size_t kv = t.lo[q]; kv <= t.hi[q]; ++kv) s.num_recv_tokens[t.home[kv]] += t.len[kv];  // within R's groups
   }
   finish_slice(s, "plan_qkv_for_rank");
   return s;
@@ -166,10 +169,10 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
   RankMetadata s = rank_slice(R, t.W, false, 1);
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
-    for (std::size_t kv = t.first_of(q); kv <= q; ++kv) {
+    for (std::size_t kv = t.lo[q]; kv <= t.hi[q]; ++kv) {
       const std::size_t home = t.home[kv];
       s.dst_rank.push_back(static_cast<std::int64_t>(home));
-      s.dst_offset.push_back(static_cast<std::int64_t>(q - kv) * pos.total[home] + pos.start[kv]);
+      s.dst_offset.push_back(static_cast<std::int64_t>(q - t.first[kv]) * pos.total[home] + pos.start[kv]);
       s.seq_len.push_back(t.len[kv]);
     }
   }
@@ -179,9 +182,9 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
     const std::size_t id = t.by_rank[p];
     lens.push_back(t.len[id]);
     for (std::size_t c = 0; c < t.C; ++c) {
-      const bool sent = id + c < t.end_of(id);
+      const bool sent = c < t.users(id);
       mask.push_back(sent ? 1 : 0);
-      if (sent) s.num_recv_tokens[static_cast<std::size_t>(t.dst[id + c])] += t.len[id];  // at most C x T_R
+      if (sent) s.num_recv_tokens[static_cast<std::size_t>(t.dst[t.first[id] + c])] += t.len[id];  // at most C x T_R
     }
   }
   s.seq_recv_mask = std::move(mask);
@@ -192,11 +195,12 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
 
 inline RankAttentionLayout rank_attention(const ShardTable& t, const KvGroups& g, std::size_t R) {
   RankAttentionLayout a;
+  a.mask = t.mask;
   a.cu_seqlens_q.assign(1, 0);
   a.cu_seqlens_kv.assign(1, 0);
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
-    const std::int64_t len = t.len[q], kv = t.context[q] + len;
+    const std::int64_t len = t.len[q], kv = t.group_tokens(q);
     a.seqlens_q.push_back(len);
     a.seqlens_kv.push_back(kv);
     a.cu_seqlens_q.push_back(a.cu_seqlens_q.back() + len);
@@ -245,6 +249,8 @@ struct RankPlanWorkspace {
   std::vector<std::int64_t> wire_next;    ///< [W]: wire tokens each destination has been sent so far
   std::vector<std::int64_t> wire_slot;    ///< kv_wire_rev: each entry's slot, until its home's total is known
   std::vector<std::uint64_t> wire_seen;   ///< [W]: the last KV shard with a wire slot at each destination
+  detail::DocumentRanges ranges;          ///< the current document's needed ranges and users (section 2d)
+  std::vector<std::int64_t> doc_context;  ///< the current document's shard starts a_k
 };
 
 namespace detail {
@@ -303,9 +309,10 @@ class RankWireStream {
   }
 
   /// KV shard g of rank r: `start` tokens into r's MLP layout, `len` long;
-  /// its n copies go to dst[0..n) at group_start[0..n) + context.
-  void shard(std::size_t r, std::size_t g, std::int64_t start, std::int64_t len, const std::int64_t* dst, const std::int64_t* group_start,
-             std::int64_t context, std::size_t n) {
+  /// its n copies go to dst[0..n) at attention offsets attn_offset(c).
+  template <class AttnOffset>
+  void shard(std::size_t r, std::size_t g, std::int64_t start, std::int64_t len, const std::int64_t* dst, std::size_t n,
+             const AttnOffset& attn_offset) {
     ++shard_id_;
     const std::size_t base = out_.fwd.dst_rank.size();
     if (r == R_) own_shard(len);
@@ -325,7 +332,7 @@ class RankWireStream {
         ++slots;
       }
       if (d == R_) {  // every copy at R is a fan-out target of R's newest wire entry
-        out_.fan.attn_offset.push_back(group_start[c] + context);
+        out_.fan.attn_offset.push_back(attn_offset(c));
         ++out_.fan.copy_splits.back();
       }
     }
@@ -390,13 +397,15 @@ class RankWireStream {
 /// the size of the plan is kept: only [W] totals and the outputs.
 class RankStream {
  public:
-  RankStream(std::size_t W, std::size_t C, std::size_t R, RankQkvMetadata& out, RankPlanWorkspace& ws, RankWireStream* wire)
-      : C_(C), R_(R), out_(out), ws_(ws), wire_(wire) {
+  RankStream(std::size_t W, std::size_t C, std::size_t R, const AttentionMask& mask, RankQkvMetadata& out, RankPlanWorkspace& ws,
+             RankWireStream* wire)
+      : C_(C), R_(R), mask_(mask), out_(out), ws_(ws), wire_(wire) {
     reset_slice(out.q_fwd, R, W, false, 1, 0);
     reset_slice(out.q_rev, R, W, false, 1, 0);
     reset_slice(out.kv_fwd, R, W, true, C, 0);
     reset_slice(out.kv_rev, R, W, false, 1, C);
     reset_attention(out.attn);
+    out.attn.mask = mask;
     ws.q_next.assign(W, 0);
     ws.group_next.assign(W, 0);
   }
@@ -412,22 +421,23 @@ class RankStream {
   /// The shards of one document of rank r, in order.
   void document(std::size_t r, const Document& doc) {
     const std::size_t n = doc.shard_len.size();
+    const std::int64_t total = ranges(doc), end = add_tokens(tokens_, total, "plan_qkv");
+    const std::vector<std::int64_t>& a = ws_.doc_context;
+    const DocumentRanges& need = ws_.ranges;
     ws_.group_start.resize(n);
-    std::int64_t context = 0;
     for (std::size_t s = 0; s < n; ++s) {
       const auto d = static_cast<std::size_t>(doc.dst[s]);
-      const std::int64_t len = doc.shard_len[s], kv = add_tokens(context, len, "plan_qkv");
+      const std::int64_t len = doc.shard_len[s], kv = a[need.hi[s]] + doc.shard_len[need.hi[s]] - a[need.lo[s]];  // within the total
       ws_.group_start[s] = ws_.group_next[d];
       ws_.group_next[d] = add_tokens(ws_.group_next[d], kv, "plan_qkv");
       const std::int64_t offset = ws_.q_next[d];
       ws_.q_next[d] = add_tokens(offset, len, "plan_qkv");
       if (r == R_) push(out_.q_fwd, doc.dst[s], offset, len);
-      if (d == R_) arrival(r, doc, s, context);
-      context = kv;
+      if (d == R_) arrival(r, doc, s, kv);
     }
     if (r == R_) own_kv_forward(doc);
     if (wire_) wire_document(r, doc);
-    tokens_ = add_tokens(tokens_, context, "plan_qkv");
+    tokens_ = end;
     shards_ += n;
   }
 
@@ -456,12 +466,29 @@ class RankStream {
     s.seq_len.push_back(len);
   }
 
+  /// The current document's shard starts and needed ranges (in the
+  /// workspace); returns its total, checked.
+  std::int64_t ranges(const Document& doc) {
+    const std::size_t n = doc.shard_len.size();
+    ws_.doc_context.resize(n);
+    std::int64_t at = 0;
+    for (std::size_t k = 0; k < n; ++k) {
+      ws_.doc_context[k] = at;
+      at = add_tokens(at, doc.shard_len[k], "plan_qkv");
+    }
+    ws_.ranges.compute(mask_, doc.shard_len.data(), n);
+    return at;
+  }
+
   /// Query shard s of a document of rank r attends on R: its reverse entry,
-  /// its attention row, and the KV shards 0..s it brings along.
-  void arrival(std::size_t r, const Document& doc, std::size_t s, std::int64_t context) {
-    const std::int64_t len = doc.shard_len[s], kv = context + len;  // both within R's totals, checked
+  /// its attention row (a KV group of `kv` tokens), and the KV shards it
+  /// needs, which it brings along.
+  void arrival(std::size_t r, const Document& doc, std::size_t s, std::int64_t kv) {
+    const std::int64_t len = doc.shard_len[s];  // len and kv are within R's totals, checked
     const std::int64_t doc_start = tokens_;
-    push(out_.q_rev, static_cast<std::int64_t>(r), add_tokens(doc_start, context, "plan_qkv"), len);
+    const std::vector<std::int64_t>& at = ws_.doc_context;
+    const DocumentRanges& need = ws_.ranges;
+    push(out_.q_rev, static_cast<std::int64_t>(r), add_tokens(doc_start, at[s], "plan_qkv"), len);
     out_.q_fwd.num_recv_tokens[r] += len;
     out_.kv_fwd.num_recv_tokens[r] += kv;
     RankAttentionLayout& a = out_.attn;
@@ -471,39 +498,39 @@ class RankStream {
     a.cu_seqlens_kv.push_back(a.cu_seqlens_kv.back() + kv);
     a.max_seqlen_q = std::max(a.max_seqlen_q, len);
     a.max_seqlen_kv = std::max(a.max_seqlen_kv, kv);
-    // KV shard k goes back to slab s - k of rank r's replica buffer; the
-    // slab's size (rank r's total) is added in end_rank.
-    std::int64_t at = doc_start;
-    for (std::size_t k = 0; k <= s; ++k) {
-      push(out_.kv_rev, static_cast<std::int64_t>(r), at, doc.shard_len[k]);
-      ws_.slab.push_back(static_cast<std::int64_t>(s - k));
-      if (k < s) at += doc.shard_len[k];  // below the arrival's start, checked above
+    // KV shard k goes back to slab c (s's place among k's users) of rank
+    // r's replica buffer; the slab's size (rank r's total) is added in end_rank.
+    for (std::size_t k = need.lo[s]; k <= need.hi[s]; ++k) {
+      push(out_.kv_rev, static_cast<std::int64_t>(r), doc_start + at[k], doc.shard_len[k]);  // within the document's end, checked
+      ws_.slab.push_back(static_cast<std::int64_t>(s - need.first[k]));
     }
   }
 
+  /// Where KV shard k sits at the group of query shard q (of the current document).
+  std::int64_t attn_offset(std::size_t q, std::size_t k) const {
+    return ws_.group_start[q] + ws_.doc_context[k] - ws_.doc_context[ws_.ranges.lo[q]];  // within the group, checked
+  }
+
   /// kv_fwd rows of one of R's documents: KV shard k, copy c, to the group of
-  /// query shard k + c.
+  /// its c-th user.
   void own_kv_forward(const Document& doc) {
-    const std::size_t n = doc.shard_len.size();
-    std::int64_t context = 0;
-    for (std::size_t k = 0; k < n; ++k) {
+    const DocumentRanges& need = ws_.ranges;
+    for (std::size_t k = 0; k < doc.shard_len.size(); ++k) {
       out_.kv_fwd.seq_len.push_back(doc.shard_len[k]);
-      for (std::size_t q = k; q < k + C_; ++q) {
-        const bool sent = q < n;
+      for (std::size_t q = need.first[k]; q < need.first[k] + C_; ++q) {
+        const bool sent = q < need.end[k];
         out_.kv_fwd.dst_rank.push_back(sent ? doc.dst[q] : -1);
-        out_.kv_fwd.dst_offset.push_back(sent ? ws_.group_start[q] + context : 0);  // within the group, checked
+        out_.kv_fwd.dst_offset.push_back(sent ? attn_offset(q, k) : 0);
       }
-      context += doc.shard_len[k];
     }
   }
 
   /// The document's KV shards on the wire, in order (its group starts are known).
   void wire_document(std::size_t r, const Document& doc) {
-    const std::size_t n = doc.shard_len.size();
-    std::int64_t context = 0;
-    for (std::size_t k = 0; k < n; ++k) {
-      wire_->shard(r, shards_ + k, tokens_ + context, doc.shard_len[k], doc.dst.data() + k, ws_.group_start.data() + k, context, n - k);
-      context += doc.shard_len[k];  // within the document's total, checked
+    const DocumentRanges& need = ws_.ranges;
+    for (std::size_t k = 0; k < doc.shard_len.size(); ++k) {
+      const auto offset = [&](std::size_t c) { return attn_offset(need.first[k] + c, k); };
+      wire_->shard(r, shards_ + k, tokens_ + ws_.doc_context[k], doc.shard_len[k], doc.dst.data() + need.first[k], need.users(k), offset);
     }
   }
 
@@ -511,21 +538,23 @@ class RankStream {
   /// C x T_R, checked in end_rank) and kv_rev's copy mask.
   void own_returns(const std::vector<Document>& docs) {
     RankMetadata& kv = out_.kv_rev;
+    DocumentRanges& need = ws_.ranges;
     for (const Document& doc : docs) {
-      const std::size_t n = doc.shard_len.size();
-      for (std::size_t k = 0; k < n; ++k) {
+      need.compute(mask_, doc.shard_len.data(), doc.shard_len.size());
+      for (std::size_t k = 0; k < doc.shard_len.size(); ++k) {
         const std::int64_t len = doc.shard_len[k];
         out_.q_rev.num_recv_tokens[static_cast<std::size_t>(doc.dst[k])] += len;
         kv.recv_seq_lens->push_back(len);
-        for (std::size_t q = k; q < k + C_; ++q) {
-          kv.seq_recv_mask->push_back(q < n ? 1 : 0);
-          if (q < n) kv.num_recv_tokens[static_cast<std::size_t>(doc.dst[q])] += len;
+        for (std::size_t q = need.first[k]; q < need.first[k] + C_; ++q) {
+          kv.seq_recv_mask->push_back(q < need.end[k] ? 1 : 0);
+          if (q < need.end[k]) kv.num_recv_tokens[static_cast<std::size_t>(doc.dst[q])] += len;
         }
       }
     }
   }
 
   std::size_t C_, R_;
+  AttentionMask mask_;
   RankQkvMetadata& out_;
   RankPlanWorkspace& ws_;
   RankWireStream* wire_;        // null: no dedup slices
@@ -536,34 +565,57 @@ class RankStream {
 
 }  // namespace detail
 
+namespace detail {
+
+/// Where a rank's dedup slices go: the caller's `wire` when given, else
+/// out.kv_wire for a plan that asks for dedup (its storage reused).
+inline RankKvWire* wire_target(bool dedup, RankQkvMetadata& out, RankKvWire* wire) {
+  if (!dedup) out.kv_wire.reset();
+  if (wire || !dedup) return wire;
+  if (!out.kv_wire) out.kv_wire.emplace();
+  return &*out.kv_wire;
+}
+
+/// A plan that asks for dedup carries the slices in out.kv_wire, also when
+/// the caller had them written elsewhere.
+inline void keep_wire(bool dedup, RankQkvMetadata& out, const RankKvWire* wire) {
+  if (dedup && !(out.kv_wire && wire == &*out.kv_wire)) out.kv_wire = *wire;
+}
+
+}  // namespace detail
+
 /// Rank `rank`'s share of a per-rank plan, written into `out` (its storage is
-/// reused), with `workspace` kept by the caller between steps. Equal to
+/// reused), with `workspace` kept by the caller between steps. A plan with
+/// `dedup` set also fills out.kv_wire. Equal to
 /// plan_qkv_for_rank(plan, rank); with `wire`, also fills the rank's slices of
 /// the deduplicated KV exchange (plan_kv_wire_for_rank) in the same pass.
 /// Throws invalid_input like plan_qkv_for_rank; after a throw the outputs
 /// hold no meaningful plan.
 inline void plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace,
-                              RankKvWire* wire = nullptr) {
+                              RankKvWire* wire = nullptr, const PlanLimits& limits = {}) {
+  wire = detail::wire_target(plan.dedup, out, wire);
   const std::size_t C = detail::check_rank_plan(plan);
   const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
+  detail::check_rank_share(plan, R, C, limits, "plan_qkv_for_rank");
   const std::size_t W = plan.ranks.size();
   std::optional<detail::RankWireStream> wire_stream;
   if (wire) wire_stream.emplace(W, C, R, *wire, workspace);
-  detail::RankStream stream(W, C, R, out, workspace, wire_stream ? &*wire_stream : nullptr);
+  detail::RankStream stream(W, C, R, plan.mask, out, workspace, wire_stream ? &*wire_stream : nullptr);
   for (std::size_t r = 0; r < W; ++r) {
     stream.begin_rank();
     for (const Document& doc : plan.ranks[r].docs) stream.document(r, doc);
     stream.end_rank(r, plan.ranks[r].docs);
   }
   stream.finish();
+  detail::keep_wire(plan.dedup, out, wire);
 }
 
 /// plan_qkv(plan).X.get_slice(rank) for every metadata X, and row `rank` of
 /// the attention layout, in O(shards + copies + W).
-inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank) {
+inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
   RankQkvMetadata out;
   RankPlanWorkspace workspace;
-  plan_qkv_for_rank(plan, rank, out, workspace);
+  plan_qkv_for_rank(plan, rank, out, workspace, nullptr, limits);
   return out;
 }
 
@@ -580,12 +632,13 @@ inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out)
     wire.begin_rank();
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p];
-      wire.shard(r, p - t.rank_begin[r], pos.start[id], t.len[id], t.dst.data() + id, groups.start.data() + id, t.context[id], t.end_of(id) - id);
+      const auto attn_offset = [&](std::size_t c) { return groups.start[t.first[id] + c] + t.group_offset(t.first[id] + c, id); };
+      wire.shard(r, p - t.rank_begin[r], pos.start[id], t.len[id], t.dst.data() + t.first[id], t.users(id), attn_offset);
     }
     wire.end_rank(r, pos.total[r]);
   }
   std::int64_t attention = 0;  // R's KV groups, whose total kv_groups checked
-  for (std::size_t p = groups.dest_begin[R]; p < groups.dest_begin[R + 1]; ++p) attention += t.context[groups.arrivals[p]] + t.len[groups.arrivals[p]];
+  for (std::size_t p = groups.dest_begin[R]; p < groups.dest_begin[R + 1]; ++p) attention += t.group_tokens(groups.arrivals[p]);
   wire.finish(attention);
 }
 
@@ -596,34 +649,37 @@ inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out)
 /// with `wire`, the rank's dedup slices. Equal to plan_qkv_for_rank(plan,
 /// rank) and plan_kv_wire_for_rank(plan, rank).
 inline void plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace,
-                              RankKvWire* wire = nullptr) {
+                              RankKvWire* wire = nullptr, const PlanLimits& limits = {}) {
+  wire = detail::wire_target(plan.dedup, out, wire);
   const std::size_t C = detail::check_documents_plan(plan);
   const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
+  detail::check_rank_share(plan, R, C, limits, "plan_qkv_for_rank");
   detail::DocumentsTables& tables = workspace.documents;
   detail::shard_table(plan, C, tables.table);
   detail::shard_positions(tables.table, "plan_qkv_for_rank", tables.positions);
   detail::kv_groups(tables.table, tables.groups);
   detail::plan_shards_for_rank(tables, R, out);
   if (wire) detail::wire_for_rank(workspace, R, *wire);
+  detail::keep_wire(plan.dedup, out, wire);
 }
 
 /// The same for a plan in documents form.
-inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
+inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
   RankQkvMetadata out;
   RankPlanWorkspace workspace;
-  plan_qkv_for_rank(plan, rank, out, workspace);
+  plan_qkv_for_rank(plan, rank, out, workspace, nullptr, limits);
   return out;
 }
 
 namespace detail {
 
 template <class Plan>
-RankKvWire kv_wire_for_rank(const Plan& plan, std::int64_t rank) {
+RankKvWire kv_wire_for_rank(const Plan& plan, std::int64_t rank, const PlanLimits& limits) {
   (void)checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
   RankQkvMetadata share;
   RankPlanWorkspace workspace;
   RankKvWire wire;
-  plan_qkv_for_rank(plan, rank, share, workspace, &wire);
+  plan_qkv_for_rank(plan, rank, share, workspace, &wire, limits);
   return wire;
 }
 
@@ -632,13 +688,13 @@ RankKvWire kv_wire_for_rank(const Plan& plan, std::int64_t rank) {
 /// plan_kv_wire(plan_qkv(plan)).get_slice(rank): rank `rank`'s slices of
 /// kv_wire_fwd and kv_wire_rev and its fan list, in O(shards + copies + W)
 /// without the global metadata. KvWireDispatcher takes the result directly.
-inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank) {
-  return detail::kv_wire_for_rank(plan, rank);
+inline RankKvWire plan_kv_wire_for_rank(const QkvPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
+  return detail::kv_wire_for_rank(plan, rank, limits);
 }
 
 /// The same for a plan in documents form.
-inline RankKvWire plan_kv_wire_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank) {
-  return detail::kv_wire_for_rank(plan, rank);
+inline RankKvWire plan_kv_wire_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
+  return detail::kv_wire_for_rank(plan, rank, limits);
 }
 
 namespace detail {
@@ -704,8 +760,10 @@ inline RankMetadata query_reverse_slice(const QueryInput& in, const RowPrefix& p
 
 /// plan_query(seq_len, dispatch).fwd/.rev .get_slice(rank), in O(entries + W).
 inline RankQueryMetadata plan_query_for_rank(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch,
-                                             std::int64_t rank) {
+                                             std::int64_t rank, const PlanLimits& limits = {}) {
   const detail::QueryInput in = detail::check_query_shapes(seq_len, dispatch);
+  detail::check_footprint(limits, footprint::query_rank_share(in.W, dispatch.numel()), "plan_query_for_rank",
+                          detail::concat("a rank's share of a plan of world_size = ", in.W, " and ", dispatch.numel(), " dispatch entries"));
   (void)detail::check_query_entries(in);
   const std::size_t R = detail::checked_rank(rank, static_cast<std::int64_t>(in.W), "plan_query_for_rank");
   const detail::RowPrefix prefix = detail::row_prefix(seq_len, in.C, "plan_query_for_rank");

@@ -9,11 +9,12 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 
 #ifdef CPDISPATCH_ATTENTION_CBLAS
-#include <cblas.h>
+#include "cpdispatch/gemm/gemm_cblas.hpp"
 #endif
 
 namespace cpdispatch::detail::attention {
@@ -23,6 +24,14 @@ inline constexpr bool uses_cblas = true;
 #else
 inline constexpr bool uses_cblas = false;
 #endif
+
+/// The kernel's own threads are the parallelism: each block product runs
+/// on one BLAS thread (OpenBLAS's setting is process-wide, as CblasGemm's).
+inline void use_one_blas_thread() {
+#ifdef CPDISPATCH_ATTENTION_CBLAS
+  gemm::CblasGemm::set_blas_threads(1);
+#endif
+}
 
 // Chunk of independent partial results: enough lanes for AVX-512 floats and
 // short enough that the compiler keeps them in registers.
@@ -112,60 +121,94 @@ inline void gemm_tn(std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
 #endif
 }
 
-/// 2^x for one value, branch-free so loops over it vectorise: round x to the
-/// nearest integer n, a degree-7 polynomial for 2^(x - n) on [-1/2, 1/2]
-/// (relative error below 1e-7), and n added to the exponent bits. Below
-/// -126 (including -infinity) the result is 0.
-inline float exp2_approx(float x) {
-  constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float clamped = std::min(std::max(x, -127.0f), 127.0f);
-  const float shifted = clamped + round_magic;
-  const float n = shifted - round_magic;
-  const float y = (clamped - n) * 0.6931471805599453f;  // 2^f = e^(f ln 2)
-  float p = 1.0f / 5040.0f;
-  p = p * y + 1.0f / 720.0f;
-  p = p * y + 1.0f / 120.0f;
-  p = p * y + 1.0f / 24.0f;
-  p = p * y + 1.0f / 6.0f;
-  p = p * y + 0.5f;
-  p = p * y + 1.0f;
-  p = p * y + 1.0f;
-  const auto e = static_cast<std::uint32_t>(std::bit_cast<std::int32_t>(shifted) -
-                                            std::bit_cast<std::int32_t>(round_magic) + 127);
-  const float scale = std::bit_cast<float>(e << 23);
-  return x < -126.0f ? 0.0f : p * scale;
+// Four floats as one value (GCC and Clang vector extensions): the softmax's
+// row loops are written on these, because a float comparison in a scalar
+// loop keeps GCC from vectorising it (-ftrapping-math, the default).
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef std::int32_t i32x4 __attribute__((vector_size(16)));
+
+inline f32x4 load4(const float* p) {
+  f32x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
+inline void store4(float* p, f32x4 v) { std::memcpy(p, &v, sizeof v); }
+inline f32x4 splat4(float x) { return f32x4{x, x, x, x}; }
+/// mask ? a : b per lane (mask lanes all ones or all zeros).
+inline f32x4 select4(i32x4 mask, f32x4 a, f32x4 b) {
+  return std::bit_cast<f32x4>((std::bit_cast<i32x4>(a) & mask) | (std::bit_cast<i32x4>(b) & ~mask));
+}
+
+/// 2^x per lane: x rounded to the nearest integer n, a degree-7 polynomial
+/// for 2^(x - n) on [-1/2, 1/2] (relative error below 1e-7), n added to the
+/// exponent bits. Below -126 (-infinity included) the result is 0; NaN stays NaN.
+inline f32x4 exp2_approx(f32x4 x) {
+  const f32x4 round_magic = splat4(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const f32x4 lo = splat4(-127.0f), hi = splat4(127.0f);
+  f32x4 c = select4(x > lo, x, lo);
+  c = select4(c < hi, c, hi);
+  const f32x4 shifted = c + round_magic;
+  const f32x4 y = (c - (shifted - round_magic)) * splat4(0.6931471805599453f);  // 2^f = e^(f ln 2)
+  f32x4 p = splat4(1.0f / 5040.0f);
+  p = p * y + splat4(1.0f / 720.0f);
+  p = p * y + splat4(1.0f / 120.0f);
+  p = p * y + splat4(1.0f / 24.0f);
+  p = p * y + splat4(1.0f / 6.0f);
+  p = p * y + splat4(0.5f);
+  p = p * y + splat4(1.0f);
+  p = p * y + splat4(1.0f);
+  const i32x4 bias = std::bit_cast<i32x4>(round_magic) - 127;
+  const f32x4 scale = std::bit_cast<f32x4>((std::bit_cast<i32x4>(shifted) - bias) << 23);
+  const f32x4 r = std::bit_cast<f32x4>(std::bit_cast<i32x4>(p * scale) & (x >= splat4(-126.0f)));
+  return select4(x != x, x, r);
+}
+
+/// 2^x for one value (the same arithmetic as the lanes above).
+inline float exp2_approx(float x) { return exp2_approx(splat4(x))[0]; }
 
 /// row[t] = 2^(row[t] - shift) for t < n (masked -infinity becomes 0); the sum.
 inline float exp2_row(float* row, std::int64_t n, float shift) {
-  float part[lanes] = {};
+  const f32x4 s = splat4(shift);
+  f32x4 sum[4] = {};
   std::int64_t t = 0;
-  for (; t + lanes <= n; t += lanes) {
-    for (std::int64_t l = 0; l < lanes; ++l) {
-      const float v = exp2_approx(row[t + l] - shift);
-      row[t + l] = v;
-      part[l] += v;
+  for (; t + 16 <= n; t += 16) {
+    for (int l = 0; l < 4; ++l) {
+      const f32x4 v = exp2_approx(load4(row + t + 4 * l) - s);
+      store4(row + t + 4 * l, v);
+      sum[l] += v;
     }
   }
+  for (; t + 4 <= n; t += 4) {
+    const f32x4 v = exp2_approx(load4(row + t) - s);
+    store4(row + t, v);
+    sum[0] += v;
+  }
+  const f32x4 total = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+  float result = (total[0] + total[1]) + (total[2] + total[3]);
   for (; t < n; ++t) {
     row[t] = exp2_approx(row[t] - shift);
-    part[0] += row[t];
+    result += row[t];
   }
-  float sum = 0.0f;
-  for (float x : part) sum += x;
-  return sum;
+  return result;
 }
 
 /// The largest of row[0 .. n); -infinity when n is 0.
 inline float row_max(const float* row, std::int64_t n) {
-  float part[lanes];
-  std::fill(part, part + lanes, -std::numeric_limits<float>::infinity());
+  f32x4 m[4];
+  for (auto& x : m) x = splat4(-std::numeric_limits<float>::infinity());
   std::int64_t t = 0;
-  for (; t + lanes <= n; t += lanes) {
-    for (std::int64_t l = 0; l < lanes; ++l) part[l] = std::max(part[l], row[t + l]);
+  for (; t + 16 <= n; t += 16) {
+    for (int l = 0; l < 4; ++l) {
+      const f32x4 v = load4(row + t + 4 * l);
+      m[l] = select4(v > m[l], v, m[l]);
+    }
   }
-  for (; t < n; ++t) part[0] = std::max(part[0], row[t]);
-  return *std::max_element(part, part + lanes);
+  float result = -std::numeric_limits<float>::infinity();
+  for (const auto& x : m) {
+    for (int l = 0; l < 4; ++l) result = std::max(result, x[l]);
+  }
+  for (; t < n; ++t) result = std::max(result, row[t]);
+  return result;
 }
 
 /// dS = P * (dP - delta), in place in dp, for n values of one row.

@@ -1,0 +1,190 @@
+// bench_attention: the host attention kernel (HostAttentionKernel on CBLAS
+// block products) against OpenBLAS SGEMM, side by side in one run, with the
+// same number of threads.
+//
+// For each case (one document of L tokens, attended as one entry) it times
+// forward and backward (median over repetitions that fit --seconds, at least
+// one) and reports their FLOP rates as flash-attention counts them: forward
+// 4 * pairs * head_dim over the (query, key) pairs the mask lets through,
+// backward 2.5 times that. Right before each case the peer is timed: SGEMM of
+// an [L x 128] x [128 x L] product (L capped at --peer-cap), OpenBLAS with
+// the same thread count; the ratios are kernel rate / peer rate.
+//
+//   bench_attention [--threads N] [--seconds 1.5] [--peer-cap 16384] [--cases default|all|quick]
+//
+// The machine may be shared: compare the ratios of one run, not absolute rates across runs.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpdispatch/attention/host_kernel.hpp"
+#include "cpdispatch/float16.hpp"
+#include "cpdispatch/gemm/gemm_cblas.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using cpdispatch::AttentionMask;
+using cpdispatch::AttentionShape;
+
+struct Case {
+  const char* type;  // float, bfloat16, float16
+  std::int64_t tokens, heads_q, heads_kv, head_dim;
+  AttentionMask mask;
+  bool target;  // one of the cases with a target ratio
+};
+
+struct Options {
+  int threads = 0;
+  double seconds = 1.5;
+  std::int64_t peer_cap = 16384;
+  std::string cases = "default";
+};
+
+std::vector<Case> cases_named(const std::string& name) {
+  const auto causal = AttentionMask::causal();
+  std::vector<Case> c{{"float", 4096, 1, 1, 128, causal, true},
+                      {"float", 8192, 1, 1, 128, causal, true},
+                      {"float", 16384, 1, 1, 128, causal, true},
+                      {"float", 1024, 8, 2, 64, causal, false},
+                      {"bfloat16", 4096, 1, 1, 128, causal, false},
+                      {"float16", 4096, 1, 1, 128, causal, false},
+                      {"float", 16384, 1, 1, 128, AttentionMask::sliding_window(1024), false},
+                      {"float", 16384, 1, 1, 128, AttentionMask::sliding_window(4096), false}};
+  if (name == "quick") return {{"float", 2048, 1, 1, 128, causal, true}, {"float", 1024, 8, 2, 64, causal, false}};
+  if (name == "all") {
+    c.push_back({"float", 4096, 1, 1, 128, AttentionMask::full(), false});
+    c.push_back({"bfloat16", 1024, 8, 2, 64, causal, false});
+  }
+  return c;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const char* next = i + 1 < argc ? argv[i + 1] : nullptr;
+    if (a == "--threads" && next) {
+      o.threads = std::atoi(argv[++i]);
+    } else if (a == "--seconds" && next) {
+      o.seconds = std::atof(argv[++i]);
+    } else if (a == "--peer-cap" && next) {
+      o.peer_cap = std::atoll(argv[++i]);
+    } else if (a == "--cases" && next) {
+      o.cases = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: bench_attention [--threads N] [--seconds S] [--peer-cap L] [--cases default|all|quick]\n");
+      std::exit(2);
+    }
+  }
+  if (o.threads <= 0) o.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return o;
+}
+
+/// Median seconds of fn over repetitions fitting `budget` seconds (at least one, at most 9).
+template <class Fn>
+double median_seconds(double budget, Fn&& fn) {
+  std::vector<double> t;
+  const auto start = Clock::now();
+  do {
+    const auto a = Clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(Clock::now() - a).count());
+  } while (t.size() < 9 && std::chrono::duration<double>(Clock::now() - start).count() + t.back() < budget);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+/// (query, key) pairs of one document the mask lets through.
+double visible_pairs(const AttentionMask& mask, std::int64_t L) {
+  double pairs = 0;
+  for (std::int64_t p = 0; p < L; ++p) {
+    std::int64_t lo = 0;
+    if (mask.type == cpdispatch::MaskType::sliding_window) lo = std::max<std::int64_t>(0, p - mask.window + 1);
+    pairs += static_cast<double>(mask.type == cpdispatch::MaskType::full ? L : p + 1 - lo);
+  }
+  return pairs;
+}
+
+/// GFLOP/s of SGEMM [L x 128] x [128 x L] with OpenBLAS on `threads` threads.
+double sgemm_rate(std::int64_t L, int threads, double budget) {
+  const std::int64_t K = 128;
+  std::vector<float> a(static_cast<std::size_t>(L * K)), b(a.size()), c(static_cast<std::size_t>(L * L));
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (auto& x : a) x = dist(rng);
+  for (auto& x : b) x = dist(rng);
+  cpdispatch::gemm::CblasGemm::set_blas_threads(threads);
+  const int n = static_cast<int>(L);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), n);
+  const double s = median_seconds(budget, [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), n);
+  });
+  cpdispatch::gemm::CblasGemm::set_blas_threads(1);  // the kernel's threads each call BLAS single-threaded
+  return 2.0 * static_cast<double>(L) * static_cast<double>(L) * K / s * 1e-9;
+}
+
+struct Timing {
+  double forward_s, backward_s;
+};
+
+template <class E>
+Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double budget) {
+  const AttentionShape shape{c.heads_q, c.heads_kv, c.head_dim, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  const auto nq = static_cast<std::size_t>(c.tokens * c.heads_q * c.head_dim);
+  const auto nk = static_cast<std::size_t>(c.tokens * c.heads_kv * c.head_dim);
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  auto fill = [&](std::size_t n) {
+    std::vector<E> x(n);
+    for (auto& e : x) e = E(dist(rng));
+    return x;
+  };
+  const auto q = fill(nq), k = fill(nk), v = fill(nk), dout = fill(nq);
+  std::vector<E> out(nq), dq(nq), dk(nk), dv(nk);
+  std::vector<float> lse(static_cast<std::size_t>(c.tokens * c.heads_q));
+  const std::vector<cpdispatch::AttentionEntry> entries{{0, c.tokens, 0, c.tokens, 0}};
+  auto forward = [&] { kernel.forward<E>(shape, c.mask, entries, q, k, v, out, lse); };
+  auto backward = [&] { kernel.backward<E>(shape, c.mask, entries, q, k, v, out, lse, dout, dq, dk, dv); };
+  forward();
+  const double f = median_seconds(budget / 2, forward);
+  const double b = median_seconds(budget / 2, backward);
+  return {f, b};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  cpdispatch::HostAttentionKernel kernel({o.threads, 128, 256});
+  std::printf("bench_attention: HostAttentionKernel (CBLAS block products, blocks %lld x %lld) vs OpenBLAS SGEMM, "
+              "%d threads each; %u hardware threads\n",
+              static_cast<long long>(kernel.options().block_q), static_cast<long long>(kernel.options().block_kv),
+              o.threads, std::thread::hardware_concurrency());
+  std::printf("%-9s %6s %5s %4s %-22s %9s %8s %9s %8s %9s %7s %7s %s\n", "type", "L", "heads", "dim", "mask", "fwd ms",
+              "fwd GF/s", "bwd ms", "bwd GF/s", "SGEMM GF/s", "fwd/GEMM", "bwd/GEMM", "target");
+  for (const Case& c : cases_named(o.cases)) {
+    const double peer = sgemm_rate(std::min(c.tokens, o.peer_cap), o.threads, o.seconds / 3);
+    Timing t{};
+    if (std::strcmp(c.type, "float") == 0) t = time_case<float>(c, kernel, o.seconds);
+    if (std::strcmp(c.type, "bfloat16") == 0) t = time_case<cpdispatch::bfloat16>(c, kernel, o.seconds);
+    if (std::strcmp(c.type, "float16") == 0) t = time_case<cpdispatch::float16>(c, kernel, o.seconds);
+    const double fwd_flop = 4.0 * visible_pairs(c.mask, c.tokens) * static_cast<double>(c.head_dim * c.heads_q);
+    const double fwd = fwd_flop / t.forward_s * 1e-9, bwd = 2.5 * fwd_flop / t.backward_s * 1e-9;
+    const std::string heads = std::to_string(c.heads_q) + "/" + std::to_string(c.heads_kv);
+    std::printf("%-9s %6lld %5s %4lld %-22s %9.1f %8.1f %9.1f %8.1f %9.1f %7.2f %7.2f %s\n", c.type,
+                static_cast<long long>(c.tokens), heads.c_str(), static_cast<long long>(c.head_dim),
+                to_string(c.mask).c_str(), t.forward_s * 1e3, fwd, t.backward_s * 1e3, bwd, peer, fwd / peer,
+                bwd / peer, c.target ? "fwd >= 0.50, bwd >= 0.35" : "-");
+    std::fflush(stdout);
+  }
+  return 0;
+}

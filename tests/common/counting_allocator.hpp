@@ -1,0 +1,104 @@
+#pragma once
+// A counting global allocator for memory-bound tests: every operator new is
+// counted (in all, and the most held at once) while counting is on, and any
+// single allocation above 1 GiB throws bad_alloc at once, so a planner that
+// fails to stop ends the test rather than taking the machine's memory.
+// Include from exactly one source file of a test program: it replaces the
+// global operator new and delete.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <functional>
+#include <initializer_list>
+#include <new>
+#include <string>
+
+#include "cpdispatch/error.hpp"
+
+namespace counting_allocator {
+
+inline std::atomic<bool> counting{false};
+inline std::atomic<std::size_t> total{0}, live{0}, peak{0};
+constexpr std::size_t refused_size = std::size_t{1} << 30;
+
+// Each block carries its size in a header, so every form of delete is counted.
+constexpr std::size_t header = alignof(std::max_align_t);
+
+inline void* counted_new(std::size_t n) {
+  if (counting.load(std::memory_order_relaxed)) {
+    if (n > refused_size) throw std::bad_alloc();  // the planner did not stop first: EXPECTs below fail
+    total += n;
+    const std::size_t now = live.fetch_add(n) + n;
+    std::size_t p = peak.load();
+    while (now > p && !peak.compare_exchange_weak(p, now)) {
+    }
+  }
+  auto* block = static_cast<unsigned char*>(std::malloc(n + header));
+  if (block == nullptr) throw std::bad_alloc();
+  *reinterpret_cast<std::size_t*>(block) = counting.load(std::memory_order_relaxed) ? n : 0;
+  return block + header;
+}
+
+inline void counted_delete(void* p) noexcept {
+  if (p == nullptr) return;
+  auto* block = static_cast<unsigned char*>(p) - header;
+  const std::size_t n = *reinterpret_cast<std::size_t*>(block);
+  live.fetch_sub(std::min(n, live.load()));
+  std::free(block);
+}
+
+
+}  // namespace counting_allocator
+
+void* operator new(std::size_t n) { return counting_allocator::counted_new(n); }
+void* operator new[](std::size_t n) { return counting_allocator::counted_new(n); }
+void operator delete(void* p) noexcept { counting_allocator::counted_delete(p); }
+void operator delete[](void* p) noexcept { counting_allocator::counted_delete(p); }
+void operator delete(void* p, std::size_t) noexcept { counting_allocator::counted_delete(p); }
+void operator delete[](void* p, std::size_t) noexcept { counting_allocator::counted_delete(p); }
+
+namespace counting_allocator {
+
+constexpr std::size_t hundred_mb = 100'000'000;
+
+/// What running `f` allocated in all, and the most it held at once.
+struct Counted {
+  std::size_t total = 0, peak = 0;
+};
+
+inline Counted count(const std::function<void()>& f) {
+  total = 0;
+  live = 0;
+  peak = 0;
+  counting = true;
+  try {
+    f();
+  } catch (...) {
+    counting = false;
+    throw;
+  }
+  counting = false;
+  return {total.load(), peak.load()};
+}
+
+/// `f` throws invalid_input whose message holds every one of `parts`,
+/// having allocated under 100 MB in all.
+inline void expect_refused(const std::function<void()>& f, std::initializer_list<std::string> parts) {
+  std::string message;
+  const Counted used = count([&] {
+    try {
+      f();
+    } catch (const cpdispatch::invalid_input& e) {
+      message = e.what();
+    }
+  });
+  ASSERT_FALSE(message.empty()) << "expected invalid_input";
+  for (const std::string& part : parts) EXPECT_NE(message.find(part), std::string::npos) << "missing '" << part << "' in: " << message;
+  EXPECT_LT(used.total, hundred_mb) << message;
+}
+
+}  // namespace counting_allocator

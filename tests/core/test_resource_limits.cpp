@@ -1,0 +1,154 @@
+// Planning refuses, before allocating it, a plan whose memory exceeds its
+// PlanLimits: tiny hostile plans (a world of a billion ranks, 30000 ranks
+// with one document, a balance problem of a billion ranks) end in an
+// invalid_input naming the plan's sizes and the budget, having allocated
+// next to nothing. Every allocation is counted (this program replaces the
+// global operator new); any single one above 1 GiB fails the test at once
+// instead of taking the machine's memory. The JSON readers' limits are in
+// tests/cli/test_json_limits.cpp.
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/limits.hpp"
+#include "cpdispatch/plan/rank.hpp"
+#include "../common/counting_allocator.hpp"
+
+namespace {
+
+using counting_allocator::count;
+using counting_allocator::Counted;
+using counting_allocator::expect_refused;
+using counting_allocator::hundred_mb;
+using cpdispatch::PlanLimits;
+
+/// {"kind": "qkv", "world_size": W, "documents": [{"shards": [{"rank": 0, "len": 5, "dst": 0}]}]}
+cpdispatch::QkvDocumentsPlan one_document(std::int64_t W) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = W;
+  plan.documents = {{{{0, 5, 0}}}};
+  return plan;
+}
+
+TEST(ResourceLimits, BillionRanksOneDocumentIsRefusedByEveryPlanner) {
+  const auto plan = one_document(1'000'000'000);
+  const std::initializer_list<std::string> names = {"world_size = 1000000000", "1 shards", "limit of 4.0 GiB", "PlanLimits::max_bytes"};
+  expect_refused([&] { (void)cpdispatch::plan_qkv(plan); }, names);
+  expect_refused([&] { (void)cpdispatch::plan_qkv_for_rank(plan, 0); }, names);
+  expect_refused([&] { (void)cpdispatch::plan_kv_wire_for_rank(plan, 0); }, names);
+  expect_refused([&] { (void)cpdispatch::plan_qkv(plan, PlanLimits{.max_bytes = std::uint64_t{16} << 30}); },
+                 {"world_size = 1000000000", "limit of 16.0 GiB"});
+}
+
+TEST(ResourceLimits, NeighboursOfTheBillionRankPlan) {
+  for (const std::int64_t W : {std::int64_t{1} << 26, std::int64_t{1} << 31, std::int64_t{1} << 40, std::int64_t{1} << 62}) {
+    SCOPED_TRACE(W);
+    const auto plan = one_document(W);
+    expect_refused([&] { (void)cpdispatch::plan_qkv(plan); }, {"world_size = " + std::to_string(W)});
+    expect_refused([&] { (void)cpdispatch::plan_qkv_for_rank(plan, W - 1); }, {"world_size = " + std::to_string(W)});
+  }
+}
+
+TEST(ResourceLimits, ThirtyThousandRanksGlobalIsRefusedPerRankIsNot) {
+  for (const std::int64_t W : {20'000, 30'000, 100'000}) {
+    SCOPED_TRACE(W);
+    const auto plan = one_document(W);
+    expect_refused([&] { (void)cpdispatch::plan_qkv(plan); }, {"world_size = " + std::to_string(W), "1 shards"});
+    // One rank's share is O(W): planned, in well under 100 MB.
+    cpdispatch::RankQkvMetadata mine;
+    const Counted used = count([&] { mine = cpdispatch::plan_qkv_for_rank(plan, 0); });
+    EXPECT_LT(used.total, hundred_mb);
+    EXPECT_EQ(mine.q_fwd.num_recv_tokens.size(), static_cast<std::size_t>(W + 1));
+  }
+}
+
+TEST(ResourceLimits, OneDocumentOfManyShardsOnOneRankIsRefused) {
+  // W = 1, but S = C = 20000 shards: [W][S][C] and the KV reverse rows grow as S x C.
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 1;
+  plan.documents.resize(1);
+  plan.documents[0].shards.assign(20'000, cpdispatch::DocumentShard{0, 1, 0});
+  expect_refused([&] { (void)cpdispatch::plan_qkv(plan); }, {"20000 shards", "max_cp_degree = 20000"});
+  expect_refused([&] { (void)cpdispatch::plan_qkv_for_rank(plan, 0); }, {"20000 shards", "max_cp_degree = 20000"});
+}
+
+TEST(ResourceLimits, QueryPlanOfManyRanksIsRefusedItsRankShareIsNot) {
+  const std::size_t W = 30'000;
+  const auto seq_len = cpdispatch::detail::output_tensor<std::int64_t>({W, 1}, 1);
+  const auto dispatch = cpdispatch::detail::output_tensor<std::int64_t>({W, 1}, 0);
+  expect_refused([&] { (void)cpdispatch::plan_query(seq_len, dispatch); }, {"plan_query", "world_size = 30000"});
+  const Counted used = count([&] { (void)cpdispatch::plan_query_for_rank(seq_len, dispatch, 0); });
+  EXPECT_LT(used.total, hundred_mb);
+  expect_refused([&] { (void)cpdispatch::plan_query_for_rank(seq_len, dispatch, 0, PlanLimits{.max_bytes = 1 << 20}); },
+                 {"plan_query_for_rank", "world_size = 30000", "limit of 1.0 MiB"});
+}
+
+TEST(ResourceLimits, BalanceProblemOfABillionRanksIsRefused) {
+  cpdispatch::BalanceProblem p;
+  p.world_size = 1'000'000'000;
+  p.max_cp_degree = 2;
+  p.documents = {{{0, 5}}};
+  expect_refused([&] { (void)cpdispatch::plan_balanced(p); }, {"plan_balanced", "world_size = 1000000000", "1 pieces"});
+  expect_refused([&] { (void)cpdispatch::plan_unbalanced(p); }, {"plan_balanced", "world_size = 1000000000"});
+  p.world_size = std::int64_t{1} << 40;
+  expect_refused([&] { (void)cpdispatch::plan_balanced(p); }, {"world_size = 1099511627776"});
+  expect_refused([&] { (void)cpdispatch::plan_cost(one_document(1'000'000)); }, {"plan_cost", "world_size = 1000000"});
+}
+
+/// A small random plan under a budget: refused below some budget, and where
+/// accepted, what planning actually held at once stays within it (the
+/// estimate is an upper bound, so the budget means what it says).
+TEST(ResourceLimits, AcceptedPlansStayWithinTheirBudget) {
+  for (const std::uint64_t seed : {1, 2, 3}) {
+    cpdispatch::RandomDocumentsOptions o;
+    o.world_size = 48;
+    o.num_documents = 120;
+    o.max_shards = 6;
+    o.max_len = 64;
+    const cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
+    bool refused_once = false, accepted_once = false;
+    for (std::uint64_t budget = 64; budget <= (std::uint64_t{64} << 20); budget *= 2) {
+      cpdispatch::QkvMetadata out;
+      bool accepted = true;
+      const Counted used = count([&] {
+        try {
+          cpdispatch::plan_qkv(plan, out, PlanLimits{.max_bytes = budget});
+        } catch (const cpdispatch::invalid_input&) {
+          accepted = false;
+        }
+      });
+      if (!accepted) {
+        refused_once = true;
+        continue;
+      }
+      accepted_once = true;
+      EXPECT_LE(used.peak, budget) << "seed " << seed;
+      const Counted rank_used = count([&] { (void)cpdispatch::plan_qkv_for_rank(plan, 7, PlanLimits{.max_bytes = budget}); });
+      EXPECT_LE(rank_used.peak, budget) << "seed " << seed;
+      break;
+    }
+    EXPECT_TRUE(refused_once);
+    EXPECT_TRUE(accepted_once);
+  }
+}
+
+TEST(ResourceLimits, PerRankPlanningAt16384RanksIsWellInsideTheDefault) {
+  const std::int64_t W = 16384;
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = W;
+  o.num_documents = 4 * W;
+  o.max_shards = 8;
+  o.max_len = 512;
+  const cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, 11);
+  // Well inside: a sixteenth of the default budget is still enough.
+  const PlanLimits tight{.max_bytes = cpdispatch::default_plan_max_bytes / 16};
+  EXPECT_NO_THROW((void)cpdispatch::plan_qkv_for_rank(plan, W / 2, tight));
+}
+
+}  // namespace
