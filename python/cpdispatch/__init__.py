@@ -71,20 +71,12 @@ def _source(plan):
     return _json.loads(plan) if isinstance(plan, (str, bytes)) else plan
 
 
-def _with_attention_mask(result, plan, has_mask):
-    # The output of a qkv plan carries the plan's mask as attn.mask (section
-    # 2d), where the library's layouts do (as the CLI writes them).
-    if has_mask and "attn" in result:
-        result["attn"]["mask"] = mask_of(plan)
-    return result
-
-
 def plan(plan, dedup=False):
     """Plans a whole plan: cpdispatch-plan's output as a dict (see the module doc).
 
     ``dedup=True`` (or ``"dedup": true`` in the plan) adds ``kv_wire_fwd`` and
     ``kv_wire_rev``, the deduplicated KV exchange."""
-    return _with_attention_mask(_cpdispatch.plan(_core(plan), dedup), plan, _cpdispatch.layout_has_mask)
+    return _cpdispatch.plan(_core(plan), dedup)
 
 
 def plan_for_rank(plan, rank, dedup=False):
@@ -92,7 +84,7 @@ def plan_for_rank(plan, rank, dedup=False):
     ``cpdispatch-plan --rank R``): ``rank``, each metadata's slice (its rows
     without padding), ``attn`` (this rank's seqlens, cu_seqlens, max_seqlen),
     ``varlen`` (int32 cu_seqlens), and with dedup its ``kv_wire_fwd`` / ``kv_wire_rev`` slices."""
-    return _with_attention_mask(_cpdispatch.plan_for_rank(_core(plan), rank, dedup), plan, _cpdispatch.rank_layout_has_mask)
+    return _cpdispatch.plan_for_rank(_core(plan), rank, dedup)
 
 
 def balance(batch, dedup=False, **options):

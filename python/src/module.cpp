@@ -200,6 +200,24 @@ py::dict varlen_dict(const std::vector<std::int64_t>& cu_q, const std::vector<st
   return d;
 }
 
+template <class Layout>
+constexpr bool has_mask = requires(const Layout& a) { a.mask; };
+
+/// attn.mask as the library's JSON writer writes it (section 2d), where it
+/// writes one: the layout's mask, through the writer, into a Python dict.
+template <class Layout>
+void add_mask(const Layout& a, py::dict& d) {
+  if constexpr (has_mask<Layout>) {
+    Layout mask_only;
+    mask_only.mask = a.mask;
+    const nlohmann::json j = mask_only;
+    if (j.contains("mask")) d["mask"] = py::module_::import("json").attr("loads")(j["mask"].dump());
+  } else {
+    (void)a;
+    (void)d;
+  }
+}
+
 /// "attn" of a whole plan.
 py::dict attention_dict(const cpdispatch::AttentionLayout& a) {
   py::dict d;
@@ -209,6 +227,7 @@ py::dict attention_dict(const cpdispatch::AttentionLayout& a) {
   d["cu_seqlens_kv"] = arrays_of(a.cu_seqlens_kv);
   d["max_seqlen_q"] = array_of(std::vector<std::int64_t>(a.max_seqlen_q));
   d["max_seqlen_kv"] = array_of(std::vector<std::int64_t>(a.max_seqlen_kv));
+  add_mask(a, d);
   return d;
 }
 
@@ -221,6 +240,7 @@ py::dict rank_attention_dict(cpdispatch::RankAttentionLayout&& a, std::size_t ra
   d["cu_seqlens_kv"] = array_of(std::move(a.cu_seqlens_kv));
   d["max_seqlen_q"] = a.max_seqlen_q;
   d["max_seqlen_kv"] = a.max_seqlen_kv;
+  add_mask(a, d);
   return d;
 }
 
@@ -334,11 +354,15 @@ bool read_qkv_dict(py::handle input, ParsedPlan& out) {
   const std::optional<std::int64_t> max_cp_degree = f[2] && f[2] != Py_None ? std::optional(copies) : std::nullopt;
   if ((f[3] == nullptr) == (f[4] == nullptr)) return false;
   if (f[3]) {
-    cpdispatch::QkvDocumentsPlan plan{world, max_cp_degree, {}};
+    cpdispatch::QkvDocumentsPlan plan;
+    plan.world_size = world;
+    plan.max_cp_degree = max_cp_degree;
     if (!read_documents(f[3], plan)) return false;
     out.plan = std::move(plan);
   } else {
-    cpdispatch::QkvPlan plan{world, max_cp_degree, {}};
+    cpdispatch::QkvPlan plan;
+    plan.world_size = world;
+    plan.max_cp_degree = max_cp_degree;
     if (!read_ranks(f[4], plan)) return false;
     out.plan = std::move(plan);
   }
@@ -558,9 +582,6 @@ std::string without_planner_prefix(std::string message) {
   return message;
 }
 
-template <class Layout>
-constexpr bool has_mask = requires(const Layout& a) { a.mask; };
-
 }  // namespace
 
 PYBIND11_MODULE(_cpdispatch, m) {
@@ -572,10 +593,6 @@ PYBIND11_MODULE(_cpdispatch, m) {
       PyErr_SetString(PyExc_ValueError, without_planner_prefix(e.what()).c_str());
     }
   });
-  // Whether the library's attention layouts carry the plan's mask (section
-  // 2d): then the CLI writes attn.mask, and the Python layer adds it too.
-  m.attr("layout_has_mask") = has_mask<cpdispatch::AttentionLayout>;
-  m.attr("rank_layout_has_mask") = has_mask<cpdispatch::RankAttentionLayout>;
   py::class_<ParsedPlan>(m, "ParsedPlan", "A plan read once, for repeated planning calls")
       .def(py::init([](py::handle input, bool dedup) { return parse_plan(input, dedup); }), py::arg("plan"), py::arg("dedup") = false)
       .def_property_readonly("dedup", [](const ParsedPlan& p) { return p.dedup; })
