@@ -67,7 +67,9 @@ void train_step(const QkvDocumentsPlan& plan, int world_size, int stages, Totals
 
 /// The same documents, each whole on one rank.
 QkvDocumentsPlan unsharded(const QkvDocumentsPlan& plan) {
-  QkvDocumentsPlan one{.world_size = 1, .max_cp_degree = {}, .documents = {}};
+  QkvDocumentsPlan one;
+  one.world_size = 1;
+  one.mask = plan.mask;
   for (const auto& doc : plan.documents) {
     std::int64_t len = 0;
     for (const auto& s : doc.shards) len += s.len;

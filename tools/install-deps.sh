@@ -8,11 +8,12 @@ set -euo pipefail
 # libclang-rt-14-dev: libFuzzer for Debian 12's clang 14 (the fuzz targets); iproute2: network namespaces (multihost tests).
 # The Python module and its tests (for Debian's /usr/bin/python3): pybind11-dev, python3-dev,
 # python3-numpy, python3-pytest, python3-torch (CPU; the torch.distributed tests use gloo),
-# python3-venv (the installed-package test).
+# python3-venv, python3-pip, python3-setuptools, python3-wheel (the installed-package test).
 packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev
           libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
           libclang-rt-14-dev iproute2
-          pybind11-dev python3-dev python3-numpy python3-pytest python3-torch python3-venv python3-pip "$@")
+          pybind11-dev python3-dev python3-numpy python3-pytest python3-torch
+          python3-venv python3-pip python3-setuptools python3-wheel "$@")
 
 if [ "${CPDISPATCH_SKIP_DEPS:-0}" = 1 ]; then
   exit 0

@@ -76,26 +76,28 @@ class CpWorld {
 
   /// Compares every rank's results with the reference: the largest error of
   /// each tensor relative to its largest reference magnitude must be <= tol.
-  void expect_equal(const std::vector<RankResult>& results, double tol) const {
-    const std::array<double, 5> rel = relative_errors(results);
+  void expect_equal(const std::vector<RankResult>& results, double tol, std::size_t first_rank = 0) const {
+    const std::array<double, 5> rel = relative_errors(results, first_rank);
     const char* names[5] = {"out", "dq", "dk", "dv", "lse"};
     for (int i = 0; i < 5; ++i) EXPECT_LE(rel[static_cast<std::size_t>(i)], tol) << names[i] << ": largest error relative to the largest magnitude";
   }
 
   /// Each tensor's largest error over its largest reference magnitude: out, dq, dk, dv, lse.
-  std::array<double, 5> relative_errors(const std::vector<RankResult>& results) const {
+  /// results[i] is rank first_rank + i's (a process that runs one rank passes only its own).
+  std::array<double, 5> relative_errors(const std::vector<RankResult>& results, std::size_t first_rank = 0) const {
     double err[5] = {}, mag[5] = {};
-    for (std::size_t r = 0; r < results.size(); ++r) {
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const std::size_t r = first_rank + i;
       std::int64_t row = 0;
       for (const Piece& p : pieces_[r]) {
         const Doc& doc = docs_[p.doc];
-        accumulate(results[r].out, doc.ref.out, p, row, shape_.heads_q, err[0], mag[0]);
-        accumulate(results[r].dq, doc.grads.dq, p, row, shape_.heads_q, err[1], mag[1]);
-        accumulate(results[r].dk, doc.grads.dk, p, row, shape_.heads_kv, err[2], mag[2]);
-        accumulate(results[r].dv, doc.grads.dv, p, row, shape_.heads_kv, err[3], mag[3]);
+        accumulate(results[i].out, doc.ref.out, p, row, shape_.heads_q, err[0], mag[0]);
+        accumulate(results[i].dq, doc.grads.dq, p, row, shape_.heads_q, err[1], mag[1]);
+        accumulate(results[i].dk, doc.grads.dk, p, row, shape_.heads_kv, err[2], mag[2]);
+        accumulate(results[i].dv, doc.grads.dv, p, row, shape_.heads_kv, err[3], mag[3]);
         row += p.len;
       }
-      compare_lse(r, results[r], err[4], mag[4]);
+      compare_lse(r, results[i], err[4], mag[4]);
     }
     std::array<double, 5> rel{};
     for (std::size_t i = 0; i < 5; ++i) rel[i] = err[i] / std::max(mag[i], 1e-30);

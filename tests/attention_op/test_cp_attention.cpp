@@ -41,7 +41,10 @@ cpdispatch::QkvDocumentsPlan plan_of(const Case& c) {
   o.num_documents = c.world_size + 2;
   o.max_shards = 4;
   o.max_len = 5;
-  return cpdispatch::random_documents_plan(o, c.seed);
+  cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, c.seed);
+  plan.mask = c.mask;
+  plan.dedup = c.dedup;
+  return plan;
 }
 
 class CpAttentionTest : public testing::TestWithParam<Case> {};
@@ -52,17 +55,27 @@ TEST_P(CpAttentionTest, EqualsWholeDocumentAttention) {
   world.expect_equal(run_op<float>(world, shape_of(c), CpAttentionOptions{c.dedup, c.stages}), 1e-5);
 }
 
+const AttentionMask window3 = AttentionMask::sliding_window(3), window6 = AttentionMask::sliding_window(6);
+
+// Pairwise over (world size, heads, mask, dedup, stages): every mask meets
+// every stage count and both dedup settings; W = 1..8.
 const Case cases[] = {
-    {"W1_mha_s1", 1, 2, 2, AttentionMask::causal(), false, 1, 11},
-    {"W2_gqa_s2", 2, 4, 2, AttentionMask::causal(), false, 2, 12},
-    {"W3_gqa4_s3", 3, 4, 1, AttentionMask::causal(), false, 3, 13},
-    {"W4_mha_s4", 4, 1, 1, AttentionMask::causal(), false, 4, 14},
-    {"W5_gqa_s1", 5, 2, 1, AttentionMask::causal(), false, 1, 15},
-    {"W6_mha_s3", 6, 2, 2, AttentionMask::causal(), false, 3, 16},
-    {"W7_gqa_s2", 7, 4, 2, AttentionMask::causal(), false, 2, 17},
-    {"W8_mha_s4", 8, 2, 2, AttentionMask::causal(), false, 4, 18},
-    {"W8_gqa_s1", 8, 4, 2, AttentionMask::causal(), false, 1, 19},
-    {"W1_gqa_s3", 1, 4, 2, AttentionMask::causal(), false, 3, 20},
+    {"W1_mha_causal_s1", 1, 2, 2, AttentionMask::causal(), false, 1, 11},
+    {"W2_gqa_full_s2", 2, 4, 2, AttentionMask::full(), false, 2, 12},
+    {"W3_gqa4_window3_s3_dedup", 3, 4, 1, window3, true, 3, 13},
+    {"W4_mha_causal_s4_dedup", 4, 1, 1, AttentionMask::causal(), true, 4, 14},
+    {"W5_gqa_full_s1_dedup", 5, 2, 1, AttentionMask::full(), true, 1, 15},
+    {"W6_mha_window6_s3", 6, 2, 2, window6, false, 3, 16},
+    {"W7_gqa_causal_s2", 7, 4, 2, AttentionMask::causal(), false, 2, 17},
+    {"W8_mha_window3_s4", 8, 2, 2, window3, false, 4, 18},
+    {"W8_gqa_causal_s1_dedup", 8, 4, 2, AttentionMask::causal(), true, 1, 19},
+    {"W1_gqa_window3_s3", 1, 4, 2, window3, false, 3, 20},
+    {"W3_mha_full_s4", 3, 2, 2, AttentionMask::full(), false, 4, 22},
+    {"W5_gqa_window6_s2_dedup", 5, 4, 2, window6, true, 2, 23},
+    {"W6_gqa_causal_s1", 6, 2, 1, AttentionMask::causal(), false, 1, 24},
+    {"W4_mha_window3_s1_dedup", 4, 2, 2, window3, true, 1, 25},
+    {"W7_mha_full_s3_dedup", 7, 2, 2, AttentionMask::full(), true, 3, 26},
+    {"W2_gqa_window6_s4", 2, 4, 1, window6, false, 4, 27},
 };
 
 INSTANTIATE_TEST_SUITE_P(Pairwise, CpAttentionTest, testing::ValuesIn(cases),

@@ -74,10 +74,10 @@ inline void check_attention_shape(const AttentionShape& s, const char* who) {
 }
 
 /// The plan's mask as this rank's share carries it.
-inline AttentionMask mask_of(const RankQkvMetadata&) { return AttentionMask::causal(); }
+inline AttentionMask mask_of(const RankQkvMetadata& share) { return share.attn.mask; }
 
 /// The share's slices of the deduplicated exchange, null when it has none.
-inline const RankKvWire* kv_wire_of(const RankQkvMetadata&) { return nullptr; }
+inline const RankKvWire* kv_wire_of(const RankQkvMetadata& share) { return share.kv_wire ? &*share.kv_wire : nullptr; }
 
 template <class E>
 std::span<const std::byte> bytes_of(std::span<const E> s) { return std::as_bytes(s); }

@@ -26,6 +26,8 @@
 // - corrupt: one byte of what the rank sends (to that same peer) is flipped
 //            (XOR 0xFF) on the way; the caller's buffer is not touched
 //            (in-place collectives get a private copy).
+// post_all_to_all_v (where the inner transport posts) takes the faults of
+// all_to_all_v at the post; the wait of a posted exchange counts as a wait.
 // short_delivery and corrupt need a payload: rules naming them for barrier,
 // wait or irecv are refused (invalid_input) at construction. A call with no
 // byte for another rank is forwarded unchanged and the fault recorded as
@@ -57,16 +59,17 @@ namespace cpdispatch::testing {
 
 /// The calls a rule can target.
 enum class TransportCall : std::size_t {
-  all_to_all_v, all_to_all_pieces, isend, irecv, wait, barrier, broadcast, all_reduce, all_gather, reduce_scatter
+  all_to_all_v, all_to_all_pieces, isend, irecv, wait, barrier, broadcast, all_reduce, all_gather, reduce_scatter,
+  post_all_to_all_v
 };
-inline constexpr std::size_t transport_call_kinds = 10;
+inline constexpr std::size_t transport_call_kinds = 11;
 
 enum class Fault { error, stall, short_delivery, corrupt };
 
 inline const char* call_name(TransportCall c) noexcept {
   constexpr std::array<const char*, transport_call_kinds> names = {
       "all_to_all_v", "all_to_all_pieces", "isend", "irecv", "wait", "barrier", "broadcast", "all_reduce", "all_gather",
-      "reduce_scatter"};
+      "reduce_scatter", "post_all_to_all_v"};
   return names[static_cast<std::size_t>(c)];
 }
 
@@ -106,7 +109,7 @@ inline std::vector<FaultRule> seeded_fault_rules(std::uint64_t seed, int world_s
                                                  std::vector<TransportCall> calls, std::vector<Fault> faults,
                                                  std::uint64_t max_nth = 4) {
   if (world_size < 1 || calls.empty() || faults.empty() || max_nth < 1) {
-    detail::fail("seeded_fault_rules: world_size, calls, faults and max_nth must be non-empty / positive");
+    cpdispatch::detail::fail("seeded_fault_rules: world_size, calls, faults and max_nth must be non-empty / positive");
   }
   std::mt19937_64 rng(seed);
   std::vector<FaultRule> rules;
@@ -136,6 +139,10 @@ concept has_point_to_point = requires(T& t, const void* s, void* r, std::size_t 
   t.wait(q);
 };
 template <class T>
+concept has_posted_all_to_all = cpdispatch::detail::transport_has_posted_all_to_all<T>;
+template <class T>
+concept has_wait = has_point_to_point<T> || has_posted_all_to_all<T>;
+template <class T>
 concept has_barrier = requires(T& t) { t.barrier(); };
 template <class T>
 concept has_broadcast = requires(T& t, void* b, std::size_t n, int root) { t.broadcast(b, n, root); };
@@ -160,10 +167,10 @@ class FaultInjectingTransport {
       const FaultRule& r = rules_[i];
       const bool payload_free = r.call == TransportCall::barrier || r.call == TransportCall::wait || r.call == TransportCall::irecv;
       if (payload_free && (r.fault == Fault::short_delivery || r.fault == Fault::corrupt)) {
-        detail::fail("FaultInjectingTransport: rules[", i, "] asks for ", fault_name(r.fault), " in ", call_name(r.call),
+        cpdispatch::detail::fail("FaultInjectingTransport: rules[", i, "] asks for ", fault_name(r.fault), " in ", call_name(r.call),
                      ", which sends no payload");
       }
-      if (r.nth == 0) detail::fail("FaultInjectingTransport: rules[", i, "].nth is 0 (calls count from 1)");
+      if (r.nth == 0) cpdispatch::detail::fail("FaultInjectingTransport: rules[", i, "].nth is 0 (calls count from 1)");
     }
   }
 
@@ -188,7 +195,7 @@ class FaultInjectingTransport {
     if (*f == Fault::short_delivery && peer >= 0) {
       counts_copy_.assign(send_counts.begin(), send_counts.end());
       counts_copy_[static_cast<std::size_t>(peer)] -= std::min(options_.short_bytes, counts_copy_[static_cast<std::size_t>(peer)]);
-      note(peer, detail::concat("sent ", counts_copy_[static_cast<std::size_t>(peer)], " of ", send_counts[static_cast<std::size_t>(peer)],
+      note(peer, cpdispatch::detail::concat("sent ", counts_copy_[static_cast<std::size_t>(peer)], " of ", send_counts[static_cast<std::size_t>(peer)],
                                 " bytes to rank ", peer));
       return inner_.all_to_all_v(send, counts_copy_, send_displs, recv, recv_counts, recv_displs);
     }
@@ -220,7 +227,7 @@ class FaultInjectingTransport {
       if (*f == Fault::short_delivery) {
         const std::size_t cut = std::min(options_.short_bytes, pieces_copy_[piece].bytes);
         pieces_copy_[piece].bytes -= cut;
-        note(peer, detail::concat("withheld ", cut, " bytes of piece ", piece, " for rank ", peer));
+        note(peer, cpdispatch::detail::concat("withheld ", cut, " bytes of piece ", piece, " for rank ", peer));
         return inner_.all_to_all_pieces(send, pieces_copy_, send_splits, recv, recv_pieces, recv_splits);
       }
       std::size_t extent = 0;
@@ -242,14 +249,14 @@ class FaultInjectingTransport {
     }
     if (*f == Fault::short_delivery) {
       const std::size_t sent = bytes - std::min(options_.short_bytes, bytes);
-      note(peer, detail::concat("sent ", sent, " of ", bytes, " bytes to rank ", peer));
+      note(peer, cpdispatch::detail::concat("sent ", sent, " of ", bytes, " bytes to rank ", peer));
       return inner_.isend(buf, sent, peer, tag);
     }
     if (*f == Fault::corrupt) {
       std::vector<std::byte>& copy = pending_copies_[next_copy_id_];
       copy.assign(static_cast<const std::byte*>(buf), static_cast<const std::byte*>(buf) + bytes);
       copy[0] ^= std::byte{0xFF};
-      note(peer, detail::concat("flipped byte 0 of the message to rank ", peer));
+      note(peer, cpdispatch::detail::concat("flipped byte 0 of the message to rank ", peer));
       const Request r = inner_.isend(copy.data(), bytes, peer, tag);
       copy_of_request_[r.id] = next_copy_id_++;
       return r;
@@ -265,8 +272,38 @@ class FaultInjectingTransport {
     return inner_.irecv(buf, bytes, peer, tag);
   }
 
+  /// Faults as all_to_all_v's; a corrupted payload's copy lives until the wait.
+  Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                            void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs)
+    requires fault_detail::has_posted_all_to_all<Inner>
+  {
+    const Fault* f = next(TransportCall::post_all_to_all_v);
+    if (!f) return inner_.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+    const int peer = remote_peer(send_counts);
+    if (*f == Fault::short_delivery && peer >= 0) {
+      counts_copy_.assign(send_counts.begin(), send_counts.end());
+      counts_copy_[static_cast<std::size_t>(peer)] -= std::min(options_.short_bytes, counts_copy_[static_cast<std::size_t>(peer)]);
+      note(peer, cpdispatch::detail::concat("sent ", counts_copy_[static_cast<std::size_t>(peer)], " of ", send_counts[static_cast<std::size_t>(peer)],
+                                " bytes to rank ", peer));
+      return inner_.post_all_to_all_v(send, counts_copy_, send_displs, recv, recv_counts, recv_displs);
+    }
+    if (*f == Fault::corrupt && peer >= 0) {
+      std::size_t extent = 0;
+      for (std::size_t p = 0; p < send_counts.size(); ++p) extent = std::max(extent, send_displs[p] + send_counts[p]);
+      std::vector<std::byte>& copy = pending_copies_[next_copy_id_];
+      copy.assign(static_cast<const std::byte*>(send), static_cast<const std::byte*>(send) + extent);
+      copy[send_displs[static_cast<std::size_t>(peer)]] ^= std::byte{0xFF};
+      note(peer, cpdispatch::detail::concat("flipped byte ", send_displs[static_cast<std::size_t>(peer)], " of the send buffer (for rank ", peer, ")"));
+      const Request r = inner_.post_all_to_all_v(copy.data(), send_counts, send_displs, recv, recv_counts, recv_displs);
+      copy_of_request_[r.id] = next_copy_id_++;
+      return r;
+    }
+    strike(*f, peer);
+    return inner_.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+  }
+
   void wait(Request request)
-    requires fault_detail::has_point_to_point<Inner>
+    requires fault_detail::has_wait<Inner>
   {
     if (const Fault* f = next(TransportCall::wait)) strike(*f, -1);
     inner_.wait(request);
@@ -291,14 +328,14 @@ class FaultInjectingTransport {
     if (rank() != root || bytes == 0 || world_size() == 1) {
       // Only the root's bytes travel; elsewhere short/corrupt mean "promise fewer bytes" / nothing.
       if (*f == Fault::short_delivery && bytes) {
-        note(-1, detail::concat("expects ", bytes - std::min(options_.short_bytes, bytes), " of ", bytes, " bytes"));
+        note(-1, cpdispatch::detail::concat("expects ", bytes - std::min(options_.short_bytes, bytes), " of ", bytes, " bytes"));
         return inner_.broadcast(buf, bytes - std::min(options_.short_bytes, bytes), root);
       }
       strike(*f, -1);
       return inner_.broadcast(buf, bytes, root);
     }
     if (*f == Fault::short_delivery) {
-      note(-1, detail::concat("broadcast ", bytes - std::min(options_.short_bytes, bytes), " of ", bytes, " bytes"));
+      note(-1, cpdispatch::detail::concat("broadcast ", bytes - std::min(options_.short_bytes, bytes), " of ", bytes, " bytes"));
       return inner_.broadcast(buf, bytes - std::min(options_.short_bytes, bytes), root);
     }
     if (*f == Fault::corrupt) {
@@ -372,7 +409,7 @@ class FaultInjectingTransport {
   }
 
   std::string title() const {
-    return detail::concat("injected ", fault_name(current_.fault), " in ", call_name(current_.call), " #", current_.nth,
+    return cpdispatch::detail::concat("injected ", fault_name(current_.fault), " in ", call_name(current_.call), " #", current_.nth,
                           " on rank ", rank(), " of ", world_size());
   }
 
@@ -384,7 +421,7 @@ class FaultInjectingTransport {
     }
     if (f == Fault::stall) {
       std::this_thread::sleep_for(options_.stall);
-      note(peer, title() + detail::concat(": stalled ", options_.stall.count(), " ms"));
+      note(peer, title() + cpdispatch::detail::concat(": stalled ", options_.stall.count(), " ms"));
       throw timeout_error(current_.what);
     }
     note(peer, "no remote payload");
@@ -396,7 +433,7 @@ class FaultInjectingTransport {
       strike(f, -1);
       return false;
     }
-    if (f == Fault::short_delivery) note(-1, detail::concat("contributed ", count - 1, " of ", count, " elements"));
+    if (f == Fault::short_delivery) note(-1, cpdispatch::detail::concat("contributed ", count - 1, " of ", count, " elements"));
     return true;
   }
 
@@ -404,7 +441,7 @@ class FaultInjectingTransport {
   const void* corrupted(const void* send, std::size_t extent, std::size_t at, int peer) {
     scratch_.assign(static_cast<const std::byte*>(send), static_cast<const std::byte*>(send) + extent);
     if (at < extent) scratch_[at] ^= std::byte{0xFF};
-    note(peer, detail::concat("flipped byte ", at, " of the send buffer", peer >= 0 ? detail::concat(" (for rank ", peer, ")") : ""));
+    note(peer, cpdispatch::detail::concat("flipped byte ", at, " of the send buffer", peer >= 0 ? cpdispatch::detail::concat(" (for rank ", peer, ")") : ""));
     return scratch_.data();
   }
 

@@ -10,7 +10,8 @@
 //   test may call: MockAllToAllTransport (all_to_all_v; what the Dispatcher
 //   needs), MockCollectiveTransport (barrier, broadcast, all_reduce,
 //   all_gather, reduce_scatter; the tensor-parallel layers) and
-//   MockPointToPointTransport (isend, irecv, wait). MockTransport mocks every
+//   MockPointToPointTransport (isend, irecv, wait), MockPostedAllToAllTransport
+//   (all_to_all_v, post_all_to_all_v, wait). MockTransport mocks every
 //   member of the full Transport concept. rank() and world_size() are plain
 //   values (set them in the constructor or with set_rank / set_world_size), so
 //   a StrictMock only asks for expectations on communication. The Basic...
@@ -74,6 +75,18 @@ class BasicMockAllToAllTransport : public MockTransportBase<Space> {
   CPDISPATCH_MOCK_ALL_TO_ALL_MEMBERS;
 };
 
+/// all_to_all_v, post_all_to_all_v and wait: a transport that posts exchanges (PostedAllToAllTransport).
+template <MemorySpace Space>
+class BasicMockPostedAllToAllTransport : public MockTransportBase<Space> {
+ public:
+  using MockTransportBase<Space>::MockTransportBase;
+  CPDISPATCH_MOCK_ALL_TO_ALL_MEMBERS;
+  MOCK_METHOD(Request, post_all_to_all_v,
+              (const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
+               std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs));
+  MOCK_METHOD(void, wait, (Request request));
+};
+
 /// The typed collectives only.
 template <MemorySpace Space>
 class BasicMockCollectiveTransport : public MockTransportBase<Space> {
@@ -107,6 +120,7 @@ class BasicMockTransport : public MockTransportBase<Space> {
 using MockAllToAllTransport = BasicMockAllToAllTransport<MemorySpace::host>;
 using MockCollectiveTransport = BasicMockCollectiveTransport<MemorySpace::host>;
 using MockPointToPointTransport = BasicMockPointToPointTransport<MemorySpace::host>;
+using MockPostedAllToAllTransport = BasicMockPostedAllToAllTransport<MemorySpace::host>;
 using MockTransport = BasicMockTransport<MemorySpace::host>;
 
 template <class Inner>
@@ -140,5 +154,7 @@ static_assert(AllToAllTransport<MockAllToAllTransport> && !CollectiveTransport<M
               !PointToPointTransport<MockAllToAllTransport>);
 static_assert(CollectiveTransport<MockCollectiveTransport> && !AllToAllTransport<MockCollectiveTransport>);
 static_assert(PointToPointTransport<MockPointToPointTransport> && !AllToAllTransport<MockPointToPointTransport>);
+
+static_assert(PostedAllToAllTransport<MockPostedAllToAllTransport> && !PointToPointTransport<MockPostedAllToAllTransport>);
 
 }  // namespace cpdispatch::testing

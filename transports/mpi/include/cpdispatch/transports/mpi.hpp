@@ -29,6 +29,12 @@
 //   int; otherwise (or with MpiAllToAll::point_to_point) non-blocking
 //   point-to-point on the reserved tag MPI_TAG_UB, self traffic as memcpy.
 //   benchmarks/RESULTS.md has the measurements behind the default.
+// - post_all_to_all_v (PostedAllToAllTransport): the same exchange as grouped
+//   MPI_Irecv / MPI_Isend on the reserved tag (receives first, ring order),
+//   self traffic copied at the post; wait() completes the group (with the
+//   timeout, as a collective: a failure or a timeout abandons what is still
+//   pending and breaks the transport). Posted exchanges and the
+//   point-to-point all_to_all_v share the tag, so they match in posting order.
 // - bfloat16 / float16 reductions: user-defined commutative MPI_Ops that sum
 //   in fp32 (rounding to nearest even after each addition) over a 2-byte
 //   contiguous datatype; created with the transport and freed with it.
@@ -403,11 +409,53 @@ class MpiTransport {
     return request_of(slot);
   }
 
+  /// Posts an all-to-all (see the header comment); wait() completes it.
+  Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                            void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    check_usable("post_all_to_all_v");
+    check_per_rank(send_counts, "send_counts");
+    check_per_rank(send_displs, "send_displs");
+    check_per_rank(recv_counts, "recv_counts");
+    check_per_rank(recv_displs, "recv_displs");
+    const auto me = static_cast<std::size_t>(rank_), W = static_cast<std::size_t>(size_);
+    if (send_counts[me] != recv_counts[me]) {
+      detail::fail("post_all_to_all_v: rank ", me, " sends ", send_counts[me], " bytes to itself but expects ", recv_counts[me]);
+    }
+    auto where = [&] { return describe("post_all_to_all_v"); };
+    const std::size_t x = acquire_exchange();
+    std::vector<std::size_t>& slots = exchanges_[x].slots;
+    const auto post = [&](bool is_send, std::size_t peer, std::size_t bytes, std::byte* at) {
+      const detail::MpiMessage m = detail::mpi_message(bytes, options_.max_count);
+      slots.push_back(acquire_slot());
+      MPI_Request* r = &h_.pending[slots.back()];
+      const int p = static_cast<int>(peer);
+      detail::mpi_check(is_send ? MPI_Isend(at, m.count, m.type, p, reserved_tag_, h_.comm, r) : MPI_Irecv(at, m.count, m.type, p, reserved_tag_, h_.comm, r),
+                        is_send ? "MPI_Isend" : "MPI_Irecv", where);
+    };
+    try {
+      for (std::size_t i = 1; i < W; ++i) {
+        const std::size_t src = (me + W - i) % W;
+        if (recv_counts[src] != 0) post(false, src, recv_counts[src], static_cast<std::byte*>(recv) + recv_displs[src]);
+      }
+      for (std::size_t i = 1; i < W; ++i) {
+        const std::size_t dst = (me + i) % W;
+        const auto* from = static_cast<const std::byte*>(send) + send_displs[dst];
+        if (send_counts[dst] != 0) post(true, dst, send_counts[dst], const_cast<std::byte*>(from));  // MPI_Isend reads it only
+      }
+    } catch (...) {
+      finish_exchange(x, true);
+      throw;
+    }
+    if (send_counts[me] != 0) std::memcpy(static_cast<std::byte*>(recv) + recv_displs[me], static_cast<const std::byte*>(send) + send_displs[me], send_counts[me]);
+    return Request{posted_bit | (static_cast<std::uint64_t>(exchanges_[x].generation) << 32) | (static_cast<std::uint64_t>(x) + 1)};
+  }
+
   /// Completes an isend/irecv. An error (e.g. MPI_ERR_TRUNCATE when the
   /// message was longer than the receive) consumes the request; a timeout
-  /// leaves it pending.
+  /// leaves it pending. A posted all-to-all: see post_all_to_all_v.
   void wait(Request request) {
     check_usable("wait");
+    if (request.id & posted_bit) return wait_exchange(request);
     const std::size_t slot = slot_of(request);
     auto where = [&] { return describe("wait(Request{", request.id, "})"); };
     try {
@@ -733,6 +781,57 @@ class MpiTransport {
     }
   }
 
+  // ---- posted all-to-alls: their requests live in isend/irecv slots (so the
+  // destructor cancels any nobody waited for); the Request has posted_bit
+  // set, the exchange + 1 in the low 32 bits and its generation above.
+  struct PostedExchange {
+    std::vector<std::size_t> slots;
+    std::uint32_t generation = 0;
+    bool in_use = false;
+  };
+  static constexpr std::uint64_t posted_bit = std::uint64_t{1} << 63;
+
+  std::size_t acquire_exchange() {
+    std::size_t x = 0;
+    while (x < exchanges_.size() && exchanges_[x].in_use) ++x;
+    if (x == exchanges_.size()) exchanges_.emplace_back();
+    exchanges_[x].in_use = true;
+    exchanges_[x].slots.clear();
+    return x;
+  }
+
+  /// Takes the exchange's requests out of their slots; `abandon_them`: keep the pending ones for the destructor.
+  void finish_exchange(std::size_t x, bool abandon_them) {
+    PostedExchange& e = exchanges_[x];
+    if (abandon_them) {
+      for (std::size_t slot : e.slots) abandon(std::span<MPI_Request>(&h_.pending[slot], 1));
+    }
+    for (std::size_t slot : e.slots) release_slot(slot);
+    e.slots.clear();
+    e.in_use = false;
+    e.generation = (e.generation + 1) & 0x7fffffffu;
+  }
+
+  void wait_exchange(Request request) {
+    const std::uint64_t low = request.id & 0xffffffffu;
+    const std::size_t x = static_cast<std::size_t>(low) - 1;
+    if (low == 0 || x >= exchanges_.size() || !exchanges_[x].in_use ||
+        exchanges_[x].generation != static_cast<std::uint32_t>((request.id & ~posted_bit) >> 32)) {
+      detail::fail("wait: Request{", request.id, "} is not a pending posted all-to-all on this transport");
+    }
+    auto where = [&] { return describe("wait(posted all_to_all_v)"); };
+    posted_requests_.clear();
+    for (std::size_t slot : exchanges_[x].slots) posted_requests_.push_back(std::exchange(h_.pending[slot], MPI_REQUEST_NULL));
+    try {
+      complete(std::span<MPI_Request>(posted_requests_), "All-to-all", where);
+    } catch (...) {
+      abandon(std::span<MPI_Request>(posted_requests_));
+      finish_exchange(x, false);
+      throw;
+    }
+    finish_exchange(x, false);
+  }
+
   // ---- isend/irecv requests: slot + 1 in the low 32 bits, the slot's
   // generation in the high 32, so a stale or foreign Request is caught.
   std::size_t acquire_slot() {
@@ -775,6 +874,8 @@ class MpiTransport {
   std::vector<MPI_Status> statuses_;       // [2W]
   std::vector<std::uint32_t> generation_;  // per isend/irecv slot
   std::vector<std::size_t> free_slots_;
+  std::vector<PostedExchange> exchanges_;       // posted all-to-alls
+  std::vector<MPI_Request> posted_requests_;    // one posted all-to-all's requests while it completes
 };
 
 static_assert(Transport<MpiTransport>);

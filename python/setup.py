@@ -1,0 +1,25 @@
+"""The C++ extension of the cpdispatch package (see pyproject.toml)."""
+
+import os
+import re
+
+from setuptools import Extension, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKOUT = os.path.dirname(HERE)  # the project root: include/ and tools/ next to python/
+
+
+def version():
+    with open(os.path.join(CHECKOUT, "CMakeLists.txt"), encoding="utf-8") as f:
+        return re.search(r"project\(cpdispatch VERSION ([0-9.]+)", f.read()).group(1)
+
+
+module = Extension(
+    "cpdispatch._cpdispatch",
+    sources=[os.path.join("src", "module.cpp")],
+    include_dirs=[os.path.join(CHECKOUT, "include"), os.path.join(CHECKOUT, "tools")],
+    language="c++",
+    extra_compile_args=["-std=c++20", "-O2", "-fvisibility=hidden"],
+)
+
+setup(version=version(), ext_modules=[module])

@@ -1,0 +1,67 @@
+// ContextParallelAttention over MPI (one process per rank): each rank's
+// output and gradients equal whole-document attention, with one stage and
+// with stages over the posted all-to-all (grouped MPI_Isend / MPI_Irecv).
+
+#include <mpi.h>
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "attention_op/cp_world.hpp"
+#include "attention_op/exact_kernel.hpp"
+#include "attention_op/run_op.hpp"
+#include "cpdispatch/attention.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/transports/mpi.hpp"
+
+namespace {
+
+using attention_test::CpWorld;
+
+static_assert(cpdispatch::posted_all_to_all_v<cpdispatch::MpiTransport>);
+
+int world_size() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+cpdispatch::QkvDocumentsPlan plan_of(int W, std::uint64_t seed) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = W;
+  o.num_documents = W + 3;
+  o.max_shards = 4;
+  o.max_len = 5;
+  return cpdispatch::random_documents_plan(o, seed);
+}
+
+template <class Kernel, class... KernelArgs>
+void expect_rank_equals_reference(int stages, std::uint64_t seed, cpdispatch::MpiTransportOptions options, const KernelArgs&... args) {
+  const cpdispatch::AttentionShape shape{4, 2, 4, 0.45f};
+  const CpWorld world(plan_of(world_size(), seed), shape, cpdispatch::AttentionMask::causal(), seed, attention_test::round_to<float>);
+  cpdispatch::MpiTransport t(MPI_COMM_WORLD, options);
+  const auto r = static_cast<std::size_t>(t.rank());
+  const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+  cpdispatch::ContextParallelAttention<cpdispatch::MpiTransport, float, Kernel> op(t, share, shape, {false, stages}, Kernel(args...));
+  std::vector<attention_test::RankResult> mine{attention_test::step<float>(op, world.tensors(r))};
+  mine[0].q_rev = share.q_rev;
+  world.expect_equal(mine, 1e-5, r);
+}
+
+TEST(MpiCpAttention, OneStageEqualsWholeDocumentAttention) {
+  expect_rank_equals_reference<attention_test::ExactKernel>(1, 51, {});
+}
+
+TEST(MpiCpAttention, StagesOverPostedExchangesEqualWholeDocumentAttention) {
+  expect_rank_equals_reference<attention_test::ExactKernel>(3, 52, {});
+}
+
+TEST(MpiCpAttention, StagesWithATimeoutAndTheHostKernel) {
+  cpdispatch::MpiTransportOptions o;
+  o.timeout = std::chrono::milliseconds(60000);
+  expect_rank_equals_reference<cpdispatch::HostAttentionKernel>(4, 53, o, cpdispatch::HostAttentionOptions{1, 4, 4});
+}
+
+}  // namespace
