@@ -96,10 +96,7 @@ unset(_cpd_with_cuda)
 
 # cpdispatch::cuda: the device data path (headers in include/cpdispatch/cuda/,
 # kernels included from .cu files) over the CUDA runtime.
-add_library(cpdispatch_cuda INTERFACE)
-add_library(cpdispatch::cuda ALIAS cpdispatch_cuda)
-set_target_properties(cpdispatch_cuda PROPERTIES EXPORT_NAME cuda)
-target_link_libraries(cpdispatch_cuda INTERFACE cpdispatch CUDA::cudart)
+cpdispatch_add_component(cuda LINK cpdispatch CUDA::cudart)
 
 # For the project's own CUDA targets (tests, benchmarks): C++20 for .cu
 # files, and warnings as errors on the host code nvcc hands to the host

@@ -24,65 +24,48 @@ set(CPDISPATCH_INSTALL_DATADIR "${CMAKE_INSTALL_DATADIR}/cpdispatch/data")
 
 set(_cpd_dev COMPONENT cpdispatch_Development)
 
-# ---- headers ---------------------------------------------------------------
-install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/"
-        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" ${_cpd_dev}
-        FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
-
 # ---- the document-length samples --------------------------------------------
 install(FILES "${CPDISPATCH_DOC_LENGTHS_DIR}/prolong.json" "${CPDISPATCH_DOC_LENGTHS_DIR}/wlbllm.json"
               "${CPDISPATCH_DOC_LENGTHS_DIR}/README.md"
         DESTINATION "${CPDISPATCH_INSTALL_DATADIR}" ${_cpd_dev})
 
-# ---- targets ---------------------------------------------------------------
-# The core, then each optional INTERFACE target cpdispatch_<name> (EXPORT_NAME
-# <name>) that this configuration built: JSON I/O, the CBLAS GEMM backend and
-# the transports, whose headers live under transports/<name>/include/. Every
-# target but the core is a package component; the config looks for a
-# component's dependencies only when that component is loaded (requested, or
-# all installed ones when none are).
+# ---- targets and their headers -----------------------------------------------
+# The core, then each component of cmake/CpdispatchComponents.cmake that this
+# configuration built (INTERFACE target cpdispatch_<name>, EXPORT_NAME <name>).
+# Each target installs its own FILE_SET HEADERS into the one include
+# directory. Every target but the core is a package component; the config
+# looks for a component's dependencies only when that component is loaded
+# (requested, or all installed ones when none are).
 set(_cpd_targets cpdispatch)
 set(_cpd_components "")
 set(_cpd_dependencies "")
 set(_cpd_installed_modules "")
-# What the package config has to find for each component (what it links).
-set(_cpd_dependency_json "find_dependency(nlohmann_json 3.10)")
-set(_cpd_dependency_blas "find_dependency(BLAS)")
-set(_cpd_dependency_sim "find_dependency(Threads)")
-set(_cpd_dependency_mpi "find_dependency(MPI COMPONENTS CXX)")
-set(_cpd_dependency_cuda "find_dependency(CUDAToolkit)")
-set(_cpd_dependency_nccl "find_dependency(CUDAToolkit)")
-set(_cpd_dependency_device_sim "find_dependency(CUDAToolkit)\n  find_dependency(Threads)")
-foreach(_cpd_component IN ITEMS json blas sim mpi cuda nccl device_sim)
+foreach(_cpd_component IN LISTS CPDISPATCH_COMPONENTS)
   if(NOT TARGET cpdispatch_${_cpd_component})
     continue()
   endif()
   list(APPEND _cpd_targets cpdispatch_${_cpd_component})
   list(APPEND _cpd_components ${_cpd_component})
-  set(_cpd_include "${PROJECT_SOURCE_DIR}/transports/${_cpd_component}/include/")
-  if(IS_DIRECTORY "${_cpd_include}")
-    install(DIRECTORY "${_cpd_include}"
-            DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" ${_cpd_dev}
-            FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
-  endif()
-  set(_cpd_find "${_cpd_dependency_${_cpd_component}}")
-  # NCCL has no module in CMake itself: a project-provided FindNCCL.cmake
-  # travels with the package so consumers find NCCL the same way we did.
-  if(_cpd_component STREQUAL "nccl" AND EXISTS "${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake")
-    list(APPEND _cpd_installed_modules "${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake")
-    string(APPEND _cpd_find "\n  list(PREPEND CMAKE_MODULE_PATH \"\${CMAKE_CURRENT_LIST_DIR}\")"
-                            "\n  find_dependency(NCCL)"
-                            "\n  list(POP_FRONT CMAKE_MODULE_PATH)")
-  endif()
+  set(_cpd_find "")
+  foreach(_cpd_dependency IN LISTS CPDISPATCH_COMPONENT_${_cpd_component}_DEPENDENCIES)
+    if(_cpd_dependency STREQUAL "NCCL")
+      # NCCL has no module in CMake itself: the project's FindNCCL.cmake
+      # travels with the package so consumers find NCCL the same way we did.
+      list(APPEND _cpd_installed_modules "${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake")
+      string(APPEND _cpd_find "\n  list(PREPEND CMAKE_MODULE_PATH \"\${CMAKE_CURRENT_LIST_DIR}\")"
+                              "\n  find_dependency(NCCL)"
+                              "\n  list(POP_FRONT CMAKE_MODULE_PATH)")
+    else()
+      string(APPEND _cpd_find "\n  find_dependency(${_cpd_dependency})")
+    endif()
+  endforeach()
   if(_cpd_find)
-    string(APPEND _cpd_dependencies "if(\"${_cpd_component}\" IN_LIST _cpdispatch_load)\n  ${_cpd_find}\nendif()\n")
+    string(APPEND _cpd_dependencies "if(\"${_cpd_component}\" IN_LIST _cpdispatch_load)${_cpd_find}\nendif()\n")
   endif()
 endforeach()
 
-# Transport headers are installed next to the core's: the installed include
-# directory reaches every target through cpdispatch::cpdispatch, which they
-# link, so a transport needs only a $<BUILD_INTERFACE:...> include directory.
-install(TARGETS ${_cpd_targets} EXPORT cpdispatchTargets)
+install(TARGETS ${_cpd_targets} EXPORT cpdispatchTargets
+        FILE_SET HEADERS DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" ${_cpd_dev})
 install(EXPORT cpdispatchTargets
         NAMESPACE cpdispatch::
         DESTINATION "${CPDISPATCH_INSTALL_CMAKEDIR}" ${_cpd_dev})
@@ -113,9 +96,7 @@ if(TARGET cpdispatch-plan)
   install(TARGETS cpdispatch-plan RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT cpdispatch_Runtime)
 endif()
 
-foreach(_cpd_var IN ITEMS dev targets components dependencies installed_modules include find component
-                         dependency_json dependency_blas dependency_sim dependency_mpi dependency_cuda dependency_nccl
-                         dependency_device_sim)
+foreach(_cpd_var IN ITEMS dev targets components dependencies installed_modules find component dependency)
   unset(_cpd_${_cpd_var})
 endforeach()
 unset(_cpd_var)

@@ -12,6 +12,9 @@
 // accumulates dq. Every output element is summed by one thread in a fixed
 // order, so results are bitwise the same for every thread count.
 //
+// One call at a time per kernel object (its scratch and thread pool serve one
+// call); scratch only grows, so calls of sizes seen before allocate nothing.
+//
 // Block products: cblas_sgemm when CPDISPATCH_ATTENTION_CBLAS is defined
 // (link cpdispatch::attention), portable loops otherwise. The two builds are
 // different types (an inline namespace), so they never mix in one program
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "cpdispatch/attention/detail/block_math.hpp"
+#include "cpdispatch/attention/detail/call_check.hpp"
 #include "cpdispatch/attention/detail/work_pool.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/error.hpp"
@@ -138,9 +142,7 @@ class HostAttentionKernel {
   void forward(const AttentionShape& shape, const AttentionMask& mask, std::span<const AttentionEntry> entries,
                std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out,
                std::span<float> lse) {
-    const Sizes z = check_call("forward", shape, mask, entries, q.size(), k.size(), v.size());
-    check_size("forward", "out", out.size(), q.size());
-    check_size("forward", "lse", lse.size(), static_cast<std::size_t>(shape.heads_q * z.tokens_q));
+    const Sizes z = check_.forward(name_, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
     const Inputs in{as_f32(q, q32_), as_f32(k, k32_), as_f32(v, v32_)};
     prepare_scratch(shape);
     list_query_blocks(shape, mask, entries);
@@ -156,13 +158,8 @@ class HostAttentionKernel {
                 std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<const E> out,
                 std::span<const float> lse, std::span<const E> dout, std::span<E> dq, std::span<E> dk,
                 std::span<E> dv) {
-    const Sizes z = check_call("backward", shape, mask, entries, q.size(), k.size(), v.size());
-    check_size("backward", "out", out.size(), q.size());
-    check_size("backward", "dout", dout.size(), q.size());
-    check_size("backward", "dq", dq.size(), q.size());
-    check_size("backward", "dk", dk.size(), k.size());
-    check_size("backward", "dv", dv.size(), k.size());
-    check_size("backward", "lse", lse.size(), static_cast<std::size_t>(shape.heads_q * z.tokens_q));
+    const Sizes z = check_.backward(name_, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size(),
+                                    dout.size(), dq.size(), dk.size(), dv.size());
     const Inputs in{as_f32(q, q32_), as_f32(k, k32_), as_f32(v, v32_), as_f32(dout, dout32_)};
     prepare_scratch(shape);
     row_deltas(shape, entries, out, dout, z);
@@ -184,9 +181,8 @@ class HostAttentionKernel {
   using WorkItem = detail::attention::WorkItem;
   using ThreadScratch = detail::attention::ThreadScratch;
 
-  struct Sizes {
-    std::int64_t tokens_q = 0, tokens_kv = 0;
-  };
+  using Sizes = detail::attention::CallSizes;
+  static constexpr const char* name_ = "HostAttentionKernel";
   /// fp32 views of the inputs (the caller's buffers for float, converted copies otherwise).
   struct Inputs {
     const float* q = nullptr;
@@ -211,81 +207,6 @@ class HostAttentionKernel {
     }
     if (o.threads == 0) o.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     return o;
-  }
-
-  static void check_size(const char* call, const char* field, std::size_t got, std::size_t want) {
-    if (got != want) detail::fail("HostAttentionKernel::", call, ": ", field, " has ", got, " elements; expected ", want);
-  }
-
-  Sizes check_call(const char* call, const AttentionShape& s, const AttentionMask& mask,
-                          std::span<const AttentionEntry> entries, std::size_t q_size, std::size_t k_size,
-                          std::size_t v_size) {
-    constexpr std::int64_t max_heads = 4096, max_dim = 4096;  // keeps every stride within a BLAS int
-    if (s.heads_q < 1 || s.heads_q > max_heads || s.heads_kv < 1 || s.heads_kv > max_heads ||
-        s.heads_q % s.heads_kv != 0) {
-      detail::fail("HostAttentionKernel::", call, ": shape.heads_q = ", s.heads_q, " and shape.heads_kv = ", s.heads_kv,
-                   "; heads_q must be a positive multiple of heads_kv (at most ", max_heads, ")");
-    }
-    if (s.head_dim < 1 || s.head_dim > max_dim) {
-      detail::fail("HostAttentionKernel::", call, ": shape.head_dim is ", s.head_dim, "; it must be in [1, ", max_dim, "]");
-    }
-    if (!std::isfinite(s.softmax_scale)) {
-      detail::fail("HostAttentionKernel::", call, ": shape.softmax_scale is ", s.softmax_scale, "; it must be finite");
-    }
-    if (mask.type == MaskType::sliding_window && mask.window < 1) {
-      detail::fail("HostAttentionKernel::", call, ": mask.window is ", mask.window, "; a sliding window must be >= 1");
-    }
-    const auto row_q = static_cast<std::size_t>(s.heads_q * s.head_dim);
-    const auto row_kv = static_cast<std::size_t>(s.heads_kv * s.head_dim);
-    if (q_size % row_q != 0) {
-      detail::fail("HostAttentionKernel::", call, ": q has ", q_size, " elements, not a multiple of heads_q * head_dim = ", row_q);
-    }
-    if (k_size % row_kv != 0) {
-      detail::fail("HostAttentionKernel::", call, ": k has ", k_size, " elements, not a multiple of heads_kv * head_dim = ", row_kv);
-    }
-    check_size(call, "v", v_size, k_size);
-    const Sizes z{static_cast<std::int64_t>(q_size / row_q), static_cast<std::int64_t>(k_size / row_kv)};
-    check_entries(call, entries, z);
-    return z;
-  }
-
-  void check_entries(const char* call, std::span<const AttentionEntry> entries, const Sizes& z) {
-    constexpr std::int64_t max_diagonal = std::int64_t{1} << 62;
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      const AttentionEntry& e = entries[i];
-      if (e.q_start < 0 || e.q_len < 0 || e.q_start > z.tokens_q || e.q_len > z.tokens_q - e.q_start) {
-        detail::fail("HostAttentionKernel::", call, ": entries[", i, "] has query rows [", e.q_start, ", +", e.q_len,
-                     ") outside the ", z.tokens_q, " rows of q");
-      }
-      if (e.kv_start < 0 || e.kv_len < 0 || e.kv_start > z.tokens_kv || e.kv_len > z.tokens_kv - e.kv_start) {
-        detail::fail("HostAttentionKernel::", call, ": entries[", i, "] has key-value rows [", e.kv_start, ", +",
-                     e.kv_len, ") outside the ", z.tokens_kv, " rows of k and v");
-      }
-      if (e.diagonal < -max_diagonal || e.diagonal > max_diagonal) {
-        detail::fail("HostAttentionKernel::", call, ": entries[", i, "].diagonal is ", e.diagonal, "; |diagonal| must be <= 2^62");
-      }
-    }
-    check_disjoint(call, entries, "query", &AttentionEntry::q_start, &AttentionEntry::q_len);
-    check_disjoint(call, entries, "key-value", &AttentionEntry::kv_start, &AttentionEntry::kv_len);
-  }
-
-  /// Two entries sharing a row would race (and a share would be written
-  /// twice): sort the non-empty ranges by start and compare neighbours.
-  void check_disjoint(const char* call, std::span<const AttentionEntry> entries, const char* what,
-                      std::int64_t AttentionEntry::*start, std::int64_t AttentionEntry::*len) {
-    order_.clear();
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      if (entries[i].*len > 0) order_.emplace_back(entries[i].*start, i);
-    }
-    std::sort(order_.begin(), order_.end());
-    for (std::size_t n = 1; n < order_.size(); ++n) {
-      const AttentionEntry& prev = entries[order_[n - 1].second];
-      if (prev.*start + prev.*len > order_[n].first) {
-        const auto a = std::min(order_[n - 1].second, order_[n].second), b = std::max(order_[n - 1].second, order_[n].second);
-        detail::fail("HostAttentionKernel::", call, ": entries[", a, "] and entries[", b, "] share ", what,
-                     " rows; the entries of one call must not");
-      }
-    }
   }
 
   template <class E>
@@ -549,7 +470,7 @@ class HostAttentionKernel {
   std::unique_ptr<detail::attention::WorkPool> pool_;
   std::vector<ThreadScratch> scratch_;
   std::vector<WorkItem> items_;
-  std::vector<std::pair<std::int64_t, std::size_t>> order_;  // entries by first row, for check_disjoint
+  detail::attention::CallCheck check_;
   std::vector<float> q32_, k32_, v32_, dout32_, delta_;
 };
 
