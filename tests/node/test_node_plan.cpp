@@ -86,6 +86,12 @@ TEST(NodeWirePlan, WorkedExampleMatchesTheDocumentedWire) {
   EXPECT_EQ(r3.gather_offset, (std::vector<std::int64_t>{0}));
   EXPECT_EQ(r3.replica_mask, (std::vector<std::uint8_t>{1, 0, 0, 0, 0, 0, 0, 0}));
   EXPECT_EQ(r3.gather_tokens, 3);
+  EXPECT_EQ(r3.relay_tokens, 3);
+  EXPECT_EQ(r0.relay_tokens, 0);
+  EXPECT_EQ(r0.gather_tokens, 0);
+  EXPECT_EQ(r1.gather_tokens, 0);
+  EXPECT_EQ(r1.wire_tokens, 4);
+  EXPECT_EQ(r3.wire_tokens, 5);
 
   EXPECT_EQ(cpdispatch::node_token_counts(meta.kv_fwd, Topology::uniform(4, 2)), (cpdispatch::NodeTokenCounts{17, 15, 10, 8}));
 }
