@@ -11,6 +11,7 @@
 // the same thread count; the ratios are kernel rate / peer rate.
 //
 //   bench_attention [--threads N] [--seconds 1.5] [--peer-cap 16384] [--cases default|all|quick]
+//                   [--block-q 128] [--block-kv 256]
 //
 // The machine may be shared: compare the ratios of one run, not absolute rates across runs.
 #include <algorithm>
@@ -47,6 +48,7 @@ struct Options {
   double seconds = 1.5;
   std::int64_t peer_cap = 16384;
   std::string cases = "default";
+  std::int64_t block_q = 128, block_kv = 256;
 };
 
 std::vector<Case> cases_named(const std::string& name) {
@@ -78,10 +80,14 @@ Options parse(int argc, char** argv) {
       o.seconds = std::atof(argv[++i]);
     } else if (a == "--peer-cap" && next) {
       o.peer_cap = std::atoll(argv[++i]);
+    } else if (a == "--block-q" && next) {
+      o.block_q = std::atoll(argv[++i]);
+    } else if (a == "--block-kv" && next) {
+      o.block_kv = std::atoll(argv[++i]);
     } else if (a == "--cases" && next) {
       o.cases = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: bench_attention [--threads N] [--seconds S] [--peer-cap L] [--cases default|all|quick]\n");
+      std::fprintf(stderr, "usage: bench_attention [--threads N] [--seconds S] [--peer-cap L] [--cases default|all|quick] [--block-q 128] [--block-kv 256]\n");
       std::exit(2);
     }
   }
@@ -154,8 +160,7 @@ Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double 
   const std::vector<cpdispatch::AttentionEntry> entries{{0, c.tokens, 0, c.tokens, 0}};
   auto forward = [&] { kernel.forward<E>(shape, c.mask, entries, q, k, v, out, lse); };
   auto backward = [&] { kernel.backward<E>(shape, c.mask, entries, q, k, v, out, lse, dout, dq, dk, dv); };
-  forward();
-  const double f = median_seconds(budget / 2, forward);
+  const double f = median_seconds(budget / 2, forward);  // also leaves out and lse for backward
   const double b = median_seconds(budget / 2, backward);
   return {f, b};
 }
@@ -164,11 +169,11 @@ Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double 
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  cpdispatch::HostAttentionKernel kernel({o.threads, 128, 256});
-  std::printf("bench_attention: HostAttentionKernel (CBLAS block products, blocks %lld x %lld) vs OpenBLAS SGEMM, "
+  cpdispatch::HostAttentionKernel kernel({o.threads, o.block_q, o.block_kv});
+  std::printf("bench_attention: HostAttentionKernel (%s block products, blocks %lld x %lld) vs OpenBLAS SGEMM, "
               "%d threads each; %u hardware threads\n",
-              static_cast<long long>(kernel.options().block_q), static_cast<long long>(kernel.options().block_kv),
-              o.threads, std::thread::hardware_concurrency());
+              cpdispatch::detail::attention::uses_cblas ? "CBLAS" : "portable",
+              static_cast<long long>(kernel.options().block_q), static_cast<long long>(kernel.options().block_kv), o.threads, std::thread::hardware_concurrency());
   std::printf("%-9s %6s %5s %4s %-22s %9s %8s %9s %8s %9s %7s %7s %s\n", "type", "L", "heads", "dim", "mask", "fwd ms",
               "fwd GF/s", "bwd ms", "bwd GF/s", "SGEMM GF/s", "fwd/GEMM", "bwd/GEMM", "target");
   for (const Case& c : cases_named(o.cases)) {

@@ -12,6 +12,7 @@
 #include <random>
 #include <string>
 
+#include "../common/counting_allocator.hpp"
 #include "attention_case.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/error.hpp"
@@ -138,7 +139,7 @@ struct Merged {
 /// so no call shares a row), each entry with its own diagonal.
 TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
   const AttentionShape s = make_shape(4, 2, 6);
-  const std::int64_t L = 19, wq = s.heads_q * s.head_dim, wk = s.heads_kv * s.head_dim;
+  const std::int64_t L = 19, wq = s.heads_q * s.head_dim;
   const std::vector<std::int64_t> q_cuts{0, 5, 11, 19}, k_cuts{0, 7, 8, 19};
   const std::size_t n = 3;
   const Batch<float> b(s, {L}, 11);
@@ -200,7 +201,6 @@ TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
     EXPECT_LE(relative_error(dq, grad.dq), float_tolerance);
     EXPECT_LE(relative_error(dk, grad.dk), float_tolerance);
     EXPECT_LE(relative_error(dv, grad.dv), float_tolerance);
-    (void)wk;
   }
 }
 
@@ -372,6 +372,26 @@ void expect_within_twice_the_straightforward_error() {
 
 TEST(HOST_KERNEL_SUITE, Bfloat16WithinTwiceTheStraightforwardError) { expect_within_twice_the_straightforward_error<bfloat16>(); }
 TEST(HOST_KERNEL_SUITE, Float16WithinTwiceTheStraightforwardError) { expect_within_twice_the_straightforward_error<float16>(); }
+
+/// Scratch is grown to fit and kept: once a call of some sizes has run, calls
+/// of those sizes or smaller allocate nothing (the op's replan relies on it).
+TEST(HOST_KERNEL_SUITE, RepeatedCallsAllocateNothing) {
+  const Batch<bfloat16> big(make_shape(4, 2, 8), {20, 13}, 3), small(make_shape(4, 2, 8), {6, 9}, 4);
+  HostAttentionKernel kernel({3, 4, 8});
+  auto r = run_kernel(kernel, big, AttentionMask::causal());
+  std::vector<bfloat16> out(small.q.size()), dq(small.q.size()), dk(small.k.size()), dv(small.k.size());
+  std::vector<float> lse(static_cast<std::size_t>(4 * small.tokens()));
+  const auto entries = small.entries();
+  const auto used = counting_allocator::count([&] {
+    for (int step = 0; step < 3; ++step) {
+      kernel.forward<bfloat16>(small.shape, AttentionMask::sliding_window(3), entries, small.q, small.k, small.v, out, lse);
+      kernel.backward<bfloat16>(small.shape, AttentionMask::sliding_window(3), entries, small.q, small.k, small.v, out,
+                                lse, small.dout, dq, dk, dv);
+    }
+  });
+  EXPECT_EQ(used.total, 0u);
+  EXPECT_FALSE(r.out.empty());
+}
 
 /// Every broken rule is an invalid_input naming the field.
 TEST(HOST_KERNEL_SUITE, BadInputIsRefusedWithTheFieldNamed) {

@@ -12,6 +12,9 @@
 // accumulates dq. Every output element is summed by one thread in a fixed
 // order, so results are bitwise the same for every thread count.
 //
+// One call at a time per kernel object (its scratch and thread pool serve one
+// call); scratch only grows, so calls of sizes seen before allocate nothing.
+//
 // Block products: cblas_sgemm when CPDISPATCH_ATTENTION_CBLAS is defined
 // (link cpdispatch::attention), portable loops otherwise. The two builds are
 // different types (an inline namespace), so they never mix in one program
