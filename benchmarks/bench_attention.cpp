@@ -170,10 +170,10 @@ Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   cpdispatch::HostAttentionKernel kernel({o.threads, o.block_q, o.block_kv});
-  std::printf("bench_attention: HostAttentionKernel (CBLAS block products, blocks %lld x %lld) vs OpenBLAS SGEMM, "
+  std::printf("bench_attention: HostAttentionKernel (%s block products, blocks %lld x %lld) vs OpenBLAS SGEMM, "
               "%d threads each; %u hardware threads\n",
-              static_cast<long long>(kernel.options().block_q), static_cast<long long>(kernel.options().block_kv),
-              o.threads, std::thread::hardware_concurrency());
+              cpdispatch::detail::attention::uses_cblas ? "CBLAS" : "portable",
+              static_cast<long long>(kernel.options().block_q), static_cast<long long>(kernel.options().block_kv), o.threads, std::thread::hardware_concurrency());
   std::printf("%-9s %6s %5s %4s %-22s %9s %8s %9s %8s %9s %7s %7s %s\n", "type", "L", "heads", "dim", "mask", "fwd ms",
               "fwd GF/s", "bwd ms", "bwd GF/s", "SGEMM GF/s", "fwd/GEMM", "bwd/GEMM", "target");
   for (const Case& c : cases_named(o.cases)) {

@@ -11,11 +11,12 @@ contract's dicts (docs/plan-format.md, section 3), or JSON text:
     meta["kv_fwd"]["dst_offset"]        # numpy.int64 array, [W][S][C]
 
 Results have exactly the keys of ``cpdispatch-plan``'s JSON output, nested the
-same way; every array is a NumPy int64 array that owns the planner's storage
-(no copy), ragged per-rank rows (``attn``) are lists of arrays, scalars are
-ints, absent fields None. QKV results add ``"varlen"``: per rank,
-``cu_seqlens_q`` / ``cu_seqlens_kv`` as int32 arrays (flash-attention's varlen
-dtype; ``torch.from_numpy`` shares them) and ``max_seqlen_q`` / ``max_seqlen_kv``.
+same way; every array is a NumPy int64 array (the metadata tensors own the
+planner's storage: moved, not copied), ragged per-rank rows (``attn``) are
+lists of arrays (views into one array), scalars are ints, absent fields None.
+plan_for_rank of a QKV plan adds ``"varlen"``: the rank's ``cu_seqlens_q`` /
+``cu_seqlens_kv`` as int32 arrays (flash-attention's varlen dtype;
+``torch.from_numpy`` shares them) and ``max_seqlen_q`` / ``max_seqlen_kv``.
 
 Bad input raises ValueError with the library's message, naming the field
 (e.g. ``ranks[1].docs[0].dst[0]: ...``).
@@ -26,18 +27,48 @@ import json as _json
 
 from . import _cpdispatch
 
-__all__ = ["plan", "plan_for_rank", "balance", "token_indices", "position_ids", "mask_of", "CAUSAL"]
+__all__ = ["Plan", "plan", "plan_for_rank", "balance", "token_indices", "position_ids", "mask_of", "CAUSAL"]
 
 #: The mask a plan without "mask" has (docs/plan-format.md, section 2d).
 CAUSAL = {"type": "causal"}
 
 
-def _with_attention_mask(result, plan, has_mask):
-    # The output of a qkv plan carries the plan's mask as attn.mask (section
-    # 2d), where the library's layouts do (as the CLI writes them).
-    if has_mask and "attn" in result:
-        result["attn"]["mask"] = mask_of(plan)
-    return result
+class Plan:
+    """A plan read once, for repeated calls: plan(), plan_for_rank(),
+    token_indices(), position_ids() and cpdispatch.torch.RankDispatch take it
+    in place of the dict (or JSON text) and skip reading it again, which for
+    per-rank planning costs more than the planning. Malformed input (types,
+    keys, shapes) raises ValueError here, bad values (ranks, lengths) when
+    planned. ``dedup=True`` makes every call plan the deduplicated
+    KV exchange. Keep the source unchanged while the Plan is in use."""
+
+    def __init__(self, plan, dedup=False):
+        self.source = _json.loads(plan) if isinstance(plan, (str, bytes)) else plan
+        self.parsed = _cpdispatch.ParsedPlan(plan, dedup)
+        self.mask = mask_of(self.source)
+
+    @property
+    def world_size(self):
+        return self.parsed.world_size
+
+    @property
+    def kind(self):
+        """"query" or "qkv"."""
+        return self.parsed.kind
+
+    @property
+    def dedup(self):
+        return self.parsed.dedup
+
+
+def _core(plan):
+    return plan.parsed if isinstance(plan, Plan) else plan
+
+
+def _source(plan):
+    if isinstance(plan, Plan):
+        return plan.source
+    return _json.loads(plan) if isinstance(plan, (str, bytes)) else plan
 
 
 def plan(plan, dedup=False):
@@ -45,7 +76,7 @@ def plan(plan, dedup=False):
 
     ``dedup=True`` (or ``"dedup": true`` in the plan) adds ``kv_wire_fwd`` and
     ``kv_wire_rev``, the deduplicated KV exchange."""
-    return _with_attention_mask(_cpdispatch.plan(plan, dedup), plan, _cpdispatch.layout_has_mask)
+    return _cpdispatch.plan(_core(plan), dedup)
 
 
 def plan_for_rank(plan, rank, dedup=False):
@@ -53,7 +84,7 @@ def plan_for_rank(plan, rank, dedup=False):
     ``cpdispatch-plan --rank R``): ``rank``, each metadata's slice (its rows
     without padding), ``attn`` (this rank's seqlens, cu_seqlens, max_seqlen),
     ``varlen`` (int32 cu_seqlens), and with dedup its ``kv_wire_fwd`` / ``kv_wire_rev`` slices."""
-    return _with_attention_mask(_cpdispatch.plan_for_rank(plan, rank, dedup), plan, _cpdispatch.rank_layout_has_mask)
+    return _cpdispatch.plan_for_rank(_core(plan), rank, dedup)
 
 
 def balance(batch, dedup=False, **options):
@@ -76,13 +107,12 @@ def token_indices(plan, rank, dedup=False):
     with its ``forward`` / ``reverse`` exchange (``send_index``,
     ``send_counts``, ``recv_index``, ``recv_counts``) and the copy combine
     (``combine_source`` -> ``combine_target``). cpdispatch.torch runs them."""
-    return _cpdispatch.token_indices(plan, rank, dedup)
+    return _cpdispatch.token_indices(_core(plan), rank, dedup)
 
 
 def mask_of(plan):
     """The plan's attention mask dict (causal when the plan has none)."""
-    if isinstance(plan, (str, bytes)):
-        plan = _json.loads(plan)
+    plan = _source(plan)
     mask = plan.get("mask") if isinstance(plan, dict) else None
     return _copy.deepcopy(mask) if mask is not None else dict(CAUSAL)
 
@@ -90,8 +120,7 @@ def mask_of(plan):
 def _rank_shards(plan, rank):
     """(document index, shard start within the document, length) of each of
     rank ``rank``'s shards in its MLP-layout order."""
-    if isinstance(plan, (str, bytes)):
-        plan = _json.loads(plan)
+    plan = _source(plan)
     shards = []
     if "documents" in plan:
         for d, doc in enumerate(plan["documents"]):

@@ -117,8 +117,8 @@ class _Undispatch(torch.autograd.Function):
 class RankDispatch:
     """One rank's share of a qkv plan, ready to run.
 
-    ``plan``: the plan dict (or JSON text) every rank holds, e.g. from
-    cpdispatch.balance. ``rank`` defaults to ``dist.get_rank(group)``.
+    ``plan``: the plan every rank holds (a dict or JSON text, e.g. from
+    cpdispatch.balance, or a cpdispatch.Plan). ``rank`` defaults to ``dist.get_rank(group)``.
     ``dedup`` (default: the plan's "dedup") sends each key-value shard once per
     destination rank. Attributes: ``meta`` (cpdispatch.plan_for_rank),
     ``mask`` (the plan's attention mask), ``position_ids`` (int64 tensor: each
@@ -128,6 +128,8 @@ class RankDispatch:
         if rank is None:
             rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
         self.rank, self.group = rank, group
+        if not isinstance(plan, cpdispatch.Plan):
+            plan = cpdispatch.Plan(plan)  # read once for the calls below
         ix = cpdispatch.token_indices(plan, rank, dedup)
         if "kv" not in ix:
             raise ValueError("RankDispatch takes a qkv plan (queries and key-values); this is a query plan")

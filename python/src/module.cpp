@@ -8,10 +8,13 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <limits>
 #include <new>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -111,9 +114,28 @@ Int64Array rows_of(std::vector<std::int64_t>&& v, std::size_t copies, bool neste
   return owning_array(std::move(v), {n, c});
 }
 
-py::list arrays_of(std::vector<std::vector<std::int64_t>>&& rows) {
-  py::list out;
-  for (auto& row : rows) out.append(array_of(std::move(row)));
+/// Ragged rows as a list of arrays: views into one array holding them back
+/// to back (one allocation and one object per row instead of a buffer each).
+py::list arrays_of(const std::vector<std::vector<std::int64_t>>& rows) {
+  std::size_t total = 0;
+  for (const auto& row : rows) total += row.size();
+  Int64Array flat(static_cast<py::ssize_t>(total));
+  std::int64_t* at = flat.mutable_data();
+  // Straight through NumPy's C API: py::array's constructor costs a few
+  // times more per row, which adds up over thousands of ranks.
+  const auto& api = py::detail::npy_api::get();
+  py::list out(rows.size());
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    std::copy(rows[i].begin(), rows[i].end(), at);
+    Py_intptr_t extent = static_cast<Py_intptr_t>(rows[i].size()), stride = sizeof(std::int64_t);
+    PyObject* view = api.PyArray_NewFromDescr_(api.PyArray_Type_, api.PyArray_DescrFromType_(py::detail::npy_api::NPY_INT64_), 1, &extent,
+                                               &stride, at, py::detail::npy_api::NPY_ARRAY_WRITEABLE_, nullptr);
+    if (!view) throw py::error_already_set();
+    py::object owned = py::reinterpret_steal<py::object>(view);
+    if (api.PyArray_SetBaseObject_(view, flat.inc_ref().ptr()) != 0) throw py::error_already_set();  // steals the reference
+    out[i] = std::move(owned);
+    at += rows[i].size();
+  }
   return out;
 }
 
@@ -178,18 +200,34 @@ py::dict varlen_dict(const std::vector<std::int64_t>& cu_q, const std::vector<st
   return d;
 }
 
-/// "attn" of a whole plan; `varlen` gets each rank's int32 cu_seqlens.
-py::dict attention_dict(cpdispatch::AttentionLayout&& a, py::list& varlen) {
-  for (std::size_t d = 0; d < a.cu_seqlens_q.size(); ++d) {
-    varlen.append(varlen_dict(a.cu_seqlens_q[d], a.cu_seqlens_kv[d], a.max_seqlen_q[d], a.max_seqlen_kv[d], d));
+template <class Layout>
+constexpr bool has_mask = requires(const Layout& a) { a.mask; };
+
+/// attn.mask as the library's JSON writer writes it (section 2d), where it
+/// writes one: the layout's mask, through the writer, into a Python dict.
+template <class Layout>
+void add_mask(const Layout& a, py::dict& d) {
+  if constexpr (has_mask<Layout>) {
+    Layout mask_only;
+    mask_only.mask = a.mask;
+    const nlohmann::json j = mask_only;
+    if (j.contains("mask")) d["mask"] = py::module_::import("json").attr("loads")(j["mask"].dump());
+  } else {
+    (void)a;
+    (void)d;
   }
+}
+
+/// "attn" of a whole plan.
+py::dict attention_dict(const cpdispatch::AttentionLayout& a) {
   py::dict d;
-  d["seqlens_q"] = arrays_of(std::move(a.seqlens_q));
-  d["seqlens_kv"] = arrays_of(std::move(a.seqlens_kv));
-  d["cu_seqlens_q"] = arrays_of(std::move(a.cu_seqlens_q));
-  d["cu_seqlens_kv"] = arrays_of(std::move(a.cu_seqlens_kv));
-  d["max_seqlen_q"] = array_of(std::move(a.max_seqlen_q));
-  d["max_seqlen_kv"] = array_of(std::move(a.max_seqlen_kv));
+  d["seqlens_q"] = arrays_of(a.seqlens_q);
+  d["seqlens_kv"] = arrays_of(a.seqlens_kv);
+  d["cu_seqlens_q"] = arrays_of(a.cu_seqlens_q);
+  d["cu_seqlens_kv"] = arrays_of(a.cu_seqlens_kv);
+  d["max_seqlen_q"] = array_of(std::vector<std::int64_t>(a.max_seqlen_q));
+  d["max_seqlen_kv"] = array_of(std::vector<std::int64_t>(a.max_seqlen_kv));
+  add_mask(a, d);
   return d;
 }
 
@@ -202,6 +240,7 @@ py::dict rank_attention_dict(cpdispatch::RankAttentionLayout&& a, std::size_t ra
   d["cu_seqlens_kv"] = array_of(std::move(a.cu_seqlens_kv));
   d["max_seqlen_q"] = a.max_seqlen_q;
   d["max_seqlen_kv"] = a.max_seqlen_kv;
+  add_mask(a, d);
   return d;
 }
 
@@ -212,16 +251,154 @@ struct ParsedPlan {
   bool dedup = false;
 };
 
-ParsedPlan parse_plan(py::handle input, bool dedup) {
-  const nlohmann::json j = input_json(input);
-  ParsedPlan out{cpdispatch::plan_from_json(j), dedup || cpdispatch::dedup_requested(j)};
-  if (out.dedup && out.plan.index() == 0) {
+// ---- the common case without the JSON detour
+// A QKV plan dict of exactly the expected shape (known keys only, plain ints
+// in range, lists of the right lengths) is read straight into the plan
+// structs: walking a dict into nlohmann-json costs several times the
+// planning. Anything else returns false and goes through the library's JSON
+// reader, which then names what is wrong; values (ranks, lengths,
+// destinations) are checked by the planner either way.
+
+/// A plain int (not bool, not a NumPy scalar) that fits in 64 bits.
+bool plain_int(PyObject* o, std::int64_t& out) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  out = PyLong_AsLongLongAndOverflow(o, &overflow);
+  return overflow == 0 && !(out == -1 && PyErr_Occurred());
+}
+
+/// The dict's values for `keys` (nullptr where absent); false when it is not
+/// a dict or has any other key.
+/// An interned key made once: PyDict_GetItemString would make a new string
+/// object per lookup.
+PyObject* key_object(const char* name) {
+  static std::vector<std::pair<const char*, PyObject*>> keys;  // string literals, compared by address
+  for (const auto& [n, k] : keys) {
+    if (n == name) return k;
+  }
+  PyObject* k = PyUnicode_InternFromString(name);  // kept for the life of the module
+  if (!k) throw py::error_already_set();
+  keys.emplace_back(name, k);
+  return k;
+}
+
+template <std::size_t N>
+bool dict_fields(PyObject* o, const std::array<const char*, N>& names, std::array<PyObject*, N>& values) {
+  if (!PyDict_CheckExact(o)) return false;
+  std::size_t found = 0;
+  for (std::size_t i = 0; i < N; ++i) {
+    values[i] = PyDict_GetItem(o, key_object(names[i]));  // borrowed
+    found += values[i] != nullptr;
+  }
+  return static_cast<std::size_t>(PyDict_Size(o)) == found;
+}
+
+bool int_list(PyObject* o, std::vector<std::int64_t>& out) {
+  if (!PyList_CheckExact(o)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(o);
+  out.resize(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!plain_int(PyList_GET_ITEM(o, i), out[static_cast<std::size_t>(i)])) return false;
+  }
+  return true;
+}
+
+bool read_documents(PyObject* o, cpdispatch::QkvDocumentsPlan& plan) {
+  if (!PyList_CheckExact(o)) return false;
+  plan.documents.resize(static_cast<std::size_t>(PyList_GET_SIZE(o)));
+  std::array<PyObject*, 1> doc{};
+  std::array<PyObject*, 3> shard{};
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)), std::array{"shards"}, doc) || !doc[0] || !PyList_CheckExact(doc[0])) return false;
+    auto& shards = plan.documents[i].shards;
+    shards.resize(static_cast<std::size_t>(PyList_GET_SIZE(doc[0])));
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      if (!dict_fields(PyList_GET_ITEM(doc[0], static_cast<Py_ssize_t>(k)), std::array{"rank", "len", "dst"}, shard) || !shard[0] || !shard[1] ||
+          !shard[2] || !plain_int(shard[0], shards[k].rank) || !plain_int(shard[1], shards[k].len) || !plain_int(shard[2], shards[k].dst)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+bool read_ranks(PyObject* o, cpdispatch::QkvPlan& plan) {
+  if (!PyList_CheckExact(o) || PyList_GET_SIZE(o) != plan.world_size) return false;
+  plan.ranks.resize(static_cast<std::size_t>(plan.world_size));
+  std::array<PyObject*, 1> rank{};
+  std::array<PyObject*, 2> doc{};
+  for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
+    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(r)), std::array{"docs"}, rank) || !rank[0] || !PyList_CheckExact(rank[0])) return false;
+    auto& docs = plan.ranks[r].docs;
+    docs.resize(static_cast<std::size_t>(PyList_GET_SIZE(rank[0])));
+    for (std::size_t i = 0; i < docs.size(); ++i) {
+      if (!dict_fields(PyList_GET_ITEM(rank[0], static_cast<Py_ssize_t>(i)), std::array{"shard_len", "dst"}, doc) || !doc[0] || !doc[1] ||
+          !int_list(doc[0], docs[i].shard_len) || !int_list(doc[1], docs[i].dst) || docs[i].dst.size() != docs[i].shard_len.size()) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+/// The fast read of a QKV plan dict (see above); false: use the JSON reader.
+bool read_qkv_dict(py::handle input, ParsedPlan& out) {
+  std::array<PyObject*, 6> f{};  // kind, world_size, max_cp_degree, documents, ranks, dedup
+  if (!dict_fields(input.ptr(), std::array{"kind", "world_size", "max_cp_degree", "documents", "ranks", "dedup"}, f)) return false;
+  if (f[0] && !(PyUnicode_CheckExact(f[0]) && PyUnicode_CompareWithASCIIString(f[0], "qkv") == 0)) return false;
+  if (f[5] && !PyBool_Check(f[5])) return false;
+  out.dedup = out.dedup || f[5] == Py_True;
+  std::int64_t world = 0, copies = 0;
+  if (!f[1] || !plain_int(f[1], world) || world < 1) return false;
+  if (f[2] && f[2] != Py_None && (!plain_int(f[2], copies) || copies < 1)) return false;
+  const std::optional<std::int64_t> max_cp_degree = f[2] && f[2] != Py_None ? std::optional(copies) : std::nullopt;
+  if ((f[3] == nullptr) == (f[4] == nullptr)) return false;
+  if (f[3]) {
+    cpdispatch::QkvDocumentsPlan plan;
+    plan.world_size = world;
+    plan.max_cp_degree = max_cp_degree;
+    if (!read_documents(f[3], plan)) return false;
+    out.plan = std::move(plan);
+  } else {
+    cpdispatch::QkvPlan plan;
+    plan.world_size = world;
+    plan.max_cp_degree = max_cp_degree;
+    if (!read_ranks(f[4], plan)) return false;
+    out.plan = std::move(plan);
+  }
+  return true;
+}
+
+void check_dedup(const ParsedPlan& p) {
+  if (p.dedup && p.plan.index() == 0) {
     cpdispatch::detail::fail("dedup: deduplication applies to qkv plans (key-value copies); this is a query plan");
   }
+}
+
+ParsedPlan parse_plan(py::handle input, bool dedup) {
+  ParsedPlan out{{}, dedup};
+  if (!read_qkv_dict(input, out)) {
+    const nlohmann::json j = input_json(input);
+    out = {cpdispatch::plan_from_json(j), dedup || cpdispatch::dedup_requested(j)};
+  }
+  check_dedup(out);
   return out;
 }
 
-/// The whole plan's metadata: cpdispatch-plan's output, plus "varlen".
+/// Runs `f(parsed plan)` on a plan read once before (a ParsedPlan) or read now.
+template <class F>
+auto with_plan(py::handle input, bool dedup, F&& f) {
+  if (py::isinstance<ParsedPlan>(input)) {
+    const ParsedPlan& kept = input.cast<const ParsedPlan&>();
+    if (!dedup || kept.dedup) return f(kept);
+    ParsedPlan with_dedup{kept.plan, true};  // a copy, only when dedup is asked for here and not there
+    check_dedup(with_dedup);
+    return f(with_dedup);
+  }
+  return f(parse_plan(input, dedup));
+}
+
+/// The whole plan's metadata: cpdispatch-plan's output.
 py::dict plan_dict(cpdispatch::PlanMetadata&& planned, bool dedup) {
   py::dict out;
   if (auto* q = std::get_if<cpdispatch::QueryMetadata>(&planned)) {
@@ -235,19 +412,16 @@ py::dict plan_dict(cpdispatch::PlanMetadata&& planned, bool dedup) {
     out["kv_wire_fwd"] = metadata_dict(std::move(wire.fwd));
     out["kv_wire_rev"] = metadata_dict(std::move(wire.rev));
   }
-  py::list varlen;
   out["q_fwd"] = metadata_dict(std::move(qkv.q_fwd));
   out["q_rev"] = metadata_dict(std::move(qkv.q_rev));
   out["kv_fwd"] = metadata_dict(std::move(qkv.kv_fwd));
   out["kv_rev"] = metadata_dict(std::move(qkv.kv_rev));
-  out["attn"] = attention_dict(std::move(qkv.attn), varlen);
-  out["varlen"] = varlen;
+  out["attn"] = attention_dict(qkv.attn);
   return out;
 }
 
 py::dict plan(py::handle input, bool dedup) {
-  const ParsedPlan parsed = parse_plan(input, dedup);
-  return plan_dict(cpdispatch::plan_metadata(parsed.plan), parsed.dedup);
+  return with_plan(input, dedup, [](const ParsedPlan& parsed) { return plan_dict(cpdispatch::plan_metadata(parsed.plan), parsed.dedup); });
 }
 
 /// Rank `rank`'s share (and, with dedup, its wire slices and fan list), planned per rank.
@@ -272,8 +446,7 @@ RankShare plan_rank_share(const ParsedPlan& parsed, std::int64_t rank) {
 }
 
 py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup) {
-  const ParsedPlan parsed = parse_plan(input, dedup);
-  RankShare share = plan_rank_share(parsed, rank);
+  RankShare share = with_plan(input, dedup, [rank](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank); });
   py::dict out;
   if (auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
     out["rank"] = q->fwd.rank;
@@ -325,8 +498,7 @@ py::dict indices_dict(const RankMetadata& fwd, const RankMetadata& rev) {
 /// Rank `rank`'s gather/scatter indices: "q" (queries and outputs), "kv"
 /// (key-values), and with dedup "kv_wire" and "fan" (the fan-out).
 py::dict token_indices(py::handle input, std::int64_t rank, bool dedup) {
-  const ParsedPlan parsed = parse_plan(input, dedup);
-  const RankShare share = plan_rank_share(parsed, rank);
+  const RankShare share = with_plan(input, dedup, [rank](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank); });
   py::dict out;
   if (const auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
     out["q"] = indices_dict(q->fwd, q->rev);
@@ -376,8 +548,7 @@ double best_seconds(int repeats, F&& work) {
 
 /// The C++ planning calls behind plan / plan_for_rank, timed in C++ on a
 /// plan already read (rank < 0: the whole plan).
-double time_plan(py::handle input, std::int64_t rank, bool dedup, int repeats) {
-  const ParsedPlan parsed = parse_plan(input, dedup);
+double time_planning(const ParsedPlan& parsed, std::int64_t rank, int repeats) {
   py::gil_scoped_release unlocked;
   return best_seconds(repeats, [&] {
     if (rank >= 0) {
@@ -387,6 +558,10 @@ double time_plan(py::handle input, std::int64_t rank, bool dedup, int repeats) {
     cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(parsed.plan);
     if (parsed.dedup) cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(std::get<cpdispatch::QkvMetadata>(planned));
   });
+}
+
+double time_plan(py::handle input, std::int64_t rank, bool dedup, int repeats) {
+  return with_plan(input, dedup, [&](const ParsedPlan& parsed) { return time_planning(parsed, rank, repeats); });
 }
 
 /// plan_balanced behind balance, timed in C++ on an input already read.
@@ -407,9 +582,6 @@ std::string without_planner_prefix(std::string message) {
   return message;
 }
 
-template <class Layout>
-constexpr bool has_mask = requires(const Layout& a) { a.mask; };
-
 }  // namespace
 
 PYBIND11_MODULE(_cpdispatch, m) {
@@ -421,10 +593,13 @@ PYBIND11_MODULE(_cpdispatch, m) {
       PyErr_SetString(PyExc_ValueError, without_planner_prefix(e.what()).c_str());
     }
   });
-  // Whether the library's attention layouts carry the plan's mask (section
-  // 2d): then the CLI writes attn.mask, and the Python layer adds it too.
-  m.attr("layout_has_mask") = has_mask<cpdispatch::AttentionLayout>;
-  m.attr("rank_layout_has_mask") = has_mask<cpdispatch::RankAttentionLayout>;
+  py::class_<ParsedPlan>(m, "ParsedPlan", "A plan read once, for repeated planning calls")
+      .def(py::init([](py::handle input, bool dedup) { return parse_plan(input, dedup); }), py::arg("plan"), py::arg("dedup") = false)
+      .def_property_readonly("dedup", [](const ParsedPlan& p) { return p.dedup; })
+      .def_property_readonly("world_size", [](const ParsedPlan& p) {
+        return std::visit([](const auto& plan) { return plan.world_size; }, p.plan);
+      })
+      .def_property_readonly("kind", [](const ParsedPlan& p) { return std::string(cpdispatch::plan_kind(p.plan)); });
   m.def("plan", &plan, py::arg("plan"), py::arg("dedup") = false);
   m.def("plan_for_rank", &plan_for_rank, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false);
   m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false);

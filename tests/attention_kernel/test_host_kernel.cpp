@@ -139,7 +139,7 @@ struct Merged {
 /// so no call shares a row), each entry with its own diagonal.
 TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
   const AttentionShape s = make_shape(4, 2, 6);
-  const std::int64_t L = 19, wq = s.heads_q * s.head_dim, wk = s.heads_kv * s.head_dim;
+  const std::int64_t L = 19, wq = s.heads_q * s.head_dim;
   const std::vector<std::int64_t> q_cuts{0, 5, 11, 19}, k_cuts{0, 7, 8, 19};
   const std::size_t n = 3;
   const Batch<float> b(s, {L}, 11);
@@ -201,7 +201,6 @@ TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
     EXPECT_LE(relative_error(dq, grad.dq), float_tolerance);
     EXPECT_LE(relative_error(dk, grad.dk), float_tolerance);
     EXPECT_LE(relative_error(dv, grad.dv), float_tolerance);
-    (void)wk;
   }
 }
 
@@ -256,6 +255,18 @@ TEST(HOST_KERNEL_SUITE, EmptyEntriesAndRowsThatSeeNothing) {
   for (std::int64_t i = 11 * 4; i < 12 * 4; ++i) EXPECT_EQ(dk[static_cast<std::size_t>(i)], untouched);
   EXPECT_EQ(lse[11], untouched);
   EXPECT_EQ(lse[tokens + 11], untouched);
+}
+
+/// A window wider than every document is the causal mask (and its bounds do not overflow).
+TEST(HOST_KERNEL_SUITE, AHugeWindowIsCausal) {
+  const Batch<float> batch(make_shape(2, 1, 4), {7, 12}, 13);
+  HostAttentionKernel kernel({2, 4, 4});
+  const auto wide = run_kernel(kernel, batch, AttentionMask::sliding_window(std::numeric_limits<std::int64_t>::max()));
+  const auto causal = run_kernel(kernel, batch, AttentionMask::causal());
+  EXPECT_EQ(wide.out, causal.out);
+  EXPECT_EQ(wide.lse, causal.lse);
+  EXPECT_EQ(wide.dq, causal.dq);
+  EXPECT_EQ(wide.dk, causal.dk);
 }
 
 /// Every output element is summed by one thread in a fixed order.

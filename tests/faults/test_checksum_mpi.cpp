@@ -1,8 +1,10 @@
 // ChecksummedTransport under MPI (run with 4 processes): the corrupted and
 // short payloads that MPI_Alltoallv delivers silently are caught. The rank
-// that received the bad segment throws corruption_error naming the source
-// rank; every other rank completes with right output. A healthy step is
-// unchanged. Each case runs on its own duplicate of MPI_COMM_WORLD.
+// that received the bad segment finds it; with agreement (the default)
+// every rank throws corruption_error naming the source and the receiving
+// rank; without, only the receiver throws and every other rank completes
+// with right output. A healthy step is unchanged. Each case runs on its own
+// duplicate of MPI_COMM_WORLD.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -37,41 +39,55 @@ const FaultOptions fault_options{.error_code = 77, .stall = 3000ms, .short_bytes
 struct Checked {
   Outcome outcome;
   int source = -1;  // the corruption_error's source rank, -1 when none
+  bool detecting = false;  // this rank found the bad checksum
 };
 
-Checked checked_step(const std::vector<FaultRule>& rules, Step step) {
+Checked checked_step(const std::vector<FaultRule>& rules, Step step, cpdispatch::ChecksumOptions options = {}) {
   const auto meta = ring_plan(world_size());
   const auto data = step_data(meta, step);
   MpiTransport mpi = MpiTransport::duplicate(MPI_COMM_WORLD, {.timeout = mpi_timeout});
   FaultInjectingTransport faulty(mpi, rules, fault_options);
-  ChecksummedTransport t(faulty);
+  ChecksummedTransport t(faulty, options);
   cpdispatch::Dispatcher d(t, meta.kv_fwd, meta.kv_rev, token_bytes);
   Checked c;
   // run_step keeps only the message; the source rank comes from a second look at it.
   run_step(d, step, data, static_cast<std::size_t>(world_rank()), c.outcome);
-  if (const auto at = c.outcome.what.find("segment from rank "); at != std::string::npos) c.source = std::stoi(c.outcome.what.substr(at + 18));
+  if (const auto at = c.outcome.what.find("from rank "); at != std::string::npos) c.source = std::stoi(c.outcome.what.substr(at + 10));
+  c.detecting = c.outcome.what.find("fails its CRC32C check") != std::string::npos;
   return c;
 }
 
 using Param = std::tuple<Fault, Step>;
 class MpiChecksum : public testing::TestWithParam<Param> {};
 
-TEST_P(MpiChecksum, BadSegmentIsAnErrorOnItsReceiverNamingTheSource) {
+TEST_P(MpiChecksum, BadSegmentIsAnErrorOnEveryRankNamingTheSource) {
   const auto [fault, step] = GetParam();
   const int faulty = world_size() - 1;
   const Checked c = checked_step({FaultRule{TransportCall::all_to_all_v, 1, fault, faulty}}, step);
-  const long long detecting = sum_over_ranks(c.source >= 0 ? 1 : 0), threw = sum_over_ranks(c.outcome.threw ? 1 : 0);
-  const double detect_ms = max_over_ranks(c.source >= 0 ? c.outcome.ms : 0), others_ms = max_over_ranks(c.source >= 0 ? 0 : c.outcome.ms);
+  const long long detecting = sum_over_ranks(c.detecting ? 1 : 0), threw = sum_over_ranks(c.outcome.threw ? 1 : 0);
+  const double detect_ms = max_over_ranks(c.detecting ? c.outcome.ms : 0), others_ms = max_over_ranks(c.detecting ? 0 : c.outcome.ms);
   if (world_rank() == 0) {
     std::printf("fault-matrix | Dispatcher::%s + ChecksummedTransport | MPI (%d processes) | %s | %lld/%d ranks threw | detecting rank %.0f ms | others %.0f ms\n",
                 step_name(step), world_size(), cpdispatch::testing::fault_name(fault), threw, world_size(), detect_ms, others_ms);
   }
   EXPECT_EQ(detecting, 1);
-  EXPECT_EQ(threw, 1);
+  EXPECT_EQ(threw, world_size());
   EXPECT_TRUE(c.outcome.input_unchanged);
-  if (c.source >= 0) {
+  EXPECT_EQ(c.source, faulty) << c.outcome.what;
+  EXPECT_THAT(c.outcome.what, HasSubstr("corrupted or short"));
+  if (!c.detecting) {
+    EXPECT_THAT(c.outcome.what, HasSubstr("reported by rank"));
+  }
+}
+
+TEST_P(MpiChecksum, WithoutAgreementOnlyTheReceiverThrows) {
+  const auto [fault, step] = GetParam();
+  const int faulty = world_size() - 1;
+  const Checked c = checked_step({FaultRule{TransportCall::all_to_all_v, 1, fault, faulty}}, step, {.agree = false});
+  EXPECT_EQ(sum_over_ranks(c.detecting ? 1 : 0), 1);
+  EXPECT_EQ(sum_over_ranks(c.outcome.threw ? 1 : 0), 1);
+  if (c.detecting) {
     EXPECT_EQ(c.source, faulty);
-    EXPECT_THAT(c.outcome.what, HasSubstr(fault == Fault::corrupt ? "fails its CRC32C check" : "(corrupted or short delivery)"));
   } else {
     EXPECT_FALSE(c.outcome.threw) << c.outcome.what;
     EXPECT_EQ(c.outcome.wrong_floats, 0u);

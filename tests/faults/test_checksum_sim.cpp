@@ -1,11 +1,12 @@
 // ChecksummedTransport over the sim transport (ranks as threads): a healthy
 // step is unchanged and every remote segment is checked; a corrupted segment
-// (FaultInjectingTransport's corrupt, underneath the checksums) is a
-// corruption_error on the rank that received it, naming the source rank and
-// the segment, while the other ranks complete with right output; a short
-// delivery that the transport itself lets through (as MPI does) is caught
-// the same way; posted exchanges are checked in their wait. Prints
-// "fault-matrix |" rows for docs/reliability.md.
+// (FaultInjectingTransport's corrupt, underneath the checksums) is an error
+// on every rank naming the source rank (the receiving rank's names the
+// segment); without agreement only the receiving rank throws and the others
+// complete with right output; a short delivery that the transport itself
+// lets through (as MPI does) is caught the same way; posted exchanges are
+// checked in their wait. Prints "fault-matrix |" rows for
+// docs/reliability.md.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -18,9 +19,11 @@
 #include <vector>
 
 #include "cpdispatch/execute/checksummed_transport.hpp"
+#include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/testing/fault_injection.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "dedup_fault_cases.hpp"
 #include "fault_cases.hpp"
 
 namespace {
@@ -46,7 +49,7 @@ struct Checked : Outcome {
 /// One dispatcher step on every rank of a world of W, each over
 /// ChecksummedTransport<FaultInjectingTransport<sim or packing>>.
 template <bool packing>
-std::vector<Checked> checked_step(int W, const std::vector<FaultRule>& rules, Step step) {
+std::vector<Checked> checked_step(int W, const std::vector<FaultRule>& rules, Step step, cpdispatch::ChecksumOptions options = {}) {
   const auto meta = ring_plan(W);
   const auto data = step_data(meta, step);
   SimWorld world(W, SimOptions{sim_timeout});
@@ -56,7 +59,7 @@ std::vector<Checked> checked_step(int W, const std::vector<FaultRule>& rules, St
       const auto r = static_cast<std::size_t>(sim.rank());
       auto body = [&](auto& inner) {
         FaultInjectingTransport faulty(inner, rules, fault_options);
-        ChecksummedTransport t(faulty);
+        ChecksummedTransport t(faulty, options);
         cpdispatch::Dispatcher d(t, meta.kv_fwd, meta.kv_rev, token_bytes);
         run_step(d, step, data, r, out[r]);
         out[r].checked = t.checked_segments();
@@ -67,8 +70,8 @@ std::vector<Checked> checked_step(int W, const std::vector<FaultRule>& rules, St
       } else {
         body(sim);
       }
-      if (out[r].what.find("segment from rank") != std::string::npos) {
-        out[r].source = std::stoi(out[r].what.substr(out[r].what.find("segment from rank") + 18));
+      if (const auto at = out[r].what.find("from rank "); at != std::string::npos && out[r].what.find("corrupted or short") != std::string::npos) {
+        out[r].source = std::stoi(out[r].what.substr(at + 10));
       }
     });
   } catch (const cpdispatch::error&) {
@@ -82,7 +85,8 @@ void report(const char* component, const char* transport, const char* fault, int
   double faulty = 0, others = 0;
   for (const Checked& o : out) {
     threw += o.threw;
-    (o.source >= 0 ? faulty : others) = std::max(o.source >= 0 ? faulty : others, o.ms);
+    const bool detecting = o.what.find("fails its CRC32C check") != std::string::npos;
+    (detecting ? faulty : others) = std::max(detecting ? faulty : others, o.ms);
   }
   std::printf("fault-matrix | %s | %s | %s | W=%d | %d/%d ranks threw | detecting rank %.0f ms | others %.0f ms\n", component, transport,
               fault, W, threw, W, faulty, others);
@@ -101,29 +105,48 @@ TEST_P(ChecksumFaults, HealthyStepIsUnchangedAndEveryRemoteSegmentChecked) {
   }
 }
 
-TEST_P(ChecksumFaults, CorruptedSegmentIsAnErrorNamingItsSourceOnItsReceiver) {
+TEST_P(ChecksumFaults, CorruptedSegmentIsAnErrorOnEveryRankNamingItsSource) {
   const auto [W, step, packing] = GetParam();
   const int faulty = W - 1;
   const TransportCall call = packing ? TransportCall::all_to_all_v : TransportCall::all_to_all_pieces;
-  const auto out = packing ? checked_step<true>(W, {FaultRule{call, 1, Fault::corrupt, faulty}}, step)
-                           : checked_step<false>(W, {FaultRule{call, 1, Fault::corrupt, faulty}}, step);
+  const std::vector<FaultRule> rules = {FaultRule{call, 1, Fault::corrupt, faulty}};
+  const auto out = packing ? checked_step<true>(W, rules, step) : checked_step<false>(W, rules, step);
   report((std::string("Dispatcher::") + step_name(step) + " + ChecksummedTransport").c_str(), packing ? "sim (all_to_all_v)" : "sim (pieces)",
          "corrupt", W, out);
   int detected = 0;
   for (std::size_t r = 0; r < out.size(); ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     EXPECT_TRUE(out[r].input_unchanged);
-    if (out[r].source >= 0) {
+    EXPECT_TRUE(out[r].threw);
+    // Its own corruption_error, or the world's abort quoting the first rank's: the source is named either way.
+    EXPECT_EQ(out[r].source, faulty) << out[r].what;
+    if (out[r].what.find("fails its CRC32C check") != std::string::npos) {
+      ++detected;
+      EXPECT_THAT(out[r].what, packing ? HasSubstr("of the receive buffer") : HasSubstr("pieces"));
+    }
+  }
+  EXPECT_LE(detected, 1);  // only the receiver of the flipped byte finds a bad checksum
+}
+
+TEST_P(ChecksumFaults, WithoutAgreementOnlyTheReceiverThrows) {
+  const auto [W, step, packing] = GetParam();
+  const int faulty = W - 1;
+  const TransportCall call = packing ? TransportCall::all_to_all_v : TransportCall::all_to_all_pieces;
+  const std::vector<FaultRule> rules = {FaultRule{call, 1, Fault::corrupt, faulty}};
+  const cpdispatch::ChecksumOptions alone{.agree = false};
+  const auto out = packing ? checked_step<true>(W, rules, step, alone) : checked_step<false>(W, rules, step, alone);
+  int detected = 0;
+  for (std::size_t r = 0; r < out.size(); ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    if (out[r].what.find("fails its CRC32C check") != std::string::npos) {
       ++detected;
       EXPECT_EQ(out[r].source, faulty);
-      EXPECT_THAT(out[r].what, HasSubstr("fails its CRC32C check"));
       EXPECT_THAT(out[r].what, HasSubstr("rank " + std::to_string(r) + " of " + std::to_string(W)));
-      EXPECT_THAT(out[r].what, packing ? HasSubstr("of the receive buffer") : HasSubstr("pieces"));
     } else if (!out[r].threw) {
       EXPECT_EQ(out[r].wrong_floats, 0u);  // every rank that completed has right output
     }
   }
-  EXPECT_EQ(detected, 1);  // the one receiver of the flipped byte
+  EXPECT_EQ(detected, 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sim, ChecksumFaults,
@@ -133,6 +156,43 @@ INSTANTIATE_TEST_SUITE_P(Sim, ChecksumFaults,
                            return "W" + std::to_string(std::get<0>(info.param)) + "_" + step_name(std::get<1>(info.param)) +
                                   (std::get<2>(info.param) ? "_packing" : "_pieces");
                          });
+
+// The deduplicated KV exchange passes through the same adapter unchanged.
+TEST(ChecksummedTransport, KvWireDispatcherCorruptionIsAnErrorOnEveryRank) {
+  namespace dfc = dedup_fault_cases;
+  for (const int W : {2, 3, 5}) {
+    for (const dfc::Step step : {dfc::Step::forward, dfc::Step::reverse_combine, dfc::Step::reverse_combine_in_place}) {
+      SCOPED_TRACE(testing::Message() << "W = " << W << ", " << dfc::step_name(step));
+      const auto plan = dfc::shared_plan(W);
+      const auto data = dfc::step_data(plan, step);
+      for (const bool corrupt : {false, true}) {
+        std::vector<dfc::DedupOutcome> out(static_cast<std::size_t>(W));
+        SimWorld world(W, SimOptions{sim_timeout});
+        const std::vector<FaultRule> rules = corrupt ? std::vector<FaultRule>{FaultRule{TransportCall::all_to_all_pieces, 1, Fault::corrupt, W - 1}}
+                                                     : std::vector<FaultRule>{};
+        try {
+          world.run([&](SimTransport& sim) {
+            FaultInjectingTransport faulty(sim, rules, fault_options);
+            ChecksummedTransport t(faulty);
+            cpdispatch::KvWireDispatcher d(t, plan.wire, token_bytes);
+            dfc::run_step(d, step, data, static_cast<std::size_t>(sim.rank()), out[static_cast<std::size_t>(sim.rank())]);
+          });
+        } catch (const cpdispatch::error&) {
+        }
+        for (std::size_t r = 0; r < out.size(); ++r) {
+          if (!corrupt) {
+            EXPECT_FALSE(out[r].threw) << out[r].what;
+            EXPECT_EQ(out[r].wrong_floats, 0u) << "rank " << r;
+            continue;
+          }
+          EXPECT_TRUE(out[r].threw) << "rank " << r;
+          EXPECT_THAT(out[r].what, HasSubstr("from rank " + std::to_string(W - 1)));
+          EXPECT_THAT(out[r].what, HasSubstr("corrupted or short"));
+        }
+      }
+    }
+  }
+}
 
 /// A transport that, like MPI, lets a short delivery through: the last
 /// `short_bytes` of the segment rank `from` sends rank `to` keep the
@@ -184,7 +244,7 @@ TEST(ChecksummedTransport, ShortDeliveryLetThroughByTheTransportIsCaught) {
     try {
       world.run([&](SimTransport& sim) {
         LossyTransport lossy(sim, W - 1, 0, 4);
-        ChecksummedTransport t(lossy);
+        ChecksummedTransport t(lossy, {.agree = false});
         const auto r = static_cast<std::size_t>(sim.rank());
         std::vector<std::size_t> counts(static_cast<std::size_t>(W), 64), displs(static_cast<std::size_t>(W));
         for (std::size_t p = 0; p < displs.size(); ++p) displs[p] = 64 * p;

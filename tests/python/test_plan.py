@@ -40,13 +40,33 @@ def as_json(value, where="result"):
 def test_plan_equals_cli(cli, name, plan, dedup):
     expected = run_cli(cli, plan, *(["--dedup"] if dedup else []))
     assert as_json(cpdispatch.plan(plan, dedup=dedup)) == expected
+    # JSON text takes the library's JSON reader, a plain dict the direct read: the same plan
+    assert as_json(cpdispatch.plan(json.dumps(plan), dedup=dedup)) == expected
 
 
 @pytest.mark.parametrize("name,plan,dedup", PLANS, ids=[p[0] for p in PLANS])
 def test_plan_for_rank_equals_cli(cli, name, plan, dedup):
+    kept = cpdispatch.Plan(plan)  # read once, planned per rank
     for rank in range(plan["world_size"]):
         expected = run_cli(cli, plan, "--rank", str(rank), *(["--dedup"] if dedup else []))
         assert as_json(cpdispatch.plan_for_rank(plan, rank, dedup=dedup)) == expected
+        assert as_json(cpdispatch.plan_for_rank(kept, rank, dedup=dedup)) == expected
+
+
+def test_a_plan_read_once_plans_as_its_dict(cli):
+    plan = documents_plan(random.Random(9))
+    kept = cpdispatch.Plan(plan, dedup=True)
+    assert (kept.world_size, kept.kind, kept.dedup) == (plan["world_size"], "qkv", True)
+    assert as_json(cpdispatch.plan(kept)) == run_cli(cli, plan, "--dedup")
+    assert cpdispatch.position_ids(kept, 0).tolist() == cpdispatch.position_ids(plan, 0).tolist()
+    with pytest.raises(ValueError, match=r"documents\[0\]\.shards\[0\]\.len: expected an integer"):
+        cpdispatch.Plan({"world_size": 1, "documents": [{"shards": [{"rank": 0, "len": "x", "dst": 0}]}]})
+    bad_value = cpdispatch.Plan({"world_size": 1, "documents": [{"shards": [{"rank": 0, "len": -1, "dst": 0}]}]})
+    with pytest.raises(ValueError, match=r"documents\[0\]\.shards\[0\]\.len"):
+        cpdispatch.plan_for_rank(bad_value, 0)
+    query = cpdispatch.Plan({"world_size": 1, "seq_len": [[1]], "dispatch": [[0]]})
+    with pytest.raises(ValueError, match="dedup"):
+        cpdispatch.plan(query, dedup=True)
 
 
 def test_plan_takes_json_text_and_the_dedup_key(cli):
@@ -60,14 +80,13 @@ def test_plan_takes_json_text_and_the_dedup_key(cli):
 def test_varlen_is_int32_cu_seqlens():
     plan = rank_plan(random.Random(3), max_world=4)
     whole = cpdispatch.plan(plan)
-    for rank, varlen in enumerate(whole["varlen"]):
+    for rank in range(plan["world_size"]):
+        varlen = cpdispatch.plan_for_rank(plan, rank)["varlen"]
         for key in ("cu_seqlens_q", "cu_seqlens_kv"):
             assert varlen[key].dtype == np.int32
             assert varlen[key].tolist() == whole["attn"][key][rank].tolist()
+        assert varlen["max_seqlen_q"] == whole["attn"]["max_seqlen_q"][rank]
         assert varlen["max_seqlen_kv"] == whole["attn"]["max_seqlen_kv"][rank]
-        mine = cpdispatch.plan_for_rank(plan, rank)["varlen"]
-        assert mine["cu_seqlens_kv"].dtype == np.int32
-        assert mine["cu_seqlens_kv"].tolist() == varlen["cu_seqlens_kv"].tolist()
 
 
 def test_arrays_own_the_planner_storage():

@@ -30,13 +30,21 @@
 // device transport would need the checksum as a kernel on its stream).
 // Point-to-point messages and the typed collectives are forwarded unchecked.
 //
-// The error is raised on the ranks that received a bad segment; the others
-// complete the exchange (their own data is right).
+// Every rank agrees on the outcome (ChecksumOptions::agree, on by default):
+// after checking, the blocking exchanges (all_to_all_v, all_to_all_pieces)
+// run one more all-to-all of 16 bytes per peer carrying each rank's verdict,
+// so a bad segment raises corruption_error on EVERY rank, naming the rank
+// that received it and the rank that sent it. That collective is safe
+// because the exchange itself completed everywhere. Without it, and always
+// for posted exchanges (whose waits may come in any order, so a collective
+// inside wait() could pair up wrongly), only the receiving rank throws and
+// the others complete (their own data is right).
 
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -53,15 +61,33 @@ namespace cpdispatch {
 /// exchange and the segment.
 class corruption_error : public error {
  public:
-  corruption_error(const std::string& what, int source_rank) : error(what), source_rank_(source_rank) {}
+  corruption_error(const std::string& what, int source_rank, int receiving_rank)
+      : error(what), source_rank_(source_rank), receiving_rank_(receiving_rank) {}
   /// The rank that sent the bad segment.
   int source_rank() const noexcept { return source_rank_; }
+  /// The rank that received it (and found it bad).
+  int receiving_rank() const noexcept { return receiving_rank_; }
 
  private:
-  int source_rank_;
+  int source_rank_, receiving_rank_;
+};
+
+struct ChecksumOptions {
+  /// After a blocking exchange, every rank learns every other rank's verdict
+  /// (one all-to-all of 16 bytes per peer), so a bad segment is an error on
+  /// every rank; off: only on the rank that received it.
+  bool agree = true;
 };
 
 namespace checksum_detail {
+
+/// One rank's verdict on an exchange, as it tells every other rank.
+struct Verdict {
+  std::int32_t bad = 0;     // 1: a segment this rank received was bad
+  std::int32_t source = -1;  // from which rank
+  std::uint64_t exchange = 0;
+};
+static_assert(sizeof(Verdict) == 16);
 
 /// What a sender tells each receiver about its segment.
 struct SegmentSum {
@@ -119,7 +145,7 @@ class ChecksummedTransport {
  public:
   static constexpr MemorySpace memory_space = Inner::memory_space;
 
-  explicit ChecksummedTransport(Inner& inner) : inner_(inner) {}
+  explicit ChecksummedTransport(Inner& inner, ChecksumOptions options = {}) : inner_(inner), options_(options) {}
   ChecksummedTransport(const ChecksummedTransport&) = delete;
   ChecksummedTransport& operator=(const ChecksummedTransport&) = delete;
 
@@ -141,11 +167,13 @@ class ChecksummedTransport {
     }
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     exchange_sums(sums_out_, sums_in_);
-    for (std::size_t p = 0; p < recv_counts.size(); ++p) {
+    std::optional<corruption_error> bad;
+    for (std::size_t p = 0; p < recv_counts.size() && !bad; ++p) {
       if (p == self()) continue;
       const checksum_detail::SegmentSum got{crc32c(at(recv, recv_displs[p]), recv_counts[p]), 0, recv_counts[p]};
-      verify(p, got, sums_in_[p], [&] { return detail::concat(recv_counts[p], " bytes at byte ", recv_displs[p], " of the receive buffer"); });
+      bad = verify(p, got, sums_in_[p], [&] { return detail::concat(recv_counts[p], " bytes at byte ", recv_displs[p], " of the receive buffer"); });
     }
+    settle(bad);
   }
 
   void all_to_all_pieces(const void* send, std::span<const BytePiece> send_pieces, std::span<const std::size_t> send_splits,
@@ -160,11 +188,13 @@ class ChecksummedTransport {
     }
     inner_.all_to_all_pieces(send, send_pieces, send_splits, recv, recv_pieces, recv_splits);
     exchange_sums(sums_out_, sums_in_);
-    for (std::size_t p = 0; p + 1 < recv_splits.size(); ++p) {
+    std::optional<corruption_error> bad;
+    for (std::size_t p = 0; p + 1 < recv_splits.size() && !bad; ++p) {
       if (p == self()) continue;
       const auto got = checksum_detail::pieces_sum(recv, recv_pieces, recv_splits[p], recv_splits[p + 1]);
-      verify(p, got, sums_in_[p], [&] { return detail::concat(got.bytes, " bytes in ", recv_splits[p + 1] - recv_splits[p], " pieces"); });
+      bad = verify(p, got, sums_in_[p], [&] { return detail::concat(got.bytes, " bytes in ", recv_splits[p + 1] - recv_splits[p], " pieces"); });
     }
+    settle(bad);
   }
 
   /// Posts the exchange and, right behind it, its checksums; wait() checks.
@@ -202,8 +232,9 @@ class ChecksummedTransport {
     for (std::size_t p = 0; p < posted.recv_counts.size(); ++p) {
       if (p == self()) continue;
       const std::size_t n = posted.recv_counts[p], off = posted.recv_displs[p];
-      verify(p, {crc32c(at(posted.recv, off), n), 0, n}, posted.sums_in[p],
-             [&] { return detail::concat(n, " bytes at byte ", off, " of the receive buffer"); }, posted.exchange);
+      auto bad = verify(p, {crc32c(at(posted.recv, off), n), 0, n}, posted.sums_in[p],
+                        [&] { return detail::concat(n, " bytes at byte ", off, " of the receive buffer"); }, posted.exchange);
+      if (bad) throw *bad;
     }
   }
 
@@ -274,24 +305,50 @@ class ChecksummedTransport {
     inner_.all_to_all_v(out.data(), sum_counts_, sum_displs_, in.data(), sum_counts_, sum_displs_);
   }
 
-  /// Throws corruption_error when the segment from `source` differs from what it sent.
+  /// The error when the segment from `source` differs from what it sent.
   template <class Describe>
-  void verify(std::size_t source, const SegmentSum& got, const SegmentSum& sent, Describe&& segment, std::uint64_t exchange = 0) {
+  std::optional<corruption_error> verify(std::size_t source, const SegmentSum& got, const SegmentSum& sent, Describe&& segment,
+                                         std::uint64_t exchange = 0) {
     if (exchange == 0) exchange = exchanges_;
     if (got.bytes == sent.bytes && got.crc == sent.crc) {
       ++checked_;
-      return;
+      return std::nullopt;
     }
     const std::string where = detail::concat("rank ", rank(), " of ", world_size(), ": the segment from rank ", source, " in exchange #",
                                              exchange, " (", segment(), ")");
+    const int from = static_cast<int>(source);
     if (got.bytes != sent.bytes) {
-      throw corruption_error(detail::concat(where, " was expected to hold ", got.bytes, " bytes, but rank ", source, " sent ", sent.bytes,
-                                            " (short or long delivery)"),
-                             static_cast<int>(source));
+      return corruption_error(detail::concat(where, " was expected to hold ", got.bytes, " bytes, but rank ", source, " sent ", sent.bytes,
+                                             " (short or long delivery)"),
+                              from, rank());
     }
-    throw corruption_error(detail::concat(where, " fails its CRC32C check: rank ", source, " sent ", hex(sent.crc), ", received ", hex(got.crc),
-                                          " (corrupted or short delivery)"),
-                           static_cast<int>(source));
+    return corruption_error(detail::concat(where, " fails its CRC32C check: rank ", source, " sent ", hex(sent.crc), ", received ", hex(got.crc),
+                                           " (corrupted or short delivery)"),
+                            from, rank());
+  }
+
+  /// Throws this rank's error, or with agreement the first bad verdict of
+  /// any rank, so that every rank raises the same fault.
+  void settle(const std::optional<corruption_error>& bad) {
+    if (!options_.agree || world_size() == 1) {
+      if (bad) throw *bad;
+      return;
+    }
+    const auto W = static_cast<std::size_t>(world_size());
+    const checksum_detail::Verdict mine{bad ? 1 : 0, bad ? bad->source_rank() : -1, exchanges_};
+    verdicts_out_.assign(W, mine);
+    verdicts_in_.assign(W, {});
+    sum_counts_.assign(W, sizeof(checksum_detail::Verdict));
+    sum_displs_ = sum_displs(W);
+    inner_.all_to_all_v(verdicts_out_.data(), sum_counts_, sum_displs_, verdicts_in_.data(), sum_counts_, sum_displs_);
+    if (bad) throw *bad;
+    for (std::size_t d = 0; d < W; ++d) {
+      const checksum_detail::Verdict& v = verdicts_in_[d];
+      if (d == self() || !v.bad) continue;
+      throw corruption_error(detail::concat("rank ", rank(), " of ", world_size(), ": exchange #", exchanges_, " failed on rank ", d,
+                                            ": the segment it received from rank ", v.source, " is corrupted or short (reported by rank ", d, ")"),
+                             v.source, static_cast<int>(d));
+    }
   }
 
   static std::string hex(std::uint32_t v) {
@@ -302,7 +359,9 @@ class ChecksummedTransport {
   }
 
   Inner& inner_;
+  ChecksumOptions options_;
   std::uint64_t exchanges_ = 0, checked_ = 0;
+  std::vector<checksum_detail::Verdict> verdicts_out_, verdicts_in_;
   std::vector<SegmentSum> sums_out_, sums_in_;
   std::vector<std::size_t> sum_counts_, sum_displs_;
   std::map<std::uint64_t, Posted> posted_;

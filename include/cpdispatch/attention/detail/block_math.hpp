@@ -19,9 +19,14 @@
 
 namespace cpdispatch::detail::attention {
 
+// The two builds' definitions differ, so they live in differently named
+// namespaces: a program mixing both gets two sets of functions, not one
+// definition silently standing in for the other.
 #ifdef CPDISPATCH_ATTENTION_CBLAS
+inline namespace cblas_blocks {
 inline constexpr bool uses_cblas = true;
 #else
+inline namespace portable_blocks {
 inline constexpr bool uses_cblas = false;
 #endif
 
@@ -216,4 +221,5 @@ inline void softmax_grad_row(const float* p, float* dp, float delta, std::int64_
   for (std::int64_t t = 0; t < n; ++t) dp[t] = p[t] * (dp[t] - delta);
 }
 
+}  // inline namespace cblas_blocks / portable_blocks
 }  // namespace cpdispatch::detail::attention
