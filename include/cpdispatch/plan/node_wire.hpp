@@ -68,6 +68,7 @@ struct RankNodeWire {
   std::vector<std::int64_t> gather_offset;
   /// Home combine: replica_mask[g * C + u] = 1 when slot u of local shard g receives a gradient.
   std::vector<std::uint8_t> replica_mask;
+  std::vector<std::int64_t> shard_len;  ///< [S]: this rank's kv_fwd.seq_len row (0 = padding)
   std::int64_t num_copies = 0;      ///< C: slots of the [C][T] replica buffer
   std::int64_t mlp_tokens = 0;      ///< T
   std::int64_t relay_tokens = 0;    ///< the relay buffer
@@ -149,7 +150,10 @@ class NodeWirePlanner {
     w.replica_mask.assign(S_ * C_, 0);
     w.gather_splits.assign(1, 0);
     const auto qu = static_cast<std::size_t>(q);
-    for (std::size_t g = 0; g < S_; ++g) w.mlp_tokens += kv_.seq_len(qu, g) > 0 ? kv_.seq_len(qu, g) : 0;
+    for (std::size_t g = 0; g < S_; ++g) {
+      w.shard_len.push_back(kv_.seq_len(qu, g));
+      w.mlp_tokens += kv_.seq_len(qu, g) > 0 ? kv_.seq_len(qu, g) : 0;
+    }
   }
 
   /// The shard's distinct destinations in first-copy order (section 2c's wire slots).
