@@ -39,7 +39,10 @@ Input (FILE, or standard input when FILE is - or absent): a packed batch,
    "mask": {"type": "causal"},                    (optional: or {"type": "full"},
                                                    {"type": "sliding_window",
                                                    "window": w}; the plan carries it)
-   "dedup": false}                                (optional: as --dedup)
+   "dedup": false,                                (optional: as --dedup)
+   "ranks_per_node": 8}                           (optional, or "nodes": [node of each
+                                                   rank]: --summary adds the tokens that
+                                                   cross nodes; the plan keeps "nodes")
   or, with "ranks": [{"docs": [length, ...]}, ...] (W entries, MLP-layout order)
   instead of "documents", the whole documents each rank holds.
 
@@ -120,7 +123,8 @@ inline cpdispatch::BalanceProblem balance_problem_from_json(const nlohmann::json
   using namespace cpdispatch::detail;
   const auto root = JsonPath::root("input");
   read_object(j, root);
-  check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes", "dedup", "mask"});
+  check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes", "dedup",
+                                                "ranks_per_node", "nodes", "mask"});
   cpdispatch::BalanceProblem p;
   p.world_size = read_world_size(j, root, true);
   const auto W = static_cast<std::size_t>(p.world_size);

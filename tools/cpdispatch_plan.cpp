@@ -29,6 +29,7 @@
 
 #include "balance_command.hpp"
 #include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/plan/node_wire.hpp"
 
 namespace {
 
@@ -93,6 +94,10 @@ Options:
               (each KV shard sent once per destination rank; with --rank R
               rank R's slices of them), --summary a line with the KV tokens
               sent off-rank without and with it
+  With "ranks_per_node": n or "nodes": [node of each rank] in the plan
+  (docs/node-exchange.md), --summary also prints the tokens that cross
+  between nodes: "inter-node KV tokens: flat X, dedup Y, node-level Z" (qkv
+  plans) and "inter-node query tokens: Q"
   -h, --help  this help
 
 Exit status: 0 success, 2 invalid input or usage (one line on standard error
@@ -283,6 +288,20 @@ std::string dedup_line(const cpdispatch::Metadata& kv_fwd, const cpdispatch::KvW
   return line.str();
 }
 
+/// With a topology, --summary's lines of tokens that cross between nodes.
+std::string node_lines(const cpdispatch::PlanMetadata& planned, const std::optional<cpdispatch::Topology>& topology) {
+  if (!topology) return {};
+  std::ostringstream lines;
+  const auto* qkv = std::get_if<cpdispatch::QkvMetadata>(&planned);
+  const cpdispatch::Metadata& q = qkv ? qkv->q_fwd : std::get<cpdispatch::QueryMetadata>(planned).fwd;
+  if (qkv) {
+    const cpdispatch::NodeTokenCounts kv = cpdispatch::node_token_counts(qkv->kv_fwd, *topology);
+    lines << "inter-node KV tokens: flat " << kv.flat << ", dedup " << kv.dedup << ", node-level " << kv.node_level << '\n';
+  }
+  lines << "inter-node query tokens: " << cpdispatch::inter_node_tokens(q, *topology) << '\n';
+  return lines.str();
+}
+
 // ---------------------------------------------------------------- plan mode
 
 struct PlanOptions {
@@ -426,6 +445,8 @@ int run_plan(Args args) {
   const cpdispatch::PlanLimits reading = plan_limits(options, false);
   const nlohmann::json input = cpdispatch::parse_json(read_input(options.input, max_input_bytes(reading)), reading);
   const cpdispatch::Plan plan = cpdispatch::plan_from_json(input);
+  const std::optional<cpdispatch::Topology> topology =
+      cpdispatch::topology_from_json(input, std::visit([](const auto& p) { return p.world_size; }, plan));
   const bool dedup = options.dedup || cpdispatch::dedup_requested(input);
   if (dedup && plan.index() == 0) cpdispatch::detail::fail("--dedup applies to qkv plans (key-value copies); this is a query plan");
   cpdispatch::PlanLimits limits = plan_limits(options, !options.summary);
@@ -442,7 +463,7 @@ int run_plan(Args args) {
   const std::optional<cpdispatch::KvWireMetadata> wire = dedup ? std::optional(cpdispatch::plan_kv_wire(*qkv)) : std::nullopt;
   write_svg(options, plan, 1, 1, reading);
   if (options.summary) {
-    write_output(summary(planned, plan) + (wire ? dedup_line(qkv->kv_fwd, *wire) : std::string()));
+    write_output(summary(planned, plan) + (wire ? dedup_line(qkv->kv_fwd, *wire) : std::string()) + node_lines(planned, topology));
   } else {
     nlohmann::json out = cpdispatch::metadata_to_json(planned);
     if (wire) cpdispatch::add_kv_wire(out, *wire);
@@ -467,6 +488,7 @@ int run_balance(Args args) {
   const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(input);
   cpdispatch::BalanceOptions balancing = cpdispatch_cli::balance_options_from_json(input);
   balancing.dedup = balancing.dedup || options.dedup;
+  const std::optional<cpdispatch::Topology> topology = cpdispatch::topology_from_json(input, problem.world_size, "input");
   const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, balancing, reading);
   // A packed batch gets the documents form back, documents per rank the per-rank form.
   const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
@@ -475,9 +497,11 @@ int run_balance(Args args) {
     const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan, reading);
     const auto& kv_fwd = std::get<cpdispatch::QkvMetadata>(planned).kv_fwd;
     write_output(summary(planned, plan) + cpdispatch_cli::balance_report(problem, balanced, reading) +
-                 (balancing.dedup ? dedup_line(kv_fwd, cpdispatch::plan_kv_wire(kv_fwd)) : std::string()));
+                 (balancing.dedup ? dedup_line(kv_fwd, cpdispatch::plan_kv_wire(kv_fwd)) : std::string()) + node_lines(planned, topology));
   } else {
-    write_json(cpdispatch_cli::balanced_plan_json(plan, balancing.dedup), options.compact);
+    nlohmann::json out = cpdispatch_cli::balanced_plan_json(plan, balancing.dedup);
+    if (topology) out["nodes"] = topology->nodes();  // the plan keeps its network's shape
+    write_json(out, options.compact);
   }
   return 0;
 }

@@ -57,14 +57,17 @@ def cli_seconds(cli, plan, args, repeats):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(plan, f)
     try:
-        return best(repeats, lambda: subprocess.run([cli, f.name, "--compact", *args], stdout=subprocess.DEVNULL, check=True))
+        return best(repeats, lambda: subprocess.run([cli, f.name, "--compact", *args], stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL, check=True))
+    except subprocess.CalledProcessError:
+        return float("nan")  # refused (e.g. its JSON output would exceed --max-memory)
     finally:
         os.unlink(f.name)
 
 
 def row(name, world, python_s, cpp_s, cli_s):
     overhead = 100.0 * (python_s - cpp_s) / cpp_s
-    cli = f"{1e3 * cli_s:9.3f}" if cli_s is not None else "        -"
+    cli = "        -" if cli_s is None else "  refused" if cli_s != cli_s else f"{1e3 * cli_s:9.3f}"
     print(f"{name:14s} {world:5d} {1e3 * python_s:10.3f} {1e3 * cpp_s:9.3f} {overhead:9.1f}% {cli}")
 
 

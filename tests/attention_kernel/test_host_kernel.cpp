@@ -257,6 +257,18 @@ TEST(HOST_KERNEL_SUITE, EmptyEntriesAndRowsThatSeeNothing) {
   EXPECT_EQ(lse[tokens + 11], untouched);
 }
 
+/// A window wider than every document is the causal mask (and its bounds do not overflow).
+TEST(HOST_KERNEL_SUITE, AHugeWindowIsCausal) {
+  const Batch<float> batch(make_shape(2, 1, 4), {7, 12}, 13);
+  HostAttentionKernel kernel({2, 4, 4});
+  const auto wide = run_kernel(kernel, batch, AttentionMask::sliding_window(std::numeric_limits<std::int64_t>::max()));
+  const auto causal = run_kernel(kernel, batch, AttentionMask::causal());
+  EXPECT_EQ(wide.out, causal.out);
+  EXPECT_EQ(wide.lse, causal.lse);
+  EXPECT_EQ(wide.dq, causal.dq);
+  EXPECT_EQ(wide.dk, causal.dk);
+}
+
 /// Every output element is summed by one thread in a fixed order.
 TEST(HOST_KERNEL_SUITE, ResultsAreBitwiseTheSameForEveryThreadCount) {
   const Batch<float> batch(make_shape(4, 2, 8), {9, 30, 2}, 5);

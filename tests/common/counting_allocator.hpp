@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <new>
@@ -25,41 +26,66 @@ inline std::atomic<bool> counting{false};
 inline std::atomic<std::size_t> total{0}, live{0}, peak{0};
 constexpr std::size_t refused_size = std::size_t{1} << 30;
 
-// Each block carries its size in a header, so every form of delete is counted.
-constexpr std::size_t header = alignof(std::max_align_t);
+// Each block carries its size and its distance from the start of the
+// malloc'd block in a header, so every form of delete (sized or not, aligned
+// or not, nothrow) is counted and freed right.
+constexpr std::size_t header = 2 * sizeof(std::size_t);
 
-inline void* counted_new(std::size_t n) {
-  if (counting.load(std::memory_order_relaxed)) {
-    if (n > refused_size) throw std::bad_alloc();  // the planner did not stop first: EXPECTs below fail
-    total += n;
-    const std::size_t now = live.fetch_add(n) + n;
-    std::size_t p = peak.load();
-    while (now > p && !peak.compare_exchange_weak(p, now)) {
-    }
+inline void note(std::size_t n) {
+  if (!counting.load(std::memory_order_relaxed)) return;
+  if (n > refused_size) throw std::bad_alloc();  // the planner did not stop first: EXPECTs below fail
+  total += n;
+  const std::size_t now = live.fetch_add(n) + n;
+  std::size_t p = peak.load();
+  while (now > p && !peak.compare_exchange_weak(p, now)) {
   }
-  auto* block = static_cast<unsigned char*>(std::malloc(n + header));
+}
+
+/// `n` bytes aligned to `align` (a power of two, at least the header's size).
+inline void* counted_new(std::size_t n, std::size_t align = alignof(std::max_align_t)) {
+  note(n);
+  const std::size_t offset = align < header ? header : align;
+  auto* block = static_cast<unsigned char*>(std::aligned_alloc(offset, (n + 2 * offset - 1) / offset * offset));
   if (block == nullptr) throw std::bad_alloc();
-  *reinterpret_cast<std::size_t*>(block) = counting.load(std::memory_order_relaxed) ? n : 0;
-  return block + header;
+  unsigned char* p = block + offset;
+  const std::size_t fields[2] = {counting.load(std::memory_order_relaxed) ? n : 0, offset};
+  std::memcpy(p - header, fields, sizeof fields);
+  return p;
 }
 
-inline void counted_delete(void* p) noexcept {
-  if (p == nullptr) return;
-  auto* block = static_cast<unsigned char*>(p) - header;
-  const std::size_t n = *reinterpret_cast<std::size_t*>(block);
-  live.fetch_sub(std::min(n, live.load()));
-  std::free(block);
+inline void counted_delete(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  auto* p = static_cast<unsigned char*>(ptr);
+  std::size_t fields[2];
+  std::memcpy(fields, p - header, sizeof fields);
+  live.fetch_sub(std::min(fields[0], live.load()));
+  std::free(p - fields[1]);
 }
-
 
 }  // namespace counting_allocator
 
 void* operator new(std::size_t n) { return counting_allocator::counted_new(n); }
 void* operator new[](std::size_t n) { return counting_allocator::counted_new(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return counting_allocator::counted_new(n);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
+void* operator new(std::size_t n, std::align_val_t a) { return counting_allocator::counted_new(n, static_cast<std::size_t>(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return counting_allocator::counted_new(n, static_cast<std::size_t>(a)); }
 void operator delete(void* p) noexcept { counting_allocator::counted_delete(p); }
 void operator delete[](void* p) noexcept { counting_allocator::counted_delete(p); }
 void operator delete(void* p, std::size_t) noexcept { counting_allocator::counted_delete(p); }
 void operator delete[](void* p, std::size_t) noexcept { counting_allocator::counted_delete(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { counting_allocator::counted_delete(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { counting_allocator::counted_delete(p); }
+void operator delete(void* p, std::align_val_t) noexcept { counting_allocator::counted_delete(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { counting_allocator::counted_delete(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { counting_allocator::counted_delete(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { counting_allocator::counted_delete(p); }
 
 namespace counting_allocator {
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/generate.hpp"
@@ -135,6 +136,48 @@ TEST(ResourceLimits, AcceptedPlansStayWithinTheirBudget) {
     }
     EXPECT_TRUE(refused_once);
     EXPECT_TRUE(accepted_once);
+  }
+}
+
+/// The smallest budget (a power of two) `plan` is accepted under, and what
+/// it then held at once.
+template <class Plan>
+std::pair<std::uint64_t, std::size_t> smallest_budget(Plan&& plan) {
+  for (std::uint64_t budget = 64; budget <= (std::uint64_t{256} << 20); budget *= 2) {
+    bool accepted = true;
+    const Counted used = count([&] {
+      try {
+        plan(PlanLimits{.max_bytes = budget});
+      } catch (const cpdispatch::invalid_input&) {
+        accepted = false;
+      }
+    });
+    if (accepted) return {budget, used.peak};
+  }
+  return {0, 0};
+}
+
+TEST(ResourceLimits, QueryAndBalancedPlansStayWithinTheirBudget) {
+  for (const std::uint64_t seed : {1, 2, 3}) {
+    const std::size_t W = 40, S = 6, C = 3;
+    auto seq_len = cpdispatch::detail::output_tensor<std::int64_t>({W, S}, 0);
+    auto dispatch = cpdispatch::detail::output_tensor<std::int64_t>({W, S, C}, -1);
+    for (std::size_t r = 0; r < W; ++r)
+      for (std::size_t j = 0; j < S; ++j) {
+        seq_len(r, j) = static_cast<std::int64_t>(1 + (r * 7 + j * 3 + seed) % 9);
+        for (std::size_t k = 0; k < 1 + (r + j + seed) % C; ++k) dispatch(r, j, k) = static_cast<std::int64_t>((r * 5 + j * 11 + k * 13 + seed) % W);
+      }
+    const auto [query_budget, query_peak] = smallest_budget([&](const PlanLimits& l) { (void)cpdispatch::plan_query(seq_len, dispatch, l); });
+    ASSERT_GT(query_budget, 64u);
+    EXPECT_LE(query_peak, query_budget) << "seed " << seed;
+
+    cpdispatch::BalanceProblem p;
+    p.world_size = 24;
+    p.max_cp_degree = 4;
+    for (std::uint64_t d = 0; d < 60; ++d) p.documents.push_back({{static_cast<std::int64_t>((d * 7 + seed) % 24), static_cast<std::int64_t>(1 + (d * 37 + seed) % 300)}});
+    const auto [balance_budget, balance_peak] = smallest_budget([&](const PlanLimits& l) { (void)cpdispatch::plan_balanced(p, {}, l); });
+    ASSERT_GT(balance_budget, 64u);
+    EXPECT_LE(balance_peak, balance_budget) << "seed " << seed;
   }
 }
 

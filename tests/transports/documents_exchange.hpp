@@ -122,7 +122,7 @@ template <class Transport>
 void check_documents_exchange(Transport& t, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::QkvMetadata& m) {
   const auto r = static_cast<std::size_t>(t.rank());
   const cpdispatch::RankAttentionLayout attn{m.attn.seqlens_q[r],    m.attn.seqlens_kv[r],   m.attn.cu_seqlens_q[r],
-                                             m.attn.cu_seqlens_kv[r], m.attn.max_seqlen_q[r], m.attn.max_seqlen_kv[r]};
+                                             m.attn.cu_seqlens_kv[r], m.attn.max_seqlen_q[r], m.attn.max_seqlen_kv[r], m.attn.mask};
   check_exchanges(t, plan, m.q_fwd, m.q_rev, m.kv_fwd, m.kv_rev, attn);
 }
 

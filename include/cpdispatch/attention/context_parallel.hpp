@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpdispatch/attention/detail/exchange_layout.hpp"
 #include "cpdispatch/attention/detail/lse_merge.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/detail/staged_exchange.hpp"
@@ -59,6 +60,17 @@ struct CpAttentionOptions {
   /// 1: exchange, then attend (bitwise reproducible). More: attend the local
   /// key-values first while the remote ones arrive in `stages - 1` parts.
   int stages = 1;
+};
+
+/// The largest plan a rank expects (ContextParallelAttention::reserve): its
+/// MLP tokens, its attention layout's query and key-value tokens, the shards
+/// it holds or attends (each), and the copies of a key-value shard (C).
+struct CpAttentionCapacity {
+  std::int64_t mlp_tokens = 0;
+  std::int64_t q_tokens = 0;
+  std::int64_t kv_tokens = 0;
+  std::int64_t shards = 0;
+  std::int64_t copies = 1;
 };
 
 namespace detail {
@@ -99,37 +111,85 @@ class ContextParallelAttention {
   using transport_type = T;
   using element_type = E;
   using kernel_type = Kernel;
+  /// Whether the exchanges are posted and overlapped with compute (T is a
+  /// PostedAllToAllTransport) or made in blocking calls where they would be posted.
+  static constexpr bool overlaps = posted_all_to_all_v<T>;
 
   ContextParallelAttention(T& transport, const RankQkvMetadata& share, const AttentionShape& shape, CpAttentionOptions options = {},
                            Kernel kernel = Kernel{})
       : transport_(transport), shape_(shape), options_(options), kernel_(std::move(kernel)) {
     detail::check_attention_shape(shape_, "ContextParallelAttention");
     if (options_.stages < 1) fail("options.stages = ", options_.stages, " must be at least 1");
+    groups_ = std::min(options_.stages - 1, transport_.world_size() - 1);
+    requests_.resize(static_cast<std::size_t>(groups_));
+    kv_requests_.resize(static_cast<std::size_t>(std::max(groups_, 1)));
     replan(share);
   }
 
-  /// Takes the next step's share. Buffers keep their storage: nothing is
-  /// allocated while the new plan fits what earlier plans (or reserve) sized.
+  /// Sizes every buffer for plans up to `c`, so that replan, forward and
+  /// backward allocate nothing while a plan stays within it (without dedup).
+  void reserve(const CpAttentionCapacity& c) {
+    const auto n = [](std::int64_t x) { return static_cast<std::size_t>(std::max<std::int64_t>(x, 0)); };
+    const std::size_t hq = q_token_elems(), hk = kv_token_elems();
+    for (std::vector<E>* b : {&q_attn_, &out_attn_, &dout_attn_, &dq_attn_, &out_part_}) b->reserve(n(c.q_tokens) * hq);
+    for (std::vector<E>* b : {&k_attn_, &v_attn_, &dk_attn_, &dv_attn_}) b->reserve(n(c.kv_tokens) * hk);
+    for (std::vector<E>* b : {&replica_, &replica_v_}) b->reserve(n(c.copies) * n(c.mlp_tokens) * hk);
+    for (std::vector<float>* b : {&lse_, &lse_part_}) b->reserve(n(c.q_tokens) * static_cast<std::size_t>(shape_.heads_q));
+    acc_.reserve(n(c.q_tokens) * hq);
+    entries_.reserve(n(c.shards));
+    for (auto* v : {&kv_rev_.dst_rank, &kv_rev_.dst_offset, &kv_rev_.seq_len}) v->reserve(n(c.shards));
+    kv_rev_.num_recv_tokens.reserve(static_cast<std::size_t>(transport_.world_size()) + 1);
+    for (auto* o : {&kv_rev_.seq_recv_mask, &kv_rev_.recv_seq_lens}) {
+      if (!*o) o->emplace();
+      (*o)->reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
+    }
+    layout_.seqlens_q.reserve(n(c.shards));
+    layout_.seqlens_kv.reserve(n(c.shards));
+    layout_.cu_seqlens_q.reserve(n(c.shards) + 1);
+    layout_.cu_seqlens_kv.reserve(n(c.shards) + 1);
+    q_layout_.reserve(q_plan_, n(c.shards), transport_.world_size());
+    kv_layout_.reserve(kv_plan_, n(c.shards) * std::max<std::size_t>(n(c.copies), 1), transport_.world_size());
+    stage_plan_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
+    const std::size_t copies = std::max<std::size_t>(n(c.copies), 1), mlp = n(c.mlp_tokens), tq = n(c.q_tokens), tk = n(c.kv_tokens);
+    const std::size_t e = sizeof(E);  // staging is in bytes: (send, receive)
+    fwd_in_.reserve(mlp * (hq + 2 * hk * copies) * e, (tq * hq + 2 * tk * hk) * e);
+    dout_in_.reserve(mlp * hq * e, tq * hq * e);
+    q_out_.reserve(tq * hq * e, mlp * hq * e);
+    kv_out_.reserve(2 * tk * hk * e, copies * mlp * 2 * hk * e);
+  }
+
+  /// Takes the next step's share (the plan's mask and, with dedup, its wire
+  /// slices). Nothing is allocated while the plan fits what earlier plans or
+  /// reserve() sized, except with dedup (its dispatcher is rebuilt).
   void replan(const RankQkvMetadata& share) {
-    q_.emplace(transport_, share.q_fwd, share.q_rev, q_token_elems() * sizeof(E));
-    kv_.emplace(transport_, share.kv_fwd, share.kv_rev, kv_token_elems() * sizeof(E));
+    const char* who = "ContextParallelAttention";
+    const int me = transport_.rank(), W = transport_.world_size();
     kv_wire_.reset();
     if (options_.dedup) {
       const RankKvWire* wire = detail::kv_wire_of(share);
       if (wire == nullptr) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
       kv_wire_.emplace(transport_, *wire, kv_token_elems() * sizeof(E));
     }
-    layout_ = share.attn;
+    q_layout_.build(share.q_fwd, share.q_rev, q_token_elems() * sizeof(E), me, W, q_plan_, who);
+    kv_layout_.build(share.kv_fwd, share.kv_rev, kv_token_elems() * sizeof(E), me, W, kv_plan_, who);
+    if (!share.kv_rev.seq_recv_mask) fail("share.kv_rev has no seq_recv_mask (not the reverse key-value slice of a QKV plan)");
+    copy_kv_rev(share.kv_rev);
+    copy_layout(share.attn);
     mask_ = detail::mask_of(share);
     check_layout();
-    entries_ = layout_entries(layout_.cu_seqlens_q, layout_.cu_seqlens_kv);
+    entries_.clear();
+    for (std::size_t e = 0; e + 1 < layout_.cu_seqlens_q.size(); ++e) {
+      const std::int64_t lq = layout_.cu_seqlens_q[e + 1] - layout_.cu_seqlens_q[e], lk = layout_.cu_seqlens_kv[e + 1] - layout_.cu_seqlens_kv[e];
+      entries_.push_back({layout_.cu_seqlens_q[e], lq, layout_.cu_seqlens_kv[e], lk, lk - lq});
+    }
+    stage_plan_.build(entries_, share.q_rev, share.kv_rev, me, W, groups_, options_.dedup, who);
+    lay_out_exchanges(me, W);
     size_buffers();
-    if (staged()) plan_stages(share);
     forward_done_ = false;
   }
 
   /// This rank's tokens in the MLP layout (the leading extent of q, k, v, ...).
-  std::int64_t mlp_tokens() const noexcept { return static_cast<std::int64_t>(q_->required_bytes().mlp_bytes / (q_token_elems() * sizeof(E))); }
+  std::int64_t mlp_tokens() const noexcept { return q_layout_.mlp_tokens(); }
   const RankAttentionLayout& attention() const noexcept { return layout_; }
   const AttentionMask& mask() const noexcept { return mask_; }
   const AttentionShape& shape() const noexcept { return shape_; }
@@ -140,75 +200,53 @@ class ContextParallelAttention {
 
   /// q: [T][heads_q][head_dim], k, v: [T][heads_kv][head_dim] -> out: [T][heads_q][head_dim].
   void forward(std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out) {
-    check_mlp("forward", {{q.size(), "q", true}, {k.size(), "k", false}, {v.size(), "v", false}, {out.size(), "out", true}});
-    if (staged()) {
-      forward_staged(q, k, v, out);
-      forward_done_ = true;
-      return;
-    }
-    q_->forward(detail::bytes_of(q), detail::bytes_of(std::span<E>(q_attn_)));
+    const char* call = "forward";
+    check_mlp(call, {{q.size(), "q", true}, {k.size(), "k", false}, {v.size(), "v", false}, {out.size(), "out", true}});
+    forward_done_ = false;
+    const detail::StagedTensor all[] = {{&q_plan_.forward, bytes_in(q), bytes_out(q_attn_)},
+                                        {&kv_plan_.forward, bytes_in(k), bytes_out(k_attn_)},
+                                        {&kv_plan_.forward, bytes_in(v), bytes_out(v_attn_)}};
+    const Tensors in = std::span(all).first(kv_wire_ ? 1 : 3);  // with dedup, K and V take the wire exchange
     if (kv_wire_) {
-      kv_wire_->forward(detail::bytes_of(k), detail::bytes_of(std::span<E>(k_attn_)));
-      kv_wire_->forward(detail::bytes_of(v), detail::bytes_of(std::span<E>(v_attn_)));
-    } else {
-      kv_->forward(detail::bytes_of(k), detail::bytes_of(std::span<E>(k_attn_)));
-      kv_->forward(detail::bytes_of(v), detail::bytes_of(std::span<E>(v_attn_)));
+      exchange(call, [&] { kv_wire_->forward(detail::bytes_of(k), detail::bytes_of(std::span<E>(k_attn_))); });
+      exchange(call, [&] { kv_wire_->forward(detail::bytes_of(v), detail::bytes_of(std::span<E>(v_attn_))); });
     }
-    kernel_.forward(shape_, mask_, std::span<const AttentionEntry>(entries_), cspan(q_attn_), cspan(k_attn_), cspan(v_attn_),
-                    std::span<E>(out_attn_), std::span<float>(lse_));
-    q_->reverse(detail::bytes_of(cspan(out_attn_)), detail::bytes_of(out));
+    if (groups_ == 0) {  // one exchange, then one kernel call over the whole layout
+      exchange_all(call, fwd_in_, in);
+      kernel_.forward(shape_, mask_, std::span<const AttentionEntry>(entries_), cspan(q_attn_), cspan(k_attn_), cspan(v_attn_),
+                      std::span<E>(out_attn_), std::span<float>(lse_));
+    } else {
+      forward_by_stages(call, in);
+    }
+    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes_out(out_attn_), detail::bytes_of(out).data()}};
+    exchange_all(call, q_out_, back);
     forward_done_ = true;
   }
 
   /// dout: [T][heads_q][head_dim] -> dq like q, dk and dv like k and v (every copy's gradient summed).
   void backward(std::span<const E> dout, std::span<E> dq, std::span<E> dk, std::span<E> dv) {
+    const char* call = "backward";
     if (!forward_done_) fail("backward needs the forward of the same plan first");
-    check_mlp("backward", {{dout.size(), "dout", true}, {dq.size(), "dq", true}, {dk.size(), "dk", false}, {dv.size(), "dv", false}});
-    if (staged()) return backward_staged(dout, dq, dk, dv);
-    q_->forward(detail::bytes_of(dout), detail::bytes_of(std::span<E>(dout_attn_)));
-    kernel_.backward(shape_, mask_, std::span<const AttentionEntry>(entries_), cspan(q_attn_), cspan(k_attn_), cspan(v_attn_),
-                     cspan(out_attn_), std::span<const float>(lse_), cspan(dout_attn_), std::span<E>(dq_attn_), std::span<E>(dk_attn_),
-                     std::span<E>(dv_attn_));
-    q_->reverse(detail::bytes_of(cspan(dq_attn_)), detail::bytes_of(dq));
-    const ElementType type = element_type_of<E>();
-    if (kv_wire_) {  // the attention-layout gradients are not needed afterwards
-      kv_wire_->reverse_combine_in_place(detail::bytes_of(std::span<E>(dk_attn_)), detail::bytes_of(std::span<E>(replica_)), detail::bytes_of(dk), type);
-      kv_wire_->reverse_combine_in_place(detail::bytes_of(std::span<E>(dv_attn_)), detail::bytes_of(std::span<E>(replica_)), detail::bytes_of(dv), type);
-      return;
+    check_mlp(call, {{dout.size(), "dout", true}, {dq.size(), "dq", true}, {dk.size(), "dk", false}, {dv.size(), "dv", false}});
+    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes_in(dout), bytes_out(dout_attn_)}};
+    const detail::StagedTensor kv[] = {{&kv_plan_.reverse, bytes_out(dk_attn_), bytes_out(replica_)},
+                                       {&kv_plan_.reverse, bytes_out(dv_attn_), bytes_out(replica_v_)}};
+    if (groups_ == 0) {
+      exchange_all(call, dout_in_, in);
+      kernel_.backward(shape_, mask_, std::span<const AttentionEntry>(entries_), cspan(q_attn_), cspan(k_attn_), cspan(v_attn_),
+                       cspan(out_attn_), std::span<const float>(lse_), cspan(dout_attn_), std::span<E>(dq_attn_), std::span<E>(dk_attn_),
+                       std::span<E>(dv_attn_));
+      if (!kv_wire_) post_kv_gradients(call, kv, detail::StagedExchange::all_groups);
+    } else {
+      backward_by_stages(call, in, kv);
     }
-    kv_->reverse_combine(detail::bytes_of(cspan(dk_attn_)), detail::bytes_of(std::span<E>(replica_)), detail::bytes_of(dk), type);
-    kv_->reverse_combine(detail::bytes_of(cspan(dv_attn_)), detail::bytes_of(std::span<E>(replica_)), detail::bytes_of(dv), type);
+    const detail::StagedTensor q_back[] = {{&q_plan_.reverse, bytes_out(dq_attn_), detail::bytes_of(dq).data()}};
+    exchange_all(call, q_out_, q_back);
+    finish_kv_gradients(call, kv, dk, dv);
   }
 
  private:
   using Tensors = std::span<const detail::StagedTensor>;
-
-  /// Stages > 1 run the staged exchange (dedup keeps the one-stage path).
-  bool staged() const noexcept { return options_.stages > 1 && !options_.dedup; }
-
-  void plan_stages(const RankQkvMetadata& share) {
-    const int me = transport_.rank(), W = transport_.world_size();
-    groups_ = std::min(options_.stages - 1, W - 1);
-    q_plan_ = detail::plan_dispatch(share.q_fwd, share.q_rev, q_token_elems() * sizeof(E), me, W);
-    kv_plan_ = detail::plan_dispatch(share.kv_fwd, share.kv_rev, kv_token_elems() * sizeof(E), me, W);
-    kv_rev_ = share.kv_rev;
-    stage_plan_.build(entries_, share.q_rev, share.kv_rev, me, W, groups_, "ContextParallelAttention");
-    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, &kv_plan_.forward, &kv_plan_.forward};
-    const detail::ExchangePlan* q_fwd[] = {&q_plan_.forward};
-    const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse};
-    const detail::ExchangePlan* kv_rev[] = {&kv_plan_.reverse, &kv_plan_.reverse};
-    fwd_in_.lay_out(fwd_in, me, W, groups_, true);
-    dout_in_.lay_out(q_fwd, me, W, groups_, true);
-    q_out_.lay_out(q_rev, me, W, groups_, false);
-    kv_out_.lay_out(kv_rev, me, W, groups_, false);
-    const std::size_t q_elems = out_attn_.size();
-    acc_.resize(q_elems);
-    out_part_.resize(q_elems);
-    lse_part_.resize(lse_.size());
-    replica_v_.resize(replica_.size());
-    requests_.resize(static_cast<std::size_t>(groups_));
-    kv_requests_.resize(static_cast<std::size_t>(groups_));
-  }
 
   /// Runs a transport call, naming the op's call in front of its error.
   template <class F>
@@ -219,6 +257,17 @@ class ContextParallelAttention {
       detail::rethrow_with_context(detail::concat("ContextParallelAttention::", call, " (rank ", transport_.rank(), " of ",
                                                   transport_.world_size(), "): exchange failed: "));
     }
+  }
+
+  void lay_out_exchanges(int me, int W) {
+    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, &kv_plan_.forward, &kv_plan_.forward};
+    const detail::ExchangePlan* kv_rev[] = {&kv_plan_.reverse, &kv_plan_.reverse};
+    fwd_in_.lay_out(std::span(fwd_in).first(kv_wire_ ? 1 : 3), me, W, groups_, true);
+    dout_in_.lay_out(std::span(fwd_in).first(1), me, W, groups_, true);
+    const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse};
+    q_out_.lay_out(q_rev, me, W, groups_, false);
+    kv_out_.lay_out(kv_wire_ ? std::span<const detail::ExchangePlan* const>() : std::span<const detail::ExchangePlan* const>(kv_rev), me, W,
+                    groups_, false);
   }
 
   /// Posts every stage group of `ex`, after the traffic to this rank itself.
@@ -235,6 +284,7 @@ class ContextParallelAttention {
   /// One exchange of every peer at once, waited for at once.
   void exchange_all(const char* call, detail::StagedExchange& ex, Tensors tensors) {
     detail::StagedExchange::copy_self(tensors);
+    if (transport_.world_size() == 1) return;
     const Request r = exchange(call, [&] { return ex.post(transport_, tensors, detail::StagedExchange::all_groups); });
     exchange(call, [&] { detail::StagedExchange::wait(transport_, r); });
     ex.finish(tensors, detail::StagedExchange::all_groups);
@@ -244,11 +294,7 @@ class ContextParallelAttention {
     return stage_plan_.parts().subspan(pass.begin, pass.end - pass.begin);
   }
 
-  void forward_staged(std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out) {
-    const char* call = "forward";
-    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes_in(q), bytes_out(q_attn_)},
-                                       {&kv_plan_.forward, bytes_in(k), bytes_out(k_attn_)},
-                                       {&kv_plan_.forward, bytes_in(v), bytes_out(v_attn_)}};
+  void forward_by_stages(const char* call, Tensors in) {
     post_groups(call, fwd_in_, in);
     std::fill(acc_.begin(), acc_.end(), 0.0f);
     std::fill(lse_.begin(), lse_.end(), -std::numeric_limits<float>::infinity());
@@ -259,8 +305,6 @@ class ContextParallelAttention {
       for (; next < passes.size() && passes[next].round == round; ++next) attend_forward(parts_of(passes[next]));
     }
     for (std::size_t i = 0; i < acc_.size(); ++i) out_attn_[i] = detail::from_f32<E>(acc_[i]);
-    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes_out(out_attn_), detail::bytes_of(out).data()}};
-    exchange_all(call, q_out_, back);
   }
 
   /// One pass: the kernel's partial output, folded into the running one through the log-sum-exp.
@@ -272,11 +316,7 @@ class ContextParallelAttention {
     }
   }
 
-  void backward_staged(std::span<const E> dout, std::span<E> dq, std::span<E> dk, std::span<E> dv) {
-    const char* call = "backward";
-    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes_in(dout), bytes_out(dout_attn_)}};
-    const detail::StagedTensor kv[] = {{&kv_plan_.reverse, bytes_out(dk_attn_), bytes_out(replica_)},
-                                       {&kv_plan_.reverse, bytes_out(dv_attn_), bytes_out(replica_v_)}};
+  void backward_by_stages(const char* call, Tensors in, Tensors kv) {
     post_groups(call, dout_in_, in);
     std::fill(acc_.begin(), acc_.end(), 0.0f);
     const auto passes = stage_plan_.passes();
@@ -286,21 +326,9 @@ class ContextParallelAttention {
       if (round > 0) await_group(call, dout_in_, in, round - 1);
       for (; next < passes.size() && passes[next].round == round; ++next) attend_backward(parts_of(passes[next]));
       // The KV gradients of a group go home as soon as they are complete, in group order on every rank.
-      for (; posted < groups_ && stage_plan_.kv_ready(posted) <= round; ++posted) {
-        kv_requests_[static_cast<std::size_t>(posted)] = exchange(call, [&] { return kv_out_.post(transport_, kv, posted); });
-      }
+      for (; !kv_wire_ && posted < groups_ && stage_plan_.kv_ready(posted) <= round; ++posted) post_kv_gradients(call, kv, posted);
     }
     for (std::size_t i = 0; i < acc_.size(); ++i) dq_attn_[i] = detail::from_f32<E>(acc_[i]);
-    const detail::StagedTensor q_back[] = {{&q_plan_.reverse, bytes_out(dq_attn_), detail::bytes_of(dq).data()}};
-    exchange_all(call, q_out_, q_back);
-    detail::StagedExchange::copy_self(kv);
-    for (int g = 0; g < groups_; ++g) {
-      exchange(call, [&] { detail::StagedExchange::wait(transport_, kv_requests_[static_cast<std::size_t>(g)]); });
-      kv_out_.finish(kv, g);
-    }
-    const auto width = kv_token_elems();
-    combine_copies<E>(kv_rev_, std::span<const E>(replica_), dk, width);
-    combine_copies<E>(kv_rev_, std::span<const E>(replica_v_), dv, width);
   }
 
   /// One pass: dq shares summed in fp32; dk, dv of the pass's key rows written in place (each key row is in one part).
@@ -313,6 +341,34 @@ class ContextParallelAttention {
         acc_[i] += detail::to_f32(out_part_[i]);
       }
     }
+  }
+
+  /// Posts group `g`'s (or every peer's) KV gradients home.
+  void post_kv_gradients(const char* call, Tensors kv, int g) {
+    const std::size_t slot = g == detail::StagedExchange::all_groups ? 0 : static_cast<std::size_t>(g);
+    if (transport_.world_size() == 1) return;
+    kv_requests_[slot] = exchange(call, [&] { return kv_out_.post(transport_, kv, g); });
+  }
+
+  /// Waits for the KV gradients, adds this rank's own, and sums every copy into dk, dv.
+  void finish_kv_gradients(const char* call, Tensors kv, std::span<E> dk, std::span<E> dv) {
+    const ElementType type = element_type_of<E>();
+    if (kv_wire_) {  // the attention-layout gradients are not needed afterwards
+      exchange(call, [&] { kv_wire_->reverse_combine_in_place(detail::bytes_of(std::span<E>(dk_attn_)), detail::bytes_of(std::span<E>(replica_)), detail::bytes_of(dk), type); });
+      exchange(call, [&] { kv_wire_->reverse_combine_in_place(detail::bytes_of(std::span<E>(dv_attn_)), detail::bytes_of(std::span<E>(replica_)), detail::bytes_of(dv), type); });
+      return;
+    }
+    detail::StagedExchange::copy_self(kv);
+    if (transport_.world_size() > 1) {
+      const int posts = groups_ == 0 ? 1 : groups_;
+      for (int g = 0; g < posts; ++g) {
+        exchange(call, [&] { detail::StagedExchange::wait(transport_, kv_requests_[static_cast<std::size_t>(g)]); });
+        kv_out_.finish(kv, groups_ == 0 ? detail::StagedExchange::all_groups : g);
+      }
+    }
+    const auto width = kv_token_elems();
+    combine_copies<E>(kv_rev_, std::span<const E>(replica_), dk, width);
+    combine_copies<E>(kv_rev_, std::span<const E>(replica_v_), dv, width);
   }
 
   static const std::byte* bytes_in(std::span<const E> s) noexcept { return detail::bytes_of(s).data(); }
@@ -344,45 +400,80 @@ class ContextParallelAttention {
     }
   }
 
-  /// The attention layout must describe what the dispatchers deliver.
+  /// The reverse key-value slice (for the combine), copied into storage kept between plans.
+  void copy_kv_rev(const RankMetadata& m) {
+    const auto copy = [](std::vector<std::int64_t>& to, const std::vector<std::int64_t>& from) { to.assign(from.begin(), from.end()); };
+    kv_rev_.rank = m.rank, kv_rev_.world_size = m.world_size, kv_rev_.has_copies = m.has_copies, kv_rev_.num_copies = m.num_copies;
+    copy(kv_rev_.dst_rank, m.dst_rank);
+    copy(kv_rev_.dst_offset, m.dst_offset);
+    copy(kv_rev_.seq_len, m.seq_len);
+    copy(kv_rev_.num_recv_tokens, m.num_recv_tokens);
+    kv_rev_.num_seqs = m.num_seqs, kv_rev_.num_total_recv_tokens = m.num_total_recv_tokens, kv_rev_.mask_copies = m.mask_copies;
+    for (auto [to, from] : {std::pair{&kv_rev_.seq_recv_mask, &m.seq_recv_mask}, std::pair{&kv_rev_.recv_seq_lens, &m.recv_seq_lens}}) {
+      if (!*from) {
+        to->reset();
+        continue;
+      }
+      if (!*to) to->emplace();
+      copy(**to, **from);
+    }
+  }
+
+  /// The share's layout, copied into storage kept between plans.
+  void copy_layout(const RankAttentionLayout& a) {
+    layout_.seqlens_q.assign(a.seqlens_q.begin(), a.seqlens_q.end());
+    layout_.seqlens_kv.assign(a.seqlens_kv.begin(), a.seqlens_kv.end());
+    layout_.cu_seqlens_q.assign(a.cu_seqlens_q.begin(), a.cu_seqlens_q.end());
+    layout_.cu_seqlens_kv.assign(a.cu_seqlens_kv.begin(), a.cu_seqlens_kv.end());
+    layout_.max_seqlen_q = a.max_seqlen_q;
+    layout_.max_seqlen_kv = a.max_seqlen_kv;
+    layout_.mask = a.mask;
+  }
+
+  /// The attention layout must describe what the exchanges deliver, and the MLP layouts of Q and KV agree.
   void check_layout() const {
-    const auto q_tokens = static_cast<std::int64_t>(q_->required_bytes().attention_bytes / (q_token_elems() * sizeof(E)));
-    const auto kv_tokens = static_cast<std::int64_t>(kv_->required_bytes().attention_bytes / (kv_token_elems() * sizeof(E)));
-    if (layout_.q_tokens() != q_tokens || layout_.kv_tokens() != kv_tokens) {
+    if (layout_.cu_seqlens_q.size() != layout_.cu_seqlens_kv.size()) {
+      fail("share.attn has ", layout_.cu_seqlens_q.size(), " cu_seqlens_q but ", layout_.cu_seqlens_kv.size(), " cu_seqlens_kv");
+    }
+    if (layout_.q_tokens() != q_layout_.attention_tokens() || layout_.kv_tokens() != kv_layout_.attention_tokens()) {
       fail("share.attn holds ", layout_.q_tokens(), " query and ", layout_.kv_tokens(), " key-value tokens, but the share's metadata delivers ",
-           q_tokens, " and ", kv_tokens, " (not one plan's share)");
+           q_layout_.attention_tokens(), " and ", kv_layout_.attention_tokens(), " (not one plan's share)");
+    }
+    if (q_layout_.mlp_tokens() != kv_layout_.mlp_tokens()) {
+      fail("share.q_fwd holds ", q_layout_.mlp_tokens(), " tokens but share.kv_fwd ", kv_layout_.mlp_tokens(), " (not one plan's share)");
     }
   }
 
   void size_buffers() {
     const auto tq = static_cast<std::size_t>(layout_.q_tokens()), tk = static_cast<std::size_t>(layout_.kv_tokens());
-    for (std::vector<E>* b : {&q_attn_, &out_attn_, &dout_attn_, &dq_attn_}) b->resize(tq * q_token_elems());
+    for (std::vector<E>* b : {&q_attn_, &out_attn_, &dout_attn_, &dq_attn_, &out_part_}) b->resize(tq * q_token_elems());
     for (std::vector<E>* b : {&k_attn_, &v_attn_, &dk_attn_, &dv_attn_}) b->resize(tk * kv_token_elems());
-    lse_.resize(tq * static_cast<std::size_t>(shape_.heads_q));
-    replica_.resize(kv_->required_bytes().replica_bytes / sizeof(E));
+    for (std::vector<float>* b : {&lse_, &lse_part_}) b->resize(tq * static_cast<std::size_t>(shape_.heads_q));
+    acc_.resize(tq * q_token_elems());
+    const std::size_t replica_tokens = static_cast<std::size_t>(kv_plan_.reverse.output_tokens);
+    for (std::vector<E>* b : {&replica_, &replica_v_}) b->resize(replica_tokens * kv_token_elems());
   }
 
   T& transport_;
   AttentionShape shape_;
   CpAttentionOptions options_;
   Kernel kernel_;
-  std::optional<Dispatcher<T>> q_, kv_;
+  int groups_ = 0;  // stage groups of remote peers (0: one exchange, no overlap)
+  detail::ExchangeLayout q_layout_, kv_layout_;
+  detail::DispatchPlan q_plan_, kv_plan_;
   std::optional<KvWireDispatcher<T>> kv_wire_;
+  RankMetadata kv_rev_;
   RankAttentionLayout layout_;
   AttentionMask mask_;
   std::vector<AttentionEntry> entries_;
-  std::vector<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_;
-  std::vector<float> lse_;
-  bool forward_done_ = false;
-  // The staged path (stages > 1).
-  int groups_ = 0;
-  detail::DispatchPlan q_plan_, kv_plan_;
-  RankMetadata kv_rev_;
   detail::StagePlan stage_plan_;
   detail::StagedExchange fwd_in_, dout_in_, q_out_, kv_out_;
-  std::vector<float> acc_, lse_part_;  // running fp32 output (forward) or dq (backward); a pass's lse
-  std::vector<E> out_part_, replica_v_;  // a pass's output or dq; dv's replica buffer
+  std::vector<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_, replica_v_;
+  std::vector<E> out_part_;            // a pass's output (forward) or dq (backward)
+  std::vector<float> lse_, lse_part_;  // the merged log-sum-exp; a pass's
+  std::vector<float> acc_;             // the running fp32 output (forward) or dq (backward)
   std::vector<Request> requests_, kv_requests_;
+  bool forward_done_ = false;
 };
 
 }  // namespace cpdispatch

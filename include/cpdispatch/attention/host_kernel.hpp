@@ -83,7 +83,10 @@ inline KeyRange visible_keys(const AttentionMask& mask, std::int64_t j, std::int
   const std::int64_t hi = std::clamp<std::int64_t>(p + 1, 0, kv_len);
   switch (mask.type) {
     case MaskType::full: return {0, kv_len};
-    case MaskType::sliding_window: return {std::clamp<std::int64_t>(p - mask.window + 1, 0, hi), hi};
+    case MaskType::sliding_window: {
+      const std::int64_t w = std::min(mask.window, std::int64_t{1} << 62);  // wider than any entry; no overflow below
+      return {std::clamp<std::int64_t>(p - w + 1, 0, hi), hi};
+    }
     case MaskType::causal: break;
   }
   return {0, hi};

@@ -13,7 +13,9 @@
 // tiled kernels are the fast path on a GPU (the adapter in the docs).
 //
 // Buffers (q, k, v, out, lse, dout, dq, dk, dv) are device memory; the
-// entries are host memory, uploaded on the kernel's stream. Launches are
+// entries are host memory, uploaded on the kernel's stream, which each call
+// synchronises first (so the host copy of the previous upload may be reused;
+// a call therefore cannot be captured into a CUDA graph). Launches are
 // asynchronous on that stream: synchronise it before reading the results
 // on the host. head_dim is at most 256 (per-thread accumulators).
 //
@@ -231,8 +233,10 @@ __global__ void __launch_bounds__(block_threads)
 /// Varlen attention on the device; see the file comment.
 class CudaAttentionKernel {
  public:
+  /// Launches on the legacy default stream.
+  CudaAttentionKernel() = default;
   /// Launches on `stream` (the legacy default stream when null).
-  explicit CudaAttentionKernel(cudaStream_t stream = nullptr) : stream_(stream) {}
+  explicit CudaAttentionKernel(cudaStream_t stream) : stream_(stream) {}
 
   cudaStream_t stream() const noexcept { return stream_; }
 
@@ -329,7 +333,7 @@ class CudaAttentionKernel {
   const std::int64_t* q_offsets() const noexcept { return offsets_.data(); }
   const std::int64_t* kv_offsets() const noexcept { return offsets_.data() + entry_count_ + 1; }
 
-  cudaStream_t stream_;
+  cudaStream_t stream_ = nullptr;
   detail::attention::CallCheck check_;
   std::vector<AttentionEntry> host_entries_;
   std::vector<std::int64_t> host_offsets_;  // query row offsets (n + 1), then key row offsets (n + 1)

@@ -33,6 +33,7 @@
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
+#include "cpdispatch/plan/topology.hpp"
 #include "cpdispatch/tensor.hpp"
 
 namespace cpdispatch {
@@ -535,6 +536,12 @@ inline Plan plan_from_json(const nlohmann::json& j) {
   using detail::fail_at;
   const auto root = detail::JsonPath::root("plan");
   detail::read_object(j, root);
+  if (j.contains("ranks_per_node") || j.contains("nodes")) {  // the network's shape (topology_from_json), not part of the plan
+    nlohmann::json plan = j;
+    plan.erase("ranks_per_node");
+    plan.erase("nodes");
+    return plan_from_json(plan);
+  }
   if (detail::plan_kind_of(j, root) == "query") return detail::read_query_plan(j, root);
   const bool has_ranks = j.contains("ranks"), has_documents = j.contains("documents");
   if (has_ranks && has_documents) fail_at(root, ": has both \"ranks\" and \"documents\" (a qkv plan has one of them)");
@@ -553,6 +560,36 @@ inline bool dedup_requested(const nlohmann::json& j) {
   const nlohmann::json* d = j.is_object() ? detail::member(j, root, "dedup", false) : nullptr;
   if (d && !d->is_boolean()) detail::fail_at(root / "dedup", ": expected true or false, got ", detail::describe(*d));
   return d && d->get<bool>();
+}
+
+/// The topology of a plan or a balance input (docs/node-exchange.md):
+/// `"ranks_per_node": n` (rank r on node r / n) or `"nodes": [node of each
+/// rank]`, never both; nullopt when neither is given. `root_label` names the
+/// document in messages ("plan", "input").
+inline std::optional<Topology> topology_from_json(const nlohmann::json& j, std::int64_t world_size, std::string_view root_label = "plan") {
+  using detail::fail_at;
+  const auto root = detail::JsonPath::root(root_label);
+  if (!j.is_object()) return std::nullopt;
+  const nlohmann::json* per_node = detail::member(j, root, "ranks_per_node", false);
+  const nlohmann::json* nodes = detail::member(j, root, "nodes", false);
+  if (per_node && nodes) fail_at(root, ": has both \"ranks_per_node\" and \"nodes\" (a topology is one of them)");
+  if (per_node) {
+    const std::int64_t n = detail::read_int(*per_node, root / "ranks_per_node");
+    if (n < 1) fail_at(root / "ranks_per_node", " = ", n, " must be at least 1");
+    return Topology::uniform(world_size, n);
+  }
+  if (!nodes) return std::nullopt;
+  const auto path = root / "nodes";
+  std::vector<std::int64_t> of = detail::read_int_vector(*nodes, path);
+  if (of.size() != static_cast<std::size_t>(world_size)) fail_at(path, " has ", detail::entries(of.size()), ", but world_size = ", world_size);
+  for (std::size_t r = 0; r < of.size(); ++r) {
+    if (of[r] < 0 || of[r] >= world_size) fail_at(path[r], " = ", of[r], " is outside [0, ", world_size, ")");
+  }
+  try {
+    return Topology::from_nodes(std::move(of));
+  } catch (const invalid_input& e) {  // a node number that skips one
+    fail_at(path, ": ", e.what());
+  }
 }
 
 /// Metadata from the object to_json writes. `name` is its path in messages

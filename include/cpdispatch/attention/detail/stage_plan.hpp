@@ -30,8 +30,9 @@ class StagePlan {
   /// `groups` stage groups (0: everything in round 0). q_rev and kv_rev are
   /// this rank's reverse slices: entry m came from home dst_rank[m] and the
   /// entries lie back to back in the attention layout.
+  /// `kv_local`: the key-values are all in place before round 0 (they took another exchange).
   void build(std::span<const AttentionEntry> entries, const RankMetadata& q_rev, const RankMetadata& kv_rev, int me, int world_size,
-             int groups, const char* who) {
+             int groups, bool kv_local, const char* who) {
     me_ = me, world_size_ = world_size, groups_ = groups;
     if (q_rev.seq_len.size() != entries.size()) fail(who, ": q_rev has ", q_rev.seq_len.size(), " entries, the attention layout ", entries.size());
     scratch_.clear();
@@ -46,7 +47,7 @@ class StagePlan {
       if (at != entry.kv_start) fail(who, ": KV group ", e, " starts at ", entry.kv_start, " but kv_rev's entries reach ", at);
       while (at < end) {
         if (m >= kv_rev.seq_len.size()) fail(who, ": kv_rev's entries end inside KV group ", e);
-        const int kv_round = round_of(kv_rev.dst_rank[m]);
+        const int kv_round = kv_local ? 0 : round_of(kv_rev.dst_rank[m]);
         const int round = std::max(q_round, kv_round);
         if (kv_round > 0) {
           int& ready = kv_ready_[static_cast<std::size_t>(kv_round - 1)];
@@ -59,6 +60,14 @@ class StagePlan {
     }
     if (m != kv_rev.seq_len.size()) fail(who, ": kv_rev has ", kv_rev.seq_len.size(), " entries, the KV groups hold ", m);
     cut_passes();
+  }
+
+  /// Room for `parts` parts, so that later plans within it allocate nothing.
+  void reserve(std::size_t parts) {
+    for (auto* v : {&rank_in_round_, &order_}) v->reserve(parts);
+    scratch_.reserve(parts);
+    parts_.reserve(parts);
+    passes_.reserve(parts);
   }
 
   std::span<const AttentionEntry> parts() const noexcept { return parts_; }
@@ -103,9 +112,10 @@ class StagePlan {
     }
     order_.resize(scratch_.size());
     for (std::size_t i = 0; i < order_.size(); ++i) order_[i] = i;
-    std::stable_sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) {
+    std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) {  // std::stable_sort would allocate
       if (scratch_[x].round != scratch_[y].round) return scratch_[x].round < scratch_[y].round;
-      return rank_in_round_[x] < rank_in_round_[y];
+      if (rank_in_round_[x] != rank_in_round_[y]) return rank_in_round_[x] < rank_in_round_[y];
+      return x < y;
     });
     parts_.clear();
     passes_.clear();

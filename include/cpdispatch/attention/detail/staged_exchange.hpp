@@ -71,6 +71,12 @@ class StagedExchange {
     counts_.assign(2 * W, 0);
   }
 
+  /// Staging for up to `send` and `recv` bytes.
+  void reserve(std::size_t send, std::size_t recv) {
+    if (send_staging_.size() < send) send_staging_.resize(send);
+    if (recv_staging_.size() < recv) recv_staging_.resize(recv);
+  }
+
   /// Copies the traffic to this rank itself (no transport call).
   static void copy_self(std::span<const StagedTensor> tensors) {
     for (const StagedTensor& t : tensors) {

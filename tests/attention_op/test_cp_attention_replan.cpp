@@ -1,0 +1,134 @@
+// ContextParallelAttention::replan over 20 steps of changing plans: every
+// step equals whole-document attention, and once reserve() has sized the op
+// for the largest plan, replan, forward and backward allocate nothing. This
+// program replaces the global operator new to count each rank thread's
+// allocations while its op runs (the test kernel's own are not counted).
+
+// GCC sees malloc'd memory reach std::free through the replaced operators
+// and, inlining them into the library's deallocations, calls it a mismatch.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "attention_op/run_op.hpp"
+#include "cpdispatch/plan/generate.hpp"
+
+namespace {
+
+thread_local bool counting = false;
+thread_local std::size_t allocations = 0;
+
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (counting) ++allocations;
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+using attention_test::CpWorld;
+using cpdispatch::AttentionShape;
+
+/// ExactKernel with counting paused: the op's allocations are under test, not the kernel's.
+struct UncountedKernel {
+  attention_test::ExactKernel inner;
+  template <class... Args>
+  void forward(Args&&... args) {
+    const bool was = std::exchange(counting, false);
+    inner.forward(std::forward<Args>(args)...);
+    counting = was;
+  }
+  template <class... Args>
+  void backward(Args&&... args) {
+    const bool was = std::exchange(counting, false);
+    inner.backward(std::forward<Args>(args)...);
+    counting = was;
+  }
+};
+static_assert(cpdispatch::AttentionKernel<UncountedKernel, float>);
+
+constexpr int W = 3, steps = 20;
+const AttentionShape shape{2, 1, 4, 0.5f};
+
+cpdispatch::QkvDocumentsPlan step_plan(int step) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = W;
+  o.num_documents = 2 + step % 4;
+  o.max_shards = 3;
+  o.max_len = 3 + step % 3;
+  o.max_cp_degree = 3;
+  return cpdispatch::random_documents_plan(o, 700 + static_cast<std::uint64_t>(step));
+}
+
+/// The largest plan of the steps, per rank.
+cpdispatch::CpAttentionCapacity capacity_of(const std::vector<cpdispatch::QkvDocumentsPlan>& plans, int rank) {
+  cpdispatch::CpAttentionCapacity c;
+  for (const auto& plan : plans) {
+    const auto s = cpdispatch::plan_qkv_for_rank(plan, rank);
+    const auto n = [](std::size_t x) { return static_cast<std::int64_t>(x); };
+    c.mlp_tokens = std::max(c.mlp_tokens, s.q_fwd.send_tokens());
+    c.q_tokens = std::max(c.q_tokens, s.attn.q_tokens());
+    c.kv_tokens = std::max(c.kv_tokens, s.attn.kv_tokens());
+    c.shards = std::max({c.shards, n(s.q_fwd.seq_len.size()), n(s.q_rev.seq_len.size()), n(s.kv_rev.seq_len.size())});
+    c.copies = std::max(c.copies, n(s.kv_fwd.num_copies));
+  }
+  return c;
+}
+
+class CpAttentionReplan : public testing::TestWithParam<int> {};
+
+TEST_P(CpAttentionReplan, TwentyChangingStepsEqualTheReferenceAndAllocateNothingAfterReserve) {
+  const int stages = GetParam();
+  std::vector<cpdispatch::QkvDocumentsPlan> plans;
+  std::vector<CpWorld> worlds;
+  for (int s = 0; s < steps; ++s) {
+    plans.push_back(step_plan(s));
+    worlds.emplace_back(plans.back(), shape, cpdispatch::AttentionMask::causal(), 800 + static_cast<std::uint64_t>(s), attention_test::round_to<float>);
+  }
+  std::vector<std::vector<attention_test::RankResult>> results(steps, std::vector<attention_test::RankResult>(W));
+  std::vector<std::vector<std::size_t>> counted(steps, std::vector<std::size_t>(W));
+  cpdispatch::SimWorld sim(W, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) {
+    const auto r = static_cast<std::size_t>(t.rank());
+    cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, UncountedKernel> op(
+        t, cpdispatch::plan_qkv_for_rank(plans[0], t.rank()), shape, {false, stages});
+    op.reserve(capacity_of(plans, t.rank()));
+    for (int s = 0; s < steps; ++s) {
+      const auto share = cpdispatch::plan_qkv_for_rank(plans[static_cast<std::size_t>(s)], t.rank());
+      const attention_test::RankTensors x = worlds[static_cast<std::size_t>(s)].tensors(r);
+      std::vector<float> out(x.q.size()), dq(x.q.size()), dk(x.k.size()), dv(x.v.size());
+      allocations = 0;
+      counting = true;
+      op.replan(share);
+      op.forward(x.q, x.k, x.v, out);
+      op.backward(x.dout, dq, dk, dv);
+      counting = false;
+      counted[static_cast<std::size_t>(s)][r] = allocations;
+      results[static_cast<std::size_t>(s)][r] = {out, dq, dk, dv, std::vector<float>(op.lse().begin(), op.lse().end()), share.q_rev};
+    }
+  });
+  for (int s = 0; s < steps; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    worlds[static_cast<std::size_t>(s)].expect_equal(results[static_cast<std::size_t>(s)], 1e-5);
+    // The first step may allocate in the transport (the sim's list of posted exchanges grows once).
+    if (s == 0) continue;
+    for (int r = 0; r < W; ++r) EXPECT_EQ(counted[static_cast<std::size_t>(s)][static_cast<std::size_t>(r)], 0u) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, CpAttentionReplan, testing::Values(1, 3),
+                         [](const testing::TestParamInfo<int>& info) { return "s" + std::to_string(info.param); });
+
+}  // namespace
