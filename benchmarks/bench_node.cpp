@@ -5,8 +5,10 @@
 // BM_InterNodeTokens: counters `flat`, `dedup`, `node_level` (KV tokens that
 // cross nodes, summed over the batches), `node_over_dedup` = node_level /
 // dedup, `inside` (the node-level exchange's tokens between ranks of one
-// node), `q_inter_node` (query tokens that cross nodes). Benchmark time: one
-// plan_node_wire. Plans:
+// node), `q_inter_node` (query tokens that cross nodes), `max_over_mean`
+// (the worst batch's attention balance). Benchmark time: one plan_node_wire.
+// `topology` 1: balanced by plan_balanced with the topology (relabelled
+// attention ranks, shards moved into their home's node). Plans:
 //   zigzag:   each rank's document cut into 2W chunks, chunk i attended on
 //             rank min(i, 2W-1-i) (Megatron-LM / TransformerEngine causal balancing);
 //   prolong, wlbllm: packed batches drawn from the samples in data/
@@ -30,6 +32,7 @@
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/topology.hpp"
+#include "cpdispatch/plan/topology_balance.hpp"
 #include "cpdispatch/plan/workload.hpp"
 
 namespace {
@@ -67,7 +70,7 @@ std::vector<I> sample(const std::string& name) {
   return nlohmann::json::parse(in).get<std::vector<I>>();
 }
 
-std::vector<cpdispatch::QkvMetadata> plans_of(const std::string& kind, I W) {
+std::vector<cpdispatch::QkvMetadata> plans_of(const std::string& kind, I W, bool placed, double& worst_ratio) {
   if (kind == "zigzag") return {cpdispatch::plan_qkv(zigzag(W, 2 * W * 64))};
   const std::vector<I> lengths = sample(kind);
   std::vector<cpdispatch::QkvMetadata> plans;
@@ -76,15 +79,20 @@ std::vector<cpdispatch::QkvMetadata> plans_of(const std::string& kind, I W) {
     p.world_size = W;
     p.max_cp_degree = kC;
     p.documents = cpdispatch::draw_workload(lengths, W, kTokensPerRank, static_cast<std::uint64_t>(seed));
-    plans.push_back(cpdispatch::plan_qkv(cpdispatch::plan_balanced(p)));
+    const cpdispatch::QkvDocumentsPlan plan =
+        placed ? cpdispatch::plan_balanced(p, {}, cpdispatch::Topology::uniform(W, kRanksPerNode)) : cpdispatch::plan_balanced(p);
+    worst_ratio = std::max(worst_ratio, cpdispatch::plan_cost(plan).max_over_mean());
+    plans.push_back(cpdispatch::plan_qkv(plan));
   }
   return plans;
 }
 
 void BM_InterNodeTokens(benchmark::State& state, std::string kind) {
   const I W = state.range(0);
+  const bool placed = state.range(1) != 0;
   const cpdispatch::Topology topology = cpdispatch::Topology::uniform(W, kRanksPerNode);
-  const std::vector<cpdispatch::QkvMetadata> metas = plans_of(kind, W);
+  double worst_ratio = 0;
+  const std::vector<cpdispatch::QkvMetadata> metas = plans_of(kind, W, placed, worst_ratio);
   cpdispatch::NodeTokenCounts sum;
   I q = 0;
   for (const auto& m : metas) {
@@ -106,11 +114,12 @@ void BM_InterNodeTokens(benchmark::State& state, std::string kind) {
   state.counters["node_over_dedup"] = sum.dedup ? static_cast<double>(sum.node_level) / static_cast<double>(sum.dedup) : 1.0;
   state.counters["inside"] = static_cast<double>(sum.inside);
   state.counters["q_inter_node"] = static_cast<double>(q);
+  state.counters["max_over_mean"] = worst_ratio;
 }
 
-BENCHMARK_CAPTURE(BM_InterNodeTokens, zigzag, std::string("zigzag"))->ArgName("W")->Arg(16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_InterNodeTokens, prolong, std::string("prolong"))->ArgName("W")->Arg(16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_InterNodeTokens, wlbllm, std::string("wlbllm"))->ArgName("W")->Arg(16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_InterNodeTokens, zigzag, std::string("zigzag"))->ArgNames({"W", "topology"})->ArgsProduct({{16, 64, 256}, {0}})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_InterNodeTokens, prolong, std::string("prolong"))->ArgNames({"W", "topology"})->ArgsProduct({{16, 64, 256}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_InterNodeTokens, wlbllm, std::string("wlbllm"))->ArgNames({"W", "topology"})->ArgsProduct({{16, 64, 256}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
