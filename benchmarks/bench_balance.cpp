@@ -23,6 +23,12 @@
 // both plans' key-value tokens on the wire when run deduplicated (counted by
 // plan_kv_wire, docs/plan-format.md section 2c), their ratio, and both
 // imbalances. plan_balanced_dedup/... times planning with the option.
+//
+// A third table balances the C = 16 rows under each attention mask (causal,
+// a sliding window of 4096 tokens, full; docs/plan-format.md section 2d):
+// imbalance against the mask's own lower bound, and the key-value bytes the
+// mask sends, next to the zig-zag baseline's under the same mask.
+// plan_balanced_mask/<mask>/... times planning under the mask.
 
 #include <benchmark/benchmark.h>
 
@@ -169,6 +175,48 @@ void bm_plan_balanced_dedup(benchmark::State& state, Config c) {
   }
 }
 
+const cpdispatch::AttentionMask kMasks[] = {cpdispatch::AttentionMask::causal(), cpdispatch::AttentionMask::sliding_window(4096),
+                                            cpdispatch::AttentionMask::full()};
+
+/// One batch under one mask: balanced and zig-zag, each against the bound.
+struct MaskQuality {
+  double ours = 0, zigzag = 0;  // max rank cost / bound
+  I ours_kv = 0, zigzag_kv = 0;  // key-value bytes sent
+};
+std::map<std::string, std::vector<MaskQuality>> mask_quality;  // mask_name -> per batch
+
+std::string mask_name(const Config& c, const cpdispatch::AttentionMask& m) {
+  return "plan_balanced_mask/" + to_string(m) + c.name().substr(std::string("plan_balanced").size());
+}
+
+cpdispatch::BalanceProblem with_mask(cpdispatch::BalanceProblem p, const cpdispatch::AttentionMask& m) {
+  p.mask = m;
+  return p;
+}
+
+void measure_mask(const Config& c, const cpdispatch::AttentionMask& m) {
+  auto& q = mask_quality[mask_name(c, m)];
+  if (!q.empty()) return;
+  for (const auto& batch : batches_of(c)) {
+    const cpdispatch::BalanceProblem p = with_mask(batch, m);
+    const double bound = cpdispatch::balance_lower_bound(p);
+    const auto ours = cpdispatch::plan_cost(cpdispatch::plan_balanced(p), p.q_bytes, p.kv_bytes);
+    const auto zigzag = cpdispatch::plan_cost(cpdispatch::plan_zigzag(p), p.q_bytes, p.kv_bytes);
+    q.push_back({static_cast<double>(ours.max_attention()) / bound, static_cast<double>(zigzag.max_attention()) / bound, ours.kv_bytes,
+                 zigzag.kv_bytes});
+  }
+}
+
+void bm_plan_balanced_mask(benchmark::State& state, Config c, cpdispatch::AttentionMask m) {
+  const auto& bs = batches_of(c);
+  measure_mask(c, m);
+  std::size_t i = 0;
+  for (auto _ : state) {
+    cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(with_mask(bs[i++ % bs.size()], m));
+    benchmark::DoNotOptimize(plan);
+  }
+}
+
 /// Captures each benchmark's CPU and real time per plan for the table: the
 /// median over --benchmark_repetitions when repeated.
 class Reporter : public benchmark::ConsoleReporter {
@@ -276,6 +324,33 @@ void print_dedup_table(const std::vector<Config>& configs, const Reporter& rep) 
   }
 }
 
+/// Per mask: imbalance of ours and zig-zag, and the key-value bytes each sends.
+void print_mask_table(const std::vector<Config>& configs, const Reporter& rep) {
+  std::printf("\nBalancing under each attention mask, %d batches per row (C = 16 rows). Imbalance = largest rank cost / the mask's lower\n"
+              "bound (median, max); KV GB: key-value bytes the mask sends (median), ours and zig-zag under the same mask.\n\n",
+              kBatches);
+  std::printf("| workload | W | tokens/rank | mask | ours (max) | zig-zag (max) | KV GB ours | KV GB zig-zag | time ms CPU |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (const Config& c : configs) {
+    for (const cpdispatch::AttentionMask& m : kMasks) {
+      auto it = mask_quality.find(mask_name(c, m));
+      if (it == mask_quality.end()) continue;
+      std::vector<double> ours, zigzag, ok, zk;
+      for (const MaskQuality& b : it->second) {
+        ours.push_back(b.ours);
+        zigzag.push_back(b.zigzag);
+        ok.push_back(static_cast<double>(b.ours_kv));
+        zk.push_back(static_cast<double>(b.zigzag_kv));
+      }
+      char time[32] = "-";
+      if (const auto t = rep.times.find(mask_name(c, m)); t != rep.times.end()) std::snprintf(time, sizeof time, "%.2f", t->second.cpu_ms);
+      std::printf("| %s | %lld | %s | %s | %.3f (%.3f) | %.3f (%.3f) | %.2f | %.2f | %s |\n", c.sample.c_str(), static_cast<long long>(c.world),
+                  tokens_text(c.tokens).c_str(), to_string(m).c_str(), median(ours), most(ours), median(zigzag), most(zigzag), median(ok) / 1e9,
+                  median(zk) / 1e9, time);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -290,11 +365,16 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(c.name().c_str(), bm_plan_balanced, c)->Unit(benchmark::kMillisecond);
     const std::string dedup = "plan_balanced_dedup" + c.name().substr(std::string("plan_balanced").size());
     benchmark::RegisterBenchmark(dedup.c_str(), bm_plan_balanced_dedup, c)->Unit(benchmark::kMillisecond);
+    if (c.C != 16) continue;
+    for (const cpdispatch::AttentionMask& m : kMasks) {
+      benchmark::RegisterBenchmark(mask_name(c, m).c_str(), bm_plan_balanced_mask, c, m)->Unit(benchmark::kMillisecond);
+    }
   }
   Reporter rep;
   benchmark::RunSpecifiedBenchmarks(&rep);
   print_table(configs, rep);
   print_dedup_table(configs, rep);
+  print_mask_table(configs, rep);
   benchmark::Shutdown();
   return 0;
 }

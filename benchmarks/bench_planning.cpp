@@ -133,6 +133,37 @@ void count_entries(benchmark::State& state, double entries) {
   state.counters["entries/s"] = benchmark::Counter(entries, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// Per-rank planning (reused storage) under each attention mask (mask 0:
+/// causal, 1: full, 2: a window of 4096 tokens, 3: a window of 512): the
+/// needed ranges change the KV copies, so "kv_entries" counts what each mask
+/// places (the KV groups of every query shard).
+void BM_PlanQkvForRankMask(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
+  const cpdispatch::AttentionMask masks[] = {cpdispatch::AttentionMask::causal(), cpdispatch::AttentionMask::full(),
+                                             cpdispatch::AttentionMask::sliding_window(4096), cpdispatch::AttentionMask::sliding_window(512)};
+  plan.mask = masks[state.range(1)];
+  state.SetLabel(to_string(plan.mask));
+  cpdispatch::RankQkvMetadata mine;
+  cpdispatch::RankPlanWorkspace workspace;
+  for (auto _ : state) {
+    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
+    benchmark::DoNotOptimize(mine);
+    benchmark::ClobberMemory();
+  }
+  double kv_entries = 0;
+  cpdispatch::detail::DocumentRanges need;
+  for (const auto& rank : plan.ranks)
+    for (const auto& doc : rank.docs) {
+      need.compute(plan.mask, doc.shard_len.data(), doc.shard_len.size());
+      for (std::size_t i = 0; i < doc.shard_len.size(); ++i) kv_entries += static_cast<double>(need.hi[i] - need.lo[i] + 1);
+    }
+  state.counters["kv_entries"] = benchmark::Counter(kv_entries);
+  state.counters["kv_tokens_at_rank"] = benchmark::Counter(static_cast<double>(mine.kv_fwd.num_total_recv_tokens));
+}
+
+BENCHMARK(BM_PlanQkvForRankMask)->ArgNames({"W", "mask"})->ArgsProduct({{1024, 16384}, {0, 1, 2, 3}})->Unit(benchmark::kMillisecond);
+
 /// Per-rank planning every step into the same output and workspace (the
 /// storage-reusing overload), against BM_PlanQkvForRank's fresh result.
 void BM_PlanQkvForRankReuse(benchmark::State& state) {

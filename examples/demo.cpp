@@ -65,6 +65,7 @@ struct Options {
   std::int64_t max_cp = 8;     // most shards per document (raised to the widest span of a document)
   std::int64_t hidden = 128;   // bfloat16 elements per token
   std::uint64_t seed = 42;
+  cpdispatch::AttentionMask mask;  // causal unless --mask says otherwise
   std::string lengths;         // JSON array of document lengths; empty: data/prolong.json (unless --docs)
   bool help = false;
 };
@@ -87,6 +88,9 @@ options (--name value or --name=value):
                        the most ranks one document spans)
   -H, --hidden N       bfloat16 elements per token (default 128: 256-byte tokens)
   -s, --seed N         seed of the batch and the data (default 42)
+  -m, --mask M         attention mask: causal (default), full, or window:N (a
+                       sliding window of N tokens); balancing and the KV
+                       exchange follow it
   -h, --help           this text
 
 exit status: 0 all checks passed, 1 a check failed, 2 bad options
@@ -104,6 +108,18 @@ Int parse_int(std::string_view name, std::string_view text) {
     throw UsageError{std::string(name) + " expects an integer, got '" + std::string(text) + "'"};
   }
   return value;
+}
+
+/// causal, full, or window:N.
+cpdispatch::AttentionMask parse_mask(std::string_view text) {
+  if (text == "causal") return cpdispatch::AttentionMask::causal();
+  if (text == "full") return cpdispatch::AttentionMask::full();
+  if (text.starts_with("window:")) {
+    const auto w = parse_int<std::int64_t>("--mask window:N", text.substr(7));
+    if (w < 1) throw UsageError{"--mask window:N needs N >= 1, got " + std::to_string(w)};
+    return cpdispatch::AttentionMask::sliding_window(w);
+  }
+  throw UsageError{"--mask expects causal, full or window:N, got '" + std::string(text) + "'"};
 }
 
 Options parse_options(int argc, char** argv) {
@@ -134,6 +150,7 @@ Options parse_options(int argc, char** argv) {
     } else if (arg == "-c" || arg == "--max-cp") o.max_cp = parse_int<std::int64_t>("--max-cp", next());
     else if (arg == "-H" || arg == "--hidden") o.hidden = parse_int<std::int64_t>("--hidden", next());
     else if (arg == "-s" || arg == "--seed") o.seed = parse_int<std::uint64_t>("--seed", next());
+    else if (arg == "-m" || arg == "--mask") o.mask = parse_mask(next());
     else throw UsageError{"unknown option '" + std::string(argv[i]) + "' (see --help)"};
   }
   if (o.help) return o;
@@ -310,6 +327,7 @@ Batch plan_batch(const Options& o, const Sample& sample) {
   // A shard never crosses a piece boundary: a document over n ranks needs n shards.
   b.problem.max_cp_degree = std::max(o.max_cp, static_cast<std::int64_t>(cpdispatch::widest_span(b.problem.documents)));
   b.problem.q_bytes = b.problem.kv_bytes = o.hidden * static_cast<std::int64_t>(sizeof(bfloat16));
+  b.problem.mask = o.mask;
   const auto t0 = std::chrono::steady_clock::now();
   b.plan = cpdispatch::plan_balanced(b.problem);
   b.meta = cpdispatch::plan_qkv(b.plan);
@@ -345,7 +363,7 @@ void print_batch(const Options& o, const Sample& sample, const Batch& b) {
   std::printf("cpdispatch %s demo: %lld ranks x %lld tokens, %zu-byte tokens (bf16 x %lld), seed %llu\n", cpdispatch::version_string,
               static_cast<long long>(o.world_size), static_cast<long long>(o.tokens), static_cast<std::size_t>(o.hidden) * sizeof(bfloat16),
               static_cast<long long>(o.hidden), static_cast<unsigned long long>(o.seed));
-  std::printf("lengths: %s\n", sample.name.c_str());
+  std::printf("lengths: %s; mask %s\n", sample.name.c_str(), to_string(o.mask).c_str());
   std::printf("packed batch: %zu documents, %zu of them span ranks (up to %zu ranks); at most %lld shards per document\n",
               docs.size(), cpdispatch::spanning_documents(docs), cpdispatch::widest_span(docs),
               static_cast<long long>(b.problem.max_cp_degree));
@@ -426,9 +444,19 @@ void check_metadata_and_copies(Checker& check, const cpdispatch::QkvMetadata& me
   }
 }
 
+/// The needed ranges and users of one document's shards under `mask`.
+cpdispatch::detail::DocumentRanges ranges_of(const std::vector<ShardAt>& doc, const cpdispatch::AttentionMask& mask) {
+  std::vector<std::int64_t> len;
+  for (const ShardAt& s : doc) len.push_back(s.len);
+  cpdispatch::detail::DocumentRanges r;
+  r.compute(mask, len.data(), len.size());
+  return r;
+}
+
 // From the plan alone: at each attention rank, query shards arrive in order of
-// (home rank, place there); each is its own tokens, and its KV group is its
-// document's shards 0..i gathered from their homes, in order.
+// (home rank, place there); each is its own tokens, and its KV group is the
+// document's shards it needs under the mask (0..i when causal) gathered from
+// their homes, in order.
 void check_attention_layout(Checker& check, const cpdispatch::QkvMetadata& meta, const std::vector<std::vector<ShardAt>>& places,
                             const Run& x) {
   const auto W = static_cast<std::size_t>(meta.q_fwd.world_size);
@@ -445,7 +473,8 @@ void check_attention_layout(Checker& check, const cpdispatch::QkvMetadata& meta,
       const ShardAt& q = *arrivals[d][m];
       check.same(x.q_attn[d], cu_q[m], x.q_in[q.home], q.offset, q.len, "attention query " + at(d, m));
       std::int64_t kv_at = cu_kv[m];
-      for (std::size_t k = 0; k <= q.index; ++k) {
+      const cpdispatch::detail::DocumentRanges need = ranges_of(places[q.doc], meta.attn.mask);
+      for (std::size_t k = need.lo[q.index]; k <= need.hi[q.index]; ++k) {
         const ShardAt& kv = places[q.doc][k];
         check.same(x.kv_attn[d], kv_at, x.kv_in[kv.home], kv.offset, kv.len, "attention KV group " + at(d, m) + " shard " + std::to_string(k));
         kv_at += kv.len;
@@ -455,13 +484,16 @@ void check_attention_layout(Checker& check, const cpdispatch::QkvMetadata& meta,
   }
 }
 
-// Each KV shard k of an n-shard document has n - k copies: its combined
-// gradient is its source times n - k. Returns the replica tokens summed.
-std::int64_t check_combine(Checker& check, const std::vector<std::vector<ShardAt>>& places, const Run& x, std::size_t H) {
+// Each KV shard has one copy per query shard that needs it (n - k of an
+// n-shard document when causal): its combined gradient is its source times
+// that count. Returns the replica tokens summed.
+std::int64_t check_combine(Checker& check, const std::vector<std::vector<ShardAt>>& places, const Run& x, std::size_t H,
+                           const cpdispatch::AttentionMask& mask) {
   std::int64_t combined = 0;
   for (const auto& doc : places) {
+    const cpdispatch::detail::DocumentRanges need = ranges_of(doc, mask);
     for (const ShardAt& s : doc) {
-      const auto copies = static_cast<float>(doc.size() - s.index);
+      const auto copies = static_cast<float>(need.users(s.index));
       const std::size_t begin = static_cast<std::size_t>(s.offset) * H, end = begin + static_cast<std::size_t>(s.len) * H;
       std::size_t bad = end;
       for (std::size_t i = begin; i < end && bad == end; ++i)
@@ -519,7 +551,7 @@ int run_demo(const Options& o) {
   Checker check(H);
   check_metadata_and_copies(check, batch.meta, x);
   check_attention_layout(check, batch.meta, places, x);
-  const std::int64_t combined = check_combine(check, places, x, H);
+  const std::int64_t combined = check_combine(check, places, x, H, o.mask);
   print_table(batch, places);
   print_throughput(x, combined, H);
   if (check.failures() > 0) {

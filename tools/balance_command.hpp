@@ -24,8 +24,8 @@ constexpr std::string_view balance_usage = R"(Usage: cpdispatch-plan balance [FI
 
 Reads a batch of documents and writes a load-balanced qkv plan (JSON, the
 format cpdispatch-plan reads): documents are cut into at most C contiguous
-shards and attended where the largest per-rank causal attention cost (token
-pairs) is smallest, then where the fewest bytes move.
+shards and attended where the largest per-rank attention cost ((query, key)
+pairs the mask lets through) is smallest, then where the fewest bytes move.
 
 Input (FILE, or standard input when FILE is - or absent): a packed batch,
   {"world_size": W, "max_cp_degree": C,
@@ -37,6 +37,9 @@ Input (FILE, or standard input when FILE is - or absent): a packed batch,
                                                    KV tokens a rank may hold)
    "q_bytes": 1, "kv_bytes": 1,                   (optional: bytes per query and
                                                    per key-value token)
+   "mask": {"type": "causal"},                    (optional: or {"type": "full"},
+                                                   {"type": "sliding_window",
+                                                   "window": w}; the plan carries it)
    "dedup": false,                                (optional: as --dedup)
    "ranks_per_node": 8,                           (optional, or "nodes": [node of each
                                                    rank]: balance for the topology, see
@@ -125,7 +128,7 @@ inline cpdispatch::BalanceProblem balance_problem_from_json(const nlohmann::json
   const auto root = JsonPath::root("input");
   read_object(j, root);
   check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes", "dedup",
-                                                "ranks_per_node", "nodes", "inter_node_ratio"});
+                                                "ranks_per_node", "nodes", "inter_node_ratio", "mask"});
   cpdispatch::BalanceProblem p;
   p.world_size = read_world_size(j, root, true);
   const auto W = static_cast<std::size_t>(p.world_size);
@@ -140,6 +143,7 @@ inline cpdispatch::BalanceProblem balance_problem_from_json(const nlohmann::json
   p.max_cp_degree = at_least("max_cp_degree", 1, true, 1);
   p.q_bytes = at_least("q_bytes", 0, false, 1);
   p.kv_bytes = at_least("kv_bytes", 0, false, 1);
+  p.mask = read_plan_mask(j, root);
   const nlohmann::json* documents = member(j, root, "documents", false);
   const nlohmann::json* ranks = member(j, root, "ranks", false);
   if (documents && ranks) fail_at(root, ": both \"documents\" and \"ranks\" are given; a balance input has one of them");

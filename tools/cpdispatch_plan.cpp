@@ -56,6 +56,11 @@ Plans ("kind" is optional: "ranks" or "documents" mean qkv, "seq_len" query):
   {"kind": "query", "world_size": W, "seq_len": [[...]], "dispatch": [[...]] or [[[...]]]}
 A qkv plan has "ranks" (each document on one rank) or "documents" (each
 shard with its home rank "rank", so a document may span ranks), never both.
+It may have "mask": {"type": "causal"} (the default), {"type": "full"} or
+{"type": "sliding_window", "window": w} (a query sees itself and the w - 1
+keys before it); the mask decides which KV shards each query needs, and the
+output carries it as attn.mask. "max_cp_degree" defaults to the most query
+shards that need one KV shard.
 Unknown keys are errors, so a misspelt optional key is never ignored.
 Output: {"q_fwd", "q_rev", "kv_fwd", "kv_rev", "attn"} for a qkv plan,
 {"fwd", "rev"} for a query plan; each metadata object has dst_rank,
@@ -64,7 +69,9 @@ dst_offset, seq_len, num_recv_tokens, num_seqs, seq_recv_mask, recv_seq_lens.
 Options:
   --summary   instead of JSON, a per-rank table (shards, tokens, query tokens
               sent off-rank and received, KV tokens received; for a qkv plan
-              also the attention cost, in causal token pairs; for a plan in
+              also the attention cost, in (query, key) pairs the mask lets
+              through, and KV tokens as the mask sends them (a mask other
+              than causal is named in the first line); for a plan in
               documents form also "spanning": the rank's shards that belong
               to documents continuing on other ranks) and the max/mean
               imbalance of received tokens and of attention cost
@@ -72,7 +79,7 @@ Options:
               {"rank": R, "q_fwd", "q_rev", "kv_fwd", "kv_rev": slice, "attn"}
               ({"rank", "fwd", "rev"} for a query plan); a slice is rank R's
               row of each metadata object, without padding, "attn" its
-              seqlens_q/kv, cu_seqlens_q/kv and max_seqlen_q/kv
+              seqlens_q/kv, cu_seqlens_q/kv, max_seqlen_q/kv and mask
   --svg FILE  also write a picture of a qkv plan to FILE (SVG): tokens sent
               between ranks, and attention cost per rank (and with every
               document at home, when that differs)
@@ -185,7 +192,7 @@ std::vector<std::int64_t> attention_per_rank(const cpdispatch::AttentionLayout& 
   for (std::size_t d = 0; d < cost.size(); ++d) {
     for (std::size_t i = 0; i < attn.seqlens_q[d].size(); ++i) {
       const std::int64_t q = attn.seqlens_q[d][i];
-      const std::int64_t pairs = cpdispatch::attention_cost(attn.seqlens_kv[d][i] - q, q);
+      const std::int64_t pairs = cpdispatch::entry_pairs(attn.mask, q, attn.seqlens_kv[d][i]);
       if (__builtin_add_overflow(cost[d], pairs, &cost[d])) cpdispatch::detail::fail("summary: attention cost of rank ", d, " overflows 64 bits");
     }
   }
@@ -221,7 +228,10 @@ std::string summary_head(const cpdispatch::Metadata& q, const cpdispatch::QkvMet
   std::ostringstream head;
   const auto W = static_cast<std::size_t>(q.world_size);
   if (qkv) {
-    head << "qkv plan: world_size " << W << ", max_cp_degree " << qkv->kv_fwd.num_copies() << '\n';
+    head << "qkv plan: world_size " << W << ", max_cp_degree " << qkv->kv_fwd.num_copies();
+    // The causal default goes unsaid, so the summaries of causal plans read as they always have.
+    if (qkv->attn.mask != cpdispatch::AttentionMask::causal()) head << ", mask " << cpdispatch::to_string(qkv->attn.mask);
+    head << '\n';
   } else if (q.has_copies()) {
     head << "query plan: world_size " << W << ", dispatch [W][S][C] with C = " << q.num_copies() << '\n';
   } else {
@@ -232,7 +242,7 @@ std::string summary_head(const cpdispatch::Metadata& q, const cpdispatch::QkvMet
 
 /// Per rank: its shards and tokens (MLP layout), query tokens it sends to
 /// other ranks and query (and KV) tokens it receives, and for a qkv plan the
-/// attention cost (causal token pairs) and, in documents form, its shards of
+/// attention cost ((query, key) pairs the mask lets through) and, in documents form, its shards of
 /// documents that span ranks; then the imbalance.
 std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::Plan& plan) {
   const auto* qkv = std::get_if<cpdispatch::QkvMetadata>(&planned);

@@ -138,6 +138,7 @@ TEST(CpAttentionReproducible, OneStageIsBitwiseEqualRunToRun) {
     for (auto m : {&attention_test::RankResult::out, &attention_test::RankResult::dq, &attention_test::RankResult::dk,
                    &attention_test::RankResult::dv}) {
       ASSERT_EQ((a[r].*m).size(), (b[r].*m).size());
+      if ((a[r].*m).empty()) continue;  // an idle rank
       EXPECT_EQ(0, std::memcmp((a[r].*m).data(), (b[r].*m).data(), (a[r].*m).size() * sizeof(float))) << "rank " << r;
     }
   }

@@ -87,7 +87,7 @@ inline I total_packed_cost(const cpdispatch::BalanceProblem& p) {
   for (const auto& doc : p.documents) {
     I len = 0;
     for (const auto& pc : doc) len += pc.len;
-    total += len * (len + 1) / 2;
+    total += cpdispatch::attention_pairs(p.mask, 0, len, len);  // len (len + 1) / 2 when causal
   }
   return total;
 }

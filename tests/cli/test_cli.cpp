@@ -271,7 +271,8 @@ json expected_rank_json(const std::string& plan_text, std::int64_t r) {
   const auto u = static_cast<std::size_t>(r);
   const json attn = {{"seqlens_q", m.attn.seqlens_q[u]},       {"seqlens_kv", m.attn.seqlens_kv[u]},
                      {"cu_seqlens_q", m.attn.cu_seqlens_q[u]}, {"cu_seqlens_kv", m.attn.cu_seqlens_kv[u]},
-                     {"max_seqlen_q", m.attn.max_seqlen_q[u]}, {"max_seqlen_kv", m.attn.max_seqlen_kv[u]}};
+                     {"max_seqlen_q", m.attn.max_seqlen_q[u]}, {"max_seqlen_kv", m.attn.max_seqlen_kv[u]},
+                     {"mask", json(m.attn)["mask"]}};
   return {{"rank", r},
           {"q_fwd", m.q_fwd.get_slice(r)},
           {"q_rev", m.q_rev.get_slice(r)},
@@ -382,6 +383,87 @@ TEST_F(CliTest, UnwritableOutputIsAFailureNotInvalidInput) {
   const Result r = run({data_dir + "/spec_qkv.json"}, "", "/dev/full");
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.err, "cpdispatch-plan: cannot write the output: No space left on device\n");
+}
+
+// Section 2d's plan, with `mask` spliced in (empty: the causal default).
+std::string mask_plan(const std::string& mask) {
+  return R"({"kind": "qkv", "world_size": 2, )" + (mask.empty() ? std::string() : R"("mask": )" + mask + ", ") +
+         R"("documents": [
+      {"shards": [{"rank": 0, "len": 3, "dst": 1}, {"rank": 0, "len": 2, "dst": 0},
+                  {"rank": 1, "len": 4, "dst": 1}, {"rank": 1, "len": 3, "dst": 0}]},
+      {"shards": [{"rank": 1, "len": 2, "dst": 1}]}]})";
+}
+
+TEST_F(CliTest, MaskWorkedExampleInThreeMasks) {
+  const json window = expect_json(run({file("plan.json", mask_plan(R"({"type": "sliding_window", "window": 4})")), "--compact", "--dedup"}));
+  EXPECT_EQ(window["kv_fwd"]["dst_rank"], json::parse("[[[1,0,1],[0,1,-1],[-1,-1,-1]],[[1,0,-1],[0,-1,-1],[1,-1,-1]]]"));
+  EXPECT_EQ(window["kv_fwd"]["dst_offset"], json::parse("[[[0,0,3],[3,6,0],[0,0,0]],[[8,5,0],[9,0,0],[12,0,0]]]"));
+  EXPECT_EQ(window["kv_fwd"]["num_recv_tokens"], json::parse("[[5,7,12],[8,6,14]]"));
+  EXPECT_EQ(window["kv_rev"]["dst_offset"], json::parse("[[5,3,9,4,0],[0,10,8,0,7]]"));
+  EXPECT_EQ(window["kv_rev"]["num_recv_tokens"], json::parse("[[5,8,13],[7,6,13]]"));
+  EXPECT_EQ(window["kv_rev"]["seq_recv_mask"], json::parse("[[[1,1,1],[1,1,0],[0,0,0]],[[1,1,0],[1,0,0],[1,0,0]]]"));
+  EXPECT_EQ(window["attn"]["seqlens_kv"], json::parse("[[5,7],[3,9,2]]"));
+  EXPECT_EQ(window["attn"]["mask"], json::parse(R"({"type": "sliding_window", "window": 4})"));
+  EXPECT_EQ(window["kv_wire_fwd"]["num_recv_tokens"], json::parse("[[5,7,12],[5,6,11]]"));
+
+  const json full = expect_json(run({file("plan.json", mask_plan(R"({"type": "full"})")), "--compact", "--dedup"}));
+  EXPECT_EQ(full["kv_fwd"]["dst_offset"], json::parse("[[[0,0,12,12],[3,3,15,15],[0,0,0,0]],[[5,5,17,17],[9,9,21,21],[24,0,0,0]]]"));
+  EXPECT_EQ(full["kv_fwd"]["num_recv_tokens"], json::parse("[[10,14,24],[10,16,26]]"));
+  EXPECT_EQ(full["attn"]["seqlens_kv"], json::parse("[[12,12],[12,12,2]]"));
+  EXPECT_EQ(full["attn"]["mask"], json::parse(R"({"type": "full"})"));
+  EXPECT_EQ(full["kv_wire_rev"]["dst_offset"], json::parse("[[5,8,9,13,0],[0,3,0,4,7]]"));
+  EXPECT_EQ(full["kv_wire_rev"]["num_recv_tokens"], json::parse("[[5,5,10],[7,9,16]]"));
+
+  const json causal = expect_json(run({file("plan.json", mask_plan("")), "--compact"}));
+  EXPECT_EQ(causal["kv_fwd"]["dst_offset"], json::parse("[[[0,0,3,5],[3,6,8,0],[0,0,0,0]],[[8,10,0,0],[14,0,0,0],[12,0,0,0]]]"));
+  EXPECT_EQ(causal["kv_fwd"]["num_recv_tokens"], json::parse("[[10,7,17],[8,6,14]]"));
+  EXPECT_EQ(causal["attn"]["seqlens_kv"], json::parse("[[5,12],[3,9,2]]"));
+  EXPECT_EQ(causal["attn"]["mask"], json::parse(R"({"type": "causal"})"));
+}
+
+TEST_F(CliTest, MaskRankShareEqualsTheGlobalSlice) {
+  for (const std::string mask : {R"({"type": "full"})", R"({"type": "sliding_window", "window": 2})", R"({"type": "causal"})"}) {
+    const std::string text = mask_plan(mask);
+    const std::string path = file("plan.json", text);
+    for (std::int64_t r = 0; r < 2; ++r) {
+      EXPECT_EQ(expect_json(run({path, "--rank", std::to_string(r)})), expected_rank_json(text, r)) << mask << " rank " << r;
+    }
+  }
+}
+
+TEST_F(CliTest, MaskSummaryShowsTheMaskAndItsCounts) {
+  const Result r = run({file("plan.json", mask_plan(R"({"type": "sliding_window", "window": 4})")), "--summary"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  // Window 4: rank 0 attends positions 3-4 and 9-11 of document 0 (4 keys each);
+  // rank 1 positions 0-2 (1 + 2 + 3), 5-8 (4 each) and document 1's 0-1 (1 + 2).
+  EXPECT_EQ(r.out,
+            "qkv plan: world_size 2, max_cp_degree 3, mask sliding_window(4)\n"
+            "documents: 2, 1 spanning ranks\n"
+            "rank  shards  tokens  q_sent_off_rank  q_recv  kv_recv  attn_cost  spanning\n"
+            "   0       2       5                3       5       12         20         2\n"
+            "   1       3       9                3       9       14         25         2\n"
+            "imbalance (max/mean of tokens received): q 1.286 (max 9, mean 7), kv 1.077 (max 14, mean 13)\n"
+            "imbalance of attention cost (max/mean): 1.111 (max 25, mean 22.5)\n");
+}
+
+TEST_F(CliTest, MaskBadInput) {
+  const auto plan = [](const std::string& mask) {
+    return R"({"world_size":1,"mask":)" + mask + R"(,"ranks":[{"docs":[{"shard_len":[2,2],"dst":[0,0]}]}]})";
+  };
+  expect_invalid(run({}, plan(R"({"type":"sliding"})")), "mask.type: unknown mask type \"sliding\"");
+  expect_invalid(run({}, plan(R"({"type":3})")), "mask.type: expected \"causal\", \"full\" or \"sliding_window\", got 3");
+  expect_invalid(run({}, plan(R"({"window":3})")), "mask: missing \"type\"");
+  expect_invalid(run({}, plan(R"({"type":"sliding_window"})")), "mask: a sliding_window mask needs \"window\"");
+  expect_invalid(run({}, plan(R"({"type":"sliding_window","window":4.0})")), "mask.window: expected an integer, got 4.0");
+  expect_invalid(run({}, plan(R"({"type":"sliding_window","window":"4"})")), "mask.window: expected an integer");
+  expect_invalid(run({}, plan(R"({"type":"sliding_window","window":0})")), "mask.window = 0 must be at least 1");
+  expect_invalid(run({}, plan(R"({"type":"sliding_window","window":-5})")), "mask.window = -5 must be at least 1");
+  expect_invalid(run({}, plan(R"({"type":"full","window":3})")), "mask: unknown key \"window\"");
+  expect_invalid(run({}, plan(R"("full")")), "mask: expected an object");
+  expect_invalid(run({}, R"({"world_size":1,"mask":{"type":"full"},"seq_len":[[1]],"dispatch":[[0]]})"),
+                 "mask: an attention mask applies to qkv plans");
+  expect_invalid(run({}, R"({"world_size":1,"max_cp_degree":1,"mask":{"type":"full"},"ranks":[{"docs":[{"shard_len":[2,2],"dst":[0,0]}]}]})"),
+                 "max_cp_degree = 1 is smaller than the 2 shards of ranks[0].docs[0] whose queries need its shard_len[0] (full mask)");
 }
 
 }  // namespace

@@ -235,9 +235,9 @@ TEST(JsonPlan, MalformedPlansNameThePath) {
       {R"({"world_size":1,"max_cp_degree":0,"ranks":[{"docs":[]}]})", "max_cp_degree = 0 must be at least 1"},
       {R"({"world_size":1,"max_cp_degree":"3","ranks":[{"docs":[]}]})", "max_cp_degree: expected an integer, got \"3\""},
       {R"({"world_size":1,"max_cp_deg":3,"ranks":[{"docs":[]}]})",
-       "plan: unknown key \"max_cp_deg\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"ranks\")"},
+       "plan: unknown key \"max_cp_deg\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"mask\", \"dedup\", \"ranks\")"},
       {R"({"world_size":1,"ranks":[{"docs":[]}],"seqlen":[]})",
-       "plan: unknown key \"seqlen\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"ranks\")"},
+       "plan: unknown key \"seqlen\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"mask\", \"dedup\", \"ranks\")"},
       // query plans
       {R"({"kind":"query","world_size":1,"dispatch":[[0]]})", "plan: missing \"seq_len\""},
       {R"({"world_size":1,"seq_len":[[1]]})", "plan: missing \"dispatch\""},
@@ -262,7 +262,7 @@ TEST(JsonPlan, MalformedPlansNameThePath) {
       {"{\"world_size\":\"a\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\",\"ranks\":[]}",
        "world_size: expected an integer, got \"a\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9..."},  // cut between characters
       {"{\"world_size\":1,\"ranks\":[{\"docs\":[]}],\"a\\nb\":1}",
-       "plan: unknown key \"a\\nb\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"ranks\")"},
+       "plan: unknown key \"a\\nb\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"mask\", \"dedup\", \"ranks\")"},
   };
   for (const BadInput& c : cases) EXPECT_EQ(plan_error(c.text), c.message) << c.text;
 }
@@ -452,6 +452,43 @@ TEST(JsonText, PrettyKeepsRowsOnOneLine) {
   for (std::size_t width : {0u, 10u, 40u, 100u, 1000u}) EXPECT_EQ(json::parse(cpdispatch::to_pretty_string(big, width)), big);
 }
 
+TEST(JsonMasks, PlansKeepTheirMaskAndDedupSwitch) {
+  for (const char* mask : {R"({"type":"full"})", R"({"type":"sliding_window","window":7})", R"({"type":"causal"})"}) {
+    const std::string text = std::string(R"({"world_size":2,"dedup":true,"mask":)") + mask +
+                             R"(,"documents":[{"shards":[{"rank":0,"len":3,"dst":1},{"rank":1,"len":2,"dst":0}]}]})";
+    const auto plan = std::get<cpdispatch::QkvDocumentsPlan>(cpdispatch::parse_plan(text));
+    EXPECT_EQ(cpdispatch::detail::mask_to_json(plan.mask), json::parse(mask));
+    EXPECT_TRUE(plan.dedup);
+    EXPECT_TRUE(cpdispatch::dedup_requested(json::parse(text)));
+    // Written and read again: the same plan.
+    const auto again = std::get<cpdispatch::QkvDocumentsPlan>(cpdispatch::plan_from_json(cpdispatch::plan_to_json(plan)));
+    EXPECT_EQ(again.mask, plan.mask);
+    EXPECT_EQ(again.dedup, plan.dedup);
+    EXPECT_EQ(again.documents, plan.documents);
+    // The output carries the mask as attn.mask, and reads back with it.
+    const json out = cpdispatch::metadata_to_json(cpdispatch::plan_metadata(plan));
+    EXPECT_EQ(out["attn"]["mask"], json::parse(mask));
+    EXPECT_EQ(cpdispatch::qkv_metadata_from_json(out).attn.mask, plan.mask);
+  }
+  // A causal plan is written as it always was: no "mask" key.
+  EXPECT_FALSE(cpdispatch::plan_to_json(cpdispatch::parse_plan(R"({"world_size":1,"ranks":[{"docs":[]}]})")).contains("mask"));
+}
+
+TEST(JsonMasks, BadMasksNameTheField) {
+  const auto error = [](const std::string& mask) {
+    return plan_error(R"({"world_size":1,"mask":)" + mask + R"(,"ranks":[{"docs":[]}]})");
+  };
+  EXPECT_EQ(error(R"({"type":"diagonal"})"),
+            "mask.type: unknown mask type \"diagonal\"; expected \"causal\", \"full\" or \"sliding_window\"");
+  EXPECT_EQ(error(R"({"type":"sliding_window","window":2.5})"), "mask.window: expected an integer, got 2.5");
+  EXPECT_EQ(error(R"({"type":"sliding_window","window":0})"), "mask.window = 0 must be at least 1 (a query sees at least itself)");
+  EXPECT_EQ(error(R"({"type":"sliding_window"})"),
+            "mask: a sliding_window mask needs \"window\" (the tokens a query sees, itself included)");
+  EXPECT_EQ(error(R"({"type":"causal","window":4})"), "mask: unknown key \"window\" (a causal mask has \"type\")");
+  EXPECT_EQ(plan_error(R"({"world_size":1,"mask":{"type":"full"},"seq_len":[[1]],"dispatch":[[0]]})"),
+            "mask: an attention mask applies to qkv plans (it decides which key-values each query needs); a query plan has none");
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- documents form (section 2b)
@@ -502,7 +539,7 @@ TEST(JsonDocumentsPlan, MalformedPlansNameThePath) {
        "documents[0].shards[0]: unknown key \"home\" (a shard has \"rank\", \"len\", \"dst\")"},
       {R"({"world_size":1,"documents":[{"shards":[{"rank":0,"len":"7","dst":0}]}]})", "documents[0].shards[0].len: expected an integer, got \"7\""},
       {R"({"world_size":1,"documents":[{"shards":[{"rank":0,"len":1,"dst":0}]}],"ranks_":1})",
-       "plan: unknown key \"ranks_\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"documents\")"},
+       "plan: unknown key \"ranks_\" (a qkv plan has \"kind\", \"world_size\", \"max_cp_degree\", \"mask\", \"dedup\", \"documents\")"},
       {R"({"world_size":1,"max_cp_degree":0,"documents":[]})", "max_cp_degree = 0 must be at least 1"},
   };
   for (const BadInput& c : cases) EXPECT_EQ(plan_error(c.text), c.message) << c.text;

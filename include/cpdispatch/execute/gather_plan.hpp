@@ -11,7 +11,9 @@
 //
 // Both are collectives (two all_gathers of int64): every rank calls them in
 // the same order. Every rank validates the gathered whole, so a bad input on
-// one rank makes every rank throw the same invalid_input, never a hang.
+// one rank makes every rank throw the same invalid_input, never a hang. The
+// attention mask (causal unless given) travels with the words, so ranks that
+// disagree on it all throw too.
 
 #include <algorithm>
 #include <cstddef>
@@ -100,6 +102,28 @@ inline std::vector<Document> documents_of_words(const std::vector<std::int64_t>&
   return docs;
 }
 
+/// The two words that lead every rank's list: its mask.
+inline std::vector<std::int64_t> mask_words(const AttentionMask& mask) {
+  return {static_cast<std::int64_t>(mask.type), mask.window};
+}
+
+/// The mask every rank sent (its first two words), the same on all of them;
+/// removes those words.
+inline AttentionMask agreed_mask(std::vector<std::vector<std::int64_t>>& gathered, const char* who) {
+  AttentionMask mask;
+  for (std::size_t r = 0; r < gathered.size(); ++r) {
+    auto& w = gathered[r];
+    if (w.size() < 2) fail(who, ": rank ", r, " sent no mask");
+    AttentionMask m;
+    m.type = static_cast<MaskType>(w[0]);
+    m.window = w[1];
+    if (r == 0) mask = m;
+    if (!(m == mask)) fail(who, ": rank ", r, " plans with the ", to_string(m), " mask but rank 0 with the ", to_string(mask), " mask");
+    w.erase(w.begin(), w.begin() + 2);
+  }
+  return mask;
+}
+
 /// Shards of documents that span ranks, checked: keys in (document, index)
 /// order (the MLP layout's order) and every document's shards numbered
 /// 0..n-1 exactly once across the ranks.
@@ -147,11 +171,16 @@ inline std::vector<PackedDocument> assemble_documents(std::vector<KeyedShard>& a
 
 /// The global per-rank plan from every rank's own documents (a collective).
 template <class T>
-QkvPlan gather_plan(T& transport, std::span<const Document> local, std::optional<std::int64_t> max_cp_degree = std::nullopt) {
-  const auto gathered = detail::all_gather_words(transport, detail::document_words(local));
+QkvPlan gather_plan(T& transport, std::span<const Document> local, std::optional<std::int64_t> max_cp_degree = std::nullopt,
+                    const AttentionMask& mask = AttentionMask::causal()) {
+  std::vector<std::int64_t> words = detail::mask_words(mask);
+  const std::vector<std::int64_t> docs = detail::document_words(local);
+  words.insert(words.end(), docs.begin(), docs.end());
+  auto gathered = detail::all_gather_words(transport, words);
   QkvPlan plan;
   plan.world_size = transport.world_size();
   plan.max_cp_degree = max_cp_degree;
+  plan.mask = detail::agreed_mask(gathered, "gather_plan");
   for (std::size_t r = 0; r < gathered.size(); ++r) plan.ranks.push_back(RankDocuments{detail::documents_of_words(gathered[r], r)});
   return plan;
 }
@@ -160,11 +189,13 @@ QkvPlan gather_plan(T& transport, std::span<const Document> local, std::optional
 /// collective). Documents are numbered in ascending order of their keys.
 template <class T>
 QkvDocumentsPlan gather_documents_plan(T& transport, std::span<const LocalShard> local,
-                                       std::optional<std::int64_t> max_cp_degree = std::nullopt) {
-  std::vector<std::int64_t> words;
-  words.reserve(local.size() * 4);
+                                       std::optional<std::int64_t> max_cp_degree = std::nullopt,
+                                       const AttentionMask& mask = AttentionMask::causal()) {
+  std::vector<std::int64_t> words = detail::mask_words(mask);
+  words.reserve(2 + local.size() * 4);
   for (const LocalShard& s : local) words.insert(words.end(), {s.document, s.index, s.len, s.dst});
-  const auto gathered = detail::all_gather_words(transport, words);
+  auto gathered = detail::all_gather_words(transport, words);
+  const AttentionMask agreed = detail::agreed_mask(gathered, "gather_documents_plan");
   // Every rank checks every rank's order, so all of them agree on the verdict.
   std::vector<detail::KeyedShard> all;
   for (std::size_t r = 0; r < gathered.size(); ++r) {
@@ -181,6 +212,7 @@ QkvDocumentsPlan gather_documents_plan(T& transport, std::span<const LocalShard>
   QkvDocumentsPlan plan;
   plan.world_size = transport.world_size();
   plan.max_cp_degree = max_cp_degree;
+  plan.mask = agreed;
   plan.documents = detail::assemble_documents(all);
   return plan;
 }

@@ -100,6 +100,10 @@ struct BalanceProblem {
   std::vector<std::int64_t> recv_capacity;
   std::int64_t q_bytes = 1;   ///< bytes of one query token (weighs communication)
   std::int64_t kv_bytes = 1;  ///< bytes of one key-value token
+  /// The attention mask (docs/plan-format.md, section 2d): it decides the
+  /// attention cost of a shard and the key-values it needs. The balanced
+  /// plan carries it, and leaves max_cp_degree to planning unless causal.
+  AttentionMask mask;
 };
 
 struct BalanceOptions {
@@ -118,12 +122,13 @@ struct BalanceOptions {
 /// What a plan costs: attention work and communication, per rank.
 struct PlanCost {
   std::int64_t world_size = 0;
-  std::vector<std::int64_t> attention;  ///< [W] causal token pairs each rank attends
+  std::vector<std::int64_t> attention;  ///< [W] (query, key) pairs each rank attends, under `mask`
   std::vector<std::int64_t> kv_tokens;  ///< [W] tokens of the KV groups each rank holds (what recv_capacity limits)
   std::vector<std::int64_t> bytes;      ///< [W * W] bytes rank `src` (row) sends rank `dst` (column); diagonal 0
   std::int64_t bytes_moved = 0;         ///< sum of `bytes`
   std::int64_t query_bytes = 0;         ///< of which queries
   std::int64_t kv_bytes = 0;            ///< of which key-value copies
+  AttentionMask mask;                   ///< the plan's mask, whose pairs `attention` counts
 
   std::int64_t max_attention() const noexcept {
     return attention.empty() ? 0 : *std::max_element(attention.begin(), attention.end());
@@ -1013,12 +1018,238 @@ inline void check_footprint(const BalanceProblem& p, const PlanLimits& limits, s
 
 }  // namespace balance_detail
 
+namespace balance_detail {
+
+/// Balancing under a mask other than causal (docs/plan-format.md, section
+/// 2d). The cost of a shard is the (query, key) pairs the mask lets through;
+/// for a full mask and past the first w tokens of a window it grows linearly
+/// with the shard's length, so a simple scheme balances well: the target T
+/// rises from the lower bound; for each T, a piece over T is cut into the
+/// fewest equal-cost shards, then every rank above T sheds the tails of its
+/// shards to the ranks with the most room (a tail keeps the front of the
+/// piece at home, so under a window only the tail and its w - 1 tokens of
+/// context travel), never giving a document more than C shards.
+class MaskPlanner {
+ public:
+  MaskPlanner(const Planner& base, const AttentionMask& mask) : base_(base), mask_(mask) {
+    doc_len_.assign(base.num_documents(), 0);
+    for (const Piece& pc : base.pieces()) doc_len_[pc.document] = std::max(doc_len_[pc.document], pc.end);
+    C_ = base.cp_degree();
+    std::int64_t total = 0;
+    for (const Piece& pc : base.pieces()) total = sum(total, cost(pc.document, pc.begin, pc.end));
+    bound_ = static_cast<double>(total) / static_cast<double>(base.world());
+    std::vector<std::vector<Range>> runs(base.num_documents());
+    for (const Piece& pc : base.pieces()) runs[pc.document].push_back({pc.begin, pc.end});
+    for (std::size_t d = 0; d < runs.size(); ++d) bound_ = std::max(bound_, static_cast<double>(min_max_shard(d, runs[d])));
+  }
+
+  double lower_bound() const { return bound_; }
+
+  /// The most balanced layout found: targets from the bound upward in steps
+  /// of 0.1%, then 1%; every piece at home when nothing better is reached.
+  Layout plan() const {
+    const auto start = static_cast<std::int64_t>(std::ceil(bound_));
+    for (int k = 0; k < 400; ++k) {
+      const double step = k < 100 ? 0.001 * k : 0.1 + 0.01 * (k - 100);
+      const auto T = static_cast<std::int64_t>(static_cast<double>(start) * (1.0 + step)) + (k == 0 ? 0 : 1);
+      for (const bool extra : {false, true}) {  // pieces over T in the fewest shards, or one more
+        std::vector<Shard> shards;
+        if (build(T, extra, shards)) return finish(shards);
+      }
+    }
+    return base_.unbalanced();
+  }
+
+ private:
+  static std::int64_t sum(std::int64_t a, std::int64_t b) {
+    std::int64_t out = 0;
+    if (__builtin_add_overflow(a, b, &out) || out > unlimited) fail("plan_balanced: the total attention cost overflows 64 bits");
+    return out;
+  }
+
+  /// Pairs of positions [a, b) of document d under the mask.
+  std::int64_t cost(std::size_t d, std::int64_t a, std::int64_t b) const { return attention_pairs(mask_, a, b - a, doc_len_[d]); }
+
+  /// The largest m in [a, b] with cost [a, m) <= budget (binary search: the cost grows with m).
+  std::int64_t max_end(std::size_t d, std::int64_t a, std::int64_t b, std::int64_t budget) const {
+    std::int64_t lo = a, hi = b;
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo + 1) / 2;
+      if (cost(d, a, mid) <= budget) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  /// The smallest m in [a, b] with cost [m, b) <= budget.
+  std::int64_t min_begin(std::size_t d, std::int64_t a, std::int64_t b, std::int64_t budget) const {
+    std::int64_t lo = a, hi = b;
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (cost(d, mid, b) <= budget) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+  }
+
+  /// The fewest shards of [a, b) each within `limit`; cap + 1 beyond `cap`.
+  std::int64_t needed(std::size_t d, std::int64_t a, std::int64_t b, std::int64_t limit, std::int64_t cap) const {
+    std::int64_t n = 0;
+    while (a < b) {
+      const std::int64_t m = max_end(d, a, b, limit);
+      if (n == cap || m == a) return cap + 1;
+      a = m;
+      ++n;
+    }
+    return n;
+  }
+
+  /// The cheapest largest shard of document d's runs cut into at most C shards in all.
+  std::int64_t min_max_shard(std::size_t d, const std::vector<Range>& runs) const {
+    std::int64_t lo = 1, hi = 0;
+    for (const Range& r : runs) hi = std::max(hi, cost(d, r.lo, r.hi));
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      std::int64_t used = 0;
+      for (const Range& r : runs) {
+        used += needed(d, r.lo, r.hi, mid, C_);
+        if (used > C_) break;
+      }
+      if (used <= C_) hi = mid; else lo = mid + 1;
+    }
+    return hi;
+  }
+
+  /// One layout whose largest rank cost is at most T, if this scheme finds
+  /// one. A piece over T is cut into the fewest equal-cost shards (`extra`:
+  /// one more, room permitting); its home keeps the first, and the others go,
+  /// costliest first, to the ranks with the most room after their own
+  /// pieces; every other piece starts at home.
+  bool build(std::int64_t T, bool extra, std::vector<Shard>& shards) const {
+    const auto& pieces = base_.pieces();
+    std::vector<std::int64_t> load(base_.world(), 0), count(base_.num_documents(), 0);
+    std::vector<std::size_t> order(pieces.size()), away;
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::vector<std::int64_t> piece_cost(pieces.size());
+    for (std::size_t id = 0; id < pieces.size(); ++id) piece_cost[id] = cost(pieces[id].document, pieces[id].begin, pieces[id].end);
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return piece_cost[x] > piece_cost[y]; });
+    for (std::size_t id : order) {
+      const Piece& pc = pieces[id];
+      std::int64_t n = needed(pc.document, pc.begin, pc.end, T, C_);
+      if (extra && n > 1 && count[pc.document] + n < C_ && n < pc.end - pc.begin) ++n;
+      count[pc.document] += n;
+      if (count[pc.document] > C_) return false;
+      std::int64_t a = pc.begin;
+      for (std::int64_t k = 0; k < n; ++k) {
+        const std::int64_t rest = cost(pc.document, a, pc.end), share = (rest + (n - k) - 1) / (n - k);
+        const std::int64_t b = k + 1 == n ? pc.end : std::max(a + 1, max_end(pc.document, a, pc.end, share));
+        shards.push_back({id, a, b, pc.home});
+        if (k == 0) load[pc.home] += cost(pc.document, a, b);
+        else away.push_back(shards.size() - 1);
+        a = b;
+      }
+    }
+    // The cut-off shards, costliest first, to the ranks with the most room after their own pieces.
+    const auto shard_cost = [&](std::size_t s) { return cost(pieces[shards[s].piece].document, shards[s].begin, shards[s].end); };
+    std::stable_sort(away.begin(), away.end(), [&](std::size_t x, std::size_t y) { return shard_cost(x) > shard_cost(y); });
+    for (std::size_t s : away) {
+      const auto to = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+      shards[s].dst = to;
+      load[to] += shard_cost(s);
+    }
+    return shed(T, shards, load, count);
+  }
+
+  /// Moves work of shard `pick` (on a rank `excess` over T) to rank `to`
+  /// with `room` left: the whole shard, or its shortest tail that covers the
+  /// excess (else the longest that fits) while its document may gain a shard.
+  bool move_work(std::vector<Shard>& shards, std::size_t pick, std::size_t to, std::int64_t room, std::int64_t excess,
+                 std::vector<std::int64_t>& load, std::vector<std::int64_t>& count) const {
+    Shard& s = shards[pick];
+    const std::size_t d = base_.pieces()[s.piece].document, from = s.dst;
+    const std::int64_t whole = cost(d, s.begin, s.end);
+    if (whole <= room && (whole <= excess || count[d] >= C_)) {
+      s.dst = to;
+      load[from] -= whole;
+      load[to] += whole;
+      return true;
+    }
+    if (count[d] >= C_) return false;
+    std::int64_t m = min_begin(d, s.begin, s.end, room);
+    if (cost(d, m, s.end) >= excess) m = std::max(m, min_begin(d, s.begin, s.end, excess - 1) - 1);
+    if (m <= s.begin || m >= s.end) return false;
+    const std::int64_t tail = cost(d, m, s.end);
+    const Shard moved{s.piece, m, s.end, to};
+    s.end = m;
+    load[from] += cost(d, s.begin, m) - whole;
+    load[to] += tail;
+    ++count[d];
+    shards.push_back(moved);
+    return true;
+  }
+
+  /// Every rank above T sends work to the rank with the most room, trying
+  /// its shards from the last placed to the first.
+  bool shed(std::int64_t T, std::vector<Shard>& shards, std::vector<std::int64_t>& load, std::vector<std::int64_t>& count) const {
+    for (std::size_t r = 0; r < load.size(); ++r) {
+      std::size_t guard = 0;
+      while (load[r] > T) {
+        if (++guard > 4 * shards.size() + 16) return false;
+        const std::size_t to = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+        const std::int64_t room = T - load[to], excess = load[r] - T;
+        if (room <= 0) return false;
+        bool moved = false;
+        for (std::size_t s = shards.size(); s-- > 0 && !moved;) {
+          if (shards[s].dst == r) moved = move_work(shards, s, to, room, excess, load, count);
+        }
+        if (!moved) return false;
+      }
+    }
+    return true;
+  }
+
+  Layout finish(std::vector<Shard>& shards) const {
+    Layout out = make_layout(shards, base_.pieces(), 0, 0);
+    return out;
+  }
+
+  const Planner& base_;
+  AttentionMask mask_;
+  std::vector<std::int64_t> doc_len_;
+  std::int64_t C_ = 1;
+  double bound_ = 0;
+};
+
+}  // namespace balance_detail
+
+namespace balance_detail {
+
+/// A plan of `layout` under the problem's mask: the mask travels with it and,
+/// unless causal, planning derives C from the mask (section 2d).
+inline QkvDocumentsPlan masked_plan(const Planner& planner, const Layout& layout, const AttentionMask& mask) {
+  QkvDocumentsPlan out = planner.to_plan(layout);
+  out.mask = mask;
+  if (mask != AttentionMask::causal()) out.max_cp_degree.reset();
+  return out;
+}
+
+/// Refuses what the masked planner does not model.
+inline void check_masked_problem(const BalanceProblem& p) {
+  detail::check_mask(p.mask);
+  if (p.mask != AttentionMask::causal() && !p.recv_capacity.empty()) {
+    fail("plan_balanced: recv_capacity is supported with the causal mask only (the ", to_string(p.mask), " mask is given)");
+  }
+}
+
+}  // namespace balance_detail
+
 /// No plan's largest rank cost is below this: the larger of the mean rank
 /// cost and, for each document, the cheapest possible largest shard when it
 /// is cut into at most C shards inside its pieces.
 inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimits& limits = {}) {
   balance_detail::check_footprint(problem, limits);
-  return balance_detail::Planner(problem).lower_bound();
+  balance_detail::check_masked_problem(problem);
+  const balance_detail::Planner planner(problem);
+  if (problem.mask == AttentionMask::causal()) return planner.lower_bound();
+  return balance_detail::MaskPlanner(planner, problem.mask).lower_bound();
 }
 
 /// The load-balanced plan (see the top of this header), in documents form:
@@ -1029,15 +1260,18 @@ inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimit
 /// the receive capacities cannot hold the documents.
 inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}, const PlanLimits& limits = {}) {
   balance_detail::check_footprint(problem, limits);
+  balance_detail::check_masked_problem(problem);
   balance_detail::Planner planner(problem);
-  return planner.to_plan(planner.plan(options));
+  if (problem.mask == AttentionMask::causal()) return balance_detail::masked_plan(planner, planner.plan(options), problem.mask);
+  return balance_detail::masked_plan(planner, balance_detail::MaskPlanner(planner, problem.mask).plan(), problem.mask);
 }
 
 /// Baseline: every piece whole, attended on its own home rank (moves nothing).
 inline QkvDocumentsPlan plan_unbalanced(const BalanceProblem& problem, const PlanLimits& limits = {}) {
   balance_detail::check_footprint(problem, limits);
+  balance_detail::check_masked_problem(problem);
   balance_detail::Planner planner(problem);
-  return planner.to_plan(planner.unbalanced());
+  return balance_detail::masked_plan(planner, planner.unbalanced(), problem.mask);
 }
 
 /// The per-rank form of a documents-form plan whose documents each live on
@@ -1230,6 +1464,7 @@ inline QkvDocumentsPlan plan_zigzag(const BalanceProblem& problem, const PlanLim
     }
   }
   QkvDocumentsPlan out = planner.to_plan(make_layout(shards, pieces, problem.q_bytes, problem.kv_bytes));
+  out.mask = problem.mask;
   std::int64_t most = 1;
   for (const PackedDocument& d : out.documents) most = std::max(most, static_cast<std::int64_t>(d.shards.size()));
   out.max_cp_degree = most;
@@ -1292,6 +1527,49 @@ inline void add_document(PlanCost& out, const std::vector<DocumentShard>& shards
   }
 }
 
+/// The same under a mask other than causal (section 2d): query shard i costs
+/// the pairs the mask lets through, holds KV shards lo(i)..hi(i), and gets
+/// a copy of each of them whose home is not its destination.
+inline void add_masked_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
+                                detail::DocumentRanges& need) {
+  const auto W = static_cast<std::size_t>(out.world_size);
+  std::vector<std::int64_t> len, start;
+  std::int64_t total = 0;
+  for (const DocumentShard& s : shards) {
+    len.push_back(s.len);
+    start.push_back(total);
+    total = detail::add_tokens(total, s.len, "plan_cost");
+  }
+  need.compute(out.mask, len.data(), len.size());
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const auto home = static_cast<std::size_t>(shards[i].rank), d = static_cast<std::size_t>(shards[i].dst);
+    add_to(out.attention[d], attention_pairs(out.mask, start[i], len[i], total));
+    add_to(out.kv_tokens[d], start[need.hi[i]] + len[need.hi[i]] - start[need.lo[i]]);
+    if (d != home) {
+      const std::int64_t qb = times(q_bytes, len[i]);
+      add_to(out.bytes[home * W + d], qb);
+      add_to(out.query_bytes, qb);
+    }
+    for (std::size_t k = need.lo[i]; k <= need.hi[i]; ++k) {
+      const auto from = static_cast<std::size_t>(shards[k].rank);
+      if (from == d) continue;
+      const std::int64_t kvb = times(kv_bytes, len[k]);
+      add_to(out.bytes[from * W + d], kvb);
+      add_to(out.kv_bytes, kvb);
+    }
+  }
+}
+
+/// One document into `out`, as its mask sends it.
+inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
+                             std::vector<std::pair<std::size_t, std::int64_t>>& held, detail::DocumentRanges& need) {
+  if (out.mask == AttentionMask::causal()) {
+    add_document(out, shards, q_bytes, kv_bytes, held);
+  } else {
+    add_masked_document(out, shards, q_bytes, kv_bytes, need);
+  }
+}
+
 }  // namespace balance_detail
 
 /// Attention cost and bytes moved of a documents-form plan, counted as the
@@ -1301,6 +1579,9 @@ inline void add_document(PlanCost& out, const std::vector<DocumentShard>& shards
 inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
   PlanCost out = balance_detail::empty_cost(plan.world_size, limits);
+  out.mask = plan.mask;
+  detail::check_mask(plan.mask);
+  detail::DocumentRanges need;
   std::vector<std::pair<std::size_t, std::int64_t>> held;
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
     const auto& shards = plan.documents[i].shards;
@@ -1311,7 +1592,7 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
       if (s.dst < 0 || s.dst >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", plan.world_size, ")");
       if (s.len <= 0) fail("plan_cost: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
     }
-    balance_detail::add_document(out, shards, q_bytes, kv_bytes, held);
+    balance_detail::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
   }
   balance_detail::add_to(out.bytes_moved, out.query_bytes);
   balance_detail::add_to(out.bytes_moved, out.kv_bytes);
@@ -1323,6 +1604,9 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
 inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
   PlanCost out = balance_detail::empty_cost(plan.world_size, limits);
+  out.mask = plan.mask;
+  detail::check_mask(plan.mask);
+  detail::DocumentRanges need;
   const auto W = static_cast<std::size_t>(plan.world_size);
   if (plan.ranks.size() != W) fail("plan_cost: ranks has ", plan.ranks.size(), " entries, but world_size = ", W);
   std::vector<std::pair<std::size_t, std::int64_t>> held;
@@ -1341,7 +1625,7 @@ inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::in
         if (d < 0 || d >= plan.world_size) fail("plan_cost: ranks[", r, "].docs[", i, "].dst[", s, "] = ", d, " is outside [0, ", W, ")");
         shards.push_back({static_cast<std::int64_t>(r), len, d});
       }
-      balance_detail::add_document(out, shards, q_bytes, kv_bytes, held);
+      balance_detail::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
     }
   }
   balance_detail::add_to(out.bytes_moved, out.query_bytes);

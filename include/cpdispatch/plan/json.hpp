@@ -268,6 +268,9 @@ inline bool is_3d(const json& j) {
 
 inline QueryPlan read_query_plan(const json& obj, const JsonPath& path) {
   if (obj.contains("dedup")) fail_at(path / "dedup", ": deduplication applies to qkv plans (key-value copies); a query plan sends each shard once");
+  if (obj.contains("mask")) {
+    fail_at(path / "mask", ": an attention mask applies to qkv plans (it decides which key-values each query needs); a query plan has none");
+  }
   check_keys(obj, path, "a query plan", {"kind", "world_size", "seq_len", "dispatch"});
   QueryPlan plan;
   plan.world_size = read_world_size(obj, path, true);
@@ -291,6 +294,51 @@ inline std::optional<std::int64_t> read_max_cp_degree(const json& obj, const Jso
   return value;
 }
 
+/// {"type": "causal"}, {"type": "full"} or {"type": "sliding_window",
+/// "window": w} with w an integer >= 1 (section 2d).
+inline AttentionMask read_mask(const json& j, const JsonPath& path) {
+  read_object(j, path);
+  const JsonPath type_path = path / "type";
+  const json& type = *member(j, path, "type", true);
+  const char* expected = "expected \"causal\", \"full\" or \"sliding_window\"";
+  if (!type.is_string()) fail_at(type_path, ": ", expected, ", got ", describe(type));
+  const std::string name = type.get<std::string>();
+  if (name == "causal" || name == "full") {
+    check_keys(j, path, ("a " + name + " mask").c_str(), {"type"});
+    return name == "full" ? AttentionMask::full() : AttentionMask::causal();
+  }
+  if (name != "sliding_window") fail_at(type_path, ": unknown mask type ", describe(type), "; ", expected);
+  check_keys(j, path, "a sliding_window mask", {"type", "window"});
+  const JsonPath window_path = path / "window";
+  const json* window = member(j, path, "window", false);
+  if (!window) fail_at(path, ": a sliding_window mask needs \"window\" (the tokens a query sees, itself included)");
+  const std::int64_t w = read_int(*window, window_path);
+  if (w < 1) fail_at(window_path, " = ", w, " must be at least 1 (a query sees at least itself)");
+  return AttentionMask::sliding_window(w);
+}
+
+/// "mask" of a plan or balance input: causal when absent.
+inline AttentionMask read_plan_mask(const json& obj, const JsonPath& path) {
+  const json* m = member(obj, path, "mask", false);
+  return m ? read_mask(*m, path / "mask") : AttentionMask::causal();
+}
+
+/// "dedup" of a qkv plan: true or false, false when absent.
+inline bool read_dedup(const json& obj, const JsonPath& path) {
+  const json* d = member(obj, path, "dedup", false);
+  if (d && !d->is_boolean()) fail_at(path / "dedup", ": expected true or false, got ", describe(*d));
+  return d && d->get<bool>();
+}
+
+inline json mask_to_json(const AttentionMask& mask) {
+  switch (mask.type) {
+    case MaskType::full: return {{"type", "full"}};
+    case MaskType::sliding_window: return {{"type", "sliding_window"}, {"window", mask.window}};
+    case MaskType::causal: break;
+  }
+  return {{"type", "causal"}};
+}
+
 /// {"shards": [{"rank": r, "len": n, "dst": d}, ...]}
 inline PackedDocument read_packed_document(const json& j, const JsonPath& path) {
   read_object(j, path);
@@ -311,10 +359,12 @@ inline PackedDocument read_packed_document(const json& j, const JsonPath& path) 
 
 /// A QKV plan in documents form; the values are checked by plan_qkv.
 inline QkvDocumentsPlan read_documents_plan(const json& obj, const JsonPath& path) {
-  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "documents"});
+  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "mask", "dedup", "documents"});
   QkvDocumentsPlan plan;
   plan.world_size = read_world_size(obj, path, true);
   plan.max_cp_degree = read_max_cp_degree(obj, path);
+  plan.mask = read_plan_mask(obj, path);
+  plan.dedup = read_dedup(obj, path);
   const JsonPath docs_path = path / "documents";
   const json& docs = read_array(*member(obj, path, "documents", true), docs_path);
   plan.documents.reserve(docs.size());
@@ -323,10 +373,12 @@ inline QkvDocumentsPlan read_documents_plan(const json& obj, const JsonPath& pat
 }
 
 inline QkvPlan read_qkv_plan(const json& obj, const JsonPath& path) {
-  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "ranks"});
+  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "mask", "dedup", "ranks"});
   QkvPlan plan;
   plan.world_size = read_world_size(obj, path, true);
   plan.max_cp_degree = read_max_cp_degree(obj, path);
+  plan.mask = read_plan_mask(obj, path);
+  plan.dedup = read_dedup(obj, path);
   const JsonPath ranks_path = path / "ranks";
   const json& ranks = read_array(*member(obj, path, "ranks", true), ranks_path);
   if (ranks.size() != static_cast<std::size_t>(plan.world_size)) {
@@ -491,11 +543,6 @@ inline Plan plan_from_json(const nlohmann::json& j) {
     return plan_from_json(plan);
   }
   if (detail::plan_kind_of(j, root) == "query") return detail::read_query_plan(j, root);
-  if (j.contains("dedup")) {  // an execution switch (see dedup_requested), not part of the plan
-    nlohmann::json plan = j;
-    plan.erase("dedup");
-    return plan_from_json(plan);
-  }
   const bool has_ranks = j.contains("ranks"), has_documents = j.contains("documents");
   if (has_ranks && has_documents) fail_at(root, ": has both \"ranks\" and \"documents\" (a qkv plan has one of them)");
   if (has_documents) return detail::read_documents_plan(j, root);
@@ -631,6 +678,7 @@ inline AttentionLayout attention_layout_from_json(const nlohmann::json& j, std::
   a.cu_seqlens_kv = rows("cu_seqlens_kv");
   a.max_seqlen_q = ints("max_seqlen_q");
   a.max_seqlen_kv = ints("max_seqlen_kv");
+  a.mask = detail::read_plan_mask(j, path);  // optional: causal when absent
   const std::size_t W = a.seqlens_q.size();
   auto check = [&](std::string_view key, std::size_t n) {
     if (n != W) detail::fail_at(path / key, " has ", detail::entries(n), ", but seqlens_q has ", W);
@@ -720,6 +768,7 @@ inline void to_json(nlohmann::json& j, const Metadata& m) {
 inline void to_json(nlohmann::json& j, const AttentionLayout& a) {
   j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
        {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
+  j["mask"] = detail::mask_to_json(a.mask);
 }
 
 inline void to_json(nlohmann::json& j, const QueryMetadata& q) { j = {{"fwd", q.fwd}, {"rev", q.rev}}; }
@@ -760,6 +809,7 @@ inline void to_json(nlohmann::json& j, const RankMetadata& m) {
 inline void to_json(nlohmann::json& j, const RankAttentionLayout& a) {
   j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
        {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
+  j["mask"] = detail::mask_to_json(a.mask);
 }
 
 inline void to_json(nlohmann::json& j, const RankQkvMetadata& m) {
@@ -805,6 +855,17 @@ inline nlohmann::json rank_share_with_wire_to_json(const Plan& plan, std::int64_
   return out;
 }
 
+namespace detail {
+
+/// "mask" and "dedup" of a written plan, only where they differ from the
+/// defaults, so a causal plan's JSON stays as it always was.
+inline void write_plan_switches(nlohmann::json& j, const AttentionMask& mask, bool dedup) {
+  if (mask != AttentionMask::causal()) j["mask"] = mask_to_json(mask);
+  if (dedup) j["dedup"] = true;
+}
+
+}  // namespace detail
+
 inline void to_json(nlohmann::json& j, const QueryPlan& p) {
   j = {{"kind", "query"},
        {"world_size", p.world_size},
@@ -817,6 +878,7 @@ inline void to_json(nlohmann::json& j, const QkvPlan& p) {
   j["kind"] = "qkv";
   j["world_size"] = p.world_size;
   if (p.max_cp_degree) j["max_cp_degree"] = *p.max_cp_degree;
+  detail::write_plan_switches(j, p.mask, p.dedup);
   nlohmann::json ranks = nlohmann::json::array();
   for (const RankDocuments& rank : p.ranks) {
     nlohmann::json docs = nlohmann::json::array();
@@ -831,6 +893,7 @@ inline void to_json(nlohmann::json& j, const QkvDocumentsPlan& p) {
   j["kind"] = "qkv";
   j["world_size"] = p.world_size;
   if (p.max_cp_degree) j["max_cp_degree"] = *p.max_cp_degree;
+  detail::write_plan_switches(j, p.mask, p.dedup);
   nlohmann::json docs = nlohmann::json::array();
   for (const PackedDocument& doc : p.documents) {
     nlohmann::json shards = nlohmann::json::array();

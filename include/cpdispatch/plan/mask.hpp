@@ -3,6 +3,7 @@
 // One mask holds for a whole plan; it decides which key-value shards each
 // query shard needs, and so the whole KV exchange.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -61,6 +62,60 @@ inline std::string to_string(const AttentionMask& mask) {
     case MaskType::causal: break;
   }
   return "causal";
+}
+
+namespace detail {
+
+/// a * b, refusing a product beyond 64 bits.
+inline std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* who) {
+  std::int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) fail(who, ": ", a, " x ", b, " overflows 64 bits");
+  return out;
+}
+
+/// Causal pairs of the queries at positions a..b-1: sum of (p + 1), as
+/// (b - a)(a + b + 1) / 2 with the even factor halved first.
+inline std::int64_t causal_pairs(std::int64_t a, std::int64_t b, const char* who) {
+  std::int64_t n = b - a, m = 0;
+  if (__builtin_add_overflow(a + 1, b, &m)) fail(who, ": positions up to ", b, " overflow 64 bits");
+  if (n % 2 == 0) n /= 2; else m /= 2;  // n and m = a + b + 1 differ in parity
+  return checked_mul(n, m, who);
+}
+
+}  // namespace detail
+
+/// Section 2d's attention cost: the (query, key) pairs the mask lets through
+/// for a query shard at document positions [context, context + len) of a
+/// document of `doc_len` tokens. Causal: sum of (p + 1); full: len x doc_len;
+/// sliding window: sum of min(w, p + 1). Throws invalid_input on overflow.
+inline std::int64_t attention_pairs(const AttentionMask& mask, std::int64_t context, std::int64_t len, std::int64_t doc_len) {
+  const char* who = "attention_pairs";
+  if (context < 0 || len < 0 || doc_len < 0) detail::fail(who, ": context = ", context, ", len = ", len, " and doc_len = ", doc_len, " must not be negative");
+  std::int64_t end = 0;
+  if (__builtin_add_overflow(context, len, &end)) detail::fail(who, ": ", context, " + ", len, " tokens overflow 64 bits");
+  switch (mask.type) {
+    case MaskType::full: return detail::checked_mul(len, doc_len, who);
+    case MaskType::sliding_window: {
+      const std::int64_t grow = std::min(std::max(mask.window, context), end);  // positions below w see p + 1 keys
+      std::int64_t total = 0;
+      if (__builtin_add_overflow(detail::causal_pairs(context, grow, who), detail::checked_mul(end - grow, mask.window, who), &total)) {
+        detail::fail(who, ": the pair count overflows 64 bits");
+      }
+      return total;
+    }
+    case MaskType::causal: break;
+  }
+  return detail::causal_pairs(context, end, who);
+}
+
+/// The pairs one attention entry computes: lq query rows against lk key
+/// columns, the mask applied bottom-right aligned (diagonal lk - lq), as a
+/// kernel given that entry of a layout does. For a planned KV group it equals
+/// attention_pairs of its query shard.
+inline std::int64_t entry_pairs(const AttentionMask& mask, std::int64_t lq, std::int64_t lk) {
+  if (lq < 0 || lk < lq) detail::fail("entry_pairs: lq = ", lq, " and lk = ", lk, " (an entry has at least its own queries' keys)");
+  if (mask.type == MaskType::full) return detail::checked_mul(lq, lk, "entry_pairs");
+  return attention_pairs(mask, lk - lq, lq, lk);  // keys before the group are out of the window anyway
 }
 
 namespace detail {

@@ -162,6 +162,11 @@ inline void rank_bars(std::string& s, const Geometry& g, std::size_t r, double b
   }
 }
 
+/// What the attention cost counts, for the bars' title.
+inline std::string pairs_name(const AttentionMask& mask) {
+  return mask == AttentionMask::causal() ? "causal token pairs" : "(query, key) pairs, " + to_string(mask) + " mask";
+}
+
 /// Bars of attention cost per attending rank, with grid, mean and legend.
 inline void cost_bars(std::string& s, const Geometry& g, const PlanCost& after, const PlanCost* before) {
   std::int64_t top = after.max_attention();
@@ -169,7 +174,7 @@ inline void cost_bars(std::string& s, const Geometry& g, const PlanCost& after, 
   top = std::max<std::int64_t>(top, 1);
   const double bx = g.bx, plot_w = g.plot_w, base = g.my + g.plot_h;
   auto y_of = [&](double v) { return base - g.plot_h * v / static_cast<double>(top); };
-  s += "<g>\n<text x=\"" + num(bx) + "\" y=\"" + num(g.my - 22) + "\" font-weight=\"bold\">attention cost per rank (causal token pairs)</text>\n";
+  s += "<g>\n<text x=\"" + num(bx) + "\" y=\"" + num(g.my - 22) + "\" font-weight=\"bold\">attention cost per rank (" + escape(pairs_name(after.mask)) + ")</text>\n";
   for (int i = 0; i <= 4; ++i) {
     const double v = static_cast<double>(top) * i / 4.0;
     s += "<line x1=\"" + num(bx) + "\" x2=\"" + num(bx + plot_w) + "\" y1=\"" + num(y_of(v)) + "\" y2=\"" + num(y_of(v)) +

@@ -255,6 +255,9 @@ class DeviceSimTransport {
 
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs);
+  /// PostedAllToAllTransport: all_to_all_v (its copies enqueued on the streams); wait() retires the request.
+  Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                            void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs);
   Request isend(const void* buf, std::size_t bytes, int peer, int tag);
   Request irecv(void* buf, std::size_t bytes, int peer, int tag);
   void wait(Request request);
@@ -286,6 +289,9 @@ class DeviceSimTransport {
   int rank_;
   std::vector<const void*> sources_;  // reduction inputs, one per rank
   detail::sim::Requests<detail::device_sim::Message> requests_;
+  std::vector<std::uint64_t> posted_;  // posted exchanges not yet waited for (their ids have the top bit set)
+  std::uint64_t next_posted_ = 0;
+  static constexpr std::uint64_t posted_bit = std::uint64_t{1} << 63;
 };
 
 /// A replayable CUDA graph of every rank's work (DeviceSimWorld::capture).
@@ -640,7 +646,22 @@ inline Request DeviceSimTransport::irecv(void* buf, std::size_t bytes, int peer,
   return post("irecv", false, nullptr, buf, bytes, peer, tag);
 }
 
+inline Request DeviceSimTransport::post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts,
+                                                     std::span<const std::size_t> send_displs, void* recv,
+                                                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+  all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+  const std::uint64_t id = posted_bit | next_posted_++;
+  posted_.push_back(id);
+  return Request{id};
+}
+
 inline void DeviceSimTransport::wait(Request request) {
+  if (request.id & posted_bit) {  // a posted exchange: enqueued in stream order at the post
+    const auto it = std::find(posted_.begin(), posted_.end(), request.id);
+    if (it == posted_.end()) fail("wait", detail::concat("request ", request.id, " is not a pending posted exchange on this rank"));
+    posted_.erase(it);
+    return;
+  }
   const std::shared_ptr<detail::device_sim::Message> msg = world_.wait_request(rank_, requests_, request);
   try {
     msg->done->wait_on(stream());  // the copy (on the receiver's stream) comes before our later work

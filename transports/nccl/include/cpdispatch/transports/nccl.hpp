@@ -16,6 +16,11 @@
 //   cudaMemcpyAsync. Counts are bytes (ncclUint8). Send and receive counts of
 //   a pair of ranks must agree: NCCL cannot check that (a mismatch is
 //   undefined, as with MPI_Alltoallv), but the dispatcher's always do.
+// - post_all_to_all_v (PostedAllToAllTransport): all_to_all_v, enqueued on
+//   the stream (the host is free at once, as with every call here); wait()
+//   retires the request. Work enqueued after it on the same stream runs
+//   after the exchange, so a caller that wants device-side overlap orders
+//   its compute on another stream.
 // - Collectives map to NCCL's: broadcast (bytes), all_reduce (in place),
 //   all_gather, reduce_scatter; ElementType bfloat16 is ncclBfloat16, float16 is
 //   ncclFloat16, and so on. NCCL's reductions sum in its own order (ring or
@@ -245,6 +250,15 @@ class NcclTransport {
     if (send_counts[me]) {
       CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(out + recv_displs[me], in + send_displs[me], send_counts[me], cudaMemcpyDeviceToDevice, stream_));
     }
+  }
+
+  /// The exchange, enqueued on the stream; wait() retires the request (see the header).
+  Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                            void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+    const std::uint64_t id = next_request_++;
+    issued_.insert(id);
+    return Request{id};
   }
 
   /// Records the send; it is issued at the first wait() or collective (see the header).

@@ -1,0 +1,244 @@
+// bench_cp_attention: one attention layer's step (forward + backward) with
+// ContextParallelAttention, W ranks as threads over SimulatedLinkTransport,
+// on packed batches drawn from the ProLong and WLB-LLM length samples and
+// balanced by plan_balanced; against Ulysses (all-to-all from sequence to
+// heads and back, DeepSpeed) over the same kernel and link.
+//
+// The link's bandwidth comes from the kernel's FLOP rate measured while all
+// W ranks compute at once, so that FLOPs per byte match an H100 (400 TFLOP/s
+// of attention) over 400 Gb/s InfiniBand (50 GB/s) or NVLink (450 GB/s).
+// In the same run: compute = the step over an instant link, communication =
+// the step with a kernel that does nothing; bound = max(compute,
+// communication) + min(compute, communication) / stages (bench_overlap's).
+// Prints one line per (sample, batch, link, method) and the medians.
+//   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--heads 8] [--head-dim 64]
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cpdispatch/attention.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/rank.hpp"
+#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/transports/sim.hpp"
+#include "cpdispatch/transports/simulated_link.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Link = cpdispatch::SimulatedLinkTransport<cpdispatch::SimTransport>;
+
+struct Config {
+  int world = 8;
+  std::int64_t tokens = 1024, heads = 8, head_dim = 64;
+  int batches = 3;
+};
+
+/// A kernel that attends nothing: the step's communication alone.
+struct NoKernel {
+  template <class... A>
+  void forward(A&&...) {}
+  template <class... A>
+  void backward(A&&...) {}
+};
+
+std::vector<std::int64_t> sample(const std::string& name) {
+  const char* env = std::getenv("CPDISPATCH_DOC_LENGTHS_DIR");
+  const std::filesystem::path dir = env && *env ? env : CPDISPATCH_DOC_LENGTHS_DIR;
+  std::ifstream in(dir / (name + ".json"));
+  if (!in) {
+    std::fprintf(stderr, "bench_cp_attention: cannot read %s\n", (dir / (name + ".json")).c_str());
+    std::exit(2);
+  }
+  return nlohmann::json::parse(in).get<std::vector<std::int64_t>>();
+}
+
+/// Causal token pairs of a batch (what every method attends in all).
+double causal_pairs(const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs) {
+  double pairs = 0;
+  for (const auto& d : docs) {
+    double L = 0;
+    for (const auto& p : d) L += static_cast<double>(p.len);
+    pairs += L * (L + 1) / 2;
+  }
+  return pairs;
+}
+
+/// Every rank's step, timed between two barriers; returns the slowest rank's seconds.
+template <class Body>
+double timed_world(int W, const cpdispatch::LinkModel& link, Body&& body) {
+  cpdispatch::SimWorld world(W);
+  std::vector<double> seconds(static_cast<std::size_t>(W));
+  world.run([&](cpdispatch::SimTransport& sim) {
+    Link t(sim, link);
+    body(t, [&](auto&& step) {
+      sim.barrier();
+      const auto start = Clock::now();
+      step();
+      seconds[static_cast<std::size_t>(sim.rank())] = std::chrono::duration<double>(Clock::now() - start).count();
+    });
+  });
+  return *std::max_element(seconds.begin(), seconds.end());
+}
+
+template <class Kernel>
+Kernel make_kernel() {
+  if constexpr (std::is_same_v<Kernel, cpdispatch::HostAttentionKernel>) {
+    return cpdispatch::HostAttentionKernel(cpdispatch::HostAttentionOptions{1, 128, 256});
+  } else {
+    return Kernel{};
+  }
+}
+
+/// Ours: the balanced plan through ContextParallelAttention with `stages`.
+template <class Kernel>
+double ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::LinkModel& link, int stages) {
+  const cpdispatch::AttentionShape shape{c.heads, c.heads, c.head_dim, 0.125f};
+  return timed_world(c.world, link, [&](Link& t, auto&& time) {
+    const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
+    cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, {false, stages}, Kernel(make_kernel<Kernel>()));
+    const auto n = static_cast<std::size_t>(op.mlp_tokens() * c.heads * c.head_dim);
+    std::vector<float> q(n, 0.01f), k(n, 0.02f), v(n, 0.03f), out(n), dq(n), dk(n), dv(n);
+    time([&] {
+      op.forward(q, k, v, out);
+      op.backward(out, dq, dk, dv);
+    });
+  });
+}
+
+/// Ulysses: all-to-all from sequence to heads (every rank gets every token of heads_q / W heads), attention
+/// over whole documents, all-to-all back; backward the same with the gradients.
+template <class Kernel>
+double ulysses_step(const Config& c, const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, const cpdispatch::LinkModel& link) {
+  const auto W = static_cast<std::size_t>(c.world);
+  const std::int64_t hg = c.heads / c.world, D = c.head_dim, T = c.tokens, total = T * c.world;
+  std::vector<cpdispatch::AttentionEntry> entries;
+  std::int64_t at = 0;
+  for (const auto& d : docs) {
+    std::int64_t L = 0;
+    for (const auto& p : d) L += p.len;
+    entries.push_back({at, L, at, L, 0});
+    at += L;
+  }
+  const cpdispatch::AttentionShape shape{hg, hg, D, 0.125f};
+  return timed_world(c.world, link, [&](Link& t, auto&& time) {
+    Kernel kernel = make_kernel<Kernel>();
+    const std::size_t mine = static_cast<std::size_t>(T * c.heads * D), theirs = static_cast<std::size_t>(total * hg * D);
+    std::vector<float> x(mine, 0.01f), send(mine), q(theirs), k(theirs), v(theirs), out(theirs), dout(theirs), dq(theirs), dk(theirs),
+        dv(theirs), back(mine), y(mine);
+    std::vector<float> lse(static_cast<std::size_t>(total * hg));
+    const std::size_t block = static_cast<std::size_t>(T * hg * D) * sizeof(float);
+    std::vector<std::size_t> counts(W, block), displs(W);
+    for (std::size_t p = 0; p < W; ++p) displs[p] = p * block;
+    // [T][heads][D] -> per peer p: [T][heads of p][D]; received blocks are [rank's tokens][hg][D] in rank order.
+    const auto to_heads = [&](const std::vector<float>& from, std::vector<float>& to) {
+      for (std::size_t p = 0; p < W; ++p)
+        for (std::int64_t i = 0; i < T; ++i)
+          std::memcpy(&send[(p * static_cast<std::size_t>(T) + static_cast<std::size_t>(i)) * static_cast<std::size_t>(hg * D)],
+                      &from[(static_cast<std::size_t>(i * c.heads) + p * static_cast<std::size_t>(hg)) * static_cast<std::size_t>(D)],
+                      static_cast<std::size_t>(hg * D) * sizeof(float));
+      t.all_to_all_v(send.data(), counts, displs, to.data(), counts, displs);
+    };
+    const auto to_sequence = [&](const std::vector<float>& from, std::vector<float>& to) {
+      t.all_to_all_v(from.data(), counts, displs, back.data(), counts, displs);
+      for (std::size_t p = 0; p < W; ++p)
+        for (std::int64_t i = 0; i < T; ++i)
+          std::memcpy(&to[(static_cast<std::size_t>(i * c.heads) + p * static_cast<std::size_t>(hg)) * static_cast<std::size_t>(D)],
+                      &back[(p * static_cast<std::size_t>(T) + static_cast<std::size_t>(i)) * static_cast<std::size_t>(hg * D)],
+                      static_cast<std::size_t>(hg * D) * sizeof(float));
+    };
+    time([&] {
+      to_heads(x, q), to_heads(x, k), to_heads(x, v);
+      kernel.forward(shape, cpdispatch::AttentionMask::causal(), std::span<const cpdispatch::AttentionEntry>(entries), std::span<const float>(q),
+                     std::span<const float>(k), std::span<const float>(v), std::span<float>(out), std::span<float>(lse));
+      to_sequence(out, y);
+      to_heads(y, dout);
+      kernel.backward(shape, cpdispatch::AttentionMask::causal(), std::span<const cpdispatch::AttentionEntry>(entries), std::span<const float>(q),
+                      std::span<const float>(k), std::span<const float>(v), std::span<const float>(out), std::span<const float>(lse),
+                      std::span<const float>(dout), std::span<float>(dq), std::span<float>(dk), std::span<float>(dv));
+      to_sequence(dq, y), to_sequence(dk, y), to_sequence(dv, y);
+    });
+  });
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const long long v = std::atoll(argv[i + 1]);
+    if (a == "--world") c.world = static_cast<int>(v);
+    else if (a == "--tokens") c.tokens = v;
+    else if (a == "--batches") c.batches = static_cast<int>(v);
+    else if (a == "--heads") c.heads = v;
+    else if (a == "--head-dim") c.head_dim = v;
+    else return std::fprintf(stderr, "bench_cp_attention: unknown option %s\n", a.c_str()), 2;
+  }
+  if (c.world < 1 || c.heads % c.world != 0) return std::fprintf(stderr, "bench_cp_attention: heads must divide by world\n"), 2;
+  const cpdispatch::LinkModel instant{std::chrono::nanoseconds{0}, 1e15};
+  struct Ratio {
+    const char* name;
+    double bytes_per_flop;
+  };
+  const Ratio ratios[] = {{"IB 50 GB/s", 50e9 / 400e12}, {"NVLink 450 GB/s", 450e9 / 400e12}};
+  std::printf("bench_cp_attention: W = %d ranks x %lld tokens, %lld heads x %lld, float; %d batches per sample\n", c.world,
+              static_cast<long long>(c.tokens), static_cast<long long>(c.heads), static_cast<long long>(c.head_dim), c.batches);
+  std::map<std::string, std::vector<double>> ratios_of;  // "sample|link|what" -> per batch
+  for (const char* name : {"prolong", "wlbllm"}) {
+    const std::vector<std::int64_t> lengths = sample(name);
+    for (int b = 0; b < c.batches; ++b) {
+      cpdispatch::BalanceProblem p;
+      p.world_size = c.world;
+      p.documents = cpdispatch::draw_workload(lengths, c.world, c.tokens, static_cast<std::uint64_t>(b));
+      p.max_cp_degree = std::max<std::int64_t>(c.world, static_cast<std::int64_t>(cpdispatch::widest_span(p.documents)));
+      p.q_bytes = c.heads * c.head_dim * 4;
+      p.kv_bytes = 2 * p.q_bytes;
+      const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);
+      const double flops = 3.5 * 4.0 * causal_pairs(p.documents) * static_cast<double>(c.head_dim * c.heads);  // forward + 2.5x backward
+      const double compute = ours_step<cpdispatch::HostAttentionKernel>(c, plan, instant, 1);
+      const double rate = flops / compute / c.world;  // per rank, all ranks computing at once
+      for (const Ratio& r : ratios) {
+        const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, rate * r.bytes_per_flop};
+        const double comm = ours_step<NoKernel>(c, plan, link, 1);
+        double best_ours = 1e300, one_stage = 0;
+        for (const int stages : {1, 2, 4}) {
+          const double step = ours_step<cpdispatch::HostAttentionKernel>(c, plan, link, stages);
+          const double bound = std::max(compute, comm) + std::min(compute, comm) / stages;
+          best_ours = std::min(best_ours, step);
+          std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms | comm %.1f ms | step/bound %.2f\n", name, b, r.name,
+                      stages, step * 1e3, compute * 1e3, comm * 1e3, step / bound);
+          ratios_of[std::string(name) + "|" + r.name + "|overlap s" + std::to_string(stages)].push_back(step / bound);
+          if (stages == 1) one_stage = step;
+          ratios_of[std::string(name) + "|" + r.name + "|gain over stages=1, s" + std::to_string(stages)].push_back(one_stage / step);
+        }
+        const double ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
+        std::printf("%s batch %d | %s | ulysses | step %.1f ms | ours (best stages) / ulysses %.2f\n", name, b, r.name, ulysses * 1e3,
+                    best_ours / ulysses);
+        ratios_of[std::string(name) + "|" + r.name + "|ours/ulysses"].push_back(best_ours / ulysses);
+      }
+      std::printf("%s batch %d | kernel %.2f GFLOP/s per rank with %d ranks computing\n", name, b, rate * 1e-9, c.world);
+      std::fflush(stdout);
+    }
+  }
+  std::printf("\nmedians over the batches:\n");
+  for (const auto& [key, v] : ratios_of) {
+    std::printf("  %s: %.3f\n", key.c_str(), median(v));
+  }
+  return 0;
+}
