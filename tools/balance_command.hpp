@@ -15,6 +15,7 @@
 
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/plan/topology_balance.hpp"
 #include "cpdispatch/plan/svg.hpp"
 
 namespace cpdispatch_cli {
@@ -40,9 +41,12 @@ Input (FILE, or standard input when FILE is - or absent): a packed batch,
                                                    {"type": "sliding_window",
                                                    "window": w}; the plan carries it)
    "dedup": false,                                (optional: as --dedup)
-   "ranks_per_node": 8}                           (optional, or "nodes": [node of each
-                                                   rank]: --summary adds the tokens that
-                                                   cross nodes; the plan keeps "nodes")
+   "ranks_per_node": 8,                           (optional, or "nodes": [node of each
+                                                   rank]: balance for the topology, see
+                                                   docs/node-exchange.md; --summary adds the
+                                                   tokens that cross nodes; the plan keeps "nodes")
+   "inter_node_ratio": 9}                         (optional, with a topology: weight of a byte
+                                                   between nodes against one inside a node)
   or, with "ranks": [{"docs": [length, ...]}, ...] (W entries, MLP-layout order)
   instead of "documents", the whole documents each rank holds.
 
@@ -124,7 +128,7 @@ inline cpdispatch::BalanceProblem balance_problem_from_json(const nlohmann::json
   const auto root = JsonPath::root("input");
   read_object(j, root);
   check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes", "dedup",
-                                                "ranks_per_node", "nodes", "mask"});
+                                                "ranks_per_node", "nodes", "inter_node_ratio", "mask"});
   cpdispatch::BalanceProblem p;
   p.world_size = read_world_size(j, root, true);
   const auto W = static_cast<std::size_t>(p.world_size);
@@ -165,6 +169,19 @@ inline cpdispatch::BalanceOptions balance_options_from_json(const nlohmann::json
   if (dedup && !dedup->is_boolean()) fail_at(root / "dedup", ": expected true or false, got ", describe(*dedup));
   options.dedup = dedup && dedup->get<bool>();
   return options;
+}
+
+/// The balance input's optional "inter_node_ratio" (a number > 0; default
+/// the NVLink / InfiniBand ratio).
+inline double inter_node_ratio_from_json(const nlohmann::json& j) {
+  using namespace cpdispatch::detail;
+  const auto root = JsonPath::root("input");
+  const nlohmann::json* v = member(read_object(j, root), root, "inter_node_ratio", false);
+  if (!v) return cpdispatch::default_inter_node_ratio;
+  if (!v->is_number() || !(v->get<double>() > 0) || v->get<double>() > 1e12) {
+    fail_at(root / "inter_node_ratio", ": expected a number in (0, 1e12], got ", describe(*v));
+  }
+  return v->get<double>();
 }
 
 /// The balanced plan's JSON; balanced for dedup, it asks for the deduplicated exchange.

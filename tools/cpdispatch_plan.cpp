@@ -489,7 +489,9 @@ int run_balance(Args args) {
   cpdispatch::BalanceOptions balancing = cpdispatch_cli::balance_options_from_json(input);
   balancing.dedup = balancing.dedup || options.dedup;
   const std::optional<cpdispatch::Topology> topology = cpdispatch::topology_from_json(input, problem.world_size, "input");
-  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, balancing, reading);
+  const double ratio = cpdispatch_cli::inter_node_ratio_from_json(input);
+  const cpdispatch::QkvDocumentsPlan balanced = topology ? cpdispatch::plan_balanced(problem, balancing, *topology, ratio, reading)
+                                                         : cpdispatch::plan_balanced(problem, balancing, reading);
   // A packed batch gets the documents form back, documents per rank the per-rank form.
   const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
   write_svg(options, plan, problem.q_bytes, problem.kv_bytes, reading);

@@ -2,6 +2,7 @@
 // under mpiexec with 2 and 4 ranks): each rank checks its own buffers against
 // KvWireDispatcher over the same transport, on every node map of its world.
 #include <cpdispatch/transports/mpi.hpp>
+#include <cpdispatch/transports/mpi_topology.hpp>
 
 #include <gtest/gtest.h>
 
@@ -22,6 +23,14 @@ TEST(MpiNodeWire, EqualsTheDeduplicatedExchangeOnEveryNodeMap) {
     node_test::check_rank(me, node_test::run_rank<std::int32_t>(t, p));
     node_test::check_rank(me, node_test::run_rank<cpdispatch::bfloat16>(t, p));
   }
+}
+
+// One machine: every rank shares memory with every other, one node.
+TEST(MpiNodeWire, DiscoversOneNodeOnOneMachine) {
+  MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD);
+  const cpdispatch::Topology topology = cpdispatch::mpi_topology(t.comm());
+  EXPECT_EQ(topology.world_size(), t.world_size());
+  EXPECT_EQ(topology.num_nodes(), 1);
 }
 
 }  // namespace

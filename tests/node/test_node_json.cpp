@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "cpdispatch/error.hpp"
@@ -59,6 +62,50 @@ TEST(NodeJson, SummaryPrintsTheInterNodeTokensOfEachExchange) {
                                                    "--summary");
   EXPECT_EQ(bad.status, 2);
   EXPECT_NE(bad.err.find("nodes[1] = 2"), std::string::npos) << bad.err;
+}
+
+/// cpdispatch-plan balance on an input file holding `input`, then `args`.
+dedup_cli::CliRun run_balance(const std::string& input, const std::string& args) {
+  const std::string base = ::testing::TempDir() + "node-balance-" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string in = base + "-in.json", out = base + "-out.txt", err = base + "-err.txt";
+  std::ofstream(in) << input;
+  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' balance '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int raw = std::system(cmd.c_str());
+  auto slurp = [](const std::string& path) {
+    std::stringstream s;
+    s << std::ifstream(path).rdbuf();
+    return s.str();
+  };
+  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
+}
+
+/// The number after `key` in `text` (-1 when absent).
+long long number_after(const std::string& text, const std::string& key) {
+  const std::size_t at = text.find(key);
+  return at == std::string::npos ? -1 : std::stoll(text.substr(at + key.size()));
+}
+
+TEST(NodeJson, BalanceWithATopologyKeepsTheBalanceAndCrossesNodesLess) {
+  std::string ranks;
+  for (int r = 0; r < 16; ++r) ranks += std::string(r ? "," : "") + "{\"docs\": [" + std::to_string(4000 + (r * 997) % 5000) + ", " + std::to_string(1000 + 10 * r) + "]}";
+  const std::string input = R"({"world_size": 16, "max_cp_degree": 8, "ranks_per_node": 8, "ranks": [)" + ranks + "]}";
+  const dedup_cli::CliRun placed = run_balance(input, "--summary");
+  ASSERT_EQ(placed.status, 0) << placed.err;
+  // The same batch balanced without the topology, then summarised with it.
+  const dedup_cli::CliRun blind_plan = run_balance(R"({"world_size": 16, "max_cp_degree": 8, "ranks": [)" + ranks + "]}", "");
+  ASSERT_EQ(blind_plan.status, 0) << blind_plan.err;
+  nlohmann::json plan = nlohmann::json::parse(blind_plan.out);
+  plan["ranks_per_node"] = 8;
+  const dedup_cli::CliRun blind = dedup_cli::run_cli("node-json-", plan.dump(), "--summary");
+  ASSERT_EQ(blind.status, 0) << blind.err;
+  const std::string balance_line = "imbalance of attention cost (max/mean): ";
+  EXPECT_EQ(placed.out.substr(placed.out.find(balance_line), 60), blind.out.substr(blind.out.find(balance_line), 60));
+  const long long placed_kv = number_after(placed.out, "inter-node KV tokens: flat "), blind_kv = number_after(blind.out, "inter-node KV tokens: flat ");
+  EXPECT_GT(placed_kv, 0);
+  EXPECT_LT(placed_kv, blind_kv);
+  const dedup_cli::CliRun bad = run_balance(R"({"world_size": 2, "max_cp_degree": 2, "ranks_per_node": 1, "inter_node_ratio": 0, "ranks": [{"docs": [3]}, {"docs": [1]}]})", "");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("inter_node_ratio: expected a number in (0, 1e12], got 0"), std::string::npos) << bad.err;
 }
 #endif
 

@@ -152,6 +152,11 @@ TEST(NodeWirePlan, InterNodeTokensCountEachShardOncePerDestinationNode) {
   }
 }
 
+TEST(NodeWirePlan, NodeKeysNumberNodesByTheirFirstRank) {
+  EXPECT_EQ(Topology::from_node_keys({5, 5, 2, 5, 2}), Topology::from_nodes({0, 0, 1, 0, 1}));
+  EXPECT_EQ(Topology::from_node_keys({7}).num_nodes(), 1);
+}
+
 TEST(NodeWirePlan, BadTopologiesAreRefusedByName) {
   EXPECT_THROW(Topology::uniform(4, 0), cpdispatch::invalid_input);
   EXPECT_THROW(Topology::from_nodes({0, 2, 0}), cpdispatch::invalid_input);  // node 1 empty

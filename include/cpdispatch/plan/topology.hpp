@@ -51,6 +51,21 @@ class Topology {
     return Topology(std::move(nodes));
   }
 
+  /// Ranks with equal keys share a node (e.g. the smallest rank of each
+  /// shared-memory group); nodes are numbered by their first rank.
+  static Topology from_node_keys(const std::vector<std::int64_t>& keys) {
+    if (keys.empty()) detail::fail("Topology: node keys are empty (one entry per rank)");
+    std::vector<std::int64_t> nodes(keys.size());
+    std::vector<std::int64_t> seen;  // keys in order of first appearance
+    for (std::size_t r = 0; r < keys.size(); ++r) {
+      std::size_t n = 0;
+      while (n < seen.size() && seen[n] != keys[r]) ++n;
+      if (n == seen.size()) seen.push_back(keys[r]);
+      nodes[r] = static_cast<std::int64_t>(n);
+    }
+    return Topology(std::move(nodes));
+  }
+
   std::int64_t world_size() const noexcept { return static_cast<std::int64_t>(node_.size()); }
   std::int64_t num_nodes() const noexcept { return num_nodes_; }
   std::int64_t node_of(std::int64_t rank) const { return node_[checked(rank)]; }

@@ -1,0 +1,119 @@
+// Topology-aware balancing (place_on_topology, plan_balanced with a
+// topology): the same balance as the topology-blind plan (every rank's
+// attention cost is some rank's cost of the blind plan), never more weighted
+// bytes, and on batches of the ProLong and WLB-LLM samples fewer bytes between
+// nodes.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/node_wire.hpp"
+#include "cpdispatch/plan/topology_balance.hpp"
+#include "cpdispatch/plan/workload.hpp"
+
+namespace {
+
+using cpdispatch::Topology;
+
+/// Bytes of a plan's exchanges weighted as place_on_topology weighs them, and those between nodes.
+struct Weighted {
+  double weighted = 0;
+  std::int64_t inter_node = 0;
+};
+
+Weighted weigh(const cpdispatch::QkvDocumentsPlan& plan, const Topology& t, double ratio, std::int64_t kv_bytes = 1) {
+  const cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan, 1, kv_bytes);
+  Weighted out;
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  for (std::size_t s = 0; s < W; ++s)
+    for (std::size_t d = 0; d < W; ++d) {
+      const std::int64_t b = cost.sent(s, d);
+      const bool across = !t.same_node(static_cast<std::int64_t>(s), static_cast<std::int64_t>(d));
+      out.weighted += static_cast<double>(b) * (across ? ratio : 1.0);
+      if (across) out.inter_node += b;
+    }
+  return out;
+}
+
+std::vector<std::int64_t> sorted_attention(const cpdispatch::QkvDocumentsPlan& plan) {
+  std::vector<std::int64_t> a = cpdispatch::plan_cost(plan).attention;
+  std::sort(a.begin(), a.end());
+  return a;
+}
+
+TEST(NodeBalance, SameBalanceAndNeverMoreWeightedBytesOnRandomBatches) {
+  for (std::int64_t W : {2, 5, 8, 12}) {
+    for (const auto& nodes : {Topology::uniform(W, 4), Topology::uniform(W, 2), Topology::from_nodes([&] {
+           std::vector<std::int64_t> m(static_cast<std::size_t>(W));
+           for (std::int64_t r = 0; r < W; ++r) m[static_cast<std::size_t>(r)] = r % 2 == 0 || W < 2 ? 0 : 1;
+           return m;
+         }())}) {
+      for (std::uint64_t seed = 0; seed < 3; ++seed) {
+        cpdispatch::Rng rng(seed * 7 + static_cast<std::uint64_t>(W));
+        cpdispatch::BalanceProblem p;
+        p.world_size = W;
+        p.max_cp_degree = 4;
+        p.kv_bytes = 2;
+        for (std::int64_t r = 0; r < W; ++r) p.docs.push_back({rng.between(1, 300), rng.between(1, 60)});
+        const cpdispatch::QkvDocumentsPlan blind = cpdispatch::plan_balanced(p);
+        const cpdispatch::QkvDocumentsPlan placed = cpdispatch::plan_balanced(p, {}, nodes, 9.0);
+        SCOPED_TRACE("W " + std::to_string(W) + " seed " + std::to_string(seed));
+        EXPECT_LE(cpdispatch::plan_cost(placed).max_attention(), cpdispatch::plan_cost(blind).max_attention());
+        EXPECT_EQ(cpdispatch::plan_cost(placed).total_attention(), cpdispatch::plan_cost(blind).total_attention());
+        EXPECT_LE(weigh(placed, nodes, 9.0, 2).weighted, weigh(blind, nodes, 9.0, 2).weighted);
+        const cpdispatch::QkvDocumentsPlan relabelled = cpdispatch::relabel_attention_ranks(blind, p, nodes, 9.0);
+        EXPECT_EQ(sorted_attention(relabelled), sorted_attention(blind));
+        EXPECT_LE(weigh(relabelled, nodes, 9.0, 2).weighted, weigh(blind, nodes, 9.0, 2).weighted);
+        (void)cpdispatch::plan_qkv(placed);  // a valid plan
+      }
+    }
+  }
+}
+
+std::vector<std::int64_t> sample(const std::string& name) {
+  std::ifstream in(std::filesystem::path(CPDISPATCH_DOC_LENGTHS_DIR) / (name + ".json"));
+  return nlohmann::json::parse(in).get<std::vector<std::int64_t>>();
+}
+
+TEST(NodeBalance, InterNodeBytesDropAtEqualBalanceOnTheSamples) {
+  const std::int64_t W = 16;
+  const Topology nodes = Topology::uniform(W, 8);
+  for (const std::string name : {"prolong", "wlbllm"}) {
+    const std::vector<std::int64_t> lengths = sample(name);
+    std::int64_t blind_bytes = 0, placed_bytes = 0;
+    for (std::uint64_t seed = 0; seed < 2; ++seed) {
+      cpdispatch::BalanceProblem p;
+      p.world_size = W;
+      p.max_cp_degree = 8;
+      p.documents = cpdispatch::draw_workload(lengths, W, 8 * 1024, seed);
+      const cpdispatch::QkvDocumentsPlan blind = cpdispatch::plan_balanced(p);
+      const cpdispatch::QkvDocumentsPlan placed = cpdispatch::plan_balanced(p, {}, nodes);
+      EXPECT_LE(cpdispatch::plan_cost(placed).max_over_mean(), cpdispatch::plan_cost(blind).max_over_mean()) << name << " seed " << seed;
+      blind_bytes += weigh(blind, nodes, 9.0).inter_node;
+      placed_bytes += weigh(placed, nodes, 9.0).inter_node;
+    }
+    EXPECT_LT(placed_bytes, blind_bytes) << name;
+  }
+}
+
+TEST(NodeBalance, RefusesABadRatioOrTopology) {
+  cpdispatch::BalanceProblem p;
+  p.world_size = 2;
+  p.max_cp_degree = 2;
+  p.docs = {{4}, {2}};
+  EXPECT_THROW((void)cpdispatch::plan_balanced(p, {}, Topology::uniform(2, 1), 0.0), cpdispatch::invalid_input);
+  EXPECT_THROW((void)cpdispatch::plan_balanced(p, {}, Topology::uniform(3, 1)), cpdispatch::invalid_input);
+}
+
+}  // namespace
