@@ -418,7 +418,8 @@ inline std::size_t check_documents_plan(const QkvDocumentsPlan& plan) {
   DocumentRanges ranges;
   std::vector<std::int64_t> len;
   std::size_t most = 0;
-  const auto users_of = [&](const PackedDocument& d) {
+  const auto users_of = [&](const PackedDocument& d) -> std::pair<std::size_t, std::size_t> {
+    if (plan.mask.type != MaskType::sliding_window) return {d.shards.size(), 0};  // every shard needs shard 0
     len.clear();
     for (const DocumentShard& s : d.shards) len.push_back(s.len);
     return most_users(plan.mask, len.data(), len.size(), ranges);
@@ -483,6 +484,16 @@ struct ShardTable {
   /// Closes the current document: its needed ranges and users, as ids.
   void end_document() {
     const std::size_t base = doc_begin.back(), n = len.size() - base;
+    if (mask.type == MaskType::causal) {  // the common case, without the scratch ranges
+      for (std::size_t id = base; id < base + n; ++id) {
+        lo.push_back(base);
+        hi.push_back(id);
+        first.push_back(id);
+        end.push_back(base + n);
+      }
+      doc_begin.push_back(len.size());
+      return;
+    }
     ranges.compute(mask, len.data() + base, n);
     for (std::size_t k = 0; k < n; ++k) {
       lo.push_back(base + ranges.lo[k]);
