@@ -54,6 +54,11 @@
 // that sends fewer bytes; one wins only by moving fewer bytes with a largest
 // rank cost no higher than the first plan's. So dedup never costs balance,
 // and may put several shards of one document on one rank.
+//
+// With BalanceProblem::mask other than causal (docs/plan-format.md, section
+// 2d) a shard costs the (query, key) pairs the mask lets through, and
+// balance_detail::MaskPlanner builds the plan (see there); the plan carries
+// the mask and leaves max_cp_degree out, so planning derives C from it.
 
 #include <algorithm>
 #include <cmath>
@@ -1052,9 +1057,9 @@ class MaskPlanner {
     for (int k = 0; k < 400; ++k) {
       const double step = k < 100 ? 0.001 * k : 0.1 + 0.01 * (k - 100);
       const auto T = static_cast<std::int64_t>(static_cast<double>(start) * (1.0 + step)) + (k == 0 ? 0 : 1);
-      for (const bool extra : {false, true}) {  // pieces over T in the fewest shards, or one more
+      for (const Cut cut : {Cut::equal, Cut::greedy, Cut::extra}) {
         std::vector<Shard> shards;
-        if (build(T, extra, shards)) return finish(shards);
+        if (build(T, cut, shards)) return finish(shards);
       }
     }
     return base_.unbalanced();
@@ -1118,12 +1123,16 @@ class MaskPlanner {
     return hi;
   }
 
+  /// How a piece over the target is cut: into the fewest shards of equal
+  /// cost, the fewest with the first ones as large as the target allows (the
+  /// home keeps a full one), or one shard more than needed, of equal cost.
+  enum class Cut { equal, greedy, extra };
+
   /// One layout whose largest rank cost is at most T, if this scheme finds
-  /// one. A piece over T is cut into the fewest equal-cost shards (`extra`:
-  /// one more, room permitting); its home keeps the first, and the others go,
+  /// one. A piece over T is cut as `how` says; its home keeps the first shard, and the others go,
   /// costliest first, to the ranks with the most room after their own
   /// pieces; every other piece starts at home.
-  bool build(std::int64_t T, bool extra, std::vector<Shard>& shards) const {
+  bool build(std::int64_t T, Cut how, std::vector<Shard>& shards) const {
     const auto& pieces = base_.pieces();
     std::vector<std::int64_t> load(base_.world(), 0), count(base_.num_documents(), 0);
     std::vector<std::size_t> order(pieces.size()), away;
@@ -1134,12 +1143,13 @@ class MaskPlanner {
     for (std::size_t id : order) {
       const Piece& pc = pieces[id];
       std::int64_t n = needed(pc.document, pc.begin, pc.end, T, C_);
-      if (extra && n > 1 && count[pc.document] + n < C_ && n < pc.end - pc.begin) ++n;
+      if (how == Cut::extra && n > 1 && count[pc.document] + n < C_ && n < pc.end - pc.begin) ++n;
       count[pc.document] += n;
       if (count[pc.document] > C_) return false;
       std::int64_t a = pc.begin;
       for (std::int64_t k = 0; k < n; ++k) {
-        const std::int64_t rest = cost(pc.document, a, pc.end), share = (rest + (n - k) - 1) / (n - k);
+        const std::int64_t rest = cost(pc.document, a, pc.end);
+        const std::int64_t share = how == Cut::greedy ? T : (rest + (n - k) - 1) / (n - k);
         const std::int64_t b = k + 1 == n ? pc.end : std::max(a + 1, max_end(pc.document, a, pc.end, share));
         shards.push_back({id, a, b, pc.home});
         if (k == 0) load[pc.home] += cost(pc.document, a, b);
