@@ -1,8 +1,9 @@
 // bench_cp_attention: one attention layer's step (forward + backward) with
 // ContextParallelAttention, W ranks as threads over SimulatedLinkTransport,
 // on packed batches drawn from the ProLong and WLB-LLM length samples and
-// balanced by plan_balanced; against Ulysses (all-to-all from sequence to
-// heads and back, DeepSpeed) over the same kernel and link.
+// balanced by plan_balanced; against ring attention with the zig-zag layout
+// (Transformer Engine / Megatron p2p) and Ulysses (all-to-all from sequence
+// to heads and back, DeepSpeed) over the same kernel and link.
 //
 // The link's bandwidth comes from the kernel's FLOP rate measured while all
 // W ranks compute at once, so that FLOPs per byte match an H100 (400 TFLOP/s
@@ -171,6 +172,105 @@ double ulysses_step(const Config& c, const std::vector<std::vector<cpdispatch::D
   });
 }
 
+/// Ring attention with the zig-zag layout (Transformer Engine's and Megatron's p2p context parallelism): every
+/// document padded to a multiple of 2W and cut into 2W chunks, rank r holding chunks r and 2W-1-r; W-1 ring steps
+/// pass the key-value blocks on (isend / irecv, overlapped with the step's attention), partial outputs merged by
+/// log-sum-exp; backward passes the key-values and their gradients around the ring once more.
+template <class Kernel>
+double ring_step(const Config& c, const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, const cpdispatch::LinkModel& link) {
+  const int W = c.world;
+  const std::int64_t H = c.heads, D = c.head_dim;
+  std::vector<std::int64_t> chunk;  // chunk length of each document
+  std::int64_t local = 0;          // tokens per rank: two chunks of every document
+  for (const auto& d : docs) {
+    std::int64_t L = 0;
+    for (const auto& p : d) L += p.len;
+    chunk.push_back((L + 2 * W - 1) / (2 * W));
+    local += 2 * chunk.back();
+  }
+  const cpdispatch::AttentionShape shape{H, H, D, 0.125f};
+  return timed_world(W, link, [&](Link& t, auto&& time) {
+    Kernel kernel = make_kernel<Kernel>();
+    const int r = t.rank();
+    const auto n = static_cast<std::size_t>(local * H * D);
+    std::vector<float> q(n, 0.01f), kv_cur(2 * n, 0.02f), kv_next(2 * n), out(n), part(n), acc(n), dq(n), dkv_cur(2 * n), dkv_next(2 * n),
+        scratch_dq(n);
+    std::vector<float> lse(static_cast<std::size_t>(local * H)), lse_part(lse.size());
+    // The block held now (its buffer changes at every swap).
+    const auto k = [&] { return std::span<const float>(kv_cur.data(), n); };
+    const auto v = [&] { return std::span<const float>(kv_cur.data() + n, n); };
+    // The entries of Q chunk a (0: chunk r, 1: chunk 2W-1-r) against block chunk b of the rank `src`.
+    const auto entries_of = [&](int src, int a, int b, std::vector<cpdispatch::AttentionEntry>& e) {
+      e.clear();
+      std::int64_t at = 0;
+      const int qa = a == 0 ? r : 2 * W - 1 - r, kb = b == 0 ? src : 2 * W - 1 - src;
+      for (const std::int64_t ch : chunk) {
+        if (kb <= qa) e.push_back({at + a * ch, ch, at + b * ch, ch, (qa - kb) * ch});
+        at += 2 * ch;
+      }
+    };
+    std::vector<cpdispatch::AttentionEntry> e;
+    const auto ring_pass = [&](std::vector<float>& cur, std::vector<float>& next) {
+      const int to = (r + 1) % W, from = (r + W - 1) % W;
+      const std::size_t bytes = cur.size() * sizeof(float);
+      const cpdispatch::Request s = t.isend(cur.data(), bytes, to, 0), rv = t.irecv(next.data(), bytes, from, 0);
+      return std::pair{s, rv};
+    };
+    time([&] {
+      for (int step = 0; step < W; ++step) {  // forward: attend the block of rank r - step while the next one travels
+        const int src = (r - step + W) % W;
+        std::pair<cpdispatch::Request, cpdispatch::Request> reqs{};
+        if (step + 1 < W) reqs = ring_pass(kv_cur, kv_next);
+        for (int a = 0; a < 2; ++a)
+          for (int b = 0; b < 2; ++b) {
+            entries_of(src, a, b, e);
+            kernel.forward(shape, cpdispatch::AttentionMask::causal(), std::span<const cpdispatch::AttentionEntry>(e), std::span<const float>(q), k(), v(),
+                           std::span<float>(part), std::span<float>(lse_part));
+            for (const auto& x : e)
+              cpdispatch::detail::merge_partial<float>(acc, lse, std::span<const float>(part), lse_part, local, H, D, x.q_start, x.q_start + x.q_len);
+          }
+        if (step + 1 < W) {
+          t.wait(reqs.first), t.wait(reqs.second);
+          std::swap(kv_cur, kv_next);
+        }
+      }
+      out = acc;
+      std::vector<float> dkv_in(2 * n), dkv_out(2 * n);
+      cpdispatch::Request g_send{};
+      const int to = (r + 1) % W, from = (r + W - 1) % W;
+      for (int step = 0; step < W; ++step) {  // backward: each block's gradient accumulator travels with it
+        const int src = (r - step + W) % W;
+        cpdispatch::Request g_recv{};
+        // The accumulator of this step's block comes from the previous rank (posted before the next block's
+        // key-values, as the previous rank sends them: messages between two ranks match in posting order).
+        if (step > 0) g_recv = t.irecv(dkv_in.data(), dkv_in.size() * sizeof(float), from, 1);
+        std::pair<cpdispatch::Request, cpdispatch::Request> a_reqs{};
+        if (step + 1 < W) a_reqs = ring_pass(kv_cur, kv_next);
+        std::fill(dkv_cur.begin(), dkv_cur.end(), 0.0f);
+        for (int a = 0; a < 2; ++a)
+          for (int b = 0; b < 2; ++b) {
+            entries_of(src, a, b, e);
+            kernel.backward(shape, cpdispatch::AttentionMask::causal(), std::span<const cpdispatch::AttentionEntry>(e), std::span<const float>(q), k(), v(),
+                            std::span<const float>(out), std::span<const float>(lse), std::span<const float>(q), std::span<float>(scratch_dq),
+                            std::span<float>(dkv_next.data(), n), std::span<float>(dkv_next.data() + n, n));
+            for (std::size_t i = 0; i < 2 * n; ++i) dkv_cur[i] += dkv_next[i];  // a ring adds each pair's share (timed as such)
+          }
+        if (step > 0) {
+          t.wait(g_recv);
+          for (std::size_t i = 0; i < 2 * n; ++i) dkv_cur[i] += dkv_in[i];
+        }
+        if (step > 0) t.wait(g_send);  // the previous accumulator has left: its buffer may be reused
+        std::swap(dkv_cur, dkv_out);
+        g_send = t.isend(dkv_out.data(), dkv_out.size() * sizeof(float), to, 1);  // the last one goes home
+        if (step + 1 < W) t.wait(a_reqs.first), t.wait(a_reqs.second), std::swap(kv_cur, kv_next);
+      }
+      const cpdispatch::Request home = t.irecv(dkv_in.data(), dkv_in.size() * sizeof(float), from, 1);  // this rank's own block's gradients
+      t.wait(g_send);
+      t.wait(home);
+    });
+  });
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -179,6 +279,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a line as soon as it is measured
   Config c;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
@@ -231,6 +332,9 @@ int main(int argc, char** argv) {
         std::printf("%s batch %d | %s | ulysses | step %.1f ms | ours (best stages) / ulysses %.2f\n", name, b, r.name, ulysses * 1e3,
                     best_ours / ulysses);
         ratios_of[std::string(name) + "|" + r.name + "|ours/ulysses"].push_back(best_ours / ulysses);
+        const double ring = ring_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
+        std::printf("%s batch %d | %s | ring zig-zag | step %.1f ms | ours (best stages) / ring %.2f\n", name, b, r.name, ring * 1e3, best_ours / ring);
+        ratios_of[std::string(name) + "|" + r.name + "|ours/ring zig-zag"].push_back(best_ours / ring);
       }
       std::printf("%s batch %d | kernel %.2f GFLOP/s per rank with %d ranks computing\n", name, b, rate * 1e-9, c.world);
       std::fflush(stdout);

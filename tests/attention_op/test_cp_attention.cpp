@@ -180,6 +180,22 @@ TEST(CpAttentionErrors, BadShapeAndOptionsAreNamed) {
   });
 }
 
+TEST(CpAttentionErrors, ReplanWithDedupRefusesAShareWithoutWireSlices) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 1;
+  plan.documents = {{{{0, 3, 0}}}};
+  plan.dedup = true;
+  cpdispatch::SimWorld sim(1, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) {
+    const auto with_wire = cpdispatch::plan_qkv_for_rank(plan, 0);
+    ASSERT_TRUE(with_wire.kv_wire.has_value());
+    Op op(t, with_wire, {2, 2, 4, 1.0f}, {true, 2});
+    plan.dedup = false;
+    const auto without = cpdispatch::plan_qkv_for_rank(plan, 0);
+    expect_error([&] { op.replan(without); }, "options.dedup is set but the share has no kv_wire");
+  });
+}
+
 TEST(CpAttentionErrors, WrongBufferSizesAndBackwardFirstAreNamed) {
   on_one_rank([](const cpdispatch::RankQkvMetadata& share, cpdispatch::SimTransport& t) {
     Op op(t, share, {2, 1, 4, 1.0f});

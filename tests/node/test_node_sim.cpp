@@ -49,7 +49,7 @@ TEST(NodeWireSim, FloatSumsOfSmallIntegersAreExact) {
   }
 }
 
-TEST(NodeWireSim, RefusesAnotherRanksWire) {
+TEST(NodeWireSim, RefusesAnotherRanksWireAndShortBuffers) {
   const node_test::Case c = node_test::cases(2, 2).front();
   const cpdispatch::QkvMetadata meta = cpdispatch::plan_qkv(c.plan);
   const cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(meta);
@@ -59,6 +59,13 @@ TEST(NodeWireSim, RefusesAnotherRanksWire) {
     const auto other = static_cast<std::size_t>(1 - t.rank());
     using D = cpdispatch::NodeWireDispatcher<cpdispatch::SimTransport>;
     EXPECT_THROW(D(t, wire.fan[other], node.ranks[other], 4), cpdispatch::invalid_input);
+    const auto me = static_cast<std::size_t>(t.rank());
+    D nw(t, wire.fan[me], node.ranks[me], 4);
+    const auto sizes = nw.required_bytes();
+    std::vector<std::byte> mlp(sizes.mlp_bytes), attn(sizes.attention_bytes);
+    if (sizes.attention_bytes > 0) {  // checked before anything travels: both ranks throw, neither waits
+      EXPECT_THROW(nw.forward(mlp, std::span<std::byte>(attn).first(sizes.attention_bytes - 1)), cpdispatch::capacity_error);
+    }
   });
 }
 
