@@ -46,6 +46,7 @@ using Args = std::span<const std::string_view>;
 
 constexpr std::string_view plan_usage = R"(Usage: cpdispatch-plan [FILE|-] [--summary | --rank R] [--svg FILE] [--compact]
        cpdispatch-plan balance [FILE|-] [...]   (choose a balanced plan: balance --help)
+       cpdispatch-plan simulate [FILE|-] [...]  (model one layer's time on a cluster: simulate --help)
 
 Reads a dispatch plan as JSON from FILE (standard input when FILE is - or
 absent) and writes its metadata as JSON to standard output.

@@ -4,7 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
@@ -118,5 +124,45 @@ TEST(StepModel, BadInputIsRefused) {
   s.stages = 0;
   EXPECT_THROW(model(four_rank_plan(), unit_cluster(2), s), cpdispatch::invalid_input);
 }
+
+#ifdef CPDISPATCH_PLAN_EXE
+struct SimulateRun {
+  int status = -1;
+  std::string out, err;
+};
+
+/// cpdispatch-plan simulate on a file holding `plan`, then `args`.
+SimulateRun simulate(const std::string& plan, const std::string& args) {
+  const std::string base = ::testing::TempDir() + "step-model-" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string in = base + "-in.json", out = base + "-out.txt", err = base + "-err.txt";
+  std::ofstream(in) << plan;
+  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' simulate '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int raw = std::system(cmd.c_str());
+  auto slurp = [](const std::string& path) {
+    std::stringstream s;
+    s << std::ifstream(path).rdbuf();
+    return s.str();
+  };
+  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
+}
+
+constexpr const char* cli_plan =
+    R"({"world_size": 4, "documents": [{"shards": [{"rank": 0, "len": 4, "dst": 0}, {"rank": 1, "len": 4, "dst": 2}, {"rank": 2, "len": 4, "dst": 3}]}]})";
+
+TEST(StepModel, SimulatePrintsEverySchemeAndRefusesBadOptions) {
+  const SimulateRun run = simulate(cli_plan, "--ranks-per-node 2 --heads 4 --head-dim 8 --stages 2");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("world_size 4, nodes 2, heads 4, head_dim 8, stages 2"), std::string::npos) << run.out;
+  for (const char* scheme : {"\n        flat", "\n       dedup", "\n  node-level", "\nzig-zag ring", "\n     ulysses", "\n     a2a+p2p"}) {
+    EXPECT_NE(run.out.find(scheme), std::string::npos) << scheme << " in\n" << run.out;
+  }
+  const SimulateRun bad_cluster = simulate(cli_plan, "--cluster a100");
+  EXPECT_EQ(bad_cluster.status, 2);
+  EXPECT_NE(bad_cluster.err.find("--cluster is h100 or h200"), std::string::npos) << bad_cluster.err;
+  const SimulateRun bad_heads = simulate(cli_plan, "--heads 0");
+  EXPECT_EQ(bad_heads.status, 2);
+  EXPECT_NE(bad_heads.err.find("--heads needs a whole number"), std::string::npos) << bad_heads.err;
+}
+#endif
 
 }  // namespace
