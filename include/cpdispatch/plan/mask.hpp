@@ -133,6 +133,16 @@ struct DocumentRanges {
   /// O(n); the vectors keep their memory between documents.
   void compute(const AttentionMask& mask, const std::int64_t* len, std::size_t n) {
     for (auto* v : {&lo, &hi, &first, &end}) v->resize(n);
+    if (mask.type != MaskType::sliding_window) {  // closed forms: planning's hot path
+      const bool full = mask.type == MaskType::full;
+      for (std::size_t i = 0; i < n; ++i) {
+        lo[i] = 0;
+        hi[i] = full ? n - 1 : i;
+        first[i] = full ? 0 : i;
+        end[i] = n;
+      }
+      return;
+    }
     needed(mask, len, n);
     std::size_t i = 0;  // first[k]: the first query shard whose range reaches k
     for (std::size_t k = 0; k < n; ++k) {

@@ -418,7 +418,8 @@ inline std::size_t check_documents_plan(const QkvDocumentsPlan& plan) {
   DocumentRanges ranges;
   std::vector<std::int64_t> len;
   std::size_t most = 0;
-  const auto users_of = [&](const PackedDocument& d) {
+  const auto users_of = [&](const PackedDocument& d) -> std::pair<std::size_t, std::size_t> {
+    if (plan.mask.type != MaskType::sliding_window) return {d.shards.size(), 0};  // every shard needs shard 0
     len.clear();
     for (const DocumentShard& s : d.shards) len.push_back(s.len);
     return most_users(plan.mask, len.data(), len.size(), ranges);
@@ -447,17 +448,27 @@ struct ShardTable {
   std::vector<std::size_t> rank_begin;          // [W + 1] into by_rank
   std::vector<std::size_t> by_rank;             // ids, rank-major, each rank in MLP order
   AttentionMask mask;                           // set before the first add()
-  // Section 2d, as ids: query shard id needs KV shards lo[id]..hi[id]; KV
-  // shard id is needed by query shards first[id]..end[id]-1 (its users).
-  std::vector<std::size_t> lo, hi, first, end;  // [N]
+  // Section 2d, as ids: query shard id needs KV shards lo_of(id)..hi_of(id);
+  // KV shard id is needed by query shards first_of(id)..end_of(id)-1 (its
+  // users). Stored for masks other than causal, whose ranges follow from the
+  // documents' bounds.
+  std::vector<std::size_t> lo, hi, first, end;  // [N], or empty when causal
   DocumentRanges ranges;                        // one document's, relative to its first id
 
   std::size_t size() const noexcept { return len.size(); }
-  std::size_t users(std::size_t id) const noexcept { return end[id] - first[id]; }
+  bool causal() const noexcept { return mask.type == MaskType::causal; }
+  std::size_t lo_of(std::size_t q) const noexcept { return causal() ? doc_begin[doc[q]] : lo[q]; }
+  std::size_t hi_of(std::size_t q) const noexcept { return causal() ? q : hi[q]; }
+  std::size_t first_of(std::size_t k) const noexcept { return causal() ? k : first[k]; }
+  std::size_t end_of(std::size_t k) const noexcept { return causal() ? doc_begin[doc[k] + 1] : end[k]; }
+  std::size_t users(std::size_t id) const noexcept { return end_of(id) - first_of(id); }
   /// Tokens of the KV group of query shard q: KV shards lo..hi back to back.
-  std::int64_t group_tokens(std::size_t q) const { return add_tokens(context[hi[q]], len[hi[q]], "plan_qkv") - context[lo[q]]; }
+  std::int64_t group_tokens(std::size_t q) const {
+    const std::size_t h = hi_of(q);
+    return add_tokens(context[h], len[h], "plan_qkv") - context[lo_of(q)];
+  }
   /// Where KV shard kv sits inside the KV group of query shard q.
-  std::int64_t group_offset(std::size_t q, std::size_t kv) const noexcept { return context[kv] - context[lo[q]]; }
+  std::int64_t group_offset(std::size_t q, std::size_t kv) const noexcept { return context[kv] - context[lo_of(q)]; }
 
   /// Empty, keeping the memory of every field (a table refilled each step).
   void clear() {
@@ -469,7 +480,9 @@ struct ShardTable {
   }
   void reserve(std::size_t n) {
     for (auto* v : {&len, &dst, &context}) v->reserve(n);
-    for (auto* v : {&home, &local, &doc, &lo, &hi, &first, &end}) v->reserve(n);
+    for (auto* v : {&home, &local, &doc}) v->reserve(n);
+    if (!causal())
+      for (auto* v : {&lo, &hi, &first, &end}) v->reserve(n);
   }
   /// Appends the next shard of the current document.
   void add(std::int64_t rank, std::int64_t length, std::int64_t destination) {
@@ -483,6 +496,10 @@ struct ShardTable {
   /// Closes the current document: its needed ranges and users, as ids.
   void end_document() {
     const std::size_t base = doc_begin.back(), n = len.size() - base;
+    if (causal()) {  // the ranges follow from doc_begin
+      doc_begin.push_back(len.size());
+      return;
+    }
     ranges.compute(mask, len.data() + base, n);
     for (std::size_t k = 0; k < n; ++k) {
       lo.push_back(base + ranges.lo[k]);
@@ -587,7 +604,7 @@ inline void kv_groups(const ShardTable& t, KvGroups& g) {
       const std::size_t q = g.arrivals[p];
       g.start[q] = at;
       at = add_tokens(at, t.group_tokens(q), "plan_qkv");  // a group lies within its document, whose total add() checked
-      entries += t.hi[q] - t.lo[q] + 1;
+      entries += t.hi_of(q) - t.lo_of(q) + 1;
     }
     g.most_entries = std::max(g.most_entries, entries);
   }
@@ -609,7 +626,7 @@ inline void kv_arrival_counts(const ShardTable& t, const KvGroups& g, Tensor<std
     auto row = rows.row(d);
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
       const std::size_t q = g.arrivals[p];
-      for (std::size_t kv = t.lo[q]; kv <= t.hi[q]; ++kv) {
+      for (std::size_t kv = t.lo_of(q); kv <= t.hi_of(q); ++kv) {
         row[t.home[kv]] += t.len[kv];
         row[t.W] += t.len[kv];
       }
@@ -627,7 +644,7 @@ inline void kv_return_counts(const ShardTable& t, Tensor<std::int64_t>& counts) 
     auto row = rows.row(r);
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p];
-      for (std::size_t q = t.first[id]; q < t.end[id]; ++q) {
+      for (std::size_t q = t.first_of(id); q < t.end_of(id); ++q) {
         row[static_cast<std::size_t>(t.dst[q])] += t.len[id];
         row[t.W] += t.len[id];
       }
@@ -659,8 +676,8 @@ inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std:
   for (std::size_t r = 0; r < W; ++r) {
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p], j = p - t.rank_begin[r];
-      for (std::size_t q = t.first[id]; q < t.end[id]; ++q) {  // its users, copy c = q - first
-        const std::size_t c = q - t.first[id];
+      for (std::size_t q = t.first_of(id); q < t.end_of(id); ++q) {  // its users, copy c = q - first
+        const std::size_t c = q - t.first_of(id);
         fwd.dst_rank(r, j, c) = t.dst[q];
         fwd.dst_offset(r, j, c) = g.start[q] + t.group_offset(q, id);
       }
@@ -692,11 +709,11 @@ inline void kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& 
     std::size_t m = 0;
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
       const std::size_t q = g.arrivals[p];
-      for (std::size_t kv = t.lo[q]; kv <= t.hi[q]; ++kv, ++m) {
+      for (std::size_t kv = t.lo_of(q); kv <= t.hi_of(q); ++kv, ++m) {
         const std::size_t r = t.home[kv];
         rev.dst_rank(d, m) = static_cast<std::int64_t>(r);
         rev.seq_len(d, m) = t.len[kv];
-        rev.dst_offset(d, m) = static_cast<std::int64_t>(q - t.first[kv]) * prefix.totals[r] + start[kv];
+        rev.dst_offset(d, m) = static_cast<std::int64_t>(q - t.first_of(kv)) * prefix.totals[r] + start[kv];
       }
     }
     rev.num_seqs(d) = static_cast<std::int64_t>(m);

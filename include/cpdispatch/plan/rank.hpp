@@ -149,15 +149,15 @@ inline RankMetadata kv_forward_slice(const ShardTable& t, const KvGroups& g, std
     const std::size_t id = t.by_rank[p];
     s.seq_len.push_back(t.len[id]);
     for (std::size_t c = 0; c < t.C; ++c) {
-      const std::size_t q = t.first[id] + c;
-      const bool sent = q < t.end[id];
+      const std::size_t q = t.first_of(id) + c;
+      const bool sent = q < t.end_of(id);
       s.dst_rank.push_back(sent ? t.dst[q] : -1);
       s.dst_offset.push_back(sent ? g.start[q] + t.group_offset(q, id) : 0);
     }
   }
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
-    for (std::size_t kv = t.lo[q]; kv <= t.hi[q]; ++kv) s.num_recv_tokens[t.home[kv]] += t.len[kv];  // within R's groups
+    for (std::size_t kv = t.lo_of(q); kv <= t.hi_of(q); ++kv) s.num_recv_tokens[t.home[kv]] += t.len[kv];  // within R's groups
   }
   finish_slice(s, "plan_qkv_for_rank");
   return s;
@@ -169,10 +169,10 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
   RankMetadata s = rank_slice(R, t.W, false, 1);
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
-    for (std::size_t kv = t.lo[q]; kv <= t.hi[q]; ++kv) {
+    for (std::size_t kv = t.lo_of(q); kv <= t.hi_of(q); ++kv) {
       const std::size_t home = t.home[kv];
       s.dst_rank.push_back(static_cast<std::int64_t>(home));
-      s.dst_offset.push_back(static_cast<std::int64_t>(q - t.first[kv]) * pos.total[home] + pos.start[kv]);
+      s.dst_offset.push_back(static_cast<std::int64_t>(q - t.first_of(kv)) * pos.total[home] + pos.start[kv]);
       s.seq_len.push_back(t.len[kv]);
     }
   }
@@ -184,7 +184,7 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
     for (std::size_t c = 0; c < t.C; ++c) {
       const bool sent = c < t.users(id);
       mask.push_back(sent ? 1 : 0);
-      if (sent) s.num_recv_tokens[static_cast<std::size_t>(t.dst[t.first[id] + c])] += t.len[id];  // at most C x T_R
+      if (sent) s.num_recv_tokens[static_cast<std::size_t>(t.dst[t.first_of(id) + c])] += t.len[id];  // at most C x T_R
     }
   }
   s.seq_recv_mask = std::move(mask);
@@ -632,8 +632,8 @@ inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out)
     wire.begin_rank();
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p];
-      const auto attn_offset = [&](std::size_t c) { return groups.start[t.first[id] + c] + t.group_offset(t.first[id] + c, id); };
-      wire.shard(r, p - t.rank_begin[r], pos.start[id], t.len[id], t.dst.data() + t.first[id], t.users(id), attn_offset);
+      const auto attn_offset = [&](std::size_t c) { return groups.start[t.first_of(id) + c] + t.group_offset(t.first_of(id) + c, id); };
+      wire.shard(r, p - t.rank_begin[r], pos.start[id], t.len[id], t.dst.data() + t.first_of(id), t.users(id), attn_offset);
     }
     wire.end_rank(r, pos.total[r]);
   }
