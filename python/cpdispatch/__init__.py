@@ -98,7 +98,7 @@ def balance(batch, dedup=False, **options):
     plan() and plan_for_rank() take."""
     if options:
         batch = dict(batch, **options)
-    return _json.loads(_cpdispatch.balance(batch, dedup))
+    return _cpdispatch.balance(batch, dedup)
 
 
 def token_indices(plan, rank, dedup=False):

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <new>
@@ -34,41 +35,85 @@ using Int64Array = py::array_t<std::int64_t>;
 
 // ---------------------------------------------------------------- input
 
-nlohmann::json to_json(py::handle value, const std::string& where);
+/// Where a value sits ("documents.pieces"), as a chain of keys that becomes a
+/// string only for a message: building the path per key cost more than the
+/// conversion itself.
+struct KeyPath {
+  const KeyPath* parent = nullptr;
+  std::string_view key;
 
-nlohmann::json sequence_to_json(py::handle seq, const std::string& where) {
+  std::string str() const {
+    if (!parent) return std::string(key);
+    std::string out = parent->str();
+    if (!out.empty()) out += '.';
+    out += key;
+    return out;
+  }
+  std::string or_plan() const {
+    std::string out = str();
+    return out.empty() ? std::string("plan") : out;
+  }
+};
+
+nlohmann::json to_json(PyObject* value, const KeyPath& where);
+
+nlohmann::json sequence_to_json(PyObject* seq, const KeyPath& where) {
   nlohmann::json out = nlohmann::json::array();
-  for (py::handle item : py::reinterpret_borrow<py::iterable>(seq)) out.push_back(to_json(item, where));
+  if (PyList_CheckExact(seq) || PyTuple_CheckExact(seq)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    out.get_ref<nlohmann::json::array_t&>().reserve(static_cast<std::size_t>(n));
+    // Held while converted, and the size read each time: an __index__ may change the list.
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+      const py::object item = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(seq, i));
+      out.push_back(to_json(item.ptr(), where));
+    }
+    return out;
+  }
+  for (py::handle item : py::reinterpret_borrow<py::iterable>(seq)) out.push_back(to_json(item.ptr(), where));
+  return out;
+}
+
+std::string_view utf8_of(PyObject* text) {
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(text, &size);
+  if (!data) throw py::error_already_set();
+  return {data, static_cast<std::size_t>(size)};
+}
+
+nlohmann::json dict_to_json(PyObject* dict, const KeyPath& where) {
+  nlohmann::json out = nlohmann::json::object();
+  PyObject* key = nullptr;
+  PyObject* item = nullptr;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(dict, &pos, &key, &item)) {
+    const py::object key_held = py::reinterpret_borrow<py::object>(key), item_held = py::reinterpret_borrow<py::object>(item);
+    if (!PyUnicode_Check(key)) cpdispatch::detail::fail(where.or_plan(), ": keys must be strings, got ", std::string(py::repr(key)));
+    const std::string_view name = utf8_of(key);
+    out[std::string(name)] = to_json(item, KeyPath{&where, name});
+  }
   return out;
 }
 
 /// A Python value as JSON: dict, list/tuple/ndarray, int (also NumPy
 /// integers), float, bool, str, None. Anything else is a ValueError naming
 /// the key it sits under.
-nlohmann::json to_json(py::handle value, const std::string& where) {
-  if (value.is_none()) return nullptr;
-  if (PyBool_Check(value.ptr())) return value.cast<bool>();
-  if (py::isinstance<py::dict>(value)) {
-    nlohmann::json out = nlohmann::json::object();
-    for (auto [key, item] : py::reinterpret_borrow<py::dict>(value)) {
-      if (!py::isinstance<py::str>(key)) cpdispatch::detail::fail(where.empty() ? "plan" : where, ": keys must be strings, got ", std::string(py::repr(key)));
-      const std::string name = key.cast<std::string>();
-      out[name] = to_json(item, where.empty() ? name : where + '.' + name);
-    }
-    return out;
-  }
-  if (py::isinstance<py::str>(value)) return value.cast<std::string>();
-  if (py::isinstance<py::array>(value)) return sequence_to_json(value.attr("tolist")(), where);
-  if (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value)) return sequence_to_json(value, where);
-  if (PyIndex_Check(value.ptr())) {
-    const py::int_ v = py::reinterpret_steal<py::int_>(PyNumber_Index(value.ptr()));
+nlohmann::json to_json(PyObject* value, const KeyPath& where) {
+  if (value == Py_None) return nullptr;
+  if (PyBool_Check(value)) return value == Py_True;
+  if (PyDict_Check(value)) return dict_to_json(value, where);
+  if (PyUnicode_Check(value)) return std::string(utf8_of(value));
+  if (py::isinstance<py::array>(value)) return sequence_to_json(py::handle(value).attr("tolist")().ptr(), where);
+  if (PyList_Check(value) || PyTuple_Check(value)) return sequence_to_json(value, where);
+  if (PyIndex_Check(value)) {
+    const py::int_ v = py::reinterpret_steal<py::int_>(PyNumber_Index(value));
+    if (!v) throw py::error_already_set();
     int overflow = 0;
     const long long n = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
-    if (overflow != 0) cpdispatch::detail::fail(where, ": ", std::string(py::str(value)), " is outside the 64-bit signed integer range");
+    if (overflow != 0) cpdispatch::detail::fail(where.str(), ": ", std::string(py::str(value)), " is outside the 64-bit signed integer range");
     return static_cast<std::int64_t>(n);
   }
-  if (PyFloat_Check(value.ptr())) return value.cast<double>();
-  cpdispatch::detail::fail(where.empty() ? "plan" : where, ": a ", std::string(py::str(value.get_type().attr("__name__"))),
+  if (PyFloat_Check(value)) return PyFloat_AS_DOUBLE(value);
+  cpdispatch::detail::fail(where.or_plan(), ": a ", std::string(py::str(py::handle(value).get_type().attr("__name__"))),
                            " is not a JSON value (expected a dict, list, int, float, bool, str or None)");
 }
 
@@ -79,7 +124,7 @@ nlohmann::json input_json(py::handle input) {
   if (!py::isinstance<py::dict>(input)) {
     cpdispatch::detail::fail("plan: expected a dict or JSON text, got a ", std::string(py::str(input.get_type().attr("__name__"))));
   }
-  return to_json(input, "");
+  return to_json(input.ptr(), KeyPath{});
 }
 
 // ---------------------------------------------------------------- output arrays
@@ -521,15 +566,51 @@ py::dict token_indices(py::handle input, std::int64_t rank, bool dedup) {
 
 // ---------------------------------------------------------------- balancing
 
-/// cpdispatch-plan balance's output for `input`, as JSON text.
-std::string balance(py::handle input, bool dedup) {
+py::object to_python(const nlohmann::json& j);
+
+py::list list_of(const nlohmann::json& j) {
+  py::list out(j.size());
+  std::size_t i = 0;
+  for (const auto& item : j) PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i++), to_python(item).release().ptr());  // steals
+  return out;
+}
+
+py::dict dict_of(const nlohmann::json& j) {
+  py::dict out;
+  for (const auto& [key, item] : j.items()) {
+    const py::object value = to_python(item);
+    if (PyDict_SetItemString(out.ptr(), key.c_str(), value.ptr()) != 0) throw py::error_already_set();
+  }
+  return out;
+}
+
+/// JSON as json.loads(j.dump()) returns it, without the text in between
+/// (the writer writes a non-finite number as null).
+py::object to_python(const nlohmann::json& j) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::object: return dict_of(j);
+    case nlohmann::json::value_t::array: return list_of(j);
+    case nlohmann::json::value_t::string: return py::str(j.get_ref<const std::string&>());
+    case nlohmann::json::value_t::boolean: return py::bool_(j.get<bool>());
+    case nlohmann::json::value_t::number_integer: return py::int_(j.get<std::int64_t>());
+    case nlohmann::json::value_t::number_unsigned: return py::int_(j.get<std::uint64_t>());
+    case nlohmann::json::value_t::number_float: {
+      const double v = j.get<double>();
+      return std::isfinite(v) ? py::object(py::float_(v)) : py::object(py::none());
+    }
+    default: return py::none();  // null (and the writer's discarded values)
+  }
+}
+
+/// cpdispatch-plan balance's output for `input`, as the dict json.loads makes of it.
+py::object balance(py::handle input, bool dedup) {
   const nlohmann::json j = input_json(input);
   const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(j);
   cpdispatch::BalanceOptions options = cpdispatch_cli::balance_options_from_json(j);
   options.dedup = options.dedup || dedup;
   const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options);
   const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
-  return cpdispatch_cli::balanced_plan_json(plan, options.dedup).dump();
+  return to_python(cpdispatch_cli::balanced_plan_json(plan, options.dedup));
 }
 
 // ---------------------------------------------------------------- timing (benchmarks)
