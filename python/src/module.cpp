@@ -312,27 +312,26 @@ bool plain_int(PyObject* o, std::int64_t& out) {
   return overflow == 0 && !(out == -1 && PyErr_Occurred());
 }
 
-/// The dict's values for `keys` (nullptr where absent); false when it is not
-/// a dict or has any other key.
-/// An interned key made once: PyDict_GetItemString would make a new string
-/// object per lookup.
-PyObject* key_object(const char* name) {
-  static std::vector<std::pair<const char*, PyObject*>> keys;  // string literals, compared by address
-  for (const auto& [n, k] : keys) {
-    if (n == name) return k;
+/// Interned keys made once (kept for the life of the module): PyDict_GetItemString
+/// would make a new string object per lookup.
+template <std::size_t N>
+std::array<PyObject*, N> keys_of(const std::array<const char*, N>& names) {
+  std::array<PyObject*, N> keys{};
+  for (std::size_t i = 0; i < N; ++i) {
+    keys[i] = PyUnicode_InternFromString(names[i]);
+    if (!keys[i]) throw py::error_already_set();
   }
-  PyObject* k = PyUnicode_InternFromString(name);  // kept for the life of the module
-  if (!k) throw py::error_already_set();
-  keys.emplace_back(name, k);
-  return k;
+  return keys;
 }
 
+/// The dict's values for `keys` (nullptr where absent); false when it is not
+/// a dict or has any other key.
 template <std::size_t N>
-bool dict_fields(PyObject* o, const std::array<const char*, N>& names, std::array<PyObject*, N>& values) {
+bool dict_fields(PyObject* o, const std::array<PyObject*, N>& keys, std::array<PyObject*, N>& values) {
   if (!PyDict_CheckExact(o)) return false;
   std::size_t found = 0;
   for (std::size_t i = 0; i < N; ++i) {
-    values[i] = PyDict_GetItem(o, key_object(names[i]));  // borrowed
+    values[i] = PyDict_GetItem(o, keys[i]);  // borrowed
     found += values[i] != nullptr;
   }
   return static_cast<std::size_t>(PyDict_Size(o)) == found;
@@ -351,14 +350,16 @@ bool int_list(PyObject* o, std::vector<std::int64_t>& out) {
 bool read_documents(PyObject* o, cpdispatch::QkvDocumentsPlan& plan) {
   if (!PyList_CheckExact(o)) return false;
   plan.documents.resize(static_cast<std::size_t>(PyList_GET_SIZE(o)));
+  static const auto document_keys = keys_of(std::array{"shards"});
+  static const auto shard_keys = keys_of(std::array{"rank", "len", "dst"});
   std::array<PyObject*, 1> doc{};
   std::array<PyObject*, 3> shard{};
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
-    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)), std::array{"shards"}, doc) || !doc[0] || !PyList_CheckExact(doc[0])) return false;
+    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)), document_keys, doc) || !doc[0] || !PyList_CheckExact(doc[0])) return false;
     auto& shards = plan.documents[i].shards;
     shards.resize(static_cast<std::size_t>(PyList_GET_SIZE(doc[0])));
     for (std::size_t k = 0; k < shards.size(); ++k) {
-      if (!dict_fields(PyList_GET_ITEM(doc[0], static_cast<Py_ssize_t>(k)), std::array{"rank", "len", "dst"}, shard) || !shard[0] || !shard[1] ||
+      if (!dict_fields(PyList_GET_ITEM(doc[0], static_cast<Py_ssize_t>(k)), shard_keys, shard) || !shard[0] || !shard[1] ||
           !shard[2] || !plain_int(shard[0], shards[k].rank) || !plain_int(shard[1], shards[k].len) || !plain_int(shard[2], shards[k].dst)) {
         return false;
       }
@@ -370,14 +371,16 @@ bool read_documents(PyObject* o, cpdispatch::QkvDocumentsPlan& plan) {
 bool read_ranks(PyObject* o, cpdispatch::QkvPlan& plan) {
   if (!PyList_CheckExact(o) || PyList_GET_SIZE(o) != plan.world_size) return false;
   plan.ranks.resize(static_cast<std::size_t>(plan.world_size));
+  static const auto rank_keys = keys_of(std::array{"docs"});
+  static const auto doc_keys = keys_of(std::array{"shard_len", "dst"});
   std::array<PyObject*, 1> rank{};
   std::array<PyObject*, 2> doc{};
   for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
-    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(r)), std::array{"docs"}, rank) || !rank[0] || !PyList_CheckExact(rank[0])) return false;
+    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(r)), rank_keys, rank) || !rank[0] || !PyList_CheckExact(rank[0])) return false;
     auto& docs = plan.ranks[r].docs;
     docs.resize(static_cast<std::size_t>(PyList_GET_SIZE(rank[0])));
     for (std::size_t i = 0; i < docs.size(); ++i) {
-      if (!dict_fields(PyList_GET_ITEM(rank[0], static_cast<Py_ssize_t>(i)), std::array{"shard_len", "dst"}, doc) || !doc[0] || !doc[1] ||
+      if (!dict_fields(PyList_GET_ITEM(rank[0], static_cast<Py_ssize_t>(i)), doc_keys, doc) || !doc[0] || !doc[1] ||
           !int_list(doc[0], docs[i].shard_len) || !int_list(doc[1], docs[i].dst) || docs[i].dst.size() != docs[i].shard_len.size()) {
         return false;
       }
@@ -388,8 +391,9 @@ bool read_ranks(PyObject* o, cpdispatch::QkvPlan& plan) {
 
 /// The fast read of a QKV plan dict (see above); false: use the JSON reader.
 bool read_qkv_dict(py::handle input, ParsedPlan& out) {
+  static const auto plan_keys = keys_of(std::array{"kind", "world_size", "max_cp_degree", "documents", "ranks", "dedup"});
   std::array<PyObject*, 6> f{};  // kind, world_size, max_cp_degree, documents, ranks, dedup
-  if (!dict_fields(input.ptr(), std::array{"kind", "world_size", "max_cp_degree", "documents", "ranks", "dedup"}, f)) return false;
+  if (!dict_fields(input.ptr(), plan_keys, f)) return false;
   if (f[0] && !(PyUnicode_CheckExact(f[0]) && PyUnicode_CompareWithASCIIString(f[0], "qkv") == 0)) return false;
   if (f[5] && !PyBool_Check(f[5])) return false;
   out.dedup = out.dedup || f[5] == Py_True;
