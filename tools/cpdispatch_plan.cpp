@@ -24,12 +24,14 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
 #include "balance_command.hpp"
 #include "cpdispatch/plan/json.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
+#include "cpdispatch/plan/step_model.hpp"
 
 namespace {
 
@@ -44,6 +46,7 @@ using Args = std::span<const std::string_view>;
 
 constexpr std::string_view plan_usage = R"(Usage: cpdispatch-plan [FILE|-] [--summary | --rank R] [--svg FILE] [--compact]
        cpdispatch-plan balance [FILE|-] [...]   (choose a balanced plan: balance --help)
+       cpdispatch-plan simulate [FILE|-] [...]  (model one layer's time on a cluster: simulate --help)
 
 Reads a dispatch plan as JSON from FILE (standard input when FILE is - or
 absent) and writes its metadata as JSON to standard output.
@@ -508,6 +511,132 @@ int run_balance(Args args) {
   return 0;
 }
 
+// ---------------------------------------------------------------- simulate mode
+
+constexpr std::string_view simulate_usage = R"(Usage: cpdispatch-plan simulate [FILE|-] [--cluster h100|h200] [--ranks-per-node N]
+                                [--heads H] [--head-dim D] [--stages S]
+
+Reads a qkv plan (JSON) and prints the modelled time of one attention layer's
+forward and backward on a cluster (docs/node-exchange.md, "Step-time model"):
+the plan with its flat, deduplicated and node-level KV exchanges, and the
+zig-zag ring (Transformer Engine p2p), Ulysses and Transformer Engine's
+a2a+p2p on the same documents. Times in milliseconds, bytes in MB (10^6);
+"n/a" where a scheme cannot run the shape (heads not divisible).
+
+  --cluster         h100 (default: ~400 TFLOP/s attention, NVLink 450 GB/s,
+                    InfiniBand 50 GB/s per GPU) or h200
+  --ranks-per-node  N ranks a node (default: the plan's "ranks_per_node" /
+                    "nodes", else 8)
+  --heads, --head-dim, --stages  the layer (default 32, 128, 4); bf16 elements
+)";
+
+struct SimulateOptions {
+  std::string input = "-";
+  cpdispatch::ClusterModel cluster = cpdispatch::ClusterModel::h100_ib();
+  std::optional<std::int64_t> ranks_per_node;
+  cpdispatch::LayerShape shape;
+  bool help = false;
+};
+
+/// A whole number at least 1 for option `name`.
+std::int64_t parse_count(std::string_view name, std::string_view text) {
+  const std::string s(text);
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE || value < 1) {
+    cpdispatch::detail::fail(name, " needs a whole number at least 1, got '", text, "'");
+  }
+  return value;
+}
+
+SimulateOptions parse_simulate_options(Args args) {
+  using cpdispatch::detail::fail;
+  SimulateOptions o;
+  bool have_input = false;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string_view arg = args[i];
+    if (arg == "--help" || arg == "-h") {
+      o.help = true;
+    } else if (arg == "--cluster" || arg == "--ranks-per-node" || arg == "--heads" || arg == "--head-dim" || arg == "--stages") {
+      if (i + 1 >= args.size()) fail(arg, " needs a value");
+      const std::string_view v = args[++i];
+      if (arg == "--cluster") {
+        if (v == "h100") o.cluster = cpdispatch::ClusterModel::h100_ib();
+        else if (v == "h200") o.cluster = cpdispatch::ClusterModel::h200_ib();
+        else fail("--cluster is h100 or h200, got '", v, "'");
+      } else if (arg == "--ranks-per-node") o.ranks_per_node = parse_count(arg, v);
+      else if (arg == "--heads") o.shape.heads = parse_count(arg, v);
+      else if (arg == "--head-dim") o.shape.head_dim = parse_count(arg, v);
+      else o.shape.stages = parse_count(arg, v);
+    } else if (arg.size() > 1 && arg.front() == '-') {
+      fail("unknown option '", arg, "' (see simulate --help)");
+    } else {
+      if (have_input) fail("more than one input file ('", o.input, "' and '", arg, "')");
+      o.input = std::string(arg);
+      have_input = true;
+    }
+  }
+  return o;
+}
+
+std::string milliseconds(double seconds) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(3) << seconds * 1e3;
+  return s.str();
+}
+
+std::string step_table(const std::vector<cpdispatch::StepTime>& rows) {
+  std::vector<std::vector<std::string>> table = {
+      {"scheme", "fwd compute", "fwd comm", "forward", "bwd compute", "bwd comm", "backward", "step", "inter-node MB"}};
+  for (const cpdispatch::StepTime& t : rows) {
+    if (!t.feasible) {
+      table.push_back({t.scheme, "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a"});
+      continue;
+    }
+    std::ostringstream mb;
+    mb << std::fixed << std::setprecision(1) << t.inter_node_bytes / 1e6;
+    table.push_back({t.scheme, milliseconds(t.forward_compute), milliseconds(t.forward_comm), milliseconds(t.forward),
+                     milliseconds(t.backward_compute), milliseconds(t.backward_comm), milliseconds(t.backward),
+                     milliseconds(t.step), mb.str()});
+  }
+  return format_table(table);
+}
+
+/// `simulate`: a qkv plan in, the step-time model's table out.
+int run_simulate(Args args) {
+  SimulateOptions o = parse_simulate_options(args);
+  if (o.help) {
+    write_output(simulate_usage);
+    return 0;
+  }
+  PlanOptions reading_options;
+  const cpdispatch::PlanLimits reading = plan_limits(reading_options, false);
+  const nlohmann::json input = cpdispatch::parse_json(read_input(o.input, max_input_bytes(reading)), reading);
+  const cpdispatch::Plan plan = cpdispatch::plan_from_json(input);
+  if (plan.index() == 0) cpdispatch::detail::fail("simulate models qkv plans (documents); this is a query plan");
+  const std::int64_t W = std::visit([](const auto& p) { return p.world_size; }, plan);
+  std::optional<cpdispatch::Topology> topology = cpdispatch::topology_from_json(input, W);
+  if (o.ranks_per_node) topology = cpdispatch::Topology::uniform(W, *o.ranks_per_node);
+  if (!topology) topology = cpdispatch::Topology::uniform(W, o.cluster.ranks_per_node);
+  o.cluster.ranks_per_node = W / topology->num_nodes() + (W % topology->num_nodes() ? 1 : 0);  // the peers' node size
+  const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan, reading);
+  const auto& qkv = std::get<cpdispatch::QkvMetadata>(planned);
+  const cpdispatch::PlanCost cost = std::visit([&](const auto& p) -> cpdispatch::PlanCost {
+    if constexpr (std::is_same_v<std::decay_t<decltype(p)>, cpdispatch::QueryPlan>) return {};
+    else return cpdispatch::plan_cost(p, 1, 1, reading);
+  }, plan);
+  const std::vector<std::int64_t> docs = std::visit([](const auto& p) -> std::vector<std::int64_t> {
+    if constexpr (std::is_same_v<std::decay_t<decltype(p)>, cpdispatch::QueryPlan>) return {};
+    else return cpdispatch::document_lengths(p);
+  }, plan);
+  std::ostringstream head;
+  head << "world_size " << W << ", nodes " << topology->num_nodes() << ", heads " << o.shape.heads << ", head_dim "
+       << o.shape.head_dim << ", stages " << o.shape.stages << " (times in ms)\n";
+  write_output(head.str() + step_table(cpdispatch::model_step(qkv, cost, docs, *topology, o.cluster, o.shape)));
+  return 0;
+}
+
 // ---------------------------------------------------------------- dispatch
 
 int report(std::string_view message, int status) {
@@ -538,5 +667,6 @@ int main(int argc, char** argv) {
   const std::vector<std::string_view> args(argv + 1, argv + argc);
   // Subcommands, chosen by the first argument.
   if (!args.empty() && args[0] == "balance") return run_guarded(run_balance, Args(args).subspan(1));
+  if (!args.empty() && args[0] == "simulate") return run_guarded(run_simulate, Args(args).subspan(1));
   return run_guarded(run_plan, args);
 }

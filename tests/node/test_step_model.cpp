@@ -1,0 +1,168 @@
+// The step-time model of a cluster (docs/node-exchange.md, "Step-time
+// model"): hand-computed small cases, more bandwidth never slower, and the
+// node-level exchange never more inter-node bytes than dedup, nor dedup than flat.
+
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/step_model.hpp"
+
+namespace {
+
+using cpdispatch::ClusterModel;
+using cpdispatch::LayerShape;
+using cpdispatch::StepTime;
+using cpdispatch::Topology;
+
+/// Round numbers: 1 byte a token, 1 FLOP a pair-dim, links of 1 and 0.5 tokens a second.
+ClusterModel unit_cluster(std::int64_t ranks_per_node) {
+  ClusterModel c;
+  c.intra = {1.0, 0.0};
+  c.inter = {0.5, 0.0};
+  c.attention_flops = 1.0;
+  c.ranks_per_node = ranks_per_node;
+  return c;
+}
+LayerShape unit_shape() { return {1, 1, 1, 1}; }
+
+/// Two ranks on two nodes: document 0 (home 0) of 4 tokens, its second shard attended on rank 1.
+cpdispatch::QkvDocumentsPlan two_rank_plan() {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.documents = {{{{0, 2, 0}, {0, 2, 1}}}};
+  return plan;
+}
+
+std::vector<StepTime> model(const cpdispatch::QkvDocumentsPlan& plan, const ClusterModel& c, const LayerShape& s) {
+  return cpdispatch::model_step(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), cpdispatch::document_lengths(plan),
+                                Topology::uniform(plan.world_size, c.ranks_per_node), c, s);
+}
+
+TEST(StepModel, HandComputedTwoRanks) {
+  const auto rows = model(two_rank_plan(), unit_cluster(1), unit_shape());
+  // Rank 1 attends queries 2-3 against keys 0-3: 3 + 4 = 7 pairs, 28 FLOPs forward.
+  // Both shards are home on rank 0, so rank 1 receives 2 query tokens (2 bytes, 4 s at
+  // 0.5 B/s across nodes), 4 KV tokens (K and V: 8 bytes, 16 s) and sends 2 outputs back (4 s).
+  const StepTime& flat = rows[0];
+  EXPECT_DOUBLE_EQ(flat.forward_compute, 28.0);
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 24.0);
+  EXPECT_DOUBLE_EQ(flat.forward, 28.0 + 24.0);  // one stage: nothing hides
+  EXPECT_DOUBLE_EQ(flat.backward_compute, 70.0);
+  EXPECT_DOUBLE_EQ(flat.step, flat.forward + flat.backward);
+  EXPECT_DOUBLE_EQ(flat.inter_node_bytes, 2 * 2 + 4 * 2);  // queries and outputs, K and V
+  LayerShape staged = unit_shape();
+  staged.stages = 4;
+  const StepTime f4 = model(two_rank_plan(), unit_cluster(1), staged)[0];
+  EXPECT_DOUBLE_EQ(f4.forward, 28.0 + 24.0 / 4);
+}
+
+TEST(StepModel, ZigZagRingHandComputed) {
+  // W = 2, one causal document of 3 tokens padded to 4: 10 pairs, 5 a rank, 20 FLOPs.
+  // One ring step passing 2 tokens of K and V (4 bytes) over one link (intra, 1 B/s).
+  const StepTime t = cpdispatch::model_zigzag_ring({3}, cpdispatch::AttentionMask::causal(), 2, unit_cluster(2), unit_shape());
+  EXPECT_DOUBLE_EQ(t.forward_compute, 20.0);
+  EXPECT_DOUBLE_EQ(t.forward_comm, 4.0);
+  EXPECT_DOUBLE_EQ(t.forward, 20.0 + 4.0);
+  EXPECT_DOUBLE_EQ(t.backward_comm, 8.0);
+}
+
+TEST(StepModel, UlyssesNeedsHeadsDivisibleByRanks) {
+  LayerShape s = unit_shape();
+  s.heads = 3;
+  EXPECT_FALSE(cpdispatch::model_ulysses({8}, cpdispatch::AttentionMask::causal(), 2, unit_cluster(2), s).feasible);
+  s.heads = 4;
+  const StepTime t = cpdispatch::model_ulysses({8}, cpdispatch::AttentionMask::causal(), 2, unit_cluster(2), s);
+  ASSERT_TRUE(t.feasible);
+  // 4 tokens a rank x 4 heads = 16 bytes a tensor; four tensors, half leaving the rank: 32 s.
+  EXPECT_DOUBLE_EQ(t.forward_comm, 32.0);
+}
+
+cpdispatch::QkvDocumentsPlan four_rank_plan() {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 4;
+  // One long document spread over all ranks, its tail attended on the other node.
+  plan.documents = {{{{0, 4, 0}, {1, 4, 2}, {2, 4, 3}, {3, 4, 1}}}, {{{1, 3, 3}}}};
+  return plan;
+}
+
+TEST(StepModel, MoreBandwidthNeverSlower) {
+  LayerShape s{2, 4, 2, 2};
+  for (double scale : {1.0, 2.0, 10.0}) {
+    ClusterModel slow = unit_cluster(2), fast = slow;
+    fast.intra.bandwidth *= scale * 1.5;
+    fast.inter.bandwidth *= scale * 2;
+    const auto a = model(four_rank_plan(), slow, s), b = model(four_rank_plan(), fast, s);
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_LE(b[i].step, a[i].step) << a[i].scheme;
+      EXPECT_LE(b[i].forward_comm, a[i].forward_comm) << a[i].scheme;
+    }
+  }
+}
+
+TEST(StepModel, NodeLevelNeverMoreInterNodeBytesThanDedupThanFlat) {
+  const auto rows = model(four_rank_plan(), unit_cluster(2), unit_shape());
+  EXPECT_LE(rows[2].inter_node_bytes, rows[1].inter_node_bytes);
+  EXPECT_LE(rows[1].inter_node_bytes, rows[0].inter_node_bytes);
+  EXPECT_LT(rows[2].inter_node_bytes, rows[0].inter_node_bytes);  // the shard needed by two ranks of node 1 crosses once
+}
+
+TEST(StepModel, BadInputIsRefused) {
+  ClusterModel c = unit_cluster(2);
+  c.inter.bandwidth = 0;
+  EXPECT_THROW(model(four_rank_plan(), c, unit_shape()), cpdispatch::invalid_input);
+  LayerShape s = unit_shape();
+  s.stages = 0;
+  EXPECT_THROW(model(four_rank_plan(), unit_cluster(2), s), cpdispatch::invalid_input);
+}
+
+#ifdef CPDISPATCH_PLAN_EXE
+struct SimulateRun {
+  int status = -1;
+  std::string out, err;
+};
+
+/// cpdispatch-plan simulate on a file holding `plan`, then `args`.
+SimulateRun simulate(const std::string& plan, const std::string& args) {
+  const std::string base = ::testing::TempDir() + "step-model-" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const std::string in = base + "-in.json", out = base + "-out.txt", err = base + "-err.txt";
+  std::ofstream(in) << plan;
+  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' simulate '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int raw = std::system(cmd.c_str());
+  auto slurp = [](const std::string& path) {
+    std::stringstream s;
+    s << std::ifstream(path).rdbuf();
+    return s.str();
+  };
+  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
+}
+
+constexpr const char* cli_plan =
+    R"({"world_size": 4, "documents": [{"shards": [{"rank": 0, "len": 4, "dst": 0}, {"rank": 1, "len": 4, "dst": 2}, {"rank": 2, "len": 4, "dst": 3}]}]})";
+
+TEST(StepModel, SimulatePrintsEverySchemeAndRefusesBadOptions) {
+  const SimulateRun run = simulate(cli_plan, "--ranks-per-node 2 --heads 4 --head-dim 8 --stages 2");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("world_size 4, nodes 2, heads 4, head_dim 8, stages 2"), std::string::npos) << run.out;
+  for (const char* scheme : {"\n        flat", "\n       dedup", "\n  node-level", "\nzig-zag ring", "\n     ulysses", "\n     a2a+p2p"}) {
+    EXPECT_NE(run.out.find(scheme), std::string::npos) << scheme << " in\n" << run.out;
+  }
+  const SimulateRun bad_cluster = simulate(cli_plan, "--cluster a100");
+  EXPECT_EQ(bad_cluster.status, 2);
+  EXPECT_NE(bad_cluster.err.find("--cluster is h100 or h200"), std::string::npos) << bad_cluster.err;
+  const SimulateRun bad_heads = simulate(cli_plan, "--heads 0");
+  EXPECT_EQ(bad_heads.status, 2);
+  EXPECT_NE(bad_heads.err.find("--heads needs a whole number"), std::string::npos) << bad_heads.err;
+}
+#endif
+
+}  // namespace
