@@ -116,13 +116,6 @@ inline double exchange_time(const PairTokens& t, std::size_t W, std::size_t r, d
   return slowest;
 }
 
-inline PairTokens transpose(const PairTokens& t, std::size_t W) {
-  PairTokens out(t.size());
-  for (std::size_t s = 0; s < W; ++s)
-    for (std::size_t d = 0; d < W; ++d) out[d * W + s] = t[s * W + d];
-  return out;
-}
-
 /// Section 1 / 2: num_recv_tokens[d][s] as [s * W + d].
 inline PairTokens flat_tokens(const Metadata& m) {
   const auto W = static_cast<std::size_t>(m.world_size);
@@ -230,7 +223,7 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   if (cost.world_size != m.kv_fwd.world_size) detail::fail("model_plan: the cost has world_size = ", cost.world_size, ", the metadata ", m.kv_fwd.world_size);
   const auto W = static_cast<std::size_t>(m.kv_fwd.world_size);
   const double b = shape.token_bytes();
-  const PairTokens q = flat_tokens(m.q_fwd), q_back = transpose(q, W);
+  const PairTokens q = flat_tokens(m.q_fwd);
   PairTokens between, inside;
   node_tokens(m.kv_fwd, topo, between, inside);
   const PairTokens kv_forms[2] = {flat_tokens(m.kv_fwd), dedup_tokens(m.kv_fwd)};
@@ -240,15 +233,14 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
     StepTime t;
     t.scheme = names[form];
     for (std::size_t r = 0; r < W; ++r) {
-      // K and V: two tensors a token.
+      // K and V: two tensors a token. An exchange in reverse takes as long
+      // (sent and received swap), so queries out and outputs back cost the
+      // same, and backward's gradients as much as forward's copies.
       const double kv = form < 2 ? exchange_time(kv_forms[form], W, r, 2 * b, topo, c)
                                  : exchange_time(between, W, r, 2 * b, topo, c) + exchange_time(inside, W, r, 2 * b, topo, c);
-      const double kv_back = form < 2 ? exchange_time(transpose(kv_forms[form], W), W, r, 2 * b, topo, c)
-                                      : exchange_time(transpose(inside, W), W, r, 2 * b, topo, c) +
-                                            exchange_time(transpose(between, W), W, r, 2 * b, topo, c);
-      const double qo = exchange_time(q, W, r, b, topo, c) + exchange_time(q_back, W, r, b, topo, c);
+      const double qo = 2 * exchange_time(q, W, r, b, topo, c);
       const double fc = forward_flops(static_cast<double>(cost.attention[r]), shape) / c.attention_flops;
-      const double fm = qo + kv, bm = qo + kv_back;
+      const double fm = qo + kv, bm = qo + kv;
       const double f = overlapped(fc, fm, shape.stages), bw = overlapped(2.5 * fc, bm, shape.stages);
       if (f + bw > t.step) {
         t.step = f + bw;
