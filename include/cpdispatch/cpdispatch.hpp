@@ -22,6 +22,7 @@
 #include "cpdispatch/execute/qkv_dispatch.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/float16.hpp"
+#include "cpdispatch/plan/any_plan.hpp"
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/generate.hpp"

@@ -223,3 +223,110 @@ TEST(QkvDispatchErrors, ShortSpansAndZeroWidthsAreNamed) {
 }
 
 }  // namespace
+
+namespace {
+
+using namespace cpdispatch;
+
+class QkvDispatchDedupSim : public sim_test::WorldSizeTest {};
+
+/// A plan whose shards have several copies (so the wire has copies to merge), with dedup asked for.
+QkvPlan dedup_plan(int W, std::int64_t tokens, std::uint64_t seed) {
+  QkvPlan plan = create_qkv_dispatch(W, tokens, 3, W >= 4 ? 4 : W >= 2 ? 2 : 1, seed);
+  plan.dedup = true;
+  return plan;
+}
+
+/// forward_kv then reverse_kv of integer-valued key-values through `qkv`.
+struct KvRound {
+  std::vector<float> attention, grad;
+};
+KvRound kv_round(QkvDispatch<SimTransport, float>& qkv, int rank, int salt) {
+  const auto kv = values<float>(qkv.kv_mlp_size(), rank, salt);
+  KvRound out{std::vector<float>(qkv.kv_attention_size()), std::vector<float>(kv.size())};
+  qkv.forward_kv(kv, out.attention);
+  qkv.reverse_kv(out.attention, out.grad);
+  return out;
+}
+
+TEST_P(QkvDispatchDedupSim, WireGivesThePlainExchangesResults) {
+  const int W = GetParam();
+  const QkvPlan plan = dedup_plan(W, 48, 7);
+  run([&](SimTransport& t) {
+    const RankQkvMetadata share = plan_qkv_for_rank(plan, t.rank());
+    ASSERT_TRUE(share.kv_wire.has_value());
+    QkvDispatch<SimTransport, float> wire(t, share, 2, 3, QkvDispatchOptions{.dedup = true});
+    QkvDispatch<SimTransport, float> plain(t, share, 2, 3);
+    EXPECT_TRUE(wire.dedup());
+    EXPECT_EQ(wire.attention().cu_seqlens_kv, plain.attention().cu_seqlens_kv);
+    ASSERT_EQ(wire.kv_attention_size(), plain.kv_attention_size());
+    ASSERT_EQ(wire.kv_mlp_size(), plain.kv_mlp_size());
+    const KvRound a = kv_round(wire, t.rank(), 3);
+    const KvRound b = kv_round(plain, t.rank(), 3);
+    EXPECT_TRUE(a.attention == b.attention) << "rank " << t.rank();
+    EXPECT_TRUE(a.grad == b.grad) << "rank " << t.rank();  // integer sums: exact in any order
+    EXPECT_THROW(wire.key_values(), invalid_input);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Sim, QkvDispatchDedupSim, testing::Values(1, 2, 3, 4, 5, 6), sim_test::WorldSizeName{"W"});
+
+TEST(QkvDispatchErrors, DedupWithoutWireSlicesNamesKvWire) {
+  QkvPlan plan = dedup_plan(2, 32, 3);
+  plan.dedup = false;
+  SimWorld world(2, SimOptions{sim_test::hang_timeout});
+  world.run([&](SimTransport& t) {
+    const RankQkvMetadata share = plan_qkv_for_rank(plan, t.rank());
+    try {
+      QkvDispatch<SimTransport, float> qkv(t, share, 2, 2, QkvDispatchOptions{.dedup = true});
+      ADD_FAILURE() << "a share without kv_wire must be refused under dedup";
+    } catch (const invalid_input& e) {
+      EXPECT_NE(std::string(e.what()).find("kv_wire"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(QkvDispatchReplan, ChangingPlansMatchAFreshObject) {
+  constexpr int W = 3;
+  const std::vector<QkvPlan> plans = {dedup_plan(W, 48, 1), dedup_plan(W, 24, 2), dedup_plan(W, 60, 3), dedup_plan(W, 36, 4)};
+  for (const bool dedup : {false, true}) {
+    SimWorld world(W, SimOptions{sim_test::hang_timeout});
+    world.run([&](SimTransport& t) {
+      QkvDispatch<SimTransport, float> reused(t, plan_qkv_for_rank(plans.front(), t.rank()), 2, 3, QkvDispatchOptions{.dedup = dedup});
+      for (std::size_t step = 0; step < plans.size(); ++step) {
+        const RankQkvMetadata share = plan_qkv_for_rank(plans[step], t.rank());
+        if (step > 0) reused.replan(share);
+        QkvDispatch<SimTransport, float> fresh(t, share, 2, 3, QkvDispatchOptions{.dedup = dedup});
+        EXPECT_EQ(reused.attention().cu_seqlens_q, fresh.attention().cu_seqlens_q);
+        ASSERT_EQ(reused.q_attention_size(), fresh.q_attention_size());
+        const auto q = values<float>(fresh.q_mlp_size(), t.rank(), static_cast<int>(step));
+        std::vector<float> qa(fresh.q_attention_size()), qb(qa.size());
+        reused.forward_q(q, qa);
+        fresh.forward_q(q, qb);
+        EXPECT_TRUE(qa == qb) << "step " << step << " rank " << t.rank();
+        const KvRound a = kv_round(reused, t.rank(), static_cast<int>(step));
+        const KvRound b = kv_round(fresh, t.rank(), static_cast<int>(step));
+        EXPECT_TRUE(a.attention == b.attention && a.grad == b.grad) << "step " << step << " dedup " << dedup << " rank " << t.rank();
+      }
+    });
+  }
+}
+
+TEST(QkvDispatchReplan, AShareWithoutWireKeepsThePreviousPlan) {
+  constexpr int W = 2;
+  const QkvPlan first = dedup_plan(W, 32, 5);
+  QkvPlan bare = dedup_plan(W, 40, 6);
+  bare.dedup = false;
+  SimWorld world(W, SimOptions{sim_test::hang_timeout});
+  world.run([&](SimTransport& t) {
+    const RankQkvMetadata share = plan_qkv_for_rank(first, t.rank());
+    QkvDispatch<SimTransport, float> qkv(t, share, 2, 3, QkvDispatchOptions{.dedup = true});
+    EXPECT_THROW(qkv.replan(plan_qkv_for_rank(bare, t.rank())), invalid_input);
+    QkvDispatch<SimTransport, float> fresh(t, share, 2, 3, QkvDispatchOptions{.dedup = true});
+    const KvRound a = kv_round(qkv, t.rank(), 1);
+    const KvRound b = kv_round(fresh, t.rank(), 1);
+    EXPECT_TRUE(a.attention == b.attention && a.grad == b.grad) << "rank " << t.rank();
+  });
+}
+
+}  // namespace

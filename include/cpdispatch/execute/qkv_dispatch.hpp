@@ -12,21 +12,35 @@
 //   ... varlen attention over q_attn, kv_attn ...
 //   qkv.reverse_q(dq_attn, dq_mlp);
 //   qkv.reverse_kv(dkv_attn, dkv_mlp);    // gradients of every copy summed (fixed order)
+//   qkv.replan(next_share);               // the next step's share, same widths
+//
+// With QkvDispatchOptions{.dedup = true} (a share planned with plan.dedup,
+// so it carries kv_wire) the key-values travel over the deduplicated wire
+// (KvWireDispatcher: each shard once per destination, fanned out there); the
+// attention layout is the same and the KV gradients equal the plain
+// exchange's up to reassociation of the copies' sum.
 //
 // Token widths are in elements of E; the element type of the KV-gradient sum
-// is E's. The object owns the [C][T] replica buffer of the KV backward and
-// the dispatchers' staging, so after construction and the first calls nothing
-// is allocated. Host memory transports (sim, MPI); on device transports use
-// two Dispatchers over cuda::DeviceSpan buffers. Every call is one collective
-// of the transport: all ranks make the same calls in the same order.
+// is E's. The object owns the [C][T] replica buffer of the KV backward (and
+// the wire scratch with dedup) and the dispatchers' staging, so after
+// construction and the first calls nothing is allocated. replan rebuilds the
+// dispatchers (they have no reuse path: their staging is allocated afresh)
+// but keeps the replica and wire buffers while the next share fits them.
+// Host memory transports (sim, MPI); on device transports use two
+// Dispatchers over cuda::DeviceSpan buffers. Every call is one collective of
+// the transport: all ranks make the same calls in the same order.
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
@@ -44,6 +58,11 @@ inline RankAttentionLayout attention_of(const AttentionLayout& attn, std::int64_
                              attn.cu_seqlens_kv[r], attn.max_seqlen_q[r], attn.max_seqlen_kv[r], attn.mask};
 }
 
+/// How QkvDispatch moves key-values.
+struct QkvDispatchOptions {
+  bool dedup = false;  ///< over the deduplicated wire (needs a share with kv_wire)
+};
+
 template <class T, class E>
 class QkvDispatch {
   static_assert(detail::memory_space_of<T>() == MemorySpace::host,
@@ -54,51 +73,95 @@ class QkvDispatch {
   /// From the global metadata (every rank plans the same plan) and the widths
   /// of a query and of a key-value token in elements of E.
   QkvDispatch(T& transport, const QkvMetadata& meta, std::size_t q_width, std::size_t kv_width)
-      : q_width_(checked_width(q_width, "q_width")),
+      : transport_(transport),
+        q_width_(checked_width(q_width, "q_width")),
         kv_width_(checked_width(kv_width, "kv_width")),
-        q_(transport, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E)),
-        kv_(transport, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E)),
-        attention_(attention_of(meta.attn, transport.rank())),
-        replica_(kv_.required_bytes().replica_bytes / sizeof(E)) {}
+        q_(std::in_place, transport, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E)),
+        kv_(std::in_place, transport, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E)),
+        attention_(attention_of(meta.attn, transport.rank())) {
+    size_scratch();
+  }
 
   /// From this rank's share alone (plan_qkv_for_rank: no global metadata).
-  QkvDispatch(T& transport, const RankQkvMetadata& meta, std::size_t q_width, std::size_t kv_width)
-      : q_width_(checked_width(q_width, "q_width")),
+  /// With options.dedup the share must carry kv_wire (planned with plan.dedup).
+  QkvDispatch(T& transport, const RankQkvMetadata& meta, std::size_t q_width, std::size_t kv_width, QkvDispatchOptions options = {})
+      : transport_(transport),
+        q_width_(checked_width(q_width, "q_width")),
         kv_width_(checked_width(kv_width, "kv_width")),
-        q_(transport, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E)),
-        kv_(transport, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E)),
-        attention_(meta.attn),
-        replica_(kv_.required_bytes().replica_bytes / sizeof(E)) {}
+        dedup_(options.dedup),
+        attention_(meta.attn) {
+    replan(meta);
+  }
+
+  /// The next step's share, with the widths and options of construction.
+  /// On a throw (a bad share, a share without kv_wire under dedup) the
+  /// object keeps its previous plan.
+  void replan(const RankQkvMetadata& meta) {
+    if (dedup_ && !meta.kv_wire) {
+      detail::fail("QkvDispatch (rank ", transport_.rank(), "): dedup needs the share's kv_wire slices, but kv_wire is empty; plan with plan.dedup = true");
+    }
+    std::optional<Dispatcher<T>> q(std::in_place, transport_, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E));
+    std::optional<Dispatcher<T>> kv;
+    std::optional<KvWireDispatcher<T>> wire;
+    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_width_ * sizeof(E));
+    else kv.emplace(transport_, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E));
+    RankAttentionLayout attention = meta.attn;
+    take(q_, q);
+    take(kv_, kv);
+    take(wire_, wire);
+    attention_ = std::move(attention);
+    size_scratch();
+  }
 
   const RankAttentionLayout& attention() const noexcept { return attention_; }
   /// Elements of each buffer: MLP layout (this rank's tokens), attention layout.
-  std::size_t q_mlp_size() const noexcept { return q_.required_bytes().mlp_bytes / sizeof(E); }
-  std::size_t q_attention_size() const noexcept { return q_.required_bytes().attention_bytes / sizeof(E); }
-  std::size_t kv_mlp_size() const noexcept { return kv_.required_bytes().mlp_bytes / sizeof(E); }
-  std::size_t kv_attention_size() const noexcept { return kv_.required_bytes().attention_bytes / sizeof(E); }
+  std::size_t q_mlp_size() const noexcept { return q_->required_bytes().mlp_bytes / sizeof(E); }
+  std::size_t q_attention_size() const noexcept { return q_->required_bytes().attention_bytes / sizeof(E); }
+  std::size_t kv_mlp_size() const noexcept { return (wire_ ? wire_->required_bytes().mlp_bytes : kv_->required_bytes().mlp_bytes) / sizeof(E); }
+  std::size_t kv_attention_size() const noexcept {
+    return (wire_ ? wire_->required_bytes().attention_bytes : kv_->required_bytes().attention_bytes) / sizeof(E);
+  }
+  /// Whether key-values travel over the deduplicated wire.
+  bool dedup() const noexcept { return dedup_; }
 
   /// Queries (or attention outputs) MLP -> attention layout.
   void forward_q(std::span<const E> q_mlp, std::span<E> q_attention) {
-    q_.forward(std::as_bytes(q_mlp), std::as_writable_bytes(q_attention));
+    q_->forward(std::as_bytes(q_mlp), std::as_writable_bytes(q_attention));
   }
   /// Key-values MLP -> attention layout: each KV group holds its causal context.
   void forward_kv(std::span<const E> kv_mlp, std::span<E> kv_attention) {
-    kv_.forward(std::as_bytes(kv_mlp), std::as_writable_bytes(kv_attention));
+    if (wire_) wire_->forward(std::as_bytes(kv_mlp), std::as_writable_bytes(kv_attention));
+    else kv_->forward(std::as_bytes(kv_mlp), std::as_writable_bytes(kv_attention));
   }
   /// Query gradients attention -> MLP layout.
   void reverse_q(std::span<const E> dq_attention, std::span<E> dq_mlp) {
-    q_.reverse(std::as_bytes(dq_attention), std::as_writable_bytes(dq_mlp));
+    q_->reverse(std::as_bytes(dq_attention), std::as_writable_bytes(dq_mlp));
   }
   /// KV gradients attention -> MLP layout, the copies of each shard summed in
-  /// ascending copy order (fp32 accumulation for 16-bit types).
+  /// ascending copy order (fp32 accumulation for 16-bit types); with dedup
+  /// each destination first sums its copies, then the home sums the wire's.
   void reverse_kv(std::span<const E> dkv_attention, std::span<E> dkv_mlp) {
-    kv_.reverse_combine(std::as_bytes(dkv_attention), std::as_writable_bytes(std::span<E>(replica_)), std::as_writable_bytes(dkv_mlp),
-                        element_type_of<E>());
+    const auto replica = std::as_writable_bytes(std::span<E>(replica_));
+    if (wire_) {
+      wire_->reverse_combine(std::as_bytes(dkv_attention), std::as_writable_bytes(std::span<E>(wire_scratch_)), replica,
+                             std::as_writable_bytes(dkv_mlp), element_type_of<E>());
+    } else {
+      kv_->reverse_combine(std::as_bytes(dkv_attention), replica, std::as_writable_bytes(dkv_mlp), element_type_of<E>());
+    }
   }
 
   /// The underlying dispatchers, for callers that manage buffers themselves.
-  Dispatcher<T>& queries() noexcept { return q_; }
-  Dispatcher<T>& key_values() noexcept { return kv_; }
+  Dispatcher<T>& queries() noexcept { return *q_; }
+  /// The plain KV dispatcher; with dedup there is none (see key_value_wire).
+  Dispatcher<T>& key_values() {
+    if (!kv_) detail::fail("QkvDispatch::key_values: key-values travel over the dedup wire; use key_value_wire()");
+    return *kv_;
+  }
+  /// The dedup KV dispatcher; without dedup there is none (see key_values).
+  KvWireDispatcher<T>& key_value_wire() {
+    if (!wire_) detail::fail("QkvDispatch::key_value_wire: built without dedup; use key_values()");
+    return *wire_;
+  }
 
  private:
   static std::size_t checked_width(std::size_t width, const char* name) {
@@ -107,10 +170,28 @@ class QkvDispatch {
     return width;
   }
 
+  /// The dispatchers hold the transport by reference (no assignment), but
+  /// they move without throwing: rebuilt in place from the new one.
+  template <class D>
+  static void take(std::optional<D>& to, std::optional<D>& from) noexcept {
+    static_assert(std::is_nothrow_move_constructible_v<D>);
+    to.reset();
+    if (from) to.emplace(std::move(*from));
+  }
+
+  /// resize keeps the vectors' memory while the plan fits it.
+  void size_scratch() {
+    replica_.resize((wire_ ? wire_->required_bytes().replica_bytes : kv_->required_bytes().replica_bytes) / sizeof(E));
+    wire_scratch_.resize(wire_ ? wire_->required_bytes().wire_bytes / sizeof(E) : 0);
+  }
+
+  T& transport_;
   std::size_t q_width_, kv_width_;
-  Dispatcher<T> q_, kv_;
+  bool dedup_ = false;
+  std::optional<Dispatcher<T>> q_, kv_;
+  std::optional<KvWireDispatcher<T>> wire_;  // in place of kv_ with dedup
   RankAttentionLayout attention_;
-  std::vector<E> replica_;
+  std::vector<E> replica_, wire_scratch_;
 };
 
 }  // namespace cpdispatch

@@ -316,6 +316,34 @@ inline QkvDocumentsPlan to_documents(const QkvPlan& plan) {
   return out;
 }
 
+/// The per-rank form of a documents-form plan whose documents each live on
+/// one rank (every plan of a per-rank problem): document order kept within
+/// each rank. Throws invalid_input naming the first document that spans ranks.
+inline QkvPlan to_rank_plan(const QkvDocumentsPlan& plan) {
+  using detail::fail;
+  if (plan.world_size <= 0) fail("to_rank_plan: world_size = ", plan.world_size, " must be at least 1");
+  QkvPlan out;
+  out.world_size = plan.world_size;
+  out.max_cp_degree = plan.max_cp_degree;
+  out.ranks.resize(static_cast<std::size_t>(plan.world_size));
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    const auto& shards = plan.documents[i].shards;
+    if (shards.empty()) fail("to_rank_plan: documents[", i, "] has no shards");
+    const std::int64_t home = shards.front().rank;
+    if (home < 0 || home >= plan.world_size) fail("to_rank_plan: documents[", i, "].shards[0].rank = ", home, " is outside [0, ", plan.world_size, ")");
+    Document doc;
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      if (shards[k].rank != home) {
+        fail("to_rank_plan: documents[", i, "] spans ranks ", home, " and ", shards[k].rank, " (shards[", k, "]); only the documents form holds it");
+      }
+      doc.shard_len.push_back(shards[k].len);
+      doc.dst.push_back(shards[k].dst);
+    }
+    out.ranks[static_cast<std::size_t>(home)].docs.push_back(std::move(doc));
+  }
+  return out;
+}
+
 namespace detail {
 
 /// The copy dimension C: the plan's max_cp_degree, checked, or the most

@@ -1,0 +1,116 @@
+#pragma once
+// What load-balanced planning starts from (plan/balance.hpp): the documents
+// as pieces on their home ranks, the planner's options, and the problem a
+// plan was made from.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/mask.hpp"
+#include "cpdispatch/plan/plan.hpp"
+
+namespace cpdispatch {
+
+/// A contiguous run of a document's tokens on one rank (its home in the MLP
+/// layout). A document packed across ranks is a list of pieces in causal order.
+struct DocumentPiece {
+  std::int64_t rank = 0;  ///< home rank
+  std::int64_t len = 0;   ///< tokens, > 0
+  friend bool operator==(const DocumentPiece&, const DocumentPiece&) = default;
+};
+
+/// What load-balanced planning starts from. Give the documents either as a
+/// packed batch (`documents`) or per rank (`docs`), not both.
+struct BalanceProblem {
+  std::int64_t world_size = 0;
+  std::int64_t max_cp_degree = 1;  ///< C: the most shards one document may be cut into
+  /// Packed batch: every document's pieces in causal order. Rank r's MLP
+  /// layout holds the pieces whose home is r, ordered by (document, piece).
+  std::vector<std::vector<DocumentPiece>> documents;
+  /// Per-rank form, [W] (or empty when `documents` is used): the lengths of
+  /// the whole documents each rank holds, in MLP-layout order. The same as
+  /// listing rank 0's documents, then rank 1's, ... as one-piece documents.
+  std::vector<std::vector<std::int64_t>> docs;
+  /// Empty, or [W]: the most tokens each rank's attention layout may hold,
+  /// counted as its KV groups (context + own length of every query shard it
+  /// attends), which also bounds its query tokens.
+  std::vector<std::int64_t> recv_capacity;
+  std::int64_t q_bytes = 1;   ///< bytes of one query token (weighs communication)
+  std::int64_t kv_bytes = 1;  ///< bytes of one key-value token
+  /// The attention mask (docs/plan-format.md, section 2d): it decides the
+  /// attention cost of a shard and the key-values it needs. The balanced
+  /// plan carries it, and leaves max_cp_degree to planning unless causal.
+  AttentionMask mask;
+};
+
+struct BalanceOptions {
+  /// Plans whose largest rank cost is within this fraction of the best found
+  /// count as equal; among them the one moving the fewest bytes wins.
+  double cost_slack = 0.01;
+  /// When positive, replaces the slack: plans whose largest rank cost is at
+  /// most this count as equal (e.g. to compare bytes with another plan at
+  /// its level of balance).
+  std::int64_t cost_limit = 0;
+  /// Count key-value bytes as the deduplicated exchange sends them (once per
+  /// document and destination rank), for plans run with dedup switched on.
+  bool dedup = false;
+};
+
+/// The documents of a documents-form plan as a packed batch: consecutive
+/// shards with one home rank form a piece; C from the plan (its largest
+/// shard count when unset).
+inline BalanceProblem balance_problem_of(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
+  BalanceProblem p;
+  p.world_size = plan.world_size;
+  p.q_bytes = q_bytes;
+  p.kv_bytes = kv_bytes;
+  p.max_cp_degree = plan.max_cp_degree.value_or(1);
+  for (const PackedDocument& doc : plan.documents) {
+    auto& pieces = p.documents.emplace_back();
+    for (const DocumentShard& s : doc.shards) {
+      if (!pieces.empty() && pieces.back().rank == s.rank) pieces.back().len = detail::add_tokens(pieces.back().len, s.len, "balance_problem_of");
+      else pieces.push_back({s.rank, s.len});
+    }
+    if (!plan.max_cp_degree) p.max_cp_degree = std::max(p.max_cp_degree, static_cast<std::int64_t>(doc.shards.size()));
+  }
+  return p;
+}
+
+/// The documents of a per-rank plan as a balancing problem: each rank's
+/// document lengths in order, C from the plan (its largest shard count when unset).
+inline BalanceProblem balance_problem_of(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
+  BalanceProblem p = balance_problem_of(to_documents(plan), q_bytes, kv_bytes);
+  // to_documents lists rank 0's documents, then rank 1's, ...; each is one piece on its rank.
+  auto piece = p.documents.begin();
+  for (const RankDocuments& rank : plan.ranks) {
+    auto& lengths = p.docs.emplace_back();
+    for (std::size_t i = 0; i < rank.docs.size(); ++i, ++piece) lengths.push_back(piece->empty() ? 0 : piece->front().len);
+  }
+  p.documents.clear();
+  return p;
+}
+
+/// How many documents of a packed batch span more than one rank.
+inline std::size_t spanning_documents(const std::vector<std::vector<DocumentPiece>>& documents) {
+  std::size_t n = 0;
+  for (const auto& doc : documents)
+    n += std::any_of(doc.begin(), doc.end(), [&](const DocumentPiece& pc) { return pc.rank != doc.front().rank; }) ? 1u : 0u;
+  return n;
+}
+
+/// The most ranks any document of a packed batch spans.
+inline std::size_t widest_span(const std::vector<std::vector<DocumentPiece>>& documents) {
+  std::size_t widest = 0;
+  for (const auto& doc : documents) {
+    std::vector<std::int64_t> ranks;
+    for (const DocumentPiece& pc : doc) ranks.push_back(pc.rank);
+    std::sort(ranks.begin(), ranks.end());
+    widest = std::max(widest, static_cast<std::size_t>(std::unique(ranks.begin(), ranks.end()) - ranks.begin()));
+  }
+  return widest;
+}
+
+}  // namespace cpdispatch

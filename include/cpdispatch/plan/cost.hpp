@@ -1,0 +1,223 @@
+#pragma once
+// What a plan costs: the attention work each rank does and the bytes each
+// pair of ranks exchanges, counted as the layout of docs/plan-format.md
+// sends them (a query shard attended off its home sends its queries; it
+// gets a copy of every key-value shard it attends whose home is elsewhere).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/detail/balance_cuts.hpp"
+#include "cpdispatch/plan/limits.hpp"
+#include "cpdispatch/plan/mask.hpp"
+#include "cpdispatch/plan/plan.hpp"
+
+namespace cpdispatch {
+
+/// What a plan costs: attention work and communication, per rank.
+struct PlanCost {
+  std::int64_t world_size = 0;
+  std::vector<std::int64_t> attention;  ///< [W] (query, key) pairs each rank attends, under `mask`
+  std::vector<std::int64_t> kv_tokens;  ///< [W] tokens of the KV groups each rank holds (what recv_capacity limits)
+  std::vector<std::int64_t> bytes;      ///< [W * W] bytes rank `src` (row) sends rank `dst` (column); diagonal 0
+  std::int64_t bytes_moved = 0;         ///< sum of `bytes`
+  std::int64_t query_bytes = 0;         ///< of which queries
+  std::int64_t kv_bytes = 0;            ///< of which key-value copies
+  AttentionMask mask;                   ///< the plan's mask, whose pairs `attention` counts
+
+  std::int64_t max_attention() const noexcept {
+    return attention.empty() ? 0 : *std::max_element(attention.begin(), attention.end());
+  }
+  std::int64_t total_attention() const noexcept {
+    return std::accumulate(attention.begin(), attention.end(), std::int64_t{0});
+  }
+  double mean_attention() const noexcept {
+    return attention.empty() ? 0.0 : static_cast<double>(total_attention()) / static_cast<double>(attention.size());
+  }
+  /// max / mean (1 when perfectly even, or when there is no work at all).
+  double max_over_mean() const noexcept {
+    const double mean = mean_attention();
+    return mean > 0 ? static_cast<double>(max_attention()) / mean : 1.0;
+  }
+  std::int64_t sent(std::size_t src, std::size_t dst) const { return bytes[src * static_cast<std::size_t>(world_size) + dst]; }
+};
+
+/// Causal token pairs of a query shard of `len` tokens with `context` tokens
+/// of its document before it: len*context + len*(len+1)/2.
+inline std::int64_t attention_cost(std::int64_t context, std::int64_t len) {
+  if (context < 0 || len < 0) detail::fail("attention_cost: context = ", context, " and len = ", len, " must not be negative");
+  std::int64_t end = 0, sq = 0;
+  if (__builtin_add_overflow(context, len, &end) || __builtin_mul_overflow(end, end + 1, &sq)) {
+    detail::fail("attention_cost: ", context, " + ", len, " tokens overflow 64 bits");
+  }
+  return balance_detail::pairs(context, end);
+}
+
+namespace balance_detail {
+
+/// Checked arithmetic for plan_cost.
+inline void add_to(std::int64_t& acc, std::int64_t v) {
+  if (__builtin_add_overflow(acc, v, &acc)) fail("plan_cost: a total overflows 64 bits");
+}
+inline std::int64_t times(std::int64_t a, std::int64_t b) {
+  std::int64_t v = 0;
+  if (__builtin_mul_overflow(a, b, &v)) fail("plan_cost: a byte count overflows 64 bits");
+  return v;
+}
+
+inline PlanCost empty_cost(std::int64_t world_size, const PlanLimits& limits) {
+  if (world_size <= 0) fail("plan_cost: world_size = ", world_size, " must be at least 1");
+  const auto W = static_cast<std::size_t>(world_size);
+  detail::check_footprint(limits, footprint::plan_cost(W), "plan_cost", detail::concat("the [W][W] byte matrix of world_size = ", W));
+  PlanCost out;
+  out.world_size = world_size;
+  out.attention.assign(W, 0);
+  out.kv_tokens.assign(W, 0);
+  out.bytes.assign(W * W, 0);
+  return out;
+}
+
+/// Adds one document's shards (validated) to `out`: attention and KV group
+/// at each shard's destination; its queries when attended off home, and a
+/// copy of every key-value shard 0..i whose home is not the destination.
+/// `held` is scratch: the tokens so far per home rank of this document.
+inline void add_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
+                         std::vector<std::pair<std::size_t, std::int64_t>>& held) {
+  const auto W = static_cast<std::size_t>(out.world_size);
+  held.clear();
+  std::int64_t context = 0;
+  for (const DocumentShard& s : shards) {
+    const auto home = static_cast<std::size_t>(s.rank), d = static_cast<std::size_t>(s.dst);
+    add_to(out.attention[d], attention_cost(context, s.len));
+    const std::int64_t end = detail::add_tokens(context, s.len, "plan_cost");
+    add_to(out.kv_tokens[d], end);
+    auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == home; });
+    if (it == held.end()) it = held.insert(held.end(), {home, 0});
+    it->second += s.len;
+    if (d != home) {
+      const std::int64_t qb = times(q_bytes, s.len);
+      add_to(out.bytes[home * W + d], qb);
+      add_to(out.query_bytes, qb);
+    }
+    for (const auto& [from, tokens] : held) {
+      if (from == d) continue;
+      const std::int64_t kvb = times(kv_bytes, tokens);
+      add_to(out.bytes[from * W + d], kvb);
+      add_to(out.kv_bytes, kvb);
+    }
+    context = end;
+  }
+}
+
+/// The same under a mask other than causal (section 2d): query shard i costs
+/// the pairs the mask lets through, holds KV shards lo(i)..hi(i), and gets
+/// a copy of each of them whose home is not its destination.
+inline void add_masked_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
+                                detail::DocumentRanges& need) {
+  const auto W = static_cast<std::size_t>(out.world_size);
+  std::vector<std::int64_t> len, start;
+  std::int64_t total = 0;
+  for (const DocumentShard& s : shards) {
+    len.push_back(s.len);
+    start.push_back(total);
+    total = detail::add_tokens(total, s.len, "plan_cost");
+  }
+  need.compute(out.mask, len.data(), len.size());
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const auto home = static_cast<std::size_t>(shards[i].rank), d = static_cast<std::size_t>(shards[i].dst);
+    add_to(out.attention[d], attention_pairs(out.mask, start[i], len[i], total));
+    add_to(out.kv_tokens[d], start[need.hi[i]] + len[need.hi[i]] - start[need.lo[i]]);
+    if (d != home) {
+      const std::int64_t qb = times(q_bytes, len[i]);
+      add_to(out.bytes[home * W + d], qb);
+      add_to(out.query_bytes, qb);
+    }
+    for (std::size_t k = need.lo[i]; k <= need.hi[i]; ++k) {
+      const auto from = static_cast<std::size_t>(shards[k].rank);
+      if (from == d) continue;
+      const std::int64_t kvb = times(kv_bytes, len[k]);
+      add_to(out.bytes[from * W + d], kvb);
+      add_to(out.kv_bytes, kvb);
+    }
+  }
+}
+
+/// One document into `out`, as its mask sends it.
+inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
+                             std::vector<std::pair<std::size_t, std::int64_t>>& held, detail::DocumentRanges& need) {
+  if (out.mask == AttentionMask::causal()) {
+    add_document(out, shards, q_bytes, kv_bytes, held);
+  } else {
+    add_masked_document(out, shards, q_bytes, kv_bytes, need);
+  }
+}
+
+}  // namespace balance_detail
+
+/// Attention cost and bytes moved of a documents-form plan, counted as the
+/// layout of docs/plan-format.md sends them (see the top of plan/balance.hpp).
+/// Throws invalid_input naming `documents[i].shards[k].<field>` for a home
+/// or destination outside [0, W), a non-positive length or an empty document.
+inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
+  using detail::fail;
+  PlanCost out = balance_detail::empty_cost(plan.world_size, limits);
+  out.mask = plan.mask;
+  detail::check_mask(plan.mask);
+  detail::DocumentRanges need;
+  std::vector<std::pair<std::size_t, std::int64_t>> held;
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    const auto& shards = plan.documents[i].shards;
+    if (shards.empty()) fail("plan_cost: documents[", i, "] has no shards");
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      const DocumentShard& s = shards[k];
+      if (s.rank < 0 || s.rank >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].rank = ", s.rank, " is outside [0, ", plan.world_size, ")");
+      if (s.dst < 0 || s.dst >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", plan.world_size, ")");
+      if (s.len <= 0) fail("plan_cost: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
+    }
+    balance_detail::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
+  }
+  balance_detail::add_to(out.bytes_moved, out.query_bytes);
+  balance_detail::add_to(out.bytes_moved, out.kv_bytes);
+  return out;
+}
+
+/// Attention cost and bytes moved of a per-rank plan (every document on
+/// one rank), counted as for the documents form.
+inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
+  using detail::fail;
+  PlanCost out = balance_detail::empty_cost(plan.world_size, limits);
+  out.mask = plan.mask;
+  detail::check_mask(plan.mask);
+  detail::DocumentRanges need;
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  if (plan.ranks.size() != W) fail("plan_cost: ranks has ", plan.ranks.size(), " entries, but world_size = ", W);
+  std::vector<std::pair<std::size_t, std::int64_t>> held;
+  std::vector<DocumentShard> shards;
+  for (std::size_t r = 0; r < W; ++r) {
+    const auto& docs = plan.ranks[r].docs;
+    for (std::size_t i = 0; i < docs.size(); ++i) {
+      const Document& doc = docs[i];
+      if (doc.dst.size() != doc.shard_len.size()) {
+        fail("plan_cost: ranks[", r, "].docs[", i, "].dst has ", doc.dst.size(), " entries but shard_len has ", doc.shard_len.size());
+      }
+      shards.clear();
+      for (std::size_t s = 0; s < doc.shard_len.size(); ++s) {
+        const std::int64_t len = doc.shard_len[s], d = doc.dst[s];
+        if (len <= 0) fail("plan_cost: ranks[", r, "].docs[", i, "].shard_len[", s, "] = ", len, " must be positive");
+        if (d < 0 || d >= plan.world_size) fail("plan_cost: ranks[", r, "].docs[", i, "].dst[", s, "] = ", d, " is outside [0, ", W, ")");
+        shards.push_back({static_cast<std::int64_t>(r), len, d});
+      }
+      balance_detail::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
+    }
+  }
+  balance_detail::add_to(out.bytes_moved, out.query_bytes);
+  balance_detail::add_to(out.bytes_moved, out.kv_bytes);
+  return out;
+}
+
+}  // namespace cpdispatch

@@ -1,0 +1,116 @@
+#pragma once
+// Cut arithmetic of load-balanced planning: the causal cost of a run of a
+// document's tokens, and where to cut a run so that its shards stay under a
+// cost (plan/balance.hpp describes the planner that uses it).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cpdispatch/error.hpp"
+
+namespace cpdispatch {
+
+namespace balance_detail {
+
+using detail::fail;
+constexpr std::int64_t unlimited = std::numeric_limits<std::int64_t>::max() / 4;
+
+/// Causal pairs of tokens [a, b) of a document: sum over t of (t + 1).
+/// Callers keep b*(b+1) within 64 bits (checked once per document).
+inline std::int64_t pairs(std::int64_t a, std::int64_t b) noexcept { return (b - a) * (a + b + 1) / 2; }
+
+/// The largest m in [a, b] with pairs(a, m) <= budget.
+inline std::int64_t max_end(std::int64_t a, std::int64_t b, std::int64_t budget) noexcept {
+  if (budget <= 0) return a;
+  if (pairs(a, b) <= budget) return b;
+  // m^2 + m <= a^2 + a + 2*budget; the right side is below b^2 + b here.
+  const double rhs = static_cast<double>(a) * static_cast<double>(a + 1) + 2.0 * static_cast<double>(budget);
+  auto m = static_cast<std::int64_t>((std::sqrt(1.0 + 4.0 * rhs) - 1.0) / 2.0);
+  m = std::clamp(m, a, b);
+  while (m > a && pairs(a, m) > budget) --m;
+  while (m < b && pairs(a, m + 1) <= budget) ++m;
+  return m;
+}
+
+/// The smallest m in [a, b] with pairs(m, b) <= budget.
+inline std::int64_t min_begin(std::int64_t a, std::int64_t b, std::int64_t budget) noexcept {
+  if (budget <= 0) return b;
+  if (pairs(a, b) <= budget) return a;
+  // m^2 + m >= b^2 + b - 2*budget.
+  const double rhs = static_cast<double>(b) * static_cast<double>(b + 1) - 2.0 * static_cast<double>(budget);
+  auto m = static_cast<std::int64_t>(std::ceil((std::sqrt(std::max(0.0, 1.0 + 4.0 * rhs)) - 1.0) / 2.0));
+  m = std::clamp(m, a, b);
+  while (m < b && pairs(m, b) > budget) ++m;
+  while (m > a && pairs(m - 1, b) <= budget) --m;
+  return m;
+}
+
+/// The fewest contiguous shards of [a, b) that each cost at most `limit`
+/// (greedy from the front is optimal for a monotone cost); `cap + 1` when
+/// more than `cap` are needed.
+inline std::int64_t pieces_needed(std::int64_t a, std::int64_t b, std::int64_t limit, std::int64_t cap) noexcept {
+  std::int64_t n = 0;
+  while (a < b) {
+    if (n == cap) return cap + 1;
+    const std::int64_t m = max_end(a, b, limit);
+    if (m == a) return cap + 1;  // one token costs more than the limit
+    a = m;
+    ++n;
+  }
+  return n;
+}
+
+/// A run [lo, hi) of token positions of one document.
+struct Range {
+  std::int64_t lo, hi;
+};
+
+/// The cheapest largest shard when the runs (the pieces of one document,
+/// each cut on its own) are cut into at most `c` shards in all; `c` is at
+/// least the number of runs.
+inline std::int64_t min_max_shard(const std::vector<Range>& runs, std::int64_t c) noexcept {
+  std::int64_t total = 0, hi = 0;
+  for (const Range& r : runs) {
+    total += pairs(r.lo, r.hi);
+    hi = std::max(hi, pairs(r.lo, r.hi));  // every run whole: always within c
+  }
+  std::int64_t lo = (total + c - 1) / c;
+  while (lo < hi) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    std::int64_t used = 0;
+    for (const Range& r : runs) {
+      used += pieces_needed(r.lo, r.hi, mid, c);
+      if (used > c) break;
+    }
+    if (used <= c) hi = mid; else lo = mid + 1;
+  }
+  return hi;
+}
+
+/// The cheapest largest shard of [0, len) cut into at most `c` contiguous shards.
+inline std::int64_t min_max_piece(std::int64_t len, std::int64_t c) noexcept { return min_max_shard({Range{0, len}}, c); }
+
+/// n + 1 boundaries cutting [a, b) into n shards of (nearly) equal cost,
+/// every shard at least one token (n <= b - a).
+inline std::vector<std::int64_t> equal_cost_cuts(std::int64_t a, std::int64_t b, std::int64_t n) {
+  std::vector<std::int64_t> cut(static_cast<std::size_t>(n) + 1);
+  cut[0] = a;
+  const std::int64_t total = pairs(a, b);
+  for (std::int64_t k = 1; k < n; ++k) {
+    // Cumulative cost k * total / n without overflow.
+    const std::int64_t want = total / n * k + (total % n) * k / n;
+    std::int64_t m = max_end(a, b, want);
+    if (m < b && want - pairs(a, m) > pairs(a, m + 1) - want) ++m;  // the nearer boundary
+    cut[static_cast<std::size_t>(k)] = std::clamp(m, cut[static_cast<std::size_t>(k) - 1] + 1, b - (n - k));
+  }
+  cut[static_cast<std::size_t>(n)] = b;
+  return cut;
+}
+
+}  // namespace balance_detail
+
+}  // namespace cpdispatch
