@@ -1,8 +1,9 @@
 #pragma once
 // SingleRankTransport: a host transport of world size 1 (all-to-all and
-// collectives; no point-to-point), with no threads and
-// no dependency. The reference API's "Single GPU (No Parallelism)" case: a layer or a
-// wrapper over it behaves exactly as the unsharded model.
+// collectives; no point-to-point), with no threads and no dependency. It is
+// the "Single GPU (No Parallelism)" case of the Python tensor-parallel module
+// the layers follow: a layer or a wrapper over it behaves exactly as the
+// unsharded model.
 //
 //   cpdispatch::SingleRankTransport one;
 //   cpdispatch::gemm::ReferenceGemm gemm;
