@@ -88,7 +88,7 @@ TEST(ChecksummedAttention, HealthyStepEqualsTheStepWithoutChecksums) {
 }
 
 TEST(ChecksummedAttention, CorruptedStageExchangeIsNamedOnEveryRank) {
-  for (const auto& [call, stages] : {std::pair{TransportCall::post_all_to_all_v, 3}, std::pair{TransportCall::all_to_all_pieces, 1}}) {
+  for (const auto& [call, stages] : {std::pair{TransportCall::post_all_to_all_v, 3}, std::pair{TransportCall::post_all_to_all_v, 1}}) {
     SCOPED_TRACE(cpdispatch::testing::call_name(call));
     const auto out = run(4, stages, {FaultRule{call, 1, Fault::corrupt, 3}});
     for (std::size_t r = 0; r < out.size(); ++r) {
