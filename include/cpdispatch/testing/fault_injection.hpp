@@ -193,16 +193,10 @@ class FaultInjectingTransport {
     if (!f) return inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     const int peer = remote_peer(send_counts);
     if (*f == Fault::short_delivery && peer >= 0) {
-      counts_copy_.assign(send_counts.begin(), send_counts.end());
-      counts_copy_[static_cast<std::size_t>(peer)] -= std::min(options_.short_bytes, counts_copy_[static_cast<std::size_t>(peer)]);
-      note(peer, cpdispatch::detail::concat("sent ", counts_copy_[static_cast<std::size_t>(peer)], " of ", send_counts[static_cast<std::size_t>(peer)],
-                                " bytes to rank ", peer));
-      return inner_.all_to_all_v(send, counts_copy_, send_displs, recv, recv_counts, recv_displs);
+      return inner_.all_to_all_v(send, shortened(send_counts, peer), send_displs, recv, recv_counts, recv_displs);
     }
     if (*f == Fault::corrupt && peer >= 0) {
-      std::size_t extent = 0;
-      for (std::size_t p = 0; p < send_counts.size(); ++p) extent = std::max(extent, send_displs[p] + send_counts[p]);
-      const void* copy = corrupted(send, extent, send_displs[static_cast<std::size_t>(peer)], peer);
+      const void* copy = corrupted(send, send_extent(send_counts, send_displs), send_displs[static_cast<std::size_t>(peer)], peer);
       return inner_.all_to_all_v(copy, send_counts, send_displs, recv, recv_counts, recv_displs);
     }
     strike(*f, peer);
@@ -281,19 +275,11 @@ class FaultInjectingTransport {
     if (!f) return inner_.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     const int peer = remote_peer(send_counts);
     if (*f == Fault::short_delivery && peer >= 0) {
-      counts_copy_.assign(send_counts.begin(), send_counts.end());
-      counts_copy_[static_cast<std::size_t>(peer)] -= std::min(options_.short_bytes, counts_copy_[static_cast<std::size_t>(peer)]);
-      note(peer, cpdispatch::detail::concat("sent ", counts_copy_[static_cast<std::size_t>(peer)], " of ", send_counts[static_cast<std::size_t>(peer)],
-                                " bytes to rank ", peer));
-      return inner_.post_all_to_all_v(send, counts_copy_, send_displs, recv, recv_counts, recv_displs);
+      return inner_.post_all_to_all_v(send, shortened(send_counts, peer), send_displs, recv, recv_counts, recv_displs);
     }
     if (*f == Fault::corrupt && peer >= 0) {
-      std::size_t extent = 0;
-      for (std::size_t p = 0; p < send_counts.size(); ++p) extent = std::max(extent, send_displs[p] + send_counts[p]);
       std::vector<std::byte>& copy = pending_copies_[next_copy_id_];
-      copy.assign(static_cast<const std::byte*>(send), static_cast<const std::byte*>(send) + extent);
-      copy[send_displs[static_cast<std::size_t>(peer)]] ^= std::byte{0xFF};
-      note(peer, cpdispatch::detail::concat("flipped byte ", send_displs[static_cast<std::size_t>(peer)], " of the send buffer (for rank ", peer, ")"));
+      flip_copy(copy, send, send_extent(send_counts, send_displs), send_displs[static_cast<std::size_t>(peer)], peer);
       const Request r = inner_.post_all_to_all_v(copy.data(), send_counts, send_displs, recv, recv_counts, recv_displs);
       copy_of_request_[r.id] = next_copy_id_++;
       return r;
@@ -437,12 +423,33 @@ class FaultInjectingTransport {
     return true;
   }
 
+  /// `into` = send[0, extent) with byte `at` flipped.
+  void flip_copy(std::vector<std::byte>& into, const void* send, std::size_t extent, std::size_t at, int peer) {
+    into.assign(static_cast<const std::byte*>(send), static_cast<const std::byte*>(send) + extent);
+    if (at < extent) into[at] ^= std::byte{0xFF};
+    note(peer, cpdispatch::detail::concat("flipped byte ", at, " of the send buffer", peer >= 0 ? cpdispatch::detail::concat(" (for rank ", peer, ")") : ""));
+  }
+
   /// A copy of send[0, extent) with byte `at` flipped; valid until the next corrupted call.
   const void* corrupted(const void* send, std::size_t extent, std::size_t at, int peer) {
-    scratch_.assign(static_cast<const std::byte*>(send), static_cast<const std::byte*>(send) + extent);
-    if (at < extent) scratch_[at] ^= std::byte{0xFF};
-    note(peer, cpdispatch::detail::concat("flipped byte ", at, " of the send buffer", peer >= 0 ? cpdispatch::detail::concat(" (for rank ", peer, ")") : ""));
+    flip_copy(scratch_, send, extent, at, peer);
     return scratch_.data();
+  }
+
+  /// send_counts with `peer`'s count cut by short_bytes; valid until the next shortened call.
+  std::span<const std::size_t> shortened(std::span<const std::size_t> send_counts, int peer) {
+    const auto p = static_cast<std::size_t>(peer);
+    counts_copy_.assign(send_counts.begin(), send_counts.end());
+    counts_copy_[p] -= std::min(options_.short_bytes, counts_copy_[p]);
+    note(peer, cpdispatch::detail::concat("sent ", counts_copy_[p], " of ", send_counts[p], " bytes to rank ", peer));
+    return counts_copy_;
+  }
+
+  /// The end of an all-to-all's furthest send segment.
+  static std::size_t send_extent(std::span<const std::size_t> counts, std::span<const std::size_t> displs) {
+    std::size_t extent = 0;
+    for (std::size_t p = 0; p < counts.size(); ++p) extent = std::max(extent, displs[p] + counts[p]);
+    return extent;
   }
 
   /// The first peer other than this rank with bytes to receive, or -1.
