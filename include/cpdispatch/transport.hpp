@@ -45,6 +45,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <span>
 #include <type_traits>
 
@@ -179,6 +180,54 @@ concept PointToPointTransport = TransportBase<T> && detail::transport_has_point_
 /// A transport that serves every layer: all-to-all, collectives and point-to-point.
 template <class T>
 concept Transport = AllToAllTransport<T> && CollectiveTransport<T> && PointToPointTransport<T>;
+
+/// The point-to-point requests one step has posted and not yet waited for
+/// (at most N). wait() retires one. Left by an exception, the destructor
+/// still waits for the others, ignoring their errors, because the contract
+/// lets a backend move bytes until wait() returns: without it a transfer
+/// could still read from, or write into, a buffer the caller frees while the
+/// exception unwinds. A peer that failed too releases such a wait the way
+/// the backend releases any wait on a failed peer (the sim when that rank
+/// returns or the world aborts; MPI and NCCL when the job or communicator is
+/// aborted).
+template <class T, std::size_t N = 2>
+class PendingRequests {
+ public:
+  explicit PendingRequests(T& transport) noexcept : transport_(transport) {}
+  PendingRequests(const PendingRequests&) = delete;
+  PendingRequests& operator=(const PendingRequests&) = delete;
+  ~PendingRequests() {
+    for (std::size_t i = 0; i < count_; ++i) {
+      try {
+        transport_.wait(pending_[i]);
+      } catch (...) {  // the step's own exception is the news; this wait only keeps buffers safe
+      }
+    }
+  }
+
+  /// Records a request just posted and hands it back.
+  Request add(Request request) noexcept {
+    if (count_ == N) std::terminate();  // a step posting more than it declared is a bug of its own, not of the input
+    pending_[count_++] = request;
+    return request;
+  }
+
+  /// Waits for `request` (one added here); it is retired even when the wait throws.
+  void wait(Request request) {
+    for (std::size_t i = 0; i < count_; ++i) {
+      if (pending_[i] == request) {
+        pending_[i] = pending_[--count_];
+        break;
+      }
+    }
+    transport_.wait(request);
+  }
+
+ private:
+  T& transport_;
+  Request pending_[N]{};
+  std::size_t count_ = 0;
+};
 
 // Checks a transport type at its point of use: one readable line per missing
 // member instead of a template backtrace. Each consumer uses the macro of the

@@ -12,7 +12,9 @@
 #include <chrono>
 #include <cstdio>
 #include <mutex>
+#include <span>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -198,6 +200,45 @@ TEST_P(LayerFaults, OverlapRingExchangeFaultSurfacesOnEveryRank) {
   });
   report("comm_gemm AG RING_EXCHANGE", "sim", fault, W, out);
   expect_every_rank_threw(out, W - 1, fault);
+}
+
+// A ring step that fails after posting its receive still waits for that
+// receive before the exception leaves comm_gemm: the peer's late send must not
+// land in a buffer whose owner already saw the failure (and may have freed it).
+TEST(OverlapFaults, AFailedRingStepLeavesNoTransferIntoTheBuffer) {
+  namespace ov = cpdispatch::overlap;
+  const overlap_cases::Case c{ov::CommOverlapType::AG, ov::CommOverlapMethod::RING_EXCHANGE, cpdispatch::gemm::Transpose::no,
+                              cpdispatch::gemm::Transpose::no};
+  constexpr std::size_t ml = 3, k = 5, n = 4, W = 2;
+  const std::vector<float> late(ml * k, 2.5f);  // what rank 0 sends rank 1, after rank 1's failure
+  bool threw = false;
+  std::vector<float> after_throw, later;
+  SimWorld world(2, SimOptions{sim_timeout});
+  world.run([&](SimTransport& sim) {
+    if (sim.rank() == 0) {
+      std::this_thread::sleep_for(150ms);
+      sim.wait(sim.isend(late.data(), late.size() * sizeof(float), 1, 0));
+      return;
+    }
+    FaultInjectingTransport t(sim, {FaultRule{TransportCall::isend, 1, Fault::error, 1}}, fault_options);
+    const auto buffer = overlap_cases::buffer_for<float>(c, 2);
+    const std::vector<float> shard(ml * k, 1.0f), b(k * n, 1.0f);
+    std::vector<float> d(W * ml * n);
+    cpdispatch::gemm::ReferenceGemm gemm;
+    try {
+      ov::comm_gemm(t, gemm, *buffer, ov::matrix_view(shard.data(), ml, k), c.ta, ov::matrix_view(b.data(), k, n), c.tb,
+                    ov::matrix_view(d.data(), W * ml, n), ov::MatrixView<float>{});
+    } catch (const cpdispatch::backend_error&) {
+      threw = true;
+    }
+    after_throw.resize(buffer->size());
+    buffer->copy_out(std::span<float>(after_throw));
+    std::this_thread::sleep_for(400ms);  // well past rank 0's send
+    later.resize(buffer->size());
+    buffer->copy_out(std::span<float>(later));
+  });
+  EXPECT_TRUE(threw);
+  EXPECT_EQ(later, after_throw) << "a transfer landed in the buffer after comm_gemm had thrown";
 }
 
 INSTANTIATE_TEST_SUITE_P(Sim, LayerFaults,

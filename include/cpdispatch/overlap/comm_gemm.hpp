@@ -373,11 +373,12 @@ void ring_exchange_ag(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixV
         const int next = ring_peer(rank, 1, tp);
         const int prev = ring_peer(rank, -1, tp);
         for (int i = 0; i + 1 < tp; ++i) {
-          const Request received = transport.irecv(slot(ring_peer(rank, -i - 1, tp)), bytes, prev, tag);
-          const Request sent = transport.isend(slot(ring_peer(rank, -i, tp)), bytes, next, tag);
-          transport.wait(received);
+          PendingRequests step(transport);
+          const Request received = step.add(transport.irecv(slot(ring_peer(rank, -i - 1, tp)), bytes, prev, tag));
+          const Request sent = step.add(transport.isend(slot(ring_peer(rank, -i, tp)), bytes, next, tag));
+          step.wait(received);
           sync.communicated.advance_to(i + 1);
-          transport.wait(sent);
+          step.wait(sent);
         }
       });
 }
@@ -431,10 +432,11 @@ void ring_exchange_rs(Tr& transport, G& gemm, CommOverlapBuffer& buffer, MatrixV
           if (!sync.computed.wait_for(s + 1)) return;
           const int to = ring_peer(rank, s + 1, tp);
           const int from = ring_peer(rank, -s - 1, tp);
-          const Request got = transport.irecv(staged(s), bytes, from, tag);
-          const Request sent = transport.isend(own_slot(to), bytes, to, tag);
-          transport.wait(got);
-          transport.wait(sent);
+          PendingRequests step(transport);
+          const Request got = step.add(transport.irecv(staged(s), bytes, from, tag));
+          const Request sent = step.add(transport.isend(own_slot(to), bytes, to, tag));
+          step.wait(got);
+          step.wait(sent);
         }
         sync.communicated.advance_to(1);
       });
