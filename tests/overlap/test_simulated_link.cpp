@@ -93,9 +93,9 @@ TEST(SimulatedLink, CollectivesPassTheDataAndTakeTheRingTime) {
   });
 }
 
-TEST(SimulatedLink, CountsTheBytesEachRankSendsToOthers) {
+TEST(SimulatedLink, CountsTheBytesEachRankSendsAndReceives) {
   SimWorld world(3, SimOptions{60s});
-  std::vector<std::uint64_t> sent(3);
+  std::vector<std::uint64_t> sent(3), received(3);
   world.run([&](cpdispatch::SimTransport& sim) {
     cpdispatch::SimulatedLinkTransport link(sim, cpdispatch::LinkModel{0ns, 1e12});
     const auto me = static_cast<std::size_t>(link.rank());
@@ -123,11 +123,13 @@ TEST(SimulatedLink, CountsTheBytesEachRankSendsToOthers) {
     float all[12];
     link.all_gather(mine, all, 4, cpdispatch::ElementType::float32);
     sent[me] = link.bytes_sent();
+    received[me] = link.bytes_received();
   });
   for (std::size_t r = 0; r < 3; ++r) {
     std::uint64_t expected = 7 + 2 * 16;
     for (std::size_t p = 0; p < 3; ++p) expected += p == r ? 0 : 10 * (p + 1);
     EXPECT_EQ(sent[r], expected) << "rank " << r;
+    EXPECT_EQ(received[r], 7 + 2 * 16 + 2 * 10 * (r + 1)) << "rank " << r;  // each peer sends it 10 * (r + 1)
   }
 }
 

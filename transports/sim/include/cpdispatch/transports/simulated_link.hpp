@@ -90,6 +90,9 @@ class SimulatedLinkTransport {
   /// all-to-all payloads, and the collectives' shares as their ring
   /// algorithms (above) send them.
   std::uint64_t bytes_sent() const noexcept { return bytes_sent_; }
+  /// Bytes this rank has received from other ranks so far: messages and
+  /// all-to-all payloads (collectives receive what they send).
+  std::uint64_t bytes_received() const noexcept { return bytes_received_; }
 
   Request isend(const void* buf, std::size_t bytes, int peer, int tag) {
     const Clock::time_point start = std::max(Clock::now(), link_free_);
@@ -111,6 +114,7 @@ class SimulatedLinkTransport {
   }
 
   Request irecv(void* buf, std::size_t bytes, int peer, int tag) {
+    if (peer != rank()) bytes_received_ += bytes;
     auto pending = std::make_unique<Pending>();
     pending->header_request = inner_.irecv(&pending->header, sizeof pending->header, peer, tag);
     try {
@@ -147,14 +151,14 @@ class SimulatedLinkTransport {
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    count_sent(send_counts);
+    count(send_counts, recv_counts);
     occupy(all_to_all_time(send_counts, recv_counts));
   }
 
   Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                             void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    count_sent(send_counts);
+    count(send_counts, recv_counts);
     auto pending = std::make_unique<Pending>();
     pending->posted = true;
     pending->done_at = std::max(Clock::now(), link_free_) + all_to_all_time(send_counts, recv_counts);
@@ -171,26 +175,26 @@ class SimulatedLinkTransport {
 
   void broadcast(void* buf, std::size_t bytes, int root) {
     inner_.broadcast(buf, bytes, root);
-    if (world_size() > 1) bytes_sent_ += bytes;
+    if (world_size() > 1) collective_bytes(bytes);
     occupy(peers() * model_.latency + model_.transmit_time(bytes));
   }
 
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
     inner_.all_reduce(buf, count, type, op);
     const std::size_t block = count * element_size(type) / static_cast<std::size_t>(world_size());
-    bytes_sent_ += 2 * static_cast<std::uint64_t>(peers()) * block;
+    collective_bytes(2 * static_cast<std::uint64_t>(peers()) * block);
     occupy(2 * peers() * (model_.latency + model_.transmit_time(block)));
   }
 
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
     inner_.all_gather(send, recv, count_per_rank, type);
-    bytes_sent_ += static_cast<std::uint64_t>(peers()) * count_per_rank * element_size(type);
+    collective_bytes(static_cast<std::uint64_t>(peers()) * count_per_rank * element_size(type));
     occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * element_size(type))));
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
     inner_.reduce_scatter(send, recv, count_per_rank, type, op);
-    bytes_sent_ += static_cast<std::uint64_t>(peers()) * count_per_rank * element_size(type);
+    collective_bytes(static_cast<std::uint64_t>(peers()) * count_per_rank * element_size(type));
     occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * element_size(type))));
   }
 
@@ -222,10 +226,17 @@ class SimulatedLinkTransport {
     return peers() * model_.latency + model_.transmit_time(std::max(sent, received));
   }
 
-  void count_sent(std::span<const std::size_t> send_counts) noexcept {
-    for (std::size_t p = 0; p < send_counts.size(); ++p) {
-      if (p != static_cast<std::size_t>(rank())) bytes_sent_ += send_counts[p];
-    }
+  /// A collective's bytes: each rank of a ring sends and receives as much.
+  void collective_bytes(std::uint64_t bytes) noexcept {
+    bytes_sent_ += bytes;
+    bytes_received_ += bytes;
+  }
+
+  /// An all-to-all's bytes to and from other ranks.
+  void count(std::span<const std::size_t> send_counts, std::span<const std::size_t> recv_counts) noexcept {
+    const auto me = static_cast<std::size_t>(rank());
+    for (std::size_t p = 0; p < send_counts.size(); ++p) bytes_sent_ += p == me ? 0 : send_counts[p];
+    for (std::size_t p = 0; p < recv_counts.size(); ++p) bytes_received_ += p == me ? 0 : recv_counts[p];
   }
 
   /// A collective's modelled time: the link is busy for `span` from now (or from when it frees up).
@@ -240,6 +251,7 @@ class SimulatedLinkTransport {
   LinkModel model_;
   Clock::time_point link_free_{};
   std::uint64_t bytes_sent_ = 0;
+  std::uint64_t bytes_received_ = 0;
   std::uint64_t next_id_ = 1;
   std::unordered_map<std::uint64_t, std::unique_ptr<Pending>> pending_;
   std::vector<std::unique_ptr<Pending>> retired_;  // headers of failed requests, kept until the adapter goes
