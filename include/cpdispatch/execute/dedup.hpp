@@ -64,7 +64,7 @@
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
-#include "cpdispatch/execute/detail/rethrow.hpp"
+#include "cpdispatch/execute/detail/run_exchange.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/transport.hpp"
@@ -631,24 +631,9 @@ class KvWireDispatcher {
   /// the owned staging.
   void exchange(const char* call, Exchange which, const std::byte* in, std::byte* out, std::size_t staging_at = 0) {
     const detail::ExchangePlan& ex = which == Exchange::forward ? plan_.forward : which == Exchange::reverse ? plan_.reverse : plan_.reverse_in_place;
-    try {
-      if constexpr (PieceTransport<T>) {
-        if (world_size_ > 1) transport_.all_to_all_pieces(in, ex.send.pieces, ex.send.splits, out, ex.recv.pieces, ex.recv.splits);
-      } else {
-        std::byte* send_staging = path_.staging() + staging_at;
-        std::byte* recv_staging = send_staging + ex.recv_staging_offset();
-        if (!ex.send.direct) path_.copy(which, Stage::pack, ex.send.copies, in, send_staging);
-        if (world_size_ > 1) {
-          transport_.all_to_all_v(ex.send.direct ? static_cast<const void*>(in) : send_staging, ex.send.counts, ex.send.displs,
-                                  ex.recv.direct ? static_cast<void*>(out) : recv_staging, ex.recv.counts, ex.recv.displs);
-        }
-        if (!ex.recv.direct) path_.copy(which, Stage::unpack, ex.recv.copies, recv_staging, out);
-      }
-    } catch (...) {
-      detail::rethrow_with_context(detail::concat("KvWireDispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ",
-                                                  PieceTransport<T> ? "all_to_all_pieces" : "all_to_all_v", " failed: "));
-    }
-    path_.copy(which, Stage::self, ex.self, in, out);
+    std::byte* staging = nullptr;
+    if constexpr (!PieceTransport<T>) staging = path_.staging() + staging_at;
+    detail::run_exchange(transport_, path_, which, ex, in, out, staging, {"KvWireDispatcher", call});
   }
 
   T& transport_;

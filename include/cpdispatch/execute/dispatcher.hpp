@@ -87,7 +87,7 @@
 
 #include "cpdispatch/execute/detail/data_path.hpp"
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
-#include "cpdispatch/execute/detail/rethrow.hpp"
+#include "cpdispatch/execute/detail/run_exchange.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/bytes.hpp"
@@ -278,32 +278,7 @@ class Dispatcher {
     check_disjoint(call, scratch, input);
     check_disjoint(call, scratch, output);
 
-    if constexpr (PieceTransport<T>) {  // no staging: the transport reads and writes the pieces in place
-      if (world_size_ > 1) {
-        try {
-          transport_.all_to_all_pieces(in.data(), ex.send.pieces, ex.send.splits, out.data(), ex.recv.pieces, ex.recv.splits);
-        } catch (...) {
-          detail::rethrow_with_context(detail::concat("Dispatcher::", call, " (rank ", rank_, " of ", world_size_,
-                                                      "): all_to_all_pieces failed: "));
-        }
-      }
-      path_.copy(dir, Stage::self, ex.self, in.data(), out.data());
-    } else {
-      std::byte* send_staging = staging.data();
-      std::byte* recv_staging = staging.data() + ex.recv_staging_offset();
-      if (!ex.send.direct) path_.copy(dir, Stage::pack, ex.send.copies, in.data(), send_staging);
-      if (world_size_ > 1) {
-        try {
-          transport_.all_to_all_v(ex.send.direct ? static_cast<const void*>(in.data()) : send_staging, ex.send.counts,
-                                  ex.send.displs, ex.recv.direct ? static_cast<void*>(out.data()) : recv_staging, ex.recv.counts,
-                                  ex.recv.displs);
-        } catch (...) {
-          detail::rethrow_with_context(detail::concat("Dispatcher::", call, " (rank ", rank_, " of ", world_size_, "): all_to_all_v failed: "));
-        }
-      }
-      path_.copy(dir, Stage::self, ex.self, in.data(), out.data());
-      if (!ex.recv.direct) path_.copy(dir, Stage::unpack, ex.recv.copies, recv_staging, out.data());
-    }
+    detail::run_exchange(transport_, path_, dir, ex, in.data(), out.data(), staging.data(), {"Dispatcher", call});
   }
 
   T& transport_;
