@@ -20,6 +20,12 @@ plan_for_rank of a QKV plan adds ``"varlen"``: the rank's ``cu_seqlens_q`` /
 
 Bad input raises ValueError with the library's message, naming the field
 (e.g. ``ranks[1].docs[0].dst[0]: ...``).
+
+Every call that reads, plans or balances takes ``max_memory`` (keyword only;
+bytes, default DEFAULT_MAX_MEMORY = 4 GiB): the most it may allocate (outputs,
+working memory, parsed JSON text), estimated from the plan's sizes before
+anything of that size is allocated. A plan beyond it (say, a tiny dict
+naming a billion ranks) raises ValueError naming its sizes and the budget.
 """
 
 import copy as _copy
@@ -27,10 +33,13 @@ import json as _json
 
 from . import _cpdispatch
 
-__all__ = ["Plan", "plan", "plan_for_rank", "balance", "token_indices", "position_ids", "mask_of", "CAUSAL"]
+__all__ = ["Plan", "plan", "plan_for_rank", "balance", "token_indices", "position_ids", "mask_of", "CAUSAL", "DEFAULT_MAX_MEMORY"]
 
 #: The mask a plan without "mask" has (docs/plan-format.md, section 2d).
 CAUSAL = {"type": "causal"}
+
+#: The budget of one call when ``max_memory`` is not given: the C++ library's, 4 GiB.
+DEFAULT_MAX_MEMORY = _cpdispatch.default_max_memory
 
 
 class Plan:
@@ -40,11 +49,12 @@ class Plan:
     per-rank planning costs more than the planning. Malformed input (types,
     keys, shapes) raises ValueError here, bad values (ranks, lengths) when
     planned. ``dedup=True`` makes every call plan the deduplicated
-    KV exchange. Keep the source unchanged while the Plan is in use."""
+    KV exchange. ``max_memory`` bounds the reading of JSON text here; each
+    planning call takes its own. Keep the source unchanged while the Plan is in use."""
 
-    def __init__(self, plan, dedup=False):
+    def __init__(self, plan, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
+        self.parsed = _cpdispatch.ParsedPlan(plan, dedup, max_memory)  # first: it bounds the text json.loads reads next
         self.source = _json.loads(plan) if isinstance(plan, (str, bytes)) else plan
-        self.parsed = _cpdispatch.ParsedPlan(plan, dedup)
         self.mask = mask_of(self.source)
 
     @property
@@ -71,23 +81,23 @@ def _source(plan):
     return _json.loads(plan) if isinstance(plan, (str, bytes)) else plan
 
 
-def plan(plan, dedup=False):
+def plan(plan, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
     """Plans a whole plan: cpdispatch-plan's output as a dict (see the module doc).
 
     ``dedup=True`` (or ``"dedup": true`` in the plan) adds ``kv_wire_fwd`` and
     ``kv_wire_rev``, the deduplicated KV exchange."""
-    return _cpdispatch.plan(_core(plan), dedup)
+    return _cpdispatch.plan(_core(plan), dedup, max_memory)
 
 
-def plan_for_rank(plan, rank, dedup=False):
+def plan_for_rank(plan, rank, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
     """One rank's share, planned without the global metadata (as
     ``cpdispatch-plan --rank R``): ``rank``, each metadata's slice (its rows
     without padding), ``attn`` (this rank's seqlens, cu_seqlens, max_seqlen),
     ``varlen`` (int32 cu_seqlens), and with dedup its ``kv_wire_fwd`` / ``kv_wire_rev`` slices."""
-    return _cpdispatch.plan_for_rank(_core(plan), rank, dedup)
+    return _cpdispatch.plan_for_rank(_core(plan), rank, dedup, max_memory)
 
 
-def balance(batch, dedup=False, **options):
+def balance(batch, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY, **options):
     """A load-balanced qkv plan (dict) for a batch, as ``cpdispatch-plan balance``.
 
     ``batch`` is balance's input: ``{"world_size": W, "max_cp_degree": C,
@@ -98,16 +108,16 @@ def balance(batch, dedup=False, **options):
     plan() and plan_for_rank() take."""
     if options:
         batch = dict(batch, **options)
-    return _cpdispatch.balance(batch, dedup)
+    return _cpdispatch.balance(batch, dedup, max_memory)
 
 
-def token_indices(plan, rank, dedup=False):
+def token_indices(plan, rank, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
     """Rank ``rank``'s gather/scatter token indices from the C++ dispatcher's
     plan: ``"q"`` and ``"kv"`` (and with dedup ``"kv_wire"``, ``"fan"``), each
     with its ``forward`` / ``reverse`` exchange (``send_index``,
     ``send_counts``, ``recv_index``, ``recv_counts``) and the copy combine
     (``combine_source`` -> ``combine_target``). cpdispatch.torch runs them."""
-    return _cpdispatch.token_indices(_core(plan), rank, dedup)
+    return _cpdispatch.token_indices(_core(plan), rank, dedup, max_memory)
 
 
 def mask_of(plan):

@@ -122,18 +122,19 @@ class RankDispatch:
     ``dedup`` (default: the plan's "dedup") sends each key-value shard once per
     destination rank. Attributes: ``meta`` (cpdispatch.plan_for_rank),
     ``mask`` (the plan's attention mask), ``position_ids`` (int64 tensor: each
-    MLP-layout token's position within its document, for RoPE)."""
+    MLP-layout token's position within its document, for RoPE).
+    ``max_memory`` bounds the reading and planning (cpdispatch.plan_for_rank)."""
 
-    def __init__(self, plan, rank=None, dedup=False, group=None):
+    def __init__(self, plan, rank=None, dedup=False, group=None, *, max_memory=cpdispatch.DEFAULT_MAX_MEMORY):
         if rank is None:
             rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
         self.rank, self.group = rank, group
         if not isinstance(plan, cpdispatch.Plan):
-            plan = cpdispatch.Plan(plan)  # read once for the calls below
-        ix = cpdispatch.token_indices(plan, rank, dedup)
+            plan = cpdispatch.Plan(plan, max_memory=max_memory)  # read once for the calls below
+        ix = cpdispatch.token_indices(plan, rank, dedup, max_memory=max_memory)
         if "kv" not in ix:
             raise ValueError("RankDispatch takes a qkv plan (queries and key-values); this is a query plan")
-        self.meta = cpdispatch.plan_for_rank(plan, rank, dedup)
+        self.meta = cpdispatch.plan_for_rank(plan, rank, dedup, max_memory=max_memory)
         self.mask = cpdispatch.mask_of(plan)
         self.position_ids = _tensor(cpdispatch.position_ids(plan, rank))
         self.q_route = _Route(ix["q"])

@@ -117,10 +117,31 @@ nlohmann::json to_json(PyObject* value, const KeyPath& where) {
                            " is not a JSON value (expected a dict, list, int, float, bool, str or None)");
 }
 
-/// A plan (or balance input) given as a dict or as JSON text.
-nlohmann::json input_json(py::handle input) {
-  if (py::isinstance<py::str>(input)) return cpdispatch::parse_json(input.cast<std::string>());
-  if (py::isinstance<py::bytes>(input)) return cpdispatch::parse_json(input.cast<std::string>());
+/// The limits of a call's max_memory: a positive whole number of bytes (an
+/// int or NumPy integer, not a bool). Beyond 64 bits it is simply no limit.
+cpdispatch::PlanLimits limits_of(py::handle max_memory) {
+  PyObject* o = max_memory.ptr();
+  if (PyBool_Check(o) || !PyIndex_Check(o)) {
+    throw py::type_error("max_memory must be an int (bytes), got a " + std::string(py::str(max_memory.get_type().attr("__name__"))));
+  }
+  const py::int_ bytes = py::reinterpret_steal<py::int_>(PyNumber_Index(o));
+  if (!bytes) throw py::error_already_set();
+  if (PyObject_RichCompareBool(bytes.ptr(), py::int_(0).ptr(), Py_LE) == 1) {
+    cpdispatch::detail::fail("max_memory = ", std::string(py::str(bytes.ptr())), " must be a positive number of bytes");
+  }
+  cpdispatch::PlanLimits limits;
+  limits.max_bytes = PyLong_AsUnsignedLongLong(bytes.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    limits.max_bytes = std::numeric_limits<std::uint64_t>::max();
+  }
+  return limits;
+}
+
+/// A plan (or balance input) given as a dict or as JSON text; text beyond
+/// `limits` is refused before it is parsed.
+nlohmann::json input_json(py::handle input, const cpdispatch::PlanLimits& limits) {
+  if (py::isinstance<py::str>(input) || py::isinstance<py::bytes>(input)) return cpdispatch::parse_json(input.cast<std::string>(), limits);
   if (!py::isinstance<py::dict>(input)) {
     cpdispatch::detail::fail("plan: expected a dict or JSON text, got a ", std::string(py::str(input.get_type().attr("__name__"))));
   }
@@ -424,10 +445,10 @@ void check_dedup(const ParsedPlan& p) {
   }
 }
 
-ParsedPlan parse_plan(py::handle input, bool dedup) {
+ParsedPlan parse_plan(py::handle input, bool dedup, const cpdispatch::PlanLimits& limits) {
   ParsedPlan out{{}, dedup};
   if (!read_qkv_dict(input, out)) {
-    const nlohmann::json j = input_json(input);
+    const nlohmann::json j = input_json(input, limits);
     out = {cpdispatch::plan_from_json(j), dedup || cpdispatch::dedup_requested(j)};
   }
   check_dedup(out);
@@ -436,7 +457,7 @@ ParsedPlan parse_plan(py::handle input, bool dedup) {
 
 /// Runs `f(parsed plan)` on a plan read once before (a ParsedPlan) or read now.
 template <class F>
-auto with_plan(py::handle input, bool dedup, F&& f) {
+auto with_plan(py::handle input, bool dedup, const cpdispatch::PlanLimits& limits, F&& f) {
   if (py::isinstance<ParsedPlan>(input)) {
     const ParsedPlan& kept = input.cast<const ParsedPlan&>();
     if (!dedup || kept.dedup) return f(kept);
@@ -444,7 +465,7 @@ auto with_plan(py::handle input, bool dedup, F&& f) {
     check_dedup(with_dedup);
     return f(with_dedup);
   }
-  return f(parse_plan(input, dedup));
+  return f(parse_plan(input, dedup, limits));
 }
 
 /// The whole plan's metadata: cpdispatch-plan's output.
@@ -469,8 +490,13 @@ py::dict plan_dict(cpdispatch::PlanMetadata&& planned, bool dedup) {
   return out;
 }
 
-py::dict plan(py::handle input, bool dedup) {
-  return with_plan(input, dedup, [](const ParsedPlan& parsed) { return plan_dict(cpdispatch::plan_metadata(parsed.plan), parsed.dedup); });
+py::dict plan(py::handle input, bool dedup, py::handle max_memory) {
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  return with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) {
+    cpdispatch::PlanLimits planning = limits;
+    if (parsed.dedup) planning.bytes_per_element += planning.bytes_per_element / 2;  // the wire metadata repeats half of the KV shapes and more
+    return plan_dict(cpdispatch::plan_metadata(parsed.plan, planning), parsed.dedup);
+  });
 }
 
 /// Rank `rank`'s share (and, with dedup, its wire slices and fan list), planned per rank.
@@ -479,23 +505,24 @@ struct RankShare {
   std::optional<cpdispatch::RankKvWire> wire;
 };
 
-RankShare plan_rank_share(const ParsedPlan& parsed, std::int64_t rank) {
-  if (!parsed.dedup) return {cpdispatch::plan_metadata_for_rank(parsed.plan, rank), std::nullopt};
+RankShare plan_rank_share(const ParsedPlan& parsed, std::int64_t rank, const cpdispatch::PlanLimits& limits) {
+  if (!parsed.dedup) return {cpdispatch::plan_metadata_for_rank(parsed.plan, rank, limits), std::nullopt};
   cpdispatch::RankQkvMetadata share;
   cpdispatch::RankKvWire wire;
   if (const auto* p = std::get_if<cpdispatch::QkvPlan>(&parsed.plan)) {
     cpdispatch::RankPlanWorkspace workspace;
-    cpdispatch::plan_qkv_for_rank(*p, rank, share, workspace, &wire);
+    cpdispatch::plan_qkv_for_rank(*p, rank, share, workspace, &wire, limits);
   } else {
     const auto& d = std::get<cpdispatch::QkvDocumentsPlan>(parsed.plan);
-    share = cpdispatch::plan_qkv_for_rank(d, rank);
-    wire = cpdispatch::plan_kv_wire_for_rank(d, rank);
+    share = cpdispatch::plan_qkv_for_rank(d, rank, limits);
+    wire = cpdispatch::plan_kv_wire_for_rank(d, rank, limits);
   }
   return {std::move(share), std::move(wire)};
 }
 
-py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup) {
-  RankShare share = with_plan(input, dedup, [rank](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank); });
+py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup, py::handle max_memory) {
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  RankShare share = with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank, limits); });
   py::dict out;
   if (auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
     out["rank"] = q->fwd.rank;
@@ -546,8 +573,9 @@ py::dict indices_dict(const RankMetadata& fwd, const RankMetadata& rev) {
 
 /// Rank `rank`'s gather/scatter indices: "q" (queries and outputs), "kv"
 /// (key-values), and with dedup "kv_wire" and "fan" (the fan-out).
-py::dict token_indices(py::handle input, std::int64_t rank, bool dedup) {
-  const RankShare share = with_plan(input, dedup, [rank](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank); });
+py::dict token_indices(py::handle input, std::int64_t rank, bool dedup, py::handle max_memory) {
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  const RankShare share = with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank, limits); });
   py::dict out;
   if (const auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
     out["q"] = indices_dict(q->fwd, q->rev);
@@ -607,12 +635,13 @@ py::object to_python(const nlohmann::json& j) {
 }
 
 /// cpdispatch-plan balance's output for `input`, as the dict json.loads makes of it.
-py::object balance(py::handle input, bool dedup) {
-  const nlohmann::json j = input_json(input);
+py::object balance(py::handle input, bool dedup, py::handle max_memory) {
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  const nlohmann::json j = input_json(input, limits);
   const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(j);
   cpdispatch::BalanceOptions options = cpdispatch::balance_options_from_json(j);
   options.dedup = options.dedup || dedup;
-  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options);
+  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options, limits);
   const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
   return to_python(cpdispatch::balanced_plan_to_json(plan, options.dedup));
 }
@@ -637,7 +666,7 @@ double time_planning(const ParsedPlan& parsed, std::int64_t rank, int repeats) {
   py::gil_scoped_release unlocked;
   return best_seconds(repeats, [&] {
     if (rank >= 0) {
-      RankShare share = plan_rank_share(parsed, rank);
+      RankShare share = plan_rank_share(parsed, rank, {});
       return;
     }
     cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(parsed.plan);
@@ -646,12 +675,12 @@ double time_planning(const ParsedPlan& parsed, std::int64_t rank, int repeats) {
 }
 
 double time_plan(py::handle input, std::int64_t rank, bool dedup, int repeats) {
-  return with_plan(input, dedup, [&](const ParsedPlan& parsed) { return time_planning(parsed, rank, repeats); });
+  return with_plan(input, dedup, {}, [&](const ParsedPlan& parsed) { return time_planning(parsed, rank, repeats); });
 }
 
 /// plan_balanced behind balance, timed in C++ on an input already read.
 double time_balance(py::handle input, int repeats) {
-  const nlohmann::json j = input_json(input);
+  const nlohmann::json j = input_json(input, {});
   const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(j);
   const cpdispatch::BalanceOptions options = cpdispatch::balance_options_from_json(j);
   py::gil_scoped_release unlocked;
@@ -659,8 +688,11 @@ double time_balance(py::handle input, int repeats) {
 }
 
 /// The planners prefix messages with their own name; for a Python caller the
-/// field path reads better alone (as in the CLI's messages).
-std::string without_planner_prefix(std::string message) {
+/// field path reads better alone (as in the CLI's messages). The library
+/// names its own knob for the budget; here the caller sets max_memory.
+std::string python_message(std::string message) {
+  constexpr std::string_view knob = "(PlanLimits::max_bytes)";
+  if (const auto at = message.find(knob); at != std::string::npos) message.replace(at, knob.size(), "(max_memory)");
   for (std::string_view prefix : {"plan_qkv: ", "plan_query: ", "plan_qkv_for_rank: ", "plan_query_for_rank: ", "plan_kv_wire_for_rank: "}) {
     if (std::string_view(message).starts_with(prefix)) return message.substr(prefix.size());
   }
@@ -671,24 +703,28 @@ std::string without_planner_prefix(std::string message) {
 
 PYBIND11_MODULE(_cpdispatch, m) {
   m.doc() = "cpdispatch's C++ planner (use the cpdispatch package, which documents these functions)";
+  // The budget of one call by default: the library's (PlanLimits::max_bytes).
+  const py::int_ default_max_memory(cpdispatch::default_plan_max_bytes);
+  m.attr("default_max_memory") = default_max_memory;
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const cpdispatch::invalid_input& e) {
-      PyErr_SetString(PyExc_ValueError, without_planner_prefix(e.what()).c_str());
+      PyErr_SetString(PyExc_ValueError, python_message(e.what()).c_str());
     }
   });
   py::class_<ParsedPlan>(m, "ParsedPlan", "A plan read once, for repeated planning calls")
-      .def(py::init([](py::handle input, bool dedup) { return parse_plan(input, dedup); }), py::arg("plan"), py::arg("dedup") = false)
+      .def(py::init([](py::handle input, bool dedup, py::handle max_memory) { return parse_plan(input, dedup, limits_of(max_memory)); }),
+           py::arg("plan"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory)
       .def_property_readonly("dedup", [](const ParsedPlan& p) { return p.dedup; })
       .def_property_readonly("world_size", [](const ParsedPlan& p) {
         return std::visit([](const auto& plan) { return plan.world_size; }, p.plan);
       })
       .def_property_readonly("kind", [](const ParsedPlan& p) { return std::string(cpdispatch::plan_kind(p.plan)); });
-  m.def("plan", &plan, py::arg("plan"), py::arg("dedup") = false);
-  m.def("plan_for_rank", &plan_for_rank, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false);
-  m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false);
-  m.def("balance", &balance, py::arg("batch"), py::arg("dedup") = false);
+  m.def("plan", &plan, py::arg("plan"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
+  m.def("plan_for_rank", &plan_for_rank, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
+  m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
+  m.def("balance", &balance, py::arg("batch"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
   m.def("time_plan", &time_plan, py::arg("plan"), py::arg("rank"), py::arg("dedup"), py::arg("repeats"));
   m.def("time_balance", &time_balance, py::arg("batch"), py::arg("repeats"));
 }

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -89,6 +91,44 @@ TEST(SimulatedLink, CollectivesPassTheDataAndTakeTheRingTime) {
     link.all_to_all_v(out.data(), send_counts, send_displs, in.data(), recv_counts, recv_displs);
     EXPECT_EQ(std::string(in.begin(), in.end()), "abbccc");
   });
+}
+
+TEST(SimulatedLink, CountsTheBytesEachRankSendsToOthers) {
+  SimWorld world(3, SimOptions{60s});
+  std::vector<std::uint64_t> sent(3);
+  world.run([&](cpdispatch::SimTransport& sim) {
+    cpdispatch::SimulatedLinkTransport link(sim, cpdispatch::LinkModel{0ns, 1e12});
+    const auto me = static_cast<std::size_t>(link.rank());
+    // all_to_all_v: rank r sends 10 * (p + 1) bytes to each peer p, and 100 to itself (not counted).
+    std::vector<std::size_t> counts(3), displs(3), recv_counts(3, 10 * (me + 1)), recv_displs(3);
+    std::size_t total = 0;
+    for (std::size_t p = 0; p < 3; ++p) {
+      counts[p] = p == me ? 100 : 10 * (p + 1);
+      displs[p] = total;
+      total += counts[p];
+    }
+    recv_counts[me] = 100;
+    for (std::size_t p = 1; p < 3; ++p) recv_displs[p] = recv_displs[p - 1] + recv_counts[p - 1];
+    std::vector<std::byte> out(total), in(recv_displs[2] + recv_counts[2]);
+    link.all_to_all_v(out.data(), counts, displs, in.data(), recv_counts, recv_displs);
+    // A ring of 7-byte messages, and an all_gather of 4 floats per rank (2 ring steps of 16 bytes).
+    const std::byte msg[7] = {};
+    std::byte got[7];
+    const int next = (link.rank() + 1) % 3, prev = (link.rank() + 2) % 3;
+    const auto r = link.irecv(got, 7, prev, 0);
+    const auto s = link.isend(msg, 7, next, 0);
+    link.wait(r);
+    link.wait(s);
+    const float mine[4] = {};
+    float all[12];
+    link.all_gather(mine, all, 4, cpdispatch::ElementType::float32);
+    sent[me] = link.bytes_sent();
+  });
+  for (std::size_t r = 0; r < 3; ++r) {
+    std::uint64_t expected = 7 + 2 * 16;
+    for (std::size_t p = 0; p < 3; ++p) expected += p == r ? 0 : 10 * (p + 1);
+    EXPECT_EQ(sent[r], expected) << "rank " << r;
+  }
 }
 
 TEST(SimulatedLink, BadModelsAndRequestsAreRejected) {

@@ -86,10 +86,15 @@ class SimulatedLinkTransport {
   int world_size() const { return inner_.world_size(); }
   const LinkModel& model() const noexcept { return model_; }
   Inner& inner() noexcept { return inner_; }
+  /// Bytes this rank's link has carried to other ranks so far: messages,
+  /// all-to-all payloads, and the collectives' shares as their ring
+  /// algorithms (above) send them.
+  std::uint64_t bytes_sent() const noexcept { return bytes_sent_; }
 
   Request isend(const void* buf, std::size_t bytes, int peer, int tag) {
     const Clock::time_point start = std::max(Clock::now(), link_free_);
     const Clock::time_point sent = start + model_.transmit_time(bytes);
+    if (peer != rank()) bytes_sent_ += bytes;
     auto pending = std::make_unique<Pending>();
     pending->is_send = true;
     pending->done_at = sent;
@@ -142,12 +147,14 @@ class SimulatedLinkTransport {
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+    count_sent(send_counts);
     occupy(all_to_all_time(send_counts, recv_counts));
   }
 
   Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                             void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+    count_sent(send_counts);
     auto pending = std::make_unique<Pending>();
     pending->posted = true;
     pending->done_at = std::max(Clock::now(), link_free_) + all_to_all_time(send_counts, recv_counts);
@@ -164,22 +171,26 @@ class SimulatedLinkTransport {
 
   void broadcast(void* buf, std::size_t bytes, int root) {
     inner_.broadcast(buf, bytes, root);
+    if (world_size() > 1) bytes_sent_ += bytes;
     occupy(peers() * model_.latency + model_.transmit_time(bytes));
   }
 
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
     inner_.all_reduce(buf, count, type, op);
     const std::size_t block = count * element_size(type) / static_cast<std::size_t>(world_size());
+    bytes_sent_ += 2 * static_cast<std::uint64_t>(peers()) * block;
     occupy(2 * peers() * (model_.latency + model_.transmit_time(block)));
   }
 
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
     inner_.all_gather(send, recv, count_per_rank, type);
+    bytes_sent_ += static_cast<std::uint64_t>(peers()) * count_per_rank * element_size(type);
     occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * element_size(type))));
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
     inner_.reduce_scatter(send, recv, count_per_rank, type, op);
+    bytes_sent_ += static_cast<std::uint64_t>(peers()) * count_per_rank * element_size(type);
     occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * element_size(type))));
   }
 
@@ -211,6 +222,12 @@ class SimulatedLinkTransport {
     return peers() * model_.latency + model_.transmit_time(std::max(sent, received));
   }
 
+  void count_sent(std::span<const std::size_t> send_counts) noexcept {
+    for (std::size_t p = 0; p < send_counts.size(); ++p) {
+      if (p != static_cast<std::size_t>(rank())) bytes_sent_ += send_counts[p];
+    }
+  }
+
   /// A collective's modelled time: the link is busy for `span` from now (or from when it frees up).
   void occupy(std::chrono::nanoseconds span) {
     if (span.count() <= 0) return;
@@ -222,6 +239,7 @@ class SimulatedLinkTransport {
   Inner& inner_;
   LinkModel model_;
   Clock::time_point link_free_{};
+  std::uint64_t bytes_sent_ = 0;
   std::uint64_t next_id_ = 1;
   std::unordered_map<std::uint64_t, std::unique_ptr<Pending>> pending_;
   std::vector<std::unique_ptr<Pending>> retired_;  // headers of failed requests, kept until the adapter goes
