@@ -6,7 +6,7 @@ import re
 from setuptools import Extension, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHECKOUT = os.path.dirname(HERE)  # the project root: include/ and tools/ next to python/
+CHECKOUT = os.path.dirname(HERE)  # the project root: include/ next to python/
 
 
 def version():
@@ -17,7 +17,7 @@ def version():
 module = Extension(
     "cpdispatch._cpdispatch",
     sources=[os.path.join("src", "module.cpp")],
-    include_dirs=[os.path.join(CHECKOUT, "include"), os.path.join(CHECKOUT, "tools")],
+    include_dirs=[os.path.join(CHECKOUT, "include")],
     language="c++",
     # CPDISPATCH_OPT: the optimisation flag (the install test builds with -O0, faster to compile)
     extra_compile_args=["-std=c++20", os.environ.get("CPDISPATCH_OPT", "-O2"), "-fvisibility=hidden"],

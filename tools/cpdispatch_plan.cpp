@@ -488,11 +488,11 @@ int run_balance(Args args) {
   if (options.rank) cpdispatch::detail::fail("--rank applies to plan mode, not to balance");
   const cpdispatch::PlanLimits reading = plan_limits(options, false);
   const nlohmann::json input = cpdispatch::parse_json(read_input(options.input, max_input_bytes(reading)), reading);
-  const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(input);
-  cpdispatch::BalanceOptions balancing = cpdispatch_cli::balance_options_from_json(input);
+  const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(input);
+  cpdispatch::BalanceOptions balancing = cpdispatch::balance_options_from_json(input);
   balancing.dedup = balancing.dedup || options.dedup;
   const std::optional<cpdispatch::Topology> topology = cpdispatch::topology_from_json(input, problem.world_size, "input");
-  const double ratio = cpdispatch_cli::inter_node_ratio_from_json(input);
+  const double ratio = cpdispatch::inter_node_ratio_from_json(input);
   const cpdispatch::QkvDocumentsPlan balanced = topology ? cpdispatch::plan_balanced(problem, balancing, *topology, ratio, reading)
                                                          : cpdispatch::plan_balanced(problem, balancing, reading);
   // A packed batch gets the documents form back, documents per rank the per-rank form.
@@ -504,7 +504,7 @@ int run_balance(Args args) {
     write_output(summary(planned, plan) + cpdispatch_cli::balance_report(problem, balanced, reading) +
                  (balancing.dedup ? dedup_line(kv_fwd, cpdispatch::plan_kv_wire(kv_fwd)) : std::string()) + node_lines(planned, topology));
   } else {
-    nlohmann::json out = cpdispatch_cli::balanced_plan_json(plan, balancing.dedup);
+    nlohmann::json out = cpdispatch::balanced_plan_to_json(plan, balancing.dedup);
     if (topology) out["nodes"] = topology->nodes();  // the plan keeps its network's shape
     write_json(out, options.compact);
   }

@@ -9,10 +9,10 @@
 //
 // Not included, because each needs another target or compiler: the
 // transports (cpdispatch/transports/sim.hpp, mpi.hpp, nccl.hpp), JSON
-// (plan/json.hpp), the CBLAS GEMM backend (gemm/gemm_cblas.hpp), the CUDA
-// data path (cuda/), the test doubles (testing/), and the layers on top, which
-// have umbrellas of their own (attention.hpp, tp/tensor_parallel.hpp,
-// overlap/overlap.hpp).
+// (plan/json.hpp, plan/balance_json.hpp), the CBLAS GEMM backend
+// (gemm/gemm_cblas.hpp), the CUDA data path (cuda/), the test doubles
+// (testing/), and the layers on top, which have umbrellas of their own
+// (attention.hpp, tp/tensor_parallel.hpp, overlap/overlap.hpp).
 
 #include "cpdispatch/bytes.hpp"
 #include "cpdispatch/crc32c.hpp"

@@ -21,8 +21,8 @@
 #include <utility>
 #include <vector>
 
-#include "balance_command.hpp"
 #include "cpdispatch/execute/token_indices.hpp"
+#include "cpdispatch/plan/balance_json.hpp"
 #include "cpdispatch/plan/json.hpp"
 
 namespace py = pybind11;
@@ -638,12 +638,12 @@ py::object to_python(const nlohmann::json& j) {
 py::object balance(py::handle input, bool dedup, py::handle max_memory) {
   const cpdispatch::PlanLimits limits = limits_of(max_memory);
   const nlohmann::json j = input_json(input, limits);
-  const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(j);
-  cpdispatch::BalanceOptions options = cpdispatch_cli::balance_options_from_json(j);
+  const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(j);
+  cpdispatch::BalanceOptions options = cpdispatch::balance_options_from_json(j);
   options.dedup = options.dedup || dedup;
   const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options, limits);
   const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
-  return to_python(cpdispatch_cli::balanced_plan_json(plan, options.dedup));
+  return to_python(cpdispatch::balanced_plan_to_json(plan, options.dedup));
 }
 
 // ---------------------------------------------------------------- timing (benchmarks)
@@ -681,8 +681,8 @@ double time_plan(py::handle input, std::int64_t rank, bool dedup, int repeats) {
 /// plan_balanced behind balance, timed in C++ on an input already read.
 double time_balance(py::handle input, int repeats) {
   const nlohmann::json j = input_json(input, {});
-  const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(j);
-  const cpdispatch::BalanceOptions options = cpdispatch_cli::balance_options_from_json(j);
+  const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(j);
+  const cpdispatch::BalanceOptions options = cpdispatch::balance_options_from_json(j);
   py::gil_scoped_release unlocked;
   return best_seconds(repeats, [&] { cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options); });
 }

@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "balance_command.hpp"
 #include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/balance_json.hpp"
 #include "fuzz_target.hpp"
 
 namespace {
@@ -30,8 +30,8 @@ bool small_enough(const cpdispatch::BalanceProblem& p) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   cpdispatch_fuzz::expect_valid_or_invalid_input([&] {
     const nlohmann::json input = cpdispatch::parse_json(cpdispatch_fuzz::as_text(data, size), cpdispatch_fuzz::limits);
-    const cpdispatch::BalanceProblem problem = cpdispatch_cli::balance_problem_from_json(input);
-    const cpdispatch::BalanceOptions options = cpdispatch_cli::balance_options_from_json(input);
+    const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(input);
+    const cpdispatch::BalanceOptions options = cpdispatch::balance_options_from_json(input);
     if (!small_enough(problem)) return;
     (void)cpdispatch::balance_lower_bound(problem, cpdispatch_fuzz::limits);
     (void)cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem, cpdispatch_fuzz::limits), problem.q_bytes, problem.kv_bytes, cpdispatch_fuzz::limits);
