@@ -266,8 +266,9 @@ TEST(FanInWarpLogicOnTheHost, MatchesTheHostFanInForEveryTypeAndAlignment) {
           std::vector<std::uint64_t> at;
           for (std::int64_t c : copies) at.push_back(static_cast<std::uint64_t>(c) * sizeof(E));
           for (unsigned lane = 0; lane < 32; ++lane) {
-            cpdispatch::cuda::kernels::fan_in_range<kind>(reinterpret_cast<const unsigned char*>(attention.data()), at.data(), at.size(), 0,
-                                                          reinterpret_cast<Storage*>(got.data() + shift), n, lane);
+            const cpdispatch::cuda::kernels::ListedCopies<Storage> from{reinterpret_cast<const unsigned char*>(attention.data()), at.data(),
+                                                                         at.size(), 0};
+            cpdispatch::cuda::kernels::sum_copies<kind>(from, reinterpret_cast<Storage*>(got.data() + shift), n, lane);
           }
           EXPECT_EQ(dedup_test::bytes_of(got), dedup_test::bytes_of(expect));
         }

@@ -19,7 +19,7 @@
 // same launch serves any buffer. Launches are asynchronous on the caller's
 // stream and need no host synchronisation (graph-capturable).
 //
-// The per-warp work (copy_chunk, combine_range) is __host__ __device__: the
+// The per-warp work (copy_chunk, sum_copies) is __host__ __device__: the
 // lanes of a warp never talk to each other, so running lane 0, 1, ..., 31
 // one after another on the host does exactly what the warp does, which lets
 // the tests check the kernels' logic on any CPU. The 16-bit conversions are
@@ -236,32 +236,35 @@ __host__ __device__ __forceinline__ void accumulate(typename Traits::acc& a, typ
   else a = static_cast<typename Traits::acc>(a + Traits::load(x));
 }
 
-/// Combines `n` elements at `in` (copy c at in + c * slab) into `out`.
-template <ElementType E>
-__host__ __device__ __forceinline__ void combine_range(const typename combine_element<E>::storage* __restrict__ in,
-                                              typename combine_element<E>::storage* __restrict__ out, std::uint64_t n,
-                                              std::uint64_t slab, const std::uint8_t* __restrict__ mask, std::uint32_t copies,
-                                              unsigned lane) {
+/// Lane `lane`'s share of summing n elements of the regions `copies.at(c)`,
+/// c = 0, 1, ..., copies.count() - 1, those with copies.included(c), in that
+/// order, into `out` (disjoint from them), with the combine's arithmetic.
+/// The combine and the fan-in differ only in where the copies are: 16-byte
+/// accesses when every region is congruent to `out` modulo 16.
+template <ElementType E, class Copies>
+__host__ __device__ __forceinline__ void sum_copies(const Copies& copies, typename combine_element<E>::storage* __restrict__ out,
+                                                    std::uint64_t n, unsigned lane) {
   using Traits = combine_element<E>;
   using T = typename Traits::storage;
   using A = typename Traits::acc;
   auto scalar = [&](std::uint64_t i) {
     A a = A(0);
     bool first = true;
-    for (std::uint32_t c = 0; c < copies; ++c) {
-      if (!mask[c]) continue;
-      accumulate<Traits>(a, in[c * slab + i], first);
+    for (std::uint64_t c = 0; c < copies.count(); ++c) {
+      if (!copies.included(c)) continue;
+      accumulate<Traits>(a, load_once(copies.at(c) + i), first);
       first = false;
     }
     out[i] = Traits::store(a);
   };
-  constexpr unsigned per_vec = 16 / sizeof(T);
-  const auto in_at = reinterpret_cast<std::uintptr_t>(in), out_at = reinterpret_cast<std::uintptr_t>(out);
-  // 16-byte accesses when every copy's elements are congruent to out's modulo 16.
-  if (((in_at - out_at) | (slab * sizeof(T))) % 16 != 0) {
+  const auto out_at = reinterpret_cast<std::uintptr_t>(out);
+  std::uintptr_t misaligned = 0;
+  for (std::uint64_t c = 0; c < copies.count(); ++c) misaligned |= reinterpret_cast<std::uintptr_t>(copies.at(c)) - out_at;
+  if (misaligned % 16 != 0) {
     for (std::uint64_t i = lane; i < n; i += 32) scalar(i);
     return;
   }
+  constexpr unsigned per_vec = 16 / sizeof(T);
   std::uint64_t head = ((16 - out_at % 16) % 16) / sizeof(T);  // out is aligned to sizeof(T)
   if (head > n) head = n;
   if (lane < head) scalar(lane);
@@ -276,10 +279,10 @@ __host__ __device__ __forceinline__ void combine_range(const typename combine_el
 CPDISPATCH_UNROLL
     for (unsigned k = 0; k < per_vec; ++k) a[k] = A(0);
     bool first = true;
-    for (std::uint32_t c = 0; c < copies; ++c) {
-      if (!mask[c]) continue;
+    for (std::uint64_t c = 0; c < copies.count(); ++c) {
+      if (!copies.included(c)) continue;
       Vec x;
-      x.v = load_once(reinterpret_cast<const uint4*>(in + c * slab + i));
+      x.v = load_once(reinterpret_cast<const uint4*>(copies.at(c) + i));
 CPDISPATCH_UNROLL
       for (unsigned k = 0; k < per_vec; ++k) accumulate<Traits>(a[k], x.e[k], first);
       first = false;
@@ -293,14 +296,39 @@ CPDISPATCH_UNROLL
   if (lane < n - tail) scalar(tail + lane);
 }
 
+/// The combine's copies: copy c at in + c * slab, where mask[c] is set.
+template <class T>
+struct SlabCopies {
+  const T* in;
+  std::uint64_t slab;
+  const std::uint8_t* mask;
+  std::uint32_t copies;
+  __host__ __device__ std::uint64_t count() const { return copies; }
+  __host__ __device__ bool included(std::uint64_t c) const { return mask[c] != 0; }
+  __host__ __device__ const T* at(std::uint64_t c) const { return in + c * slab; }
+};
+
+/// The fan-in's copies: copy c at base + at[c] + offset, every one.
+template <class T>
+struct ListedCopies {
+  const unsigned char* base;
+  const std::uint64_t* offsets;
+  std::uint64_t copies;
+  std::uint64_t offset;
+  __host__ __device__ std::uint64_t count() const { return copies; }
+  __host__ __device__ bool included(std::uint64_t) const { return true; }
+  __host__ __device__ const T* at(std::uint64_t c) const { return reinterpret_cast<const T*>(base + offsets[c] + offset); }
+};
+
 /// Lane `lane`'s share of one combine chunk.
 template <ElementType E>
 __host__ __device__ __forceinline__ void combine_chunk(const unsigned char* replica, unsigned char* grad, const CombineChunk& chunk,
                                                        std::uint64_t slab_bytes, const std::uint8_t* mask, std::uint32_t copies,
                                                        unsigned lane) {
   using T = typename combine_element<E>::storage;
-  combine_range<E>(reinterpret_cast<const T*>(replica + chunk.start), reinterpret_cast<T*>(grad + chunk.start), chunk.bytes / sizeof(T),
-                   slab_bytes / sizeof(T), mask + std::uint64_t{chunk.shard} * copies, copies, lane);
+  const SlabCopies<T> from{reinterpret_cast<const T*>(replica + chunk.start), slab_bytes / sizeof(T), mask + std::uint64_t{chunk.shard} * copies,
+                           copies};
+  sum_copies<E>(from, reinterpret_cast<T*>(grad + chunk.start), chunk.bytes / sizeof(T), lane);
 }
 
 template <ElementType E, unsigned Warps>
@@ -319,58 +347,6 @@ __global__ void __launch_bounds__(Warps * 32) combine_kernel(const unsigned char
 
 // ---- fan-in (deduplicated KV exchange) ------------------------------------------
 
-/// Lane `lane`'s share of summing `copies` regions (copy c at base + at[c] +
-/// offset) of n elements into `out` (disjoint from them), in the order of
-/// `at`, with the combine's arithmetic.
-template <ElementType E>
-__host__ __device__ __forceinline__ void fan_in_range(const unsigned char* __restrict__ base, const std::uint64_t* __restrict__ at,
-                                                      std::uint64_t copies, std::uint64_t offset,
-                                                      typename combine_element<E>::storage* __restrict__ out, std::uint64_t n, unsigned lane) {
-  using Traits = combine_element<E>;
-  using T = typename Traits::storage;
-  using A = typename Traits::acc;
-  auto copy = [&](std::uint64_t c) { return reinterpret_cast<const T*>(base + at[c] + offset); };
-  auto scalar = [&](std::uint64_t i) {
-    A a = A(0);
-    for (std::uint64_t c = 0; c < copies; ++c) accumulate<Traits>(a, load_once(copy(c) + i), c == 0);
-    out[i] = Traits::store(a);
-  };
-  const auto out_at = reinterpret_cast<std::uintptr_t>(out);
-  std::uintptr_t misaligned = 0;  // 16-byte accesses when every copy is congruent to out modulo 16
-  for (std::uint64_t c = 0; c < copies; ++c) misaligned |= reinterpret_cast<std::uintptr_t>(copy(c)) - out_at;
-  if (misaligned % 16 != 0) {
-    for (std::uint64_t i = lane; i < n; i += 32) scalar(i);
-    return;
-  }
-  constexpr unsigned per_vec = 16 / sizeof(T);
-  std::uint64_t head = ((16 - out_at % 16) % 16) / sizeof(T);
-  if (head > n) head = n;
-  if (lane < head) scalar(lane);
-  const std::uint64_t vecs = (n - head) / per_vec;
-  union Vec {
-    uint4 v;
-    T e[per_vec];
-  };
-  for (std::uint64_t v = lane; v < vecs; v += 32) {
-    const std::uint64_t i = head + v * per_vec;
-    A a[per_vec];
-CPDISPATCH_UNROLL
-    for (unsigned k = 0; k < per_vec; ++k) a[k] = A(0);
-    for (std::uint64_t c = 0; c < copies; ++c) {
-      Vec x;
-      x.v = load_once(reinterpret_cast<const uint4*>(copy(c) + i));
-CPDISPATCH_UNROLL
-      for (unsigned k = 0; k < per_vec; ++k) accumulate<Traits>(a[k], x.e[k], c == 0);
-    }
-    Vec y;
-CPDISPATCH_UNROLL
-    for (unsigned k = 0; k < per_vec; ++k) y.e[k] = Traits::store(a[k]);
-    *reinterpret_cast<uint4*>(out + i) = y.v;
-  }
-  const std::uint64_t tail = head + vecs * per_vec;
-  if (lane < n - tail) scalar(tail + lane);
-}
-
 /// Warp w sums fan-in chunks w, w + (warps in the grid), ...: chunk k's
 /// entry has copies at attention + copy_at[splits[entry] ..
 /// splits[entry + 1]), and its sum goes to out + chunk.dst (a region of
@@ -386,8 +362,8 @@ __global__ void __launch_bounds__(Warps * 32) fan_in_kernel(const unsigned char*
   for (std::uint64_t c = blockIdx.x * std::uint64_t{Warps} + threadIdx.x / 32; c < count; c += stride) {
     const FanInChunk chunk = chunks[c];
     const std::uint64_t first = splits[chunk.entry];
-    fan_in_range<E>(attention, copy_at + first, splits[chunk.entry + 1] - first, chunk.offset, reinterpret_cast<T*>(out + chunk.dst),
-                    chunk.bytes / sizeof(T), lane);
+    const ListedCopies<T> from{attention, copy_at + first, splits[chunk.entry + 1] - first, chunk.offset};
+    sum_copies<E>(from, reinterpret_cast<T*>(out + chunk.dst), chunk.bytes / sizeof(T), lane);
   }
 }
 
