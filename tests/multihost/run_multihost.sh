@@ -5,6 +5,7 @@
 # Every program runs as one job of NP ranks spread round-robin over the hosts
 # and must exit 0. The namespaces, veths and bridge are removed on any exit.
 # Exits 77 (ctest: skipped) when namespaces cannot be created here.
+# Programs find each host's link to the others, by name, in $CPD_NETNS_DEVICE.
 set -euo pipefail
 hosts=$1 np=$2
 shift 2
@@ -53,10 +54,12 @@ done
 echo "multihost: $hosts namespaces ($prefix.1..$prefix.$hosts) on bridge $bridge"
 
 export CPD_NETNS_MAP="$work/map" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export CPD_NETNS_DEVICE=eth0       # every namespace's end of its veth pair
 mpi=(mpiexec --hostfile "$work/hostfile" -n "$np" --map-by node
      --mca plm_rsh_agent "$here/netns_agent.sh" --mca plm_rsh_no_tree_spawn 1
      --mca btl tcp,self --mca btl_tcp_if_include "$prefix.0/24" --mca oob_tcp_if_include "$prefix.0/24"
      --mca pml ob1)
+mpi+=(-x CPD_NETNS_DEVICE)
 for v in ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS; do [[ -n ${!v:-} ]] && mpi+=(-x "$v"); done
 
 status=0
