@@ -59,6 +59,11 @@ mpi=(mpiexec --hostfile "$work/hostfile" -n "$np" --map-by node
      --mca plm_rsh_agent "$here/netns_agent.sh" --mca plm_rsh_no_tree_spawn 1
      --mca btl tcp,self --mca btl_tcp_if_include "$prefix.0/24" --mca oob_tcp_if_include "$prefix.0/24"
      --mca pml ob1)
+# Open MPI 4.1's daemons now and then crash writing the hardware topology to
+# shared memory at an address they guess is free (rtc hwloc): the ranks read
+# the topology themselves instead. The daemons stay attached to the launcher,
+# so a daemon that fails is reported instead of waited for until the timeout.
+mpi+=(--mca rtc_hwloc_vmhole none --mca orte_leave_session_attached 1)
 mpi+=(-x CPD_NETNS_DEVICE)
 for v in ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS; do [[ -n ${!v:-} ]] && mpi+=(-x "$v"); done
 
