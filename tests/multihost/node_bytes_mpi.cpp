@@ -15,7 +15,7 @@
 // smaller. The 64 KiB cover Open MPI's message headers and rendezvous
 // handshakes, the barriers and stray frames (ARP, IPv6 neighbour discovery).
 // On a loaded machine TCP sends some segments again (the namespaces'
-// RetransSegs): each is at most one full frame, 1514 bytes.
+// RetransSegs, loopback's included): each is at most one full frame, 1514 bytes.
 // Rank 0 also checks that the bytes between ranks of one node went over
 // loopback, not over the link between nodes.
 // Exit status: 0 when every check passes, 1 when one fails, 2 on an error.
@@ -31,8 +31,8 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
-#include <sstream>
 #include <functional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
