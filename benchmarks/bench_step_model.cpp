@@ -4,7 +4,9 @@
 // with the flat, deduplicated and node-level KV exchanges, and for the zig-zag
 // ring, Ulysses and Transformer Engine's a2a+p2p on the same batch.
 // A plain driver (a model, nothing to time):
-//   bench_step_model [h100|h200] [W ...]     (default: h100, W = 64 128 ... 4096)
+//   bench_step_model [h100|h200] [--svg FILE] [W ...]     (default: h100, W = 64 128 ... 4096)
+//       --svg FILE also writes the table as a chart: step time against W, one
+//       panel a sample, log-scale axes (docs/images/step_model.svg)
 //   bench_step_model validate                (the model's exchange time against
 //       the flat KV exchange measured over SimulatedLinkTransport on 8 sim
 //       ranks: one tier, every rank its own node, the same bandwidth and latency)
@@ -23,6 +25,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -41,6 +44,7 @@
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "cpdispatch/transports/simulated_link.hpp"
+#include "step_chart.hpp"
 
 namespace {
 
@@ -72,7 +76,7 @@ cpdispatch::QkvDocumentsPlan balanced(cpdispatch::BalanceProblem p, I& C) {
   }
 }
 
-void row(const std::string& name, I W, const cpdispatch::ClusterModel& cluster, const std::vector<I>& lengths) {
+std::vector<cpdispatch::StepTime> row(const std::string& name, I W, const cpdispatch::ClusterModel& cluster, const std::vector<I>& lengths) {
   cpdispatch::BalanceProblem p;
   p.world_size = W;
   p.documents = cpdispatch::draw_workload(lengths, W, kTokensPerRank, 0);
@@ -87,6 +91,30 @@ void row(const std::string& name, I W, const cpdispatch::ClusterModel& cluster, 
   }
   std::printf("\n");
   std::fflush(stdout);
+  return rows;
+}
+
+/// Adds one W's rows to a sample's panel (one series a scheme, in the table's order).
+void add_to_panel(step_chart::Panel& panel, I W, const std::vector<cpdispatch::StepTime>& rows) {
+  if (panel.series.empty())
+    for (const cpdispatch::StepTime& t : rows) panel.series.push_back({t.scheme, {}});
+  for (std::size_t k = 0; k < rows.size() && k < panel.series.size(); ++k) {
+    if (rows[k].feasible) panel.series[k].points.emplace_back(static_cast<double>(W), rows[k].step * 1e3);
+  }
+}
+
+int write_chart(const std::string& path, const std::vector<step_chart::Panel>& panels, const cpdispatch::ClusterModel& cluster) {
+  std::ofstream out(path);
+  char title[200];
+  std::snprintf(title, sizeof title, "Modelled step time of one layer, forward + backward (%.0f TFLOP/s, NVLink %.0f GB/s, InfiniBand %.0f GB/s a GPU)",
+                cluster.attention_flops / 1e12, cluster.intra.bandwidth / 1e9, cluster.inter.bandwidth / 1e9);
+  out << step_chart::chart_svg(panels, title);
+  if (!out) {
+    std::fprintf(stderr, "bench_step_model: cannot write %s\n", path.c_str());
+    return 2;
+  }
+  std::printf("chart: %s\n", path.c_str());
+  return 0;
 }
 
 /// Measured against modelled time of the flat KV forward exchange of one
@@ -287,11 +315,13 @@ int validate_tiers() {
 int main(int argc, char** argv) {
   cpdispatch::ClusterModel cluster = cpdispatch::ClusterModel::h100_ib();
   std::vector<I> worlds;
+  std::string svg;
   if (argc == 2 && std::string(argv[1]) == "validate") return validate();
   if (argc == 2 && std::string(argv[1]) == "validate-tiers") return validate_tiers();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "h200") cluster = cpdispatch::ClusterModel::h200_ib();
+    if (a == "--svg" && i + 1 < argc) svg = argv[++i];
+    else if (a == "h200") cluster = cpdispatch::ClusterModel::h200_ib();
     else if (a != "h100") worlds.push_back(std::atoll(argv[i]));
   }
   if (worlds.empty()) worlds = {64, 128, 256, 512, 1024, 2048, 4096};
@@ -304,15 +334,18 @@ int main(int argc, char** argv) {
   std::printf("step time of one layer, forward + backward (ms), %lld ranks a node, %lld tokens a rank\n",
               static_cast<long long>(kRanksPerNode), static_cast<long long>(kTokensPerRank));
   std::printf("%-8s %5s %3s %12s %12s %12s %12s %12s %12s\n", "sample", "W", "C", "flat", "dedup", "node-level", "zig-zag", "ulysses", "a2a+p2p");
+  std::vector<step_chart::Panel> panels;
+  const std::map<std::string, std::string> titles = {{"prolong", "ProLong sample"}, {"wlbllm", "WLB-LLM sample"}};
   for (const char* name : {"prolong", "wlbllm"}) {
     const std::vector<I> lengths = sample(name);
+    panels.push_back({titles.at(name), {}});
     for (I W : worlds) {
       try {
-        row(name, W, cluster, lengths);
+        add_to_panel(panels.back(), W, row(name, W, cluster, lengths));
       } catch (const cpdispatch::invalid_input& e) {
         std::printf("%-8s %5lld  cannot plan: %s\n", name, static_cast<long long>(W), e.what());
       }
     }
   }
-  return 0;
+  return svg.empty() ? 0 : write_chart(svg, panels, cluster);
 }
