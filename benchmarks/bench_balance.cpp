@@ -29,6 +29,15 @@
 // imbalance against the mask's own lower bound, and the key-value bytes the
 // mask sends, next to the zig-zag baseline's under the same mask.
 // plan_balanced_mask/<mask>/... times planning under the mask.
+//
+// A fourth table gives the inter-node columns (benchmarks/node_columns.hpp,
+// docs/node-exchange.md), 8 ranks a node, W = 16, 64, 256, 32K tokens a rank,
+// C = 8 (or a document's span), 8 batches a row: the key-value bytes that
+// cross nodes in the flat, rank-level dedup and node-level exchanges of the
+// plan balanced without the topology (blind), with it (aware: plan_balanced
+// with a Topology) and zig-zag (W <= 64), each plan's balance, and the target
+// check (aware node-level <= half of blind dedup, at equal balance).
+// plan_balanced_topology/... times planning with the topology.
 
 #include <benchmark/benchmark.h>
 
@@ -47,6 +56,7 @@
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/workload.hpp"
+#include "node_columns.hpp"
 
 namespace {
 
@@ -351,6 +361,70 @@ void print_mask_table(const std::vector<Config>& configs, const Reporter& rep) {
   }
 }
 
+constexpr int kNodeBatches = 8;
+constexpr I kNodeWorlds[] = {16, 64, 256};
+std::map<std::string, node_columns::RowColumns> node_rows;  // name -> row
+
+std::string node_name(const std::string& sample_name, I W) { return "plan_balanced_topology/" + sample_name + "/W:" + std::to_string(W); }
+
+void bm_plan_balanced_topology(benchmark::State& state, std::string sample_name, I W) {
+  const std::string name = node_name(sample_name, W);
+  if (!node_rows.count(name)) node_rows[name] = node_columns::measure_row(sample(sample_name), W, kNodeBatches);
+  std::vector<cpdispatch::BalanceProblem> bs;
+  for (int seed = 0; seed < kNodeBatches; ++seed) bs.push_back(node_columns::column_problem(sample(sample_name), W, static_cast<std::uint64_t>(seed)));
+  std::size_t i = 0;
+  for (auto _ : state) {
+    cpdispatch::QkvDocumentsPlan plan = node_columns::balanced(bs[i++ % bs.size()], true);
+    benchmark::DoNotOptimize(plan);
+  }
+}
+
+/// One plan's inter-node KV GB a batch: flat | dedup | node-level.
+std::string node_cells(const node_columns::InterNode& sum, int batches) {
+  const double gb = static_cast<double>(node_columns::kKvBytes) / 1e9 / batches;
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.3f | %.3f | %.3f", static_cast<double>(sum.kv.flat) * gb, static_cast<double>(sum.kv.dedup) * gb,
+                static_cast<double>(sum.kv.node_level) * gb);
+  return buf;
+}
+
+std::string target_text(const node_columns::RowColumns& r) {
+  if (r.target_met()) return "met";
+  std::string why;
+  if (!r.bytes_met()) why += "bytes";
+  if (!r.equal_balance()) why += why.empty() ? "balance" : " and balance";
+  return "not met (" + why + ")";
+}
+
+/// Inter-node KV bytes of the blind, aware and zig-zag plans, and the target check.
+void print_node_table(const Reporter& rep) {
+  std::printf("\nInter-node key-value bytes, %lld ranks a node, %d batches a row (32K tokens a rank, C = 8 or a document's span,\n"
+              "%lld B a key-value token). GB a batch (mean) crossing nodes in the flat (section 2), rank-level dedup (2c) and node-level\n"
+              "exchanges: blind = plan_balanced without the topology, aware = with it, zig-zag for reference (W <= 64).\n"
+              "Balance = largest rank attention cost / lower bound (median; zig-zag ignores C, so it can go under the C-cut bound).\n"
+              "Target: aware node-level <= %.2f x blind dedup, aware balance median <= %.2f and per batch <= blind + %.2f.\n\n",
+              static_cast<long long>(node_columns::kRanksPerNode), kNodeBatches, static_cast<long long>(node_columns::kKvBytes),
+              node_columns::kTargetFraction, node_columns::kBalanceLimit, node_columns::kBalanceSlack);
+  std::printf("| workload | W | blind flat | blind dedup | blind node | aware flat | aware dedup | aware node | zig-zag flat | zig-zag dedup "
+              "| zig-zag node | balance blind / aware / zig-zag | aware - blind (worst batch) | aware node / blind dedup | target | time ms CPU |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const char* s : {"prolong", "wlbllm"}) {
+    for (I W : kNodeWorlds) {
+      const auto it = node_rows.find(node_name(s, W));
+      if (it == node_rows.end()) continue;
+      const node_columns::RowColumns& r = it->second;
+      char time[32] = "-";
+      if (const auto t = rep.times.find(it->first); t != rep.times.end()) std::snprintf(time, sizeof time, "%.2f", t->second.cpu_ms);
+      char zig[32] = "-";
+      if (r.has_zigzag) std::snprintf(zig, sizeof zig, "%.4f", r.zigzag_ratio);
+      std::printf("| %s | %lld | %s | %s | %s | %.4f / %.4f / %s | %+.4f | %.3f | %s | %s |\n", s, static_cast<long long>(W),
+                  node_cells(r.blind, r.batches).c_str(), node_cells(r.aware, r.batches).c_str(),
+                  r.has_zigzag ? node_cells(r.zigzag, r.batches).c_str() : "- | - | -", r.blind_ratio, r.aware_ratio, zig, r.worst_excess,
+                  r.target_ratio(), target_text(r).c_str(), time);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -370,11 +444,15 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(mask_name(c, m).c_str(), bm_plan_balanced_mask, c, m)->Unit(benchmark::kMillisecond);
     }
   }
+  for (const char* s : {"prolong", "wlbllm"})
+    for (I W : kNodeWorlds)
+      benchmark::RegisterBenchmark(node_name(s, W).c_str(), bm_plan_balanced_topology, std::string(s), W)->Unit(benchmark::kMillisecond);
   Reporter rep;
   benchmark::RunSpecifiedBenchmarks(&rep);
   print_table(configs, rep);
   print_dedup_table(configs, rep);
   print_mask_table(configs, rep);
+  print_node_table(rep);
   benchmark::Shutdown();
   return 0;
 }

@@ -29,6 +29,17 @@
 // `cpu_fwd_speedup`, `cpu_bwd_speedup`. `pieces` 1 is SimTransport (one
 // all_to_all_pieces: receivers copy straight from the senders' buffers);
 // 0 is SimPackingTransport (pack, all_to_all_v, unpack, as over MPI).
+// BM_InterNodeKv: the inter-node columns (benchmarks/node_columns.hpp,
+// docs/node-exchange.md), 8 ranks a node: key-value bytes that cross nodes
+// (4 KiB a token; the mean of 4 batches, seeds 0..3, 32K tokens a rank,
+// C = 8 or a document's span) in the flat, rank-level dedup and node-level
+// exchanges, for the plan balanced without the topology (`blind_*`), with it
+// (`aware_*`, plan_balanced with a Topology) and zig-zag (`zigzag_*`, W <= 64
+// only: its KV metadata outgrows the machine beyond); each plan's balance
+// (`*_balance`: largest rank attention cost / lower bound, median over the
+// batches); `target` = aware node-level / blind dedup bytes and `target_met`
+// (1 when target <= 0.5 and the aware plan's median balance <= 1.03 and per
+// batch <= the blind plan's + 0.01). Benchmark time: place_on_topology.
 // Results: benchmarks/RESULTS.md.
 
 #include <algorithm>
@@ -53,7 +64,9 @@
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/plan/topology_balance.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "node_columns.hpp"
 
 namespace {
 
@@ -232,9 +245,46 @@ void BM_SimFwdBwd(benchmark::State& state) {
   state.counters["cpu_bwd_speedup"] = busy[plain_bwd] / busy[dedup_bwd];
 }
 
+void put_plan(benchmark::State& state, const std::string& name, const node_columns::InterNode& sum, int batches, double balance) {
+  const double bytes = static_cast<double>(node_columns::kKvBytes) / batches;
+  state.counters[name + "_flat"] = static_cast<double>(sum.kv.flat) * bytes;
+  state.counters[name + "_dedup"] = static_cast<double>(sum.kv.dedup) * bytes;
+  state.counters[name + "_node"] = static_cast<double>(sum.kv.node_level) * bytes;
+  state.counters[name + "_balance"] = balance;
+}
+
+/// Each row measured once (Google Benchmark may call a benchmark several times).
+const node_columns::RowColumns& inter_node_row(const std::string& kind, I W) {
+  static std::vector<std::pair<std::string, node_columns::RowColumns>> cache;
+  const std::string key = kind + "/" + std::to_string(W);
+  for (const auto& [k, row] : cache)
+    if (k == key) return row;
+  cache.emplace_back(key, node_columns::measure_row(sample(kind), W, kBatches));
+  return cache.back().second;
+}
+
+void BM_InterNodeKv(benchmark::State& state, std::string kind) {
+  const I W = state.range(0);
+  const node_columns::RowColumns& row = inter_node_row(kind, W);
+  const cpdispatch::BalanceProblem p = node_columns::column_problem(sample(kind), W, 0);
+  const cpdispatch::QkvDocumentsPlan blind = cpdispatch::plan_balanced(p);
+  const cpdispatch::Topology topology = cpdispatch::Topology::uniform(W, node_columns::kRanksPerNode);
+  for (auto _ : state) {
+    auto placed = cpdispatch::place_on_topology(blind, p, topology);
+    benchmark::DoNotOptimize(placed);
+  }
+  put_plan(state, "blind", row.blind, row.batches, row.blind_ratio);
+  put_plan(state, "aware", row.aware, row.batches, row.aware_ratio);
+  if (row.has_zigzag) put_plan(state, "zigzag", row.zigzag, row.batches, row.zigzag_ratio);
+  state.counters["target"] = row.target_ratio();
+  state.counters["target_met"] = row.target_met() ? 1 : 0;
+}
+
 BENCHMARK_CAPTURE(BM_WireTokens, zigzag, std::string("zigzag"))->ArgName("W")->Arg(8)->Arg(16)->Arg(64)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_WireTokens, prolong, std::string("prolong"))->ArgName("W")->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_WireTokens, wlbllm, std::string("wlbllm"))->ArgName("W")->Arg(8)->Arg(16)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_InterNodeKv, prolong, std::string("prolong"))->ArgName("W")->Arg(16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_InterNodeKv, wlbllm, std::string("wlbllm"))->ArgName("W")->Arg(16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SimFwdBwd)
     ->ArgNames({"W", "tokens_per_rank", "pieces"})
     ->Args({8, 1024, 1})

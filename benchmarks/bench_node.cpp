@@ -17,70 +17,32 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <benchmark/benchmark.h>
-#include <nlohmann/json.hpp>
 
-#include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/topology.hpp"
-#include "cpdispatch/plan/topology_balance.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "node_columns.hpp"
 
 namespace {
 
 using I = std::int64_t;
+using node_columns::kRanksPerNode;
 
-constexpr I kRanksPerNode = 8;
 constexpr I kTokensPerRank = 32 * 1024;
 constexpr I kC = 8;
 constexpr int kBatches = 2;
 
-cpdispatch::QkvPlan zigzag(I W, I doc_len) {
-  cpdispatch::QkvPlan plan;
-  plan.world_size = W;
-  plan.ranks.resize(static_cast<std::size_t>(W));
-  for (auto& rank : plan.ranks) {
-    cpdispatch::Document d;
-    for (I i = 0; i < 2 * W; ++i) {
-      d.shard_len.push_back(doc_len / (2 * W));
-      d.dst.push_back(std::min(i, 2 * W - 1 - i));
-    }
-    rank.docs.push_back(d);
-  }
-  return plan;
-}
-
-std::vector<I> sample(const std::string& name) {
-  const char* env = std::getenv("CPDISPATCH_DOC_LENGTHS_DIR");
-  const std::filesystem::path dir = env && *env ? env : CPDISPATCH_DOC_LENGTHS_DIR;
-  std::ifstream in(dir / (name + ".json"));
-  if (!in) {
-    std::fprintf(stderr, "bench_node: cannot read %s (set CPDISPATCH_DOC_LENGTHS_DIR)\n", (dir / (name + ".json")).c_str());
-    std::exit(2);
-  }
-  return nlohmann::json::parse(in).get<std::vector<I>>();
-}
-
 std::vector<cpdispatch::QkvMetadata> plans_of(const std::string& kind, I W, bool placed, double& worst_ratio) {
-  if (kind == "zigzag") return {cpdispatch::plan_qkv(zigzag(W, 2 * W * 64))};
-  const std::vector<I> lengths = sample(kind);
+  if (kind == "zigzag") return {cpdispatch::plan_qkv(node_columns::zigzag_plan(W, 1, 2 * W * 64))};
+  const std::vector<I> lengths = node_columns::read_sample(kind, "bench_node");
   std::vector<cpdispatch::QkvMetadata> plans;
   for (int seed = 0; seed < kBatches; ++seed) {
-    cpdispatch::BalanceProblem p;
-    p.world_size = W;
-    p.max_cp_degree = kC;
-    p.documents = cpdispatch::draw_workload(lengths, W, kTokensPerRank, static_cast<std::uint64_t>(seed));
     const cpdispatch::QkvDocumentsPlan plan =
-        placed ? cpdispatch::plan_balanced(p, {}, cpdispatch::Topology::uniform(W, kRanksPerNode)) : cpdispatch::plan_balanced(p);
+        node_columns::balanced(node_columns::draw_problem(lengths, W, kTokensPerRank, kC, static_cast<std::uint64_t>(seed)), placed);
     worst_ratio = std::max(worst_ratio, cpdispatch::plan_cost(plan).max_over_mean());
     plans.push_back(cpdispatch::plan_qkv(plan));
   }
@@ -93,16 +55,10 @@ void BM_InterNodeTokens(benchmark::State& state, std::string kind) {
   const cpdispatch::Topology topology = cpdispatch::Topology::uniform(W, kRanksPerNode);
   double worst_ratio = 0;
   const std::vector<cpdispatch::QkvMetadata> metas = plans_of(kind, W, placed, worst_ratio);
-  cpdispatch::NodeTokenCounts sum;
-  I q = 0;
-  for (const auto& m : metas) {
-    const cpdispatch::NodeTokenCounts c = cpdispatch::node_token_counts(m.kv_fwd, topology);
-    sum.flat += c.flat;
-    sum.dedup += c.dedup;
-    sum.node_level += c.node_level;
-    sum.inside += c.inside;
-    q += cpdispatch::inter_node_tokens(m.q_fwd, topology);
-  }
+  node_columns::InterNode all;
+  for (const auto& m : metas) all += node_columns::inter_node(m, topology);
+  const cpdispatch::NodeTokenCounts& sum = all.kv;
+  const I q = all.q;
   std::size_t i = 0;
   for (auto _ : state) {
     auto w = cpdispatch::plan_node_wire(metas[i++ % metas.size()].kv_fwd, topology);

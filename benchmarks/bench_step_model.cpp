@@ -4,10 +4,15 @@
 // with the flat, deduplicated and node-level KV exchanges, and for the zig-zag
 // ring, Ulysses and Transformer Engine's a2a+p2p on the same batch.
 // A plain driver (a model, nothing to time):
-//   bench_step_model [h100|h200] [W ...]     (default: h100, W = 64 128 ... 4096)
+//   bench_step_model [h100|h200] [--svg FILE] [W ...]     (default: h100, W = 64 128 ... 4096)
+//       --svg FILE also writes the table as a chart: step time against W, one
+//       panel a sample, log-scale axes (docs/images/step_model.svg)
 //   bench_step_model validate                (the model's exchange time against
 //       the flat KV exchange measured over SimulatedLinkTransport on 8 sim
 //       ranks: one tier, every rank its own node, the same bandwidth and latency)
+//   bench_step_model validate-tiers          (the model's KV exchange times against
+//       the flat, dedup and node-level exchanges measured over a two-tier
+//       SimulatedLinkTransport: W = 8 and 16, 4 ranks a node; see validate_tiers)
 // One batch a sample and W (draw_workload, 32K tokens a rank, seed 0),
 // balanced by plan_balanced with the smallest C of 8, 16, 32, 64 that
 // can cut every document (long documents need more pieces at large W) without the topology; 32 heads of 128.
@@ -20,6 +25,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -31,9 +37,14 @@
 #include "cpdispatch/plan/step_model.hpp"
 #include "cpdispatch/plan/topology.hpp"
 #include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/execute/node_wire.hpp"
+#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "cpdispatch/transports/simulated_link.hpp"
+#include "step_chart.hpp"
 
 namespace {
 
@@ -65,7 +76,7 @@ cpdispatch::QkvDocumentsPlan balanced(cpdispatch::BalanceProblem p, I& C) {
   }
 }
 
-void row(const std::string& name, I W, const cpdispatch::ClusterModel& cluster, const std::vector<I>& lengths) {
+std::vector<cpdispatch::StepTime> row(const std::string& name, I W, const cpdispatch::ClusterModel& cluster, const std::vector<I>& lengths) {
   cpdispatch::BalanceProblem p;
   p.world_size = W;
   p.documents = cpdispatch::draw_workload(lengths, W, kTokensPerRank, 0);
@@ -80,6 +91,30 @@ void row(const std::string& name, I W, const cpdispatch::ClusterModel& cluster, 
   }
   std::printf("\n");
   std::fflush(stdout);
+  return rows;
+}
+
+/// Adds one W's rows to a sample's panel (one series a scheme, in the table's order).
+void add_to_panel(step_chart::Panel& panel, I W, const std::vector<cpdispatch::StepTime>& rows) {
+  if (panel.series.empty())
+    for (const cpdispatch::StepTime& t : rows) panel.series.push_back({t.scheme, {}});
+  for (std::size_t k = 0; k < rows.size() && k < panel.series.size(); ++k) {
+    if (rows[k].feasible) panel.series[k].points.emplace_back(static_cast<double>(W), rows[k].step * 1e3);
+  }
+}
+
+int write_chart(const std::string& path, const std::vector<step_chart::Panel>& panels, const cpdispatch::ClusterModel& cluster) {
+  std::ofstream out(path);
+  char title[200];
+  std::snprintf(title, sizeof title, "Modelled step time of one layer, forward + backward (%.0f TFLOP/s, NVLink %.0f GB/s, InfiniBand %.0f GB/s a GPU)",
+                cluster.attention_flops / 1e12, cluster.intra.bandwidth / 1e9, cluster.inter.bandwidth / 1e9);
+  out << step_chart::chart_svg(panels, title);
+  if (!out) {
+    std::fprintf(stderr, "bench_step_model: cannot write %s\n", path.c_str());
+    return 2;
+  }
+  std::printf("chart: %s\n", path.c_str());
+  return 0;
 }
 
 /// Measured against modelled time of the flat KV forward exchange of one
@@ -126,15 +161,167 @@ int validate() {
   return 0;
 }
 
+// ---- validate-tiers: the communication part of the model against a two-tier simulated link.
+//
+// A plan's three KV exchanges run as W threads over SimWorld and a two-tier
+// SimulatedLinkTransport (4 ranks a node) whose links have the H100 cluster's
+// ratios (NVLink 450 GB/s and 3 us, InfiniBand 50 GB/s and 5 us), slowed by a
+// factor chosen so that the flat forward exchange takes ~300 ms of modelled
+// time: thread scheduling and the host's copies then cost a few percent at
+// most. The sim moves kSimTokenBytes a KV token; its bandwidths are scaled by
+// kSimTokenBytes / (2 * 32 heads * 128 * 2 bytes) too, so the time is the
+// real cluster's (one layer's K and V) times the factor. The model gets the
+// same link parameters and token bytes (step_detail::exchange_time, as
+// model_plan uses it), and predicts the slowest rank's exchange; for the
+// node-level exchange, the slowest rank's first phase plus the slowest
+// rank's second (a relay forwards only what it has received), as model_plan
+// counts it. "node per rank" is a rank's two phases added, the model's
+// earlier count, which leaves out that wait.
+
+constexpr std::size_t kSimTokenBytes = 64;
+constexpr I kTierRanksPerNode = 4;
+
+struct TierCase {
+  std::string sample;
+  I W = 0;
+  cpdispatch::QkvMetadata meta;
+};
+
+/// Modelled time (s) of the slowest rank's exchange of `tokens`.
+double modelled(const cpdispatch::step_detail::PairTokens& tokens, I W, const cpdispatch::Topology& topo, const cpdispatch::ClusterModel& c) {
+  double slowest = 0;
+  for (std::size_t r = 0; r < static_cast<std::size_t>(W); ++r) {
+    slowest = std::max(slowest, cpdispatch::step_detail::exchange_time(tokens, static_cast<std::size_t>(W), r,
+                                                                       static_cast<double>(kSimTokenBytes), topo, c));
+  }
+  return slowest;
+}
+
+/// The model's node-level time: the phases' slowest ranks added (model_plan),
+/// and a rank's two phases added (no wait between them).
+std::pair<double, double> modelled_node(const cpdispatch::Metadata& kv, const cpdispatch::Topology& topo, const cpdispatch::ClusterModel& c) {
+  cpdispatch::step_detail::PairTokens between, inside;
+  cpdispatch::step_detail::node_tokens(kv, topo, between, inside);
+  const auto W = static_cast<std::size_t>(kv.world_size);
+  double per_rank = 0;
+  for (std::size_t r = 0; r < W; ++r) {
+    const double b = static_cast<double>(kSimTokenBytes);
+    per_rank = std::max(per_rank, cpdispatch::step_detail::exchange_time(between, W, r, b, topo, c) +
+                                      cpdispatch::step_detail::exchange_time(inside, W, r, b, topo, c));
+  }
+  return {modelled(between, kv.world_size, topo, c) + modelled(inside, kv.world_size, topo, c), per_rank};
+}
+
+/// Wall time (s) from the first rank's start to the last rank's end of `step` run once on every rank (after a barrier).
+template <class Step>
+double timed(cpdispatch::SimTransport& sim, std::vector<double>& starts, std::vector<double>& ends, Step step) {
+  using Clock = std::chrono::steady_clock;
+  const auto me = static_cast<std::size_t>(sim.rank());
+  sim.barrier();
+  starts[me] = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  step();
+  ends[me] = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  sim.barrier();
+  return *std::max_element(ends.begin(), ends.end()) - *std::min_element(starts.begin(), starts.end());
+}
+
+/// Measured forward and reverse times (s) of the three exchanges: [flat fwd, flat rev, dedup fwd, ..., node rev].
+std::vector<double> measure_tiers(const TierCase& tc, const cpdispatch::Topology& topo, cpdispatch::LinkModel intra, cpdispatch::LinkModel inter) {
+  const cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(tc.meta);
+  std::vector<double> out(6, 0), starts(static_cast<std::size_t>(tc.W)), ends(starts.size());
+  cpdispatch::SimWorld world(static_cast<int>(tc.W));
+  world.run([&](cpdispatch::SimTransport& sim) {
+    using Link = cpdispatch::SimulatedLinkTransport<cpdispatch::SimTransport>;
+    Link link(sim, topo, intra, inter);
+    const bool first = sim.rank() == 0;
+    const auto record = [&](std::size_t k, double t) { if (first) out[k] = t; };
+    {
+      cpdispatch::Dispatcher<Link> kv(link, tc.meta.kv_fwd, tc.meta.kv_rev, kSimTokenBytes);
+      std::vector<std::byte> mlp(kv.required_bytes().mlp_bytes), attn(kv.required_bytes().attention_bytes), rep(kv.required_bytes().replica_bytes);
+      record(0, timed(sim, starts, ends, [&] { kv.forward(mlp, attn); }));
+      record(1, timed(sim, starts, ends, [&] { kv.reverse(attn, rep); }));
+    }
+    {
+      cpdispatch::KvWireDispatcher<Link> kv(link, wire, kSimTokenBytes);
+      const auto& n = kv.required_bytes();
+      std::vector<std::byte> mlp(n.mlp_bytes), attn(n.attention_bytes), w(n.wire_bytes), rep(n.replica_bytes), grad(n.mlp_bytes);
+      record(2, timed(sim, starts, ends, [&] { kv.forward(mlp, attn); }));
+      record(3, timed(sim, starts, ends, [&] { kv.reverse_combine(attn, w, rep, grad, cpdispatch::ElementType::float32); }));
+    }
+    {
+      cpdispatch::NodeWireDispatcher<Link> kv(link, wire.fan[static_cast<std::size_t>(sim.rank())],
+                                              cpdispatch::plan_node_wire_for_rank(tc.meta.kv_fwd, topo, sim.rank()), kSimTokenBytes);
+      std::vector<std::byte> mlp(kv.required_bytes().mlp_bytes), attn(kv.required_bytes().attention_bytes), grad(mlp.size());
+      record(4, timed(sim, starts, ends, [&] { kv.forward(mlp, attn); }));
+      record(5, timed(sim, starts, ends, [&] { kv.reverse_combine(attn, grad, cpdispatch::ElementType::float32); }));
+    }
+  });
+  return out;
+}
+
+void validate_case(const TierCase& tc) {
+  const cpdispatch::Topology topo = cpdispatch::Topology::uniform(tc.W, kTierRanksPerNode);
+  // The H100 cluster with its bandwidths per sim byte: a sim token stands for one real K and V token.
+  const double real_kv_token_bytes = 2 * cpdispatch::LayerShape{}.token_bytes();
+  cpdispatch::ClusterModel c = cpdispatch::ClusterModel::h100_ib();
+  c.ranks_per_node = kTierRanksPerNode;
+  for (cpdispatch::LinkTier* t : {&c.intra, &c.inter}) t->bandwidth *= static_cast<double>(kSimTokenBytes) / real_kv_token_bytes;
+  const double real_flat = modelled(cpdispatch::step_detail::flat_tokens(tc.meta.kv_fwd), tc.W, topo, c);
+  const double slow = 0.3 / real_flat;  // the flat forward exchange: ~300 ms
+  for (cpdispatch::LinkTier* t : {&c.intra, &c.inter}) t->bandwidth /= slow, t->latency *= slow;
+  const auto link = [](const cpdispatch::LinkTier& t) {
+    return cpdispatch::LinkModel{std::chrono::nanoseconds(static_cast<std::int64_t>(t.latency * 1e9)), t.bandwidth};
+  };
+  const auto [node_model, node_per_rank] = modelled_node(tc.meta.kv_fwd, topo, c);
+  const double model[3] = {modelled(cpdispatch::step_detail::flat_tokens(tc.meta.kv_fwd), tc.W, topo, c),
+                           modelled(cpdispatch::step_detail::dedup_tokens(tc.meta.kv_fwd), tc.W, topo, c), node_model};
+  const std::vector<double> took = measure_tiers(tc, topo, link(c.intra), link(c.inter));
+  const std::vector<double> host = measure_tiers(tc, topo, cpdispatch::LinkModel{std::chrono::nanoseconds(0), 1e15},
+                                                 cpdispatch::LinkModel{std::chrono::nanoseconds(0), 1e15});
+  const char* names[3] = {"flat", "dedup", "node-level"};
+  for (int e = 0; e < 3; ++e) {
+    for (int dir = 0; dir < 2; ++dir) {
+      const auto k = static_cast<std::size_t>(2 * e + dir);
+      std::printf("%-8s %3lld %6.0f %-10s %-7s %10.1f %10.1f %8.3f %9.1f", tc.sample.c_str(), static_cast<long long>(tc.W), slow, names[e],
+                  dir == 0 ? "forward" : "reverse", model[e] * 1e3, took[k] * 1e3, took[k] / model[e], host[k] * 1e3);
+      if (e == 2) std::printf("   node per rank %.1f ms (ratio %.3f)", node_per_rank * 1e3, took[k] / node_per_rank);
+      std::printf("\n");
+      std::fflush(stdout);
+    }
+  }
+}
+
+/// The model's exchange times against the three KV exchanges measured over a two-tier simulated link.
+int validate_tiers() {
+  std::printf("KV exchanges over a two-tier simulated link (%lld ranks a node, H100 link ratios slowed by `slow`,\n"
+              "%zu sim bytes a KV token): modelled vs measured ms of the slowest rank, and the host's own time (links free)\n",
+              static_cast<long long>(kTierRanksPerNode), kSimTokenBytes);
+  std::printf("%-8s %3s %6s %-10s %-7s %10s %10s %8s %9s\n", "sample", "W", "slow", "exchange", "dir", "model ms", "measured", "ratio", "host ms");
+  for (const char* name : {"prolong", "wlbllm"}) {
+    const std::vector<I> lengths = sample(name);
+    for (const I W : {I{8}, I{16}}) {
+      cpdispatch::BalanceProblem p;
+      p.world_size = W;
+      p.documents = cpdispatch::draw_workload(lengths, W, kTokensPerRank, 0);
+      I C = 0;
+      validate_case(TierCase{name, W, cpdispatch::plan_qkv(balanced(p, C))});
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   cpdispatch::ClusterModel cluster = cpdispatch::ClusterModel::h100_ib();
   std::vector<I> worlds;
+  std::string svg;
   if (argc == 2 && std::string(argv[1]) == "validate") return validate();
+  if (argc == 2 && std::string(argv[1]) == "validate-tiers") return validate_tiers();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "h200") cluster = cpdispatch::ClusterModel::h200_ib();
+    if (a == "--svg" && i + 1 < argc) svg = argv[++i];
+    else if (a == "h200") cluster = cpdispatch::ClusterModel::h200_ib();
     else if (a != "h100") worlds.push_back(std::atoll(argv[i]));
   }
   if (worlds.empty()) worlds = {64, 128, 256, 512, 1024, 2048, 4096};
@@ -147,15 +334,18 @@ int main(int argc, char** argv) {
   std::printf("step time of one layer, forward + backward (ms), %lld ranks a node, %lld tokens a rank\n",
               static_cast<long long>(kRanksPerNode), static_cast<long long>(kTokensPerRank));
   std::printf("%-8s %5s %3s %12s %12s %12s %12s %12s %12s\n", "sample", "W", "C", "flat", "dedup", "node-level", "zig-zag", "ulysses", "a2a+p2p");
+  std::vector<step_chart::Panel> panels;
+  const std::map<std::string, std::string> titles = {{"prolong", "ProLong sample"}, {"wlbllm", "WLB-LLM sample"}};
   for (const char* name : {"prolong", "wlbllm"}) {
     const std::vector<I> lengths = sample(name);
+    panels.push_back({titles.at(name), {}});
     for (I W : worlds) {
       try {
-        row(name, W, cluster, lengths);
+        add_to_panel(panels.back(), W, row(name, W, cluster, lengths));
       } catch (const cpdispatch::invalid_input& e) {
         std::printf("%-8s %5lld  cannot plan: %s\n", name, static_cast<long long>(W), e.what());
       }
     }
   }
-  return 0;
+  return svg.empty() ? 0 : write_chart(svg, panels, cluster);
 }

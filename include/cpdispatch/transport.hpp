@@ -90,26 +90,39 @@ concept transport_has_all_to_all_v = requires(T& t, const void* send, void* recv
   t.all_to_all_v(send, counts, counts, recv, counts, counts);
 };
 template <class T>
-concept transport_has_point_to_point = requires(T& t, const void* send, void* recv, std::size_t bytes, int peer, int tag, Request r) {
-  { t.isend(send, bytes, peer, tag) } -> std::same_as<Request>;
-  { t.irecv(recv, bytes, peer, tag) } -> std::same_as<Request>;
-  t.wait(r);
+concept transport_has_all_to_all_pieces = requires(T& t, const void* send, void* recv, std::span<const BytePiece> pieces,
+                                                   std::span<const std::size_t> splits) {
+  t.all_to_all_pieces(send, pieces, splits, recv, pieces, splits);
 };
 template <class T>
-concept transport_has_posted_all_to_all = requires(T& t, const void* send, void* recv, std::span<const std::size_t> counts, Request r) {
+concept transport_has_isend_irecv = requires(T& t, const void* send, void* recv, std::size_t bytes, int peer, int tag) {
+  { t.isend(send, bytes, peer, tag) } -> std::same_as<Request>;
+  { t.irecv(recv, bytes, peer, tag) } -> std::same_as<Request>;
+};
+template <class T>
+concept transport_has_wait = requires(T& t, Request r) { t.wait(r); };
+template <class T>
+concept transport_has_point_to_point = transport_has_isend_irecv<T> && transport_has_wait<T>;
+template <class T>
+concept transport_has_posted_all_to_all = transport_has_wait<T> && requires(T& t, const void* send, void* recv, std::span<const std::size_t> counts) {
   { t.post_all_to_all_v(send, counts, counts, recv, counts, counts) } -> std::same_as<Request>;
-  t.wait(r);
 };
 template <class T>
 concept transport_has_barrier = requires(T& t) { t.barrier(); };
 template <class T>
 concept transport_has_broadcast = requires(T& t, void* buf, std::size_t bytes, int root) { t.broadcast(buf, bytes, root); };
 template <class T>
-concept transport_has_collectives = requires(T& t, const void* send, void* recv, std::size_t count, ElementType type) {
-  t.all_reduce(recv, count, type, ReduceOp::sum);
+concept transport_has_all_reduce = requires(T& t, void* buf, std::size_t count, ElementType type) { t.all_reduce(buf, count, type, ReduceOp::sum); };
+template <class T>
+concept transport_has_all_gather = requires(T& t, const void* send, void* recv, std::size_t count, ElementType type) {
   t.all_gather(send, recv, count, type);
+};
+template <class T>
+concept transport_has_reduce_scatter = requires(T& t, const void* send, void* recv, std::size_t count, ElementType type) {
   t.reduce_scatter(send, recv, count, type, ReduceOp::sum);
 };
+template <class T>
+concept transport_has_collectives = transport_has_all_reduce<T> && transport_has_all_gather<T> && transport_has_reduce_scatter<T>;
 
 }  // namespace detail
 
@@ -133,10 +146,7 @@ concept AllToAllTransport = TransportBase<T> && detail::transport_has_all_to_all
 /// sender in order (boundaries need not line up; the totals must agree). A collective, like all_to_all_v. The
 /// dispatcher calls it instead of all_to_all_v when the transport has it (the sim transport does).
 template <class T>
-concept PieceTransport = AllToAllTransport<T> && requires(T& t, const void* send, void* recv, std::span<const BytePiece> pieces,
-                                                           std::span<const std::size_t> splits) {
-  t.all_to_all_pieces(send, pieces, splits, recv, pieces, splits);
-};
+concept PieceTransport = AllToAllTransport<T> && detail::transport_has_all_to_all_pieces<T>;
 
 /// Refinement of AllToAllTransport: an all-to-all posted now and completed by a later wait, so that the caller
 /// computes while it travels (ContextParallelAttention's stages):

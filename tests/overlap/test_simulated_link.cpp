@@ -154,3 +154,116 @@ TEST(SimulatedLink, BadModelsAndRequestsAreRejected) {
     EXPECT_EQ(y, 5);
   });
 }
+
+// Two tiers: ranks 0, 1 on node 0 and 2, 3 on node 1; the inter-node link is
+// slower in both latency and bandwidth, so a bound that only the right tier
+// meets shows which tier a transfer used.
+namespace {
+const cpdispatch::LinkModel kIntra{1ms, 100e6};  // 20 000 bytes: 0.2 ms + 1 ms
+const cpdispatch::LinkModel kInter{4ms, 10e6};   // 20 000 bytes: 2 ms + 4 ms
+constexpr std::size_t kMessage = 20000;
+
+cpdispatch::SimulatedLinkTransport<SimTransport> two_tiers(SimTransport& sim) {
+  return {sim, cpdispatch::Topology::uniform(4, 2), kIntra, kInter};
+}
+
+/// An all_to_all_v in which rank r sends `kMessage` bytes of value r to `peer(r)` only; checks the bytes and returns the time it took.
+template <class Peer>
+Clock::duration exchange_with(cpdispatch::SimulatedLinkTransport<SimTransport>& link, Peer peer) {
+  const int me = link.rank();
+  std::vector<std::size_t> send_counts(4, 0), recv_counts(4, 0), displs(4, 0);
+  send_counts[static_cast<std::size_t>(peer(me))] = kMessage;
+  for (int p = 0; p < 4; ++p) {
+    if (peer(p) == me) recv_counts[static_cast<std::size_t>(p)] = kMessage;
+  }
+  std::vector<char> out(kMessage, static_cast<char>('a' + me)), in(kMessage, '-');
+  const auto t0 = Clock::now();
+  link.all_to_all_v(out.data(), send_counts, displs, in.data(), recv_counts, displs);
+  const auto took = Clock::now() - t0;
+  // The peers below pair ranks up (peer(peer(r)) = r): r receives from the rank it sends to.
+  EXPECT_THAT(in, testing::Each(static_cast<char>('a' + peer(me))));
+  return took;
+}
+}  // namespace
+
+TEST(SimulatedLink, TwoTiersMessagesTakeTheTimeOfTheirTier) {
+  Clock::time_point posted[3];  // written by rank 0 before each send; read by the receiver once the data has arrived
+  SimWorld world(4, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    auto link = two_tiers(sim);
+    EXPECT_EQ(link.inter_model().latency, kInter.latency);
+    ASSERT_NE(link.topology(), nullptr);
+    std::vector<int> data(kMessage / sizeof(int));
+    if (sim.rank() == 0) {  // to rank 1 inside node 0, then to rank 2 on node 1
+      std::iota(data.begin(), data.end(), 7);
+      for (const int peer : {1, 2}) {
+        posted[peer] = Clock::now();
+        link.wait(link.isend(data.data(), kMessage, peer, 3));
+        EXPECT_GE(Clock::now() - posted[peer], peer == 1 ? 200us : 2ms) << "transmitting to rank " << peer;
+      }
+    } else if (sim.rank() == 1 || sim.rank() == 2) {
+      link.wait(link.irecv(data.data(), kMessage, 0, 3));
+      EXPECT_GE(Clock::now() - posted[sim.rank()], sim.rank() == 1 ? 1200us : 6ms) << "transmission + latency of the tier";
+      for (std::size_t i = 0; i < data.size(); ++i) ASSERT_EQ(data[i], static_cast<int>(i) + 7);
+    }
+    EXPECT_EQ(link.bytes_sent(), sim.rank() == 0 ? 2 * kMessage : 0u);
+    EXPECT_EQ(link.bytes_received(), sim.rank() == 1 || sim.rank() == 2 ? kMessage : 0u);
+  });
+}
+
+TEST(SimulatedLink, TwoTiersAllToAllTakesTheTimeOfTheTiersItUses) {
+  SimWorld world(4, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    auto link = two_tiers(sim);
+    const Clock::duration inside = exchange_with(link, [](int r) { return r ^ 1; });  // the other rank of the node
+    EXPECT_GE(inside, 1200us);
+    const Clock::duration across = exchange_with(link, [](int r) { return (r + 2) % 4; });  // the same place on the other node
+    EXPECT_GE(across, 6ms);
+    const auto t0 = Clock::now();
+    const cpdispatch::Request posted = [&] {
+      std::vector<std::size_t> counts(4, 0), displs(4, 0);
+      counts[static_cast<std::size_t>((sim.rank() + 2) % 4)] = kMessage;
+      std::vector<char> out(kMessage), in(kMessage);
+      return link.post_all_to_all_v(out.data(), counts, displs, in.data(), counts, displs);
+    }();
+    link.wait(posted);
+    EXPECT_GE(Clock::now() - t0, 6ms) << "a posted all-to-all across nodes";
+    EXPECT_EQ(link.bytes_sent(), 3 * kMessage);
+    EXPECT_EQ(link.bytes_received(), 3 * kMessage);
+  });
+}
+
+TEST(SimulatedLink, TwoTiersCollectivesRunAtTheSlowerTier) {
+  SimWorld world(4, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    auto link = two_tiers(sim);
+    const float mine[1000] = {static_cast<float>(sim.rank())};
+    std::vector<float> all(4000);
+    const auto t0 = Clock::now();
+    link.all_gather(mine, all.data(), 1000, ElementType::float32);
+    EXPECT_GE(Clock::now() - t0, 3 * (4ms + 400us)) << "three ring steps of 4 000 bytes over the inter-node link";
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(all[static_cast<std::size_t>(r) * 1000], static_cast<float>(r));
+  });
+}
+
+TEST(SimulatedLink, TwoTiersRejectBadTopologiesAndLinks) {
+  SimWorld world(4, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    const auto refused = [&](const cpdispatch::Topology& t, cpdispatch::LinkModel intra, cpdispatch::LinkModel inter) -> std::string {
+      try {
+        cpdispatch::SimulatedLinkTransport link(sim, t, intra, inter);
+      } catch (const cpdispatch::invalid_input& e) {
+        return e.what();
+      }
+      return "accepted";
+    };
+    const auto pairs = cpdispatch::Topology::uniform(4, 2);
+    EXPECT_THAT(refused(cpdispatch::Topology::uniform(3, 2), kIntra, kInter), testing::HasSubstr("topology describes 3 ranks, but world_size = 4"));
+    EXPECT_THAT(refused(cpdispatch::Topology::from_nodes({0, 1, 0, 1, 2}), kIntra, kInter), testing::HasSubstr("topology describes 5 ranks"));
+    EXPECT_THAT(refused(pairs, {1ms, 0.0}, kInter), testing::HasSubstr("intra bandwidth = 0"));
+    EXPECT_THAT(refused(pairs, kIntra, {1ms, -5.0}), testing::HasSubstr("inter bandwidth = -5"));
+    EXPECT_THAT(refused(pairs, {-1ns, 1e9}, kInter), testing::HasSubstr("intra latency = -1 ns"));
+    EXPECT_THAT(refused(pairs, kIntra, {-2ns, 1e9}), testing::HasSubstr("inter latency = -2 ns"));
+    EXPECT_EQ(refused(pairs, kIntra, kInter), "accepted");
+  });
+}

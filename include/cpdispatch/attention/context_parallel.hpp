@@ -34,7 +34,6 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/attention/detail/exchange_layout.hpp"
 #include "cpdispatch/attention/detail/lse_merge.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/detail/staged_exchange.hpp"
@@ -147,8 +146,9 @@ class ContextParallelAttention {
     layout_.seqlens_kv.reserve(n(c.shards));
     layout_.cu_seqlens_q.reserve(n(c.shards) + 1);
     layout_.cu_seqlens_kv.reserve(n(c.shards) + 1);
-    q_layout_.reserve(q_plan_, n(c.shards), transport_.world_size());
-    kv_layout_.reserve(kv_plan_, n(c.shards) * std::max<std::size_t>(n(c.copies), 1), transport_.world_size());
+    const auto W = static_cast<std::size_t>(transport_.world_size());
+    q_planner_.reserve(q_plan_, n(c.shards), W);
+    kv_planner_.reserve(kv_plan_, n(c.shards) * std::max<std::size_t>(n(c.copies), 1), W);
     stage_plan_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
     const std::size_t copies = std::max<std::size_t>(n(c.copies), 1), mlp = n(c.mlp_tokens), tq = n(c.q_tokens), tk = n(c.kv_tokens);
     const std::size_t e = sizeof(E);  // staging is in bytes: (send, receive)
@@ -170,8 +170,8 @@ class ContextParallelAttention {
       if (wire == nullptr) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
       kv_wire_.emplace(transport_, *wire, kv_token_elems() * sizeof(E));
     }
-    q_layout_.build(share.q_fwd, share.q_rev, q_token_elems() * sizeof(E), me, W, q_plan_, who);
-    kv_layout_.build(share.kv_fwd, share.kv_rev, kv_token_elems() * sizeof(E), me, W, kv_plan_, who);
+    q_planner_.plan(share.q_fwd, share.q_rev, q_token_elems() * sizeof(E), me, W, who, q_plan_);
+    kv_planner_.plan(share.kv_fwd, share.kv_rev, kv_token_elems() * sizeof(E), me, W, who, kv_plan_);
     if (!share.kv_rev.seq_recv_mask) fail("share.kv_rev has no seq_recv_mask (not the reverse key-value slice of a QKV plan)");
     copy_kv_rev(share.kv_rev);
     copy_layout(share.attn);
@@ -189,7 +189,7 @@ class ContextParallelAttention {
   }
 
   /// This rank's tokens in the MLP layout (the leading extent of q, k, v, ...).
-  std::int64_t mlp_tokens() const noexcept { return q_layout_.mlp_tokens(); }
+  std::int64_t mlp_tokens() const noexcept { return q_plan_.forward.input_tokens; }
   const RankAttentionLayout& attention() const noexcept { return layout_; }
   const AttentionMask& mask() const noexcept { return mask_; }
   const AttentionShape& shape() const noexcept { return shape_; }
@@ -435,12 +435,12 @@ class ContextParallelAttention {
     if (layout_.cu_seqlens_q.size() != layout_.cu_seqlens_kv.size()) {
       fail("share.attn has ", layout_.cu_seqlens_q.size(), " cu_seqlens_q but ", layout_.cu_seqlens_kv.size(), " cu_seqlens_kv");
     }
-    if (layout_.q_tokens() != q_layout_.attention_tokens() || layout_.kv_tokens() != kv_layout_.attention_tokens()) {
+    if (layout_.q_tokens() != q_plan_.forward.output_tokens || layout_.kv_tokens() != kv_plan_.forward.output_tokens) {
       fail("share.attn holds ", layout_.q_tokens(), " query and ", layout_.kv_tokens(), " key-value tokens, but the share's metadata delivers ",
-           q_layout_.attention_tokens(), " and ", kv_layout_.attention_tokens(), " (not one plan's share)");
+           q_plan_.forward.output_tokens, " and ", kv_plan_.forward.output_tokens, " (not one plan's share)");
     }
-    if (q_layout_.mlp_tokens() != kv_layout_.mlp_tokens()) {
-      fail("share.q_fwd holds ", q_layout_.mlp_tokens(), " tokens but share.kv_fwd ", kv_layout_.mlp_tokens(), " (not one plan's share)");
+    if (q_plan_.forward.input_tokens != kv_plan_.forward.input_tokens) {
+      fail("share.q_fwd holds ", q_plan_.forward.input_tokens, " tokens but share.kv_fwd ", kv_plan_.forward.input_tokens, " (not one plan's share)");
     }
   }
 
@@ -459,7 +459,7 @@ class ContextParallelAttention {
   CpAttentionOptions options_;
   Kernel kernel_;
   int groups_ = 0;  // stage groups of remote peers (0: one exchange, no overlap)
-  detail::ExchangeLayout q_layout_, kv_layout_;
+  detail::DispatchPlanner q_planner_, kv_planner_;  // their storage, kept between plans
   detail::DispatchPlan q_plan_, kv_plan_;
   std::optional<KvWireDispatcher<T>> kv_wire_;
   RankMetadata kv_rev_;

@@ -97,36 +97,6 @@ struct SegmentSum {
 };
 static_assert(sizeof(SegmentSum) == 16);
 
-template <class T>
-concept has_all_to_all_v = requires(T& t, const void* s, void* r, std::span<const std::size_t> c) { t.all_to_all_v(s, c, c, r, c, c); };
-template <class T>
-concept has_all_to_all_pieces = requires(T& t, const void* s, void* r, std::span<const BytePiece> p, std::span<const std::size_t> c) {
-  t.all_to_all_pieces(s, p, c, r, p, c);
-};
-template <class T>
-concept has_posted = requires(T& t, const void* s, void* r, std::span<const std::size_t> c) {
-  { t.post_all_to_all_v(s, c, c, r, c, c) } -> std::same_as<Request>;
-};
-template <class T>
-concept has_point_to_point = requires(T& t, const void* s, void* r, std::size_t n, int peer) {
-  { t.isend(s, n, peer, peer) } -> std::same_as<Request>;
-  { t.irecv(r, n, peer, peer) } -> std::same_as<Request>;
-};
-template <class T>
-concept has_wait = requires(T& t, Request q) { t.wait(q); };
-template <class T>
-concept has_barrier = requires(T& t) { t.barrier(); };
-template <class T>
-concept has_broadcast = requires(T& t, void* b, std::size_t n, int root) { t.broadcast(b, n, root); };
-template <class T>
-concept has_all_reduce = requires(T& t, void* b, std::size_t n, ElementType e) { t.all_reduce(b, n, e, ReduceOp::sum); };
-template <class T>
-concept has_all_gather = requires(T& t, const void* s, void* r, std::size_t n, ElementType e) { t.all_gather(s, r, n, e); };
-template <class T>
-concept has_reduce_scatter = requires(T& t, const void* s, void* r, std::size_t n, ElementType e) {
-  t.reduce_scatter(s, r, n, e, ReduceOp::sum);
-};
-
 /// CRC32C of the pieces [begin, end) of `base`, in order, and their bytes.
 inline SegmentSum pieces_sum(const void* base, std::span<const BytePiece> pieces, std::size_t begin, std::size_t end) {
   SegmentSum s;
@@ -158,7 +128,7 @@ class ChecksummedTransport {
 
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs)
-    requires checksum_detail::has_all_to_all_v<Inner>
+    requires detail::transport_has_all_to_all_v<Inner>
   {
     ++exchanges_;
     sums_out_.assign(send_counts.size(), {});
@@ -178,7 +148,7 @@ class ChecksummedTransport {
 
   void all_to_all_pieces(const void* send, std::span<const BytePiece> send_pieces, std::span<const std::size_t> send_splits,
                          void* recv, std::span<const BytePiece> recv_pieces, std::span<const std::size_t> recv_splits)
-    requires checksum_detail::has_all_to_all_pieces<Inner> && checksum_detail::has_all_to_all_v<Inner>
+    requires detail::transport_has_all_to_all_pieces<Inner> && detail::transport_has_all_to_all_v<Inner>
   {
     ++exchanges_;
     const std::size_t W = send_splits.empty() ? 0 : send_splits.size() - 1;
@@ -200,7 +170,7 @@ class ChecksummedTransport {
   /// Posts the exchange and, right behind it, its checksums; wait() checks.
   Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                             void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs)
-    requires checksum_detail::has_posted<Inner>
+    requires detail::transport_has_posted_all_to_all<Inner>
   {
     Posted posted;
     posted.exchange = ++exchanges_;
@@ -221,7 +191,7 @@ class ChecksummedTransport {
 
   /// A posted exchange's wait checks its segments; other requests are forwarded.
   void wait(Request request)
-    requires checksum_detail::has_wait<Inner>
+    requires detail::transport_has_wait<Inner>
   {
     const auto it = posted_.find(request.id);
     if (it == posted_.end()) return inner_.wait(request);
@@ -239,37 +209,37 @@ class ChecksummedTransport {
   }
 
   Request isend(const void* buf, std::size_t bytes, int peer, int tag)
-    requires checksum_detail::has_point_to_point<Inner>
+    requires detail::transport_has_isend_irecv<Inner>
   {
     return inner_.isend(buf, bytes, peer, tag);
   }
   Request irecv(void* buf, std::size_t bytes, int peer, int tag)
-    requires checksum_detail::has_point_to_point<Inner>
+    requires detail::transport_has_isend_irecv<Inner>
   {
     return inner_.irecv(buf, bytes, peer, tag);
   }
   void barrier()
-    requires checksum_detail::has_barrier<Inner>
+    requires detail::transport_has_barrier<Inner>
   {
     inner_.barrier();
   }
   void broadcast(void* buf, std::size_t bytes, int root)
-    requires checksum_detail::has_broadcast<Inner>
+    requires detail::transport_has_broadcast<Inner>
   {
     inner_.broadcast(buf, bytes, root);
   }
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op)
-    requires checksum_detail::has_all_reduce<Inner>
+    requires detail::transport_has_all_reduce<Inner>
   {
     inner_.all_reduce(buf, count, type, op);
   }
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type)
-    requires checksum_detail::has_all_gather<Inner>
+    requires detail::transport_has_all_gather<Inner>
   {
     inner_.all_gather(send, recv, count_per_rank, type);
   }
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op)
-    requires checksum_detail::has_reduce_scatter<Inner>
+    requires detail::transport_has_reduce_scatter<Inner>
   {
     inner_.reduce_scatter(send, recv, count_per_rank, type, op);
   }

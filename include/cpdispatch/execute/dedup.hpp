@@ -412,10 +412,11 @@ inline WirePlan plan_wire_exchange(const RankMetadata& fwd, const RankMetadata& 
   const std::string who = concat("KvWireDispatcher (rank ", rank, " of ", world, ")");
   if (tb == 0) fail(who, ": token_bytes must be positive");
   if (world <= 0 || rank < 0 || rank >= world) fail(who, ": the transport's rank() / world_size() are not a rank of a world");
+  std::string prefix;
   for (auto [name, m] : {std::pair{"kv_wire_fwd", &fwd}, std::pair{"kv_wire_rev", &rev}}) {
     if (m->world_size != world) fail(who, ": ", name, ".world_size = ", m->world_size, " but the transport's world_size() = ", world);
     if (m->rank != rank) fail(who, ": ", name, " is the slice of rank ", m->rank, " but the transport is rank ", rank);
-    check_slice(*m, name, who);
+    check_slice(*m, name, who, prefix);
   }
   const std::size_t C = fwd.num_copies;
   if (!fwd.has_copies || rev.has_copies || !rev.seq_recv_mask || rev.mask_copies != C || *rev.recv_seq_lens != fwd.seq_len) {

@@ -29,7 +29,8 @@
 // offers all_to_all_pieces (PieceTransport, transport.hpp; the sim transport
 // does) gets ONE all_to_all_pieces call instead, with the pieces in place: no
 // pack, no unpack, no staging. All of this is computed once, at construction
-// (O(entries log entries + world_size)).
+// (O(entries log entries + world_size)), and again by replan for the next
+// step's slices, in the same storage.
 //
 // Wire order: the pieces between two ranks travel in ascending order of their
 // position in the receiver's attention layout, in both directions.
@@ -148,7 +149,8 @@ class Dispatcher {
         rank_(transport.rank()),
         world_size_(transport.world_size()),
         token_bytes_(token_bytes),
-        plan_(detail::plan_dispatch(fwd, rev, token_bytes, rank_, world_size_)),
+        who_(detail::concat("Dispatcher (rank ", rank_, " of ", world_size_, ")")),
+        plan_(first_plan(fwd, rev)),
         rev_(std::move(rev)),
         sizes_(sizes_of(plan_)),
         path_(transport, plan_, rev_, token_bytes_, sizes_.staging_bytes) {}
@@ -156,6 +158,39 @@ class Dispatcher {
   /// The same from global metadata: takes the slices of transport.rank().
   Dispatcher(T& transport, const Metadata& fwd, const Metadata& rev, std::size_t token_bytes)
       : Dispatcher(transport, slices(transport, fwd, rev), token_bytes) {}
+
+  /// The next step's slices of the same tensor, at the same token width.
+  /// The dispatcher keeps its storage: once a plan fits what an earlier one
+  /// needed, replanning allocates nothing (and the owned staging grows only
+  /// when a plan needs more). On a throw it keeps its previous plan. Host
+  /// transports (the device path uploads its piece lists at construction).
+  void replan(const RankMetadata& fwd, const RankMetadata& rev)
+    requires(detail::memory_space_of<T>() == MemorySpace::host)
+  {
+    prepare_replan(fwd, rev);
+    commit_replan();
+  }
+
+  /// replan in two steps, for an owner that replans several dispatchers at
+  /// once and must keep all old plans if any new one is refused:
+  /// prepare_replan plans and checks (it may throw; the current plan stays in
+  /// use), commit_replan switches to it (never throws; nothing without a
+  /// prepared plan).
+  void prepare_replan(const RankMetadata& fwd, const RankMetadata& rev)
+    requires(detail::memory_space_of<T>() == MemorySpace::host)
+  {
+    prepared_ = false;
+    planner_.plan(fwd, rev, token_bytes_, rank_, world_size_, who_, next_plan_);
+    next_rev_ = rev;
+    prepared_ = true;
+  }
+  void commit_replan() noexcept {
+    if (!prepared_) return;
+    std::swap(plan_, next_plan_);
+    std::swap(rev_, next_rev_);
+    sizes_ = sizes_of(plan_);
+    prepared_ = false;
+  }
 
   const BufferSizes& required_bytes() const noexcept { return sizes_; }
   int rank() const noexcept { return rank_; }
@@ -233,6 +268,12 @@ class Dispatcher {
     return {fwd.get_slice(r), rev.get_slice(r)};
   }
 
+  detail::DispatchPlan first_plan(const RankMetadata& fwd, const RankMetadata& rev) {
+    detail::DispatchPlan plan;
+    planner_.plan(fwd, rev, token_bytes_, rank_, world_size_, who_, plan);
+    return plan;
+  }
+
   template <class E = invalid_input, class... Args>
   [[noreturn]] void fail(const char* call, Args&&... args) const {
     detail::fail<E>("Dispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ", std::forward<Args>(args)...);
@@ -285,10 +326,15 @@ class Dispatcher {
   int rank_;
   int world_size_;
   std::size_t token_bytes_;
+  std::string who_;                 // "Dispatcher (rank r of W)", in front of planning errors
+  detail::DispatchPlanner planner_;  // its storage, kept for replan
   detail::DispatchPlan plan_;
   RankMetadata rev_;  // for the combine
   BufferSizes sizes_;
   path path_;  // local copies, combine, owned staging (after plan_, rev_, sizes_: built from them)
+  detail::DispatchPlan next_plan_;  // prepare_replan's, swapped in by commit_replan (both keep their storage)
+  RankMetadata next_rev_;
+  bool prepared_ = false;
 };
 
 }  // namespace cpdispatch

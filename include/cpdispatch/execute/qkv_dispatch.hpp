@@ -23,9 +23,10 @@
 // Token widths are in elements of E; the element type of the KV-gradient sum
 // is E's. The object owns the [C][T] replica buffer of the KV backward (and
 // the wire scratch with dedup) and the dispatchers' staging, so after
-// construction and the first calls nothing is allocated. replan rebuilds the
-// dispatchers (they have no reuse path: their staging is allocated afresh)
-// but keeps the replica and wire buffers while the next share fits them.
+// construction and the first calls nothing is allocated. replan replans the
+// dispatchers in place: once a share fits what an earlier one needed (plan,
+// staging, replica), it allocates nothing. With dedup the wire dispatcher is
+// rebuilt (it has no reuse path), the rest is reused.
 // Host memory transports (sim, MPI); on device transports use two
 // Dispatchers over cuda::DeviceSpan buffers. Every call is one collective of
 // the transport: all ranks make the same calls in the same order.
@@ -100,16 +101,16 @@ class QkvDispatch {
     if (dedup_ && !meta.kv_wire) {
       detail::fail("QkvDispatch (rank ", transport_.rank(), "): dedup needs the share's kv_wire slices, but kv_wire is empty; plan with plan.dedup = true");
     }
-    std::optional<Dispatcher<T>> q(std::in_place, transport_, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E));
-    std::optional<Dispatcher<T>> kv;
+    if (!q_) return first_plan(meta);
+    q_->prepare_replan(meta.q_fwd, meta.q_rev);
     std::optional<KvWireDispatcher<T>> wire;
     if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_width_ * sizeof(E));
-    else kv.emplace(transport_, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E));
-    RankAttentionLayout attention = meta.attn;
-    take(q_, q);
-    take(kv_, kv);
-    take(wire_, wire);
-    attention_ = std::move(attention);
+    else kv_->prepare_replan(meta.kv_fwd, meta.kv_rev);
+    next_attention_ = meta.attn;
+    q_->commit_replan();
+    if (dedup_) take(wire_, wire);
+    else kv_->commit_replan();
+    std::swap(attention_, next_attention_);
     size_scratch();
   }
 
@@ -170,6 +171,21 @@ class QkvDispatch {
     return width;
   }
 
+  /// The first share: the dispatchers are built.
+  void first_plan(const RankQkvMetadata& meta) {
+    std::optional<Dispatcher<T>> q(std::in_place, transport_, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E));
+    std::optional<Dispatcher<T>> kv;
+    std::optional<KvWireDispatcher<T>> wire;
+    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_width_ * sizeof(E));
+    else kv.emplace(transport_, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E));
+    RankAttentionLayout attention = meta.attn;
+    take(q_, q);
+    take(kv_, kv);
+    take(wire_, wire);
+    attention_ = std::move(attention);
+    size_scratch();
+  }
+
   /// The dispatchers hold the transport by reference (no assignment), but
   /// they move without throwing: rebuilt in place from the new one.
   template <class D>
@@ -190,7 +206,7 @@ class QkvDispatch {
   bool dedup_ = false;
   std::optional<Dispatcher<T>> q_, kv_;
   std::optional<KvWireDispatcher<T>> wire_;  // in place of kv_ with dedup
-  RankAttentionLayout attention_;
+  RankAttentionLayout attention_, next_attention_;  // replan copies into the second, then swaps (both keep their storage)
   std::vector<E> replica_, wire_scratch_;
 };
 

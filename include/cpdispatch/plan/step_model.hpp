@@ -227,6 +227,14 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   PairTokens between, inside;
   node_tokens(m.kv_fwd, topo, between, inside);
   const PairTokens kv_forms[2] = {flat_tokens(m.kv_fwd), dedup_tokens(m.kv_fwd)};
+  // Node-level: a relay forwards only what it has received, so the second
+  // phase starts when the first has ended on every rank (forward: between
+  // nodes, then inside; backward the reverse).
+  double slowest_between = 0, slowest_inside = 0;
+  for (std::size_t r = 0; r < W; ++r) {
+    slowest_between = std::max(slowest_between, exchange_time(between, W, r, 2 * b, topo, c));
+    slowest_inside = std::max(slowest_inside, exchange_time(inside, W, r, 2 * b, topo, c));
+  }
   const char* names[3] = {"flat", "dedup", "node-level"};
   std::vector<StepTime> out;
   for (int form = 0; form < 3; ++form) {
@@ -237,10 +245,11 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
       // (sent and received swap), so queries out and outputs back cost the
       // same, and backward's gradients as much as forward's copies.
       const double kv = form < 2 ? exchange_time(kv_forms[form], W, r, 2 * b, topo, c)
-                                 : exchange_time(between, W, r, 2 * b, topo, c) + exchange_time(inside, W, r, 2 * b, topo, c);
+                                 : slowest_between + exchange_time(inside, W, r, 2 * b, topo, c);
+      const double kv_back = form < 2 ? kv : slowest_inside + exchange_time(between, W, r, 2 * b, topo, c);
       const double qo = 2 * exchange_time(q, W, r, b, topo, c);
       const double fc = forward_flops(static_cast<double>(cost.attention[r]), shape) / c.attention_flops;
-      const double fm = qo + kv, bm = qo + kv;
+      const double fm = qo + kv, bm = qo + kv_back;
       const double f = overlapped(fc, fm, shape.stages), bw = overlapped(2.5 * fc, bm, shape.stages);
       if (f + bw > t.step) {
         t.step = f + bw;

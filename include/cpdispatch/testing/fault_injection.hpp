@@ -124,37 +124,6 @@ inline std::vector<FaultRule> seeded_fault_rules(std::uint64_t seed, int world_s
   return rules;
 }
 
-namespace fault_detail {
-// One concept per forwarded member, so the wrapper has a member exactly when the inner transport does.
-template <class T>
-concept has_all_to_all_v = requires(T& t, const void* s, void* r, std::span<const std::size_t> c) { t.all_to_all_v(s, c, c, r, c, c); };
-template <class T>
-concept has_all_to_all_pieces = requires(T& t, const void* s, void* r, std::span<const BytePiece> p, std::span<const std::size_t> c) {
-  t.all_to_all_pieces(s, p, c, r, p, c);
-};
-template <class T>
-concept has_point_to_point = requires(T& t, const void* s, void* r, std::size_t n, int peer, Request q) {
-  { t.isend(s, n, peer, peer) } -> std::same_as<Request>;
-  { t.irecv(r, n, peer, peer) } -> std::same_as<Request>;
-  t.wait(q);
-};
-template <class T>
-concept has_posted_all_to_all = cpdispatch::detail::transport_has_posted_all_to_all<T>;
-template <class T>
-concept has_wait = has_point_to_point<T> || has_posted_all_to_all<T>;
-template <class T>
-concept has_barrier = requires(T& t) { t.barrier(); };
-template <class T>
-concept has_broadcast = requires(T& t, void* b, std::size_t n, int root) { t.broadcast(b, n, root); };
-template <class T>
-concept has_all_reduce = requires(T& t, void* b, std::size_t n, ElementType e) { t.all_reduce(b, n, e, ReduceOp::sum); };
-template <class T>
-concept has_all_gather = requires(T& t, const void* s, void* r, std::size_t n, ElementType e) { t.all_gather(s, r, n, e); };
-template <class T>
-concept has_reduce_scatter = requires(T& t, const void* s, void* r, std::size_t n, ElementType e) {
-  t.reduce_scatter(s, r, n, e, ReduceOp::sum);
-};
-}  // namespace fault_detail
 
 template <class Inner>
 class FaultInjectingTransport {
@@ -187,7 +156,7 @@ class FaultInjectingTransport {
 
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs)
-    requires fault_detail::has_all_to_all_v<Inner>
+    requires cpdispatch::detail::transport_has_all_to_all_v<Inner>
   {
     const Fault* f = next(TransportCall::all_to_all_v);
     if (!f) return inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
@@ -205,7 +174,7 @@ class FaultInjectingTransport {
 
   void all_to_all_pieces(const void* send, std::span<const BytePiece> send_pieces, std::span<const std::size_t> send_splits,
                          void* recv, std::span<const BytePiece> recv_pieces, std::span<const std::size_t> recv_splits)
-    requires fault_detail::has_all_to_all_pieces<Inner>
+    requires cpdispatch::detail::transport_has_all_to_all_pieces<Inner>
   {
     const Fault* f = next(TransportCall::all_to_all_pieces);
     if (!f) return inner_.all_to_all_pieces(send, send_pieces, send_splits, recv, recv_pieces, recv_splits);
@@ -234,7 +203,7 @@ class FaultInjectingTransport {
   }
 
   Request isend(const void* buf, std::size_t bytes, int peer, int tag)
-    requires fault_detail::has_point_to_point<Inner>
+    requires cpdispatch::detail::transport_has_point_to_point<Inner>
   {
     const Fault* f = next(TransportCall::isend);
     if (!f || peer == rank() || bytes == 0) {
@@ -260,7 +229,7 @@ class FaultInjectingTransport {
   }
 
   Request irecv(void* buf, std::size_t bytes, int peer, int tag)
-    requires fault_detail::has_point_to_point<Inner>
+    requires cpdispatch::detail::transport_has_point_to_point<Inner>
   {
     if (const Fault* f = next(TransportCall::irecv)) strike(*f, peer);
     return inner_.irecv(buf, bytes, peer, tag);
@@ -269,7 +238,7 @@ class FaultInjectingTransport {
   /// Faults as all_to_all_v's; a corrupted payload's copy lives until the wait.
   Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                             void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs)
-    requires fault_detail::has_posted_all_to_all<Inner>
+    requires cpdispatch::detail::transport_has_posted_all_to_all<Inner>
   {
     const Fault* f = next(TransportCall::post_all_to_all_v);
     if (!f) return inner_.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
@@ -289,7 +258,7 @@ class FaultInjectingTransport {
   }
 
   void wait(Request request)
-    requires fault_detail::has_wait<Inner>
+    requires (cpdispatch::detail::transport_has_point_to_point<Inner> || cpdispatch::detail::transport_has_posted_all_to_all<Inner>)
   {
     if (const Fault* f = next(TransportCall::wait)) strike(*f, -1);
     inner_.wait(request);
@@ -300,14 +269,14 @@ class FaultInjectingTransport {
   }
 
   void barrier()
-    requires fault_detail::has_barrier<Inner>
+    requires cpdispatch::detail::transport_has_barrier<Inner>
   {
     if (const Fault* f = next(TransportCall::barrier)) strike(*f, -1);
     inner_.barrier();
   }
 
   void broadcast(void* buf, std::size_t bytes, int root)
-    requires fault_detail::has_broadcast<Inner>
+    requires cpdispatch::detail::transport_has_broadcast<Inner>
   {
     const Fault* f = next(TransportCall::broadcast);
     if (!f) return inner_.broadcast(buf, bytes, root);
@@ -335,7 +304,7 @@ class FaultInjectingTransport {
   }
 
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op)
-    requires fault_detail::has_all_reduce<Inner>
+    requires cpdispatch::detail::transport_has_all_reduce<Inner>
   {
     const Fault* f = next(TransportCall::all_reduce);
     if (!f) return inner_.all_reduce(buf, count, type, op);
@@ -350,7 +319,7 @@ class FaultInjectingTransport {
   }
 
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type)
-    requires fault_detail::has_all_gather<Inner>
+    requires cpdispatch::detail::transport_has_all_gather<Inner>
   {
     const Fault* f = next(TransportCall::all_gather);
     if (!f) return inner_.all_gather(send, recv, count_per_rank, type);
@@ -362,7 +331,7 @@ class FaultInjectingTransport {
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op)
-    requires fault_detail::has_reduce_scatter<Inner>
+    requires cpdispatch::detail::transport_has_reduce_scatter<Inner>
   {
     const Fault* f = next(TransportCall::reduce_scatter);
     if (!f) return inner_.reduce_scatter(send, recv, count_per_rank, type, op);

@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -82,26 +84,30 @@ inline void append_piece(std::vector<CopyPiece>& pieces, std::size_t src, std::s
   pieces.push_back({src, dst, bytes});
 }
 
-/// Lays out one side of an exchange. `by_peer[p]` lists the ranges of the
-/// caller's buffer that travel to (send) or from (receive) peer p, in wire
-/// order; adjacent ranges merge into one piece.
-inline Side lay_out_side(const std::vector<std::vector<TokenRange>>& by_peer, std::size_t token_bytes, bool is_send) {
-  const std::size_t W = by_peer.size();
-  Side side;
+/// Lays out one side of an exchange into `side`, reusing its storage.
+/// `ranges(p, emit)` calls emit(TokenRange) for each range of the caller's
+/// buffer that travels to (send) or from (receive) peer p, in wire order;
+/// adjacent ranges merge into one piece.
+template <class Ranges>
+void lay_out_side(Side& side, std::size_t W, std::size_t token_bytes, bool is_send, Ranges&& ranges) {
+  side.direct = true;
   side.counts.assign(W, 0);
   side.displs.assign(W, 0);
   side.splits.assign(W + 1, 0);
+  side.pieces.clear();
+  side.copies.clear();
+  side.staging = 0;
   for (std::size_t p = 0; p < W; ++p) {
-    for (const TokenRange& r : by_peer[p]) {
+    ranges(p, [&](TokenRange r) {
       const std::size_t at = static_cast<std::size_t>(r.pos) * token_bytes, n = static_cast<std::size_t>(r.len) * token_bytes;
       side.counts[p] += n;
-      if (n == 0) continue;
+      if (n == 0) return;
       if (side.pieces.size() > side.splits[p] && side.pieces.back().offset + side.pieces.back().bytes == at) {
         side.pieces.back().bytes += n;
       } else {
         side.pieces.push_back({at, n});
       }
-    }
+    });
     side.splits[p + 1] = side.pieces.size();
     if (side.splits[p + 1] - side.splits[p] > 1) side.direct = false;  // not one contiguous range
   }
@@ -119,6 +125,14 @@ inline Side lay_out_side(const std::vector<std::vector<TokenRange>>& by_peer, st
       side.staging += piece.bytes;
     }
   }
+}
+
+/// The same from per-peer lists: `by_peer[p]` in wire order.
+inline Side lay_out_side(const std::vector<std::vector<TokenRange>>& by_peer, std::size_t token_bytes, bool is_send) {
+  Side side;
+  lay_out_side(side, by_peer.size(), token_bytes, is_send, [&](std::size_t p, auto&& emit) {
+    for (const TokenRange& r : by_peer[p]) emit(r);
+  });
   return side;
 }
 
@@ -127,14 +141,17 @@ inline std::string entry_str(const RankMetadata& m, std::size_t j, std::size_t k
 }
 
 /// One slice on its own, by the format's per-rank rules (RankMetadata::validate);
-/// messages read "<who>: <name>.<field>...".
-inline void check_slice(const RankMetadata& m, const char* name, const std::string& who) {
-  m.validate(who + ": " + name);
+/// messages read "<who>: <name>.<field>...". `prefix` is scratch for that prefix.
+inline void check_slice(const RankMetadata& m, const char* name, std::string_view who, std::string& prefix) {
+  prefix.assign(who);
+  prefix += ": ";
+  prefix += name;
+  m.validate(prefix);
 }
 
 /// The arguments and both slices, each on its own: this rank's, of this world, well formed.
 inline void check_slices(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, int rank, int world_size,
-                         const std::string& who) {
+                         std::string_view who, std::string& prefix) {
   if (token_bytes == 0) fail(who, ": token_bytes must be positive");
   if (world_size <= 0) fail(who, ": the transport's world_size() = ", world_size, " must be positive");
   if (rank < 0 || rank >= world_size) fail(who, ": the transport's rank() = ", rank, " is outside [0, ", world_size, ")");
@@ -143,7 +160,7 @@ inline void check_slices(const RankMetadata& fwd, const RankMetadata& rev, std::
       fail(who, ": ", name, ".world_size = ", m->world_size, " but the transport's world_size() = ", world_size);
     }
     if (m->rank != rank) fail(who, ": ", name, " is the slice of rank ", m->rank, " but the transport is rank ", rank);
-    check_slice(*m, name, who);
+    check_slice(*m, name, who, prefix);
   }
   if (rev.has_copies || rev.num_copies != 1) {
     fail(who, ": rev has ", rev.num_copies, " copies per entry, but reverse metadata sends each entry to one rank (fwd and rev swapped?)");
@@ -166,11 +183,11 @@ struct Positions {
   }
 };
 
-/// The positions, checking that the sizes of the two slices agree.
-inline Positions positions_of(const RankMetadata& fwd, const RankMetadata& rev, const std::string& who) {
-  Positions at;
+/// The positions into `at` (its storage reused), checking that the sizes of the two slices agree.
+inline void positions_of(const RankMetadata& fwd, const RankMetadata& rev, std::string_view who, Positions& at) {
   at.P.resize(fwd.seq_len.size());
   at.Q.resize(rev.seq_len.size());
+  at.T = at.A = 0;
   for (std::size_t j = 0; j < at.P.size(); ++j) {
     at.P[j] = at.T;
     at.T = add_tokens(at.T, fwd.seq_len[j], who);
@@ -196,50 +213,77 @@ inline Positions positions_of(const RankMetadata& fwd, const RankMetadata& rev, 
     fail(who, ": rev.recv_seq_lens / seq_recv_mask (", rev.mask_copies, " copies) do not describe fwd's ", fwd.seq_len.size(),
          " shards of ", C, " copies");
   }
-  return at;
 }
 
 /// One copy of a shard this rank sends.
 struct ShardCopy {
+  std::size_t peer;         ///< the receiver
   std::int64_t dst_offset;  ///< at the receiver's attention layout
   std::size_t j, k;         ///< shard, copy
 };
 
-/// Who this rank exchanges what with, per peer, in wire order: the forward
-/// sends (= reverse receives) by ascending dst_offset, the reverse sends
-/// (= forward receives) by ascending entry.
-struct Routes {
-  std::vector<std::vector<ShardCopy>> to_peer;
-  std::vector<std::vector<std::size_t>> from_peer;
+/// One entry this rank receives (and sends back).
+struct EntryFrom {
+  std::size_t peer;  ///< its home rank
+  std::size_t m;     ///< the entry
 };
 
-inline Routes routes_of(const RankMetadata& fwd, const RankMetadata& rev, std::size_t W) {
-  Routes routes{std::vector<std::vector<ShardCopy>>(W), std::vector<std::vector<std::size_t>>(W)};
+/// Who this rank exchanges what with, in wire order, peer by peer: the
+/// forward sends (= reverse receives) by ascending dst_offset, the reverse
+/// sends (= forward receives) by ascending entry. Peer p's are
+/// [send_splits[p], send_splits[p + 1]) and likewise for the receives.
+struct Routes {
+  std::vector<ShardCopy> sends;
+  std::vector<EntryFrom> receives;
+  std::vector<std::size_t> send_splits, receive_splits;
+
+  std::span<const ShardCopy> sends_to(std::size_t p) const noexcept {
+    return std::span(sends).subspan(send_splits[p], send_splits[p + 1] - send_splits[p]);
+  }
+  std::span<const EntryFrom> receives_from(std::size_t p) const noexcept {
+    return std::span(receives).subspan(receive_splits[p], receive_splits[p + 1] - receive_splits[p]);
+  }
+};
+
+/// [W + 1] offsets of each peer's run in `items`, sorted by peer.
+template <class Item>
+void split_by_peer(const std::vector<Item>& items, std::size_t W, std::vector<std::size_t>& splits) {
+  splits.assign(W + 1, 0);
+  for (const Item& i : items) ++splits[i.peer + 1];
+  for (std::size_t p = 0; p < W; ++p) splits[p + 1] += splits[p];
+}
+
+/// The routes into `routes` (its storage reused). The slices are checked: every peer is in [0, W).
+inline void routes_of(const RankMetadata& fwd, const RankMetadata& rev, std::size_t W, Routes& routes) {
+  routes.sends.clear();
+  routes.receives.clear();
   const std::size_t C = fwd.num_copies;
   for (std::size_t j = 0; j < fwd.seq_len.size(); ++j) {
     if (fwd.seq_len[j] == 0) continue;
     for (std::size_t k = 0; k < C; ++k) {
       const std::int64_t d = fwd.dst_rank[j * C + k];
-      if (d >= 0) routes.to_peer[static_cast<std::size_t>(d)].push_back({fwd.dst_offset[j * C + k], j, k});
+      if (d >= 0) routes.sends.push_back({static_cast<std::size_t>(d), fwd.dst_offset[j * C + k], j, k});
     }
   }
-  for (auto& copies : routes.to_peer) {
-    std::sort(copies.begin(), copies.end(), [](const ShardCopy& a, const ShardCopy& b) {
-      return a.dst_offset != b.dst_offset ? a.dst_offset < b.dst_offset : a.j != b.j ? a.j < b.j : a.k < b.k;
-    });
-  }
+  // std::sort, not std::stable_sort: the latter allocates. The keys are unique.
+  std::sort(routes.sends.begin(), routes.sends.end(), [](const ShardCopy& a, const ShardCopy& b) {
+    return std::tie(a.peer, a.dst_offset, a.j, a.k) < std::tie(b.peer, b.dst_offset, b.j, b.k);
+  });
   for (std::size_t m = 0; m < rev.seq_len.size(); ++m) {
-    if (rev.seq_len[m] > 0) routes.from_peer[static_cast<std::size_t>(rev.dst_rank[m])].push_back(m);
+    if (rev.seq_len[m] > 0) routes.receives.push_back({static_cast<std::size_t>(rev.dst_rank[m]), m});
   }
-  return routes;
+  std::sort(routes.receives.begin(), routes.receives.end(),
+            [](const EntryFrom& a, const EntryFrom& b) { return std::tie(a.peer, a.m) < std::tie(b.peer, b.m); });
+  split_by_peer(routes.sends, W, routes.send_splits);
+  split_by_peer(routes.receives, W, routes.receive_splits);
 }
 
 /// Per-peer token counts must agree with num_recv_tokens of both slices.
-inline void check_peer_counts(const RankMetadata& fwd, const RankMetadata& rev, const Routes& routes, const std::string& who) {
-  for (std::size_t p = 0; p < routes.to_peer.size(); ++p) {
+inline void check_peer_counts(const RankMetadata& fwd, const RankMetadata& rev, const Routes& routes, std::string_view who) {
+  for (std::size_t p = 0; p + 1 < routes.send_splits.size(); ++p) {
     std::int64_t sent = 0, received = 0;
-    for (const ShardCopy& c : routes.to_peer[p]) sent = add_tokens(sent, fwd.seq_len[c.j], who);
-    for (std::size_t m : routes.from_peer[p]) received = add_tokens(received, rev.seq_len[m], who);
+    for (const ShardCopy& c : routes.sends_to(p)) sent = add_tokens(sent, fwd.seq_len[c.j], who);
+    for (const EntryFrom& e : routes.receives_from(p)) received = add_tokens(received, rev.seq_len[e.m], who);
     if (sent != rev.num_recv_tokens[p]) {
       fail(who, ": fwd sends ", sent, " tokens to rank ", p, ", but rev.num_recv_tokens[", p, "] = ", rev.num_recv_tokens[p],
            " come back (fwd and rev are not slices of one plan)");
@@ -254,16 +298,16 @@ inline void check_peer_counts(const RankMetadata& fwd, const RankMetadata& rev, 
 /// Traffic to oneself: fwd's copies to this rank (by dst_offset) and rev's
 /// entries from this rank (by entry) must be the same pieces.
 inline void check_self_traffic(const RankMetadata& fwd, const RankMetadata& rev, const Positions& at, const Routes& routes,
-                               std::size_t me, const std::string& who) {
-  const auto& self_copies = routes.to_peer[me];
-  const auto& self_entries = routes.from_peer[me];
+                               std::size_t me, std::string_view who) {
+  const auto self_copies = routes.sends_to(me);
+  const auto self_entries = routes.receives_from(me);
   if (self_entries.size() != self_copies.size()) {
     fail(who, ": fwd sends ", self_copies.size(), " pieces to this rank itself, rev receives ", self_entries.size(),
          " from it (fwd and rev are not slices of one plan)");
   }
   for (std::size_t i = 0; i < self_copies.size(); ++i) {
     const ShardCopy& c = self_copies[i];
-    const std::size_t m = self_entries[i];
+    const std::size_t m = self_entries[i].m;
     const std::int64_t len = fwd.seq_len[c.j];
     const std::int64_t back_to = at.replica_pos(fwd, c.j, c.k);
     if (at.Q[m] != c.dst_offset || rev.seq_len[m] != len || rev.dst_offset[m] != back_to) {
@@ -274,58 +318,97 @@ inline void check_self_traffic(const RankMetadata& fwd, const RankMetadata& rev,
   }
 }
 
-/// Both exchanges' piece lists from the checked routes.
+/// Both exchanges' piece lists from the checked routes, into `plan`'s storage.
 inline void lay_out_exchanges(DispatchPlan& plan, const RankMetadata& fwd, const RankMetadata& rev, const Positions& at,
                               const Routes& routes, std::size_t me, std::size_t token_bytes) {
-  const std::size_t W = routes.to_peer.size();
+  const std::size_t W = routes.send_splits.size() - 1;
   const auto bytes = [token_bytes](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * token_bytes; };
-  std::vector<std::vector<TokenRange>> fwd_send(W), fwd_recv(W), rev_send(W), rev_recv(W);
-  for (std::size_t p = 0; p < W; ++p) {
-    for (const ShardCopy& c : routes.to_peer[p]) {
-      const std::int64_t len = fwd.seq_len[c.j];
-      if (p == me) {
-        append_piece(plan.forward.self, bytes(at.P[c.j]), bytes(c.dst_offset), bytes(len));
-      } else {
-        fwd_send[p].push_back({at.P[c.j], len});
-        rev_recv[p].push_back({at.replica_pos(fwd, c.j, c.k), len});
-      }
-    }
-    for (std::size_t m : routes.from_peer[p]) {
-      if (p == me) {
-        append_piece(plan.reverse.self, bytes(at.Q[m]), bytes(rev.dst_offset[m]), bytes(rev.seq_len[m]));
-      } else {
-        fwd_recv[p].push_back({at.Q[m], rev.seq_len[m]});
-        rev_send[p].push_back({at.Q[m], rev.seq_len[m]});
-      }
-    }
+  plan.forward.self.clear();
+  plan.reverse.self.clear();
+  for (const ShardCopy& c : routes.sends_to(me)) {
+    append_piece(plan.forward.self, bytes(at.P[c.j]), bytes(c.dst_offset), bytes(fwd.seq_len[c.j]));
   }
-  for (auto [ex, send, recv] : {std::tuple{&plan.forward, &fwd_send, &fwd_recv}, std::tuple{&plan.reverse, &rev_send, &rev_recv}}) {
-    ex->send = lay_out_side(*send, token_bytes, true);
-    ex->recv = lay_out_side(*recv, token_bytes, false);
+  for (const EntryFrom& e : routes.receives_from(me)) {
+    append_piece(plan.reverse.self, bytes(at.Q[e.m]), bytes(rev.dst_offset[e.m]), bytes(rev.seq_len[e.m]));
   }
+  // Each peer's shard copies: from their MLP position (forward send), back into their replica slot (reverse receive).
+  auto copies_by = [&](bool back) {
+    return [&, back](std::size_t p, auto&& emit) {
+      if (p == me) return;
+      for (const ShardCopy& c : routes.sends_to(p)) emit(TokenRange{back ? at.replica_pos(fwd, c.j, c.k) : at.P[c.j], fwd.seq_len[c.j]});
+    };
+  };
+  // Each peer's entries, at their attention-layout position both ways.
+  auto entries = [&](std::size_t p, auto&& emit) {
+    if (p == me) return;
+    for (const EntryFrom& e : routes.receives_from(p)) emit(TokenRange{at.Q[e.m], rev.seq_len[e.m]});
+  };
+  lay_out_side(plan.forward.send, W, token_bytes, true, copies_by(false));
+  lay_out_side(plan.forward.recv, W, token_bytes, false, entries);
+  lay_out_side(plan.reverse.send, W, token_bytes, true, entries);
+  lay_out_side(plan.reverse.recv, W, token_bytes, false, copies_by(true));
 }
 
-/// Builds both exchanges of rank `rank` from its forward and reverse slices
-/// (see the header comment), checking that the two slices belong together as
-/// far as one rank can tell: sizes, per-peer token counts, and its traffic to itself.
+/// Builds both exchanges of one rank from its forward and reverse slices (see
+/// the header comment), checking that the two slices belong together as far
+/// as one rank can tell: sizes, per-peer token counts, and its traffic to
+/// itself. It keeps its working storage, and writes into the plan's, between
+/// calls: once a plan fits what an earlier one needed, planning allocates
+/// nothing.
+class DispatchPlanner {
+ public:
+  /// Fills `plan` for rank `rank` of `world_size`; `who` starts error messages.
+  /// On a throw `plan` is unspecified (plan into a spare to keep a plan).
+  void plan(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, int rank, int world_size, std::string_view who,
+            DispatchPlan& plan) {
+    check_slices(fwd, rev, token_bytes, rank, world_size, who, prefix_);
+    positions_of(fwd, rev, who, at_);
+    routes_of(fwd, rev, static_cast<std::size_t>(world_size), routes_);
+    check_peer_counts(fwd, rev, routes_, who);
+    check_self_traffic(fwd, rev, at_, routes_, static_cast<std::size_t>(rank), who);
+    plan.forward.input_tokens = at_.T;
+    plan.forward.output_tokens = plan.reverse.input_tokens = at_.A;
+    plan.reverse.output_tokens = at_.R;
+    for (ExchangePlan* ex : {&plan.forward, &plan.reverse}) {
+      ex->input_bytes = token_bytes_of(ex->input_tokens, token_bytes, who);
+      ex->output_bytes = token_bytes_of(ex->output_tokens, token_bytes, who);
+    }
+    lay_out_exchanges(plan, fwd, rev, at_, routes_, static_cast<std::size_t>(rank), token_bytes);
+  }
+
+  /// Room for slices of up to `pieces` shard copies or entries each way in a
+  /// world of W, in this planner and in `plan`.
+  void reserve(DispatchPlan& plan, std::size_t pieces, std::size_t W) {
+    prefix_.reserve(64);
+    at_.P.reserve(pieces);
+    at_.Q.reserve(pieces);
+    routes_.sends.reserve(pieces);
+    routes_.receives.reserve(pieces);
+    routes_.send_splits.reserve(W + 1);
+    routes_.receive_splits.reserve(W + 1);
+    for (ExchangePlan* ex : {&plan.forward, &plan.reverse}) {
+      ex->self.reserve(pieces);
+      for (Side* s : {&ex->send, &ex->recv}) {
+        s->pieces.reserve(pieces);
+        s->copies.reserve(pieces);
+        s->counts.reserve(W);
+        s->displs.reserve(W);
+        s->splits.reserve(W + 1);
+      }
+    }
+  }
+
+ private:
+  std::string prefix_;
+  Positions at_;
+  Routes routes_;
+};
+
+/// One plan, from a planner of its own.
 inline DispatchPlan plan_dispatch(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, int rank,
                                   int world_size) {
-  const std::string who = concat("Dispatcher (rank ", rank, " of ", world_size, ")");
-  check_slices(fwd, rev, token_bytes, rank, world_size, who);
-  const Positions at = positions_of(fwd, rev, who);
-  const Routes routes = routes_of(fwd, rev, static_cast<std::size_t>(world_size));
-  check_peer_counts(fwd, rev, routes, who);
-  check_self_traffic(fwd, rev, at, routes, static_cast<std::size_t>(rank), who);
-
   DispatchPlan plan;
-  plan.forward.input_tokens = at.T;
-  plan.forward.output_tokens = plan.reverse.input_tokens = at.A;
-  plan.reverse.output_tokens = at.R;
-  for (ExchangePlan* ex : {&plan.forward, &plan.reverse}) {
-    ex->input_bytes = token_bytes_of(ex->input_tokens, token_bytes, who);
-    ex->output_bytes = token_bytes_of(ex->output_tokens, token_bytes, who);
-  }
-  lay_out_exchanges(plan, fwd, rev, at, routes, static_cast<std::size_t>(rank), token_bytes);
+  DispatchPlanner().plan(fwd, rev, token_bytes, rank, world_size, concat("Dispatcher (rank ", rank, " of ", world_size, ")"), plan);
   return plan;
 }
 

@@ -1,12 +1,13 @@
 #pragma once
 // SimulatedLinkTransport<Inner>: a Transport adapter that makes any host
 // transport behave like a slower network, for benchmarks of the overlapped
-// GEMM. Each rank has one outgoing link of `bandwidth` bytes per second; a
-// message posted at time t starts when the link is free (start = max(t,
-// link free)), occupies it for bytes / bandwidth, and is delivered `latency`
-// after that. The waits that model this SLEEP (they do not spin), so the
-// modelled communication takes wall time but no CPU: on a 2-core machine a
-// GEMM and the communication really run side by side.
+// GEMM and for measuring the node-level exchange. Each rank has one outgoing
+// link of `bandwidth` bytes per second; a message posted at time t starts
+// when the link is free (start = max(t, link free)), occupies it for bytes /
+// bandwidth, and is delivered `latency` after that. The waits that model
+// this SLEEP (they do not spin), so the modelled communication takes wall
+// time but no CPU: on a 2-core machine a GEMM and the communication really
+// run side by side.
 //
 // - isend/irecv/wait: the data moves through the inner transport at once;
 //   the sender also sends the delivery time (an 8-byte header message with
@@ -31,19 +32,41 @@
 //   all_to_all_v time above from then (or from when it frees up); wait()
 //   sleeps until that time has passed. Compute between the two hides it.
 // - Like the transports it wraps, it is used by one thread at a time.
+//
+// Two tiers (the constructor with a Topology): a cluster of nodes, links
+// inside a node (`intra`, NVLink) and between nodes (`inter`, InfiniBand).
+// Each rank has one outgoing link per tier, and the two work at once. A
+// message to a peer on the rank's node uses the intra-node link, to a peer
+// on another node the inter-node link, with that tier's bandwidth and
+// latency. An all_to_all_v (blocking or posted) occupies each tier's link for
+//     latency x (peers of that tier it sends to or receives from)
+//       + max(bytes sent, bytes received over that tier) / bandwidth
+// and takes the larger of the two tiers. These are the step-time model's
+// assumptions (cpdispatch/plan/step_model.hpp, step_detail::exchange_time:
+// the same per-tier formula, peers with no bytes either way cost no latency,
+// the tiers at once), so a planned exchange measured over this adapter
+// checks the model's communication part. (The one-tier adapter keeps its
+// (W-1) L, every peer.) Collectives cross every node, so with two or more
+// nodes a ring step costs the slower tier's L + B/bw (a broadcast or barrier
+// the slower tier's formula above) and occupies both links; on one node they
+// run on the intra-node link alone.
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/topology.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch {
@@ -70,21 +93,32 @@ class SimulatedLinkTransport {
   static constexpr MemorySpace memory_space = MemorySpace::host;
   using Clock = std::chrono::steady_clock;
 
-  /// Wraps `inner`, which must outlive the adapter.
-  SimulatedLinkTransport(Inner& inner, LinkModel model) : inner_(inner), model_(model) {
-    if (!(model.bandwidth > 0) || !std::isfinite(model.bandwidth)) {
-      cpdispatch::detail::fail("SimulatedLinkTransport: bandwidth = ", model.bandwidth, " bytes/s must be positive and finite");
+  /// One tier: every peer over `model`. Wraps `inner`, which must outlive the adapter.
+  SimulatedLinkTransport(Inner& inner, LinkModel model) : inner_(inner), tiers_{model, model} { check(model, ""); }
+
+  /// Two tiers: `topology` gives the node of each rank (its world_size must
+  /// be the inner transport's); `intra` links ranks of one node, `inter`
+  /// ranks of different nodes.
+  SimulatedLinkTransport(Inner& inner, Topology topology, LinkModel intra, LinkModel inter)
+      : inner_(inner), topology_(std::move(topology)), tiers_{intra, inter} {
+    if (topology_->world_size() != inner.world_size()) {
+      cpdispatch::detail::fail("SimulatedLinkTransport: topology describes ", topology_->world_size(),
+                               " ranks, but world_size = ", inner.world_size());
     }
-    if (model.latency.count() < 0) {
-      cpdispatch::detail::fail("SimulatedLinkTransport: latency = ", model.latency.count(), " ns must not be negative");
-    }
+    check(intra, "intra ");
+    check(inter, "inter ");
   }
   SimulatedLinkTransport(const SimulatedLinkTransport&) = delete;
   SimulatedLinkTransport& operator=(const SimulatedLinkTransport&) = delete;
 
   int rank() const { return inner_.rank(); }
   int world_size() const { return inner_.world_size(); }
-  const LinkModel& model() const noexcept { return model_; }
+  /// The one tier's link (with a topology: the intra-node link).
+  const LinkModel& model() const noexcept { return tiers_[0]; }
+  const LinkModel& intra_model() const noexcept { return tiers_[0]; }
+  const LinkModel& inter_model() const noexcept { return tiers_[1]; }
+  /// The node of each rank, or nullptr with one tier.
+  const Topology* topology() const noexcept { return topology_ ? &*topology_ : nullptr; }
   Inner& inner() noexcept { return inner_; }
   /// Bytes this rank's link has carried to other ranks so far: messages,
   /// all-to-all payloads, and the collectives' shares as their ring
@@ -95,13 +129,14 @@ class SimulatedLinkTransport {
   std::uint64_t bytes_received() const noexcept { return bytes_received_; }
 
   Request isend(const void* buf, std::size_t bytes, int peer, int tag) {
-    const Clock::time_point start = std::max(Clock::now(), link_free_);
-    const Clock::time_point sent = start + model_.transmit_time(bytes);
+    const std::size_t k = tier_of(peer);
+    const Clock::time_point start = std::max(Clock::now(), link_free_[k]);
+    const Clock::time_point sent = start + tiers_[k].transmit_time(bytes);
     if (peer != rank()) bytes_sent_ += bytes;
     auto pending = std::make_unique<Pending>();
     pending->is_send = true;
     pending->done_at = sent;
-    pending->header = (sent + model_.latency).time_since_epoch().count();
+    pending->header = (sent + tiers_[k].latency).time_since_epoch().count();
     pending->header_request = inner_.isend(&pending->header, sizeof pending->header, peer, tag);
     try {
       pending->payload_request = inner_.isend(buf, bytes, peer, tag);
@@ -109,7 +144,7 @@ class SimulatedLinkTransport {
       retired_.push_back(std::move(pending));  // the header may still be in flight: keep its storage
       throw;
     }
-    link_free_ = sent;
+    link_free_[k] = sent;
     return remember(std::move(pending));
   }
 
@@ -152,7 +187,7 @@ class SimulatedLinkTransport {
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     count(send_counts, recv_counts);
-    occupy(all_to_all_time(send_counts, recv_counts));
+    std::this_thread::sleep_until(occupy_links(all_to_all_time(send_counts, recv_counts)));
   }
 
   Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
@@ -161,8 +196,8 @@ class SimulatedLinkTransport {
     count(send_counts, recv_counts);
     auto pending = std::make_unique<Pending>();
     pending->posted = true;
-    pending->done_at = std::max(Clock::now(), link_free_) + all_to_all_time(send_counts, recv_counts);
-    link_free_ = pending->done_at;
+    pending->done_at = occupy_links(all_to_all_time(send_counts, recv_counts));
+    if (!topology_) pending->done_at = link_free_[0] = std::max(pending->done_at, link_free_[0]);  // one tier: after the link's earlier work
     return remember(std::move(pending));
   }
 
@@ -170,35 +205,37 @@ class SimulatedLinkTransport {
     inner_.barrier();
     int rounds = 0;
     while ((1 << rounds) < world_size()) ++rounds;
-    occupy(rounds * model_.latency);
+    occupy(ring([rounds](const LinkModel& m) { return rounds * m.latency; }));
   }
 
   void broadcast(void* buf, std::size_t bytes, int root) {
     inner_.broadcast(buf, bytes, root);
     if (world_size() > 1) collective_bytes(bytes);
-    occupy(peers() * model_.latency + model_.transmit_time(bytes));
+    occupy(ring([&](const LinkModel& m) { return peers() * m.latency + m.transmit_time(bytes); }));
   }
 
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
     inner_.all_reduce(buf, count, type, op);
     const std::size_t block = count * element_size(type) / static_cast<std::size_t>(world_size());
     collective_bytes(2 * static_cast<std::uint64_t>(peers()) * block);
-    occupy(2 * peers() * (model_.latency + model_.transmit_time(block)));
+    occupy(2 * peers() * ring_step(block));
   }
 
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
     inner_.all_gather(send, recv, count_per_rank, type);
     collective_bytes(static_cast<std::uint64_t>(peers()) * count_per_rank * element_size(type));
-    occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * element_size(type))));
+    occupy(peers() * ring_step(count_per_rank * element_size(type)));
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
     inner_.reduce_scatter(send, recv, count_per_rank, type, op);
     collective_bytes(static_cast<std::uint64_t>(peers()) * count_per_rank * element_size(type));
-    occupy(peers() * (model_.latency + model_.transmit_time(count_per_rank * element_size(type))));
+    occupy(peers() * ring_step(count_per_rank * element_size(type)));
   }
 
  private:
+  using Span = std::chrono::nanoseconds;
+
   struct Pending {
     bool is_send = false;
     bool posted = false;  // a posted all-to-all (no inner requests)
@@ -208,6 +245,15 @@ class SimulatedLinkTransport {
     Clock::time_point done_at;
   };
 
+  static void check(const LinkModel& model, const char* tier) {
+    if (!(model.bandwidth > 0) || !std::isfinite(model.bandwidth)) {
+      cpdispatch::detail::fail("SimulatedLinkTransport: ", tier, "bandwidth = ", model.bandwidth, " bytes/s must be positive and finite");
+    }
+    if (model.latency.count() < 0) {
+      cpdispatch::detail::fail("SimulatedLinkTransport: ", tier, "latency = ", model.latency.count(), " ns must not be negative");
+    }
+  }
+
   Request remember(std::unique_ptr<Pending> pending) {
     const std::uint64_t id = next_id_++;
     pending_.emplace(id, std::move(pending));
@@ -216,14 +262,55 @@ class SimulatedLinkTransport {
 
   std::int64_t peers() const { return world_size() - 1; }
 
-  /// An all-to-all's modelled time: the latency to every peer, then the larger of the bytes sent and received off-rank.
-  std::chrono::nanoseconds all_to_all_time(std::span<const std::size_t> send_counts, std::span<const std::size_t> recv_counts) const {
-    std::size_t sent = 0, received = 0;
+  /// 0: the intra-node link (and the only one without a topology), 1: the inter-node link.
+  std::size_t tier_of(int peer) const {
+    if (!topology_ || peer < 0 || peer >= world_size()) return 0;  // the inner transport rejects a bad peer
+    return topology_->same_node(rank(), peer) ? 0 : 1;
+  }
+
+  /// A collective's time `f(link)`: on the slower tier once it spans nodes.
+  template <class F>
+  Span ring(F f) const {
+    if (!topology_ || topology_->num_nodes() == 1) return f(tiers_[0]);
+    return std::max(f(tiers_[0]), f(tiers_[1]));
+  }
+
+  /// One ring step of `block` bytes.
+  Span ring_step(std::size_t block) const {
+    return ring([block](const LinkModel& m) { return m.latency + m.transmit_time(block); });
+  }
+
+  /// An all-to-all's modelled time on each tier's link (see the header comment).
+  std::array<Span, 2> all_to_all_time(std::span<const std::size_t> send_counts, std::span<const std::size_t> recv_counts) const {
+    std::size_t sent[2] = {0, 0}, received[2] = {0, 0};
+    std::int64_t partners[2] = {0, 0};
     const auto me = static_cast<std::size_t>(rank());
-    for (std::size_t p = 0; p < send_counts.size(); ++p) sent += p == me ? 0 : send_counts[p];
-    for (std::size_t p = 0; p < recv_counts.size(); ++p) received += p == me ? 0 : recv_counts[p];
-    if (world_size() == 1) return std::chrono::nanoseconds{0};
-    return peers() * model_.latency + model_.transmit_time(std::max(sent, received));
+    for (std::size_t p = 0; p < static_cast<std::size_t>(world_size()); ++p) {
+      if (p == me) continue;
+      const std::size_t out = p < send_counts.size() ? send_counts[p] : 0, in = p < recv_counts.size() ? recv_counts[p] : 0;
+      const std::size_t k = tier_of(static_cast<int>(p));
+      sent[k] += out;
+      received[k] += in;
+      partners[k] += (out > 0 || in > 0) ? 1 : 0;
+    }
+    if (world_size() == 1) return {Span{0}, Span{0}};
+    if (!topology_) return {peers() * tiers_[0].latency + tiers_[0].transmit_time(std::max(sent[0], received[0])), Span{0}};
+    std::array<Span, 2> out{};
+    for (std::size_t k = 0; k < 2; ++k) out[k] = partners[k] * tiers_[k].latency + tiers_[k].transmit_time(std::max(sent[k], received[k]));
+    return out;
+  }
+
+  /// Each tier's link is busy for its span from now (or from when it frees
+  /// up); returns when the later of them is done.
+  Clock::time_point occupy_links(const std::array<Span, 2>& spans) {
+    const Clock::time_point now = Clock::now();
+    Clock::time_point done = now;
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (spans[k].count() <= 0) continue;
+      link_free_[k] = std::max(now, link_free_[k]) + spans[k];
+      done = std::max(done, link_free_[k]);
+    }
+    return done;
   }
 
   /// A collective's bytes: each rank of a ring sends and receives as much.
@@ -239,17 +326,19 @@ class SimulatedLinkTransport {
     for (std::size_t p = 0; p < recv_counts.size(); ++p) bytes_received_ += p == me ? 0 : recv_counts[p];
   }
 
-  /// A collective's modelled time: the link is busy for `span` from now (or from when it frees up).
-  void occupy(std::chrono::nanoseconds span) {
+  /// A collective's modelled time: every link is busy for `span` from now
+  /// (or from when the last frees up).
+  void occupy(Span span) {
     if (span.count() <= 0) return;
-    const Clock::time_point done = std::max(Clock::now(), link_free_) + span;
-    link_free_ = done;
+    const Clock::time_point done = std::max({Clock::now(), link_free_[0], link_free_[1]}) + span;
+    link_free_[0] = link_free_[1] = done;
     std::this_thread::sleep_until(done);
   }
 
   Inner& inner_;
-  LinkModel model_;
-  Clock::time_point link_free_{};
+  std::optional<Topology> topology_;
+  LinkModel tiers_[2];  // intra-node, inter-node (the same model twice with one tier)
+  Clock::time_point link_free_[2]{};
   std::uint64_t bytes_sent_ = 0;
   std::uint64_t bytes_received_ = 0;
   std::uint64_t next_id_ = 1;
