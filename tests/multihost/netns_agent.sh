@@ -12,4 +12,9 @@ if [[ -z $ns ]]; then
   echo "netns_agent: no namespace for host $host in $CPD_NETNS_MAP" >&2
   exit 1
 fi
-exec ip netns exec "$ns" /bin/sh -c "$*"
+# Each host its own temporary directory, as on separate machines: Open MPI
+# names its session directories by host name, which the namespaces share, and
+# daemons creating one directory at once fail.
+tmp="$(dirname "$CPD_NETNS_MAP")/$ns.tmp"
+mkdir -p "$tmp"
+exec env TMPDIR="$tmp" ip netns exec "$ns" /bin/sh -c "$*"
