@@ -11,11 +11,17 @@
 // In the same run: compute = the step over an instant link, communication =
 // the step with a kernel that does nothing; bound = max(compute,
 // communication) + min(compute, communication) / stages (bench_overlap's).
+// Per batch also: the most bytes a rank sends or receives in one step (forward and
+// backward; counted by the link) and the attention work's max / mean over
+// the ranks, for each method.
 // Prints one line per (sample, batch, link, method) and the medians.
-//   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--heads 8] [--head-dim 64]
+//   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--heads 8] [--head-dim 64] [--dedup 1]
+// Ours runs the deduplicated key-value exchange (each shard once per destination rank) unless --dedup 0.
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,6 +35,7 @@
 
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/cost.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/plan/workload.hpp"
 #include "cpdispatch/transports/sim.hpp"
@@ -43,6 +50,7 @@ struct Config {
   int world = 8;
   std::int64_t tokens = 1024, heads = 8, head_dim = 64;
   int batches = 3;
+  bool dedup = true;
 };
 
 /// A kernel that attends nothing: the step's communication alone.
@@ -75,21 +83,50 @@ double causal_pairs(const std::vector<std::vector<cpdispatch::DocumentPiece>>& d
   return pairs;
 }
 
-/// Every rank's step, timed between two barriers; returns the slowest rank's seconds.
+/// One method's step: the slowest rank's seconds and the most bytes a rank sent to, or received from, others.
+struct Step {
+  double seconds = 0;
+  double bytes = 0;
+};
+
+/// Every rank's step, timed between two barriers.
 template <class Body>
-double timed_world(int W, const cpdispatch::LinkModel& link, Body&& body) {
+Step timed_world(int W, const cpdispatch::LinkModel& link, Body&& body) {
   cpdispatch::SimWorld world(W);
-  std::vector<double> seconds(static_cast<std::size_t>(W));
+  std::vector<double> seconds(static_cast<std::size_t>(W)), bytes(seconds.size());
   world.run([&](cpdispatch::SimTransport& sim) {
     Link t(sim, link);
     body(t, [&](auto&& step) {
       sim.barrier();
       const auto start = Clock::now();
+      const std::uint64_t sent = t.bytes_sent(), received = t.bytes_received();
       step();
       seconds[static_cast<std::size_t>(sim.rank())] = std::chrono::duration<double>(Clock::now() - start).count();
+      bytes[static_cast<std::size_t>(sim.rank())] = static_cast<double>(std::max(t.bytes_sent() - sent, t.bytes_received() - received));
     });
   });
-  return *std::max_element(seconds.begin(), seconds.end());
+  return {*std::max_element(seconds.begin(), seconds.end()), *std::max_element(bytes.begin(), bytes.end())};
+}
+
+/// max / mean of per-rank work.
+double imbalance(const std::vector<double>& work) {
+  double max = 0, sum = 0;
+  for (const double w : work) max = std::max(max, w), sum += w;
+  return sum > 0 ? max * static_cast<double>(work.size()) / sum : 1.0;
+}
+
+/// Causal pairs per rank of the zig-zag layout: rank r holds chunks r and 2W-1-r of every document, padded to 2W chunks.
+std::vector<double> zigzag_pairs(const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, int W) {
+  std::vector<double> pairs(static_cast<std::size_t>(W));
+  for (const auto& d : docs) {
+    double L = 0;
+    for (const auto& p : d) L += static_cast<double>(p.len);
+    const double ch = std::ceil(L / (2.0 * W));
+    for (int r = 0; r < W; ++r) {
+      for (const int chunk : {r, 2 * W - 1 - r}) pairs[static_cast<std::size_t>(r)] += ch * ch * chunk + ch * (ch + 1) / 2;
+    }
+  }
+  return pairs;
 }
 
 template <class Kernel>
@@ -103,11 +140,11 @@ Kernel make_kernel() {
 
 /// Ours: the balanced plan through ContextParallelAttention with `stages`.
 template <class Kernel>
-double ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::LinkModel& link, int stages) {
+Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::LinkModel& link, int stages) {
   const cpdispatch::AttentionShape shape{c.heads, c.heads, c.head_dim, 0.125f};
   return timed_world(c.world, link, [&](Link& t, auto&& time) {
     const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
-    cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, {false, stages}, Kernel(make_kernel<Kernel>()));
+    cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, {c.dedup, stages}, Kernel(make_kernel<Kernel>()));
     const auto n = static_cast<std::size_t>(op.mlp_tokens() * c.heads * c.head_dim);
     std::vector<float> q(n, 0.01f), k(n, 0.02f), v(n, 0.03f), out(n), dq(n), dk(n), dv(n);
     time([&] {
@@ -120,7 +157,7 @@ double ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, cons
 /// Ulysses: all-to-all from sequence to heads (every rank gets every token of heads_q / W heads), attention
 /// over whole documents, all-to-all back; backward the same with the gradients.
 template <class Kernel>
-double ulysses_step(const Config& c, const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, const cpdispatch::LinkModel& link) {
+Step ulysses_step(const Config& c, const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, const cpdispatch::LinkModel& link) {
   const auto W = static_cast<std::size_t>(c.world);
   const std::int64_t hg = c.heads / c.world, D = c.head_dim, T = c.tokens, total = T * c.world;
   std::vector<cpdispatch::AttentionEntry> entries;
@@ -177,7 +214,7 @@ double ulysses_step(const Config& c, const std::vector<std::vector<cpdispatch::D
 /// pass the key-value blocks on (isend / irecv, overlapped with the step's attention), partial outputs merged by
 /// log-sum-exp; backward passes the key-values and their gradients around the ring once more.
 template <class Kernel>
-double ring_step(const Config& c, const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, const cpdispatch::LinkModel& link) {
+Step ring_step(const Config& c, const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, const cpdispatch::LinkModel& link) {
   const int W = c.world;
   const std::int64_t H = c.heads, D = c.head_dim;
   std::vector<std::int64_t> chunk;  // chunk length of each document
@@ -289,6 +326,7 @@ int main(int argc, char** argv) {
     else if (a == "--batches") c.batches = static_cast<int>(v);
     else if (a == "--heads") c.heads = v;
     else if (a == "--head-dim") c.head_dim = v;
+    else if (a == "--dedup") c.dedup = v != 0;
     else return std::fprintf(stderr, "bench_cp_attention: unknown option %s\n", a.c_str()), 2;
   }
   if (c.world < 1 || c.heads % c.world != 0) return std::fprintf(stderr, "bench_cp_attention: heads must divide by world\n"), 2;
@@ -298,8 +336,9 @@ int main(int argc, char** argv) {
     double bytes_per_flop;
   };
   const Ratio ratios[] = {{"IB 50 GB/s", 50e9 / 400e12}, {"NVLink 450 GB/s", 450e9 / 400e12}};
-  std::printf("bench_cp_attention: W = %d ranks x %lld tokens, %lld heads x %lld, float; %d batches per sample\n", c.world,
-              static_cast<long long>(c.tokens), static_cast<long long>(c.heads), static_cast<long long>(c.head_dim), c.batches);
+  std::printf("bench_cp_attention: W = %d ranks x %lld tokens, %lld heads x %lld, float; %d batches per sample; ours %s dedup\n", c.world,
+              static_cast<long long>(c.tokens), static_cast<long long>(c.heads), static_cast<long long>(c.head_dim), c.batches,
+              c.dedup ? "with" : "without");
   std::map<std::string, std::vector<double>> ratios_of;  // "sample|link|what" -> per batch
   for (const char* name : {"prolong", "wlbllm"}) {
     const std::vector<std::int64_t> lengths = sample(name);
@@ -307,34 +346,52 @@ int main(int argc, char** argv) {
       cpdispatch::BalanceProblem p;
       p.world_size = c.world;
       p.documents = cpdispatch::draw_workload(lengths, c.world, c.tokens, static_cast<std::uint64_t>(b));
-      p.max_cp_degree = std::max<std::int64_t>(c.world, static_cast<std::int64_t>(cpdispatch::widest_span(p.documents)));
+      // As many shards per document as the zig-zag layout's chunks: with only W, a document spanning all W ranks
+      // could not be re-cut at all (a shard never leaves its piece), and the plan would keep the packing's imbalance.
+      p.max_cp_degree = std::max<std::int64_t>(2 * c.world, static_cast<std::int64_t>(cpdispatch::widest_span(p.documents)));
       p.q_bytes = c.heads * c.head_dim * 4;
       p.kv_bytes = 2 * p.q_bytes;
-      const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);
+      cpdispatch::BalanceOptions options;
+      options.dedup = c.dedup;
+      cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, options);
+      plan.dedup = c.dedup;
       const double flops = 3.5 * 4.0 * causal_pairs(p.documents) * static_cast<double>(c.head_dim * c.heads);  // forward + 2.5x backward
-      const double compute = ours_step<cpdispatch::HostAttentionKernel>(c, plan, instant, 1);
+      const double compute = ours_step<cpdispatch::HostAttentionKernel>(c, plan, instant, 1).seconds;
       const double rate = flops / compute / c.world;  // per rank, all ranks computing at once
+      const cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan);
+      const double ours_imbalance = imbalance(std::vector<double>(cost.attention.begin(), cost.attention.end()));
+      const double ring_imbalance = imbalance(zigzag_pairs(p.documents, c.world));
       for (const Ratio& r : ratios) {
         const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, rate * r.bytes_per_flop};
-        const double comm = ours_step<NoKernel>(c, plan, link, 1);
+        const Step comm = ours_step<NoKernel>(c, plan, link, 1);
         double best_ours = 1e300, one_stage = 0;
         for (const int stages : {1, 2, 4}) {
-          const double step = ours_step<cpdispatch::HostAttentionKernel>(c, plan, link, stages);
-          const double bound = std::max(compute, comm) + std::min(compute, comm) / stages;
+          const double step = ours_step<cpdispatch::HostAttentionKernel>(c, plan, link, stages).seconds;
+          const double bound = std::max(compute, comm.seconds) + std::min(compute, comm.seconds) / stages;
           best_ours = std::min(best_ours, step);
           std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms | comm %.1f ms | step/bound %.2f\n", name, b, r.name,
-                      stages, step * 1e3, compute * 1e3, comm * 1e3, step / bound);
+                      stages, step * 1e3, compute * 1e3, comm.seconds * 1e3, step / bound);
           ratios_of[std::string(name) + "|" + r.name + "|overlap s" + std::to_string(stages)].push_back(step / bound);
           if (stages == 1) one_stage = step;
           ratios_of[std::string(name) + "|" + r.name + "|gain over stages=1, s" + std::to_string(stages)].push_back(one_stage / step);
         }
-        const double ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
-        std::printf("%s batch %d | %s | ulysses | step %.1f ms | ours (best stages) / ulysses %.2f\n", name, b, r.name, ulysses * 1e3,
-                    best_ours / ulysses);
-        ratios_of[std::string(name) + "|" + r.name + "|ours/ulysses"].push_back(best_ours / ulysses);
-        const double ring = ring_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
-        std::printf("%s batch %d | %s | ring zig-zag | step %.1f ms | ours (best stages) / ring %.2f\n", name, b, r.name, ring * 1e3, best_ours / ring);
-        ratios_of[std::string(name) + "|" + r.name + "|ours/ring zig-zag"].push_back(best_ours / ring);
+        const Step ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
+        std::printf("%s batch %d | %s | ulysses | step %.1f ms | ours (best stages) / ulysses %.2f\n", name, b, r.name, ulysses.seconds * 1e3,
+                    best_ours / ulysses.seconds);
+        ratios_of[std::string(name) + "|" + r.name + "|ours/ulysses"].push_back(best_ours / ulysses.seconds);
+        const Step ring = ring_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
+        std::printf("%s batch %d | %s | ring zig-zag | step %.1f ms | ours (best stages) / ring %.2f\n", name, b, r.name, ring.seconds * 1e3,
+                    best_ours / ring.seconds);
+        ratios_of[std::string(name) + "|" + r.name + "|ours/ring zig-zag"].push_back(best_ours / ring.seconds);
+        if (&r == &ratios[0]) {  // bytes and work do not depend on the link
+          std::printf("%s batch %d | most bytes a rank sends or receives per step (MiB): ours %.1f, ulysses %.1f, ring %.1f | attention work max/mean: "
+                      "ours %.3f, ulysses 1.000, ring %.3f\n",
+                      name, b, comm.bytes / 1048576.0, ulysses.bytes / 1048576.0, ring.bytes / 1048576.0, ours_imbalance, ring_imbalance);
+          ratios_of[std::string(name) + "|bytes ours/ulysses"].push_back(comm.bytes / ulysses.bytes);
+          ratios_of[std::string(name) + "|bytes ours/ring"].push_back(comm.bytes / ring.bytes);
+          ratios_of[std::string(name) + "|imbalance ours"].push_back(ours_imbalance);
+          ratios_of[std::string(name) + "|imbalance ring zig-zag"].push_back(ring_imbalance);
+        }
       }
       std::printf("%s batch %d | kernel %.2f GFLOP/s per rank with %d ranks computing\n", name, b, rate * 1e-9, c.world);
       std::fflush(stdout);
