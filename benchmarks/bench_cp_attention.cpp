@@ -11,6 +11,8 @@
 // In the same run: compute = the step over an instant link, communication =
 // the step with a kernel that does nothing; bound = max(compute,
 // communication) + min(compute, communication) / stages (bench_overlap's).
+// Per link also ours with the plan the step model picks for it
+// (plan_for_cluster: as balanced as pays on that link), 2 stages.
 // Per batch also: the most bytes a rank sends or receives in one step (forward and
 // backward; counted by the link) and the attention work's max / mean over
 // the ranks, for each method.
@@ -36,6 +38,7 @@
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/cost.hpp"
+#include "cpdispatch/plan/step_model.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/plan/workload.hpp"
 #include "cpdispatch/transports/sim.hpp"
@@ -379,6 +382,19 @@ int main(int argc, char** argv) {
         std::printf("%s batch %d | %s | ulysses | step %.1f ms | ours (best stages) / ulysses %.2f\n", name, b, r.name, ulysses.seconds * 1e3,
                     best_ours / ulysses.seconds);
         ratios_of[std::string(name) + "|" + r.name + "|ours/ulysses"].push_back(best_ours / ulysses.seconds);
+        // The plan the step model picks for this link: as balanced as pays (plan_for_cluster), 2 stages.
+        cpdispatch::ClusterModel cluster;
+        cluster.intra = cluster.inter = {link.bandwidth, 0.0};
+        cluster.attention_flops = rate;
+        cluster.ranks_per_node = c.world;
+        cpdispatch::BalanceOptions chosen_options;
+        chosen_options.dedup = c.dedup;
+        const cpdispatch::ClusterPlan chosen = cpdispatch::plan_for_cluster(
+            p, cluster, cpdispatch::LayerShape{c.heads, c.head_dim, 4, 2}, cpdispatch::Topology::uniform(c.world, c.world), chosen_options);
+        const Step modelled = ours_step<cpdispatch::HostAttentionKernel>(c, chosen.plan, link, 2);
+        std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=2 | step %.1f ms | %.1f MiB | / ulysses %.2f\n",
+                    name, b, r.name, chosen.cost_slack, modelled.seconds * 1e3, modelled.bytes / 1048576.0, modelled.seconds / ulysses.seconds);
+        ratios_of[std::string(name) + "|" + r.name + "|ours (step model's plan)/ulysses"].push_back(modelled.seconds / ulysses.seconds);
         const Step ring = ring_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
         std::printf("%s batch %d | %s | ring zig-zag | step %.1f ms | ours (best stages) / ring %.2f\n", name, b, r.name, ring.seconds * 1e3,
                     best_ours / ring.seconds);

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -114,6 +116,50 @@ TEST(StepModel, NodeLevelNeverMoreInterNodeBytesThanDedupThanFlat) {
   EXPECT_LE(rows[2].inter_node_bytes, rows[1].inter_node_bytes);
   EXPECT_LE(rows[1].inter_node_bytes, rows[0].inter_node_bytes);
   EXPECT_LT(rows[2].inter_node_bytes, rows[0].inter_node_bytes);  // the shard needed by two ranks of node 1 crosses once
+}
+
+/// One document of 4 x 64 tokens, a piece on each of 4 ranks: balancing it cuts it, which moves key-values.
+cpdispatch::BalanceProblem spanning_document() {
+  cpdispatch::BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 8;
+  p.documents = {{{0, 64}, {1, 64}, {2, 64}, {3, 64}}};
+  return p;
+}
+
+/// The modelled step of plan_balanced at `slack`, flat exchange.
+double step_at(const cpdispatch::BalanceProblem& p, double slack, const ClusterModel& c, const Topology& t) {
+  cpdispatch::BalanceOptions o;
+  o.cost_slack = slack;
+  const auto plan = cpdispatch::plan_balanced(p, o);
+  return cpdispatch::model_plan(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), t, c, unit_shape())[0].step;
+}
+
+TEST(StepModel, PlanForClusterKeepsTheFastestSlack) {
+  const cpdispatch::BalanceProblem p = spanning_document();
+  const Topology t = Topology::uniform(4, 4);
+  for (const double bandwidth : {1e-3, 1.0, 1e9}) {  // links binding, both, compute binding
+    SCOPED_TRACE("bandwidth " + std::to_string(bandwidth));
+    ClusterModel c = unit_cluster(4);
+    c.intra = c.inter = {bandwidth, 0.0};
+    const cpdispatch::ClusterPlan chosen = cpdispatch::plan_for_cluster(p, c, unit_shape(), t);
+    double best = 0;
+    for (std::size_t i = 0; i < std::size(cpdispatch::cluster_slacks); ++i) {
+      const double step = step_at(p, cpdispatch::cluster_slacks[i], c, t);
+      if (i == 0 || step < best) best = step;
+    }
+    EXPECT_DOUBLE_EQ(chosen.modelled.step, best);
+    EXPECT_DOUBLE_EQ(step_at(p, chosen.cost_slack, c, t), chosen.modelled.step);
+    EXPECT_EQ(chosen.plan.world_size, 4);
+  }
+  // Where compute binds, the best-balanced plan is kept; where the links bind, a less balanced one moving fewer bytes wins.
+  ClusterModel fast = unit_cluster(4), slow = unit_cluster(4);
+  fast.intra = fast.inter = {1e9, 0.0};
+  slow.intra = slow.inter = {1e-3, 0.0};
+  EXPECT_EQ(cpdispatch::plan_for_cluster(p, fast, unit_shape(), t).cost_slack, cpdispatch::cluster_slacks[0]);
+  const cpdispatch::ClusterPlan bound = cpdispatch::plan_for_cluster(p, slow, unit_shape(), t);
+  EXPECT_LT(bound.modelled.step, step_at(p, cpdispatch::cluster_slacks[0], slow, t));
+  EXPECT_THROW(cpdispatch::plan_for_cluster(p, slow, unit_shape(), t, {}, std::span<const double>()), cpdispatch::invalid_input);
 }
 
 TEST(StepModel, BadInputIsRefused) {

@@ -13,7 +13,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
@@ -380,6 +382,45 @@ inline std::vector<StepTime> model_step(const QkvMetadata& m, const PlanCost& co
   rows.push_back(model_ulysses(docs, cost.mask, W, c, shape));
   rows.push_back(model_hierarchical(docs, cost.mask, W, c, shape));
   return rows;
+}
+
+
+/// The cost slacks plan_for_cluster tries: how much less balanced in
+/// attention a plan may be for fewer bytes (BalanceOptions::cost_slack).
+inline constexpr double cluster_slacks[] = {0.01, 0.05, 0.1, 0.25, 0.5, 1.0};
+
+/// What plan_for_cluster chose.
+struct ClusterPlan {
+  QkvDocumentsPlan plan;
+  double cost_slack = 0;  ///< the slack it was balanced with
+  StepTime modelled;      ///< its modelled step (the exchange options.dedup selects)
+};
+
+/// The balanced plan the step model says runs fastest on `cluster`:
+/// plan_balanced at each slack of `slacks`, each modelled with the exchange
+/// it will run (dedup when options.dedup, else flat), the fastest kept (the
+/// first on a tie, so the better balanced). Where attention dominates the
+/// step this is plan_balanced's own plan; where the links do, it gives up
+/// balance for bytes. `options.cost_slack` is ignored.
+inline ClusterPlan plan_for_cluster(const BalanceProblem& problem, const ClusterModel& cluster, const LayerShape& shape,
+                                    const Topology& topology, BalanceOptions options = {},
+                                    std::span<const double> slacks = cluster_slacks, const PlanLimits& limits = {}) {
+  if (slacks.empty()) detail::fail("plan_for_cluster: no cost slack to try");
+  ClusterPlan best;
+  bool found = false;
+  for (const double slack : slacks) {
+    if (!(slack >= 0)) detail::fail("plan_for_cluster: cost slack ", slack, " must be at least 0");
+    options.cost_slack = slack;
+    QkvDocumentsPlan plan = plan_balanced(problem, options, limits);
+    plan.dedup = options.dedup;
+    const std::vector<StepTime> rows = model_plan(plan_qkv(plan, limits), plan_cost(plan, 1, 1, limits), topology, cluster, shape);
+    const StepTime& t = rows[options.dedup ? 1 : 0];
+    if (!found || t.step < best.modelled.step) {
+      best = ClusterPlan{std::move(plan), slack, t};
+      found = true;
+    }
+  }
+  return best;
 }
 
 }  // namespace cpdispatch
