@@ -74,24 +74,6 @@ using I = std::int64_t;
 using Bytes = std::vector<std::byte>;
 using clock_type = std::chrono::steady_clock;
 
-/// Zig-zag causal balancing: `docs_per_rank` documents of `doc_len` tokens
-/// per rank, each cut into 2W chunks, chunk i attended on min(i, 2W-1-i).
-cpdispatch::QkvPlan zigzag(I W, I docs_per_rank, I doc_len) {
-  cpdispatch::QkvPlan plan;
-  plan.world_size = W;
-  plan.ranks.resize(static_cast<std::size_t>(W));
-  for (auto& rank : plan.ranks) {
-    for (I k = 0; k < docs_per_rank; ++k) {
-      cpdispatch::Document d;
-      for (I i = 0; i < 2 * W; ++i) {
-        d.shard_len.push_back(doc_len / (2 * W));
-        d.dst.push_back(std::min(i, 2 * W - 1 - i));
-      }
-      rank.docs.push_back(d);
-    }
-  }
-  return plan;
-}
 
 const std::vector<I>& sample(const std::string& name) {
   static std::vector<std::pair<std::string, std::vector<I>>> cache;
@@ -114,7 +96,7 @@ constexpr int kBatches = 4;
 
 /// The plans of one row, planned (both plan forms occur).
 std::vector<cpdispatch::QkvMetadata> plans_of(const std::string& kind, I W) {
-  if (kind == "zigzag") return {cpdispatch::plan_qkv(zigzag(W, 2, 2 * W * 64))};
+  if (kind == "zigzag") return {cpdispatch::plan_qkv(bench::zigzag_plan(W, 2, 2 * W * 64))};
   std::vector<cpdispatch::QkvMetadata> plans;
   for (int seed = 0; seed < kBatches; ++seed) {
     cpdispatch::BalanceProblem p;
@@ -200,7 +182,7 @@ void run_rank(cpdispatch::SimTransport& sim, T& t, const cpdispatch::QkvMetadata
 void BM_SimFwdBwd(benchmark::State& state) {
   const I W = state.range(0), tokens_per_rank = state.range(1);
   const bool pieces = state.range(2) != 0;
-  const auto meta = cpdispatch::plan_qkv(zigzag(W, 1, tokens_per_rank));
+  const auto meta = cpdispatch::plan_qkv(bench::zigzag_plan(W, 1, tokens_per_rank));
   const auto wire = cpdispatch::plan_kv_wire(meta);
   std::vector<RankBuffers> buffers(static_cast<std::size_t>(W));
   for (I r = 0; r < W; ++r) {

@@ -25,6 +25,8 @@
 #include <cpdispatch/plan/plan.hpp>
 #include <cpdispatch/transports/mpi.hpp>
 
+#include "zigzag_plan.hpp"
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -40,23 +42,6 @@ namespace {
 using I = std::int64_t;
 using Bytes = std::vector<std::byte>;
 using cpdispatch::MpiTransport;
-
-/// Zig-zag causal balancing: one document of `doc_len` tokens per rank, cut
-/// into 2W chunks, chunk i attended on rank min(i, 2W-1-i).
-cpdispatch::QkvPlan zigzag(I W, I doc_len) {
-  cpdispatch::QkvPlan plan;
-  plan.world_size = W;
-  plan.ranks.resize(static_cast<std::size_t>(W));
-  for (auto& rank : plan.ranks) {
-    cpdispatch::Document d;
-    for (I i = 0; i < 2 * W; ++i) {
-      d.shard_len.push_back(doc_len / (2 * W));
-      d.dst.push_back(std::min(i, 2 * W - 1 - i));
-    }
-    rank.docs.push_back(d);
-  }
-  return plan;
-}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -130,7 +115,7 @@ void run(int argc, char** argv) {
   MPI_Comm raw_comm = MPI_COMM_NULL;
   MPI_Comm_dup(MPI_COMM_WORLD, &raw_comm);
   const int me = t.rank(), W = t.world_size();
-  const auto meta = cpdispatch::plan_qkv(zigzag(W, tokens_per_rank));
+  const auto meta = cpdispatch::plan_qkv(bench::zigzag_plan(W, 1, tokens_per_rank));
   const auto wire = cpdispatch::plan_kv_wire(meta);
   cpdispatch::Dispatcher<MpiTransport> plain(t, meta.kv_fwd, meta.kv_rev, tb);
   cpdispatch::KvWireDispatcher<MpiTransport> dedup(t, wire, tb);

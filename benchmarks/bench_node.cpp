@@ -37,7 +37,7 @@ constexpr I kC = 8;
 constexpr int kBatches = 2;
 
 std::vector<cpdispatch::QkvMetadata> plans_of(const std::string& kind, I W, bool placed, double& worst_ratio) {
-  if (kind == "zigzag") return {cpdispatch::plan_qkv(node_columns::zigzag_plan(W, 1, 2 * W * 64))};
+  if (kind == "zigzag") return {cpdispatch::plan_qkv(bench::zigzag_plan(W, 1, 2 * W * 64))};
   const std::vector<I> lengths = node_columns::read_sample(kind, "bench_node");
   std::vector<cpdispatch::QkvMetadata> plans;
   for (int seed = 0; seed < kBatches; ++seed) {

@@ -27,6 +27,7 @@
 #include "cpdispatch/plan/topology.hpp"
 #include "cpdispatch/plan/topology_balance.hpp"
 #include "cpdispatch/plan/workload.hpp"
+#include "zigzag_plan.hpp"
 
 namespace node_columns {
 
@@ -60,25 +61,6 @@ inline std::vector<I> read_sample(const std::string& name, const char* program) 
   return nlohmann::json::parse(in).get<std::vector<I>>();
 }
 
-/// Zig-zag causal balancing on equal documents: `docs_per_rank` documents of
-/// `doc_len` tokens a rank, each cut into 2W chunks, chunk i attended on
-/// rank min(i, 2W-1-i) (Megatron-LM / TransformerEngine).
-inline cpdispatch::QkvPlan zigzag_plan(I W, I docs_per_rank, I doc_len) {
-  cpdispatch::QkvPlan plan;
-  plan.world_size = W;
-  plan.ranks.resize(static_cast<std::size_t>(W));
-  for (auto& rank : plan.ranks) {
-    for (I k = 0; k < docs_per_rank; ++k) {
-      cpdispatch::Document d;
-      for (I i = 0; i < 2 * W; ++i) {
-        d.shard_len.push_back(doc_len / (2 * W));
-        d.dst.push_back(std::min(i, 2 * W - 1 - i));
-      }
-      rank.docs.push_back(d);
-    }
-  }
-  return plan;
-}
 
 /// One packed batch of `lengths` (draw_workload with `seed`).
 inline cpdispatch::BalanceProblem draw_problem(const std::vector<I>& lengths, I W, I tokens_per_rank, I C, std::uint64_t seed) {

@@ -4,21 +4,14 @@
 // backward without a single allocation. This program replaces the global
 // operator new to count each rank thread's allocations.
 
-// GCC sees malloc'd memory reach std::free through the replaced operators
-// and, inlining them into the library's deallocations, calls it a mismatch.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <new>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "../common/thread_allocations.hpp"
 #include "../common/sim_world_fixture.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
 #include "cpdispatch/plan/generate.hpp"
@@ -27,21 +20,8 @@
 
 namespace {
 
-thread_local bool counting = false;
-thread_local std::size_t allocations = 0;
-
-}  // namespace
-
-void* operator new(std::size_t n) {
-  if (counting) ++allocations;
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-
-namespace {
-
+using thread_allocations::allocations;
+using thread_allocations::counting;
 using namespace cpdispatch;
 
 constexpr int W = 3, steps = 12;
@@ -115,16 +95,8 @@ void second_pass_allocates_nothing() {
   });
 }
 
-struct Pieces {
-  explicit Pieces(SimTransport& s) : sim(s) {}
-  SimTransport& sim;
-  SimTransport& get() { return sim; }
-};
-struct Packing {
-  explicit Packing(SimTransport& s) : packing(s) {}
-  SimPackingTransport packing;
-  SimPackingTransport& get() { return packing; }
-};
+using sim_test::Packing;
+using sim_test::Pieces;
 
 TEST(QkvDispatchReplan, ASecondPassOverChangingPlansAllocatesNothingWithPieces) { second_pass_allocates_nothing<Pieces>(); }
 TEST(QkvDispatchReplan, ASecondPassOverChangingPlansAllocatesNothingWithStaging) { second_pass_allocates_nothing<Packing>(); }

@@ -4,40 +4,20 @@
 // program replaces the global operator new to count each rank thread's
 // allocations while its op runs (the test kernel's own are not counted).
 
-// GCC sees malloc'd memory reach std::free through the replaced operators
-// and, inlining them into the library's deallocations, calls it a mismatch.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <new>
 #include <string>
 #include <vector>
 
+#include "common/thread_allocations.hpp"
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/plan/generate.hpp"
 
 namespace {
 
-thread_local bool counting = false;
-thread_local std::size_t allocations = 0;
-
-}  // namespace
-
-void* operator new(std::size_t n) {
-  if (counting) ++allocations;
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-
-namespace {
-
+using thread_allocations::allocations;
+using thread_allocations::counting;
 using attention_test::CpWorld;
 using cpdispatch::AttentionShape;
 

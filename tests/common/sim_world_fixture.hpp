@@ -1,6 +1,7 @@
 #pragma once
 // Scaffolding of the suites that run a case on every rank of a SimWorld (ranks
-// as threads), one instantiation per world size (tests/tp, tests/overlap).
+// as threads), one instantiation per world size (tests/tp, tests/overlap),
+// and the two ways the sim transport moves an exchange.
 
 #include <gtest/gtest.h>
 
@@ -32,6 +33,20 @@ struct WorldSizeName {
   std::string operator()(const testing::TestParamInfo<int>& info) const {
     return prefix + std::to_string(info.param);
   }
+};
+
+/// The sim transport as is (a PieceTransport: all_to_all_pieces), for suites
+/// that run both paths; get() is the transport a rank uses.
+struct Pieces {
+  explicit Pieces(cpdispatch::SimTransport& s) : sim(s) {}
+  cpdispatch::SimTransport& sim;
+  cpdispatch::SimTransport& get() { return sim; }
+};
+/// The sim transport behind SimPackingTransport (pack, all_to_all_v, unpack, as over MPI).
+struct Packing {
+  explicit Packing(cpdispatch::SimTransport& s) : packing(s) {}
+  cpdispatch::SimPackingTransport packing;
+  cpdispatch::SimPackingTransport& get() { return packing; }
 };
 
 }  // namespace sim_test

@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../common/sim_world_fixture.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/testing/fault_injection.hpp"
 #include "cpdispatch/transports/sim.hpp"
@@ -43,17 +44,8 @@ using testing::HasSubstr;
 constexpr auto sim_timeout = 1000ms;  // generous: a loaded CI machine must not make a healthy step time out
 const FaultOptions fault_options{.error_code = 77, .stall = 1500ms, .short_bytes = 4};
 
-/// The sim transport as is (all_to_all_pieces), or behind SimPackingTransport (all_to_all_v).
-struct Pieces {
-  explicit Pieces(SimTransport& s) : sim(s) {}
-  SimTransport& sim;
-  SimTransport& get() { return sim; }
-};
-struct Packing {
-  explicit Packing(SimTransport& s) : packing(s) {}
-  SimPackingTransport packing;
-  SimPackingTransport& get() { return packing; }
-};
+using sim_test::Packing;
+using sim_test::Pieces;
 
 /// One step of KvWireDispatcher on every rank of a world of W, each over its
 /// fault injector with `rules`; `after(dispatcher, rank)` runs next on each rank.

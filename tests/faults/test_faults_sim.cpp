@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../common/sim_world_fixture.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/testing/fault_injection.hpp"
 #include "cpdispatch/transports/sim.hpp"
@@ -68,17 +69,8 @@ std::vector<Outcome> run_world(int W, const std::vector<FaultRule>& rules, F&& p
   return outcomes;
 }
 
-/// The sim transport as is (all_to_all_pieces), or hidden behind SimPackingTransport (all_to_all_v).
-struct Pieces {
-  explicit Pieces(SimTransport& s) : sim(s) {}
-  SimTransport& sim;
-  SimTransport& get() { return sim; }
-};
-struct Packing {
-  explicit Packing(SimTransport& s) : packing(s) {}
-  SimPackingTransport packing;
-  SimPackingTransport& get() { return packing; }
-};
+using sim_test::Packing;
+using sim_test::Pieces;
 
 /// Every rank threw; the faulty one the injected kind.
 void expect_every_rank_threw(const std::vector<Outcome>& out, int faulty, Fault fault) {
