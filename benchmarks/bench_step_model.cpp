@@ -136,11 +136,7 @@ int validate() {
     c.ranks_per_node = 1;
     const cpdispatch::Topology topo = cpdispatch::Topology::uniform(W, 1);
     const auto tokens = cpdispatch::step_detail::flat_tokens(m.kv_fwd);
-    double modelled = 0;
-    for (std::size_t r = 0; r < static_cast<std::size_t>(W); ++r) {
-      modelled = std::max(modelled, cpdispatch::step_detail::exchange_time(tokens, static_cast<std::size_t>(W), r,
-                                                                            static_cast<double>(token_bytes), topo, c));
-    }
+    const double modelled = cpdispatch::step_detail::slowest(tokens, static_cast<std::size_t>(W), static_cast<double>(token_bytes), topo, c);
     std::vector<double> took(static_cast<std::size_t>(W), 0);
     cpdispatch::SimWorld world(static_cast<int>(W));
     world.run([&](cpdispatch::SimTransport& sim) {
@@ -189,12 +185,7 @@ struct TierCase {
 
 /// Modelled time (s) of the slowest rank's exchange of `tokens`.
 double modelled(const cpdispatch::step_detail::PairTokens& tokens, I W, const cpdispatch::Topology& topo, const cpdispatch::ClusterModel& c) {
-  double slowest = 0;
-  for (std::size_t r = 0; r < static_cast<std::size_t>(W); ++r) {
-    slowest = std::max(slowest, cpdispatch::step_detail::exchange_time(tokens, static_cast<std::size_t>(W), r,
-                                                                       static_cast<double>(kSimTokenBytes), topo, c));
-  }
-  return slowest;
+  return cpdispatch::step_detail::slowest(tokens, static_cast<std::size_t>(W), static_cast<double>(kSimTokenBytes), topo, c);
 }
 
 /// The model's node-level time: the phases' slowest ranks added (model_plan),

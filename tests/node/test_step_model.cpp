@@ -67,6 +67,22 @@ TEST(StepModel, HandComputedTwoRanks) {
   EXPECT_DOUBLE_EQ(f4.forward, 28.0 + 24.0 / 4);
 }
 
+TEST(StepModel, EachExchangeWaitsForItsOwnBusiestRank) {
+  // Three ranks, each its own node (0.5 B/s). Rank 1 receives the most queries (2 from rank 0 and 2
+  // from rank 2: 4 bytes, 8 s), rank 2 sends the most key-values (2 + 7 tokens, 18 bytes, 36 s). The
+  // exchanges are collectives, one after another: 8 + 36 + 8 s forward, though no rank is the
+  // busiest in both (rank 2 alone would take 2 x 6 + 36 = 48 s).
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 3;
+  plan.documents = {{{{0, 2, 1}}}, {{{2, 2, 1}}}, {{{2, 6, 2}, {2, 1, 0}}}};
+  const StepTime flat = model(plan, unit_cluster(1), unit_shape())[0];
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 52.0);
+  // Rank 2 computes the most: its 6-token shard, 21 pairs, 84 FLOPs; one stage hides nothing.
+  EXPECT_DOUBLE_EQ(flat.forward_compute, 84.0);
+  EXPECT_DOUBLE_EQ(flat.forward, 84.0 + 52.0);
+  EXPECT_DOUBLE_EQ(flat.step, 84.0 + 52.0 + 2.5 * 84.0 + 52.0);
+}
+
 TEST(StepModel, ZigZagRingHandComputed) {
   // W = 2, one causal document of 3 tokens padded to 4: 10 pairs, 5 a rank, 20 FLOPs.
   // One ring step passing 2 tokens of K and V (4 bytes) over one link (intra, 1 B/s).

@@ -118,6 +118,13 @@ inline double exchange_time(const PairTokens& t, std::size_t W, std::size_t r, d
   return slowest;
 }
 
+/// The slowest rank's time of one exchange: when the collective ends.
+inline double slowest(const PairTokens& t, std::size_t W, double bytes, const Topology& topo, const ClusterModel& c) {
+  double most = 0;
+  for (std::size_t r = 0; r < W; ++r) most = std::max(most, exchange_time(t, W, r, bytes, topo, c));
+  return most;
+}
+
 /// Section 1 / 2: num_recv_tokens[d][s] as [s * W + d].
 inline PairTokens flat_tokens(const Metadata& m) {
   const auto W = static_cast<std::size_t>(m.world_size);
@@ -229,29 +236,24 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   PairTokens between, inside;
   node_tokens(m.kv_fwd, topo, between, inside);
   const PairTokens kv_forms[2] = {flat_tokens(m.kv_fwd), dedup_tokens(m.kv_fwd)};
-  // Node-level: a relay forwards only what it has received, so the second
-  // phase starts when the first has ended on every rank (forward: between
-  // nodes, then inside; backward the reverse).
-  double slowest_between = 0, slowest_inside = 0;
-  for (std::size_t r = 0; r < W; ++r) {
-    slowest_between = std::max(slowest_between, exchange_time(between, W, r, 2 * b, topo, c));
-    slowest_inside = std::max(slowest_inside, exchange_time(inside, W, r, 2 * b, topo, c));
-  }
+  // Every exchange is a collective: it ends when its busiest rank is done,
+  // and the next starts after it, so each costs its slowest rank's time.
+  // K and V are two tensors a token. An exchange in reverse takes as long
+  // (sent and received swap), so queries out and outputs back cost the same,
+  // and backward's gradients as much as forward's copies. The node-level
+  // exchange's two phases are two such exchanges (a relay forwards only what
+  // it has received): forward between nodes, then inside; backward the reverse.
+  const double qo = 2 * slowest(q, W, b, topo, c);
+  const double between_time = slowest(between, W, 2 * b, topo, c), inside_time = slowest(inside, W, 2 * b, topo, c);
+  const double kv_times[3] = {slowest(kv_forms[0], W, 2 * b, topo, c), slowest(kv_forms[1], W, 2 * b, topo, c), between_time + inside_time};
   const char* names[3] = {"flat", "dedup", "node-level"};
   std::vector<StepTime> out;
   for (int form = 0; form < 3; ++form) {
     StepTime t;
     t.scheme = names[form];
     for (std::size_t r = 0; r < W; ++r) {
-      // K and V: two tensors a token. An exchange in reverse takes as long
-      // (sent and received swap), so queries out and outputs back cost the
-      // same, and backward's gradients as much as forward's copies.
-      const double kv = form < 2 ? exchange_time(kv_forms[form], W, r, 2 * b, topo, c)
-                                 : slowest_between + exchange_time(inside, W, r, 2 * b, topo, c);
-      const double kv_back = form < 2 ? kv : slowest_inside + exchange_time(between, W, r, 2 * b, topo, c);
-      const double qo = 2 * exchange_time(q, W, r, b, topo, c);
       const double fc = forward_flops(static_cast<double>(cost.attention[r]), shape) / c.attention_flops;
-      const double fm = qo + kv, bm = qo + kv_back;
+      const double fm = qo + kv_times[form], bm = fm;
       const double f = overlapped(fc, fm, shape.stages), bw = overlapped(2.5 * fc, bm, shape.stages);
       if (f + bw > t.step) {
         t.step = f + bw;
