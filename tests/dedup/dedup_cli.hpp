@@ -1,15 +1,10 @@
 #pragma once
 // What the dedup JSON and per-rank CLI suites share: section 2b's documents
-// plan and a runner of cpdispatch-plan (CPDISPATCH_PLAN_EXE).
+// plan and the runner of cpdispatch-plan (tests/common/plan_cli.hpp).
 
-#include <gtest/gtest.h>
-
-#include <sys/wait.h>
-
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
+
+#include "../common/plan_cli.hpp"
 
 namespace dedup_cli {
 
@@ -21,27 +16,8 @@ inline const char* const spec_documents = R"({"kind": "qkv", "world_size": 2, "m
   {"shards": [{"rank": 1, "len": 1, "dst": 1}]}]})";
 
 #ifdef CPDISPATCH_PLAN_EXE
-struct CliRun {
-  int status = -1;
-  std::string out, err;
-};
-
-/// Runs cpdispatch-plan with `args` on a plan file holding `plan`. ctest runs
-/// tests as parallel processes, so the files are named after the test, after
-/// `prefix` (one per suite).
-inline CliRun run_cli(const std::string& prefix, const std::string& plan, const std::string& args) {
-  const std::string dir = ::testing::TempDir() + prefix + ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const std::string in = dir + "-plan.json", out = dir + "-out.txt", err = dir + "-err.txt";
-  std::ofstream(in) << plan;
-  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int raw = std::system(cmd.c_str());
-  auto slurp = [](const std::string& path) {
-    std::stringstream s;
-    s << std::ifstream(path).rdbuf();
-    return s.str();
-  };
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
-}
+using plan_cli::CliRun;
+using plan_cli::run_cli;
 #endif
 
 }  // namespace dedup_cli

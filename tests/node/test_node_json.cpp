@@ -3,9 +3,6 @@
 
 #include <gtest/gtest.h>
 
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 
 #include "cpdispatch/error.hpp"
@@ -66,17 +63,7 @@ TEST(NodeJson, SummaryPrintsTheInterNodeTokensOfEachExchange) {
 
 /// cpdispatch-plan balance on an input file holding `input`, then `args`.
 dedup_cli::CliRun run_balance(const std::string& input, const std::string& args) {
-  const std::string base = ::testing::TempDir() + "node-balance-" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const std::string in = base + "-in.json", out = base + "-out.txt", err = base + "-err.txt";
-  std::ofstream(in) << input;
-  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' balance '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int raw = std::system(cmd.c_str());
-  auto slurp = [](const std::string& path) {
-    std::stringstream s;
-    s << std::ifstream(path).rdbuf();
-    return s.str();
-  };
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
+  return plan_cli::run_cli("node-balance-", input, args, "balance");
 }
 
 /// The number after `key` in `text` (-1 when absent).

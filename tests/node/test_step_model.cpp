@@ -4,17 +4,13 @@
 
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
 #include <cstdint>
-#include <cstdlib>
-#include <fstream>
 #include <iterator>
 #include <span>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "../common/plan_cli.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/step_model.hpp"
 
@@ -188,24 +184,11 @@ TEST(StepModel, BadInputIsRefused) {
 }
 
 #ifdef CPDISPATCH_PLAN_EXE
-struct SimulateRun {
-  int status = -1;
-  std::string out, err;
-};
+using SimulateRun = plan_cli::CliRun;
 
 /// cpdispatch-plan simulate on a file holding `plan`, then `args`.
 SimulateRun simulate(const std::string& plan, const std::string& args) {
-  const std::string base = ::testing::TempDir() + "step-model-" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const std::string in = base + "-in.json", out = base + "-out.txt", err = base + "-err.txt";
-  std::ofstream(in) << plan;
-  const std::string cmd = std::string("'") + CPDISPATCH_PLAN_EXE + "' simulate '" + in + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int raw = std::system(cmd.c_str());
-  auto slurp = [](const std::string& path) {
-    std::stringstream s;
-    s << std::ifstream(path).rdbuf();
-    return s.str();
-  };
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
+  return plan_cli::run_cli("step-model-", plan, args, "simulate");
 }
 
 constexpr const char* cli_plan =
