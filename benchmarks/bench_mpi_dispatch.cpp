@@ -1,7 +1,9 @@
 // bench_mpi_dispatch: raw MPI_Alltoallv against MpiTransport::all_to_all_v
 // (both of its algorithms) and the full Dispatcher::forward, moving exactly
 // the same bytes: every rank sends `size` bytes to every rank (itself
-// included; the dispatcher copies its own share locally).
+// included; the dispatcher copies its own share locally). The transport and
+// the dispatcher also run without the outcome agreement
+// (MpiTransportOptions::agree = false), which prices the agreement.
 //
 //   mpiexec -n 4 bin/bench_mpi_dispatch [rounds_scale]
 //
@@ -94,6 +96,9 @@ int main(int argc, char** argv) {
     p2p_options.all_to_all = MpiAllToAll::point_to_point;
     MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD);
     MpiTransport t_p2p = MpiTransport::duplicate(MPI_COMM_WORLD, p2p_options);
+    MpiTransportOptions no_agreement;
+    no_agreement.agree = false;
+    MpiTransport t_plain = MpiTransport::duplicate(MPI_COMM_WORLD, no_agreement);
     const int me = t.rank(), W = t.world_size();
     if (me == 0) {
       char version[MPI_MAX_LIBRARY_VERSION_STRING] = {};
@@ -102,7 +107,7 @@ int main(int argc, char** argv) {
       std::string v(version, static_cast<std::size_t>(len));
       v = v.substr(0, v.find_first_of("\n,"));
       std::printf("bench_mpi_dispatch: %d ranks, %s; median of timed rounds, slowest rank per round\n", W, v.c_str());
-      std::printf("%-9s %-34s %6s %12s %10s %14s\n", "per-peer", "method", "rounds", "median us", "GB/s", "raw / method");
+      std::printf("%-9s %-38s %6s %12s %10s %14s\n", "per-peer", "method", "rounds", "median us", "GB/s", "raw / method");
     }
 
     struct Size {
@@ -124,7 +129,8 @@ int main(int argc, char** argv) {
         for (std::size_t j = 0; j < Wu; ++j) dispatch(r, j) = static_cast<std::int64_t>(j);
       const cpdispatch::QueryMetadata plan = cpdispatch::plan_query(seq_len, dispatch);
       Dispatcher<MpiTransport> dispatcher(t, plan.fwd, plan.rev, token_bytes);
-      Buffers disp = make_buffers(me, W, s.bytes);
+      Dispatcher<MpiTransport> dispatcher_plain(t_plain, plan.fwd, plan.rev, token_bytes);
+      Buffers disp = make_buffers(me, W, s.bytes), plain = make_buffers(me, W, s.bytes), disp_plain = make_buffers(me, W, s.bytes);
 
       std::vector<Method> methods;
       methods.push_back({"raw MPI_Alltoallv", [&] {
@@ -140,10 +146,17 @@ int main(int argc, char** argv) {
       methods.push_back({"Dispatcher::forward (alltoallv)", [&] {
                            dispatcher.forward(disp.send, disp.recv);
                          }, {}});
+      methods.push_back({"MpiTransport (alltoallv, no agreement)", [&] {
+                           t_plain.all_to_all_v(plain.send.data(), plain.counts, plain.displs, plain.recv.data(), plain.counts,
+                                                plain.displs);
+                         }, {}});
+      methods.push_back({"Dispatcher::forward (no agreement)", [&] {
+                           dispatcher_plain.forward(disp_plain.send, disp_plain.recv);
+                         }, {}});
 
       for (int i = 0; i < s.warmup; ++i)
         for (Method& m : methods) m.run();
-      for (auto* b : {&raw, &ours, &p2p, &disp}) {
+      for (auto* b : {&raw, &ours, &p2p, &disp, &plain, &disp_plain}) {
         int ok = received_all(b->recv, me, W, s.bytes) ? 1 : 0, all_ok = 0;
         MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
         if (!all_ok) throw std::runtime_error("a method delivered wrong bytes");
@@ -167,7 +180,7 @@ int main(int argc, char** argv) {
           std::vector<double> ratios;
           for (std::size_t i = 0; i < m.samples.size(); ++i) ratios.push_back(methods[0].samples[i] / m.samples[i]);
           const double t_med = median(m.samples);
-          std::printf("%-9s %-34s %6d %12.1f %10.3f %13.3fx\n", s.label, m.name.c_str(), rounds, t_med * 1e6,
+          std::printf("%-9s %-38s %6d %12.1f %10.3f %13.3fx\n", s.label, m.name.c_str(), rounds, t_med * 1e6,
                       W > 1 ? off_rank_bytes / t_med / 1e9 : 0.0, median(ratios));
         }
       }

@@ -1,6 +1,7 @@
 // ContextParallelAttention over MPI (one process per rank): each rank's
 // output and gradients equal whole-document attention, with one stage and
-// with stages over the posted all-to-all (grouped MPI_Isend / MPI_Irecv).
+// with stages over the posted all-to-all (grouped MPI_Isend / MPI_Irecv);
+// a rank that fails mid-step is named on every rank.
 
 #include <mpi.h>
 
@@ -14,6 +15,7 @@
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/testing/fault_injection.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 
 namespace {
@@ -62,6 +64,35 @@ TEST(MpiCpAttention, StagesWithATimeoutAndTheHostKernel) {
   cpdispatch::MpiTransportOptions o;
   o.timeout = std::chrono::milliseconds(60000);
   expect_rank_equals_reference<cpdispatch::HostAttentionKernel>(4, 53, o, cpdispatch::HostAttentionOptions{1, 4, 4});
+}
+
+// The last rank fails its second posted exchange (a forward stage) before
+// reaching MPI: every rank throws within the timeout, the others naming it
+// (the MPI transport's outcome agreement), and none returns.
+TEST(MpiCpAttention, ARankThatFailsMidStepIsNamedOnEveryRank) {
+  using Faulty = cpdispatch::testing::FaultInjectingTransport<cpdispatch::MpiTransport>;
+  const int W = world_size(), faulty = W - 1;
+  if (W < 2) GTEST_SKIP() << "needs a second rank";
+  const cpdispatch::AttentionShape shape{4, 2, 4, 0.45f};
+  const CpWorld world(plan_of(W, 54), shape, cpdispatch::AttentionMask::causal(), 54, attention_test::round_to<float>);
+  cpdispatch::MpiTransportOptions options;
+  options.timeout = std::chrono::milliseconds(2000);
+  cpdispatch::MpiTransport mpi(MPI_COMM_WORLD, options);
+  using cpdispatch::testing::Fault, cpdispatch::testing::FaultRule, cpdispatch::testing::TransportCall;
+  Faulty t(mpi, {FaultRule{TransportCall::post_all_to_all_v, 2, Fault::error, faulty}}, {.error_code = 77});
+  const auto r = static_cast<std::size_t>(t.rank());
+  const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+  cpdispatch::ContextParallelAttention<Faulty, float, attention_test::ExactKernel> op(t, share, shape, {false, 3});
+  try {
+    (void)attention_test::step<float>(op, world.tensors(r));
+    ADD_FAILURE() << "rank " << r << " finished the step";
+  } catch (const cpdispatch::backend_error& e) {
+    if (t.rank() == faulty) {
+      EXPECT_EQ(e.code(), 77) << e.what();
+    } else {
+      EXPECT_NE(std::string(e.what()).find("rank(s) " + std::to_string(faulty) + " reported no outcome in time"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

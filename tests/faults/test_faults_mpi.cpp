@@ -1,7 +1,7 @@
 // Faults injected under MPI (run with 4 processes): the dispatcher over a
 // FaultInjectingTransport<MpiTransport> with a timeout. A rank that stops
-// (error, stall) leaves every rank with an exception within the timeout or
-// with complete, right output; a corrupted or short payload changes exactly
+// (error, stall) leaves every rank with an exception within the timeout
+// naming it; a corrupted or short payload changes exactly
 // one float, unreported (MPI checks neither); a fault every rank sees before
 // reaching MPI leaves the transport and the dispatcher usable. Each case runs on its own duplicate of
 // MPI_COMM_WORLD, since a collective abandoned at a timeout stays pending on
@@ -65,9 +65,9 @@ void report(const char* step, Fault fault, const Outcome& o) { report_component(
 
 class MpiFaults : public testing::TestWithParam<std::tuple<Fault, Step>> {};
 
-// Under MPI a rank whose own exchange never involves the faulty rank can
-// complete its all-to-all: there is no agreement step after it. What holds
-// on every rank: it threw, or its output is complete and right; nobody hangs.
+// A rank that stops (error, stall) is named on every rank within the
+// timeout: the faulty rank's peers time out, and the ranks that exchange no
+// bytes with it learn of it from the outcome agreement after the exchange.
 TEST_P(MpiFaults, NoRankHangsOrReturnsWrongData) {
   const auto [fault, step] = GetParam();
   const int faulty = world_size() - 1;
@@ -95,8 +95,34 @@ TEST_P(MpiFaults, NoRankHangsOrReturnsWrongData) {
     EXPECT_TRUE(o.backend) << o.what;
   }
   EXPECT_EQ(wrong, 0);
-  // The faulty rank's peers (it sends to ranks faulty+1 and faulty+2) are left waiting: they time out.
-  EXPECT_GE(sum_over_ranks(o.threw ? 1 : 0), 2);
+  EXPECT_EQ(sum_over_ranks(o.threw ? 1 : 0), world_size());
+  if (world_rank() != faulty) {
+    EXPECT_TRUE(o.timeout) << o.what;
+    EXPECT_THAT(o.what, testing::HasSubstr("rank(s) " + std::to_string(faulty) + " reported no outcome in time"));
+  }
+}
+
+// Without the agreement, a rank whose exchange never involves the faulty
+// rank completes its all-to-all with right output; only the faulty rank's
+// peers (it sends to ranks faulty+1 and faulty+2) time out.
+TEST(MpiFaultsWithoutAgreement, OnlyTheFaultyRanksPeersThrow) {
+  const int W = world_size();
+  const int faulty = W - 1;
+  const auto meta = fault_cases::ring_plan(W);
+  const auto data = fault_cases::step_data(meta, Step::forward);
+  // Point-to-point, so that a rank waits only for the ranks that send it bytes.
+  MpiTransport mpi = MpiTransport::duplicate(
+      MPI_COMM_WORLD, {.all_to_all = cpdispatch::MpiAllToAll::point_to_point, .timeout = mpi_timeout, .agree = false});
+  FaultInjectingTransport t(mpi, {FaultRule{TransportCall::all_to_all_v, 1, Fault::error, faulty}}, fault_options);
+  cpdispatch::Dispatcher d(t, meta.kv_fwd, meta.kv_rev, fault_cases::token_bytes);
+  Outcome o;
+  fault_cases::run_step(d, Step::forward, data, static_cast<std::size_t>(world_rank()), o);
+  EXPECT_EQ(sum_over_ranks(static_cast<long long>(o.wrong_floats)), 0);
+  const long long threw = sum_over_ranks(o.threw ? 1 : 0);
+  EXPECT_GE(threw, 2);
+  if (W >= 4) {
+    EXPECT_LT(threw, W);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Mpi, MpiFaults,

@@ -660,5 +660,108 @@ TEST(MpiTimeout, TimedOutWaitLeavesTheRequestPending) {
   }
 }
 
+// ---- the outcome agreement (MpiTransportOptions::agree) ------------------------
+
+MpiTransportOptions point_to_point_options(bool agree, std::chrono::milliseconds timeout) {
+  MpiTransportOptions o;
+  o.all_to_all = MpiAllToAll::point_to_point;  // a rank waits only for the ranks that send it bytes
+  o.agree = agree;
+  o.timeout = timeout;
+  return o;
+}
+
+// The last rank's call fails before it moves a byte; the others exchange no
+// bytes with it, so only the agreement can tell them.
+TEST(MpiAgreement, ARankThatFailsIsNamedOnEveryRank) {
+  MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD, point_to_point_options(true, 0ms));
+  const int me = t.rank(), W = t.world_size(), faulty = W - 1;
+  if (W < 2) GTEST_SKIP() << "needs a second rank";
+  std::vector<std::size_t> zeros(static_cast<std::size_t>(W), 0), self(zeros);
+  self[static_cast<std::size_t>(faulty)] = 1;
+  std::byte buf[1]{};
+  try {
+    t.all_to_all_v(buf, me == faulty ? self : zeros, zeros, buf, zeros, zeros);  // the faulty rank sends itself 1 byte, expects 0
+    ADD_FAILURE() << "rank " << me << " completed";
+  } catch (const invalid_input& e) {
+    EXPECT_EQ(me, faulty) << e.what();
+  } catch (const backend_error& e) {
+    EXPECT_NE(me, faulty);
+    EXPECT_FALSE(dynamic_cast<const timeout_error*>(&e)) << e.what();
+    EXPECT_NE(std::string(e.what()).find(detail::concat("All-to-all agreement on rank ", me, " in all_to_all_v(0 bytes out, 0 bytes in): exchange #0 "
+                                                "completed here but rank ", faulty, " failed: all_to_all_v: rank ", faulty,
+                                                " sends 1 bytes to itself but expects 0")),
+              std::string::npos)
+        << e.what();
+    EXPECT_TRUE(t.broken());
+  }
+  MpiTransport(MPI_COMM_WORLD).barrier();
+}
+
+// The last rank never calls: the others, whose exchange completed, name it at
+// the deadline (plus the grace).
+TEST(MpiAgreement, ASilentRankIsNamedAtTheDeadline) {
+  MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD, point_to_point_options(true, 300ms));
+  const int me = t.rank(), W = t.world_size(), silent = W - 1;
+  if (W < 2) GTEST_SKIP() << "needs a second rank";
+  const std::vector<std::size_t> zeros(static_cast<std::size_t>(W), 0);
+  std::byte buf[1]{};
+  if (me != silent) {
+    try {
+      t.all_to_all_v(buf, zeros, zeros, buf, zeros, zeros);
+      ADD_FAILURE() << "rank " << me << " completed without rank " << silent;
+    } catch (const timeout_error& e) {
+      EXPECT_NE(std::string(e.what()).find(detail::concat("exchange #0 completed here but rank(s) ", silent, " reported no outcome in time")),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  MpiTransport(MPI_COMM_WORLD).barrier();
+}
+
+TEST(MpiAgreement, HealthyExchangesAgreeSilently) {
+  MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD, point_to_point_options(true, 30s));
+  const int W = t.world_size();
+  const std::vector<std::size_t> ones(static_cast<std::size_t>(W), 1);
+  std::vector<std::size_t> displs(static_cast<std::size_t>(W));
+  for (std::size_t i = 0; i < displs.size(); ++i) displs[i] = i;
+  std::vector<std::uint8_t> out(displs.size(), static_cast<std::uint8_t>(t.rank())), in(displs.size());
+  for (int round = 0; round < 2 * detail::MpiAgreement::tags + 3; ++round) {  // past the agreement's tag cycle
+    t.all_to_all_v(out.data(), ones, displs, in.data(), ones, displs);
+    for (std::size_t s = 0; s < in.size(); ++s) ASSERT_EQ(in[s], s);
+    const Request r = t.post_all_to_all_v(out.data(), ones, displs, in.data(), ones, displs);
+    t.wait(r);
+  }
+  EXPECT_FALSE(t.broken());
+}
+
+// Every rank waits in the same order, which is not the posting order: the
+// agreements match by the exchange's number.
+TEST(MpiAgreement, PostedExchangesMayBeWaitedForInAnyOrderTheRanksShare) {
+  MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD, point_to_point_options(true, 30s));
+  const int W = t.world_size();
+  const std::vector<std::size_t> ones(static_cast<std::size_t>(W), 1);
+  std::vector<std::size_t> displs(static_cast<std::size_t>(W));
+  for (std::size_t i = 0; i < displs.size(); ++i) displs[i] = i;
+  std::vector<std::uint8_t> out1(displs.size(), 1), out2(displs.size(), 2), in1(displs.size()), in2(displs.size());
+  const Request first = t.post_all_to_all_v(out1.data(), ones, displs, in1.data(), ones, displs);
+  const Request second = t.post_all_to_all_v(out2.data(), ones, displs, in2.data(), ones, displs);
+  t.wait(second);
+  t.wait(first);
+  EXPECT_EQ(in1, out1);
+  EXPECT_EQ(in2, out2);
+  EXPECT_FALSE(t.broken());
+}
+
+TEST(MpiAgreement, WithoutItPostedExchangesMayBeWaitedForInAnyOrder) {
+  MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD, point_to_point_options(false, 30s));
+  const std::vector<std::size_t> zeros(static_cast<std::size_t>(t.world_size()), 0);
+  std::byte buf[1]{};
+  const Request first = t.post_all_to_all_v(buf, zeros, zeros, buf, zeros, zeros);
+  const Request second = t.post_all_to_all_v(buf, zeros, zeros, buf, zeros, zeros);
+  t.wait(second);
+  t.wait(first);
+  EXPECT_FALSE(t.broken());
+}
+
 }  // namespace
 }  // namespace cpdispatch

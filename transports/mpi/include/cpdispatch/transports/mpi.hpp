@@ -8,8 +8,8 @@
 //   messages. MpiCommunicator::borrow (MpiTransportOptions::communicator)
 //   uses the caller's communicator itself instead: then its error handler is
 //   MPI_ERRORS_RETURN while the transport lives (the previous one is restored
-//   after) and our messages travel on it with tags MPI_TAG_UB and
-//   MPI_TAG_UB - 1. Every MPI return code is checked: a failure throws
+//   after) and our messages travel on it with tags MPI_TAG_UB down to
+//   MPI_TAG_UB - 65. Every MPI return code is checked: a failure throws
 //   mpi_error naming the MPI call, the rank, the operation and MPI's own text
 //   (MPI_Error_string); code() is the MPI error code.
 // - isend/irecv follow the point-to-point contract of transport.hpp: all of
@@ -49,7 +49,24 @@
 //   call throws timeout_error (or backend_error) saying so; make a new one. A
 //   timed-out wait() leaves its request pending, so it can be waited on
 //   again (the transport stays usable).
-// - Every rank must use the same max_count, all_to_all and timeout-or-not:
+// - Agreement (MpiTransportOptions::agree, on by default): after each
+//   all-to-all (all_to_all_v, or a posted one's wait) every rank sends every
+//   other rank its outcome (256 bytes on a tag of their own, MPI_TAG_UB - 2
+//   down to MPI_TAG_UB - 65) and waits for theirs under the exchange's own
+//   deadline (plus a quarter of the timeout, so that peers that timed out
+//   because of a silent rank report so and are not taken for it). A rank
+//   that failed, or said nothing by then (stalled, failed before reaching
+//   MPI, or dead), is named in the error that every
+//   rank throws ("All-to-all agreement on rank 1 in all_to_all_v(...):
+//   exchange #4 completed here but rank(s) 3 reported no outcome in time
+//   ..."): timeout_error when a rank
+//   was silent, backend_error with the failing rank's code otherwise; the
+//   transport is then broken. Even a rank that exchanged no bytes with the
+//   faulty one learns of it. With agreement, every rank must wait for its
+//   posted all-to-alls in the same order (any order, as long as it is the
+//   same everywhere: the agreements are collectives, matched by the
+//   exchange's number).
+// - Every rank must use the same max_count, all_to_all, agree and timeout-or-not:
 //   they choose the MPI calls, and a non-blocking collective does not match
 //   a blocking one. (The timeout's length may differ between ranks.)
 // - Not thread-safe: one thread at a time per transport (MPI_THREAD_SINGLE
@@ -73,6 +90,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <span>
 #include <string>
 #include <thread>
@@ -82,6 +100,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/transport.hpp"
+#include "cpdispatch/transports/detail/mpi_agreement.hpp"
 
 namespace cpdispatch {
 
@@ -114,6 +133,11 @@ struct MpiTransportOptions {
   /// timeout_error (see the header comment).
   std::chrono::milliseconds timeout{0};
   MpiCommunicator communicator = MpiCommunicator::duplicate;
+  /// After each all-to-all (all_to_all_v, or a posted one's wait) the ranks
+  /// tell each other its outcome, so that a failure on any rank, or a rank
+  /// that reaches no outcome within the timeout, is an error naming that
+  /// rank on every rank (see the header comment). The same on every rank.
+  bool agree = true;
 };
 
 namespace detail {
@@ -235,6 +259,7 @@ struct MpiTransportHandles {
   MPI_Op fp16_sum = MPI_OP_NULL;
   std::vector<MPI_Request> pending;    ///< isend/irecv slots; MPI_REQUEST_NULL = free
   std::vector<MPI_Request> abandoned;  ///< given up at a timeout or an error
+  std::unique_ptr<MpiAgreementBuffers> agreement;  ///< freed after the requests that may use it
 
   MpiTransportHandles() = default;
   MpiTransportHandles(MpiTransportHandles&& other) noexcept { take(other); }
@@ -258,6 +283,7 @@ struct MpiTransportHandles {
     fp16_sum = std::exchange(other.fp16_sum, MPI_OP_NULL);
     pending = std::move(other.pending);
     abandoned = std::move(other.abandoned);
+    agreement = std::move(other.agreement);
     other.pending.clear();
     other.abandoned.clear();
   }
@@ -297,6 +323,7 @@ struct MpiTransportHandles {
     bf16_sum = fp16_sum = MPI_OP_NULL;
     pending.clear();
     abandoned.clear();
+    agreement.reset();
   }
 };
 
@@ -364,10 +391,13 @@ class MpiTransport {
     const auto fits = [&](std::span<const std::size_t> v) {
       return std::all_of(v.begin(), v.end(), [&](std::size_t x) { return x <= options_.max_count; });
     };
+    const std::uint64_t exchange = exchange_count_++;
     if (options_.all_to_all == MpiAllToAll::point_to_point || !fits(send_counts) || !fits(send_displs) ||
         !fits(recv_counts) || !fits(recv_displs)) {
-      all_to_all_v_point_to_point(static_cast<const std::byte*>(send), send_counts, send_displs,
-                                  static_cast<std::byte*>(recv), recv_counts, recv_displs, where);
+      agreed(exchange, where, [&] {
+        all_to_all_v_point_to_point(static_cast<const std::byte*>(send), send_counts, send_displs,
+                                    static_cast<std::byte*>(recv), recv_counts, recv_displs, where);
+      });
       return;
     }
     const auto W = static_cast<std::size_t>(size_);
@@ -381,10 +411,12 @@ class MpiTransport {
       rc[i] = static_cast<int>(recv_counts[i]);
       rd[i] = static_cast<int>(recv_displs[i]);
     }
-    collective(
-        "All-to-all", "MPI_Alltoallv", "MPI_Ialltoallv",
-        [&] { return MPI_Alltoallv(send, sc, sd, MPI_BYTE, recv, rc, rd, MPI_BYTE, h_.comm); },
-        [&](MPI_Request* r) { return MPI_Ialltoallv(send, sc, sd, MPI_BYTE, recv, rc, rd, MPI_BYTE, h_.comm, r); }, where);
+    agreed(exchange, where, [&] {
+      collective(
+          "All-to-all", "MPI_Alltoallv", "MPI_Ialltoallv",
+          [&] { return MPI_Alltoallv(send, sc, sd, MPI_BYTE, recv, rc, rd, MPI_BYTE, h_.comm); },
+          [&](MPI_Request* r) { return MPI_Ialltoallv(send, sc, sd, MPI_BYTE, recv, rc, rd, MPI_BYTE, h_.comm, r); }, where);
+    });
   }
 
   Request isend(const void* buf, std::size_t bytes, int peer, int tag) {
@@ -423,6 +455,7 @@ class MpiTransport {
     }
     auto where = [&] { return describe("post_all_to_all_v"); };
     const std::size_t x = acquire_exchange();
+    exchanges_[x].number = exchange_count_++;
     std::vector<std::size_t>& slots = exchanges_[x].slots;
     const auto post = [&](bool is_send, std::size_t peer, std::size_t bytes, std::byte* at) {
       const detail::MpiMessage m = detail::mpi_message(bytes, options_.max_count);
@@ -607,6 +640,61 @@ class MpiTransport {
     ints_.assign(4 * W, 0);
     requests_.assign(2 * W, MPI_REQUEST_NULL);
     statuses_.resize(2 * W);
+    if (options.agree && size_ > 1) {
+      h_.agreement = std::make_unique<detail::MpiAgreementBuffers>();
+      agreement_.init(comm, rank_, size_, reserved_tag_ - 2, *h_.agreement);
+    }
+  }
+
+  // ---- the outcome agreement (MpiTransportOptions::agree) ----------------
+
+  /// Runs exchange number `exchange` (`body`) inside its agreement: every
+  /// rank's outcome reaches every rank, or the error names who failed.
+  template <class Where, class Body>
+  void agreed(std::uint64_t exchange, const Where& where, const Body& body) {
+    if (!h_.agreement) return body();
+    detail::MpiDeadline deadline;
+    if (options_.timeout.count() != 0) deadline = std::chrono::steady_clock::now() + options_.timeout;
+    agreement_.begin(exchange);
+    try {
+      body();
+    } catch (const timeout_error& e) {
+      throw timeout_error(with_others(e, agreement_.finish_failed(e, 0, true, agreement_grace())));
+    } catch (const mpi_error& e) {
+      throw mpi_error(with_others(e, agreement_.finish_failed(e, e.code(), false, agreement_grace())), e.code());
+    } catch (const backend_error& e) {
+      throw backend_error(with_others(e, agreement_.finish_failed(e, e.code(), false, agreement_grace())), e.code());
+    } catch (const std::exception& e) {
+      agreement_.finish_failed(e, 0, false, agreement_grace());
+      keep_leftover_sends();
+      throw;
+    }
+    try {
+      agreement_.finish_completed(deadline, agreement_grace(), where);
+    } catch (...) {
+      keep_leftover_sends();
+      if (broken_.empty()) broken_ = current_reason();
+      throw;
+    }
+    keep_leftover_sends();
+  }
+
+  /// How long past its deadline an agreement waits for the outcomes still
+  /// missing, so that peers that timed out in the exchange are told apart
+  /// from the silent rank that made them time out.
+  std::chrono::milliseconds agreement_grace() const noexcept { return options_.timeout / 4; }
+
+  std::string with_others(const std::exception& e, const std::string& others) {
+    keep_leftover_sends();
+    if (broken_.empty()) broken_ = e.what();
+    return others.empty() ? std::string(e.what()) : detail::concat(e.what(), "; meanwhile ", others);
+  }
+
+  /// Outcome sends still pending when an agreement ended stay for the destructor.
+  void keep_leftover_sends() {
+    for (MPI_Request& r : agreement_.leftover_sends()) {
+      if (r != MPI_REQUEST_NULL) h_.abandoned.push_back(std::exchange(r, MPI_REQUEST_NULL));
+    }
   }
 
   template <class... Args>
@@ -786,6 +874,7 @@ class MpiTransport {
   // set, the exchange + 1 in the low 32 bits and its generation above.
   struct PostedExchange {
     std::vector<std::size_t> slots;
+    std::uint64_t number = 0;  ///< in the sequence of all_to_all_v calls and posts
     std::uint32_t generation = 0;
     bool in_use = false;
   };
@@ -820,17 +909,21 @@ class MpiTransport {
       detail::fail("wait: Request{", request.id, "} is not a pending posted all-to-all on this transport");
     }
     auto where = [&] { return describe("wait(posted all_to_all_v)"); };
+    const std::uint64_t number = exchanges_[x].number;
     posted_requests_.clear();
     for (std::size_t slot : exchanges_[x].slots) posted_requests_.push_back(std::exchange(h_.pending[slot], MPI_REQUEST_NULL));
-    try {
-      complete(std::span<MPI_Request>(posted_requests_), "All-to-all", where);
-    } catch (...) {
-      abandon(std::span<MPI_Request>(posted_requests_));
+    agreed(number, where, [&] {
+      try {
+        complete(std::span<MPI_Request>(posted_requests_), "All-to-all", where);
+      } catch (...) {
+        abandon(std::span<MPI_Request>(posted_requests_));
+        finish_exchange(x, false);
+        throw;
+      }
       finish_exchange(x, false);
-      throw;
-    }
-    finish_exchange(x, false);
+    });
   }
+
 
   // ---- isend/irecv requests: slot + 1 in the low 32 bits, the slot's
   // generation in the high 32, so a stale or foreign Request is caught.
@@ -876,6 +969,8 @@ class MpiTransport {
   std::vector<std::size_t> free_slots_;
   std::vector<PostedExchange> exchanges_;       // posted all-to-alls
   std::vector<MPI_Request> posted_requests_;    // one posted all-to-all's requests while it completes
+  std::uint64_t exchange_count_ = 0;            // all-to-alls so far (blocking and posted), the agreement's numbering
+  detail::MpiAgreement agreement_;
 };
 
 static_assert(Transport<MpiTransport>);
