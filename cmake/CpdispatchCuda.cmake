@@ -94,9 +94,13 @@ else()
 endif()
 unset(_cpd_with_cuda)
 
-# cpdispatch::cuda: the device data path (headers in include/cpdispatch/cuda/,
-# kernels included from .cu files) over the CUDA runtime.
-cpdispatch_add_component(cuda LINK cpdispatch CUDA::cudart)
+# cpdispatch::cuda_runtime: the CUDA runtime layer below the device
+# transports (errors, device memory, streams, kernel launches; headers in
+# include/cpdispatch/cuda_runtime/). cpdispatch::cuda: the device data path
+# of the dispatchers and the attention op over it (headers in
+# include/cpdispatch/cuda/, kernels included from .cu files).
+cpdispatch_add_component(cuda_runtime LINK cpdispatch CUDA::cudart)
+cpdispatch_add_component(cuda LINK cpdispatch_cuda_runtime)
 
 # For the project's own CUDA targets (tests, benchmarks): C++20 for .cu
 # files, and warnings as errors on the host code nvcc hands to the host

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/cuda/error.hpp"
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/error.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 
 namespace cptest {
 

@@ -16,8 +16,8 @@
 
 #include "cpdispatch/cpdispatch.hpp"
 #include "cpdispatch/cuda/device_metadata.hpp"
-#include "cpdispatch/cuda/error.hpp"
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/error.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
 #include "cpdispatch/transports/nccl.hpp"

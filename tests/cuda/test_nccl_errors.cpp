@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/transports/nccl.hpp"
 #include "cuda_test_util.hpp"
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "cpdispatch/cuda/kernels.hpp"
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cuda_test_util.hpp"
 #include "dispatch_helpers.hpp"
 #include "nccl.h"

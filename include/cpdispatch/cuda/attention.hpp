@@ -34,9 +34,9 @@
 
 #include "cpdispatch/attention/detail/call_check.hpp"
 #include "cpdispatch/attention/kernel.hpp"
-#include "cpdispatch/cuda/error.hpp"
+#include "cpdispatch/cuda_runtime/error.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/mask.hpp"
 

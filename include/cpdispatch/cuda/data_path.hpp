@@ -41,7 +41,7 @@
 #include <vector>
 
 #include "cpdispatch/cuda/kernels.hpp"
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
 #include "cpdispatch/execute/detail/data_path.hpp"
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"

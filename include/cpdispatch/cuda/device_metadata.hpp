@@ -16,7 +16,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 

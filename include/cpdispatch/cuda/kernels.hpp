@@ -55,34 +55,14 @@
 #include <type_traits>
 #include <utility>
 
-#include "cpdispatch/cuda/error.hpp"
 #include "cpdispatch/cuda/plan.hpp"
+#include "cpdispatch/cuda_runtime/error.hpp"
+#include "cpdispatch/cuda_runtime/launch.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/transport.hpp"
 
-// `#pragma unroll` in __host__ __device__ code, for the device pass only
-// (host compilers warn about the pragma).
-#ifdef __CUDA_ARCH__
-#define CPDISPATCH_UNROLL _Pragma("unroll")
-#else
-#define CPDISPATCH_UNROLL
-#endif
-
 namespace cpdispatch::cuda {
-
-/// Launches `kernel` on `stream` (no dynamic shared memory) and reports a
-/// failed launch as cuda_error naming `name`. The one place with <<<>>>:
-/// the test harness replaces it by a host loop over the grid.
-template <class... Params, class... Args>
-void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
-#if defined(__CUDACC__)
-  kernel<<<grid, block, 0, stream>>>(std::forward<Args>(args)...);
-#else
-  (void)cuda_harness::launch(name, kernel, grid, block, 0, stream, std::forward<Args>(args)...);
-#endif
-  ::cpdispatch::detail::cuda_check(cudaGetLastError(), name, __FILE__, __LINE__);
-}
 
 /// One warp's share of a fan-in: `bytes` bytes of fan entry `entry`,
 /// starting `offset` bytes into each of its copies, summed into the output

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpdispatch/cuda_runtime/grid.hpp"
 #include "cpdispatch/execute/detail/data_path.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
@@ -35,8 +36,6 @@ inline constexpr std::size_t combine_chunk_bytes = 8 * 1024;
 /// Threads per block of every kernel here (8 warps: 8 chunks per block).
 inline constexpr unsigned block_threads = 256;
 inline constexpr unsigned warps_per_block = block_threads / 32;
-/// Cap on blocks per launch; the kernels loop over chunks beyond it.
-inline constexpr std::size_t max_blocks = std::size_t{1} << 20;
 
 /// One warp's share of a copy: `bytes` bytes from `src` to `dst` (offsets
 /// from the kernel's source and destination base pointers).

@@ -80,9 +80,9 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/cuda/error.hpp"
-#include "cpdispatch/cuda/kernels.hpp"
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/error.hpp"
+#include "cpdispatch/cuda_runtime/launch.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/transports/detail/sim_world.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"

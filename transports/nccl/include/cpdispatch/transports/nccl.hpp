@@ -76,8 +76,8 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/cuda/error.hpp"
-#include "cpdispatch/cuda/memory.hpp"
+#include "cpdispatch/cuda_runtime/error.hpp"
+#include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 
