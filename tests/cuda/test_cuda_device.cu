@@ -31,9 +31,9 @@ using cpdispatch::ElementType;
 using cpdispatch::Dispatcher;
 using cpdispatch::ElementType;
 using cpdispatch::cuda::DeviceBuffer;
-using cpdispatch::cuda::DeviceSimOptions;
-using cpdispatch::cuda::DeviceSimTransport;
-using cpdispatch::cuda::DeviceSimWorld;
+using cpdispatch::DeviceSimOptions;
+using cpdispatch::DeviceSimTransport;
+using cpdispatch::DeviceSimWorld;
 using cptest::Bytes;
 using cptest::cbytes;
 using cptest::mbytes;
@@ -515,7 +515,7 @@ TEST(DeviceSimGraph, CapturedForwardAndReverseReplayTheSameBytes) {
     CPDISPATCH_CUDA_CHECK(cudaMemset(kv_grad[r].data(), 0xEE, kv_grad[r].size()));
   }
   cptest::device_sync();
-  const cpdispatch::cuda::DeviceSimGraph graph = world.capture(step);
+  const cpdispatch::DeviceSimGraph graph = world.capture(step);
   world.synchronize();
   for (std::size_t r = 0; r < U; ++r) {
     if (q_back[r].size()) {

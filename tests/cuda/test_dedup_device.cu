@@ -48,7 +48,7 @@ class WatchedTransport {
   static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::device;
   using data_path = cpdispatch::cuda::DeviceDataPath;
 
-  WatchedTransport(cpdispatch::cuda::DeviceSimTransport& sim, Watcher& watcher) : sim_(sim), watcher_(watcher) {}
+  WatchedTransport(cpdispatch::DeviceSimTransport& sim, Watcher& watcher) : sim_(sim), watcher_(watcher) {}
   int rank() const noexcept { return sim_.rank(); }
   int world_size() const noexcept { return sim_.world_size(); }
   cudaStream_t stream() const noexcept { return sim_.stream(); }
@@ -59,7 +59,7 @@ class WatchedTransport {
   }
 
  private:
-  cpdispatch::cuda::DeviceSimTransport& sim_;
+  cpdispatch::DeviceSimTransport& sim_;
   Watcher& watcher_;
 };
 
@@ -71,9 +71,9 @@ using cpdispatch::ElementType;
 using cpdispatch::KvWireDispatcher;
 using cpdispatch::NcclTransport;
 using cpdispatch::cuda::DeviceBuffer;
-using cpdispatch::cuda::DeviceSimOptions;
-using cpdispatch::cuda::DeviceSimTransport;
-using cpdispatch::cuda::DeviceSimWorld;
+using cpdispatch::DeviceSimOptions;
+using cpdispatch::DeviceSimTransport;
+using cpdispatch::DeviceSimWorld;
 using cptest::cbytes;
 using cptest::mbytes;
 using cptest::to_device;
@@ -415,7 +415,7 @@ TEST(DedupDeviceGraph, CapturedStepReplaysTheHostResults) {
     CPDISPATCH_CUDA_CHECK(cudaMemset(rb.grad.data(), 0xEE, rb.grad.size()));
   }
   cptest::device_sync();
-  const cpdispatch::cuda::DeviceSimGraph graph = world.capture(step);
+  const cpdispatch::DeviceSimGraph graph = world.capture(step);
   world.synchronize();
   EXPECT_EQ(to_host(b[0].grad.data(), 1)[0], std::byte{0xEE}) << "the capture ran the step";
   const cpdispatch::cuda::Stream stream;

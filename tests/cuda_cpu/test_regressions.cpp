@@ -17,6 +17,8 @@
 
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
+#include <type_traits>
+
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/nccl.hpp"
@@ -30,12 +32,22 @@ using cpdispatch::Dispatcher;
 using cpdispatch::ElementType;
 using cpdispatch::NcclTransport;
 using cpdispatch::cuda::DeviceBuffer;
-using cpdispatch::cuda::DeviceSimTransport;
-using cpdispatch::cuda::DeviceSimWorld;
+using cpdispatch::DeviceSimTransport;
+using cpdispatch::DeviceSimWorld;
 using cptest::Bytes;
 using ::testing::HasSubstr;
 
 using DeviceBytesBuffer = DeviceBuffer<std::byte>;
+
+// The device sim's types moved from cpdispatch::cuda to cpdispatch, beside
+// NcclTransport; the old names stay, deprecated, for one version.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+static_assert(std::is_same_v<cpdispatch::cuda::DeviceSimTransport, DeviceSimTransport> &&
+              std::is_same_v<cpdispatch::cuda::DeviceSimWorld, DeviceSimWorld> &&
+              std::is_same_v<cpdispatch::cuda::DeviceSimOptions, cpdispatch::DeviceSimOptions> &&
+              std::is_same_v<cpdispatch::cuda::DeviceSimGraph, cpdispatch::DeviceSimGraph>);
+#pragma GCC diagnostic pop
 
 std::vector<float> iota_floats(std::size_t n, float start) {
   std::vector<float> v(n);
@@ -64,7 +76,7 @@ std::vector<float> host_floats(const DeviceBuffer<float>& d) {
 void replay_after_growth(int W) {
   const auto U = static_cast<std::size_t>(W);
   const std::size_t small = 64, large = 4096;
-  DeviceSimWorld world(W, cpdispatch::cuda::DeviceSimOptions{std::chrono::milliseconds(60000), -1});
+  DeviceSimWorld world(W, cpdispatch::DeviceSimOptions{std::chrono::milliseconds(60000), -1});
   std::vector<DeviceBuffer<float>> a, b;
   for (std::size_t r = 0; r < U; ++r) {
     a.push_back(device_floats(iota_floats(small, static_cast<float>(r))));
@@ -96,7 +108,7 @@ TEST(DeviceSimGraphBuffers, ReplayAfterALargerAllReduceStillFindsItsScratch) { r
 TEST(DeviceSimGraphBuffers, ReplayAfterALargerAllReduceStillFindsItsAccumulators) { replay_after_growth(9); }
 
 TEST(DeviceSimSizes, ElementCountsThatOverflowAreInvalidInput) {
-  DeviceSimWorld world(2, cpdispatch::cuda::DeviceSimOptions{std::chrono::milliseconds(60000), -1});
+  DeviceSimWorld world(2, cpdispatch::DeviceSimOptions{std::chrono::milliseconds(60000), -1});
   const std::string what = cptest::message_of<cpdispatch::invalid_input>([&] {
     world.run([&](DeviceSimTransport& t) { t.all_gather(nullptr, nullptr, std::size_t{1} << 62, ElementType::int64); });
   });
@@ -130,7 +142,7 @@ TEST(LaunchSum, MoreSourcesThanOnePassWithoutAnAccumulatorIsInvalidInput) {
 TEST(DeviceDataPath, UploadsTheChunksTheMaskAndTheStagingOnly) {
   const auto qkv = cptest::random_qkv(2, 17, 64, 4);
   const std::size_t tb = 16;
-  DeviceSimWorld world(2, cpdispatch::cuda::DeviceSimOptions{std::chrono::milliseconds(60000), -1});
+  DeviceSimWorld world(2, cpdispatch::DeviceSimOptions{std::chrono::milliseconds(60000), -1});
   std::vector<std::pair<std::size_t, std::size_t>> added(2);
   std::vector<std::size_t> expected(2);
   std::mutex one_at_a_time;  // the ranks' constructions one after another, so that the counts are each rank's own
@@ -161,7 +173,7 @@ TEST(DeviceDataPath, UploadsTheChunksTheMaskAndTheStagingOnly) {
 TEST(DeviceDataPath, IntegerCombineWrapsAsTheHostCombine) {
   const int W = 3;
   const auto U = static_cast<std::size_t>(W);
-  DeviceSimWorld world(W, cpdispatch::cuda::DeviceSimOptions{std::chrono::milliseconds(60000), -1});
+  DeviceSimWorld world(W, cpdispatch::DeviceSimOptions{std::chrono::milliseconds(60000), -1});
   for (const auto& c : cptest::pair_cases(W, 6)) {
     if (!c.kv) continue;
     for (ElementType type : {ElementType::int8, ElementType::uint8, ElementType::int32, ElementType::int64}) {

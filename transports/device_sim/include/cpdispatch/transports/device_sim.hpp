@@ -5,8 +5,8 @@
 // exactly as on NCCL (memory_space == device), so both are tested, and
 // benchmarked, at W > 1 with a single GPU.
 //
-//   cpdispatch::cuda::DeviceSimWorld world(4);
-//   world.run([&](cpdispatch::cuda::DeviceSimTransport& t) {
+//   cpdispatch::DeviceSimWorld world(4);
+//   world.run([&](cpdispatch::DeviceSimTransport& t) {
 //     cpdispatch::Dispatcher q(t, qkv.q_fwd, qkv.q_rev, token_bytes);   // needs cuda/data_path.hpp
 //     q.forward(mlp[t.rank()], attn[t.rank()]);                          // DeviceSpans
 //   });
@@ -205,6 +205,10 @@ inline void launch_sum(ElementType type, void* out, void* acc_buffer, std::span<
   }
 }
 
+}  // namespace cpdispatch::cuda
+
+namespace cpdispatch {
+
 struct DeviceSimOptions {
   /// Bound on every host-side wait (meeting the other ranks, wait()); none: wait forever.
   std::optional<std::chrono::milliseconds> timeout;
@@ -214,8 +218,19 @@ struct DeviceSimOptions {
 };
 
 class DeviceSimWorld;
+class DeviceSimTransport;
+class DeviceSimGraph;
 
-}  // namespace cpdispatch::cuda
+/// The names these types had in cpdispatch::cuda; deprecated (NcclTransport
+/// and the host transports are in cpdispatch).
+namespace cuda {
+using DeviceSimOptions [[deprecated("use cpdispatch::DeviceSimOptions")]] = ::cpdispatch::DeviceSimOptions;
+using DeviceSimWorld [[deprecated("use cpdispatch::DeviceSimWorld")]] = ::cpdispatch::DeviceSimWorld;
+using DeviceSimTransport [[deprecated("use cpdispatch::DeviceSimTransport")]] = ::cpdispatch::DeviceSimTransport;
+using DeviceSimGraph [[deprecated("use cpdispatch::DeviceSimGraph")]] = ::cpdispatch::DeviceSimGraph;
+}  // namespace cuda
+
+}  // namespace cpdispatch
 
 namespace cpdispatch::detail::device_sim {
 
@@ -236,8 +251,10 @@ struct SimSlot {
 }  // namespace cpdispatch::detail::device_sim
 
 namespace cpdispatch::cuda {
-
 class DeviceDataPath;  // the dispatcher's data path: cpdispatch/cuda/data_path.hpp
+}  // namespace cpdispatch::cuda
+
+namespace cpdispatch {
 
 /// One rank's handle on a DeviceSimWorld; owned by the world, handed to run() / capture().
 class DeviceSimTransport {
@@ -281,7 +298,7 @@ class DeviceSimTransport {
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag);
   void sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count);
   /// Replaces `buffer` by a larger one when it holds fewer than `bytes`, keeping the old one alive.
-  void grow(DeviceBuffer<std::byte>& buffer, std::size_t bytes);
+  void grow(cuda::DeviceBuffer<std::byte>& buffer, std::size_t bytes);
   /// count * element_size(type), or invalid_input naming `op` when it overflows.
   std::size_t bytes_of(const char* op, std::size_t count, ElementType type);
 
@@ -348,7 +365,7 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
   DeviceSimWorld& operator=(const DeviceSimWorld&) = delete;
   /// Waits for the ranks' streams before releasing them and their buffers.
   ~DeviceSimWorld() {
-    for (const Stream& s : streams_) (void)cudaStreamSynchronize(s.get());
+    for (const cuda::Stream& s : streams_) (void)cudaStreamSynchronize(s.get());
     (void)cudaGetLastError();
   }
 
@@ -359,7 +376,7 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
 
   /// Waits until every rank's stream has finished its work.
   void synchronize() const {
-    for (const Stream& s : streams_) s.synchronize();
+    for (const cuda::Stream& s : streams_) s.synchronize();
   }
 
   /// Runs per_rank(DeviceSimTransport&) on world_size() threads (rank r on
@@ -377,8 +394,8 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
   template <class F>
   DeviceSimGraph capture(F&& per_rank) {
     CPDISPATCH_CUDA_CHECK(cudaSetDevice(options_.device));
-    Stream origin;
-    Event fork;
+    cuda::Stream origin;
+    cuda::Event fork;
     CPDISPATCH_CUDA_CHECK(cudaStreamBeginCapture(origin.get(), cudaStreamCaptureModeRelaxed));
     cudaGraph_t graph = nullptr;
     try {
@@ -387,10 +404,10 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
       // joined back by the origin waiting on the rank's last event.
       run_threads(per_rank, [&](int r) { fork.wait_on(stream(r)); },
                   [&](int r) { joined_[static_cast<std::size_t>(r)].record(stream(r)); });
-      for (const Event& j : joined_) j.wait_on(origin.get());
+      for (const cuda::Event& j : joined_) j.wait_on(origin.get());
     } catch (...) {
       // End the (now failed) capture so that the streams are usable again.
-      for (const Event& j : joined_) (void)cudaStreamWaitEvent(origin.get(), j.get(), 0);
+      for (const cuda::Event& j : joined_) (void)cudaStreamWaitEvent(origin.get(), j.get(), 0);
       (void)cudaStreamEndCapture(origin.get(), &graph);
       if (graph) (void)cudaGraphDestroy(graph);
       (void)cudaGetLastError();
@@ -429,13 +446,13 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
   }
 
   DeviceSimOptions options_;
-  std::vector<Stream> streams_;
-  std::vector<Event> published_;  // per rank: its stream at the start of the collective
-  std::vector<Event> read_;       // per rank: its stream after its reads of the collective
-  std::vector<Event> joined_;     // per rank: its stream at the end of a capture
-  std::vector<DeviceBuffer<std::byte>> scratch_;       // all_reduce results before they are written back
-  std::vector<DeviceBuffer<std::byte>> accumulators_;  // sums over more than kernels::sum_sources_per_pass ranks
-  std::vector<DeviceBuffer<std::byte>> outgrown_;      // replaced scratch and accumulators: captured graphs may still use them
+  std::vector<cuda::Stream> streams_;
+  std::vector<cuda::Event> published_;  // per rank: its stream at the start of the collective
+  std::vector<cuda::Event> read_;       // per rank: its stream after its reads of the collective
+  std::vector<cuda::Event> joined_;     // per rank: its stream at the end of a capture
+  std::vector<cuda::DeviceBuffer<std::byte>> scratch_;       // all_reduce results before they are written back
+  std::vector<cuda::DeviceBuffer<std::byte>> accumulators_;  // sums over more than kernels::sum_sources_per_pass ranks
+  std::vector<cuda::DeviceBuffer<std::byte>> outgrown_;      // replaced scratch and accumulators: captured graphs may still use them
   std::mutex outgrown_mutex_;
   std::vector<detail::device_sim::SimSlot> slots_;     // guarded by the world's mutex
   std::vector<std::unique_ptr<DeviceSimTransport>> transports_;  // last: made from the members above
@@ -530,9 +547,9 @@ inline void DeviceSimTransport::broadcast(void* buf, std::size_t bytes, int root
   });
 }
 
-inline void DeviceSimTransport::grow(DeviceBuffer<std::byte>& buffer, std::size_t bytes) {
+inline void DeviceSimTransport::grow(cuda::DeviceBuffer<std::byte>& buffer, std::size_t bytes) {
   if (buffer.size() >= bytes) return;
-  DeviceBuffer<std::byte> bigger(bytes);
+  cuda::DeviceBuffer<std::byte> bigger(bytes);
   {
     std::lock_guard lock(world_.outgrown_mutex_);
     world_.outgrown_.push_back(std::move(buffer));  // a graph captured before may still read and write it
@@ -550,19 +567,19 @@ inline std::size_t DeviceSimTransport::bytes_of(const char* op, std::size_t coun
 
 inline void DeviceSimTransport::sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count) {
   void* acc = nullptr;
-  if (sources.size() > kernels::sum_sources_per_pass) {
-    DeviceBuffer<std::byte>& a = world_.accumulators_[static_cast<std::size_t>(rank_)];
+  if (sources.size() > cuda::kernels::sum_sources_per_pass) {
+    cuda::DeviceBuffer<std::byte>& a = world_.accumulators_[static_cast<std::size_t>(rank_)];
     grow(a, count * 8);  // count * element size did not overflow, and elements are at least 1 byte: checked below 2^61
     acc = a.data();
   }
-  launch_sum(type, out, acc, sources, count, stream());
+  cuda::launch_sum(type, out, acc, sources, count, stream());
 }
 
 inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp) {
   const char* op = "all_reduce";
   const std::size_t bytes = bytes_of(op, count, type);
   if (count > (std::size_t{1} << 60)) fail(op, detail::concat(count, " elements are more than the accumulators can hold"));
-  DeviceBuffer<std::byte>& scratch = world_.scratch_[static_cast<std::size_t>(rank_)];
+  cuda::DeviceBuffer<std::byte>& scratch = world_.scratch_[static_cast<std::size_t>(rank_)];
   collective({op, count, static_cast<int>(type), -1}, {.send = buf, .recv = buf}, [&] {
     grow(scratch, bytes);
     sources_.assign(world_.slots_.size(), nullptr);
@@ -671,4 +688,4 @@ inline void DeviceSimTransport::wait(Request request) {
   }
 }
 
-}  // namespace cpdispatch::cuda
+}  // namespace cpdispatch

@@ -45,7 +45,7 @@
 //   default.
 //
 // The threads, the meetings, the mailboxes and the abort are
-// transports/detail/sim_world.hpp's, shared with the single-GPU cuda::DeviceSimWorld;
+// transports/detail/sim_world.hpp's, shared with the single-GPU cpdispatch::DeviceSimWorld;
 // this header adds what moves the bytes (memcpy, and the shared exchange).
 
 #include <algorithm>

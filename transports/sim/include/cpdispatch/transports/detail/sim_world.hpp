@@ -1,6 +1,6 @@
 #pragma once
 // The host-side machinery of the two in-process worlds, SimWorld
-// (transports/sim: host memory, memcpy) and cuda::DeviceSimWorld
+// (transports/sim: host memory, memcpy) and cpdispatch::DeviceSimWorld
 // (transports/device_sim.hpp: one GPU, copies on CUDA streams): W ranks as W threads of
 // one process, their meetings for collectives (every rank must bring the
 // same call), point-to-point mailboxes matched by (source, destination) in
