@@ -13,12 +13,11 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
-#include <type_traits>
-
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/nccl.hpp"
