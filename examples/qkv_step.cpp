@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
   const int W = argc > 1 ? std::atoi(argv[1]) : 4;
   if (W < 1) return std::fprintf(stderr, "qkv_step: world size must be at least 1\n"), 2;
   const auto batch = cpdispatch::create_qkv_dispatch(W, 1024, 4, W >= 4 ? 4 : 1, 7);  // stands in for a data loader
-  constexpr std::size_t q_width = 8 * 64, kv_width = 2 * 2 * 64;                        // 8 query heads, 2 KV heads
+  constexpr std::size_t q_token_elems = 8 * 64, kv_token_elems = 2 * 2 * 64;                        // 8 query heads, 2 KV heads
   std::vector<int> ok(static_cast<std::size_t>(W), 0);
 
   cpdispatch::SimWorld world(W);
@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
     const auto& mine = batch.ranks[static_cast<std::size_t>(t.rank())].docs;  // this rank's documents only
     const auto plan = cpdispatch::gather_plan(t, std::span<const cpdispatch::Document>(mine), batch.max_cp_degree);
     const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());  // this rank's metadata only
-    cpdispatch::QkvDispatch<cpdispatch::SimTransport, bfloat16> qkv(t, share, q_width, kv_width);
+    cpdispatch::QkvDispatch<cpdispatch::SimTransport, bfloat16> qkv(t, share, q_token_elems, kv_token_elems);
 
     std::vector<bfloat16> q(qkv.q_mlp_size(), bfloat16(1.0f)), kv(qkv.kv_mlp_size(), bfloat16(1.0f));
     std::vector<bfloat16> q_attn(qkv.q_attention_size()), kv_attn(qkv.kv_attention_size());

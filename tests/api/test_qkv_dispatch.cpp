@@ -147,12 +147,12 @@ std::vector<E> values(std::size_t n, int rank, int salt) {
 template <class E>
 void round_trip_matches_two_dispatchers(int W) {
   const QkvMetadata meta = plan_qkv(create_qkv_dispatch(W, 64, 3, W >= 2 ? 2 : 1, 5));
-  constexpr std::size_t q_width = 3, kv_width = 5;
+  constexpr std::size_t q_token_elems = 3, kv_token_elems = 5;
   SimWorld world(W, SimOptions{sim_test::hang_timeout});
   world.run([&](SimTransport& t) {
-    QkvDispatch<SimTransport, E> qkv(t, meta, q_width, kv_width);
-    Dispatcher q(t, meta.q_fwd, meta.q_rev, q_width * sizeof(E));
-    Dispatcher kv(t, meta.kv_fwd, meta.kv_rev, kv_width * sizeof(E));
+    QkvDispatch<SimTransport, E> qkv(t, meta, q_token_elems, kv_token_elems);
+    Dispatcher q(t, meta.q_fwd, meta.q_rev, q_token_elems * sizeof(E));
+    Dispatcher kv(t, meta.kv_fwd, meta.kv_rev, kv_token_elems * sizeof(E));
     const auto q_mlp = values<E>(qkv.q_mlp_size(), t.rank(), 1);
     const auto kv_mlp = values<E>(qkv.kv_mlp_size(), t.rank(), 2);
     std::vector<E> q_attn(qkv.q_attention_size()), kv_attn(qkv.kv_attention_size());
@@ -175,8 +175,8 @@ void round_trip_matches_two_dispatchers(int W) {
     // The attention layout of this rank, sized like the buffers.
     const RankAttentionLayout& a = qkv.attention();
     EXPECT_EQ(a.cu_seqlens_q, meta.attn.cu_seqlens_q[static_cast<std::size_t>(t.rank())]);
-    EXPECT_EQ(static_cast<std::size_t>(a.q_tokens()) * q_width, q_attn.size());
-    EXPECT_EQ(static_cast<std::size_t>(a.kv_tokens()) * kv_width, kv_attn.size());
+    EXPECT_EQ(static_cast<std::size_t>(a.q_tokens()) * q_token_elems, q_attn.size());
+    EXPECT_EQ(static_cast<std::size_t>(a.kv_tokens()) * kv_token_elems, kv_attn.size());
   });
 }
 

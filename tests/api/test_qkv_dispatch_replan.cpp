@@ -25,7 +25,7 @@ using thread_allocations::counting;
 using namespace cpdispatch;
 
 constexpr int W = 3, steps = 12;
-constexpr std::size_t q_width = 3, kv_width = 4;
+constexpr std::size_t q_token_elems = 3, kv_token_elems = 4;
 
 QkvDocumentsPlan step_plan(int step) {
   RandomDocumentsOptions o;
@@ -72,12 +72,12 @@ void second_pass_allocates_nothing() {
   world.run([&](SimTransport& sim) {
     Wrap t(sim);
     using T = std::remove_reference_t<decltype(t.get())>;
-    QkvDispatch<T, float> reused(t.get(), plan_qkv_for_rank(plans[0], sim.rank()), q_width, kv_width);
+    QkvDispatch<T, float> reused(t.get(), plan_qkv_for_rank(plans[0], sim.rank()), q_token_elems, kv_token_elems);
     for (int pass = 0; pass < 2; ++pass) {
       for (int s = 0; s < steps; ++s) {
         SCOPED_TRACE("pass " + std::to_string(pass) + " step " + std::to_string(s) + " rank " + std::to_string(sim.rank()));
         const RankQkvMetadata share = plan_qkv_for_rank(plans[static_cast<std::size_t>(s)], sim.rank());
-        QkvDispatch<T, float> fresh(t.get(), share, q_width, kv_width);
+        QkvDispatch<T, float> fresh(t.get(), share, q_token_elems, kv_token_elems);
         const auto q = values(fresh.q_mlp_size(), sim.rank(), s), kv = values(fresh.kv_mlp_size(), sim.rank(), s + 100);
         Moved expected = sized_for(fresh), got = expected;
         step(fresh, q, kv, expected);
@@ -106,11 +106,11 @@ TEST(QkvDispatchReplan, ARefusedShareKeepsThePreviousPlan) {
   SimWorld world(W, SimOptions{sim_test::hang_timeout});
   world.run([&](SimTransport& t) {
     const RankQkvMetadata share = plan_qkv_for_rank(first, t.rank());
-    QkvDispatch<SimTransport, float> qkv(t, share, q_width, kv_width);
+    QkvDispatch<SimTransport, float> qkv(t, share, q_token_elems, kv_token_elems);
     RankQkvMetadata mixed = plan_qkv_for_rank(second, t.rank());
     mixed.kv_rev = plan_qkv_for_rank(third, t.rank()).kv_rev;  // the queries would plan; the key-values do not belong together
     EXPECT_THROW(qkv.replan(mixed), invalid_input);
-    QkvDispatch<SimTransport, float> fresh(t, share, q_width, kv_width);
+    QkvDispatch<SimTransport, float> fresh(t, share, q_token_elems, kv_token_elems);
     const auto q = values(fresh.q_mlp_size(), t.rank(), 1), kv = values(fresh.kv_mlp_size(), t.rank(), 2);
     Moved expected = sized_for(fresh), got = expected;
     step(fresh, q, kv, expected);

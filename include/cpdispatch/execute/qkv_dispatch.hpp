@@ -73,22 +73,22 @@ class QkvDispatch {
  public:
   /// From the global metadata (every rank plans the same plan) and the widths
   /// of a query and of a key-value token in elements of E.
-  QkvDispatch(T& transport, const QkvMetadata& meta, std::size_t q_width, std::size_t kv_width)
+  QkvDispatch(T& transport, const QkvMetadata& meta, std::size_t q_token_elems, std::size_t kv_token_elems)
       : transport_(transport),
-        q_width_(checked_width(q_width, "q_width")),
-        kv_width_(checked_width(kv_width, "kv_width")),
-        q_(std::in_place, transport, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E)),
-        kv_(std::in_place, transport, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E)),
+        q_token_elems_(checked_width(q_token_elems, "q_token_elems")),
+        kv_token_elems_(checked_width(kv_token_elems, "kv_token_elems")),
+        q_(std::in_place, transport, meta.q_fwd, meta.q_rev, q_token_elems_ * sizeof(E)),
+        kv_(std::in_place, transport, meta.kv_fwd, meta.kv_rev, kv_token_elems_ * sizeof(E)),
         attention_(attention_of(meta.attn, transport.rank())) {
     size_scratch();
   }
 
   /// From this rank's share alone (plan_qkv_for_rank: no global metadata).
   /// With options.dedup the share must carry kv_wire (planned with plan.dedup).
-  QkvDispatch(T& transport, const RankQkvMetadata& meta, std::size_t q_width, std::size_t kv_width, QkvDispatchOptions options = {})
+  QkvDispatch(T& transport, const RankQkvMetadata& meta, std::size_t q_token_elems, std::size_t kv_token_elems, QkvDispatchOptions options = {})
       : transport_(transport),
-        q_width_(checked_width(q_width, "q_width")),
-        kv_width_(checked_width(kv_width, "kv_width")),
+        q_token_elems_(checked_width(q_token_elems, "q_token_elems")),
+        kv_token_elems_(checked_width(kv_token_elems, "kv_token_elems")),
         dedup_(options.dedup),
         attention_(meta.attn) {
     replan(meta);
@@ -104,7 +104,7 @@ class QkvDispatch {
     if (!q_) return first_plan(meta);
     q_->prepare_replan(meta.q_fwd, meta.q_rev);
     std::optional<KvWireDispatcher<T>> wire;
-    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_width_ * sizeof(E));
+    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_token_elems_ * sizeof(E));
     else kv_->prepare_replan(meta.kv_fwd, meta.kv_rev);
     next_attention_ = meta.attn;
     q_->commit_replan();
@@ -173,11 +173,11 @@ class QkvDispatch {
 
   /// The first share: the dispatchers are built.
   void first_plan(const RankQkvMetadata& meta) {
-    std::optional<Dispatcher<T>> q(std::in_place, transport_, meta.q_fwd, meta.q_rev, q_width_ * sizeof(E));
+    std::optional<Dispatcher<T>> q(std::in_place, transport_, meta.q_fwd, meta.q_rev, q_token_elems_ * sizeof(E));
     std::optional<Dispatcher<T>> kv;
     std::optional<KvWireDispatcher<T>> wire;
-    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_width_ * sizeof(E));
-    else kv.emplace(transport_, meta.kv_fwd, meta.kv_rev, kv_width_ * sizeof(E));
+    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_token_elems_ * sizeof(E));
+    else kv.emplace(transport_, meta.kv_fwd, meta.kv_rev, kv_token_elems_ * sizeof(E));
     RankAttentionLayout attention = meta.attn;
     take(q_, q);
     take(kv_, kv);
@@ -202,7 +202,7 @@ class QkvDispatch {
   }
 
   T& transport_;
-  std::size_t q_width_, kv_width_;
+  std::size_t q_token_elems_, kv_token_elems_;
   bool dedup_ = false;
   std::optional<Dispatcher<T>> q_, kv_;
   std::optional<KvWireDispatcher<T>> wire_;  // in place of kv_ with dedup
