@@ -135,8 +135,8 @@ int validate() {
     c.intra = c.inter = {bandwidth, 50e-6};
     c.ranks_per_node = 1;
     const cpdispatch::Topology topo = cpdispatch::Topology::uniform(W, 1);
-    const auto tokens = cpdispatch::step_detail::flat_tokens(m.kv_fwd);
-    const double modelled = cpdispatch::step_detail::slowest(tokens, static_cast<std::size_t>(W), static_cast<double>(token_bytes), topo, c);
+    const auto tokens = cpdispatch::detail::step_model::flat_tokens(m.kv_fwd);
+    const double modelled = cpdispatch::detail::step_model::slowest(tokens, static_cast<std::size_t>(W), static_cast<double>(token_bytes), topo, c);
     std::vector<double> took(static_cast<std::size_t>(W), 0);
     cpdispatch::SimWorld world(static_cast<int>(W));
     world.run([&](cpdispatch::SimTransport& sim) {
@@ -167,7 +167,7 @@ int validate() {
 // most. The sim moves kSimTokenBytes a KV token; its bandwidths are scaled by
 // kSimTokenBytes / (2 * 32 heads * 128 * 2 bytes) too, so the time is the
 // real cluster's (one layer's K and V) times the factor. The model gets the
-// same link parameters and token bytes (step_detail::exchange_time, as
+// same link parameters and token bytes (detail::step_model::exchange_time, as
 // model_plan uses it), and predicts the slowest rank's exchange; for the
 // node-level exchange, the slowest rank's first phase plus the slowest
 // rank's second (a relay forwards only what it has received), as model_plan
@@ -184,21 +184,21 @@ struct TierCase {
 };
 
 /// Modelled time (s) of the slowest rank's exchange of `tokens`.
-double modelled(const cpdispatch::step_detail::PairTokens& tokens, I W, const cpdispatch::Topology& topo, const cpdispatch::ClusterModel& c) {
-  return cpdispatch::step_detail::slowest(tokens, static_cast<std::size_t>(W), static_cast<double>(kSimTokenBytes), topo, c);
+double modelled(const cpdispatch::detail::step_model::PairTokens& tokens, I W, const cpdispatch::Topology& topo, const cpdispatch::ClusterModel& c) {
+  return cpdispatch::detail::step_model::slowest(tokens, static_cast<std::size_t>(W), static_cast<double>(kSimTokenBytes), topo, c);
 }
 
 /// The model's node-level time: the phases' slowest ranks added (model_plan),
 /// and a rank's two phases added (no wait between them).
 std::pair<double, double> modelled_node(const cpdispatch::Metadata& kv, const cpdispatch::Topology& topo, const cpdispatch::ClusterModel& c) {
-  cpdispatch::step_detail::PairTokens between, inside;
-  cpdispatch::step_detail::node_tokens(kv, topo, between, inside);
+  cpdispatch::detail::step_model::PairTokens between, inside;
+  cpdispatch::detail::step_model::node_tokens(kv, topo, between, inside);
   const auto W = static_cast<std::size_t>(kv.world_size);
   double per_rank = 0;
   for (std::size_t r = 0; r < W; ++r) {
     const double b = static_cast<double>(kSimTokenBytes);
-    per_rank = std::max(per_rank, cpdispatch::step_detail::exchange_time(between, W, r, b, topo, c) +
-                                      cpdispatch::step_detail::exchange_time(inside, W, r, b, topo, c));
+    per_rank = std::max(per_rank, cpdispatch::detail::step_model::exchange_time(between, W, r, b, topo, c) +
+                                      cpdispatch::detail::step_model::exchange_time(inside, W, r, b, topo, c));
   }
   return {modelled(between, kv.world_size, topo, c) + modelled(inside, kv.world_size, topo, c), per_rank};
 }
@@ -257,15 +257,15 @@ void validate_case(const TierCase& tc) {
   cpdispatch::ClusterModel c = cpdispatch::ClusterModel::h100_ib();
   c.ranks_per_node = kTierRanksPerNode;
   for (cpdispatch::LinkTier* t : {&c.intra, &c.inter}) t->bandwidth *= static_cast<double>(kSimTokenBytes) / real_kv_token_bytes;
-  const double real_flat = modelled(cpdispatch::step_detail::flat_tokens(tc.meta.kv_fwd), tc.W, topo, c);
+  const double real_flat = modelled(cpdispatch::detail::step_model::flat_tokens(tc.meta.kv_fwd), tc.W, topo, c);
   const double slow = 0.3 / real_flat;  // the flat forward exchange: ~300 ms
   for (cpdispatch::LinkTier* t : {&c.intra, &c.inter}) t->bandwidth /= slow, t->latency *= slow;
   const auto link = [](const cpdispatch::LinkTier& t) {
     return cpdispatch::LinkModel{std::chrono::nanoseconds(static_cast<std::int64_t>(t.latency * 1e9)), t.bandwidth};
   };
   const auto [node_model, node_per_rank] = modelled_node(tc.meta.kv_fwd, topo, c);
-  const double model[3] = {modelled(cpdispatch::step_detail::flat_tokens(tc.meta.kv_fwd), tc.W, topo, c),
-                           modelled(cpdispatch::step_detail::dedup_tokens(tc.meta.kv_fwd), tc.W, topo, c), node_model};
+  const double model[3] = {modelled(cpdispatch::detail::step_model::flat_tokens(tc.meta.kv_fwd), tc.W, topo, c),
+                           modelled(cpdispatch::detail::step_model::dedup_tokens(tc.meta.kv_fwd), tc.W, topo, c), node_model};
   const std::vector<double> took = measure_tiers(tc, topo, link(c.intra), link(c.inter));
   const std::vector<double> host = measure_tiers(tc, topo, cpdispatch::LinkModel{std::chrono::nanoseconds(0), 1e15},
                                                  cpdispatch::LinkModel{std::chrono::nanoseconds(0), 1e15});

@@ -30,8 +30,8 @@ struct Panel {
 
 namespace detail {
 
-using cpdispatch::svg_detail::escape;
-using cpdispatch::svg_detail::num;
+using cpdispatch::detail::svg::escape;
+using cpdispatch::detail::svg::num;
 
 constexpr double kPanelW = 440, kPanelH = 300, kLeft = 70, kTop = 60, kGap = 110, kLegendH = 70;
 constexpr const char* kColours[] = {"#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#ff7f0e", "#17becf"};

@@ -23,7 +23,7 @@
 
 namespace cpdispatch {
 
-namespace crc32c_detail {
+namespace detail::crc {
 
 /// The reflected polynomial.
 inline constexpr std::uint32_t polynomial = 0x82F63B78u;
@@ -122,24 +122,24 @@ inline bool hardware_available() noexcept { return false; }
 
 #endif
 
-}  // namespace crc32c_detail
+}  // namespace detail::crc
 
 /// Whether crc32c() uses the CPU's crc32 instruction (SSE4.2).
-inline bool crc32c_hardware() noexcept { return crc32c_detail::hardware_available(); }
+inline bool crc32c_hardware() noexcept { return detail::crc::hardware_available(); }
 
 /// CRC32C of `bytes` bytes at `data`, continuing `crc` (the CRC32C of what
 /// came before; 0 for none).
 inline std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc = 0) {
   const auto* p = static_cast<const unsigned char*>(data);
   const std::uint32_t reg = ~crc;
-  return ~(crc32c_detail::hardware_available() ? crc32c_detail::hardware_update(reg, p, bytes)
-                                               : crc32c_detail::portable_update(reg, p, bytes));
+  return ~(detail::crc::hardware_available() ? detail::crc::hardware_update(reg, p, bytes)
+                                               : detail::crc::portable_update(reg, p, bytes));
 }
 
 /// The same with the byte-wise table only (the reference the fast path is
 /// tested against, and the path of CPUs without SSE4.2).
 inline std::uint32_t crc32c_portable(const void* data, std::size_t bytes, std::uint32_t crc = 0) noexcept {
-  return ~crc32c_detail::portable_update(~crc, static_cast<const unsigned char*>(data), bytes);
+  return ~detail::crc::portable_update(~crc, static_cast<const unsigned char*>(data), bytes);
 }
 
 }  // namespace cpdispatch

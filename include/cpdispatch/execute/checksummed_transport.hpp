@@ -79,7 +79,7 @@ struct ChecksumOptions {
   bool agree = true;
 };
 
-namespace checksum_detail {
+namespace detail::checksum {
 
 /// One rank's verdict on an exchange, as it tells every other rank.
 struct Verdict {
@@ -107,7 +107,7 @@ inline SegmentSum pieces_sum(const void* base, std::span<const BytePiece> pieces
   return s;
 }
 
-}  // namespace checksum_detail
+}  // namespace detail::checksum
 
 template <class Inner>
   requires(Inner::memory_space == MemorySpace::host)
@@ -140,7 +140,7 @@ class ChecksummedTransport {
     std::optional<corruption_error> bad;
     for (std::size_t p = 0; p < recv_counts.size() && !bad; ++p) {
       if (p == self()) continue;
-      const checksum_detail::SegmentSum got{crc32c(at(recv, recv_displs[p]), recv_counts[p]), 0, recv_counts[p]};
+      const detail::checksum::SegmentSum got{crc32c(at(recv, recv_displs[p]), recv_counts[p]), 0, recv_counts[p]};
       bad = verify(p, got, sums_in_[p], [&] { return detail::concat(recv_counts[p], " bytes at byte ", recv_displs[p], " of the receive buffer"); });
     }
     settle(bad);
@@ -154,14 +154,14 @@ class ChecksummedTransport {
     const std::size_t W = send_splits.empty() ? 0 : send_splits.size() - 1;
     sums_out_.assign(W, {});
     for (std::size_t p = 0; p < W; ++p) {
-      if (p != self()) sums_out_[p] = checksum_detail::pieces_sum(send, send_pieces, send_splits[p], send_splits[p + 1]);
+      if (p != self()) sums_out_[p] = detail::checksum::pieces_sum(send, send_pieces, send_splits[p], send_splits[p + 1]);
     }
     inner_.all_to_all_pieces(send, send_pieces, send_splits, recv, recv_pieces, recv_splits);
     exchange_sums(sums_out_, sums_in_);
     std::optional<corruption_error> bad;
     for (std::size_t p = 0; p + 1 < recv_splits.size() && !bad; ++p) {
       if (p == self()) continue;
-      const auto got = checksum_detail::pieces_sum(recv, recv_pieces, recv_splits[p], recv_splits[p + 1]);
+      const auto got = detail::checksum::pieces_sum(recv, recv_pieces, recv_splits[p], recv_splits[p + 1]);
       bad = verify(p, got, sums_in_[p], [&] { return detail::concat(got.bytes, " bytes in ", recv_splits[p + 1] - recv_splits[p], " pieces"); });
     }
     settle(bad);
@@ -183,7 +183,7 @@ class ChecksummedTransport {
     }
     posted.sums_in.assign(send_counts.size(), {});
     const Request data = inner_.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    const std::vector<std::size_t> counts(send_counts.size(), sizeof(checksum_detail::SegmentSum)), displs = sum_displs(send_counts.size());
+    const std::vector<std::size_t> counts(send_counts.size(), sizeof(detail::checksum::SegmentSum)), displs = sum_displs(send_counts.size());
     posted.sums = inner_.post_all_to_all_v(posted.sums_out.data(), counts, displs, posted.sums_in.data(), counts, displs);
     posted_.emplace(data.id, std::move(posted));
     return data;
@@ -245,7 +245,7 @@ class ChecksummedTransport {
   }
 
  private:
-  using SegmentSum = checksum_detail::SegmentSum;
+  using SegmentSum = detail::checksum::SegmentSum;
 
   /// A posted exchange until its wait: where its segments land and the checksums in flight.
   struct Posted {
@@ -305,15 +305,15 @@ class ChecksummedTransport {
       return;
     }
     const auto W = static_cast<std::size_t>(world_size());
-    const checksum_detail::Verdict mine{bad ? 1 : 0, bad ? bad->source_rank() : -1, exchanges_};
+    const detail::checksum::Verdict mine{bad ? 1 : 0, bad ? bad->source_rank() : -1, exchanges_};
     verdicts_out_.assign(W, mine);
     verdicts_in_.assign(W, {});
-    sum_counts_.assign(W, sizeof(checksum_detail::Verdict));
+    sum_counts_.assign(W, sizeof(detail::checksum::Verdict));
     sum_displs_ = sum_displs(W);
     inner_.all_to_all_v(verdicts_out_.data(), sum_counts_, sum_displs_, verdicts_in_.data(), sum_counts_, sum_displs_);
     if (bad) throw *bad;
     for (std::size_t d = 0; d < W; ++d) {
-      const checksum_detail::Verdict& v = verdicts_in_[d];
+      const detail::checksum::Verdict& v = verdicts_in_[d];
       if (d == self() || !v.bad) continue;
       throw corruption_error(detail::concat("rank ", rank(), " of ", world_size(), ": exchange #", exchanges_, " failed on rank ", d,
                                             ": the segment it received from rank ", v.source, " is corrupted or short (reported by rank ", d, ")"),
@@ -331,7 +331,7 @@ class ChecksummedTransport {
   Inner& inner_;
   ChecksumOptions options_;
   std::uint64_t exchanges_ = 0, checked_ = 0;
-  std::vector<checksum_detail::Verdict> verdicts_out_, verdicts_in_;
+  std::vector<detail::checksum::Verdict> verdicts_out_, verdicts_in_;
   std::vector<SegmentSum> sums_out_, sums_in_;
   std::vector<std::size_t> sum_counts_, sum_displs_;
   std::map<std::uint64_t, Posted> posted_;

@@ -22,7 +22,7 @@
 //      0..i of its document, wherever they live, each copied to it; two
 //      query shards of one document on one rank get their own copies).
 //
-// The algorithm (balance_detail::Planner) searches the target T on the
+// The algorithm (detail::balance::Planner) searches the target T on the
 // largest rank cost upward from the lower bound (balance_lower_bound), and
 // builds a plan for one T in three steps:
 //   1. a piece that costs more than T is cut into the fewest equal-cost
@@ -57,7 +57,7 @@
 //
 // With BalanceProblem::mask other than causal (docs/plan-format.md, section
 // 2d) a shard costs the (query, key) pairs the mask lets through, and
-// balance_detail::MaskPlanner builds the plan (see there); the plan carries
+// detail::balance::MaskPlanner builds the plan (see there); the plan carries
 // the mask and leaves max_cp_degree out, so planning derives C from it.
 //
 // This header includes the rest of planning by balance: the problem
@@ -80,11 +80,11 @@ namespace cpdispatch {
 /// cost and, for each document, the cheapest possible largest shard when it
 /// is cut into at most C shards inside its pieces.
 inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimits& limits = {}) {
-  balance_detail::check_footprint(problem, limits);
-  balance_detail::check_masked_problem(problem);
-  const balance_detail::Planner planner(problem);
+  detail::balance::check_footprint(problem, limits);
+  detail::balance::check_masked_problem(problem);
+  const detail::balance::Planner planner(problem);
   if (problem.mask == AttentionMask::causal()) return planner.lower_bound();
-  return balance_detail::MaskPlanner(planner, problem.mask).lower_bound();
+  return detail::balance::MaskPlanner(planner, problem.mask).lower_bound();
 }
 
 /// The load-balanced plan (see the top of this header), in documents form:
@@ -94,11 +94,11 @@ inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimit
 /// or `docs[r][i]`) and capacity_error (naming ranks and token counts) when
 /// the receive capacities cannot hold the documents.
 inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}, const PlanLimits& limits = {}) {
-  balance_detail::check_footprint(problem, limits);
-  balance_detail::check_masked_problem(problem);
-  balance_detail::Planner planner(problem);
-  if (problem.mask == AttentionMask::causal()) return balance_detail::masked_plan(planner, planner.plan(options), problem.mask);
-  return balance_detail::masked_plan(planner, balance_detail::MaskPlanner(planner, problem.mask).plan(), problem.mask);
+  detail::balance::check_footprint(problem, limits);
+  detail::balance::check_masked_problem(problem);
+  detail::balance::Planner planner(problem);
+  if (problem.mask == AttentionMask::causal()) return detail::balance::masked_plan(planner, planner.plan(options), problem.mask);
+  return detail::balance::masked_plan(planner, detail::balance::MaskPlanner(planner, problem.mask).plan(), problem.mask);
 }
 
 }  // namespace cpdispatch

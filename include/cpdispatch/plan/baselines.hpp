@@ -20,13 +20,13 @@ namespace cpdispatch {
 
 /// Baseline: every piece whole, attended on its own home rank (moves nothing).
 inline QkvDocumentsPlan plan_unbalanced(const BalanceProblem& problem, const PlanLimits& limits = {}) {
-  balance_detail::check_footprint(problem, limits);
-  balance_detail::check_masked_problem(problem);
-  balance_detail::Planner planner(problem);
-  return balance_detail::masked_plan(planner, planner.unbalanced(), problem.mask);
+  detail::balance::check_footprint(problem, limits);
+  detail::balance::check_masked_problem(problem);
+  detail::balance::Planner planner(problem);
+  return detail::balance::masked_plan(planner, planner.unbalanced(), problem.mask);
 }
 
-namespace balance_detail {
+namespace detail::balance {
 
 /// One greedy move: the costliest whole shard on rank `hi` within `amount`,
 /// else a cut off the end of its costliest shard that can still be cut
@@ -60,7 +60,7 @@ inline std::int64_t greedy_move(std::vector<std::vector<Shard>>& shards, std::ve
   return pairs(m, s.end);
 }
 
-}  // namespace balance_detail
+}  // namespace detail::balance
 
 /// Baseline: repeatedly move work from the most loaded rank to the least
 /// loaded one, either the costliest whole shard that fits the least loaded
@@ -70,7 +70,7 @@ inline std::int64_t greedy_move(std::vector<std::vector<Shard>>& shards, std::ve
 /// plan could reach (balance_lower_bound) or no move is left. Ignores
 /// receive capacities.
 inline QkvDocumentsPlan plan_greedy(const BalanceProblem& problem, double within = 0.10, const PlanLimits& limits = {}) {
-  using namespace balance_detail;
+  using namespace detail::balance;
   check_footprint(problem, limits);
   Planner planner(problem);
   const auto& pieces = planner.pieces();
@@ -109,7 +109,7 @@ inline QkvDocumentsPlan plan_greedy(const BalanceProblem& problem, double within
 /// capacities: the plan's max_cp_degree is the most shards it gives a
 /// document (up to 2W - 1 plus the piece boundaries).
 inline QkvDocumentsPlan plan_zigzag(const BalanceProblem& problem, const PlanLimits& limits = {}) {
-  using namespace balance_detail;
+  using namespace detail::balance;
   check_footprint(problem, limits, 2 * static_cast<std::uint64_t>(std::max<std::int64_t>(problem.world_size, 0)));  // 2W chunks a document
   BalanceProblem wide = problem;  // C does not limit zig-zag: only every piece's own shard
   for (const auto& doc : problem.documents) wide.max_cp_degree = std::max(wide.max_cp_degree, static_cast<std::int64_t>(doc.size()));

@@ -55,10 +55,10 @@ inline std::int64_t attention_cost(std::int64_t context, std::int64_t len) {
   if (__builtin_add_overflow(context, len, &end) || __builtin_mul_overflow(end, end + 1, &sq)) {
     detail::fail("attention_cost: ", context, " + ", len, " tokens overflow 64 bits");
   }
-  return balance_detail::pairs(context, end);
+  return detail::balance::pairs(context, end);
 }
 
-namespace balance_detail {
+namespace detail::balance {
 
 /// Checked arithmetic for plan_cost.
 inline void add_to(std::int64_t& acc, std::int64_t v) {
@@ -157,7 +157,7 @@ inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& sh
   }
 }
 
-}  // namespace balance_detail
+}  // namespace detail::balance
 
 /// Attention cost and bytes moved of a documents-form plan, counted as the
 /// layout of docs/plan-format.md sends them (see the top of plan/balance.hpp).
@@ -165,7 +165,7 @@ inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& sh
 /// or destination outside [0, W), a non-positive length or an empty document.
 inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
-  PlanCost out = balance_detail::empty_cost(plan.world_size, limits);
+  PlanCost out = detail::balance::empty_cost(plan.world_size, limits);
   out.mask = plan.mask;
   detail::check_mask(plan.mask);
   detail::DocumentRanges need;
@@ -179,10 +179,10 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
       if (s.dst < 0 || s.dst >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", plan.world_size, ")");
       if (s.len <= 0) fail("plan_cost: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
     }
-    balance_detail::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
+    detail::balance::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
   }
-  balance_detail::add_to(out.bytes_moved, out.query_bytes);
-  balance_detail::add_to(out.bytes_moved, out.kv_bytes);
+  detail::balance::add_to(out.bytes_moved, out.query_bytes);
+  detail::balance::add_to(out.bytes_moved, out.kv_bytes);
   return out;
 }
 
@@ -190,7 +190,7 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
 /// one rank), counted as for the documents form.
 inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
-  PlanCost out = balance_detail::empty_cost(plan.world_size, limits);
+  PlanCost out = detail::balance::empty_cost(plan.world_size, limits);
   out.mask = plan.mask;
   detail::check_mask(plan.mask);
   detail::DocumentRanges need;
@@ -212,11 +212,11 @@ inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::in
         if (d < 0 || d >= plan.world_size) fail("plan_cost: ranks[", r, "].docs[", i, "].dst[", s, "] = ", d, " is outside [0, ", W, ")");
         shards.push_back({static_cast<std::int64_t>(r), len, d});
       }
-      balance_detail::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
+      detail::balance::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
     }
   }
-  balance_detail::add_to(out.bytes_moved, out.query_bytes);
-  balance_detail::add_to(out.bytes_moved, out.kv_bytes);
+  detail::balance::add_to(out.bytes_moved, out.query_bytes);
+  detail::balance::add_to(out.bytes_moved, out.kv_bytes);
   return out;
 }
 

@@ -85,7 +85,7 @@ struct StepTime {
   double inter_node_bytes = 0;       ///< forward bytes that cross between nodes, all ranks
 };
 
-namespace step_detail {
+namespace detail::step_model {
 
 /// The op runs the local attention first and the remote in `stages`, each
 /// overlapping the next stage's transfer: the longer side plus one stage of the shorter.
@@ -196,7 +196,7 @@ inline StepTime finish(StepTime t) {
   return t;
 }
 
-}  // namespace step_detail
+}  // namespace detail::step_model
 
 /// The documents' lengths of a plan (each document's shards summed).
 inline std::vector<std::int64_t> document_lengths(const QkvDocumentsPlan& plan) {
@@ -225,7 +225,7 @@ inline std::vector<std::int64_t> document_lengths(const QkvPlan& plan) {
 /// gradients back).
 inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,
                                         const ClusterModel& c, const LayerShape& shape) {
-  using namespace step_detail;
+  using namespace detail::step_model;
   c.check();
   shape.check();
   topo.check_world_size(m.kv_fwd.world_size, "model_plan");
@@ -275,7 +275,7 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
 /// attention. The ring steps in lockstep, so a step waits for its slowest link.
 inline StepTime model_zigzag_ring(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                                   const ClusterModel& c, const LayerShape& shape) {
-  using namespace step_detail;
+  using namespace detail::step_model;
   c.check();
   shape.check();
   const double W = static_cast<double>(world_size);
@@ -307,7 +307,7 @@ inline StepTime model_zigzag_ring(const std::vector<std::int64_t>& docs, const A
 /// Needs heads % W == 0.
 inline StepTime model_ulysses(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                               const ClusterModel& c, const LayerShape& shape) {
-  using namespace step_detail;
+  using namespace detail::step_model;
   c.check();
   shape.check();
   StepTime t;
@@ -339,7 +339,7 @@ inline StepTime model_ulysses(const std::vector<std::int64_t>& docs, const Atten
 /// ranks_per_node == 0 and world_size % ranks_per_node == 0.
 inline StepTime model_hierarchical(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                                    const ClusterModel& c, const LayerShape& shape) {
-  using namespace step_detail;
+  using namespace detail::step_model;
   c.check();
   shape.check();
   StepTime t;

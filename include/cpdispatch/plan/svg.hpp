@@ -16,7 +16,7 @@
 
 namespace cpdispatch {
 
-namespace svg_detail {
+namespace detail::svg {
 
 /// Text for SVG content and attribute values.
 inline std::string escape(std::string_view text) {
@@ -196,17 +196,17 @@ inline void cost_bars(std::string& s, const Geometry& g, const PlanCost& after, 
   s += "<text x=\"" + num(bx + plot_w / 2) + "\" y=\"" + num(base + 28) + "\" text-anchor=\"middle\">rank</text>\n</g>\n";
 }
 
-}  // namespace svg_detail
+}  // namespace detail::svg
 
 /// The SVG picture of a plan's cost: `after` is the plan shown; `before`
 /// (optional, same world size) adds the unbalanced attention cost bars.
 inline std::string plan_svg(const PlanCost& after, const PlanCost* before = nullptr, std::string_view title = "") {
-  svg_detail::check_costs(after, before);
-  const svg_detail::Geometry g(static_cast<std::size_t>(after.world_size));
+  detail::svg::check_costs(after, before);
+  const detail::svg::Geometry g(static_cast<std::size_t>(after.world_size));
   std::string s;
-  svg_detail::header(s, g, after, before, title);
-  svg_detail::heat_map(s, g, after);
-  svg_detail::cost_bars(s, g, after, before);
+  detail::svg::header(s, g, after, before, title);
+  detail::svg::heat_map(s, g, after);
+  detail::svg::cost_bars(s, g, after, before);
   s += "</svg>\n";
   return s;
 }

@@ -14,7 +14,7 @@
 
 namespace cpdispatch {
 
-namespace balance_detail {
+namespace detail::balance {
 
 using detail::fail;
 constexpr std::int64_t unlimited = std::numeric_limits<std::int64_t>::max() / 4;
@@ -111,6 +111,6 @@ inline std::vector<std::int64_t> equal_cost_cuts(std::int64_t a, std::int64_t b,
   return cut;
 }
 
-}  // namespace balance_detail
+}  // namespace detail::balance
 
 }  // namespace cpdispatch

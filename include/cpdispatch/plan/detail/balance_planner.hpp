@@ -24,7 +24,7 @@
 
 namespace cpdispatch {
 
-namespace balance_detail {
+namespace detail::balance {
 
 /// One piece of the input: positions [begin, end) of document `document`,
 /// held by rank `home`.
@@ -459,7 +459,7 @@ class Planner {
     return true;
   }
 
-  std::int64_t away_bytes(std::int64_t a, std::int64_t b) const { return balance_detail::away_bytes(a, b, p_.q_bytes, p_.kv_bytes); }
+  std::int64_t away_bytes(std::int64_t a, std::int64_t b) const { return detail::balance::away_bytes(a, b, p_.q_bytes, p_.kv_bytes); }
 
   /// One plan whose largest rank cost is at most T, or nothing.
   std::optional<Layout> construct(std::int64_t T, Variant v) {
@@ -770,9 +770,9 @@ class Planner {
   mutable std::vector<std::pair<std::size_t, std::int64_t>> last_;         // scratch of document_wire_bytes
 };
 
-}  // namespace balance_detail
+}  // namespace detail::balance
 
-namespace balance_detail {
+namespace detail::balance {
 
 /// The planner's memory, from the problem's sizes (no allocation), checked
 /// before it is built. The settings' own checks come first, so that a bad
@@ -787,6 +787,6 @@ inline void check_footprint(const BalanceProblem& p, const PlanLimits& limits, s
                           detail::concat("a problem of world_size = ", W, ", ", pieces, " pieces, max_cp_degree = ", C));
 }
 
-}  // namespace balance_detail
+}  // namespace detail::balance
 
 }  // namespace cpdispatch

@@ -16,7 +16,7 @@
 
 namespace cpdispatch {
 
-namespace balance_detail {
+namespace detail::balance {
 
 /// Balancing under a mask other than causal (docs/plan-format.md, section
 /// 2d). The cost of a shard is the (query, key) pairs the mask lets through;
@@ -221,9 +221,9 @@ class MaskPlanner {
   double bound_ = 0;
 };
 
-}  // namespace balance_detail
+}  // namespace detail::balance
 
-namespace balance_detail {
+namespace detail::balance {
 
 /// A plan of `layout` under the problem's mask: the mask travels with it and,
 /// unless causal, planning derives C from the mask (section 2d).
@@ -242,6 +242,6 @@ inline void check_masked_problem(const BalanceProblem& p) {
   }
 }
 
-}  // namespace balance_detail
+}  // namespace detail::balance
 
 }  // namespace cpdispatch

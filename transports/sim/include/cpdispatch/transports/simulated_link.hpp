@@ -42,7 +42,7 @@
 //     latency x (peers of that tier it sends to or receives from)
 //       + max(bytes sent, bytes received over that tier) / bandwidth
 // and takes the larger of the two tiers. These are the step-time model's
-// assumptions (cpdispatch/plan/step_model.hpp, step_detail::exchange_time:
+// assumptions (cpdispatch/plan/step_model.hpp, detail::step_model::exchange_time:
 // the same per-tier formula, peers with no bytes either way cost no latency,
 // the tiers at once), so a planned exchange measured over this adapter
 // checks the model's communication part. (The one-tier adapter keeps its
