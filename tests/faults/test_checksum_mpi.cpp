@@ -102,6 +102,41 @@ TEST_P(MpiChecksum, HealthyStepIsUnchanged) {
   EXPECT_EQ(c.outcome.wrong_floats, 0u);
 }
 
+// Point-to-point: each rank sends 64 bytes to the next rank; the last
+// rank's message is corrupted or cut short under the checksums, and the
+// rank that receives it (rank 0) names it in the irecv's wait.
+class MpiChecksumPointToPoint : public testing::TestWithParam<Fault> {};
+
+TEST_P(MpiChecksumPointToPoint, BadMessageIsAnErrorOnItsReceiverNamingTheSource) {
+  const int W = world_size(), me = world_rank(), faulty = W - 1;
+  if (W < 2) GTEST_SKIP() << "needs a second rank";
+  MpiTransport mpi = MpiTransport::duplicate(MPI_COMM_WORLD, {.timeout = mpi_timeout});
+  FaultInjectingTransport faulty_t(mpi, {FaultRule{TransportCall::isend, 1, GetParam(), faulty}}, fault_options);
+  ChecksummedTransport t(faulty_t);
+  std::vector<unsigned char> send(64, static_cast<unsigned char>(me + 1)), recv(64, 0);
+  std::string what;
+  int source = -1;
+  try {
+    const cpdispatch::Request in = t.irecv(recv.data(), recv.size(), (me + W - 1) % W, 9);
+    const cpdispatch::Request out = t.isend(send.data(), send.size(), (me + 1) % W, 9);
+    t.wait(out);
+    t.wait(in);
+  } catch (const cpdispatch::corruption_error& e) {
+    what = e.what();
+    source = e.source_rank();
+  }
+  EXPECT_EQ(source, me == 0 ? faulty : -1) << what;
+  if (me == 0) {
+    EXPECT_THAT(what, HasSubstr("rank 0 of " + std::to_string(W) + ": the message from rank " + std::to_string(faulty) + " (tag 9, 64 bytes)"));
+  } else {
+    EXPECT_EQ(recv, std::vector<unsigned char>(64, static_cast<unsigned char>((me + W - 1) % W + 1)));
+    EXPECT_EQ(t.checked_segments(), 1u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Mpi, MpiChecksumPointToPoint, testing::Values(Fault::corrupt, Fault::short_delivery),
+                         [](const testing::TestParamInfo<Fault>& info) { return std::string(cpdispatch::testing::fault_name(info.param)); });
+
 INSTANTIATE_TEST_SUITE_P(Mpi, MpiChecksum,
                          testing::Combine(testing::Values(Fault::corrupt, Fault::short_delivery),
                                           testing::Values(Step::forward, Step::reverse, Step::reverse_combine)),

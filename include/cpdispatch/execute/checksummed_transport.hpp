@@ -28,7 +28,14 @@
 // receives (the crc32 instruction, about 10 GB/s a core where SSE4.2 is
 // there), plus one all-to-all of 16 bytes per peer. Host memory only (a
 // device transport would need the checksum as a kernel on its stream).
-// Point-to-point messages and the typed collectives are forwarded unchecked.
+//
+// Point-to-point messages (isend/irecv, e.g. the comm-GEMM overlap's ring)
+// are checked too: each isend is followed, on the same tag, by a 16-byte
+// message with its (checksum, byte count), and the wait() of an irecv checks
+// the bytes it received against it (only the receiving rank throws; both
+// ends must use a ChecksummedTransport). The typed collectives (all-reduce,
+// all-gather, ...) are forwarded unchecked: a reduction's result is no
+// sender's bytes, so a checksum of what was sent cannot vouch for it.
 //
 // Every rank agrees on the outcome (ChecksumOptions::agree, on by default):
 // after checking, the blocking exchanges (all_to_all_v, all_to_all_pieces)
@@ -44,6 +51,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -141,7 +150,9 @@ class ChecksummedTransport {
     for (std::size_t p = 0; p < recv_counts.size() && !bad; ++p) {
       if (p == self()) continue;
       const detail::checksum::SegmentSum got{crc32c(at(recv, recv_displs[p]), recv_counts[p]), 0, recv_counts[p]};
-      bad = verify(p, got, sums_in_[p], [&] { return detail::concat(recv_counts[p], " bytes at byte ", recv_displs[p], " of the receive buffer"); });
+      bad = verify(p, got, sums_in_[p], [&] {
+        return segment_name(p, exchanges_, detail::concat(recv_counts[p], " bytes at byte ", recv_displs[p], " of the receive buffer"));
+      });
     }
     settle(bad);
   }
@@ -162,7 +173,9 @@ class ChecksummedTransport {
     for (std::size_t p = 0; p + 1 < recv_splits.size() && !bad; ++p) {
       if (p == self()) continue;
       const auto got = detail::checksum::pieces_sum(recv, recv_pieces, recv_splits[p], recv_splits[p + 1]);
-      bad = verify(p, got, sums_in_[p], [&] { return detail::concat(got.bytes, " bytes in ", recv_splits[p + 1] - recv_splits[p], " pieces"); });
+      bad = verify(p, got, sums_in_[p], [&] {
+        return segment_name(p, exchanges_, detail::concat(got.bytes, " bytes in ", recv_splits[p + 1] - recv_splits[p], " pieces"));
+      });
     }
     settle(bad);
   }
@@ -189,10 +202,15 @@ class ChecksummedTransport {
     return data;
   }
 
-  /// A posted exchange's wait checks its segments; other requests are forwarded.
+  /// A posted exchange's wait checks its segments, an irecv's its message.
   void wait(Request request)
     requires detail::transport_has_wait<Inner>
   {
+    if (const auto m = messages_.find(request.id); m != messages_.end()) {
+      Message message = std::move(m->second);
+      messages_.erase(m);
+      return finish_message(request, std::move(message));
+    }
     const auto it = posted_.find(request.id);
     if (it == posted_.end()) return inner_.wait(request);
     Posted posted = std::move(it->second);
@@ -203,20 +221,31 @@ class ChecksummedTransport {
       if (p == self()) continue;
       const std::size_t n = posted.recv_counts[p], off = posted.recv_displs[p];
       auto bad = verify(p, {crc32c(at(posted.recv, off), n), 0, n}, posted.sums_in[p],
-                        [&] { return detail::concat(n, " bytes at byte ", off, " of the receive buffer"); }, posted.exchange);
+                        [&] { return segment_name(p, posted.exchange, detail::concat(n, " bytes at byte ", off, " of the receive buffer")); });
       if (bad) throw *bad;
     }
   }
 
+  /// Sends the message, then its (checksum, byte count) on the same tag.
   Request isend(const void* buf, std::size_t bytes, int peer, int tag)
     requires detail::transport_has_isend_irecv<Inner>
   {
-    return inner_.isend(buf, bytes, peer, tag);
+    Message m{.receive = false, .buf = const_cast<void*>(buf), .bytes = bytes, .peer = peer, .tag = tag,
+              .sum = std::make_unique<SegmentSum>(SegmentSum{crc32c(buf, bytes), 0, bytes}), .sum_request = {}};
+    const Request data = inner_.isend(buf, bytes, peer, tag);
+    m.sum_request = inner_.isend(m.sum.get(), sizeof(SegmentSum), peer, tag);
+    messages_.emplace(data.id, std::move(m));
+    return data;
   }
+  /// Receives the message and its sender's (checksum, byte count); wait() checks them.
   Request irecv(void* buf, std::size_t bytes, int peer, int tag)
     requires detail::transport_has_isend_irecv<Inner>
   {
-    return inner_.irecv(buf, bytes, peer, tag);
+    Message m{.receive = true, .buf = buf, .bytes = bytes, .peer = peer, .tag = tag, .sum = std::make_unique<SegmentSum>(), .sum_request = {}};
+    const Request data = inner_.irecv(buf, bytes, peer, tag);
+    m.sum_request = inner_.irecv(m.sum.get(), sizeof(SegmentSum), peer, tag);
+    messages_.emplace(data.id, std::move(m));
+    return data;
   }
   void barrier()
     requires detail::transport_has_barrier<Inner>
@@ -247,6 +276,48 @@ class ChecksummedTransport {
  private:
   using SegmentSum = detail::checksum::SegmentSum;
 
+  /// An isend or irecv until its wait: its buffer, and its checksum message (heap: it may outlive a failed wait).
+  struct Message {
+    bool receive = false;
+    void* buf = nullptr;
+    std::size_t bytes = 0;
+    int peer = 0;
+    int tag = 0;
+    std::unique_ptr<SegmentSum> sum;
+    Request sum_request;
+  };
+
+  /// Completes a message and its checksum message; an irecv's bytes are checked.
+  void finish_message(Request data, Message m) {
+    try {
+      inner_.wait(data);
+      inner_.wait(m.sum_request);
+    } catch (...) {
+      keep_until_exit(std::move(m.sum));  // the checksum message may still be pending in the inner transport
+      throw;
+    }
+    if (!m.receive) return;
+    const auto source = static_cast<std::size_t>(m.peer);
+    auto bad = verify(source, {crc32c(m.buf, m.bytes), 0, m.bytes}, *m.sum, [&] {
+      return detail::concat("the message from rank ", m.peer, " (tag ", m.tag, ", ", m.bytes, " bytes)");
+    });
+    if (bad) throw *bad;
+  }
+
+  /// Storage a failed wait leaves to the inner transport, freed at exit
+  /// (reachable until then), so that a late delivery lands in live memory.
+  static void keep_until_exit(std::unique_ptr<SegmentSum> sum) {
+    static std::mutex guard;
+    static std::vector<std::unique_ptr<SegmentSum>> kept;
+    const std::lock_guard lock(guard);
+    kept.push_back(std::move(sum));
+  }
+
+  /// "the segment from rank 2 in exchange #1 (<where in the buffer>)".
+  static std::string segment_name(std::size_t source, std::uint64_t exchange, const std::string& where) {
+    return detail::concat("the segment from rank ", source, " in exchange #", exchange, " (", where, ")");
+  }
+
   /// A posted exchange until its wait: where its segments land and the checksums in flight.
   struct Posted {
     std::uint64_t exchange = 0;
@@ -275,17 +346,15 @@ class ChecksummedTransport {
     inner_.all_to_all_v(out.data(), sum_counts_, sum_displs_, in.data(), sum_counts_, sum_displs_);
   }
 
-  /// The error when the segment from `source` differs from what it sent.
+  /// The error when what came from `source` (`unit()`: "the segment from
+  /// rank 2 in exchange #1 (...)") differs from what it sent.
   template <class Describe>
-  std::optional<corruption_error> verify(std::size_t source, const SegmentSum& got, const SegmentSum& sent, Describe&& segment,
-                                         std::uint64_t exchange = 0) {
-    if (exchange == 0) exchange = exchanges_;
+  std::optional<corruption_error> verify(std::size_t source, const SegmentSum& got, const SegmentSum& sent, Describe&& unit) {
     if (got.bytes == sent.bytes && got.crc == sent.crc) {
       ++checked_;
       return std::nullopt;
     }
-    const std::string where = detail::concat("rank ", rank(), " of ", world_size(), ": the segment from rank ", source, " in exchange #",
-                                             exchange, " (", segment(), ")");
+    const std::string where = detail::concat("rank ", rank(), " of ", world_size(), ": ", unit());
     const int from = static_cast<int>(source);
     if (got.bytes != sent.bytes) {
       return corruption_error(detail::concat(where, " was expected to hold ", got.bytes, " bytes, but rank ", source, " sent ", sent.bytes,
@@ -335,6 +404,7 @@ class ChecksummedTransport {
   std::vector<SegmentSum> sums_out_, sums_in_;
   std::vector<std::size_t> sum_counts_, sum_displs_;
   std::map<std::uint64_t, Posted> posted_;
+  std::map<std::uint64_t, Message> messages_;  // isend/irecv by their data request's id
 };
 
 }  // namespace cpdispatch
