@@ -196,6 +196,30 @@ inline StepTime finish(StepTime t) {
   return t;
 }
 
+/// A peer scheme's row, once the model and the shape are checked.
+inline StepTime peer_row(const char* scheme, const ClusterModel& c, const LayerShape& shape) {
+  c.check();
+  shape.check();
+  StepTime t;
+  t.scheme = scheme;
+  return t;
+}
+
+/// A batch's tokens and the (query, key) pairs its mask lets through, each
+/// document padded first to a multiple of `pad` (the zig-zag layouts' rule; 1: no padding).
+struct BatchTotals {
+  double tokens = 0, pairs = 0;
+};
+inline BatchTotals batch_totals(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t pad) {
+  BatchTotals b;
+  for (std::int64_t len : docs) {
+    const double padded = static_cast<double>((len + pad - 1) / pad * pad);
+    b.tokens += padded;
+    b.pairs += document_pairs(padded, mask);
+  }
+  return b;
+}
+
 }  // namespace detail::step_model
 
 /// The documents' lengths of a plan (each document's shards summed).
@@ -276,17 +300,9 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
 inline StepTime model_zigzag_ring(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                                   const ClusterModel& c, const LayerShape& shape) {
   using namespace detail::step_model;
-  c.check();
-  shape.check();
+  StepTime t = peer_row("zig-zag ring", c, shape);
   const double W = static_cast<double>(world_size);
-  double tokens = 0, pairs = 0;
-  for (std::int64_t len : docs) {
-    const double padded = static_cast<double>((len + 2 * world_size - 1) / (2 * world_size) * 2 * world_size);
-    tokens += padded;
-    pairs += document_pairs(padded, mask);
-  }
-  StepTime t;
-  t.scheme = "zig-zag ring";
+  const auto [tokens, pairs] = batch_totals(docs, mask, 2 * world_size);
   const LinkTier link = world_size > c.ranks_per_node ? c.inter : c.intra;
   const double steps = W - 1;
   const double step_bytes = tokens / W * 2 * shape.token_bytes();
@@ -308,17 +324,13 @@ inline StepTime model_zigzag_ring(const std::vector<std::int64_t>& docs, const A
 inline StepTime model_ulysses(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                               const ClusterModel& c, const LayerShape& shape) {
   using namespace detail::step_model;
-  c.check();
-  shape.check();
-  StepTime t;
-  t.scheme = "ulysses";
+  StepTime t = peer_row("ulysses", c, shape);
   if (shape.heads % world_size != 0) {
     t.feasible = false;
     return t;
   }
   const double W = static_cast<double>(world_size);
-  double tokens = 0, pairs = 0;
-  for (std::int64_t len : docs) tokens += static_cast<double>(len), pairs += document_pairs(static_cast<double>(len), mask);
+  const auto [tokens, pairs] = batch_totals(docs, mask, 1);
   const double local = std::ceil(tokens / W) * shape.token_bytes();  // one tensor's bytes per rank
   const double rpn = static_cast<double>(std::min(c.ranks_per_node, world_size));
   // Four tensors each way: of a rank's share, (rpn-1)/W stays in the node, (W-rpn)/W leaves it.
@@ -340,10 +352,7 @@ inline StepTime model_ulysses(const std::vector<std::int64_t>& docs, const Atten
 inline StepTime model_hierarchical(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                                    const ClusterModel& c, const LayerShape& shape) {
   using namespace detail::step_model;
-  c.check();
-  shape.check();
-  StepTime t;
-  t.scheme = "a2a+p2p";
+  StepTime t = peer_row("a2a+p2p", c, shape);
   const std::int64_t rpn = std::min(c.ranks_per_node, world_size);
   if (shape.heads % rpn != 0 || world_size % rpn != 0) {
     t.feasible = false;
@@ -351,12 +360,7 @@ inline StepTime model_hierarchical(const std::vector<std::int64_t>& docs, const 
   }
   const std::int64_t nodes = world_size / rpn;
   const double W = static_cast<double>(world_size), N = static_cast<double>(nodes), R = static_cast<double>(rpn);
-  double tokens = 0, pairs = 0;
-  for (std::int64_t len : docs) {
-    const double padded = static_cast<double>((len + 2 * nodes - 1) / (2 * nodes) * 2 * nodes);
-    tokens += padded;
-    pairs += document_pairs(padded, mask);
-  }
+  const auto [tokens, pairs] = batch_totals(docs, mask, 2 * nodes);
   const double local = tokens / W * shape.token_bytes();
   const double a2a = 4 * local * (R - 1) / R / c.intra.bandwidth + (R - 1) * c.intra.latency;
   // After the all-to-all a rank holds its node's tokens on heads/rpn heads: tokens/N * (1/R) per tensor.
