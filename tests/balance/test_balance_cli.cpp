@@ -4,7 +4,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/plan_cli.hpp"
 #include "balance_helpers.hpp"
 #include "cpdispatch/plan/json.hpp"
 
@@ -24,17 +24,8 @@ using baltest::I;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-struct Result {
-  int status = -1;
-  std::string out, err;
-};
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using Result = plan_cli::CliRun;
+using plan_cli::read_file;
 
 /// Scratch files named after the test, removed with it.
 class BalanceCli : public ::testing::Test {
@@ -53,13 +44,10 @@ class BalanceCli : public ::testing::Test {
     for (const std::string& p : made_) std::remove(p.c_str());
   }
 
-  /// cpdispatch-plan with `args` (shell words, already safe), `input` on stdin.
+  /// cpdispatch-plan with `args` (words separated by spaces), `input` on stdin.
   Result run(const std::string& args, const std::string& input = "") {
-    const std::string in = file("stdin", input), out = path("stdout"), err = path("stderr");
-    made_.push_back(out);
-    made_.push_back(err);
-    const int raw = std::system((std::string(CPDISPATCH_PLAN_EXE) + " " + args + " < " + in + " > " + out + " 2> " + err).c_str());
-    return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out), slurp(err)};
+    for (const char* name : {"stdin", "stdout", "stderr"}) made_.push_back(path(name));
+    return plan_cli::run(plan_cli::words(args), input, path(""));
   }
 
   std::vector<std::string> made_;
@@ -127,7 +115,7 @@ TEST_F(BalanceCli, SvgOfTheBalancedPlanIsWellFormed) {
   const Result r = run("balance " + file("in.json", kInput) + " --svg " + svg);
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("\"kind\": \"qkv\""));  // the plan still goes to stdout
-  const std::string picture = slurp(svg);
+  const std::string picture = read_file(svg);
   ASSERT_TRUE(baltest::well_formed_xml(picture));
   EXPECT_THAT(picture, HasSubstr("before (every piece at its home rank)"));
   EXPECT_THAT(picture, HasSubstr("attention cost per rank"));
@@ -135,8 +123,8 @@ TEST_F(BalanceCli, SvgOfTheBalancedPlanIsWellFormed) {
   const Result again = run(file("plan.json", R"({"world_size": 2, "ranks": [{"docs": [{"shard_len": [3], "dst": [0]}]}, {"docs": []}]})") +
                            " --svg=" + svg + " --summary");
   ASSERT_EQ(again.status, 0) << again.err;
-  ASSERT_TRUE(baltest::well_formed_xml(slurp(svg)));
-  EXPECT_THAT(slurp(svg), ::testing::Not(HasSubstr("before (")));
+  ASSERT_TRUE(baltest::well_formed_xml(read_file(svg)));
+  EXPECT_THAT(read_file(svg), ::testing::Not(HasSubstr("before (")));
 }
 
 TEST_F(BalanceCli, ErrorsNameTheField) {
@@ -221,14 +209,14 @@ TEST_F(BalanceCli, PackedSummaryCountsShardsOfDocumentsThatSpanRanks) {
   EXPECT_THAT(r.out, StartsWith("qkv plan: world_size 4, max_cp_degree 6\ndocuments: 3, 2 spanning ranks\n"
                                 "rank  shards  tokens  q_sent_off_rank  q_recv  kv_recv  attn_cost  spanning\n"));
   EXPECT_THAT(r.out, HasSubstr("x the lower bound"));
-  ASSERT_TRUE(baltest::well_formed_xml(slurp(svg)));
-  EXPECT_THAT(slurp(svg), HasSubstr("before (every piece at its home rank)"));
+  ASSERT_TRUE(baltest::well_formed_xml(read_file(svg)));
+  EXPECT_THAT(read_file(svg), HasSubstr("before (every piece at its home rank)"));
   // Plan mode draws a documents-form plan too.
   std::remove(svg.c_str());
   const Result plan = run("balance", kPacked);
   const Result drawn = run(file("plan.json", plan.out) + " --summary --svg " + svg);
   ASSERT_EQ(drawn.status, 0) << drawn.err;
-  ASSERT_TRUE(baltest::well_formed_xml(slurp(svg)));
+  ASSERT_TRUE(baltest::well_formed_xml(read_file(svg)));
 }
 
 TEST_F(BalanceCli, PackedErrorsNameTheJsonPath) {
@@ -288,8 +276,8 @@ TEST_F(BalanceCli, ThePlanningPageExampleIsWhatTheToolWrites) {
   made_.push_back(svg);
   const Result r = run("balance " + src + "/docs/balance-example.json --summary --svg " + svg);
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_EQ(slurp(svg), slurp(src + "/docs/balance-example.svg")) << "docs/balance-example.svg is stale";
-  const std::string page = slurp(src + "/docs/planning.md");
+  EXPECT_EQ(read_file(svg), read_file(src + "/docs/balance-example.svg")) << "docs/balance-example.svg is stale";
+  const std::string page = read_file(src + "/docs/planning.md");
   std::istringstream lines(r.out);
   for (std::string line; std::getline(lines, line);) EXPECT_THAT(page, HasSubstr(line + "\n")) << "docs/planning.md's example summary is stale";
 }
@@ -304,13 +292,13 @@ TEST_F(BalanceCli, ThePackedExampleIsWhatTheToolWrites) {
   made_.push_back(svg);
   const Result r = run("balance " + src + "/docs/balance-example-packed.json --summary --svg " + svg);
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_EQ(r.out, slurp(src + "/docs/balance-example-packed.txt")) << "docs/balance-example-packed.txt is stale";
-  EXPECT_EQ(slurp(svg), slurp(src + "/docs/balance-example-packed.svg")) << "docs/balance-example-packed.svg is stale";
+  EXPECT_EQ(r.out, read_file(src + "/docs/balance-example-packed.txt")) << "docs/balance-example-packed.txt is stale";
+  EXPECT_EQ(read_file(svg), read_file(src + "/docs/balance-example-packed.svg")) << "docs/balance-example-packed.svg is stale";
   EXPECT_THAT(r.out, HasSubstr("documents: 46, 11 spanning ranks"));
   // ... and the plan is valid and within 3% of the bound.
   const Result plan = run("balance " + src + "/docs/balance-example-packed.json");
   ASSERT_EQ(plan.status, 0) << plan.err;
-  const nlohmann::json input = nlohmann::json::parse(slurp(src + "/docs/balance-example-packed.json"));
+  const nlohmann::json input = nlohmann::json::parse(read_file(src + "/docs/balance-example-packed.json"));
   cpdispatch::BalanceProblem p;
   p.world_size = input.at("world_size").get<I>();
   p.max_cp_degree = input.at("max_cp_degree").get<I>();

@@ -3,9 +3,6 @@
 
 #include <gtest/gtest.h>
 
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -18,28 +15,18 @@
 
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/json.hpp"
+#include "../common/plan_cli.hpp"
 #include "spec_examples.hpp"
-
-extern char** environ;
 
 namespace {
 
 using json = nlohmann::json;
 
-const std::string exe = CPDISPATCH_PLAN_EXE;
 const std::string data_dir = CPDISPATCH_CLI_DATA_DIR;
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using plan_cli::read_file;
 
-struct Result {
-  int status = -1;  // exit status, or -1 if the program did not exit normally
-  std::string out, err;
-};
+using Result = plan_cli::CliRun;
 
 /// A scratch directory per test, removed with it.
 class CliTest : public ::testing::Test {
@@ -63,32 +50,7 @@ class CliTest : public ::testing::Test {
   /// Runs cpdispatch-plan with `args`, `input` on its stdin; stdout goes to
   /// `stdout_path` when given (e.g. /dev/full), else is captured.
   Result run(const std::vector<std::string>& args, const std::string& input = "", const std::string& stdout_path = "") {
-    const std::string in = file("stdin", input);
-    const std::string out = stdout_path.empty() ? dir_ + "/stdout" : stdout_path;
-    const std::string err = dir_ + "/stderr";
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 0, in.c_str(), O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    posix_spawn_file_actions_addopen(&actions, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    std::vector<char*> argv = {const_cast<char*>(exe.c_str())};
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    const int spawned = posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    Result r;
-    if (spawned != 0) {
-      ADD_FAILURE() << "cannot run " << exe << ": " << std::strerror(spawned);
-      return r;
-    }
-    int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    if (stdout_path.empty()) r.out = read_file(out);
-    r.err = read_file(err);
-    return r;
+    return plan_cli::run(args, input, dir_ + "/", stdout_path);
   }
 
   std::string dir_;
