@@ -15,15 +15,7 @@
 // transport a timeout, MpiTransportOptions::timeout, to turn that into a
 // failure). --gtest_shuffle uses rank 0's seed on every rank.
 
-// Only MPI's C API is used: keep the deprecated MPI-2 C++ bindings out (they
-// do not compile cleanly under -Wextra -Werror), as HDF5's headers do.
-#ifndef OMPI_SKIP_MPICXX
-#define OMPI_SKIP_MPICXX 1
-#endif
-#ifndef MPICH_SKIP_MPICXX
-#define MPICH_SKIP_MPICXX 1
-#endif
-#include <mpi.h>
+#include "cpdispatch/transports/detail/mpi_c_api.hpp"
 
 #include <gtest/gtest.h>
 

@@ -73,15 +73,7 @@
 //   suffices when only the main thread uses MPI). Movable, not copyable; a
 //   moved-from transport may only be destroyed or assigned to.
 
-// Only MPI's C API is used: keep the deprecated MPI-2 C++ bindings out (they
-// do not compile cleanly under -Wextra -Werror), as HDF5's headers do.
-#ifndef OMPI_SKIP_MPICXX
-#define OMPI_SKIP_MPICXX 1
-#endif
-#ifndef MPICH_SKIP_MPICXX
-#define MPICH_SKIP_MPICXX 1
-#endif
-#include <mpi.h>
+#include "cpdispatch/transports/detail/mpi_c_api.hpp"
 
 #include <algorithm>
 #include <chrono>

@@ -8,7 +8,7 @@
 // rank's node key is the smallest rank of its shared-memory group, gathered
 // to all; nodes are numbered by their first rank.
 
-#include <mpi.h>
+#include "cpdispatch/transports/detail/mpi_c_api.hpp"
 
 #include <cstdint>
 #include <vector>

@@ -8,13 +8,7 @@
 // receives still pending say exactly which ranks stayed silent, and a rank
 // that exchanged no bytes with the faulty one still learns of the fault.
 
-#ifndef OMPI_SKIP_MPICXX
-#define OMPI_SKIP_MPICXX 1
-#endif
-#ifndef MPICH_SKIP_MPICXX
-#define MPICH_SKIP_MPICXX 1
-#endif
-#include <mpi.h>
+#include "cpdispatch/transports/detail/mpi_c_api.hpp"
 
 #include <algorithm>
 #include <chrono>
