@@ -697,6 +697,29 @@ TEST(MpiAgreement, ARankThatFailsIsNamedOnEveryRank) {
   MpiTransport(MPI_COMM_WORLD).barrier();
 }
 
+// Every rank's call fails on its own arguments: each still takes its full
+// part in the agreement, so no outcome is left over to be matched by a later
+// exchange (the tags repeat every MpiAgreement::tags exchanges), and the
+// transport stays usable.
+TEST(MpiAgreement, AFailureOfEveryRanksOwnLeavesNothingForLaterExchanges) {
+  MpiTransport t = MpiTransport::duplicate(MPI_COMM_WORLD, point_to_point_options(true, 30s));
+  const int W = t.world_size();
+  if (W < 2) GTEST_SKIP() << "needs a second rank";
+  std::vector<std::size_t> zeros(static_cast<std::size_t>(W), 0), self(zeros);
+  self[static_cast<std::size_t>(t.rank())] = 1;
+  std::byte buf[1]{};
+  EXPECT_THROW(t.all_to_all_v(buf, self, zeros, buf, zeros, zeros), invalid_input);
+  EXPECT_FALSE(t.broken());
+  const std::vector<std::size_t> ones(static_cast<std::size_t>(W), 1);
+  std::vector<std::size_t> displs(static_cast<std::size_t>(W));
+  for (std::size_t i = 0; i < displs.size(); ++i) displs[i] = i;
+  std::vector<std::uint8_t> out(displs.size(), static_cast<std::uint8_t>(t.rank())), in(displs.size());
+  for (int round = 0; round < detail::MpiAgreement::tags + 2; ++round) {
+    t.all_to_all_v(out.data(), ones, displs, in.data(), ones, displs);
+    for (std::size_t s = 0; s < in.size(); ++s) ASSERT_EQ(in[s], s) << "round " << round;
+  }
+}
+
 // The last rank never calls: the others, whose exchange completed, name it at
 // the deadline (plus the grace).
 TEST(MpiAgreement, ASilentRankIsNamedAtTheDeadline) {

@@ -651,14 +651,17 @@ class MpiTransport {
     try {
       body();
     } catch (const timeout_error& e) {
-      throw timeout_error(with_others(e, agreement_.finish_failed(e, 0, true, agreement_grace())));
+      throw timeout_error(with_others(e, agreement_.finish_failed(e, 0, true, deadline, agreement_grace())));
     } catch (const mpi_error& e) {
-      throw mpi_error(with_others(e, agreement_.finish_failed(e, e.code(), false, agreement_grace())), e.code());
+      throw mpi_error(with_others(e, agreement_.finish_failed(e, e.code(), false, deadline, agreement_grace())), e.code());
     } catch (const backend_error& e) {
-      throw backend_error(with_others(e, agreement_.finish_failed(e, e.code(), false, agreement_grace())), e.code());
+      throw backend_error(with_others(e, agreement_.finish_failed(e, e.code(), false, deadline, agreement_grace())), e.code());
     } catch (const std::exception& e) {
-      agreement_.finish_failed(e, 0, false, agreement_grace());
+      // A failure of this rank's own (a bad argument) leaves the transport
+      // usable when every outcome came: nothing is left for a later agreement.
+      agreement_.finish_failed(e, 0, false, deadline, agreement_grace());
       keep_leftover_sends();
+      if (!agreement_.all_reported() && broken_.empty()) broken_ = e.what();
       throw;
     }
     try {

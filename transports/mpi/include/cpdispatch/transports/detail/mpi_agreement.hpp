@@ -101,10 +101,13 @@ class MpiAgreement {
   }
 
   /// This rank's exchange failed with `e` (`timed_out`: at the deadline):
-  /// tells the others, waits `grace` for the outcomes still missing (none
-  /// unless it timed out: the failure was this rank's own), and returns what
-  /// is known of the others (who failed, who said nothing), to add to the error.
-  std::string finish_failed(const std::exception& e, int code, bool timed_out, std::chrono::milliseconds grace) {
+  /// tells the others, waits for their outcomes until `deadline` (a failure
+  /// before the deadline, e.g. a bad argument, still takes its full part, so
+  /// that no outcome is left behind for a later exchange) and `grace` longer,
+  /// and returns what is known of the others (who failed, who said nothing),
+  /// to add to the error. all_reported() says whether every outcome came.
+  std::string finish_failed(const std::exception& e, int code, bool timed_out, const MpiDeadline& deadline,
+                            std::chrono::milliseconds grace) {
     b_->out = MpiOutcome{};
     b_->out.exchange = exchange_;
     b_->out.failed = 1;
@@ -113,16 +116,18 @@ class MpiAgreement {
     const std::size_t n = std::min(std::strlen(e.what()), sizeof(b_->out.what) - 1);
     std::memcpy(b_->out.what, e.what(), n);
     send_outcome();
-    if (timed_out) {
-      wait_all(b_->receives, std::chrono::steady_clock::now() + grace);
-    } else {
-      test_all(b_->receives);
-    }
+    if (!timed_out) wait_all(b_->receives, deadline);
+    if (deadline || timed_out) wait_all(b_->receives, std::chrono::steady_clock::now() + grace);
+    all_reported_ = test_all(b_->receives);
     const std::string verdict = verdict_of_others();
     finish_sends(std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
     cancel_receives();
     return verdict;
   }
+
+  /// Whether every other rank's outcome of the last failed exchange arrived
+  /// (none is left to be matched by a later exchange's agreement).
+  bool all_reported() const noexcept { return all_reported_; }
 
   /// Sends still pending after an agreement gave up (the transport keeps them for its destructor).
   std::vector<MPI_Request>& leftover_sends() { return b_->sends; }
@@ -202,6 +207,7 @@ class MpiAgreement {
   int first_tag_ = 0;
   std::uint64_t exchange_ = 0;
   bool any_silent_ = false;
+  bool all_reported_ = true;
   int first_code_ = 0;
   MpiAgreementBuffers* b_ = nullptr;
   std::vector<int> indices_;
