@@ -1,5 +1,6 @@
 // _cpdispatch: the C++ planner for Python. Plans come in as the JSON
-// contract's dict (or JSON text) and go through the library's JSON reader, so
+// contract's dict (or JSON text) and go through the library's JSON reader
+// (the common dict shapes are read straight into the library's structs), so
 // every check and message is the CLI's; results go out as dicts with the
 // CLI's keys whose arrays are NumPy int64 arrays that own the planner's
 // storage (moved, not copied). The pure-Python layer (cpdispatch/__init__.py)
@@ -18,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -634,16 +636,196 @@ py::object to_python(const nlohmann::json& j) {
   }
 }
 
-/// cpdispatch-plan balance's output for `input`, as the dict json.loads makes of it.
-py::object balance(py::handle input, bool dedup, py::handle max_memory) {
-  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+// ---- the balance input without the JSON detour
+// As for plans: a balance dict of the expected shape (known keys only, plain
+// ints, lists of the right lengths) is read straight into the BalanceProblem,
+// whose values plan_balanced checks. Anything else goes through the library's
+// JSON reader, and so does a direct read whose planning fails: the reader
+// then names a bad value as the CLI does.
+
+struct BalanceInput {
+  cpdispatch::BalanceProblem problem;
+  cpdispatch::BalanceOptions options;
+  bool read_directly = false;
+};
+
+bool read_pieces(PyObject* o, std::vector<cpdispatch::DocumentPiece>& pieces) {
+  static const auto document_keys = keys_of(std::array{"pieces"});
+  static const auto piece_keys = keys_of(std::array{"rank", "len"});
+  std::array<PyObject*, 1> doc{};
+  std::array<PyObject*, 2> piece{};
+  if (!dict_fields(o, document_keys, doc) || !doc[0] || !PyList_CheckExact(doc[0])) return false;
+  pieces.resize(static_cast<std::size_t>(PyList_GET_SIZE(doc[0])));
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    if (!dict_fields(PyList_GET_ITEM(doc[0], static_cast<Py_ssize_t>(k)), piece_keys, piece) || !piece[0] || !piece[1] ||
+        !plain_int(piece[0], pieces[k].rank) || !plain_int(piece[1], pieces[k].len)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool read_packed_batch(PyObject* o, cpdispatch::BalanceProblem& p) {
+  if (!PyList_CheckExact(o)) return false;
+  p.documents.resize(static_cast<std::size_t>(PyList_GET_SIZE(o)));
+  for (std::size_t i = 0; i < p.documents.size(); ++i) {
+    if (!read_pieces(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)), p.documents[i])) return false;
+  }
+  return true;
+}
+
+/// "ranks": exactly world_size entries, as the reader requires (the planner
+/// would take an empty list for the packed form).
+bool read_rank_lengths(PyObject* o, cpdispatch::BalanceProblem& p) {
+  if (!PyList_CheckExact(o) || PyList_GET_SIZE(o) != p.world_size) return false;
+  static const auto rank_keys = keys_of(std::array{"docs"});
+  std::array<PyObject*, 1> rank{};
+  p.docs.resize(static_cast<std::size_t>(p.world_size));
+  for (std::size_t r = 0; r < p.docs.size(); ++r) {
+    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(r)), rank_keys, rank) || !rank[0] || !int_list(rank[0], p.docs[r])) return false;
+  }
+  return true;
+}
+
+/// An optional int field; false when present and not a plain int.
+bool optional_int(PyObject* o, std::int64_t& out) { return !o || plain_int(o, out); }
+
+/// "mask" through the library's reader (a small dict: the JSON detour costs nothing here).
+cpdispatch::AttentionMask read_mask_field(PyObject* o) {
+  const KeyPath root{};
+  const auto path = cpdispatch::detail::JsonPath::root("input");
+  return cpdispatch::detail::read_mask(to_json(o, KeyPath{&root, "mask"}), path / "mask");
+}
+
+/// The direct read of a balance dict (see above); false: use the JSON reader.
+bool read_balance_dict(py::handle input, BalanceInput& out) {
+  static const auto batch_keys =
+      keys_of(std::array{"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes", "dedup", "mask"});
+  std::array<PyObject*, 9> f{};  // in batch_keys' order
+  cpdispatch::BalanceProblem& p = out.problem;
+  if (!dict_fields(input.ptr(), batch_keys, f) || !f[0] || !f[1] || !plain_int(f[0], p.world_size) || !plain_int(f[1], p.max_cp_degree)) {
+    return false;
+  }
+  if (!optional_int(f[5], p.q_bytes) || !optional_int(f[6], p.kv_bytes) || (f[7] && !PyBool_Check(f[7]))) return false;
+  out.options.dedup = f[7] == Py_True;
+  if ((f[2] == nullptr) == (f[3] == nullptr) || !(f[2] ? read_packed_batch(f[2], p) : read_rank_lengths(f[3], p))) return false;
+  if (f[4] && (!int_list(f[4], p.recv_capacity) || static_cast<std::int64_t>(p.recv_capacity.size()) != p.world_size)) return false;
+  if (f[8]) {
+    try {
+      p.mask = read_mask_field(f[8]);
+    } catch (const cpdispatch::invalid_input&) {
+      return false;  // the reader names it, after any field it reads first
+    }
+  }
+  out.read_directly = true;
+  return true;
+}
+
+/// A balance input through the library's JSON reader (dict or JSON text).
+BalanceInput read_balance_json(py::handle input, const cpdispatch::PlanLimits& limits) {
   const nlohmann::json j = input_json(input, limits);
-  const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(j);
-  cpdispatch::BalanceOptions options = cpdispatch::balance_options_from_json(j);
-  options.dedup = options.dedup || dedup;
-  const cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options, limits);
-  const cpdispatch::Plan plan = problem.docs.empty() ? cpdispatch::Plan(balanced) : cpdispatch::Plan(cpdispatch::to_rank_plan(balanced));
-  return to_python(cpdispatch::balanced_plan_to_json(plan, options.dedup));
+  return {cpdispatch::balance_problem_from_json(j), cpdispatch::balance_options_from_json(j), false};
+}
+
+BalanceInput read_balance_input(py::handle input, const cpdispatch::PlanLimits& limits) {
+  BalanceInput out;
+  if (read_balance_dict(input, out)) return out;
+  return read_balance_json(input, limits);
+}
+
+// ---- the balanced plan as a dict
+// Keys and nesting as balanced_plan_to_json writes them, in its (sorted) key
+// order, built from the plan: going through nlohmann-json cost several
+// times as much.
+
+py::object int_object(std::int64_t v) {
+  PyObject* o = PyLong_FromLongLong(v);
+  if (!o) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
+}
+
+void set_item(py::dict& d, PyObject* key, const py::object& value) {
+  if (PyDict_SetItem(d.ptr(), key, value.ptr()) != 0) throw py::error_already_set();
+}
+
+py::list int_list_of(const std::vector<std::int64_t>& values) {
+  py::list out(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), int_object(values[i]).release().ptr());
+  return out;
+}
+
+/// {"shards": [{"dst", "len", "rank"}, ...]}
+py::dict packed_document_dict(const cpdispatch::PackedDocument& doc) {
+  static const auto keys = keys_of(std::array{"dst", "len", "rank", "shards"});
+  py::list shards(doc.shards.size());
+  for (std::size_t k = 0; k < doc.shards.size(); ++k) {
+    const cpdispatch::DocumentShard& s = doc.shards[k];
+    py::dict shard;
+    set_item(shard, keys[0], int_object(s.dst));
+    set_item(shard, keys[1], int_object(s.len));
+    set_item(shard, keys[2], int_object(s.rank));
+    PyList_SET_ITEM(shards.ptr(), static_cast<Py_ssize_t>(k), shard.release().ptr());
+  }
+  py::dict d;
+  set_item(d, keys[3], shards);
+  return d;
+}
+
+/// {"docs": [{"dst", "shard_len"}, ...]}
+py::dict rank_documents_dict(const cpdispatch::RankDocuments& rank) {
+  static const auto keys = keys_of(std::array{"dst", "shard_len", "docs"});
+  py::list docs(rank.docs.size());
+  for (std::size_t i = 0; i < rank.docs.size(); ++i) {
+    py::dict doc;
+    set_item(doc, keys[0], int_list_of(rank.docs[i].dst));
+    set_item(doc, keys[1], int_list_of(rank.docs[i].shard_len));
+    PyList_SET_ITEM(docs.ptr(), static_cast<Py_ssize_t>(i), doc.release().ptr());
+  }
+  py::dict d;
+  set_item(d, keys[2], docs);
+  return d;
+}
+
+template <class Item, class F>
+py::list dicts_of(const std::vector<Item>& items, F&& item_dict) {
+  py::list out(items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), item_dict(items[i]).release().ptr());
+  return out;
+}
+
+/// A balanced plan (either form) as the dict json.loads makes of balanced_plan_to_json's JSON.
+template <class QkvForm>
+py::dict balanced_plan_dict(const QkvForm& p, bool dedup) {
+  constexpr bool packed = std::is_same_v<QkvForm, cpdispatch::QkvDocumentsPlan>;
+  py::dict d;
+  if (dedup || p.dedup) d["dedup"] = true;
+  if constexpr (packed) d["documents"] = dicts_of(p.documents, packed_document_dict);
+  d["kind"] = "qkv";
+  if (p.mask != cpdispatch::AttentionMask::causal()) d["mask"] = to_python(cpdispatch::detail::mask_to_json(p.mask));
+  if (p.max_cp_degree) d["max_cp_degree"] = *p.max_cp_degree;
+  if constexpr (!packed) d["ranks"] = dicts_of(p.ranks, rank_documents_dict);
+  d["world_size"] = p.world_size;
+  return d;
+}
+
+/// plan_balanced on a balance input; see "the balance input without the JSON detour".
+cpdispatch::QkvDocumentsPlan plan_balanced_input(py::handle input, const BalanceInput& in, const cpdispatch::PlanLimits& limits) {
+  try {
+    return cpdispatch::plan_balanced(in.problem, in.options, limits);
+  } catch (const cpdispatch::invalid_input&) {
+    if (in.read_directly) read_balance_json(input, limits);  // throws where the reader refuses the input
+    throw;
+  }
+}
+
+/// cpdispatch-plan balance's output for `input`, as the dict json.loads makes of it.
+py::dict balance(py::handle input, bool dedup, py::handle max_memory) {
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  BalanceInput in = read_balance_input(input, limits);
+  in.options.dedup = in.options.dedup || dedup;
+  const cpdispatch::QkvDocumentsPlan balanced = plan_balanced_input(input, in, limits);
+  if (in.problem.docs.empty()) return balanced_plan_dict(balanced, in.options.dedup);
+  return balanced_plan_dict(cpdispatch::to_rank_plan(balanced), in.options.dedup);
 }
 
 // ---------------------------------------------------------------- timing (benchmarks)
@@ -680,11 +862,9 @@ double time_plan(py::handle input, std::int64_t rank, bool dedup, int repeats) {
 
 /// plan_balanced behind balance, timed in C++ on an input already read.
 double time_balance(py::handle input, int repeats) {
-  const nlohmann::json j = input_json(input, {});
-  const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(j);
-  const cpdispatch::BalanceOptions options = cpdispatch::balance_options_from_json(j);
+  const BalanceInput in = read_balance_input(input, {});
   py::gil_scoped_release unlocked;
-  return best_seconds(repeats, [&] { cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(problem, options); });
+  return best_seconds(repeats, [&] { cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(in.problem, in.options); });
 }
 
 /// The planners prefix messages with their own name; for a Python caller the

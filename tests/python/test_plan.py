@@ -115,6 +115,68 @@ def test_balance_equals_cli(cli, form):
     assert as_json(cpdispatch.plan(balanced)) == run_cli(cli, expected)
 
 
+BALANCE_OPTIONS = [("recv_capacity", {"recv_capacity": [150, 150, 150, 150]}), ("bytes", {"q_bytes": 3, "kv_bytes": 5, "dedup": True}),
+                   ("window", {"mask": {"type": "sliding_window", "window": 6}}), ("full", {"mask": {"type": "full"}})]
+
+
+@pytest.mark.parametrize("form", ["documents", "ranks"])
+@pytest.mark.parametrize("name,options", BALANCE_OPTIONS, ids=[o[0] for o in BALANCE_OPTIONS])
+def test_balance_with_options_equals_cli_key_for_key(cli, form, name, options):
+    rng = random.Random(len(name))
+    world = 4
+    if form == "documents":
+        docs = [{"pieces": [{"rank": r, "len": rng.randint(2, 40)}]} for r in range(world) for _ in range(2)]
+        batch = {"world_size": world, "max_cp_degree": 3, "documents": docs + [{"pieces": [{"rank": 2, "len": 30}, {"rank": 3, "len": 9}]}]}
+    else:
+        batch = {"world_size": world, "max_cp_degree": 2, "ranks": [{"docs": [rng.randint(1, 60) for _ in range(3)]} for _ in range(world)]}
+    batch.update(options)
+    # json.dumps keeps the key order: the dict is built in the order json.loads gives the CLI's keys
+    assert json.dumps(cpdispatch.balance(batch)) == json.dumps(run_cli(cli, batch, "balance"))
+
+
+def run_cli_error(cli, document, *args):
+    done = subprocess.run([cli, *args, "-", "--compact"], input=json.dumps(document), capture_output=True, text=True, check=False)
+    assert done.returncode != 0, done.stdout
+    return done.stderr.strip().removeprefix("cpdispatch-plan: ")
+
+
+PIECE = {"rank": 0, "len": 4}
+BAD_BATCHES = [
+    ({"world_size": 0, "max_cp_degree": 1, "documents": []}, "world_size"),
+    ({"world_size": 2, "documents": [{"pieces": [PIECE]}]}, "max_cp_degree"),
+    ({"world_size": 2, "max_cp_degree": 2, "documents": [{"pieces": [PIECE, {"rank": 2, "len": 4}]}]}, "documents[0].pieces[1].rank"),
+    ({"world_size": 2, "max_cp_degree": 2, "documents": [{"pieces": [PIECE]}, {"pieces": [{"rank": 1, "len": 0}]}]}, "documents[1].pieces[0].len"),
+    ({"world_size": 2, "max_cp_degree": 2, "documents": [{"pieces": [{"rank": 0, "len": "4"}]}]}, "documents[0].pieces[0].len"),
+    ({"world_size": 2, "max_cp_degree": 2, "documents": [{"pieces": [{"rank": 0, "len": 1.5}]}]}, "documents[0].pieces[0].len"),
+    ({"world_size": 2, "max_cp_degree": 2, "documents": [{"pieces": [{"rank": 0, "len": 1 << 70}]}]}, "documents.pieces.len"),
+    ({"world_size": 2, "max_cp_degree": 1, "documents": [{"pieces": [PIECE, PIECE]}]}, "documents[0].pieces has 2 entries"),
+    ({"world_size": 2, "max_cp_degree": 1, "documents": [{"pieces": []}]}, "documents[0].pieces is empty"),
+    ({"world_size": 2, "max_cp_degree": 1, "documents": [{"pieces": [dict(PIECE, dst=0)]}]}, "documents[0].pieces[0]"),
+    ({"world_size": 2, "max_cp_degree": 1, "ranks": [{"docs": [3]}]}, "ranks has 1 entry"),
+    ({"world_size": 2, "max_cp_degree": 1, "ranks": []}, "ranks has 0 entries"),
+    ({"world_size": 2, "max_cp_degree": 1, "ranks": [{"docs": [3]}, {"docs": [2, 0]}]}, "ranks[1].docs[1]"),
+    ({"world_size": 1, "max_cp_degree": 1, "ranks": [{"docs": [3]}], "documents": []}, "both"),
+    ({"world_size": 1, "max_cp_degree": 1}, "missing"),
+    ({"world_size": 2, "max_cp_degree": 1, "ranks": [{"docs": [3]}, {"docs": [2]}], "recv_capacity": []}, "recv_capacity has 0 entries"),
+    ({"world_size": 2, "max_cp_degree": 1, "ranks": [{"docs": [3]}, {"docs": [2]}], "recv_capacity": [9, -1]}, "recv_capacity[1]"),
+    ({"world_size": 2, "max_cp_degree": 1, "ranks": [{"docs": [3]}, {"docs": [2]}], "recv_capacity": [1, 1]}, "recv_capacity"),
+    ({"world_size": 1, "max_cp_degree": 1, "ranks": [{"docs": [3]}], "q_bytes": -1}, "q_bytes"),
+    ({"world_size": 1, "max_cp_degree": 1, "ranks": [{"docs": [3]}], "dedup": 1}, "dedup"),
+    ({"world_size": 1, "max_cp_degree": 1, "ranks": [{"docs": [3]}], "mask": {"type": "window"}}, "mask.type"),
+    ({"world_size": 0, "max_cp_degree": 1, "ranks": [], "mask": {"type": "window"}}, "world_size"),
+    ({"world_size": 1, "max_cp_degree": 1, "ranks": [{"docs": [3]}], "max_cp_dgree": 2}, "max_cp_dgree"),
+]
+
+
+@pytest.mark.parametrize("batch,field", BAD_BATCHES, ids=[b[1] for b in BAD_BATCHES])
+def test_a_bad_balance_input_raises_the_clis_message(cli, batch, field):
+    with pytest.raises(ValueError) as raised:
+        cpdispatch.balance(batch)
+    assert field in str(raised.value)
+    if field != "documents.pieces.len":  # json.dumps writes 2**70, which the CLI's parser reads as a float
+        assert str(raised.value) == run_cli_error(cli, batch, "balance")
+
+
 def test_balance_keyword_options_join_the_batch(cli):
     batch = {"world_size": 2, "documents": [{"pieces": [{"rank": 0, "len": 50}]}, {"pieces": [{"rank": 1, "len": 3}]}]}
     assert cpdispatch.balance(batch, max_cp_degree=2, dedup=True) == run_cli(cli, dict(batch, max_cp_degree=2, dedup=True), "balance")
