@@ -93,7 +93,7 @@ def main():
         row("plan_for_rank", world, best(args.repeats, lambda: cpdispatch.plan_for_rank(plan, rank)), cpp_rank, cli("--rank", str(rank)))
         row("  (Plan kept)", world, best(args.repeats, lambda: cpdispatch.plan_for_rank(kept, rank)), cpp_rank, None)
         row("Plan(dict)", world, best(args.repeats, lambda: cpdispatch.Plan(plan)), cpp_rank, None)
-        if not args.no_balance and world <= 1024:
+        if not args.no_balance:
             batch = balance_batch(world, seed=world)
             row("balance", world, best(max(1, args.repeats // 2), lambda: cpdispatch.balance(batch)),
                 _cpdispatch.time_balance(batch, max(1, args.repeats // 2)), None)
