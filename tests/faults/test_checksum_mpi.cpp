@@ -33,8 +33,8 @@ using fault_mpi::world_rank;
 using fault_mpi::world_size;
 using testing::HasSubstr;
 
-constexpr auto mpi_timeout = 2000ms;
-const FaultOptions fault_options{.error_code = 77, .stall = 3000ms, .short_bytes = 4};
+constexpr auto mpi_timeout = 1000ms;
+const FaultOptions fault_options{.error_code = 77, .stall = 1500ms, .short_bytes = 4};
 
 struct Checked {
   Outcome outcome;

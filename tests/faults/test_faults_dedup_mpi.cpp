@@ -35,8 +35,8 @@ using dedup_fault_cases::Step;
 using fault_cases::Fault;
 using fault_cases::TransportCall;
 
-constexpr auto mpi_timeout = 1500ms;  // generous: a loaded CI machine must not make a healthy step time out
-const FaultOptions fault_options{.error_code = 77, .stall = 2000ms, .short_bytes = 4};
+constexpr auto mpi_timeout = 1000ms;  // generous: a loaded CI machine must not make a healthy step time out
+const FaultOptions fault_options{.error_code = 77, .stall = 1500ms, .short_bytes = 4};
 
 using fault_mpi::max_over_ranks;
 using fault_mpi::sum_over_ranks;

@@ -29,8 +29,8 @@ using namespace std::chrono_literals;
 using namespace fault_cases;
 using cpdispatch::MpiTransport;
 
-constexpr auto mpi_timeout = 2000ms;  // generous: a loaded CI machine must not make a healthy step time out
-const FaultOptions fault_options{.error_code = 77, .stall = 3000ms, .short_bytes = 4};
+constexpr auto mpi_timeout = 1000ms;  // generous: a loaded CI machine must not make a healthy step time out
+const FaultOptions fault_options{.error_code = 77, .stall = 1500ms, .short_bytes = 4};
 
 using fault_mpi::max_over_ranks;
 using fault_mpi::sum_over_ranks;
