@@ -15,6 +15,7 @@ function(cpdispatch_add_mpi_test name)
   add_executable(${name} ${ARG_SOURCES} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/mpi_main.cpp)
   target_link_libraries(${name} PRIVATE cpdispatch::mpi GTest::gtest ${ARG_LIBS})
   cpdispatch_own_target(${name})
+  target_precompile_headers(${name} REUSE_FROM cpdispatch_test_pch)
   foreach(n IN LISTS ARG_RANKS)
     add_test(NAME ${name}.np${n}
              COMMAND "${MPIEXEC_EXECUTABLE}" ${MPIEXEC_NUMPROC_FLAG} ${n} ${CPDISPATCH_MPIEXEC_PREFLAGS}
