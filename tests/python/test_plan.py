@@ -1,6 +1,7 @@
 """cpdispatch.plan / plan_for_rank / balance against the cpdispatch-plan CLI,
 and the errors bad input raises."""
 
+import gc
 import json
 import random
 import subprocess
@@ -180,6 +181,18 @@ def test_a_bad_balance_input_raises_the_clis_message(cli, batch, field):
 def test_balance_keyword_options_join_the_batch(cli):
     batch = {"world_size": 2, "documents": [{"pieces": [{"rank": 0, "len": 50}]}, {"pieces": [{"rank": 1, "len": 3}]}]}
     assert cpdispatch.balance(batch, max_cp_degree=2, dedup=True) == run_cli(cli, dict(batch, max_cp_degree=2, dedup=True), "balance")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_balance_leaves_the_cycle_collector_as_it_found_it(enabled):
+    batch = {"world_size": 2, "max_cp_degree": 2, "documents": [{"pieces": [{"rank": 0, "len": 50}]}]}
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        cpdispatch.balance(batch)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
 
 
 def test_numpy_values_are_accepted():
