@@ -3,7 +3,8 @@
 // that received the bad segment finds it; with agreement (the default)
 // every rank throws corruption_error naming the source and the receiving
 // rank; without, only the receiver throws and every other rank completes
-// with right output. A healthy step is unchanged. Each case runs on its own
+// with right output. A healthy step is unchanged. A corrupted all-gather
+// block or broadcast is an error on every rank too. Each case runs on its own
 // duplicate of MPI_COMM_WORLD.
 
 #include <gmock/gmock.h>
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "cpdispatch/execute/checksummed_transport.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
@@ -131,6 +133,34 @@ TEST_P(MpiChecksumPointToPoint, BadMessageIsAnErrorOnItsReceiverNamingTheSource)
   } else {
     EXPECT_EQ(recv, std::vector<unsigned char>(64, static_cast<unsigned char>((me + W - 1) % W + 1)));
     EXPECT_EQ(t.checked_segments(), 1u);
+  }
+}
+
+// Collectives: the last rank's all-gather block, or its broadcast as the
+// root, is corrupted under the checksums: every rank throws naming it.
+TEST(MpiChecksumCollectives, CorruptedAllGatherBlockAndBroadcastAreErrorsOnEveryRank) {
+  const int W = world_size(), me = world_rank(), faulty = W - 1;
+  if (W < 2) GTEST_SKIP() << "needs a second rank";
+  for (const bool broadcast : {false, true}) {
+    MpiTransport mpi = MpiTransport::duplicate(MPI_COMM_WORLD, {.timeout = mpi_timeout});
+    const TransportCall call = broadcast ? TransportCall::broadcast : TransportCall::all_gather;
+    FaultInjectingTransport faulty_t(mpi, {FaultRule{call, 1, Fault::corrupt, faulty}}, fault_options);
+    ChecksummedTransport t(faulty_t);
+    std::vector<float> mine(16, static_cast<float>(me + 1)), all(16 * static_cast<std::size_t>(W));
+    int source = -1;
+    std::string what;
+    try {
+      if (broadcast) {
+        t.broadcast(mine.data(), mine.size() * sizeof(float), faulty);
+      } else {
+        t.all_gather(mine.data(), all.data(), mine.size(), cpdispatch::ElementType::float32);
+      }
+    } catch (const cpdispatch::corruption_error& e) {
+      source = e.source_rank();
+      what = e.what();
+    }
+    EXPECT_EQ(source, faulty) << (broadcast ? "broadcast: " : "all_gather: ") << what;
+    EXPECT_EQ(sum_over_ranks(source == faulty ? 1 : 0), W);
   }
 }
 

@@ -5,7 +5,8 @@
 // segment); without agreement only the receiving rank throws and the others
 // complete with right output; a short delivery that the transport itself
 // lets through (as MPI does) is caught the same way; posted exchanges are
-// checked in their wait, point-to-point messages in the irecv's wait. Prints "fault-matrix |" rows for
+// checked in their wait, point-to-point messages in the irecv's wait, the
+// blocks of an all-gather and a broadcast's bytes on every rank. Prints "fault-matrix |" rows for
 // docs/reliability.md.
 
 #include <gmock/gmock.h>
@@ -349,6 +350,70 @@ TEST(ChecksummedTransport, PointToPointMessagesAreChecked) {
     EXPECT_EQ(hit.source[1], 0);
     EXPECT_THAT(hit.what[1], HasSubstr("rank 1 of " + std::to_string(W) + ": the message from rank 0 (tag 5, 64 bytes) fails its CRC32C check"));
     for (int r = 2; r < W; ++r) EXPECT_EQ(hit.source[static_cast<std::size_t>(r)], -1) << "rank " << r;
+  }
+}
+
+/// One all_gather (`broadcast` false: 16 floats a rank) or broadcast (from
+/// rank 1) on every rank of a world of W through
+/// ChecksummedTransport<FaultInjectingTransport<sim>>; per rank the
+/// corruption_error's source (-1: none), its message and the segments checked.
+RingOutcome checked_collective(int W, bool broadcast, const std::vector<FaultRule>& rules) {
+  SimWorld world(W, SimOptions{sim_timeout});
+  RingOutcome out{std::vector<int>(static_cast<std::size_t>(W), -1), std::vector<std::string>(static_cast<std::size_t>(W)),
+                  std::vector<std::uint64_t>(static_cast<std::size_t>(W), 0)};
+  constexpr std::size_t n = 16;
+  try {
+    world.run([&](SimTransport& sim) {
+      FaultInjectingTransport faulty(sim, rules, fault_options);
+      ChecksummedTransport t(faulty);
+      const int r = sim.rank();
+      const auto i = static_cast<std::size_t>(r);
+      std::vector<float> mine(n, static_cast<float>(r + 1)), all(n * static_cast<std::size_t>(W), 0.0f);
+      try {
+        if (broadcast) {
+          t.broadcast(mine.data(), n * sizeof(float), 1);
+          EXPECT_EQ(mine, std::vector<float>(n, 2.0f));
+        } else {
+          t.all_gather(mine.data(), all.data(), n, cpdispatch::ElementType::float32);
+          for (std::size_t k = 0; k < all.size(); ++k) EXPECT_EQ(all[k], static_cast<float>(k / n + 1)) << "rank " << r << ", element " << k;
+        }
+        out.checked[i] = t.checked_segments();
+      } catch (const cpdispatch::corruption_error& e) {
+        out.source[i] = e.source_rank();
+        out.what[i] = e.what();
+      }
+    });
+  } catch (const cpdispatch::error&) {
+  }
+  return out;
+}
+
+TEST(ChecksummedTransport, AllGatherBlocksAreCheckedOnEveryRank) {
+  for (const int W : {2, 3, 5}) {
+    const RingOutcome healthy = checked_collective(W, false, {});
+    for (int r = 0; r < W; ++r) {
+      EXPECT_EQ(healthy.source[static_cast<std::size_t>(r)], -1) << healthy.what[static_cast<std::size_t>(r)];
+      EXPECT_EQ(healthy.checked[static_cast<std::size_t>(r)], static_cast<std::uint64_t>(W - 1)) << "rank " << r;
+    }
+    // Rank 0's block is corrupted in transit: every other rank finds it bad, and with agreement rank 0 hears of it.
+    const RingOutcome hit = checked_collective(W, false, {FaultRule{TransportCall::all_gather, 1, Fault::corrupt, 0}});
+    for (int r = 0; r < W; ++r) EXPECT_EQ(hit.source[static_cast<std::size_t>(r)], 0) << "rank " << r << ": " << hit.what[static_cast<std::size_t>(r)];
+    EXPECT_THAT(hit.what[1], HasSubstr("rank 1 of " + std::to_string(W) + ": the segment from rank 0 in exchange #1 (block 0 of the all-gather, 64 bytes at byte 0) fails its CRC32C check"));
+    EXPECT_THAT(hit.what[0], HasSubstr("the segment it received from rank 0 is corrupted or short"));
+  }
+}
+
+TEST(ChecksummedTransport, BroadcastIsCheckedOnEveryRank) {
+  for (const int W : {2, 3, 5}) {
+    const RingOutcome healthy = checked_collective(W, true, {});
+    for (int r = 0; r < W; ++r) {
+      EXPECT_EQ(healthy.source[static_cast<std::size_t>(r)], -1) << healthy.what[static_cast<std::size_t>(r)];
+      EXPECT_EQ(healthy.checked[static_cast<std::size_t>(r)], r == 1 ? 0u : 1u) << "rank " << r;
+    }
+    // The root's bytes are corrupted on their way out: every rank names the root.
+    const RingOutcome hit = checked_collective(W, true, {FaultRule{TransportCall::broadcast, 1, Fault::corrupt, 1}});
+    for (int r = 0; r < W; ++r) EXPECT_EQ(hit.source[static_cast<std::size_t>(r)], 1) << "rank " << r << ": " << hit.what[static_cast<std::size_t>(r)];
+    EXPECT_THAT(hit.what[0], HasSubstr("rank 0 of " + std::to_string(W) + ": the broadcast from rank 1 in exchange #1 (64 bytes) fails its CRC32C check"));
   }
 }
 

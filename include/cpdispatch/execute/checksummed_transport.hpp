@@ -33,9 +33,12 @@
 // are checked too: each isend is followed, on the same tag, by a 16-byte
 // message with its (checksum, byte count), and the wait() of an irecv checks
 // the bytes it received against it (only the receiving rank throws; both
-// ends must use a ChecksummedTransport). The typed collectives (all-reduce,
-// all-gather, ...) are forwarded unchecked: a reduction's result is no
-// sender's bytes, so a checksum of what was sent cannot vouch for it.
+// ends must use a ChecksummedTransport). all_gather and broadcast are
+// checked like an all-to-all (each block, or the root's bytes, against its
+// sender's CRC32C, sent by one more small collective of the same kind);
+// all_reduce and reduce_scatter are forwarded unchecked: a reduction's
+// result is no sender's bytes, so a checksum of what was sent cannot vouch
+// for it.
 //
 // Every rank agrees on the outcome (ChecksumOptions::agree, on by default):
 // after checking, the blocking exchanges (all_to_all_v, all_to_all_pieces)
@@ -60,6 +63,7 @@
 #include <vector>
 
 #include "cpdispatch/crc32c.hpp"
+#include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 
@@ -252,21 +256,50 @@ class ChecksummedTransport {
   {
     inner_.barrier();
   }
+  /// The root's bytes are checked on every other rank against the CRC32C
+  /// the root computed (one more broadcast of 16 bytes).
   void broadcast(void* buf, std::size_t bytes, int root)
     requires detail::transport_has_broadcast<Inner>
   {
+    ++exchanges_;
+    SegmentSum sent{};
+    if (rank() == root) sent = {crc32c(buf, bytes), 0, bytes};
     inner_.broadcast(buf, bytes, root);
+    inner_.broadcast(&sent, sizeof(SegmentSum), root);
+    std::optional<corruption_error> bad;
+    if (rank() != root) {
+      bad = verify(static_cast<std::size_t>(root), {crc32c(buf, bytes), 0, bytes}, sent,
+                   [&] { return detail::concat("the broadcast from rank ", root, " in exchange #", exchanges_, " (", bytes, " bytes)"); });
+    }
+    settle(bad);
   }
+  /// Forwarded unchecked: a reduction's result is no sender's bytes.
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op)
     requires detail::transport_has_all_reduce<Inner>
   {
     inner_.all_reduce(buf, count, type, op);
   }
+  /// Each rank's block is checked against the CRC32C its sender computed
+  /// (one more all-gather of 16 bytes a rank).
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type)
     requires detail::transport_has_all_gather<Inner>
   {
+    ++exchanges_;
+    const std::size_t block = count_per_rank * element_size(type);
+    const SegmentSum mine{crc32c(send, block), 0, block};
     inner_.all_gather(send, recv, count_per_rank, type);
+    sums_in_.assign(static_cast<std::size_t>(world_size()), {});
+    inner_.all_gather(&mine, sums_in_.data(), sizeof(SegmentSum), ElementType::uint8);
+    std::optional<corruption_error> bad;
+    for (std::size_t p = 0; p < sums_in_.size() && !bad; ++p) {
+      if (p == self()) continue;
+      bad = verify(p, {crc32c(at(recv, p * block), block), 0, block}, sums_in_[p], [&] {
+        return segment_name(p, exchanges_, detail::concat("block ", p, " of the all-gather, ", block, " bytes at byte ", p * block));
+      });
+    }
+    settle(bad);
   }
+  /// Forwarded unchecked, as all_reduce.
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op)
     requires detail::transport_has_reduce_scatter<Inner>
   {
@@ -375,11 +408,7 @@ class ChecksummedTransport {
     }
     const auto W = static_cast<std::size_t>(world_size());
     const detail::checksum::Verdict mine{bad ? 1 : 0, bad ? bad->source_rank() : -1, exchanges_};
-    verdicts_out_.assign(W, mine);
-    verdicts_in_.assign(W, {});
-    sum_counts_.assign(W, sizeof(detail::checksum::Verdict));
-    sum_displs_ = sum_displs(W);
-    inner_.all_to_all_v(verdicts_out_.data(), sum_counts_, sum_displs_, verdicts_in_.data(), sum_counts_, sum_displs_);
+    share_verdicts(mine);
     if (bad) throw *bad;
     for (std::size_t d = 0; d < W; ++d) {
       const detail::checksum::Verdict& v = verdicts_in_[d];
@@ -387,6 +416,21 @@ class ChecksummedTransport {
       throw corruption_error(detail::concat("rank ", rank(), " of ", world_size(), ": exchange #", exchanges_, " failed on rank ", d,
                                             ": the segment it received from rank ", v.source, " is corrupted or short (reported by rank ", d, ")"),
                              v.source, static_cast<int>(d));
+    }
+  }
+
+  /// Every rank's verdict into verdicts_in_: one all-to-all of 16 bytes per
+  /// peer, or an all-gather where the inner transport has only collectives.
+  void share_verdicts(const detail::checksum::Verdict& mine) {
+    const auto W = static_cast<std::size_t>(world_size());
+    verdicts_in_.assign(W, {});
+    if constexpr (detail::transport_has_all_to_all_v<Inner>) {
+      verdicts_out_.assign(W, mine);
+      sum_counts_.assign(W, sizeof(detail::checksum::Verdict));
+      sum_displs_ = sum_displs(W);
+      inner_.all_to_all_v(verdicts_out_.data(), sum_counts_, sum_displs_, verdicts_in_.data(), sum_counts_, sum_displs_);
+    } else {
+      inner_.all_gather(&mine, verdicts_in_.data(), sizeof(detail::checksum::Verdict), ElementType::uint8);
     }
   }
 
