@@ -300,42 +300,51 @@ TEST(ChecksummedTransport, PostedExchangeIsCheckedInItsWait) {
   EXPECT_TRUE(checked[0] == 3u || aborted[0]) << checked[0];
 }
 
-/// Each rank sends 64 bytes to the next rank and receives from the previous
-/// one through ChecksummedTransport<FaultInjectingTransport<sim>>; per rank
-/// the corruption_error's source (-1: none), its message and the messages checked.
+/// Per rank: the corruption_error's source (-1: none), its message and the
+/// segments or messages checked.
 struct RingOutcome {
   std::vector<int> source;
   std::vector<std::string> what;
   std::vector<std::uint64_t> checked;
 };
 
-RingOutcome checked_ring(int W, const std::vector<FaultRule>& rules) {
+/// Runs `body(t, rank)` on every rank of a world of W, `t` a
+/// ChecksummedTransport<FaultInjectingTransport<sim>>. `rethrow`: a rank's
+/// corruption_error also ends the world (the others are released).
+template <class Body>
+RingOutcome checked_on_every_rank(int W, const std::vector<FaultRule>& rules, bool rethrow, Body&& body) {
   SimWorld world(W, SimOptions{sim_timeout});
-  RingOutcome out{std::vector<int>(static_cast<std::size_t>(W), -1), std::vector<std::string>(static_cast<std::size_t>(W)),
-                  std::vector<std::uint64_t>(static_cast<std::size_t>(W), 0)};
+  const auto ranks = static_cast<std::size_t>(W);
+  RingOutcome out{std::vector<int>(ranks, -1), std::vector<std::string>(ranks), std::vector<std::uint64_t>(ranks, 0)};
   try {
     world.run([&](SimTransport& sim) {
       FaultInjectingTransport faulty(sim, rules, fault_options);
       ChecksummedTransport t(faulty);
-      const int r = sim.rank();
-      const auto i = static_cast<std::size_t>(r);
-      std::vector<unsigned char> send(64, static_cast<unsigned char>(r + 1)), recv(64, 0);
+      const auto i = static_cast<std::size_t>(sim.rank());
       try {
-        const cpdispatch::Request in = t.irecv(recv.data(), recv.size(), (r + W - 1) % W, 5);
-        const cpdispatch::Request sent = t.isend(send.data(), send.size(), (r + 1) % W, 5);
-        t.wait(sent);
-        t.wait(in);
+        body(t, sim.rank());
         out.checked[i] = t.checked_segments();
-        EXPECT_EQ(recv, std::vector<unsigned char>(64, static_cast<unsigned char>((r + W - 1) % W + 1)));
       } catch (const cpdispatch::corruption_error& e) {
         out.source[i] = e.source_rank();
         out.what[i] = e.what();
-        throw;
+        if (rethrow) throw;
       }
     });
   } catch (const cpdispatch::error&) {
   }
   return out;
+}
+
+/// Each rank sends 64 bytes to the next rank and receives from the previous one.
+RingOutcome checked_ring(int W, const std::vector<FaultRule>& rules) {
+  return checked_on_every_rank(W, rules, true, [W](auto& t, int r) {
+    std::vector<unsigned char> send(64, static_cast<unsigned char>(r + 1)), recv(64, 0);
+    const cpdispatch::Request in = t.irecv(recv.data(), recv.size(), (r + W - 1) % W, 5);
+    const cpdispatch::Request sent = t.isend(send.data(), send.size(), (r + 1) % W, 5);
+    t.wait(sent);
+    t.wait(in);
+    EXPECT_EQ(recv, std::vector<unsigned char>(64, static_cast<unsigned char>((r + W - 1) % W + 1)));
+  });
 }
 
 TEST(ChecksummedTransport, PointToPointMessagesAreChecked) {
@@ -353,39 +362,19 @@ TEST(ChecksummedTransport, PointToPointMessagesAreChecked) {
   }
 }
 
-/// One all_gather (`broadcast` false: 16 floats a rank) or broadcast (from
-/// rank 1) on every rank of a world of W through
-/// ChecksummedTransport<FaultInjectingTransport<sim>>; per rank the
-/// corruption_error's source (-1: none), its message and the segments checked.
+/// One all_gather (`broadcast` false: 16 floats a rank) or broadcast (from rank 1) on every rank.
 RingOutcome checked_collective(int W, bool broadcast, const std::vector<FaultRule>& rules) {
-  SimWorld world(W, SimOptions{sim_timeout});
-  RingOutcome out{std::vector<int>(static_cast<std::size_t>(W), -1), std::vector<std::string>(static_cast<std::size_t>(W)),
-                  std::vector<std::uint64_t>(static_cast<std::size_t>(W), 0)};
-  constexpr std::size_t n = 16;
-  try {
-    world.run([&](SimTransport& sim) {
-      FaultInjectingTransport faulty(sim, rules, fault_options);
-      ChecksummedTransport t(faulty);
-      const int r = sim.rank();
-      const auto i = static_cast<std::size_t>(r);
-      std::vector<float> mine(n, static_cast<float>(r + 1)), all(n * static_cast<std::size_t>(W), 0.0f);
-      try {
-        if (broadcast) {
-          t.broadcast(mine.data(), n * sizeof(float), 1);
-          EXPECT_EQ(mine, std::vector<float>(n, 2.0f));
-        } else {
-          t.all_gather(mine.data(), all.data(), n, cpdispatch::ElementType::float32);
-          for (std::size_t k = 0; k < all.size(); ++k) EXPECT_EQ(all[k], static_cast<float>(k / n + 1)) << "rank " << r << ", element " << k;
-        }
-        out.checked[i] = t.checked_segments();
-      } catch (const cpdispatch::corruption_error& e) {
-        out.source[i] = e.source_rank();
-        out.what[i] = e.what();
-      }
-    });
-  } catch (const cpdispatch::error&) {
-  }
-  return out;
+  return checked_on_every_rank(W, rules, false, [W, broadcast](auto& t, int r) {
+    constexpr std::size_t n = 16;
+    std::vector<float> mine(n, static_cast<float>(r + 1)), all(n * static_cast<std::size_t>(W), 0.0f);
+    if (broadcast) {
+      t.broadcast(mine.data(), n * sizeof(float), 1);
+      EXPECT_EQ(mine, std::vector<float>(n, 2.0f));
+      return;
+    }
+    t.all_gather(mine.data(), all.data(), n, cpdispatch::ElementType::float32);
+    for (std::size_t k = 0; k < all.size(); ++k) EXPECT_EQ(all[k], static_cast<float>(k / n + 1)) << "rank " << r << ", element " << k;
+  });
 }
 
 TEST(ChecksummedTransport, AllGatherBlocksAreCheckedOnEveryRank) {
