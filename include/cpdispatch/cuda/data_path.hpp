@@ -166,6 +166,25 @@ class data_path<MemorySpace::device> {
     return staging_.span();
   }
 
+  template <class U>
+  using span = cuda::DeviceSpan<U>;
+
+  template <class U>
+  static auto bytes_of(cuda::DeviceSpan<U> s) noexcept { return cuda::as_bytes(s); }
+
+  /// Device memory a dispatcher's owner keeps for its calls: grows (a fresh
+  /// cudaMalloc), never shrinks.
+  class scratch {
+   public:
+    mutable_buffer ensure(std::size_t bytes) {
+      if (bytes_.size() < bytes) bytes_.allocate(bytes);
+      return bytes_.span().first(bytes);
+    }
+
+   private:
+    cuda::DeviceBuffer<std::byte> bytes_;
+  };
+
  private:
   struct List {
     std::size_t pieces = 0;  // host pieces it came from

@@ -27,9 +27,12 @@
 // dispatchers in place: once a share fits what an earlier one needed (plan,
 // staging, replica), it allocates nothing. With dedup the wire dispatcher is
 // rebuilt (it has no reuse path), the rest is reused.
-// Host memory transports (sim, MPI); on device transports use two
-// Dispatchers over cuda::DeviceSpan buffers. Every call is one collective of
-// the transport: all ranks make the same calls in the same order.
+// Buffers are in the transport's memory space: std::span<E> on host
+// transports (sim, MPI), cuda::DeviceSpan<E> on device transports (the
+// device sim, NCCL; include cpdispatch/cuda/data_path.hpp from a .cu file),
+// whose replica and wire scratch the object keeps in device memory. Every
+// call is one collective of the transport: all ranks make the same calls in
+// the same order.
 
 #include <cstddef>
 #include <cstdint>
@@ -37,7 +40,6 @@
 #include <span>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
@@ -66,11 +68,14 @@ struct QkvDispatchOptions {
 
 template <class T, class E>
 class QkvDispatch {
-  static_assert(detail::memory_space_of<T>() == MemorySpace::host,
-                "cpdispatch: QkvDispatch takes host spans; on a device transport use two Dispatchers over cuda::DeviceSpan");
+  using path = typename detail::dispatcher_path<T>::type;
   static_assert(has_element_type_v<E>, "cpdispatch: QkvDispatch's element type must be one of ElementType's");
 
  public:
+  /// A buffer of U in the transport's memory space (std::span<U>, or cuda::DeviceSpan<U>).
+  template <class U>
+  using buffer = typename path::template span<U>;
+
   /// From the global metadata (every rank plans the same plan) and the widths
   /// of a query and of a key-value token in elements of E.
   QkvDispatch(T& transport, const QkvMetadata& meta, std::size_t q_token_elems, std::size_t kv_token_elems)
@@ -96,22 +101,17 @@ class QkvDispatch {
 
   /// The next step's share, with the widths and options of construction.
   /// On a throw (a bad share, a share without kv_wire under dedup) the
-  /// object keeps its previous plan.
+  /// object keeps its previous plan. On device transports the dispatchers
+  /// are rebuilt (and allocate); the scratch keeps its memory.
   void replan(const RankQkvMetadata& meta) {
     if (dedup_ && !meta.kv_wire) {
       detail::fail("QkvDispatch (rank ", transport_.rank(), "): dedup needs the share's kv_wire slices, but kv_wire is empty; plan with plan.dedup = true");
     }
-    if (!q_) return first_plan(meta);
-    q_->prepare_replan(meta.q_fwd, meta.q_rev);
-    std::optional<KvWireDispatcher<T>> wire;
-    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_token_elems_ * sizeof(E));
-    else kv_->prepare_replan(meta.kv_fwd, meta.kv_rev);
-    next_attention_ = meta.attn;
-    q_->commit_replan();
-    if (dedup_) take(wire_, wire);
-    else kv_->commit_replan();
-    std::swap(attention_, next_attention_);
-    size_scratch();
+    if constexpr (detail::memory_space_of<T>() != MemorySpace::host) {
+      first_plan(meta);  // the device path uploads its piece lists per plan: the dispatchers are rebuilt
+    } else {
+      host_replan(meta);
+    }
   }
 
   const RankAttentionLayout& attention() const noexcept { return attention_; }
@@ -126,28 +126,24 @@ class QkvDispatch {
   bool dedup() const noexcept { return dedup_; }
 
   /// Queries (or attention outputs) MLP -> attention layout.
-  void forward_q(std::span<const E> q_mlp, std::span<E> q_attention) {
-    q_->forward(std::as_bytes(q_mlp), std::as_writable_bytes(q_attention));
-  }
+  void forward_q(buffer<const E> q_mlp, buffer<E> q_attention) { q_->forward(path::bytes_of(q_mlp), path::bytes_of(q_attention)); }
   /// Key-values MLP -> attention layout: each KV group holds its causal context.
-  void forward_kv(std::span<const E> kv_mlp, std::span<E> kv_attention) {
-    if (wire_) wire_->forward(std::as_bytes(kv_mlp), std::as_writable_bytes(kv_attention));
-    else kv_->forward(std::as_bytes(kv_mlp), std::as_writable_bytes(kv_attention));
+  void forward_kv(buffer<const E> kv_mlp, buffer<E> kv_attention) {
+    if (wire_) wire_->forward(path::bytes_of(kv_mlp), path::bytes_of(kv_attention));
+    else kv_->forward(path::bytes_of(kv_mlp), path::bytes_of(kv_attention));
   }
   /// Query gradients attention -> MLP layout.
-  void reverse_q(std::span<const E> dq_attention, std::span<E> dq_mlp) {
-    q_->reverse(std::as_bytes(dq_attention), std::as_writable_bytes(dq_mlp));
-  }
+  void reverse_q(buffer<const E> dq_attention, buffer<E> dq_mlp) { q_->reverse(path::bytes_of(dq_attention), path::bytes_of(dq_mlp)); }
   /// KV gradients attention -> MLP layout, the copies of each shard summed in
   /// ascending copy order (fp32 accumulation for 16-bit types); with dedup
   /// each destination first sums its copies, then the home sums the wire's.
-  void reverse_kv(std::span<const E> dkv_attention, std::span<E> dkv_mlp) {
-    const auto replica = std::as_writable_bytes(std::span<E>(replica_));
+  void reverse_kv(buffer<const E> dkv_attention, buffer<E> dkv_mlp) {
+    const auto replica = replica_.ensure(replica_bytes());
     if (wire_) {
-      wire_->reverse_combine(std::as_bytes(dkv_attention), std::as_writable_bytes(std::span<E>(wire_scratch_)), replica,
-                             std::as_writable_bytes(dkv_mlp), element_type_of<E>());
+      wire_->reverse_combine(path::bytes_of(dkv_attention), wire_scratch_.ensure(wire_->required_bytes().wire_bytes), replica,
+                             path::bytes_of(dkv_mlp), element_type_of<E>());
     } else {
-      kv_->reverse_combine(std::as_bytes(dkv_attention), replica, std::as_writable_bytes(dkv_mlp), element_type_of<E>());
+      kv_->reverse_combine(path::bytes_of(dkv_attention), replica, path::bytes_of(dkv_mlp), element_type_of<E>());
     }
   }
 
@@ -171,7 +167,22 @@ class QkvDispatch {
     return width;
   }
 
-  /// The first share: the dispatchers are built.
+  /// Replans the host dispatchers in place (prepare all, then commit all).
+  void host_replan(const RankQkvMetadata& meta) {
+    if (!q_) return first_plan(meta);
+    q_->prepare_replan(meta.q_fwd, meta.q_rev);
+    std::optional<KvWireDispatcher<T>> wire;
+    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_token_elems_ * sizeof(E));
+    else kv_->prepare_replan(meta.kv_fwd, meta.kv_rev);
+    next_attention_ = meta.attn;
+    q_->commit_replan();
+    if (dedup_) take(wire_, wire);
+    else kv_->commit_replan();
+    std::swap(attention_, next_attention_);
+    size_scratch();
+  }
+
+  /// The dispatchers built for `meta` (the first share; every share on a device transport).
   void first_plan(const RankQkvMetadata& meta) {
     std::optional<Dispatcher<T>> q(std::in_place, transport_, meta.q_fwd, meta.q_rev, q_token_elems_ * sizeof(E));
     std::optional<Dispatcher<T>> kv;
@@ -195,10 +206,12 @@ class QkvDispatch {
     if (from) to.emplace(std::move(*from));
   }
 
-  /// resize keeps the vectors' memory while the plan fits it.
+  std::size_t replica_bytes() const { return wire_ ? wire_->required_bytes().replica_bytes : kv_->required_bytes().replica_bytes; }
+
+  /// The scratch keeps its memory while the plan fits it (calls then allocate nothing).
   void size_scratch() {
-    replica_.resize((wire_ ? wire_->required_bytes().replica_bytes : kv_->required_bytes().replica_bytes) / sizeof(E));
-    wire_scratch_.resize(wire_ ? wire_->required_bytes().wire_bytes / sizeof(E) : 0);
+    replica_.ensure(replica_bytes());
+    if (wire_) wire_scratch_.ensure(wire_->required_bytes().wire_bytes);
   }
 
   T& transport_;
@@ -207,7 +220,7 @@ class QkvDispatch {
   std::optional<Dispatcher<T>> q_, kv_;
   std::optional<KvWireDispatcher<T>> wire_;  // in place of kv_ with dedup
   RankAttentionLayout attention_, next_attention_;  // replan copies into the second, then swaps (both keep their storage)
-  std::vector<E> replica_, wire_scratch_;
+  typename path::scratch replica_, wire_scratch_;
 };
 
 }  // namespace cpdispatch

@@ -21,6 +21,9 @@
 //     void combine(const RankMetadata& rev, const_buffer replica, mutable_buffer grad,
 //                  std::size_t token_bytes, ElementType type);
 //     mutable_buffer staging(std::size_t bytes);                // the dispatcher-owned staging
+//     template <class U> using span = ...;                      // a typed buffer of this space
+//     static auto bytes_of(span<U>);                            // its bytes (const_buffer or mutable_buffer)
+//     class scratch;                                            // owned memory that grows: ensure(bytes)
 //   };
 //
 // copy() names the plan's piece list it runs (direction x stage) besides
@@ -93,6 +96,26 @@ class data_path<MemorySpace::host> {
     if (staging_.size() < bytes) staging_.resize(bytes);
     return staging_;
   }
+
+  template <class U>
+  using span = std::span<U>;
+
+  template <class U>
+  static auto bytes_of(std::span<U> s) noexcept {
+    if constexpr (std::is_const_v<U>) return std::as_bytes(s); else return std::as_writable_bytes(s);
+  }
+
+  /// Memory a dispatcher's owner keeps for its calls: grows, never shrinks.
+  class scratch {
+   public:
+    mutable_buffer ensure(std::size_t bytes) {
+      if (bytes_.size() < bytes) bytes_.resize(bytes);
+      return mutable_buffer(bytes_).first(bytes);
+    }
+
+   private:
+    std::vector<std::byte> bytes_;
+  };
 
  private:
   std::vector<std::byte> staging_;
