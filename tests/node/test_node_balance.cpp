@@ -107,6 +107,22 @@ TEST(NodeBalance, InterNodeBytesDropAtEqualBalanceOnTheSamples) {
   }
 }
 
+// Ranks 0, 1 (node 0) and 2, 3 (node 1) are all at the largest cost: each of
+// two documents attends its second shard on the other node, and no rank has
+// room for a plain move, so only trading the two shards brings both home.
+TEST(NodeBalance, FullRanksTradeShardsBackIntoTheirNodes) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 4;
+  plan.documents = {{{{0, 10, 0}, {0, 10, 2}}}, {{{2, 10, 2}, {2, 10, 0}}}, {{{1, 20, 1}}}, {{{3, 20, 3}}}};
+  const Topology nodes = Topology::uniform(4, 2);
+  const cpdispatch::BalanceProblem p = cpdispatch::balance_problem_of(plan);
+  ASSERT_EQ(cpdispatch::node_token_counts(cpdispatch::plan_qkv(plan).kv_fwd, nodes).node_level, 40);
+  const cpdispatch::QkvDocumentsPlan placed = cpdispatch::place_on_topology(plan, p, nodes);
+  EXPECT_EQ(cpdispatch::node_token_counts(cpdispatch::plan_qkv(placed).kv_fwd, nodes).node_level, 0);
+  EXPECT_EQ(weigh(placed, nodes, 9.0).inter_node, 0);
+  EXPECT_EQ(sorted_attention(placed), sorted_attention(plan));
+}
+
 TEST(NodeBalance, RefusesABadRatioOrTopology) {
   cpdispatch::BalanceProblem p;
   p.world_size = 2;

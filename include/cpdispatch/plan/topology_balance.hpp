@@ -12,10 +12,12 @@
 // 450 / 50 = 9 by default). The cost of placing a share on a rank is a sum
 // over its tokens, so the best permutation is a linear assignment, solved
 // exactly (Hungarian method, O(W^3)); the unchanged placement is one of the
-// candidates, so the weighted bytes never rise. Then (causal plans), single
-// query shards attending on another node move to a rank of their home's node
-// where that saves weighted bytes and that rank's attention cost stays at or
-// under the plan's largest: the largest rank cost, and so max / mean, never rises.
+// candidates, so the weighted bytes never rise. Then (causal plans), query
+// shards move to a rank of a node holding their key-values where that saves
+// weighted bytes, a full rank making room by trading a shard back (and, if
+// still full, one more shard to the roomiest rank); no rank's attention cost
+// passes the plan's largest, so the largest, and max / mean, never rises, and
+// no move adds key-value tokens between nodes in the node-level exchange.
 //
 //   const Topology topology = Topology::uniform(W, 8);
 //   const QkvDocumentsPlan plan = plan_balanced(problem, options, topology);
@@ -24,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
@@ -111,49 +114,180 @@ inline long double byte_weight(const Topology& t, std::size_t h, std::size_t x, 
   return t.same_node(static_cast<std::int64_t>(h), static_cast<std::int64_t>(x)) ? 1 : ratio;
 }
 
-/// Causal plans: moves single query shards to a rank of their home's node
-/// where that saves weighted bytes and the rank's attention cost stays at or
-/// under the plan's largest (so balance is no worse), in document order,
-/// each to its best such rank.
-inline void move_shards_into_nodes(QkvDocumentsPlan& plan, const BalanceProblem& problem, const Topology& t, long double ratio) {
-  const auto W = static_cast<std::size_t>(plan.world_size);
-  const PlanCost cost = plan_cost(plan);
-  std::vector<std::int64_t> load = cost.attention, kv = cost.kv_tokens;
-  const std::int64_t ceiling = cost.max_attention();
-  std::vector<std::vector<std::size_t>> ranks_of(static_cast<std::size_t>(t.num_nodes()));
-  for (std::size_t r = 0; r < W; ++r) ranks_of[static_cast<std::size_t>(t.node_of(static_cast<std::int64_t>(r)))].push_back(r);
-  const auto qb = static_cast<long double>(problem.q_bytes), kb = static_cast<long double>(problem.kv_bytes);
-  for (PackedDocument& doc : plan.documents) {
-    std::int64_t context = 0;
-    for (std::size_t i = 0; i < doc.shards.size(); ++i) {
-      DocumentShard& s = doc.shards[i];
-      const std::int64_t work = attention_cost(context, s.len), group = context + s.len;
-      // Weighted bytes of this query shard and its KV group (shards 0..i) at rank x.
-      const auto bytes_at = [&](std::size_t x) {
-        long double b = qb * static_cast<long double>(s.len) * byte_weight(t, static_cast<std::size_t>(s.rank), x, ratio);
-        for (std::size_t k = 0; k <= i; ++k) {
-          b += kb * static_cast<long double>(doc.shards[k].len) * byte_weight(t, static_cast<std::size_t>(doc.shards[k].rank), x, ratio);
-        }
-        return b;
-      };
-      const auto d = static_cast<std::size_t>(s.dst);
-      long double best = bytes_at(d);
-      std::size_t to = d;
-      for (std::size_t x : ranks_of[static_cast<std::size_t>(t.node_of(s.rank))]) {
-        if (x == d || load[x] + work > ceiling) continue;
-        if (!problem.recv_capacity.empty() && kv[x] + group > problem.recv_capacity[x]) continue;
-        const long double b = bytes_at(x);
-        if (b < best) best = b, to = x;
+/// Causal plans: moves query shards to a rank of a node that holds their
+/// key-values (their own or an earlier shard's home node) where that saves
+/// weighted bytes, every rank's attention cost staying at or under the plan's
+/// largest (so balance is no worse). Where the rank has no room, a shard
+/// attending there may trade places with it (see best_at). Bytes count as
+/// section 2 sends them (each query shard its own copies), so a shard's bytes
+/// depend only on its own rank and a trade's saving is the sum of its moves;
+/// a move that adds node-level key-value copies between nodes is refused.
+class ShardMover {
+ public:
+  ShardMover(QkvDocumentsPlan& plan, const BalanceProblem& problem, const Topology& t, long double ratio)
+      : plan_(plan), p_(problem), t_(t), ratio_(ratio), ranks_of_(static_cast<std::size_t>(t.num_nodes())) {
+    const PlanCost cost = plan_cost(plan);
+    load_ = cost.attention, kv_ = cost.kv_tokens, ceiling_ = cost.max_attention();
+    on_rank_.resize(static_cast<std::size_t>(plan.world_size));
+    for (std::size_t r = 0; r < on_rank_.size(); ++r) ranks_of_[node(r)].push_back(r);
+    for (std::size_t d = 0; d < plan.documents.size(); ++d) {
+      std::int64_t context = 0;
+      for (std::size_t i = 0; i < plan.documents[d].shards.size(); ++i) {
+        const DocumentShard& s = plan.documents[d].shards[i];
+        on_rank_[static_cast<std::size_t>(s.dst)].push_back(refs_.size());
+        refs_.push_back({d, i, attention_cost(context, s.len), context + s.len});
+        context += s.len;
       }
-      if (to != d) {
-        load[d] -= work, load[to] += work;
-        kv[d] -= group, kv[to] += group;
-        s.dst = static_cast<std::int64_t>(to);
-      }
-      context = group;
     }
   }
-}
+
+  /// Passes over the shards in document order until one changes nothing (at most `passes`).
+  void run(int passes) {
+    for (int k = 0; k < passes; ++k) {
+      bool moved = false;
+      for (std::size_t s = 0; s < refs_.size(); ++s) moved = improve(s) || moved;
+      if (!moved) return;
+    }
+  }
+
+ private:
+  struct Ref {
+    std::size_t doc = 0, index = 0;
+    std::int64_t work = 0, group = 0;  ///< attention cost; tokens of its key-value group (shards 0..index)
+  };
+  struct Move {
+    long double saved = 0;
+    std::vector<std::pair<std::size_t, std::size_t>> steps;  ///< (shard, rank), applied in order
+  };
+  static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
+
+  std::size_t node(std::size_t r) const { return static_cast<std::size_t>(t_.node_of(static_cast<std::int64_t>(r))); }
+  DocumentShard& shard(std::size_t s) { return plan_.documents[refs_[s].doc].shards[refs_[s].index]; }
+  std::size_t dst(std::size_t s) { return static_cast<std::size_t>(shard(s).dst); }
+
+  /// Weighted bytes of shard s's queries and key-value group at rank x.
+  long double bytes_at(std::size_t s, std::size_t x) {
+    const PackedDocument& doc = plan_.documents[refs_[s].doc];
+    const std::size_t i = refs_[s].index;
+    long double b = static_cast<long double>(p_.q_bytes) * static_cast<long double>(doc.shards[i].len) * weight(doc.shards[i].rank, x);
+    for (std::size_t k = 0; k <= i; ++k) b += static_cast<long double>(p_.kv_bytes) * static_cast<long double>(doc.shards[k].len) * weight(doc.shards[k].rank, x);
+    return b;
+  }
+  long double weight(std::int64_t h, std::size_t x) const { return byte_weight(t_, static_cast<std::size_t>(h), x, ratio_); }
+
+  /// Key-value tokens of document d the node-level exchange sends between
+  /// nodes: each shard once to every other node attending it or a later shard.
+  std::int64_t node_copies(std::size_t d) const {
+    const std::vector<DocumentShard>& shards = plan_.documents[d].shards;
+    std::int64_t out = 0;
+    std::vector<std::size_t> later;  // nodes attending shards k.. of the document
+    for (std::size_t k = shards.size(); k-- > 0;) {
+      const std::size_t n = node(static_cast<std::size_t>(shards[k].dst));
+      if (std::find(later.begin(), later.end(), n) == later.end()) later.push_back(n);
+      const std::size_t home = node(static_cast<std::size_t>(shards[k].rank));
+      out += shards[k].len * static_cast<std::int64_t>(later.size() - (std::find(later.begin(), later.end(), home) != later.end() ? 1 : 0));
+    }
+    return out;
+  }
+
+  /// Whether the steps would send more key-value tokens between nodes in the node-level exchange.
+  bool adds_node_copies(const std::vector<std::pair<std::size_t, std::size_t>>& steps) {
+    std::vector<std::size_t> docs;
+    for (const auto& step : steps)
+      if (std::find(docs.begin(), docs.end(), refs_[step.first].doc) == docs.end()) docs.push_back(refs_[step.first].doc);
+    std::int64_t before = 0, after = 0;
+    for (std::size_t d : docs) before += node_copies(d);
+    std::vector<std::int64_t> was;
+    for (const auto& [s, x] : steps) was.push_back(shard(s).dst), shard(s).dst = static_cast<std::int64_t>(x);
+    for (std::size_t d : docs) after += node_copies(d);
+    for (std::size_t k = steps.size(); k-- > 0;) shard(steps[k].first).dst = was[k];
+    return after > before;
+  }
+
+  /// Whether rank x can take `work` and `group` more (either may be negative) within the ceiling and its capacity.
+  bool fits(std::size_t x, std::int64_t work, std::int64_t group) const {
+    if (load_[x] + work > ceiling_) return false;
+    return p_.recv_capacity.empty() || kv_[x] + group <= p_.recv_capacity[x];
+  }
+
+  /// The best move of shard s onto rank x: plain where x has room, else a
+  /// trade with a shard o on x (o to s's rank), with one more shard of x to
+  /// the roomiest rank where x would still be over the ceiling.
+  void best_at(std::size_t s, std::size_t x, long double gain, Move& best) {
+    const std::size_t d = dst(s);
+    const Ref& a = refs_[s];
+    const auto offer = [&](long double g, std::vector<std::pair<std::size_t, std::size_t>> steps) {
+      if (g > best.saved && !adds_node_copies(steps)) best = {g, std::move(steps)};
+    };
+    if (fits(x, a.work, a.group)) return offer(gain, {{s, x}});
+    for (std::size_t o : on_rank_[x]) {
+      const Ref& b = refs_[o];
+      const long double there = bytes_at(o, x);
+      const bool back = fits(d, b.work - a.work, b.group - a.group);
+      if (!fits(x, a.work - b.work, a.group - b.group)) {
+        if (back) best_third(s, x, o, gain + there - bytes_at(o, d), best);
+        continue;
+      }
+      if (back) offer(gain + there - bytes_at(o, d), {{o, d}, {s, x}});
+    }
+  }
+
+  /// s to x and o (on x) to s's rank, with a third shard of x to the roomiest other rank where x still overflows.
+  void best_third(std::size_t s, std::size_t x, std::size_t o, long double gain, Move& best) {
+    if (gain <= best.saved) return;
+    const std::size_t d = dst(s);
+    std::size_t y = none;
+    for (std::size_t r = 0; r < load_.size(); ++r)
+      if (r != x && r != d && (y == none || load_[r] < load_[y])) y = r;
+    if (y == none) return;
+    const Ref &a = refs_[s], &b = refs_[o];
+    for (std::size_t q : on_rank_[x]) {
+      const Ref& c = refs_[q];
+      if (q == o || !fits(x, a.work - b.work - c.work, a.group - b.group - c.group) || !fits(y, c.work, c.group)) continue;
+      const long double g = gain + bytes_at(q, x) - bytes_at(q, y);
+      if (g > best.saved && !adds_node_copies({{o, d}, {q, y}, {s, x}})) best = {g, {{o, d}, {q, y}, {s, x}}};
+    }
+  }
+
+  /// Moves shard s (and a shard trading places) where that saves the most weighted bytes.
+  bool improve(std::size_t s) {
+    const std::size_t d = dst(s);
+    const long double here = bytes_at(s, d);
+    Move best;
+    const PackedDocument& doc = plan_.documents[refs_[s].doc];
+    std::vector<std::size_t> nodes;
+    for (std::size_t k = 0; k <= refs_[s].index; ++k) {
+      const std::size_t n = node(static_cast<std::size_t>(doc.shards[k].rank));
+      if (std::find(nodes.begin(), nodes.end(), n) != nodes.end()) continue;
+      nodes.push_back(n);
+      for (std::size_t x : ranks_of_[n])
+        if (x != d) best_at(s, x, here - bytes_at(s, x), best);
+    }
+    if (best.saved <= 0) return false;
+    for (const auto& [shard_id, rank] : best.steps) place(shard_id, rank);
+    return true;
+  }
+
+  /// Attends shard s on rank x.
+  void place(std::size_t s, std::size_t x) {
+    const std::size_t d = dst(s);
+    const Ref& a = refs_[s];
+    load_[d] -= a.work, load_[x] += a.work, kv_[d] -= a.group, kv_[x] += a.group;
+    std::vector<std::size_t>& from = on_rank_[d];
+    from.erase(std::find(from.begin(), from.end(), s));
+    on_rank_[x].push_back(s);
+    shard(s).dst = static_cast<std::int64_t>(x);
+  }
+
+  QkvDocumentsPlan& plan_;
+  const BalanceProblem& p_;
+  const Topology& t_;
+  long double ratio_;
+  std::vector<std::vector<std::size_t>> ranks_of_, on_rank_;
+  std::vector<Ref> refs_;
+  std::vector<std::int64_t> load_, kv_;
+  std::int64_t ceiling_ = 0;
+};
 
 }  // namespace detail
 
@@ -206,13 +340,13 @@ inline QkvDocumentsPlan relabel_attention_ranks(const QkvDocumentsPlan& plan, co
   return out;
 }
 
-/// relabel_attention_ranks, then (causal plans) single query shards moved
-/// into their home's node where that saves weighted bytes without raising
-/// the largest rank cost (see the top of this header).
+/// relabel_attention_ranks, then (causal plans) query shards moved (or
+/// traded) into nodes holding their key-values where that saves weighted
+/// bytes without raising the largest rank cost (see the top of this header).
 inline QkvDocumentsPlan place_on_topology(const QkvDocumentsPlan& plan, const BalanceProblem& problem, const Topology& topology,
                                           double inter_node_ratio = default_inter_node_ratio, bool dedup = false) {
   QkvDocumentsPlan out = relabel_attention_ranks(plan, problem, topology, inter_node_ratio, dedup);
-  if (out.mask.type == MaskType::causal) detail::move_shards_into_nodes(out, problem, topology, static_cast<long double>(inter_node_ratio));
+  if (out.mask.type == MaskType::causal) detail::ShardMover(out, problem, topology, static_cast<long double>(inter_node_ratio)).run(4);
   return out;
 }
 
