@@ -23,10 +23,11 @@
 // Token widths are in elements of E; the element type of the KV-gradient sum
 // is E's. The object owns the [C][T] replica buffer of the KV backward (and
 // the wire scratch with dedup) and the dispatchers' staging, so after
-// construction and the first calls nothing is allocated. replan replans the
-// dispatchers in place: once a share fits what an earlier one needed (plan,
-// staging, replica), it allocates nothing. With dedup the wire dispatcher is
-// rebuilt (it has no reuse path), the rest is reused.
+// construction and the first calls nothing is allocated. On host transports
+// replan replans the dispatchers in place: once a share fits what an earlier
+// one needed (plan, staging, replica), it allocates nothing. With dedup the
+// wire dispatcher is rebuilt (it has no reuse path), the rest is reused; on
+// device transports every dispatcher is rebuilt.
 // Buffers are in the transport's memory space: std::span<E> on host
 // transports (sim, MPI), cuda::DeviceSpan<E> on device transports (the
 // device sim, NCCL; include cpdispatch/cuda/data_path.hpp from a .cu file),
