@@ -138,7 +138,7 @@ class data_path<MemorySpace::device> {
     chunks_.allocate(host_chunks_.size());
     chunks_.upload(std::span<const cuda::CopyChunk>(host_chunks_), stream_);
     if (rev.seq_recv_mask) combine_.emplace(rev, token_bytes, stream_);  // reverse KV
-    staging_.allocate(staging_bytes);
+    staging_.ensure(staging_bytes);
   }
 
   cudaStream_t stream() const noexcept { return stream_; }
@@ -161,10 +161,7 @@ class data_path<MemorySpace::device> {
   }
 
   /// The dispatcher-owned staging, allocated at construction.
-  mutable_buffer staging(std::size_t bytes) {
-    if (staging_.size() < bytes) staging_.allocate(bytes);  // not for the sizes the dispatcher asks: those exist already
-    return staging_.span();
-  }
+  mutable_buffer staging(std::size_t bytes) { return staging_.ensure(bytes); }  // the sizes the dispatcher asks exist already
 
   template <class U>
   using span = cuda::DeviceSpan<U>;
@@ -201,7 +198,7 @@ class data_path<MemorySpace::device> {
   std::vector<cuda::CopyChunk> host_chunks_;  // kept: the stream-ordered upload reads it
   cuda::DeviceBuffer<cuda::CopyChunk> chunks_;
   std::optional<DeviceCombine> combine_;
-  cuda::DeviceBuffer<std::byte> staging_;
+  scratch staging_;
 };
 
 }  // namespace cpdispatch::detail

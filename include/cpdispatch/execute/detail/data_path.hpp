@@ -92,10 +92,7 @@ class data_path<MemorySpace::host> {
   }
 
   /// Allocated on the first call that needs it, then reused.
-  mutable_buffer staging(std::size_t bytes) {
-    if (staging_.size() < bytes) staging_.resize(bytes);
-    return staging_;
-  }
+  mutable_buffer staging(std::size_t bytes) { return staging_.ensure(bytes); }
 
   template <class U>
   using span = std::span<U>;
@@ -118,7 +115,7 @@ class data_path<MemorySpace::host> {
   };
 
  private:
-  std::vector<std::byte> staging_;
+  scratch staging_;
 };
 
 /// What a device transport that names no data path gets: refused.
