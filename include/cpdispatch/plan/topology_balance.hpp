@@ -23,6 +23,7 @@
 //   const QkvDocumentsPlan plan = plan_balanced(problem, options, topology);
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -237,8 +238,12 @@ class ShardMover {
     if (gain <= best.saved) return;
     const std::size_t d = dst(s);
     std::size_t y = none;
-    for (std::size_t r = 0; r < load_.size(); ++r)
-      if (r != x && r != d && (y == none || load_[r] < load_[y])) y = r;
+    for (std::size_t r : roomiest_) {
+      if (r != none && r != x && r != d) {
+        y = r;
+        break;
+      }
+    }
     if (y == none) return;
     const Ref &a = refs_[s], &b = refs_[o];
     for (std::size_t q : on_rank_[x]) {
@@ -249,8 +254,26 @@ class ShardMover {
     }
   }
 
+  /// The three least loaded ranks, the lower rank first among equals: the
+  /// roomiest rank other than two is one of them. (The loads stay as they
+  /// are while one shard's moves are weighed.)
+  void find_roomiest() {
+    roomiest_.fill(none);
+    for (std::size_t r = 0; r < load_.size(); ++r) {
+      std::size_t v = r;
+      for (std::size_t& slot : roomiest_) {
+        if (slot == none) {
+          slot = v;
+          break;
+        }
+        if (load_[v] < load_[slot]) std::swap(v, slot);
+      }
+    }
+  }
+
   /// Moves shard s (and a shard trading places) where that saves the most weighted bytes.
   bool improve(std::size_t s) {
+    find_roomiest();
     const std::size_t d = dst(s);
     const long double here = bytes_at(s, d);
     Move best;
@@ -286,6 +309,7 @@ class ShardMover {
   std::vector<std::vector<std::size_t>> ranks_of_, on_rank_;
   std::vector<Ref> refs_;
   std::vector<std::int64_t> load_, kv_;
+  std::array<std::size_t, 3> roomiest_{};
   std::int64_t ceiling_ = 0;
 };
 
