@@ -1,7 +1,7 @@
 // QkvDispatch::replan over changing plans: every step moves the same bytes as
 // a QkvDispatch built for that step, and once the object has seen every plan
 // (a first pass over them), a second pass replans and runs forward and
-// backward without a single allocation. This program replaces the global
+// backward without a single allocation, with and without dedup. This program replaces the global
 // operator new to count each rank thread's allocations.
 
 #include <gtest/gtest.h>
@@ -27,14 +27,16 @@ using namespace cpdispatch;
 constexpr int W = 3, steps = 12;
 constexpr std::size_t q_token_elems = 3, kv_token_elems = 4;
 
-QkvDocumentsPlan step_plan(int step) {
+QkvDocumentsPlan step_plan(int step, bool dedup = false) {
   RandomDocumentsOptions o;
   o.world_size = W;
   o.num_documents = 2 + step % 4;
   o.max_shards = 3;
   o.max_len = 3 + step % 3;
   o.max_cp_degree = 3;
-  return random_documents_plan(o, 900 + static_cast<std::uint64_t>(step));
+  QkvDocumentsPlan plan = random_documents_plan(o, 900 + static_cast<std::uint64_t>(step));
+  plan.dedup = dedup;
+  return plan;
 }
 
 std::vector<float> values(std::size_t n, int rank, int salt) {
@@ -65,19 +67,19 @@ Moved sized_for(const QkvDispatch<T, float>& qkv) {
 }
 
 template <class Wrap>
-void second_pass_allocates_nothing() {
+void second_pass_allocates_nothing(bool dedup) {
   std::vector<QkvDocumentsPlan> plans;
-  for (int s = 0; s < steps; ++s) plans.push_back(step_plan(s));
+  for (int s = 0; s < steps; ++s) plans.push_back(step_plan(s, dedup));
   SimWorld world(W, SimOptions{sim_test::hang_timeout});
   world.run([&](SimTransport& sim) {
     Wrap t(sim);
     using T = std::remove_reference_t<decltype(t.get())>;
-    QkvDispatch<T, float> reused(t.get(), plan_qkv_for_rank(plans[0], sim.rank()), q_token_elems, kv_token_elems);
+    QkvDispatch<T, float> reused(t.get(), plan_qkv_for_rank(plans[0], sim.rank()), q_token_elems, kv_token_elems, {.dedup = dedup});
     for (int pass = 0; pass < 2; ++pass) {
       for (int s = 0; s < steps; ++s) {
         SCOPED_TRACE("pass " + std::to_string(pass) + " step " + std::to_string(s) + " rank " + std::to_string(sim.rank()));
         const RankQkvMetadata share = plan_qkv_for_rank(plans[static_cast<std::size_t>(s)], sim.rank());
-        QkvDispatch<T, float> fresh(t.get(), share, q_token_elems, kv_token_elems);
+        QkvDispatch<T, float> fresh(t.get(), share, q_token_elems, kv_token_elems, {.dedup = dedup});
         const auto q = values(fresh.q_mlp_size(), sim.rank(), s), kv = values(fresh.kv_mlp_size(), sim.rank(), s + 100);
         Moved expected = sized_for(fresh), got = expected;
         step(fresh, q, kv, expected);
@@ -98,19 +100,23 @@ void second_pass_allocates_nothing() {
 using sim_test::Packing;
 using sim_test::Pieces;
 
-TEST(QkvDispatchReplan, ASecondPassOverChangingPlansAllocatesNothingWithPieces) { second_pass_allocates_nothing<Pieces>(); }
-TEST(QkvDispatchReplan, ASecondPassOverChangingPlansAllocatesNothingWithStaging) { second_pass_allocates_nothing<Packing>(); }
+TEST(QkvDispatchReplan, ASecondPassOverChangingPlansAllocatesNothingWithPieces) { second_pass_allocates_nothing<Pieces>(false); }
+TEST(QkvDispatchReplan, ASecondPassOverChangingPlansAllocatesNothingWithStaging) { second_pass_allocates_nothing<Packing>(false); }
+TEST(QkvDispatchReplan, DedupASecondPassAllocatesNothingWithPieces) { second_pass_allocates_nothing<Pieces>(true); }
+TEST(QkvDispatchReplan, DedupASecondPassAllocatesNothingWithStaging) { second_pass_allocates_nothing<Packing>(true); }
 
-TEST(QkvDispatchReplan, ARefusedShareKeepsThePreviousPlan) {
-  const QkvDocumentsPlan first = step_plan(0), second = step_plan(1), third = step_plan(2);
+void a_refused_share_keeps_the_previous_plan(bool dedup) {
+  const QkvDocumentsPlan first = step_plan(0, dedup), second = step_plan(1, dedup), third = step_plan(2, dedup);
   SimWorld world(W, SimOptions{sim_test::hang_timeout});
   world.run([&](SimTransport& t) {
     const RankQkvMetadata share = plan_qkv_for_rank(first, t.rank());
-    QkvDispatch<SimTransport, float> qkv(t, share, q_token_elems, kv_token_elems);
+    QkvDispatch<SimTransport, float> qkv(t, share, q_token_elems, kv_token_elems, {.dedup = dedup});
     RankQkvMetadata mixed = plan_qkv_for_rank(second, t.rank());
-    mixed.kv_rev = plan_qkv_for_rank(third, t.rank()).kv_rev;  // the queries would plan; the key-values do not belong together
+    // The queries would plan; the key-values do not belong together.
+    if (dedup) mixed.kv_wire->rev = plan_qkv_for_rank(third, t.rank()).kv_wire->rev;
+    else mixed.kv_rev = plan_qkv_for_rank(third, t.rank()).kv_rev;
     EXPECT_THROW(qkv.replan(mixed), invalid_input);
-    QkvDispatch<SimTransport, float> fresh(t, share, q_token_elems, kv_token_elems);
+    QkvDispatch<SimTransport, float> fresh(t, share, q_token_elems, kv_token_elems, {.dedup = dedup});
     const auto q = values(fresh.q_mlp_size(), t.rank(), 1), kv = values(fresh.kv_mlp_size(), t.rank(), 2);
     Moved expected = sized_for(fresh), got = expected;
     step(fresh, q, kv, expected);
@@ -119,5 +125,8 @@ TEST(QkvDispatchReplan, ARefusedShareKeepsThePreviousPlan) {
     EXPECT_EQ(qkv.attention().cu_seqlens_q, fresh.attention().cu_seqlens_q);
   });
 }
+
+TEST(QkvDispatchReplan, ARefusedShareKeepsThePreviousPlan) { a_refused_share_keeps_the_previous_plan(false); }
+TEST(QkvDispatchReplan, DedupARefusedShareKeepsThePreviousPlan) { a_refused_share_keeps_the_previous_plan(true); }
 
 }  // namespace

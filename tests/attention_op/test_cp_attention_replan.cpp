@@ -1,12 +1,15 @@
 // ContextParallelAttention::replan over 20 steps of changing plans: every
 // step equals whole-document attention, and once reserve() has sized the op
-// for the largest plan, replan, forward and backward allocate nothing. This
+// for the largest plan, replan, forward and backward allocate nothing (with
+// dedup, once the wire's lists per peer have seen every plan: a second pass
+// over the same 20 plans allocates nothing at all). This
 // program replaces the global operator new to count each rank thread's
 // allocations while its op runs (the test kernel's own are not counted).
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -42,14 +45,16 @@ static_assert(cpdispatch::AttentionKernel<UncountedKernel, float>);
 constexpr int W = 3, steps = 20;
 const AttentionShape shape{2, 1, 4, 0.5f};
 
-cpdispatch::QkvDocumentsPlan step_plan(int step) {
+cpdispatch::QkvDocumentsPlan step_plan(int step, bool dedup) {
   cpdispatch::RandomDocumentsOptions o;
   o.world_size = W;
   o.num_documents = 2 + step % 4;
   o.max_shards = 3;
   o.max_len = 3 + step % 3;
   o.max_cp_degree = 3;
-  return cpdispatch::random_documents_plan(o, 700 + static_cast<std::uint64_t>(step));
+  cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, 700 + static_cast<std::uint64_t>(step));
+  plan.dedup = dedup;
+  return plan;
 }
 
 /// The largest plan of the steps, per rank.
@@ -67,27 +72,37 @@ cpdispatch::CpAttentionCapacity capacity_of(const std::vector<cpdispatch::QkvDoc
   return c;
 }
 
-class CpAttentionReplan : public testing::TestWithParam<int> {};
+struct ReplanCase {
+  int stages;
+  bool dedup;
+};
+
+void PrintTo(const ReplanCase& c, std::ostream* os) { *os << c.stages << " stages" << (c.dedup ? ", dedup" : ""); }
+
+class CpAttentionReplan : public testing::TestWithParam<ReplanCase> {};
 
 TEST_P(CpAttentionReplan, TwentyChangingStepsEqualTheReferenceAndAllocateNothingAfterReserve) {
-  const int stages = GetParam();
+  const auto [stages, dedup] = GetParam();
+  const int passes = dedup ? 2 : 1;  // with dedup, the second pass sees no plan larger than one already seen
   std::vector<cpdispatch::QkvDocumentsPlan> plans;
   std::vector<CpWorld> worlds;
   for (int s = 0; s < steps; ++s) {
-    plans.push_back(step_plan(s));
+    plans.push_back(step_plan(s, dedup));
     worlds.emplace_back(plans.back(), shape, cpdispatch::AttentionMask::causal(), 800 + static_cast<std::uint64_t>(s), attention_test::round_to<float>);
   }
-  std::vector<std::vector<attention_test::RankResult>> results(steps, std::vector<attention_test::RankResult>(W));
-  std::vector<std::vector<std::size_t>> counted(steps, std::vector<std::size_t>(W));
+  const std::size_t runs = static_cast<std::size_t>(passes * steps);
+  std::vector<std::vector<attention_test::RankResult>> results(runs, std::vector<attention_test::RankResult>(W));
+  std::vector<std::vector<std::size_t>> counted(runs, std::vector<std::size_t>(W));
   cpdispatch::SimWorld sim(W, cpdispatch::SimOptions{sim_test::hang_timeout});
   sim.run([&](cpdispatch::SimTransport& t) {
     const auto r = static_cast<std::size_t>(t.rank());
     cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, UncountedKernel> op(
-        t, cpdispatch::plan_qkv_for_rank(plans[0], t.rank()), shape, {false, stages});
+        t, cpdispatch::plan_qkv_for_rank(plans[0], t.rank()), shape, {dedup, stages});
     op.reserve(capacity_of(plans, t.rank()));
-    for (int s = 0; s < steps; ++s) {
-      const auto share = cpdispatch::plan_qkv_for_rank(plans[static_cast<std::size_t>(s)], t.rank());
-      const attention_test::RankTensors x = worlds[static_cast<std::size_t>(s)].tensors(r);
+    for (std::size_t run = 0; run < runs; ++run) {
+      const std::size_t s = run % steps;
+      const auto share = cpdispatch::plan_qkv_for_rank(plans[s], t.rank());
+      const attention_test::RankTensors x = worlds[s].tensors(r);
       std::vector<float> out(x.q.size()), dq(x.q.size()), dk(x.k.size()), dv(x.v.size());
       allocations = 0;
       counting = true;
@@ -95,20 +110,22 @@ TEST_P(CpAttentionReplan, TwentyChangingStepsEqualTheReferenceAndAllocateNothing
       op.forward(x.q, x.k, x.v, out);
       op.backward(x.dout, dq, dk, dv);
       counting = false;
-      counted[static_cast<std::size_t>(s)][r] = allocations;
-      results[static_cast<std::size_t>(s)][r] = {out, dq, dk, dv, std::vector<float>(op.lse().begin(), op.lse().end()), share.q_rev};
+      counted[run][r] = allocations;
+      results[run][r] = {out, dq, dk, dv, std::vector<float>(op.lse().begin(), op.lse().end()), share.q_rev};
     }
   });
-  for (int s = 0; s < steps; ++s) {
-    SCOPED_TRACE("step " + std::to_string(s));
-    worlds[static_cast<std::size_t>(s)].expect_equal(results[static_cast<std::size_t>(s)], 1e-5);
+  for (std::size_t run = 0; run < runs; ++run) {
+    SCOPED_TRACE("pass " + std::to_string(run / steps) + ", step " + std::to_string(run % steps));
+    worlds[run % steps].expect_equal(results[run], 1e-5);
     // The first step may allocate in the transport (the sim's list of posted exchanges grows once).
-    if (s == 0) continue;
-    for (int r = 0; r < W; ++r) EXPECT_EQ(counted[static_cast<std::size_t>(s)][static_cast<std::size_t>(r)], 0u) << "rank " << r;
+    if (run == 0 || (dedup && run < static_cast<std::size_t>(steps))) continue;
+    for (int r = 0; r < W; ++r) EXPECT_EQ(counted[run][static_cast<std::size_t>(r)], 0u) << "rank " << r;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Stages, CpAttentionReplan, testing::Values(1, 3),
-                         [](const testing::TestParamInfo<int>& info) { return "s" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Stages, CpAttentionReplan, testing::Values(ReplanCase{1, false}, ReplanCase{3, false}, ReplanCase{1, true}, ReplanCase{3, true}),
+                         [](const testing::TestParamInfo<ReplanCase>& info) {
+                           return "s" + std::to_string(info.param.stages) + (info.param.dedup ? "_dedup" : "");
+                         });
 
 }  // namespace

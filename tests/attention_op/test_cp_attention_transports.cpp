@@ -66,6 +66,27 @@ TEST(CpAttentionMock, StagesPostEveryExchangeAndWaitForEach) {
   EXPECT_EQ(op.kernel().forward_calls, 2) << "local keys, then the stage's";
 }
 
+TEST(CpAttentionMock, WithDedupTheKeyValuesRideTheStagesToo) {
+  testing::StrictMock<cpdispatch::testing::MockPostedAllToAllTransport> t(0, 2);
+  cpdispatch::QkvDocumentsPlan plan = two_rank_plan();
+  plan.dedup = true;
+  const auto share = cpdispatch::plan_qkv_for_rank(plan, 0);
+  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(t, share, shape, {true, 3});
+  const auto T = static_cast<std::size_t>(op.mlp_tokens());
+  std::vector<float> q(T * 8, 0.5f), kv(T * 4, 0.25f), out(q.size()), dq(q.size()), dk(kv.size()), dv(kv.size());
+  // Forward: Q, K and V over the wire in one posted stage, then the outputs home; no blocking exchange.
+  EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(2).WillRepeatedly(Return(cpdispatch::Request{9}));
+  EXPECT_CALL(t, wait(cpdispatch::Request{9})).Times(2);
+  op.forward(q, kv, kv, out);
+  EXPECT_EQ(op.kernel().forward_calls, 2) << "local keys, then the stage's";
+  testing::Mock::VerifyAndClearExpectations(&t);
+  // Backward: dout by stage and dq home posted; dk and dv home over the wire, one exchange each.
+  EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(2).WillRepeatedly(Return(cpdispatch::Request{9}));
+  EXPECT_CALL(t, wait(cpdispatch::Request{9})).Times(2);
+  EXPECT_CALL(t, all_to_all_v(_, _, _, _, _, _)).Times(2);
+  op.backward(q, dq, dk, dv);
+}
+
 TEST(CpAttentionSimulatedLink, StagesOverASimulatedLinkEqualTheReference) {
   const CpWorld world(plan_of(4, 61), shape, AttentionMask::causal(), 61, attention_test::round_to<float>);
   std::vector<attention_test::RankResult> results(4);

@@ -12,10 +12,11 @@
 //   attn.replan(next_share);              // next step
 //
 // Forward: queries and key-values ride the transport's all-to-all to the
-// attention layout (deduplicated with CpAttentionOptions::dedup), the kernel
-// attends each KV group, and the outputs ride back. Backward mirrors it: dout
-// travels like the queries, the kernel's dq goes home like the outputs, dk
-// and dv come home with every copy summed in a fixed order.
+// attention layout (with CpAttentionOptions::dedup, each key-value shard once
+// per rank, then copied to its other places), the kernel attends each KV
+// group, and the outputs ride back. Backward mirrors it: dout travels like
+// the queries, the kernel's dq goes home like the outputs, dk and dv come
+// home with every copy summed in a fixed order.
 //
 // What forward keeps for backward (the attention-layout Q, K, V, output and
 // log-sum-exp) is owned by the object and reused across steps. Every call is
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <span>
@@ -97,14 +99,31 @@ std::span<std::byte> bytes_of(std::span<E> s) { return std::as_writable_bytes(s)
 
 }  // namespace detail
 
-template <class T, class E, class Kernel = HostAttentionKernel>
-class ContextParallelAttention {
+/// The kernel ContextParallelAttention<T, E> attends with when none is named:
+/// HostAttentionKernel on host transports; on device transports
+/// cuda::CudaAttentionKernel, declared by cpdispatch/cuda/context_parallel.hpp.
+template <class T, MemorySpace = detail::memory_space_of<T>()>
+struct default_attention_kernel;
+template <class T>
+struct default_attention_kernel<T, MemorySpace::host> {
+  using type = HostAttentionKernel;
+};
+
+/// One attention layer of one rank. Host transports (sim, MPI) take host
+/// spans and are defined here; device transports (the device sim, NCCL) take
+/// cuda::DeviceSpan and are defined in cpdispatch/cuda/context_parallel.hpp.
+/// `Space` follows from T; never name it.
+template <class T, class E, class Kernel = typename default_attention_kernel<T>::type, MemorySpace Space = detail::memory_space_of<T>()>
+class ContextParallelAttention;
+
+template <class T, class E, class Kernel>
+class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
-  static_assert(detail::memory_space_of<T>() == MemorySpace::host,
-                "cpdispatch: ContextParallelAttention takes host spans; its kernel and buffers live in host memory");
   static_assert(std::is_same_v<E, float> || std::is_same_v<E, bfloat16> || std::is_same_v<E, float16>,
                 "cpdispatch: ContextParallelAttention's element type is float, bfloat16 or float16");
   static_assert(AttentionKernel<Kernel, E>, "cpdispatch: the kernel does not model AttentionKernel<Kernel, E> (attention/kernel.hpp)");
+  static_assert(attention_kernel_memory_space<Kernel>() == MemorySpace::host,
+                "cpdispatch: a host transport's ContextParallelAttention needs a host kernel (the kernel declares device memory)");
 
  public:
   using transport_type = T;
@@ -126,7 +145,8 @@ class ContextParallelAttention {
   }
 
   /// Sizes every buffer for plans up to `c`, so that replan, forward and
-  /// backward allocate nothing while a plan stays within it (without dedup).
+  /// backward allocate nothing while a plan stays within it (with dedup, see
+  /// replan).
   void reserve(const CpAttentionCapacity& c) {
     const auto n = [](std::int64_t x) { return static_cast<std::size_t>(std::max<std::int64_t>(x, 0)); };
     const std::size_t hq = q_token_elems(), hk = kv_token_elems();
@@ -150,6 +170,8 @@ class ContextParallelAttention {
     q_planner_.reserve(q_plan_, n(c.shards), W);
     kv_planner_.reserve(kv_plan_, n(c.shards) * std::max<std::size_t>(n(c.copies), 1), W);
     stage_plan_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
+    fan_pieces_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
+    for (auto* v : {&fan_splits_, &fan_fill_}) v->reserve(static_cast<std::size_t>(groups_) + 2);
     const std::size_t copies = std::max<std::size_t>(n(c.copies), 1), mlp = n(c.mlp_tokens), tq = n(c.q_tokens), tk = n(c.kv_tokens);
     const std::size_t e = sizeof(E);  // staging is in bytes: (send, receive)
     fwd_in_.reserve(mlp * (hq + 2 * hk * copies) * e, (tq * hq + 2 * tk * hk) * e);
@@ -160,15 +182,17 @@ class ContextParallelAttention {
 
   /// Takes the next step's share (the plan's mask and, with dedup, its wire
   /// slices). Nothing is allocated while the plan fits what earlier plans or
-  /// reserve() sized, except with dedup (its dispatcher is rebuilt).
+  /// reserve() sized; with dedup the wire's lists per peer are sized by the
+  /// plans seen (reserve does not reach them), so a step allocates nothing
+  /// once every plan of its size has been seen.
   void replan(const RankQkvMetadata& share) {
     const char* who = "ContextParallelAttention";
     const int me = transport_.rank(), W = transport_.world_size();
-    kv_wire_.reset();
     if (options_.dedup) {
       const RankKvWire* wire = detail::kv_wire_of(share);
       if (wire == nullptr) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
-      kv_wire_.emplace(transport_, *wire, kv_token_elems() * sizeof(E));
+      if (kv_wire_) kv_wire_->replan(*wire);
+      else kv_wire_.emplace(transport_, *wire, kv_token_elems() * sizeof(E));
     }
     q_planner_.plan(share.q_fwd, share.q_rev, q_token_elems() * sizeof(E), me, W, who, q_plan_);
     kv_planner_.plan(share.kv_fwd, share.kv_rev, kv_token_elems() * sizeof(E), me, W, who, kv_plan_);
@@ -182,7 +206,8 @@ class ContextParallelAttention {
       const std::int64_t lq = layout_.cu_seqlens_q[e + 1] - layout_.cu_seqlens_q[e], lk = layout_.cu_seqlens_kv[e + 1] - layout_.cu_seqlens_kv[e];
       entries_.push_back({layout_.cu_seqlens_q[e], lq, layout_.cu_seqlens_kv[e], lk, lk - lq});
     }
-    stage_plan_.build(entries_, share.q_rev, share.kv_rev, me, W, groups_, options_.dedup, who);
+    stage_plan_.build(entries_, share.q_rev, share.kv_rev, me, W, groups_, who);
+    lay_out_fan_out();
     lay_out_exchanges(me, W);
     size_buffers();
     forward_done_ = false;
@@ -203,16 +228,12 @@ class ContextParallelAttention {
     const char* call = "forward";
     check_mlp(call, {{q.size(), "q", true}, {k.size(), "k", false}, {v.size(), "v", false}, {out.size(), "out", true}});
     forward_done_ = false;
-    const detail::StagedTensor all[] = {{&q_plan_.forward, bytes_in(q), bytes_out(q_attn_)},
-                                        {&kv_plan_.forward, bytes_in(k), bytes_out(k_attn_)},
-                                        {&kv_plan_.forward, bytes_in(v), bytes_out(v_attn_)}};
-    const Tensors in = std::span(all).first(kv_wire_ ? 1 : 3);  // with dedup, K and V take the wire exchange
-    if (kv_wire_) {
-      exchange(call, [&] { kv_wire_->forward(detail::bytes_of(k), detail::bytes_of(std::span<E>(k_attn_))); });
-      exchange(call, [&] { kv_wire_->forward(detail::bytes_of(v), detail::bytes_of(std::span<E>(v_attn_))); });
-    }
+    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes_in(q), bytes_out(q_attn_)},
+                                       {kv_forward(), bytes_in(k), bytes_out(k_attn_)},
+                                       {kv_forward(), bytes_in(v), bytes_out(v_attn_)}};
     if (groups_ == 0) {  // one exchange, then one kernel call over the whole layout
       exchange_all(call, fwd_in_, in);
+      fan_out(0);
       kernel_.forward(shape_, mask_, std::span<const AttentionEntry>(entries_), cspan(q_attn_), cspan(k_attn_), cspan(v_attn_),
                       std::span<E>(out_attn_), std::span<float>(lse_));
     } else {
@@ -259,10 +280,50 @@ class ContextParallelAttention {
     }
   }
 
+  /// The forward plan of the key-values: the wire's with dedup (each shard once, at its first copy).
+  const detail::ExchangePlan* kv_forward() const noexcept { return kv_wire_ ? &kv_wire_->plan().forward : &kv_plan_.forward; }
+
+  /// With dedup, the fan-out of the key-values that arrive in each round: a
+  /// shard's first copy copied to its other places in the attention layout.
+  void lay_out_fan_out() {
+    const auto rounds = static_cast<std::size_t>(stage_plan_.rounds());
+    fan_splits_.assign(rounds + 1, 0);
+    fan_pieces_.clear();
+    if (!kv_wire_) return;
+    const KvFanList& fan = kv_wire_->fan();
+    const std::size_t tb = kv_token_elems() * sizeof(E);
+    const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
+    for (std::size_t e = 0; e < fan.num_entries(); ++e) {  // pieces per round, then their places
+      fan_splits_[static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e])) + 1] += fan.copy_splits[e + 1] - fan.copy_splits[e] - 1;
+    }
+    for (std::size_t r = 0; r < rounds; ++r) fan_splits_[r + 1] += fan_splits_[r];
+    fan_pieces_.resize(fan_splits_[rounds]);
+    fan_fill_.assign(fan_splits_.begin(), fan_splits_.end() - 1);
+    for (std::size_t e = 0; e < fan.num_entries(); ++e) {
+      std::size_t& at = fan_fill_[static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e]))];
+      const std::size_t first = bytes(fan.attn_offset[fan.copy_splits[e]]);
+      for (std::size_t i = fan.copy_splits[e] + 1; i < fan.copy_splits[e + 1]; ++i) {
+        fan_pieces_[at++] = {first, bytes(fan.attn_offset[i]), bytes(fan.seq_len[e])};
+      }
+    }
+  }
+
+  /// The fan-out of round `round`'s key-values (nothing without dedup).
+  void fan_out(int round) {
+    const auto r = static_cast<std::size_t>(round);
+    for (std::size_t i = fan_splits_[r]; i < fan_splits_[r + 1]; ++i) {
+      const detail::CopyPiece& c = fan_pieces_[i];
+      for (std::vector<E>* b : {&k_attn_, &v_attn_}) {
+        std::byte* base = bytes_out(*b);
+        std::memcpy(base + c.dst, base + c.src, c.bytes);
+      }
+    }
+  }
+
   void lay_out_exchanges(int me, int W) {
-    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, &kv_plan_.forward, &kv_plan_.forward};
+    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, kv_forward(), kv_forward()};
     const detail::ExchangePlan* kv_rev[] = {&kv_plan_.reverse, &kv_plan_.reverse};
-    fwd_in_.lay_out(std::span(fwd_in).first(kv_wire_ ? 1 : 3), me, W, groups_, true);
+    fwd_in_.lay_out(fwd_in, me, W, groups_, true);
     dout_in_.lay_out(std::span(fwd_in).first(1), me, W, groups_, true);
     const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse};
     q_out_.lay_out(q_rev, me, W, groups_, false);
@@ -302,6 +363,7 @@ class ContextParallelAttention {
     std::size_t next = 0;
     for (int round = 0; round < stage_plan_.rounds(); ++round) {
       if (round > 0) await_group(call, fwd_in_, in, round - 1);
+      fan_out(round);
       for (; next < passes.size() && passes[next].round == round; ++next) attend_forward(parts_of(passes[next]));
     }
     for (std::size_t i = 0; i < acc_.size(); ++i) out_attn_[i] = detail::from_f32<E>(acc_[i]);
@@ -467,6 +529,8 @@ class ContextParallelAttention {
   AttentionMask mask_;
   std::vector<AttentionEntry> entries_;
   detail::StagePlan stage_plan_;
+  std::vector<detail::CopyPiece> fan_pieces_;      // with dedup: the fan-out, round by round
+  std::vector<std::size_t> fan_splits_, fan_fill_;  // round r's pieces: [fan_splits_[r], fan_splits_[r + 1])
   detail::StagedExchange fwd_in_, dout_in_, q_out_, kv_out_;
   std::vector<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_, replica_v_;
   std::vector<E> out_part_;            // a pass's output (forward) or dq (backward)

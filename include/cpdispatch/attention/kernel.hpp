@@ -15,6 +15,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/mask.hpp"
+#include "cpdispatch/transport.hpp"
 
 namespace cpdispatch {
 
@@ -71,5 +72,17 @@ concept AttentionKernel = requires(K& kernel, const AttentionShape& shape, const
   kernel.forward(shape, mask, entries, in, in, in, out, lse);                          // q, k, v -> out, lse
   kernel.backward(shape, mask, entries, in, in, in, in, lse_in, in, out, out, out);  // q, k, v, out, lse, dout -> dq, dk, dv
 };
+
+/// Where a kernel's buffers live: K::memory_space where K declares it (a
+/// device kernel does), else host memory. ContextParallelAttention takes a
+/// kernel of its transport's memory space only.
+template <class K>
+constexpr MemorySpace attention_kernel_memory_space() {
+  if constexpr (requires { K::memory_space; }) {
+    return K::memory_space;
+  } else {
+    return MemorySpace::host;
+  }
+}
 
 }  // namespace cpdispatch

@@ -52,6 +52,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -333,10 +334,14 @@ struct WireTraffic {
   std::vector<std::vector<std::size_t>> entries_from;                     // [peer] -> fan entry
 };
 
-inline WireTraffic wire_traffic(const RankMetadata& fwd, const RankMetadata& rev, const KvFanList& fan, const std::string& who) {
+/// Fills `t`, reusing its storage.
+inline void wire_traffic(const RankMetadata& fwd, const RankMetadata& rev, const KvFanList& fan, const std::string& who, WireTraffic& t) {
   const auto W = static_cast<std::size_t>(fwd.world_size);
   const std::size_t C = fwd.num_copies;
-  WireTraffic t{std::vector<std::vector<std::pair<std::size_t, std::size_t>>>(W), std::vector<std::vector<std::size_t>>(W)};
+  t.home_to.resize(W);
+  t.entries_from.resize(W);
+  for (auto& v : t.home_to) v.clear();
+  for (auto& v : t.entries_from) v.clear();
   for (std::size_t g = 0; g < fwd.seq_len.size(); ++g) {
     for (std::size_t u = 0; u < C; ++u) {
       const std::int64_t d = fwd.dst_rank[g * C + u];
@@ -357,19 +362,33 @@ inline WireTraffic wire_traffic(const RankMetadata& fwd, const RankMetadata& rev
            " and ", fwd.num_recv_tokens[p], " (the slices are not of one plan)");
     }
   }
-  return t;
 }
 
+/// The per-peer token ranges of the wire's exchanges, kept between plans.
+struct WireRanges {
+  std::vector<std::vector<TokenRange>> fwd_send, fwd_recv, rev_send, rev_recv, in_place_send;
 
-/// The piece lists of both exchanges and the fan-out (see WirePlan); `lens`
-/// and `P` are this rank's shard lengths and MLP positions.
+  void reset(std::size_t W) {
+    for (auto* side : {&fwd_send, &fwd_recv, &rev_send, &rev_recv, &in_place_send}) {
+      side->resize(W);
+      for (auto& v : *side) v.clear();
+    }
+  }
+};
+
+
+/// The piece lists of both exchanges and the fan-out (see WirePlan), written
+/// into `plan`'s storage; `lens` and `P` are this rank's shard lengths and MLP
+/// positions, `r` the per-peer ranges' storage.
 inline void lay_out_wire(WirePlan& plan, const KvFanList& fan, const WireTraffic& t, const std::vector<std::int64_t>& lens,
-                         const std::vector<std::int64_t>& P, std::size_t tb, std::size_t me, const std::string& who) {
+                         const std::vector<std::int64_t>& P, std::size_t tb, std::size_t me, const std::string& who, WireRanges& r) {
   const std::size_t W = t.home_to.size();
   const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
   const auto first = [&fan](std::size_t e) { return fan.attn_offset[fan.copy_splits[e]]; };
   const auto slot = [&](std::size_t g, std::size_t u) { return static_cast<std::int64_t>(u) * plan.mlp_tokens + P[g]; };
-  std::vector<std::vector<TokenRange>> fwd_send(W), fwd_recv(W), rev_send(W), rev_recv(W), in_place_send(W);
+  r.reset(W);
+  auto &fwd_send = r.fwd_send, &fwd_recv = r.fwd_recv, &rev_send = r.rev_send, &rev_recv = r.rev_recv, &in_place_send = r.in_place_send;
+  for (std::vector<CopyPiece>* pieces : {&plan.forward.self, &plan.reverse.self, &plan.reverse_in_place.self, &plan.fan_out}) pieces->clear();
   for (std::size_t p = 0; p < W; ++p) {
     if (p == me) continue;
     for (auto [g, u] : t.home_to[p]) {
@@ -400,40 +419,66 @@ inline void lay_out_wire(WirePlan& plan, const KvFanList& fan, const WireTraffic
       append_piece(plan.fan_out, bytes(first(e)), bytes(fan.attn_offset[i]), bytes(fan.seq_len[e]));
     }
   }
-  plan.forward.send = lay_out_side(fwd_send, tb, true);
-  plan.forward.recv = lay_out_side(fwd_recv, tb, false);
-  plan.reverse.send = lay_out_side(rev_send, tb, true);
-  plan.reverse.recv = lay_out_side(rev_recv, tb, false);
-  plan.reverse_in_place.send = lay_out_side(in_place_send, tb, true);
+  lay_out_side(plan.forward.send, fwd_send, tb, true);
+  lay_out_side(plan.forward.recv, fwd_recv, tb, false);
+  lay_out_side(plan.reverse.send, rev_send, tb, true);
+  lay_out_side(plan.reverse.recv, rev_recv, tb, false);
+  lay_out_side(plan.reverse_in_place.send, in_place_send, tb, true);
   plan.reverse_in_place.recv = plan.reverse.recv;
 }
 
+/// Plans one rank's WirePlan from its wire slices, checking that they belong
+/// together. It keeps its working storage, and writes into the plan's,
+/// between calls: once a plan fits what earlier ones needed (per peer too),
+/// planning allocates nothing.
+class WirePlanner {
+ public:
+  /// Fills `plan`; on a throw `plan` is unspecified (plan into a spare to keep a plan).
+  void plan(const RankMetadata& fwd, const RankMetadata& rev, const KvFanList& fan, std::size_t tb, int rank, int world, WirePlan& plan) {
+    name(rank, world);
+    if (tb == 0) fail(who_, ": token_bytes must be positive");
+    if (world <= 0 || rank < 0 || rank >= world) fail(who_, ": the transport's rank() / world_size() are not a rank of a world");
+    for (auto [name, m] : {std::pair{"kv_wire_fwd", &fwd}, std::pair{"kv_wire_rev", &rev}}) {
+      if (m->world_size != world) fail(who_, ": ", name, ".world_size = ", m->world_size, " but the transport's world_size() = ", world);
+      if (m->rank != rank) fail(who_, ": ", name, " is the slice of rank ", m->rank, " but the transport is rank ", rank);
+      check_slice(*m, name, who_, prefix_);
+    }
+    const std::size_t C = fwd.num_copies;
+    if (!fwd.has_copies || rev.has_copies || !rev.seq_recv_mask || rev.mask_copies != C || *rev.recv_seq_lens != fwd.seq_len) {
+      fail(who_, ": kv_wire_fwd / kv_wire_rev are not the forward (with copies) and reverse (with seq_recv_mask) slices of one wire plan");
+    }
+    check_fan_list(fan, rev, who_);
+    wire_traffic(fwd, rev, fan, who_, traffic_);
+    plan.mlp_tokens = 0;
+    positions_.resize(fwd.seq_len.size());
+    for (std::size_t g = 0; g < positions_.size(); ++g) {
+      positions_[g] = plan.mlp_tokens;
+      plan.mlp_tokens = add_tokens(plan.mlp_tokens, fwd.seq_len[g], who_.c_str());
+    }
+    if (__builtin_mul_overflow(static_cast<std::int64_t>(C), plan.mlp_tokens, &plan.replica_tokens)) fail(who_, ": the replica buffer overflows 64 bits");
+    plan.attention_tokens = fan.attention_tokens;
+    plan.wire_tokens = fan.wire_tokens;
+    lay_out_wire(plan, fan, traffic_, fwd.seq_len, positions_, tb, static_cast<std::size_t>(rank), who_, ranges_);
+  }
+
+ private:
+  /// "KvWireDispatcher (rank r of W)", into storage kept between plans.
+  void name(int rank, int world) {
+    char digits[48];
+    const int n = std::snprintf(digits, sizeof digits, "(rank %d of %d)", rank, world);
+    who_.assign("KvWireDispatcher ");
+    who_.append(digits, static_cast<std::size_t>(std::max(n, 0)));
+  }
+
+  std::string who_, prefix_;
+  WireTraffic traffic_;
+  std::vector<std::int64_t> positions_;  // each shard's place in the MLP layout
+  WireRanges ranges_;
+};
+
 inline WirePlan plan_wire_exchange(const RankMetadata& fwd, const RankMetadata& rev, const KvFanList& fan, std::size_t tb, int rank, int world) {
-  const std::string who = concat("KvWireDispatcher (rank ", rank, " of ", world, ")");
-  if (tb == 0) fail(who, ": token_bytes must be positive");
-  if (world <= 0 || rank < 0 || rank >= world) fail(who, ": the transport's rank() / world_size() are not a rank of a world");
-  std::string prefix;
-  for (auto [name, m] : {std::pair{"kv_wire_fwd", &fwd}, std::pair{"kv_wire_rev", &rev}}) {
-    if (m->world_size != world) fail(who, ": ", name, ".world_size = ", m->world_size, " but the transport's world_size() = ", world);
-    if (m->rank != rank) fail(who, ": ", name, " is the slice of rank ", m->rank, " but the transport is rank ", rank);
-    check_slice(*m, name, who, prefix);
-  }
-  const std::size_t C = fwd.num_copies;
-  if (!fwd.has_copies || rev.has_copies || !rev.seq_recv_mask || rev.mask_copies != C || *rev.recv_seq_lens != fwd.seq_len) {
-    fail(who, ": kv_wire_fwd / kv_wire_rev are not the forward (with copies) and reverse (with seq_recv_mask) slices of one wire plan");
-  }
-  check_fan_list(fan, rev, who);
-  const WireTraffic traffic = wire_traffic(fwd, rev, fan, who);
   WirePlan plan;
-  std::vector<std::int64_t> P(fwd.seq_len.size());
-  for (std::size_t g = 0; g < P.size(); ++g) {
-    P[g] = plan.mlp_tokens;
-    plan.mlp_tokens = add_tokens(plan.mlp_tokens, fwd.seq_len[g], who.c_str());
-  }
-  if (__builtin_mul_overflow(static_cast<std::int64_t>(C), plan.mlp_tokens, &plan.replica_tokens)) fail(who, ": the replica buffer overflows 64 bits");
-  plan.attention_tokens = fan.attention_tokens;
-  plan.wire_tokens = fan.wire_tokens;
-  lay_out_wire(plan, fan, traffic, fwd.seq_len, P, tb, static_cast<std::size_t>(rank), who);
+  WirePlanner().plan(fwd, rev, fan, tb, rank, world, plan);
   return plan;
 }
 
@@ -466,6 +511,10 @@ class wire_path<data_path<MemorySpace::host>> {
     combine_copies(rev, replica, grad, token_bytes, type);
   }
   std::byte* staging() noexcept { return staging_.data(); }
+  /// Grows the owned staging to at least `bytes` (a replan's; never shrinks).
+  void reserve_staging(std::size_t bytes) {
+    if (staging_.size() < bytes) staging_.resize(bytes);
+  }
 
  private:
   std::vector<std::byte> staging_;
@@ -495,7 +544,7 @@ class KvWireDispatcher {
         rank_(transport.rank()),
         world_size_(transport.world_size()),
         token_bytes_(token_bytes),
-        plan_(detail::plan_wire_exchange(slice.fwd, slice.rev, slice.fan, token_bytes, rank_, world_size_)),
+        plan_(first_plan(slice)),
         rev_(std::move(slice.rev)),
         fan_(std::move(slice.fan)),
         sizes_(sizes_of(plan_, token_bytes)),
@@ -506,7 +555,49 @@ class KvWireDispatcher {
   KvWireDispatcher(T& transport, const KvWireMetadata& wire, std::size_t token_bytes)
       : KvWireDispatcher(transport, slice_of(transport, wire), token_bytes) {}
 
+  /// The next step's slice, replanned in place (host transports): once a
+  /// plan fits what earlier ones needed (per peer too), nothing is
+  /// allocated. On a throw the dispatcher keeps its plan.
+  void replan(const RankKvWire& slice)
+    requires(detail::memory_space_of<T>() == MemorySpace::host)
+  {
+    prepare_replan(slice);
+    commit_replan();
+  }
+
+  /// replan in two steps, for a caller that replans several dispatchers at
+  /// once: prepare_replan plans and checks (it may throw; the current plan
+  /// stays in use), commit_replan switches to it (never throws; nothing
+  /// without a prepared plan).
+  void prepare_replan(const RankKvWire& slice)
+    requires(detail::memory_space_of<T>() == MemorySpace::host)
+  {
+    prepared_ = false;
+    planner_.plan(slice.fwd, slice.rev, slice.fan, token_bytes_, rank_, world_size_, next_plan_);
+    next_sizes_ = sizes_of(next_plan_, token_bytes_);
+    next_rev_ = slice.rev;
+    next_fan_ = slice.fan;
+    path_.reserve_staging(staging_of(next_plan_, wire_staging_of(next_sizes_)));
+    prepared_ = true;
+  }
+
+  void commit_replan() noexcept {
+    if (!prepared_) return;
+    std::swap(plan_, next_plan_);
+    std::swap(rev_, next_rev_);
+    std::swap(fan_, next_fan_);
+    sizes_ = next_sizes_;
+    wire_staging_bytes_ = wire_staging_of(sizes_);
+    prepared_ = false;
+  }
+
   const KvWireBufferSizes& required_bytes() const noexcept { return sizes_; }
+  /// The piece lists of the exchanges and the fan list, for a caller that
+  /// runs the forward in stages itself (ContextParallelAttention): the
+  /// forward exchange lands each shard at its first copy, the fan list then
+  /// says where its other copies go.
+  const detail::WirePlan& plan() const noexcept { return plan_; }
+  const KvFanList& fan() const noexcept { return fan_; }
   int rank() const noexcept { return rank_; }
   int world_size() const noexcept { return world_size_; }
   std::size_t token_bytes() const noexcept { return token_bytes_; }
@@ -564,6 +655,12 @@ class KvWireDispatcher {
     const char* name;
     std::size_t used;
   };
+
+  detail::WirePlan first_plan(const RankKvWire& slice) {
+    detail::WirePlan plan;
+    planner_.plan(slice.fwd, slice.rev, slice.fan, token_bytes_, rank_, world_size_, plan);
+    return plan;
+  }
 
   static KvWireBufferSizes sizes_of(const detail::WirePlan& plan, std::size_t tb) {
     const char* who = "KvWireDispatcher";
@@ -641,11 +738,18 @@ class KvWireDispatcher {
   int rank_;
   int world_size_;
   std::size_t token_bytes_;
+  detail::WirePlanner planner_;  // its storage, kept between plans
   detail::WirePlan plan_;
   RankMetadata rev_;  // the home combine's mask
   KvFanList fan_;     // the fan-in
   KvWireBufferSizes sizes_;
   std::size_t wire_staging_bytes_;  // without all_to_all_pieces: the in-place fan-in's wire, at the staging's head
-  path path_;  // local copies, fan-out, fan-in, combine, owned staging (last: built from the above)
+  path path_;  // local copies, fan-out, fan-in, combine, owned staging (built from the above)
+  // prepare_replan's, swapped in by commit_replan (both keep their storage)
+  detail::WirePlan next_plan_;
+  RankMetadata next_rev_;
+  KvFanList next_fan_;
+  KvWireBufferSizes next_sizes_{};
+  bool prepared_ = false;
 };
 }  // namespace cpdispatch

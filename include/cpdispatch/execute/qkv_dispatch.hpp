@@ -25,9 +25,9 @@
 // the wire scratch with dedup) and the dispatchers' staging, so after
 // construction and the first calls nothing is allocated. On host transports
 // replan replans the dispatchers in place: once a share fits what an earlier
-// one needed (plan, staging, replica), it allocates nothing. With dedup the
-// wire dispatcher is rebuilt (it has no reuse path), the rest is reused; on
-// device transports every dispatcher is rebuilt.
+// one needed (plan, staging, replica; with dedup the wire's lists per peer
+// too), it allocates nothing. On device transports every dispatcher is
+// rebuilt.
 // Buffers are in the transport's memory space: std::span<E> on host
 // transports (sim, MPI), cuda::DeviceSpan<E> on device transports (the
 // device sim, NCCL; include cpdispatch/cuda/data_path.hpp from a .cu file),
@@ -172,12 +172,11 @@ class QkvDispatch {
   void host_replan(const RankQkvMetadata& meta) {
     if (!q_) return first_plan(meta);
     q_->prepare_replan(meta.q_fwd, meta.q_rev);
-    std::optional<KvWireDispatcher<T>> wire;
-    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_token_elems_ * sizeof(E));
+    if (dedup_) wire_->prepare_replan(*meta.kv_wire);
     else kv_->prepare_replan(meta.kv_fwd, meta.kv_rev);
     next_attention_ = meta.attn;
     q_->commit_replan();
-    if (dedup_) take(wire_, wire);
+    if (dedup_) wire_->commit_replan();
     else kv_->commit_replan();
     std::swap(attention_, next_attention_);
     size_scratch();

@@ -30,9 +30,8 @@ class StagePlan {
   /// `groups` stage groups (0: everything in round 0). q_rev and kv_rev are
   /// this rank's reverse slices: entry m came from home dst_rank[m] and the
   /// entries lie back to back in the attention layout.
-  /// `kv_local`: the key-values are all in place before round 0 (they took another exchange).
   void build(std::span<const AttentionEntry> entries, const RankMetadata& q_rev, const RankMetadata& kv_rev, int me, int world_size,
-             int groups, bool kv_local, const char* who) {
+             int groups, const char* who) {
     me_ = me, world_size_ = world_size, groups_ = groups;
     if (q_rev.seq_len.size() != entries.size()) fail(who, ": q_rev has ", q_rev.seq_len.size(), " entries, the attention layout ", entries.size());
     scratch_.clear();
@@ -47,7 +46,7 @@ class StagePlan {
       if (at != entry.kv_start) fail(who, ": KV group ", e, " starts at ", entry.kv_start, " but kv_rev's entries reach ", at);
       while (at < end) {
         if (m >= kv_rev.seq_len.size()) fail(who, ": kv_rev's entries end inside KV group ", e);
-        const int kv_round = kv_local ? 0 : round_of(kv_rev.dst_rank[m]);
+        const int kv_round = round_of(kv_rev.dst_rank[m]);
         const int round = std::max(q_round, kv_round);
         if (kv_round > 0) {
           int& ready = kv_ready_[static_cast<std::size_t>(kv_round - 1)];
@@ -76,17 +75,18 @@ class StagePlan {
   /// The round after which the KV gradients that go home in group g are complete.
   int kv_ready(int group) const noexcept { return kv_ready_[static_cast<std::size_t>(group)]; }
 
+  /// The round in which what home rank `home` sends this rank arrives.
+  int round_of(std::int64_t home) const {
+    if (groups_ == 0 || home == me_) return 0;
+    return 1 + stage_group(static_cast<int>(home), me_, world_size_, groups_);
+  }
+
  private:
   struct Part {
     int round;
     std::size_t entry;
     AttentionEntry part;
   };
-
-  int round_of(std::int64_t home) const {
-    if (groups_ == 0 || home == me_) return 0;
-    return 1 + stage_group(static_cast<int>(home), me_, world_size_, groups_);
-  }
 
   /// Appends rows [at, at + len) of entry e's KV group, merged with the entry's previous part when it runs on in the same round.
   void add_part(std::size_t e, const AttentionEntry& entry, std::int64_t at, std::int64_t len, int round) {

@@ -128,12 +128,10 @@ void lay_out_side(Side& side, std::size_t W, std::size_t token_bytes, bool is_se
 }
 
 /// The same from per-peer lists: `by_peer[p]` in wire order.
-inline Side lay_out_side(const std::vector<std::vector<TokenRange>>& by_peer, std::size_t token_bytes, bool is_send) {
-  Side side;
+inline void lay_out_side(Side& side, const std::vector<std::vector<TokenRange>>& by_peer, std::size_t token_bytes, bool is_send) {
   lay_out_side(side, by_peer.size(), token_bytes, is_send, [&](std::size_t p, auto&& emit) {
     for (const TokenRange& r : by_peer[p]) emit(r);
   });
-  return side;
 }
 
 inline std::string entry_str(const RankMetadata& m, std::size_t j, std::size_t k) {
