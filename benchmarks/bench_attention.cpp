@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "attention_flops.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/gemm/gemm_cblas.hpp"
@@ -109,17 +110,6 @@ double median_seconds(double budget, Fn&& fn) {
   return t[t.size() / 2];
 }
 
-/// (query, key) pairs of one document the mask lets through.
-double visible_pairs(const AttentionMask& mask, std::int64_t L) {
-  double pairs = 0;
-  for (std::int64_t p = 0; p < L; ++p) {
-    std::int64_t lo = 0;
-    if (mask.type == cpdispatch::MaskType::sliding_window) lo = std::max<std::int64_t>(0, p - mask.window + 1);
-    pairs += static_cast<double>(mask.type == cpdispatch::MaskType::full ? L : p + 1 - lo);
-  }
-  return pairs;
-}
-
 /// GFLOP/s of SGEMM [L x 128] x [128 x L] with OpenBLAS on `threads` threads.
 double sgemm_rate(std::int64_t L, int threads, double budget) {
   const std::int64_t K = 128;
@@ -182,7 +172,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(c.type, "float") == 0) t = time_case<float>(c, kernel, o.seconds);
     if (std::strcmp(c.type, "bfloat16") == 0) t = time_case<cpdispatch::bfloat16>(c, kernel, o.seconds);
     if (std::strcmp(c.type, "float16") == 0) t = time_case<cpdispatch::float16>(c, kernel, o.seconds);
-    const double fwd_flop = 4.0 * visible_pairs(c.mask, c.tokens) * static_cast<double>(c.head_dim * c.heads_q);
+    const double fwd_flop = bench::forward_flop(c.mask, c.tokens, c.heads_q, c.head_dim);
     const double fwd = fwd_flop / t.forward_s * 1e-9, bwd = 2.5 * fwd_flop / t.backward_s * 1e-9;
     const std::string heads = std::to_string(c.heads_q) + "/" + std::to_string(c.heads_kv);
     std::printf("%-9s %6lld %5s %4lld %-22s %9.1f %8.1f %9.1f %8.1f %9.1f %7.2f %7.2f %s\n", c.type,

@@ -233,6 +233,9 @@ __global__ void __launch_bounds__(block_threads)
 /// Varlen attention on the device; see the file comment.
 class CudaAttentionKernel {
  public:
+  /// Its buffers are device memory (attention_kernel_memory_space).
+  static constexpr MemorySpace memory_space = MemorySpace::device;
+
   /// Launches on the legacy default stream.
   CudaAttentionKernel() = default;
   /// Launches on `stream` (the legacy default stream when null).

@@ -1,0 +1,248 @@
+// ContextParallelAttention on the device sim: device buffers, the device data
+// path and CudaAttentionKernel. Forward (out, log-sum-exp) and backward (dq,
+// dk, dv) equal attention over each whole document (the double-precision
+// reference): float within 1e-5 relative, 16-bit types within twice the
+// error of the same kernel run unsharded in that type. Cases are pairwise
+// over world size, heads, mask and dedup; replan over changing plans; an
+// idle rank; the refusals. Without a CUDA device every test skips.
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention_op/cp_world.hpp"
+#include "attention_op/run_op.hpp"
+#include "cpdispatch/cuda/context_parallel.hpp"
+#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/transports/device_sim.hpp"
+#include "cuda_test_util.hpp"
+
+namespace {
+
+using attention_test::CpWorld;
+using attention_test::RankResult;
+using attention_test::RankTensors;
+using cpdispatch::AttentionMask;
+using cpdispatch::AttentionShape;
+using cpdispatch::CpAttentionOptions;
+using cpdispatch::DeviceSimTransport;
+using cpdispatch::DeviceSimWorld;
+using cpdispatch::cuda::DeviceBuffer;
+using cpdispatch::cuda::DeviceSpan;
+
+template <class E>
+using DeviceOp = cpdispatch::ContextParallelAttention<DeviceSimTransport, E>;
+
+static_assert(std::is_same_v<DeviceOp<float>::kernel_type, cpdispatch::cuda::CudaAttentionKernel>);
+static_assert(!DeviceOp<float>::overlaps);
+
+/// A host vector's copy in device memory (never empty: an idle rank still gets a valid pointer).
+template <class E>
+DeviceBuffer<E> to_device(const std::vector<E>& host) {
+  DeviceBuffer<E> b(host.size() + 1);
+  if (!host.empty()) CPDISPATCH_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
+  return b;
+}
+
+template <class E>
+std::vector<float> to_host(const E* device, std::size_t n) {
+  std::vector<E> host(n);
+  CPDISPATCH_CUDA_CHECK(cudaDeviceSynchronize());
+  if (n) CPDISPATCH_CUDA_CHECK(cudaMemcpy(host.data(), device, n * sizeof(E), cudaMemcpyDeviceToHost));
+  if constexpr (std::is_same_v<E, float>) {
+    return host;
+  } else {
+    return attention_test::to_floats(host);
+  }
+}
+
+template <class E>
+DeviceSpan<const E> in(const DeviceBuffer<E>& b, std::size_t n) {
+  return {b.data(), n};
+}
+template <class E>
+DeviceSpan<E> out(const DeviceBuffer<E>& b, std::size_t n) {
+  return {b.data(), n};
+}
+
+/// One rank's forward and backward on the device; outputs start as NaN so that an unwritten element shows.
+template <class E>
+RankResult device_step(DeviceOp<E>& op, const RankTensors& x) {
+  using attention_test::to_elements;
+  const std::size_t nq = x.q.size(), nk = x.k.size();
+  const DeviceBuffer<E> q = to_device(to_elements<E>(x.q)), k = to_device(to_elements<E>(x.k)), v = to_device(to_elements<E>(x.v)),
+                        dout = to_device(to_elements<E>(x.dout));
+  const std::vector<float> nan_q(nq, std::numeric_limits<float>::quiet_NaN()), nan_k(nk, std::numeric_limits<float>::quiet_NaN());
+  const DeviceBuffer<E> o = to_device(to_elements<E>(nan_q)), dq = to_device(to_elements<E>(nan_q)), dk = to_device(to_elements<E>(nan_k)),
+                        dv = to_device(to_elements<E>(nan_k));
+  op.forward(in(q, nq), in(k, nk), in(v, nk), out(o, nq));
+  op.backward(in(dout, nq), out(dq, nq), out(dk, nk), out(dv, nk));
+  return {to_host(o.data(), nq), to_host(dq.data(), nq), to_host(dk.data(), nk), to_host(dv.data(), nk), to_host(op.lse().data(), op.lse().size()), {}};
+}
+
+/// Every rank plans its own share, builds the device op and runs one step.
+template <class E>
+std::vector<RankResult> run_device_op(const CpWorld& world, const AttentionShape& shape, CpAttentionOptions options) {
+  const auto W = static_cast<std::size_t>(world.plan().world_size);
+  std::vector<RankResult> results(W);
+  DeviceSimWorld sim(static_cast<int>(W));
+  sim.run([&](DeviceSimTransport& t) {
+    const auto r = static_cast<std::size_t>(t.rank());
+    const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+    DeviceOp<E> op(t, share, shape, options);
+    results[r] = device_step<E>(op, world.tensors(r));
+    results[r].q_rev = share.q_rev;
+  });
+  return results;
+}
+
+struct Case {
+  const char* name;
+  int world_size;
+  std::int64_t heads_q, heads_kv;
+  AttentionMask mask;
+  bool dedup;
+  std::uint64_t seed;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+AttentionShape shape_of(const Case& c) { return {c.heads_q, c.heads_kv, 4, 0.45f}; }
+
+cpdispatch::QkvDocumentsPlan plan_of(int world_size, std::uint64_t seed, const AttentionMask& mask, bool dedup) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = world_size;
+  o.num_documents = world_size + 2;
+  o.max_shards = 4;
+  o.max_len = 5;
+  cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
+  plan.mask = mask;
+  plan.dedup = dedup;
+  return plan;
+}
+
+const AttentionMask window3 = AttentionMask::sliding_window(3);
+
+// Pairwise over (world size, heads, mask, dedup): every mask meets both dedup settings and both head layouts.
+const Case cases[] = {
+    {"W1_mha_causal", 1, 2, 2, AttentionMask::causal(), false, 51},
+    {"W2_gqa_full_dedup", 2, 4, 2, AttentionMask::full(), true, 52},
+    {"W3_gqa4_window3", 3, 4, 1, window3, false, 53},
+    {"W4_mha_causal_dedup", 4, 1, 1, AttentionMask::causal(), true, 54},
+    {"W5_mha_full", 5, 2, 2, AttentionMask::full(), false, 55},
+    {"W7_gqa_window3_dedup", 7, 4, 2, window3, true, 56},
+    {"W8_gqa_causal", 8, 4, 2, AttentionMask::causal(), false, 57},
+};
+
+class CpAttentionDevice : public testing::TestWithParam<Case> {};
+INSTANTIATE_TEST_SUITE_P(Pairwise, CpAttentionDevice, testing::ValuesIn(cases),
+                         [](const testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+TEST_P(CpAttentionDevice, EqualsWholeDocumentAttention) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const Case& c = GetParam();
+  const CpWorld world(plan_of(c.world_size, c.seed, c.mask, c.dedup), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
+  world.expect_equal(run_device_op<float>(world, shape_of(c), {c.dedup, 1}), 1e-5);
+}
+
+// Without dedup: with it, each destination's partial KV-gradient sum is rounded
+// to E on the wire (docs/dedup.md), one rounding more than the unsharded run has.
+template <class E>
+void expect_within_twice_unsharded(bool dedup) {
+  const AttentionShape shape{2, 1, 8, 0.35f};
+  const CpWorld sharded(plan_of(4, 63, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 63, attention_test::round_to<E>);
+  const CpWorld whole(CpWorld::unsharded(sharded.plan()), shape, AttentionMask::causal(), 63, attention_test::round_to<E>);
+  const std::array<double, 5> got = sharded.relative_errors(run_device_op<E>(sharded, shape, {dedup, 1}));
+  const std::array<double, 5> base = whole.relative_errors(run_device_op<E>(whole, shape, {}));
+  const char* names[5] = {"out", "dq", "dk", "dv", "lse"};
+  for (std::size_t i = 0; i < 5; ++i) EXPECT_LE(got[i], 2 * base[i] + 1e-6) << names[i] << "; unsharded " << base[i];
+}
+
+TEST(CpAttentionDevice16Bit, Bfloat16WithinTwiceTheUnshardedError) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  expect_within_twice_unsharded<cpdispatch::bfloat16>(false);
+}
+
+TEST(CpAttentionDevice16Bit, Float16WithinTwiceTheUnshardedError) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  expect_within_twice_unsharded<cpdispatch::float16>(false);
+}
+
+/// Rank 2 holds tokens but attends to nothing; rank 3 holds nothing and attends to nothing.
+TEST(CpAttentionDeviceIdleRanks, EmptyRankAndRankThatAttendsNothing) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 4;
+  plan.documents = {{{{0, 3, 1}, {1, 2, 1}, {2, 3, 0}}}, {{{1, 4, 0}}}, {{{2, 2, 1}}}};
+  const AttentionShape shape{2, 1, 4, 0.5f};
+  const CpWorld world(plan, shape, AttentionMask::causal(), 7, attention_test::round_to<float>);
+  world.expect_equal(run_device_op<float>(world, shape, {}), 1e-5);
+}
+
+/// One op per rank over steps of changing plans (replan), each step equal to the reference.
+TEST(CpAttentionDeviceReplan, EveryStepEqualsWholeDocumentAttention) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  constexpr int W = 3, steps = 4;
+  const AttentionShape shape{2, 1, 4, 0.4f};
+  for (const bool dedup : {false, true}) {
+    SCOPED_TRACE(dedup ? "dedup" : "section 2 exchange");
+    std::vector<CpWorld> worlds;
+    for (int i = 0; i < steps; ++i) {
+      const AttentionMask mask = i % 2 ? window3 : AttentionMask::causal();
+      worlds.emplace_back(plan_of(W, 70 + static_cast<std::uint64_t>(i), mask, dedup), shape, mask, 70 + static_cast<std::uint64_t>(i),
+                          attention_test::round_to<float>);
+    }
+    std::vector<std::vector<RankResult>> results(steps, std::vector<RankResult>(W));
+    DeviceSimWorld sim(W);
+    sim.run([&](DeviceSimTransport& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      DeviceOp<float> op(t, cpdispatch::plan_qkv_for_rank(worlds[0].plan(), t.rank()), shape, {dedup, 1});
+      for (int i = 0; i < steps; ++i) {
+        const auto share = cpdispatch::plan_qkv_for_rank(worlds[static_cast<std::size_t>(i)].plan(), t.rank());
+        if (i > 0) op.replan(share);
+        RankResult& got = results[static_cast<std::size_t>(i)][r];
+        got = device_step<float>(op, worlds[static_cast<std::size_t>(i)].tensors(r));
+        got.q_rev = share.q_rev;
+      }
+    });
+    for (int i = 0; i < steps; ++i) worlds[static_cast<std::size_t>(i)].expect_equal(results[static_cast<std::size_t>(i)], 1e-5);
+  }
+}
+
+template <class F>
+void expect_error(F&& f, const std::string& words) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one naming \"" << words << "\"";
+  } catch (const cpdispatch::invalid_input& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+  }
+}
+
+TEST(CpAttentionDeviceErrors, RefusalsNameTheField) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 1;
+  plan.documents = {{{{0, 3, 0}}}};
+  const AttentionShape shape{2, 1, 4, 0.5f};
+  DeviceSimWorld sim(1);
+  sim.run([&](DeviceSimTransport& t) {
+    const auto share = cpdispatch::plan_qkv_for_rank(plan, 0);
+    expect_error([&] { DeviceOp<float>(t, share, shape, {false, 2}); }, "options.stages = 2: on a device transport the op runs one stage");
+    expect_error([&] { DeviceOp<float>(t, share, shape, {true, 1}); }, "options.dedup is set but the share has no kv_wire");
+    expect_error([&] { DeviceOp<float>(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
+    expect_error([&] { DeviceOp<float>(t, share, shape, {}, cpdispatch::cuda::CudaAttentionKernel(nullptr)); },
+                 "the kernel launches on another stream than the transport's");
+    DeviceOp<float> op(t, share, shape);
+    const DeviceBuffer<float> b(64);
+    expect_error([&] { op.forward(in(b, 24), in(b, 12), in(b, 11), out(b, 24)); }, "forward: v has 11 elements, but 3 tokens x 1 heads x 4 = 12");
+    expect_error([&] { op.backward(in(b, 24), out(b, 24), out(b, 12), out(b, 12)); }, "backward needs the forward of the same plan first");
+  });
+}
+
+}  // namespace
