@@ -207,4 +207,15 @@ class CpWorld {
   std::vector<Doc> docs_;
 };
 
+/// f() must throw invalid_input whose message holds `words`.
+template <class F>
+void expect_error(F&& f, const std::string& words) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one naming \"" << words << "\"";
+  } catch (const cpdispatch::invalid_input& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace attention_test

@@ -158,25 +158,15 @@ void on_one_rank(F&& body) {
   sim.run([&](cpdispatch::SimTransport& t) { body(cpdispatch::plan_qkv_for_rank(plan, 0), t); });
 }
 
-template <class F>
-void expect_error(F&& f, const std::string& words) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one naming \"" << words << "\"";
-  } catch (const cpdispatch::invalid_input& e) {
-    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
-  }
-}
-
 using Op = cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel>;
 
 TEST(CpAttentionErrors, BadShapeAndOptionsAreNamed) {
   on_one_rank([](const cpdispatch::RankQkvMetadata& share, cpdispatch::SimTransport& t) {
-    expect_error([&] { Op(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
-    expect_error([&] { Op(t, share, {2, 2, 0, 1.0f}); }, "shape.head_dim = 0");
-    expect_error([&] { Op(t, share, {2, 2, 4, 0.0f}); }, "shape.softmax_scale");
-    expect_error([&] { Op(t, share, {2, 2, 4, 1.0f}, {false, 0}); }, "options.stages = 0");
-    expect_error([&] { Op(t, share, {2, 2, 4, 1.0f}, {true, 1}); }, "options.dedup is set but the share has no kv_wire");
+    attention_test::expect_error([&] { Op(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
+    attention_test::expect_error([&] { Op(t, share, {2, 2, 0, 1.0f}); }, "shape.head_dim = 0");
+    attention_test::expect_error([&] { Op(t, share, {2, 2, 4, 0.0f}); }, "shape.softmax_scale");
+    attention_test::expect_error([&] { Op(t, share, {2, 2, 4, 1.0f}, {false, 0}); }, "options.stages = 0");
+    attention_test::expect_error([&] { Op(t, share, {2, 2, 4, 1.0f}, {true, 1}); }, "options.dedup is set but the share has no kv_wire");
   });
 }
 
@@ -192,7 +182,7 @@ TEST(CpAttentionErrors, ReplanWithDedupRefusesAShareWithoutWireSlices) {
     Op op(t, with_wire, {2, 2, 4, 1.0f}, {true, 2});
     plan.dedup = false;
     const auto without = cpdispatch::plan_qkv_for_rank(plan, 0);
-    expect_error([&] { op.replan(without); }, "options.dedup is set but the share has no kv_wire");
+    attention_test::expect_error([&] { op.replan(without); }, "options.dedup is set but the share has no kv_wire");
   });
 }
 
@@ -200,11 +190,11 @@ TEST(CpAttentionErrors, WrongBufferSizesAndBackwardFirstAreNamed) {
   on_one_rank([](const cpdispatch::RankQkvMetadata& share, cpdispatch::SimTransport& t) {
     Op op(t, share, {2, 1, 4, 1.0f});
     std::vector<float> q(3 * 8), kv(3 * 4), out(3 * 8), small(5);
-    expect_error([&] { op.backward(q, out, kv, kv); }, "backward needs the forward");
-    expect_error([&] { op.forward(q, small, kv, out); }, "k has 5 elements, but 3 tokens x 1 heads x 4 = 12");
+    attention_test::expect_error([&] { op.backward(q, out, kv, kv); }, "backward needs the forward");
+    attention_test::expect_error([&] { op.forward(q, small, kv, out); }, "k has 5 elements, but 3 tokens x 1 heads x 4 = 12");
     op.forward(q, kv, kv, out);
     std::vector<float> dk(3 * 4), dv(3 * 4);
-    expect_error([&] { op.backward(q, small, dk, dv); }, "dq has 5 elements");
+    attention_test::expect_error([&] { op.backward(q, small, dk, dv); }, "dq has 5 elements");
   });
 }
 

@@ -214,16 +214,6 @@ TEST(CpAttentionDeviceReplan, EveryStepEqualsWholeDocumentAttention) {
   }
 }
 
-template <class F>
-void expect_error(F&& f, const std::string& words) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one naming \"" << words << "\"";
-  } catch (const cpdispatch::invalid_input& e) {
-    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
-  }
-}
-
 TEST(CpAttentionDeviceErrors, RefusalsNameTheField) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   cpdispatch::QkvDocumentsPlan plan;
@@ -233,15 +223,15 @@ TEST(CpAttentionDeviceErrors, RefusalsNameTheField) {
   DeviceSimWorld sim(1);
   sim.run([&](DeviceSimTransport& t) {
     const auto share = cpdispatch::plan_qkv_for_rank(plan, 0);
-    expect_error([&] { DeviceOp<float>(t, share, shape, {false, 2}); }, "options.stages = 2: on a device transport the op runs one stage");
-    expect_error([&] { DeviceOp<float>(t, share, shape, {true, 1}); }, "options.dedup is set but the share has no kv_wire");
-    expect_error([&] { DeviceOp<float>(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
-    expect_error([&] { DeviceOp<float>(t, share, shape, {}, cpdispatch::cuda::CudaAttentionKernel(nullptr)); },
+    attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {false, 2}); }, "options.stages = 2: on a device transport the op runs one stage");
+    attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {true, 1}); }, "options.dedup is set but the share has no kv_wire");
+    attention_test::expect_error([&] { DeviceOp<float>(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
+    attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {}, cpdispatch::cuda::CudaAttentionKernel(nullptr)); },
                  "the kernel launches on another stream than the transport's");
     DeviceOp<float> op(t, share, shape);
     const DeviceBuffer<float> b(64);
-    expect_error([&] { op.forward(in(b, 24), in(b, 12), in(b, 11), out(b, 24)); }, "forward: v has 11 elements, but 3 tokens x 1 heads x 4 = 12");
-    expect_error([&] { op.backward(in(b, 24), out(b, 24), out(b, 12), out(b, 12)); }, "backward needs the forward of the same plan first");
+    attention_test::expect_error([&] { op.forward(in(b, 24), in(b, 12), in(b, 11), out(b, 24)); }, "forward: v has 11 elements, but 3 tokens x 1 heads x 4 = 12");
+    attention_test::expect_error([&] { op.backward(in(b, 24), out(b, 24), out(b, 12), out(b, 12)); }, "backward needs the forward of the same plan first");
   });
 }
 

@@ -33,6 +33,7 @@
 #include "cpdispatch/transports/sim.hpp"
 #include "cuda_test_util.hpp"
 #include "dispatch_helpers.hpp"
+#include "nccl_world.hpp"
 #include "../dedup/dedup_exec.hpp"
 
 // A named namespace: nvcc reports static members of classes in an unnamed
@@ -307,39 +308,6 @@ TEST_P(DedupDeviceSim, MatchesTheHostPathsOnRandomPlans) {
 
 // ---- NcclTransport -------------------------------------------------------------
 
-/// Runs f(transport) on one thread per GPU 0..W-1, each with its own
-/// communicator (ncclCommInitAll) and stream, and waits for the streams.
-/// A failing rank aborts its communicator; the first error is rethrown.
-template <class F>
-void run_nccl(int W, F f) {
-  std::vector<ncclComm_t> comms(static_cast<std::size_t>(W));
-  std::vector<int> devices(static_cast<std::size_t>(W));
-  for (int d = 0; d < W; ++d) devices[static_cast<std::size_t>(d)] = d;
-  CPDISPATCH_NCCL_CHECK(ncclCommInitAll(comms.data(), W, devices.data()));
-  std::mutex mutex;
-  std::exception_ptr first;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < W; ++r) {
-    threads.emplace_back([&, r] {
-      const auto me = static_cast<std::size_t>(r);
-      try {
-        CPDISPATCH_CUDA_CHECK(cudaSetDevice(r));
-        const cpdispatch::cuda::Stream stream;
-        NcclTransport t(comms[me], stream.get());
-        f(t);
-        CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
-        (void)ncclCommDestroy(comms[me]);
-      } catch (...) {
-        (void)ncclCommAbort(comms[me]);
-        std::lock_guard lock(mutex);
-        if (!first) first = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
-}
-
 /// Each case with one of three kinds in turn (the device sim covers them all).
 void expect_nccl_matches_host(int W) {
   const auto U = static_cast<std::size_t>(W);
@@ -351,7 +319,7 @@ void expect_nccl_matches_host(int W) {
     SCOPED_TRACE(c.name + ", " + k.name());
     const std::vector<Reference> ref = host_reference(W, c, k);
     std::vector<DeviceResult> dev(U);
-    run_nccl(W, [&](NcclTransport& t) {
+    cptest::run_nccl(W, [&](NcclTransport& t) {
       const auto r = static_cast<std::size_t>(t.rank());
       RankBuffers b = buffers_for(c, r, k);
       run_rank(t, c, k, b);

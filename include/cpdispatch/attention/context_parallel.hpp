@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <span>
@@ -91,6 +92,27 @@ inline AttentionMask mask_of(const RankQkvMetadata& share) { return share.attn.m
 
 /// The share's slices of the deduplicated exchange, null when it has none.
 inline const RankKvWire* kv_wire_of(const RankQkvMetadata& share) { return share.kv_wire ? &*share.kv_wire : nullptr; }
+
+/// One MLP-layout buffer of a forward or backward call: [T][heads_q][head_dim]
+/// when `query`, else [T][heads_kv][head_dim].
+struct MlpBuffer {
+  std::size_t size;
+  const char* name;
+  bool query;
+};
+
+/// Refuses the first buffer whose size is not this rank's tokens x heads x head_dim.
+inline void check_mlp_sizes(int rank, int world_size, const char* call, std::int64_t tokens, const AttentionShape& s,
+                            std::initializer_list<MlpBuffer> buffers) {
+  for (const MlpBuffer& b : buffers) {
+    const std::int64_t heads = b.query ? s.heads_q : s.heads_kv;
+    const auto want = static_cast<std::size_t>(tokens * heads * s.head_dim);
+    if (b.size != want) {
+      fail("ContextParallelAttention (rank ", rank, " of ", world_size, "): ", call, ": ", b.name, " has ", b.size, " elements, but ", tokens,
+           " tokens x ", heads, " heads x ", s.head_dim, " = ", want);
+    }
+  }
+}
 
 template <class E>
 std::span<const std::byte> bytes_of(std::span<const E> s) { return std::as_bytes(s); }
@@ -436,12 +458,6 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
   static const std::byte* bytes_in(std::span<const E> s) noexcept { return detail::bytes_of(s).data(); }
   static std::byte* bytes_out(std::vector<E>& v) noexcept { return detail::bytes_of(std::span<E>(v)).data(); }
 
-  struct MlpBuffer {
-    std::size_t size;
-    const char* name;
-    bool query;  // [T][heads_q][head_dim], else [T][heads_kv][head_dim]
-  };
-
   template <class... Args>
   [[noreturn]] void fail(Args&&... args) const {
     detail::fail("ContextParallelAttention (rank ", transport_.rank(), " of ", transport_.world_size(), "): ", std::forward<Args>(args)...);
@@ -451,15 +467,8 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
   std::size_t q_token_elems() const noexcept { return static_cast<std::size_t>(shape_.heads_q * shape_.head_dim); }
   std::size_t kv_token_elems() const noexcept { return static_cast<std::size_t>(shape_.heads_kv * shape_.head_dim); }
 
-  void check_mlp(const char* call, std::initializer_list<MlpBuffer> buffers) const {
-    const auto tokens = static_cast<std::size_t>(mlp_tokens());
-    for (const MlpBuffer& b : buffers) {
-      const std::size_t want = tokens * (b.query ? q_token_elems() : kv_token_elems());
-      if (b.size != want) {
-        fail(call, ": ", b.name, " has ", b.size, " elements, but ", tokens, " tokens x ", b.query ? shape_.heads_q : shape_.heads_kv,
-             " heads x ", shape_.head_dim, " = ", want);
-      }
-    }
+  void check_mlp(const char* call, std::initializer_list<detail::MlpBuffer> buffers) const {
+    detail::check_mlp_sizes(transport_.rank(), transport_.world_size(), call, mlp_tokens(), shape_, buffers);
   }
 
   /// The reverse key-value slice (for the combine), copied into storage kept between plans.

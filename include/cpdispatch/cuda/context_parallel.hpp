@@ -159,12 +159,6 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::device> {
   }
 
  private:
-  struct MlpBuffer {
-    std::size_t size;
-    const char* name;
-    bool query;  // [T][heads_q][head_dim], else [T][heads_kv][head_dim]
-  };
-
   static Kernel kernel_on(T& transport) {
     if constexpr (std::is_constructible_v<Kernel, cudaStream_t>) {
       return Kernel(detail::stream_of(transport));
@@ -222,15 +216,8 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::device> {
     planned_ = true;
   }
 
-  void check_mlp(const char* call, std::initializer_list<MlpBuffer> buffers) const {
-    const auto tokens = static_cast<std::size_t>(mlp_tokens());
-    for (const MlpBuffer& b : buffers) {
-      const std::size_t want = tokens * (b.query ? q_token_elems() : kv_token_elems());
-      if (b.size != want) {
-        fail(call, ": ", b.name, " has ", b.size, " elements, but ", tokens, " tokens x ", b.query ? shape_.heads_q : shape_.heads_kv,
-             " heads x ", shape_.head_dim, " = ", want);
-      }
-    }
+  void check_mlp(const char* call, std::initializer_list<detail::MlpBuffer> buffers) const {
+    detail::check_mlp_sizes(transport_.rank(), transport_.world_size(), call, mlp_tokens(), shape_, buffers);
   }
 
   /// Grow-only: a buffer is reallocated only when a plan needs more than it holds (never empty, so pointers stay valid).

@@ -46,6 +46,7 @@
 #include "cpdispatch/execute/detail/data_path.hpp"
 #include "cpdispatch/execute/detail/dispatch_plan.hpp"
 #include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/node_wire.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/execute/combine.hpp"
 
@@ -110,6 +111,43 @@ class DeviceCombine {
   cuda::DeviceBuffer<cuda::CombineChunk> chunks_;
 };
 
+/// Piece lists split into copy chunks, all in one device array uploaded once:
+/// list i runs as one launch of the copy kernel.
+class DeviceCopyLists {
+ public:
+  explicit DeviceCopyLists(cudaStream_t stream) : stream_(stream) {}
+
+  /// Appends list i (lists are added in any order, before upload()).
+  void add(std::size_t i, const std::vector<CopyPiece>& pieces) {
+    if (lists_.size() <= i) lists_.resize(i + 1);
+    const std::vector<cuda::CopyChunk> chunks = cuda::plan_copy_chunks(pieces);
+    lists_[i] = {pieces.size(), host_.size(), chunks.size()};
+    host_.insert(host_.end(), chunks.begin(), chunks.end());
+  }
+  void upload() {
+    device_.allocate(host_.size());
+    device_.upload(std::span<const cuda::CopyChunk>(host_), stream_);
+  }
+
+  /// Runs list i; `pieces` is the size of the host list it was made from, checked.
+  void run(std::size_t i, std::size_t pieces, const std::byte* src, std::byte* dst, const char* who) const {
+    const List& list = lists_.at(i);
+    if (pieces != list.pieces) fail(who, ": ", pieces, " copy pieces, but the plan it was built from has ", list.pieces);
+    cuda::launch_copy(src, dst, device_.data() + list.offset, list.count, stream_);
+  }
+
+ private:
+  struct List {
+    std::size_t pieces = 0;  // host pieces it came from
+    std::size_t offset = 0;  // first chunk
+    std::size_t count = 0;   // chunks
+  };
+  cudaStream_t stream_;
+  std::vector<List> lists_;
+  std::vector<cuda::CopyChunk> host_;  // kept: the stream-ordered upload reads it
+  cuda::DeviceBuffer<cuda::CopyChunk> device_;
+};
+
 template <>
 class data_path<MemorySpace::device> {
  public:
@@ -120,23 +158,14 @@ class data_path<MemorySpace::device> {
   template <class Transport>
   data_path(Transport& transport, const DispatchPlan& plan, const RankMetadata& rev, std::size_t token_bytes,
             std::size_t staging_bytes)
-      : stream_(stream_of(transport)) {
-    std::size_t total = 0;
+      : stream_(stream_of(transport)), lists_(stream_) {
     for (Direction dir : {Direction::forward, Direction::reverse}) {
       const ExchangePlan& ex = dir == Direction::forward ? plan.forward : plan.reverse;
       for (Stage stage : {Stage::pack, Stage::self, Stage::unpack}) {
-        const std::vector<CopyPiece>& pieces = stage == Stage::pack ? ex.send.copies : stage == Stage::self ? ex.self : ex.recv.copies;
-        std::vector<cuda::CopyChunk> chunks = cuda::plan_copy_chunks(pieces);
-        List& list = lists_[index(dir, stage)];
-        list.pieces = pieces.size();
-        list.offset = total;
-        list.count = chunks.size();
-        total += chunks.size();
-        host_chunks_.insert(host_chunks_.end(), chunks.begin(), chunks.end());
+        lists_.add(index(dir, stage), stage == Stage::pack ? ex.send.copies : stage == Stage::self ? ex.self : ex.recv.copies);
       }
     }
-    chunks_.allocate(host_chunks_.size());
-    chunks_.upload(std::span<const cuda::CopyChunk>(host_chunks_), stream_);
+    lists_.upload();
     if (rev.seq_recv_mask) combine_.emplace(rev, token_bytes, stream_);  // reverse KV
     staging_.ensure(staging_bytes);
   }
@@ -146,11 +175,7 @@ class data_path<MemorySpace::device> {
   /// Runs one of the plan's piece lists (uploaded at construction; `pieces`
   /// is the host list it was made from, checked to be the same size).
   void copy(Direction dir, Stage stage, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const {
-    const List& list = lists_[index(dir, stage)];
-    if (pieces.size() != list.pieces) {
-      fail("device data path: ", pieces.size(), " copy pieces, but the plan it was built from has ", list.pieces);
-    }
-    cuda::launch_copy(src, dst, chunks_.data() + list.offset, list.count, stream_);
+    lists_.run(index(dir, stage), pieces.size(), src, dst, "device data path");
   }
 
   /// The KV-gradient combine on the device: same order and accumulation as
@@ -183,20 +208,12 @@ class data_path<MemorySpace::device> {
   };
 
  private:
-  struct List {
-    std::size_t pieces = 0;  // host pieces it came from
-    std::size_t offset = 0;  // first chunk in chunks_
-    std::size_t count = 0;   // chunks
-  };
-
   static constexpr std::size_t index(Direction dir, Stage stage) noexcept {
     return (dir == Direction::forward ? 0 : 3) + (stage == Stage::pack ? 0 : stage == Stage::self ? 1 : 2);
   }
 
   cudaStream_t stream_;
-  std::array<List, 6> lists_{};
-  std::vector<cuda::CopyChunk> host_chunks_;  // kept: the stream-ordered upload reads it
-  cuda::DeviceBuffer<cuda::CopyChunk> chunks_;
+  DeviceCopyLists lists_;
   std::optional<DeviceCombine> combine_;
   scratch staging_;
 };
@@ -251,6 +268,46 @@ inline FanInPlan plan_fan_in(const KvFanList& fan, std::size_t token_bytes) {
 
 namespace cpdispatch::detail {
 
+/// One fan list's fan-in on the device (FanInPlan), uploaded once on
+/// `stream`: entries with one copy are copied, the others summed by the
+/// fan-in kernel, from `src` (the copies' offsets) into `dst` (the entries'
+/// wire offsets).
+class DeviceFanIn {
+ public:
+  DeviceFanIn(const KvFanList& fan, std::size_t token_bytes, cudaStream_t stream) : stream_(stream) {
+    cuda::FanInPlan plan = cuda::plan_fan_in(fan, token_bytes);
+    host_single_ = cuda::plan_copy_chunks(plan.single_copies);
+    host_chunks_ = std::move(plan.chunks);
+    for (std::int64_t at : fan.attn_offset) host_copy_at_.push_back(static_cast<std::uint64_t>(at) * token_bytes);
+    host_splits_.assign(fan.copy_splits.begin(), fan.copy_splits.end());
+    upload(single_, host_single_);
+    upload(chunks_, host_chunks_);
+    upload(copy_at_, host_copy_at_);
+    upload(splits_, host_splits_);
+  }
+
+  void operator()(ElementType type, const std::byte* src, std::byte* dst) const {
+    cuda::launch_copy(src, dst, single_.data(), host_single_.size(), stream_);
+    cuda::launch_fan_in(type, src, dst, chunks_.data(), host_chunks_.size(), copy_at_.data(), splits_.data(), stream_);
+  }
+
+ private:
+  template <class X>
+  void upload(cuda::DeviceBuffer<X>& device, const std::vector<X>& host) {
+    device.allocate(host.size());
+    device.upload(std::span<const X>(host), stream_);
+  }
+
+  cudaStream_t stream_;
+  // The host arrays are kept: the stream-ordered uploads read them.
+  std::vector<cuda::CopyChunk> host_single_;
+  std::vector<cuda::FanInChunk> host_chunks_;
+  std::vector<std::uint64_t> host_copy_at_, host_splits_;
+  cuda::DeviceBuffer<cuda::CopyChunk> single_;
+  cuda::DeviceBuffer<cuda::FanInChunk> chunks_;
+  cuda::DeviceBuffer<std::uint64_t> copy_at_, splits_;
+};
+
 /// The deduplicated exchange's device path (see execute/dedup.hpp): at
 /// construction the piece lists of its exchanges and of the fan-out are
 /// split into chunks, the fan list's copy offsets and the fan-in are
@@ -269,51 +326,36 @@ class wire_path<cuda::DeviceDataPath> {
   template <class Transport>
   wire_path(Transport& transport, const WirePlan& plan, const KvFanList& fan, const RankMetadata& rev, std::size_t token_bytes,
             std::size_t staging_bytes)
-      : stream_(stream_of(transport)), combine_(rev, token_bytes, stream_) {
+      : stream_(stream_of(transport)), combine_(rev, token_bytes, stream_), lists_(stream_), fan_in_(fan, token_bytes, stream_) {
     static_assert(!PieceTransport<Transport>, "cpdispatch: the device wire path serves transports without all_to_all_pieces");
     for (WireExchange which : {WireExchange::forward, WireExchange::reverse}) {
       const ExchangePlan& ex = which == WireExchange::forward ? plan.forward : plan.reverse;
       for (Stage stage : {Stage::pack, Stage::self, Stage::unpack}) {
-        add_list(index(which, stage), stage == Stage::pack ? ex.send.copies : stage == Stage::self ? ex.self : ex.recv.copies);
+        lists_.add(index(which, stage), stage == Stage::pack ? ex.send.copies : stage == Stage::self ? ex.self : ex.recv.copies);
       }
     }
-    add_list(fan_out_list, plan.fan_out);
-    cuda::FanInPlan fan_in = cuda::plan_fan_in(fan, token_bytes);
-    add_list(single_copy_list, fan_in.single_copies);
-    upload(copy_chunks_, host_copy_chunks_);
-    host_fan_in_chunks_ = std::move(fan_in.chunks);
-    upload(fan_in_chunks_, host_fan_in_chunks_);
-    for (std::int64_t at : fan.attn_offset) host_copy_at_.push_back(static_cast<std::uint64_t>(at) * token_bytes);
-    host_splits_.assign(fan.copy_splits.begin(), fan.copy_splits.end());
-    upload(copy_at_, host_copy_at_);
-    upload(splits_, host_splits_);
+    lists_.add(fan_out_list, plan.fan_out);
+    lists_.upload();
     staging_.allocate(staging_bytes);
   }
 
   /// Runs one of the plan's piece lists (uploaded at construction; `pieces`
   /// is the host list it was made from, checked to be the same size).
   void copy(WireExchange which, Stage stage, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const {
-    run_list(index(which, stage), pieces.size(), src, dst);
+    lists_.run(index(which, stage), pieces.size(), src, dst, who);
   }
-  void fan_out(std::span<const CopyPiece> pieces, std::byte* attention) const { run_list(fan_out_list, pieces.size(), attention, attention); }
+  void fan_out(std::span<const CopyPiece> pieces, std::byte* attention) const { lists_.run(fan_out_list, pieces.size(), attention, attention, who); }
 
   /// Entries with one copy are copied, the others summed by the fan-in kernel.
-  void fan_in(const KvFanList&, ElementType type, const std::byte* attention, std::byte* wire, std::size_t) const {
-    run_list(single_copy_list, lists_[single_copy_list].pieces, attention, wire);
-    cuda::launch_fan_in(type, attention, wire, fan_in_chunks_.data(), host_fan_in_chunks_.size(), copy_at_.data(), splits_.data(), stream_);
-  }
+  void fan_in(const KvFanList&, ElementType type, const std::byte* attention, std::byte* wire, std::size_t) const { fan_in_(type, attention, wire); }
   void combine(const RankMetadata&, const_buffer replica, mutable_buffer grad, std::size_t token_bytes, ElementType type) const {
     combine_(replica, grad, token_bytes, type);
   }
   std::byte* staging() noexcept { return staging_.data(); }
 
  private:
-  struct List {
-    std::size_t pieces = 0;  // host pieces it came from
-    std::size_t offset = 0;  // first chunk in copy_chunks_
-    std::size_t count = 0;   // chunks
-  };
-  static constexpr std::size_t fan_out_list = 6, single_copy_list = 7;
+  static constexpr std::size_t fan_out_list = 6;
+  static constexpr const char* who = "device wire path";
 
   /// forward 0..2, reverse 3..5 (reverse_in_place only serves all_to_all_pieces).
   static std::size_t index(WireExchange which, Stage stage) {
@@ -321,35 +363,53 @@ class wire_path<cuda::DeviceDataPath> {
     return (which == WireExchange::forward ? 0 : 3) + (stage == Stage::pack ? 0 : stage == Stage::self ? 1 : 2);
   }
 
-  void add_list(std::size_t i, const std::vector<CopyPiece>& pieces) {
-    const std::vector<cuda::CopyChunk> chunks = cuda::plan_copy_chunks(pieces);
-    lists_[i] = {pieces.size(), host_copy_chunks_.size(), chunks.size()};
-    host_copy_chunks_.insert(host_copy_chunks_.end(), chunks.begin(), chunks.end());
-  }
-
-  void run_list(std::size_t i, std::size_t pieces, const std::byte* src, std::byte* dst) const {
-    const List& list = lists_[i];
-    if (pieces != list.pieces) fail("device wire path: ", pieces, " copy pieces, but the plan it was built from has ", list.pieces);
-    cuda::launch_copy(src, dst, copy_chunks_.data() + list.offset, list.count, stream_);
-  }
-
-  template <class X>
-  void upload(cuda::DeviceBuffer<X>& device, const std::vector<X>& host) {
-    device.allocate(host.size());
-    device.upload(std::span<const X>(host), stream_);
-  }
-
   cudaStream_t stream_;
   DeviceCombine combine_;
-  std::array<List, 8> lists_{};
-  // The host arrays are kept: the stream-ordered uploads read them.
-  std::vector<cuda::CopyChunk> host_copy_chunks_;
-  std::vector<cuda::FanInChunk> host_fan_in_chunks_;
-  std::vector<std::uint64_t> host_copy_at_, host_splits_;
-  cuda::DeviceBuffer<cuda::CopyChunk> copy_chunks_;
-  cuda::DeviceBuffer<cuda::FanInChunk> fan_in_chunks_;
-  cuda::DeviceBuffer<std::uint64_t> copy_at_, splits_;
+  DeviceCopyLists lists_;
+  DeviceFanIn fan_in_;
   cuda::DeviceBuffer<std::byte> staging_;
+};
+
+/// The node-level exchange's device path (see execute/node_wire.hpp): the
+/// plan's piece lists as copy chunks, the two fan-ins, the home combine and
+/// the arena, all uploaded or allocated at construction on the transport's
+/// stream; calls only launch kernels on that stream.
+template <>
+class node_path<cuda::DeviceDataPath> {
+ public:
+  static constexpr bool available = true;
+  using const_buffer = cuda::DeviceConstBytes;
+  using mutable_buffer = cuda::DeviceBytes;
+
+  template <class Transport>
+  node_path(Transport& transport, const NodeWirePlan& plan, const KvFanList& fan, const RankMetadata& combine, std::size_t token_bytes)
+      : stream_(stream_of(transport)),
+        combine_(combine, token_bytes, stream_),
+        lists_(stream_),
+        attention_fan_in_(fan, token_bytes, stream_),
+        relay_fan_in_(plan.relay_fan, token_bytes, stream_) {
+    for (std::size_t i = 0; i < NodeWirePlan::num_lists; ++i) lists_.add(i, plan.lists[i]);
+    lists_.upload();
+    arena_.allocate(plan.arena_bytes);
+  }
+
+  void copy(std::size_t list, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const {
+    lists_.run(list, pieces.size(), src, dst, "device node path");
+  }
+  void fan_in(NodeFanIn which, const KvFanList&, ElementType type, const std::byte* src, std::byte* dst, std::size_t) const {
+    (which == NodeFanIn::attention ? attention_fan_in_ : relay_fan_in_)(type, src, dst);
+  }
+  void combine(const RankMetadata&, const_buffer replica, mutable_buffer grad, std::size_t token_bytes, ElementType type) const {
+    combine_(replica, grad, token_bytes, type);
+  }
+  std::byte* arena() noexcept { return arena_.data(); }
+
+ private:
+  cudaStream_t stream_;
+  DeviceCombine combine_;
+  DeviceCopyLists lists_;
+  DeviceFanIn attention_fan_in_, relay_fan_in_;
+  cuda::DeviceBuffer<std::byte> arena_;
 };
 
 }  // namespace cpdispatch::detail

@@ -12,9 +12,14 @@
 //
 // Each phase is one all_to_all_v over the whole world (a rank's peers in the
 // inside phase are on its node; in the between phase on other nodes), so any
-// AllToAllTransport serves, without sub-communicators. Host memory only. The
-// dispatcher owns its scratch (relay, wire, gather and replica buffers and the
-// staging of each phase), allocated at construction: calls do not allocate.
+// AllToAllTransport serves, without sub-communicators. At construction every
+// phase is laid out as piece lists (NodeWirePlan) and the scratch (relay,
+// wire, gather and replica buffers and the phases' staging, one arena) is
+// allocated: calls do not allocate. Host transports run the lists with
+// memcpy; device transports (the device sim, NCCL: include
+// cpdispatch/cuda/data_path.hpp from a .cu file) with the device data path's
+// copy, fan-in and combine kernels on the transport's stream, the buffers in
+// device memory.
 // The attention layout is byte-identical to KvWireDispatcher's (and the
 // section 2 Dispatcher's); gradients equal theirs exactly for integers and up
 // to the documented reassociation for floating types, and are reproducible.
@@ -22,6 +27,7 @@
 // transport is held by reference and must outlive the dispatcher.
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -51,117 +57,255 @@ struct NodeWireBufferSizes {
 
 namespace detail {
 
-/// out = the sum of the `ins` (in order), accumulated as the fan-in does:
-/// fp32 for 16-bit types, rounded once; integers wrap.
-template <class E>
-void sum_pieces(std::span<const std::byte* const> ins, std::byte* out_bytes, std::size_t n) {
-  E* out = reinterpret_cast<E*>(out_bytes);
-  const auto in = [&](std::size_t k) { return reinterpret_cast<const E*>(ins[k]); };
-  if (ins.size() == 1) {
-    std::memcpy(out, in(0), n * sizeof(E));
-    return;
+/// One rank's node-level exchange as piece lists, laid out once. Every
+/// scratch buffer is a token-aligned region of one arena (relay, wire,
+/// gather, replica, then the send and receive staging), so each list reads
+/// one buffer (the caller's or the arena) and writes one.
+struct NodeWirePlan {
+  /// One all_to_all_v and its copies: pack into the send staging, unpack
+  /// from the receive staging, and the traffic to itself. Counts and
+  /// displacements are bytes relative to each staging.
+  struct Phase {
+    std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;
+  };
+  enum Step : std::size_t { between_forward, inside_forward, inside_reverse, between_reverse, steps };
+  enum List : std::size_t { pack_input, pack_arena, unpack, self_input, self_arena, lists_per_step };
+  static constexpr std::size_t fan_out = std::size_t{steps} * std::size_t{lists_per_step};  ///< arena (wire) -> attention layout
+  static constexpr std::size_t num_lists = fan_out + 1;
+  static constexpr std::size_t list(Step step, List l) noexcept { return std::size_t{step} * std::size_t{lists_per_step} + std::size_t{l}; }
+
+  std::array<Phase, steps> phases;
+  std::array<std::vector<CopyPiece>, num_lists> lists;
+  KvFanList relay_fan;  ///< each relayed shard's own wire gradient and its node's gathered ones, arena -> arena
+  std::size_t relay_at = 0, wire_at = 0, gather_at = 0, replica_at = 0, send_at = 0, recv_at = 0, arena_bytes = 0;
+};
+
+/// Where a piece is read: the caller's buffer (`input`) or the arena, at `offset` bytes.
+struct NodeSource {
+  bool input;
+  std::size_t offset;
+};
+
+/// The lists of one step. `out` pieces are packed per peer from source(piece),
+/// `in` pieces unpacked per peer into the arena at target(piece). Reverse,
+/// pieces with rev_offset -1 (a relay's own copy) do not travel.
+template <class Source, class Target>
+void lay_out_node_step(NodeWirePlan& plan, NodeWirePlan::Step step, const std::vector<NodePiece>& out, const std::vector<std::size_t>& out_splits,
+                       const std::vector<NodePiece>& in, const std::vector<std::size_t>& in_splits, bool forward, std::size_t tb, std::size_t me,
+                       Source source, Target target) {
+  using P = NodeWirePlan;
+  const std::size_t W = out_splits.size() - 1;
+  const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
+  const auto travels = [forward](const NodePiece& p) { return forward || p.rev_offset >= 0; };
+  const auto add = [&](P::List l, bool input, std::size_t src, std::size_t dst, std::size_t n) {
+    const P::List which = l == P::pack_input || l == P::self_input ? (input ? l : static_cast<P::List>(l + 1)) : l;
+    append_piece(plan.lists[P::list(step, which)], src, dst, n);
+  };
+  P::Phase& ph = plan.phases[step];
+  for (auto* v : {&ph.send_counts, &ph.send_displs, &ph.recv_counts, &ph.recv_displs}) v->assign(W, 0);
+  std::size_t at = 0;
+  for (std::size_t peer = 0; peer < W; ++peer) {
+    ph.send_displs[peer] = at;
+    for (std::size_t i = out_splits[peer]; i < out_splits[peer + 1] && peer != me; ++i) {
+      if (!travels(out[i])) continue;
+      const NodeSource from = source(out[i]);
+      add(P::pack_input, from.input, from.offset, plan.send_at + at, bytes(out[i].len));
+      at += bytes(out[i].len);
+    }
+    ph.send_counts[peer] = at - ph.send_displs[peer];
   }
-  if constexpr (std::is_same_v<accumulator_t<E>, E>) {
-    for (std::size_t i = 0; i < n; ++i) {
-      E acc = sum_of(in(0)[i], in(1)[i]);
-      for (std::size_t k = 2; k < ins.size(); ++k) acc = sum_of(acc, in(k)[i]);
-      out[i] = acc;
+  at = 0;
+  for (std::size_t peer = 0; peer < W; ++peer) {
+    ph.recv_displs[peer] = at;
+    for (std::size_t i = in_splits[peer]; i < in_splits[peer + 1] && peer != me; ++i) {
+      if (!travels(in[i])) continue;
+      add(P::unpack, false, plan.recv_at + at, target(in[i]), bytes(in[i].len));
+      at += bytes(in[i].len);
     }
-  } else {
-    for (std::size_t i = 0; i < n; ++i) {
-      float acc = 0.0f;
-      for (std::size_t k = 0; k < ins.size(); ++k) acc += E::to_float(in(k)[i].bits);
-      out[i] = E(acc);
-    }
+    ph.recv_counts[peer] = at - ph.recv_displs[peer];
+  }
+  // The traffic to itself: its own pieces, in the same order on both sides.
+  for (std::size_t i = out_splits[me], j = in_splits[me]; i < out_splits[me + 1]; ++i, ++j) {
+    if (!travels(out[i])) continue;
+    const NodeSource from = source(out[i]);
+    add(P::self_input, from.input, from.offset, target(in[j]), bytes(out[i].len));
   }
 }
+
+/// The arena's regions, the four steps, the fan-out and the relay sums of one rank.
+inline NodeWirePlan plan_node_steps(const KvFanList& fan, const RankNodeWire& node, std::size_t tb, std::size_t me) {
+  NodeWirePlan plan;
+  const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
+  std::int64_t most = 0;  // tokens of the busiest side of any phase
+  for (const NodePhase* p : {&node.between, &node.inside}) {
+    for (const std::vector<NodePiece>* side : {&p->send, &p->recv}) {
+      std::int64_t t = 0;
+      for (const NodePiece& piece : *side) t += piece.len;
+      most = std::max(most, t);
+    }
+  }
+  plan.wire_at = plan.relay_at + bytes(node.relay_tokens);
+  plan.gather_at = plan.wire_at + bytes(node.wire_tokens);
+  plan.replica_at = plan.gather_at + bytes(node.gather_tokens);
+  plan.send_at = plan.replica_at + bytes(node.num_copies * node.mlp_tokens);
+  plan.recv_at = plan.send_at + bytes(most);
+  plan.arena_bytes = plan.recv_at + bytes(most);
+  using P = NodeWirePlan;
+  const NodePhase &between = node.between, &inside = node.inside;
+  lay_out_node_step(plan, P::between_forward, between.send, between.send_splits, between.recv, between.recv_splits, true, tb, me,
+                    [&](const NodePiece& p) { return NodeSource{true, bytes(p.fwd_offset)}; },
+                    [&](const NodePiece& p) { return plan.relay_at + bytes(p.fwd_offset); });
+  lay_out_node_step(plan, P::inside_forward, inside.send, inside.send_splits, inside.recv, inside.recv_splits, true, tb, me,
+                    [&](const NodePiece& p) { return p.from_relay ? NodeSource{false, plan.relay_at + bytes(p.fwd_offset)} : NodeSource{true, bytes(p.fwd_offset)}; },
+                    [&](const NodePiece& p) { return plan.wire_at + bytes(p.fwd_offset); });
+  // Reverse, what each rank received goes back to its sender.
+  lay_out_node_step(plan, P::inside_reverse, inside.recv, inside.recv_splits, inside.send, inside.send_splits, false, tb, me,
+                    [&](const NodePiece& p) { return NodeSource{false, plan.wire_at + bytes(p.rev_offset)}; },
+                    [&](const NodePiece& p) { return (p.from_relay ? plan.gather_at : plan.replica_at) + bytes(p.rev_offset); });
+  lay_out_node_step(plan, P::between_reverse, between.recv, between.recv_splits, between.send, between.send_splits, false, tb, me,
+                    [&](const NodePiece& p) { return NodeSource{false, plan.relay_at + bytes(p.rev_offset)}; },
+                    [&](const NodePiece& p) { return plan.replica_at + bytes(p.rev_offset); });
+  for (std::size_t e = 0; e < fan.num_entries(); ++e) {
+    for (std::size_t i = fan.copy_splits[e]; i < fan.copy_splits[e + 1]; ++i) {
+      append_piece(plan.lists[P::fan_out], plan.wire_at + bytes(fan.wire_offset[e]), bytes(fan.attn_offset[i]), bytes(fan.seq_len[e]));
+    }
+  }
+  // Relay sums as a fan list over the arena (offsets in tokens: every region is token-aligned).
+  KvFanList& r = plan.relay_fan;
+  const auto token = [tb](std::size_t at) { return static_cast<std::int64_t>(at / tb); };
+  r.copy_splits.push_back(0);
+  for (std::size_t e = 0; e < node.relay_offset.size(); ++e) {
+    r.wire_offset.push_back(token(plan.relay_at) + node.relay_offset[e]);
+    r.seq_len.push_back(node.relay_len[e]);
+    r.attn_offset.push_back(token(plan.wire_at) + node.relay_wire_offset[e]);
+    for (std::size_t k = node.gather_splits[e]; k < node.gather_splits[e + 1]; ++k) r.attn_offset.push_back(token(plan.gather_at) + node.gather_offset[k]);
+    r.copy_splits.push_back(r.attn_offset.size());
+  }
+  r.src_rank.assign(r.seq_len.size(), static_cast<std::int64_t>(me));
+  r.src_shard.assign(r.seq_len.size(), 0);
+  r.attention_tokens = r.wire_tokens = token(plan.arena_bytes);
+  return plan;
+}
+
+/// The data path of the node-level exchange, named by the transport's
+/// Dispatcher data path: the piece lists, the two fan-ins (the fan list's
+/// and the relay sums), the home combine and the arena. The host one is
+/// below; the device one is in cpdispatch/cuda/data_path.hpp.
+template <class DataPath>
+class node_path {
+ public:
+  static constexpr bool available = false;
+  using const_buffer = ConstBytes;
+  using mutable_buffer = MutableBytes;
+};
+
+/// The two fan-ins of NodeWireDispatcher.
+enum class NodeFanIn { attention, relay };
+
+template <>
+class node_path<data_path<MemorySpace::host>> {
+ public:
+  static constexpr bool available = true;
+  using const_buffer = ConstBytes;
+  using mutable_buffer = MutableBytes;
+
+  template <class Transport>
+  node_path(Transport&, const NodeWirePlan& plan, const KvFanList&, const RankMetadata&, std::size_t) : arena_(plan.arena_bytes) {}
+
+  void copy(std::size_t, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const noexcept {
+    for (const CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
+  }
+  void fan_in(NodeFanIn, const KvFanList& fan, ElementType type, const std::byte* src, std::byte* dst, std::size_t token_bytes) const {
+    with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan, src, dst, token_bytes / sizeof(E)); });
+  }
+  void combine(const RankMetadata& rev, ConstBytes replica, MutableBytes grad, std::size_t token_bytes, ElementType type) const {
+    combine_copies(rev, replica, grad, token_bytes, type);
+  }
+  std::byte* arena() noexcept { return arena_.data(); }
+
+ private:
+  std::vector<std::byte> arena_;  // operator new aligns it for every element type
+};
 
 }  // namespace detail
 
 template <AllToAllTransport T>
 class NodeWireDispatcher {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
-  static_assert(T::memory_space == MemorySpace::host, "NodeWireDispatcher runs on host transports (sim, MPI)");
+  using path = detail::node_path<typename detail::dispatcher_path<T>::type>;
+  static_assert(path::available,
+                "cpdispatch: NodeWireDispatcher over a device transport needs the CUDA data path: include cpdispatch/cuda/data_path.hpp "
+                "(from a .cu file) where it is used");
+  using Plan = detail::NodeWirePlan;
 
  public:
+  using transport_type = T;
+  using const_buffer = typename path::const_buffer;  ///< in the transport's memory space
+  using mutable_buffer = typename path::mutable_buffer;
+
   /// `fan`: this rank's section 2c fan list (plan_kv_wire(...).fan[rank] or
   /// plan_kv_wire_for_rank's); `node`: this rank's node-level wire.
   NodeWireDispatcher(T& transport, KvFanList fan, RankNodeWire node, std::size_t token_bytes)
-      : transport_(transport), fan_(std::move(fan)), node_(std::move(node)), tb_(token_bytes) {
-    const auto W = static_cast<std::size_t>(transport.world_size());
-    if (node_.rank != transport.rank()) detail::fail("NodeWireDispatcher: the node wire is rank ", node_.rank, "'s, the transport is rank ", transport.rank());
-    if (node_.between.send_splits.size() != W + 1 || node_.inside.send_splits.size() != W + 1) {
-      detail::fail("NodeWireDispatcher: the node wire is planned for ", node_.between.send_splits.size() - 1, " ranks, the transport has ", W);
-    }
-    if (token_bytes == 0) detail::fail("NodeWireDispatcher: token_bytes must be positive");
-    if (fan_.wire_tokens != node_.wire_tokens) {
-      detail::fail("NodeWireDispatcher: the fan list's wire buffer holds ", fan_.wire_tokens, " tokens, the node wire fills ", node_.wire_tokens);
-    }
-    relay_.resize(bytes(node_.relay_tokens));
-    wire_.resize(bytes(node_.wire_tokens));
-    gather_.resize(bytes(node_.gather_tokens));
-    replica_.resize(bytes(node_.num_copies * node_.mlp_tokens));
-    std::size_t most = 0;
-    for (const NodePhase* p : {&node_.between, &node_.inside}) most = std::max({most, total(p->send), total(p->recv)});
-    send_staging_.resize(bytes(static_cast<std::int64_t>(most)));
-    recv_staging_.resize(send_staging_.size());
-    combine_.recv_seq_lens = node_.shard_len;
-    combine_.seq_recv_mask = std::vector<std::int64_t>(node_.replica_mask.begin(), node_.replica_mask.end());
-    combine_.mask_copies = static_cast<std::size_t>(node_.num_copies);
-    counts_.assign(4 * W, 0);
-    std::size_t widest = 0;
-    for (std::size_t e = 0; e + 1 < node_.gather_splits.size(); ++e) widest = std::max(widest, node_.gather_splits[e + 1] - node_.gather_splits[e]);
-    sum_inputs_.reserve(widest + 1);
-  }
+      : transport_(transport),
+        fan_(checked(transport, std::move(fan), node, token_bytes)),
+        node_(std::move(node)),
+        tb_(token_bytes),
+        plan_(detail::plan_node_steps(fan_, node_, tb_, static_cast<std::size_t>(transport.rank()))),
+        combine_(combine_of(node_, transport)),
+        path_(transport, plan_, fan_, combine_, tb_) {}
 
   NodeWireBufferSizes required_bytes() const { return {bytes(node_.mlp_tokens), bytes(fan_.attention_tokens)}; }
 
   /// Between nodes into the relay buffer, inside nodes into the wire buffer,
   /// then the fan-out into the attention layout.
-  void forward(ConstBytes mlp, MutableBytes attention) {
+  void forward(const_buffer mlp, mutable_buffer attention) {
     check("forward: ", mlp.size(), attention.size());
-    phase("forward", node_.between.send, node_.between.send_splits, node_.between.recv, node_.between.recv_splits, Direction::forward,
-          [&](const NodePiece& p) { return mlp.data() + bytes(p.fwd_offset); }, [&](const NodePiece& p) { return relay_.data() + bytes(p.fwd_offset); });
-    phase("forward", node_.inside.send, node_.inside.send_splits, node_.inside.recv, node_.inside.recv_splits, Direction::forward,
-          [&](const NodePiece& p) { return (p.from_relay ? relay_.data() : mlp.data()) + bytes(p.fwd_offset); },
-          [&](const NodePiece& p) { return wire_.data() + bytes(p.fwd_offset); });
-    for (std::size_t e = 0; e < fan_.num_entries(); ++e) {
-      for (std::size_t i = fan_.copy_splits[e]; i < fan_.copy_splits[e + 1]; ++i) {
-        std::memcpy(attention.data() + bytes(fan_.attn_offset[i]), wire_.data() + bytes(fan_.wire_offset[e]), bytes(fan_.seq_len[e]));
-      }
-    }
+    step("forward", Plan::between_forward, mlp.data());
+    step("forward", Plan::inside_forward, mlp.data());
+    copy(Plan::fan_out, path_.arena(), attention.data());
   }
 
   /// The gradient of this rank's KV shards (MLP layout) from the gradient of
   /// its attention layout; `type` is the element type (token_bytes a multiple of its size).
-  void reverse_combine(ConstBytes attention_grad, MutableBytes grad, ElementType type) {
+  void reverse_combine(const_buffer attention_grad, mutable_buffer grad, ElementType type) {
     check("reverse_combine: ", grad.size(), attention_grad.size());
     const std::size_t es = element_size(type);
     if (tb_ % es != 0) detail::fail("NodeWireDispatcher::reverse_combine: token_bytes = ", tb_, " is not a multiple of the ", es, "-byte element");
-    detail::with_element_type(type, [&](auto* tag) {
-      using E = std::remove_pointer_t<decltype(tag)>;
-      detail::fan_in<E>(fan_, attention_grad.data(), wire_.data(), tb_ / es);
-    });
-    // Inside nodes, reverse: what each rank received goes back to its sender.
-    phase("reverse_combine", node_.inside.recv, node_.inside.recv_splits, node_.inside.send, node_.inside.send_splits, Direction::reverse,
-          [&](const NodePiece& p) { return wire_.data() + bytes(p.rev_offset); },
-          [&](const NodePiece& p) { return (p.from_relay ? gather_.data() : replica_.data()) + bytes(p.rev_offset); });
-    detail::with_element_type(type, [&](auto* tag) { relay_sums<std::remove_pointer_t<decltype(tag)>>(es); });
-    phase("reverse_combine", node_.between.recv, node_.between.recv_splits, node_.between.send, node_.between.send_splits, Direction::reverse,
-          [&](const NodePiece& p) { return relay_.data() + bytes(p.rev_offset); },
-          [&](const NodePiece& p) { return replica_.data() + bytes(p.rev_offset); });
-    combine_copies(combine_, replica_, grad, tb_, type);
+    std::byte* arena = path_.arena();
+    path_.fan_in(detail::NodeFanIn::attention, fan_, type, attention_grad.data(), arena + plan_.wire_at, tb_);
+    step("reverse_combine", Plan::inside_reverse, nullptr);
+    path_.fan_in(detail::NodeFanIn::relay, plan_.relay_fan, type, arena, arena, tb_);
+    step("reverse_combine", Plan::between_reverse, nullptr);
+    const std::size_t replica = bytes(node_.num_copies * node_.mlp_tokens);
+    path_.combine(combine_, const_buffer(arena + plan_.replica_at, replica), grad, tb_, type);
   }
 
  private:
-  enum class Direction { forward, reverse };
-
   std::size_t bytes(std::int64_t tokens) const { return static_cast<std::size_t>(tokens) * tb_; }
 
-  static std::size_t total(const std::vector<NodePiece>& pieces) {
-    std::size_t t = 0;
-    for (const NodePiece& p : pieces) t += static_cast<std::size_t>(p.len);
-    return t;
+  static KvFanList checked(const T& transport, KvFanList fan, const RankNodeWire& node, std::size_t token_bytes) {
+    const auto W = static_cast<std::size_t>(transport.world_size());
+    if (node.rank != transport.rank()) detail::fail("NodeWireDispatcher: the node wire is rank ", node.rank, "'s, the transport is rank ", transport.rank());
+    if (node.between.send_splits.size() != W + 1 || node.inside.send_splits.size() != W + 1 || node.between.recv_splits.size() != W + 1 ||
+        node.inside.recv_splits.size() != W + 1) {
+      detail::fail("NodeWireDispatcher: the node wire is planned for ", node.between.send_splits.size() - 1, " ranks, the transport has ", W);
+    }
+    if (token_bytes == 0) detail::fail("NodeWireDispatcher: token_bytes must be positive");
+    if (fan.wire_tokens != node.wire_tokens) {
+      detail::fail("NodeWireDispatcher: the fan list's wire buffer holds ", fan.wire_tokens, " tokens, the node wire fills ", node.wire_tokens);
+    }
+    return fan;
+  }
+
+  /// The home combine's mask and shard lengths.
+  static RankMetadata combine_of(const RankNodeWire& node, const T& transport) {
+    RankMetadata m;
+    m.rank = transport.rank();
+    m.world_size = transport.world_size();
+    m.recv_seq_lens = node.shard_len;
+    m.seq_recv_mask = std::vector<std::int64_t>(node.replica_mask.begin(), node.replica_mask.end());
+    m.mask_copies = static_cast<std::size_t>(node.num_copies);
+    return m;
   }
 
   void check(const char* call, std::size_t mlp, std::size_t attention) const {
@@ -172,71 +316,35 @@ class NodeWireDispatcher {
     }
   }
 
-  /// One all_to_all_v: `out` pieces are packed per peer from read(piece),
-  /// `in` pieces unpacked per peer into write(piece). Reverse, pieces with
-  /// rev_offset -1 (a relay's own copy) do not travel.
-  template <class Read, class Write>
-  void phase(const char* call, const std::vector<NodePiece>& out, const std::vector<std::size_t>& out_splits, const std::vector<NodePiece>& in,
-             const std::vector<std::size_t>& in_splits, Direction dir, Read read, Write write) {
-    const auto W = static_cast<std::size_t>(transport_.world_size());
-    std::span<std::size_t> sc(counts_.data(), W), sd(counts_.data() + W, W), rc(counts_.data() + 2 * W, W), rd(counts_.data() + 3 * W, W);
-    const auto travels = [dir](const NodePiece& p) { return dir == Direction::forward || p.rev_offset >= 0; };
-    const auto me = static_cast<std::size_t>(transport_.rank());
-    std::size_t at = 0;
-    for (std::size_t peer = 0; peer < W; ++peer) {
-      sd[peer] = at;
-      for (std::size_t i = out_splits[peer]; i < out_splits[peer + 1] && peer != me; ++i) {
-        if (!travels(out[i])) continue;
-        std::memcpy(send_staging_.data() + at, read(out[i]), bytes(out[i].len));
-        at += bytes(out[i].len);
-      }
-      sc[peer] = at - sd[peer];
-    }
-    at = 0;
-    for (std::size_t peer = 0; peer < W; ++peer) {
-      rd[peer] = at;
-      for (std::size_t i = in_splits[peer]; i < in_splits[peer + 1] && peer != me; ++i) at += travels(in[i]) ? bytes(in[i].len) : 0;
-      rc[peer] = at - rd[peer];
-    }
-    try {
-      if (W > 1) transport_.all_to_all_v(send_staging_.data(), sc, sd, recv_staging_.data(), rc, rd);
-    } catch (...) {
-      detail::rethrow_with_context(detail::concat("NodeWireDispatcher::", call, " (rank ", transport_.rank(), " of ", W, "): all_to_all_v failed: "));
-    }
-    at = 0;
-    for (std::size_t i = 0; i < in.size(); ++i) {
-      if (!travels(in[i]) || (i >= in_splits[me] && i < in_splits[me + 1])) continue;
-      std::memcpy(write(in[i]), recv_staging_.data() + at, bytes(in[i].len));
-      at += bytes(in[i].len);
-    }
-    // The traffic to itself: its own pieces, in the same order on both sides.
-    for (std::size_t i = out_splits[me], j = in_splits[me]; i < out_splits[me + 1]; ++i, ++j) {
-      if (travels(out[i])) std::memcpy(write(in[j]), read(out[i]), bytes(out[i].len));
-    }
-  }
+  void copy(std::size_t list, const std::byte* src, std::byte* dst) { path_.copy(list, plan_.lists[list], src, dst); }
 
-  /// Each relayed shard: its own wire gradient plus the gathered ones of its
-  /// node (slot ascending), into the relay buffer.
-  template <class E>
-  void relay_sums(std::size_t es) {
-    const std::size_t token_elems = tb_ / es;
-    for (std::size_t e = 0; e < node_.relay_offset.size(); ++e) {
-      sum_inputs_.clear();  // capacity reserved at construction
-      sum_inputs_.push_back(wire_.data() + bytes(node_.relay_wire_offset[e]));
-      for (std::size_t k = node_.gather_splits[e]; k < node_.gather_splits[e + 1]; ++k) sum_inputs_.push_back(gather_.data() + bytes(node_.gather_offset[k]));
-      detail::sum_pieces<E>(sum_inputs_, relay_.data() + bytes(node_.relay_offset[e]), static_cast<std::size_t>(node_.relay_len[e]) * token_elems);
+  /// One step: pack, one all_to_all_v (none when alone), unpack, then the traffic to itself.
+  /// `input` is the caller's buffer the step reads besides the arena (none in reverse).
+  void step(const char* call, Plan::Step s, const std::byte* input) {
+    const Plan::Phase& ph = plan_.phases[s];
+    std::byte* arena = path_.arena();
+    copy(Plan::list(s, Plan::pack_input), input, arena);
+    copy(Plan::list(s, Plan::pack_arena), arena, arena);
+    try {
+      if (transport_.world_size() > 1) {
+        transport_.all_to_all_v(arena + plan_.send_at, ph.send_counts, ph.send_displs, arena + plan_.recv_at, ph.recv_counts, ph.recv_displs);
+      }
+    } catch (...) {
+      detail::rethrow_with_context(detail::concat("NodeWireDispatcher::", call, " (rank ", transport_.rank(), " of ", transport_.world_size(),
+                                                  "): all_to_all_v failed: "));
     }
+    copy(Plan::list(s, Plan::unpack), arena, arena);
+    copy(Plan::list(s, Plan::self_input), input, arena);
+    copy(Plan::list(s, Plan::self_arena), arena, arena);
   }
 
   T& transport_;
   KvFanList fan_;
   RankNodeWire node_;
   std::size_t tb_;
-  // Scratch (operator new aligns it for every element type; offsets are whole tokens).
-  std::vector<std::byte> relay_, wire_, gather_, replica_, send_staging_, recv_staging_;
-  RankMetadata combine_;  // the home combine's mask and shard lengths
-  std::vector<std::size_t> counts_;
-  std::vector<const std::byte*> sum_inputs_;
+  Plan plan_;
+  RankMetadata combine_;
+  path path_;  // the arena and the lists' runner (last: built from the above)
 };
 
 }  // namespace cpdispatch
