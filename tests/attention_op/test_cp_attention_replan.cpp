@@ -82,7 +82,8 @@ void PrintTo(const ReplanCase& c, std::ostream* os) { *os << c.stages << " stage
 class CpAttentionReplan : public testing::TestWithParam<ReplanCase> {};
 
 TEST_P(CpAttentionReplan, TwentyChangingStepsEqualTheReferenceAndAllocateNothingAfterReserve) {
-  const auto [stages, dedup] = GetParam();
+  const int stages = GetParam().stages;
+  const bool dedup = GetParam().dedup;
   const int passes = dedup ? 2 : 1;  // with dedup, the second pass sees no plan larger than one already seen
   std::vector<cpdispatch::QkvDocumentsPlan> plans;
   std::vector<CpWorld> worlds;
