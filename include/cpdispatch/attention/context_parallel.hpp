@@ -114,6 +114,11 @@ inline void check_mlp_sizes(int rank, int world_size, const char* call, std::int
   }
 }
 
+/// Rethrows the exception in flight (a transport call's), naming the op's call, rank and world in front of its message.
+[[noreturn]] inline void rethrow_exchange_failure(int rank, int world_size, const char* call) {
+  rethrow_with_context(concat("ContextParallelAttention::", call, " (rank ", rank, " of ", world_size, "): exchange failed: "));
+}
+
 template <class E>
 std::span<const std::byte> bytes_of(std::span<const E> s) { return std::as_bytes(s); }
 template <class E>
@@ -223,11 +228,7 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
     copy_layout(share.attn);
     mask_ = detail::mask_of(share);
     check_layout();
-    entries_.clear();
-    for (std::size_t e = 0; e + 1 < layout_.cu_seqlens_q.size(); ++e) {
-      const std::int64_t lq = layout_.cu_seqlens_q[e + 1] - layout_.cu_seqlens_q[e], lk = layout_.cu_seqlens_kv[e + 1] - layout_.cu_seqlens_kv[e];
-      entries_.push_back({layout_.cu_seqlens_q[e], lq, layout_.cu_seqlens_kv[e], lk, lk - lq});
-    }
+    layout_entries(layout_.cu_seqlens_q, layout_.cu_seqlens_kv, entries_);
     stage_plan_.build(entries_, share.q_rev, share.kv_rev, me, W, groups_, who);
     lay_out_fan_out();
     lay_out_exchanges(me, W);
@@ -297,8 +298,7 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
     try {
       return f();
     } catch (...) {
-      detail::rethrow_with_context(detail::concat("ContextParallelAttention::", call, " (rank ", transport_.rank(), " of ",
-                                                  transport_.world_size(), "): exchange failed: "));
+      detail::rethrow_exchange_failure(transport_.rank(), transport_.world_size(), call);
     }
   }
 

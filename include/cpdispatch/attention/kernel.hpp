@@ -42,18 +42,26 @@ struct AttentionEntry {
 };
 
 /// The entries of a rank's attention layout, one per KV group, from its
-/// flash-attention style prefix sums (leading 0, total last).
-inline std::vector<AttentionEntry> layout_entries(std::span<const std::int64_t> cu_seqlens_q,
-                                                  std::span<const std::int64_t> cu_seqlens_kv) {
+/// flash-attention style prefix sums (leading 0, total last), written into
+/// `entries` (its storage reused).
+inline void layout_entries(std::span<const std::int64_t> cu_seqlens_q, std::span<const std::int64_t> cu_seqlens_kv,
+                           std::vector<AttentionEntry>& entries) {
   if (cu_seqlens_q.size() != cu_seqlens_kv.size()) {
     detail::fail("layout_entries: cu_seqlens_q has ", cu_seqlens_q.size(), " values but cu_seqlens_kv has ",
                  cu_seqlens_kv.size());
   }
-  std::vector<AttentionEntry> entries;
+  entries.clear();
   for (std::size_t e = 0; e + 1 < cu_seqlens_q.size(); ++e) {
     const std::int64_t lq = cu_seqlens_q[e + 1] - cu_seqlens_q[e], lk = cu_seqlens_kv[e + 1] - cu_seqlens_kv[e];
     entries.push_back({cu_seqlens_q[e], lq, cu_seqlens_kv[e], lk, lk - lq});
   }
+}
+
+/// The same, as a new vector.
+inline std::vector<AttentionEntry> layout_entries(std::span<const std::int64_t> cu_seqlens_q,
+                                                  std::span<const std::int64_t> cu_seqlens_kv) {
+  std::vector<AttentionEntry> entries;
+  layout_entries(cu_seqlens_q, cu_seqlens_kv, entries);
   return entries;
 }
 

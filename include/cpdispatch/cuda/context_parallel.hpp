@@ -179,8 +179,7 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::device> {
     try {
       f();
     } catch (...) {
-      detail::rethrow_with_context(detail::concat("ContextParallelAttention::", call, " (rank ", transport_.rank(), " of ",
-                                                  transport_.world_size(), "): exchange failed: "));
+      detail::rethrow_exchange_failure(transport_.rank(), transport_.world_size(), call);
     }
   }
 
@@ -207,11 +206,7 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::device> {
       fail("share.q_fwd holds ", qkv_->q_mlp_size() / q_token_elems(), " tokens but share.kv_fwd ", qkv_->kv_mlp_size() / kv_token_elems(),
            " (not one plan's share)");
     }
-    entries_.clear();
-    for (std::size_t e = 0; e + 1 < a.cu_seqlens_q.size(); ++e) {
-      const std::int64_t lq = a.cu_seqlens_q[e + 1] - a.cu_seqlens_q[e], lk = a.cu_seqlens_kv[e + 1] - a.cu_seqlens_kv[e];
-      entries_.push_back({a.cu_seqlens_q[e], lq, a.cu_seqlens_kv[e], lk, lk - lq});
-    }
+    layout_entries(a.cu_seqlens_q, a.cu_seqlens_kv, entries_);
     size_buffers();
     forward_done_ = false;
     planned_ = true;
