@@ -107,6 +107,34 @@ TEST(NodeBalance, InterNodeBytesDropAtEqualBalanceOnTheSamples) {
   }
 }
 
+// The benchmark's configuration (two nodes of 8 ranks, 32K tokens a rank, a
+// layer's bytes, C = 8 or a document's span, batches 0-7): the node-level
+// exchange on the topology-aware plan sends at most half the key-value tokens
+// between nodes that rank-level dedup sends on the topology-blind plan, at a
+// largest rank cost no higher in any batch.
+TEST(NodeBalance, NodeLevelSendsAtMostHalfOfBlindDedupBetweenNodesOnTheSamples) {
+  const std::int64_t W = 16;
+  const Topology nodes = Topology::uniform(W, 8);
+  for (const std::string name : {"prolong", "wlbllm"}) {
+    const std::vector<std::int64_t> lengths = sample(name);
+    std::int64_t blind_dedup = 0, aware_node_level = 0;
+    for (std::uint64_t seed = 0; seed < 8; ++seed) {
+      cpdispatch::BalanceProblem p;
+      p.world_size = W;
+      p.q_bytes = 8192;
+      p.kv_bytes = 4096;
+      p.documents = cpdispatch::draw_workload(lengths, W, 32 * 1024, seed);
+      p.max_cp_degree = std::max<std::int64_t>(8, static_cast<std::int64_t>(cpdispatch::widest_span(p.documents)));
+      const cpdispatch::QkvDocumentsPlan blind = cpdispatch::plan_balanced(p);
+      const cpdispatch::QkvDocumentsPlan aware = cpdispatch::plan_balanced(p, {}, nodes);
+      EXPECT_LE(cpdispatch::plan_cost(aware).max_attention(), cpdispatch::plan_cost(blind).max_attention()) << name << " seed " << seed;
+      blind_dedup += cpdispatch::node_token_counts(cpdispatch::plan_qkv(blind).kv_fwd, nodes).dedup;
+      aware_node_level += cpdispatch::node_token_counts(cpdispatch::plan_qkv(aware).kv_fwd, nodes).node_level;
+    }
+    EXPECT_LE(2 * aware_node_level, blind_dedup) << name << ": node-level " << aware_node_level << " against blind dedup " << blind_dedup;
+  }
+}
+
 // Ranks 0, 1 (node 0) and 2, 3 (node 1) are all at the largest cost: each of
 // two documents attends its second shard on the other node, and no rank has
 // room for a plain move, so only trading the two shards brings both home.
@@ -117,6 +145,26 @@ TEST(NodeBalance, FullRanksTradeShardsBackIntoTheirNodes) {
   const Topology nodes = Topology::uniform(4, 2);
   const cpdispatch::BalanceProblem p = cpdispatch::balance_problem_of(plan);
   ASSERT_EQ(cpdispatch::node_token_counts(cpdispatch::plan_qkv(plan).kv_fwd, nodes).node_level, 40);
+  const cpdispatch::QkvDocumentsPlan placed = cpdispatch::place_on_topology(plan, p, nodes);
+  EXPECT_EQ(cpdispatch::node_token_counts(cpdispatch::plan_qkv(placed).kv_fwd, nodes).node_level, 0);
+  EXPECT_EQ(weigh(placed, nodes, 9.0).inter_node, 0);
+  EXPECT_EQ(sorted_attention(placed), sorted_attention(plan));
+}
+
+// Every rank is at the largest cost, and every other rank's share is cheapest
+// where it is. Document A (home rank 2, node 1) attends on rank 0 (node 0),
+// and three small documents of rank 0 attend on rank 3 (node 1). No shard of
+// rank 3 alone, nor two of them, makes room for A: only sending all three home
+// (to the rank A leaves) brings everything home.
+TEST(NodeBalance, AFullRankSendsSeveralShardsAwayToTakeOneHome) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 4;
+  plan.documents = {{{{2, 9, 0}}}, {{{0, 9, 0}}}, {{{0, 9, 0}}}, {{{0, 5, 3}}}, {{{0, 5, 3}}}, {{{0, 5, 3}}}, {{{3, 9, 3}}}, {{{3, 9, 3}}},
+                    {{{1, 9, 1}}}, {{{1, 9, 1}}}, {{{1, 9, 1}}}, {{{2, 9, 2}}}, {{{2, 9, 2}}}, {{{2, 9, 2}}}};
+  const Topology nodes = Topology::uniform(4, 2);
+  const cpdispatch::BalanceProblem p = cpdispatch::balance_problem_of(plan);
+  ASSERT_EQ(cpdispatch::plan_cost(plan).attention, (std::vector<std::int64_t>{135, 135, 135, 135}));
+  ASSERT_EQ(cpdispatch::node_token_counts(cpdispatch::plan_qkv(plan).kv_fwd, nodes).node_level, 24);
   const cpdispatch::QkvDocumentsPlan placed = cpdispatch::place_on_topology(plan, p, nodes);
   EXPECT_EQ(cpdispatch::node_token_counts(cpdispatch::plan_qkv(placed).kv_fwd, nodes).node_level, 0);
   EXPECT_EQ(weigh(placed, nodes, 9.0).inter_node, 0);

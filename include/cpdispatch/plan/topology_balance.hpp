@@ -14,8 +14,9 @@
 // exactly (Hungarian method, O(W^3)); the unchanged placement is one of the
 // candidates, so the weighted bytes never rise. Then (causal plans), query
 // shards move to a rank of a node holding their key-values where that saves
-// weighted bytes, a full rank making room by trading a shard back (and, if
-// still full, one more shard to the roomiest rank); no rank's attention cost
+// weighted bytes, a full rank making room by sending as many of its shards
+// away as it takes (to the rank the shard leaves or the roomiest ranks, the
+// fewest weighted bytes per unit of work first); no rank's attention cost
 // passes the plan's largest, so the largest, and max / mean, never rises, and
 // no move adds key-value tokens between nodes in the node-level exchange.
 //
@@ -118,8 +119,8 @@ inline long double byte_weight(const Topology& t, std::size_t h, std::size_t x, 
 /// Causal plans: moves query shards to a rank of a node that holds their
 /// key-values (their own or an earlier shard's home node) where that saves
 /// weighted bytes, every rank's attention cost staying at or under the plan's
-/// largest (so balance is no worse). Where the rank has no room, a shard
-/// attending there may trade places with it (see best_at). Bytes count as
+/// largest (so balance is no worse). Where the rank has no room, shards
+/// attending there make room by moving away (see evict). Bytes count as
 /// section 2 sends them (each query shard its own copies), so a shard's bytes
 /// depend only on its own rank and a trade's saving is the sum of its moves;
 /// a move that adds node-level key-value copies between nodes is refused.
@@ -211,47 +212,64 @@ class ShardMover {
     return p_.recv_capacity.empty() || kv_[x] + group <= p_.recv_capacity[x];
   }
 
-  /// The best move of shard s onto rank x: plain where x has room, else a
-  /// trade with a shard o on x (o to s's rank), with one more shard of x to
-  /// the roomiest rank where x would still be over the ceiling.
+  /// The best move of shard s onto rank x: plain where x has room, else x
+  /// makes room by sending shards away (evict).
   void best_at(std::size_t s, std::size_t x, long double gain, Move& best) {
-    const std::size_t d = dst(s);
     const Ref& a = refs_[s];
-    const auto offer = [&](long double g, std::vector<std::pair<std::size_t, std::size_t>> steps) {
-      if (g > best.saved && !adds_node_copies(steps)) best = {g, std::move(steps)};
-    };
-    if (fits(x, a.work, a.group)) return offer(gain, {{s, x}});
-    for (std::size_t o : on_rank_[x]) {
-      const Ref& b = refs_[o];
-      const long double there = bytes_at(o, x);
-      const bool back = fits(d, b.work - a.work, b.group - a.group);
-      if (!fits(x, a.work - b.work, a.group - b.group)) {
-        if (back) best_third(s, x, o, gain + there - bytes_at(o, d), best);
-        continue;
-      }
-      if (back) offer(gain + there - bytes_at(o, d), {{o, d}, {s, x}});
-    }
+    if (!fits(x, a.work, a.group)) return evict(s, x, gain, best);
+    if (gain > best.saved && !adds_node_copies({{s, x}})) best = {gain, {{s, x}}};
   }
 
-  /// s to x and o (on x) to s's rank, with a third shard of x to the roomiest other rank where x still overflows.
-  void best_third(std::size_t s, std::size_t x, std::size_t o, long double gain, Move& best) {
-    if (gain <= best.saved) return;
-    const std::size_t d = dst(s);
-    std::size_t y = none;
-    for (std::size_t r : roomiest_) {
-      if (r != none && r != x && r != d) {
-        y = r;
-        break;
+  /// Where a shard evicted to make room for s may go: s's rank (which s
+  /// leaves) and the roomiest ranks other than x.
+  std::vector<std::size_t> eviction_targets(std::size_t s, std::size_t x) {
+    std::vector<std::size_t> targets{dst(s)};
+    for (std::size_t r : roomiest_)
+      if (r != none && r != x && r != targets.front()) targets.push_back(r);
+    return targets;
+  }
+
+  /// The shards on x, those whose cheapest move to a target costs the fewest
+  /// weighted bytes per unit of attention work first.
+  std::vector<std::size_t> eviction_order(std::size_t x, const std::vector<std::size_t>& targets) {
+    std::vector<std::pair<long double, std::size_t>> order;
+    for (std::size_t o : on_rank_[x]) {
+      long double cheapest = std::numeric_limits<long double>::infinity();
+      for (std::size_t y : targets) cheapest = std::min(cheapest, bytes_at(o, y) - bytes_at(o, x));
+      order.emplace_back(cheapest / static_cast<long double>(std::max<std::int64_t>(refs_[o].work, 1)), o);
+    }
+    std::sort(order.begin(), order.end());
+    std::vector<std::size_t> out;
+    for (const auto& entry : order) out.push_back(entry.second);
+    return out;
+  }
+
+  /// s to x, x making room by sending shards away in eviction order, each to
+  /// the target with room where it weighs least, until s fits.
+  void evict(std::size_t s, std::size_t x, long double gain, Move& best) {
+    const Ref& a = refs_[s];
+    const std::vector<std::size_t> targets = eviction_targets(s, x);
+    std::vector<std::int64_t> work_in(targets.size(), 0), group_in(targets.size(), 0);  // what each target takes
+    work_in[0] = -a.work, group_in[0] = -a.group;  // targets[0] is the rank s leaves
+    std::int64_t work = a.work, group = a.group;  // what x takes
+    std::vector<std::pair<std::size_t, std::size_t>> steps;
+    for (std::size_t o : eviction_order(x, targets)) {
+      if (gain <= best.saved) return;
+      if (fits(x, work, group)) break;
+      const Ref& b = refs_[o];
+      std::size_t pick = none;
+      long double cost = std::numeric_limits<long double>::infinity();
+      for (std::size_t k = 0; k < targets.size(); ++k) {
+        const long double c = bytes_at(o, targets[k]) - bytes_at(o, x);
+        if (c < cost && fits(targets[k], work_in[k] + b.work, group_in[k] + b.group)) pick = k, cost = c;
       }
+      if (pick == none) continue;
+      work_in[pick] += b.work, group_in[pick] += b.group, work -= b.work, group -= b.group, gain -= cost;
+      steps.emplace_back(o, targets[pick]);
     }
-    if (y == none) return;
-    const Ref &a = refs_[s], &b = refs_[o];
-    for (std::size_t q : on_rank_[x]) {
-      const Ref& c = refs_[q];
-      if (q == o || !fits(x, a.work - b.work - c.work, a.group - b.group - c.group) || !fits(y, c.work, c.group)) continue;
-      const long double g = gain + bytes_at(q, x) - bytes_at(q, y);
-      if (g > best.saved && !adds_node_copies({{o, d}, {q, y}, {s, x}})) best = {g, {{o, d}, {q, y}, {s, x}}};
-    }
+    if (gain <= best.saved || steps.empty() || !fits(x, work, group)) return;
+    steps.emplace_back(s, x);
+    if (!adds_node_copies(steps)) best = {gain, std::move(steps)};
   }
 
   /// The three least loaded ranks, the lower rank first among equals: the
