@@ -66,7 +66,7 @@ TEST(CpAttentionMock, StagesPostEveryExchangeAndWaitForEach) {
   EXPECT_EQ(op.kernel().forward_calls, 2) << "local keys, then the stage's";
 }
 
-TEST(CpAttentionMock, WithDedupTheKeyValuesRideTheStagesToo) {
+TEST(CpAttentionMock, WithDedupTheKeyValuesAndTheirGradientsRideTheStagesToo) {
   testing::StrictMock<cpdispatch::testing::MockPostedAllToAllTransport> t(0, 2);
   cpdispatch::QkvDocumentsPlan plan = two_rank_plan();
   plan.dedup = true;
@@ -80,10 +80,9 @@ TEST(CpAttentionMock, WithDedupTheKeyValuesRideTheStagesToo) {
   op.forward(q, kv, kv, out);
   EXPECT_EQ(op.kernel().forward_calls, 2) << "local keys, then the stage's";
   testing::Mock::VerifyAndClearExpectations(&t);
-  // Backward: dout by stage and dq home posted; dk and dv home over the wire, one exchange each.
-  EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(2).WillRepeatedly(Return(cpdispatch::Request{9}));
-  EXPECT_CALL(t, wait(cpdispatch::Request{9})).Times(2);
-  EXPECT_CALL(t, all_to_all_v(_, _, _, _, _, _)).Times(2);
+  // Backward: dout by stage, the stage's dk and dv over the wire (one post), dq home; no blocking exchange.
+  EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(3).WillRepeatedly(Return(cpdispatch::Request{9}));
+  EXPECT_CALL(t, wait(cpdispatch::Request{9})).Times(3);
   op.backward(q, dq, dk, dv);
 }
 

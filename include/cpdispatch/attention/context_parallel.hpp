@@ -198,7 +198,8 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
     kv_planner_.reserve(kv_plan_, n(c.shards) * std::max<std::size_t>(n(c.copies), 1), W);
     stage_plan_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
     fan_pieces_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
-    for (auto* v : {&fan_splits_, &fan_fill_}) v->reserve(static_cast<std::size_t>(groups_) + 2);
+    fan_entries_.reserve(n(c.shards));
+    for (auto* v : {&fan_splits_, &fan_fill_, &fan_entry_splits_}) v->reserve(static_cast<std::size_t>(groups_) + 2);
     const std::size_t copies = std::max<std::size_t>(n(c.copies), 1), mlp = n(c.mlp_tokens), tq = n(c.q_tokens), tk = n(c.kv_tokens);
     const std::size_t e = sizeof(E);  // staging is in bytes: (send, receive)
     fwd_in_.reserve(mlp * (hq + 2 * hk * copies) * e, (tq * hq + 2 * tk * hk) * e);
@@ -273,14 +274,15 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
     if (!forward_done_) fail("backward needs the forward of the same plan first");
     check_mlp(call, {{dout.size(), "dout", true}, {dq.size(), "dq", true}, {dk.size(), "dk", false}, {dv.size(), "dv", false}});
     const detail::StagedTensor in[] = {{&q_plan_.forward, bytes_in(dout), bytes_out(dout_attn_)}};
-    const detail::StagedTensor kv[] = {{&kv_plan_.reverse, bytes_out(dk_attn_), bytes_out(replica_)},
-                                       {&kv_plan_.reverse, bytes_out(dv_attn_), bytes_out(replica_v_)}};
+    const detail::StagedTensor kv[] = {{kv_reverse(), bytes_out(dk_attn_), bytes_out(replica_)},
+                                       {kv_reverse(), bytes_out(dv_attn_), bytes_out(replica_v_)}};
     if (groups_ == 0) {
       exchange_all(call, dout_in_, in);
       kernel_.backward(shape_, mask_, std::span<const AttentionEntry>(entries_), cspan(q_attn_), cspan(k_attn_), cspan(v_attn_),
                        cspan(out_attn_), std::span<const float>(lse_), cspan(dout_attn_), std::span<E>(dq_attn_), std::span<E>(dk_attn_),
                        std::span<E>(dv_attn_));
-      if (!kv_wire_) post_kv_gradients(call, kv, detail::StagedExchange::all_groups);
+      fan_in(0);  // one round: every shard's copies
+      post_kv_gradients(call, kv, detail::StagedExchange::all_groups);
     } else {
       backward_by_stages(call, in, kv);
     }
@@ -304,14 +306,21 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
 
   /// The forward plan of the key-values: the wire's with dedup (each shard once, at its first copy).
   const detail::ExchangePlan* kv_forward() const noexcept { return kv_wire_ ? &kv_wire_->plan().forward : &kv_plan_.forward; }
+  /// Their gradients' reverse plan: with dedup the wire's, from each shard's first copy (after the fan-in).
+  const detail::ExchangePlan* kv_reverse() const noexcept { return kv_wire_ ? &kv_wire_->plan().reverse_in_place : &kv_plan_.reverse; }
 
   /// With dedup, the fan-out of the key-values that arrive in each round: a
-  /// shard's first copy copied to its other places in the attention layout.
+  /// shard's first copy copied to its other places in the attention layout;
+  /// and, for the fan-in of their gradients, the shards of each round that
+  /// have several copies.
   void lay_out_fan_out() {
     const auto rounds = static_cast<std::size_t>(stage_plan_.rounds());
     fan_splits_.assign(rounds + 1, 0);
     fan_pieces_.clear();
+    fan_entry_splits_.assign(rounds + 1, 0);
+    fan_entries_.clear();
     if (!kv_wire_) return;
+    lay_out_fan_in(rounds);
     const KvFanList& fan = kv_wire_->fan();
     const std::size_t tb = kv_token_elems() * sizeof(E);
     const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
@@ -330,6 +339,39 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
     }
   }
 
+  /// The fan list's entries with several copies, round by round.
+  void lay_out_fan_in(std::size_t rounds) {
+    const KvFanList& fan = kv_wire_->fan();
+    const auto several = [&](std::size_t e) { return fan.copy_splits[e + 1] - fan.copy_splits[e] > 1; };
+    for (std::size_t e = 0; e < fan.num_entries(); ++e) {
+      if (several(e)) ++fan_entry_splits_[static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e])) + 1];
+    }
+    for (std::size_t r = 0; r < rounds; ++r) fan_entry_splits_[r + 1] += fan_entry_splits_[r];
+    fan_entries_.resize(fan_entry_splits_[rounds]);
+    fan_fill_.assign(fan_entry_splits_.begin(), fan_entry_splits_.end() - 1);
+    for (std::size_t e = 0; e < fan.num_entries(); ++e) {
+      if (several(e)) fan_entries_[fan_fill_[static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e]))]++] = e;
+    }
+  }
+
+  /// The fan-in of the key-value gradients of round `round`'s shards: each
+  /// shard's copies summed at its first copy, whence the wire takes it home
+  /// (nothing without dedup). Run once per round, when they are complete.
+  void fan_in(int round) {
+    if (!kv_wire_) return;
+    const KvFanList& fan = kv_wire_->fan();
+    const std::size_t width = kv_token_elems();
+    const auto r = static_cast<std::size_t>(round);
+    for (std::size_t i = fan_entry_splits_[r]; i < fan_entry_splits_[r + 1]; ++i) {
+      const std::size_t e = fan_entries_[i];
+      const std::span<const std::int64_t> copies(fan.attn_offset.data() + fan.copy_splits[e], fan.copy_splits[e + 1] - fan.copy_splits[e]);
+      for (std::vector<E>* b : {&dk_attn_, &dv_attn_}) {
+        detail::fan_in_entry<E>(b->data(), copies, static_cast<std::size_t>(fan.seq_len[e]) * width, width,
+                                b->data() + static_cast<std::size_t>(copies[0]) * width);
+      }
+    }
+  }
+
   /// The fan-out of round `round`'s key-values (nothing without dedup).
   void fan_out(int round) {
     const auto r = static_cast<std::size_t>(round);
@@ -344,13 +386,12 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
 
   void lay_out_exchanges(int me, int W) {
     const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, kv_forward(), kv_forward()};
-    const detail::ExchangePlan* kv_rev[] = {&kv_plan_.reverse, &kv_plan_.reverse};
+    const detail::ExchangePlan* kv_rev[] = {kv_reverse(), kv_reverse()};
     fwd_in_.lay_out(fwd_in, me, W, groups_, true);
     dout_in_.lay_out(std::span(fwd_in).first(1), me, W, groups_, true);
     const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse};
     q_out_.lay_out(q_rev, me, W, groups_, false);
-    kv_out_.lay_out(kv_wire_ ? std::span<const detail::ExchangePlan* const>() : std::span<const detail::ExchangePlan* const>(kv_rev), me, W,
-                    groups_, false);
+    kv_out_.lay_out(kv_rev, me, W, groups_, false);
   }
 
   /// Posts every stage group of `ex`, after the traffic to this rank itself.
@@ -410,7 +451,10 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
       if (round > 0) await_group(call, dout_in_, in, round - 1);
       for (; next < passes.size() && passes[next].round == round; ++next) attend_backward(parts_of(passes[next]));
       // The KV gradients of a group go home as soon as they are complete, in group order on every rank.
-      for (; !kv_wire_ && posted < groups_ && stage_plan_.kv_ready(posted) <= round; ++posted) post_kv_gradients(call, kv, posted);
+      for (; posted < groups_ && stage_plan_.kv_ready(posted) <= round; ++posted) {
+        fan_in(posted + 1);
+        post_kv_gradients(call, kv, posted);
+      }
     }
     for (std::size_t i = 0; i < acc_.size(); ++i) dq_attn_[i] = detail::from_f32<E>(acc_[i]);
   }
@@ -436,12 +480,7 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
 
   /// Waits for the KV gradients, adds this rank's own, and sums every copy into dk, dv.
   void finish_kv_gradients(const char* call, Tensors kv, std::span<E> dk, std::span<E> dv) {
-    const ElementType type = element_type_of<E>();
-    if (kv_wire_) {  // the attention-layout gradients are not needed afterwards
-      exchange(call, [&] { kv_wire_->reverse_combine_in_place(detail::bytes_of(std::span<E>(dk_attn_)), detail::bytes_of(std::span<E>(replica_)), detail::bytes_of(dk), type); });
-      exchange(call, [&] { kv_wire_->reverse_combine_in_place(detail::bytes_of(std::span<E>(dv_attn_)), detail::bytes_of(std::span<E>(replica_)), detail::bytes_of(dv), type); });
-      return;
-    }
+    if (groups_ > 0) fan_in(0);  // this rank's own shards (with one round, fanned in before the post)
     detail::StagedExchange::copy_self(kv);
     if (transport_.world_size() > 1) {
       const int posts = groups_ == 0 ? 1 : groups_;
@@ -451,8 +490,9 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
       }
     }
     const auto width = kv_token_elems();
-    combine_copies<E>(kv_rev_, std::span<const E>(replica_), dk, width);
-    combine_copies<E>(kv_rev_, std::span<const E>(replica_v_), dv, width);
+    const RankMetadata& rev = kv_wire_ ? kv_wire_->reverse_slice() : kv_rev_;  // whose slots the replica holds
+    combine_copies<E>(rev, std::span<const E>(replica_), dk, width);
+    combine_copies<E>(rev, std::span<const E>(replica_v_), dv, width);
   }
 
   static const std::byte* bytes_in(std::span<const E> s) noexcept { return detail::bytes_of(s).data(); }
@@ -521,7 +561,9 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
     for (std::vector<E>* b : {&k_attn_, &v_attn_, &dk_attn_, &dv_attn_}) b->resize(tk * kv_token_elems());
     for (std::vector<float>* b : {&lse_, &lse_part_}) b->resize(tq * static_cast<std::size_t>(shape_.heads_q));
     acc_.resize(tq * q_token_elems());
-    const std::size_t replica_tokens = static_cast<std::size_t>(kv_plan_.reverse.output_tokens);
+    std::int64_t replica = kv_plan_.reverse.output_tokens;
+    if (kv_wire_) replica = std::max(replica, kv_wire_->plan().replica_tokens);
+    const auto replica_tokens = static_cast<std::size_t>(replica);
     for (std::vector<E>* b : {&replica_, &replica_v_}) b->resize(replica_tokens * kv_token_elems());
   }
 
@@ -540,6 +582,7 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
   detail::StagePlan stage_plan_;
   std::vector<detail::CopyPiece> fan_pieces_;      // with dedup: the fan-out, round by round
   std::vector<std::size_t> fan_splits_, fan_fill_;  // round r's pieces: [fan_splits_[r], fan_splits_[r + 1])
+  std::vector<std::size_t> fan_entries_, fan_entry_splits_;  // with dedup: fan entries with several copies, round by round
   detail::StagedExchange fwd_in_, dout_in_, q_out_, kv_out_;
   std::vector<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_, replica_v_;
   std::vector<E> out_part_;            // a pass's output (forward) or dq (backward)

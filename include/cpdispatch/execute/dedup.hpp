@@ -598,6 +598,8 @@ class KvWireDispatcher {
   /// says where its other copies go.
   const detail::WirePlan& plan() const noexcept { return plan_; }
   const KvFanList& fan() const noexcept { return fan_; }
+  /// The reverse slice: which slot of the replica each home shard's copy from each peer fills (for the home's combine).
+  const RankMetadata& reverse_slice() const noexcept { return rev_; }
   int rank() const noexcept { return rank_; }
   int world_size() const noexcept { return world_size_; }
   std::size_t token_bytes() const noexcept { return token_bytes_; }
