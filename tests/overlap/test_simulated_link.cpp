@@ -61,6 +61,31 @@ TEST(SimulatedLink, PointToPointDeliversTheDataAfterLatencyPlusBytesOverBandwidt
   });
 }
 
+// One exchange in which rank 0 sends 2000 bytes to rank 1, then one in which
+// rank 1 sends as much back, posted back to back: on a full-duplex link the
+// second's bytes move on the other side of each rank's link while the first's
+// are still on theirs, so both are done 10 s (2000 B at 200 B/s) after the
+// second post, not 20 s after the first. (The schedule is checked, not slept:
+// the requests are never waited for.)
+TEST(SimulatedLink, ExchangesPostedBackToBackUseBothSidesOfTheLinkAtOnce) {
+  const cpdispatch::LinkModel model{0ns, 200.0};
+  SimWorld world(2, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    cpdispatch::SimulatedLinkTransport link(sim, model);
+    const std::size_t me = static_cast<std::size_t>(sim.rank()), peer = 1 - me;
+    std::vector<char> out(2000, 'x'), in(2000);
+    const std::vector<std::size_t> zero(2, 0);
+    std::vector<std::size_t> all(2, 0);
+    all[peer] = 2000;
+    const Clock::time_point before = Clock::now();
+    (void)link.post_all_to_all_v(out.data(), me == 0 ? all : zero, zero, in.data(), me == 0 ? zero : all, zero);
+    (void)link.post_all_to_all_v(out.data(), me == 1 ? all : zero, zero, in.data(), me == 1 ? zero : all, zero);
+    const Clock::time_point after = Clock::now();
+    EXPECT_GE(link.busy_until(), before + 10s);
+    EXPECT_LE(link.busy_until(), after + 10s) << "the second exchange waited for the first's side of the link";
+  });
+}
+
 TEST(SimulatedLink, CollectivesPassTheDataAndTakeTheRingTime) {
   const cpdispatch::LinkModel model{500us, 10e6};  // 4 000 bytes per block: 0.4 ms + 0.5 ms per ring step
   SimWorld world(3, SimOptions{60s});

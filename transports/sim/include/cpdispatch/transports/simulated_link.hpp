@@ -1,10 +1,12 @@
 #pragma once
 // SimulatedLinkTransport<Inner>: a Transport adapter that makes any host
 // transport behave like a slower network, for benchmarks of the overlapped
-// GEMM and for measuring the node-level exchange. Each rank has one outgoing
-// link of `bandwidth` bytes per second; a message posted at time t starts
-// when the link is free (start = max(t, link free)), occupies it for bytes /
-// bandwidth, and is delivered `latency` after that. The waits that model
+// GEMM and for measuring the node-level exchange. Each rank has one
+// full-duplex link of `bandwidth` bytes per second each way: what it sends
+// and what it receives move at once, as over a NIC or an NVLink port. A
+// message posted at time t starts when the sending side is free (start =
+// max(t, sending side free)), occupies it for bytes / bandwidth, and is
+// delivered `latency` after that. The waits that model
 // this SLEEP (they do not spin), so the modelled communication takes wall
 // time but no CPU: on a 2-core machine a GEMM and the communication really
 // run side by side.
@@ -28,20 +30,28 @@
 //     barrier                      ceil(log2 W) L            (dissemination)
 //   One rank (W = 1) costs nothing.
 // - post_all_to_all_v (PostedAllToAllTransport): the bytes move through the
-//   inner all_to_all_v at the post, and the link is busy for the
-//   all_to_all_v time above from then (or from when it frees up); wait()
-//   sleeps until that time has passed. Compute between the two hides it.
+//   inner all_to_all_v at the post; its sends occupy the sending side for
+//   (W-1) L + bytes sent / bw, its receives the receiving side for
+//   (W-1) L + bytes received / bw, each from then or from when that side
+//   frees up, and wait() sleeps until both are done (alone, the
+//   all_to_all_v time above). Compute between the two hides it. Exchanges
+//   posted back to back queue on each side separately: one that mostly sends
+//   and one that mostly receives overlap, as they do on a full-duplex link,
+//   so a rank's exchanges take the larger of its total sent and received
+//   (the step-time model's assumption for the op's stages).
 // - Like the transports it wraps, it is used by one thread at a time.
 //
 // Two tiers (the constructor with a Topology): a cluster of nodes, links
 // inside a node (`intra`, NVLink) and between nodes (`inter`, InfiniBand).
-// Each rank has one outgoing link per tier, and the two work at once. A
+// Each rank has one full-duplex link per tier, and the two work at once. A
 // message to a peer on the rank's node uses the intra-node link, to a peer
 // on another node the inter-node link, with that tier's bandwidth and
-// latency. An all_to_all_v (blocking or posted) occupies each tier's link for
-//     latency x (peers of that tier it sends to or receives from)
-//       + max(bytes sent, bytes received over that tier) / bandwidth
-// and takes the larger of the two tiers. These are the step-time model's
+// latency. An all_to_all_v (blocking or posted) occupies each tier's
+// sending side for latency x (peers of that tier it sends to or receives
+// from) + bytes sent over that tier / bandwidth, and its receiving side
+// likewise for the bytes received; alone it takes
+//     latency x (peers of that tier) + max(bytes sent, bytes received over that tier) / bandwidth
+// on the slower tier. These are the step-time model's
 // assumptions (cpdispatch/plan/step_model.hpp, detail::step_model::exchange_time:
 // the same per-tier formula, peers with no bytes either way cost no latency,
 // the tiers at once), so a planned exchange measured over this adapter
@@ -52,7 +62,6 @@
 // run on the intra-node link alone.
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -71,10 +80,10 @@
 
 namespace cpdispatch {
 
-/// The simulated network: one outgoing link per rank.
+/// The simulated network: one full-duplex link per rank (per tier).
 struct LinkModel {
   std::chrono::nanoseconds latency{0};
-  /// Bytes per second of each rank's outgoing link; must be positive.
+  /// Bytes per second of each rank's link, each way; must be positive.
   double bandwidth = 1e9;
 
   /// How long the link is busy sending `bytes`.
@@ -127,10 +136,15 @@ class SimulatedLinkTransport {
   /// Bytes this rank has received from other ranks so far: messages and
   /// all-to-all payloads (collectives receive what they send).
   std::uint64_t bytes_received() const noexcept { return bytes_received_; }
+  /// When this rank's links finish what has been given to them so far (the
+  /// modelled schedule: the latest of every side's free time).
+  Clock::time_point busy_until() const noexcept {
+    return std::max({send_free_[0], send_free_[1], receive_free_[0], receive_free_[1]});
+  }
 
   Request isend(const void* buf, std::size_t bytes, int peer, int tag) {
     const std::size_t k = tier_of(peer);
-    const Clock::time_point start = std::max(Clock::now(), link_free_[k]);
+    const Clock::time_point start = std::max(Clock::now(), send_free_[k]);
     const Clock::time_point sent = start + tiers_[k].transmit_time(bytes);
     if (peer != rank()) bytes_sent_ += bytes;
     auto pending = std::make_unique<Pending>();
@@ -144,7 +158,7 @@ class SimulatedLinkTransport {
       retired_.push_back(std::move(pending));  // the header may still be in flight: keep its storage
       throw;
     }
-    link_free_[k] = sent;
+    send_free_[k] = sent;
     return remember(std::move(pending));
   }
 
@@ -197,7 +211,6 @@ class SimulatedLinkTransport {
     auto pending = std::make_unique<Pending>();
     pending->posted = true;
     pending->done_at = occupy_links(all_to_all_time(send_counts, recv_counts));
-    if (!topology_) pending->done_at = link_free_[0] = std::max(pending->done_at, link_free_[0]);  // one tier: after the link's earlier work
     return remember(std::move(pending));
   }
 
@@ -280,8 +293,12 @@ class SimulatedLinkTransport {
     return ring([block](const LinkModel& m) { return m.latency + m.transmit_time(block); });
   }
 
-  /// An all-to-all's modelled time on each tier's link (see the header comment).
-  std::array<Span, 2> all_to_all_time(std::span<const std::size_t> send_counts, std::span<const std::size_t> recv_counts) const {
+  /// How long an all-to-all occupies each tier's sending and receiving sides (see the header comment).
+  struct Spans {
+    Span send[2]{}, receive[2]{};
+  };
+
+  Spans all_to_all_time(std::span<const std::size_t> send_counts, std::span<const std::size_t> recv_counts) const {
     std::size_t sent[2] = {0, 0}, received[2] = {0, 0};
     std::int64_t partners[2] = {0, 0};
     const auto me = static_cast<std::size_t>(rank());
@@ -293,23 +310,28 @@ class SimulatedLinkTransport {
       received[k] += in;
       partners[k] += (out > 0 || in > 0) ? 1 : 0;
     }
-    if (world_size() == 1) return {Span{0}, Span{0}};
-    if (!topology_) return {peers() * tiers_[0].latency + tiers_[0].transmit_time(std::max(sent[0], received[0])), Span{0}};
-    std::array<Span, 2> out{};
-    for (std::size_t k = 0; k < 2; ++k) out[k] = partners[k] * tiers_[k].latency + tiers_[k].transmit_time(std::max(sent[k], received[k]));
+    Spans out;
+    if (world_size() == 1) return out;
+    if (!topology_) partners[0] = peers();  // one tier keeps its (W-1) L, every peer
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (partners[k] == 0) continue;
+      out.send[k] = partners[k] * tiers_[k].latency + tiers_[k].transmit_time(sent[k]);
+      out.receive[k] = partners[k] * tiers_[k].latency + tiers_[k].transmit_time(received[k]);
+    }
     return out;
   }
 
-  /// Each tier's link is busy for its span from now (or from when it frees
-  /// up); returns when the later of them is done.
-  Clock::time_point occupy_links(const std::array<Span, 2>& spans) {
+  /// Each side of each tier's link is busy for its span from now (or from
+  /// when it frees up); returns when the last of them is done.
+  Clock::time_point occupy_links(const Spans& spans) {
     const Clock::time_point now = Clock::now();
     Clock::time_point done = now;
-    for (std::size_t k = 0; k < 2; ++k) {
-      if (spans[k].count() <= 0) continue;
-      link_free_[k] = std::max(now, link_free_[k]) + spans[k];
-      done = std::max(done, link_free_[k]);
-    }
+    const auto occupy_side = [&](Clock::time_point& free, Span span) {
+      if (span.count() <= 0) return;
+      free = std::max(now, free) + span;
+      done = std::max(done, free);
+    };
+    for (std::size_t k = 0; k < 2; ++k) occupy_side(send_free_[k], spans.send[k]), occupy_side(receive_free_[k], spans.receive[k]);
     return done;
   }
 
@@ -330,15 +352,15 @@ class SimulatedLinkTransport {
   /// (or from when the last frees up).
   void occupy(Span span) {
     if (span.count() <= 0) return;
-    const Clock::time_point done = std::max({Clock::now(), link_free_[0], link_free_[1]}) + span;
-    link_free_[0] = link_free_[1] = done;
+    const Clock::time_point done = std::max({Clock::now(), send_free_[0], send_free_[1], receive_free_[0], receive_free_[1]}) + span;
+    for (std::size_t k = 0; k < 2; ++k) send_free_[k] = receive_free_[k] = done;
     std::this_thread::sleep_until(done);
   }
 
   Inner& inner_;
   std::optional<Topology> topology_;
   LinkModel tiers_[2];  // intra-node, inter-node (the same model twice with one tier)
-  Clock::time_point link_free_[2]{};
+  Clock::time_point send_free_[2]{}, receive_free_[2]{};  // each tier's sending and receiving sides
   std::uint64_t bytes_sent_ = 0;
   std::uint64_t bytes_received_ = 0;
   std::uint64_t next_id_ = 1;
