@@ -86,6 +86,44 @@ TEST(CpAttentionMock, WithDedupTheKeyValuesAndTheirGradientsRideTheStagesToo) {
   op.backward(q, dq, dk, dv);
 }
 
+// Rank 0 of 3 with 3 stages: its key-values from rank 2 arrive in round 1 (ring distance 1), from rank 1 in round 2.
+// Document X (home 2) is attended only in round 1, so its key-value gradients are complete after round 1.
+cpdispatch::QkvDocumentsPlan three_rank_plan(bool dedup) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 3;
+  plan.dedup = dedup;
+  plan.documents = {{{{0, 2, 0}}}, {{{2, 3, 0}}}, {{{1, 3, 0}}}};
+  return plan;
+}
+
+class CpAttentionGradientStages : public testing::TestWithParam<bool> {};
+
+TEST_P(CpAttentionGradientStages, AStagesKeyValueGradientsGoHomeBeforeTheLastRoundComputes) {
+  const bool dedup = GetParam();
+  testing::StrictMock<cpdispatch::testing::MockPostedAllToAllTransport> t(0, 3);
+  const auto share = cpdispatch::plan_qkv_for_rank(three_rank_plan(dedup), 0);
+  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(t, share, shape, {dedup, 3});
+  const auto T = static_cast<std::size_t>(op.mlp_tokens());
+  std::vector<float> q(T * 8, 0.5f), kv(T * 4, 0.25f), out(q.size()), dq(q.size()), dk(kv.size()), dv(kv.size());
+  EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(3).WillRepeatedly(Return(cpdispatch::Request{9}));
+  EXPECT_CALL(t, wait(cpdispatch::Request{9})).Times(3);
+  op.forward(q, kv, kv, out);
+  testing::Mock::VerifyAndClearExpectations(&t);
+  // Backward: dout of both stages, then (after rounds 0 and 1) the first stage's key-value gradients,
+  // then round 2, its key-value gradients and dq: five posts, each noting how many kernel calls preceded it.
+  std::vector<int> calls_before_post;
+  EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(5).WillRepeatedly(testing::Invoke([&](auto&&...) {
+    calls_before_post.push_back(op.kernel().backward_calls);
+    return cpdispatch::Request{9};
+  }));
+  EXPECT_CALL(t, wait(cpdispatch::Request{9})).Times(5);
+  op.backward(q, dq, dk, dv);
+  ASSERT_EQ(op.kernel().backward_calls, 3) << "one kernel call a round";
+  EXPECT_EQ(calls_before_post, (std::vector<int>{0, 0, 2, 3, 3})) << "the first stage's key-value gradients go home while round 2 is left";
+}
+
+INSTANTIATE_TEST_SUITE_P(Dedup, CpAttentionGradientStages, testing::Bool(), [](const testing::TestParamInfo<bool>& i) { return i.param ? "dedup" : "plain"; });
+
 TEST(CpAttentionSimulatedLink, StagesOverASimulatedLinkEqualTheReference) {
   const CpWorld world(plan_of(4, 61), shape, AttentionMask::causal(), 61, attention_test::round_to<float>);
   std::vector<attention_test::RankResult> results(4);
