@@ -1,8 +1,8 @@
 // Topology-aware balancing (place_on_topology, plan_balanced with a
 // topology): the same balance as the topology-blind plan (every rank's
 // attention cost is some rank's cost of the blind plan), never more weighted
-// bytes, and on batches of the ProLong and WLB-LLM samples fewer bytes between
-// nodes.
+// bytes, and on batches of the ProLong and WLB-LLM samples at most half the
+// key-value tokens between nodes of rank-level dedup on the blind plan.
 
 #include <gtest/gtest.h>
 
@@ -84,27 +84,6 @@ TEST(NodeBalance, SameBalanceAndNeverMoreWeightedBytesOnRandomBatches) {
 std::vector<std::int64_t> sample(const std::string& name) {
   std::ifstream in(std::filesystem::path(CPDISPATCH_DOC_LENGTHS_DIR) / (name + ".json"));
   return nlohmann::json::parse(in).get<std::vector<std::int64_t>>();
-}
-
-TEST(NodeBalance, InterNodeBytesDropAtEqualBalanceOnTheSamples) {
-  const std::int64_t W = 16;
-  const Topology nodes = Topology::uniform(W, 8);
-  for (const std::string name : {"prolong", "wlbllm"}) {
-    const std::vector<std::int64_t> lengths = sample(name);
-    std::int64_t blind_bytes = 0, placed_bytes = 0;
-    for (std::uint64_t seed = 0; seed < 2; ++seed) {
-      cpdispatch::BalanceProblem p;
-      p.world_size = W;
-      p.max_cp_degree = 8;
-      p.documents = cpdispatch::draw_workload(lengths, W, 8 * 1024, seed);
-      const cpdispatch::QkvDocumentsPlan blind = cpdispatch::plan_balanced(p);
-      const cpdispatch::QkvDocumentsPlan placed = cpdispatch::plan_balanced(p, {}, nodes);
-      EXPECT_LE(cpdispatch::plan_cost(placed).max_over_mean(), cpdispatch::plan_cost(blind).max_over_mean()) << name << " seed " << seed;
-      blind_bytes += weigh(blind, nodes, 9.0).inter_node;
-      placed_bytes += weigh(placed, nodes, 9.0).inter_node;
-    }
-    EXPECT_LT(placed_bytes, blind_bytes) << name;
-  }
 }
 
 // The benchmark's configuration (two nodes of 8 ranks, 32K tokens a rank, a
