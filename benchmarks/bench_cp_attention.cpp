@@ -17,8 +17,11 @@
 // backward; counted by the link) and the attention work's max / mean over
 // the ranks, for each method.
 // Prints one line per (sample, batch, link, method) and the medians.
-//   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--heads 8] [--head-dim 64] [--dedup 1]
+//   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--first-batch 0] [--sample prolong|wlbllm|both]
+//                      [--heads 8] [--head-dim 64] [--dedup 1]
 // Ours runs the deduplicated key-value exchange (each shard once per destination rank) unless --dedup 0.
+// Batch b is the packed batch drawn with seed b: --first-batch and --sample run part of a long
+// measurement (at 8K tokens a rank, half an hour a batch on two cores) in separate runs.
 
 #include <algorithm>
 #include <chrono>
@@ -52,7 +55,8 @@ using Link = cpdispatch::SimulatedLinkTransport<cpdispatch::SimTransport>;
 struct Config {
   int world = 8;
   std::int64_t tokens = 1024, heads = 8, head_dim = 64;
-  int batches = 3;
+  int batches = 3, first_batch = 0;
+  std::string sample = "both";
   bool dedup = true;
 };
 
@@ -324,7 +328,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const long long v = std::atoll(argv[i + 1]);
-    if (a == "--world") c.world = static_cast<int>(v);
+    if (a == "--sample") c.sample = argv[i + 1];
+    else if (a == "--first-batch") c.first_batch = static_cast<int>(v);
+    else if (a == "--world") c.world = static_cast<int>(v);
     else if (a == "--tokens") c.tokens = v;
     else if (a == "--batches") c.batches = static_cast<int>(v);
     else if (a == "--heads") c.heads = v;
@@ -333,6 +339,10 @@ int main(int argc, char** argv) {
     else return std::fprintf(stderr, "bench_cp_attention: unknown option %s\n", a.c_str()), 2;
   }
   if (c.world < 1 || c.heads % c.world != 0) return std::fprintf(stderr, "bench_cp_attention: heads must divide by world\n"), 2;
+  if (c.sample != "both" && c.sample != "prolong" && c.sample != "wlbllm") {
+    return std::fprintf(stderr, "bench_cp_attention: --sample %s is not prolong, wlbllm or both\n", c.sample.c_str()), 2;
+  }
+  if (c.first_batch < 0 || c.batches < 1) return std::fprintf(stderr, "bench_cp_attention: --first-batch >= 0 and --batches >= 1\n"), 2;
   const cpdispatch::LinkModel instant{std::chrono::nanoseconds{0}, 1e15};
   struct Ratio {
     const char* name;
@@ -344,8 +354,9 @@ int main(int argc, char** argv) {
               c.dedup ? "with" : "without");
   std::map<std::string, std::vector<double>> ratios_of;  // "sample|link|what" -> per batch
   for (const char* name : {"prolong", "wlbllm"}) {
+    if (c.sample != "both" && c.sample != name) continue;
     const std::vector<std::int64_t> lengths = sample(name);
-    for (int b = 0; b < c.batches; ++b) {
+    for (int b = c.first_batch; b < c.first_batch + c.batches; ++b) {
       cpdispatch::BalanceProblem p;
       p.world_size = c.world;
       p.documents = cpdispatch::draw_workload(lengths, c.world, c.tokens, static_cast<std::uint64_t>(b));
