@@ -197,9 +197,8 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
     q_planner_.reserve(q_plan_, n(c.shards), W);
     kv_planner_.reserve(kv_plan_, n(c.shards) * std::max<std::size_t>(n(c.copies), 1), W);
     stage_plan_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
-    fan_pieces_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
     fan_entries_.reserve(n(c.shards));
-    for (auto* v : {&fan_splits_, &fan_fill_, &fan_entry_splits_}) v->reserve(static_cast<std::size_t>(groups_) + 2);
+    for (auto* v : {&fan_fill_, &fan_entry_splits_}) v->reserve(static_cast<std::size_t>(groups_) + 2);
     const std::size_t copies = std::max<std::size_t>(n(c.copies), 1), mlp = n(c.mlp_tokens), tq = n(c.q_tokens), tk = n(c.kv_tokens);
     const std::size_t e = sizeof(E);  // staging is in bytes: (send, receive)
     fwd_in_.reserve(mlp * (hq + 2 * hk * copies) * e, (tq * hq + 2 * tk * hk) * e);
@@ -231,7 +230,7 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
     check_layout();
     layout_entries(layout_.cu_seqlens_q, layout_.cu_seqlens_kv, entries_);
     stage_plan_.build(entries_, share.q_rev, share.kv_rev, me, W, groups_, who);
-    lay_out_fan_out();
+    lay_out_fan();
     lay_out_exchanges(me, W);
     size_buffers();
     forward_done_ = false;
@@ -309,77 +308,51 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
   /// Their gradients' reverse plan: with dedup the wire's, from each shard's first copy (after the fan-in).
   const detail::ExchangePlan* kv_reverse() const noexcept { return kv_wire_ ? &kv_wire_->plan().reverse_in_place : &kv_plan_.reverse; }
 
-  /// With dedup, the fan-out of the key-values that arrive in each round: a
-  /// shard's first copy copied to its other places in the attention layout;
-  /// and, for the fan-in of their gradients, the shards of each round that
-  /// have several copies.
-  void lay_out_fan_out() {
+  /// With dedup, the fan list's entries with several copies, round by round
+  /// (the round their key-values arrive in): forward copies each one's first
+  /// copy to its other places, backward sums its copies' gradients there.
+  void lay_out_fan() {
     const auto rounds = static_cast<std::size_t>(stage_plan_.rounds());
-    fan_splits_.assign(rounds + 1, 0);
-    fan_pieces_.clear();
     fan_entry_splits_.assign(rounds + 1, 0);
     fan_entries_.clear();
     if (!kv_wire_) return;
-    lay_out_fan_in(rounds);
     const KvFanList& fan = kv_wire_->fan();
-    const std::size_t tb = kv_token_elems() * sizeof(E);
-    const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
-    for (std::size_t e = 0; e < fan.num_entries(); ++e) {  // pieces per round, then their places
-      fan_splits_[static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e])) + 1] += fan.copy_splits[e + 1] - fan.copy_splits[e] - 1;
-    }
-    for (std::size_t r = 0; r < rounds; ++r) fan_splits_[r + 1] += fan_splits_[r];
-    fan_pieces_.resize(fan_splits_[rounds]);
-    fan_fill_.assign(fan_splits_.begin(), fan_splits_.end() - 1);
+    const auto round_of = [&](std::size_t e) { return static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e])); };
     for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-      std::size_t& at = fan_fill_[static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e]))];
-      const std::size_t first = bytes(fan.attn_offset[fan.copy_splits[e]]);
-      for (std::size_t i = fan.copy_splits[e] + 1; i < fan.copy_splits[e + 1]; ++i) {
-        fan_pieces_[at++] = {first, bytes(fan.attn_offset[i]), bytes(fan.seq_len[e])};
-      }
-    }
-  }
-
-  /// The fan list's entries with several copies, round by round.
-  void lay_out_fan_in(std::size_t rounds) {
-    const KvFanList& fan = kv_wire_->fan();
-    const auto several = [&](std::size_t e) { return fan.copy_splits[e + 1] - fan.copy_splits[e] > 1; };
-    for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-      if (several(e)) ++fan_entry_splits_[static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e])) + 1];
+      if (fan.copies(e).size() > 1) ++fan_entry_splits_[round_of(e) + 1];
     }
     for (std::size_t r = 0; r < rounds; ++r) fan_entry_splits_[r + 1] += fan_entry_splits_[r];
     fan_entries_.resize(fan_entry_splits_[rounds]);
     fan_fill_.assign(fan_entry_splits_.begin(), fan_entry_splits_.end() - 1);
     for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-      if (several(e)) fan_entries_[fan_fill_[static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e]))]++] = e;
+      if (fan.copies(e).size() > 1) fan_entries_[fan_fill_[round_of(e)]++] = e;
     }
+  }
+
+  /// Round `round`'s entries of the fan list (none without dedup).
+  std::span<const std::size_t> fan_entries(int round) const {
+    const auto r = static_cast<std::size_t>(round);
+    return std::span<const std::size_t>(fan_entries_).subspan(fan_entry_splits_[r], fan_entry_splits_[r + 1] - fan_entry_splits_[r]);
   }
 
   /// The fan-in of the key-value gradients of round `round`'s shards: each
   /// shard's copies summed at its first copy, whence the wire takes it home
   /// (nothing without dedup). Run once per round, when they are complete.
   void fan_in(int round) {
-    if (!kv_wire_) return;
-    const KvFanList& fan = kv_wire_->fan();
-    const std::size_t width = kv_token_elems();
-    const auto r = static_cast<std::size_t>(round);
-    for (std::size_t i = fan_entry_splits_[r]; i < fan_entry_splits_[r + 1]; ++i) {
-      const std::size_t e = fan_entries_[i];
-      const std::span<const std::int64_t> copies(fan.attn_offset.data() + fan.copy_splits[e], fan.copy_splits[e + 1] - fan.copy_splits[e]);
-      for (std::vector<E>* b : {&dk_attn_, &dv_attn_}) {
-        detail::fan_in_entry<E>(b->data(), copies, static_cast<std::size_t>(fan.seq_len[e]) * width, width,
-                                b->data() + static_cast<std::size_t>(copies[0]) * width);
-      }
+    for (std::size_t e : fan_entries(round)) {
+      for (std::vector<E>* b : {&dk_attn_, &dv_attn_}) detail::fan_in_entry_in_place<E>(kv_wire_->fan(), e, b->data(), kv_token_elems());
     }
   }
 
-  /// The fan-out of round `round`'s key-values (nothing without dedup).
+  /// The fan-out of round `round`'s key-values: each shard's first copy to its other places (nothing without dedup).
   void fan_out(int round) {
-    const auto r = static_cast<std::size_t>(round);
-    for (std::size_t i = fan_splits_[r]; i < fan_splits_[r + 1]; ++i) {
-      const detail::CopyPiece& c = fan_pieces_[i];
+    const std::size_t width = kv_token_elems();
+    for (std::size_t e : fan_entries(round)) {
+      const std::span<const std::int64_t> copies = kv_wire_->fan().copies(e);
+      const std::size_t count = static_cast<std::size_t>(kv_wire_->fan().seq_len[e]) * width;
       for (std::vector<E>* b : {&k_attn_, &v_attn_}) {
-        std::byte* base = bytes_out(*b);
-        std::memcpy(base + c.dst, base + c.src, c.bytes);
+        const E* first = b->data() + static_cast<std::size_t>(copies[0]) * width;
+        for (std::size_t c = 1; c < copies.size(); ++c) std::memcpy(b->data() + static_cast<std::size_t>(copies[c]) * width, first, count * sizeof(E));
       }
     }
   }
@@ -580,9 +553,7 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
   AttentionMask mask_;
   std::vector<AttentionEntry> entries_;
   detail::StagePlan stage_plan_;
-  std::vector<detail::CopyPiece> fan_pieces_;      // with dedup: the fan-out, round by round
-  std::vector<std::size_t> fan_splits_, fan_fill_;  // round r's pieces: [fan_splits_[r], fan_splits_[r + 1])
-  std::vector<std::size_t> fan_entries_, fan_entry_splits_;  // with dedup: fan entries with several copies, round by round
+  std::vector<std::size_t> fan_entries_, fan_entry_splits_, fan_fill_;  // with dedup: fan entries with several copies, round by round
   detail::StagedExchange fwd_in_, dout_in_, q_out_, kv_out_;
   std::vector<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_, replica_v_;
   std::vector<E> out_part_;            // a pass's output (forward) or dq (backward)

@@ -252,7 +252,7 @@ inline FanInPlan plan_fan_in(const KvFanList& fan, std::size_t token_bytes) {
     const std::size_t first = static_cast<std::size_t>(fan.attn_offset[fan.copy_splits[e]]) * token_bytes;
     const std::size_t wire = static_cast<std::size_t>(fan.wire_offset[e]) * token_bytes;
     const std::size_t bytes = static_cast<std::size_t>(fan.seq_len[e]) * token_bytes;
-    if (fan.copy_splits[e + 1] - fan.copy_splits[e] == 1) {
+    if (fan.copies(e).size() == 1) {
       if (bytes > 0) plan.single_copies.push_back({first, wire, bytes});
       continue;
     }

@@ -231,23 +231,25 @@ void fan_in(const KvFanList& fan, const std::byte* attention, std::byte* wire, s
   const E* in = reinterpret_cast<const E*>(attention);
   E* out = reinterpret_cast<E*>(wire);
   for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-    const std::span<const std::int64_t> copies(fan.attn_offset.data() + fan.copy_splits[e], fan.copy_splits[e + 1] - fan.copy_splits[e]);
-    fan_in_entry<E>(in, copies, static_cast<std::size_t>(fan.seq_len[e]) * token_elems, token_elems,
+    fan_in_entry<E>(in, fan.copies(e), static_cast<std::size_t>(fan.seq_len[e]) * token_elems, token_elems,
                     out + static_cast<std::size_t>(fan.wire_offset[e]) * token_elems);
   }
 }
 
-/// The in-place fan-in: each received shard with several copies gets their
-/// sum at its first copy (a single copy already is its own sum).
+/// The in-place fan-in of fan entry e: the sum of its copies at its first
+/// copy (a single copy already is its own sum).
+template <class E>
+void fan_in_entry_in_place(const KvFanList& fan, std::size_t e, E* attention, std::size_t token_elems) {
+  const std::span<const std::int64_t> copies = fan.copies(e);
+  if (copies.size() < 2) return;
+  fan_in_entry<E>(attention, copies, static_cast<std::size_t>(fan.seq_len[e]) * token_elems, token_elems,
+                  attention + static_cast<std::size_t>(copies[0]) * token_elems);
+}
+
+/// The in-place fan-in of a whole fan list.
 template <class E>
 void fan_in_in_place(const KvFanList& fan, std::byte* attention, std::size_t token_elems) {
-  E* a = reinterpret_cast<E*>(attention);
-  for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-    const std::span<const std::int64_t> copies(fan.attn_offset.data() + fan.copy_splits[e], fan.copy_splits[e + 1] - fan.copy_splits[e]);
-    if (copies.size() < 2) continue;
-    fan_in_entry<E>(a, copies, static_cast<std::size_t>(fan.seq_len[e]) * token_elems, token_elems,
-                    a + static_cast<std::size_t>(copies[0]) * token_elems);
-  }
+  for (std::size_t e = 0; e < fan.num_entries(); ++e) fan_in_entry_in_place<E>(fan, e, reinterpret_cast<E*>(attention), token_elems);
 }
 
 /// Calls f(E*) with a null pointer of the C++ type of `type`.

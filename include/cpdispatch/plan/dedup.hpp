@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
@@ -44,6 +45,10 @@ struct KvFanList {
   std::int64_t attention_tokens = 0;      ///< the KV attention layout of this rank
 
   std::size_t num_entries() const noexcept { return seq_len.size(); }
+  /// Entry e's copies: their token offsets in the attention layout, the first copy first.
+  std::span<const std::int64_t> copies(std::size_t e) const noexcept {
+    return {attn_offset.data() + copy_splits[e], copy_splits[e + 1] - copy_splits[e]};
+  }
   friend bool operator==(const KvFanList&, const KvFanList&) = default;
 };
 
