@@ -18,10 +18,12 @@
 // the ranks, for each method.
 // Prints one line per (sample, batch, link, method) and the medians.
 //   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--first-batch 0] [--sample prolong|wlbllm|both]
-//                      [--heads 8] [--head-dim 64] [--dedup 1]
+//                      [--heads 8] [--head-dim 64] [--dedup 1] [--links ib|nvlink|both] [--stages 1,2,4]
+//                      [--peers ulysses|ring|both] [--bound 1]
 // Ours runs the deduplicated key-value exchange (each shard once per destination rank) unless --dedup 0.
 // Batch b is the packed batch drawn with seed b: --first-batch and --sample run part of a long
-// measurement (at 8K tokens a rank, half an hour a batch on two cores) in separate runs.
+// measurement (at 8K tokens a rank, twenty minutes a batch on two cores) in separate runs; --links,
+// --stages, --peers and --bound 0 (no communication-only run, so no step / bound) leave out runs.
 
 #include <algorithm>
 #include <chrono>
@@ -56,9 +58,24 @@ struct Config {
   int world = 8;
   std::int64_t tokens = 1024, heads = 8, head_dim = 64;
   int batches = 3, first_batch = 0;
-  std::string sample = "both";
-  bool dedup = true;
+  std::string sample = "both", links = "both", peers = "both";
+  std::vector<int> stages{1, 2, 4};
+  bool dedup = true, bound = true;
 };
+
+/// "1,2,4" -> {1, 2, 4}; empty when an item is not a positive count.
+std::vector<int> stage_list(const std::string& text) {
+  std::vector<int> out;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', at), text.size());
+    const int n = std::atoi(text.substr(at, comma - at).c_str());
+    if (n < 1) return {};
+    out.push_back(n);
+    at = comma + 1;
+  }
+  return out;
+}
 
 /// A kernel that attends nothing: the step's communication alone.
 struct NoKernel {
@@ -325,8 +342,11 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a line as soon as it is measured
   Config c;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
+    if (i + 1 == argc) {
+      return std::fprintf(stderr, "bench_cp_attention: %s: every option takes a value (the options: the top of bench_cp_attention.cpp)\n", a.c_str()), 2;
+    }
     const long long v = std::atoll(argv[i + 1]);
     if (a == "--sample") c.sample = argv[i + 1];
     else if (a == "--first-batch") c.first_batch = static_cast<int>(v);
@@ -336,6 +356,10 @@ int main(int argc, char** argv) {
     else if (a == "--heads") c.heads = v;
     else if (a == "--head-dim") c.head_dim = v;
     else if (a == "--dedup") c.dedup = v != 0;
+    else if (a == "--links") c.links = argv[i + 1];
+    else if (a == "--peers") c.peers = argv[i + 1];
+    else if (a == "--stages") c.stages = stage_list(argv[i + 1]);
+    else if (a == "--bound") c.bound = v != 0;
     else return std::fprintf(stderr, "bench_cp_attention: unknown option %s\n", a.c_str()), 2;
   }
   if (c.world < 1 || c.heads % c.world != 0) return std::fprintf(stderr, "bench_cp_attention: heads must divide by world\n"), 2;
@@ -343,12 +367,19 @@ int main(int argc, char** argv) {
     return std::fprintf(stderr, "bench_cp_attention: --sample %s is not prolong, wlbllm or both\n", c.sample.c_str()), 2;
   }
   if (c.first_batch < 0 || c.batches < 1) return std::fprintf(stderr, "bench_cp_attention: --first-batch >= 0 and --batches >= 1\n"), 2;
+  const auto one_of = [](const std::string& x) { return x == "both" || x == "ib" || x == "nvlink" || x == "ulysses" || x == "ring"; };
+  if (!one_of(c.links) || c.links == "ulysses" || c.links == "ring" || !one_of(c.peers) || c.peers == "ib" || c.peers == "nvlink") {
+    return std::fprintf(stderr, "bench_cp_attention: --links is ib, nvlink or both; --peers ulysses, ring or both\n"), 2;
+  }
+  if (c.stages.empty()) return std::fprintf(stderr, "bench_cp_attention: --stages is a comma-separated list of stage counts >= 1\n"), 2;
   const cpdispatch::LinkModel instant{std::chrono::nanoseconds{0}, 1e15};
   struct Ratio {
     const char* name;
+    const char* option;
     double bytes_per_flop;
   };
-  const Ratio ratios[] = {{"IB 50 GB/s", 50e9 / 400e12}, {"NVLink 450 GB/s", 450e9 / 400e12}};
+  const Ratio ratios[] = {{"IB 50 GB/s", "ib", 50e9 / 400e12}, {"NVLink 450 GB/s", "nvlink", 450e9 / 400e12}};
+  const bool run_ulysses = c.peers != "ring", run_ring = c.peers != "ulysses";
   std::printf("bench_cp_attention: W = %d ranks x %lld tokens, %lld heads x %lld, float; %d batches per sample; ours %s dedup\n", c.world,
               static_cast<long long>(c.tokens), static_cast<long long>(c.heads), static_cast<long long>(c.head_dim), c.batches,
               c.dedup ? "with" : "without");
@@ -375,24 +406,27 @@ int main(int argc, char** argv) {
       const cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan);
       const double ours_imbalance = imbalance(std::vector<double>(cost.attention.begin(), cost.attention.end()));
       const double ring_imbalance = imbalance(zigzag_pairs(p.documents, c.world));
+      bool bytes_printed = false;  // bytes and work do not depend on the link: printed once a batch
       for (const Ratio& r : ratios) {
+        if (c.links != "both" && c.links != r.option) continue;
+        const std::string key = std::string(name) + "|" + r.name + "|";
         const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, rate * r.bytes_per_flop};
-        const Step comm = ours_step<NoKernel>(c, plan, link, 1);
-        double best_ours = 1e300, one_stage = 0;
-        for (const int stages : {1, 2, 4}) {
-          const double step = ours_step<cpdispatch::HostAttentionKernel>(c, plan, link, stages).seconds;
-          const double bound = std::max(compute, comm.seconds) + std::min(compute, comm.seconds) / stages;
-          best_ours = std::min(best_ours, step);
-          std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms | comm %.1f ms | step/bound %.2f\n", name, b, r.name,
-                      stages, step * 1e3, compute * 1e3, comm.seconds * 1e3, step / bound);
-          ratios_of[std::string(name) + "|" + r.name + "|overlap s" + std::to_string(stages)].push_back(step / bound);
-          if (stages == 1) one_stage = step;
-          ratios_of[std::string(name) + "|" + r.name + "|gain over stages=1, s" + std::to_string(stages)].push_back(one_stage / step);
+        const Step comm = c.bound ? ours_step<NoKernel>(c, plan, link, 1) : Step{};
+        double best_ours = 1e300, one_stage = 0, ours_bytes = 0;
+        for (const int stages : c.stages) {
+          const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, plan, link, stages);
+          best_ours = std::min(best_ours, ours.seconds);
+          ours_bytes = ours.bytes;
+          std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms", name, b, r.name, stages, ours.seconds * 1e3, compute * 1e3);
+          if (c.bound) {
+            const double bound = std::max(compute, comm.seconds) + std::min(compute, comm.seconds) / stages;
+            std::printf(" | comm %.1f ms | step/bound %.2f", comm.seconds * 1e3, ours.seconds / bound);
+            ratios_of[key + "overlap s" + std::to_string(stages)].push_back(ours.seconds / bound);
+          }
+          std::printf("\n");
+          if (stages == 1) one_stage = ours.seconds;
+          if (one_stage > 0) ratios_of[key + "gain over stages=1, s" + std::to_string(stages)].push_back(one_stage / ours.seconds);
         }
-        const Step ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
-        std::printf("%s batch %d | %s | ulysses | step %.1f ms | ours (best stages) / ulysses %.2f\n", name, b, r.name, ulysses.seconds * 1e3,
-                    best_ours / ulysses.seconds);
-        ratios_of[std::string(name) + "|" + r.name + "|ours/ulysses"].push_back(best_ours / ulysses.seconds);
         // The plan the step model picks for this link: as balanced as pays (plan_for_cluster), 2 stages.
         cpdispatch::ClusterModel cluster;
         cluster.intra = cluster.inter = {link.bandwidth, 0.0};
@@ -403,19 +437,32 @@ int main(int argc, char** argv) {
         const cpdispatch::ClusterPlan chosen = cpdispatch::plan_for_cluster(
             p, cluster, cpdispatch::LayerShape{c.heads, c.head_dim, 4, 2}, cpdispatch::Topology::uniform(c.world, c.world), chosen_options);
         const Step modelled = ours_step<cpdispatch::HostAttentionKernel>(c, chosen.plan, link, 2);
-        std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=2 | step %.1f ms | %.1f MiB | / ulysses %.2f\n",
-                    name, b, r.name, chosen.cost_slack, modelled.seconds * 1e3, modelled.bytes / 1048576.0, modelled.seconds / ulysses.seconds);
-        ratios_of[std::string(name) + "|" + r.name + "|ours (step model's plan)/ulysses"].push_back(modelled.seconds / ulysses.seconds);
-        const Step ring = ring_step<cpdispatch::HostAttentionKernel>(c, p.documents, link);
-        std::printf("%s batch %d | %s | ring zig-zag | step %.1f ms | ours (best stages) / ring %.2f\n", name, b, r.name, ring.seconds * 1e3,
-                    best_ours / ring.seconds);
-        ratios_of[std::string(name) + "|" + r.name + "|ours/ring zig-zag"].push_back(best_ours / ring.seconds);
-        if (&r == &ratios[0]) {  // bytes and work do not depend on the link
-          std::printf("%s batch %d | most bytes a rank sends or receives per step (MiB): ours %.1f, ulysses %.1f, ring %.1f | attention work max/mean: "
-                      "ours %.3f, ulysses 1.000, ring %.3f\n",
-                      name, b, comm.bytes / 1048576.0, ulysses.bytes / 1048576.0, ring.bytes / 1048576.0, ours_imbalance, ring_imbalance);
-          ratios_of[std::string(name) + "|bytes ours/ulysses"].push_back(comm.bytes / ulysses.bytes);
-          ratios_of[std::string(name) + "|bytes ours/ring"].push_back(comm.bytes / ring.bytes);
+        std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=2 | step %.1f ms | %.1f MiB\n", name, b, r.name,
+                    chosen.cost_slack, modelled.seconds * 1e3, modelled.bytes / 1048576.0);
+        const auto peer = [&](const char* what, const Step& s) {
+          std::printf("%s batch %d | %s | %s | step %.1f ms | ours (best stages) / %s %.2f | the step model's plan / %s %.2f\n", name, b, r.name,
+                      what, s.seconds * 1e3, what, best_ours / s.seconds, what, modelled.seconds / s.seconds);
+          ratios_of[key + "ours/" + what].push_back(best_ours / s.seconds);
+          ratios_of[key + "ours (step model's plan)/" + what].push_back(modelled.seconds / s.seconds);
+        };
+        const Step ulysses = run_ulysses ? ulysses_step<cpdispatch::HostAttentionKernel>(c, p.documents, link) : Step{};
+        if (run_ulysses) peer("ulysses", ulysses);
+        const Step ring = run_ring ? ring_step<cpdispatch::HostAttentionKernel>(c, p.documents, link) : Step{};
+        if (run_ring) peer("ring zig-zag", ring);
+        if (run_ulysses && run_ring) {
+          const double better = std::min(ulysses.seconds, ring.seconds);
+          ratios_of[key + "ours/better peer"].push_back(best_ours / better);
+          ratios_of[key + "ours (step model's plan)/better peer"].push_back(modelled.seconds / better);
+        }
+        if (!bytes_printed) {
+          bytes_printed = true;
+          std::printf("%s batch %d | most bytes a rank sends or receives per step (MiB): ours %.1f, the step model's plan (%s) %.1f", name, b,
+                      ours_bytes / 1048576.0, r.option, modelled.bytes / 1048576.0);
+          if (run_ulysses) std::printf(", ulysses %.1f", ulysses.bytes / 1048576.0);
+          if (run_ring) std::printf(", ring %.1f", ring.bytes / 1048576.0);
+          std::printf(" | attention work max/mean: ours %.3f, ulysses 1.000, ring %.3f\n", ours_imbalance, ring_imbalance);
+          if (run_ulysses) ratios_of[std::string(name) + "|bytes ours/ulysses"].push_back(ours_bytes / ulysses.bytes);
+          if (run_ring) ratios_of[std::string(name) + "|bytes ours/ring"].push_back(ours_bytes / ring.bytes);
           ratios_of[std::string(name) + "|imbalance ours"].push_back(ours_imbalance);
           ratios_of[std::string(name) + "|imbalance ring zig-zag"].push_back(ring_imbalance);
         }
