@@ -19,11 +19,12 @@
 // Prints one line per (sample, batch, link, method) and the medians.
 //   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--first-batch 0] [--sample prolong|wlbllm|both]
 //                      [--heads 8] [--head-dim 64] [--dedup 1] [--links ib|nvlink|both] [--stages 1,2,4]
-//                      [--peers ulysses|ring|both] [--bound 1]
+//                      [--peers ulysses|ring|both] [--bound 1] [--balanced 1]
 // Ours runs the deduplicated key-value exchange (each shard once per destination rank) unless --dedup 0.
 // Batch b is the packed batch drawn with seed b: --first-batch and --sample run part of a long
 // measurement (at 8K tokens a rank, twenty minutes a batch on two cores) in separate runs; --links,
-// --stages, --peers and --bound 0 (no communication-only run, so no step / bound) leave out runs.
+// --stages, --peers, --bound 0 (no communication-only run, so no step / bound) and --balanced 0 (ours with the
+// step model's plan only, not with the balanced plan) leave out runs.
 
 #include <algorithm>
 #include <chrono>
@@ -60,7 +61,7 @@ struct Config {
   int batches = 3, first_batch = 0;
   std::string sample = "both", links = "both", peers = "both";
   std::vector<int> stages{1, 2, 4};
-  bool dedup = true, bound = true;
+  bool dedup = true, bound = true, balanced = true;
 };
 
 /// "1,2,4" -> {1, 2, 4}; empty when an item is not a positive count.
@@ -360,6 +361,7 @@ int main(int argc, char** argv) {
     else if (a == "--peers") c.peers = argv[i + 1];
     else if (a == "--stages") c.stages = stage_list(argv[i + 1]);
     else if (a == "--bound") c.bound = v != 0;
+    else if (a == "--balanced") c.balanced = v != 0;
     else return std::fprintf(stderr, "bench_cp_attention: unknown option %s\n", a.c_str()), 2;
   }
   if (c.world < 1 || c.heads % c.world != 0) return std::fprintf(stderr, "bench_cp_attention: heads must divide by world\n"), 2;
@@ -413,7 +415,7 @@ int main(int argc, char** argv) {
         const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, rate * r.bytes_per_flop};
         const Step comm = c.bound ? ours_step<NoKernel>(c, plan, link, 1) : Step{};
         double best_ours = 1e300, one_stage = 0, ours_bytes = 0;
-        for (const int stages : c.stages) {
+        for (const int stages : c.balanced ? c.stages : std::vector<int>{}) {
           const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, plan, link, stages);
           best_ours = std::min(best_ours, ours.seconds);
           ours_bytes = ours.bytes;
@@ -440,9 +442,10 @@ int main(int argc, char** argv) {
         std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=2 | step %.1f ms | %.1f MiB\n", name, b, r.name,
                     chosen.cost_slack, modelled.seconds * 1e3, modelled.bytes / 1048576.0);
         const auto peer = [&](const char* what, const Step& s) {
-          std::printf("%s batch %d | %s | %s | step %.1f ms | ours (best stages) / %s %.2f | the step model's plan / %s %.2f\n", name, b, r.name,
-                      what, s.seconds * 1e3, what, best_ours / s.seconds, what, modelled.seconds / s.seconds);
-          ratios_of[key + "ours/" + what].push_back(best_ours / s.seconds);
+          std::printf("%s batch %d | %s | %s | step %.1f ms", name, b, r.name, what, s.seconds * 1e3);
+          if (c.balanced) std::printf(" | ours (best stages) / %s %.2f", what, best_ours / s.seconds);
+          std::printf(" | the step model's plan / %s %.2f\n", what, modelled.seconds / s.seconds);
+          if (c.balanced) ratios_of[key + "ours/" + what].push_back(best_ours / s.seconds);
           ratios_of[key + "ours (step model's plan)/" + what].push_back(modelled.seconds / s.seconds);
         };
         const Step ulysses = run_ulysses ? ulysses_step<cpdispatch::HostAttentionKernel>(c, p.documents, link) : Step{};
@@ -451,18 +454,19 @@ int main(int argc, char** argv) {
         if (run_ring) peer("ring zig-zag", ring);
         if (run_ulysses && run_ring) {
           const double better = std::min(ulysses.seconds, ring.seconds);
-          ratios_of[key + "ours/better peer"].push_back(best_ours / better);
+          if (c.balanced) ratios_of[key + "ours/better peer"].push_back(best_ours / better);
           ratios_of[key + "ours (step model's plan)/better peer"].push_back(modelled.seconds / better);
         }
         if (!bytes_printed) {
           bytes_printed = true;
-          std::printf("%s batch %d | most bytes a rank sends or receives per step (MiB): ours %.1f, the step model's plan (%s) %.1f", name, b,
-                      ours_bytes / 1048576.0, r.option, modelled.bytes / 1048576.0);
+          std::printf("%s batch %d | most bytes a rank sends or receives per step (MiB):", name, b);
+          if (c.balanced) std::printf(" ours %.1f,", ours_bytes / 1048576.0);
+          std::printf(" the step model's plan (%s) %.1f", r.option, modelled.bytes / 1048576.0);
           if (run_ulysses) std::printf(", ulysses %.1f", ulysses.bytes / 1048576.0);
           if (run_ring) std::printf(", ring %.1f", ring.bytes / 1048576.0);
           std::printf(" | attention work max/mean: ours %.3f, ulysses 1.000, ring %.3f\n", ours_imbalance, ring_imbalance);
-          if (run_ulysses) ratios_of[std::string(name) + "|bytes ours/ulysses"].push_back(ours_bytes / ulysses.bytes);
-          if (run_ring) ratios_of[std::string(name) + "|bytes ours/ring"].push_back(ours_bytes / ring.bytes);
+          if (run_ulysses && c.balanced) ratios_of[std::string(name) + "|bytes ours/ulysses"].push_back(ours_bytes / ulysses.bytes);
+          if (run_ring && c.balanced) ratios_of[std::string(name) + "|bytes ours/ring"].push_back(ours_bytes / ring.bytes);
           ratios_of[std::string(name) + "|imbalance ours"].push_back(ours_imbalance);
           ratios_of[std::string(name) + "|imbalance ring zig-zag"].push_back(ring_imbalance);
         }
