@@ -413,7 +413,7 @@ int main(int argc, char** argv) {
         if (c.links != "both" && c.links != r.option) continue;
         const std::string key = std::string(name) + "|" + r.name + "|";
         const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, rate * r.bytes_per_flop};
-        const Step comm = c.bound ? ours_step<NoKernel>(c, plan, link, 1) : Step{};
+        const Step comm = c.bound && c.balanced ? ours_step<NoKernel>(c, plan, link, 1) : Step{};  // the bound is the balanced plan's
         double best_ours = 1e300, one_stage = 0, ours_bytes = 0;
         for (const int stages : c.balanced ? c.stages : std::vector<int>{}) {
           const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, plan, link, stages);
