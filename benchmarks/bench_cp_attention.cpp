@@ -369,9 +369,9 @@ int main(int argc, char** argv) {
     return std::fprintf(stderr, "bench_cp_attention: --sample %s is not prolong, wlbllm or both\n", c.sample.c_str()), 2;
   }
   if (c.first_batch < 0 || c.batches < 1) return std::fprintf(stderr, "bench_cp_attention: --first-batch >= 0 and --batches >= 1\n"), 2;
-  const auto one_of = [](const std::string& x) { return x == "both" || x == "ib" || x == "nvlink" || x == "ulysses" || x == "ring"; };
-  if (!one_of(c.links) || c.links == "ulysses" || c.links == "ring" || !one_of(c.peers) || c.peers == "ib" || c.peers == "nvlink") {
-    return std::fprintf(stderr, "bench_cp_attention: --links is ib, nvlink or both; --peers ulysses, ring or both\n"), 2;
+  if (c.links != "ib" && c.links != "nvlink" && c.links != "both") return std::fprintf(stderr, "bench_cp_attention: --links is ib, nvlink or both\n"), 2;
+  if (c.peers != "ulysses" && c.peers != "ring" && c.peers != "both") {
+    return std::fprintf(stderr, "bench_cp_attention: --peers is ulysses, ring or both\n"), 2;
   }
   if (c.stages.empty()) return std::fprintf(stderr, "bench_cp_attention: --stages is a comma-separated list of stage counts >= 1\n"), 2;
   const cpdispatch::LinkModel instant{std::chrono::nanoseconds{0}, 1e15};
