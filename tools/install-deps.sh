@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # Installs the Debian packages cpdispatch builds and tests against, and only
 # those that are missing: nothing is downloaded when all are present.
-# Extra package names may be given as arguments. Set CPDISPATCH_SKIP_DEPS=1 to
-# skip this step (e.g. on a non-Debian system with the dependencies at hand).
+# Extra package names may be given as arguments; `--list` prints the list and
+# installs nothing (the packaging test checks that it names every package the
+# sources use). Set CPDISPATCH_SKIP_DEPS=1 to skip this step (e.g. on a
+# non-Debian system with the dependencies at hand).
 set -euo pipefail
 
+# libboost-dev: Boost.CRC, the independent oracle of the CRC32C tests.
 # libclang-rt-14-dev: libFuzzer for Debian 12's clang 14 (the fuzz targets); iproute2: network namespaces (multihost tests).
 # The Python module and its tests (for Debian's /usr/bin/python3): pybind11-dev, python3-dev,
 # python3-numpy, python3-pytest, python3-torch (CPU; the torch.distributed tests use gloo),
 # python3-venv, python3-pip, python3-setuptools, python3-wheel (the installed-package test).
-packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev
+packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev libboost-dev
           libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
           libclang-rt-14-dev iproute2
           pybind11-dev python3-dev python3-numpy python3-pytest python3-torch
-          python3-venv python3-pip python3-setuptools python3-wheel "$@")
+          python3-venv python3-pip python3-setuptools python3-wheel)
 
+if [ "${1:-}" = --list ]; then
+  printf '%s\n' "${packages[@]}"
+  exit 0
+fi
+packages+=("$@")
 if [ "${CPDISPATCH_SKIP_DEPS:-0}" = 1 ]; then
   exit 0
 fi
