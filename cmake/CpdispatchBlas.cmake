@@ -2,18 +2,10 @@
 # (include/cpdispatch/gemm/gemm_cblas.hpp). Debian: libopenblas-dev.
 #
 # CPDISPATCH_WITH_BLAS = AUTO (default: the target exists when a BLAS with
-# cblas.h is found), ON (a missing BLAS is a configure error) or OFF. The
-# former name CPDISPATCH_BLAS is still read, with a deprecation warning.
+# cblas.h is found), ON (a missing BLAS is a configure error) or OFF.
 # OpenBLAS is preferred (BLA_VENDOR=OpenBLAS) because CblasGemm can then set
 # one BLAS thread per simulated rank; any CBLAS works otherwise.
 
-if(DEFINED CPDISPATCH_BLAS)
-  if(NOT DEFINED CPDISPATCH_WITH_BLAS AND NOT CPDISPATCH_BLAS STREQUAL "AUTO")
-    message(DEPRECATION "CPDISPATCH_BLAS is now CPDISPATCH_WITH_BLAS; using CPDISPATCH_BLAS=${CPDISPATCH_BLAS}")
-    set(CPDISPATCH_WITH_BLAS "${CPDISPATCH_BLAS}" CACHE STRING "")
-  endif()
-  unset(CPDISPATCH_BLAS CACHE)
-endif()
 set(CPDISPATCH_WITH_BLAS "AUTO" CACHE STRING "Build the CBLAS GEMM backend target cpdispatch::blas (AUTO, ON, OFF)")
 set_property(CACHE CPDISPATCH_WITH_BLAS PROPERTY STRINGS AUTO ON OFF)
 

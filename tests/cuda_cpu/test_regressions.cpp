@@ -38,16 +38,6 @@ using ::testing::HasSubstr;
 
 using DeviceBytesBuffer = DeviceBuffer<std::byte>;
 
-// The device sim's types moved from cpdispatch::cuda to cpdispatch, beside
-// NcclTransport; the old names stay, deprecated, for one version.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-static_assert(std::is_same_v<cpdispatch::cuda::DeviceSimTransport, DeviceSimTransport> &&
-              std::is_same_v<cpdispatch::cuda::DeviceSimWorld, DeviceSimWorld> &&
-              std::is_same_v<cpdispatch::cuda::DeviceSimOptions, cpdispatch::DeviceSimOptions> &&
-              std::is_same_v<cpdispatch::cuda::DeviceSimGraph, cpdispatch::DeviceSimGraph>);
-#pragma GCC diagnostic pop
-
 std::vector<float> iota_floats(std::size_t n, float start) {
   std::vector<float> v(n);
   for (std::size_t i = 0; i < n; ++i) v[i] = start + static_cast<float>(i);

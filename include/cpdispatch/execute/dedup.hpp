@@ -478,12 +478,6 @@ class WirePlanner {
   WireRanges ranges_;
 };
 
-inline WirePlan plan_wire_exchange(const RankMetadata& fwd, const RankMetadata& rev, const KvFanList& fan, std::size_t tb, int rank, int world) {
-  WirePlan plan;
-  WirePlanner().plan(fwd, rev, fan, tb, rank, world, plan);
-  return plan;
-}
-
 /// The host wire path: memcpy, the fan-in functions above, combine_copies.
 template <>
 class wire_path<data_path<MemorySpace::host>> {

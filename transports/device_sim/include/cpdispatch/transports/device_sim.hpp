@@ -221,15 +221,6 @@ class DeviceSimWorld;
 class DeviceSimTransport;
 class DeviceSimGraph;
 
-/// The names these types had in cpdispatch::cuda; deprecated (NcclTransport
-/// and the host transports are in cpdispatch).
-namespace cuda {
-using DeviceSimOptions [[deprecated("use cpdispatch::DeviceSimOptions")]] = ::cpdispatch::DeviceSimOptions;
-using DeviceSimWorld [[deprecated("use cpdispatch::DeviceSimWorld")]] = ::cpdispatch::DeviceSimWorld;
-using DeviceSimTransport [[deprecated("use cpdispatch::DeviceSimTransport")]] = ::cpdispatch::DeviceSimTransport;
-using DeviceSimGraph [[deprecated("use cpdispatch::DeviceSimGraph")]] = ::cpdispatch::DeviceSimGraph;
-}  // namespace cuda
-
 }  // namespace cpdispatch
 
 namespace cpdispatch::detail::device_sim {
