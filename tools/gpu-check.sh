@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in two halves, so that a lent GPU machine's
+# few minutes go to running, not building:
+#
+#   tools/gpu-check.sh build   here (nvcc, no GPU): builds the CUDA test and
+#                              benchmark programs for sm_90 into BUILD_DIR
+#                              (default build-gpu) and copies them, with the
+#                              data they read, into BUILD_DIR/carry (small
+#                              enough to travel with the working tree)
+#   tools/gpu-check.sh run     on the GPU machine, from the repository root
+#                              with BUILD_DIR/carry beside it: runs the tests,
+#                              compute-sanitizer (memcheck and synccheck) over
+#                              the device op and data path, and the
+#                              benchmarks; logs into $OUT (or gpu-check-out/)
+#                              and a summary on standard output
+#
+# The run half takes about 5 minutes on an H200; each part has its own time
+# limit, so one hang cannot eat the lease. It uses the machine's own NCCL and,
+# where a library is absent, says so and goes on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${BUILD_DIR:-build-gpu}
+carry="$build_dir/carry"
+tests=(cuda_device_test cuda_dedup_test cuda_nccl_test cuda_nccl_errors_test cuda_host_test)
+benches=(bench_cuda_dispatch bench_cuda_dedup bench_cuda_attention)
+
+build() {
+  set -e
+  tools/install-deps.sh
+  cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCPDISPATCH_WITH_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="90-real;90-virtual" -DCPDISPATCH_WITH_PYTHON=OFF
+  cmake --build "$build_dir" -j"$(nproc)" --target "${tests[@]}" "${benches[@]}"
+  rm -rf "$carry" && mkdir -p "$carry"
+  for program in "${tests[@]}" "${benches[@]}"; do
+    strip -o "$carry/$program" "$build_dir/bin/$program"
+  done
+  du -sh "$carry"
+}
+
+# Runs "$@" with a time limit, its output into $out/NAME.log; one summary line.
+part() {
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  local verdict=ok
+  [ $rc -eq 124 ] && verdict="TIMED OUT after ${limit}s"
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && verdict="FAILED (exit $rc)"
+  printf '%-44s %-22s %4ds  %s\n' "$name" "$verdict" $((SECONDS - start)) "$(grep -E '^\[  (PASSED|FAILED)|ERROR SUMMARY|^[0-9]+ tests' "$out/$name.log" | tr '\n' ' ' | cut -c1-90)"
+  [ $rc -eq 0 ] || failed=$((failed + 1))
+}
+
+sanitize() {
+  local tool=$1 program=$2 filter=$3
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "compute-sanitizer: not on this machine (PATH=$PATH)" >"$out/sanitizer-$tool-$program.log"
+    printf '%-44s %s\n' "sanitizer-$tool-$program" "not run: no compute-sanitizer here"
+    return
+  fi
+  part "sanitizer-$tool-$program" 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+    "$carry/$program" --gtest_filter="$filter" --gtest_brief=1
+  if grep -qiE 'not supported|unable to|cannot be (used|enabled)' "$out/sanitizer-$tool-$program.log" &&
+     ! grep -q 'ERROR SUMMARY: [1-9]' "$out/sanitizer-$tool-$program.log"; then
+    echo "  (compute-sanitizer refused this device: see the log; not counted as a failure)"
+    failed=$((failed - 1))
+  fi
+}
+
+run() {
+  out=${OUT:-gpu-check-out}
+  mkdir -p "$out"
+  failed=0
+  export PATH="$PATH:/usr/local/cuda/bin"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/gpu.txt" 2>&1
+  echo "GPU: $(tail -n +2 "$out/gpu.txt" | head -1)   $(date -u '+%Y-%m-%d %H:%M UTC')"
+  for program in "${tests[@]}"; do
+    [ -x "$carry/$program" ] && part "$program" 240 "$carry/$program" --gtest_brief=1
+  done
+  sanitize memcheck cuda_device_test '*ContextParallel*:*DeviceSim*:*Attention*'
+  sanitize synccheck cuda_device_test '*ContextParallel*:*Attention*'
+  sanitize memcheck cuda_dedup_test '*Sim*'
+  part bench_cuda_dispatch 90 "$carry/bench_cuda_dispatch" 8 8192 20
+  part bench_cuda_dedup 90 "$carry/bench_cuda_dedup" 8 16384 20
+  part bench_cuda_attention 150 "$carry/bench_cuda_attention" --repeats 3
+  echo "gpu-check: $failed part(s) failed; logs in $out/"
+  [ $failed -eq 0 ]
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) run ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
+esac
