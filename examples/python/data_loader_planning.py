@@ -1,9 +1,10 @@
 """Planning where the batch is made: in the data loader, on the CPU.
 
-A data loader packs documents end to end into each rank's token budget (so a
+A data loader packs documents end to end into one sequence of every rank's
+token budget (flash-attention's cu_seqlens), cut evenly over the ranks (so a
 long document continues on the next rank), asks cpdispatch for a balanced
 plan, and hands every rank its share: the token counts, cu_seqlens for a
-varlen attention kernel, and position ids for RoPE. Runs without torch.
+varlen attention kernel, and position ids for RoPE. Runs without torch (NumPy only).
 
     python3 examples/python/data_loader_planning.py [--world 4] [--budget 4096] [--seed 0]
 """
@@ -12,25 +13,17 @@ import argparse
 import random
 import time
 
+import numpy as np
+
 import cpdispatch
 
 
-def pack(lengths, world, budget):
-    """Documents packed end to end into `world` ranks of `budget` tokens each:
-    balance's packed-batch input, every document's pieces in causal order."""
-    documents, rank, used = [], 0, 0
-    for length in lengths:
-        pieces = []
-        while length > 0 and rank < world:
-            take = min(length, budget - used)
-            pieces.append({"rank": rank, "len": take})
-            length -= take
-            used += take
-            if used == budget:
-                rank, used = rank + 1, 0
-        if pieces:
-            documents.append({"pieces": pieces})
-    return documents
+def packed_cu_seqlens(lengths, tokens):
+    """Documents packed end to end into one sequence of `tokens` tokens, as
+    flash-attention's cu_seqlens: the last document that fits is cut at the
+    end, and a short batch ends in one padding document."""
+    cu = np.minimum(np.cumsum([0] + lengths), tokens)  # documents past the end become empty: left out
+    return np.append(cu, tokens) if cu[-1] < tokens else cu
 
 
 def main():
@@ -42,7 +35,8 @@ def main():
 
     rng = random.Random(args.seed)
     lengths = [int(rng.paretovariate(1.2) * 300) for _ in range(4 * args.world)]  # long-tailed, as real corpora
-    batch = {"world_size": args.world, "max_cp_degree": 4, "documents": pack(lengths, args.world, args.budget)}
+    cu_seqlens = packed_cu_seqlens(lengths, args.world * args.budget)
+    batch = cpdispatch.batch_from_cu_seqlens(cu_seqlens, args.world)  # rank r holds tokens [r budget, (r + 1) budget)
 
     start = time.perf_counter()
     plan = cpdispatch.balance(batch)

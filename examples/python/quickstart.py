@@ -4,13 +4,13 @@ import cpdispatch
 from cpdispatch.torch import RankDispatch, ContextParallelAttention
 
 dist.init_process_group("gloo")                      # "nccl" on GPUs; one process per rank
-batch = {"world_size": dist.get_world_size(), "max_cp_degree": 4,
-         "documents": [{"pieces": [{"rank": 0, "len": 300}, {"rank": 1, "len": 200}]},   # spans ranks 0 and 1
-                       {"pieces": [{"rank": 1, "len": 60}]}]}
+cu_seqlens = torch.tensor([0, 300, 500, 560], dtype=torch.int32)  # the packed sequence: 3 documents, 560 tokens
+batch = cpdispatch.batch_from_cu_seqlens(cu_seqlens, dist.get_world_size())  # rank r holds tokens [r T/W, (r+1) T/W)
 plan = cpdispatch.balance(batch)                     # in the data loader: the same plan on every rank
 dispatch = RankDispatch(plan)                        # this rank's token indices and attention layout
 T = len(dispatch.position_ids)                       # this rank's tokens (MLP layout); position_ids feed RoPE
-q, k, v = (torch.randn(T, 8, 64, requires_grad=True) for _ in range(3))
+q = torch.randn(T, 8, 64, requires_grad=True)        # 8 query heads
+k, v = (torch.randn(T, 2, 64, requires_grad=True) for _ in range(2))  # 2 key-value heads (grouped-query attention)
 out = ContextParallelAttention()(q, k, v, dispatch)  # dispatch, attention under the plan's mask, undispatch
 out.sum().backward()                                 # gradients flow home, key-value copies summed
 print(f"rank {dist.get_rank()}: {T} tokens, largest query shard here {dispatch.max_seqlen_q}, grad {q.grad.norm():.3f}")

@@ -18,6 +18,9 @@ plan_for_rank of a QKV plan adds ``"varlen"``: the rank's ``cu_seqlens_q`` /
 ``cu_seqlens_kv`` as int32 arrays (flash-attention's varlen dtype;
 ``torch.from_numpy`` shares them) and ``max_seqlen_q`` / ``max_seqlen_kv``.
 
+batch_from_cu_seqlens turns flash-attention's cu_seqlens (one packed
+sequence cut evenly over the ranks, or each rank's own) into balance's input.
+
 Bad input raises ValueError with the library's message, naming the field
 (e.g. ``ranks[1].docs[0].dst[0]: ...``).
 
@@ -30,10 +33,12 @@ naming a billion ranks) raises ValueError naming its sizes and the budget.
 
 import copy as _copy
 import json as _json
+import numbers as _numbers
 
 from . import _cpdispatch
 
-__all__ = ["Plan", "plan", "plan_for_rank", "balance", "token_indices", "position_ids", "mask_of", "CAUSAL", "DEFAULT_MAX_MEMORY"]
+__all__ = ["Plan", "plan", "plan_for_rank", "balance", "batch_from_cu_seqlens", "token_indices", "position_ids", "mask_of", "CAUSAL",
+           "DEFAULT_MAX_MEMORY"]
 
 #: The mask a plan without "mask" has (docs/plan-format.md, section 2d).
 CAUSAL = {"type": "causal"}
@@ -155,3 +160,121 @@ def position_ids(plan, rank):
 
     pieces = [np.arange(start, start + n, dtype=np.int64) for _, start, n in _rank_shards(plan, rank)]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def _offsets(cu_seqlens, name):
+    """cu_seqlens (a list, NumPy array or integer tensor) as a 1-D NumPy
+    int64 array that starts at 0 and never decreases; ValueError naming ``name``."""
+    import numpy as np
+
+    if hasattr(cu_seqlens, "detach") and hasattr(cu_seqlens, "cpu"):  # a torch tensor, without importing torch here
+        cu_seqlens = cu_seqlens.detach().cpu().numpy()
+    try:
+        array = np.asarray(cu_seqlens)
+    except ValueError as e:  # ragged nesting
+        raise ValueError(f"{name} must be a 1-D sequence of integers: {e}") from None
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"{name} must be 1-D with at least one value (0), not of shape {array.shape} "
+                         "(per-rank cu_seqlens go in a list, one 1-D sequence a rank)")
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers (int32 or int64), not {array.dtype}")
+    array = array.astype(np.int64)
+    if array[0] != 0:
+        raise ValueError(f"{name}[0] = {array[0]} must be 0")
+    drops = np.flatnonzero(array[1:] < array[:-1])
+    if drops.size:
+        i = int(drops[0]) + 1
+        raise ValueError(f"{name}[{i}] = {array[i]} is below {name}[{i - 1}] = {array[i - 1]}: cu_seqlens never decreases")
+    return array
+
+
+def _check_tokens(cu, tokens, name):
+    if tokens is not None and int(cu[-1]) != int(tokens):
+        raise ValueError(f"{name} ends at {int(cu[-1])}, but the sequence has {tokens} tokens")
+
+
+def _pieces(start, end, per_rank):
+    """A document's tokens [start, end) of a sequence cut into ranks of per_rank tokens, as balance's pieces."""
+    pieces = []
+    while start < end:
+        rank = start // per_rank
+        stop = min(end, (rank + 1) * per_rank)
+        pieces.append({"rank": rank, "len": stop - start})
+        start = stop
+    return pieces
+
+
+def _per_rank_form(cu_seqlens):
+    """Whether cu_seqlens is a list (or tuple) of per-rank cu_seqlens rather than one sequence's."""
+    if not isinstance(cu_seqlens, (list, tuple)) or not cu_seqlens:
+        return False
+    return all(isinstance(x, (list, tuple)) or getattr(x, "ndim", 0) >= 1 for x in cu_seqlens)
+
+
+def batch_from_cu_seqlens(cu_seqlens, world_size=None, *, max_cp_degree=None, tokens=None):
+    """balance's input (a dict for cpdispatch.balance) from flash-attention's
+    cu_seqlens: the documents' boundaries in a packed sequence, from 0 to its
+    length. Two forms:
+
+    - one packed sequence cut evenly over ``world_size`` ranks: rank r holds
+      tokens [r T / W, (r + 1) T / W), so a document continues on the next
+      rank where a cut falls inside it (the ``documents`` form). T must be a
+      multiple of W (pad the sequence).
+    - a list (or tuple) of W per-rank cu_seqlens, each rank's own packed
+      micro-batch (the ``ranks`` form); ``world_size`` is then the list's
+      length and may be left out.
+
+    cu_seqlens: a list, NumPy array or integer tensor (int32 or int64), 1-D,
+    from 0, never decreasing; a repeated value is an empty document (as
+    padding gives) and is left out. ``tokens`` (optional): the sequence's
+    length (per-rank form: each rank's, one int or one per rank), which the
+    last value must equal. ``max_cp_degree``: the most shards the balancer
+    may cut a document into; by default 2 * world_size, which lets it cut
+    even a document that spans every rank finely enough to balance it (a
+    smaller value makes smaller metadata; below a document's number of
+    pieces, balance refuses it). Bad input raises ValueError naming it."""
+    if _per_rank_form(cu_seqlens):
+        world_size = _world_size(len(cu_seqlens) if world_size is None else world_size, len(cu_seqlens))
+        batch = {"ranks": _rank_documents(cu_seqlens, tokens)}
+    else:
+        world_size = _world_size(world_size, None)
+        batch = {"documents": _packed_documents(cu_seqlens, world_size, tokens)}
+    max_cp_degree = 2 * world_size if max_cp_degree is None else max_cp_degree
+    return dict({"world_size": world_size, "max_cp_degree": max_cp_degree}, **batch)
+
+
+def _world_size(world_size, ranks):
+    if world_size is None:
+        raise ValueError("world_size is needed with one packed sequence's cu_seqlens")
+    if isinstance(world_size, bool) or not isinstance(world_size, _numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, not {world_size!r}")
+    if ranks is not None and world_size != ranks:
+        raise ValueError(f"world_size = {world_size}, but {ranks} per-rank cu_seqlens are given")
+    return int(world_size)
+
+
+def _packed_documents(cu_seqlens, world_size, tokens):
+    cu = _offsets(cu_seqlens, "cu_seqlens")
+    _check_tokens(cu, tokens, "cu_seqlens")
+    total = int(cu[-1])
+    if total % world_size:
+        raise ValueError(f"cu_seqlens ends at {total} tokens, not a multiple of world_size = {world_size}: "
+                         f"pad the packed sequence to a multiple (e.g. {-(-total // world_size) * world_size} tokens)")
+    per_rank = total // world_size
+    return [{"pieces": _pieces(int(a), int(b), per_rank)} for a, b in zip(cu[:-1], cu[1:]) if b > a]
+
+
+def _rank_documents(cu_seqlens, tokens):
+    import numpy as np
+
+    if tokens is None or np.ndim(tokens) == 0:
+        tokens = [tokens] * len(cu_seqlens)
+    elif len(tokens) != len(cu_seqlens):
+        raise ValueError(f"tokens has {len(tokens)} values for {len(cu_seqlens)} ranks")
+    ranks = []
+    for r, (rank_cu, rank_tokens) in enumerate(zip(cu_seqlens, tokens)):
+        cu = _offsets(rank_cu, f"cu_seqlens[{r}]")
+        _check_tokens(cu, rank_tokens, f"cu_seqlens[{r}]")
+        lengths = cu[1:] - cu[:-1]
+        ranks.append({"docs": [int(n) for n in lengths if n > 0]})
+    return ranks
