@@ -28,6 +28,7 @@ _cpd_component(sim        "transports/sim/include/*.hpp"           "Threads")
 _cpd_component(mpi        "transports/mpi/include/*.hpp"           "MPI COMPONENTS CXX")
 _cpd_component(cuda_runtime "include/cpdispatch/cuda_runtime/*.hpp" "CUDAToolkit")
 _cpd_component(cuda       "include/cpdispatch/cuda/*.hpp"          "CUDAToolkit")
+_cpd_component(cudnn      "include/cpdispatch/cudnn/*.hpp"         "CUDAToolkit|CUDNN")
 _cpd_component(nccl       "transports/nccl/include/*.hpp"          "CUDAToolkit|NCCL")
 _cpd_component(device_sim "transports/device_sim/include/*.hpp"    "CUDAToolkit|Threads")
 

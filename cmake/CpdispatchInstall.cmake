@@ -48,12 +48,13 @@ foreach(_cpd_component IN LISTS CPDISPATCH_COMPONENTS)
   list(APPEND _cpd_components ${_cpd_component})
   set(_cpd_find "")
   foreach(_cpd_dependency IN LISTS CPDISPATCH_COMPONENT_${_cpd_component}_DEPENDENCIES)
-    if(_cpd_dependency STREQUAL "NCCL")
-      # NCCL has no module in CMake itself: the project's FindNCCL.cmake
-      # travels with the package so consumers find NCCL the same way we did.
-      list(APPEND _cpd_installed_modules "${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake")
+    if(_cpd_dependency MATCHES "^(NCCL|CUDNN)$")
+      # NCCL and cuDNN have no module in CMake itself: the project's
+      # Find<name>.cmake travels with the package so consumers find them the
+      # same way we did.
+      list(APPEND _cpd_installed_modules "${PROJECT_SOURCE_DIR}/cmake/Find${_cpd_dependency}.cmake")
       string(APPEND _cpd_find "\n  list(PREPEND CMAKE_MODULE_PATH \"\${CMAKE_CURRENT_LIST_DIR}\")"
-                              "\n  find_dependency(NCCL)"
+                              "\n  find_dependency(${_cpd_dependency})"
                               "\n  list(POP_FRONT CMAKE_MODULE_PATH)")
     else()
       string(APPEND _cpd_find "\n  find_dependency(${_cpd_dependency})")

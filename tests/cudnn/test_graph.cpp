@@ -1,0 +1,219 @@
+// cudnn/detail/graph.hpp: the forward and backward graphs as data.
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cpdispatch/cudnn/detail/graph.hpp"
+
+namespace {
+
+using namespace cpdispatch::cudnn;
+using namespace cpdispatch::cudnn::detail;
+
+GraphKey key(Direction dir, Band band, std::int64_t hq = 8, std::int64_t hk = 8, bool deterministic = true) {
+  GraphKey k;
+  k.direction = dir;
+  k.io_type = CUDNN_DATA_BFLOAT16;
+  k.heads_q = hq;
+  k.heads_kv = hk;
+  k.head_dim = 128;
+  k.band = band;
+  k.deterministic = deterministic;
+  k.batch = 4;
+  k.max_q = 256;
+  k.max_kv = 512;
+  k.stats_pitch = 1024;
+  return k;
+}
+
+std::vector<std::string> names(const GraphSpec& g) {
+  std::vector<std::string> out;
+  for (const OpSpec& op : g.ops) out.emplace_back(op.name);
+  return out;
+}
+
+int count(const GraphSpec& g, cudnnPointwiseMode_t mode) {
+  int n = 0;
+  for (const OpSpec& op : g.ops) n += op.kind == OpKind::pointwise && op.mode == mode;
+  return n;
+}
+
+const OpSpec& op_named(const GraphSpec& g, const std::string& name) {
+  for (const OpSpec& op : g.ops) {
+    if (name == op.name) return op;
+  }
+  ADD_FAILURE() << "no op " << name;
+  return g.ops.front();
+}
+
+// Every tensor an op reads is an input of the graph or written by an earlier
+// op; every virtual tensor is written exactly once; every non-virtual
+// non-input output is written; uids are unique; ragged offsets exist.
+void check_well_formed(const GraphSpec& g, const std::set<std::int64_t>& inputs) {
+  std::set<std::int64_t> uids, written;
+  for (const TensorSpec& t : g.tensors) {
+    EXPECT_TRUE(uids.insert(t.uid).second) << "uid " << t.uid << " twice";
+    if (t.ragged) {
+      const TensorSpec* r = g.find(t.ragged);
+      ASSERT_NE(r, nullptr);
+      EXPECT_EQ(r->type, CUDNN_DATA_INT32);
+    }
+    if (t.is_virtual) { EXPECT_GE(t.uid, uid::first_virtual); }
+    if (t.by_value) { EXPECT_EQ(t.dims, (Dims{1, 1, 1, 1})); }
+  }
+  for (const OpSpec& op : g.ops) {
+    for (std::int64_t in : op.in) {
+      if (in == 0) continue;
+      ASSERT_NE(g.find(in), nullptr) << op.name;
+      EXPECT_TRUE(inputs.count(in) || written.count(in)) << op.name << " reads " << in << " before it is written";
+    }
+    for (std::int64_t o : {op.m_override, op.n_override, op.k_override}) {
+      if (o) { EXPECT_TRUE(o == uid::seq_q || o == uid::seq_kv) << op.name; }
+    }
+    ASSERT_NE(g.find(op.out), nullptr) << op.name;
+    EXPECT_TRUE(written.insert(op.out).second) << op.name << " writes " << op.out << " again";
+    EXPECT_FALSE(inputs.count(op.out)) << op.name << " writes an input";
+  }
+  for (const TensorSpec& t : g.tensors) {
+    if (t.is_virtual || inputs.count(t.uid)) continue;
+    EXPECT_TRUE(written.count(t.uid)) << t.name << " is never written";
+  }
+}
+
+const std::set<std::int64_t> forward_inputs{uid::q, uid::k, uid::v, uid::seq_q, uid::seq_kv, uid::ragged_q,
+                                            uid::ragged_kv, uid::ragged_stats, uid::scale, uid::neg_inf,
+                                            uid::right_bound, uid::left_bound};
+std::set<std::int64_t> backward_inputs() {
+  auto s = forward_inputs;
+  s.insert({uid::o, uid::d_o, uid::stats, uid::one});
+  return s;
+}
+
+TEST(CudnnGraph, ForwardCausalIsTheFrontendsCompositeSdpa) {
+  const GraphSpec g = forward_graph(key(Direction::forward, Band::causal));
+  check_well_formed(g, forward_inputs);
+  EXPECT_EQ(names(g), (std::vector<std::string>{
+                          "bmm1", "attn_scale",
+                          "gen_row_idx_padding", "gen_col_idx_padding", "lt_row_sq_padding", "lt_col_skv_padding",
+                          "and_row_col_padding", "select_padding",
+                          "gen_row_index", "gen_col_index", "row+skv", "row+skv-sq", "row+skv-sq+right", "row>=col",
+                          "select_right_bound",
+                          "Max", "sub", "exp", "sum", "log", "add", "div", "bmm2"}));
+  const OpSpec& bmm1 = g.ops.front();
+  EXPECT_EQ(bmm1.kind, OpKind::matmul);
+  EXPECT_EQ(bmm1.in[0], uid::q);
+  EXPECT_EQ(bmm1.in[1], uid::k);
+  EXPECT_EQ(bmm1.m_override, uid::seq_q);
+  EXPECT_EQ(bmm1.n_override, uid::seq_kv);
+  EXPECT_TRUE(bmm1.has_padding);
+  const OpSpec& bmm2 = g.ops.back();
+  EXPECT_EQ(bmm2.in[1], uid::v);
+  EXPECT_EQ(bmm2.out, uid::o);
+  EXPECT_EQ(bmm2.m_override, uid::seq_q);
+  EXPECT_EQ(bmm2.k_override, uid::seq_kv);
+  EXPECT_EQ(g.tensor(bmm2.in[0]).type, CUDNN_DATA_BFLOAT16);  // P in the I/O type
+  EXPECT_EQ(op_named(g, "add").out, uid::stats);
+  EXPECT_EQ(op_named(g, "row+skv-sq+right").in[1], uid::right_bound);
+  EXPECT_EQ(op_named(g, "row>=col").mode, CUDNN_POINTWISE_CMP_GE);
+  EXPECT_EQ(op_named(g, "select_right_bound").in[1], uid::neg_inf);
+  EXPECT_EQ(op_named(g, "gen_row_index").axis, 2);
+  EXPECT_EQ(op_named(g, "gen_col_index").axis, 3);
+  EXPECT_EQ(g.find(uid::left_bound), nullptr);
+}
+
+TEST(CudnnGraph, LayoutsAreThdWithRaggedOffsetsAndOurLse) {
+  const GraphSpec g = forward_graph(key(Direction::forward, Band::causal, 8, 2));
+  const TensorSpec& q = g.tensor(uid::q);
+  EXPECT_EQ(q.dims, (Dims{4, 8, 256, 128}));
+  EXPECT_EQ(q.strides, (Dims{256 * 8 * 128, 128, 8 * 128, 1}));
+  EXPECT_EQ(q.ragged, uid::ragged_q);
+  const TensorSpec& kt = g.tensor(uid::k);  // K^T of a [tokens][2][128] buffer
+  EXPECT_EQ(kt.dims, (Dims{4, 2, 128, 512}));
+  EXPECT_EQ(kt.strides, (Dims{512 * 2 * 128, 128, 1, 2 * 128}));
+  EXPECT_EQ(kt.ragged, uid::ragged_kv);
+  EXPECT_EQ(g.tensor(uid::v).dims, (Dims{4, 2, 512, 128}));
+  EXPECT_EQ(g.tensor(uid::o).strides, q.strides);
+  const TensorSpec& stats = g.tensor(uid::stats);
+  EXPECT_EQ(stats.dims, (Dims{4, 8, 256, 1}));
+  EXPECT_EQ(stats.strides, (Dims{256, 1024, 1, 1}));  // [heads][pitch]: our lse layout
+  EXPECT_EQ(stats.type, CUDNN_DATA_FLOAT);
+  EXPECT_EQ(stats.ragged, uid::ragged_stats);
+  EXPECT_EQ(g.tensor(uid::seq_q).dims, (Dims{4, 1, 1, 1}));
+  EXPECT_EQ(g.tensor(uid::ragged_q).dims, (Dims{5, 1, 1, 1}));
+  EXPECT_TRUE(g.tensor(uid::scale).by_value);
+  EXPECT_TRUE(g.tensor(uid::right_bound).by_value);
+  EXPECT_EQ(g.tensor(uid::right_bound).type, CUDNN_DATA_INT32);
+  // ragged offset tensors come before the tensors that use them
+  std::set<std::int64_t> seen;
+  for (const TensorSpec& t : g.tensors) {
+    if (t.ragged) { EXPECT_TRUE(seen.count(t.ragged)) << t.name; }
+    seen.insert(t.uid);
+  }
+}
+
+TEST(CudnnGraph, WindowAddsTheLeftBoundAndFullOnlyPadding) {
+  const GraphSpec w = forward_graph(key(Direction::forward, Band::window));
+  check_well_formed(w, forward_inputs);
+  EXPECT_EQ(count(w, CUDNN_POINTWISE_BINARY_SELECT), 3);
+  EXPECT_EQ(op_named(w, "col+left").in[1], uid::left_bound);
+  EXPECT_EQ(op_named(w, "col>row").mode, CUDNN_POINTWISE_CMP_GT);
+  EXPECT_TRUE(w.tensor(uid::left_bound).by_value);
+  const GraphSpec f = forward_graph(key(Direction::forward, Band::full));
+  check_well_formed(f, forward_inputs);
+  EXPECT_EQ(count(f, CUDNN_POINTWISE_BINARY_SELECT), 1);
+  EXPECT_EQ(count(f, CUDNN_POINTWISE_GEN_INDEX), 2);
+  EXPECT_EQ(f.find(uid::right_bound), nullptr);
+}
+
+TEST(CudnnGraph, BackwardMhaDeterministic) {
+  const GraphSpec g = backward_graph(key(Direction::backward, Band::causal));
+  check_well_formed(g, backward_inputs());
+  const auto n = names(g);
+  EXPECT_EQ(n.front(), "mul_dO_O");
+  EXPECT_EQ(op_named(g, "scale_dropout_inv").out, uid::softmax_sum);
+  EXPECT_EQ(op_named(g, "matmul_pT_dO").out, uid::dv);
+  EXPECT_EQ(op_named(g, "matmul_dST_Q").out, uid::dk);
+  EXPECT_EQ(op_named(g, "matmul_dS_K").out, uid::dq);  // no fp32 accumulator: deterministic
+  EXPECT_EQ(g.find(uid::dq_accum), nullptr);
+  EXPECT_EQ(op_named(g, "sub_s_m").in[1], uid::stats);
+  EXPECT_EQ(g.tensor(uid::v).dims, (Dims{4, 8, 128, 512}));  // V^T
+  EXPECT_EQ(g.tensor(uid::softmax_sum).strides, g.tensor(uid::stats).strides);
+  // the band comes after S - stats, before exp
+  const auto at = [&](const std::string& s) { return std::find(n.begin(), n.end(), s) - n.begin(); };
+  EXPECT_LT(at("select_padding"), at("sub_s_m"));
+  EXPECT_LT(at("sub_s_m"), at("select_right_bound"));
+  EXPECT_LT(at("select_right_bound"), at("exp_s"));
+  const TensorSpec& kk = g.tensor(op_named(g, "reshape_k").out);
+  EXPECT_EQ(kk.dims, (Dims{4, 8, 512, 128}));
+  EXPECT_EQ(kk.ragged, uid::ragged_kv);
+  EXPECT_EQ(op_named(g, "matmul_dO_VT").m_override, uid::seq_q);
+  EXPECT_EQ(op_named(g, "matmul_pT_dO").m_override, uid::seq_kv);
+  EXPECT_EQ(op_named(g, "matmul_pT_dO").k_override, uid::seq_q);
+}
+
+TEST(CudnnGraph, BackwardGqaSumsOverTheGroupAndNonDeterministicAccumulates) {
+  const GraphSpec g = backward_graph(key(Direction::backward, Band::window, 8, 2, /*deterministic=*/false));
+  check_well_formed(g, backward_inputs());
+  EXPECT_EQ(op_named(g, "red_dV_head").out, uid::dv);
+  EXPECT_EQ(op_named(g, "red_dK_head").out, uid::dk);
+  EXPECT_EQ(g.tensor(op_named(g, "matmul_pT_dO").out).dims, (Dims{4, 8, 512, 128}));
+  EXPECT_EQ(op_named(g, "matmul_dS_K").out, uid::dq_accum);
+  EXPECT_EQ(op_named(g, "identity_dQ").out, uid::dq);
+  EXPECT_EQ(g.tensor(uid::dq_accum).type, CUDNN_DATA_FLOAT);
+  EXPECT_EQ(g.tensor(uid::dq_accum).ragged, uid::ragged_q);
+  EXPECT_EQ(count(g, CUDNN_POINTWISE_BINARY_SELECT), 3);
+}
+
+TEST(CudnnGraph, RefusesFloatAndBadKeys) {
+  GraphKey k = key(Direction::forward, Band::full);
+  k.io_type = CUDNN_DATA_FLOAT;
+  EXPECT_THROW(forward_graph(k), cpdispatch::invalid_input);
+  k = key(Direction::forward, Band::full, 6, 4);
+  EXPECT_THROW(forward_graph(k), cpdispatch::invalid_input);
+}
+
+}  // namespace
