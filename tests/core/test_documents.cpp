@@ -5,8 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
@@ -105,12 +107,125 @@ TEST(CoreDocuments, Section2bWithDefaultCpDegreeIsTheSame) {
   expect_section_2b(cpdispatch::plan_qkv(p));
 }
 
-TEST(CoreDocuments, Section2bMetadataValidates) {
-  const auto m = cpdispatch::plan_qkv(section_2b_plan());
+// ---------------------------------------------------------- moving tokens
+
+using Buffers = std::vector<std::vector<I>>;
+constexpr I sentinel = -1;  // neither a token nor a slot: a place no copy wrote
+
+/// Token t of document i, as a value a buffer slot can hold.
+I token_id(std::size_t doc, I t) { return static_cast<I>(doc << 24) + t; }
+/// Slot i of rank d's KV-group buffer, as a value (what kv_rev carries back).
+I slot_id(std::size_t d, std::size_t i) { return static_cast<I>((d + 1) << 32) + static_cast<I>(i); }
+
+/// What the exchanges of a causal documents plan must leave in each rank's
+/// buffer, built from the plan alone (section 2b): the MLP layout (`home`),
+/// the query attention layout (`q`), the KV groups (`kv`), and each home's
+/// [C][T_r] replica buffer after kv_rev carries back the slot ids of the KV
+/// groups (`kv_slots`): slab c of a KV shard holds the slots where its copy c
+/// landed, and stays `sentinel` where that copy does not exist.
+struct ExpectedBuffers {
+  Buffers home, q, kv, kv_slots, replicas;
+};
+
+ExpectedBuffers expected_buffers(const QkvDocumentsPlan& p, std::size_t C) {
+  const auto W = static_cast<std::size_t>(p.world_size);
+  ExpectedBuffers e{Buffers(W), Buffers(W), Buffers(W), Buffers(W), Buffers(W)};
+  const auto& docs = p.documents;
+  struct At {
+    std::size_t doc, shard;
+  };
+  std::vector<std::vector<At>> on(W);  // each home's shards in its MLP order: (document, shard)
+  Buffers start(docs.size()), mlp(docs.size()), group(docs.size());  // [doc][shard]: in the document, P_r, KV group start
+  for (std::size_t i = 0; i < docs.size(); ++i) {
+    I at = 0;
+    for (std::size_t k = 0; k < docs[i].shards.size(); ++k) {
+      on[static_cast<std::size_t>(docs[i].shards[k].rank)].push_back({i, k});
+      start[i].push_back(at);
+      at += docs[i].shards[k].len;
+    }
+    mlp[i].resize(start[i].size());
+    group[i].resize(start[i].size());
+  }
+  for (std::size_t r = 0; r < W; ++r)
+    for (const auto [i, k] : on[r]) {
+      mlp[i][k] = static_cast<I>(e.home[r].size());
+      for (I t = 0; t < docs[i].shards[k].len; ++t) e.home[r].push_back(token_id(i, start[i][k] + t));
+    }
+  // Query shards arrive in global order over (home rank, local index); each
+  // one's KV group is its document from the start through its own end.
+  for (std::size_t r = 0; r < W; ++r)
+    for (const auto [i, k] : on[r]) {
+      const auto d = static_cast<std::size_t>(docs[i].shards[k].dst);
+      const I end = start[i][k] + docs[i].shards[k].len;
+      for (I t = start[i][k]; t < end; ++t) e.q[d].push_back(token_id(i, t));
+      group[i][k] = static_cast<I>(e.kv[d].size());
+      for (I t = 0; t < end; ++t) e.kv[d].push_back(token_id(i, t));
+    }
+  for (std::size_t d = 0; d < W; ++d)
+    for (std::size_t x = 0; x < e.kv[d].size(); ++x) e.kv_slots[d].push_back(slot_id(d, x));
+  // Copy c of KV shard k went to the group of query shard k + c, at the
+  // shard's own place in it.
+  for (std::size_t r = 0; r < W; ++r) {
+    const std::size_t T = e.home[r].size();
+    e.replicas[r].assign(C * T, sentinel);
+    for (const auto [i, k] : on[r])
+      for (std::size_t c = 0; k + c < docs[i].shards.size(); ++c) {
+        const auto d = static_cast<std::size_t>(docs[i].shards[k + c].dst);
+        for (I t = 0; t < docs[i].shards[k].len; ++t)
+          e.replicas[r][c * T + static_cast<std::size_t>(mlp[i][k] + t)] = slot_id(d, static_cast<std::size_t>(group[i][k + c] + start[i][k] + t));
+      }
+  }
+  return e;
+}
+
+/// Runs `m` on `in` into buffers the sizes of `like`'s, filled with `sentinel` first.
+Buffers exchange(const cpdispatch::Metadata& m, const Buffers& in, const Buffers& like) {
+  Buffers out;
+  std::vector<cpdispatch::ConstBytes> src;
+  std::vector<cpdispatch::MutableBytes> dst;
+  for (const auto& b : like) out.emplace_back(b.size(), sentinel);
+  for (const auto& b : in) src.push_back(std::as_bytes(std::span<const I>(b)));
+  for (auto& b : out) dst.push_back(std::as_writable_bytes(std::span<I>(b)));
+  cpdispatch::simulate(m, std::span<const cpdispatch::ConstBytes>(src), std::span<const cpdispatch::MutableBytes>(dst), sizeof(I));
+  return out;
+}
+
+/// Equal buffers, or the first rank and slot where they differ.
+::testing::AssertionResult same(const Buffers& got, const Buffers& want) {
+  for (std::size_t r = 0; r < want.size(); ++r) {
+    if (got[r].size() != want[r].size()) {
+      return ::testing::AssertionFailure() << "rank " << r << " has " << got[r].size() << " tokens, expected " << want[r].size();
+    }
+    for (std::size_t i = 0; i < want[r].size(); ++i) {
+      if (got[r][i] != want[r][i]) {
+        return ::testing::AssertionFailure() << "rank " << r << " slot " << i << " holds " << got[r][i] << ", expected " << want[r][i];
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+/// The four exchanges of `m` move every token of the causal plan `p` where
+/// the plan says: every slot of every buffer is compared with the plan's
+/// own account, so a count, an offset, an order or a slab that is off shows.
+void expect_exchanges_follow(const QkvDocumentsPlan& p, const QkvMetadata& m) {
+  ASSERT_EQ(p.mask.type, cpdispatch::MaskType::causal);
+  const ExpectedBuffers e = expected_buffers(p, m.kv_fwd.num_copies());
+  const Buffers q = exchange(m.q_fwd, e.home, e.q);
+  EXPECT_TRUE(same(q, e.q)) << "q_fwd";
+  EXPECT_TRUE(same(exchange(m.q_rev, q, e.home), e.home)) << "q_rev after q_fwd";
+  EXPECT_TRUE(same(exchange(m.kv_fwd, e.home, e.kv), e.kv)) << "kv_fwd";
+  EXPECT_TRUE(same(exchange(m.kv_rev, e.kv_slots, e.replicas), e.replicas)) << "kv_rev";
+}
+
+TEST(CoreDocuments, Section2bMetadataValidatesAndMovesTokensAsPlanned) {
+  const auto p = section_2b_plan();
+  const auto m = cpdispatch::plan_qkv(p);
   EXPECT_NO_THROW(m.q_fwd.validate("q_fwd"));
   EXPECT_NO_THROW(m.q_rev.validate("q_rev"));
   EXPECT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
   EXPECT_NO_THROW(m.kv_rev.validate("kv_rev"));
+  expect_exchanges_follow(p, m);
 }
 
 TEST(CoreDocuments, PlanningLeavesThePlanUntouched) {
@@ -168,18 +283,21 @@ TEST(CoreDocuments, SingleHomeDocumentsInAnyOrderMatchThePerRankForm) {
   }
 }
 
-TEST(CoreDocuments, RandomCrossRankPlansValidate) {
+TEST(CoreDocuments, RandomCrossRankPlansValidateAndMoveTokensAsPlanned) {
   for (std::uint64_t seed = 0; seed < 100; ++seed) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     cpdispatch::RandomDocumentsOptions o;
     o.world_size = 1 + static_cast<I>(seed % 12);
     o.num_documents = static_cast<I>(seed % 17);
     o.max_shards = 8;
-    const auto m = cpdispatch::plan_qkv(cpdispatch::random_documents_plan(o, seed));
+    const auto p = cpdispatch::random_documents_plan(o, seed);
+    const auto m = cpdispatch::plan_qkv(p);
     ASSERT_NO_THROW(m.q_fwd.validate("q_fwd"));
     ASSERT_NO_THROW(m.q_rev.validate("q_rev"));
     ASSERT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
     ASSERT_NO_THROW(m.kv_rev.validate("kv_rev"));
+    expect_exchanges_follow(p, m);
+    if (HasFailure()) return;  // one failing seed says enough
   }
 }
 
@@ -266,6 +384,7 @@ TEST(CoreDocuments, LargeCopyDimension) {
   EXPECT_EQ(m.attn.max_seqlen_kv[(255 * 7) % 16], 256 * 3);
   EXPECT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
   EXPECT_NO_THROW(m.kv_rev.validate("kv_rev"));
+  expect_exchanges_follow(p, m);
 }
 
 // ---------------------------------------------------------------- slices

@@ -14,6 +14,7 @@
 #include <functional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/generate.hpp"
@@ -181,6 +182,15 @@ TEST(ResourceLimits, QueryAndBalancedPlansStayWithinTheirBudget) {
   }
 }
 
+/// Equal vectors, or the first index where they differ (a 16385-entry row
+/// printed whole says little).
+::testing::AssertionResult same(const std::vector<std::int64_t>& got, const std::vector<std::int64_t>& want) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << got.size() << " entries, expected " << want.size();
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i]) return ::testing::AssertionFailure() << "[" << i << "] = " << got[i] << ", expected " << want[i];
+  return ::testing::AssertionSuccess();
+}
+
 TEST(ResourceLimits, PerRankPlanningAt16384RanksIsWellInsideTheDefault) {
   const std::int64_t W = 16384;
   cpdispatch::RandomDocumentsOptions o;
@@ -191,7 +201,62 @@ TEST(ResourceLimits, PerRankPlanningAt16384RanksIsWellInsideTheDefault) {
   const cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, 11);
   // Well inside: a sixteenth of the default budget is still enough.
   const PlanLimits tight{.max_bytes = cpdispatch::default_plan_max_bytes / 16};
-  EXPECT_NO_THROW((void)cpdispatch::plan_qkv_for_rank(plan, W / 2, tight));
+  const std::int64_t R = W / 2;
+  cpdispatch::RankQkvMetadata m;
+  ASSERT_NO_THROW(m = cpdispatch::plan_qkv_for_rank(plan, R, tight));
+
+  // What rank R must hold, send and receive, worked out from the plan's
+  // shards (causal, docs/plan-format.md section 2b): its shards in
+  // (document, shard) order; the query shards it receives in order of
+  // (home rank, local index), each with its KV group (its document up to
+  // its own end); per peer the query and KV tokens each way.
+  ASSERT_EQ(plan.mask.type, cpdispatch::MaskType::causal);
+  const auto Wu = static_cast<std::size_t>(W);
+  std::vector<std::int64_t> lens, dsts;
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> arriving(Wu);  // by home: {len, context + len}
+  std::vector<std::int64_t> q_in(Wu + 1), q_out(Wu + 1), kv_in(Wu + 1), kv_out(Wu + 1);
+  const auto add = [&](std::vector<std::int64_t>& row, std::int64_t peer, std::int64_t n) {
+    row[static_cast<std::size_t>(peer)] += n;
+    row[Wu] += n;
+  };
+  for (const auto& doc : plan.documents) {
+    std::int64_t context = 0;
+    for (std::size_t i = 0; i < doc.shards.size(); ++i) {
+      const auto& s = doc.shards[i];
+      if (s.rank == R) {
+        lens.push_back(s.len);
+        dsts.push_back(s.dst);
+        add(q_out, s.dst, s.len);
+      }
+      if (s.dst == R) {
+        arriving[static_cast<std::size_t>(s.rank)].push_back({s.len, context + s.len});
+        add(q_in, s.rank, s.len);
+      }
+      for (std::size_t k = 0; k <= i; ++k) {  // query shard i needs KV shards 0..i
+        const auto& kv = doc.shards[k];
+        if (s.dst == R) add(kv_in, kv.rank, kv.len);
+        if (kv.rank == R) add(kv_out, s.dst, kv.len);
+      }
+      context += s.len;
+    }
+  }
+  std::vector<std::int64_t> seqlens_q, seqlens_kv;
+  for (const auto& from_home : arriving)
+    for (const auto& [q, kv] : from_home) {
+      seqlens_q.push_back(q);
+      seqlens_kv.push_back(kv);
+    }
+  ASSERT_FALSE(lens.empty());
+  ASSERT_FALSE(seqlens_q.empty());
+  EXPECT_TRUE(same(m.q_fwd.seq_len, lens)) << "q_fwd.seq_len";
+  EXPECT_TRUE(same(m.q_fwd.dst_rank, dsts)) << "q_fwd.dst_rank";
+  EXPECT_TRUE(same(m.kv_fwd.seq_len, lens)) << "kv_fwd.seq_len";
+  EXPECT_TRUE(same(m.q_fwd.num_recv_tokens, q_in)) << "q_fwd.num_recv_tokens";
+  EXPECT_TRUE(same(m.q_rev.num_recv_tokens, q_out)) << "q_rev.num_recv_tokens";
+  EXPECT_TRUE(same(m.kv_fwd.num_recv_tokens, kv_in)) << "kv_fwd.num_recv_tokens";
+  EXPECT_TRUE(same(m.kv_rev.num_recv_tokens, kv_out)) << "kv_rev.num_recv_tokens";
+  EXPECT_TRUE(same(m.attn.seqlens_q, seqlens_q)) << "attn.seqlens_q";
+  EXPECT_TRUE(same(m.attn.seqlens_kv, seqlens_kv)) << "attn.seqlens_kv";
 }
 
 }  // namespace

@@ -5,8 +5,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
 #include "helpers.hpp"
@@ -26,26 +28,161 @@ using ::testing::HasSubstr;
 // q_rev  dst_rank [[0,0,1,1],[0,1,-1,-1]]  dst_offset [[4,6,0,6],[0,5,0,0]]  seq_len [[2,3,5,2],[4,1,0,0]]
 // kv_fwd dst_offset [[[0,0,0],[4,0,0],[6,0,0]],[[9,4,14],[9,19,0],[20,0,0]]]
 // kv_rev dst_rank [[0,0,0,1,1,1,1],[0,1,1,-1,-1,-1,-1]]  dst_offset [[9,4,6,0,16,13,6],[0,8,5,0,0,0,0]]
-QkvMetadata spec() {
+cpdispatch::QkvPlan spec_plan() {
   cpdispatch::QkvPlan p;
   p.world_size = 2;
   p.max_cp_degree = 3;
   p.ranks.resize(2);
   p.ranks[0].docs = {{{4, 2}, {1, 0}}, {{3}, {0}}};
   p.ranks[1].docs = {{{5, 1, 2}, {0, 1, 0}}};
-  return cpdispatch::plan_qkv(p);
+  return p;
 }
+
+QkvMetadata spec() { return cpdispatch::plan_qkv(spec_plan()); }
 
 std::string rejection(const Metadata& m, const char* name) {
   return message_of<invalid_input>([&] { m.validate(name); });
 }
 
+using Rows = std::vector<std::vector<I>>;
+
+/// What a causal per-rank plan says each exchange must do, worked out from
+/// its shards alone (docs/plan-format.md, section 2).
+struct PlanAccount {
+  std::vector<I> home;         // [r]: T_r, the tokens r holds
+  std::vector<I> q_layout;     // [d]: query tokens d's attention layout holds
+  std::vector<I> kv_layout;    // [d]: KV tokens d's KV groups hold
+  Rows q_counts, kv_counts;    // [d][s]: tokens d receives from s, the total last
+  Rows replica;                // [r][c * T_r + t]: 1 where copy c of the shard at t comes back
+};
+
+PlanAccount account(const cpdispatch::QkvPlan& p, std::size_t C) {
+  const auto W = static_cast<std::size_t>(p.world_size);
+  PlanAccount a{std::vector<I>(W), std::vector<I>(W), std::vector<I>(W), Rows(W, std::vector<I>(W + 1)),
+                Rows(W, std::vector<I>(W + 1)), Rows(W)};
+  for (std::size_t r = 0; r < W; ++r)
+    for (const auto& doc : p.ranks[r].docs)
+      for (I len : doc.shard_len) a.home[r] += len;
+  for (std::size_t r = 0; r < W; ++r) {
+    a.replica[r].assign(C * static_cast<std::size_t>(a.home[r]), 0);
+    I at = 0;  // P_r(j)
+    for (const auto& doc : p.ranks[r].docs) {
+      const std::size_t n = doc.shard_len.size();
+      I context = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        const auto d = static_cast<std::size_t>(doc.dst[i]);
+        const I len = doc.shard_len[i];
+        for (auto* c : {&a.q_counts[d][r], &a.q_counts[d][W]}) *c += len;
+        for (auto* c : {&a.kv_counts[d][r], &a.kv_counts[d][W]}) *c += context + len;  // KV shards 0..i
+        a.q_layout[d] += len;
+        a.kv_layout[d] += context + len;
+        for (std::size_t c = 0; c < n - i; ++c)  // KV shard i serves query shards i .. n-1
+          for (I t = 0; t < len; ++t) a.replica[r][c * static_cast<std::size_t>(a.home[r]) + static_cast<std::size_t>(at + t)] = 1;
+        context += len;
+        at += len;
+      }
+    }
+  }
+  return a;
+}
+
+Rows transposed(const Rows& counts) {
+  const std::size_t W = counts.size();
+  Rows t(W, std::vector<I>(W + 1));
+  for (std::size_t d = 0; d < W; ++d)
+    for (std::size_t s = 0; s < W; ++s) {
+      t[s][d] = counts[d][s];
+      t[s][W] += counts[d][s];
+    }
+  return t;
+}
+
+/// Where the copies of `m` land, by brute force: per destination, how many
+/// copies write each slot of a buffer of `tokens[d]` tokens, and how many
+/// tokens come from each source (the total last); a copy outside its
+/// buffer is counted in `outside` instead.
+struct Landing {
+  Rows cover, counts;
+  int outside = 0;
+};
+
+Landing land(const Metadata& m, const std::vector<I>& tokens) {
+  const auto W = static_cast<std::size_t>(m.world_size);
+  Landing l{Rows(W), Rows(W, std::vector<I>(W + 1)), 0};
+  for (std::size_t d = 0; d < W; ++d) l.cover[d].assign(static_cast<std::size_t>(tokens[d]), 0);
+  for (std::size_t r = 0; r < W; ++r)
+    for (std::size_t j = 0; j < m.max_seqs(); ++j)
+      for (std::size_t k = 0; k < m.num_copies(); ++k) {
+        const I d = m.has_copies() ? m.dst_rank(r, j, k) : m.dst_rank(r, j);
+        const I off = m.has_copies() ? m.dst_offset(r, j, k) : m.dst_offset(r, j);
+        const I len = m.seq_len(r, j);
+        if (d < 0) continue;
+        const auto du = static_cast<std::size_t>(d);
+        if (du >= W || off < 0 || len < 0 || off + len > tokens[du]) {
+          ++l.outside;
+          continue;
+        }
+        for (I t = off; t < off + len; ++t) ++l.cover[du][static_cast<std::size_t>(t)];
+        l.counts[du][r] += len;
+        l.counts[du][W] += len;
+      }
+  return l;
+}
+
+Rows rows_of(const Tensor<I>& t) {
+  Rows rows(t.size(0));
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i].assign(t.row(i).begin(), t.row(i).end());
+  return rows;
+}
+
+Rows all_ones(const std::vector<I>& tokens) {
+  Rows rows;
+  for (I n : tokens) rows.emplace_back(static_cast<std::size_t>(n), 1);
+  return rows;
+}
+
+// What validate() accepts here is valid by an account that does not use
+// it: the plan's own token totals, and every receive buffer written exactly
+// once (the replica buffers exactly where a copy comes back).
 TEST(CoreValidate, AcceptsTheSpecExample) {
   const auto m = spec();
   EXPECT_NO_THROW(m.q_fwd.validate("q_fwd"));
   EXPECT_NO_THROW(m.q_rev.validate("q_rev"));
   EXPECT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
   EXPECT_NO_THROW(m.kv_rev.validate("kv_rev"));
+
+  const PlanAccount a = account(spec_plan(), 3);
+  ASSERT_EQ(a.home, (std::vector<I>{9, 8}));  // the plan's shards: 4 + 2 + 3 on rank 0, 5 + 1 + 2 on rank 1
+  const auto check = [](const Metadata& md, const std::vector<I>& send, const std::vector<I>& out, const Rows& cover,
+                         const Rows& counts) {
+    const Landing l = land(md, out);
+    EXPECT_EQ(l.outside, 0);
+    EXPECT_EQ(l.cover, cover);
+    EXPECT_EQ(l.counts, counts);
+    EXPECT_EQ(rows_of(md.num_recv_tokens), counts);
+    for (std::size_t r = 0; r < send.size(); ++r) {
+      EXPECT_EQ(md.send_tokens(static_cast<I>(r)), send[r]) << "rank " << r;
+      EXPECT_EQ(md.output_tokens(static_cast<I>(r)), out[r]) << "rank " << r;
+    }
+  };
+  std::vector<I> replicas;
+  for (I t : a.home) replicas.push_back(3 * t);
+  {
+    SCOPED_TRACE("q_fwd");
+    check(m.q_fwd, a.home, a.q_layout, all_ones(a.q_layout), a.q_counts);
+  }
+  {
+    SCOPED_TRACE("q_rev");
+    check(m.q_rev, a.q_layout, a.home, all_ones(a.home), transposed(a.q_counts));
+  }
+  {
+    SCOPED_TRACE("kv_fwd");
+    check(m.kv_fwd, a.home, a.kv_layout, all_ones(a.kv_layout), a.kv_counts);
+  }
+  {
+    SCOPED_TRACE("kv_rev");
+    check(m.kv_rev, a.kv_layout, replicas, a.replica, transposed(a.kv_counts));
+  }
 }
 
 // ---- overlap

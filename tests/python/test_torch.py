@@ -11,22 +11,9 @@ import pytest
 from conftest import require
 
 torch = require("torch")
-cpdispatch = require("cpdispatch")
+require("cpdispatch")  # what the workers import: a skip where it is missing, an error under CPDISPATCH_REQUIRE_TORCH=1
 
 MASKS = [{"type": "causal"}, {"type": "full"}, {"type": "sliding_window", "window": 3}]
-
-
-def planner_accepts(mask):
-    if mask["type"] == "causal":
-        return True  # the default: a plan without "mask"
-    plan = {"world_size": 1, "mask": mask, "documents": [{"shards": [{"rank": 0, "len": 2, "dst": 0}]}]}
-    try:
-        cpdispatch.plan(plan)
-        return True
-    except ValueError as e:
-        if 'unknown key "mask"' in str(e):
-            return False
-        raise
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +28,8 @@ def outcomes(tmp_path_factory):
     def run(world):
         if world not in cache:
             tmp = tmp_path_factory.mktemp(f"world{world}")
-            masks = [m for m in MASKS if planner_accepts(m)]
             # fork: the workers share the imported torch instead of importing it again (seconds each)
-            mp.start_processes(torch_worker.run, args=(world, str(tmp / "init"), masks, str(tmp)), nprocs=world, join=True, start_method="fork")
+            mp.start_processes(torch_worker.run, args=(world, str(tmp / "init"), MASKS, str(tmp)), nprocs=world, join=True, start_method="fork")
             cache[world] = [json.load(open(tmp / f"rank{r}.json")) for r in range(world)]
         return cache[world]
 
@@ -53,8 +39,6 @@ def outcomes(tmp_path_factory):
 @pytest.mark.parametrize("mask", MASKS, ids=[m["type"] for m in MASKS])
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_attention_equals_unsharded(outcomes, world, mask):
-    if not planner_accepts(mask):
-        pytest.skip(f"this build's planner does not take masks yet ({mask['type']})")
     results = outcomes(world)
     cases = [c for c in results[0] if c.split()[1] == mask["type"]]
     assert len(cases) == 6  # three plan forms, dedup off and on

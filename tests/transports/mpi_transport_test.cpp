@@ -108,9 +108,41 @@ TEST_P(MpiTransportP, AllToAllVMovesUnevenCountsWithGapsAndSelf) {
   EXPECT_EQ(recv, expected);
 }
 
+/// One byte from every rank to every rank arrives where it belongs; a
+/// transport left with stray or half-done messages fails this.
+::testing::AssertionResult one_byte_each_arrives(MpiTransport& t) {
+  const int me = t.rank();
+  const auto Wu = static_cast<std::size_t>(t.world_size());
+  std::vector<std::size_t> ones(Wu, 1), displs(Wu);
+  std::vector<std::byte> out(Wu), in(Wu, std::byte{0xEE}), want(Wu);
+  for (std::size_t i = 0; i < Wu; ++i) {
+    displs[i] = i;
+    out[i] = pattern(me, static_cast<int>(i), 0);
+    want[i] = pattern(static_cast<int>(i), me, 0);
+  }
+  t.all_to_all_v(out.data(), ones, displs, in.data(), ones, displs);
+  for (std::size_t s = 0; s < Wu; ++s) {
+    if (in[s] != want[s]) {
+      return ::testing::AssertionFailure() << "rank " << me << ": the byte from rank " << s << " is " << static_cast<int>(in[s])
+                                           << ", expected " << static_cast<int>(want[s]);
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 TEST_P(MpiTransportP, AllToAllVWithNothingToMove) {
-  const std::vector<std::size_t> zeros(static_cast<std::size_t>(W), 0);
-  EXPECT_NO_THROW(t.all_to_all_v(nullptr, zeros, zeros, nullptr, zeros, zeros));
+  const auto Wu = static_cast<std::size_t>(W);
+  const std::vector<std::size_t> zeros(Wu, 0);
+  ASSERT_NO_THROW(t.all_to_all_v(nullptr, zeros, zeros, nullptr, zeros, zeros));
+  // With buffers and displacements inside them, nothing is written either.
+  std::vector<std::size_t> displs(Wu);
+  for (std::size_t i = 0; i < Wu; ++i) displs[i] = i;
+  const std::vector<std::byte> send(Wu, std::byte{0x55});
+  std::vector<std::byte> recv(Wu, std::byte{0xEE});
+  ASSERT_NO_THROW(t.all_to_all_v(send.data(), zeros, displs, recv.data(), zeros, displs));
+  EXPECT_EQ(recv, std::vector<std::byte>(Wu, std::byte{0xEE}));
+  // And the empty exchanges left nothing behind for a later one to match.
+  EXPECT_TRUE(one_byte_each_arrives(t));
 }
 
 TEST_P(MpiTransportP, AllToAllVSelfOnly) {
@@ -468,8 +500,14 @@ TEST(MpiErrors, InvalidRootOrPeerBecomesMpiError) {
     expect_mpi_error([&] { t.broadcast(buf, 8, -3); }, MPI_ERR_ROOT, nonblocking ? "MPI_Ibcast" : "MPI_Bcast");
     expect_mpi_error([&] { t.isend(buf, 8, W, 0); }, MPI_ERR_RANK, "MPI_Isend");
     expect_mpi_error([&] { t.irecv(buf, 8, W + 5, 0); }, MPI_ERR_RANK, "MPI_Irecv");
-    // The transport is still usable afterwards.
+    // The transport is still usable afterwards: collectives and an
+    // exchange whose bytes all arrive.
     EXPECT_NO_THROW(t.barrier()) << config.name;
+    std::byte root_bytes[8];
+    for (std::size_t i = 0; i < 8; ++i) root_bytes[i] = t.rank() == W - 1 ? pattern(W - 1, 0, i) : std::byte{0xEE};
+    t.broadcast(root_bytes, 8, W - 1);
+    for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(root_bytes[i], pattern(W - 1, 0, i)) << config.name << " broadcast byte " << i;
+    EXPECT_TRUE(one_byte_each_arrives(t)) << config.name;
   }
 }
 
