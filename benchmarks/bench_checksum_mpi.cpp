@@ -11,7 +11,7 @@
 // (checked / plain) within a round, the overhead.
 
 #include <cpdispatch/crc32c.hpp>
-#include <cpdispatch/execute/checksummed_transport.hpp>
+#include <cpdispatch/adapters/checksummed.hpp>
 #include <cpdispatch/transports/mpi.hpp>
 
 #include <algorithm>

@@ -10,7 +10,7 @@
 // the median over rounds of (checked / plain).
 
 #include <cpdispatch/crc32c.hpp>
-#include <cpdispatch/execute/checksummed_transport.hpp>
+#include <cpdispatch/adapters/checksummed.hpp>
 #include <cpdispatch/transports/sim.hpp>
 
 #include <algorithm>

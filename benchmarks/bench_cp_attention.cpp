@@ -48,7 +48,7 @@
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/plan/workload.hpp"
 #include "cpdispatch/transports/sim.hpp"
-#include "cpdispatch/transports/simulated_link.hpp"
+#include "cpdispatch/adapters/simulated_link.hpp"
 
 namespace {
 

@@ -34,7 +34,7 @@
 #include "cpdispatch/overlap/overlap.hpp"
 #include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/transports/sim.hpp"
-#include "cpdispatch/transports/simulated_link.hpp"
+#include "cpdispatch/adapters/simulated_link.hpp"
 
 namespace ov = cpdispatch::overlap;
 using cpdispatch::ElementType;

@@ -43,7 +43,7 @@
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/transports/sim.hpp"
-#include "cpdispatch/transports/simulated_link.hpp"
+#include "cpdispatch/adapters/simulated_link.hpp"
 #include "step_chart.hpp"
 
 namespace {

@@ -18,7 +18,7 @@
 #include "cpdispatch/crc32c.hpp"
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/execute/checksummed_transport.hpp"
+#include "cpdispatch/adapters/checksummed.hpp"
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"

@@ -50,11 +50,9 @@
 #include <type_traits>
 
 #include "cpdispatch/element_type.hpp"
+#include "cpdispatch/memory_space.hpp"
 
 namespace cpdispatch {
-
-/// Where a transport's buffers live.
-enum class MemorySpace { host, device };
 
 /// Reductions of all_reduce / reduce_scatter.
 enum class ReduceOp { sum };

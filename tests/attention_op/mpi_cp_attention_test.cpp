@@ -15,7 +15,7 @@
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 
 namespace {

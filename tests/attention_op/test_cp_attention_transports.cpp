@@ -13,9 +13,9 @@
 
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
-#include "cpdispatch/transports/simulated_link.hpp"
+#include "cpdispatch/adapters/simulated_link.hpp"
 
 namespace {
 

@@ -19,7 +19,7 @@
 #include "cpdispatch/cuda_runtime/error.hpp"
 #include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
-#include "cpdispatch/execute/detail/dispatch_plan.hpp"
+#include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/transports/nccl.hpp"
 
 namespace {

@@ -18,7 +18,7 @@
 
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
-#include "cpdispatch/execute/detail/dispatch_plan.hpp"
+#include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/nccl.hpp"
 #include "cpdispatch/transports/sim.hpp"

@@ -13,7 +13,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/plan/plan.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 
 namespace fault_cases {
 

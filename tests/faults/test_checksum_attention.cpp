@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "attention_op/run_op.hpp"
-#include "cpdispatch/execute/checksummed_transport.hpp"
+#include "cpdispatch/adapters/checksummed.hpp"
 #include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 
 namespace {
 

@@ -16,9 +16,9 @@
 #include <tuple>
 #include <vector>
 
-#include "cpdispatch/execute/checksummed_transport.hpp"
+#include "cpdispatch/adapters/checksummed.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 #include "fault_cases.hpp"
 #include "mpi_world.hpp"

@@ -19,10 +19,10 @@
 #include <tuple>
 #include <vector>
 
-#include "cpdispatch/execute/checksummed_transport.hpp"
+#include "cpdispatch/adapters/checksummed.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "dedup_fault_cases.hpp"
 #include "fault_cases.hpp"

@@ -21,7 +21,7 @@
 
 #include "../common/sim_world_fixture.hpp"
 #include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "dedup_fault_cases.hpp"
 

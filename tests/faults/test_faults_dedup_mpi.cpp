@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 #include "dedup_fault_cases.hpp"
 #include "mpi_world.hpp"

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cpdispatch/execute/dispatcher.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 #include "fault_cases.hpp"
 #include "mpi_world.hpp"

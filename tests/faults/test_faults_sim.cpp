@@ -20,7 +20,7 @@
 
 #include "../common/sim_world_fixture.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
-#include "cpdispatch/testing/fault_injection.hpp"
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "fault_cases.hpp"
 #include "overlap_cases.hpp"

@@ -11,7 +11,7 @@
 #include <chrono>
 
 #include "cpdispatch/transports/mpi.hpp"
-#include "cpdispatch/transports/simulated_link.hpp"
+#include "cpdispatch/adapters/simulated_link.hpp"
 #include "overlap_cases.hpp"
 
 namespace ov = cpdispatch::overlap;

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "cpdispatch/transports/sim.hpp"
-#include "cpdispatch/transports/simulated_link.hpp"
+#include "cpdispatch/adapters/simulated_link.hpp"
 #include "overlap_cases.hpp"
 #include "sim_world_fixture.hpp"
 

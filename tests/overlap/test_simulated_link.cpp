@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/transports/simulated_link.hpp"
+#include "cpdispatch/adapters/simulated_link.hpp"
 #include "cpdispatch/transports/sim.hpp"
 
 using cpdispatch::ElementType;

@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "cpdispatch/attention/detail/block_math.hpp"
-#include "cpdispatch/attention/detail/call_check.hpp"
+#include "cpdispatch/attention/call_check.hpp"
 #include "cpdispatch/attention/detail/work_pool.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/error.hpp"

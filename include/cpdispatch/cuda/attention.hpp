@@ -32,7 +32,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpdispatch/attention/detail/call_check.hpp"
+#include "cpdispatch/attention/call_check.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/cuda_runtime/error.hpp"
 #include "cpdispatch/cuda/kernels.hpp"

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "cpdispatch/cuda_runtime/grid.hpp"
-#include "cpdispatch/execute/detail/data_path.hpp"
+#include "cpdispatch/execute/data_path.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 

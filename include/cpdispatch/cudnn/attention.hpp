@@ -39,7 +39,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpdispatch/attention/detail/call_check.hpp"
+#include "cpdispatch/attention/call_check.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/cudnn/detail/api.hpp"
 #include "cpdispatch/cudnn/detail/backend.hpp"

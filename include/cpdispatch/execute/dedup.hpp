@@ -64,7 +64,7 @@
 
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/execute/detail/dispatch_plan.hpp"
+#include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/execute/detail/run_exchange.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/simulate.hpp"

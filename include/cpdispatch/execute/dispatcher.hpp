@@ -86,8 +86,8 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/execute/detail/data_path.hpp"
-#include "cpdispatch/execute/detail/dispatch_plan.hpp"
+#include "cpdispatch/execute/data_path.hpp"
+#include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/execute/detail/run_exchange.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"

@@ -40,7 +40,6 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/execute/detail/rethrow.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/node_wire.hpp"

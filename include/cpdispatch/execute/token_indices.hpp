@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/execute/detail/dispatch_plan.hpp"
+#include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 

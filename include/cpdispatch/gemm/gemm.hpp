@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/transport.hpp"
+#include "cpdispatch/memory_space.hpp"
 
 namespace cpdispatch::gemm {
 

@@ -7,7 +7,7 @@
 //   overlap/comm_gemm.hpp       comm_gemm: the overlapped GEMM over any Transport and GEMM backend
 //
 // The simulated slow network the benchmarks run it over, SimulatedLinkTransport,
-// is a transport: cpdispatch/transports/simulated_link.hpp (cpdispatch::sim).
+// is a transport: cpdispatch/adapters/simulated_link.hpp (cpdispatch::sim).
 
 #include "cpdispatch/overlap/comm_gemm.hpp"
 #include "cpdispatch/overlap/comm_overlap.hpp"

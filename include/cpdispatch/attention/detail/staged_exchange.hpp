@@ -17,8 +17,8 @@
 #include <span>
 #include <vector>
 
-#include "cpdispatch/execute/detail/dispatch_plan.hpp"
-#include "cpdispatch/execute/detail/rethrow.hpp"
+#include "cpdispatch/execute/exchange_plan.hpp"
+#include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch::detail {

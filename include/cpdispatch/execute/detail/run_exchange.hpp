@@ -14,9 +14,8 @@
 #include <cstddef>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/execute/detail/data_path.hpp"
-#include "cpdispatch/execute/detail/dispatch_plan.hpp"
-#include "cpdispatch/execute/detail/rethrow.hpp"
+#include "cpdispatch/execute/data_path.hpp"
+#include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch::detail {

@@ -28,7 +28,6 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/execute/detail/rethrow.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/transport.hpp"
 

@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/execute/detail/data_path.hpp"
+#include "cpdispatch/execute/data_path.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/bytes.hpp"
