@@ -17,9 +17,16 @@ summed in ascending order), and with dedup the fan-in before it.
 
 The default attention kernel, varlen_attention, is flash-attention's
 algorithm in PyTorch ops: memory bounded by its block sizes, grouped-query
-attention, the log-sum-exp on request.
+attention, the log-sum-exp on request. ContextParallelAttention takes it or
+flash-attention's or sdpa's by name (KERNELS), or any varlen callable, and
+with ``stages`` > 1 overlaps the exchange with the attention: what this rank
+holds is attended while the rest arrives, and the parts merge by their
+log-sum-exps.
 """
 
+import importlib
+import inspect
+import math
 import numbers
 
 import torch
@@ -28,7 +35,8 @@ from torch.autograd.function import once_differentiable
 
 import cpdispatch
 
-__all__ = ["RankDispatch", "ContextParallelAttention", "varlen_attention", "attention_mask", "BLOCK_Q", "BLOCK_KV"]
+__all__ = ["RankDispatch", "ContextParallelAttention", "varlen_attention", "attention_mask", "BLOCK_Q", "BLOCK_KV", "BlockwiseKernel",
+           "FlashAttnVarlenKernel", "SdpaKernel", "KERNELS", "kernel_adapter"]
 
 
 def _tensor(array):
@@ -121,6 +129,74 @@ class _Undispatch(torch.autograd.Function):
         return ctx.route.forward(grad.contiguous(), ctx.group), None, None
 
 
+def _pick(index, counts, keep):
+    """The rows of ``index`` (one segment of ``counts[p]`` rows per peer p)
+    of the peers ``keep`` marks, and the counts with the others' zeroed."""
+    peer = torch.repeat_interleave(torch.arange(len(counts)), torch.as_tensor(counts, dtype=torch.long))
+    return index[torch.as_tensor(keep, dtype=torch.bool)[peer]], [c if k else 0 for c, k in zip(counts, keep)]
+
+
+class _Selection:
+    """The rows of one exchange that one stage carries: to and from the peers it marks."""
+
+    def __init__(self, exchange, send_peers, recv_peers):
+        self.send_index, self.send_counts = _pick(exchange.send_index, exchange.send_counts, send_peers)
+        self.recv_index, self.recv_counts = _pick(exchange.recv_index, exchange.recv_counts, recv_peers)
+
+
+class _Joint:
+    """Exchanges of several tensors in ONE all_to_all_single: each peer's
+    segment holds its rows of the first tensor, then of the second, ...,
+    flattened, so one collective carries queries and key-values (or their
+    gradients). ``send_peers`` / ``recv_peers``: which peers' traffic this
+    stage carries (all of them: the whole exchange)."""
+
+    def __init__(self, exchanges, send_peers, recv_peers):
+        self.parts = [_Selection(e, send_peers, recv_peers) for e in exchanges]
+        self.send_peers = [p for p in range(len(send_peers)) if any(s.send_counts[p] for s in self.parts)]
+        self.recv_peers = [p for p in range(len(recv_peers)) if any(s.recv_counts[p] for s in self.parts)]
+
+    def post(self, xs, group, collective=True):
+        """Packs and posts (async_op); ``collective=False``: traffic to this rank alone, no collective."""
+        widths = [math.prod(x.shape[1:]) for x in xs]
+        rows = [x.index_select(0, _at(s.send_index, x)).reshape(len(s.send_index), w) for x, s, w in zip(xs, self.parts, widths)]
+        by_peer = [r.split(s.send_counts) for r, s in zip(rows, self.parts)]
+        pieces = [b[p].reshape(-1) for p in self.send_peers for b in by_peer]
+        send = torch.cat(pieces) if pieces else xs[0].new_empty(0)
+        if not collective:
+            return _Posted(self, widths, send, send, None)
+        recv_split = _elements([s.recv_counts for s in self.parts], widths)
+        recv = send.new_empty(sum(recv_split))
+        work = dist.all_to_all_single(recv, send, recv_split, _elements([s.send_counts for s in self.parts], widths), group=group, async_op=True)
+        return _Posted(self, widths, send, recv, work)
+
+
+def _elements(counts, widths):
+    """Elements per peer of several tensors' rows: each one's rows times its row width."""
+    return [sum(c * w for c, w in zip(per_peer, widths)) for per_peer in zip(*counts)]
+
+
+class _Posted:
+    """One posted joint exchange: ``land`` waits for it and unpacks each tensor's rows into its output."""
+
+    def __init__(self, joint, widths, send, recv, work):
+        self.joint, self.widths, self.recv, self.work = joint, widths, recv, work
+        self.send = send  # kept until the exchange completes
+
+    def land(self, outs):
+        if self.work is not None:
+            self.work.wait()
+        self.send = None
+        parts = self.joint.parts
+        sizes = [s.recv_counts[p] * w for p in self.joint.recv_peers for s, w in zip(parts, self.widths)]
+        chunks = self.recv.split(sizes)
+        for i, (out, s) in enumerate(zip(outs, parts)):
+            got = chunks[i::len(parts)]
+            rows = torch.cat(got) if got else out.new_empty(0)
+            out.index_copy_(0, _at(s.recv_index, out), rows.view((len(s.recv_index),) + tuple(out.shape[1:])))
+        return outs
+
+
 class RankDispatch:
     """One rank's share of a qkv plan, ready to run.
 
@@ -155,6 +231,7 @@ class RankDispatch:
         self.cu_seqlens_kv = _tensor(attn["cu_seqlens_kv"])
         self.max_seqlen_q = attn["max_seqlen_q"]
         self.max_seqlen_kv = attn["max_seqlen_kv"]
+        self._stagings = {}
 
     @property
     def dedup(self):
@@ -173,6 +250,13 @@ class RankDispatch:
     def undispatch(self, y):
         """Attention outputs, attention layout -> MLP layout."""
         return _Undispatch.apply(y, self.q_route, self.group)
+
+    def staging(self, stages):
+        """What ContextParallelAttention(stages=stages) exchanges and attends in which round, built once per stage count."""
+        groups = min(stages - 1, len(self.q_route.forward.send_counts) - 1)
+        if groups not in self._stagings:
+            self._stagings[groups] = _Staging(self, stages)
+        return self._stagings[groups]
 
 
 class _Mask:
@@ -247,7 +331,8 @@ def _accumulator(dtype):
 
 
 def _entries(cu_seqlens_q, cu_seqlens_kv, queries, keys):
-    """(first query, lq, first key, lk) of every non-empty entry, checked."""
+    """(first query, lq, first key, lk, diagonal) of every non-empty entry,
+    checked; diagonal = lk - lq: the bottom-right alignment."""
     cu_q = [int(x) for x in torch.as_tensor(cu_seqlens_q).tolist()]
     cu_kv = [int(x) for x in torch.as_tensor(cu_seqlens_kv).tolist()]
     if len(cu_q) != len(cu_kv) or not cu_q:
@@ -255,7 +340,17 @@ def _entries(cu_seqlens_q, cu_seqlens_kv, queries, keys):
     for name, cu, total in (("cu_seqlens_q", cu_q, queries), ("cu_seqlens_kv", cu_kv, keys)):
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
             raise ValueError(f"{name} must start at 0, never decrease and end at most at {total} rows: {cu[:8]}...")
-    return [(cu_q[i], cu_q[i + 1] - cu_q[i], cu_kv[i], cu_kv[i + 1] - cu_kv[i]) for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+    entries = [(cu_q[i], cu_q[i + 1] - cu_q[i], cu_kv[i], cu_kv[i + 1] - cu_kv[i]) for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
+    return [(q0, lq, k0, lk, lk - lq) for q0, lq, k0, lk in entries]
+
+
+def _parts(parts, queries, keys):
+    """Explicit entries (q_start, q_len, kv_start, kv_len, diagonal) as int tuples, checked against the rows."""
+    parts = [tuple(int(x) for x in part) for part in parts]
+    for part in parts:
+        if len(part) != 5 or min(part[:4]) < 0 or part[0] + part[1] > queries or part[2] + part[3] > keys:
+            raise ValueError(f"a part is (q_start, q_len, kv_start, kv_len, diagonal) within {queries} query and {keys} key rows, not {part}")
+    return [part for part in parts if part[1] > 0]
 
 
 def _rows(x, r0, r1, groups, acc):
@@ -277,16 +372,22 @@ def _scores(qb, kb, scale, mask, j0, j1, t0, t1, off):
 
 
 class _Problem:
-    """What the forward and backward share: shapes, entries, mask, blocks."""
+    """What the forward and backward share: shapes, entries, mask, blocks.
+    Entries by cu_seqlens, or ``parts``: (q_start, q_len, kv_start, kv_len,
+    diagonal) each, the diagonal being the document position of query row 0
+    minus that of key row 0 (lk - lq for a whole entry: bottom-right)."""
 
-    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, mask, softmax_scale, block_q, block_kv):
+    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, mask, softmax_scale, block_q, block_kv, parts=None):
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
             raise ValueError(f"q [queries, heads, dim], k and v [keys, heads_kv, dim]: got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
         if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
             raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of the heads of k and v ({k.shape[1]})")
         if block_q < 1 or block_kv < 1:
             raise ValueError(f"block_q = {block_q} and block_kv = {block_kv} must be positive")
-        self.entries = _entries(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
+        if parts is None:
+            self.entries = _entries(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
+        else:
+            self.entries = _parts(parts, q.shape[0], k.shape[0])
         self.mask = _Mask(mask)
         self.scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         self.groups = q.shape[1] // k.shape[1]
@@ -295,9 +396,9 @@ class _Problem:
 
     def blocks(self):
         """(first query, first key, j0, j1, lk, off) of every query block of every entry."""
-        for q0, lq, k0, lk in self.entries:
+        for q0, lq, k0, lk, diagonal in self.entries:
             for j0 in range(0, lq, self.block_q):
-                yield q0, k0, j0, min(lq, j0 + self.block_q), lk, lk - lq
+                yield q0, k0, j0, min(lq, j0 + self.block_q), lk, diagonal
 
     def key_blocks(self, j0, j1, lk, off):
         """(t0, t1) of the key blocks rows j0 .. j1-1 see some key of."""
@@ -336,7 +437,9 @@ def _forward_block(p, qb, k, v, k0, j0, j1, lk, off):
 
 
 def _backward(p, q, k, v, out, lse, dout, dlse):
-    """Flash-attention's backward by recomputation: dq, dk, dv."""
+    """Flash-attention's backward by recomputation: dq (q's dtype), dk, dv
+    (the accumulator's: the caller casts, or sums several calls first).
+    ``dlse`` None: no gradient reaches lse."""
     dq = torch.zeros_like(q)
     dk = torch.zeros(k.shape, dtype=p.acc, device=k.device)  # the gradients themselves unless q is 16-bit
     dv = torch.zeros(v.shape, dtype=p.acc, device=v.device)
@@ -345,7 +448,9 @@ def _backward(p, q, k, v, out, lse, dout, dlse):
         qb, dob = _rows(q, r0, r1, p.groups, p.acc), _rows(dout, r0, r1, p.groups, p.acc)
         rows = qb.shape[:2]
         # D = rowsum(dO * O), less lse's gradient: d lse / d s is P itself, so it joins D
-        d = (dob * _rows(out, r0, r1, p.groups, p.acc)).sum(-1).sub_(dlse[:, r0:r1].to(p.acc).reshape(rows))
+        d = (dob * _rows(out, r0, r1, p.groups, p.acc)).sum(-1)
+        if dlse is not None:
+            d.sub_(dlse[:, r0:r1].to(p.acc).reshape(rows))
         row_lse = lse[:, r0:r1].reshape(rows)
         row_lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))  # a row that sees nothing: P = 0
         dqb = torch.zeros_like(qb)
@@ -357,7 +462,7 @@ def _backward(p, q, k, v, out, lse, dout, dlse):
             dqb.baddbmm_(ds, kb)
             dk[k0 + t0:k0 + t1].add_(torch.bmm(ds.transpose(1, 2), qb).mul_(p.scale).transpose(0, 1))
         dq[r0:r1] = dqb.mul_(p.scale).reshape(q.shape[1], r1 - r0, -1).transpose(0, 1)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -375,7 +480,7 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(ctx.problem, q, k, v, out, lse, dout, dlse)
-        return dq, dk, dv, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None, *,
@@ -407,26 +512,506 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, ma
     return (out, lse) if return_lse else out
 
 
+class BlockwiseKernel:
+    """The default kernel, varlen_attention (blockwise, plain PyTorch: any
+    device and float dtype), as an adapter; takes every stage count."""
+
+    name = "blockwise"
+
+    def __init__(self, block_q=BLOCK_Q, block_kv=BLOCK_KV):
+        self.block_q, self.block_kv = block_q, block_kv
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None):
+        return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, mask, softmax_scale,
+                                block_q=self.block_q, block_kv=self.block_kv)
+
+    def _problem(self, q, k, v, parts, mask, softmax_scale):
+        return _Problem(q, k, v, None, None, mask, softmax_scale, self.block_q, self.block_kv, parts)
+
+    def forward(self, q, k, v, parts, mask=None, softmax_scale=None):
+        """(out, lse) of the parts (no autograd); rows outside them: 0 and -inf."""
+        return _forward(self._problem(q, k, v, parts, mask, softmax_scale), q, k, v)
+
+    def backward(self, q, k, v, out, lse, dout, parts, mask=None, softmax_scale=None):
+        """(dq, dk, dv) of the parts given the merged out and lse of every query row."""
+        return _backward(self._problem(q, k, v, parts, mask, softmax_scale), q, k, v, out, lse, dout, None)
+
+
+def _flash_backward():
+    """flash-attention's varlen backward that takes an output and lse, with
+    flash-attn 2.7's arguments (window_size_left / _right, softcap), or None:
+    one stage only (flash_attn_varlen_func's own backward)."""
+    try:
+        backward = importlib.import_module("flash_attn.flash_attn_interface")._flash_attn_varlen_backward
+    except (ImportError, AttributeError):
+        return None
+    try:
+        names = inspect.signature(backward).parameters
+    except (TypeError, ValueError):  # a registered custom op may not show one: trust the version
+        return backward
+    return backward if {"window_size_left", "window_size_right", "softcap"} <= set(names) else None
+
+
+def _flash_call(mask, q_len, kv_len, diagonal):
+    """One part in flash-attention's terms: (q_len, kv_len, causal, window_size),
+    or None when the mask hides every key. Flash-attention aligns a window
+    (left, right) bottom-right: row i sees keys i + lk - lq - left ..
+    i + lk - lq + right, -1 meaning no bound. Ours is t <= j + diagonal
+    (and t > j + diagonal - w), so right = shift = diagonal - (lk - lq);
+    keys no row sees are cut from the end (right >= 0) and rows that see
+    none from the end (left = w - 1 - shift >= 0), as -1 would mean no bound."""
+    m = _Mask(mask)
+    if m.kind == "full":
+        return q_len, kv_len, False, (-1, -1)
+    kv_len = min(kv_len, max(0, q_len + diagonal))
+    if m.window is not None:
+        q_len = min(q_len, max(0, kv_len + m.window - 1 - diagonal))
+    if not q_len or not kv_len:
+        return None
+    shift = diagonal - (kv_len - q_len)
+    left = -1 if m.window is None else m.window - 1 - shift
+    return (q_len, kv_len, True, (left, -1 if m.window is None else 0)) if shift == 0 else (q_len, kv_len, False, (left, shift))
+
+
+def _flash_groups(mask, parts):
+    """The parts grouped by their flash-attention call: {(causal, window): [(q0, lq, k0, lk)]}."""
+    groups = {}
+    for q0, lq, k0, lk, diagonal in parts:
+        call = _flash_call(mask, lq, lk, diagonal)
+        if call is not None:
+            groups.setdefault(call[2:], []).append((q0, call[0], k0, call[1]))
+    return groups
+
+
+def _rows_of(starts_lengths, device):
+    """The row indices of (start, length) runs, back to back, and their int32 cu_seqlens."""
+    index = torch.cat([torch.arange(s, s + n) for s, n in starts_lengths]) if starts_lengths else torch.zeros(0, dtype=torch.long)
+    cu = torch.tensor([0] + [n for _, n in starts_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return index.to(device), cu.to(device)
+
+
+class FlashAttnVarlenKernel:
+    """flash-attention 2's varlen kernel (``flash_attn.flash_attn_varlen_func``,
+    flash-attn >= 2.3; >= 2.7 for stages > 1) as an adapter. The plan's mask becomes its
+    ``causal`` / ``window_size``: causal: causal=True; a sliding window of w:
+    window_size=(w - 1, 0), causal=True; full: causal=False, (-1, -1). With
+    stages > 1 a part's keys end before its entry's do, which shifts the
+    window (see _flash_call), and the backward goes through
+    ``flash_attn.flash_attn_interface._flash_attn_varlen_backward`` with the
+    merged output and lse (deterministic)."""
+
+    name = "flash_attn_varlen"
+
+    def __init__(self):
+        try:
+            module = importlib.import_module("flash_attn")
+        except ImportError as e:
+            raise ImportError(f"kernel 'flash_attn_varlen' needs the flash_attn package (flash-attention 2), which does not import here: {e}") from e
+        self.func = module.flash_attn_varlen_func
+        self.varlen_backward = _flash_backward()
+        self.staged = self.varlen_backward is not None
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None):
+        _, _, causal, window = _flash_call(mask, 1, 1, 0)  # whole entries: bottom-right, no shift
+        cu_q, cu_kv = (torch.as_tensor(c).to(device=q.device, dtype=torch.int32) for c in (cu_seqlens_q, cu_seqlens_kv))
+        max_q = max_seqlen_q if max_seqlen_q is not None else _longest(cu_q)
+        max_kv = max_seqlen_kv if max_seqlen_kv is not None else _longest(cu_kv)
+        return self.func(q, k, v, cu_q, cu_kv, max_q, max_kv, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=window)
+
+    def forward(self, q, k, v, parts, mask=None, softmax_scale=None):
+        """(out, lse) of the parts (no autograd); rows outside them: 0 and -inf."""
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_accumulator(q.dtype), device=q.device)
+        for (causal, window), group in _flash_groups(mask, _parts(parts, q.shape[0], k.shape[0])).items():
+            (qi, cu_q, max_q), (ki, cu_kv, max_kv) = _flash_rows(group, q.device)
+            o, part_lse, _ = self.func(q[qi], k[ki], v[ki], cu_q, cu_kv, max_q, max_kv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+                                       window_size=window, return_attn_probs=True)
+            if part_lse.shape != (q.shape[1], len(qi)):
+                raise RuntimeError(f"flash_attn_varlen_func gave softmax_lse of shape {tuple(part_lse.shape)}, not [heads, total_q] "
+                                   "(flash-attn >= 2.6 gives that)")
+            out[qi] = o
+            lse[:, qi] = part_lse.to(lse.dtype).masked_fill(part_lse == float("inf"), float("-inf"))  # flash marks a row without keys +inf
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, dout, parts, mask=None, softmax_scale=None):
+        """(dq, dk, dv) of the parts given the merged out and lse of every query row."""
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        dq = torch.zeros_like(q)
+        dk = torch.zeros(k.shape, dtype=_accumulator(k.dtype), device=k.device)
+        dv = torch.zeros(v.shape, dtype=_accumulator(v.dtype), device=v.device)
+        for (causal, window), group in _flash_groups(mask, _parts(parts, q.shape[0], k.shape[0])).items():
+            (qi, cu_q, max_q), (ki, cu_kv, max_kv) = _flash_rows(group, q.device)
+            gq, gk, gv = q.new_empty((len(qi),) + q.shape[1:]), k.new_empty((len(ki),) + k.shape[1:]), v.new_empty((len(ki),) + v.shape[1:])
+            row_lse = lse[:, qi].contiguous()
+            row_lse.masked_fill_(row_lse == float("-inf"), float("inf"))  # back to flash's mark of a row without keys
+            self.varlen_backward(dout[qi], q[qi], k[ki], v[ki], out[qi], row_lse, gq, gk, gv, cu_q, cu_kv, max_q, max_kv,
+                                 dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=window[0], window_size_right=window[1],
+                                 softcap=0.0, alibi_slopes=None, deterministic=True, rng_state=None)
+            dq[qi] = gq
+            dk.index_add_(0, ki, gk.to(dk.dtype))
+            dv.index_add_(0, ki, gv.to(dv.dtype))
+        return dq, dk, dv
+
+
+def _longest(cu_seqlens):
+    cu = cu_seqlens.tolist()
+    return max((b - a for a, b in zip(cu, cu[1:])), default=0)
+
+
+def _flash_rows(group, device):
+    """((query rows, cu_seqlens_q, max_seqlen_q), (key rows, cu_seqlens_k, max_seqlen_k)) of a group of parts."""
+    qi, cu_q = _rows_of([(q0, lq) for q0, lq, _, _ in group], device)
+    ki, cu_kv = _rows_of([(k0, lk) for _, _, k0, lk in group], device)
+    return (qi, cu_q, max(lq for _, lq, _, _ in group)), (ki, cu_kv, max(lk for _, _, _, lk in group))
+
+
+class SdpaKernel:
+    """torch.nn.functional.scaled_dot_product_attention (PyTorch >= 2.1) per
+    group of entries of equal lengths, as an adapter for stages = 1 only: it
+    gives no log-sum-exp to merge parts by, nor a backward that takes one.
+    Its is_causal aligns top-left, so only square causal entries use it; the
+    others get the plan's mask, bottom-right aligned, as a bool attn_mask."""
+
+    name = "sdpa"
+    staged = False
+
+    def __init__(self):
+        self.func = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
+        if self.func is None:
+            raise ImportError("kernel 'sdpa' needs torch.nn.functional.scaled_dot_product_attention (PyTorch 2.1 or later); "
+                              f"this is PyTorch {torch.__version__}")
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None):
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of the heads of k and v ({k.shape[1]})")
+        m, groups = _Mask(mask), q.shape[1] // k.shape[1]
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        by_shape = {}
+        for q0, lq, k0, lk, _ in _entries(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0]):
+            by_shape.setdefault((lq, lk), []).append((q0, k0))
+        rows, outs = [], []
+        for (lq, lk), starts in by_shape.items():
+            qi = torch.tensor([q0 for q0, _ in starts], device=q.device)[:, None] + torch.arange(lq, device=q.device)
+            ki = torch.tensor([k0 for _, k0 in starts], device=q.device)[:, None] + torch.arange(lk, device=q.device)
+            rows.append(qi.reshape(-1))
+            outs.append(self._group(q, k, v, qi, ki, m, groups, scale).reshape(-1, q.shape[1], v.shape[2]))
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        return out.index_copy(0, torch.cat(rows), torch.cat(outs)) if rows else out + q[:0].sum()  # tied to q even without entries
+
+    def _group(self, q, k, v, qi, ki, m, groups, scale):
+        """Entries of one shape, batched: [entries, lq, heads, dim_v]."""
+        lq, lk = qi.shape[1], ki.shape[1]
+        if lk == 0:
+            return q.new_zeros(qi.shape[0], lq, q.shape[1], v.shape[2])
+        seen = m.allows(torch.arange(lq, device=q.device)[:, None], torch.arange(lk, device=q.device)[None, :], lk - lq)
+        blind = ~seen.any(-1)  # rows that see no key: sdpa would give nan, we give 0
+        qb = q[qi].transpose(1, 2)  # [entries, heads, lq, dim]
+        kb, vb = (x[ki].repeat_interleave(groups, dim=2).transpose(1, 2) for x in (k, v))  # query head h reads h // groups
+        if m.kind == "causal" and lq == lk:
+            how = {"is_causal": True}  # square: top-left is bottom-right
+        elif bool(seen.all()):
+            how = {}
+        else:
+            how = {"attn_mask": seen | blind[:, None]}
+        o = self.func(qb, kb, vb, dropout_p=0.0, scale=scale, **how).transpose(1, 2)
+        return o.masked_fill(blind[None, :, None, None], 0.0) if bool(blind.any()) else o
+
+
+#: The kernels ContextParallelAttention takes by name.
+KERNELS = {"blockwise": BlockwiseKernel, "flash_attn_varlen": FlashAttnVarlenKernel, "sdpa": SdpaKernel}
+
+
+def kernel_adapter(kernel):
+    """The kernel a name stands for (KERNELS; None: "blockwise"), or ``kernel`` itself when callable."""
+    if kernel is None:
+        return BlockwiseKernel()
+    if isinstance(kernel, str):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel: unknown kernel {kernel!r} (one of {', '.join(KERNELS)}, or a callable)")
+        return KERNELS[kernel]()
+    if not callable(kernel):
+        raise TypeError(f"kernel must be a name ({', '.join(KERNELS)}) or a callable, not {type(kernel).__name__}")
+    return kernel
+
+
+def _takes_stages(kernel):
+    """Whether a kernel has the forward / backward that stages > 1 need."""
+    return getattr(kernel, "staged", True) and callable(getattr(kernel, "forward", None)) and callable(getattr(kernel, "backward", None))
+
+
+def _stage_group(home, attention, world, groups):
+    """The stage group (0 .. groups - 1) of the traffic between a home rank
+    and an attention rank (home != attention), by ring distance, in both
+    directions: every rank agrees on it without talking (as the C++ op,
+    staged_exchange.hpp)."""
+    return ((attention - home) % world - 1) * groups // (world - 1)
+
+
+def _collective(world):
+    """Whether exchanges go through torch.distributed (one rank without a process group: a local copy)."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    if world == 1:
+        return False
+    raise RuntimeError("cpdispatch.torch: a plan of several ranks needs torch.distributed initialised")
+
+
+class _Staging:
+    """How ContextParallelAttention(stages=S) moves and attends one rank's share.
+
+    ``groups`` = min(S - 1, W - 1) groups of remote peers. Round 0 is what
+    this rank holds itself (its own query shards and key-value shards),
+    round g + 1 what the peers of group g send; each group is ONE joint
+    exchange of queries and key-values. A part is an entry's query rows
+    against a run of its KV group's rows that all arrive by the same round,
+    its diagonal shifted so that the mask stays the document's;
+    ``passes[r]`` cuts round r's parts so that no kernel call sees a query
+    row twice. ``kv_ready[g]``: the round after which every part reading
+    group g's key-values is done, so their gradients can go home."""
+
+    def __init__(self, d, stages):
+        self.world, me = len(d.q_route.forward.send_counts), d.rank
+        self.groups = min(stages - 1, self.world - 1)
+        self.land = d.wire_route if d.wire_route is not None else d.kv_route  # the key-value route on the wire
+        self.fan_source = d.fan_source if d.wire_route is not None else None
+        fwd = [d.q_route.forward, self.land.forward]
+        if self.groups == 0:
+            everyone = [True] * self.world
+            self.forward = _Joint(fwd, everyone, everyone)
+            self.reverse = _Joint([d.q_route.reverse, self.land.reverse], everyone, everyone)
+            return
+        mine = [p == me for p in range(self.world)]
+        as_home = [-1 if p == me else _stage_group(me, p, self.world, self.groups) for p in range(self.world)]
+        as_attention = [-1 if p == me else _stage_group(p, me, self.world, self.groups) for p in range(self.world)]
+        self.local = _Joint(fwd, mine, mine)
+        self.stages = [_Joint(fwd, [h == g for h in as_home], [a == g for a in as_attention]) for g in range(self.groups)]
+        self.kv_local = _Joint([self.land.reverse], mine, mine)
+        self.kv_stages = [_Joint([self.land.reverse], [a == g for a in as_attention], [h == g for h in as_home]) for g in range(self.groups)]
+        self._plan_parts(d, me)
+
+    def _rounds(self, exchange, me):
+        """The round in which each output row of a forward exchange arrives."""
+        source = torch.full((exchange.output_tokens,), me, dtype=torch.long)
+        source[exchange.recv_index] = torch.repeat_interleave(torch.arange(self.world), torch.as_tensor(exchange.recv_counts, dtype=torch.long))
+        group = torch.div(((me - source) % self.world - 1) * self.groups, self.world - 1, rounding_mode="floor")
+        return torch.where(source == me, torch.zeros_like(source), group + 1)
+
+    def _plan_parts(self, d, me):
+        q_round = self._rounds(d.q_route.forward, me)
+        kv_round = self._rounds(self.land.forward, me)
+        if self.fan_source is not None:
+            kv_round = kv_round[self.fan_source]
+            self.fan_rows = [torch.nonzero(kv_round == r).flatten() for r in range(self.groups + 1)]
+        self.passes = [[] for _ in range(self.groups + 1)]
+        read = kv_round.clone()  # the round in which each key-value row is read
+        cu_q, cu_kv = d.cu_seqlens_q.tolist(), d.cu_seqlens_kv.tolist()
+        for e in range(len(cu_q) - 1):
+            q0, lq, k0, lk = cu_q[e], cu_q[e + 1] - cu_q[e], cu_kv[e], cu_kv[e + 1] - cu_kv[e]
+            if lq and lk:
+                read[k0:k0 + lk] = self._cut((q0, lq, k0, lk), int(q_round[q0]), kv_round[k0:k0 + lk])
+        self.kv_ready = [max([g + 1] + read[kv_round == g + 1].tolist()) for g in range(self.groups)]
+
+    def _cut(self, entry, q_round, kv_round):
+        """Adds entry's parts (maximal runs of key rows read in one round) to the passes; returns each row's round."""
+        q0, lq, k0, lk = entry
+        rounds = kv_round.clamp(min=q_round)  # a part needs its queries too
+        cuts = [0] + (torch.nonzero(rounds[1:] != rounds[:-1]).flatten() + 1).tolist() + [lk]
+        seen = {}
+        for a, b in zip(cuts, cuts[1:]):
+            r = int(rounds[a])
+            k = seen[r] = seen.get(r, -1) + 1  # the entry's k-th part in round r goes to pass k
+            if k == len(self.passes[r]):
+                self.passes[r].append([])
+            self.passes[r][k].append((q0, lq, k0 + a, b - a, lk - lq - a))
+        return rounds
+
+    def fan_out(self, landed, kva, rows=None):
+        """Key-value rows of the attention layout from the wire (dedup); ``rows`` None: all."""
+        if self.fan_source is None:
+            return landed
+        if rows is None:
+            return landed.index_select(0, _at(self.fan_source, landed))
+        return kva.index_copy_(0, _at(rows, kva), landed.index_select(0, _at(self.fan_source[rows], landed)))
+
+    def fan_in(self, grad, wire, rows=None):
+        """Key-value gradients of the attention layout summed per wire row (dedup); ``rows`` None: all."""
+        if self.fan_source is None:
+            return grad
+        if rows is None:
+            return wire.index_add_(0, _at(self.fan_source, grad), grad)
+        return wire.index_add_(0, _at(self.fan_source[rows], grad), grad.index_select(0, _at(rows, grad)))
+
+
+class _JointDispatch(torch.autograd.Function):
+    """stages = 1: queries, keys and values to the attention layout in ONE
+    exchange (the key-values fanned out with dedup); backward: their
+    gradients home in ONE exchange, the fan-in first, the copy combine last."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, d, st):
+        ctx.d, ctx.st, ctx.dim = d, st, k.shape[-1]
+        kv = torch.cat([k, v], -1)
+        qa = q.new_zeros((d.q_route.forward.output_tokens,) + tuple(q.shape[1:]))
+        landed = kv.new_zeros((st.land.forward.output_tokens,) + tuple(kv.shape[1:]))
+        st.forward.post([q, kv], d.group, _collective(st.world)).land([qa, landed])
+        kva = st.fan_out(landed, None)
+        return qa, kva[..., :ctx.dim], kva[..., ctx.dim:]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dqa, dka, dva):
+        d, st = ctx.d, ctx.st
+        dkva = torch.cat([dka, dva], -1)
+        wire = dkva.new_zeros((st.land.forward.output_tokens,) + tuple(dkva.shape[1:]))
+        dland = st.fan_in(dkva, wire)
+        dq = dqa.new_zeros((d.q_route.reverse.output_tokens,) + tuple(dqa.shape[1:]))
+        replica = dland.new_zeros((st.land.reverse.output_tokens,) + tuple(dland.shape[1:]))
+        st.reverse.post([dqa.contiguous(), dland], d.group, _collective(st.world)).land([dq, replica])
+        dkv = st.land.combine(replica)
+        return dq, dkv[..., :ctx.dim], dkv[..., ctx.dim:], None, None
+
+
+def _merge(out, lse, part_out, part_lse):
+    """Folds one part's attention into the running (out, lse), in place, in
+    the accumulator dtype: the softmax over the union of their keys."""
+    new = torch.logaddexp(lse, part_lse.to(lse.dtype))
+    base = new.masked_fill(new == float("-inf"), 0.0)  # a row no part showed a key: weights exp(-inf) = 0, not nan
+    out.mul_(torch.exp(lse - base).t()[..., None])
+    out.add_(part_out.to(out.dtype) * torch.exp(part_lse.to(lse.dtype) - base).t()[..., None])
+    lse.copy_(new)
+
+
+class _StagedAttention(torch.autograd.Function):
+    """stages > 1: the exchange by stages behind the attention.
+
+    Forward: every remote stage is posted at once; the local part is attended
+    while they travel, then each stage's parts as it lands, the parts'
+    outputs merged by their log-sum-exps. Backward: each part through the
+    kernel's backward with the MERGED output and lse (a part's own lse is not
+    its softmax's normaliser, and a kernel's lse carries no gradient, so
+    autograd through the merge would be wrong); a stage's key-value
+    gradients go home as soon as every part reading them is done, dq last."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, d, st, kernel, mask, scale):
+        kv = torch.cat([k, v], -1)
+        posted = [stage.post([q, kv], d.group) for stage in st.stages]
+        qa = q.new_zeros((d.q_route.forward.output_tokens,) + tuple(q.shape[1:]))
+        landed = kv.new_zeros((st.land.forward.output_tokens,) + tuple(kv.shape[1:]))
+        st.local.post([q, kv], None, collective=False).land([qa, landed])
+        kva = landed if st.fan_source is None else kv.new_zeros((len(st.fan_source),) + tuple(kv.shape[1:]))
+        acc = _accumulator(q.dtype)
+        out = torch.zeros((qa.shape[0], q.shape[1], v.shape[2]), dtype=acc, device=q.device)
+        lse = torch.full((q.shape[1], qa.shape[0]), float("-inf"), dtype=acc, device=q.device)
+        dim = k.shape[-1]
+        for r, passes in enumerate(st.passes):
+            if r:
+                posted[r - 1].land([qa, landed])
+            if st.fan_source is not None:
+                st.fan_out(landed, kva, st.fan_rows[r])
+            for parts in passes:
+                _merge(out, lse, *kernel.forward(qa, kva[..., :dim], kva[..., dim:], parts, mask, scale))
+        out = out.to(q.dtype)
+        ctx.d, ctx.st, ctx.kernel, ctx.mask, ctx.scale, ctx.dim = d, st, kernel, mask, scale, dim
+        ctx.save_for_backward(qa, kva, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        qa, kva, out, lse = ctx.saved_tensors
+        d, st, dim = ctx.d, ctx.st, ctx.dim
+        dout = dout.contiguous()
+        dqa = torch.zeros(qa.shape, dtype=lse.dtype, device=qa.device)
+        dkva = torch.zeros(kva.shape, dtype=lse.dtype, device=kva.device)
+        wire = torch.zeros((st.land.forward.output_tokens,) + tuple(kva.shape[1:]), dtype=lse.dtype, device=kva.device)
+        posted = []
+        for r, passes in enumerate(st.passes):
+            for parts in passes:
+                dq, dk, dv = ctx.kernel.backward(qa, kva[..., :dim], kva[..., dim:], out, lse, dout, parts, ctx.mask, ctx.scale)
+                dqa += dq
+                dkva[..., :dim] += dk
+                dkva[..., dim:] += dv
+            while len(posted) < st.groups and st.kv_ready[len(posted)] <= r:
+                g = len(posted)
+                posted.append(st.kv_stages[g].post([_home_bound(st, dkva, wire, g + 1, kva.dtype)], d.group))
+        dq_home = d.q_route.reverse(dqa.to(qa.dtype), d.group)
+        replica = kva.new_zeros((st.land.reverse.output_tokens,) + tuple(kva.shape[1:]))
+        st.kv_local.post([_home_bound(st, dkva, wire, 0, kva.dtype)], None, collective=False).land([replica])
+        for p in posted:
+            p.land([replica])
+        dkv = st.land.combine(replica)
+        return dq_home, dkv[..., :dim], dkv[..., dim:], None, None, None, None, None
+
+
+def _home_bound(st, dkva, wire, r, dtype):
+    """The key-value gradients that round r's senders get back, in the input
+    dtype: with dedup, round r's rows summed per wire row first (fp32)."""
+    if st.fan_source is None:
+        return dkva.to(dtype)
+    return st.fan_in(dkva, wire, st.fan_rows[r]).to(dtype)
+
+
+class _Tie(torch.autograd.Function):
+    """A kernel's output that autograd does not see (a kernel may return a
+    fresh tensor for a rank without query rows), tied to q, k and v with zero
+    gradients, so that this rank still makes the backward's collectives."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        ctx.like = [(x.shape, x.dtype, x.device) for x in inputs]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None,) + tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+
+
 class ContextParallelAttention(torch.nn.Module):
     """Context-parallel attention: dispatch the queries and key-values of the
     MLP layout to the attention ranks, attend each query shard to its KV group
     under the plan's mask, and bring the outputs home.
 
-    ``kernel`` (default varlen_attention with its default blocks) is called as
-    ``kernel(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, mask, softmax_scale)``
-    and returns the output; ``functools.partial(varlen_attention, block_q=..., block_kv=...)``
-    sets other blocks."""
+    ``kernel``: a name of KERNELS ("blockwise", the default; "flash_attn_varlen";
+    "sdpa"), an adapter (BlockwiseKernel(block_q=..., block_kv=...), ...) or
+    any callable ``kernel(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+    max_seqlen_kv, mask, softmax_scale)`` that returns the output
+    (differentiable), e.g. functools.partial(varlen_attention, block_q=...).
 
-    def __init__(self, softmax_scale=None, kernel=None):
+    ``stages`` (default 1): with 1, queries, keys and values travel in one
+    exchange and the kernel attends the whole layout (bitwise reproducible
+    run to run). With S > 1 the remote peers fall in min(S - 1, W - 1) groups
+    by ring distance, each one exchange posted at once; the key-values this
+    rank holds are attended while they travel and the partial outputs merge
+    by their log-sum-exps. That needs a kernel with ``forward(q, k, v, parts,
+    mask, softmax_scale) -> (out, lse)`` and ``backward(q, k, v, out, lse,
+    dout, parts, mask, softmax_scale) -> (dq, dk, dv)`` taking the merged
+    output and lse: "blockwise" and "flash_attn_varlen" have them."""
+
+    def __init__(self, softmax_scale=None, kernel="blockwise", stages=1):
         super().__init__()
-        self.softmax_scale = softmax_scale
-        self.kernel = kernel or varlen_attention
+        if isinstance(stages, bool) or not isinstance(stages, numbers.Integral) or stages < 1:
+            raise ValueError(f"stages must be an int of at least 1, not {stages!r}")
+        self.softmax_scale, self.stages = softmax_scale, int(stages)
+        self.kernel = kernel_adapter(kernel)
+        if self.stages > 1 and not _takes_stages(self.kernel):
+            name = getattr(self.kernel, "name", None) or getattr(self.kernel, "__name__", type(self.kernel).__name__)
+            raise ValueError(f"stages = {stages} needs a kernel whose forward gives the log-sum-exp and whose backward takes the merged "
+                             f"output and log-sum-exp ('blockwise', 'flash_attn_varlen' or such an adapter); {name!r} runs stages = 1 only")
 
     def forward(self, q, k, v, dispatch):
-        qa = dispatch.dispatch_q(q)
-        ka = dispatch.dispatch_kv(k)
-        va = dispatch.dispatch_kv(v)
-        cu_q = dispatch.cu_seqlens_q.to(q.device)
-        cu_kv = dispatch.cu_seqlens_kv.to(q.device)
-        out = self.kernel(qa, ka, va, cu_q, cu_kv, dispatch.max_seqlen_q, dispatch.max_seqlen_kv, dispatch.mask, self.softmax_scale)
+        if not q.dtype == k.dtype == v.dtype:
+            raise ValueError(f"q, k and v travel in one exchange and need one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
+        staging = dispatch.staging(self.stages)
+        if staging.groups:
+            out = _StagedAttention.apply(q, k, v, dispatch, staging, self.kernel, dispatch.mask, self.softmax_scale)
+        else:
+            qa, ka, va = _JointDispatch.apply(q, k, v, dispatch, staging)
+            cu_q = dispatch.cu_seqlens_q.to(q.device)
+            cu_kv = dispatch.cu_seqlens_kv.to(q.device)
+            out = self.kernel(qa, ka, va, cu_q, cu_kv, dispatch.max_seqlen_q, dispatch.max_seqlen_kv, dispatch.mask, self.softmax_scale)
+            out = out[0] if isinstance(out, tuple) else out  # a kernel may give (out, lse)
+            if torch.is_grad_enabled() and not out.requires_grad and any(x.requires_grad for x in (qa, ka, va)):
+                out = _Tie.apply(out, qa, ka, va)
         return dispatch.undispatch(out)
