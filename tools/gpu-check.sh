@@ -14,20 +14,23 @@
 #                              benchmarks; logs into $OUT (or gpu-check-out/)
 #                              and a summary on standard output
 #
-# The run half takes about 5 minutes on an H200; each part has its own time
-# limit, so one hang cannot eat the lease. It uses the machine's own NCCL and,
-# where a library is absent, says so and goes on.
+# The run half takes about 6 minutes on an H200; each part has its own time
+# limit, so one hang cannot eat the lease. It uses the machine's own NCCL and
+# cuDNN (libcudnn is too large to carry: where the loader cannot find it, the
+# first libcudnn.so.9 under /usr, /opt or PyTorch's wheel is put on
+# LD_LIBRARY_PATH; the programs print the version they run with) and, where a
+# library is absent, says so and goes on.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build-gpu}
 carry="$build_dir/carry"
-tests=(cuda_device_test cuda_dedup_test cuda_nccl_test cuda_nccl_errors_test cuda_host_test)
-benches=(bench_cuda_dispatch bench_cuda_dedup bench_cuda_attention)
+tests=(cuda_device_test cuda_dedup_test cuda_nccl_test cuda_nccl_errors_test cuda_host_test cudnn_attention_test)
+benches=(bench_cuda_dispatch bench_cuda_dedup bench_cuda_attention bench_cuda_cp_attention)
 
 build() {
   set -e
   tools/install-deps.sh
-  cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCPDISPATCH_WITH_CUDA=ON \
+  cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCPDISPATCH_WITH_CUDA=ON -DCPDISPATCH_WITH_CUDNN=ON \
     -DCMAKE_CUDA_ARCHITECTURES="90-real;90-virtual" -DCPDISPATCH_WITH_PYTHON=OFF
   cmake --build "$build_dir" -j"$(nproc)" --target "${tests[@]}" "${benches[@]}"
   rm -rf "$carry" && mkdir -p "$carry"
@@ -67,11 +70,28 @@ sanitize() {
   fi
 }
 
+# Puts a libcudnn.so.9 on the loader's path when the programs cannot find one.
+find_cudnn() {
+  ldd "$carry/cudnn_attention_test" 2>/dev/null | grep -q 'libcudnn.so.9 => not found' || return 0
+  local lib
+  lib=$(find /usr /opt /usr/local -name 'libcudnn.so.9' 2>/dev/null | head -1)
+  if [ -z "$lib" ] && command -v python3 >/dev/null; then
+    lib=$(python3 -c 'import glob, os, torch; print((glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cudnn", "lib", "libcudnn.so.9")) + [""])[0])' 2>/dev/null)
+  fi
+  if [ -n "$lib" ]; then
+    export LD_LIBRARY_PATH="$(dirname "$lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "cuDNN: using $lib"
+  else
+    echo "cuDNN: no libcudnn.so.9 on this machine; the cuDNN parts will fail to load"
+  fi
+}
+
 run() {
   out=${OUT:-gpu-check-out}
   mkdir -p "$out"
   failed=0
   export PATH="$PATH:/usr/local/cuda/bin"
+  find_cudnn
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/gpu.txt" 2>&1
   echo "GPU: $(tail -n +2 "$out/gpu.txt" | head -1)   $(date -u '+%Y-%m-%d %H:%M UTC')"
   for program in "${tests[@]}"; do
@@ -80,9 +100,17 @@ run() {
   sanitize memcheck cuda_device_test '*ContextParallel*:*DeviceSim*:*Attention*'
   sanitize synccheck cuda_device_test '*ContextParallel*:*Attention*'
   sanitize memcheck cuda_dedup_test '*Sim*'
+  sanitize memcheck cudnn_attention_test 'CudnnAttentionGpu.*'
+  part bench_cuda_attention-cudnn 120 "$carry/bench_cuda_attention" --cases targets --types bf16 --deterministic both --repeats 10
+  if command -v python3 >/dev/null && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    part bench_torch_sdpa 120 python3 benchmarks/python/bench_torch_sdpa.py --repeats 10
+  else
+    printf '%-44s %s\n' bench_torch_sdpa "not run: no PyTorch with CUDA here"
+  fi
+  part bench_cuda_cp_attention 120 "$carry/bench_cuda_cp_attention" --stages 1,2,4 --repeats 5 --seed 0
+  part bench_cuda_attention-cuda 90 "$carry/bench_cuda_attention" --kernel cuda --cases quick --repeats 3
   part bench_cuda_dispatch 90 "$carry/bench_cuda_dispatch" 8 8192 20
   part bench_cuda_dedup 90 "$carry/bench_cuda_dedup" 8 16384 20
-  part bench_cuda_attention 150 "$carry/bench_cuda_attention" --repeats 3
   echo "gpu-check: $failed part(s) failed; logs in $out/"
   [ $failed -eq 0 ]
 }
