@@ -132,34 +132,12 @@ def mask_of(plan):
     return _copy.deepcopy(mask) if mask is not None else dict(CAUSAL)
 
 
-def _rank_shards(plan, rank):
-    """(document index, shard start within the document, length) of each of
-    rank ``rank``'s shards in its MLP-layout order."""
-    plan = _source(plan)
-    shards = []
-    if "documents" in plan:
-        for d, doc in enumerate(plan["documents"]):
-            start = 0
-            for s in doc["shards"]:
-                if int(s["rank"]) == rank:
-                    shards.append((d, start, int(s["len"])))
-                start += int(s["len"])
-    else:
-        for d, doc in enumerate(plan["ranks"][rank]["docs"]):
-            start = 0
-            for n in doc["shard_len"]:
-                shards.append((d, start, int(n)))
-                start += int(n)
-    return shards
-
-
-def position_ids(plan, rank):
+def position_ids(plan, rank, *, max_memory=DEFAULT_MAX_MEMORY):
     """Position of each of rank ``rank``'s tokens (MLP layout) within its
-    document, counted from 0: the positions RoPE rotates by. A NumPy int64 array."""
-    import numpy as np
-
-    pieces = [np.arange(start, start + n, dtype=np.int64) for _, start, n in _rank_shards(plan, rank)]
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    document, counted from 0: the positions RoPE rotates by. A NumPy int64
+    array, from the C++ planner's shard table (a qkv plan's; a query plan has
+    no documents and raises ValueError, as do malformed plans and ranks outside it)."""
+    return _cpdispatch.position_ids(_core(plan), rank, max_memory)
 
 
 def _offsets(cu_seqlens, name):

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -320,12 +319,13 @@ struct ParsedPlan {
 };
 
 // ---- the common case without the JSON detour
-// A QKV plan dict of exactly the expected shape (known keys only, plain ints
-// in range, lists of the right lengths) is read straight into the plan
-// structs: walking a dict into nlohmann-json costs several times the
-// planning. Anything else returns false and goes through the library's JSON
-// reader, which then names what is wrong; values (ranks, lengths,
-// destinations) are checked by the planner either way.
+// A QKV plan dict is read straight into the plan structs by the format's
+// tables (plan/fields.hpp) with the JSON reader's rules (known keys only,
+// plain ints in range, lists of the right lengths): walking a dict into
+// nlohmann-json costs several times the planning. Anything else returns
+// false and goes through the library's JSON reader, which then names what is
+// wrong; values (ranks, lengths, destinations) are checked by the planner
+// either way.
 
 /// A plain int (not bool, not a NumPy scalar) that fits in 64 bits.
 bool plain_int(PyObject* o, std::int64_t& out) {
@@ -337,12 +337,14 @@ bool plain_int(PyObject* o, std::int64_t& out) {
 
 /// Interned keys made once (kept for the life of the module): PyDict_GetItemString
 /// would make a new string object per lookup.
-template <std::size_t N>
-std::array<PyObject*, N> keys_of(const std::array<const char*, N>& names) {
+template <class Name, std::size_t N>
+std::array<PyObject*, N> keys_of(const std::array<Name, N>& names) {
   std::array<PyObject*, N> keys{};
   for (std::size_t i = 0; i < N; ++i) {
-    keys[i] = PyUnicode_InternFromString(names[i]);
+    const std::string_view name(names[i]);
+    keys[i] = PyUnicode_FromStringAndSize(name.data(), static_cast<Py_ssize_t>(name.size()));
     if (!keys[i]) throw py::error_already_set();
+    PyUnicode_InternInPlace(&keys[i]);
   }
   return keys;
 }
@@ -370,75 +372,107 @@ bool int_list(PyObject* o, std::vector<std::int64_t>& out) {
   return true;
 }
 
-bool read_documents(PyObject* o, cpdispatch::QkvDocumentsPlan& plan) {
-  if (!PyList_CheckExact(o)) return false;
-  plan.documents.resize(static_cast<std::size_t>(PyList_GET_SIZE(o)));
-  static const auto document_keys = keys_of(std::array{"shards"});
-  static const auto shard_keys = keys_of(std::array{"rank", "len", "dst"});
-  std::array<PyObject*, 1> doc{};
-  std::array<PyObject*, 3> shard{};
-  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
-    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)), document_keys, doc) || !doc[0] || !PyList_CheckExact(doc[0])) return false;
-    auto& shards = plan.documents[i].shards;
-    shards.resize(static_cast<std::size_t>(PyList_GET_SIZE(doc[0])));
-    for (std::size_t k = 0; k < shards.size(); ++k) {
-      if (!dict_fields(PyList_GET_ITEM(doc[0], static_cast<Py_ssize_t>(k)), shard_keys, shard) || !shard[0] || !shard[1] ||
-          !shard[2] || !plain_int(shard[0], shards[k].rank) || !plain_int(shard[1], shards[k].len) || !plain_int(shard[2], shards[k].dst)) {
-        return false;
-      }
-    }
-  }
-  return true;
+/// "mask" through the library's reader (a small dict: the JSON detour costs nothing here).
+cpdispatch::AttentionMask read_mask_field(PyObject* o) {
+  const KeyPath root{};
+  const auto path = cpdispatch::detail::JsonPath::root("input");
+  return cpdispatch::detail::read_mask(to_json(o, KeyPath{&root, "mask"}), path / "mask");
 }
 
-bool read_ranks(PyObject* o, cpdispatch::QkvPlan& plan) {
-  if (!PyList_CheckExact(o) || PyList_GET_SIZE(o) != plan.world_size) return false;
-  plan.ranks.resize(static_cast<std::size_t>(plan.world_size));
-  static const auto rank_keys = keys_of(std::array{"docs"});
-  static const auto doc_keys = keys_of(std::array{"shard_len", "dst"});
-  std::array<PyObject*, 1> rank{};
-  std::array<PyObject*, 2> doc{};
-  for (std::size_t r = 0; r < plan.ranks.size(); ++r) {
-    if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(r)), rank_keys, rank) || !rank[0] || !PyList_CheckExact(rank[0])) return false;
-    auto& docs = plan.ranks[r].docs;
-    docs.resize(static_cast<std::size_t>(PyList_GET_SIZE(rank[0])));
-    for (std::size_t i = 0; i < docs.size(); ++i) {
-      if (!dict_fields(PyList_GET_ITEM(rank[0], static_cast<Py_ssize_t>(i)), doc_keys, doc) || !doc[0] || !doc[1] ||
-          !int_list(doc[0], docs[i].shard_len) || !int_list(doc[1], docs[i].dst) || docs[i].dst.size() != docs[i].shard_len.size()) {
-        return false;
-      }
+namespace fields = cpdispatch::fields;
+
+/// A table's keys as interned strings, made once per struct.
+template <fields::Tabled S>
+const std::array<PyObject*, fields::size<S>>& interned_keys() {
+  static const auto keys = keys_of(fields::keys<S>());
+  return keys;
+}
+
+template <fields::Tabled S>
+bool read_fields(const std::array<PyObject*, fields::size<S>>& values, S& out);
+
+bool read_value(PyObject* o, std::int64_t& out, const fields::Rule& rule) { return plain_int(o, out) && out >= rule.at_least; }
+
+bool read_value(PyObject* o, std::optional<std::int64_t>& out, const fields::Rule& rule) { return read_value(o, out.emplace(), rule); }
+
+bool read_value(PyObject* o, bool& out, const fields::Rule&) {
+  out = o == Py_True;
+  return PyBool_Check(o);
+}
+
+bool read_value(PyObject* o, cpdispatch::AttentionMask& out, const fields::Rule&) {
+  try {
+    out = read_mask_field(o);
+    return true;
+  } catch (const cpdispatch::invalid_input&) {
+    return false;  // the JSON reader names it, after any field it reads first
+  }
+}
+
+template <class T>
+bool read_value(PyObject* o, std::vector<T>& out, const fields::Rule&) {
+  if constexpr (!fields::Tabled<T>) {
+    return int_list(o, out);
+  } else {
+    if (!PyList_CheckExact(o)) return false;
+    const auto& keys = interned_keys<T>();  // looked up once for the list: this loop is the hot one
+    std::array<PyObject*, fields::size<T>> values;
+    out.resize(static_cast<std::size_t>(PyList_GET_SIZE(o)));
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      if (!dict_fields(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)), keys, values) || !read_fields(values, out[i])) return false;
+    }
+    return true;
+  }
+}
+
+/// A fixed key: absent, or its one value as a str.
+template <class S>
+bool read_field(PyObject* o, const fields::Tag& tag, S&) {
+  return !o || (PyUnicode_CheckExact(o) && PyUnicode_CompareWithASCIIString(o, std::string(tag.value).c_str()) == 0);
+}
+
+template <class S, class T>
+bool read_field(PyObject* o, const fields::Field<S, T>& f, S& out) {
+  if (!o || (o == Py_None && !f.rule.required)) return !f.rule.required;
+  if constexpr (fields::is_vector<T>) {
+    if (!f.rule.length_of.empty()) {
+      const auto bound = fields::bound_of(out, f.rule.length_of);
+      if (!PyList_CheckExact(o) || !bound || static_cast<std::size_t>(PyList_GET_SIZE(o)) != bound->value) return false;
     }
   }
-  return true;
+  return read_value(o, out.*f.member, f.rule);
+}
+
+/// S from the values of its table's keys (nullptr where absent), by the JSON reader's rules.
+template <fields::Tabled S>
+bool read_fields(const std::array<PyObject*, fields::size<S>>& values, S& out) {
+  bool ok = true;
+  std::size_t i = 0;
+  fields::for_each<S>([&](const auto& entry) { ok = ok && read_field(values[i++], entry, out); });
+  return ok;
+}
+
+/// S from a dict of its table's keys and no other.
+template <fields::Tabled S>
+bool read_struct(PyObject* o, S& out) {
+  std::array<PyObject*, fields::size<S>> values;
+  return dict_fields(o, interned_keys<S>(), values) && read_fields(values, out);
 }
 
 /// The fast read of a QKV plan dict (see above); false: use the JSON reader.
 bool read_qkv_dict(py::handle input, ParsedPlan& out) {
-  static const auto plan_keys = keys_of(std::array{"kind", "world_size", "max_cp_degree", "documents", "ranks", "dedup"});
-  std::array<PyObject*, 6> f{};  // kind, world_size, max_cp_degree, documents, ranks, dedup
-  if (!dict_fields(input.ptr(), plan_keys, f)) return false;
-  if (f[0] && !(PyUnicode_CheckExact(f[0]) && PyUnicode_CompareWithASCIIString(f[0], "qkv") == 0)) return false;
-  if (f[5] && !PyBool_Check(f[5])) return false;
-  out.dedup = out.dedup || f[5] == Py_True;
-  std::int64_t world = 0, copies = 0;
-  if (!f[1] || !plain_int(f[1], world) || world < 1) return false;
-  if (f[2] && f[2] != Py_None && (!plain_int(f[2], copies) || copies < 1)) return false;
-  const std::optional<std::int64_t> max_cp_degree = f[2] && f[2] != Py_None ? std::optional(copies) : std::nullopt;
-  if ((f[3] == nullptr) == (f[4] == nullptr)) return false;
-  if (f[3]) {
-    cpdispatch::QkvDocumentsPlan plan;
-    plan.world_size = world;
-    plan.max_cp_degree = max_cp_degree;
-    if (!read_documents(f[3], plan)) return false;
+  static const auto form_keys = keys_of(std::array{"documents", "ranks"});
+  PyObject* o = input.ptr();
+  if (!PyDict_CheckExact(o)) return false;
+  const bool documents = PyDict_GetItem(o, form_keys[0]) != nullptr, ranks = PyDict_GetItem(o, form_keys[1]) != nullptr;
+  if (documents == ranks) return false;
+  const auto read = [&](auto plan) {
+    if (!read_struct(o, plan)) return false;
+    out.dedup = out.dedup || plan.dedup;
     out.plan = std::move(plan);
-  } else {
-    cpdispatch::QkvPlan plan;
-    plan.world_size = world;
-    plan.max_cp_degree = max_cp_degree;
-    if (!read_ranks(f[4], plan)) return false;
-    out.plan = std::move(plan);
-  }
-  return true;
+    return true;
+  };
+  return documents ? read(cpdispatch::QkvDocumentsPlan{}) : read(cpdispatch::QkvPlan{});
 }
 
 void check_dedup(const ParsedPlan& p) {
@@ -598,6 +632,46 @@ py::dict token_indices(py::handle input, std::int64_t rank, bool dedup, py::hand
   return out;
 }
 
+// ---------------------------------------------------------------- positions
+
+std::size_t checked_copies(const cpdispatch::QkvPlan& p) { return cpdispatch::detail::check_rank_plan(p); }
+std::size_t checked_copies(const cpdispatch::QkvDocumentsPlan& p) { return cpdispatch::detail::check_documents_plan(p); }
+
+/// Each of rank `rank`'s tokens (MLP layout order) as its position within its
+/// document, from the planner's shard table: a shard's context is the
+/// tokens of its document before it. The plan is checked as the planner
+/// checks it first (the table indexes by its ranks).
+template <class QkvForm>
+std::vector<std::int64_t> rank_positions(const QkvForm& plan, std::int64_t rank, const cpdispatch::PlanLimits& limits) {
+  namespace detail = cpdispatch::detail;
+  const std::size_t C = checked_copies(plan);
+  const std::size_t R = detail::checked_rank(rank, plan.world_size, "position_ids");
+  const detail::ShardTable t = detail::shard_table(plan, C);
+  std::uint64_t tokens = 0;
+  for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) tokens += static_cast<std::uint64_t>(t.len[t.by_rank[p]]);
+  detail::check_footprint(limits, {tokens, 0}, "position_ids", detail::concat("rank ", R, "'s ", tokens, " tokens"));
+  std::vector<std::int64_t> out;
+  out.reserve(tokens);
+  for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
+    const std::size_t id = t.by_rank[p];
+    for (std::int64_t i = 0; i < t.len[id]; ++i) out.push_back(t.context[id] + i);
+  }
+  return out;
+}
+
+std::vector<std::int64_t> rank_positions(const cpdispatch::QueryPlan&, std::int64_t, const cpdispatch::PlanLimits&) {
+  cpdispatch::detail::fail("position_ids: a query plan has no documents (positions are a qkv plan's)");
+}
+
+/// position_ids: see rank_positions.
+Int64Array position_ids(py::handle input, std::int64_t rank, py::handle max_memory) {
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  std::vector<std::int64_t> positions = with_plan(input, false, limits, [&](const ParsedPlan& parsed) {
+    return std::visit([&](const auto& plan) { return rank_positions(plan, rank, limits); }, parsed.plan);
+  });
+  return array_of(std::move(positions));
+}
+
 // ---------------------------------------------------------------- balancing
 
 py::object to_python(const nlohmann::json& j);
@@ -690,13 +764,6 @@ bool read_rank_lengths(PyObject* o, cpdispatch::BalanceProblem& p) {
 /// An optional int field; false when present and not a plain int.
 bool optional_int(PyObject* o, std::int64_t& out) { return !o || plain_int(o, out); }
 
-/// "mask" through the library's reader (a small dict: the JSON detour costs nothing here).
-cpdispatch::AttentionMask read_mask_field(PyObject* o) {
-  const KeyPath root{};
-  const auto path = cpdispatch::detail::JsonPath::root("input");
-  return cpdispatch::detail::read_mask(to_json(o, KeyPath{&root, "mask"}), path / "mask");
-}
-
 /// The direct read of a balance dict (see above); false: use the JSON reader.
 bool read_balance_dict(py::handle input, BalanceInput& out) {
   static const auto batch_keys =
@@ -754,43 +821,44 @@ py::list int_list_of(const std::vector<std::int64_t>& values) {
   return out;
 }
 
-/// {"shards": [{"dst", "len", "rank"}, ...]}
-py::dict packed_document_dict(const cpdispatch::PackedDocument& doc) {
-  static const auto keys = keys_of(std::array{"dst", "len", "rank", "shards"});
-  py::list shards(doc.shards.size());
-  for (std::size_t k = 0; k < doc.shards.size(); ++k) {
-    const cpdispatch::DocumentShard& s = doc.shards[k];
-    py::dict shard;
-    set_item(shard, keys[0], int_object(s.dst));
-    set_item(shard, keys[1], int_object(s.len));
-    set_item(shard, keys[2], int_object(s.rank));
-    PyList_SET_ITEM(shards.ptr(), static_cast<Py_ssize_t>(k), shard.release().ptr());
+template <fields::Tabled S>
+py::dict struct_dict(const S& s);
+
+py::object python_value(std::int64_t v) { return int_object(v); }
+py::object python_value(const std::optional<std::int64_t>& v) { return v ? int_object(*v) : py::none(); }
+py::object python_value(bool v) { return py::bool_(v); }
+py::object python_value(const cpdispatch::AttentionMask& mask) { return to_python(cpdispatch::detail::mask_to_json(mask)); }
+
+template <class T>
+py::object python_value(const std::vector<T>& items) {
+  if constexpr (!fields::Tabled<T>) {
+    return int_list_of(items);
+  } else {
+    py::list out(items.size());
+    for (std::size_t i = 0; i < items.size(); ++i) PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), struct_dict(items[i]).release().ptr());
+    return out;
   }
-  py::dict d;
-  set_item(d, keys[3], shards);
-  return d;
 }
 
-/// {"docs": [{"dst", "shard_len"}, ...]}
-py::dict rank_documents_dict(const cpdispatch::RankDocuments& rank) {
-  static const auto keys = keys_of(std::array{"dst", "shard_len", "docs"});
-  py::list docs(rank.docs.size());
-  for (std::size_t i = 0; i < rank.docs.size(); ++i) {
-    py::dict doc;
-    set_item(doc, keys[0], int_list_of(rank.docs[i].dst));
-    set_item(doc, keys[1], int_list_of(rank.docs[i].shard_len));
-    PyList_SET_ITEM(docs.ptr(), static_cast<Py_ssize_t>(i), doc.release().ptr());
-  }
-  py::dict d;
-  set_item(d, keys[2], docs);
-  return d;
+template <class S>
+void write_field(py::dict& d, PyObject* key, const fields::Tag& tag, const S&) {
+  set_item(d, key, py::str(tag.value.data(), tag.value.size()));
 }
 
-template <class Item, class F>
-py::list dicts_of(const std::vector<Item>& items, F&& item_dict) {
-  py::list out(items.size());
-  for (std::size_t i = 0; i < items.size(); ++i) PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), item_dict(items[i]).release().ptr());
-  return out;
+template <class S, class T>
+void write_field(py::dict& d, PyObject* key, const fields::Field<S, T>& f, const S& s) {
+  if (!fields::is_default(s, f)) set_item(d, key, python_value(s.*f.member));
+}
+
+/// S as the dict json.loads makes of the JSON writer's object: the same keys
+/// (optional ones at their default left out), in its sorted order.
+template <fields::Tabled S>
+py::dict struct_dict(const S& s) {
+  static constexpr auto order = fields::sorted_order<S>();
+  const auto& keys = interned_keys<S>();
+  py::dict d;
+  for (std::size_t i : order) fields::visit<S>(i, [&](const auto& entry) { write_field(d, keys[i], entry, s); });
+  return d;
 }
 
 /// Python's cycle collector paused while a call builds a tree of new
@@ -816,18 +884,10 @@ class CycleCollectorPause {
 
 /// A balanced plan (either form) as the dict json.loads makes of balanced_plan_to_json's JSON.
 template <class QkvForm>
-py::dict balanced_plan_dict(const QkvForm& p, bool dedup) {
-  constexpr bool packed = std::is_same_v<QkvForm, cpdispatch::QkvDocumentsPlan>;
+py::dict balanced_plan_dict(QkvForm p, bool dedup) {
   const CycleCollectorPause pause;
-  py::dict d;
-  if (dedup || p.dedup) d["dedup"] = true;
-  if constexpr (packed) d["documents"] = dicts_of(p.documents, packed_document_dict);
-  d["kind"] = "qkv";
-  if (p.mask != cpdispatch::AttentionMask::causal()) d["mask"] = to_python(cpdispatch::detail::mask_to_json(p.mask));
-  if (p.max_cp_degree) d["max_cp_degree"] = *p.max_cp_degree;
-  if constexpr (!packed) d["ranks"] = dicts_of(p.ranks, rank_documents_dict);
-  d["world_size"] = p.world_size;
-  return d;
+  p.dedup = p.dedup || dedup;
+  return struct_dict(p);
 }
 
 /// plan_balanced on a balance input; see "the balance input without the JSON detour".
@@ -845,48 +905,9 @@ py::dict balance(py::handle input, bool dedup, py::handle max_memory) {
   const cpdispatch::PlanLimits limits = limits_of(max_memory);
   BalanceInput in = read_balance_input(input, limits);
   in.options.dedup = in.options.dedup || dedup;
-  const cpdispatch::QkvDocumentsPlan balanced = plan_balanced_input(input, in, limits);
-  if (in.problem.docs.empty()) return balanced_plan_dict(balanced, in.options.dedup);
+  cpdispatch::QkvDocumentsPlan balanced = plan_balanced_input(input, in, limits);
+  if (in.problem.docs.empty()) return balanced_plan_dict(std::move(balanced), in.options.dedup);
   return balanced_plan_dict(cpdispatch::to_rank_plan(balanced), in.options.dedup);
-}
-
-// ---------------------------------------------------------------- timing (benchmarks)
-
-/// Seconds per call of `work`, the best of `repeats` calls.
-template <class F>
-double best_seconds(int repeats, F&& work) {
-  double best = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < repeats; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    work();
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return best;
-}
-
-/// The C++ planning calls behind plan / plan_for_rank, timed in C++ on a
-/// plan already read (rank < 0: the whole plan).
-double time_planning(const ParsedPlan& parsed, std::int64_t rank, int repeats) {
-  py::gil_scoped_release unlocked;
-  return best_seconds(repeats, [&] {
-    if (rank >= 0) {
-      RankShare share = plan_rank_share(parsed, rank, {});
-      return;
-    }
-    cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(parsed.plan);
-    if (parsed.dedup) cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(std::get<cpdispatch::QkvMetadata>(planned));
-  });
-}
-
-double time_plan(py::handle input, std::int64_t rank, bool dedup, int repeats) {
-  return with_plan(input, dedup, {}, [&](const ParsedPlan& parsed) { return time_planning(parsed, rank, repeats); });
-}
-
-/// plan_balanced behind balance, timed in C++ on an input already read.
-double time_balance(py::handle input, int repeats) {
-  const BalanceInput in = read_balance_input(input, {});
-  py::gil_scoped_release unlocked;
-  return best_seconds(repeats, [&] { cpdispatch::QkvDocumentsPlan balanced = cpdispatch::plan_balanced(in.problem, in.options); });
 }
 
 /// The planners prefix messages with their own name; for a Python caller the
@@ -927,6 +948,5 @@ PYBIND11_MODULE(_cpdispatch, m) {
   m.def("plan_for_rank", &plan_for_rank, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
   m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
   m.def("balance", &balance, py::arg("batch"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
-  m.def("time_plan", &time_plan, py::arg("plan"), py::arg("rank"), py::arg("dedup"), py::arg("repeats"));
-  m.def("time_balance", &time_balance, py::arg("batch"), py::arg("repeats"));
+  m.def("position_ids", &position_ids, py::arg("plan"), py::arg("rank"), py::arg("max_memory") = default_max_memory);
 }

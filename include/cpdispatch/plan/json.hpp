@@ -12,6 +12,9 @@
 //
 // Writing: tensors become nested arrays of their shape; absent optional
 // fields are null; masks are 0/1 integers.
+//
+// The QKV plan structs are read and written through their field tables
+// (plan/fields.hpp), which the Python module's dict conversion walks too.
 
 #include <algorithm>
 #include <cstddef>
@@ -19,6 +22,7 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -30,6 +34,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/any_plan.hpp"
 #include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/fields.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
@@ -140,8 +145,7 @@ inline const json* member(const json& obj, const JsonPath& path, std::string_vie
 
 /// Rejects keys outside `allowed`, so that a misspelt optional key is an
 /// error rather than silently ignored.
-inline void check_keys(const json& obj, const JsonPath& path, std::string_view what,
-                       std::initializer_list<std::string_view> allowed) {
+inline void check_keys(const json& obj, const JsonPath& path, std::string_view what, std::span<const std::string_view> allowed) {
   for (const auto& item : obj.items()) {
     bool known = false;
     for (std::string_view a : allowed) known = known || item.key() == a;
@@ -151,6 +155,10 @@ inline void check_keys(const json& obj, const JsonPath& path, std::string_view w
     fail_at(path, ": unknown key ", json(item.key()).dump(-1, ' ', false, json::error_handler_t::replace), " (", what,
             " has ", list, ')');
   }
+}
+
+inline void check_keys(const json& obj, const JsonPath& path, std::string_view what, std::initializer_list<std::string_view> allowed) {
+  check_keys(obj, path, what, std::span<const std::string_view>(allowed.begin(), allowed.size()));
 }
 
 /// The required length of one axis of a tensor being read, with the reason
@@ -248,16 +256,6 @@ inline QueryPlan read_query_plan(const json& obj, const JsonPath& path) {
   return plan;
 }
 
-/// max_cp_degree, when present: at least 1.
-inline std::optional<std::int64_t> read_max_cp_degree(const json& obj, const JsonPath& path) {
-  const json* c = member(obj, path, "max_cp_degree", false);
-  if (!c) return std::nullopt;
-  const JsonPath p = path / "max_cp_degree";
-  const std::int64_t value = read_int(*c, p);
-  if (value < 1) fail_at(p, " = ", value, " must be at least 1");
-  return value;
-}
-
 /// {"type": "causal"}, {"type": "full"} or {"type": "sliding_window",
 /// "window": w} with w an integer >= 1 (section 2d).
 inline AttentionMask read_mask(const json& j, const JsonPath& path) {
@@ -287,13 +285,6 @@ inline AttentionMask read_plan_mask(const json& obj, const JsonPath& path) {
   return m ? read_mask(*m, path / "mask") : AttentionMask::causal();
 }
 
-/// "dedup" of a qkv plan: true or false, false when absent.
-inline bool read_dedup(const json& obj, const JsonPath& path) {
-  const json* d = member(obj, path, "dedup", false);
-  if (d && !d->is_boolean()) fail_at(path / "dedup", ": expected true or false, got ", describe(*d));
-  return d && d->get<bool>();
-}
-
 inline json mask_to_json(const AttentionMask& mask) {
   switch (mask.type) {
     case MaskType::full: return {{"type", "full"}};
@@ -303,73 +294,120 @@ inline json mask_to_json(const AttentionMask& mask) {
   return {{"type", "causal"}};
 }
 
-/// {"shards": [{"rank": r, "len": n, "dst": d}, ...]}
-inline PackedDocument read_packed_document(const json& j, const JsonPath& path) {
-  read_object(j, path);
-  check_keys(j, path, "a document", {"shards"});
-  const JsonPath shards_path = path / "shards";
-  const json& shards = read_array(*member(j, path, "shards", true), shards_path);
-  PackedDocument doc;
-  doc.shards.reserve(shards.size());
-  for (std::size_t k = 0; k < shards.size(); ++k) {
-    const JsonPath p = shards_path[k];
-    const json& shard = read_object(shards[k], p);
-    check_keys(shard, p, "a shard", {"rank", "len", "dst"});
-    doc.shards.push_back({read_int(*member(shard, p, "rank", true), p / "rank"), read_int(*member(shard, p, "len", true), p / "len"),
-                          read_int(*member(shard, p, "dst", true), p / "dst")});
-  }
-  return doc;
+// ---- the plan format's tables (plan/fields.hpp) as JSON
+
+template <fields::Tabled S>
+S read_struct(const json& j, const JsonPath& path);
+
+/// A length rule of S's table: fails at `path` when its `n` entries break it.
+template <fields::Tabled S>
+void check_length(const S& s, std::string_view of, std::size_t n, const JsonPath& path) {
+  if (of.empty()) return;
+  const std::optional<fields::Bound> bound = fields::bound_of(s, of);
+  if (!bound || bound->value == n) return;
+  if (bound->is_size) fail_at(path, " has ", entries(n), ", but ", of, " has ", bound->value);
+  fail_at(path, " has ", entries(n), ", but ", of, " = ", bound->value);
 }
 
-/// A QKV plan in documents form; the values are checked by plan_qkv.
-inline QkvDocumentsPlan read_documents_plan(const json& obj, const JsonPath& path) {
-  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "mask", "dedup", "documents"});
-  QkvDocumentsPlan plan;
-  plan.world_size = read_world_size(obj, path, true);
-  plan.max_cp_degree = read_max_cp_degree(obj, path);
-  plan.mask = read_plan_mask(obj, path);
-  plan.dedup = read_dedup(obj, path);
-  const JsonPath docs_path = path / "documents";
-  const json& docs = read_array(*member(obj, path, "documents", true), docs_path);
-  plan.documents.reserve(docs.size());
-  for (std::size_t i = 0; i < docs.size(); ++i) plan.documents.push_back(read_packed_document(docs[i], docs_path[i]));
-  return plan;
+inline void read_value(const json& j, const JsonPath& path, std::int64_t& out, const fields::Rule& rule) {
+  out = read_int(j, path);
+  if (out < rule.at_least) fail_at(path, " = ", out, " must be at least ", rule.at_least);
 }
 
-inline QkvPlan read_qkv_plan(const json& obj, const JsonPath& path) {
-  check_keys(obj, path, "a qkv plan", {"kind", "world_size", "max_cp_degree", "mask", "dedup", "ranks"});
-  QkvPlan plan;
-  plan.world_size = read_world_size(obj, path, true);
-  plan.max_cp_degree = read_max_cp_degree(obj, path);
-  plan.mask = read_plan_mask(obj, path);
-  plan.dedup = read_dedup(obj, path);
-  const JsonPath ranks_path = path / "ranks";
-  const json& ranks = read_array(*member(obj, path, "ranks", true), ranks_path);
-  if (ranks.size() != static_cast<std::size_t>(plan.world_size)) {
-    fail_at(ranks_path, " has ", entries(ranks.size()), ", but world_size = ", plan.world_size);
-  }
-  plan.ranks.resize(ranks.size());
-  for (std::size_t r = 0; r < ranks.size(); ++r) {
-    const JsonPath rank_path = ranks_path[r];
-    const json& rank = read_object(ranks[r], rank_path);
-    check_keys(rank, rank_path, "a rank", {"docs"});
-    const JsonPath docs_path = rank_path / "docs";
-    const json& docs = read_array(*member(rank, rank_path, "docs", true), docs_path);
-    auto& out_docs = plan.ranks[r].docs;
-    out_docs.resize(docs.size());
-    for (std::size_t i = 0; i < docs.size(); ++i) {
-      const JsonPath doc_path = docs_path[i];
-      const json& doc = read_object(docs[i], doc_path);
-      check_keys(doc, doc_path, "a document", {"shard_len", "dst"});
-      out_docs[i].shard_len = read_int_vector(*member(doc, doc_path, "shard_len", true), doc_path / "shard_len");
-      out_docs[i].dst = read_int_vector(*member(doc, doc_path, "dst", true), doc_path / "dst");
-      if (out_docs[i].dst.size() != out_docs[i].shard_len.size()) {
-        fail_at(doc_path / "dst", " has ", entries(out_docs[i].dst.size()), ", but shard_len has ",
-                out_docs[i].shard_len.size());
-      }
+inline void read_value(const json& j, const JsonPath& path, std::optional<std::int64_t>& out, const fields::Rule& rule) {
+  read_value(j, path, out.emplace(), rule);
+}
+
+inline void read_value(const json& j, const JsonPath& path, bool& out, const fields::Rule&) {
+  if (!j.is_boolean()) fail_at(path, ": expected true or false, got ", describe(j));
+  out = j.get<bool>();
+}
+
+inline void read_value(const json& j, const JsonPath& path, AttentionMask& out, const fields::Rule&) { out = read_mask(j, path); }
+
+/// An array, whose length the caller has checked; its items by their own rules.
+template <class T>
+void read_value(const json& j, const JsonPath& path, std::vector<T>& out, const fields::Rule&) {
+  out.resize(j.size());
+  for (std::size_t i = 0; i < j.size(); ++i) {
+    if constexpr (fields::Tabled<T>) {
+      out[i] = read_struct<T>(j[i], path[i]);
+    } else {
+      read_value(j[i], path[i], out[i], fields::Rule{});
     }
   }
-  return plan;
+}
+
+/// A fixed key's value, where present: checked, not stored.
+template <class S>
+void read_field(const json& obj, const JsonPath& path, const fields::Tag& tag, S&) {
+  const json* v = member(obj, path, tag.key, false);
+  if (v && !(v->is_string() && v->get_ref<const std::string&>() == tag.value)) {
+    fail_at(path / tag.key, ": expected \"", tag.value, "\", got ", describe(*v));
+  }
+}
+
+template <class S, class T>
+void read_field(const json& obj, const JsonPath& path, const fields::Field<S, T>& f, S& out) {
+  const json* v = member(obj, path, f.key, f.rule.required);
+  if (!v) return;  // absent or null: the member keeps its default
+  const JsonPath p = path / f.key;
+  if constexpr (fields::is_vector<T>) check_length(out, f.rule.length_of, read_array(*v, p).size(), p);
+  read_value(*v, p, out.*f.member, f.rule);
+}
+
+/// The members of S from the object at `path`: its keys checked, then each
+/// field in table order.
+template <fields::Tabled S>
+void read_fields(const json& obj, const JsonPath& path, S& out) {
+  static constexpr auto keys = fields::keys<S>();
+  check_keys(obj, path, fields::Table<S>::what, keys);
+  fields::for_each<S>([&](const auto& entry) { read_field(obj, path, entry, out); });
+}
+
+template <fields::Tabled S>
+S read_struct(const json& j, const JsonPath& path) {
+  S out;
+  read_fields(read_object(j, path), path, out);
+  return out;
+}
+
+template <fields::Tabled S>
+json struct_json(const S& s);
+
+inline json value_json(std::int64_t v) { return v; }
+inline json value_json(const std::optional<std::int64_t>& v) { return v ? json(*v) : json(nullptr); }
+inline json value_json(bool v) { return v; }
+inline json value_json(const AttentionMask& mask) { return mask_to_json(mask); }
+
+template <class T>
+json value_json(const std::vector<T>& items) {
+  if constexpr (fields::Tabled<T>) {
+    json out = json::array();
+    for (const T& item : items) out.push_back(struct_json(item));
+    return out;
+  } else {
+    return items;
+  }
+}
+
+template <class S>
+void write_field(json& j, const fields::Tag& tag, const S&) {
+  j[std::string(tag.key)] = tag.value;
+}
+
+template <class S, class T>
+void write_field(json& j, const fields::Field<S, T>& f, const S& s) {
+  if (!fields::is_default(s, f)) j[std::string(f.key)] = value_json(s.*f.member);
+}
+
+/// S as an object of its table's keys; optional fields at their default are
+/// left out, so a causal plan's JSON stays as it always was.
+template <fields::Tabled S>
+json struct_json(const S& s) {
+  json j = json::object();
+  fields::for_each<S>([&](const auto& entry) { write_field(j, entry, s); });
+  return j;
 }
 
 template <class T>
@@ -509,9 +547,15 @@ inline Plan plan_from_json(const nlohmann::json& j) {
   if (detail::plan_kind_of(j, root) == "query") return detail::read_query_plan(j, root);
   const bool has_ranks = j.contains("ranks"), has_documents = j.contains("documents");
   if (has_ranks && has_documents) fail_at(root, ": has both \"ranks\" and \"documents\" (a qkv plan has one of them)");
-  if (has_documents) return detail::read_documents_plan(j, root);
+  if (has_documents) {
+    QkvDocumentsPlan plan;
+    detail::read_fields(j, root, plan);
+    return plan;
+  }
   if (!has_ranks) fail_at(root, ": missing \"ranks\" or \"documents\" (a qkv plan has one of them)");
-  return detail::read_qkv_plan(j, root);
+  QkvPlan plan;
+  detail::read_fields(j, root, plan);
+  return plan;
 }
 
 /// A plan from JSON text.
@@ -819,17 +863,6 @@ inline nlohmann::json rank_share_with_wire_to_json(const Plan& plan, std::int64_
   return out;
 }
 
-namespace detail {
-
-/// "mask" and "dedup" of a written plan, only where they differ from the
-/// defaults, so a causal plan's JSON stays as it always was.
-inline void write_plan_switches(nlohmann::json& j, const AttentionMask& mask, bool dedup) {
-  if (mask != AttentionMask::causal()) j["mask"] = mask_to_json(mask);
-  if (dedup) j["dedup"] = true;
-}
-
-}  // namespace detail
-
 inline void to_json(nlohmann::json& j, const QueryPlan& p) {
   j = {{"kind", "query"},
        {"world_size", p.world_size},
@@ -837,35 +870,9 @@ inline void to_json(nlohmann::json& j, const QueryPlan& p) {
        {"dispatch", detail::tensor_to_json(p.dispatch)}};
 }
 
-inline void to_json(nlohmann::json& j, const QkvPlan& p) {
-  j = nlohmann::json::object();
-  j["kind"] = "qkv";
-  j["world_size"] = p.world_size;
-  if (p.max_cp_degree) j["max_cp_degree"] = *p.max_cp_degree;
-  detail::write_plan_switches(j, p.mask, p.dedup);
-  nlohmann::json ranks = nlohmann::json::array();
-  for (const RankDocuments& rank : p.ranks) {
-    nlohmann::json docs = nlohmann::json::array();
-    for (const Document& doc : rank.docs) docs.push_back({{"shard_len", doc.shard_len}, {"dst", doc.dst}});
-    ranks.push_back({{"docs", std::move(docs)}});
-  }
-  j["ranks"] = std::move(ranks);
-}
+inline void to_json(nlohmann::json& j, const QkvPlan& p) { j = detail::struct_json(p); }
 
-inline void to_json(nlohmann::json& j, const QkvDocumentsPlan& p) {
-  j = nlohmann::json::object();
-  j["kind"] = "qkv";
-  j["world_size"] = p.world_size;
-  if (p.max_cp_degree) j["max_cp_degree"] = *p.max_cp_degree;
-  detail::write_plan_switches(j, p.mask, p.dedup);
-  nlohmann::json docs = nlohmann::json::array();
-  for (const PackedDocument& doc : p.documents) {
-    nlohmann::json shards = nlohmann::json::array();
-    for (const DocumentShard& s : doc.shards) shards.push_back({{"rank", s.rank}, {"len", s.len}, {"dst", s.dst}});
-    docs.push_back({{"shards", std::move(shards)}});
-  }
-  j["documents"] = std::move(docs);
-}
+inline void to_json(nlohmann::json& j, const QkvDocumentsPlan& p) { j = detail::struct_json(p); }
 
 inline nlohmann::json plan_to_json(const Plan& plan) {
   return std::visit([](const auto& p) { return nlohmann::json(p); }, plan);
