@@ -1,8 +1,9 @@
 // Balancing under an attention mask (docs/plan-format.md, section 2d): the
 // cost counts the (query, key) pairs the mask lets through, the bytes what
-// the mask sends, the plan carries the mask and leaves C to planning, and a
-// full or sliding-window batch balances as well as a causal one on the real
-// length samples (median <= 1.03 of the bound, never above 1.10).
+// the mask sends (pair by pair, as the planned metadata sends them), the plan
+// carries the mask and leaves C to planning, and a full or sliding-window
+// batch balances as well as a causal one on the real length samples (median
+// <= 1.03 of the bound, never above 1.10).
 
 #include <gtest/gtest.h>
 
@@ -17,6 +18,7 @@
 
 #include "balance_helpers.hpp"
 #include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/workload.hpp"
 
 namespace {
@@ -64,6 +66,105 @@ TEST(MaskBalance, PlanCostCountsTheMasksPairsAndBytes) {
   EXPECT_EQ(cost.kv_bytes, off_rank);
   EXPECT_EQ(cost.kv_tokens, (std::vector<I>{12, 14}));
   EXPECT_EQ(cost.mask, p.mask);
+}
+
+/// Every mask kind: causal, full, and windows from one token (a query sees
+/// only itself) to wider than any document of the random plans below.
+std::vector<AttentionMask> every_mask() {
+  return {AttentionMask::causal(), AttentionMask::full(), AttentionMask::sliding_window(1), AttentionMask::sliding_window(3),
+          AttentionMask::sliding_window(17), AttentionMask::sliding_window(200)};
+}
+
+/// A random documents-form plan: documents of 1-5 shards of 1-30 tokens,
+/// every shard with its own home and destination (documents span ranks, and
+/// one rank may attend several query shards of a document).
+cpdispatch::QkvDocumentsPlan random_documents_plan(cpdispatch::Rng& rng, I W, const AttentionMask& mask) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = W;
+  plan.mask = mask;
+  plan.documents.resize(static_cast<std::size_t>(rng.between(1, 6)));
+  for (auto& doc : plan.documents) {
+    doc.shards.resize(static_cast<std::size_t>(rng.between(1, 5)));
+    for (auto& s : doc.shards) s = {rng.between(0, W - 1), rng.between(1, 30), rng.between(0, W - 1)};
+  }
+  return plan;
+}
+
+/// The same in per-rank form: every document whole on one rank.
+cpdispatch::QkvPlan random_rank_plan(cpdispatch::Rng& rng, I W, const AttentionMask& mask) {
+  cpdispatch::QkvPlan plan;
+  plan.world_size = W;
+  plan.mask = mask;
+  plan.ranks.resize(static_cast<std::size_t>(W));
+  for (auto& rank : plan.ranks) {
+    rank.docs.resize(static_cast<std::size_t>(rng.between(0, 3)));
+    for (auto& doc : rank.docs) {
+      const auto n = static_cast<std::size_t>(rng.between(1, 5));
+      for (std::size_t k = 0; k < n; ++k) doc.shard_len.push_back(rng.between(1, 30)), doc.dst.push_back(rng.between(0, W - 1));
+    }
+  }
+  return plan;
+}
+
+/// plan_cost's byte matrix, pair by pair, is what the planned metadata sends:
+/// rank s sends rank d the queries and key-value copies d receives from s
+/// (num_recv_tokens is indexed [destination][source]); the diagonal moves
+/// nothing. Query and key-value bytes per token differ, so that neither
+/// stands in for the other.
+template <class Plan>
+void expect_bytes_match_metadata(const Plan& plan) {
+  constexpr I q_bytes = 3, kv_bytes = 7;
+  const cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan, q_bytes, kv_bytes);
+  const cpdispatch::QkvMetadata m = cpdispatch::plan_qkv(plan);
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  ASSERT_EQ(cost.bytes.size(), W * W);
+  I queries = 0, copies = 0;
+  for (std::size_t s = 0; s < W; ++s)
+    for (std::size_t d = 0; d < W; ++d) {
+      const I q = s == d ? 0 : m.q_fwd.num_recv_tokens(d, s), kv = s == d ? 0 : m.kv_fwd.num_recv_tokens(d, s);
+      EXPECT_EQ(cost.sent(s, d), q_bytes * q + kv_bytes * kv) << "rank " << s << " -> rank " << d;
+      queries += q, copies += kv;
+    }
+  EXPECT_EQ(cost.query_bytes, q_bytes * queries);
+  EXPECT_EQ(cost.kv_bytes, kv_bytes * copies);
+  EXPECT_EQ(cost.bytes_moved, cost.query_bytes + cost.kv_bytes);
+  for (std::size_t d = 0; d < W; ++d) EXPECT_EQ(cost.kv_tokens[d], m.kv_fwd.num_recv_tokens(d, W)) << "rank " << d;
+}
+
+TEST(MaskBalance, PlanCostSendsWhatTheMetadataSendsPairByPair) {
+  cpdispatch::Rng rng(11);
+  for (const AttentionMask& mask : every_mask()) {
+    for (int i = 0; i < 40; ++i) {
+      const I W = 1 + i % 5;
+      SCOPED_TRACE(to_string(mask) + " W=" + std::to_string(W) + " plan " + std::to_string(i));
+      expect_bytes_match_metadata(random_documents_plan(rng, W, mask));
+      expect_bytes_match_metadata(random_rank_plan(rng, W, mask));
+      if (HasFailure()) return;
+    }
+  }
+}
+
+// The same on balanced packed batches: the plans the SVG draws. (A window
+// of one token costs every rank its own tokens, which draw_workload makes
+// equal: nothing would move.)
+TEST(MaskBalance, BalancedPlansCostWhatTheMetadataSendsPairByPair) {
+  const std::vector<I> lengths{3, 20, 90, 400, 1500};
+  for (const AttentionMask& mask : every_mask()) {
+    if (mask == AttentionMask::sliding_window(1)) continue;
+    I moved = 0;
+    for (std::uint64_t seed = 0; seed < 3; ++seed) {
+      SCOPED_TRACE(to_string(mask) + " seed " + std::to_string(seed));
+      cpdispatch::BalanceProblem p;
+      p.world_size = 4;
+      p.documents = cpdispatch::draw_workload(lengths, 4, 600, seed);
+      p.max_cp_degree = std::max<I>(4, static_cast<I>(cpdispatch::widest_span(p.documents)));
+      p.mask = mask;
+      const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);
+      expect_bytes_match_metadata(plan);
+      moved += cpdispatch::plan_cost(plan).bytes_moved;
+    }
+    EXPECT_GT(moved, 0) << to_string(mask) << ": no plan moves anything, so the check above saw only zeros";
+  }
 }
 
 TEST(MaskBalance, PlansCarryTheMaskAndPlanUnderIt) {

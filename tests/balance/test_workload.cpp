@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -94,18 +95,26 @@ TEST(DrawWorkload, RejectsBadArguments) {
               HasSubstr("tokens_per_rank = -1"));
 }
 
-// The targets on a small scale (bench_balance covers the full grid):
-// imbalance at most 1.10 on every batch and 1.03 at the median, on packed
-// batches whose long documents span ranks.
-TEST(RealWorkloads, BalancedPlansAreValidAndNearTheBound) {
+// What README.md and docs/planning.md claim, on a small scale (bench_balance
+// covers the full grid): the balanced plan within 1.1% of the lower bound at
+// the median, and within 4.1% in the worst batch, on packed batches whose
+// long documents span ranks. The bounds are the claims as printed, up to
+// their rounding (1.1% covers up to 1.15%). Measured here: every row's
+// median 1.0100-1.0110, every batch at most 1.0110 -- by design, since the
+// planner reaches the smallest target to within 0.1% and then trades up to
+// its cost_slack of 1% for fewer bytes; a planner that gives away 1-2% more
+// balance passes a looser bound.
+TEST(RealWorkloads, BalancedPlansAreValidAndWithinTheClaimedBound) {
+  constexpr double median_claim = 1.0115, worst_claim = 1.0415;
   for (const char* name : {"prolong", "wlbllm"}) {
     const std::vector<I> sample = load_sample(name);
     ASSERT_FALSE(sample.empty()) << "cannot read " << name << ".json under " << CPDISPATCH_DOC_LENGTHS_DIR;
     for (I W : {8, 16}) {
       for (I C : {8, 16}) {
+        const std::string row = std::string(name) + " W=" + std::to_string(W) + " C=" + std::to_string(C);
         std::vector<double> ratios;
         for (std::uint64_t seed = 0; seed < 5; ++seed) {
-          SCOPED_TRACE(std::string(name) + " W=" + std::to_string(W) + " C=" + std::to_string(C) + " seed " + std::to_string(seed));
+          SCOPED_TRACE(row + " seed " + std::to_string(seed));
           cpdispatch::BalanceProblem p;
           p.world_size = W;
           p.max_cp_degree = C;
@@ -114,10 +123,12 @@ TEST(RealWorkloads, BalancedPlansAreValidAndNearTheBound) {
           const auto plan = cpdispatch::plan_balanced(p);
           ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
           ratios.push_back(static_cast<double>(cpdispatch::plan_cost(plan).max_attention()) / cpdispatch::balance_lower_bound(p));
-          EXPECT_LE(ratios.back(), 1.10);
+          EXPECT_LE(ratios.back(), worst_claim);
         }
         std::sort(ratios.begin(), ratios.end());
-        EXPECT_LE(ratios[ratios.size() / 2], 1.03);
+        const double median = ratios[ratios.size() / 2];
+        EXPECT_LE(median, median_claim) << row;
+        std::printf("%s: largest rank cost / lower bound, median %.5f, worst %.5f\n", row.c_str(), median, ratios.back());
       }
     }
   }
