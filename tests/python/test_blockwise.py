@@ -196,7 +196,7 @@ def test_memory_is_bounded_by_the_blocks_not_the_sequence():
     # 1 GiB in float32. Forward and backward must stay within 256 MiB beyond
     # the inputs (outputs and gradients included), in a fresh process so
     # that its peak is this call's.
-    script = os.path.join(os.path.dirname(__file__), "attention_memory.py")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "python", "attention_memory.py")
     one_thread = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")  # BLAS threads fight other tests for the cores
     run = subprocess.run([sys.executable, script, "--tokens", "16384", "--heads", "1", "--dim", "64", "--threads", "1"],
                          capture_output=True, text=True, timeout=240, check=False, env=one_thread)

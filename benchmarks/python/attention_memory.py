@@ -2,7 +2,7 @@
 causal document, measured in a process of its own (test_blockwise.py runs it;
 also by hand):
 
-    OPENBLAS_NUM_THREADS=1 PYTHONPATH=build/python python3 tests/python/attention_memory.py --tokens 16384 --heads 1 --dim 64 --threads 1
+    OPENBLAS_NUM_THREADS=1 PYTHONPATH=build/python python3 benchmarks/python/attention_memory.py --tokens 16384 --heads 1 --dim 64 --threads 1
 
 (--threads sets torch's threads; the BLAS library's own come from its
 environment variables, e.g. OPENBLAS_NUM_THREADS.)
