@@ -3,11 +3,9 @@
 // to the element type, documents laid out back to back, and the error measure
 // (largest absolute difference over the largest reference magnitude).
 
-#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <random>
 #include <span>
 #include <type_traits>
@@ -15,6 +13,7 @@
 
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/float16.hpp"
+#include "../common/max_error.hpp"
 #include "../common/reference_attention.hpp"
 
 namespace cpdispatch::testing {
@@ -56,19 +55,9 @@ inline std::vector<double> rows_of(const std::vector<double>& x, std::int64_t fi
 }
 
 /// Largest |got - want| over the largest |want| (1 when want is all zero);
-/// -infinity entries must match exactly (otherwise the error is infinite).
+/// infinite on a NaN, an unmatched infinity or a length mismatch (max_error.hpp).
 inline double relative_error(const std::vector<double>& got, const std::vector<double>& want) {
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    if (std::isinf(want[i]) || std::isinf(got[i])) {
-      if (got[i] != want[i]) return std::numeric_limits<double>::infinity();
-      continue;
-    }
-    if (std::isnan(got[i])) return std::numeric_limits<double>::infinity();
-    diff = std::max(diff, std::abs(got[i] - want[i]));
-    scale = std::max(scale, std::abs(want[i]));
-  }
-  return diff / (scale > 0 ? scale : 1.0);
+  return max_error(got, want).relative();
 }
 
 inline ReferenceShape reference_shape(const AttentionShape& s) {

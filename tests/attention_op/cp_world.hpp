@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/max_error.hpp"
 #include "common/reference_attention.hpp"
 #include "cpdispatch/attention/context_parallel.hpp"
 #include "cpdispatch/attention/detail/lse_merge.hpp"
@@ -82,25 +83,23 @@ class CpWorld {
     for (int i = 0; i < 5; ++i) EXPECT_LE(rel[static_cast<std::size_t>(i)], tol) << names[i] << ": largest error relative to the largest magnitude";
   }
 
-  /// Each tensor's largest error over its largest reference magnitude: out, dq, dk, dv, lse.
+  /// Each tensor's largest error over its largest reference magnitude: out, dq, dk, dv, lse
+  /// (infinite on a NaN or a tensor of the wrong size: common/max_error.hpp).
   /// results[i] is rank first_rank + i's (a process that runs one rank passes only its own).
   std::array<double, 5> relative_errors(const std::vector<RankResult>& results, std::size_t first_rank = 0) const {
-    double err[5] = {}, mag[5] = {};
+    using cpdispatch::testing::max_error;
+    std::array<cpdispatch::testing::MaxError, 5> e{};
     for (std::size_t i = 0; i < results.size(); ++i) {
       const std::size_t r = first_rank + i;
-      std::int64_t row = 0;
-      for (const Piece& p : pieces_[r]) {
-        const Doc& doc = docs_[p.doc];
-        accumulate(results[i].out, doc.ref.out, p, row, shape_.heads_q, err[0], mag[0]);
-        accumulate(results[i].dq, doc.grads.dq, p, row, shape_.heads_q, err[1], mag[1]);
-        accumulate(results[i].dk, doc.grads.dk, p, row, shape_.heads_kv, err[2], mag[2]);
-        accumulate(results[i].dv, doc.grads.dv, p, row, shape_.heads_kv, err[3], mag[3]);
-        row += p.len;
-      }
-      compare_lse(r, results[i], err[4], mag[4]);
+      SCOPED_TRACE("rank " + std::to_string(r));
+      e[0].add(max_error(results[i].out, expected(r, [](const Doc& d) { return &d.ref.out; }, shape_.heads_q)));
+      e[1].add(max_error(results[i].dq, expected(r, [](const Doc& d) { return &d.grads.dq; }, shape_.heads_q)));
+      e[2].add(max_error(results[i].dk, expected(r, [](const Doc& d) { return &d.grads.dk; }, shape_.heads_kv)));
+      e[3].add(max_error(results[i].dv, expected(r, [](const Doc& d) { return &d.grads.dv; }, shape_.heads_kv)));
+      e[4].add(max_error(results[i].lse, expected_lse(results[i].q_rev)));
     }
     std::array<double, 5> rel{};
-    for (std::size_t i = 0; i < 5; ++i) rel[i] = err[i] / std::max(mag[i], 1e-30);
+    for (std::size_t i = 0; i < 5; ++i) rel[i] = e[i].relative();
     return rel;
   }
 
@@ -149,45 +148,40 @@ class CpWorld {
     }
   }
 
-  void append(std::vector<float>& to, const std::vector<double>& from, const Piece& p, std::int64_t heads) const {
+  template <class T>
+  void append(std::vector<T>& to, const std::vector<double>& from, const Piece& p, std::int64_t heads) const {
     const auto width = static_cast<std::size_t>(heads * shape_.head_dim);
     for (std::size_t i = static_cast<std::size_t>(p.start) * width; i < static_cast<std::size_t>(p.start + p.len) * width; ++i) {
-      to.push_back(static_cast<float>(from[i]));
+      to.push_back(static_cast<T>(from[i]));
     }
   }
 
-  void accumulate(const std::vector<float>& got, const std::vector<double>& want, const Piece& p, std::int64_t row, std::int64_t heads,
-                  double& err, double& mag) const {
-    const auto width = static_cast<std::size_t>(heads * shape_.head_dim);
-    for (std::size_t i = 0; i < static_cast<std::size_t>(p.len) * width; ++i) {
-      const double w = want[static_cast<std::size_t>(p.start) * width + i];
-      err = std::max(err, std::abs(static_cast<double>(got[static_cast<std::size_t>(row) * width + i]) - w));
-      mag = std::max(mag, std::abs(w));
-    }
+  /// Rank r's reference rows of one tensor (*of(doc) for each document), in its MLP layout.
+  template <class Of>
+  std::vector<double> expected(std::size_t r, Of of, std::int64_t heads) const {
+    std::vector<double> want;
+    for (const Piece& p : pieces_[r]) append(want, *of(docs_[p.doc]), p, heads);
+    return want;
   }
 
-  /// The attention layout's rows: entry m of q_rev came from rank dst_rank[m], at dst_offset[m] there.
-  void compare_lse(std::size_t rank, const RankResult& res, double& err, double& mag) const {
-    const std::int64_t tq = static_cast<std::int64_t>(res.lse.size()) / shape_.heads_q;
+  /// The reference lse in a rank's attention layout, [heads_q][q tokens]:
+  /// entry m of q_rev came from rank dst_rank[m], at dst_offset[m] there.
+  std::vector<double> expected_lse(const cpdispatch::RankMetadata& q_rev) const {
+    std::int64_t tq = 0;
+    for (const std::int64_t n : q_rev.seq_len) tq += n;
+    std::vector<double> want(static_cast<std::size_t>(shape_.heads_q * tq));
     std::int64_t row = 0;
-    for (std::size_t m = 0; m < res.q_rev.seq_len.size(); ++m) {
-      const Piece& p = piece_at(static_cast<std::size_t>(res.q_rev.dst_rank[m]), res.q_rev.dst_offset[m]);
+    for (std::size_t m = 0; m < q_rev.seq_len.size(); ++m) {
+      const Piece& p = piece_at(static_cast<std::size_t>(q_rev.dst_rank[m]), q_rev.dst_offset[m]);
       const std::int64_t L = lengths_[p.doc];
       for (std::int64_t h = 0; h < shape_.heads_q; ++h) {
         for (std::int64_t j = 0; j < p.len; ++j) {
-          const double w = docs_[p.doc].ref.lse[static_cast<std::size_t>(h * L + p.start + j)];
-          const double g = res.lse[static_cast<std::size_t>(h * tq + row + j)];
-          if (std::isinf(w) || std::isinf(g)) {
-            EXPECT_EQ(w, g) << "rank " << rank << " lse row " << row + j;
-            continue;
-          }
-          err = std::max(err, std::abs(g - w));
-          mag = std::max(mag, std::abs(w));
+          want[static_cast<std::size_t>(h * tq + row + j)] = docs_[p.doc].ref.lse[static_cast<std::size_t>(h * L + p.start + j)];
         }
       }
-      row += res.q_rev.seq_len[m];
+      row += q_rev.seq_len[m];
     }
-    EXPECT_EQ(row, tq) << "rank " << rank;
+    return want;
   }
 
   const Piece& piece_at(std::size_t home, std::int64_t offset) const {

@@ -187,21 +187,6 @@ DeviceResult results_of(const RankBuffers& b) {
           to_host(b.grad_again.data(), b.grad_again.size()), to_host(b.grad_in_place.data(), b.grad_in_place.size())};
 }
 
-/// The largest |a - b| of two gradients of element type E (integers: must be equal).
-template <class E>
-double largest_difference(const Bytes& a_bytes, const Bytes& b_bytes, std::size_t r) {
-  const auto a = dedup_test::elements_of<E>(a_bytes), b = dedup_test::elements_of<E>(b_bytes);
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    if constexpr (std::is_integral_v<E>) {
-      EXPECT_EQ(a[i], b[i]) << "rank " << r << " element " << i;
-    } else {
-      worst = std::max(worst, std::fabs(static_cast<double>(static_cast<float>(a[i])) - static_cast<double>(static_cast<float>(b[i]))));
-    }
-  }
-  return worst;
-}
-
 /// Fan-in sums round once per destination: at most C roundings apart from
 /// the section 2 combine (values in [-1, 1]; see tests/dedup/test_dedup_sim.cpp).
 double rounding_bound(ElementType type, std::size_t C) {
@@ -216,7 +201,7 @@ void expect_matches_host(const Case& c, const Kind& k, const std::vector<Referen
     EXPECT_EQ(dev[r].grad_again, dev[r].grad) << "gradient of rank " << r << " changed between runs";
     EXPECT_EQ(dev[r].grad_in_place, dev[r].grad) << "reverse_combine_in_place differs on rank " << r;
     cpdispatch::detail::with_element_type(k.type, [&]<class E>(E*) {
-      const double worst = largest_difference<E>(dev[r].grad, ref[r].grad_section2, r);
+      const double worst = dedup_test::largest_difference<E>(dev[r].grad, ref[r].grad_section2, r);
       if (k.exact) {
         EXPECT_EQ(worst, 0.0) << "rank " << r;
       }

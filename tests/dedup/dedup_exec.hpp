@@ -15,6 +15,7 @@
 
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "../common/max_error.hpp"
 #include "dedup_cases.hpp"
 
 namespace dedup_test {
@@ -115,23 +116,29 @@ RankResult run_rank(Transport& t, const Case& c, bool exact) {
   return out;
 }
 
+/// The largest |a - b| of two gradients of element type E; integers must be
+/// equal (0). Infinite on a NaN or a size mismatch (common/max_error.hpp).
+template <class E>
+double largest_difference(const Bytes& a_bytes, const Bytes& b_bytes, std::size_t r) {
+  const auto a = elements_of<E>(a_bytes), b = elements_of<E>(b_bytes);
+  if constexpr (std::is_integral_v<E>) {
+    EXPECT_EQ(a.size(), b.size()) << "rank " << r;
+    for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) EXPECT_EQ(a[i], b[i]) << "rank " << r << " element " << i;
+    return 0;
+  } else {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    return cpdispatch::testing::max_error(a, b).diff;
+  }
+}
+
 /// Checks the forward bytes and the run-to-run identity of rank r's result;
 /// returns the largest |dedup - section 2| of its gradient (integers: must be 0).
 template <class E>
 double check_rank(std::size_t r, const RankResult& res) {
-  double worst = 0;
   EXPECT_EQ(res.attention, res.attention_ref) << "forward attention layout of rank " << r;
   EXPECT_EQ(res.grad, res.grad_again) << "the gradient of rank " << r << " changed between runs";
   EXPECT_EQ(res.grad, res.grad_in_place) << "reverse_combine_in_place differs from reverse_combine on rank " << r;
-  const auto a = elements_of<E>(res.grad), b = elements_of<E>(res.grad_ref);
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if constexpr (std::is_integral_v<E>) {
-      EXPECT_EQ(a[i], b[i]) << "rank " << r << " element " << i;
-    } else {
-      worst = std::max(worst, std::fabs(static_cast<double>(static_cast<float>(a[i])) - static_cast<double>(static_cast<float>(b[i]))));
-    }
-  }
-  return worst;
+  return largest_difference<E>(res.grad, res.grad_ref, r);
 }
 
 }  // namespace dedup_test

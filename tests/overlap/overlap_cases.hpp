@@ -15,11 +15,13 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "cpdispatch/overlap/overlap.hpp"
 #include "cpdispatch/gemm/gemm.hpp"
+#include "../common/max_error.hpp"
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
 #include "cpdispatch/gemm/gemm_cblas.hpp"
 #endif
@@ -50,20 +52,15 @@ std::vector<T> random_values(std::uint64_t seed, std::size_t n) {
   return v;
 }
 
-/// max |got - want| / max |want|.
+/// max |got - want| / max |want|; infinite on a NaN, an unmatched infinity
+/// or, with a test failure, a size mismatch (common/max_error.hpp).
 template <class A, class B>
 double rel_error(const A* got, const B* want, std::size_t n) {
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got[i]) - static_cast<double>(want[i])));
-    ref = std::max(ref, std::abs(static_cast<double>(want[i])));
-  }
-  return ref == 0 ? diff : diff / ref;
+  return cpdispatch::testing::max_error(std::span(got, n), std::span(want, n)).relative();
 }
 template <class A, class B>
 double rel_error(const std::vector<A>& got, const std::vector<B>& want) {
-  EXPECT_EQ(got.size(), want.size());
-  return got.size() == want.size() ? rel_error(got.data(), want.data(), got.size()) : 1e300;
+  return cpdispatch::testing::max_error(got, want).relative();
 }
 
 /// Relative error bound of the checks: float32 rounding (double: far tighter).

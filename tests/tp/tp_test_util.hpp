@@ -6,12 +6,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/tensor.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
+#include "../common/max_error.hpp"
 #ifdef CPDISPATCH_TEST_HAVE_BLAS
 #include "cpdispatch/gemm/gemm_cblas.hpp"
 #endif
@@ -53,26 +55,19 @@ cpdispatch::Tensor<T> random_tensor(std::vector<std::size_t> shape, std::uint64_
   return t;
 }
 
-/// max |a - b| / max |b| (0 when both are 0).
+/// max |a - b| / max |b| (max |a - b| when b is all 0); infinite on a NaN,
+/// an unmatched infinity or, with a test failure, a size mismatch (max_error.hpp).
 template <class A, class B>
 double rel_error(const A* a, const B* b, std::size_t n) {
-  double diff = 0;
-  double ref = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - static_cast<double>(b[i])));
-    ref = std::max(ref, std::abs(static_cast<double>(b[i])));
-  }
-  return ref == 0 ? diff : diff / ref;
+  return cpdispatch::testing::max_error(std::span(a, n), std::span(b, n)).relative();
 }
 template <class A, class B>
 double rel_error(const std::vector<A>& a, const std::vector<B>& b) {
-  if (a.size() != b.size()) return 1e300;
-  return rel_error(a.data(), b.data(), a.size());
+  return cpdispatch::testing::max_error(a, b).relative();
 }
 template <class A, class B>
 double rel_error(const cpdispatch::Tensor<A>& a, const cpdispatch::Tensor<B>& b) {
-  if (a.numel() != b.numel()) return 1e300;
-  return rel_error(a.data(), b.data(), a.numel());
+  return cpdispatch::testing::max_error(a.flat(), b.flat()).relative();
 }
 
 /// Columns [c0, c0 + n) of a row-major [rows, cols] tensor.
