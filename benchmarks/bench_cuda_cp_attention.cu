@@ -52,6 +52,7 @@
 #include <string>
 #include <vector>
 
+#include "device_bench.cuh"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/cuda/context_parallel.hpp"
 #include "cpdispatch/cuda_runtime/launch.hpp"
@@ -65,6 +66,10 @@
 #include "cpdispatch/transports/device_sim.hpp"
 
 namespace {
+
+using bench::median;
+using bench::random_device;
+using bench::read_lengths;
 
 using Clock = std::chrono::steady_clock;
 using cpdispatch::AttentionEntry;
@@ -113,57 +118,6 @@ std::vector<int> stage_list(const std::string& text) {
     at = comma + 1;
   }
   return out;
-}
-
-/// The document lengths of data/<name>.json (a JSON array of integers); empty when no file is found.
-/// Scanned by hand: the CUDA benchmarks do not depend on nlohmann_json.
-std::vector<std::int64_t> read_lengths(const std::string& name) {
-  std::vector<std::filesystem::path> dirs;
-  if (const char* env = std::getenv("CPDISPATCH_DOC_LENGTHS_DIR"); env && *env) dirs.emplace_back(env);
-#ifdef CPDISPATCH_DOC_LENGTHS_DIR
-  dirs.emplace_back(CPDISPATCH_DOC_LENGTHS_DIR);
-#endif
-  dirs.emplace_back("data");
-  for (const auto& dir : dirs) {
-    std::ifstream in(dir / (name + ".json"));
-    if (!in) continue;
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    std::vector<std::int64_t> out;
-    for (std::size_t i = 0; i < text.size();) {
-      if (text[i] < '0' || text[i] > '9') {
-        ++i;
-        continue;
-      }
-      std::int64_t v = 0;
-      for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) v = v * 10 + (text[i] - '0');
-      out.push_back(v);
-    }
-    return out;
-  }
-  return {};
-}
-
-/// x[i] uniform in [-1, 1) from a hash of (seed, i), filled on the device.
-__global__ void fill_uniform(bfloat16* x, std::size_t n, std::uint64_t seed) {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
-    std::uint64_t h = seed * 0x9E3779B97F4A7C15ull + i;  // splitmix64's finaliser
-    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
-    h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
-    h ^= h >> 31;
-    x[i].bits = bfloat16::from_float(static_cast<float>(h >> 40) * (2.0f / 16777216.0f) - 1.0f);
-  }
-}
-
-DeviceBuffer<bfloat16> random_device(std::size_t n, std::uint64_t seed) {
-  DeviceBuffer<bfloat16> b(std::max<std::size_t>(n, 1));
-  cpdispatch::cuda::launch_kernel("fill_uniform", fill_uniform, dim3(1024), dim3(256), nullptr, b.data(), n, seed);
-  return b;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 /// One rank's tensors in the MLP layout: q, out, dout, dq [T][heads_q][D]; k, v, dk, dv [T][heads_kv][D].
@@ -254,7 +208,7 @@ KernelAlone time_kernel_alone(const Config& c, const std::vector<RankLayout>& la
   std::int64_t most_q = 1, most_kv = 1;
   for (const RankLayout& l : layouts) most_q = std::max(most_q, l.q_tokens), most_kv = std::max(most_kv, l.kv_tokens);
   const auto nq = static_cast<std::size_t>(most_q * c.heads_q * c.head_dim), nk = static_cast<std::size_t>(most_kv * c.heads_kv * c.head_dim);
-  const DeviceBuffer<bfloat16> q = random_device(nq, 101), k = random_device(nk, 102), v = random_device(nk, 103), dout = random_device(nq, 104);
+  const DeviceBuffer<bfloat16> q = random_device<bfloat16>(nq, 101), k = random_device<bfloat16>(nk, 102), v = random_device<bfloat16>(nk, 103), dout = random_device<bfloat16>(nq, 104);
   DeviceBuffer<bfloat16> out(nq), dq(nq), dk(nk), dv(nk);
   DeviceBuffer<float> lse(static_cast<std::size_t>(most_q * c.heads_q));
   CPDISPATCH_CUDA_CHECK(cudaDeviceSynchronize());
@@ -377,7 +331,7 @@ int run(int argc, char** argv) {
     x.nq = static_cast<std::size_t>(c.tokens * Hq * D);
     x.nk = static_cast<std::size_t>(c.tokens * Hk * D);
     const std::uint64_t s = 16 * r;
-    x.q = random_device(x.nq, s + 1), x.k = random_device(x.nk, s + 2), x.v = random_device(x.nk, s + 3), x.dout = random_device(x.nq, s + 4);
+    x.q = random_device<bfloat16>(x.nq, s + 1), x.k = random_device<bfloat16>(x.nk, s + 2), x.v = random_device<bfloat16>(x.nk, s + 3), x.dout = random_device<bfloat16>(x.nq, s + 4);
     x.out.allocate(x.nq), x.dq.allocate(x.nq), x.dk.allocate(x.nk), x.dv.allocate(x.nk);
   }
   CPDISPATCH_CUDA_CHECK(cudaDeviceSynchronize());
