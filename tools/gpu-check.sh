@@ -14,6 +14,9 @@
 #                              benchmarks; logs into $OUT (or gpu-check-out/)
 #                              and a summary on standard output
 #
+# With the device tool: build here, then run `tools/gpu-check.sh run` there
+# with carry = ["build-gpu/carry"] and a time limit of 480 s.
+#
 # The run half takes about 6 minutes on an H200; each part has its own time
 # limit, so one hang cannot eat the lease. It uses the machine's own NCCL and
 # cuDNN (libcudnn is too large to carry: where the loader cannot find it, the
@@ -90,7 +93,7 @@ run() {
   out=${OUT:-gpu-check-out}
   mkdir -p "$out"
   failed=0
-  export PATH="$PATH:/usr/local/cuda/bin"
+  export PATH="$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer"
   find_cudnn
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv >"$out/gpu.txt" 2>&1
   echo "GPU: $(tail -n +2 "$out/gpu.txt" | head -1)   $(date -u '+%Y-%m-%d %H:%M UTC')"
