@@ -28,6 +28,7 @@ import importlib
 import inspect
 import math
 import numbers
+import re
 
 import torch
 import torch.distributed as dist
@@ -546,10 +547,19 @@ def _flash_backward():
     except (ImportError, AttributeError):
         return None
     try:
-        names = inspect.signature(backward).parameters
-    except (TypeError, ValueError):  # a registered custom op may not show one: trust the version
+        # flash-attn >= 2.7 registers it as a torch custom op: its own function is _init_fn
+        params = inspect.signature(getattr(backward, "_init_fn", backward)).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if {"window_size_left", "window_size_right", "softcap"} <= set(params):
         return backward
-    return backward if {"window_size_left", "window_size_right", "softcap"} <= set(names) else None
+    named = [p for p in params.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return backward if not named and _flash_version() >= (2, 7) else None  # a wrapper that hides them: trust the version
+
+
+def _flash_version():
+    version = getattr(importlib.import_module("flash_attn"), "__version__", "0")
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
 
 def _flash_call(mask, q_len, kv_len, diagonal):
@@ -614,6 +624,8 @@ class FlashAttnVarlenKernel:
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None):
         _, _, causal, window = _flash_call(mask, 1, 1, 0)  # whole entries: bottom-right, no shift
         cu_q, cu_kv = (torch.as_tensor(c).to(device=q.device, dtype=torch.int32) for c in (cu_seqlens_q, cu_seqlens_kv))
+        if cu_q.numel() < 2:  # flash-attention refuses a batch of no sequences; a rank may attend nothing
+            return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
         max_q = max_seqlen_q if max_seqlen_q is not None else _longest(cu_q)
         max_kv = max_seqlen_kv if max_seqlen_kv is not None else _longest(cu_kv)
         return self.func(q, k, v, cu_q, cu_kv, max_q, max_kv, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=window)
@@ -625,6 +637,7 @@ class FlashAttnVarlenKernel:
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_accumulator(q.dtype), device=q.device)
         for (causal, window), group in _flash_groups(mask, _parts(parts, q.shape[0], k.shape[0])).items():
             (qi, cu_q, max_q), (ki, cu_kv, max_kv) = _flash_rows(group, q.device)
+            max_kv = max(max_kv, window[0] + 1, window[1] + 1)  # flash drops a bound >= max_seqlen_k
             o, part_lse, _ = self.func(q[qi], k[ki], v[ki], cu_q, cu_kv, max_q, max_kv, dropout_p=0.0, softmax_scale=scale, causal=causal,
                                        window_size=window, return_attn_probs=True)
             if part_lse.shape != (q.shape[1], len(qi)):
@@ -642,6 +655,7 @@ class FlashAttnVarlenKernel:
         dv = torch.zeros(v.shape, dtype=_accumulator(v.dtype), device=v.device)
         for (causal, window), group in _flash_groups(mask, _parts(parts, q.shape[0], k.shape[0])).items():
             (qi, cu_q, max_q), (ki, cu_kv, max_kv) = _flash_rows(group, q.device)
+            max_kv = max(max_kv, window[0] + 1, window[1] + 1)  # flash drops a bound >= max_seqlen_k
             gq, gk, gv = q.new_empty((len(qi),) + q.shape[1:]), k.new_empty((len(ki),) + k.shape[1:]), v.new_empty((len(ki),) + v.shape[1:])
             row_lse = lse[:, qi].contiguous()
             row_lse.masked_fill_(row_lse == float("-inf"), float("inf"))  # back to flash's mark of a row without keys

@@ -42,12 +42,25 @@ def _scores(q, k, scale, seen):
     return s.masked_fill(~seen, float("-inf"))
 
 
+def _like_flash(cu_seqlens_q):
+    """flash-attention's own refusal of a batch without sequences."""
+    if cu_seqlens_q.numel() < 2:
+        raise RuntimeError("batch size must be positive")
+
+
+def _flash_window(window, max_seqlen_k):
+    """flash-attention's normalisation: a bound >= max_seqlen_k means no bound (-1)."""
+    return tuple(-1 if w >= max_seqlen_k else w for w in window)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None):
     CALLS.append(("flash_attn_varlen_func", dict(causal=causal, window_size=tuple(window_size), softmax_scale=softmax_scale,
                                                  cu_seqlens_q=cu_seqlens_q.tolist(), cu_seqlens_k=cu_seqlens_k.tolist(),
                                                  return_attn_probs=return_attn_probs, dropout_p=dropout_p)))
+    _like_flash(cu_seqlens_q)
+    window_size = _flash_window(window_size, max_seqlen_k)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     outs, lses = [], []
     for a, lq, c, lk in _entries(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -68,6 +81,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
                                 deterministic, rng_state=None):
     CALLS.append(("_flash_attn_varlen_backward", dict(causal=causal, window_size=(window_size_left, window_size_right),
                                                       softmax_scale=softmax_scale, deterministic=deterministic)))
+    _like_flash(cu_seqlens_q)
+    window_size_left, window_size_right = _flash_window((window_size_left, window_size_right), max_seqlen_k)
     groups = q.shape[1] // k.shape[1]
     for a, lq, c, lk in _entries(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         qe, ke, ve = q[a:a + lq], k[c:c + lk].repeat_interleave(groups, 1), v[c:c + lk].repeat_interleave(groups, 1)

@@ -208,3 +208,30 @@ def test_a_kernel_output_autograd_does_not_see_still_runs_the_backward():
     out = ContextParallelAttention(kernel=lambda q, k, v, *rest: torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype))(q, k, v, dispatch)
     out.sum().backward()
     assert out.shape == (0, HEADS, DIM_V) and q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_flash_backward_behind_a_custom_op_wrapper_still_serves_stages(fakes, monkeypatch):
+    # flash-attn >= 2.7 registers its varlen backward as a torch custom op,
+    # whose call signature shows only *args, **kwargs; the version decides.
+    package = sys.modules["flash_attn"]
+    inner = package.flash_attn_interface._flash_attn_varlen_backward
+
+    def wrapped(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(package.flash_attn_interface, "_flash_attn_varlen_backward", wrapped)
+    monkeypatch.setattr(package, "__version__", "2.7.4.post1", raising=False)
+    assert ContextParallelAttention(kernel="flash_attn_varlen", stages=2).stages == 2
+    monkeypatch.setattr(package, "__version__", "2.6.3", raising=False)
+    with pytest.raises(ValueError, match="'flash_attn_varlen' runs stages = 1 only"):
+        ContextParallelAttention(kernel="flash_attn_varlen", stages=2)
+
+
+def test_flash_adapter_attends_nothing_without_calling_flash_on_a_rank_with_no_entries(fakes):
+    # flash-attention refuses a batch of no sequences (the stand-in too); a
+    # rank that attends nothing must still return its (empty) output.
+    q, k, v = torch.zeros(0, HEADS, DIM), torch.zeros(0, HEADS_KV, DIM), torch.zeros(0, HEADS_KV, DIM_V)
+    out = FlashAttnVarlenKernel()(q, k, v, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 0, 0,
+                                  {"type": "causal"}, SCALE)
+    assert out.shape == (0, HEADS, DIM_V)
+    assert not fakes
