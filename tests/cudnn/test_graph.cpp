@@ -125,6 +125,21 @@ TEST(CudnnGraph, ForwardCausalIsTheFrontendsCompositeSdpa) {
   EXPECT_EQ(g.find(uid::left_bound), nullptr);
 }
 
+TEST(CudnnGraph, OnlyIndexGeneratorsCarryAnAxis) {
+  // cuDNN's pointwise AXIS belongs to GEN_INDEX; the frontend sends it for no other mode.
+  for (Direction d : {Direction::forward, Direction::backward}) {
+    for (Band b : {Band::causal, Band::window, Band::full}) {
+      const GraphKey k = key(d, b, 8, 2);
+      const GraphSpec g = d == Direction::forward ? forward_graph(k) : backward_graph(k);
+      for (const OpSpec& op : g.ops) {
+        if (op.kind == OpKind::pointwise && op.mode != CUDNN_POINTWISE_GEN_INDEX) {
+          EXPECT_EQ(op.axis, -1) << op.name;
+        }
+      }
+    }
+  }
+}
+
 TEST(CudnnGraph, LayoutsAreThdWithRaggedOffsetsAndOurLse) {
   const GraphSpec g = forward_graph(key(Direction::forward, Band::causal, 8, 2));
   const TensorSpec& q = g.tensor(uid::q);

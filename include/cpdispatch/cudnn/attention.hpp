@@ -250,10 +250,10 @@ class CudnnAttentionKernel {
     /// b at least `bytes`, stream-ordered (the old contents are not kept).
     void grow(Buffer& b, std::size_t bytes) {
       if (bytes <= b.bytes) return;
+      const std::size_t want = std::max(bytes, b.bytes + b.bytes / 2);  // grow by half at least: fewer reallocations
       if (b.ptr) cuda(api->free_async(b.ptr, stream), "cudaFreeAsync");
       b.ptr = nullptr;
       b.bytes = 0;
-      const std::size_t want = std::max(bytes, b.bytes + b.bytes / 2);
       cuda(api->malloc_async(&b.ptr, want, stream), "cudaMallocAsync");
       b.bytes = want;
     }

@@ -75,8 +75,8 @@ class Descriptor {
 struct ExecutionPlan {
   GraphSpec spec;
   std::vector<Descriptor> tensors, parts, ops;  // parts: the pointwise / matmul / reduction descriptors
+  std::vector<Descriptor> configs;  // before the plan: destroyed after the plan that refers to one
   Descriptor graph, plan;
-  std::vector<Descriptor> configs;
   std::int64_t workspace = 0;                    ///< bytes cuDNN needs besides our own workspace tensors
   std::vector<std::int64_t> uids;                ///< the variant pack's tensors (non-virtual), in spec order
 };
@@ -201,7 +201,12 @@ inline std::unique_ptr<ExecutionPlan> build_plan(const Api& api, cudnnHandle_t h
     Descriptor heur(api, CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
     heur.set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, p->graph);
     heur.set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
-    heur.finalize("engine heuristics");
+    if (const cudnnStatus_t st = api.finalize(heur.get()); st != CUDNN_STATUS_SUCCESS) {
+      // keep what the engines said so far: it is the message that explains a refusal
+      refusals += cpdispatch::detail::concat(" [", mode == CUDNN_HEUR_MODE_A ? "A" : "fallback", " heuristics: ",
+                                             api.error_string ? api.error_string(st) : "?", "]");
+      continue;
+    }
     std::int64_t count = 0;
     check(api, api.get_attribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr),
           "cudnnBackendGetAttribute", "engine count");

@@ -67,7 +67,7 @@ struct OpSpec {
   std::int64_t out = 0;
   cudnnPointwiseMode_t mode = CUDNN_POINTWISE_IDENTITY;
   cudnnDataType_t compute = CUDNN_DATA_FLOAT;  ///< pointwise math precision, matmul / reduction compute type
-  std::int64_t axis = -1;                      ///< pointwise axis (GEN_INDEX; the frontend also sets it on its ADD/SUBs)
+  std::int64_t axis = -1;                      ///< pointwise axis: GEN_INDEX only (the frontend sends it for no other mode)
   cudnnReduceTensorOp_t reduce = CUDNN_REDUCE_TENSOR_ADD;
   bool has_padding = false;                    ///< matmul: CUDNN_ATTR_MATMUL_PADDING_VALUE = 0.0
   std::int64_t m_override = 0, n_override = 0, k_override = 0;  ///< matmul: uids of the int32 length tensors
@@ -250,11 +250,11 @@ inline std::int64_t band_masks(GraphWriter& w, const GraphKey& k, std::int64_t s
   std::int64_t col = w.pointwise("gen_col_index", CUDNN_POINTWISE_GEN_INDEX, s, 0, 0,
                                  w.virt(sd, ss, CUDNN_DATA_INT32, "col"), CUDNN_DATA_FLOAT, 3);
   row = w.pointwise("row+skv", CUDNN_POINTWISE_ADD, row, uid::seq_kv, 0, w.virt(sd, ss, CUDNN_DATA_INT32, "row+skv"),
-                    CUDNN_DATA_INT32, 3);
+                    CUDNN_DATA_INT32);
   row = w.pointwise("row+skv-sq", CUDNN_POINTWISE_SUB, row, uid::seq_q, 0,
-                    w.virt(sd, ss, CUDNN_DATA_INT32, "row+skv-sq"), CUDNN_DATA_INT32, 3);
+                    w.virt(sd, ss, CUDNN_DATA_INT32, "row+skv-sq"), CUDNN_DATA_INT32);
   row = w.pointwise("row+skv-sq+right", CUDNN_POINTWISE_ADD, row, uid::right_bound, 0,
-                    w.virt(sd, ss, CUDNN_DATA_INT32, "row+skv-sq+R"), CUDNN_DATA_INT32, 3);
+                    w.virt(sd, ss, CUDNN_DATA_INT32, "row+skv-sq+R"), CUDNN_DATA_INT32);
   const std::int64_t right = w.pointwise("row>=col", CUDNN_POINTWISE_CMP_GE, row, col, 0,
                                          w.virt(sd, ss, CUDNN_DATA_BOOLEAN, "right"), CUDNN_DATA_BOOLEAN);
   s = w.pointwise("select_right_bound", CUDNN_POINTWISE_BINARY_SELECT, s, uid::neg_inf, right,
@@ -266,11 +266,11 @@ inline std::int64_t band_masks(GraphWriter& w, const GraphKey& k, std::int64_t s
   col = w.pointwise("gen_col_index", CUDNN_POINTWISE_GEN_INDEX, s, 0, 0, w.virt(sd, ss, CUDNN_DATA_INT32, "col"),
                     CUDNN_DATA_FLOAT, 3);
   col = w.pointwise("col+left", CUDNN_POINTWISE_ADD, col, uid::left_bound, 0,
-                    w.virt(sd, ss, CUDNN_DATA_INT32, "col+L"), CUDNN_DATA_INT32, 3);
+                    w.virt(sd, ss, CUDNN_DATA_INT32, "col+L"), CUDNN_DATA_INT32);
   col = w.pointwise("col+left-skv", CUDNN_POINTWISE_SUB, col, uid::seq_kv, 0,
-                    w.virt(sd, ss, CUDNN_DATA_INT32, "col+L-skv"), CUDNN_DATA_INT32, 3);
+                    w.virt(sd, ss, CUDNN_DATA_INT32, "col+L-skv"), CUDNN_DATA_INT32);
   col = w.pointwise("col+left-skv+sq", CUDNN_POINTWISE_ADD, col, uid::seq_q, 0,
-                    w.virt(sd, ss, CUDNN_DATA_INT32, "col+L-skv+sq"), CUDNN_DATA_INT32, 3);
+                    w.virt(sd, ss, CUDNN_DATA_INT32, "col+L-skv+sq"), CUDNN_DATA_INT32);
   const std::int64_t left = w.pointwise("col>row", CUDNN_POINTWISE_CMP_GT, col, row, 0,
                                         w.virt(sd, ss, CUDNN_DATA_BOOLEAN, "left"), CUDNN_DATA_BOOLEAN);
   return w.pointwise("select_left_bound", CUDNN_POINTWISE_BINARY_SELECT, s, uid::neg_inf, left,
