@@ -41,6 +41,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "stage_list.hpp"
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/cost.hpp"
@@ -51,6 +52,8 @@
 #include "cpdispatch/adapters/simulated_link.hpp"
 
 namespace {
+
+using bench::stage_list;
 
 using Clock = std::chrono::steady_clock;
 using Link = cpdispatch::SimulatedLinkTransport<cpdispatch::SimTransport>;
@@ -63,20 +66,6 @@ struct Config {
   std::vector<int> stages{1, 2, 4};
   bool dedup = true, bound = true, balanced = true;
 };
-
-/// "1,2,4" -> {1, 2, 4}; empty when an item is not a positive count.
-std::vector<int> stage_list(const std::string& text) {
-  std::vector<int> out;
-  std::size_t at = 0;
-  while (at <= text.size()) {
-    const std::size_t comma = std::min(text.find(',', at), text.size());
-    const int n = std::atoi(text.substr(at, comma - at).c_str());
-    if (n < 1) return {};
-    out.push_back(n);
-    at = comma + 1;
-  }
-  return out;
-}
 
 /// A kernel that attends nothing: the step's communication alone.
 struct NoKernel {

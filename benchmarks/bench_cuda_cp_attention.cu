@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "device_bench.cuh"
+#include "stage_list.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/cuda/context_parallel.hpp"
 #include "cpdispatch/cuda_runtime/launch.hpp"
@@ -66,6 +67,8 @@
 #include "cpdispatch/transports/device_sim.hpp"
 
 namespace {
+
+using bench::stage_list;
 
 using bench::median;
 using bench::random_device;
@@ -105,20 +108,6 @@ struct NoKernel {
 
 using CudnnOp = cpdispatch::ContextParallelAttention<DeviceSimTransport, bfloat16, CudnnAttentionKernel>;
 using ExchangeOp = cpdispatch::ContextParallelAttention<DeviceSimTransport, bfloat16, NoKernel>;
-
-/// "1,2,4" -> {1, 2, 4}; empty when an item is not a positive count.
-std::vector<int> stage_list(const std::string& text) {
-  std::vector<int> out;
-  std::size_t at = 0;
-  while (at <= text.size()) {
-    const std::size_t comma = std::min(text.find(',', at), text.size());
-    const int n = std::atoi(text.substr(at, comma - at).c_str());
-    if (n < 1) return {};
-    out.push_back(n);
-    at = comma + 1;
-  }
-  return out;
-}
 
 /// One rank's tensors in the MLP layout: q, out, dout, dq [T][heads_q][D]; k, v, dk, dv [T][heads_kv][D].
 struct RankTensors {
