@@ -3,16 +3,22 @@
 // W = number of GPUs (up to 8) when a machine has two or more. Results are
 // byte-identical to the host simulation; a whole step captured in a CUDA
 // graph replays the same bytes (bad arguments and NCCL's own failures:
-// test_nccl_errors.cpp). Without a CUDA device every test skips ("no CUDA
+// test_nccl_errors.cpp). Posted exchanges run on the communication stream
+// while the stream computes, wait() orders the stream after them, and
+// collectives called before the wait run after the exchange on every rank
+// (under the harness: many scheduler seeds, a read before the wait caught,
+// no synchronising call). Without a CUDA device every test skips ("no CUDA
 // device").
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
@@ -287,6 +293,309 @@ TEST(NcclTransportFailure, AFailingRankEndsTheRunWithoutTouchingOtherRanksCommun
     });
   });
   EXPECT_THAT(what, ::testing::HasSubstr("rank 1 fails before its all_reduce"));
+}
+
+// ---- posted exchanges ----------------------------------------------------------
+
+/// An all-to-all of `chunk` bytes from every rank to every rank (itself too),
+/// each rank's send buffer a pattern of its own.
+struct AllToAllCase {
+  int W;
+  std::size_t chunk;
+  std::uint64_t salt;
+  std::vector<std::size_t> counts, displs;
+
+  AllToAllCase(int w, std::size_t c, std::uint64_t s) : W(w), chunk(c), salt(s) {
+    for (int p = 0; p < W; ++p) {
+      counts.push_back(chunk);
+      displs.push_back(static_cast<std::size_t>(p) * chunk);
+    }
+  }
+  std::size_t bytes() const { return static_cast<std::size_t>(W) * chunk; }
+  Bytes send(int r) const { return cptest::pattern(bytes(), salt * 64 + static_cast<std::uint64_t>(r)); }
+  Bytes expected(int r) const {
+    Bytes out(bytes());
+    const auto at = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r) * chunk);
+    for (int p = 0; p < W; ++p) {
+      const Bytes from = send(p);
+      std::copy(from.begin() + at, from.begin() + at + static_cast<std::ptrdiff_t>(chunk),
+                out.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(p) * chunk));
+    }
+    return out;
+  }
+  /// Posts rank t's share; send and recv are its device buffers.
+  cpdispatch::Request post(NcclTransport& t, const DeviceBytesBuffer& send, const DeviceBytesBuffer& recv) const {
+    return t.post_all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs);
+  }
+};
+
+/// The bytes of `n` floats equal to `value`.
+Bytes floats_of(std::size_t n, float value) {
+  Bytes out(n * sizeof(float));
+  for (std::size_t i = 0; i < n; ++i) std::memcpy(out.data() + i * sizeof(float), &value, sizeof(float));
+  return out;
+}
+
+/// World sizes for the posted-exchange tests: 1, 2 and 3 under the harness; 1, and 2 on a machine with two GPUs.
+std::vector<int> posted_worlds() {
+  if (cptest::cpu_harness) return {1, 2, 3};
+  int count = 0;
+  CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
+  return count >= 2 ? std::vector<int>{1, 2} : std::vector<int>{1};
+}
+
+/// Scheduler seeds tried per case: many under the harness (each a different interleaving of the streams), one pass on a GPU.
+std::vector<std::uint64_t> posted_seeds(std::uint64_t harness_count) {
+  std::vector<std::uint64_t> seeds;
+  for (std::uint64_t s = 1; s <= (cptest::cpu_harness ? harness_count : 2); ++s) seeds.push_back(s);
+  return seeds;
+}
+
+/// Reseeds the harness's scheduler (nothing on a GPU); the test's own seed comes back at the end.
+class Reseed {
+ public:
+#ifdef CPDISPATCH_CUDA_HOST_HARNESS
+  Reseed() : saved_(cuda_harness::seed()) {}
+  ~Reseed() { cuda_harness::set_seed(saved_); }
+  void operator()(std::uint64_t seed) const { cuda_harness::set_seed(seed); }
+
+ private:
+  std::uint64_t saved_;
+#else
+  void operator()(std::uint64_t) const {}
+#endif
+};
+
+TEST(NcclTransportPosted, TheStreamComputesWhileTheExchangeTravelsAndWaitOrdersItsReads) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const Reseed reseed;
+  for (int W : posted_worlds()) {
+    NcclComms comms(W);
+    const auto U = static_cast<std::size_t>(W);
+    for (std::uint64_t seed : posted_seeds(12)) {
+      SCOPED_TRACE("W " + std::to_string(W) + " seed " + std::to_string(seed));
+      reseed(seed);
+      const AllToAllCase first(W, 300, seed), second(W, 40, seed + 100);
+      std::vector<Bytes> got_first(U), got_second(U), computed(U);
+      comms.run([&](NcclTransport& t) {
+        const auto r = static_cast<std::size_t>(t.rank());
+        EXPECT_NE(t.comm_stream(), t.stream());
+        const auto send1 = to_device(first.send(t.rank())), recv1 = to_device(Bytes(first.bytes(), std::byte{0xA5}));
+        const auto send2 = to_device(second.send(t.rank())), recv2 = to_device(Bytes(second.bytes(), std::byte{0xA5}));
+        DeviceBytesBuffer out1(first.bytes()), out2(second.bytes()), work(4096);
+        const cpdispatch::Request a = first.post(t, send1, recv1);
+        const cpdispatch::Request b = second.post(t, send2, recv2);
+        EXPECT_EQ(t.outstanding(), 2u);
+        // Compute that needs neither exchange: free to run while they travel.
+        CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(work.data(), 0x5A, work.size(), t.stream()));
+        t.wait(b);  // in either order
+        CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(out2.data(), recv2.data(), second.bytes(), cudaMemcpyDeviceToDevice, t.stream()));
+        t.wait(a);
+        EXPECT_EQ(t.outstanding(), 0u);
+        CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(out1.data(), recv1.data(), first.bytes(), cudaMemcpyDeviceToDevice, t.stream()));
+        got_first[r] = to_host(out1.data(), out1.size());
+        got_second[r] = to_host(out2.data(), out2.size());
+        computed[r] = to_host(work.data(), work.size());
+      });
+      for (int r = 0; r < W; ++r) {
+        const auto u = static_cast<std::size_t>(r);
+        EXPECT_EQ(got_first[u], first.expected(r)) << "rank " << r;
+        EXPECT_EQ(got_second[u], second.expected(r)) << "rank " << r;
+        EXPECT_EQ(computed[u], Bytes(4096, std::byte{0x5A})) << "rank " << r;
+      }
+    }
+  }
+}
+
+TEST(NcclTransportPosted, ReadingTheReceiveBufferBeforeTheWaitIsCaughtUnderSomeSeed) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+#ifndef CPDISPATCH_CUDA_HOST_HARNESS
+  GTEST_SKIP() << "a race: the harness's scheduler shows it for certain, a GPU only sometimes";
+#else
+  const Reseed reseed;
+  for (int W : {1, 2}) {
+    NcclComms comms(W);
+    const auto U = static_cast<std::size_t>(W);
+    int stale = 0;
+    for (std::uint64_t seed : posted_seeds(24)) {
+      reseed(seed);
+      const AllToAllCase c(W, 64, seed);
+      std::vector<Bytes> early(U), late(U);
+      comms.run([&](NcclTransport& t) {
+        const auto r = static_cast<std::size_t>(t.rank());
+        const auto send = to_device(c.send(t.rank())), recv = to_device(Bytes(c.bytes(), std::byte{0xA5}));
+        DeviceBytesBuffer out(c.bytes());
+        const cpdispatch::Request request = c.post(t, send, recv);
+        // Deliberately broken: the stream reads the receive buffer before it waits.
+        CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(out.data(), recv.data(), c.bytes(), cudaMemcpyDeviceToDevice, t.stream()));
+        t.wait(request);
+        early[r] = to_host(out.data(), out.size());
+        late[r] = to_host(recv.data(), recv.size());
+      });
+      for (int r = 0; r < W; ++r) {
+        const auto u = static_cast<std::size_t>(r);
+        EXPECT_EQ(late[u], c.expected(r)) << "W " << W << " seed " << seed << " rank " << r;  // complete after the wait
+        stale += early[u] != c.expected(r);
+      }
+    }
+    EXPECT_GT(stale, 0) << "W " << W << ": the exchange never ran after the early read, so it is not on a stream of its own";
+  }
+#endif
+}
+
+TEST(NcclTransportPosted, CollectivesCalledBeforeTheWaitRunAfterTheExchangeOnEveryRank) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const Reseed reseed;
+#ifdef CPDISPATCH_CUDA_HOST_HARNESS
+  cuda_harness::set_stall_limit(std::chrono::milliseconds(5000));  // a rank reaching NCCL calls out of order stalls: fail soon
+#endif
+  for (int W : posted_worlds()) {
+    NcclComms comms(W);
+    const auto U = static_cast<std::size_t>(W);
+    for (std::uint64_t seed : posted_seeds(8)) {
+      SCOPED_TRACE("W " + std::to_string(W) + " seed " + std::to_string(seed));
+      reseed(seed);
+      const AllToAllCase first(W, 128, seed), second(W, 24, seed + 1), blocking(W, 80, seed + 2), last(W, 16, seed + 3);
+      std::vector<Bytes> got(U * 4), ring(U), sums(U);
+      comms.run([&](NcclTransport& t) {
+        const int me = t.rank();
+        const auto r = static_cast<std::size_t>(me);
+        const AllToAllCase* cases[4] = {&first, &second, &blocking, &last};
+        std::vector<DeviceBytesBuffer> send, recv;
+        for (const AllToAllCase* c : cases) {
+          send.push_back(to_device(c->send(me)));
+          recv.push_back(to_device(Bytes(c->bytes(), std::byte{0xA5})));
+        }
+        const auto sum = to_device(floats_of(8, static_cast<float>(me + 1)));
+        const auto ring_send = to_device(cptest::pattern(100, 500 + r)), ring_recv = to_device(Bytes(100, std::byte{0}));
+        const cpdispatch::Request a = first.post(t, send[0], recv[0]);
+        const cpdispatch::Request b = second.post(t, send[1], recv[1]);
+        // Blocking calls with both posts outstanding: each rank's GPU must run them after the posts, in program order.
+        t.all_reduce(sum.data(), 8, ElementType::float32, cpdispatch::ReduceOp::sum);
+        t.barrier();
+        const auto to = t.irecv(ring_recv.data(), 100, (me + W - 1) % W, 3);
+        const auto from = t.isend(ring_send.data(), 100, (me + 1) % W, 3);
+        t.wait(from);
+        t.wait(to);
+        t.all_to_all_v(send[2].data(), blocking.counts, blocking.displs, recv[2].data(), blocking.counts, blocking.displs);
+        const cpdispatch::Request c = last.post(t, send[3], recv[3]);
+        t.wait(b);
+        t.wait(c);
+        t.wait(a);
+        for (std::size_t k = 0; k < 4; ++k) got[r * 4 + k] = to_host(recv[k].data(), recv[k].size());
+        ring[r] = to_host(ring_recv.data(), 100);
+        sums[r] = to_host(sum.data(), sum.size());
+      });
+      const Bytes expect_sum = floats_of(8, static_cast<float>(W * (W + 1) / 2));
+      for (int r = 0; r < W; ++r) {
+        const auto u = static_cast<std::size_t>(r);
+        EXPECT_EQ(got[u * 4 + 0], first.expected(r)) << "rank " << r;
+        EXPECT_EQ(got[u * 4 + 1], second.expected(r)) << "rank " << r;
+        EXPECT_EQ(got[u * 4 + 2], blocking.expected(r)) << "rank " << r;
+        EXPECT_EQ(got[u * 4 + 3], last.expected(r)) << "rank " << r;
+        EXPECT_EQ(ring[u], cptest::pattern(100, 500 + static_cast<std::uint64_t>((r + W - 1) % W))) << "rank " << r;
+        EXPECT_EQ(sums[u], expect_sum) << "rank " << r;
+      }
+      if (HasFailure()) break;  // a stall costs seconds: one failing seed says enough
+    }
+    if (HasFailure()) break;
+  }
+#ifdef CPDISPATCH_CUDA_HOST_HARNESS
+  cuda_harness::set_stall_limit(std::chrono::milliseconds(20000));
+#endif
+}
+
+TEST(NcclTransportPosted, PostWaitAndADeviceCopyMakeNoSynchronisingCallNorNewEvents) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+#ifndef CPDISPATCH_CUDA_HOST_HARNESS
+  GTEST_SKIP() << "counts the runtime's calls: the cuda-cpu harness only";
+#else
+  for (int W : {1, 2}) {
+    NcclComms comms(W);
+    const auto U = static_cast<std::size_t>(W);
+    const AllToAllCase c(W, 96, 7);
+    std::vector<std::uint64_t> synchronising(U, 99);
+    std::vector<Bytes> got(U);
+    std::size_t events = 99;
+    comms.run([&](NcclTransport& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      const auto send = to_device(c.send(t.rank())), recv = to_device(Bytes(c.bytes(), std::byte{0xA5}));
+      DeviceBytesBuffer out(c.bytes());
+      t.wait(c.post(t, send, recv));  // the first post makes the pool's event
+      const std::uint64_t before = cuda_harness::synchronizing_calls_on_this_thread();
+      const std::size_t events_before = cuda_harness::events_created();
+      for (int i = 0; i < 8; ++i) {
+        const cpdispatch::Request request = c.post(t, send, recv);
+        t.wait(request);
+        CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(out.data(), recv.data(), c.bytes(), cudaMemcpyDeviceToDevice, t.stream()));
+      }
+      synchronising[r] = cuda_harness::synchronizing_calls_on_this_thread() - before;
+      if (W == 1) events = cuda_harness::events_created() - events_before;  // other ranks' threads would make theirs meanwhile
+      got[r] = to_host(out.data(), out.size());
+    });
+    for (int r = 0; r < W; ++r) {
+      const auto u = static_cast<std::size_t>(r);
+      EXPECT_EQ(synchronising[u], 0u) << "W " << W << " rank " << r;
+      EXPECT_EQ(got[u], c.expected(r)) << "W " << W << " rank " << r;
+    }
+    if (W == 1) {
+      EXPECT_EQ(events, 0u) << "steady-state posts reuse the pool's events";
+    }
+  }
+#endif
+}
+
+TEST(NcclTransportPosted, TheCommunicationStreamIsOwnedOrBorrowedAndMovesWithTheTransport) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  ncclComm_t comm = nullptr;
+  const int device = 0;
+  CPDISPATCH_NCCL_CHECK(ncclCommInitAll(&comm, 1, &device));
+  CPDISPATCH_CUDA_CHECK(cudaSetDevice(0));
+  const cpdispatch::cuda::Stream stream, side;
+  const AllToAllCase c(1, 200, 9);
+  const auto send = to_device(c.send(0));
+  DeviceBytesBuffer recv(c.bytes());
+  auto round_trip = [&](NcclTransport& t) {
+    CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(recv.data(), 0, recv.size(), t.stream()));
+    const cpdispatch::Request request = c.post(t, send, recv);
+    t.wait(request);
+    EXPECT_THROW(t.wait(request), cpdispatch::invalid_input);  // waited for once: gone
+    EXPECT_EQ(to_host(recv.data(), recv.size()), c.expected(0));
+  };
+  {
+    NcclTransport borrowing(comm, stream.get(), cpdispatch::NcclTransportOptions{.timeout = {}, .comm_stream = side.get()});
+    EXPECT_EQ(borrowing.comm_stream(), side.get());
+    round_trip(borrowing);
+    NcclTransport moved(std::move(borrowing));
+    EXPECT_EQ(moved.comm_stream(), side.get());
+    round_trip(moved);
+  }
+  CPDISPATCH_CUDA_CHECK(cudaStreamQuery(side.get()));  // still ours, still usable
+  {
+    NcclTransport same(comm, stream.get(), cpdispatch::NcclTransportOptions{.timeout = {}, .comm_stream = stream.get()});  // no overlap, still correct
+    round_trip(same);
+  }
+  {
+    NcclTransport owning(comm, stream.get());
+    const cudaStream_t owned = owning.comm_stream();
+    EXPECT_NE(owned, nullptr);
+    EXPECT_NE(owned, stream.get());
+    CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(recv.data(), 0, recv.size(), stream.get()));
+    const cpdispatch::Request pending = c.post(owning, send, recv);
+    NcclTransport moved(std::move(owning));  // with a post outstanding
+    EXPECT_EQ(moved.comm_stream(), owned);
+    EXPECT_EQ(moved.outstanding(), 1u);
+    moved.wait(pending);
+    EXPECT_EQ(to_host(recv.data(), recv.size()), c.expected(0));
+    EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { moved.wait(cpdispatch::Request{12345}); }),
+                ::testing::HasSubstr("request 12345 is not pending"));
+    NcclTransport assigned(comm, stream.get());
+    assigned = std::move(moved);
+    EXPECT_EQ(assigned.comm_stream(), owned);
+    round_trip(assigned);
+  }
+  CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+  CPDISPATCH_NCCL_CHECK(ncclCommDestroy(comm));
 }
 
 }  // namespace

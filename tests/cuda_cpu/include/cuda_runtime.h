@@ -29,12 +29,20 @@
 //   a capture fails and invalidates it, as do allocations in global mode. A
 //   launched graph runs its nodes in a random order that respects the
 //   dependencies.
+// - Synchronising calls (stream, device and event synchronisation, the
+//   synchronous cudaMemcpy and cudaMemset, cudaMalloc, cudaFree) are counted
+//   (cuda_harness::synchronizing_calls(), in total and per thread), so a
+//   test can show that a piece of code makes none. cudaStreamQuery and
+//   cudaEventQuery do not block, and are not counted.
+// - cuda_harness::set_seed reseeds the scheduler, so one test can try many
+//   interleavings.
 // Violations are collected (cuda_harness::take_violations()); the harness's
 // main() fails the program when any remain.
 
 #define CPDISPATCH_CUDA_HOST_HARNESS 1
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -402,6 +410,19 @@ class Runtime {
 
 inline thread_local int current_device = 0;
 inline thread_local cudaError_t last_error = cudaSuccess;
+inline std::atomic<std::uint64_t> synchronizing_total{0};
+inline thread_local std::uint64_t synchronizing_here = 0;
+
+/// Counts one synchronising call (made by the calling thread).
+inline void count_synchronizing() {
+  synchronizing_total.fetch_add(1, std::memory_order_relaxed);
+  ++synchronizing_here;
+}
+
+/// Synchronising calls so far, by every thread.
+inline std::uint64_t synchronizing_calls() { return synchronizing_total.load(std::memory_order_relaxed); }
+/// Synchronising calls so far by the calling thread (other ranks' threads may synchronise meanwhile).
+inline std::uint64_t synchronizing_calls_on_this_thread() { return synchronizing_here; }
 
 inline cudaError_t fail(cudaError_t code) {
   if (code != cudaSuccess) last_error = code;
@@ -416,6 +437,21 @@ inline std::vector<std::string> take_violations() {
 }
 
 inline std::uint64_t seed() { return Runtime::get().seed; }
+
+/// Reseeds the scheduler (and the kernels' block order): the interleavings that follow are those of `seed`.
+inline void set_seed(std::uint64_t seed) {
+  Runtime& rt = Runtime::get();
+  std::lock_guard lock(rt.mutex);
+  rt.seed = seed;
+  rt.rng.seed(seed);
+}
+
+/// Events created so far (cudaEventCreate*), by every thread.
+inline std::size_t events_created() {
+  Runtime& rt = Runtime::get();
+  std::lock_guard lock(rt.mutex);
+  return rt.events.size();
+}
 
 /// Live device allocations: how many, and their bytes.
 inline std::pair<std::size_t, std::size_t> live_allocations() {
@@ -560,6 +596,7 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 
 inline cudaError_t cudaMalloc(void** p, std::size_t n) {
   using namespace cuda_harness;
+  count_synchronizing();
   auto l = lock();
   Runtime& rt = Runtime::get();
   if (rt.global_capture_active()) return fail(rt.invalidate_all(cudaErrorStreamCaptureUnsupported));
@@ -584,6 +621,7 @@ cudaError_t cudaMalloc(T** p, std::size_t n) {
 inline cudaError_t cudaFree(void* p) {
   using namespace cuda_harness;
   if (!p) return cudaSuccess;
+  count_synchronizing();
   auto l = lock();
   Runtime& rt = Runtime::get();
   if (rt.syncing_during_capture()) return fail(cudaErrorStreamCaptureUnsupported);
@@ -621,8 +659,9 @@ inline cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWi
 /// Streams stay allocated (their pending work still runs); destroying one only forbids its use.
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) { return s ? cudaSuccess : cuda_harness::fail(cudaErrorInvalidResourceHandle); }
 
-inline cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
-  using namespace cuda_harness;
+namespace cuda_harness {
+/// cudaStreamSynchronize, not counted (the synchronous copies count once).
+inline cudaError_t stream_synchronize(cudaStream_t stream) {
   auto l = lock();
   Runtime& rt = Runtime::get();
   Stream* s = rt.resolve(stream);
@@ -633,6 +672,12 @@ inline cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (s->legacy && rt.syncing_during_capture()) return fail(cudaErrorStreamCaptureUnsupported);
   const std::uint64_t target = s->enqueued;
   return fail(rt.drain(l, [s, target] { return s->completed >= target; }));
+}
+}  // namespace cuda_harness
+
+inline cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  cuda_harness::count_synchronizing();
+  return cuda_harness::stream_synchronize(stream);
 }
 /// Runs what can run now, then says whether the stream's work is done.
 inline cudaError_t cudaStreamQuery(cudaStream_t stream) {
@@ -649,6 +694,7 @@ inline cudaError_t cudaStreamQuery(cudaStream_t stream) {
 }
 inline cudaError_t cudaDeviceSynchronize() {
   using namespace cuda_harness;
+  count_synchronizing();
   auto l = lock();
   Runtime& rt = Runtime::get();
   if (rt.syncing_during_capture()) return fail(cudaErrorStreamCaptureUnsupported);
@@ -721,6 +767,7 @@ inline cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsig
 
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   using namespace cuda_harness;
+  count_synchronizing();
   auto l = lock();
   Runtime& rt = Runtime::get();
   if (e->capture) return fail(cudaErrorStreamCaptureUnsupported);
@@ -781,20 +828,22 @@ inline cudaError_t cudaMemsetAsync(void* dst, int value, std::size_t n, cudaStre
 }
 /// Synchronous: on the legacy stream, then waits for it.
 inline cudaError_t cudaMemcpy(void* dst, const void* src, std::size_t n, cudaMemcpyKind kind) {
+  cuda_harness::count_synchronizing();
   {
     auto l = cuda_harness::lock();
     if (cuda_harness::Runtime::get().syncing_during_capture()) return cuda_harness::fail(cudaErrorStreamCaptureUnsupported);
   }
   if (const cudaError_t rc = cudaMemcpyAsync(dst, src, n, kind, nullptr); rc != cudaSuccess) return rc;
-  return cudaStreamSynchronize(nullptr);
+  return cuda_harness::stream_synchronize(nullptr);
 }
 inline cudaError_t cudaMemset(void* dst, int value, std::size_t n) {
+  cuda_harness::count_synchronizing();
   {
     auto l = cuda_harness::lock();
     if (cuda_harness::Runtime::get().syncing_during_capture()) return cuda_harness::fail(cudaErrorStreamCaptureUnsupported);
   }
   if (const cudaError_t rc = cudaMemsetAsync(dst, value, n, nullptr); rc != cudaSuccess) return rc;
-  return cudaStreamSynchronize(nullptr);
+  return cuda_harness::stream_synchronize(nullptr);
 }
 
 // ---- graphs ----

@@ -16,6 +16,17 @@
 // (ncclInvalidArgument otherwise, like NCCL_CHECK_POINTERS=1), and the
 // current device must be the communicator's (ncclInvalidUsage).
 //
+// Streams: a call is enqueued on the stream it names (any stream, ordered
+// by that stream's events like any other operation). A communicator runs one
+// operation at a time, as NCCL's kernels of one communicator share its
+// channels: a group (the parts of one ncclGroupEnd, on whatever streams)
+// starts when it reaches the front of its stream and no other operation of
+// the communicator is under way, and holds the communicator until all of
+// its parts have moved their bytes. So two ranks whose GPUs reach a
+// communicator's operations in different orders (e.g. one enqueued on two
+// streams without events between them) deadlock here too: the scheduler
+// reports the stall.
+//
 // Non-blocking communicators (ncclConfig_t::blocking = 0): a call returns
 // ncclInProgress, and ncclCommGetAsyncError reports ncclInProgress until
 // every partner of the call has issued its side (a peer that never does
@@ -101,6 +112,9 @@ struct ncclComm {
     std::uint64_t index;
   };
   std::vector<Waiting> in_progress;  // non-blocking: calls whose partners have not all issued theirs
+  // The operation under way on the GPU (one at a time): its group, and how many of its stream operations have started and not finished.
+  std::uint64_t running_group = 0;
+  int running = 0;
 };
 using ncclComm_t = ncclComm*;
 
@@ -137,6 +151,7 @@ struct State {
   std::vector<std::unique_ptr<ncclComm>> comms;
   std::map<std::string, Clique*> by_id;
   std::uint64_t next_id = 1;
+  std::uint64_t next_group = 1;
 };
 inline State& state() {
   static State s;
@@ -282,10 +297,21 @@ inline void arrive(cuda_harness::Runtime& rt, Part& p) {
   send->done = recv->done = true;
 }
 
-/// The stream operation of one communicator's share of a group.
-inline bool step(cuda_harness::Runtime& rt, std::vector<Part>& parts, bool& started) {
-  if (parts.empty() || parts[0].comm->aborted) return true;  // an aborted communicator's work is dropped
+/// The stream operation of one communicator's share of a group (`group`:
+/// the ncclGroupEnd it came from); the communicator runs one group at a time.
+inline bool step(cuda_harness::Runtime& rt, std::vector<Part>& parts, bool& started, std::uint64_t group) {
+  if (parts.empty()) return true;
+  ncclComm& c = *parts[0].comm;
+  auto finish = [&] {
+    started = false;  // a graph replays the same operation
+    if (--c.running == 0) c.running_group = 0;
+    return true;
+  };
+  if (c.aborted) return started ? finish() : true;  // an aborted communicator's work is dropped
   if (!started) {
+    if (c.running > 0 && c.running_group != group) return false;  // another operation holds the communicator
+    c.running_group = group;
+    ++c.running;
     started = true;
     for (Part& p : parts) p.done = false;
     for (Part& p : parts) arrive(rt, p);
@@ -293,8 +319,7 @@ inline bool step(cuda_harness::Runtime& rt, std::vector<Part>& parts, bool& star
   for (const Part& p : parts) {
     if (!p.done) return false;
   }
-  started = false;  // a graph replays the same operation
-  return true;
+  return finish();
 }
 
 inline bool partners_issued(const ncclComm& c, const ncclComm::Waiting& w) {
@@ -326,6 +351,7 @@ inline ncclResult_t submit(std::vector<Part> parts) {
   cuda_harness::Runtime& rt = cuda_harness::Runtime::get();
   std::map<std::pair<ncclComm_t, cudaStream_t>, std::vector<Part>> by_comm;
   for (Part& p : parts) by_comm[{p.comm, p.stream}].push_back(p);
+  const std::uint64_t group = state().next_group++;
   bool in_progress = false;
   for (auto& [key, mine] : by_comm) {
     const ncclComm_t comm = key.first;
@@ -339,7 +365,7 @@ inline ncclResult_t submit(std::vector<Part> parts) {
     auto shared = std::make_shared<std::vector<Part>>(std::move(mine));
     auto started = std::make_shared<bool>(false);
     std::string name = std::string((*shared)[0].call) + " on rank " + std::to_string(comm->rank);
-    const cudaError_t rc = rt.enqueue(rt.resolve(stream), name, [&rt, shared, started] { return step(rt, *shared, *started); });
+    const cudaError_t rc = rt.enqueue(rt.resolve(stream), name, [&rt, shared, started, group] { return step(rt, *shared, *started, group); });
     if (rc != cudaSuccess) return error(ncclUnhandledCudaError, std::string("enqueueing on the stream: ") + cudaGetErrorName(rc));
   }
   return in_progress ? ncclInProgress : ncclSuccess;

@@ -13,10 +13,11 @@
 //   world.synchronize();                                                 // wait for the streams
 //
 // Semantics (the Transport contract for device transports, transport.hpp):
-// - Every call is stream-ordered on the rank's stream (stream(), owned by the
-//   world) and returns once its work is enqueued; the host is not blocked
-//   beyond meeting the other ranks' threads. Results are visible to later
-//   work on that stream; run() does not wait for the streams (synchronize()).
+// - Every call (post_all_to_all_v aside: below) is stream-ordered on the
+//   rank's stream (stream(), owned by the world) and returns once its work
+//   is enqueued; the host is not blocked beyond meeting the other ranks'
+//   threads. Results are visible to later work on that stream; run() does
+//   not wait for the streams (synchronize()).
 // - Collectives: each rank records an event at its stream's current position
 //   and publishes its buffers; all ranks meet (host barrier); each rank's
 //   stream waits for the events of the ranks it reads from and copies (or
@@ -39,6 +40,18 @@
 //   copy, wait(irecv) orders it before the receiver's later work. wait()
 //   blocks the host until the message is matched. Every request must be
 //   waited for.
+// - post_all_to_all_v (PostedAllToAllTransport): the exchange runs on the
+//   rank's communication stream (comm_stream(), owned by the world), so
+//   compute enqueued on stream() after the post overlaps it. The post
+//   records an event on stream() (the inputs are ready), the communication
+//   stream waits for it, and the collective's protocol above runs there
+//   (the ranks still meet on the host at the post); a completion event,
+//   taken from a pool the rank reuses, is recorded after the other ranks'
+//   reads of our send buffer. wait() makes stream() wait for that event:
+//   no host synchronisation. Until then the send buffer must not change and
+//   the receive buffer must not be read. The other calls stay on stream()
+//   and are not ordered after outstanding posts (the copies name their
+//   streams; there is no shared communicator whose order matters).
 // - No all_to_all_pieces: a dispatcher over this transport packs, calls
 //   all_to_all_v and unpacks with the device kernels, as over NCCL.
 // - Failure and timeouts as in the host sim, by the same code
@@ -258,12 +271,14 @@ class DeviceSimTransport {
 
   int rank() const noexcept { return rank_; }
   int world_size() const noexcept;
-  /// This rank's stream (owned by the world): all of the rank's work is ordered on it.
+  /// This rank's stream (owned by the world): all of the rank's work but the posted exchanges is ordered on it.
   cudaStream_t stream() const noexcept;
+  /// This rank's communication stream (owned by the world): the posted exchanges run on it.
+  cudaStream_t comm_stream() const noexcept;
 
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs);
-  /// PostedAllToAllTransport: all_to_all_v (its copies enqueued on the streams); wait() retires the request.
+  /// PostedAllToAllTransport: all_to_all_v on comm_stream() after stream()'s earlier work; wait() orders stream() after it.
   Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                             void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs);
   Request isend(const void* buf, std::size_t bytes, int peer, int tag);
@@ -280,12 +295,18 @@ class DeviceSimTransport {
   DeviceSimTransport(DeviceSimWorld& world, int rank) : world_(world), rank_(rank) {}
 
   [[noreturn]] void fail(const char* op, const std::string& what);
-  /// The two-phase protocol of every collective (see the header comment);
-  /// `read` enqueues this rank's copies or reductions between the meetings.
+  /// The two-phase protocol of every collective (see the header comment),
+  /// on stream `on`; `read` enqueues this rank's copies or reductions there
+  /// between the meetings.
   template <class Read>
-  void collective(const detail::sim::Call& call, detail::device_sim::SimSlot slot, Read&& read);
-  /// Waits for rank s's stream to reach its publishing point in this collective.
-  void after_publish_of(std::size_t s);
+  void collective(const detail::sim::Call& call, detail::device_sim::SimSlot slot, cudaStream_t on, Read&& read);
+  /// Makes `on` wait for rank s to reach its publishing point in this collective.
+  void after_publish_of(std::size_t s, cudaStream_t on);
+  /// all_to_all_v's copies into this rank, on `on`.
+  void exchange(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
+                std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs, cudaStream_t on);
+  /// A completion event from the pool; a new one only when every pooled event is in use.
+  cudaEvent_t take_event();
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int tag);
   void sum(ElementType type, void* out, std::span<const void* const> sources, std::size_t count);
   /// Replaces `buffer` by a larger one when it holds fewer than `bytes`, keeping the old one alive.
@@ -297,7 +318,14 @@ class DeviceSimTransport {
   int rank_;
   std::vector<const void*> sources_;  // reduction inputs, one per rank
   detail::sim::Requests<detail::device_sim::Message> requests_;
-  std::vector<std::uint64_t> posted_;  // posted exchanges not yet waited for (their ids have the top bit set)
+  struct PostedExchange {
+    std::uint64_t id;  // the top bit set
+    cudaEvent_t done;  // recorded on comm_stream() once the exchange is complete everywhere it matters
+  };
+  std::vector<PostedExchange> posted_;  // posted exchanges not yet waited for, in posting order
+  cuda::Event inputs_ready_;             // stream() at a post; reused: a wait captures the event's state when it is called
+  std::vector<cuda::Event> events_;       // the pool: every completion event made
+  std::vector<cudaEvent_t> free_events_;  // those of events_ not in posted_
   std::uint64_t next_posted_ = 0;
   static constexpr std::uint64_t posted_bit = std::uint64_t{1} << 63;
 };
@@ -342,8 +370,10 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
     CPDISPATCH_CUDA_CHECK(cudaSetDevice(options_.device));
     const auto W = static_cast<std::size_t>(world_size);
     streams_.reserve(W);
+    comm_streams_.reserve(W);
     for (std::size_t r = 0; r < W; ++r) {
       streams_.emplace_back();
+      comm_streams_.emplace_back();
       published_.emplace_back();
       read_.emplace_back();
       joined_.emplace_back();
@@ -357,6 +387,7 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
   /// Waits for the ranks' streams before releasing them and their buffers.
   ~DeviceSimWorld() {
     for (const cuda::Stream& s : streams_) (void)cudaStreamSynchronize(s.get());
+    for (const cuda::Stream& s : comm_streams_) (void)cudaStreamSynchronize(s.get());
     (void)cudaGetLastError();
   }
 
@@ -364,10 +395,13 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
   int device() const noexcept { return options_.device; }
   const DeviceSimOptions& options() const noexcept { return options_; }
   cudaStream_t stream(int rank) const { return streams_.at(static_cast<std::size_t>(rank)).get(); }
+  /// Rank `rank`'s communication stream (its posted exchanges).
+  cudaStream_t comm_stream(int rank) const { return comm_streams_.at(static_cast<std::size_t>(rank)).get(); }
 
-  /// Waits until every rank's stream has finished its work.
+  /// Waits until every rank's streams have finished their work.
   void synchronize() const {
     for (const cuda::Stream& s : streams_) s.synchronize();
+    for (const cuda::Stream& s : comm_streams_) s.synchronize();
   }
 
   /// Runs per_rank(DeviceSimTransport&) on world_size() threads (rank r on
@@ -438,6 +472,7 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
 
   DeviceSimOptions options_;
   std::vector<cuda::Stream> streams_;
+  std::vector<cuda::Stream> comm_streams_;  // per rank: its posted exchanges
   std::vector<cuda::Event> published_;  // per rank: its stream at the start of the collective
   std::vector<cuda::Event> read_;       // per rank: its stream after its reads of the collective
   std::vector<cuda::Event> joined_;     // per rank: its stream at the end of a capture
@@ -453,14 +488,15 @@ class DeviceSimWorld : private detail::sim::World<detail::device_sim::Message> {
 
 inline int DeviceSimTransport::world_size() const noexcept { return world_.world_size(); }
 inline cudaStream_t DeviceSimTransport::stream() const noexcept { return world_.streams_[static_cast<std::size_t>(rank_)].get(); }
+inline cudaStream_t DeviceSimTransport::comm_stream() const noexcept { return world_.comm_streams_[static_cast<std::size_t>(rank_)].get(); }
 
 inline void DeviceSimTransport::fail(const char* op, const std::string& what) { world_.raise_invalid(rank_, op, what); }
 
 template <class Read>
-void DeviceSimTransport::collective(const detail::sim::Call& call, detail::device_sim::SimSlot slot, Read&& read) {
+void DeviceSimTransport::collective(const detail::sim::Call& call, detail::device_sim::SimSlot slot, cudaStream_t on, Read&& read) {
   const auto me = static_cast<std::size_t>(rank_);
   try {
-    world_.published_[me].record(stream());
+    world_.published_[me].record(on);
   } catch (...) {
     world_.abort(rank_, std::current_exception());
     throw;
@@ -472,7 +508,7 @@ void DeviceSimTransport::collective(const detail::sim::Call& call, detail::devic
   world_.arrive_and_wait(rank_, call);
   try {
     read();
-    world_.read_[me].record(stream());
+    world_.read_[me].record(on);
   } catch (...) {
     world_.abort(rank_, std::current_exception());
     throw;
@@ -480,7 +516,7 @@ void DeviceSimTransport::collective(const detail::sim::Call& call, detail::devic
   world_.arrive_and_wait(rank_, call);  // every rank has enqueued its reads and recorded read_
   try {
     for (std::size_t s = 0; s < world_.read_.size(); ++s) {
-      if (s != me) world_.read_[s].wait_on(stream());
+      if (s != me) world_.read_[s].wait_on(on);
     }
   } catch (...) {
     world_.abort(rank_, std::current_exception());
@@ -490,20 +526,26 @@ void DeviceSimTransport::collective(const detail::sim::Call& call, detail::devic
   // after its first meeting, which every rank reaches after these waits.
 }
 
-inline void DeviceSimTransport::after_publish_of(std::size_t s) {
-  if (s != static_cast<std::size_t>(rank_)) world_.published_[s].wait_on(stream());
+inline void DeviceSimTransport::after_publish_of(std::size_t s, cudaStream_t on) {
+  if (s != static_cast<std::size_t>(rank_)) world_.published_[s].wait_on(on);
 }
 
 inline void DeviceSimTransport::all_to_all_v(const void* send, std::span<const std::size_t> send_counts,
                                              std::span<const std::size_t> send_displs, void* recv, std::span<const std::size_t> recv_counts,
                                              std::span<const std::size_t> recv_displs) {
+  exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, stream());
+}
+
+inline void DeviceSimTransport::exchange(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                                         void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs,
+                                         cudaStream_t on) {
   const char* op = "all_to_all_v";
   const auto W = static_cast<std::size_t>(world_size());
   for (auto [name, s] : {std::pair{"send_counts", send_counts}, std::pair{"send_displs", send_displs}, std::pair{"recv_counts", recv_counts},
                          std::pair{"recv_displs", recv_displs}}) {
     if (s.size() != W) fail(op, detail::concat(name, " has ", s.size(), " entries, world_size is ", W));
   }
-  collective({op}, {.send = send, .recv = recv, .send_counts = send_counts, .send_displs = send_displs}, [&] {
+  collective({op}, {.send = send, .recv = recv, .send_counts = send_counts, .send_displs = send_displs}, on, [&] {
     const auto me = static_cast<std::size_t>(rank_);
     for (std::size_t s = 0; s < W; ++s) {
       const detail::device_sim::SimSlot& from = world_.slots_[s];
@@ -513,27 +555,27 @@ inline void DeviceSimTransport::all_to_all_v(const void* send, std::span<const s
                                             "] = ", recv_counts[s]));
       }
       if (bytes == 0) continue;
-      after_publish_of(s);
+      after_publish_of(s, on);
       CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(recv) + recv_displs[s],
                                             static_cast<const std::byte*>(from.send) + from.send_displs[me], bytes,
-                                            cudaMemcpyDeviceToDevice, stream()));
+                                            cudaMemcpyDeviceToDevice, on));
     }
   });
 }
 
 inline void DeviceSimTransport::barrier() {
-  collective({"barrier"}, {}, [&] {
-    for (std::size_t s = 0; s < world_.published_.size(); ++s) after_publish_of(s);
+  collective({"barrier"}, {}, stream(), [&] {
+    for (std::size_t s = 0; s < world_.published_.size(); ++s) after_publish_of(s, stream());
   });
 }
 
 inline void DeviceSimTransport::broadcast(void* buf, std::size_t bytes, int root) {
   const char* op = "broadcast";
   if (root < 0 || root >= world_size()) fail(op, detail::concat("root ", root, " is outside [0, ", world_size(), ")"));
-  collective({op, bytes, -1, root}, {.send = buf, .recv = buf}, [&] {
+  collective({op, bytes, -1, root}, {.send = buf, .recv = buf}, stream(), [&] {
     if (rank_ == root || bytes == 0) return;
     const auto r = static_cast<std::size_t>(root);
-    after_publish_of(r);
+    after_publish_of(r, stream());
     CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(buf, world_.slots_[r].send, bytes, cudaMemcpyDeviceToDevice, stream()));
   });
 }
@@ -571,11 +613,11 @@ inline void DeviceSimTransport::all_reduce(void* buf, std::size_t count, Element
   const std::size_t bytes = bytes_of(op, count, type);
   if (count > (std::size_t{1} << 60)) fail(op, detail::concat(count, " elements are more than the accumulators can hold"));
   cuda::DeviceBuffer<std::byte>& scratch = world_.scratch_[static_cast<std::size_t>(rank_)];
-  collective({op, count, static_cast<int>(type), -1}, {.send = buf, .recv = buf}, [&] {
+  collective({op, count, static_cast<int>(type), -1}, {.send = buf, .recv = buf}, stream(), [&] {
     grow(scratch, bytes);
     sources_.assign(world_.slots_.size(), nullptr);
     for (std::size_t s = 0; s < sources_.size(); ++s) {
-      after_publish_of(s);
+      after_publish_of(s, stream());
       sources_[s] = world_.slots_[s].send;
     }
     sum(type, scratch.data(), sources_, count);
@@ -591,10 +633,10 @@ inline void DeviceSimTransport::all_gather(const void* send, void* recv, std::si
   if (bytes > static_cast<std::size_t>(-1) / static_cast<std::size_t>(world_size())) {
     fail(op, detail::concat(world_size(), " ranks x ", bytes, " bytes overflow the size type"));
   }
-  collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
+  collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, stream(), [&] {
     if (bytes == 0) return;
     for (std::size_t s = 0; s < world_.slots_.size(); ++s) {
-      after_publish_of(s);
+      after_publish_of(s, stream());
       CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::byte*>(recv) + s * bytes, world_.slots_[s].send, bytes,
                                             cudaMemcpyDeviceToDevice, stream()));
     }
@@ -608,10 +650,10 @@ inline void DeviceSimTransport::reduce_scatter(const void* send, void* recv, std
   if (bytes > static_cast<std::size_t>(-1) / static_cast<std::size_t>(world_size())) {
     fail(op, detail::concat(world_size(), " ranks x ", bytes, " bytes overflow the size type"));
   }
-  collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, [&] {
+  collective({op, count_per_rank, static_cast<int>(type), -1}, {.send = send, .recv = recv}, stream(), [&] {
     sources_.assign(world_.slots_.size(), nullptr);
     for (std::size_t s = 0; s < sources_.size(); ++s) {
-      after_publish_of(s);
+      after_publish_of(s, stream());
       sources_[s] = static_cast<const std::byte*>(world_.slots_[s].send) + static_cast<std::size_t>(rank_) * bytes;
     }
     sum(type, recv, sources_, count_per_rank);
@@ -657,16 +699,52 @@ inline Request DeviceSimTransport::irecv(void* buf, std::size_t bytes, int peer,
 inline Request DeviceSimTransport::post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts,
                                                      std::span<const std::size_t> send_displs, void* recv,
                                                      std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
-  all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+  const cudaEvent_t done = take_event();
+  try {
+    inputs_ready_.record(stream());
+    inputs_ready_.wait_on(comm_stream());
+  } catch (...) {
+    free_events_.push_back(done);
+    world_.abort(rank_, std::current_exception());
+    throw;
+  }
+  try {
+    exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, comm_stream());
+  } catch (...) {
+    free_events_.push_back(done);
+    throw;  // the collective has aborted the world where it had to
+  }
+  try {
+    // After the collective's waits on the other ranks' reads: our send buffer is free again too.
+    CPDISPATCH_CUDA_CHECK(cudaEventRecord(done, comm_stream()));
+  } catch (...) {
+    free_events_.push_back(done);
+    world_.abort(rank_, std::current_exception());
+    throw;
+  }
   const std::uint64_t id = posted_bit | next_posted_++;
-  posted_.push_back(id);
+  posted_.push_back({id, done});
   return Request{id};
 }
 
+inline cudaEvent_t DeviceSimTransport::take_event() {
+  if (free_events_.empty()) {
+    events_.emplace_back();
+    free_events_.reserve(events_.size());  // giving events back never allocates
+    posted_.reserve(events_.size());
+    return events_.back().get();
+  }
+  const cudaEvent_t e = free_events_.back();
+  free_events_.pop_back();
+  return e;
+}
+
 inline void DeviceSimTransport::wait(Request request) {
-  if (request.id & posted_bit) {  // a posted exchange: enqueued in stream order at the post
-    const auto it = std::find(posted_.begin(), posted_.end(), request.id);
+  if (request.id & posted_bit) {  // a posted exchange: running on comm_stream()
+    const auto it = std::find_if(posted_.begin(), posted_.end(), [&](const PostedExchange& p) { return p.id == request.id; });
     if (it == posted_.end()) fail("wait", detail::concat("request ", request.id, " is not a pending posted exchange on this rank"));
+    CPDISPATCH_CUDA_CHECK(cudaStreamWaitEvent(stream(), it->done, 0));
+    free_events_.push_back(it->done);
     posted_.erase(it);
     return;
   }

@@ -7,20 +7,43 @@
 //   cpdispatch::Dispatcher q(t, qkv.q_fwd, qkv.q_rev, token_bytes);  // + cuda/data_path.hpp, in a .cu
 //
 // - It borrows an ncclComm_t and a cudaStream_t (both must outlive it);
-//   every call enqueues its work on that stream and returns: nothing blocks
-//   the host, results are visible to later work on the stream, and a
-//   sequence of calls can be captured in a CUDA graph (NCCL >= 2.9). The
+//   every call enqueues its work on that stream (posted exchanges on the
+//   communication stream: below) and returns: nothing blocks the host,
+//   results are visible to later work on the stream, and a sequence of
+//   calls can be captured in a CUDA graph (NCCL >= 2.9). The
 //   communicator's GPU must be current on the calling thread.
 // - all_to_all_v: ncclGroupStart, one ncclSend and one ncclRecv per peer
 //   with a non-zero count, ncclGroupEnd; traffic to itself is a
 //   cudaMemcpyAsync. Counts are bytes (ncclUint8). Send and receive counts of
 //   a pair of ranks must agree: NCCL cannot check that (a mismatch is
 //   undefined, as with MPI_Alltoallv), but the dispatcher's always do.
-// - post_all_to_all_v (PostedAllToAllTransport): all_to_all_v, enqueued on
-//   the stream (the host is free at once, as with every call here); wait()
-//   retires the request. Work enqueued after it on the same stream runs
-//   after the exchange, so a caller that wants device-side overlap orders
-//   its compute on another stream.
+// - post_all_to_all_v (PostedAllToAllTransport): the exchange runs on a
+//   communication stream, so compute enqueued on the stream after the post
+//   overlaps it on the GPU. The transport creates that stream (non-blocking,
+//   on the communicator's GPU) and destroys it with itself, or borrows yours
+//   from NcclTransportOptions::comm_stream (it must then outlive the
+//   transport; it may even be the stream itself, which gives up the
+//   overlap). The post records an event on the stream (the inputs are
+//   ready), makes the communication stream wait for it, enqueues the group
+//   there (the copy to itself too) and records a completion event, taken
+//   from a pool the transport reuses (no allocation per post once the pool
+//   holds as many events as posts are ever outstanding). wait() makes the
+//   stream wait for that event and returns: no host synchronisation
+//   anywhere. Until then the send buffer must not change and the receive
+//   buffer must not be read, on any stream. Every request is waited for
+//   exactly once; a graph capture must wait for its posts before it ends.
+// - One order of NCCL operations: a rank's GPU must reach the operations of
+//   one communicator in the order every other rank's does, or they mismatch
+//   or deadlock (NCCL does not order kernels of two streams). Posted
+//   exchanges run on the communication stream; everything else
+//   (all_to_all_v, the collectives, barrier, the isend/irecv groups) on the
+//   stream. A post waits for the stream's earlier work (its input event),
+//   and any other call made while posted exchanges are outstanding first
+//   makes the stream wait for their completion. So each GPU runs the
+//   communicator's operations in the order the host called them, which is
+//   the program order and the same on every rank (the collective contract).
+//   The price: a collective called between a post and its wait ends that
+//   exchange's overlap (it runs after the exchange).
 // - Collectives map to NCCL's: broadcast (bytes), all_reduce (in place),
 //   all_gather, reduce_scatter; ElementType bfloat16 is ncclBfloat16, float16 is
 //   ncclFloat16, and so on. NCCL's reductions sum in its own order (ring or
@@ -174,6 +197,9 @@ struct NcclTransportOptions {
   /// call; past it the communicator is aborted and timeout_error thrown.
   /// None: wait as long as NCCL says the call is in progress.
   std::optional<std::chrono::milliseconds> timeout;
+  /// The stream posted exchanges run on; borrowed, must outlive the
+  /// transport. Null: the transport creates its own.
+  cudaStream_t comm_stream = nullptr;
 };
 
 class NcclTransport {
@@ -182,7 +208,8 @@ class NcclTransport {
   using data_path = cuda::DeviceDataPath;  ///< the dispatcher's data path (cpdispatch/cuda/data_path.hpp)
 
   /// Borrows `comm` and `stream`; allocates one int of device memory (the
-  /// barrier's). The communicator's device must be current.
+  /// barrier's) and creates the communication stream unless the options
+  /// lend one. The communicator's device must be current.
   NcclTransport(ncclComm_t comm, cudaStream_t stream, NcclTransportOptions options = {})
       : comm_(comm), stream_(stream), options_(options) {
     if (comm == nullptr) detail::fail("NcclTransport: the communicator is null");
@@ -190,9 +217,19 @@ class NcclTransport {
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclCommCount(comm, &size_));
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclCommCuDevice(comm, &device_));
     check_device("NcclTransport");
+    if (options_.comm_stream) {
+      comm_stream_ = options_.comm_stream;
+    } else {
+      own_comm_stream_.emplace();
+      comm_stream_ = own_comm_stream_->get();
+    }
+    inputs_ready_.emplace();
     barrier_word_.allocate(1);
     CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(barrier_word_.data(), 0, sizeof(std::int32_t), stream_));
   }
+  // Every resource is a movable owner (or a handle that stays valid), so
+  // the defaults move correctly; a moved-from transport may only be
+  // destroyed or assigned to.
   NcclTransport(NcclTransport&&) = default;
   NcclTransport& operator=(NcclTransport&&) = default;
   NcclTransport(const NcclTransport&) = delete;
@@ -219,45 +256,38 @@ class NcclTransport {
                                     detail::nccl_result_name(state), " (", ncclGetErrorString(state), "); the communicator was aborted"),
                      static_cast<int>(state));
   }
+  /// The stream: every call but the posted exchanges is ordered on it.
   cudaStream_t stream() const noexcept { return stream_; }
+  /// The stream posted exchanges run on (owned, or NcclTransportOptions::comm_stream).
+  cudaStream_t comm_stream() const noexcept { return comm_stream_; }
+  /// Posted exchanges not yet waited for.
+  std::size_t outstanding() const noexcept { return outstanding_.size(); }
 
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
-    const char* op = "all_to_all_v";
-    const auto W = static_cast<std::size_t>(size_);
-    for (auto [name, s] : {std::pair{"send_counts", send_counts}, std::pair{"send_displs", send_displs}, std::pair{"recv_counts", recv_counts},
-                           std::pair{"recv_displs", recv_displs}}) {
-      if (s.size() != W) fail(op, detail::concat(name, " has ", s.size(), " entries, world_size is ", W));
-    }
-    usable(op);
-    const auto me = static_cast<std::size_t>(rank_);
-    if (send_counts[me] != recv_counts[me]) {
-      fail(op, detail::concat("send_counts[", me, "] = ", send_counts[me], " to itself but recv_counts[", me, "] = ", recv_counts[me]));
-    }
-    flush();
-    const auto* in = static_cast<const std::byte*>(send);
-    auto* out = static_cast<std::byte*>(recv);
-    {
-      Group group(*this);
-      for (std::size_t p = 0; p < W; ++p) {
-        if (p == me) continue;
-        const int peer = static_cast<int>(p);
-        if (send_counts[p]) CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclSend(in + send_displs[p], send_counts[p], ncclUint8, peer, comm_, stream_));
-        if (recv_counts[p]) CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclRecv(out + recv_displs[p], recv_counts[p], ncclUint8, peer, comm_, stream_));
-      }
-      group.end();
-    }
-    if (send_counts[me]) {
-      CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(out + recv_displs[me], in + send_displs[me], send_counts[me], cudaMemcpyDeviceToDevice, stream_));
-    }
+    check_exchange("all_to_all_v", send_counts, send_displs, recv_counts, recv_displs);
+    before_blocking();
+    exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, stream_);
   }
 
-  /// The exchange, enqueued on the stream; wait() retires the request (see the header).
+  /// The exchange, on the communication stream after the stream's earlier
+  /// work; wait() orders the stream after it (see the header).
   Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                             void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
-    all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+    check_exchange("post_all_to_all_v", send_counts, send_displs, recv_counts, recv_displs);
+    flush();  // recorded point-to-point operations go first
+    const cudaEvent_t done = take_event();
+    try {
+      inputs_ready_->record(stream_);
+      inputs_ready_->wait_on(comm_stream_);
+      exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, comm_stream_);
+      CPDISPATCH_CUDA_CHECK(cudaEventRecord(done, comm_stream_));
+    } catch (...) {
+      free_events_.push_back(done);
+      throw;
+    }
     const std::uint64_t id = next_request_++;
-    issued_.insert(id);
+    outstanding_.push_back({id, done, false});
     return Request{id};
   }
 
@@ -272,6 +302,13 @@ class NcclTransport {
                        static_cast<int>(ncclInvalidUsage));
     }
     usable("wait");
+    for (auto it = outstanding_.begin(); it != outstanding_.end(); ++it) {
+      if (it->id != request.id) continue;
+      if (!it->ordered) CPDISPATCH_CUDA_CHECK(cudaStreamWaitEvent(stream_, it->done, 0));
+      free_events_.push_back(it->done);
+      outstanding_.erase(it);
+      return;
+    }
     if (issued_.erase(request.id)) return;
     for (const Posted& p : posted_) {
       if (p.id != request.id) continue;
@@ -284,32 +321,32 @@ class NcclTransport {
 
   void barrier() {
     usable("barrier");
-    flush();
+    before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclInt32, ncclSum, comm_, stream_));
   }
 
   void broadcast(void* buf, std::size_t bytes, int root) {
     if (root < 0 || root >= size_) fail("broadcast", detail::concat("root ", root, " is outside [0, ", size_, ")"));
     usable("broadcast");
-    flush();
+    before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
   }
 
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
     usable("all_reduce");
-    flush();
+    before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllReduce(buf, buf, count, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_));
   }
 
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
     usable("all_gather");
-    flush();
+    before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllGather(send, recv, count_per_rank, detail::nccl_data_type(type), comm_, stream_));
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
     usable("reduce_scatter");
-    flush();
+    before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(
         ncclReduceScatter(send, recv, count_per_rank, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_));
   }
@@ -399,6 +436,71 @@ class NcclTransport {
     detail::fail("NcclTransport: ", op, " on rank ", rank_, " of ", size_, ": ", what);
   }
 
+  /// The argument checks of both exchanges; then usable().
+  void check_exchange(const char* op, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                      std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) const {
+    const auto W = static_cast<std::size_t>(size_);
+    for (auto [name, s] : {std::pair{"send_counts", send_counts}, std::pair{"send_displs", send_displs}, std::pair{"recv_counts", recv_counts},
+                           std::pair{"recv_displs", recv_displs}}) {
+      if (s.size() != W) fail(op, detail::concat(name, " has ", s.size(), " entries, world_size is ", W));
+    }
+    usable(op);
+    const auto me = static_cast<std::size_t>(rank_);
+    if (send_counts[me] != recv_counts[me]) {
+      fail(op, detail::concat("send_counts[", me, "] = ", send_counts[me], " to itself but recv_counts[", me, "] = ", recv_counts[me]));
+    }
+  }
+
+  /// One group of sends and receives, and the copy to itself, on `on`.
+  void exchange(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
+                std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs, cudaStream_t on) {
+    const auto W = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    const auto* in = static_cast<const std::byte*>(send);
+    auto* out = static_cast<std::byte*>(recv);
+    {
+      Group group(*this);
+      for (std::size_t p = 0; p < W; ++p) {
+        if (p == me) continue;
+        const int peer = static_cast<int>(p);
+        if (send_counts[p]) CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclSend(in + send_displs[p], send_counts[p], ncclUint8, peer, comm_, on));
+        if (recv_counts[p]) CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclRecv(out + recv_displs[p], recv_counts[p], ncclUint8, peer, comm_, on));
+      }
+      group.end();
+    }
+    if (send_counts[me]) {
+      CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(out + recv_displs[me], in + send_displs[me], send_counts[me], cudaMemcpyDeviceToDevice, on));
+    }
+  }
+
+  /// A completion event from the pool; a new one only when every pooled event is in use.
+  cudaEvent_t take_event() {
+    if (free_events_.empty()) {
+      events_.emplace_back();
+      free_events_.reserve(events_.size());  // giving events back never allocates
+      outstanding_.reserve(events_.size());
+      return events_.back().get();
+    }
+    const cudaEvent_t e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+
+  /// Makes the stream wait for every outstanding posted exchange. The
+  /// communication stream runs them in posting order, so the last one's
+  /// event covers all of them.
+  void order_after_posts() {
+    if (outstanding_.empty() || outstanding_.back().ordered) return;
+    CPDISPATCH_CUDA_CHECK(cudaStreamWaitEvent(stream_, outstanding_.back().done, 0));
+    for (Outstanding& o : outstanding_) o.ordered = true;
+  }
+
+  /// Before an NCCL call on the stream: the outstanding posts first, then the recorded point-to-point operations.
+  void before_blocking() {
+    order_after_posts();
+    flush();
+  }
+
   Request post(const char* op, bool is_send, const void* send, void* recv, std::size_t bytes, int peer, int /*tag: see the header*/) {
     if (peer < 0 || peer >= size_) fail(op, detail::concat("peer ", peer, " is outside [0, ", size_, ")"));
     usable(op);
@@ -412,6 +514,7 @@ class NcclTransport {
   /// it fails, each of them fails its wait().
   void flush() {
     if (posted_.empty()) return;
+    order_after_posts();
     std::vector<Posted> batch = std::move(posted_);
     posted_.clear();
     try {
@@ -437,6 +540,19 @@ class NcclTransport {
   int device_ = 0;
   std::string broken_;  // why the communicator was aborted; empty while usable
   cuda::DeviceBuffer<std::int32_t> barrier_word_;
+  std::optional<cuda::Stream> own_comm_stream_;  // empty when NcclTransportOptions::comm_stream lends one
+  cudaStream_t comm_stream_ = nullptr;
+  // The stream at a post; reused: a wait captures the event's state when it
+  // is called. Made after the communicator is checked (a bad one is reported first).
+  std::optional<cuda::Event> inputs_ready_;
+  struct Outstanding {
+    std::uint64_t id;
+    cudaEvent_t done;  // recorded on the communication stream after the exchange
+    bool ordered;      // the stream already waits for it (order_after_posts)
+  };
+  std::vector<Outstanding> outstanding_;  // posted exchanges not yet waited for, in posting order
+  std::vector<cuda::Event> events_;       // the pool: every completion event made
+  std::vector<cudaEvent_t> free_events_;  // those of events_ not in outstanding_
   std::vector<Posted> posted_;
   std::unordered_set<std::uint64_t> issued_;  // issued, not yet waited for
   std::unordered_set<std::uint64_t> failed_;  // in a group that failed to issue, not yet waited for
