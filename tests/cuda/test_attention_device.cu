@@ -1,11 +1,13 @@
 // CudaAttentionKernel on a GPU (nvcc) and through the cuda-cpu harness: forward and backward
 // against the double-precision reference (float, every mask, MHA and GQA),
 // entries covering parts of documents (arbitrary diagonals, empty entries,
-// rows that see nothing) against HostAttentionKernel, and 16-bit types.
+// rows that see nothing) against HostAttentionKernel, 16-bit types, and
+// prepared entry lists (bitwise equal, capturable, changed lists recognised).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <span>
@@ -178,6 +180,209 @@ TEST(CudaAttentionKernel, Bfloat16CloseToTheReference) {
 TEST(CudaAttentionKernel, Float16CloseToTheReference) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   expect_16bit_close_to_the_reference<float16>();
+}
+
+// ---- prepared entry lists (PreparedAttentionKernel) ----
+
+/// Entry lists as a staged step passes them: whole KV groups, parts of
+/// documents with their own diagonals (an entry without keys, one without
+/// queries), and a second split; all over 24 rows.
+std::vector<std::vector<AttentionEntry>> step_lists() {
+  const std::vector<std::int64_t> cu{0, 5, 14, 24};
+  return {layout_entries(cu, cu),
+          {{0, 5, 7, 6, 7}, {5, 0, 0, 3, 0}, {5, 3, 3, 0, 0}, {8, 7, 13, 5, -4}, {15, 9, 18, 6, 2}},
+          {{2, 10, 0, 12, 4}, {14, 10, 12, 12, -3}}};
+}
+
+std::vector<std::span<const AttentionEntry>> spans_of(const std::vector<std::vector<AttentionEntry>>& lists) {
+  return {lists.begin(), lists.end()};
+}
+
+/// The inputs on the device, and one output set per entry list, poisoned as on_device's.
+template <class E>
+struct StepBuffers {
+  struct Out {
+    OnDevice<E> out, dq, dk, dv;
+    OnDevice<float> lse;
+  };
+  OnDevice<E> q, k, v, dout;
+  std::vector<Out> outs;
+
+  StepBuffers(const Inputs<E>& in, std::size_t lists) : q(in.q), k(in.k), v(in.v), dout(in.dout) {
+    const E poison = to_element<E>(std::numeric_limits<float>::quiet_NaN());
+    const std::vector<E> pq(in.q.size(), poison), pk(in.k.size(), poison);
+    const std::vector<float> lse(static_cast<std::size_t>(in.shape.heads_q * in.tokens), -1.0f);
+    outs.reserve(lists);
+    for (std::size_t i = 0; i < lists; ++i) {
+      outs.push_back(Out{OnDevice<E>(pq), OnDevice<E>(pq), OnDevice<E>(pk), OnDevice<E>(pk), OnDevice<float>(lse)});
+    }
+    cptest::device_sync();  // the kernels run on non-blocking streams
+  }
+
+  std::vector<Outputs<E>> read() const {
+    std::vector<Outputs<E>> r;
+    for (const Out& o : outs) r.push_back({o.out.host(), o.dq.host(), o.dk.host(), o.dv.host(), o.lse.host()});
+    return r;
+  }
+};
+
+/// A staged step's calls: every list's forward, then every list's backward.
+template <class E>
+void enqueue_step(cuda::CudaAttentionKernel& kernel, const AttentionShape& shape, const AttentionMask& mask,
+                  const std::vector<std::vector<AttentionEntry>>& lists, StepBuffers<E>& b) {
+  for (std::size_t i = 0; i < lists.size(); ++i) {
+    auto& o = b.outs[i];
+    kernel.forward<E>(shape, mask, lists[i], b.q.cspan(), b.k.cspan(), b.v.cspan(), o.out.span(), o.lse.span());
+  }
+  for (std::size_t i = 0; i < lists.size(); ++i) {
+    auto& o = b.outs[i];
+    kernel.backward<E>(shape, mask, lists[i], b.q.cspan(), b.k.cspan(), b.v.cspan(), o.out.cspan(), o.lse.cspan(),
+                       b.dout.cspan(), o.dq.span(), o.dk.span(), o.dv.span());
+  }
+}
+
+/// A step on a kernel of its own, prepared with `prepared` first unless empty.
+template <class E>
+std::vector<Outputs<E>> run_step(const Inputs<E>& in, const AttentionMask& mask,
+                                 const std::vector<std::vector<AttentionEntry>>& lists,
+                                 const std::vector<std::vector<AttentionEntry>>& prepared) {
+  cuda::Stream stream;
+  cuda::CudaAttentionKernel kernel(stream.get());
+  if (!prepared.empty()) kernel.prepare(spans_of(prepared));
+  StepBuffers<E> b(in, lists.size());
+  enqueue_step(kernel, in.shape, mask, lists, b);
+  return b.read();
+}
+
+template <class T>
+bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+template <class E>
+void expect_bitwise_equal(const std::vector<Outputs<E>>& got, const std::vector<Outputs<E>>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_TRUE(same_bytes(got[i].out, want[i].out)) << "list " << i << ": out";
+    EXPECT_TRUE(same_bytes(got[i].lse, want[i].lse)) << "list " << i << ": lse";
+    EXPECT_TRUE(same_bytes(got[i].dq, want[i].dq)) << "list " << i << ": dq";
+    EXPECT_TRUE(same_bytes(got[i].dk, want[i].dk)) << "list " << i << ": dk";
+    EXPECT_TRUE(same_bytes(got[i].dv, want[i].dv)) << "list " << i << ": dv";
+  }
+}
+
+template <class E>
+void expect_prepared_equals_unprepared() {
+  const AttentionShape shape = make_shape(4, 2, 6);
+  const Inputs<E> in(shape, 24, 37);
+  const auto lists = step_lists();
+  for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::sliding_window(3), AttentionMask::full()}) {
+    SCOPED_TRACE(to_string(mask));
+    expect_bitwise_equal(run_step(in, mask, lists, lists), run_step(in, mask, lists, {}));
+  }
+}
+
+TEST(CudaAttentionKernel, PreparedCallsEqualUnpreparedOnesBitwiseFloat) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  expect_prepared_equals_unprepared<float>();
+}
+TEST(CudaAttentionKernel, PreparedCallsEqualUnpreparedOnesBitwiseBfloat16) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  expect_prepared_equals_unprepared<bfloat16>();
+}
+
+/// Captures a step on `kernel` (a synchronising call fails the capture),
+/// runs the graph and returns its results.
+template <class E>
+std::vector<Outputs<E>> captured_step(cuda::CudaAttentionKernel& kernel, const Inputs<E>& in, const AttentionMask& mask,
+                                      const std::vector<std::vector<AttentionEntry>>& lists, cudaStreamCaptureMode mode) {
+  StepBuffers<E> b(in, lists.size());
+  CPDISPATCH_CUDA_CHECK(cudaStreamBeginCapture(kernel.stream(), mode));
+  EXPECT_NO_THROW(enqueue_step(kernel, in.shape, mask, lists, b));
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(kernel.stream(), &graph), cudaSuccess);
+  if (!graph) return {};
+  cudaGraphExec_t exec = nullptr;
+  CPDISPATCH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CPDISPATCH_CUDA_CHECK(cudaGraphLaunch(exec, kernel.stream()));
+  CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(kernel.stream()));
+  CPDISPATCH_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CPDISPATCH_CUDA_CHECK(cudaGraphDestroy(graph));
+  return b.read();
+}
+
+/// Steps of prepared calls synchronise nothing, so they capture into graphs
+/// whose results equal unprepared calls' bitwise. A fresh kernel's first
+/// backward allocates its scratch (relaxed mode allows that); a later prepare
+/// of longer lists sizes the scratch itself, so that step allocates nothing
+/// (global mode refuses an allocation).
+TEST(CudaAttentionKernel, PreparedStepsCaptureIntoGraphs) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const AttentionShape shape = make_shape(4, 2, 6);
+  const Inputs<bfloat16> in(shape, 24, 41);
+  const AttentionMask mask = AttentionMask::sliding_window(4);
+  const std::vector<std::vector<AttentionEntry>> short_lists{{{0, 5, 0, 5, 0}, {5, 4, 5, 4, 0}}, {{2, 3, 0, 2, 3}}};
+  const auto lists = step_lists();
+  cuda::Stream stream;
+  cuda::CudaAttentionKernel kernel(stream.get());
+  {
+    SCOPED_TRACE("first step, relaxed capture");
+    kernel.prepare(spans_of(short_lists));
+    expect_bitwise_equal(captured_step(kernel, in, mask, short_lists, cudaStreamCaptureModeRelaxed),
+                         run_step(in, mask, short_lists, {}));
+  }
+  {
+    SCOPED_TRACE("longer lists, global capture");
+    kernel.prepare(spans_of(lists));
+    expect_bitwise_equal(captured_step(kernel, in, mask, lists, cudaStreamCaptureModeGlobal), run_step(in, mask, lists, {}));
+  }
+}
+
+/// The capture above would catch a synchronising call: an unprepared list does synchronise.
+TEST(CudaAttentionKernel, UnpreparedCallFailsACapture) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const AttentionShape shape = make_shape(2, 2, 4);
+  const Inputs<float> in(shape, 24, 43);
+  const auto lists = step_lists();
+  cuda::Stream stream;
+  cuda::CudaAttentionKernel kernel(stream.get());
+  kernel.prepare(spans_of(lists));
+  StepBuffers<float> b(in, 1);
+  CPDISPATCH_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeRelaxed));
+  auto& o = b.outs[0];
+  const std::vector<AttentionEntry> copy = lists[0];  // the same entries at another address: not recognised
+  EXPECT_THROW(kernel.forward<float>(shape, AttentionMask::causal(), copy, b.q.cspan(), b.k.cspan(), b.v.cspan(),
+                                     o.out.span(), o.lse.span()),
+               cuda_error);
+  cudaGraph_t graph = nullptr;
+  EXPECT_NE(cudaStreamEndCapture(stream.get(), &graph), cudaSuccess);
+  (void)cudaGetLastError();
+  if (graph) CPDISPATCH_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+/// A prepared list changed in place (same address and size, other entries)
+/// is recognised as changed: the results are those of its new contents.
+TEST(CudaAttentionKernel, PreparedListChangedInPlaceStillGivesItsResults) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const AttentionShape shape = make_shape(4, 2, 6);
+  const Inputs<float> in(shape, 24, 47);
+  const AttentionMask mask = AttentionMask::causal();
+  auto lists = step_lists();
+  const auto before = run_step(in, mask, lists, {});
+
+  cuda::Stream stream;
+  cuda::CudaAttentionKernel kernel(stream.get());
+  kernel.prepare(spans_of(lists));
+  lists[1][3].diagonal = 1;  // was -4: the entry's rows see other keys
+  lists[2][0].q_len = 9;     // one query row fewer
+  StepBuffers<float> b(in, lists.size());
+  enqueue_step(kernel, shape, mask, lists, b);
+  const auto got = b.read();
+  const auto want = run_step(in, mask, lists, {});
+  expect_bitwise_equal(got, want);
+  EXPECT_TRUE(same_bytes(got[0].out, before[0].out));  // the unchanged list
+  EXPECT_FALSE(same_bytes(got[1].out, before[1].out));
+  EXPECT_FALSE(same_bytes(got[2].dq, before[2].dq));
 }
 
 TEST(CudaAttentionKernel, RefusesAHeadDimBeyondItsAccumulators) {

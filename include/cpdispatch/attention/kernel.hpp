@@ -81,6 +81,24 @@ concept AttentionKernel = requires(K& kernel, const AttentionShape& shape, const
   kernel.backward(shape, mask, entries, in, in, in, in, lse_in, in, out, out, out);  // q, k, v, out, lse, dout -> dq, dk, dv
 };
 
+/// Optional: a kernel that can be told, outside a step, every entry list its
+/// next calls will pass. The caller (the op, when it replans) calls
+///   kernel.prepare(calls)
+/// with each entry list that forward and backward will receive until the next
+/// prepare. A call recognises a prepared list by its address and size and
+/// must then confirm the contents (a list changed in place after prepare,
+/// or a new list at a freed one's address, gives correct results, only not
+/// the fast path), so the spans need not outlive prepare. prepare may
+/// allocate and synchronise; a call on a prepared list should do neither (a
+/// device kernel uploads every list once here, not once per call, so a step
+/// makes no host-synchronising call and can be captured into a CUDA graph).
+/// Calls on lists never announced stay correct, perhaps slower. A kernel
+/// without prepare (HostAttentionKernel) is called without it.
+template <class K>
+concept PreparedAttentionKernel = requires(K& kernel, std::span<const std::span<const AttentionEntry>> calls) {
+  kernel.prepare(calls);
+};
+
 /// Where a kernel's buffers live: K::memory_space where K declares it (a
 /// device kernel does), else host memory. ContextParallelAttention takes a
 /// kernel of its transport's memory space only.

@@ -13,11 +13,23 @@
 // tiled kernels are the fast path on a GPU (the adapter in the docs).
 //
 // Buffers (q, k, v, out, lse, dout, dq, dk, dv) are device memory; the
-// entries are host memory, uploaded on the kernel's stream, which each call
-// synchronises first (so the host copy of the previous upload may be reused;
-// a call therefore cannot be captured into a CUDA graph). Launches are
-// asynchronous on that stream: synchronise it before reading the results
-// on the host. head_dim is at most 256 (per-thread accumulators).
+// entries are host memory. prepare(calls) (PreparedAttentionKernel) uploads
+// every entry list the next calls will pass, with their row prefix sums, in
+// one go and keeps host copies; a call whose list matches a prepared one
+// (same address and size, then the same bytes: a host memcmp) launches on
+// that device copy with no upload and no synchronisation, so a step of
+// prepared calls can be captured into a CUDA graph (valid until the next
+// prepare, which rewrites the copies). A list that was not prepared (or was
+// changed in place since) is uploaded on the kernel's stream after
+// synchronising it, so that the host copy of the previous upload may be
+// reused: correct, but a host synchronisation per call. Backward's fp32
+// scratch (heads_q x the entries' last query row) is sized by prepare for
+// the most query heads of any earlier backward; a backward that needs more
+// (the first one of a kernel, say) allocates it (cudaMalloc) and keeps the
+// smaller buffer until the next prepare, since cudaFree waits for the
+// device. Launches are asynchronous on the stream: synchronise it before
+// reading the results on the host.
+// head_dim is at most 256 (per-thread accumulators).
 //
 // Requires nvcc (kernels): include from a .cu translation unit (the tests
 // also compile it against the cuda-cpu harness, CPDISPATCH_CUDA_HOST_HARNESS).
@@ -28,8 +40,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpdispatch/attention/call_check.hpp"
@@ -56,6 +70,7 @@ struct Params {
   std::int64_t tokens_q;
   std::int64_t rows;     // query rows (or key rows) of all entries: the launch's x extent
   std::int64_t entries;  // number of entries
+  std::int64_t delta_pitch;  // backward's scratch is [heads_q][delta_pitch]: the entries' last query row + 1
 };
 
 template <class E>
@@ -164,7 +179,7 @@ __global__ void __launch_bounds__(block_threads)
   if (i >= p.rows) return;
   const std::int64_t e = entry_of(offsets, p.entries, i);
   const std::int64_t row = entries[e].q_start + i - offsets[e], base = (row * p.heads_q + h) * p.head_dim;
-  delta[h * p.tokens_q + row] = dot(out + base, dout + base, p.head_dim);
+  delta[h * p.delta_pitch + row] = dot(out + base, dout + base, p.head_dim);
 }
 
 /// Thread (query row, query head): dq = scale * sum_t dS_t k_t.
@@ -180,7 +195,7 @@ __global__ void __launch_bounds__(block_threads)
   const std::int64_t qi = (row * p.heads_q + h) * D;
   float acc[max_head_dim];
   for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
-  const float row_lse = lse[h * p.tokens_q + row], shift = delta[h * p.tokens_q + row];
+  const float row_lse = lse[h * p.tokens_q + row], shift = delta[h * p.delta_pitch + row];
   std::int64_t lo = 0, hi = 0;
   visible_keys(p, j, e.diagonal, e.kv_len, lo, hi);
   if (row_lse == -INFINITY) hi = lo;  // the row saw nothing in the whole attention
@@ -215,7 +230,7 @@ __global__ void __launch_bounds__(block_threads)
       const float row_lse = lse[h * p.tokens_q + row];
       if (row_lse == -INFINITY) continue;
       const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
-      const float ds = prob * (dot(dout + qi, v + kr, D) - delta[h * p.tokens_q + row]) * p.scale;
+      const float ds = prob * (dot(dout + qi, v + kr, D) - delta[h * p.delta_pitch + row]) * p.scale;
       for (std::int64_t d = 0; d < D; ++d) {
         acc_v[d] += prob * load(dout, qi + d);
         acc_k[d] += ds * load(q, qi + d);
@@ -250,13 +265,13 @@ class CudaAttentionKernel {
     const auto z = check_.forward(name, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
     check_head_dim(shape);
     attention_kernels::Params p = params(shape, mask, z);
-    upload(entries);
-    p.rows = query_rows_;
+    const OnDevice d = on_device(entries);
+    p.rows = d.query_rows;
     p.entries = static_cast<std::int64_t>(entries.size());
     if (p.rows == 0) return;
     launch_kernel("attention forward_kernel", &attention_kernels::forward_kernel<E>, grid(p.rows, shape.heads_q),
-                  dim3(attention_kernels::block_threads), stream_, p, entries_.data(), q_offsets(), q.data(),
-                  k.data(), v.data(), out.data(), lse.data());
+                  dim3(attention_kernels::block_threads), stream_, p, d.entries, d.q_offsets, q.data(), k.data(),
+                  v.data(), out.data(), lse.data());
   }
 
   template <class E>
@@ -268,25 +283,58 @@ class CudaAttentionKernel {
                                    dout.size(), dq.size(), dk.size(), dv.size());
     check_head_dim(shape);
     attention_kernels::Params p = params(shape, mask, z);
-    upload(entries);
+    const OnDevice d = on_device(entries);
     p.entries = static_cast<std::int64_t>(entries.size());
-    const auto need = static_cast<std::size_t>(shape.heads_q * z.tokens_q);
-    if (delta_.size() < need) delta_.allocate(need);
+    if (d.query_rows == 0 && d.key_rows == 0) return;
+    p.delta_pitch = d.query_end;
+    grow_delta(static_cast<std::size_t>(shape.heads_q * d.query_end));
+    heads_q_seen_ = std::max(heads_q_seen_, shape.heads_q);
     const dim3 block(attention_kernels::block_threads);
-    p.rows = query_rows_;
+    p.rows = d.query_rows;
     if (p.rows > 0) {
       launch_kernel("attention delta_kernel", &attention_kernels::delta_kernel<E>, grid(p.rows, shape.heads_q), block,
-                    stream_, p, entries_.data(), q_offsets(), out.data(), dout.data(), delta_.data());
+                    stream_, p, d.entries, d.q_offsets, out.data(), dout.data(), delta_.data());
       launch_kernel("attention query_grad_kernel", &attention_kernels::query_grad_kernel<E>, grid(p.rows, shape.heads_q),
-                    block, stream_, p, entries_.data(), q_offsets(), q.data(), k.data(), v.data(), lse.data(),
-                    dout.data(), delta_.data(), dq.data());
+                    block, stream_, p, d.entries, d.q_offsets, q.data(), k.data(), v.data(), lse.data(), dout.data(),
+                    delta_.data(), dq.data());
     }
-    p.rows = key_rows_;
+    p.rows = d.key_rows;
     if (p.rows > 0) {
       launch_kernel("attention key_value_grad_kernel", &attention_kernels::key_value_grad_kernel<E>,
-                    grid(p.rows, shape.heads_kv), block, stream_, p, entries_.data(), kv_offsets(), q.data(),
-                    k.data(), v.data(), lse.data(), dout.data(), delta_.data(), dk.data(), dv.data());
+                    grid(p.rows, shape.heads_kv), block, stream_, p, d.entries, d.kv_offsets, q.data(), k.data(),
+                    v.data(), lse.data(), dout.data(), delta_.data(), dk.data(), dv.data());
     }
+  }
+
+  /// Uploads every entry list the calls until the next prepare will pass
+  /// (PreparedAttentionKernel): one copy of all lists and their row prefix
+  /// sums, kept with host copies so that a call can confirm its list. Waits
+  /// for the stream first (the previous prepare's copy reads the host copies
+  /// being replaced) and may allocate: call it outside a step.
+  void prepare(std::span<const std::span<const AttentionEntry>> calls) {
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    retired_.clear();  // nothing on the stream reads them any more
+    prepared_.clear();
+    prepared_host_entries_.clear();
+    prepared_host_offsets_.clear();
+    std::int64_t query_end = 0;
+    for (const std::span<const AttentionEntry> list : calls) {
+      if (list.empty() || find_prepared(list)) continue;  // an empty call uploads nothing anyway
+      OnDevice d;
+      const std::size_t entry_at = prepared_host_entries_.size(), offset_at = prepared_host_offsets_.size();
+      prepared_host_entries_.insert(prepared_host_entries_.end(), list.begin(), list.end());
+      append_offsets(list, prepared_host_offsets_, d);
+      prepared_.push_back({list.data(), list.size(), entry_at, offset_at, d.query_rows, d.key_rows, d.query_end});
+      query_end = std::max(query_end, d.query_end);
+    }
+    // Backward's scratch for these lists at the most query heads seen so far
+    // (the shape is not known here), so that a step allocates nothing.
+    const auto need = static_cast<std::size_t>(heads_q_seen_ * query_end);
+    if (delta_.size() < need) delta_.allocate(need);
+    if (prepared_entries_.size() < prepared_host_entries_.size()) prepared_entries_.allocate(prepared_host_entries_.size());
+    if (prepared_offsets_.size() < prepared_host_offsets_.size()) prepared_offsets_.allocate(prepared_host_offsets_.size());
+    prepared_entries_.upload(prepared_host_entries_, stream_);
+    prepared_offsets_.upload(prepared_host_offsets_, stream_);
   }
 
  private:
@@ -303,7 +351,7 @@ class CudaAttentionKernel {
                                           const detail::attention::CallSizes& z) {
     const int type = mask.type == MaskType::causal ? 0 : (mask.type == MaskType::full ? 1 : 2);
     const std::int64_t window = std::min(mask.window, detail::attention::CallCheck::max_diagonal);
-    return {s.heads_q, s.heads_kv, s.head_dim, s.softmax_scale, type, window, z.tokens_q, 0, 0};
+    return {s.heads_q, s.heads_kv, s.head_dim, s.softmax_scale, type, window, z.tokens_q, 0, 0, 0};
   }
 
   static dim3 grid(std::int64_t rows, std::int64_t heads) {
@@ -312,43 +360,110 @@ class CudaAttentionKernel {
     return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(heads));
   }
 
-  /// The entries and the prefix sums of their query and key rows, uploaded
-  /// on the stream from a host copy the next call may overwrite only once
-  /// this upload has run (the stream is synchronised first).
-  void upload(std::span<const AttentionEntry> entries) {
+  // memcmp compares the entries' bytes: no padding may differ between equal lists.
+  static_assert(std::has_unique_object_representations_v<AttentionEntry>);
+
+  /// A call's entries on the device, with the prefix sums of their query and key rows.
+  struct OnDevice {
+    const AttentionEntry* entries = nullptr;
+    const std::int64_t* q_offsets = nullptr;
+    const std::int64_t* kv_offsets = nullptr;
+    std::int64_t query_rows = 0, key_rows = 0;
+    std::int64_t query_end = 0;  // one past the last query row of any entry
+  };
+
+  /// A list of the last prepare: where its copies start (entries, offsets).
+  struct Prepared {
+    const AttentionEntry* data;
+    std::size_t size, entry_at, offset_at;
+    std::int64_t query_rows, key_rows, query_end;
+  };
+
+  /// Appends the prefix sums of the query rows (n + 1), then of the key rows
+  /// (n + 1); the row counts and the query end go to `d`.
+  static void append_offsets(std::span<const AttentionEntry> entries, std::vector<std::int64_t>& offsets, OnDevice& d) {
+    const std::size_t q0 = offsets.size(), n = entries.size();
+    offsets.resize(q0 + 2 * (n + 1), 0);
+    const std::size_t k0 = q0 + n + 1;
+    d.query_end = 0;
+    for (std::size_t e = 0; e < n; ++e) {
+      offsets[q0 + e + 1] = offsets[q0 + e] + entries[e].q_len;
+      offsets[k0 + e + 1] = offsets[k0 + e] + entries[e].kv_len;
+      if (entries[e].q_len > 0) d.query_end = std::max(d.query_end, entries[e].q_start + entries[e].q_len);
+    }
+    d.query_rows = offsets[q0 + n];
+    d.key_rows = offsets[k0 + n];
+  }
+
+  /// The prepared list with this address, size and contents, if any. The
+  /// contents are compared because the caller's list may have changed (or
+  /// been freed and its address reused) since prepare.
+  const Prepared* find_prepared(std::span<const AttentionEntry> entries) const noexcept {
+    for (const Prepared& p : prepared_) {
+      if (p.data != entries.data() || p.size != entries.size()) continue;
+      if (std::memcmp(prepared_host_entries_.data() + p.entry_at, entries.data(), entries.size_bytes()) == 0) return &p;
+    }
+    return nullptr;
+  }
+
+  /// The call's entries on the device: the prepared copy when there is one
+  /// (no copy, no synchronisation), else an upload on the stream from a host
+  /// copy the next call may overwrite only once this upload has run (the
+  /// stream is synchronised first).
+  OnDevice on_device(std::span<const AttentionEntry> entries) {
+    if (entries.empty()) return {};
+    if (const Prepared* p = find_prepared(entries)) {
+      const std::int64_t* offsets = prepared_offsets_.data() + p->offset_at;
+      return {prepared_entries_.data() + p->entry_at, offsets, offsets + p->size + 1, p->query_rows, p->key_rows,
+              p->query_end};
+    }
     CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream_));
     const std::size_t n = entries.size();
     host_entries_.assign(entries.begin(), entries.end());
-    host_offsets_.assign(2 * (n + 1), 0);
-    for (std::size_t e = 0; e < n; ++e) {
-      host_offsets_[e + 1] = host_offsets_[e] + entries[e].q_len;
-      host_offsets_[n + 1 + e + 1] = host_offsets_[n + 1 + e] + entries[e].kv_len;
-    }
-    query_rows_ = host_offsets_[n];
-    key_rows_ = host_offsets_[2 * n + 1];
-    entry_count_ = n;
-    if (n == 0) return;
+    host_offsets_.clear();
+    OnDevice d;
+    append_offsets(entries, host_offsets_, d);
     if (entries_.size() < n) entries_.allocate(n);
     if (offsets_.size() < host_offsets_.size()) offsets_.allocate(host_offsets_.size());
     entries_.upload(host_entries_, stream_);
     offsets_.upload(host_offsets_, stream_);
+    d.entries = entries_.data();
+    d.q_offsets = offsets_.data();
+    d.kv_offsets = offsets_.data() + n + 1;
+    return d;
   }
-  const std::int64_t* q_offsets() const noexcept { return offsets_.data(); }
-  const std::int64_t* kv_offsets() const noexcept { return offsets_.data() + entry_count_ + 1; }
+
+  /// Backward's scratch of at least `need` floats. Launches already on the
+  /// stream may still read the old buffer, and cudaFree would wait for them:
+  /// it is kept until the next prepare (or the kernel's end) instead.
+  void grow_delta(std::size_t need) {
+    if (delta_.size() >= need) return;
+    DeviceBuffer<float> bigger(std::max(need, delta_.size() + delta_.size() / 2));  // by half at least: fewer of them
+    if (!delta_.empty()) retired_.push_back(std::move(delta_));
+    delta_ = std::move(bigger);
+  }
 
   cudaStream_t stream_ = nullptr;
   detail::attention::CallCheck check_;
-  std::vector<AttentionEntry> host_entries_;
-  std::vector<std::int64_t> host_offsets_;  // query row offsets (n + 1), then key row offsets (n + 1)
-  std::int64_t query_rows_ = 0, key_rows_ = 0;
-  std::size_t entry_count_ = 0;
+  // Host copies first: destroyed after the device buffers, whose cudaFree
+  // waits for the copies that read them.
+  std::vector<AttentionEntry> host_entries_;  // the last unprepared call's
+  std::vector<std::int64_t> host_offsets_;    // query row offsets (n + 1), then key row offsets (n + 1)
+  std::vector<Prepared> prepared_;
+  std::vector<AttentionEntry> prepared_host_entries_;  // every prepared list, one after another
+  std::vector<std::int64_t> prepared_host_offsets_;    // per list, as host_offsets_
   DeviceBuffer<AttentionEntry> entries_;
   DeviceBuffer<std::int64_t> offsets_;
+  DeviceBuffer<AttentionEntry> prepared_entries_;
+  DeviceBuffer<std::int64_t> prepared_offsets_;
   DeviceBuffer<float> delta_;
+  std::vector<DeviceBuffer<float>> retired_;
+  std::int64_t heads_q_seen_ = 0;  // the most query heads of a backward so far
 };
 
 static_assert(AttentionKernel<CudaAttentionKernel, float>);
 static_assert(AttentionKernel<CudaAttentionKernel, bfloat16>);
 static_assert(AttentionKernel<CudaAttentionKernel, float16>);
+static_assert(PreparedAttentionKernel<CudaAttentionKernel>);
 
 }  // namespace cpdispatch::cuda
