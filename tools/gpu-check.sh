@@ -100,8 +100,8 @@ run() {
   for program in "${tests[@]}"; do
     [ -x "$carry/$program" ] && part "$program" 240 "$carry/$program" --gtest_brief=1
   done
-  sanitize memcheck cuda_device_test '*ContextParallel*:*DeviceSim*:*Attention*'
-  sanitize synccheck cuda_device_test '*ContextParallel*:*Attention*'
+  sanitize memcheck cuda_device_test '*CpAttentionDevice*:*DeviceSim*:*Attention*'
+  sanitize synccheck cuda_device_test '*CpAttentionDevice*:*Attention*'
   sanitize memcheck cuda_dedup_test '*Sim*'
   sanitize memcheck cudnn_attention_test 'CudnnAttentionGpu.*'
   part bench_cuda_attention-cudnn 120 "$carry/bench_cuda_attention" --cases targets --types bf16 --deterministic both --repeats 10

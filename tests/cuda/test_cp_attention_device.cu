@@ -3,15 +3,18 @@
 // dk, dv) equal attention over each whole document (the double-precision
 // reference): float within 1e-5 relative, 16-bit types within twice the
 // error of the same kernel run unsharded in that type. Cases are pairwise
-// over world size, heads, mask and dedup; replan over changing plans; an
-// idle rank; the refusals. Without a CUDA device every test skips.
+// over world size, heads, mask, dedup and stages; replan over changing
+// plans; an idle rank; the refusals; one stage is bitwise the same run to
+// run. Without a CUDA device every test skips.
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -39,7 +42,7 @@ template <class E>
 using DeviceOp = cpdispatch::ContextParallelAttention<DeviceSimTransport, E>;
 
 static_assert(std::is_same_v<DeviceOp<float>::kernel_type, cpdispatch::cuda::CudaAttentionKernel>);
-static_assert(!DeviceOp<float>::overlaps);
+static_assert(DeviceOp<float>::overlaps);  // the device sim posts: stages overlap the kernel
 
 /// A host vector's copy in device memory (never empty: an idle rank still gets a valid pointer).
 template <class E>
@@ -71,8 +74,8 @@ DeviceSpan<E> out(const DeviceBuffer<E>& b, std::size_t n) {
 }
 
 /// One rank's forward and backward on the device; outputs start as NaN so that an unwritten element shows.
-template <class E>
-RankResult device_step(DeviceOp<E>& op, const RankTensors& x) {
+template <class E, class Op>
+RankResult device_step(Op& op, const RankTensors& x) {
   using attention_test::to_elements;
   const std::size_t nq = x.q.size(), nk = x.k.size();
   const DeviceBuffer<E> q = to_device(to_elements<E>(x.q)), k = to_device(to_elements<E>(x.k)), v = to_device(to_elements<E>(x.v)),
@@ -107,6 +110,7 @@ struct Case {
   std::int64_t heads_q, heads_kv;
   AttentionMask mask;
   bool dedup;
+  int stages;
   std::uint64_t seed;
 };
 
@@ -128,15 +132,19 @@ cpdispatch::QkvDocumentsPlan plan_of(int world_size, std::uint64_t seed, const A
 
 const AttentionMask window3 = AttentionMask::sliding_window(3);
 
-// Pairwise over (world size, heads, mask, dedup): every mask meets both dedup settings and both head layouts.
+// Pairwise over (world size, heads, mask, dedup, stages): every mask meets
+// both dedup settings, both head layouts and one and several stages.
 const Case cases[] = {
-    {"W1_mha_causal", 1, 2, 2, AttentionMask::causal(), false, 51},
-    {"W2_gqa_full_dedup", 2, 4, 2, AttentionMask::full(), true, 52},
-    {"W3_gqa4_window3", 3, 4, 1, window3, false, 53},
-    {"W4_mha_causal_dedup", 4, 1, 1, AttentionMask::causal(), true, 54},
-    {"W5_mha_full", 5, 2, 2, AttentionMask::full(), false, 55},
-    {"W7_gqa_window3_dedup", 7, 4, 2, window3, true, 56},
-    {"W8_gqa_causal", 8, 4, 2, AttentionMask::causal(), false, 57},
+    {"W1_mha_causal_s1", 1, 2, 2, AttentionMask::causal(), false, 1, 51},
+    {"W2_gqa_full_dedup_s2", 2, 4, 2, AttentionMask::full(), true, 2, 52},
+    {"W3_gqa4_window3_s3", 3, 4, 1, window3, false, 3, 53},
+    {"W4_mha_causal_dedup_s4", 4, 1, 1, AttentionMask::causal(), true, 4, 54},
+    {"W5_mha_full_s3", 5, 2, 2, AttentionMask::full(), false, 3, 55},
+    {"W6_gqa_causal_dedup_s1", 6, 4, 2, AttentionMask::causal(), true, 1, 58},
+    {"W7_gqa_window3_dedup_s2", 7, 4, 2, window3, true, 2, 56},
+    {"W8_gqa_causal_s4", 8, 4, 2, AttentionMask::causal(), false, 4, 57},
+    {"W4_gqa_full_s1", 4, 4, 2, AttentionMask::full(), false, 1, 59},
+    {"W3_mha_window3_dedup_s4", 3, 2, 2, window3, true, 4, 60},
 };
 
 class CpAttentionDevice : public testing::TestWithParam<Case> {};
@@ -147,17 +155,31 @@ TEST_P(CpAttentionDevice, EqualsWholeDocumentAttention) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   const Case& c = GetParam();
   const CpWorld world(plan_of(c.world_size, c.seed, c.mask, c.dedup), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
-  world.expect_equal(run_device_op<float>(world, shape_of(c), {c.dedup, 1}), 1e-5);
+  world.expect_equal(run_device_op<float>(world, shape_of(c), {c.dedup, c.stages}), 1e-5);
+}
+
+/// With one stage, the device op's results are bitwise the same run to run.
+TEST(CpAttentionDeviceOneStage, BitwiseTheSameRunToRun) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const AttentionShape shape{4, 2, 4, 0.45f};
+  for (const bool dedup : {false, true}) {
+    const CpWorld world(plan_of(4, 61, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 61, attention_test::round_to<float>);
+    const std::vector<RankResult> a = run_device_op<float>(world, shape, {dedup, 1}), b = run_device_op<float>(world, shape, {dedup, 1});
+    for (std::size_t r = 0; r < a.size(); ++r) {
+      EXPECT_TRUE(a[r].out == b[r].out && a[r].dq == b[r].dq && a[r].dk == b[r].dk && a[r].dv == b[r].dv && a[r].lse == b[r].lse)
+          << "rank " << r << (dedup ? ", dedup" : "");
+    }
+  }
 }
 
 // Without dedup: with it, each destination's partial KV-gradient sum is rounded
 // to E on the wire (docs/dedup.md), one rounding more than the unsharded run has.
 template <class E>
-void expect_within_twice_unsharded(bool dedup) {
+void expect_within_twice_unsharded(bool dedup, int stages) {
   const AttentionShape shape{2, 1, 8, 0.35f};
   const CpWorld sharded(plan_of(4, 63, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 63, attention_test::round_to<E>);
   const CpWorld whole(CpWorld::unsharded(sharded.plan()), shape, AttentionMask::causal(), 63, attention_test::round_to<E>);
-  const std::array<double, 5> got = sharded.relative_errors(run_device_op<E>(sharded, shape, {dedup, 1}));
+  const std::array<double, 5> got = sharded.relative_errors(run_device_op<E>(sharded, shape, {dedup, stages}));
   const std::array<double, 5> base = whole.relative_errors(run_device_op<E>(whole, shape, {}));
   const char* names[5] = {"out", "dq", "dk", "dv", "lse"};
   for (std::size_t i = 0; i < 5; ++i) EXPECT_TRUE(cpdispatch::testing::within_twice(got[i], base[i])) << names[i] << ", against the unsharded run";
@@ -165,12 +187,14 @@ void expect_within_twice_unsharded(bool dedup) {
 
 TEST(CpAttentionDevice16Bit, Bfloat16WithinTwiceTheUnshardedError) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
-  expect_within_twice_unsharded<cpdispatch::bfloat16>(false);
+  expect_within_twice_unsharded<cpdispatch::bfloat16>(false, 1);
+  expect_within_twice_unsharded<cpdispatch::bfloat16>(false, 3);
 }
 
 TEST(CpAttentionDevice16Bit, Float16WithinTwiceTheUnshardedError) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
-  expect_within_twice_unsharded<cpdispatch::float16>(false);
+  expect_within_twice_unsharded<cpdispatch::float16>(false, 1);
+  expect_within_twice_unsharded<cpdispatch::float16>(false, 2);
 }
 
 /// Rank 2 holds tokens but attends to nothing; rank 3 holds nothing and attends to nothing.
@@ -181,7 +205,7 @@ TEST(CpAttentionDeviceIdleRanks, EmptyRankAndRankThatAttendsNothing) {
   plan.documents = {{{{0, 3, 1}, {1, 2, 1}, {2, 3, 0}}}, {{{1, 4, 0}}}, {{{2, 2, 1}}}};
   const AttentionShape shape{2, 1, 4, 0.5f};
   const CpWorld world(plan, shape, AttentionMask::causal(), 7, attention_test::round_to<float>);
-  world.expect_equal(run_device_op<float>(world, shape, {}), 1e-5);
+  for (const int stages : {1, 3}) world.expect_equal(run_device_op<float>(world, shape, {false, stages}), 1e-5);
 }
 
 /// One op per rank over steps of changing plans (replan), each step equal to the reference.
@@ -201,7 +225,7 @@ TEST(CpAttentionDeviceReplan, EveryStepEqualsWholeDocumentAttention) {
     DeviceSimWorld sim(W);
     sim.run([&](DeviceSimTransport& t) {
       const auto r = static_cast<std::size_t>(t.rank());
-      DeviceOp<float> op(t, cpdispatch::plan_qkv_for_rank(worlds[0].plan(), t.rank()), shape, {dedup, 1});
+      DeviceOp<float> op(t, cpdispatch::plan_qkv_for_rank(worlds[0].plan(), t.rank()), shape, {dedup, 3});
       for (int i = 0; i < steps; ++i) {
         const auto share = cpdispatch::plan_qkv_for_rank(worlds[static_cast<std::size_t>(i)].plan(), t.rank());
         if (i > 0) op.replan(share);
@@ -214,6 +238,124 @@ TEST(CpAttentionDeviceReplan, EveryStepEqualsWholeDocumentAttention) {
   }
 }
 
+#ifdef CPDISPATCH_CUDA_HOST_HARNESS
+// Stream ordering, checked by the cuda-cpu harness: its scheduler runs the
+// compute and communication streams' work in the order its seed picks.
+
+/// Restores the harness's scheduler seed when a test that reseeds ends.
+class SeedGuard {
+ public:
+  SeedGuard() : seed_(cuda_harness::seed()) {}
+  SeedGuard(const SeedGuard&) = delete;
+  SeedGuard& operator=(const SeedGuard&) = delete;
+  ~SeedGuard() { cuda_harness::set_seed(seed_); }
+
+ private:
+  std::uint64_t seed_;
+};
+
+/// A deliberately broken device transport: its wait() does not order the
+/// compute stream after the exchange (the request is retired only at the
+/// end of the step), so the op reads a stage's buffers before they land.
+class EarlyReadTransport {
+ public:
+  static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::device;
+  using data_path = DeviceSimTransport::data_path;
+
+  explicit EarlyReadTransport(DeviceSimTransport& t) : t_(t) {}
+  int rank() const { return t_.rank(); }
+  int world_size() const { return t_.world_size(); }
+  cudaStream_t stream() const { return t_.stream(); }
+  void all_to_all_v(const void* send, std::span<const std::size_t> sc, std::span<const std::size_t> sd, void* recv,
+                    std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
+    t_.all_to_all_v(send, sc, sd, recv, rc, rd);
+  }
+  cpdispatch::Request post_all_to_all_v(const void* send, std::span<const std::size_t> sc, std::span<const std::size_t> sd, void* recv,
+                                        std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
+    return t_.post_all_to_all_v(send, sc, sd, recv, rc, rd);
+  }
+  void wait(cpdispatch::Request r) { late_.push_back(r); }
+  /// Retires every request (after the step).
+  void retire() {
+    for (cpdispatch::Request r : late_) t_.wait(r);
+    late_.clear();
+  }
+
+ private:
+  DeviceSimTransport& t_;
+  std::vector<cpdispatch::Request> late_;
+};
+
+/// Whether one step with stages = 3 (over the broken transport or not) equals the reference under the harness's current seed.
+template <bool Broken>
+bool step_is_exact(const CpWorld& world, const AttentionShape& shape) {
+  const auto W = static_cast<std::size_t>(world.plan().world_size);
+  std::vector<RankResult> results(W);
+  DeviceSimWorld sim(static_cast<int>(W));
+  sim.run([&](DeviceSimTransport& t) {
+    const auto r = static_cast<std::size_t>(t.rank());
+    const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+    if constexpr (Broken) {
+      EarlyReadTransport early(t);
+      cpdispatch::ContextParallelAttention<EarlyReadTransport, float> op(early, share, shape, {false, 3});
+      results[r] = device_step<float>(op, world.tensors(r));
+      early.retire();
+    } else {
+      DeviceOp<float> op(t, share, shape, {false, 3});
+      results[r] = device_step<float>(op, world.tensors(r));
+    }
+    results[r].q_rev = share.q_rev;
+  });
+  const std::array<double, 5> e = world.relative_errors(results);
+  return std::all_of(e.begin(), e.end(), [](double x) { return std::isfinite(x) && x <= 1e-5; });
+}
+
+TEST(CpAttentionDeviceStreams, ReadingAStageBeforeItsWaitIsCaughtAndTheOpIsExactUnderEverySeed) {
+  const SeedGuard restore;
+  const AttentionShape shape{2, 1, 4, 0.4f};
+  const CpWorld world(plan_of(3, 81, AttentionMask::causal(), false), shape, AttentionMask::causal(), 81, attention_test::round_to<float>);
+  int caught = 0;
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    cuda_harness::set_seed(seed);
+    EXPECT_TRUE(step_is_exact<false>(world, shape)) << "the op under seed " << seed;
+    cuda_harness::set_seed(seed);
+    if (!step_is_exact<true>(world, shape)) ++caught;
+  }
+  EXPECT_GT(caught, 0) << "reading a stage before its wait went unnoticed under every seed";
+}
+
+/// After a first step (which may size the kernel's scratch), a step with
+/// stages enqueues its work without one host-synchronising call.
+TEST(CpAttentionDeviceStreams, AStagedStepMakesNoSynchronisingCall) {
+  const AttentionShape shape{4, 2, 4, 0.4f};
+  for (const bool dedup : {false, true}) {
+    const CpWorld world(plan_of(3, 83, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 83, attention_test::round_to<float>);
+    std::vector<std::uint64_t> synchronising(3);
+    std::vector<RankResult> results(3);
+    DeviceSimWorld sim(3);
+    sim.run([&](DeviceSimTransport& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+      DeviceOp<float> op(t, share, shape, {dedup, 3});
+      const RankTensors& x = world.tensors(r);
+      const std::size_t nq = x.q.size(), nk = x.k.size();
+      const DeviceBuffer<float> q = to_device(x.q), k = to_device(x.k), v = to_device(x.v), dout = to_device(x.dout), o = to_device(x.q),
+                                dq = to_device(x.q), dk = to_device(x.k), dv = to_device(x.v);
+      for (int step = 0; step < 2; ++step) {
+        const std::uint64_t before = cuda_harness::synchronizing_calls_on_this_thread();
+        op.forward(in(q, nq), in(k, nk), in(v, nk), out(o, nq));
+        op.backward(in(dout, nq), out(dq, nq), out(dk, nk), out(dv, nk));
+        synchronising[r] = cuda_harness::synchronizing_calls_on_this_thread() - before;
+      }
+      results[r] = {to_host(o.data(), nq), to_host(dq.data(), nq), to_host(dk.data(), nk), to_host(dv.data(), nk),
+                    to_host(op.lse().data(), op.lse().size()), share.q_rev};
+    });
+    for (std::size_t r = 0; r < 3; ++r) EXPECT_EQ(synchronising[r], 0u) << "rank " << r << (dedup ? ", dedup" : "");
+    world.expect_equal(results, 1e-5);
+  }
+}
+#endif
+
 TEST(CpAttentionDeviceErrors, RefusalsNameTheField) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   cpdispatch::QkvDocumentsPlan plan;
@@ -223,7 +365,7 @@ TEST(CpAttentionDeviceErrors, RefusalsNameTheField) {
   DeviceSimWorld sim(1);
   sim.run([&](DeviceSimTransport& t) {
     const auto share = cpdispatch::plan_qkv_for_rank(plan, 0);
-    attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {false, 2}); }, "options.stages = 2: on a device transport the op runs one stage");
+    attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {false, 0}); }, "options.stages = 0 must be at least 1");
     attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {true, 1}); }, "options.dedup is set but the share has no kv_wire");
     attention_test::expect_error([&] { DeviceOp<float>(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
     attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {}, cpdispatch::cuda::CudaAttentionKernel(nullptr)); },

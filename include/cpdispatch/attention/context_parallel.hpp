@@ -18,6 +18,23 @@
 // the queries, the kernel's dq goes home like the outputs, dk and dv come
 // home with every copy summed in a fixed order.
 //
+// With CpAttentionOptions::stages > 1 the exchanges are posted by stage
+// group: the kernel attends the local key-values while the rest travel, a
+// later group's parts as soon as they arrive, and the log-sum-exp merge folds
+// the parts together; backward posts each group's key-value gradients home
+// as soon as they are complete.
+//
+// One class body serves every transport: what differs by memory space (the
+// buffers, the copies, the merges, the fan-out and fan-in, the default
+// kernel) comes from the data path of the transport's memory space
+// (attention/data_path.hpp). On host transports (sim, MPI) the buffers are
+// std::span; on device transports (the device sim, NCCL) cuda::DeviceSpan,
+// and the device path, the device kernel and this op come with one header,
+// cpdispatch/cuda/context_parallel.hpp, included from a .cu file. There every
+// call only enqueues work on the transport's stream (no host
+// synchronisation: a posted exchange runs on the transport's communication
+// stream, ordered by events), so results are there once that stream has run.
+//
 // What forward keeps for backward (the attention-layout Q, K, V, output and
 // log-sum-exp) is owned by the object and reused across steps. Every call is
 // a collective of the transport: all ranks make the same calls in the same
@@ -37,16 +54,15 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/attention/detail/lse_merge.hpp"
+#include "cpdispatch/attention/data_path.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
-#include "cpdispatch/attention/detail/staged_exchange.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
-#include "cpdispatch/execute/combine.hpp"
-#include "cpdispatch/error.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/element_type.hpp"
+#include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/plan/mask.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transport.hpp"
@@ -86,12 +102,6 @@ inline void check_attention_shape(const AttentionShape& s, const char* who) {
   }
 }
 
-/// The plan's mask as this rank's share carries it.
-inline AttentionMask mask_of(const RankQkvMetadata& share) { return share.attn.mask; }
-
-/// The share's slices of the deduplicated exchange, null when it has none.
-inline const RankKvWire* kv_wire_of(const RankQkvMetadata& share) { return share.kv_wire ? &*share.kv_wire : nullptr; }
-
 /// One MLP-layout buffer of a forward or backward call: [T][heads_q][head_dim]
 /// when `query`, else [T][heads_kv][head_dim].
 struct MlpBuffer {
@@ -118,10 +128,16 @@ inline void check_mlp_sizes(int rank, int world_size, const char* call, std::int
   rethrow_with_context(concat("ContextParallelAttention::", call, " (rank ", rank, " of ", world_size, "): exchange failed: "));
 }
 
-template <class E>
-std::span<const std::byte> bytes_of(std::span<const E> s) { return std::as_bytes(s); }
-template <class E>
-std::span<std::byte> bytes_of(std::span<E> s) { return std::as_writable_bytes(s); }
+/// The kernel a transport's op builds when none is given: on the
+/// transport's stream where the kernel takes one, else default-constructed.
+template <class Kernel, class T>
+Kernel kernel_for(T& transport) {
+  if constexpr (requires { Kernel(transport.stream()); }) {
+    return Kernel(transport.stream());
+  } else {
+    return Kernel{};
+  }
+}
 
 }  // namespace detail
 
@@ -135,35 +151,48 @@ struct default_attention_kernel<T, MemorySpace::host> {
   using type = HostAttentionKernel;
 };
 
-/// One attention layer of one rank. Host transports (sim, MPI) take host
-/// spans and are defined here; device transports (the device sim, NCCL) take
-/// cuda::DeviceSpan and are defined in cpdispatch/cuda/context_parallel.hpp.
-/// `Space` follows from T; never name it.
-template <class T, class E, class Kernel = typename default_attention_kernel<T>::type, MemorySpace Space = detail::memory_space_of<T>()>
-class ContextParallelAttention;
-
-template <class T, class E, class Kernel>
-class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
+/// One attention layer of one rank, over transport T (host or device), elements E.
+template <class T, class E, class Kernel = typename default_attention_kernel<T>::type>
+class ContextParallelAttention {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
+  static constexpr MemorySpace space = detail::memory_space_of<T>();
+  using Path = AttentionDataPath<space>;
+  static_assert(Path::available,
+                "cpdispatch: ContextParallelAttention over a device transport needs cpdispatch/cuda/context_parallel.hpp (from a .cu file)");
   static_assert(std::is_same_v<E, float> || std::is_same_v<E, bfloat16> || std::is_same_v<E, float16>,
                 "cpdispatch: ContextParallelAttention's element type is float, bfloat16 or float16");
   static_assert(AttentionKernel<Kernel, E>, "cpdispatch: the kernel does not model AttentionKernel<Kernel, E> (attention/kernel.hpp)");
-  static_assert(attention_kernel_memory_space<Kernel>() == MemorySpace::host,
-                "cpdispatch: a host transport's ContextParallelAttention needs a host kernel (the kernel declares device memory)");
+  static_assert(attention_kernel_memory_space<Kernel>() == space,
+                "cpdispatch: the kernel's memory space is not the transport's (a device transport needs a kernel declaring "
+                "`static constexpr MemorySpace memory_space = MemorySpace::device`, e.g. cuda::CudaAttentionKernel)");
+  template <class U>
+  using owned = typename Path::template buffer<U>;
 
  public:
   using transport_type = T;
   using element_type = E;
   using kernel_type = Kernel;
+  /// A buffer of U in the transport's memory (std::span; cuda::DeviceSpan on device transports).
+  template <class U>
+  using buffer = typename Path::template span<U>;
   /// Whether the exchanges are posted and overlapped with compute (T is a
   /// PostedAllToAllTransport) or made in blocking calls where they would be posted.
   static constexpr bool overlaps = posted_all_to_all_v<T>;
 
-  ContextParallelAttention(T& transport, const RankQkvMetadata& share, const AttentionShape& shape, CpAttentionOptions options = {},
-                           Kernel kernel = Kernel{})
-      : transport_(transport), shape_(shape), options_(options), kernel_(std::move(kernel)) {
+  /// With the default kernel for the transport (on its stream where it has one).
+  ContextParallelAttention(T& transport, const RankQkvMetadata& share, const AttentionShape& shape, CpAttentionOptions options = {})
+      : ContextParallelAttention(transport, share, shape, options, detail::kernel_for<Kernel>(transport)) {}
+
+  /// With `kernel`, which must launch on the transport's stream when both say which (`stream()`).
+  ContextParallelAttention(T& transport, const RankQkvMetadata& share, const AttentionShape& shape, CpAttentionOptions options, Kernel kernel)
+      : transport_(transport), shape_(shape), options_(options), kernel_(std::move(kernel)), path_(transport) {
     detail::check_attention_shape(shape_, "ContextParallelAttention");
     if (options_.stages < 1) fail("options.stages = ", options_.stages, " must be at least 1");
+    if constexpr (requires { kernel_.stream() == transport_.stream(); }) {
+      if (kernel_.stream() != transport_.stream()) {
+        fail("the kernel launches on another stream than the transport's; build it on transport.stream() so that its work is ordered with the exchange's");
+      }
+    }
     groups_ = std::min(options_.stages - 1, transport_.world_size() - 1);
     requests_.resize(static_cast<std::size_t>(groups_));
     kv_requests_.resize(static_cast<std::size_t>(std::max(groups_, 1)));
@@ -172,125 +201,133 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
 
   /// Sizes every buffer for plans up to `c`, so that replan, forward and
   /// backward allocate nothing while a plan stays within it (with dedup, see
-  /// replan).
+  /// replan; a device path still uploads each plan's piece lists).
   void reserve(const CpAttentionCapacity& c) {
     const auto n = [](std::int64_t x) { return static_cast<std::size_t>(std::max<std::int64_t>(x, 0)); };
-    const std::size_t hq = q_token_elems(), hk = kv_token_elems();
-    for (std::vector<E>* b : {&q_attn_, &out_attn_, &dout_attn_, &dq_attn_, &out_part_}) b->reserve(n(c.q_tokens) * hq);
-    for (std::vector<E>* b : {&k_attn_, &v_attn_, &dk_attn_, &dv_attn_}) b->reserve(n(c.kv_tokens) * hk);
-    for (std::vector<E>* b : {&replica_, &replica_v_}) b->reserve(n(c.copies) * n(c.mlp_tokens) * hk);
-    for (std::vector<float>* b : {&lse_, &lse_part_}) b->reserve(n(c.q_tokens) * static_cast<std::size_t>(shape_.heads_q));
+    const std::size_t hq = q_token_elems(), hk = kv_token_elems(), copies = std::max<std::size_t>(n(c.copies), 1);
+    for (owned<E>* b : {&q_attn_, &out_attn_, &dout_attn_, &dq_attn_, &out_part_}) b->reserve(n(c.q_tokens) * hq);
+    for (owned<E>* b : {&k_attn_, &v_attn_, &dk_attn_, &dv_attn_}) b->reserve(n(c.kv_tokens) * hk);
+    for (owned<E>* b : {&replica_, &replica_v_}) b->reserve(copies * n(c.mlp_tokens) * hk);
+    for (owned<float>* b : {&lse_, &lse_part_}) b->reserve(n(c.q_tokens) * static_cast<std::size_t>(shape_.heads_q));
     acc_.reserve(n(c.q_tokens) * hq);
     entries_.reserve(n(c.shards));
     for (auto* v : {&kv_rev_.dst_rank, &kv_rev_.dst_offset, &kv_rev_.seq_len}) v->reserve(n(c.shards));
     kv_rev_.num_recv_tokens.reserve(static_cast<std::size_t>(transport_.world_size()) + 1);
     for (auto* o : {&kv_rev_.seq_recv_mask, &kv_rev_.recv_seq_lens}) {
       if (!*o) o->emplace();
-      (*o)->reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
+      (*o)->reserve(n(c.shards) * copies);
     }
-    layout_.seqlens_q.reserve(n(c.shards));
-    layout_.seqlens_kv.reserve(n(c.shards));
-    layout_.cu_seqlens_q.reserve(n(c.shards) + 1);
-    layout_.cu_seqlens_kv.reserve(n(c.shards) + 1);
+    for (auto* v : {&layout_.seqlens_q, &layout_.seqlens_kv}) v->reserve(n(c.shards));
+    for (auto* v : {&layout_.cu_seqlens_q, &layout_.cu_seqlens_kv}) v->reserve(n(c.shards) + 1);
     const auto W = static_cast<std::size_t>(transport_.world_size());
     q_planner_.reserve(q_plan_, n(c.shards), W);
-    kv_planner_.reserve(kv_plan_, n(c.shards) * std::max<std::size_t>(n(c.copies), 1), W);
-    stage_plan_.reserve(n(c.shards) * std::max<std::size_t>(n(c.copies), 1));
-    fan_entries_.reserve(n(c.shards));
-    for (auto* v : {&fan_fill_, &fan_entry_splits_}) v->reserve(static_cast<std::size_t>(groups_) + 2);
-    const std::size_t copies = std::max<std::size_t>(n(c.copies), 1), mlp = n(c.mlp_tokens), tq = n(c.q_tokens), tk = n(c.kv_tokens);
-    const std::size_t e = sizeof(E);  // staging is in bytes: (send, receive)
-    fwd_in_.reserve(mlp * (hq + 2 * hk * copies) * e, (tq * hq + 2 * tk * hk) * e);
-    dout_in_.reserve(mlp * hq * e, tq * hq * e);
-    q_out_.reserve(tq * hq * e, mlp * hq * e);
-    kv_out_.reserve(2 * tk * hk * e, copies * mlp * 2 * hk * e);
+    kv_planner_.reserve(kv_plan_, n(c.shards) * copies, W);
+    stage_plan_.reserve(n(c.shards) * copies);
+    const std::size_t mlp = n(c.mlp_tokens), tq = n(c.q_tokens), tk = n(c.kv_tokens), e = sizeof(E);  // staging is in bytes: (send, receive)
+    const std::size_t pieces = n(c.shards) * copies;
+    fwd_in_.reserve(mlp * (hq + 2 * hk * copies) * e, (tq * hq + 2 * tk * hk) * e, pieces);
+    dout_in_.reserve(mlp * hq * e, tq * hq * e, pieces);
+    q_out_.reserve(tq * hq * e, mlp * hq * e, pieces);
+    kv_out_.reserve(2 * tk * hk * e, copies * mlp * 2 * hk * e, pieces);
+    calls_.reserve(pieces + 1);
+    for (KvFanList& f : round_fans_) {
+      for (auto* v : {&f.seq_len, &f.src_rank, &f.src_shard, &f.wire_offset}) v->reserve(n(c.shards));
+      f.attn_offset.reserve(pieces);
+      f.copy_splits.reserve(n(c.shards) + 1);
+    }
+    for (std::vector<detail::CopyPiece>& list : round_copies_) list.reserve(pieces);
   }
 
   /// Takes the next step's share (the plan's mask and, with dedup, its wire
-  /// slices). Nothing is allocated while the plan fits what earlier plans or
-  /// reserve() sized; with dedup the wire's lists per peer are sized by the
-  /// plans seen (reserve does not reach them), so a step allocates nothing
-  /// once every plan of its size has been seen.
+  /// slices). On host transports nothing is allocated while the plan fits
+  /// what earlier plans or reserve() sized; with dedup the wire's lists per
+  /// peer are sized by the plans seen (reserve does not reach them), so a
+  /// step allocates nothing once every plan of its size has been seen. After
+  /// a throw (a bad share) the object needs a good share before its next forward.
   void replan(const RankQkvMetadata& share) {
     const char* who = "ContextParallelAttention";
     const int me = transport_.rank(), W = transport_.world_size();
+    planned_ = forward_done_ = false;
     if (options_.dedup) {
-      const RankKvWire* wire = detail::kv_wire_of(share);
-      if (wire == nullptr) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
-      if (kv_wire_) kv_wire_->replan(*wire);
-      else kv_wire_.emplace(transport_, *wire, kv_token_elems() * sizeof(E));
+      if (!share.kv_wire) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
+      wire_planner_.plan(share.kv_wire->fwd, share.kv_wire->rev, share.kv_wire->fan, kv_token_bytes(), me, W, wire_plan_);
+      wire_rev_ = share.kv_wire->rev;
+      fan_ = share.kv_wire->fan;
     }
     q_planner_.plan(share.q_fwd, share.q_rev, q_token_elems() * sizeof(E), me, W, who, q_plan_);
-    kv_planner_.plan(share.kv_fwd, share.kv_rev, kv_token_elems() * sizeof(E), me, W, who, kv_plan_);
+    kv_planner_.plan(share.kv_fwd, share.kv_rev, kv_token_bytes(), me, W, who, kv_plan_);
     if (!share.kv_rev.seq_recv_mask) fail("share.kv_rev has no seq_recv_mask (not the reverse key-value slice of a QKV plan)");
-    copy_kv_rev(share.kv_rev);
-    copy_layout(share.attn);
-    mask_ = detail::mask_of(share);
+    kv_rev_ = share.kv_rev;
+    layout_ = share.attn;
     check_layout();
     layout_entries(layout_.cu_seqlens_q, layout_.cu_seqlens_kv, entries_);
     stage_plan_.build(entries_, share.q_rev, share.kv_rev, me, W, groups_, who);
-    lay_out_fan();
-    lay_out_exchanges(me, W);
     size_buffers();
-    forward_done_ = false;
+    path_.clear();
+    lay_out_exchanges(me, W);
+    lay_out_fan();
+    combine_id_ = path_.add_combine(options_.dedup ? wire_rev_ : kv_rev_, kv_token_bytes());
+    path_.commit();
+    prepare_kernel();
+    planned_ = true;
   }
 
   /// This rank's tokens in the MLP layout (the leading extent of q, k, v, ...).
   std::int64_t mlp_tokens() const noexcept { return q_plan_.forward.input_tokens; }
   const RankAttentionLayout& attention() const noexcept { return layout_; }
-  const AttentionMask& mask() const noexcept { return mask_; }
+  const AttentionMask& mask() const noexcept { return layout_.mask; }
   const AttentionShape& shape() const noexcept { return shape_; }
   const CpAttentionOptions& options() const noexcept { return options_; }
-  /// The last forward's log-sum-exp in the attention layout, [heads_q][q tokens].
-  std::span<const float> lse() const noexcept { return lse_; }
+  /// The last forward's log-sum-exp in the attention layout, [heads_q][q tokens] (in the transport's memory).
+  buffer<const float> lse() const noexcept { return {lse_.data(), lse_.size()}; }
   Kernel& kernel() noexcept { return kernel_; }
 
   /// q: [T][heads_q][head_dim], k, v: [T][heads_kv][head_dim] -> out: [T][heads_q][head_dim].
-  void forward(std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out) {
+  void forward(buffer<const E> q, buffer<const E> k, buffer<const E> v, buffer<E> out) {
     const char* call = "forward";
+    if (!planned_) fail("forward needs a plan: the last replan threw");
     check_mlp(call, {{q.size(), "q", true}, {k.size(), "k", false}, {v.size(), "v", false}, {out.size(), "out", true}});
     forward_done_ = false;
-    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes_in(q), bytes_out(q_attn_)},
-                                       {kv_forward(), bytes_in(k), bytes_out(k_attn_)},
-                                       {kv_forward(), bytes_in(v), bytes_out(v_attn_)}};
+    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes(q.data()), bytes(q_attn_)},
+                                       {kv_forward(), bytes(k.data()), bytes(k_attn_)},
+                                       {kv_forward(), bytes(v.data()), bytes(v_attn_)}};
     if (groups_ == 0) {  // one exchange, then one kernel call over the whole layout
       exchange_all(call, fwd_in_, in);
       fan_out(0);
-      kernel_.forward(shape_, mask_, std::span<const AttentionEntry>(entries_), cspan(q_attn_), cspan(k_attn_), cspan(v_attn_),
-                      std::span<E>(out_attn_), std::span<float>(lse_));
+      kernel_.forward(shape_, mask(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), view(out_attn_),
+                      view(lse_));
     } else {
       forward_by_stages(call, in);
     }
-    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes_out(out_attn_), detail::bytes_of(out).data()}};
+    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(out_attn_), bytes(out.data())}};
     exchange_all(call, q_out_, back);
     forward_done_ = true;
   }
 
   /// dout: [T][heads_q][head_dim] -> dq like q, dk and dv like k and v (every copy's gradient summed).
-  void backward(std::span<const E> dout, std::span<E> dq, std::span<E> dk, std::span<E> dv) {
+  void backward(buffer<const E> dout, buffer<E> dq, buffer<E> dk, buffer<E> dv) {
     const char* call = "backward";
     if (!forward_done_) fail("backward needs the forward of the same plan first");
     check_mlp(call, {{dout.size(), "dout", true}, {dq.size(), "dq", true}, {dk.size(), "dk", false}, {dv.size(), "dv", false}});
-    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes_in(dout), bytes_out(dout_attn_)}};
-    const detail::StagedTensor kv[] = {{kv_reverse(), bytes_out(dk_attn_), bytes_out(replica_)},
-                                       {kv_reverse(), bytes_out(dv_attn_), bytes_out(replica_v_)}};
+    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes(dout.data()), bytes(dout_attn_)}};
+    const detail::StagedTensor kv[] = {{kv_reverse(), bytes(dk_attn_), bytes(replica_)}, {kv_reverse(), bytes(dv_attn_), bytes(replica_v_)}};
     if (groups_ == 0) {
       exchange_all(call, dout_in_, in);
-      kernel_.backward(shape_, mask_, std::span<const AttentionEntry>(entries_), cspan(q_attn_), cspan(k_attn_), cspan(v_attn_),
-                       cspan(out_attn_), std::span<const float>(lse_), cspan(dout_attn_), std::span<E>(dq_attn_), std::span<E>(dk_attn_),
-                       std::span<E>(dv_attn_));
+      kernel_.backward(shape_, mask(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_),
+                       read(lse_), read(dout_attn_), view(dq_attn_), view(dk_attn_), view(dv_attn_));
       fan_in(0);  // one round: every shard's copies
-      post_kv_gradients(call, kv, detail::StagedExchange::all_groups);
+      post_kv_gradients(call, kv, 0);
     } else {
       backward_by_stages(call, in, kv);
     }
-    const detail::StagedTensor q_back[] = {{&q_plan_.reverse, bytes_out(dq_attn_), detail::bytes_of(dq).data()}};
+    const detail::StagedTensor q_back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())}};
     exchange_all(call, q_out_, q_back);
     finish_kv_gradients(call, kv, dk, dv);
   }
 
  private:
   using Tensors = std::span<const detail::StagedTensor>;
+  using Exchange = detail::StagedExchange<Path>;
 
   /// Runs a transport call, naming the op's call in front of its error.
   template <class F>
@@ -303,87 +340,104 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
   }
 
   /// The forward plan of the key-values: the wire's with dedup (each shard once, at its first copy).
-  const detail::ExchangePlan* kv_forward() const noexcept { return kv_wire_ ? &kv_wire_->plan().forward : &kv_plan_.forward; }
+  const detail::ExchangePlan* kv_forward() const noexcept { return options_.dedup ? &wire_plan_.forward : &kv_plan_.forward; }
   /// Their gradients' reverse plan: with dedup the wire's, from each shard's first copy (after the fan-in).
-  const detail::ExchangePlan* kv_reverse() const noexcept { return kv_wire_ ? &kv_wire_->plan().reverse_in_place : &kv_plan_.reverse; }
+  const detail::ExchangePlan* kv_reverse() const noexcept { return options_.dedup ? &wire_plan_.reverse_in_place : &kv_plan_.reverse; }
 
-  /// With dedup, the fan list's entries with several copies, round by round
-  /// (the round their key-values arrive in): forward copies each one's first
+  void lay_out_exchanges(int me, int W) {
+    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, kv_forward(), kv_forward()};
+    const detail::ExchangePlan* kv_rev[] = {kv_reverse(), kv_reverse()};
+    const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse};
+    fwd_in_.lay_out(path_, fwd_in, me, W, groups_, true);
+    dout_in_.lay_out(path_, std::span(fwd_in).first(1), me, W, groups_, true);
+    q_out_.lay_out(path_, q_rev, me, W, 0, false);
+    kv_out_.lay_out(path_, kv_rev, me, W, groups_, false);
+  }
+
+  /// With dedup, per round (the round a shard's key-values arrive in), the
+  /// fan list's shards with several copies: forward copies each one's first
   /// copy to its other places, backward sums its copies' gradients there.
   void lay_out_fan() {
     const auto rounds = static_cast<std::size_t>(stage_plan_.rounds());
-    fan_entry_splits_.assign(rounds + 1, 0);
-    fan_entries_.clear();
-    if (!kv_wire_) return;
-    const KvFanList& fan = kv_wire_->fan();
-    const auto round_of = [&](std::size_t e) { return static_cast<std::size_t>(stage_plan_.round_of(fan.src_rank[e])); };
-    for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-      if (fan.copies(e).size() > 1) ++fan_entry_splits_[round_of(e) + 1];
+    fan_out_ids_.clear();
+    fan_in_ids_.clear();
+    if (!options_.dedup) return;
+    if (round_fans_.size() < rounds) round_fans_.resize(rounds);
+    if (round_copies_.size() < rounds) round_copies_.resize(rounds);
+    for (std::size_t r = 0; r < rounds; ++r) {
+      KvFanList& f = round_fans_[r];
+      for (auto* v : {&f.seq_len, &f.src_rank, &f.src_shard, &f.wire_offset, &f.attn_offset}) v->clear();
+      f.copy_splits.assign(1, 0);
+      round_copies_[r].clear();
     }
-    for (std::size_t r = 0; r < rounds; ++r) fan_entry_splits_[r + 1] += fan_entry_splits_[r];
-    fan_entries_.resize(fan_entry_splits_[rounds]);
-    fan_fill_.assign(fan_entry_splits_.begin(), fan_entry_splits_.end() - 1);
-    for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-      if (fan.copies(e).size() > 1) fan_entries_[fan_fill_[round_of(e)]++] = e;
+    const std::size_t tb = kv_token_bytes();
+    for (std::size_t e = 0; e < fan_.num_entries(); ++e) {
+      const std::span<const std::int64_t> copies = fan_.copies(e);
+      if (copies.size() < 2) continue;
+      const auto r = static_cast<std::size_t>(stage_plan_.round_of(fan_.src_rank[e]));
+      KvFanList& f = round_fans_[r];
+      f.seq_len.push_back(fan_.seq_len[e]);
+      f.src_rank.push_back(fan_.src_rank[e]);
+      f.src_shard.push_back(fan_.src_shard[e]);
+      f.wire_offset.push_back(copies[0]);  // summed in place, at the first copy
+      f.attn_offset.insert(f.attn_offset.end(), copies.begin(), copies.end());
+      f.copy_splits.push_back(f.attn_offset.size());
+      const auto len = static_cast<std::size_t>(fan_.seq_len[e]) * tb;
+      for (std::size_t c = 1; c < copies.size(); ++c) {
+        round_copies_[r].push_back({static_cast<std::size_t>(copies[0]) * tb, static_cast<std::size_t>(copies[c]) * tb, len});
+      }
+    }
+    for (std::size_t r = 0; r < rounds; ++r) {
+      round_fans_[r].attention_tokens = fan_.attention_tokens;
+      fan_out_ids_.push_back(path_.add_copies(round_copies_[r]));
+      fan_in_ids_.push_back(path_.add_fan_in(round_fans_[r], tb));
     }
   }
 
-  /// Round `round`'s entries of the fan list (none without dedup).
-  std::span<const std::size_t> fan_entries(int round) const {
-    const auto r = static_cast<std::size_t>(round);
-    return std::span<const std::size_t>(fan_entries_).subspan(fan_entry_splits_[r], fan_entry_splits_[r + 1] - fan_entry_splits_[r]);
+  /// Tells the kernel every entry list this plan's calls pass (where it can be told).
+  void prepare_kernel() {
+    if constexpr (PreparedAttentionKernel<Kernel>) {
+      calls_.clear();
+      if (groups_ == 0) calls_.push_back(std::span<const AttentionEntry>(entries_));
+      for (const detail::StagePass& pass : stage_plan_.passes()) {
+        if (groups_ > 0) calls_.push_back(parts_of(pass));
+      }
+      kernel_.prepare(std::span<const std::span<const AttentionEntry>>(calls_));
+    }
   }
 
   /// The fan-in of the key-value gradients of round `round`'s shards: each
   /// shard's copies summed at its first copy, whence the wire takes it home
   /// (nothing without dedup). Run once per round, when they are complete.
   void fan_in(int round) {
-    for (std::size_t e : fan_entries(round)) {
-      for (std::vector<E>* b : {&dk_attn_, &dv_attn_}) detail::fan_in_entry_in_place<E>(kv_wire_->fan(), e, b->data(), kv_token_elems());
-    }
+    if (!options_.dedup) return;
+    for (owned<E>* b : {&dk_attn_, &dv_attn_}) path_.fan_in(fan_in_ids_[static_cast<std::size_t>(round)], element_type_of<E>(), bytes(*b));
   }
 
   /// The fan-out of round `round`'s key-values: each shard's first copy to its other places (nothing without dedup).
   void fan_out(int round) {
-    const std::size_t width = kv_token_elems();
-    for (std::size_t e : fan_entries(round)) {
-      const std::span<const std::int64_t> copies = kv_wire_->fan().copies(e);
-      const std::size_t count = static_cast<std::size_t>(kv_wire_->fan().seq_len[e]) * width;
-      for (std::vector<E>* b : {&k_attn_, &v_attn_}) {
-        const E* first = b->data() + static_cast<std::size_t>(copies[0]) * width;
-        for (std::size_t c = 1; c < copies.size(); ++c) std::memcpy(b->data() + static_cast<std::size_t>(copies[c]) * width, first, count * sizeof(E));
-      }
-    }
-  }
-
-  void lay_out_exchanges(int me, int W) {
-    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, kv_forward(), kv_forward()};
-    const detail::ExchangePlan* kv_rev[] = {kv_reverse(), kv_reverse()};
-    fwd_in_.lay_out(fwd_in, me, W, groups_, true);
-    dout_in_.lay_out(std::span(fwd_in).first(1), me, W, groups_, true);
-    const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse};
-    q_out_.lay_out(q_rev, me, W, groups_, false);
-    kv_out_.lay_out(kv_rev, me, W, groups_, false);
+    if (!options_.dedup) return;
+    for (owned<E>* b : {&k_attn_, &v_attn_}) path_.copy(fan_out_ids_[static_cast<std::size_t>(round)], bytes(*b), bytes(*b));
   }
 
   /// Posts every stage group of `ex`, after the traffic to this rank itself.
-  void post_groups(const char* call, detail::StagedExchange& ex, Tensors tensors) {
-    detail::StagedExchange::copy_self(tensors);
-    for (int g = 0; g < groups_; ++g) requests_[static_cast<std::size_t>(g)] = exchange(call, [&] { return ex.post(transport_, tensors, g); });
+  void post_groups(const char* call, Exchange& ex, Tensors tensors) {
+    ex.copy_self(path_, tensors);
+    for (int g = 0; g < groups_; ++g) requests_[static_cast<std::size_t>(g)] = exchange(call, [&] { return ex.post(transport_, path_, tensors, g); });
   }
 
-  void await_group(const char* call, detail::StagedExchange& ex, Tensors tensors, int g) {
-    exchange(call, [&] { detail::StagedExchange::wait(transport_, requests_[static_cast<std::size_t>(g)]); });
-    ex.finish(tensors, g);
+  void await_group(const char* call, Exchange& ex, Tensors tensors, int g) {
+    exchange(call, [&] { Exchange::wait(transport_, requests_[static_cast<std::size_t>(g)]); });
+    ex.finish(path_, tensors, g);
   }
 
-  /// One exchange of every peer at once, waited for at once.
-  void exchange_all(const char* call, detail::StagedExchange& ex, Tensors tensors) {
-    detail::StagedExchange::copy_self(tensors);
+  /// One exchange of every peer at once (`ex` laid out in one group), waited for at once.
+  void exchange_all(const char* call, Exchange& ex, Tensors tensors) {
+    ex.copy_self(path_, tensors);
     if (transport_.world_size() == 1) return;
-    const Request r = exchange(call, [&] { return ex.post(transport_, tensors, detail::StagedExchange::all_groups); });
-    exchange(call, [&] { detail::StagedExchange::wait(transport_, r); });
-    ex.finish(tensors, detail::StagedExchange::all_groups);
+    const Request r = exchange(call, [&] { return ex.post(transport_, path_, tensors, 0); });
+    exchange(call, [&] { Exchange::wait(transport_, r); });
+    ex.finish(path_, tensors, 0);
   }
 
   std::span<const AttentionEntry> parts_of(const detail::StagePass& pass) const {
@@ -392,8 +446,8 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
 
   void forward_by_stages(const char* call, Tensors in) {
     post_groups(call, fwd_in_, in);
-    std::fill(acc_.begin(), acc_.end(), 0.0f);
-    std::fill(lse_.begin(), lse_.end(), -std::numeric_limits<float>::infinity());
+    path_.fill(acc_.data(), acc_.size(), 0.0f);
+    path_.fill(lse_.data(), lse_.size(), -std::numeric_limits<float>::infinity());
     const auto passes = stage_plan_.passes();
     std::size_t next = 0;
     for (int round = 0; round < stage_plan_.rounds(); ++round) {
@@ -401,21 +455,20 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
       fan_out(round);
       for (; next < passes.size() && passes[next].round == round; ++next) attend_forward(parts_of(passes[next]));
     }
-    for (std::size_t i = 0; i < acc_.size(); ++i) out_attn_[i] = detail::from_f32<E>(acc_[i]);
+    path_.store(acc_.data(), out_attn_.data(), acc_.size());
   }
 
-  /// One pass: the kernel's partial output, folded into the running one through the log-sum-exp.
+  /// One pass: the kernel's partial output, folded into the running one
+  /// through the log-sum-exp (rows outside the pass keep lse_part = -inf).
   void attend_forward(std::span<const AttentionEntry> parts) {
-    kernel_.forward(shape_, mask_, parts, cspan(q_attn_), cspan(k_attn_), cspan(v_attn_), std::span<E>(out_part_), std::span<float>(lse_part_));
-    for (const AttentionEntry& p : parts) {
-      detail::merge_partial<E>(acc_, lse_, cspan(out_part_), lse_part_, layout_.q_tokens(), shape_.heads_q, shape_.head_dim, p.q_start,
-                               p.q_start + p.q_len);
-    }
+    path_.fill(lse_part_.data(), lse_part_.size(), -std::numeric_limits<float>::infinity());
+    kernel_.forward(shape_, mask(), parts, read(q_attn_), read(k_attn_), read(v_attn_), view(out_part_), view(lse_part_));
+    path_.merge(acc_.data(), lse_.data(), out_part_.data(), lse_part_.data(), layout_.q_tokens(), shape_.heads_q, shape_.head_dim);
   }
 
   void backward_by_stages(const char* call, Tensors in, Tensors kv) {
     post_groups(call, dout_in_, in);
-    std::fill(acc_.begin(), acc_.end(), 0.0f);
+    path_.fill(acc_.data(), acc_.size(), 0.0f);
     const auto passes = stage_plan_.passes();
     std::size_t next = 0;
     int posted = 0;
@@ -428,89 +481,63 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
         post_kv_gradients(call, kv, posted);
       }
     }
-    for (std::size_t i = 0; i < acc_.size(); ++i) dq_attn_[i] = detail::from_f32<E>(acc_[i]);
+    path_.store(acc_.data(), dq_attn_.data(), acc_.size());
   }
 
-  /// One pass: dq shares summed in fp32; dk, dv of the pass's key rows written in place (each key row is in one part).
+  /// One pass: dq shares summed in fp32 (rows outside the pass add zero); dk,
+  /// dv of the pass's key rows written in place (each key row is in one part).
   void attend_backward(std::span<const AttentionEntry> parts) {
-    kernel_.backward(shape_, mask_, parts, cspan(q_attn_), cspan(k_attn_), cspan(v_attn_), cspan(out_attn_), std::span<const float>(lse_),
-                     cspan(dout_attn_), std::span<E>(out_part_), std::span<E>(dk_attn_), std::span<E>(dv_attn_));
-    const auto width = static_cast<std::size_t>(shape_.heads_q * shape_.head_dim);
-    for (const AttentionEntry& p : parts) {
-      for (std::size_t i = static_cast<std::size_t>(p.q_start) * width; i < static_cast<std::size_t>(p.q_start + p.q_len) * width; ++i) {
-        acc_[i] += detail::to_f32(out_part_[i]);
-      }
-    }
+    path_.zero(bytes(out_part_), out_part_.size() * sizeof(E));
+    kernel_.backward(shape_, mask(), parts, read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_), read(lse_), read(dout_attn_), view(out_part_),
+                     view(dk_attn_), view(dv_attn_));
+    path_.accumulate(acc_.data(), out_part_.data(), acc_.size());
   }
 
-  /// Posts group `g`'s (or every peer's) KV gradients home.
+  /// Posts group `g`'s KV gradients home (with one group, every peer's).
   void post_kv_gradients(const char* call, Tensors kv, int g) {
-    const std::size_t slot = g == detail::StagedExchange::all_groups ? 0 : static_cast<std::size_t>(g);
     if (transport_.world_size() == 1) return;
-    kv_requests_[slot] = exchange(call, [&] { return kv_out_.post(transport_, kv, g); });
+    kv_requests_[static_cast<std::size_t>(g)] = exchange(call, [&] { return kv_out_.post(transport_, path_, kv, g); });
   }
 
   /// Waits for the KV gradients, adds this rank's own, and sums every copy into dk, dv.
-  void finish_kv_gradients(const char* call, Tensors kv, std::span<E> dk, std::span<E> dv) {
+  void finish_kv_gradients(const char* call, Tensors kv, buffer<E> dk, buffer<E> dv) {
     if (groups_ > 0) fan_in(0);  // this rank's own shards (with one round, fanned in before the post)
-    detail::StagedExchange::copy_self(kv);
+    kv_out_.copy_self(path_, kv);
     if (transport_.world_size() > 1) {
-      const int posts = groups_ == 0 ? 1 : groups_;
-      for (int g = 0; g < posts; ++g) {
-        exchange(call, [&] { detail::StagedExchange::wait(transport_, kv_requests_[static_cast<std::size_t>(g)]); });
-        kv_out_.finish(kv, groups_ == 0 ? detail::StagedExchange::all_groups : g);
+      for (int g = 0; g < kv_out_.groups(); ++g) {
+        exchange(call, [&] { Exchange::wait(transport_, kv_requests_[static_cast<std::size_t>(g)]); });
+        kv_out_.finish(path_, kv, g);
       }
     }
-    const auto width = kv_token_elems();
-    const RankMetadata& rev = kv_wire_ ? kv_wire_->reverse_slice() : kv_rev_;  // whose slots the replica holds
-    combine_copies<E>(rev, std::span<const E>(replica_), dk, width);
-    combine_copies<E>(rev, std::span<const E>(replica_v_), dv, width);
+    const std::size_t replica_bytes = replica_.size() * sizeof(E), grad_bytes = dk.size() * sizeof(E);
+    path_.combine(combine_id_, element_type_of<E>(), bytes(replica_), replica_bytes, bytes(dk.data()), grad_bytes);
+    path_.combine(combine_id_, element_type_of<E>(), bytes(replica_v_), replica_bytes, bytes(dv.data()), grad_bytes);
   }
 
-  static const std::byte* bytes_in(std::span<const E> s) noexcept { return detail::bytes_of(s).data(); }
-  static std::byte* bytes_out(std::vector<E>& v) noexcept { return detail::bytes_of(std::span<E>(v)).data(); }
+  template <class U>
+  static const std::byte* bytes(const U* p) noexcept { return reinterpret_cast<const std::byte*>(p); }
+  template <class U>
+  static std::byte* bytes(U* p) noexcept { return reinterpret_cast<std::byte*>(p); }
+  /// An owned buffer's bytes.
+  template <class B>
+  static std::byte* bytes(B& b) noexcept { return reinterpret_cast<std::byte*>(b.data()); }
+  /// An owned buffer as the kernel takes it (a span over the transport's memory).
+  template <class B>
+  static auto view(B& b) noexcept { return std::span(b.data(), b.size()); }
+  template <class B>
+  static auto read(const B& b) noexcept { return std::span(b.data(), b.size()); }
 
   template <class... Args>
   [[noreturn]] void fail(Args&&... args) const {
     detail::fail("ContextParallelAttention (rank ", transport_.rank(), " of ", transport_.world_size(), "): ", std::forward<Args>(args)...);
   }
 
-  static std::span<const E> cspan(const std::vector<E>& v) noexcept { return std::span<const E>(v); }
   std::size_t q_token_elems() const noexcept { return static_cast<std::size_t>(shape_.heads_q * shape_.head_dim); }
   std::size_t kv_token_elems() const noexcept { return static_cast<std::size_t>(shape_.heads_kv * shape_.head_dim); }
+  std::size_t kv_token_bytes() const noexcept { return kv_token_elems() * sizeof(E); }
 
   void check_mlp(const char* call, std::initializer_list<detail::MlpBuffer> buffers) const {
     detail::check_mlp_sizes(transport_.rank(), transport_.world_size(), call, mlp_tokens(), shape_, buffers);
-  }
-
-  /// The reverse key-value slice (for the combine), copied into storage kept between plans.
-  void copy_kv_rev(const RankMetadata& m) {
-    const auto copy = [](std::vector<std::int64_t>& to, const std::vector<std::int64_t>& from) { to.assign(from.begin(), from.end()); };
-    kv_rev_.rank = m.rank, kv_rev_.world_size = m.world_size, kv_rev_.has_copies = m.has_copies, kv_rev_.num_copies = m.num_copies;
-    copy(kv_rev_.dst_rank, m.dst_rank);
-    copy(kv_rev_.dst_offset, m.dst_offset);
-    copy(kv_rev_.seq_len, m.seq_len);
-    copy(kv_rev_.num_recv_tokens, m.num_recv_tokens);
-    kv_rev_.num_seqs = m.num_seqs, kv_rev_.num_total_recv_tokens = m.num_total_recv_tokens, kv_rev_.mask_copies = m.mask_copies;
-    for (auto [to, from] : {std::pair{&kv_rev_.seq_recv_mask, &m.seq_recv_mask}, std::pair{&kv_rev_.recv_seq_lens, &m.recv_seq_lens}}) {
-      if (!*from) {
-        to->reset();
-        continue;
-      }
-      if (!*to) to->emplace();
-      copy(**to, **from);
-    }
-  }
-
-  /// The share's layout, copied into storage kept between plans.
-  void copy_layout(const RankAttentionLayout& a) {
-    layout_.seqlens_q.assign(a.seqlens_q.begin(), a.seqlens_q.end());
-    layout_.seqlens_kv.assign(a.seqlens_kv.begin(), a.seqlens_kv.end());
-    layout_.cu_seqlens_q.assign(a.cu_seqlens_q.begin(), a.cu_seqlens_q.end());
-    layout_.cu_seqlens_kv.assign(a.cu_seqlens_kv.begin(), a.cu_seqlens_kv.end());
-    layout_.max_seqlen_q = a.max_seqlen_q;
-    layout_.max_seqlen_kv = a.max_seqlen_kv;
-    layout_.mask = a.mask;
   }
 
   /// The attention layout must describe what the exchanges deliver, and the MLP layouts of Q and KV agree.
@@ -529,37 +556,43 @@ class ContextParallelAttention<T, E, Kernel, MemorySpace::host> {
 
   void size_buffers() {
     const auto tq = static_cast<std::size_t>(layout_.q_tokens()), tk = static_cast<std::size_t>(layout_.kv_tokens());
-    for (std::vector<E>* b : {&q_attn_, &out_attn_, &dout_attn_, &dq_attn_, &out_part_}) b->resize(tq * q_token_elems());
-    for (std::vector<E>* b : {&k_attn_, &v_attn_, &dk_attn_, &dv_attn_}) b->resize(tk * kv_token_elems());
-    for (std::vector<float>* b : {&lse_, &lse_part_}) b->resize(tq * static_cast<std::size_t>(shape_.heads_q));
+    for (owned<E>* b : {&q_attn_, &out_attn_, &dout_attn_, &dq_attn_, &out_part_}) b->resize(tq * q_token_elems());
+    for (owned<E>* b : {&k_attn_, &v_attn_, &dk_attn_, &dv_attn_}) b->resize(tk * kv_token_elems());
+    for (owned<float>* b : {&lse_, &lse_part_}) b->resize(tq * static_cast<std::size_t>(shape_.heads_q));
     acc_.resize(tq * q_token_elems());
     std::int64_t replica = kv_plan_.reverse.output_tokens;
-    if (kv_wire_) replica = std::max(replica, kv_wire_->plan().replica_tokens);
-    const auto replica_tokens = static_cast<std::size_t>(replica);
-    for (std::vector<E>* b : {&replica_, &replica_v_}) b->resize(replica_tokens * kv_token_elems());
+    if (options_.dedup) replica = std::max(replica, wire_plan_.replica_tokens);
+    for (owned<E>* b : {&replica_, &replica_v_}) b->resize(static_cast<std::size_t>(replica) * kv_token_elems());
   }
 
   T& transport_;
   AttentionShape shape_;
   CpAttentionOptions options_;
   Kernel kernel_;
+  Path path_;
   int groups_ = 0;  // stage groups of remote peers (0: one exchange, no overlap)
   detail::DispatchPlanner q_planner_, kv_planner_;  // their storage, kept between plans
   detail::DispatchPlan q_plan_, kv_plan_;
-  std::optional<KvWireDispatcher<T>> kv_wire_;
-  RankMetadata kv_rev_;
+  detail::WirePlanner wire_planner_;  // with dedup: the wire's plan, its reverse slice and fan list
+  detail::WirePlan wire_plan_;
+  RankMetadata wire_rev_, kv_rev_;
+  KvFanList fan_;
   RankAttentionLayout layout_;
-  AttentionMask mask_;
   std::vector<AttentionEntry> entries_;
+  std::vector<std::span<const AttentionEntry>> calls_;  // what the kernel is told to expect
   detail::StagePlan stage_plan_;
-  std::vector<std::size_t> fan_entries_, fan_entry_splits_, fan_fill_;  // with dedup: fan entries with several copies, round by round
-  detail::StagedExchange fwd_in_, dout_in_, q_out_, kv_out_;
-  std::vector<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_, replica_v_;
-  std::vector<E> out_part_;            // a pass's output (forward) or dq (backward)
-  std::vector<float> lse_, lse_part_;  // the merged log-sum-exp; a pass's
-  std::vector<float> acc_;             // the running fp32 output (forward) or dq (backward)
+  std::vector<KvFanList> round_fans_;                  // with dedup, per round: shards with several copies
+  std::vector<std::vector<detail::CopyPiece>> round_copies_;  // ... and their fan-out
+  std::vector<std::size_t> fan_out_ids_, fan_in_ids_;  // the path's lists, per round
+  std::size_t combine_id_ = 0;
+  Exchange fwd_in_, dout_in_, q_out_, kv_out_;
+  owned<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_, replica_v_;
+  owned<E> out_part_;            // a pass's output (forward) or dq (backward)
+  owned<float> lse_, lse_part_;  // the merged log-sum-exp; a pass's
+  owned<float> acc_;             // the running fp32 output (forward) or dq (backward)
   std::vector<Request> requests_, kv_requests_;
   bool forward_done_ = false;
+  bool planned_ = false;
 };
 
 }  // namespace cpdispatch

@@ -9,7 +9,8 @@
 //                   for bf16/fp16, rounding as cpdispatch::bfloat16/float16 do
 //   launch_fan_in   the deduplicated exchange's fan-in: per received KV shard,
 //                   the sum of its copies' gradients in fan-list order, with
-//                   the combine's arithmetic (its fan-out is launch_copy)
+//                   the combine's arithmetic (its fan-out is launch_copy);
+//                   in place too, each sum over its shard's first copy
 //
 // (The device sim's reduction kernel lives with the device sim, transports/device_sim.hpp.)
 //
@@ -216,14 +217,26 @@ __host__ __device__ __forceinline__ void accumulate(typename Traits::acc& a, typ
   else a = static_cast<typename Traits::acc>(a + Traits::load(x));
 }
 
+/// A copy's load: through the read-only cache where nothing in the kernel
+/// writes the copies (Copies::read_only), else a coherent one.
+template <bool ReadOnly, class T>
+__host__ __device__ __forceinline__ T load_copy(const T* p) {
+  if constexpr (ReadOnly) return load_once(p);
+  else return *p;
+}
+
 /// Lane `lane`'s share of summing n elements of the regions `copies.at(c)`,
 /// c = 0, 1, ..., copies.count() - 1, those with copies.included(c), in that
-/// order, into `out` (disjoint from them), with the combine's arithmetic.
-/// The combine and the fan-in differ only in where the copies are: 16-byte
-/// accesses when every region is congruent to `out` modulo 16.
+/// order, into `out`, with the combine's arithmetic. `out` is disjoint from
+/// the copies or (the fan-in in place) is copy 0 itself: each element of it
+/// is stored by the lane that loaded every copy of that element, after the
+/// loads, so no lane reads what another wrote. Not __restrict__ for that
+/// reason. The combine and the fan-in differ only in where the copies are:
+/// 16-byte accesses when every region is congruent to `out` modulo 16.
 template <ElementType E, class Copies>
-__host__ __device__ __forceinline__ void sum_copies(const Copies& copies, typename combine_element<E>::storage* __restrict__ out,
-                                                    std::uint64_t n, unsigned lane) {
+__host__ __device__ __forceinline__ void sum_copies(const Copies& copies, typename combine_element<E>::storage* out, std::uint64_t n,
+                                                    unsigned lane) {
+  constexpr bool read_only = Copies::read_only;
   using Traits = combine_element<E>;
   using T = typename Traits::storage;
   using A = typename Traits::acc;
@@ -232,7 +245,7 @@ __host__ __device__ __forceinline__ void sum_copies(const Copies& copies, typena
     bool first = true;
     for (std::uint64_t c = 0; c < copies.count(); ++c) {
       if (!copies.included(c)) continue;
-      accumulate<Traits>(a, load_once(copies.at(c) + i), first);
+      accumulate<Traits>(a, load_copy<read_only>(copies.at(c) + i), first);
       first = false;
     }
     out[i] = Traits::store(a);
@@ -262,7 +275,7 @@ CPDISPATCH_UNROLL
     for (std::uint64_t c = 0; c < copies.count(); ++c) {
       if (!copies.included(c)) continue;
       Vec x;
-      x.v = load_once(reinterpret_cast<const uint4*>(copies.at(c) + i));
+      x.v = load_copy<read_only>(reinterpret_cast<const uint4*>(copies.at(c) + i));
 CPDISPATCH_UNROLL
       for (unsigned k = 0; k < per_vec; ++k) accumulate<Traits>(a[k], x.e[k], first);
       first = false;
@@ -279,6 +292,7 @@ CPDISPATCH_UNROLL
 /// The combine's copies: copy c at in + c * slab, where mask[c] is set.
 template <class T>
 struct SlabCopies {
+  static constexpr bool read_only = true;  // the replica buffer, never grad
   const T* in;
   std::uint64_t slab;
   const std::uint8_t* mask;
@@ -291,6 +305,7 @@ struct SlabCopies {
 /// The fan-in's copies: copy c at base + at[c] + offset, every one.
 template <class T>
 struct ListedCopies {
+  static constexpr bool read_only = false;  // the fan-in may write its sums over copy 0
   const unsigned char* base;
   const std::uint64_t* offsets;
   std::uint64_t copies;
@@ -329,10 +344,13 @@ __global__ void __launch_bounds__(Warps * 32) combine_kernel(const unsigned char
 
 /// Warp w sums fan-in chunks w, w + (warps in the grid), ...: chunk k's
 /// entry has copies at attention + copy_at[splits[entry] ..
-/// splits[entry + 1]), and its sum goes to out + chunk.dst (a region of
-/// out disjoint from the attention buffer).
+/// splits[entry + 1]), and its sum goes to out + chunk.dst: a region
+/// disjoint from every copy, or the entry's first copy itself (in place,
+/// out == attention with wire offsets at first copies; see sum_copies).
+/// Hence attention and out are not __restrict__, nor read through the
+/// read-only cache.
 template <ElementType E, unsigned Warps>
-__global__ void __launch_bounds__(Warps * 32) fan_in_kernel(const unsigned char* __restrict__ attention, unsigned char* __restrict__ out,
+__global__ void __launch_bounds__(Warps * 32) fan_in_kernel(const unsigned char* attention, unsigned char* out,
                                                            const FanInChunk* __restrict__ chunks, std::uint64_t count,
                                                            const std::uint64_t* __restrict__ copy_at,
                                                            const std::uint64_t* __restrict__ splits) {

@@ -1,7 +1,7 @@
 #pragma once
 // Which parts of the attention layout the op attends in which round. Round 0
 // needs only this rank's own queries and key-values; round g + 1 needs what
-// the peers of stage group g send (staged_exchange.hpp). A part is an entry's
+// the peers of stage group g send (execute/staged_exchange.hpp). A part is an entry's
 // query rows against a run of its KV group's rows that all become available
 // in the same round; its `diagonal` is shifted so the mask stays the
 // document's. One kernel call may not see a query row twice, so a round's
@@ -13,7 +13,7 @@
 #include <span>
 #include <vector>
 
-#include "cpdispatch/attention/detail/staged_exchange.hpp"
+#include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"

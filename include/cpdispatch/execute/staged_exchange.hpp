@@ -1,0 +1,173 @@
+#pragma once
+// A staged exchange: one direction of the exchanges of several tensors
+// (Q, K, V forward; dK, dV backward; ...) that share one all-to-all per
+// stage, cut by peer into stage groups that are posted separately, so that
+// the caller computes on what has arrived while the rest travels.
+//
+// Peers are grouped by ring distance: the traffic of the pair (home rank h,
+// attention rank a) belongs to group (a - h mod W - 1) * G / (W - 1) of G
+// groups, in both directions, so every rank agrees on it without talking.
+// All tensors of one post share one staging region per peer: the first
+// tensor's bytes for that peer, then the second's, ... (each in its plan's
+// wire order), so a stage is ONE post of the transport.
+//
+// Memory is the data path's (cpdispatch/attention/data_path.hpp): the
+// staging is its buffer and the pack, unpack and traffic to oneself are
+// piece lists registered with it when the exchange is laid out (between the
+// path's clear() and commit()), run on its order (the device path's stream).
+// Storage is kept across plans: nothing is allocated while a plan fits what
+// an earlier one needed.
+
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "cpdispatch/execute/exchange_plan.hpp"
+#include "cpdispatch/transport.hpp"
+
+namespace cpdispatch::detail {
+
+/// One tensor of a staged exchange: its plan (one direction) and buffers.
+struct StagedTensor {
+  const ExchangePlan* plan = nullptr;
+  const std::byte* in = nullptr;
+  std::byte* out = nullptr;
+};
+
+/// The group of the pair (home rank h, attention rank a), h != a, among `groups` groups of W ranks.
+inline int stage_group(int home, int attention, int world_size, int groups) {
+  const int distance = ((attention - home) % world_size + world_size) % world_size;
+  return static_cast<int>(static_cast<long long>(distance - 1) * groups / (world_size - 1));
+}
+
+template <class Path>
+class StagedExchange {
+ public:
+  /// Lays out the exchange of `plans` (one direction; `forward`: this rank
+  /// sends as home rank) for rank `me` of `world_size` in `groups` stage
+  /// groups (0: one group, every peer), and registers its lists with `path`.
+  void lay_out(Path& path, std::span<const ExchangePlan* const> plans, int me, int world_size, int groups, bool forward) {
+    const auto W = static_cast<std::size_t>(world_size);
+    groups_ = std::max(groups, 1);
+    tensors_ = plans.size();
+    for (auto* v : {&send_at_, &recv_at_, &send_counts_, &recv_counts_}) v->assign(W, 0);
+    send_group_.assign(W, 0);
+    recv_group_.assign(W, 0);
+    std::size_t sent = 0, received = 0;
+    for (std::size_t p = 0; p < W; ++p) {
+      const int peer = static_cast<int>(p);
+      if (peer != me && groups > 0) {
+        send_group_[p] = forward ? stage_group(me, peer, world_size, groups) : stage_group(peer, me, world_size, groups);
+        recv_group_[p] = forward ? stage_group(peer, me, world_size, groups) : stage_group(me, peer, world_size, groups);
+      }
+      send_at_[p] = sent;
+      recv_at_[p] = received;
+      for (const ExchangePlan* plan : plans) {
+        send_counts_[p] += plan->send.counts[p];
+        recv_counts_[p] += plan->recv.counts[p];
+      }
+      sent += send_counts_[p];
+      received += recv_counts_[p];
+    }
+    grow(send_staging_, sent);
+    grow(recv_staging_, received);
+    counts_.assign(2 * W, 0);
+    register_lists(path, plans, me);
+  }
+
+  /// Staging for up to `send` and `recv` bytes, and room for `pieces` pieces in each list.
+  void reserve(std::size_t send, std::size_t recv, std::size_t pieces) {
+    grow(send_staging_, send);
+    grow(recv_staging_, recv);
+    for (std::vector<CopyPiece>& list : lists_) list.reserve(pieces);
+  }
+
+  /// Copies the traffic to this rank itself (no transport call).
+  void copy_self(Path& path, std::span<const StagedTensor> tensors) const {
+    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(self_ids_[t], tensors[t].in, tensors[t].out);
+  }
+
+  /// Packs group `group`'s peers and posts their exchange; over a transport
+  /// without posts the exchange completes here.
+  template <class T>
+  Request post(T& transport, Path& path, std::span<const StagedTensor> tensors, int group) {
+    const std::size_t W = send_at_.size();
+    std::span<std::size_t> send(counts_.data(), W), recv(counts_.data() + W, W);
+    for (std::size_t p = 0; p < W; ++p) {
+      send[p] = send_group_[p] == group ? send_counts_[p] : 0;
+      recv[p] = recv_group_[p] == group ? recv_counts_[p] : 0;
+    }
+    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(pack_ids_[index(group, t)], tensors[t].in, send_staging_.data());
+    if constexpr (PostedAllToAllTransport<T>) {
+      return transport.post_all_to_all_v(send_staging_.data(), send, send_at_, recv_staging_.data(), recv, recv_at_);
+    } else {
+      transport.all_to_all_v(send_staging_.data(), send, send_at_, recv_staging_.data(), recv, recv_at_);
+      return Request{};
+    }
+  }
+
+  template <class T>
+  static void wait(T& transport, Request request) {
+    if constexpr (PostedAllToAllTransport<T>) transport.wait(request);
+  }
+
+  /// After the wait: unpacks what group `group`'s peers sent.
+  void finish(Path& path, std::span<const StagedTensor> tensors, int group) {
+    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(unpack_ids_[index(group, t)], recv_staging_.data(), tensors[t].out);
+  }
+
+  int groups() const noexcept { return groups_; }
+
+ private:
+  std::size_t index(int group, std::size_t tensor) const noexcept { return static_cast<std::size_t>(group) * tensors_ + tensor; }
+
+  static void grow(typename Path::template buffer<std::byte>& b, std::size_t bytes) {
+    if (b.size() < bytes) b.resize(bytes);
+  }
+
+  /// Per group and tensor, the pack (input -> staging) and unpack (staging ->
+  /// output) of its peers' pieces; per tensor, its traffic to this rank.
+  void register_lists(Path& path, std::span<const ExchangePlan* const> plans, int me) {
+    const std::size_t W = send_at_.size(), n = static_cast<std::size_t>(groups_) * tensors_;
+    for (auto* v : {&pack_ids_, &unpack_ids_}) v->assign(n, 0);
+    self_ids_.assign(tensors_, 0);
+    if (lists_.size() < 2 * n) lists_.resize(2 * n);
+    for (std::size_t t = 0; t < tensors_; ++t) self_ids_[t] = path.add_copies(plans[t]->self);
+    for (int g = 0; g < groups_; ++g) {
+      for (std::size_t t = 0; t < tensors_; ++t) {
+        for (bool sending : {true, false}) {
+          std::vector<CopyPiece>& list = lists_[2 * index(g, t) + (sending ? 0 : 1)];
+          list.clear();
+          for (std::size_t p = 0; p < W; ++p) {
+            if (static_cast<int>(p) == me || (sending ? send_group_[p] : recv_group_[p]) != g) continue;
+            add_peer(list, plans, t, p, sending);
+          }
+          (sending ? pack_ids_ : unpack_ids_)[index(g, t)] = path.add_copies(list);
+        }
+      }
+    }
+  }
+
+  /// Peer p's pieces of tensor t, between the tensor's buffer and the peer's staging region.
+  void add_peer(std::vector<CopyPiece>& list, std::span<const ExchangePlan* const> plans, std::size_t t, std::size_t p, bool sending) {
+    std::size_t at = sending ? send_at_[p] : recv_at_[p];
+    for (std::size_t u = 0; u < t; ++u) at += sending ? plans[u]->send.counts[p] : plans[u]->recv.counts[p];
+    const Side& side = sending ? plans[t]->send : plans[t]->recv;
+    for (std::size_t i = side.splits[p]; i < side.splits[p + 1]; ++i) {
+      const BytePiece& piece = side.pieces[i];
+      if (sending) append_piece(list, piece.offset, at, piece.bytes); else append_piece(list, at, piece.offset, piece.bytes);
+      at += piece.bytes;
+    }
+  }
+
+  int groups_ = 1;
+  std::size_t tensors_ = 0;
+  std::vector<std::size_t> send_at_, recv_at_, send_counts_, recv_counts_, counts_;
+  std::vector<int> send_group_, recv_group_;
+  std::vector<std::size_t> pack_ids_, unpack_ids_, self_ids_;
+  std::vector<std::vector<CopyPiece>> lists_;  // per group and tensor: pack, unpack (the path refers to them)
+  typename Path::template buffer<std::byte> send_staging_, recv_staging_;
+};
+
+}  // namespace cpdispatch::detail
