@@ -10,8 +10,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/node_wire.hpp"
 #include "cpdispatch/float16.hpp"
@@ -66,6 +68,37 @@ TEST(NodeWireSim, RefusesAnotherRanksWireAndShortBuffers) {
     if (sizes.attention_bytes > 0) {  // checked before anything travels: both ranks throw, neither waits
       EXPECT_THROW(nw.forward(mlp, std::span<std::byte>(attn).first(sizes.attention_bytes - 1)), cpdispatch::capacity_error);
     }
+  });
+}
+
+// Each phase is an all_to_all_v even over a PieceTransport (the fault wrapper
+// of the sim has all_to_all_pieces), and a failed one is named with the call.
+TEST(NodeWireSim, TransportFailuresNameTheCallAndTheCollective) {
+  using cpdispatch::testing::FaultRule, cpdispatch::testing::TransportCall, cpdispatch::testing::Fault;
+  using Faulty = cpdispatch::testing::FaultInjectingTransport<cpdispatch::SimTransport>;
+  static_assert(cpdispatch::PieceTransport<Faulty>);
+  const node_test::Case c = node_test::cases(2, 2).front();
+  const node_test::Planned p(c);
+  cpdispatch::SimWorld world(2, cpdispatch::SimOptions{sim_test::hang_timeout});
+  world.run([&](cpdispatch::SimTransport& sim) {
+    // Every rank fails the first and the fourth all_to_all_v: forward's first step, reverse_combine's first.
+    Faulty t(sim, {FaultRule{TransportCall::all_to_all_v, 1, Fault::error, -1}, FaultRule{TransportCall::all_to_all_v, 4, Fault::error, -1}});
+    const auto r = static_cast<std::size_t>(t.rank());
+    cpdispatch::NodeWireDispatcher<Faulty> nw(t, p.wire.fan[r], p.node.ranks[r], 4);
+    const auto sizes = nw.required_bytes();
+    std::vector<std::byte> mlp(sizes.mlp_bytes), attn(sizes.attention_bytes), grad(sizes.mlp_bytes);
+    const auto fails = [&](const char* call, auto&& run) {
+      try {
+        run();
+        ADD_FAILURE() << call << " did not throw";
+      } catch (const cpdispatch::backend_error& e) {
+        const std::string want = std::string("NodeWireDispatcher::") + call + " (rank " + std::to_string(r) + " of 2): all_to_all_v failed: ";
+        EXPECT_EQ(std::string(e.what()).rfind(want, 0), 0u) << e.what();
+      }
+    };
+    fails("forward", [&] { nw.forward(mlp, attn); });
+    nw.forward(mlp, attn);  // the second and third all_to_all_v
+    fails("reverse_combine", [&] { nw.reverse_combine(attn, grad, cpdispatch::ElementType::int32); });
   });
 }
 

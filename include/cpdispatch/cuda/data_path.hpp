@@ -388,7 +388,7 @@ class node_path<cuda::DeviceDataPath> {
         lists_(stream_),
         attention_fan_in_(fan, token_bytes, stream_),
         relay_fan_in_(plan.relay_fan, token_bytes, stream_) {
-    for (std::size_t i = 0; i < NodeWirePlan::num_lists; ++i) lists_.add(i, plan.lists[i]);
+    for (std::size_t i = 0; i < NodeWirePlan::num_lists; ++i) lists_.add(i, plan.pieces(i));
     lists_.upload();
     arena_.allocate(plan.arena_bytes);
   }

@@ -12,14 +12,14 @@
 //
 // Each phase is one all_to_all_v over the whole world (a rank's peers in the
 // inside phase are on its node; in the between phase on other nodes), so any
-// AllToAllTransport serves, without sub-communicators. At construction every
-// phase is laid out as piece lists (NodeWirePlan) and the scratch (relay,
-// wire, gather and replica buffers and the phases' staging, one arena) is
-// allocated: calls do not allocate. Host transports run the lists with
-// memcpy; device transports (the device sim, NCCL: include
-// cpdispatch/cuda/data_path.hpp from a .cu file) with the device data path's
-// copy, fan-in and combine kernels on the transport's stream, the buffers in
-// device memory.
+// AllToAllTransport serves, without sub-communicators; run_exchange runs it,
+// as for the other dispatchers. At construction every phase is laid out
+// (NodeWirePlan) and the scratch (relay, wire, gather and replica buffers and
+// the phases' staging, one arena) is allocated: calls do not allocate. Host
+// transports run the lists with memcpy; device transports (the device sim,
+// NCCL: include cpdispatch/cuda/data_path.hpp from a .cu file) with the device
+// data path's copy, fan-in and combine kernels on the transport's stream, the
+// buffers in device memory.
 // The attention layout is byte-identical to KvWireDispatcher's (and the
 // section 2 Dispatcher's); gradients equal theirs exactly for integers and up
 // to the documented reassociation for floating types, and are reproducible.
@@ -40,6 +40,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/detail/run_exchange.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
@@ -56,27 +57,35 @@ struct NodeWireBufferSizes {
 
 namespace detail {
 
-/// One rank's node-level exchange as piece lists, laid out once. Every
-/// scratch buffer is a token-aligned region of one arena (relay, wire,
-/// gather, replica, then the send and receive staging), so each list reads
-/// one buffer (the caller's or the arena) and writes one.
+/// One rank's node-level exchange, laid out once. Each step is an exchange
+/// over the arena (input, output and, at staging_at, staging of
+/// run_exchange) plus the pieces a forward step reads from the caller's
+/// input: packed into the staging before the exchange, copied to itself
+/// after. Every scratch buffer is a token-aligned region of one arena (relay,
+/// wire, gather, replica, then the staging), so each list reads one buffer
+/// (the caller's or the arena) and writes one.
 struct NodeWirePlan {
-  /// One all_to_all_v and its copies: pack into the send staging, unpack
-  /// from the receive staging, and the traffic to itself. Counts and
-  /// displacements are bytes relative to each staging.
-  struct Phase {
-    std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;
-  };
   enum Step : std::size_t { between_forward, inside_forward, inside_reverse, between_reverse, steps };
-  enum List : std::size_t { pack_input, pack_arena, unpack, self_input, self_arena, lists_per_step };
+  /// A step's lists: its exchange's by Stage (pack, self, unpack), then the input's pack and self.
+  enum List : std::size_t { pack_input = 3, self_input, lists_per_step };
   static constexpr std::size_t fan_out = std::size_t{steps} * std::size_t{lists_per_step};  ///< arena (wire) -> attention layout
   static constexpr std::size_t num_lists = fan_out + 1;
-  static constexpr std::size_t list(Step step, List l) noexcept { return std::size_t{step} * std::size_t{lists_per_step} + std::size_t{l}; }
+  static constexpr std::size_t list(Step step, std::size_t l) noexcept { return std::size_t{step} * std::size_t{lists_per_step} + l; }
 
-  std::array<Phase, steps> phases;
-  std::array<std::vector<CopyPiece>, num_lists> lists;
+  /// The exchange (arena -> arena, never direct, no piece lists); the input's pack (-> staging) and self (-> arena).
+  struct StepPlan { ExchangePlan exchange; std::vector<CopyPiece> pack_input, self_input; };
+  std::array<StepPlan, steps> step;
+  std::vector<CopyPiece> fan_out_pieces;
   KvFanList relay_fan;  ///< each relayed shard's own wire gradient and its node's gathered ones, arena -> arena
-  std::size_t relay_at = 0, wire_at = 0, gather_at = 0, replica_at = 0, send_at = 0, recv_at = 0, arena_bytes = 0;
+  std::size_t relay_at = 0, wire_at = 0, gather_at = 0, replica_at = 0, staging_at = 0, arena_bytes = 0;
+
+  /// The pieces of list i, for a data path that prepares every list.
+  const std::vector<CopyPiece>& pieces(std::size_t i) const noexcept {
+    if (i == fan_out) return fan_out_pieces;
+    const StepPlan& s = step[i / lists_per_step];
+    const std::vector<CopyPiece>* by_list[] = {&s.exchange.send.copies, &s.exchange.self, &s.exchange.recv.copies, &s.pack_input, &s.self_input};
+    return *by_list[i % lists_per_step];
+  }
 };
 
 /// Where a piece is read: the caller's buffer (`input`) or the arena, at `offset` bytes.
@@ -85,49 +94,41 @@ struct NodeSource {
   std::size_t offset;
 };
 
-/// The lists of one step. `out` pieces are packed per peer from source(piece),
-/// `in` pieces unpacked per peer into the arena at target(piece). Reverse,
-/// pieces with rev_offset -1 (a relay's own copy) do not travel.
+/// One step: `out` pieces are sent per peer from source(piece), `in` pieces
+/// received per peer into the arena at target(piece). Reverse, pieces with
+/// rev_offset -1 (a relay's own copy) do not travel.
 template <class Source, class Target>
-void lay_out_node_step(NodeWirePlan& plan, NodeWirePlan::Step step, const std::vector<NodePiece>& out, const std::vector<std::size_t>& out_splits,
+void lay_out_node_step(NodeWirePlan::StepPlan& st, const std::vector<NodePiece>& out, const std::vector<std::size_t>& out_splits,
                        const std::vector<NodePiece>& in, const std::vector<std::size_t>& in_splits, bool forward, std::size_t tb, std::size_t me,
                        Source source, Target target) {
-  using P = NodeWirePlan;
   const std::size_t W = out_splits.size() - 1;
   const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
   const auto travels = [forward](const NodePiece& p) { return forward || p.rev_offset >= 0; };
-  const auto add = [&](P::List l, bool input, std::size_t src, std::size_t dst, std::size_t n) {
-    const P::List which = l == P::pack_input || l == P::self_input ? (input ? l : static_cast<P::List>(l + 1)) : l;
-    append_piece(plan.lists[P::list(step, which)], src, dst, n);
+  ExchangePlan& ex = st.exchange;
+  // A piece read from the caller's input joins the input's list, one read from the arena the exchange's.
+  const auto add = [&](std::vector<CopyPiece>& arena_list, std::vector<CopyPiece>& input_list, const NodePiece& p, std::size_t dst) {
+    const NodeSource from = source(p);
+    append_piece(from.input ? input_list : arena_list, from.offset, dst, bytes(p.len));
   };
-  P::Phase& ph = plan.phases[step];
-  for (auto* v : {&ph.send_counts, &ph.send_displs, &ph.recv_counts, &ph.recv_displs}) v->assign(W, 0);
-  std::size_t at = 0;
-  for (std::size_t peer = 0; peer < W; ++peer) {
-    ph.send_displs[peer] = at;
-    for (std::size_t i = out_splits[peer]; i < out_splits[peer + 1] && peer != me; ++i) {
-      if (!travels(out[i])) continue;
-      const NodeSource from = source(out[i]);
-      add(P::pack_input, from.input, from.offset, plan.send_at + at, bytes(out[i].len));
-      at += bytes(out[i].len);
+  // Peer by peer through the staging (pieces from several buffers are never direct); itself apart.
+  const auto lay_out = [&](Side& side, const std::vector<NodePiece>& pieces, const std::vector<std::size_t>& splits, auto&& place) {
+    side.direct = false;
+    for (auto* v : {&side.counts, &side.displs}) v->assign(W, 0);
+    for (std::size_t peer = 0; peer < W; ++peer) {
+      side.displs[peer] = side.staging;
+      for (std::size_t i = splits[peer]; i < splits[peer + 1] && peer != me; ++i) {
+        if (!travels(pieces[i])) continue;
+        place(pieces[i], side.staging);
+        side.staging += bytes(pieces[i].len);
+      }
+      side.counts[peer] = side.staging - side.displs[peer];
     }
-    ph.send_counts[peer] = at - ph.send_displs[peer];
-  }
-  at = 0;
-  for (std::size_t peer = 0; peer < W; ++peer) {
-    ph.recv_displs[peer] = at;
-    for (std::size_t i = in_splits[peer]; i < in_splits[peer + 1] && peer != me; ++i) {
-      if (!travels(in[i])) continue;
-      add(P::unpack, false, plan.recv_at + at, target(in[i]), bytes(in[i].len));
-      at += bytes(in[i].len);
-    }
-    ph.recv_counts[peer] = at - ph.recv_displs[peer];
-  }
+  };
+  lay_out(ex.send, out, out_splits, [&](const NodePiece& p, std::size_t at) { add(ex.send.copies, st.pack_input, p, at); });
+  lay_out(ex.recv, in, in_splits, [&](const NodePiece& p, std::size_t at) { append_piece(ex.recv.copies, at, target(p), bytes(p.len)); });
   // The traffic to itself: its own pieces, in the same order on both sides.
   for (std::size_t i = out_splits[me], j = in_splits[me]; i < out_splits[me + 1]; ++i, ++j) {
-    if (!travels(out[i])) continue;
-    const NodeSource from = source(out[i]);
-    add(P::self_input, from.input, from.offset, target(in[j]), bytes(out[i].len));
+    if (travels(out[i])) add(ex.self, st.self_input, out[i], target(in[j]));
   }
 }
 
@@ -135,38 +136,30 @@ void lay_out_node_step(NodeWirePlan& plan, NodeWirePlan::Step step, const std::v
 inline NodeWirePlan plan_node_steps(const KvFanList& fan, const RankNodeWire& node, std::size_t tb, std::size_t me) {
   NodeWirePlan plan;
   const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
-  std::int64_t most = 0;  // tokens of the busiest side of any phase
-  for (const NodePhase* p : {&node.between, &node.inside}) {
-    for (const std::vector<NodePiece>* side : {&p->send, &p->recv}) {
-      std::int64_t t = 0;
-      for (const NodePiece& piece : *side) t += piece.len;
-      most = std::max(most, t);
-    }
-  }
   plan.wire_at = plan.relay_at + bytes(node.relay_tokens);
   plan.gather_at = plan.wire_at + bytes(node.wire_tokens);
   plan.replica_at = plan.gather_at + bytes(node.gather_tokens);
-  plan.send_at = plan.replica_at + bytes(node.num_copies * node.mlp_tokens);
-  plan.recv_at = plan.send_at + bytes(most);
-  plan.arena_bytes = plan.recv_at + bytes(most);
+  // 256-byte aligned, as run_exchange aligns the receive staging within it.
+  plan.staging_at = (plan.replica_at + bytes(node.num_copies * node.mlp_tokens) + 255) / 256 * 256;
   using P = NodeWirePlan;
   const NodePhase &between = node.between, &inside = node.inside;
-  lay_out_node_step(plan, P::between_forward, between.send, between.send_splits, between.recv, between.recv_splits, true, tb, me,
+  lay_out_node_step(plan.step[P::between_forward], between.send, between.send_splits, between.recv, between.recv_splits, true, tb, me,
                     [&](const NodePiece& p) { return NodeSource{true, bytes(p.fwd_offset)}; },
                     [&](const NodePiece& p) { return plan.relay_at + bytes(p.fwd_offset); });
-  lay_out_node_step(plan, P::inside_forward, inside.send, inside.send_splits, inside.recv, inside.recv_splits, true, tb, me,
+  lay_out_node_step(plan.step[P::inside_forward], inside.send, inside.send_splits, inside.recv, inside.recv_splits, true, tb, me,
                     [&](const NodePiece& p) { return p.from_relay ? NodeSource{false, plan.relay_at + bytes(p.fwd_offset)} : NodeSource{true, bytes(p.fwd_offset)}; },
                     [&](const NodePiece& p) { return plan.wire_at + bytes(p.fwd_offset); });
   // Reverse, what each rank received goes back to its sender.
-  lay_out_node_step(plan, P::inside_reverse, inside.recv, inside.recv_splits, inside.send, inside.send_splits, false, tb, me,
+  lay_out_node_step(plan.step[P::inside_reverse], inside.recv, inside.recv_splits, inside.send, inside.send_splits, false, tb, me,
                     [&](const NodePiece& p) { return NodeSource{false, plan.wire_at + bytes(p.rev_offset)}; },
                     [&](const NodePiece& p) { return (p.from_relay ? plan.gather_at : plan.replica_at) + bytes(p.rev_offset); });
-  lay_out_node_step(plan, P::between_reverse, between.recv, between.recv_splits, between.send, between.send_splits, false, tb, me,
+  lay_out_node_step(plan.step[P::between_reverse], between.recv, between.recv_splits, between.send, between.send_splits, false, tb, me,
                     [&](const NodePiece& p) { return NodeSource{false, plan.relay_at + bytes(p.rev_offset)}; },
                     [&](const NodePiece& p) { return plan.replica_at + bytes(p.rev_offset); });
+  for (const P::StepPlan& s : plan.step) plan.arena_bytes = std::max(plan.arena_bytes, plan.staging_at + s.exchange.staging_bytes());
   for (std::size_t e = 0; e < fan.num_entries(); ++e) {
     for (std::size_t i = fan.copy_splits[e]; i < fan.copy_splits[e + 1]; ++i) {
-      append_piece(plan.lists[P::fan_out], plan.wire_at + bytes(fan.wire_offset[e]), bytes(fan.attn_offset[i]), bytes(fan.seq_len[e]));
+      append_piece(plan.fan_out_pieces, plan.wire_at + bytes(fan.wire_offset[e]), bytes(fan.attn_offset[i]), bytes(fan.seq_len[e]));
     }
   }
   // Relay sums as a fan list over the arena (offsets in tokens: every region is token-aligned).
@@ -315,26 +308,24 @@ class NodeWireDispatcher {
     }
   }
 
-  void copy(std::size_t list, const std::byte* src, std::byte* dst) { path_.copy(list, plan_.lists[list], src, dst); }
+  void copy(std::size_t list, const std::byte* src, std::byte* dst) { path_.copy(list, plan_.pieces(list), src, dst); }
 
-  /// One step: pack, one all_to_all_v (none when alone), unpack, then the traffic to itself.
-  /// `input` is the caller's buffer the step reads besides the arena (none in reverse).
-  void step(const char* call, Plan::Step s, const std::byte* input) {
-    const Plan::Phase& ph = plan_.phases[s];
-    std::byte* arena = path_.arena();
-    copy(Plan::list(s, Plan::pack_input), input, arena);
-    copy(Plan::list(s, Plan::pack_arena), arena, arena);
-    try {
-      if (transport_.world_size() > 1) {
-        transport_.all_to_all_v(arena + plan_.send_at, ph.send_counts, ph.send_displs, arena + plan_.recv_at, ph.recv_counts, ph.recv_displs);
-      }
-    } catch (...) {
-      detail::rethrow_with_context(detail::concat("NodeWireDispatcher::", call, " (rank ", transport_.rank(), " of ", transport_.world_size(),
-                                                  "): all_to_all_v failed: "));
+  /// The node path as run_exchange's data path: a step and a stage name the list.
+  struct StepPath {
+    path& p;
+    void copy(Plan::Step s, detail::Stage stage, std::span<const detail::CopyPiece> pieces, const std::byte* src, std::byte* dst) const {
+      p.copy(Plan::list(s, static_cast<std::size_t>(stage)), pieces, src, dst);
     }
-    copy(Plan::list(s, Plan::unpack), arena, arena);
+  };
+
+  /// One step: the input's pieces into the staging, the exchange over the arena (all_to_all_v even over a
+  /// PieceTransport: the sends read two buffers), the input's traffic to itself. `input`: none in reverse.
+  void step(const char* call, Plan::Step s, const std::byte* input) {
+    std::byte* arena = path_.arena();
+    copy(Plan::list(s, Plan::pack_input), input, arena + plan_.staging_at);
+    StepPath lists{path_};
+    detail::run_exchange<false>(transport_, lists, s, plan_.step[s].exchange, arena, arena, arena + plan_.staging_at, {"NodeWireDispatcher", call});
     copy(Plan::list(s, Plan::self_input), input, arena);
-    copy(Plan::list(s, Plan::self_arena), arena, arena);
   }
 
   T& transport_;
