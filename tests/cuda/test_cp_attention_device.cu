@@ -242,18 +242,6 @@ TEST(CpAttentionDeviceReplan, EveryStepEqualsWholeDocumentAttention) {
 // Stream ordering, checked by the cuda-cpu harness: its scheduler runs the
 // compute and communication streams' work in the order its seed picks.
 
-/// Restores the harness's scheduler seed when a test that reseeds ends.
-class SeedGuard {
- public:
-  SeedGuard() : seed_(cuda_harness::seed()) {}
-  SeedGuard(const SeedGuard&) = delete;
-  SeedGuard& operator=(const SeedGuard&) = delete;
-  ~SeedGuard() { cuda_harness::set_seed(seed_); }
-
- private:
-  std::uint64_t seed_;
-};
-
 /// A deliberately broken device transport: its wait() does not order the
 /// compute stream after the exchange (the request is retired only at the
 /// end of the step), so the op reads a stage's buffers before they land.
@@ -311,7 +299,7 @@ bool step_is_exact(const CpWorld& world, const AttentionShape& shape) {
 }
 
 TEST(CpAttentionDeviceStreams, ReadingAStageBeforeItsWaitIsCaughtAndTheOpIsExactUnderEverySeed) {
-  const SeedGuard restore;
+  const cuda_harness::SeedGuard restore;
   const AttentionShape shape{2, 1, 4, 0.4f};
   const CpWorld world(plan_of(3, 81, AttentionMask::causal(), false), shape, AttentionMask::causal(), 81, attention_test::round_to<float>);
   int caught = 0;

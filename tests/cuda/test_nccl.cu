@@ -29,6 +29,7 @@
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/nccl.hpp"
+#include "all_to_all_case.hpp"
 #include "cuda_test_util.hpp"
 #include "dispatch_helpers.hpp"
 
@@ -297,37 +298,7 @@ TEST(NcclTransportFailure, AFailingRankEndsTheRunWithoutTouchingOtherRanksCommun
 
 // ---- posted exchanges ----------------------------------------------------------
 
-/// An all-to-all of `chunk` bytes from every rank to every rank (itself too),
-/// each rank's send buffer a pattern of its own.
-struct AllToAllCase {
-  int W;
-  std::size_t chunk;
-  std::uint64_t salt;
-  std::vector<std::size_t> counts, displs;
-
-  AllToAllCase(int w, std::size_t c, std::uint64_t s) : W(w), chunk(c), salt(s) {
-    for (int p = 0; p < W; ++p) {
-      counts.push_back(chunk);
-      displs.push_back(static_cast<std::size_t>(p) * chunk);
-    }
-  }
-  std::size_t bytes() const { return static_cast<std::size_t>(W) * chunk; }
-  Bytes send(int r) const { return cptest::pattern(bytes(), salt * 64 + static_cast<std::uint64_t>(r)); }
-  Bytes expected(int r) const {
-    Bytes out(bytes());
-    const auto at = static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r) * chunk);
-    for (int p = 0; p < W; ++p) {
-      const Bytes from = send(p);
-      std::copy(from.begin() + at, from.begin() + at + static_cast<std::ptrdiff_t>(chunk),
-                out.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(p) * chunk));
-    }
-    return out;
-  }
-  /// Posts rank t's share; send and recv are its device buffers.
-  cpdispatch::Request post(NcclTransport& t, const DeviceBytesBuffer& send, const DeviceBytesBuffer& recv) const {
-    return t.post_all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs);
-  }
-};
+using cptest::AllToAllCase;
 
 /// The bytes of `n` floats equal to `value`.
 Bytes floats_of(std::size_t n, float value) {

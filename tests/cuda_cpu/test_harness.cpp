@@ -77,18 +77,6 @@ TEST(HarnessStreams, AMissingEventWaitShowsUnderSomeOrderAndAPresentOneNever) {
   EXPECT_EQ(stale_reads(true, 64), 0);
 }
 
-/// Restores the process's scheduler seed when a test that reseeds ends.
-class SeedGuard {
- public:
-  SeedGuard() : seed_(cuda_harness::seed()) {}
-  SeedGuard(const SeedGuard&) = delete;
-  SeedGuard& operator=(const SeedGuard&) = delete;
-  ~SeedGuard() { cuda_harness::set_seed(seed_); }
-
- private:
-  std::uint64_t seed_;
-};
-
 /// Three stamps on stream a and three on stream b (b after a's second one
 /// when `wait`); the order they ran in, slots 1..6.
 std::vector<unsigned char> stamps(std::uint64_t seed, bool wait) {
@@ -110,7 +98,7 @@ std::vector<unsigned char> stamps(std::uint64_t seed, bool wait) {
 }
 
 TEST(HarnessStreams, TwoStreamsInterleaveAsTheSeedChoosesAndEventsAreHonoured) {
-  const SeedGuard guard;
+  const cuda_harness::SeedGuard guard;
   int a_first = 0, b_first = 0;
   for (std::uint64_t seed = 1; seed <= 32; ++seed) {
     const auto free = stamps(seed, false);
@@ -391,7 +379,7 @@ int exchange_on_side_streams(bool events) {
 }
 
 TEST(HarnessNccl, GroupedSendsAndReceivesOnSideStreamsFollowTheirEvents) {
-  const SeedGuard guard;
+  const cuda_harness::SeedGuard guard;
   int wrong_without = 0;
   for (std::uint64_t seed = 1; seed <= 24; ++seed) {
     cuda_harness::set_seed(seed);
@@ -430,7 +418,7 @@ bool two_streams_on_one_communicator(bool ordered) {
 }
 
 TEST(HarnessNccl, RanksReachingACommunicatorsOperationsInDifferentOrdersDeadlock) {
-  const SeedGuard guard;
+  const cuda_harness::SeedGuard guard;
   cuda_harness::set_stall_limit(std::chrono::milliseconds(100));
   int stalls = 0;
   for (std::uint64_t seed = 1; seed <= 16; ++seed) {

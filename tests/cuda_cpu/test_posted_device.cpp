@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpdispatch/transports/device_sim.hpp"
+#include "all_to_all_case.hpp"
 #include "cuda_test_util.hpp"
 #include "dispatch_helpers.hpp"
 
@@ -27,62 +28,14 @@ using cpdispatch::Request;
 using cptest::Bytes;
 using Buffer = cpdispatch::cuda::DeviceBuffer<std::byte>;
 
-/// `chunk` bytes from every rank to every rank (itself too), each rank's send buffer a pattern of its own.
-struct AllToAllCase {
-  int W;
-  std::size_t chunk;
-  std::uint64_t salt;
-  std::vector<std::size_t> counts, displs;
-
-  AllToAllCase(int w, std::size_t c, std::uint64_t s) : W(w), chunk(c), salt(s) {
-    for (int p = 0; p < W; ++p) {
-      counts.push_back(chunk);
-      displs.push_back(static_cast<std::size_t>(p) * chunk);
-    }
-  }
-  std::size_t bytes() const { return static_cast<std::size_t>(W) * chunk; }
-  Bytes send(int r) const { return cptest::pattern(bytes(), salt * 64 + static_cast<std::uint64_t>(r)); }
-  Bytes expected(int r) const {
-    Bytes out(bytes());
-    for (int p = 0; p < W; ++p) {
-      std::memcpy(out.data() + static_cast<std::size_t>(p) * chunk, send(p).data() + static_cast<std::size_t>(r) * chunk, chunk);
-    }
-    return out;
-  }
-  /// Per rank: its send buffer (uploaded) and a receive buffer of 0xA5.
-  std::vector<Buffer> sends() const {
-    std::vector<Buffer> out;
-    for (int r = 0; r < W; ++r) out.push_back(cptest::to_device(send(r)));
-    return out;
-  }
-  std::vector<Buffer> receives() const {
-    std::vector<Buffer> out;
-    for (int r = 0; r < W; ++r) out.push_back(cptest::to_device(Bytes(bytes(), std::byte{0xA5})));
-    return out;
-  }
-  Request post(DeviceSimTransport& t, const Buffer& send, const Buffer& recv) const {
-    return t.post_all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs);
-  }
-};
-
-/// Restores the process's scheduler seed when a test that reseeds ends.
-class SeedGuard {
- public:
-  SeedGuard() : seed_(cuda_harness::seed()) {}
-  SeedGuard(const SeedGuard&) = delete;
-  SeedGuard& operator=(const SeedGuard&) = delete;
-  ~SeedGuard() { cuda_harness::set_seed(seed_); }
-
- private:
-  std::uint64_t seed_;
-};
+using cptest::AllToAllCase;
 
 Bytes host(const Buffer& b) { return cptest::to_host(b.data(), b.size()); }
 
 constexpr int W = 3;
 
 TEST(DeviceSimPosted, TheStreamComputesWhileTheExchangeTravelsAndWaitOrdersItsReads) {
-  const SeedGuard guard;
+  const cuda_harness::SeedGuard guard;
   DeviceSimWorld world(W);
   for (std::uint64_t seed = 1; seed <= 12; ++seed) {
     SCOPED_TRACE("seed " + std::to_string(seed));
@@ -134,7 +87,7 @@ TEST(DeviceSimPosted, EachRequestIsWaitedForOnce) {
 }
 
 TEST(DeviceSimPosted, ReadingTheReceiveBufferBeforeTheWaitIsCaughtUnderSomeSeed) {
-  const SeedGuard guard;
+  const cuda_harness::SeedGuard guard;
   DeviceSimWorld world(W);
   int stale = 0;
   for (std::uint64_t seed = 1; seed <= 24; ++seed) {
@@ -168,7 +121,7 @@ Bytes floats_of(std::size_t n, float value) {
 }
 
 TEST(DeviceSimPosted, CollectivesCalledBeforeTheWaitLeaveTheExchangeIntact) {
-  const SeedGuard guard;
+  const cuda_harness::SeedGuard guard;
   DeviceSimWorld world(W);
   for (std::uint64_t seed = 1; seed <= 8; ++seed) {
     SCOPED_TRACE("seed " + std::to_string(seed));

@@ -446,6 +446,18 @@ inline void set_seed(std::uint64_t seed) {
   rt.rng.seed(seed);
 }
 
+/// Restores the scheduler's seed when a scope that reseeds ends.
+class SeedGuard {
+ public:
+  SeedGuard() : seed_(seed()) {}
+  SeedGuard(const SeedGuard&) = delete;
+  SeedGuard& operator=(const SeedGuard&) = delete;
+  ~SeedGuard() { set_seed(seed_); }
+
+ private:
+  std::uint64_t seed_;
+};
+
 /// Events created so far (cudaEventCreate*), by every thread.
 inline std::size_t events_created() {
   Runtime& rt = Runtime::get();
