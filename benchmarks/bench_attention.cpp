@@ -147,9 +147,10 @@ Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double 
   const auto q = fill(nq), k = fill(nk), v = fill(nk), dout = fill(nq);
   std::vector<E> out(nq), dq(nq), dk(nk), dv(nk);
   std::vector<float> lse(static_cast<std::size_t>(c.tokens * c.heads_q));
-  const std::vector<cpdispatch::AttentionEntry> entries{{0, c.tokens, 0, c.tokens, 0}};
-  auto forward = [&] { kernel.forward<E>(shape, c.mask, entries, q, k, v, out, lse); };
-  auto backward = [&] { kernel.backward<E>(shape, c.mask, entries, q, k, v, out, lse, dout, dq, dk, dv); };
+  const std::int64_t cu[] = {0, c.tokens};
+  const std::vector<cpdispatch::AttentionEntry> entries = cpdispatch::layout_entries(cu, cu, c.mask);
+  auto forward = [&] { kernel.forward<E>(shape, entries, q, k, v, out, lse); };
+  auto backward = [&] { kernel.backward<E>(shape, entries, q, k, v, out, lse, dout, dq, dk, dv); };
   const double f = median_seconds(budget / 2, forward);  // also leaves out and lse for backward
   const double b = median_seconds(budget / 2, backward);
   return {f, b};

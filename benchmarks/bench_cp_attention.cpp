@@ -87,11 +87,11 @@ std::vector<std::int64_t> sample(const std::string& name) {
 }
 
 /// Causal token pairs of a batch (what every method attends in all).
-double causal_pairs(const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs) {
+double causal_pairs(const std::vector<cpdispatch::BalanceDocument>& docs) {
   double pairs = 0;
   for (const auto& d : docs) {
     double L = 0;
-    for (const auto& p : d) L += static_cast<double>(p.len);
+    for (const auto& p : d.pieces) L += static_cast<double>(p.len);
     pairs += L * (L + 1) / 2;
   }
   return pairs;
@@ -130,11 +130,11 @@ double imbalance(const std::vector<double>& work) {
 }
 
 /// Causal pairs per rank of the zig-zag layout: rank r holds chunks r and 2W-1-r of every document, padded to 2W chunks.
-std::vector<double> zigzag_pairs(const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, int W) {
+std::vector<double> zigzag_pairs(const std::vector<cpdispatch::BalanceDocument>& docs, int W) {
   std::vector<double> pairs(static_cast<std::size_t>(W));
   for (const auto& d : docs) {
     double L = 0;
-    for (const auto& p : d) L += static_cast<double>(p.len);
+    for (const auto& p : d.pieces) L += static_cast<double>(p.len);
     const double ch = std::ceil(L / (2.0 * W));
     for (int r = 0; r < W; ++r) {
       for (const int chunk : {r, 2 * W - 1 - r}) pairs[static_cast<std::size_t>(r)] += ch * ch * chunk + ch * (ch + 1) / 2;
@@ -171,15 +171,15 @@ Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const 
 /// Ulysses: all-to-all from sequence to heads (every rank gets every token of heads_q / W heads), attention
 /// over whole documents, all-to-all back; backward the same with the gradients.
 template <class Kernel>
-Step ulysses_step(const Config& c, const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, const cpdispatch::LinkModel& link) {
+Step ulysses_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link) {
   const auto W = static_cast<std::size_t>(c.world);
   const std::int64_t hg = c.heads / c.world, D = c.head_dim, T = c.tokens, total = T * c.world;
   std::vector<cpdispatch::AttentionEntry> entries;
   std::int64_t at = 0;
   for (const auto& d : docs) {
     std::int64_t L = 0;
-    for (const auto& p : d) L += p.len;
-    entries.push_back({at, L, at, L, 0});
+    for (const auto& p : d.pieces) L += p.len;
+    entries.push_back({at, L, at, L, cpdispatch::AttentionMask::causal().band()});  // a whole document, bottom-right
     at += L;
   }
   const cpdispatch::AttentionShape shape{hg, hg, D, 0.125f};
@@ -211,11 +211,11 @@ Step ulysses_step(const Config& c, const std::vector<std::vector<cpdispatch::Doc
     };
     time([&] {
       to_heads(x, q), to_heads(x, k), to_heads(x, v);
-      kernel.forward(shape, cpdispatch::AttentionMask::causal(), std::span<const cpdispatch::AttentionEntry>(entries), std::span<const float>(q),
+      kernel.forward(shape, std::span<const cpdispatch::AttentionEntry>(entries), std::span<const float>(q),
                      std::span<const float>(k), std::span<const float>(v), std::span<float>(out), std::span<float>(lse));
       to_sequence(out, y);
       to_heads(y, dout);
-      kernel.backward(shape, cpdispatch::AttentionMask::causal(), std::span<const cpdispatch::AttentionEntry>(entries), std::span<const float>(q),
+      kernel.backward(shape, std::span<const cpdispatch::AttentionEntry>(entries), std::span<const float>(q),
                       std::span<const float>(k), std::span<const float>(v), std::span<const float>(out), std::span<const float>(lse),
                       std::span<const float>(dout), std::span<float>(dq), std::span<float>(dk), std::span<float>(dv));
       to_sequence(dq, y), to_sequence(dk, y), to_sequence(dv, y);
@@ -228,14 +228,14 @@ Step ulysses_step(const Config& c, const std::vector<std::vector<cpdispatch::Doc
 /// pass the key-value blocks on (isend / irecv, overlapped with the step's attention), partial outputs merged by
 /// log-sum-exp; backward passes the key-values and their gradients around the ring once more.
 template <class Kernel>
-Step ring_step(const Config& c, const std::vector<std::vector<cpdispatch::DocumentPiece>>& docs, const cpdispatch::LinkModel& link) {
+Step ring_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link) {
   const int W = c.world;
   const std::int64_t H = c.heads, D = c.head_dim;
   std::vector<std::int64_t> chunk;  // chunk length of each document
   std::int64_t local = 0;          // tokens per rank: two chunks of every document
   for (const auto& d : docs) {
     std::int64_t L = 0;
-    for (const auto& p : d) L += p.len;
+    for (const auto& p : d.pieces) L += p.len;
     chunk.push_back((L + 2 * W - 1) / (2 * W));
     local += 2 * chunk.back();
   }
@@ -250,13 +250,15 @@ Step ring_step(const Config& c, const std::vector<std::vector<cpdispatch::Docume
     // The block held now (its buffer changes at every swap).
     const auto k = [&] { return std::span<const float>(kv_cur.data(), n); };
     const auto v = [&] { return std::span<const float>(kv_cur.data() + n, n); };
-    // The entries of Q chunk a (0: chunk r, 1: chunk 2W-1-r) against block chunk b of the rank `src`.
+    // The entries of Q chunk a (0: chunk r, 1: chunk 2W-1-r) against block chunk b of the rank `src`: causal
+    // in document positions, where the query chunk starts (qa - kb) * ch after the key chunk, so the band on
+    // buffer rows is t - j <= (qa - kb) * ch + (b - a) * ch.
     const auto entries_of = [&](int src, int a, int b, std::vector<cpdispatch::AttentionEntry>& e) {
       e.clear();
       std::int64_t at = 0;
       const int qa = a == 0 ? r : 2 * W - 1 - r, kb = b == 0 ? src : 2 * W - 1 - src;
       for (const std::int64_t ch : chunk) {
-        if (kb <= qa) e.push_back({at + a * ch, ch, at + b * ch, ch, (qa - kb) * ch});
+        if (kb <= qa) e.push_back({at + a * ch, ch, at + b * ch, ch, {cpdispatch::Band::unbounded_lo, (qa - kb + b - a) * ch}});
         at += 2 * ch;
       }
     };
@@ -275,7 +277,7 @@ Step ring_step(const Config& c, const std::vector<std::vector<cpdispatch::Docume
         for (int a = 0; a < 2; ++a)
           for (int b = 0; b < 2; ++b) {
             entries_of(src, a, b, e);
-            kernel.forward(shape, cpdispatch::AttentionMask::causal(), std::span<const cpdispatch::AttentionEntry>(e), std::span<const float>(q), k(), v(),
+            kernel.forward(shape, std::span<const cpdispatch::AttentionEntry>(e), std::span<const float>(q), k(), v(),
                            std::span<float>(part), std::span<float>(lse_part));
             for (const auto& x : e)
               cpdispatch::detail::merge_partial<float>(acc, lse, std::span<const float>(part), lse_part, local, H, D, x.q_start, x.q_start + x.q_len);
@@ -301,7 +303,7 @@ Step ring_step(const Config& c, const std::vector<std::vector<cpdispatch::Docume
         for (int a = 0; a < 2; ++a)
           for (int b = 0; b < 2; ++b) {
             entries_of(src, a, b, e);
-            kernel.backward(shape, cpdispatch::AttentionMask::causal(), std::span<const cpdispatch::AttentionEntry>(e), std::span<const float>(q), k(), v(),
+            kernel.backward(shape, std::span<const cpdispatch::AttentionEntry>(e), std::span<const float>(q), k(), v(),
                             std::span<const float>(out), std::span<const float>(lse), std::span<const float>(q), std::span<float>(scratch_dq),
                             std::span<float>(dkv_next.data(), n), std::span<float>(dkv_next.data() + n, n));
             for (std::size_t i = 0; i < 2 * n; ++i) dkv_cur[i] += dkv_next[i];  // a ring adds each pair's share (timed as such)

@@ -102,7 +102,7 @@ std::vector<std::int64_t> packed_batch(const std::vector<std::int64_t>& sample, 
   std::vector<std::int64_t> docs;
   for (const auto& d : cpdispatch::draw_workload(sample, 1, tokens, seed)) {
     std::int64_t len = 0;
-    for (const auto& piece : d) len += piece.len;
+    for (const auto& piece : d.pieces) len += piece.len;
     docs.push_back(len);
   }
   return docs;
@@ -198,12 +198,10 @@ double synchronised_ms(cudaStream_t stream, Fn&& fn) {
 template <class E, class Kernel>
 Timing time_kernel(Kernel& kernel, const Case& c, int repeats, cudaStream_t stream) {
   const AttentionShape shape{c.heads_q, c.heads_kv, c.head_dim, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
-  std::vector<AttentionEntry> entries;
-  std::int64_t tokens = 0;
-  for (const std::int64_t len : c.docs) {
-    entries.push_back({tokens, len, tokens, len, 0});
-    tokens += len;
-  }
+  std::vector<std::int64_t> cu{0};  // the documents back to back, each one entry
+  for (const std::int64_t len : c.docs) cu.push_back(cu.back() + len);
+  const std::vector<AttentionEntry> entries = cpdispatch::layout_entries(cu, cu, c.mask);
+  const std::int64_t tokens = cu.back();
   const auto nq = static_cast<std::size_t>(tokens * c.heads_q * c.head_dim), nk = static_cast<std::size_t>(tokens * c.heads_kv * c.head_dim);
   const DeviceBuffer<E> q = random_device<E>(nq, 1, stream), k = random_device<E>(nk, 2, stream), v = random_device<E>(nk, 3, stream),
                         dout = random_device<E>(nq, 4, stream);
@@ -212,9 +210,9 @@ Timing time_kernel(Kernel& kernel, const Case& c, int repeats, cudaStream_t stre
   const auto cs = [](const DeviceBuffer<E>& b, std::size_t n) { return std::span<const E>(b.data(), n); };
   const auto ms = [](DeviceBuffer<E>& b, std::size_t n) { return std::span<E>(b.data(), n); };
   const std::span<float> lse_out(lse.data(), lse.size());
-  const auto forward = [&] { kernel.template forward<E>(shape, c.mask, entries, cs(q, nq), cs(k, nk), cs(v, nk), ms(out, nq), lse_out); };
+  const auto forward = [&] { kernel.template forward<E>(shape, entries, cs(q, nq), cs(k, nk), cs(v, nk), ms(out, nq), lse_out); };
   const auto backward = [&] {
-    kernel.template backward<E>(shape, c.mask, entries, cs(q, nq), cs(k, nk), cs(v, nk), cs(out, nq), std::span<const float>(lse_out),
+    kernel.template backward<E>(shape, entries, cs(q, nq), cs(k, nk), cs(v, nk), cs(out, nq), std::span<const float>(lse_out),
                                 cs(dout, nq), ms(dq, nq), ms(dk, nk), ms(dv, nk));
   };
   Timing t;

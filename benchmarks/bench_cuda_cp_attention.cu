@@ -101,9 +101,8 @@ struct NoKernel {
   using In = std::span<const bfloat16>;
   using Out = std::span<bfloat16>;
   static constexpr cpdispatch::MemorySpace memory_space = cpdispatch::MemorySpace::device;
-  void forward(const AttentionShape&, const AttentionMask&, std::span<const AttentionEntry>, In, In, In, Out, std::span<float>) {}
-  void backward(const AttentionShape&, const AttentionMask&, std::span<const AttentionEntry>, In, In, In, In, std::span<const float>, In, Out,
-                Out, Out) {}
+  void forward(const AttentionShape&, std::span<const AttentionEntry>, In, In, In, Out, std::span<float>) {}
+  void backward(const AttentionShape&, std::span<const AttentionEntry>, In, In, In, In, std::span<const float>, In, Out, Out, Out) {}
 };
 
 using CudnnOp = cpdispatch::ContextParallelAttention<DeviceSimTransport, bfloat16, CudnnAttentionKernel>;
@@ -211,10 +210,10 @@ KernelAlone time_kernel_alone(const Config& c, const std::vector<RankLayout>& la
     const auto in = [](const DeviceBuffer<bfloat16>& b, std::size_t n) { return std::span<const bfloat16>(b.data(), n); };
     const auto io = [](DeviceBuffer<bfloat16>& b, std::size_t n) { return std::span<bfloat16>(b.data(), n); };
     const auto call = [&] {
-      kernel.forward<bfloat16>(shape, AttentionMask::causal(), l.entries, in(q, q_n), in(k, kv_n), in(v, kv_n), io(out, q_n),
+      kernel.forward<bfloat16>(shape, l.entries, in(q, q_n), in(k, kv_n), in(v, kv_n), io(out, q_n),
                                std::span<float>(lse.data(), lse_n));
       mid.record(stream.get());
-      kernel.backward<bfloat16>(shape, AttentionMask::causal(), l.entries, in(q, q_n), in(k, kv_n), in(v, kv_n), in(out, q_n),
+      kernel.backward<bfloat16>(shape, l.entries, in(q, q_n), in(k, kv_n), in(v, kv_n), in(out, q_n),
                                 std::span<const float>(lse.data(), lse_n), in(dout, q_n), io(dq, q_n), io(dk, kv_n), io(dv, kv_n));
     };
     call();  // builds the plans this rank's groups need
@@ -293,7 +292,7 @@ int run(int argc, char** argv) {
   std::int64_t longest = 0;
   for (const auto& doc : problem.documents) {
     std::int64_t L = 0;
-    for (const auto& piece : doc) L += piece.len;
+    for (const auto& piece : doc.pieces) L += piece.len;
     longest = std::max(longest, L);
     pairs += static_cast<double>(L) * static_cast<double>(L + 1) / 2;
   }
@@ -330,7 +329,7 @@ int run(int argc, char** argv) {
   std::int64_t most_q = 0, most_kv = 0;
   for (std::size_t r = 0; r < W; ++r) {
     const cpdispatch::RankAttentionLayout& a = shares[r].attn;
-    cpdispatch::layout_entries(a.cu_seqlens_q, a.cu_seqlens_kv, layouts[r].entries);
+    cpdispatch::layout_entries(a.cu_seqlens_q, a.cu_seqlens_kv, a.mask, layouts[r].entries);
     layouts[r].q_tokens = a.q_tokens();
     layouts[r].kv_tokens = a.kv_tokens();
     most_q = std::max(most_q, a.q_tokens()), most_kv = std::max(most_kv, a.kv_tokens());

@@ -373,9 +373,10 @@ void print_batch(const Options& o, const Sample& sample, const Batch& b) {
               static_cast<double>(b.before.max_attention()) / b.bound, static_cast<double>(b.after.bytes_moved) / (1 << 20));
   int shown = 0;
   for (std::size_t i = 0; i < docs.size() && shown < 4; ++i) {
-    if (std::all_of(docs[i].begin(), docs[i].end(), [&](const auto& pc) { return pc.rank == docs[i].front().rank; })) continue;
+    const auto& doc = docs[i].pieces;
+    if (std::all_of(doc.begin(), doc.end(), [&](const auto& pc) { return pc.rank == doc.front().rank; })) continue;
     std::string pieces, dst;
-    for (const auto& pc : docs[i]) pieces += (pieces.empty() ? "" : " + ") + std::to_string(pc.rank) + "x" + std::to_string(pc.len);
+    for (const auto& pc : doc) pieces += (pieces.empty() ? "" : " + ") + std::to_string(pc.rank) + "x" + std::to_string(pc.len);
     for (const auto& s : b.plan.documents[i].shards) dst += (dst.empty() ? "" : ", ") + std::to_string(s.dst);
     std::printf("  doc %zu: %s -> [%s]\n", i, pieces.c_str(), dst.c_str());
     ++shown;

@@ -34,6 +34,11 @@ Input (FILE, or standard input when FILE is - or absent): a packed batch,
                                                   (every document's pieces in
                                                    causal order, each a run of
                                                    the document on its home rank)
+      a document may add "slices": [{"q": [a, b], "k": [c, d], "type": "causal"}, ...]
+                                                  (optional: its own mask, in its
+                                                   positions; types full, causal,
+                                                   inv_causal, bi_causal; the plan
+                                                   carries them unchanged)
    "recv_capacity": [tokens, ...],                (optional: W entries, the most
                                                    KV tokens a rank may hold)
    "q_bytes": 1, "kv_bytes": 1,                   (optional: bytes per query and
@@ -52,8 +57,9 @@ Input (FILE, or standard input when FILE is - or absent): a packed batch,
   instead of "documents", the whole documents each rank holds.
 
 Output: for "documents", a documents-form qkv plan (every document's shards
-in causal order, {"rank": home, "len": n, "dst": attention rank}; a shard
-never crosses a piece boundary); for "ranks", a per-rank qkv plan. With
+in causal order, {"rank": home, "len": n, "dst": attention rank}, and its
+slices; a shard never crosses a piece boundary); for "ranks", a per-rank
+qkv plan. With
 dedup, the plan also carries "dedup": true, so that cpdispatch-plan writes
 its deduplicated KV exchange.
 

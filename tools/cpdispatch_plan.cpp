@@ -62,8 +62,13 @@ shard with its home rank "rank", so a document may span ranks), never both.
 It may have "mask": {"type": "causal"} (the default), {"type": "full"} or
 {"type": "sliding_window", "window": w} (a query sees itself and the w - 1
 keys before it); the mask decides which KV shards each query needs, and the
-output carries it as attn.mask. "max_cp_degree" defaults to the most query
-shards that need one KV shard.
+output carries it as attn.mask. A document of the documents form may also
+have "slices": [{"q": [qa, qb], "k": [ka, kb], "type": "causal"}, ...]
+(types full, causal, inv_causal, bi_causal; docs/plan-format.md section
+2e): its mask as rectangles of (query, key) positions, no pair in two of
+them; then each query shard needs a set of KV shards, and "attn" gains
+"entries" ([q0, q1, k0, k1, lo, hi] per query shard, null = unbounded).
+"max_cp_degree" defaults to the most query shards that need one KV shard.
 Unknown keys are errors, so a misspelt optional key is never ignored.
 Output: {"q_fwd", "q_rev", "kv_fwd", "kv_rev", "attn"} for a qkv plan,
 {"fwd", "rev"} for a query plan; each metadata object has dst_rank,
@@ -76,8 +81,10 @@ Options:
               through, and KV tokens as the mask sends them (a mask other
               than causal is named in the first line); for a plan in
               documents form also "spanning": the rank's shards that belong
-              to documents continuing on other ranks) and the max/mean
-              imbalance of received tokens and of attention cost
+              to documents continuing on other ranks, and in the documents
+              line how many documents have slices, with their slices and
+              attention entries) and the max/mean imbalance of received
+              tokens and of attention cost
   --rank R    only rank R's share, planned without the global metadata:
               {"rank": R, "q_fwd", "q_rev", "kv_fwd", "kv_rev": slice, "attn"}
               ({"rank", "fwd", "rev"} for a query plan); a slice is rank R's
@@ -189,9 +196,26 @@ std::string imbalance(const cpdispatch::Metadata& m) {
   return cpdispatch_cli::max_over_mean_text(max, mean);
 }
 
-/// Causal token pairs each destination attends, from its attention layout.
+/// The (query, key) pairs a rank's attn.entries let through (section 2e).
+std::int64_t entry_pairs_of(const std::vector<std::vector<cpdispatch::AttentionEntry>>& rank, std::size_t d) {
+  std::int64_t total = 0;
+  for (const auto& shard : rank) {
+    for (const cpdispatch::AttentionEntry& e : shard) {
+      const std::int64_t pairs = cpdispatch::band_pairs(e.q_start, e.q_start + e.q_len, e.kv_start, e.kv_start + e.kv_len, e.band);
+      if (__builtin_add_overflow(total, pairs, &total)) cpdispatch::detail::fail("summary: attention cost of rank ", d, " overflows 64 bits");
+    }
+  }
+  return total;
+}
+
+/// Token pairs each destination attends, from its attention layout: its
+/// entries where the plan has slices, else its KV groups under the mask.
 std::vector<std::int64_t> attention_per_rank(const cpdispatch::AttentionLayout& attn) {
   std::vector<std::int64_t> cost(attn.seqlens_q.size(), 0);
+  if (!attn.entries.empty()) {
+    for (std::size_t d = 0; d < cost.size(); ++d) cost[d] = entry_pairs_of(attn.entries[d], d);
+    return cost;
+  }
   for (std::size_t d = 0; d < cost.size(); ++d) {
     for (std::size_t i = 0; i < attn.seqlens_q[d].size(); ++i) {
       const std::int64_t q = attn.seqlens_q[d][i];
@@ -214,8 +238,26 @@ std::vector<std::int64_t> spanning_shards(const cpdispatch::QkvDocumentsPlan& pl
   return count;
 }
 
+/// ", 1 with slices (5 slices, 6 attention entries)" for a plan whose
+/// documents have slices (section 2e); empty otherwise, so other plans'
+/// summaries read as they always have.
+std::string slices_part(const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::QkvMetadata* qkv) {
+  std::size_t documents = 0, slices = 0, entries = 0;
+  for (const cpdispatch::PackedDocument& doc : plan.documents) {
+    documents += doc.slices.empty() ? 0 : 1;
+    slices += doc.slices.size();
+  }
+  if (documents == 0) return {};
+  if (qkv) {
+    for (const auto& rank : qkv->attn.entries)
+      for (const auto& shard : rank) entries += shard.size();
+  }
+  return ", " + std::to_string(documents) + " with slices (" + std::to_string(slices) + " slices, " + std::to_string(entries) +
+         " attention entries)";
+}
+
 /// "documents: 3, 1 spanning ranks" for a plan in documents form.
-std::string documents_line(const cpdispatch::QkvDocumentsPlan& plan) {
+std::string documents_line(const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::QkvMetadata* qkv) {
   std::size_t spanning = 0;
   for (const cpdispatch::PackedDocument& doc : plan.documents) {
     for (const cpdispatch::DocumentShard& s : doc.shards) {
@@ -224,7 +266,8 @@ std::string documents_line(const cpdispatch::QkvDocumentsPlan& plan) {
       break;
     }
   }
-  return "documents: " + std::to_string(plan.documents.size()) + ", " + std::to_string(spanning) + " spanning ranks\n";
+  return "documents: " + std::to_string(plan.documents.size()) + ", " + std::to_string(spanning) + " spanning ranks" + slices_part(plan, qkv) +
+         "\n";
 }
 
 std::string summary_head(const cpdispatch::Metadata& q, const cpdispatch::QkvMetadata* qkv) {
@@ -265,7 +308,7 @@ std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::P
     if (qkv) rows.back().insert(rows.back().end(), {std::to_string(qkv->kv_fwd.num_recv_tokens(r, W)), std::to_string(cost[r])});
     if (documents) rows.back().push_back(std::to_string(spanning[r]));
   }
-  std::string out = summary_head(q, qkv) + (documents ? documents_line(*documents) : std::string()) + format_table(rows);
+  std::string out = summary_head(q, qkv) + (documents ? documents_line(*documents, qkv) : std::string()) + format_table(rows);
   out += "imbalance (max/mean of tokens received): q " + imbalance(q);
   if (qkv) out += ", kv " + imbalance(qkv->kv_fwd);
   out += '\n';
@@ -630,10 +673,14 @@ int run_simulate(Args args) {
     if constexpr (std::is_same_v<std::decay_t<decltype(p)>, cpdispatch::QueryPlan>) return {};
     else return cpdispatch::document_lengths(p);
   }, plan);
+  const std::vector<std::vector<cpdispatch::AttentionSlice>> slices = std::visit([](const auto& p) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(p)>, cpdispatch::QueryPlan>) return std::vector<std::vector<cpdispatch::AttentionSlice>>{};
+    else return cpdispatch::document_slices(p);
+  }, plan);
   std::ostringstream head;
   head << "world_size " << W << ", nodes " << topology->num_nodes() << ", heads " << o.shape.heads << ", head_dim "
        << o.shape.head_dim << ", stages " << o.shape.stages << " (times in ms)\n";
-  write_output(head.str() + step_table(cpdispatch::model_step(qkv, cost, docs, *topology, o.cluster, o.shape)));
+  write_output(head.str() + step_table(cpdispatch::model_step(qkv, cost, docs, *topology, o.cluster, o.shape, slices)));
   return 0;
 }
 

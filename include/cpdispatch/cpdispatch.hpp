@@ -3,9 +3,10 @@
 // alone (the standard library only): the vocabulary, planning
 // (plan/: both plan forms, masks, per-rank planning, balancing, deduplicated
 // and node-level KV wire planning, topology, memory limits, the step-time
-// model), host execution (execute/: the Dispatcher, KvWireDispatcher,
-// NodeWireDispatcher, QkvDispatch and gather_plan, the combine, token
-// indices, checksums, the reference simulation) and the transport concepts.
+// model, coverage verification), host execution (execute/: the Dispatcher,
+// KvWireDispatcher, NodeWireDispatcher, QkvDispatch and gather_plan, the
+// combine, token indices, checksums, the reference simulation) and the
+// transport concepts.
 //
 // Not included, because each needs another target or compiler: the
 // transports (cpdispatch/transports/sim.hpp, mpi.hpp, nccl.hpp), JSON
@@ -30,6 +31,7 @@
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/any_plan.hpp"
 #include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/coverage.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/limits.hpp"

@@ -13,7 +13,9 @@ contract's dicts (docs/plan-format.md, section 3), or JSON text:
 Results have exactly the keys of ``cpdispatch-plan``'s JSON output, nested the
 same way; every array is a NumPy int64 array (the metadata tensors own the
 planner's storage: moved, not copied), ragged per-rank rows (``attn``) are
-lists of arrays (views into one array), scalars are ints, absent fields None.
+lists of arrays (views into one array), scalars are ints, absent fields None;
+``attn["entries"]`` (plans whose documents carry slices) is nested lists as
+the JSON has them.
 plan_for_rank of a QKV plan adds ``"varlen"``: the rank's ``cu_seqlens_q`` /
 ``cu_seqlens_kv`` as int32 arrays (flash-attention's varlen dtype;
 ``torch.from_numpy`` shares them) and ``max_seqlen_q`` / ``max_seqlen_kv``.
@@ -97,7 +99,9 @@ def plan(plan, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
 def plan_for_rank(plan, rank, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
     """One rank's share, planned without the global metadata (as
     ``cpdispatch-plan --rank R``): ``rank``, each metadata's slice (its rows
-    without padding), ``attn`` (this rank's seqlens, cu_seqlens, max_seqlen),
+    without padding), ``attn`` (this rank's seqlens, cu_seqlens, max_seqlen;
+    for a plan whose documents carry slices also ``entries``: per query
+    shard a list of [q0, q1, k0, k1, lo, hi], None an open end),
     ``varlen`` (int32 cu_seqlens), and with dedup its ``kv_wire_fwd`` / ``kv_wire_rev`` slices."""
     return _cpdispatch.plan_for_rank(_core(plan), rank, dedup, max_memory)
 

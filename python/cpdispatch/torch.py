@@ -22,8 +22,16 @@ flash-attention's or sdpa's by name (KERNELS), or any varlen callable, and
 with ``stages`` > 1 overlaps the exchange with the attention: what this rank
 holds is attended while the rest arrives, and the parts merge by their
 log-sum-exps.
+
+A plan whose documents carry slices (docs/plan-format.md section 2e:
+shared prefixes, block-causal frames, prefix-LM) gives each rank attention
+entries, (q_start, q_len, kv_start, kv_len, lo, hi) with a band lo <= t - j
+<= hi on key row minus query row (None: open); RankDispatch.entries holds
+them and the kernels take them (``entries=``), several per query row
+folded into one softmax.
 """
 
+import bisect
 import importlib
 import inspect
 import math
@@ -206,7 +214,11 @@ class RankDispatch:
     ``dedup`` (default: the plan's "dedup") sends each key-value shard once per
     destination rank. Attributes: ``meta`` (cpdispatch.plan_for_rank),
     ``mask`` (the plan's attention mask), ``position_ids`` (int64 tensor: each
-    MLP-layout token's position within its document, for RoPE).
+    MLP-layout token's position within its document, for RoPE), ``entries``
+    (a plan whose documents have slices: the rank's attention entries,
+    (q_start, q_len, kv_start, kv_len, lo, hi) over its attention-layout
+    buffers, from the plan's attn.entries; None otherwise: one entry per
+    query shard under ``mask``).
     ``max_memory`` bounds the reading and planning (cpdispatch.plan_for_rank)."""
 
     def __init__(self, plan, rank=None, dedup=False, group=None, *, max_memory=cpdispatch.DEFAULT_MAX_MEMORY):
@@ -232,6 +244,10 @@ class RankDispatch:
         self.cu_seqlens_kv = _tensor(attn["cu_seqlens_kv"])
         self.max_seqlen_q = attn["max_seqlen_q"]
         self.max_seqlen_kv = attn["max_seqlen_kv"]
+        self.entries = _rank_entries(attn)
+        if self.entries is None and _has_slices(plan):  # on every rank alike: none goes on to the collectives alone
+            raise ValueError("the plan's documents have slices, but the planner gave no attention entries (attn.entries): "
+                             "this cpdispatch module plans no slices (docs/plan-format.md section 2e)")
         self._stagings = {}
 
     @property
@@ -260,11 +276,38 @@ class RankDispatch:
         return self._stagings[groups]
 
 
+def _rank_entries(attn):
+    """A rank's attn.entries (section 2e: per query shard, [q0, q1, k0, k1,
+    lo, hi] in the shard's own rows and its KV group's columns) as the
+    kernels' entries over the rank's buffers, (q_start, q_len, kv_start,
+    kv_len, lo, hi): rows and columns moved to the shard's and the group's
+    starts, the band by the difference of the two. None where the plan has none."""
+    per_shard = attn.get("entries")
+    if per_shard is None:
+        return None
+    cu_q, cu_kv = attn["cu_seqlens_q"].tolist(), attn["cu_seqlens_kv"].tolist()
+    if len(per_shard) != len(cu_q) - 1:
+        raise ValueError(f"attn.entries has {len(per_shard)} query shards, but cu_seqlens_q has {len(cu_q) - 1}")
+    out = []
+    for start_q, start_kv, shard in zip(cu_q, cu_kv, per_shard):
+        s = start_kv - start_q
+        for q0, q1, k0, k1, lo, hi in shard:
+            out.append((start_q + q0, q1 - q0, start_kv + k0, k1 - k0, None if lo is None else lo + s, None if hi is None else hi + s))
+    return out
+
+
+def _has_slices(plan):
+    """Whether some document of the plan carries slices (section 2e)."""
+    source = plan.source if isinstance(plan, cpdispatch.Plan) else plan
+    documents = source.get("documents") if isinstance(source, dict) else None
+    return any(isinstance(doc, dict) and doc.get("slices") is not None for doc in documents or [])
+
+
 class _Mask:
-    """The plan's mask inside one attention entry, bottom-right aligned
-    (docs/plan-format.md section 2d): query row j sees key column t with
-    ``off = lk - lq``: causal t <= j + off, sliding window
-    j + off - w < t <= j + off, full always."""
+    """The plan's mask (docs/plan-format.md section 2d), checked, as a band
+    on t - p over a whole document: causal (None, 0), full (None, None), a
+    sliding window of w (1 - w, 0). Inside an entry of lq query and lk key
+    rows it is bottom-right aligned: the band shifted by lk - lq."""
 
     def __init__(self, mask):
         mask = cpdispatch.CAUSAL if mask is None else mask
@@ -275,48 +318,101 @@ class _Mask:
         if self.kind == "sliding_window" and (not isinstance(self.window, numbers.Integral) or isinstance(self.window, bool) or self.window < 1):
             raise ValueError(f"mask.window: a sliding window needs an integer window of at least 1, not {self.window!r}")
 
-    def allows(self, j, t, off):
-        """Bool tensor, broadcast over j, t and off: row j sees column t."""
+    def band(self, shift=0):
+        """(lo, hi) on t - p, None for an open end, shifted by ``shift``."""
         if self.kind == "full":
-            return torch.ones(torch.broadcast_shapes(j.shape, t.shape), dtype=torch.bool, device=j.device)
-        seen = t <= j + off
-        if self.window is not None:
-            seen &= t > j + off - self.window
-        return seen
-
-    def keys(self, j0, j1, lk, off):
-        """[lo, hi): the columns that some row of j0 .. j1-1 sees (lo == hi: none)."""
-        if self.kind == "full":
-            return 0, lk
-        hi = min(lk, j1 + off)
-        lo = max(0, j0 + off - self.window + 1) if self.window is not None else 0
-        return lo, max(lo, hi)
-
-    def sees_all(self, j0, j1, t0, t1, off):
-        """Whether every row of j0 .. j1-1 sees every column of t0 .. t1-1 (no mask to apply)."""
-        if self.kind == "full":
-            return True
-        if t1 - 1 > j0 + off:
-            return False
-        return self.window is None or t0 > j1 - 1 + off - self.window
+            return None, None
+        return (None if self.window is None else shift + 1 - int(self.window)), shift
 
 
-def attention_mask(cu_seqlens_q, cu_seqlens_kv, mask, device=None):
-    """[queries, keys] bool: True where a query row sees a key row. Entries
-    are independent (block diagonal); inside entry i with lq query and lk key
-    rows, row j sees column t by the plan's mask, bottom-right aligned
-    (docs/plan-format.md section 2d): causal t <= j + lk - lq, sliding window
-    j + lk - lq - w < t <= j + lk - lq, full always. Dense: for tests and
-    small inputs; varlen_attention never builds it."""
-    cu_q = torch.as_tensor(cu_seqlens_q).to(torch.int64).cpu()
-    cu_kv = torch.as_tensor(cu_seqlens_kv).to(torch.int64).cpu()
-    lq, lk = cu_q[1:] - cu_q[:-1], cu_kv[1:] - cu_kv[:-1]
-    entries = torch.arange(lq.numel())
-    q_entry = torch.repeat_interleave(entries, lq)
-    k_entry = torch.repeat_interleave(entries, lk)
-    j = (torch.arange(int(cu_q[-1])) - cu_q[:-1][q_entry])[:, None]
-    t = (torch.arange(int(cu_kv[-1])) - cu_kv[:-1][k_entry])[None, :]
-    seen = (q_entry[:, None] == k_entry[None, :]) & _Mask(mask).allows(j, t, (lk - lq)[q_entry][:, None])
+#: An open end of a band, as a number (lo = -_OPEN, hi = _OPEN): beyond any row difference.
+_OPEN = 1 << 62
+
+
+def _ends(lo, hi):
+    """A band's ends as numbers (open ends at -_OPEN / _OPEN)."""
+    return -_OPEN if lo is None else lo, _OPEN if hi is None else hi
+
+
+def _meets(q0, lq, k0, lk, lo, hi):
+    """Whether rows [q0, q0 + lq) x columns [k0, k0 + lk) hold a pair with lo <= t - j <= hi."""
+    lo, hi = _ends(lo, hi)
+    return lq > 0 and lk > 0 and lo <= hi and lo <= k0 + lk - 1 - q0 and hi >= k0 - (q0 + lq - 1)
+
+
+def _entries(cu_seqlens_q, cu_seqlens_kv, queries, keys, mask):
+    """The entries of a varlen layout, checked: entry i's query rows against
+    its key rows under the plan's mask, bottom-right aligned, as
+    (q_start, q_len, kv_start, kv_len, lo, hi) with the band in the buffers'
+    rows (its document band shifted by kv_start + lk - q_start - lq)."""
+    cu_q = [int(x) for x in torch.as_tensor(cu_seqlens_q).tolist()]
+    cu_kv = [int(x) for x in torch.as_tensor(cu_seqlens_kv).tolist()]
+    if len(cu_q) != len(cu_kv) or not cu_q:
+        raise ValueError(f"cu_seqlens_q has {len(cu_q)} values and cu_seqlens_kv {len(cu_kv)}: they need the same number, at least 1")
+    for name, cu, total in (("cu_seqlens_q", cu_q, queries), ("cu_seqlens_kv", cu_kv, keys)):
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total} rows: {cu[:8]}...")
+    m = _Mask(mask)
+    out = []
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_kv, cu_kv[1:]):
+        if q1 > q0 and k1 > k0:
+            out.append((q0, q1 - q0, k0, k1 - k0) + m.band(k1 - q1))  # t - j <= (k1 - 1) - (q1 - 1): the last row sees the last key
+    return out
+
+
+def _end(x, what, part):
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise ValueError(f"a part's {what} is an int or None (open), not {x!r}: {part}")
+    return int(x)
+
+
+def _parts(parts, queries, keys):
+    """Explicit entries (q_start, q_len, kv_start, kv_len, lo, hi) as tuples
+    of ints (lo, hi: int or None), checked against the rows; those whose
+    band holds no pair of their rectangle are left out."""
+    out = []
+    for part in parts:
+        part = tuple(part)
+        if len(part) != 6:
+            raise ValueError(f"a part is (q_start, q_len, kv_start, kv_len, lo, hi), not {part}")
+        starts = tuple(int(x) for x in part[:4])
+        if min(starts) < 0 or starts[0] + starts[1] > queries or starts[2] + starts[3] > keys:
+            raise ValueError(f"a part is (q_start, q_len, kv_start, kv_len, lo, hi) within {queries} query and {keys} key rows, not {part}")
+        part = starts + (_end(part[4], "lo", part), _end(part[5], "hi", part))
+        if _meets(*part):
+            out.append(part)
+    return out
+
+
+def attention_mask(cu_seqlens_q, cu_seqlens_kv, mask=None, device=None, *, entries=None):
+    """[queries, keys] bool: True where a query row sees a key row.
+
+    Without ``entries``: entries are independent (block diagonal); inside
+    entry i with lq query and lk key rows, row j sees column t by the plan's
+    mask, bottom-right aligned (docs/plan-format.md section 2d): causal
+    t <= j + lk - lq, sliding window j + lk - lq - w < t <= j + lk - lq,
+    full always. With ``entries`` ((q_start, q_len, kv_start, kv_len, lo,
+    hi), the band on t - j in the buffers' rows, None an open end), the
+    union of theirs; cu_seqlens then give only the size (None: the entries'
+    extent). Dense: for tests and small inputs; the kernels never build it."""
+    def total(cu):
+        return None if cu is None else int(torch.as_tensor(cu).reshape(-1)[-1])
+
+    queries, keys = total(cu_seqlens_q), total(cu_seqlens_kv)
+    if entries is None:
+        entries = _entries(cu_seqlens_q, cu_seqlens_kv, queries, keys, mask)
+    else:
+        entries = list(entries)
+        queries = max([queries or 0] + [int(e[0]) + int(e[1]) for e in entries])
+        keys = max([keys or 0] + [int(e[2]) + int(e[3]) for e in entries])
+        entries = _parts(entries, queries, keys)
+    seen = torch.zeros(queries, keys, dtype=torch.bool)
+    for q0, lq, k0, lk, lo, hi in entries:
+        lo, hi = _ends(lo, hi)
+        d = torch.arange(k0, k0 + lk)[None, :] - torch.arange(q0, q0 + lq)[:, None]
+        seen[q0:q0 + lq, k0:k0 + lk] |= (d >= lo) & (d <= hi)
     return seen.to(device) if device is not None else seen
 
 
@@ -331,29 +427,6 @@ def _accumulator(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _entries(cu_seqlens_q, cu_seqlens_kv, queries, keys):
-    """(first query, lq, first key, lk, diagonal) of every non-empty entry,
-    checked; diagonal = lk - lq: the bottom-right alignment."""
-    cu_q = [int(x) for x in torch.as_tensor(cu_seqlens_q).tolist()]
-    cu_kv = [int(x) for x in torch.as_tensor(cu_seqlens_kv).tolist()]
-    if len(cu_q) != len(cu_kv) or not cu_q:
-        raise ValueError(f"cu_seqlens_q has {len(cu_q)} values and cu_seqlens_kv {len(cu_kv)}: they need the same number, at least 1")
-    for name, cu, total in (("cu_seqlens_q", cu_q, queries), ("cu_seqlens_kv", cu_kv, keys)):
-        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
-            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total} rows: {cu[:8]}...")
-    entries = [(cu_q[i], cu_q[i + 1] - cu_q[i], cu_kv[i], cu_kv[i + 1] - cu_kv[i]) for i in range(len(cu_q) - 1) if cu_q[i + 1] > cu_q[i]]
-    return [(q0, lq, k0, lk, lk - lq) for q0, lq, k0, lk in entries]
-
-
-def _parts(parts, queries, keys):
-    """Explicit entries (q_start, q_len, kv_start, kv_len, diagonal) as int tuples, checked against the rows."""
-    parts = [tuple(int(x) for x in part) for part in parts]
-    for part in parts:
-        if len(part) != 5 or min(part[:4]) < 0 or part[0] + part[1] > queries or part[2] + part[3] > keys:
-            raise ValueError(f"a part is (q_start, q_len, kv_start, kv_len, diagonal) within {queries} query and {keys} key rows, not {part}")
-    return [part for part in parts if part[1] > 0]
-
-
 def _rows(x, r0, r1, groups, acc):
     """Rows r0 .. r1-1 of x [tokens, heads, dim] as [heads / groups, groups * rows, dim]
     in the accumulator dtype: the queries of a GQA group stacked, so that one
@@ -362,76 +435,102 @@ def _rows(x, r0, r1, groups, acc):
     return block.reshape(block.shape[0] // groups, groups * block.shape[1], block.shape[2])
 
 
-def _scores(qb, kb, scale, mask, j0, j1, t0, t1, off):
-    """[heads_kv, groups * rows, keys] scaled scores, -inf where the mask hides a key."""
-    s = torch.bmm(qb, kb.transpose(1, 2)).mul_(scale)
-    if not mask.sees_all(j0, j1, t0, t1, off):
-        j = torch.arange(j0, j1, device=s.device)[:, None]
-        t = torch.arange(t0, t1, device=s.device)[None, :]
-        s.view(s.shape[0], -1, j1 - j0, t1 - t0).masked_fill_(~mask.allows(j, t, off), float("-inf"))
-    return s
+def _row_runs(entries):
+    """The runs of query rows that entries share: [(first row, end, entry indices in order)],
+    entries whose rows overlap (directly or through others) in one run."""
+    order = sorted(range(len(entries)), key=lambda e: entries[e][0])
+    runs = []
+    for e in order:
+        q0, lq = entries[e][0], entries[e][1]
+        if runs and q0 < runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], q0 + lq)
+            runs[-1][2].append(e)
+        else:
+            runs.append([q0, q0 + lq, [e]])
+    return [(a, b, sorted(members)) for a, b, members in runs]
 
 
 class _Problem:
-    """What the forward and backward share: shapes, entries, mask, blocks.
-    Entries by cu_seqlens, or ``parts``: (q_start, q_len, kv_start, kv_len,
-    diagonal) each, the diagonal being the document position of query row 0
-    minus that of key row 0 (lk - lq for a whole entry: bottom-right)."""
+    """What the forward and backward share: shapes, entries, blocks.
 
-    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, mask, softmax_scale, block_q, block_kv, parts=None):
+    Entries are (q_start, q_len, kv_start, kv_len, lo, hi): row j of
+    [q_start, q_start + q_len) sees row t of [kv_start, kv_start + kv_len)
+    when lo <= t - j <= hi (buffer rows; None: an open end). Entries may
+    share query rows and key rows: each run of rows that entries share is
+    cut into query blocks of ``block_q`` rows, and each block's online
+    softmax runs over the key blocks of every entry it meets (``blocks``:
+    (r0, r1, [(entry, c0, c1), ...]), only key blocks some row of the block
+    sees)."""
+
+    def __init__(self, q, k, v, entries, softmax_scale, block_q, block_kv):
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
             raise ValueError(f"q [queries, heads, dim], k and v [keys, heads_kv, dim]: got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
         if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
             raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of the heads of k and v ({k.shape[1]})")
         if block_q < 1 or block_kv < 1:
             raise ValueError(f"block_q = {block_q} and block_kv = {block_kv} must be positive")
-        if parts is None:
-            self.entries = _entries(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0])
-        else:
-            self.entries = _parts(parts, q.shape[0], k.shape[0])
-        self.mask = _Mask(mask)
+        self.entries = entries
         self.scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         self.groups = q.shape[1] // k.shape[1]
         self.acc = _accumulator(q.dtype)
         self.block_q, self.block_kv = block_q, block_kv
+        self.blocks = []
+        for start, end, members in _row_runs(entries):
+            for r0 in range(start, end, block_q):
+                r1 = min(end, r0 + block_q)
+                self.blocks.append((r0, r1, [visit for e in members for visit in self._key_blocks(e, r0, r1)]))
 
-    def blocks(self):
-        """(first query, first key, j0, j1, lk, off) of every query block of every entry."""
-        for q0, lq, k0, lk, diagonal in self.entries:
-            for j0 in range(0, lq, self.block_q):
-                yield q0, k0, j0, min(lq, j0 + self.block_q), lk, diagonal
+    def _key_blocks(self, e, r0, r1):
+        """(e, c0, c1) of the key blocks of entry e that some row of r0 .. r1-1 sees."""
+        q0, lq, k0, lk, lo, hi = self.entries[e]
+        a, b = max(r0, q0), min(r1, q0 + lq)
+        lo, hi = _ends(lo, hi)
+        t0, t1 = max(k0, a + lo), min(k0 + lk, b + hi)  # row j sees j + lo .. j + hi
+        return [(e, c0, min(t1, c0 + self.block_kv)) for c0 in range(t0, t1, self.block_kv)] if a < b else []
 
-    def key_blocks(self, j0, j1, lk, off):
-        """(t0, t1) of the key blocks rows j0 .. j1-1 see some key of."""
-        lo, hi = self.mask.keys(j0, j1, lk, off)
-        return [(t0, min(hi, t0 + self.block_kv)) for t0 in range(lo, hi, self.block_kv)]
+    def scores(self, qb, kb, r0, r1, e, c0, c1):
+        """[heads_kv, groups * rows, keys] scaled scores of rows r0 .. r1-1 against
+        keys c0 .. c1-1 of entry e, -inf where it hides a key (rows outside it too)."""
+        s = torch.bmm(qb, kb.transpose(1, 2)).mul_(self.scale)
+        q0, lq, _, _, lo, hi = self.entries[e]
+        lo, hi = _ends(lo, hi)
+        inside = q0 <= r0 and r1 <= q0 + lq
+        if inside and lo <= c0 - (r1 - 1) and c1 - 1 - r0 <= hi:
+            return s  # every row sees every key: no mask to build
+        j = torch.arange(r0, r1, device=s.device)[:, None]
+        d = torch.arange(c0, c1, device=s.device)[None, :] - j
+        seen = (d >= lo) & (d <= hi)
+        if not inside:
+            seen &= (j >= q0) & (j < q0 + lq)
+        s.view(s.shape[0], -1, r1 - r0, c1 - c0).masked_fill_(~seen, float("-inf"))
+        return s
 
 
 def _forward(p, q, k, v):
     """Flash-attention's forward: out [queries, heads, dim_v] and lse [heads, queries]."""
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=p.acc, device=q.device)
-    for q0, k0, j0, j1, lk, off in p.blocks():
-        o, block_lse = _forward_block(p, _rows(q, q0 + j0, q0 + j1, p.groups, p.acc), k, v, k0, j0, j1, lk, off)
-        out[q0 + j0:q0 + j1] = o.reshape(q.shape[1], j1 - j0, -1).transpose(0, 1)
-        lse[:, q0 + j0:q0 + j1] = block_lse.reshape(q.shape[1], j1 - j0)
+    for r0, r1, visits in p.blocks:
+        o, block_lse = _forward_block(p, _rows(q, r0, r1, p.groups, p.acc), k, v, r0, r1, visits)
+        out[r0:r1] = o.reshape(q.shape[1], r1 - r0, -1).transpose(0, 1)
+        lse[:, r0:r1] = block_lse.reshape(q.shape[1], r1 - r0)
     return out, lse
 
 
-def _forward_block(p, qb, k, v, k0, j0, j1, lk, off):
-    """One query block against its entry's visible key blocks, online softmax."""
+def _forward_block(p, qb, k, v, r0, r1, visits):
+    """One query block against the key blocks it sees, of every entry, in one online softmax."""
     rows = qb.shape[:2]
     m = torch.full(rows, float("-inf"), dtype=p.acc, device=qb.device)  # running row maximum
     l = torch.zeros(rows, dtype=p.acc, device=qb.device)  # running sum of exp(s - m)
     acc = torch.zeros(rows + (v.shape[2],), dtype=p.acc, device=qb.device)
-    for t0, t1 in p.key_blocks(j0, j1, lk, off):
-        s = _scores(qb, _rows(k, k0 + t0, k0 + t1, 1, p.acc), p.scale, p.mask, j0, j1, t0, t1, off)
+    for e, c0, c1 in visits:
+        s = p.scores(qb, _rows(k, c0, c1, 1, p.acc), r0, r1, e, c0, c1)
         m_new = torch.maximum(m, s.amax(-1))
         shift = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row with no key yet: exp(-inf - 0) = 0, not nan
         s.sub_(shift[..., None]).exp_()
         alpha = torch.exp(m - shift)
         l.mul_(alpha).add_(s.sum(-1))
-        acc.mul_(alpha[..., None]).baddbmm_(s, _rows(v, k0 + t0, k0 + t1, 1, p.acc))
+        acc.mul_(alpha[..., None]).baddbmm_(s, _rows(v, c0, c1, 1, p.acc))
         m = m_new
     lse = m.masked_fill(m == float("-inf"), 0.0) + l.log()  # l == 0: no key seen, lse -inf
     return acc / l.masked_fill(l == 0, 1.0)[..., None], lse
@@ -444,24 +543,23 @@ def _backward(p, q, k, v, out, lse, dout, dlse):
     dq = torch.zeros_like(q)
     dk = torch.zeros(k.shape, dtype=p.acc, device=k.device)  # the gradients themselves unless q is 16-bit
     dv = torch.zeros(v.shape, dtype=p.acc, device=v.device)
-    for q0, k0, j0, j1, lk, off in p.blocks():
-        r0, r1 = q0 + j0, q0 + j1
+    for r0, r1, visits in p.blocks:
         qb, dob = _rows(q, r0, r1, p.groups, p.acc), _rows(dout, r0, r1, p.groups, p.acc)
         rows = qb.shape[:2]
         # D = rowsum(dO * O), less lse's gradient: d lse / d s is P itself, so it joins D
         d = (dob * _rows(out, r0, r1, p.groups, p.acc)).sum(-1)
         if dlse is not None:
             d.sub_(dlse[:, r0:r1].to(p.acc).reshape(rows))
-        row_lse = lse[:, r0:r1].reshape(rows)
+        row_lse = lse[:, r0:r1].to(p.acc).reshape(rows)
         row_lse = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))  # a row that sees nothing: P = 0
         dqb = torch.zeros_like(qb)
-        for t0, t1 in p.key_blocks(j0, j1, lk, off):
-            kb, vb = _rows(k, k0 + t0, k0 + t1, 1, p.acc), _rows(v, k0 + t0, k0 + t1, 1, p.acc)
-            prob = _scores(qb, kb, p.scale, p.mask, j0, j1, t0, t1, off).sub_(row_lse[..., None]).exp_()
-            dv[k0 + t0:k0 + t1].add_(torch.bmm(prob.transpose(1, 2), dob).transpose(0, 1))
+        for e, c0, c1 in visits:
+            kb, vb = _rows(k, c0, c1, 1, p.acc), _rows(v, c0, c1, 1, p.acc)
+            prob = p.scores(qb, kb, r0, r1, e, c0, c1).sub_(row_lse[..., None]).exp_()
+            dv[c0:c1].add_(torch.bmm(prob.transpose(1, 2), dob).transpose(0, 1))
             ds = prob.mul_(torch.bmm(dob, vb.transpose(1, 2)).sub_(d[..., None]))
             dqb.baddbmm_(ds, kb)
-            dk[k0 + t0:k0 + t1].add_(torch.bmm(ds.transpose(1, 2), qb).mul_(p.scale).transpose(0, 1))
+            dk[c0:c1].add_(torch.bmm(ds.transpose(1, 2), qb).mul_(p.scale).transpose(0, 1))
         dq[r0:r1] = dqb.mul_(p.scale).reshape(q.shape[1], r1 - r0, -1).transpose(0, 1)
     return dq, dk, dv
 
@@ -484,8 +582,8 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None, *,
-                     block_q=BLOCK_Q, block_kv=BLOCK_KV, return_lse=False):
+def varlen_attention(q, k, v, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None, *,
+                     entries=None, block_q=BLOCK_Q, block_kv=BLOCK_KV, return_lse=False):
     """Variable-length attention in plain PyTorch ops, by flash-attention's
     algorithm (any device, any float dtype, differentiable).
 
@@ -494,10 +592,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, ma
     head h reads key-value head h // (heads / heads_kv)). Entries by
     cu_seqlens (rows past the last entry give 0); each entry's mask is the
     plan's (``mask``, default causal), bottom-right aligned (attention_mask).
+
+    ``entries`` instead: a list of (q_start, q_len, kv_start, kv_len, lo,
+    hi), query row j seeing key row t when lo <= t - j <= hi (buffer rows,
+    None an open end), as a plan with slices gives them
+    (RankDispatch.entries); cu_seqlens and mask are then not used. Entries
+    may share query rows (a row's softmax runs over all the keys its
+    entries show it) and key rows (their gradients add up).
+
     Queries go in blocks of ``block_q`` rows against the key blocks of
-    ``block_kv`` rows of their own entry that the mask leaves visible, with
-    an online softmax; the backward recomputes the scores block by block.
-    Memory beyond the inputs and outputs is a few [heads, block_q, block_kv]
+    ``block_kv`` rows that the entries leave visible, with an online
+    softmax; the backward recomputes the scores block by block. Memory
+    beyond the inputs and outputs is a few [heads, block_q, block_kv]
     tensors, whatever the sequence length (and, for 16-bit inputs, float32
     gradient sums of k's and v's size). Sums run in float32 (float64 for
     float64 inputs).
@@ -508,34 +614,76 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, ma
     The signature follows flash-attention's flash_attn_varlen_func, which a
     GPU caller may pass to ContextParallelAttention instead."""
     del max_seqlen_q, max_seqlen_kv  # what a fused kernel sizes its tiles by
-    problem = _Problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, mask, softmax_scale, block_q, block_kv)
+    if entries is None:
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError("varlen_attention needs cu_seqlens_q and cu_seqlens_kv, or entries")
+        entries = _entries(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], mask)
+    else:
+        entries = _parts(entries, q.shape[0], k.shape[0])
+    problem = _Problem(q, k, v, entries, softmax_scale, block_q, block_kv)
     out, lse = _FlashAttention.apply(q, k, v, problem)
     return (out, lse) if return_lse else out
 
 
 class BlockwiseKernel:
     """The default kernel, varlen_attention (blockwise, plain PyTorch: any
-    device and float dtype), as an adapter; takes every stage count."""
+    device and float dtype), as an adapter; takes every stage count and
+    entries that share rows (one online softmax per row)."""
 
     name = "blockwise"
 
     def __init__(self, block_q=BLOCK_Q, block_kv=BLOCK_KV):
         self.block_q, self.block_kv = block_q, block_kv
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None):
-        return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, mask, softmax_scale,
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None, *,
+                 entries=None):
+        return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, mask, softmax_scale, entries=entries,
                                 block_q=self.block_q, block_kv=self.block_kv)
 
-    def _problem(self, q, k, v, parts, mask, softmax_scale):
-        return _Problem(q, k, v, None, None, mask, softmax_scale, self.block_q, self.block_kv, parts)
+    def _problem(self, q, k, v, parts, softmax_scale):
+        return _Problem(q, k, v, _parts(parts, q.shape[0], k.shape[0]), softmax_scale, self.block_q, self.block_kv)
 
-    def forward(self, q, k, v, parts, mask=None, softmax_scale=None):
+    def forward(self, q, k, v, parts, softmax_scale=None):
         """(out, lse) of the parts (no autograd); rows outside them: 0 and -inf."""
-        return _forward(self._problem(q, k, v, parts, mask, softmax_scale), q, k, v)
+        return _forward(self._problem(q, k, v, parts, softmax_scale), q, k, v)
 
-    def backward(self, q, k, v, out, lse, dout, parts, mask=None, softmax_scale=None):
+    def backward(self, q, k, v, out, lse, dout, parts, softmax_scale=None):
         """(dq, dk, dv) of the parts given the merged out and lse of every query row."""
-        return _backward(self._problem(q, k, v, parts, mask, softmax_scale), q, k, v, out, lse, dout, None)
+        return _backward(self._problem(q, k, v, parts, softmax_scale), q, k, v, out, lse, dout, None)
+
+
+def _row_disjoint(parts):
+    """The parts in passes of which none has a query row twice (an interval
+    colouring: by first row, each to the first pass it fits), in order."""
+    passes, ends = [], []
+    for part in sorted(parts, key=lambda part: part[0]):
+        fit = next((i for i, end in enumerate(ends) if end <= part[0]), len(passes))
+        if fit == len(passes):
+            passes.append([])
+            ends.append(0)
+        passes[fit].append(part)
+        ends[fit] = part[0] + part[1]
+    return passes
+
+
+class _KernelAttention(torch.autograd.Function):
+    """An adapter's forward(parts) -> (out, lse) and backward(..., merged out
+    and lse, parts) as one differentiable call (entries that share rows)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, parts, scale):
+        out, lse = kernel.forward(q, k, v, parts, scale)
+        out = out.to(q.dtype)
+        ctx.kernel, ctx.parts, ctx.scale = kernel, parts, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(q, k, v, out, lse, dout.contiguous(), ctx.parts, ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _flash_backward():
@@ -562,34 +710,42 @@ def _flash_version():
     return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
 
 
-def _flash_call(mask, q_len, kv_len, diagonal):
-    """One part in flash-attention's terms: (q_len, kv_len, causal, window_size),
-    or None when the mask hides every key. Flash-attention aligns a window
-    (left, right) bottom-right: row i sees keys i + lk - lq - left ..
-    i + lk - lq + right, -1 meaning no bound. Ours is t <= j + diagonal
-    (and t > j + diagonal - w), so right = shift = diagonal - (lk - lq);
-    keys no row sees are cut from the end (right >= 0) and rows that see
-    none from the end (left = w - 1 - shift >= 0), as -1 would mean no bound."""
-    m = _Mask(mask)
-    if m.kind == "full":
-        return q_len, kv_len, False, (-1, -1)
-    kv_len = min(kv_len, max(0, q_len + diagonal))
-    if m.window is not None:
-        q_len = min(q_len, max(0, kv_len + m.window - 1 - diagonal))
-    if not q_len or not kv_len:
+def _flash_window(lo, hi, diagonal):
+    """(causal, window_size) of a band (lo, hi) on t - j whose last row and
+    last key are ``diagonal`` apart: flash-attention aligns a window
+    (left, right) bottom-right (row i sees keys i + lk - lq - left ..
+    i + lk - lq + right, -1 no bound), so left = diagonal - lo and
+    right = hi - diagonal; right = 0 is causal=True."""
+    left = -1 if lo is None else diagonal - lo
+    right = -1 if hi is None else hi - diagonal
+    if right == 0:
+        return True, (left, 0) if left >= 0 else (-1, -1)
+    return False, (left, right)
+
+
+def _flash_part(part):
+    """One part in flash-attention's terms: (q_start, q_len, kv_start,
+    kv_len, causal, window_size), cut to the rows that see some of its keys
+    and the keys that some row sees (so that left and right are >= 0: a
+    negative bound would read as none), or None when it shows no pair."""
+    q0, lq, k0, lk, lo, hi = part
+    lo_, hi_ = _ends(lo, hi)
+    j0, j1 = max(q0, k0 - hi_), min(q0 + lq, k0 + lk - lo_)  # rows that see a key of the part
+    if j0 >= j1 or lo_ > hi_:
         return None
-    shift = diagonal - (kv_len - q_len)
-    left = -1 if m.window is None else m.window - 1 - shift
-    return (q_len, kv_len, True, (left, -1 if m.window is None else 0)) if shift == 0 else (q_len, kv_len, False, (left, shift))
+    t0, t1 = max(k0, j0 + lo_), min(k0 + lk, j1 + hi_)  # keys those rows see
+    if t0 >= t1:
+        return None
+    return (j0, j1 - j0, t0, t1 - t0) + _flash_window(lo, hi, t1 - j1)
 
 
-def _flash_groups(mask, parts):
-    """The parts grouped by their flash-attention call: {(causal, window): [(q0, lq, k0, lk)]}."""
+def _flash_groups(parts):
+    """Parts grouped by their flash-attention call: {(causal, window): [(q0, lq, k0, lk)]}."""
     groups = {}
-    for q0, lq, k0, lk, diagonal in parts:
-        call = _flash_call(mask, lq, lk, diagonal)
+    for part in parts:
+        call = _flash_part(part)
         if call is not None:
-            groups.setdefault(call[2:], []).append((q0, call[0], k0, call[1]))
+            groups.setdefault(call[4:], []).append(call[:4])
     return groups
 
 
@@ -604,11 +760,13 @@ class FlashAttnVarlenKernel:
     """flash-attention 2's varlen kernel (``flash_attn.flash_attn_varlen_func``,
     flash-attn >= 2.3; >= 2.7 for stages > 1) as an adapter. The plan's mask becomes its
     ``causal`` / ``window_size``: causal: causal=True; a sliding window of w:
-    window_size=(w - 1, 0), causal=True; full: causal=False, (-1, -1). With
-    stages > 1 a part's keys end before its entry's do, which shifts the
-    window (see _flash_call), and the backward goes through
-    ``flash_attn.flash_attn_interface._flash_attn_varlen_backward`` with the
-    merged output and lse (deterministic)."""
+    window_size=(w - 1, 0), causal=True; full: causal=False, (-1, -1). An
+    entry's or part's band (lo, hi) becomes a window aligned at its last row
+    and last key (see _flash_part; one call per window), and the backward
+    goes through ``flash_attn.flash_attn_interface._flash_attn_varlen_backward``
+    with the merged output and lse (deterministic). Entries that share query
+    rows (a plan with slices) merge by their log-sum-exps, which needs that
+    backward (flash-attn >= 2.7)."""
 
     name = "flash_attn_varlen"
 
@@ -621,8 +779,11 @@ class FlashAttnVarlenKernel:
         self.varlen_backward = _flash_backward()
         self.staged = self.varlen_backward is not None
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None):
-        _, _, causal, window = _flash_call(mask, 1, 1, 0)  # whole entries: bottom-right, no shift
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None, *,
+                 entries=None):
+        if entries is not None:
+            return self._entries(q, k, v, _parts(entries, q.shape[0], k.shape[0]), softmax_scale)
+        causal, window = _flash_window(*_Mask(mask).band(), 0)  # whole entries: bottom-right
         cu_q, cu_kv = (torch.as_tensor(c).to(device=q.device, dtype=torch.int32) for c in (cu_seqlens_q, cu_seqlens_kv))
         if cu_q.numel() < 2:  # flash-attention refuses a batch of no sequences; a rank may attend nothing
             return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
@@ -630,12 +791,30 @@ class FlashAttnVarlenKernel:
         max_kv = max_seqlen_kv if max_seqlen_kv is not None else _longest(cu_kv)
         return self.func(q, k, v, cu_q, cu_kv, max_q, max_kv, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal, window_size=window)
 
-    def forward(self, q, k, v, parts, mask=None, softmax_scale=None):
-        """(out, lse) of the parts (no autograd); rows outside them: 0 and -inf."""
+    def _entries(self, q, k, v, parts, softmax_scale):
+        """One differentiable call over entries with bands: through forward and
+        backward (merged by lse) where the backward is there; else, entries
+        that share no query row, one autograd call of flash_attn_varlen_func per window."""
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        if self.staged:
+            return _KernelAttention.apply(q, k, v, self, parts, scale)
+        if len(_row_disjoint(parts)) > 1:
+            raise ValueError("kernel 'flash_attn_varlen': these entries share query rows (a plan with slices), which merge by their "
+                             "log-sum-exps through flash-attn 2.7's _flash_attn_varlen_backward; this flash-attn lacks it "
+                             "(use flash-attn >= 2.7, or the 'blockwise' kernel)")
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2]) + q[:0].sum() + k[:0].sum() + v[:0].sum()  # seen by autograd
+        for (causal, window), group in _flash_groups(parts).items():
+            (qi, cu_q, max_q), (ki, cu_kv, max_kv) = _flash_rows(group, q.device)
+            max_kv = max(max_kv, window[0] + 1, window[1] + 1)  # flash drops a bound >= max_seqlen_k
+            o = self.func(q[qi], k[ki], v[ki], cu_q, cu_kv, max_q, max_kv, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=window)
+            out = out.index_copy(0, qi, o.to(out.dtype))
+        return out
+
+    def _pass(self, q, k, v, parts, scale, acc):
+        """(out, lse) of parts of which none shares a query row with another."""
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_accumulator(q.dtype), device=q.device)
-        for (causal, window), group in _flash_groups(mask, _parts(parts, q.shape[0], k.shape[0])).items():
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+        for (causal, window), group in _flash_groups(parts).items():
             (qi, cu_q, max_q), (ki, cu_kv, max_kv) = _flash_rows(group, q.device)
             max_kv = max(max_kv, window[0] + 1, window[1] + 1)  # flash drops a bound >= max_seqlen_k
             o, part_lse, _ = self.func(q[qi], k[ki], v[ki], cu_q, cu_kv, max_q, max_kv, dropout_p=0.0, softmax_scale=scale, causal=causal,
@@ -647,13 +826,29 @@ class FlashAttnVarlenKernel:
             lse[:, qi] = part_lse.to(lse.dtype).masked_fill(part_lse == float("inf"), float("-inf"))  # flash marks a row without keys +inf
         return out, lse
 
-    def backward(self, q, k, v, out, lse, dout, parts, mask=None, softmax_scale=None):
-        """(dq, dk, dv) of the parts given the merged out and lse of every query row."""
+    def forward(self, q, k, v, parts, softmax_scale=None):
+        """(out, lse) of the parts (no autograd); rows outside them: 0 and -inf.
+        Parts that share query rows go in several passes merged by lse."""
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        dq = torch.zeros_like(q)
+        acc = _accumulator(q.dtype)
+        passes = _row_disjoint(_parts(parts, q.shape[0], k.shape[0]))
+        if len(passes) <= 1:
+            return self._pass(q, k, v, passes[0] if passes else [], scale, acc)
+        out = torch.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=acc, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+        for one in passes:
+            _merge(out, lse, *self._pass(q, k, v, one, scale, acc))
+        return out.to(q.dtype), lse
+
+    def backward(self, q, k, v, out, lse, dout, parts, softmax_scale=None):
+        """(dq, dk, dv) of the parts given the merged out and lse of every query row
+        (in the accumulator dtype; parts may share query and key rows: their gradients add up)."""
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        dq = torch.zeros(q.shape, dtype=_accumulator(q.dtype), device=q.device)
         dk = torch.zeros(k.shape, dtype=_accumulator(k.dtype), device=k.device)
         dv = torch.zeros(v.shape, dtype=_accumulator(v.dtype), device=v.device)
-        for (causal, window), group in _flash_groups(mask, _parts(parts, q.shape[0], k.shape[0])).items():
+        out = out.to(q.dtype)
+        for (causal, window), group in _flash_groups(_parts(parts, q.shape[0], k.shape[0])).items():
             (qi, cu_q, max_q), (ki, cu_kv, max_kv) = _flash_rows(group, q.device)
             max_kv = max(max_kv, window[0] + 1, window[1] + 1)  # flash drops a bound >= max_seqlen_k
             gq, gk, gv = q.new_empty((len(qi),) + q.shape[1:]), k.new_empty((len(ki),) + k.shape[1:]), v.new_empty((len(ki),) + v.shape[1:])
@@ -662,7 +857,7 @@ class FlashAttnVarlenKernel:
             self.varlen_backward(dout[qi], q[qi], k[ki], v[ki], out[qi], row_lse, gq, gk, gv, cu_q, cu_kv, max_q, max_kv,
                                  dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=window[0], window_size_right=window[1],
                                  softcap=0.0, alibi_slopes=None, deterministic=True, rng_state=None)
-            dq[qi] = gq
+            dq.index_add_(0, qi, gq.to(dq.dtype))
             dk.index_add_(0, ki, gk.to(dk.dtype))
             dv.index_add_(0, ki, gv.to(dv.dtype))
         return dq, dk, dv
@@ -685,7 +880,9 @@ class SdpaKernel:
     group of entries of equal lengths, as an adapter for stages = 1 only: it
     gives no log-sum-exp to merge parts by, nor a backward that takes one.
     Its is_causal aligns top-left, so only square causal entries use it; the
-    others get the plan's mask, bottom-right aligned, as a bool attn_mask."""
+    others get the plan's mask, bottom-right aligned, as a bool attn_mask.
+    With ``entries`` (a plan with slices) each query shard (by cu_seqlens)
+    gets the union of its entries' bands as its attn_mask."""
 
     name = "sdpa"
     staged = False
@@ -696,40 +893,67 @@ class SdpaKernel:
             raise ImportError("kernel 'sdpa' needs torch.nn.functional.scaled_dot_product_attention (PyTorch 2.1 or later); "
                               f"this is PyTorch {torch.__version__}")
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None):
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None, *,
+                 entries=None):
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of the heads of k and v ({k.shape[1]})")
-        m, groups = _Mask(mask), q.shape[1] // k.shape[1]
+        groups = q.shape[1] // k.shape[1]
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        shards = _entries(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], mask if entries is None else {"type": "full"})
+        seen = self._seen(shards, None if entries is None else _parts(entries, q.shape[0], k.shape[0]), _Mask(mask), q.device)
         by_shape = {}
-        for q0, lq, k0, lk, _ in _entries(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0]):
-            by_shape.setdefault((lq, lk), []).append((q0, k0))
+        for i, (q0, lq, k0, lk, _, _) in enumerate(shards):
+            by_shape.setdefault((lq, lk), []).append(i)
         rows, outs = [], []
-        for (lq, lk), starts in by_shape.items():
-            qi = torch.tensor([q0 for q0, _ in starts], device=q.device)[:, None] + torch.arange(lq, device=q.device)
-            ki = torch.tensor([k0 for _, k0 in starts], device=q.device)[:, None] + torch.arange(lk, device=q.device)
+        for (lq, lk), members in by_shape.items():
+            qi = torch.tensor([shards[i][0] for i in members], device=q.device)[:, None] + torch.arange(lq, device=q.device)
+            ki = torch.tensor([shards[i][2] for i in members], device=q.device)[:, None] + torch.arange(lk, device=q.device)
             rows.append(qi.reshape(-1))
-            outs.append(self._group(q, k, v, qi, ki, m, groups, scale).reshape(-1, q.shape[1], v.shape[2]))
+            masks = None if seen is None else torch.stack([seen[i] for i in members])
+            outs.append(self._group(q, k, v, qi, ki, masks, _Mask(mask), groups, scale).reshape(-1, q.shape[1], v.shape[2]))
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
         return out.index_copy(0, torch.cat(rows), torch.cat(outs)) if rows else out + q[:0].sum()  # tied to q even without entries
 
-    def _group(self, q, k, v, qi, ki, m, groups, scale):
-        """Entries of one shape, batched: [entries, lq, heads, dim_v]."""
+    @staticmethod
+    def _seen(shards, entries, m, device):
+        """Per query shard its [lq, lk] bool mask, the union of its entries' bands; None: the plan's mask (no entries)."""
+        if entries is None:
+            return None
+        seen = [torch.zeros(lq, lk, dtype=torch.bool, device=device) for _, lq, _, lk, _, _ in shards]
+        starts = [s[0] for s in shards]
+        for q0, lq, k0, lk, lo, hi in entries:
+            i = bisect.bisect_right(starts, q0) - 1
+            sq, slq, sk, slk = shards[i][:4] if i >= 0 else (0, 0, 0, 0)
+            if i < 0 or q0 + lq > sq + slq or k0 < sk or k0 + lk > sk + slk:
+                raise ValueError(f"kernel 'sdpa': entry {(q0, lq, k0, lk, lo, hi)} does not lie inside one query shard and its KV group "
+                                 "(cu_seqlens_q / cu_seqlens_kv)")
+            lo, hi = _ends(lo, hi)
+            d = torch.arange(k0, k0 + lk, device=device)[None, :] - torch.arange(q0, q0 + lq, device=device)[:, None]
+            seen[i][q0 - sq:q0 - sq + lq, k0 - sk:k0 - sk + lk] |= (d >= lo) & (d <= hi)
+        return seen
+
+    def _group(self, q, k, v, qi, ki, masks, m, groups, scale):
+        """Entries of one shape, batched: [entries, lq, heads, dim_v]. ``masks``
+        [entries, lq, lk] or None: the plan's mask, bottom-right aligned."""
         lq, lk = qi.shape[1], ki.shape[1]
-        if lk == 0:
-            return q.new_zeros(qi.shape[0], lq, q.shape[1], v.shape[2])
-        seen = m.allows(torch.arange(lq, device=q.device)[:, None], torch.arange(lk, device=q.device)[None, :], lk - lq)
-        blind = ~seen.any(-1)  # rows that see no key: sdpa would give nan, we give 0
+        if masks is None:
+            lo, hi = _ends(*m.band(lk - lq))
+            d = torch.arange(lk, device=q.device)[None, :] - torch.arange(lq, device=q.device)[:, None]
+            seen = ((d >= lo) & (d <= hi))[None]
+            square_causal = m.kind == "causal" and lq == lk
+        else:
+            seen, square_causal = masks, False
+        blind = ~seen.any(-1)  # [entries or 1, lq]: rows that see no key: sdpa would give nan, we give 0
         qb = q[qi].transpose(1, 2)  # [entries, heads, lq, dim]
         kb, vb = (x[ki].repeat_interleave(groups, dim=2).transpose(1, 2) for x in (k, v))  # query head h reads h // groups
-        if m.kind == "causal" and lq == lk:
+        if square_causal:
             how = {"is_causal": True}  # square: top-left is bottom-right
         elif bool(seen.all()):
             how = {}
         else:
-            how = {"attn_mask": seen | blind[:, None]}
+            how = {"attn_mask": (seen | blind[..., None])[:, None] if masks is not None else (seen | blind[..., None])[0]}
         o = self.func(qb, kb, vb, dropout_p=0.0, scale=scale, **how).transpose(1, 2)
-        return o.masked_fill(blind[None, :, None, None], 0.0) if bool(blind.any()) else o
+        return o.masked_fill(blind[:, :, None, None], 0.0) if bool(blind.any()) else o
 
 
 #: The kernels ContextParallelAttention takes by name.
@@ -752,6 +976,21 @@ def kernel_adapter(kernel):
 def _takes_stages(kernel):
     """Whether a kernel has the forward / backward that stages > 1 need."""
     return getattr(kernel, "staged", True) and callable(getattr(kernel, "forward", None)) and callable(getattr(kernel, "backward", None))
+
+
+def _takes_entries(kernel):
+    """Whether a kernel's call takes ``entries=`` (a plan with slices): the adapters, or a callable with that keyword (or **kwargs)."""
+    if isinstance(kernel, (BlockwiseKernel, FlashAttnVarlenKernel, SdpaKernel)):
+        return True
+    try:
+        params = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
+    return "entries" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def _kernel_name(kernel):
+    return getattr(kernel, "name", None) or getattr(kernel, "__name__", type(kernel).__name__)
 
 
 def _stage_group(home, attention, world, groups):
@@ -778,10 +1017,10 @@ class _Staging:
     this rank holds itself (its own query shards and key-value shards),
     round g + 1 what the peers of group g send; each group is ONE joint
     exchange of queries and key-values. A part is an entry's query rows
-    against a run of its KV group's rows that all arrive by the same round,
-    its diagonal shifted so that the mask stays the document's;
-    ``passes[r]`` cuts round r's parts so that no kernel call sees a query
-    row twice. ``kv_ready[g]``: the round after which every part reading
+    against a run of its key rows that all arrive by the same round, with
+    the entry's band (bands are in the buffers' rows, so a run keeps it);
+    runs whose band shows no pair are left out. ``passes[r]`` cuts round r's
+    parts so that no kernel call sees a query row twice. ``kv_ready[g]``: the round after which every part reading
     group g's key-values is done, so their gradients can go home."""
 
     def __init__(self, d, stages):
@@ -817,28 +1056,27 @@ class _Staging:
         if self.fan_source is not None:
             kv_round = kv_round[self.fan_source]
             self.fan_rows = [torch.nonzero(kv_round == r).flatten() for r in range(self.groups + 1)]
-        self.passes = [[] for _ in range(self.groups + 1)]
-        read = kv_round.clone()  # the round in which each key-value row is read
-        cu_q, cu_kv = d.cu_seqlens_q.tolist(), d.cu_seqlens_kv.tolist()
-        for e in range(len(cu_q) - 1):
-            q0, lq, k0, lk = cu_q[e], cu_q[e + 1] - cu_q[e], cu_kv[e], cu_kv[e + 1] - cu_kv[e]
-            if lq and lk:
-                read[k0:k0 + lk] = self._cut((q0, lq, k0, lk), int(q_round[q0]), kv_round[k0:k0 + lk])
+        entries = d.entries
+        if entries is None:  # one entry per query shard under the plan's mask
+            entries = _entries(d.cu_seqlens_q, d.cu_seqlens_kv, len(q_round), len(kv_round), d.mask)
+        parts = [[] for _ in range(self.groups + 1)]
+        read = kv_round.clone()  # the round in which each key-value row is last read
+        for entry in entries:
+            for part, r in self._cut(entry, int(q_round[entry[0]]), kv_round):
+                parts[r].append(part)
+                read[part[2]:part[2] + part[3]].clamp_(min=r)
+        self.passes = [_row_disjoint(round_parts) for round_parts in parts]
         self.kv_ready = [max([g + 1] + read[kv_round == g + 1].tolist()) for g in range(self.groups)]
 
-    def _cut(self, entry, q_round, kv_round):
-        """Adds entry's parts (maximal runs of key rows read in one round) to the passes; returns each row's round."""
-        q0, lq, k0, lk = entry
-        rounds = kv_round.clamp(min=q_round)  # a part needs its queries too
+    @staticmethod
+    def _cut(entry, q_round, kv_round):
+        """(part, round) of each maximal run of entry's key rows read in one round (a part needs its queries too)."""
+        q0, lq, k0, lk, lo, hi = entry
+        rounds = kv_round[k0:k0 + lk].clamp(min=q_round)
         cuts = [0] + (torch.nonzero(rounds[1:] != rounds[:-1]).flatten() + 1).tolist() + [lk]
-        seen = {}
         for a, b in zip(cuts, cuts[1:]):
-            r = int(rounds[a])
-            k = seen[r] = seen.get(r, -1) + 1  # the entry's k-th part in round r goes to pass k
-            if k == len(self.passes[r]):
-                self.passes[r].append([])
-            self.passes[r][k].append((q0, lq, k0 + a, b - a, lk - lq - a))
-        return rounds
+            if _meets(q0, lq, k0 + a, b - a, lo, hi):
+                yield (q0, lq, k0 + a, b - a, lo, hi), int(rounds[a])
 
     def fan_out(self, landed, kva, rows=None):
         """Key-value rows of the attention layout from the wire (dedup); ``rows`` None: all."""
@@ -908,7 +1146,7 @@ class _StagedAttention(torch.autograd.Function):
     gradients go home as soon as every part reading them is done, dq last."""
 
     @staticmethod
-    def forward(ctx, q, k, v, d, st, kernel, mask, scale):
+    def forward(ctx, q, k, v, d, st, kernel, scale):
         kv = torch.cat([k, v], -1)
         posted = [stage.post([q, kv], d.group) for stage in st.stages]
         qa = q.new_zeros((d.q_route.forward.output_tokens,) + tuple(q.shape[1:]))
@@ -925,9 +1163,9 @@ class _StagedAttention(torch.autograd.Function):
             if st.fan_source is not None:
                 st.fan_out(landed, kva, st.fan_rows[r])
             for parts in passes:
-                _merge(out, lse, *kernel.forward(qa, kva[..., :dim], kva[..., dim:], parts, mask, scale))
+                _merge(out, lse, *kernel.forward(qa, kva[..., :dim], kva[..., dim:], parts, scale))
         out = out.to(q.dtype)
-        ctx.d, ctx.st, ctx.kernel, ctx.mask, ctx.scale, ctx.dim = d, st, kernel, mask, scale, dim
+        ctx.d, ctx.st, ctx.kernel, ctx.scale, ctx.dim = d, st, kernel, scale, dim
         ctx.save_for_backward(qa, kva, out, lse)
         return out
 
@@ -943,7 +1181,7 @@ class _StagedAttention(torch.autograd.Function):
         posted = []
         for r, passes in enumerate(st.passes):
             for parts in passes:
-                dq, dk, dv = ctx.kernel.backward(qa, kva[..., :dim], kva[..., dim:], out, lse, dout, parts, ctx.mask, ctx.scale)
+                dq, dk, dv = ctx.kernel.backward(qa, kva[..., :dim], kva[..., dim:], out, lse, dout, parts, ctx.scale)
                 dqa += dq
                 dkva[..., :dim] += dk
                 dkva[..., dim:] += dv
@@ -956,7 +1194,7 @@ class _StagedAttention(torch.autograd.Function):
         for p in posted:
             p.land([replica])
         dkv = st.land.combine(replica)
-        return dq_home, dkv[..., :dim], dkv[..., dim:], None, None, None, None, None
+        return dq_home, dkv[..., :dim], dkv[..., dim:], None, None, None, None
 
 
 def _home_bound(st, dkva, wire, r, dtype):
@@ -992,6 +1230,9 @@ class ContextParallelAttention(torch.nn.Module):
     any callable ``kernel(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
     max_seqlen_kv, mask, softmax_scale)`` that returns the output
     (differentiable), e.g. functools.partial(varlen_attention, block_q=...).
+    A plan with slices attends by its entries (RankDispatch.entries), which
+    the call then passes as ``entries=``: the adapters and varlen_attention
+    take them; a callable without that keyword is refused.
 
     ``stages`` (default 1): with 1, queries, keys and values travel in one
     exchange and the kernel attends the whole layout (bitwise reproducible
@@ -999,9 +1240,11 @@ class ContextParallelAttention(torch.nn.Module):
     by ring distance, each one exchange posted at once; the key-values this
     rank holds are attended while they travel and the partial outputs merge
     by their log-sum-exps. That needs a kernel with ``forward(q, k, v, parts,
-    mask, softmax_scale) -> (out, lse)`` and ``backward(q, k, v, out, lse,
-    dout, parts, mask, softmax_scale) -> (dq, dk, dv)`` taking the merged
-    output and lse: "blockwise" and "flash_attn_varlen" have them."""
+    softmax_scale) -> (out, lse)`` and ``backward(q, k, v, out, lse, dout,
+    parts, softmax_scale) -> (dq, dk, dv)`` taking the merged output and lse,
+    a part being (q_start, q_len, kv_start, kv_len, lo, hi) (an entry's
+    query rows, a run of its key rows and its band): "blockwise" and
+    "flash_attn_varlen" have them."""
 
     def __init__(self, softmax_scale=None, kernel="blockwise", stages=1):
         super().__init__()
@@ -1010,7 +1253,7 @@ class ContextParallelAttention(torch.nn.Module):
         self.softmax_scale, self.stages = softmax_scale, int(stages)
         self.kernel = kernel_adapter(kernel)
         if self.stages > 1 and not _takes_stages(self.kernel):
-            name = getattr(self.kernel, "name", None) or getattr(self.kernel, "__name__", type(self.kernel).__name__)
+            name = _kernel_name(self.kernel)
             raise ValueError(f"stages = {stages} needs a kernel whose forward gives the log-sum-exp and whose backward takes the merged "
                              f"output and log-sum-exp ('blockwise', 'flash_attn_varlen' or such an adapter); {name!r} runs stages = 1 only")
 
@@ -1019,12 +1262,20 @@ class ContextParallelAttention(torch.nn.Module):
             raise ValueError(f"q, k and v travel in one exchange and need one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
         staging = dispatch.staging(self.stages)
         if staging.groups:
-            out = _StagedAttention.apply(q, k, v, dispatch, staging, self.kernel, dispatch.mask, self.softmax_scale)
+            out = _StagedAttention.apply(q, k, v, dispatch, staging, self.kernel, self.softmax_scale)
         else:
             qa, ka, va = _JointDispatch.apply(q, k, v, dispatch, staging)
             cu_q = dispatch.cu_seqlens_q.to(q.device)
             cu_kv = dispatch.cu_seqlens_kv.to(q.device)
-            out = self.kernel(qa, ka, va, cu_q, cu_kv, dispatch.max_seqlen_q, dispatch.max_seqlen_kv, dispatch.mask, self.softmax_scale)
+            args = (qa, ka, va, cu_q, cu_kv, dispatch.max_seqlen_q, dispatch.max_seqlen_kv, dispatch.mask, self.softmax_scale)
+            if dispatch.entries is None:
+                out = self.kernel(*args)
+            elif _takes_entries(self.kernel):
+                out = self.kernel(*args, entries=dispatch.entries)
+            else:
+                raise ValueError(f"the plan's documents have slices: their attention entries (RankDispatch.entries) need a kernel that takes "
+                                 f"entries ('blockwise', 'flash_attn_varlen', 'sdpa', or a callable with an entries keyword, as "
+                                 f"varlen_attention has); {_kernel_name(self.kernel)!r} takes cu_seqlens and one mask")
             out = out[0] if isinstance(out, tuple) else out  # a kernel may give (out, lse)
             if torch.is_grad_enabled() and not out.requires_grad and any(x.requires_grad for x in (qa, ka, va)):
                 out = _Tie.apply(out, qa, ka, va)

@@ -285,6 +285,38 @@ void add_mask(const Layout& a, py::dict& d) {
   }
 }
 
+/// One attention entry as the plan format writes it (section 2e):
+/// [q0, q1, k0, k1, lo, hi], None for an open end of the band.
+py::object entry_object(const cpdispatch::AttentionEntry& e) {
+  const auto end = [](std::int64_t v, bool bounded) { return bounded ? py::object(py::int_(v)) : py::object(py::none()); };
+  py::list out(6);
+  out[0] = py::int_(e.q_start);
+  out[1] = py::int_(e.q_start + e.q_len);
+  out[2] = py::int_(e.kv_start);
+  out[3] = py::int_(e.kv_start + e.kv_len);
+  out[4] = end(e.band.lo, e.band.bounded_below());
+  out[5] = end(e.band.hi, e.band.bounded_above());
+  return out;
+}
+
+template <class Item>
+py::object entry_object(const std::vector<Item>& items) {
+  py::list out(items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) out[i] = entry_object(items[i]);
+  return out;
+}
+
+/// attn.entries (section 2e): per destination rank (a whole plan) or for
+/// the one rank, per query shard in arrival order, its entries in the
+/// shard's rows and its KV group's columns. Absent where the plan has no
+/// slices (the layout's list is then empty); `slices`: the plan has some,
+/// so a rank without query shards gets [] too (every rank of such a plan
+/// has the key, and so fails or succeeds alike).
+template <class Layout>
+void add_entries(const Layout& a, py::dict& d, bool slices = false) {
+  if (!a.entries.empty() || slices) d["entries"] = entry_object(a.entries);
+}
+
 /// "attn" of a whole plan.
 py::dict attention_dict(const cpdispatch::AttentionLayout& a) {
   py::dict d;
@@ -295,10 +327,11 @@ py::dict attention_dict(const cpdispatch::AttentionLayout& a) {
   d["max_seqlen_q"] = array_of(std::vector<std::int64_t>(a.max_seqlen_q));
   d["max_seqlen_kv"] = array_of(std::vector<std::int64_t>(a.max_seqlen_kv));
   add_mask(a, d);
+  add_entries(a, d);
   return d;
 }
 
-py::dict rank_attention_dict(cpdispatch::RankAttentionLayout&& a, std::size_t rank, py::dict& varlen) {
+py::dict rank_attention_dict(cpdispatch::RankAttentionLayout&& a, std::size_t rank, py::dict& varlen, bool slices) {
   varlen = varlen_dict(a.cu_seqlens_q, a.cu_seqlens_kv, a.max_seqlen_q, a.max_seqlen_kv, rank);
   py::dict d;
   d["seqlens_q"] = array_of(std::move(a.seqlens_q));
@@ -308,6 +341,7 @@ py::dict rank_attention_dict(cpdispatch::RankAttentionLayout&& a, std::size_t ra
   d["max_seqlen_q"] = a.max_seqlen_q;
   d["max_seqlen_kv"] = a.max_seqlen_kv;
   add_mask(a, d);
+  add_entries(a, d, slices);
   return d;
 }
 
@@ -535,14 +569,21 @@ py::dict plan(py::handle input, bool dedup, py::handle max_memory) {
   });
 }
 
+/// Whether some document of the plan carries slices (section 2e).
+bool has_slices(const ParsedPlan& parsed) {
+  const auto* d = std::get_if<cpdispatch::QkvDocumentsPlan>(&parsed.plan);
+  return d && std::any_of(d->documents.begin(), d->documents.end(), [](const auto& doc) { return !doc.slices.empty(); });
+}
+
 /// Rank `rank`'s share (and, with dedup, its wire slices and fan list), planned per rank.
 struct RankShare {
   cpdispatch::RankPlanMetadata metadata;
   std::optional<cpdispatch::RankKvWire> wire;
+  bool slices = false;  ///< some document of the plan has slices
 };
 
 RankShare plan_rank_share(const ParsedPlan& parsed, std::int64_t rank, const cpdispatch::PlanLimits& limits) {
-  if (!parsed.dedup) return {cpdispatch::plan_metadata_for_rank(parsed.plan, rank, limits), std::nullopt};
+  if (!parsed.dedup) return {cpdispatch::plan_metadata_for_rank(parsed.plan, rank, limits), std::nullopt, has_slices(parsed)};
   cpdispatch::RankQkvMetadata share;
   cpdispatch::RankKvWire wire;
   if (const auto* p = std::get_if<cpdispatch::QkvPlan>(&parsed.plan)) {
@@ -553,7 +594,7 @@ RankShare plan_rank_share(const ParsedPlan& parsed, std::int64_t rank, const cpd
     share = cpdispatch::plan_qkv_for_rank(d, rank, limits);
     wire = cpdispatch::plan_kv_wire_for_rank(d, rank, limits);
   }
-  return {std::move(share), std::move(wire)};
+  return {std::move(share), std::move(wire), has_slices(parsed)};
 }
 
 py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup, py::handle max_memory) {
@@ -573,7 +614,7 @@ py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup, py::hand
   out["kv_fwd"] = slice_dict(std::move(m.kv_fwd));
   out["kv_rev"] = slice_dict(std::move(m.kv_rev));
   py::dict varlen;
-  out["attn"] = rank_attention_dict(std::move(m.attn), static_cast<std::size_t>(rank), varlen);
+  out["attn"] = rank_attention_dict(std::move(m.attn), static_cast<std::size_t>(rank), varlen, share.slices);
   out["varlen"] = varlen;
   if (share.wire) {
     out["kv_wire_fwd"] = slice_dict(std::move(share.wire->fwd));
@@ -743,7 +784,7 @@ bool read_packed_batch(PyObject* o, cpdispatch::BalanceProblem& p) {
   if (!PyList_CheckExact(o)) return false;
   p.documents.resize(static_cast<std::size_t>(PyList_GET_SIZE(o)));
   for (std::size_t i = 0; i < p.documents.size(); ++i) {
-    if (!read_pieces(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)), p.documents[i])) return false;
+    if (!read_pieces(PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)), p.documents[i].pieces)) return false;
   }
   return true;
 }
@@ -850,6 +891,16 @@ void write_field(py::dict& d, PyObject* key, const fields::Field<S, T>& f, const
   if (!fields::is_default(s, f)) set_item(d, key, python_value(s.*f.member));
 }
 
+/// A document's "slices" (section 2e), which the JSON writer writes by hand
+/// rather than from the tables (plan/fields.hpp says why): last, as
+/// "slices" sorts after "shards". Other structs have none.
+template <class S>
+void add_slices(py::dict&, const S&) {}
+
+void add_slices(py::dict& d, const cpdispatch::PackedDocument& doc) {
+  if (!doc.slices.empty()) d["slices"] = to_python(cpdispatch::detail::slices_json(doc.slices));
+}
+
 /// S as the dict json.loads makes of the JSON writer's object: the same keys
 /// (optional ones at their default left out), in its sorted order.
 template <fields::Tabled S>
@@ -858,6 +909,7 @@ py::dict struct_dict(const S& s) {
   const auto& keys = interned_keys<S>();
   py::dict d;
   for (std::size_t i : order) fields::visit<S>(i, [&](const auto& entry) { write_field(d, keys[i], entry, s); });
+  add_slices(d, s);
   return d;
 }
 

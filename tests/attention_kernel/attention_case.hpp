@@ -1,11 +1,14 @@
 #pragma once
 // Shared pieces of the host attention kernel tests: random THD inputs rounded
-// to the element type, documents laid out back to back, and the error measure
+// to the element type, documents laid out back to back, entries with bands,
+// a brute-force double reference over any entries, and the error measure
 // (largest absolute difference over the largest reference magnitude).
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <span>
 #include <type_traits>
@@ -79,6 +82,81 @@ inline std::vector<std::int64_t> prefix_sums(const std::vector<std::int64_t>& le
   std::vector<std::int64_t> cu{0};
   for (auto l : lengths) cu.push_back(cu.back() + l);
   return cu;
+}
+
+/// The entry that attends query rows [q_start, +q_len) to key rows
+/// [kv_start, +kv_len) under `mask` with query row 0 at document position
+/// `diagonal` counted from key row 0 (how entries were written before they
+/// carried bands): the mask's band moved into buffer rows.
+inline AttentionEntry part_entry(const AttentionMask& mask, std::int64_t q_start, std::int64_t q_len,
+                                 std::int64_t kv_start, std::int64_t kv_len, std::int64_t diagonal) {
+  return {q_start, q_len, kv_start, kv_len, mask.band().shifted(diagonal + kv_start - q_start)};
+}
+
+/// What the brute-force reference computes over a whole call.
+struct EntryReference {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+/// Attention over arbitrary entries in double precision, pair by pair: query
+/// row j's softmax runs over every key t of every entry with j in its rows,
+/// t in its keys and e.allows(j, t) (a pair two entries allow counts twice,
+/// as the concept says); backward uses the forward's own out and lse. Rows
+/// no entry covers get out 0, lse -inf and zero gradients, so compare them
+/// with outputs that start as 0 and -inf.
+inline EntryReference reference_by_entries(const std::vector<double>& q, const std::vector<double>& k,
+                                           const std::vector<double>& v, const std::vector<double>& dout,
+                                           const AttentionShape& s, std::span<const AttentionEntry> entries) {
+  const std::int64_t D = s.head_dim, group = s.heads_q / s.heads_kv;
+  const std::int64_t tq = static_cast<std::int64_t>(q.size()) / (s.heads_q * D);
+  EntryReference r{std::vector<double>(q.size(), 0.0),
+                   std::vector<double>(static_cast<std::size_t>(s.heads_q * tq), -std::numeric_limits<double>::infinity()),
+                   std::vector<double>(q.size(), 0.0), std::vector<double>(k.size(), 0.0), std::vector<double>(k.size(), 0.0)};
+  auto qi = [&](std::int64_t j, std::int64_t h, std::int64_t d) { return static_cast<std::size_t>((j * s.heads_q + h) * D + d); };
+  auto ki = [&](std::int64_t t, std::int64_t h, std::int64_t d) {
+    return static_cast<std::size_t>((t * s.heads_kv + h / group) * D + d);
+  };
+  for (std::int64_t j = 0; j < tq; ++j) {
+    std::vector<std::int64_t> keys;  // with repetition
+    for (const AttentionEntry& e : entries) {
+      if (j < e.q_start || j >= e.q_start + e.q_len) continue;
+      for (std::int64_t t = e.kv_start; t < e.kv_start + e.kv_len; ++t) {
+        if (e.allows(j, t)) keys.push_back(t);
+      }
+    }
+    if (keys.empty()) continue;
+    for (std::int64_t h = 0; h < s.heads_q; ++h) {
+      std::vector<double> p(keys.size());
+      double m = -std::numeric_limits<double>::infinity();
+      for (std::size_t n = 0; n < keys.size(); ++n) {
+        double dot = 0;
+        for (std::int64_t d = 0; d < D; ++d) dot += q[qi(j, h, d)] * k[ki(keys[n], h, d)];
+        p[n] = dot * s.softmax_scale;
+        m = std::max(m, p[n]);
+      }
+      double sum = 0;
+      for (double x : p) sum += std::exp(x - m);
+      const double lse = m + std::log(sum);
+      r.lse[static_cast<std::size_t>(h * tq + j)] = lse;
+      for (double& x : p) x = std::exp(x - lse);
+      for (std::size_t n = 0; n < keys.size(); ++n) {
+        for (std::int64_t d = 0; d < D; ++d) r.out[qi(j, h, d)] += p[n] * v[ki(keys[n], h, d)];
+      }
+      double delta = 0;  // rowsum(dout * out)
+      for (std::int64_t d = 0; d < D; ++d) delta += dout[qi(j, h, d)] * r.out[qi(j, h, d)];
+      for (std::size_t n = 0; n < keys.size(); ++n) {
+        double dp = 0;
+        for (std::int64_t d = 0; d < D; ++d) dp += dout[qi(j, h, d)] * v[ki(keys[n], h, d)];
+        const double ds = p[n] * (dp - delta) * s.softmax_scale;
+        for (std::int64_t d = 0; d < D; ++d) {
+          r.dq[qi(j, h, d)] += ds * k[ki(keys[n], h, d)];
+          r.dk[ki(keys[n], h, d)] += ds * q[qi(j, h, d)];
+          r.dv[ki(keys[n], h, d)] += p[n] * dout[qi(j, h, d)];
+        }
+      }
+    }
+  }
+  return r;
 }
 
 }  // namespace cpdispatch::testing

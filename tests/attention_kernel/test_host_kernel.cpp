@@ -1,7 +1,9 @@
 // HostAttentionKernel against the double-precision reference over whole
 // documents: forward (out, log-sum-exp) and backward (dq, dk, dv), every
 // mask, MHA and GQA, several block sizes and thread counts; entries covering
-// parts of a document merged through the log-sum-exp; empty entries and rows
+// parts of a document merged through the log-sum-exp, and attended in one
+// call that shares their rows; shared-prefix, inverse and bi-causal bands and
+// random entries against a brute-force reference; empty entries and rows
 // that see nothing; 16-bit types; bad input.
 
 #include <gmock/gmock.h>
@@ -48,7 +50,7 @@ struct Batch {
     dout = random_elements<E>(q.size(), rng);
   }
   std::int64_t tokens() const { return cu.back(); }
-  std::vector<AttentionEntry> entries() const { return layout_entries(cu, cu); }
+  std::vector<AttentionEntry> entries(const AttentionMask& mask) const { return layout_entries(cu, cu, mask); }
 };
 
 template <class E>
@@ -62,9 +64,9 @@ Results<E> run_kernel(HostAttentionKernel& kernel, const Batch<E>& b, const Atte
   Results<E> r{std::vector<E>(b.q.size(), to_element<E>(nan)), std::vector<E>(b.q.size(), to_element<E>(nan)),
                std::vector<E>(b.k.size(), to_element<E>(nan)), std::vector<E>(b.k.size(), to_element<E>(nan)),
                std::vector<float>(static_cast<std::size_t>(b.shape.heads_q * b.tokens()), nan)};
-  const auto entries = b.entries();
-  kernel.forward<E>(b.shape, mask, entries, b.q, b.k, b.v, r.out, r.lse);
-  kernel.backward<E>(b.shape, mask, entries, b.q, b.k, b.v, r.out, r.lse, b.dout, r.dq, r.dk, r.dv);
+  const auto entries = b.entries(mask);
+  kernel.forward<E>(b.shape, entries, b.q, b.k, b.v, r.out, r.lse);
+  kernel.backward<E>(b.shape, entries, b.q, b.k, b.v, r.out, r.lse, b.dout, r.dq, r.dk, r.dv);
   return r;
 }
 
@@ -137,7 +139,7 @@ struct Merged {
 
 /// One document cut into query parts and key parts; every (query part, key
 /// part) pair is attended once, n pairs per call (pair i with part (i + shift) mod n,
-/// so no call shares a row), each entry with its own diagonal.
+/// so no call shares a row), each entry with the mask's band in its rows.
 TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
   const AttentionShape s = make_shape(4, 2, 6);
   const std::int64_t L = 19, wq = s.heads_q * s.head_dim;
@@ -155,7 +157,8 @@ TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
       std::vector<AttentionEntry> entries;
       for (std::size_t i = 0; i < n; ++i) {
         const std::size_t j = (i + shift) % n;
-        entries.push_back({q_cuts[i], q_cuts[i + 1] - q_cuts[i], k_cuts[j], k_cuts[j + 1] - k_cuts[j], q_cuts[i] - k_cuts[j]});
+        entries.push_back(part_entry(mask, q_cuts[i], q_cuts[i + 1] - q_cuts[i], k_cuts[j], k_cuts[j + 1] - k_cuts[j],
+                                     q_cuts[i] - k_cuts[j]));
       }
       calls.push_back(entries);
     }
@@ -164,7 +167,7 @@ TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
     std::vector<std::vector<float>> part_out, part_lse;
     for (const auto& entries : calls) {
       std::vector<float> o(b.q.size(), nan), l(lse.size(), nan);
-      kernel.forward<float>(s, mask, entries, b.q, b.k, b.v, o, l);
+      kernel.forward<float>(s, entries, b.q, b.k, b.v, o, l);
       for (std::size_t i = 0; i < lse.size(); ++i) {
         const double m = std::max(lse[i], static_cast<double>(l[i]));
         if (m != minus_inf) lse[i] = m + std::log(std::exp(lse[i] - m) + std::exp(l[i] - m));
@@ -192,7 +195,7 @@ TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
     std::vector<double> dq(b.q.size(), 0.0), dk(b.k.size(), 0.0), dv(b.k.size(), 0.0);
     for (const auto& entries : calls) {
       std::vector<float> gq(b.q.size(), nan), gk(b.k.size(), nan), gv(b.k.size(), nan);
-      kernel.backward<float>(s, mask, entries, b.q, b.k, b.v, whole_out, whole_lse, b.dout, gq, gk, gv);
+      kernel.backward<float>(s, entries, b.q, b.k, b.v, whole_out, whole_lse, b.dout, gq, gk, gv);
       for (std::size_t i = 0; i < dq.size(); ++i) dq[i] += gq[i];
       for (std::size_t i = 0; i < dk.size(); ++i) {
         dk[i] += gk[i];
@@ -203,6 +206,185 @@ TEST(HOST_KERNEL_SUITE, PartsOfADocumentMergeToTheWhole) {
     EXPECT_LE(relative_error(dk, grad.dk), float_tolerance);
     EXPECT_LE(relative_error(dv, grad.dv), float_tolerance);
   }
+}
+
+/// The same parts, all nine in one call: entries share query rows and key
+/// rows, and the kernel folds each row's parts into one softmax (forward)
+/// and sums each row's shares (backward), so the call alone is the whole.
+TEST(HOST_KERNEL_SUITE, PartsSharingRowsInOneCallAreTheWhole) {
+  const AttentionShape s = make_shape(4, 2, 6);
+  const std::int64_t L = 19;
+  const std::vector<std::int64_t> q_cuts{0, 5, 11, 19}, k_cuts{0, 7, 8, 19};
+  const Batch<float> b(s, {L}, 11);
+  for (const HostAttentionOptions& options : {HostAttentionOptions{2, 4, 4}, HostAttentionOptions{3, 3, 2}}) {
+    HostAttentionKernel kernel(options);
+    for (const AttentionMask& mask : all_masks()) {
+      SCOPED_TRACE(to_string(mask) + ", blocks " + std::to_string(options.block_q) + " x " + std::to_string(options.block_kv));
+      std::vector<AttentionEntry> entries;
+      for (std::size_t i = 0; i + 1 < q_cuts.size(); ++i) {
+        for (std::size_t j = 0; j + 1 < k_cuts.size(); ++j) {
+          entries.push_back(part_entry(mask, q_cuts[i], q_cuts[i + 1] - q_cuts[i], k_cuts[j], k_cuts[j + 1] - k_cuts[j],
+                                       q_cuts[i] - k_cuts[j]));
+        }
+      }
+      const auto q = as_doubles<float>(b.q), k = as_doubles<float>(b.k), v = as_doubles<float>(b.v);
+      const auto fwd = reference_attention_forward(q, k, v, L, reference_shape(s), mask);
+      const auto grad = reference_attention_backward(q, k, v, as_doubles<float>(b.dout), L, reference_shape(s), mask);
+      std::vector<float> out(b.q.size(), nan), lse(fwd.lse.size(), nan), dq(b.q.size(), nan), dk(b.k.size(), nan),
+          dv(b.k.size(), nan);
+      kernel.forward<float>(s, entries, b.q, b.k, b.v, out, lse);
+      kernel.backward<float>(s, entries, b.q, b.k, b.v, out, lse, b.dout, dq, dk, dv);
+      EXPECT_LE(relative_error(as_doubles<float>(out), fwd.out), float_tolerance);
+      EXPECT_LE(relative_error(as_doubles<float>(lse), fwd.lse), float_tolerance);
+      EXPECT_LE(relative_error(as_doubles<float>(dq), grad.dq), float_tolerance);
+      EXPECT_LE(relative_error(as_doubles<float>(dk), grad.dk), float_tolerance);
+      EXPECT_LE(relative_error(as_doubles<float>(dv), grad.dv), float_tolerance);
+    }
+  }
+}
+
+/// Inputs of a call over `tokens_q` query and `tokens_kv` key rows, and the
+/// kernel's results with outputs starting as 0 and lse as -infinity (what
+/// reference_by_entries gives rows outside every entry).
+struct EntryCall {
+  AttentionShape shape;
+  std::vector<float> q, k, v, dout;
+  EntryCall(AttentionShape s, std::int64_t tokens_q, std::int64_t tokens_kv, unsigned seed) : shape(s) {
+    std::mt19937 rng(seed);
+    q = random_elements<float>(static_cast<std::size_t>(tokens_q * s.heads_q * s.head_dim), rng);
+    k = random_elements<float>(static_cast<std::size_t>(tokens_kv * s.heads_kv * s.head_dim), rng);
+    v = random_elements<float>(k.size(), rng);
+    dout = random_elements<float>(q.size(), rng);
+  }
+
+  Results<float> run(HostAttentionKernel& kernel, const std::vector<AttentionEntry>& entries) const {
+    Results<float> r{std::vector<float>(q.size(), 0.0f), std::vector<float>(q.size(), 0.0f), std::vector<float>(k.size(), 0.0f),
+                     std::vector<float>(k.size(), 0.0f),
+                     std::vector<float>(q.size() / static_cast<std::size_t>(shape.head_dim), -INFINITY)};
+    kernel.forward<float>(shape, entries, q, k, v, r.out, r.lse);
+    kernel.backward<float>(shape, entries, q, k, v, r.out, r.lse, dout, r.dq, r.dk, r.dv);
+    return r;
+  }
+
+  /// Every tensor of the kernel's results within float_tolerance of the brute-force reference.
+  void expect_matches_reference(const Results<float>& got, const std::vector<AttentionEntry>& entries) const {
+    const auto want = reference_by_entries(as_doubles<float>(q), as_doubles<float>(k), as_doubles<float>(v),
+                                           as_doubles<float>(dout), shape, entries);
+    EXPECT_LE(relative_error(as_doubles<float>(got.out), want.out), float_tolerance) << "out";
+    EXPECT_LE(relative_error(as_doubles<float>(got.lse), want.lse), float_tolerance) << "lse";
+    EXPECT_LE(relative_error(as_doubles<float>(got.dq), want.dq), float_tolerance) << "dq";
+    EXPECT_LE(relative_error(as_doubles<float>(got.dk), want.dk), float_tolerance) << "dk";
+    EXPECT_LE(relative_error(as_doubles<float>(got.dv), want.dv), float_tolerance) << "dv";
+  }
+};
+
+/// A shared-prefix document (section 2e): a prompt of 7 tokens, causal, and
+/// two responses of 5 and 6 that each see the whole prompt and themselves
+/// causally. Its slices as entries share the responses' query rows and the
+/// prompt's key rows.
+std::vector<AttentionEntry> shared_prefix_entries() {
+  const Band causal{Band::unbounded_lo, 0}, full{};
+  return {{0, 7, 0, 7, causal}, {7, 5, 0, 7, full}, {7, 5, 7, 5, causal}, {12, 6, 0, 7, full}, {12, 6, 12, 6, causal}};
+}
+
+TEST(HOST_KERNEL_SUITE, SharedPrefixMatchesTheReference) {
+  const EntryCall call(make_shape(4, 2, 6), 18, 18, 61);
+  const auto entries = shared_prefix_entries();
+  for (const HostAttentionOptions& options : {HostAttentionOptions{2, 4, 4}, HostAttentionOptions{1, 3, 5}, HostAttentionOptions{2, 128, 256}}) {
+    SCOPED_TRACE("blocks " + std::to_string(options.block_q) + " x " + std::to_string(options.block_kv));
+    HostAttentionKernel kernel(options);
+    const auto got = call.run(kernel, entries);
+    call.expect_matches_reference(got, entries);
+    // The prompt and the first response are one causal document of 12 tokens: the whole-document reference agrees.
+    const std::int64_t wq = call.shape.heads_q * call.shape.head_dim;
+    const auto doc = reference_attention_forward(rows_of(as_doubles<float>(call.q), 0, 12, wq),
+                                                 rows_of(as_doubles<float>(call.k), 0, 12, call.shape.heads_kv * call.shape.head_dim),
+                                                 rows_of(as_doubles<float>(call.v), 0, 12, call.shape.heads_kv * call.shape.head_dim), 12,
+                                                 reference_shape(call.shape), AttentionMask::causal());
+    EXPECT_LE(relative_error(rows_of(as_doubles<float>(got.out), 0, 12, wq), doc.out), float_tolerance);
+  }
+}
+
+/// Inverse causal (top-left: t - j >= lo) and bi-causal bands, a sliding
+/// band that looks both ways, and an empty band, their rows and keys shared.
+TEST(HOST_KERNEL_SUITE, InverseAndBiCausalBandsMatchTheReference) {
+  const EntryCall call(make_shape(2, 1, 5), 16, 16, 67);
+  const std::vector<AttentionEntry> entries{
+      {0, 8, 0, 12, {0, Band::unbounded_hi}},  // inverse causal: row j sees keys j and later
+      {0, 8, 12, 4, {}},                       // and the last four keys whole
+      {8, 8, 0, 16, {-3, 2}},                  // a band around the diagonal, both ways
+      {4, 6, 2, 9, {5, 1}},                    // an empty band: nothing
+      {10, 6, 3, 6, {-9, -4}},                 // bi-causal: ka - qa <= t - j <= kb - qb
+  };
+  for (const HostAttentionOptions& options : {HostAttentionOptions{2, 2, 3}, HostAttentionOptions{3, 5, 4}}) {
+    SCOPED_TRACE("blocks " + std::to_string(options.block_q) + " x " + std::to_string(options.block_kv));
+    HostAttentionKernel kernel(options);
+    call.expect_matches_reference(call.run(kernel, entries), entries);
+  }
+}
+
+/// A band end: open, or a value in [-span, span].
+std::int64_t random_band_end(std::mt19937& rng, std::int64_t open, std::int64_t span) {
+  if (rng() % 4 == 0) return open;
+  return static_cast<std::int64_t>(rng() % static_cast<unsigned>(2 * span + 1)) - span;
+}
+
+/// Calls of up to six random entries (random rectangles, bands with open or
+/// bounded ends, empty ones included), rows and pairs shared at random.
+std::vector<AttentionEntry> random_entries(std::mt19937& rng, std::int64_t tokens_q, std::int64_t tokens_kv) {
+  std::vector<AttentionEntry> entries(1 + rng() % 6);
+  for (AttentionEntry& e : entries) {
+    e.q_start = static_cast<std::int64_t>(rng() % static_cast<unsigned>(tokens_q + 1));
+    e.q_len = static_cast<std::int64_t>(rng() % static_cast<unsigned>(tokens_q - e.q_start + 1));
+    e.kv_start = static_cast<std::int64_t>(rng() % static_cast<unsigned>(tokens_kv + 1));
+    e.kv_len = static_cast<std::int64_t>(rng() % static_cast<unsigned>(tokens_kv - e.kv_start + 1));
+    e.band = {random_band_end(rng, Band::unbounded_lo, 20), random_band_end(rng, Band::unbounded_hi, 20)};
+  }
+  return entries;
+}
+
+TEST(HOST_KERNEL_SUITE, RandomEntriesMatchTheReference) {
+  const EntryCall call(make_shape(4, 2, 3), 20, 17, 71);
+  std::mt19937 rng(73);
+  HostAttentionKernel small({2, 3, 4}), large({2, 8, 16});
+  for (int round = 0; round < 40; ++round) {
+    const auto entries = random_entries(rng, 20, 17);
+    SCOPED_TRACE("round " + std::to_string(round));
+    call.expect_matches_reference(call.run(small, entries), entries);
+    call.expect_matches_reference(call.run(large, entries), entries);
+  }
+}
+
+/// The rows some entry covers, cut where the covering entries change, each
+/// segment's entries in index order; empty ranges cover nothing.
+TEST(HOST_KERNEL_SUITE, RowCoverCutsRowsWhereTheirEntriesChange) {
+  using cpdispatch::detail::attention::CoverSide;
+  using cpdispatch::detail::attention::RowCover;
+  const Band full{};
+  const std::vector<AttentionEntry> entries{{4, 6, 0, 3, full}, {0, 5, 3, 0, full}, {12, 2, 1, 4, full}, {4, 2, 9, 2, full}, {7, 0, 5, 5, full}};
+  RowCover cover;
+  cover.build(entries, CoverSide::query);
+  struct Seg {
+    std::int64_t begin, end, offset;
+    std::vector<std::int64_t> ids;
+    bool operator==(const Seg&) const = default;
+  };
+  auto segments = [&] {
+    std::vector<Seg> out;
+    for (const auto& s : cover.segments()) {
+      const auto ids = cover.entries_of(s);
+      out.push_back({s.begin, s.end, s.offset, {ids.begin(), ids.end()}});
+    }
+    return out;
+  };
+  EXPECT_EQ(segments(), (std::vector<Seg>{{0, 4, 0, {1}}, {4, 5, 4, {0, 1, 3}}, {5, 6, 5, {0, 3}}, {6, 10, 6, {0}}, {12, 14, 10, {2}}}));
+  EXPECT_EQ(cover.rows(), 12);
+  EXPECT_EQ(cover.end(), 14);
+  cover.build(entries, CoverSide::key);  // entry 1 has no keys; entry 4's keys have no queries but are covered
+  EXPECT_EQ(segments(), (std::vector<Seg>{{0, 1, 0, {0}}, {1, 3, 1, {0, 2}}, {3, 5, 3, {2}}, {5, 9, 5, {4}}, {9, 10, 9, {3, 4}}, {10, 11, 10, {3}}}));
+  cover.build({}, CoverSide::query);
+  EXPECT_TRUE(cover.segments().empty());
+  EXPECT_EQ(cover.rows(), 0);
 }
 
 /// Entries without keys or without queries, rows that see no key and keys no
@@ -216,18 +398,19 @@ TEST(HOST_KERNEL_SUITE, EmptyEntriesAndRowsThatSeeNothing) {
   const auto k = random_elements<float>(static_cast<std::size_t>(tokens * 4), rng);
   const auto v = random_elements<float>(k.size(), rng);
   const auto dout = random_elements<float>(q.size(), rng);
+  const AttentionMask causal = AttentionMask::causal();
   const std::vector<AttentionEntry> entries{
-      {0, 3, 0, 0, 0},    // query rows 0-2 without keys
-      {3, 0, 0, 3, 0},    // key rows 0-2 without queries
-      {3, 4, 3, 4, -2},   // causal: rows 3, 4 see nothing, row 5 key 3, row 6 keys 3, 4; keys 5, 6 unseen
-      {7, 4, 7, 4, -10},  // every row before every key: nothing is seen
+      part_entry(causal, 0, 3, 0, 0, 0),    // query rows 0-2 without keys
+      part_entry(causal, 3, 0, 0, 3, 0),    // key rows 0-2 without queries
+      part_entry(causal, 3, 4, 3, 4, -2),   // rows 3, 4 see nothing, row 5 key 3, row 6 keys 3, 4; keys 5, 6 unseen
+      part_entry(causal, 7, 4, 7, 4, -10),  // every row before every key: nothing is seen
   };
   HostAttentionKernel kernel({2, 2, 2});
   constexpr float untouched = 42.0f;
   std::vector<float> out(q.size(), untouched), lse(static_cast<std::size_t>(2 * tokens), untouched);
-  kernel.forward<float>(s, AttentionMask::causal(), entries, q, k, v, out, lse);
+  kernel.forward<float>(s, entries, q, k, v, out, lse);
   std::vector<float> dq(q.size(), untouched), dk(k.size(), untouched), dv(k.size(), untouched);
-  kernel.backward<float>(s, AttentionMask::causal(), entries, q, k, v, out, lse, dout, dq, dk, dv);
+  kernel.backward<float>(s, entries, q, k, v, out, lse, dout, dq, dk, dv);
   auto q_row_zero = [&](const std::vector<float>& x, std::int64_t row) {
     for (std::int64_t i = row * 8; i < row * 8 + 8; ++i) {
       if (x[static_cast<std::size_t>(i)] != 0.0f) return false;
@@ -262,7 +445,9 @@ TEST(HOST_KERNEL_SUITE, EmptyEntriesAndRowsThatSeeNothing) {
 TEST(HOST_KERNEL_SUITE, AHugeWindowIsCausal) {
   const Batch<float> batch(make_shape(2, 1, 4), {7, 12}, 13);
   HostAttentionKernel kernel({2, 4, 4});
-  const auto wide = run_kernel(kernel, batch, AttentionMask::sliding_window(std::numeric_limits<std::int64_t>::max()));
+  const auto huge = AttentionMask::sliding_window(std::numeric_limits<std::int64_t>::max());
+  EXPECT_EQ(batch.entries(huge), batch.entries(AttentionMask::causal()));  // the band's lower end left open
+  const auto wide = run_kernel(kernel, batch, huge);
   const auto causal = run_kernel(kernel, batch, AttentionMask::causal());
   EXPECT_EQ(wide.out, causal.out);
   EXPECT_EQ(wide.lse, causal.lse);
@@ -284,6 +469,20 @@ TEST(HOST_KERNEL_SUITE, ResultsAreBitwiseTheSameForEveryThreadCount) {
     const auto a = run_kernel(one, batch, mask), b = run_kernel(four, batch, mask), c = run_kernel(four, batch, mask);
     for (const auto* r : {&b, &c}) {
       const char* which = r == &b ? "four threads" : "four threads, again";
+      EXPECT_TRUE(same_bytes(a.out, r->out)) << which;
+      EXPECT_TRUE(same_bytes(a.lse, r->lse)) << which;
+      EXPECT_TRUE(same_bytes(a.dq, r->dq)) << which;
+      EXPECT_TRUE(same_bytes(a.dk, r->dk)) << which;
+      EXPECT_TRUE(same_bytes(a.dv, r->dv)) << which;
+    }
+  }
+  // Entries sharing rows: each row's entries are folded in index order, whatever thread takes the row.
+  const EntryCall call(make_shape(4, 2, 8), 18, 18, 79);
+  std::mt19937 rng(83);
+  for (const auto& entries : {shared_prefix_entries(), random_entries(rng, 18, 18), random_entries(rng, 18, 18)}) {
+    const auto a = call.run(one, entries), b = call.run(four, entries), c = call.run(four, entries);
+    for (const auto* r : {&b, &c}) {
+      const char* which = r == &b ? "shared rows, four threads" : "shared rows, four threads, again";
       EXPECT_TRUE(same_bytes(a.out, r->out)) << which;
       EXPECT_TRUE(same_bytes(a.lse, r->lse)) << which;
       EXPECT_TRUE(same_bytes(a.dq, r->dq)) << which;
@@ -402,12 +601,11 @@ TEST(HOST_KERNEL_SUITE, RepeatedCallsAllocateNothing) {
   auto r = run_kernel(kernel, big, AttentionMask::causal());
   std::vector<bfloat16> out(small.q.size()), dq(small.q.size()), dk(small.k.size()), dv(small.k.size());
   std::vector<float> lse(static_cast<std::size_t>(4 * small.tokens()));
-  const auto entries = small.entries();
+  const auto entries = small.entries(AttentionMask::sliding_window(3));
   const auto used = counting_allocator::count([&] {
     for (int step = 0; step < 3; ++step) {
-      kernel.forward<bfloat16>(small.shape, AttentionMask::sliding_window(3), entries, small.q, small.k, small.v, out, lse);
-      kernel.backward<bfloat16>(small.shape, AttentionMask::sliding_window(3), entries, small.q, small.k, small.v, out,
-                                lse, small.dout, dq, dk, dv);
+      kernel.forward<bfloat16>(small.shape, entries, small.q, small.k, small.v, out, lse);
+      kernel.backward<bfloat16>(small.shape, entries, small.q, small.k, small.v, out, lse, small.dout, dq, dk, dv);
     }
   });
   EXPECT_EQ(used.total, 0u);
@@ -419,10 +617,10 @@ TEST(HOST_KERNEL_SUITE, BadInputIsRefusedWithTheFieldNamed) {
   const Batch<float> b(make_shape(4, 2, 4), {6}, 1);
   HostAttentionKernel kernel({1, 4, 4});
   std::vector<float> out(b.q.size()), lse(4 * 6), dq(b.q.size()), dk(b.k.size()), dv(b.k.size());
-  const auto entries = b.entries();
-  auto forward = [&](AttentionShape s, AttentionMask m, std::vector<AttentionEntry> e, std::size_t out_size) {
+  const auto entries = b.entries(AttentionMask::causal());
+  auto forward = [&](AttentionShape s, std::vector<AttentionEntry> e, std::size_t out_size) {
     std::vector<float> o(out_size);
-    kernel.forward<float>(s, m, e, b.q, b.k, b.v, o, lse);
+    kernel.forward<float>(s, e, b.q, b.k, b.v, o, lse);
   };
   using ::testing::HasSubstr;
   auto expect_refused = [](auto&& call, const std::string& what) {
@@ -433,19 +631,27 @@ TEST(HOST_KERNEL_SUITE, BadInputIsRefusedWithTheFieldNamed) {
       EXPECT_THAT(e.what(), HasSubstr(what));
     }
   };
-  const auto causal = AttentionMask::causal();
-  expect_refused([&] { forward(make_shape(4, 3, 4), causal, entries, out.size()); }, "heads_kv");
-  expect_refused([&] { forward(make_shape(4, 2, 0), causal, entries, out.size()); }, "head_dim");
-  expect_refused([&] { forward(AttentionShape{4, 2, 4, NAN}, causal, entries, out.size()); }, "softmax_scale");
-  expect_refused([&] { forward(b.shape, AttentionMask{MaskType::sliding_window, 0}, entries, out.size()); }, "mask.window");
-  expect_refused([&] { forward(b.shape, causal, entries, out.size() - 1); }, "out");
-  expect_refused([&] { forward(b.shape, causal, {{0, 7, 0, 6, 0}}, out.size()); }, "entries[0] has query rows");
-  expect_refused([&] { forward(b.shape, causal, {{0, 6, 2, 5, 0}}, out.size()); }, "entries[0] has key-value rows");
-  expect_refused([&] { forward(b.shape, causal, {{0, 3, 0, 3, 0}, {2, 3, 3, 3, 0}}, out.size()); }, "share query rows");
-  expect_refused([&] { forward(b.shape, causal, {{0, 3, 0, 3, 0}, {3, 3, 2, 3, 0}}, out.size()); }, "share key-value rows");
-  expect_refused([&] { forward(b.shape, causal, {{0, 3, 0, 3, INT64_MAX}}, out.size()); }, "entries[0].diagonal");
-  expect_refused([&] { kernel.backward<float>(b.shape, causal, entries, b.q, b.k, b.v, out, lse, b.dout, dq, dk, std::span<float>(dv).first(3)); }, "dv");
-  expect_refused([&] { kernel.backward<float>(b.shape, causal, entries, b.q, b.k, b.v, out, std::span<const float>(lse).first(3), b.dout, dq, dk, dv); }, "lse");
+  const Band causal{Band::unbounded_lo, 0};
+  const std::int64_t beyond = (std::int64_t{1} << 62) + 1;
+  expect_refused([&] { forward(make_shape(4, 3, 4), entries, out.size()); }, "heads_kv");
+  expect_refused([&] { forward(make_shape(4, 2, 0), entries, out.size()); }, "head_dim");
+  expect_refused([&] { forward(AttentionShape{4, 2, 4, NAN}, entries, out.size()); }, "softmax_scale");
+  expect_refused([&] { layout_entries(b.cu, b.cu, AttentionMask{MaskType::sliding_window, 0}); }, "mask.window");
+  expect_refused([&] { forward(b.shape, entries, out.size() - 1); }, "out");
+  expect_refused([&] { forward(b.shape, {{0, 7, 0, 6, causal}}, out.size()); }, "entries[0] has query rows");
+  expect_refused([&] { forward(b.shape, {{0, 6, 2, 5, causal}}, out.size()); }, "entries[0] has key-value rows");
+  expect_refused([&] { forward(b.shape, {{0, 3, 0, 3, {Band::unbounded_lo, beyond}}}, out.size()); }, "entries[0].band.hi");
+  expect_refused([&] { forward(b.shape, {{0, 3, 0, 3, {-beyond, 0}}}, out.size()); }, "entries[0].band.lo");
+  // Entries that share rows are the concept's own; a kernel that cannot fold them refuses them by this check.
+  cpdispatch::detail::attention::CallCheck separate;
+  expect_refused([&] { separate.separate_rows("K", "forward", std::vector<AttentionEntry>{{0, 3, 0, 3, causal}, {2, 3, 3, 3, causal}}); },
+                 "share query rows");
+  expect_refused([&] { separate.separate_rows("K", "forward", std::vector<AttentionEntry>{{0, 3, 0, 3, causal}, {3, 3, 2, 3, causal}}); },
+                 "share key-value rows");
+  EXPECT_NO_THROW(forward(b.shape, {{0, 3, 0, 3, causal}, {2, 3, 3, 3, causal}}, out.size()));
+  EXPECT_NO_THROW(forward(b.shape, {{0, 3, 0, 3, {5, 2}}}, out.size()));  // an empty band: the entry sees nothing
+  expect_refused([&] { kernel.backward<float>(b.shape, entries, b.q, b.k, b.v, out, lse, b.dout, dq, dk, std::span<float>(dv).first(3)); }, "dv");
+  expect_refused([&] { kernel.backward<float>(b.shape, entries, b.q, b.k, b.v, out, std::span<const float>(lse).first(3), b.dout, dq, dk, dv); }, "lse");
   expect_refused([&] { HostAttentionKernel k2({-1, 4, 4}); }, "threads");
   expect_refused([&] { HostAttentionKernel k2({1, 0, 4}); }, "block_q");
 }

@@ -1,7 +1,8 @@
 #pragma once
 // A world for the op's tests: a documents-form plan, random Q, K, V per whole
 // document, every rank's MLP layout cut from them, and the double-precision
-// reference attention over each whole document to compare against.
+// reference attention over each whole document to compare against (under the
+// document's slices where it has them, section 2e).
 
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_kernel/attention_case.hpp"
 #include "common/max_error.hpp"
 #include "common/reference_attention.hpp"
 #include "cpdispatch/attention/context_parallel.hpp"
@@ -143,9 +145,25 @@ class CpWorld {
     const cpdispatch::testing::ReferenceShape s{shape_.heads_q, shape_.heads_kv, shape_.head_dim, static_cast<double>(shape_.softmax_scale)};
     for (std::size_t i = 0; i < docs_.size(); ++i) {
       Doc& d = docs_[i];
+      if (!plan_.documents[i].slices.empty()) {
+        sliced_reference(d, plan_.documents[i].slices);
+        continue;
+      }
       d.ref = cpdispatch::testing::reference_attention_forward(d.q, d.k, d.v, lengths_[i], s, mask_);
       d.grads = cpdispatch::testing::reference_attention_backward(d.q, d.k, d.v, d.dout, lengths_[i], s, mask_);
     }
+  }
+
+  /// A document with slices: each slice an entry over the document's own
+  /// positions (its band on t - p as is), brute force.
+  void sliced_reference(Doc& d, const std::vector<cpdispatch::AttentionSlice>& slices) const {
+    std::vector<cpdispatch::AttentionEntry> entries;
+    for (const cpdispatch::AttentionSlice& sl : slices) {
+      entries.push_back({sl.q_begin, sl.q_end - sl.q_begin, sl.k_begin, sl.k_end - sl.k_begin, sl.band()});
+    }
+    auto r = cpdispatch::testing::reference_by_entries(d.q, d.k, d.v, d.dout, shape_, entries);
+    d.ref = {std::move(r.out), std::move(r.lse)};
+    d.grads = {std::move(r.dq), std::move(r.dk), std::move(r.dv)};
   }
 
   template <class T>

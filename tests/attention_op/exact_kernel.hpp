@@ -1,7 +1,8 @@
 #pragma once
 // A small exact attention kernel for the op's tests: double accumulation, one
-// query row at a time, no tiling. It models AttentionKernel, so the op's tests
-// do not depend on the speed or rounding of the shipped kernel.
+// query row at a time, no tiling. It models AttentionKernel (entries with
+// bands, rows shared between entries folded), so the op's tests do not
+// depend on the speed or rounding of the shipped kernel.
 
 #include <cmath>
 #include <cstddef>
@@ -20,61 +21,61 @@ struct ExactKernel {
   int backward_calls = 0;
 
   template <class E>
-  void forward(const cpdispatch::AttentionShape& s, const cpdispatch::AttentionMask& mask, std::span<const cpdispatch::AttentionEntry> entries,
-               std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out, std::span<float> lse) {
+  void forward(const cpdispatch::AttentionShape& s, std::span<const cpdispatch::AttentionEntry> entries, std::span<const E> q,
+               std::span<const E> k, std::span<const E> v, std::span<E> out, std::span<float> lse) {
     ++forward_calls;
     const std::int64_t tq = static_cast<std::int64_t>(lse.size()) / s.heads_q;
+    std::vector<std::int64_t> keys;
     std::vector<double> p;
-    for (const cpdispatch::AttentionEntry& e : entries) {
+    for (std::int64_t j = 0; j < tq; ++j) {
+      if (!keys_of_row(entries, j, keys)) continue;  // no entry covers the row: untouched
       for (std::int64_t h = 0; h < s.heads_q; ++h) {
-        for (std::int64_t j = 0; j < e.q_len; ++j) {
-          const double l = probabilities(s, mask, e, q, k, h, j, p);
-          lse[static_cast<std::size_t>(h * tq + e.q_start + j)] = static_cast<float>(l);
-          for (std::int64_t d = 0; d < s.head_dim; ++d) {
-            double acc = 0;
-            for (std::int64_t t = 0; t < e.kv_len; ++t) acc += p[static_cast<std::size_t>(t)] * val(v, kv_at(s, e.kv_start + t, h, d));
-            out[q_at(s, e.q_start + j, h, d)] = cpdispatch::detail::from_f32<E>(static_cast<float>(acc));
-          }
+        const double l = probabilities(s, keys, q, k, h, j, p);
+        lse[static_cast<std::size_t>(h * tq + j)] = static_cast<float>(l);
+        for (std::int64_t d = 0; d < s.head_dim; ++d) {
+          double acc = 0;
+          for (std::size_t n = 0; n < keys.size(); ++n) acc += p[n] * val(v, kv_at(s, keys[n], h, d));
+          out[q_at(s, j, h, d)] = cpdispatch::detail::from_f32<E>(static_cast<float>(acc));
         }
       }
     }
   }
 
   template <class E>
-  void backward(const cpdispatch::AttentionShape& s, const cpdispatch::AttentionMask& mask, std::span<const cpdispatch::AttentionEntry> entries,
-                std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<const E> out, std::span<const float> lse,
-                std::span<const E> dout, std::span<E> dq, std::span<E> dk, std::span<E> dv) {
+  void backward(const cpdispatch::AttentionShape& s, std::span<const cpdispatch::AttentionEntry> entries, std::span<const E> q,
+                std::span<const E> k, std::span<const E> v, std::span<const E> out, std::span<const float> lse, std::span<const E> dout,
+                std::span<E> dq, std::span<E> dk, std::span<E> dv) {
     ++backward_calls;
     const std::int64_t tq = static_cast<std::int64_t>(lse.size()) / s.heads_q, D = s.head_dim;
-    for (const cpdispatch::AttentionEntry& e : entries) {
-      std::vector<double> gq(static_cast<std::size_t>(e.q_len * s.heads_q * D)), gk(static_cast<std::size_t>(e.kv_len * s.heads_kv * D)), gv(gk.size());
+    std::vector<double> gq(dq.size()), gk(dk.size()), gv(dv.size());
+    std::vector<std::int64_t> keys;
+    for (std::int64_t j = 0; j < tq; ++j) {
+      if (!keys_of_row(entries, j, keys)) continue;
       for (std::int64_t h = 0; h < s.heads_q; ++h) {
-        const std::int64_t hk = h / (s.heads_q / s.heads_kv);
-        for (std::int64_t j = 0; j < e.q_len; ++j) {
-          const double l = lse[static_cast<std::size_t>(h * tq + e.q_start + j)];
-          if (l == -std::numeric_limits<double>::infinity()) continue;
-          double delta = 0;  // rowsum(dout * out) of the whole attention
-          for (std::int64_t d = 0; d < D; ++d) delta += val(dout, q_at(s, e.q_start + j, h, d)) * val(out, q_at(s, e.q_start + j, h, d));
-          for (std::int64_t t = 0; t < e.kv_len; ++t) {
-            if (!mask.allows(j, t, e.diagonal)) continue;
-            double score = 0, dp = 0;
-            for (std::int64_t d = 0; d < D; ++d) {
-              score += val(q, q_at(s, e.q_start + j, h, d)) * val(k, kv_at(s, e.kv_start + t, h, d));
-              dp += val(dout, q_at(s, e.q_start + j, h, d)) * val(v, kv_at(s, e.kv_start + t, h, d));
-            }
-            const double pr = std::exp(score * s.softmax_scale - l), ds = pr * (dp - delta) * s.softmax_scale;
-            for (std::int64_t d = 0; d < D; ++d) {
-              const auto qi = static_cast<std::size_t>((j * s.heads_q + h) * D + d), ki = static_cast<std::size_t>((t * s.heads_kv + hk) * D + d);
-              gq[qi] += ds * val(k, kv_at(s, e.kv_start + t, h, d));
-              gk[ki] += ds * val(q, q_at(s, e.q_start + j, h, d));
-              gv[ki] += pr * val(dout, q_at(s, e.q_start + j, h, d));
-            }
+        const double l = lse[static_cast<std::size_t>(h * tq + j)];
+        if (l == -std::numeric_limits<double>::infinity()) continue;
+        double delta = 0;  // rowsum(dout * out) of the whole attention
+        for (std::int64_t d = 0; d < D; ++d) delta += val(dout, q_at(s, j, h, d)) * val(out, q_at(s, j, h, d));
+        for (const std::int64_t t : keys) {
+          double score = 0, dp = 0;
+          for (std::int64_t d = 0; d < D; ++d) {
+            score += val(q, q_at(s, j, h, d)) * val(k, kv_at(s, t, h, d));
+            dp += val(dout, q_at(s, j, h, d)) * val(v, kv_at(s, t, h, d));
+          }
+          const double pr = std::exp(score * s.softmax_scale - l), ds = pr * (dp - delta) * s.softmax_scale;
+          for (std::int64_t d = 0; d < D; ++d) {
+            gq[q_at(s, j, h, d)] += ds * val(k, kv_at(s, t, h, d));
+            gk[kv_at(s, t, h, d)] += ds * val(q, q_at(s, j, h, d));
+            gv[kv_at(s, t, h, d)] += pr * val(dout, q_at(s, j, h, d));
           }
         }
       }
-      store(dq, gq, static_cast<std::size_t>(e.q_start * s.heads_q * D));
-      store(dk, gk, static_cast<std::size_t>(e.kv_start * s.heads_kv * D));
-      store(dv, gv, static_cast<std::size_t>(e.kv_start * s.heads_kv * D));
+    }
+    // Every row of an entry is written (zero where nothing was seen), no other.
+    for (const cpdispatch::AttentionEntry& e : entries) {
+      store(dq, gq, static_cast<std::size_t>(e.q_start * s.heads_q * D), static_cast<std::size_t>(e.q_len * s.heads_q * D));
+      store(dk, gk, static_cast<std::size_t>(e.kv_start * s.heads_kv * D), static_cast<std::size_t>(e.kv_len * s.heads_kv * D));
+      store(dv, gv, static_cast<std::size_t>(e.kv_start * s.heads_kv * D), static_cast<std::size_t>(e.kv_len * s.heads_kv * D));
     }
   }
 
@@ -88,33 +89,42 @@ struct ExactKernel {
     return static_cast<std::size_t>((row * s.heads_kv + h / (s.heads_q / s.heads_kv)) * s.head_dim + d);
   }
   template <class E>
-  static void store(std::span<E> to, const std::vector<double>& from, std::size_t at) {
-    for (std::size_t i = 0; i < from.size(); ++i) to[at + i] = cpdispatch::detail::from_f32<E>(static_cast<float>(from[i]));
+  static void store(std::span<E> to, const std::vector<double>& from, std::size_t at, std::size_t count) {
+    for (std::size_t i = at; i < at + count; ++i) to[i] = cpdispatch::detail::from_f32<E>(static_cast<float>(from[i]));
   }
 
-  /// Softmax weights of query row j (head h) over the entry's keys; returns the log-sum-exp.
+  /// The keys query row j sees in every entry covering it (a key two entries
+  /// allow, twice); false when no entry covers the row.
+  static bool keys_of_row(std::span<const cpdispatch::AttentionEntry> entries, std::int64_t j, std::vector<std::int64_t>& keys) {
+    keys.clear();
+    bool covered = false;
+    for (const cpdispatch::AttentionEntry& e : entries) {
+      if (j < e.q_start || j >= e.q_start + e.q_len) continue;
+      covered = true;
+      for (std::int64_t t = e.kv_start; t < e.kv_start + e.kv_len; ++t) {
+        if (e.allows(j, t)) keys.push_back(t);
+      }
+    }
+    return covered;
+  }
+
+  /// Softmax weights of query row j (head h) over `keys`; returns the log-sum-exp (-inf without keys).
   template <class E>
-  static double probabilities(const cpdispatch::AttentionShape& s, const cpdispatch::AttentionMask& mask, const cpdispatch::AttentionEntry& e,
-                              std::span<const E> q, std::span<const E> k, std::int64_t h, std::int64_t j, std::vector<double>& p) {
-    p.assign(static_cast<std::size_t>(e.kv_len), 0.0);
+  static double probabilities(const cpdispatch::AttentionShape& s, const std::vector<std::int64_t>& keys, std::span<const E> q,
+                              std::span<const E> k, std::int64_t h, std::int64_t j, std::vector<double>& p) {
+    p.assign(keys.size(), 0.0);
     double m = -std::numeric_limits<double>::infinity();
-    for (std::int64_t t = 0; t < e.kv_len; ++t) {
-      if (!mask.allows(j, t, e.diagonal)) continue;
+    for (std::size_t n = 0; n < keys.size(); ++n) {
       double dot = 0;
-      for (std::int64_t d = 0; d < s.head_dim; ++d) dot += val(q, q_at(s, e.q_start + j, h, d)) * val(k, kv_at(s, e.kv_start + t, h, d));
-      p[static_cast<std::size_t>(t)] = dot * s.softmax_scale;
-      m = std::max(m, dot * s.softmax_scale);
+      for (std::int64_t d = 0; d < s.head_dim; ++d) dot += val(q, q_at(s, j, h, d)) * val(k, kv_at(s, keys[n], h, d));
+      p[n] = dot * s.softmax_scale;
+      m = std::max(m, p[n]);
     }
     if (m == -std::numeric_limits<double>::infinity()) return m;
     double sum = 0;
-    for (std::int64_t t = 0; t < e.kv_len; ++t) {
-      if (mask.allows(j, t, e.diagonal)) sum += std::exp(p[static_cast<std::size_t>(t)] - m);
-    }
+    for (const double x : p) sum += std::exp(x - m);
     const double l = m + std::log(sum);
-    for (std::int64_t t = 0; t < e.kv_len; ++t) {
-      double& x = p[static_cast<std::size_t>(t)];
-      x = mask.allows(j, t, e.diagonal) ? std::exp(x - l) : 0.0;
-    }
+    for (double& x : p) x = std::exp(x - l);
     return l;
   }
 };

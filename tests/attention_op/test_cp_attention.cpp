@@ -129,6 +129,107 @@ TEST(CpAttentionIdleRanks, EmptyRankAndRankThatAttendsNothing) {
   world.expect_equal(run_op<float>(world, shape, {}), 1e-5);
 }
 
+// ---- plans with slices (section 2e): the op attends the plan's own entries ----
+
+using cpdispatch::AttentionSlice;
+using cpdispatch::SliceType;
+
+/// Section 2e's worked example (W = 2): a shared-prefix document (a prompt of
+/// 3 tokens, responses of 2 and 3, each seeing the prompt and itself) in
+/// shards of 3, 2, 3, and a plain causal document of two 2-token shards;
+/// then a second pair over three ranks: a prompt of 4 shared by responses of
+/// 3 and 5 in shards that cut through them, and a document of inverse and
+/// bi-causal slices; then slices that leave query and key rows uncovered.
+std::vector<cpdispatch::QkvDocumentsPlan> slice_plans(bool dedup) {
+  cpdispatch::QkvDocumentsPlan a;
+  a.world_size = 2;
+  a.dedup = dedup;
+  a.documents = {{{{0, 3, 1}, {0, 2, 0}, {1, 3, 1}},
+                  {{0, 3, 0, 3, SliceType::causal}, {3, 5, 0, 3, SliceType::full}, {3, 5, 3, 5, SliceType::causal},
+                   {5, 8, 0, 3, SliceType::full}, {5, 8, 5, 8, SliceType::causal}}},
+                 {{{1, 2, 1}, {1, 2, 0}}}};
+  cpdispatch::QkvDocumentsPlan b;
+  b.world_size = 3;
+  b.dedup = dedup;
+  b.documents = {{{{0, 3, 2}, {1, 3, 0}, {2, 2, 1}, {2, 4, 2}},
+                  {{0, 4, 0, 4, SliceType::causal}, {4, 7, 0, 4, SliceType::full}, {4, 7, 4, 7, SliceType::causal},
+                   {7, 12, 0, 4, SliceType::full}, {7, 12, 7, 12, SliceType::causal}}},
+                 {{{1, 4, 1}, {0, 5, 2}},
+                  {{0, 4, 0, 9, SliceType::inv_causal}, {4, 9, 0, 6, SliceType::bi_causal}, {4, 9, 6, 9, SliceType::full}}},
+                 {{{2, 3, 0}, {0, 3, 1}}}};
+  // Rows no slice covers: query 4 sees nothing, keys 2 and 3 are not in query
+  // shard 0's entries and keys 0 and 1 not in shard 1's (both groups hold them).
+  cpdispatch::QkvDocumentsPlan c;
+  c.world_size = 2;
+  c.dedup = dedup;
+  c.documents = {{{{0, 4, 1}, {1, 4, 0}}, {{0, 4, 0, 2, SliceType::full}, {5, 8, 2, 8, SliceType::causal}}},
+                 {{{1, 3, 1}, {0, 2, 0}}}};
+  return {a, b, c};
+}
+
+TEST(CpAttentionSlices, SharedPrefixAndBandsEqualTheReference) {
+  const AttentionShape shape{2, 1, 4, 0.45f};
+  for (const bool dedup : {false, true}) {
+    for (const cpdispatch::QkvDocumentsPlan& plan : slice_plans(dedup)) {
+      const CpWorld world(plan, shape, AttentionMask::causal(), 17, attention_test::round_to<float>);
+      for (const int stages : {1, 2, 3}) {
+        SCOPED_TRACE("W = " + std::to_string(plan.world_size) + ", stages " + std::to_string(stages) + (dedup ? ", dedup" : ""));
+        world.expect_equal(run_op<float>(world, shape, CpAttentionOptions{dedup, stages}), 1e-5);
+      }
+    }
+  }
+}
+
+/// Rows and keys no entry covers (the third slice plan) are cleared on an op
+/// that attended another plan first, whose outputs and gradients fill its buffers.
+TEST(CpAttentionSlices, RowsNoEntryCoversAreClearedOnAReusedOp) {
+  const AttentionShape shape{2, 1, 4, 0.45f};
+  const CpWorld before(plan_of({"W2", 2, 2, 1, AttentionMask::full(), false, 1, 29}), shape, AttentionMask::full(), 29,
+                       attention_test::round_to<float>);
+  const CpWorld after(slice_plans(false)[2], shape, AttentionMask::causal(), 31, attention_test::round_to<float>);
+  for (const int stages : {1, 2}) {
+    SCOPED_TRACE("stages " + std::to_string(stages));
+    std::vector<attention_test::RankResult> results(2);
+    cpdispatch::SimWorld sim(2, cpdispatch::SimOptions{sim_test::hang_timeout});
+    sim.run([&](cpdispatch::SimTransport& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel> op(
+          t, cpdispatch::plan_qkv_for_rank(before.plan(), t.rank()), shape, {false, stages});
+      (void)attention_test::step<float>(op, before.tensors(r));
+      const auto share = cpdispatch::plan_qkv_for_rank(after.plan(), t.rank());
+      op.replan(share);
+      results[r] = attention_test::step<float>(op, after.tensors(r));
+      results[r].q_rev = share.q_rev;
+    });
+    after.expect_equal(results, 1e-5);
+  }
+}
+
+/// ExactKernel declaring that it cannot fold entries sharing rows.
+struct SeparateRowsKernel : ExactKernel {
+  static constexpr bool folds_shared_rows = false;
+};
+
+/// A kernel that cannot fold shared rows gets the passes of a staged step
+/// (each call's entries share no row) and equals the reference; a plan whose
+/// own entries share rows is refused for it.
+TEST(CpAttentionSlices, AKernelThatCannotFoldIsGivenSeparateRowsOrRefused) {
+  const AttentionShape shape{2, 1, 4, 0.45f};
+  for (const bool dedup : {false, true}) {
+    const CpWorld world(plan_of({"W4", 4, 2, 1, AttentionMask::causal(), dedup, 3, 23}), shape, AttentionMask::causal(), 23,
+                        attention_test::round_to<float>);
+    world.expect_equal(run_op<float, SeparateRowsKernel>(world, shape, CpAttentionOptions{dedup, 3}), 1e-5);
+  }
+  cpdispatch::SimWorld sim(2, cpdispatch::SimOptions{sim_test::hang_timeout});
+  const cpdispatch::QkvDocumentsPlan plan = slice_plans(false)[0];
+  sim.run([&](cpdispatch::SimTransport& t) {
+    const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
+    using SeparateOp = cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, SeparateRowsKernel>;
+    // Both ranks attend a response's query shard, whose two entries (the prompt, itself) share its rows.
+    attention_test::expect_error([&] { SeparateOp(t, share, shape); }, "share query rows");
+  });
+}
+
 }  // namespace
 
 namespace {

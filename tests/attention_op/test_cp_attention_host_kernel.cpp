@@ -2,7 +2,8 @@
 // float equals whole-document attention within 1e-5; 16-bit types stay
 // within twice the error of the same kernel run unsharded in that type; one
 // stage gives the same bytes for every kernel thread count; a staged pass in
-// which a query row sees no key leaves the merged result exact and finite.
+// which a query row sees no key leaves the merged result exact and finite;
+// a plan with slices (its own entries, sharing rows) is exact.
 
 #include <gtest/gtest.h>
 
@@ -74,6 +75,24 @@ TEST(CpAttentionHostKernel, Float16WithinTwiceTheUnshardedError) {
   expect_within_twice_unsharded<cpdispatch::float16>(4);
 }
 
+/// Section 2e's worked example (a shared-prefix document with slices and a
+/// causal one, W = 2): the kernel gets the plan's own entries, several per
+/// query shard sharing its rows, and equals the reference.
+TEST(CpAttentionHostKernel, SharedPrefixSlicesEqualWholeDocumentAttention) {
+  using cpdispatch::SliceType;
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.documents = {{{{0, 3, 1}, {0, 2, 0}, {1, 3, 1}},
+                     {{0, 3, 0, 3, SliceType::causal}, {3, 5, 0, 3, SliceType::full}, {3, 5, 3, 5, SliceType::causal},
+                      {5, 8, 0, 3, SliceType::full}, {5, 8, 5, 8, SliceType::causal}}},
+                    {{{1, 2, 1}, {1, 2, 0}}}};
+  const AttentionShape shape{4, 2, 8, 0.35f};
+  const CpWorld world(plan, shape, AttentionMask::causal(), 59, attention_test::round_to<float>);
+  for (const int stages : {1, 2}) {
+    world.expect_equal(run_op<float, HostAttentionKernel>(world, shape, {false, stages}, cpdispatch::HostAttentionOptions{1, 2, 2}), 1e-5);
+  }
+}
+
 /// Every byte of every rank's out, lse, dq, dk and dv of `b` equals `a`'s
 /// (bytes, not ==: +0 and -0 differ, and a NaN equals its own bytes).
 void expect_same_bytes(const std::vector<RankResult>& a, const std::vector<RankResult>& b, const std::string& what) {
@@ -130,20 +149,29 @@ TEST(CpAttentionHostKernel, OneStageIsBitwiseTheSameForEveryThreadCount) {
 }
 
 /// HostAttentionKernel that counts the query rows its forward calls leave
-/// without a key (lse -infinity): the staged case below must produce some.
+/// without a key (lse -infinity, each row once per call): the staged case
+/// below must produce some. With Folds false it declares that it cannot
+/// fold entries sharing rows, so the op attends a round's parts in passes.
+template <bool Folds>
 class EmptyRowCountingKernel {
  public:
+  static constexpr bool folds_shared_rows = Folds;
+
   EmptyRowCountingKernel(const cpdispatch::HostAttentionOptions& options, std::atomic<int>* const& empty_rows)
       : kernel_(options), empty_rows_(empty_rows) {}
 
   template <class E>
-  void forward(const AttentionShape& s, const AttentionMask& mask, std::span<const cpdispatch::AttentionEntry> entries, std::span<const E> q,
-               std::span<const E> k, std::span<const E> v, std::span<E> out, std::span<float> lse) {
-    kernel_.forward(s, mask, entries, q, k, v, out, lse);
+  void forward(const AttentionShape& s, std::span<const cpdispatch::AttentionEntry> entries, std::span<const E> q, std::span<const E> k,
+               std::span<const E> v, std::span<E> out, std::span<float> lse) {
+    if constexpr (!Folds) check_.separate_rows("EmptyRowCountingKernel", "forward", entries);
+    kernel_.forward(s, entries, q, k, v, out, lse);
     const auto tokens = static_cast<std::int64_t>(lse.size()) / s.heads_q;
+    std::vector<bool> counted(static_cast<std::size_t>(tokens), false);
     for (const cpdispatch::AttentionEntry& e : entries) {
-      for (std::int64_t h = 0; h < s.heads_q; ++h) {
-        for (std::int64_t j = e.q_start; j < e.q_start + e.q_len; ++j) {
+      for (std::int64_t j = e.q_start; j < e.q_start + e.q_len; ++j) {
+        if (counted[static_cast<std::size_t>(j)]) continue;
+        counted[static_cast<std::size_t>(j)] = true;
+        for (std::int64_t h = 0; h < s.heads_q; ++h) {
           if (lse[static_cast<std::size_t>(h * tokens + j)] == -std::numeric_limits<float>::infinity()) ++*empty_rows_;
         }
       }
@@ -151,15 +179,17 @@ class EmptyRowCountingKernel {
   }
 
   template <class E>
-  void backward(const AttentionShape& s, const AttentionMask& mask, std::span<const cpdispatch::AttentionEntry> entries, std::span<const E> q,
-                std::span<const E> k, std::span<const E> v, std::span<const E> out, std::span<const float> lse, std::span<const E> dout,
-                std::span<E> dq, std::span<E> dk, std::span<E> dv) {
-    kernel_.backward(s, mask, entries, q, k, v, out, lse, dout, dq, dk, dv);
+  void backward(const AttentionShape& s, std::span<const cpdispatch::AttentionEntry> entries, std::span<const E> q, std::span<const E> k,
+                std::span<const E> v, std::span<const E> out, std::span<const float> lse, std::span<const E> dout, std::span<E> dq,
+                std::span<E> dk, std::span<E> dv) {
+    if constexpr (!Folds) check_.separate_rows("EmptyRowCountingKernel", "backward", entries);
+    kernel_.backward(s, entries, q, k, v, out, lse, dout, dq, dk, dv);
   }
 
  private:
   HostAttentionKernel kernel_;
   std::atomic<int>* empty_rows_;
+  cpdispatch::detail::attention::CallCheck check_;
 };
 
 // Three ranks in three stages: rank X receives from home rank h in round
@@ -168,11 +198,14 @@ class EmptyRowCountingKernel {
 // [2, 3) on rank 1, [3, 6) on rank 2, the last attended on rank 0, under a
 // window of 3. Its KV group is all three shards (query 3 sees key 1); its
 // parts on rank 0 are keys 0-1 (round 1, with the queries), key 2 (round 2)
-// and keys 3-5 (round 1). Round 1 attends keys 0-1 in a pass of its own,
-// before keys 3-5, and queries 4 and 5 see none of them: their first partial
-// output is empty while their running log-sum-exp is still -infinity.
-// Document 1 is the same shape rotated to rank 1 (homes 1, 2, 0); document 2
-// gives rank 2 an entry of its own.
+// and keys 3-5 (round 1). A kernel that cannot fold shared rows attends keys
+// 0-1 in a pass of its own, before keys 3-5, and queries 4 and 5 see none of
+// them: their first partial output is empty while their running log-sum-exp
+// is still -infinity. A kernel that folds them attends round 1 in one call,
+// where queries 4 and 5 see keys 3-5; query 5 sees nothing in round 2 (key
+// 2) alone. Either way every query row outside a round's call merges an
+// empty part too. Document 1 is the same shape rotated to rank 1 (homes 1,
+// 2, 0); document 2 gives rank 2 an entry of its own.
 cpdispatch::QkvDocumentsPlan empty_first_pass_plan(bool dedup) {
   cpdispatch::QkvDocumentsPlan plan;
   plan.world_size = 3;
@@ -196,20 +229,27 @@ void expect_all_finite(const std::vector<RankResult>& results, const std::string
   }
 }
 
-TEST(CpAttentionHostKernel, StagedPassWhereARowSeesNoKeyEqualsWholeDocumentAttention) {
+template <bool Folds>
+void expect_staged_empty_rows_exact(int want_empty_rows) {
   const AttentionShape shape{2, 1, 4, 0.5f};
   for (const bool dedup : {false, true}) {
     const cpdispatch::QkvDocumentsPlan plan = empty_first_pass_plan(dedup);
     const CpWorld world(plan, shape, plan.mask, 53, attention_test::round_to<float>);
     std::atomic<int> empty_rows{0};
-    const auto results = run_op<float, EmptyRowCountingKernel>(world, shape, {dedup, 3}, one_thread, &empty_rows);
-    const std::string what = dedup ? "dedup" : "no dedup";
-    // In documents 0 and 1, both heads: queries 4 and 5 in the pass of keys
-    // 0-1 (their first), query 5 in that of key 2 (after keys 3-5).
-    EXPECT_EQ(empty_rows.load(), 12) << what << ": the passes are no longer the ones described above";
+    const auto results = run_op<float, EmptyRowCountingKernel<Folds>>(world, shape, {dedup, 3}, one_thread, &empty_rows);
+    const std::string what = std::string(dedup ? "dedup" : "no dedup") + (Folds ? ", folding kernel" : ", kernel in passes");
+    EXPECT_EQ(empty_rows.load(), want_empty_rows) << what << ": the passes are no longer the ones described above";
     expect_all_finite(results, what);  // a NaN fails here, whatever the tolerance check below makes of it
     world.expect_equal(results, 1e-5);
   }
+}
+
+TEST(CpAttentionHostKernel, StagedPassWhereARowSeesNoKeyEqualsWholeDocumentAttention) {
+  // In documents 0 and 1, both heads: queries 4 and 5 in the pass of keys
+  // 0-1 (their first), query 5 in that of key 2 (after keys 3-5).
+  expect_staged_empty_rows_exact<false>(12);
+  // Round 1 in one call: only query 5 in the call of key 2.
+  expect_staged_empty_rows_exact<true>(4);
 }
 
 }  // namespace

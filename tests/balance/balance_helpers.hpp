@@ -81,20 +81,23 @@ inline AssertionResult valid_plan(const cpdispatch::BalanceProblem& p, const cpd
   return AssertionSuccess();
 }
 
-/// Sum over the documents of a packed batch of their whole-document cost.
+/// Sum over the documents of a packed batch of their whole-document cost:
+/// under the mask, or a document's slices.
 inline I total_packed_cost(const cpdispatch::BalanceProblem& p) {
   I total = 0;
   for (const auto& doc : p.documents) {
     I len = 0;
-    for (const auto& pc : doc) len += pc.len;
-    total += cpdispatch::attention_pairs(p.mask, 0, len, len);  // len (len + 1) / 2 when causal
+    for (const auto& pc : doc.pieces) len += pc.len;
+    total += doc.slices.empty() ? cpdispatch::attention_pairs(p.mask, 0, len, len)  // len (len + 1) / 2 when causal
+                                : cpdispatch::slice_pairs(doc.slices, 0, len, 0, len);
   }
   return total;
 }
 
 /// A documents-form plan of a packed batch: every document in order, at most
 /// C shards, each shard inside one piece and on its home, the shards tiling
-/// every piece in order; attention cost conserved; capacities respected.
+/// every piece in order, its slices unchanged; attention cost conserved;
+/// capacities respected.
 inline AssertionResult valid_packed_plan(const cpdispatch::BalanceProblem& p, const cpdispatch::QkvDocumentsPlan& plan,
                                          bool check_cp_degree = true) {
   if (plan.world_size != p.world_size) return AssertionFailure() << "world size differs";
@@ -105,9 +108,10 @@ inline AssertionResult valid_packed_plan(const cpdispatch::BalanceProblem& p, co
     if (shards.empty() || (check_cp_degree && static_cast<I>(shards.size()) > p.max_cp_degree)) {
       return AssertionFailure() << "documents[" << i << "] has " << shards.size() << " shards, C = " << p.max_cp_degree;
     }
+    if (plan.documents[i].slices != p.documents[i].slices) return AssertionFailure() << "documents[" << i << "]: its slices changed";
     std::size_t k = 0;
-    for (std::size_t j = 0; j < p.documents[i].size(); ++j) {
-      const auto& pc = p.documents[i][j];
+    for (std::size_t j = 0; j < p.documents[i].pieces.size(); ++j) {
+      const auto& pc = p.documents[i].pieces[j];
       I covered = 0;
       while (covered < pc.len) {
         if (k == shards.size()) return AssertionFailure() << "documents[" << i << "]: shards end inside piece " << j;

@@ -301,9 +301,9 @@ TEST(PlanBalanced, ThePlanningPageSnippet) {  // docs/planning.md, "Load-balance
   p.world_size = 4;
   p.max_cp_degree = 8;                                   // C: the most shards per document
   // A packed batch: every document's pieces in causal order, {home rank, tokens}.
-  p.documents = {{{0, 11000}, {1, 2000}},                // starts on rank 0, continues on rank 1
-                 {{1, 9000}, {2, 11000}, {3, 3000}},     // spans ranks 1 to 3
-                 {{3, 8000}}};
+  p.documents = {{{{0, 11000}, {1, 2000}}},              // starts on rank 0, continues on rank 1
+                 {{{1, 9000}, {2, 11000}, {3, 3000}}},   // spans ranks 1 to 3
+                 {{{3, 8000}}}};
   // (or p.docs = {{...}, ...}: the lengths of the whole documents on each rank)
   p.q_bytes = 8192;                                      // optional: bytes per query token,
   p.kv_bytes = 4096;                                     //   per key-value token

@@ -12,10 +12,13 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "../common/plan_cli.hpp"
 #include "balance_helpers.hpp"
+#include "cpdispatch/plan/balance_json.hpp"
 #include "cpdispatch/plan/json.hpp"
 
 namespace {
@@ -166,7 +169,7 @@ cpdispatch::BalanceProblem packed_problem() {
   cpdispatch::BalanceProblem p;
   p.world_size = 4;
   p.max_cp_degree = 6;
-  p.documents = {{{0, 900}, {1, 1000}, {2, 200}}, {{2, 500}}, {{2, 300}, {3, 1000}}};
+  p.documents = {{{{0, 900}, {1, 1000}, {2, 200}}}, {{{2, 500}}}, {{{2, 300}, {3, 1000}}}};
   return p;
 }
 
@@ -249,6 +252,53 @@ TEST_F(BalanceCli, PackedErrorsNameTheJsonPath) {
   }
 }
 
+// A shared prompt (4 tokens) with two responses beside a plain document
+// (section 2e): the plan written carries the slices as given, plan mode
+// plans it, and --summary and --dedup run on it.
+constexpr const char* kSlices = R"({"world_size": 2, "max_cp_degree": 2, "documents": [
+  {"pieces": [{"rank": 0, "len": 8}], "slices": [{"q": [0, 4], "k": [0, 4], "type": "causal"},
+    {"q": [4, 6], "k": [0, 4], "type": "full"}, {"q": [4, 6], "k": [4, 6], "type": "causal"},
+    {"q": [6, 8], "k": [0, 4], "type": "full"}, {"q": [6, 8], "k": [6, 8], "type": "causal"}]},
+  {"pieces": [{"rank": 1, "len": 2}]}]})";
+
+TEST_F(BalanceCli, SlicesTravelWithTheBalancedPlan) {
+  const Result r = run("balance", kSlices);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json plan = nlohmann::json::parse(r.out);
+  EXPECT_EQ(plan.at("documents")[0].at("slices"), nlohmann::json::parse(kSlices).at("documents")[0].at("slices"));
+  EXPECT_FALSE(plan.at("documents")[1].contains("slices"));
+  EXPECT_FALSE(plan.contains("max_cp_degree"));  // planning derives C from the needed sets
+  const cpdispatch::BalanceProblem p = cpdispatch::balance_problem_from_json(nlohmann::json::parse(kSlices));
+  const cpdispatch::QkvDocumentsPlan expected = cpdispatch::plan_balanced(p);
+  EXPECT_EQ(std::get<cpdispatch::QkvDocumentsPlan>(cpdispatch::plan_from_json(plan)).documents, expected.documents);
+  const Result planned = run(file("plan.json", r.out));
+  EXPECT_EQ(planned.status, 0) << planned.err;
+  EXPECT_THAT(planned.out, HasSubstr("\"entries\""));
+  for (const char* options : {"--summary", "--summary --dedup"}) {
+    const Result summary = run(std::string("balance ") + options, kSlices);
+    EXPECT_EQ(summary.status, 0) << options << ": " << summary.err;
+    EXPECT_THAT(summary.out, HasSubstr("x the lower bound")) << options;
+  }
+}
+
+TEST_F(BalanceCli, BadSlicesAreNamedByTheirJsonPath) {
+  auto batch = [](const std::string& slices) {
+    return R"({"world_size": 2, "max_cp_degree": 2, "documents": [{"pieces": [{"rank": 0, "len": 3}], "slices": )" + slices + "}]}";
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {batch("[]"), "documents[0].slices: an empty list"},
+      {batch(R"([{"q": [0, 3], "k": [1, 4], "type": "full"}])"), "documents[0].slices[0].k = [1, 4] reaches outside the document (3 tokens)"},
+      {batch(R"([{"q": [0, 3], "k": [0, 3], "type": "band"}])"), "documents[0].slices[0].type: unknown slice type \"band\""},
+      {batch(R"([{"q": [0, 3], "k": [0, 1], "type": "bi_causal"}])"), "documents[0].slices[0] (bi_causal, q [0, 3], k [0, 1]) has no"},
+  };
+  for (const auto& [input, message] : cases) {
+    const Result r = run("balance", input);
+    EXPECT_EQ(r.status, 2) << input;
+    EXPECT_THAT(r.err, HasSubstr(message)) << input;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
 TEST_F(BalanceCli, UsageErrorsAndHelp) {
   EXPECT_EQ(run("balance --svg").status, 2);
   EXPECT_THAT(run("balance --svg").err, HasSubstr("--svg needs a file name"));
@@ -303,7 +353,7 @@ TEST_F(BalanceCli, ThePackedExampleIsWhatTheToolWrites) {
   p.world_size = input.at("world_size").get<I>();
   p.max_cp_degree = input.at("max_cp_degree").get<I>();
   for (const auto& d : input.at("documents")) {
-    auto& doc = p.documents.emplace_back();
+    auto& doc = p.documents.emplace_back().pieces;
     for (const auto& pc : d.at("pieces")) doc.push_back({pc.at("rank").get<I>(), pc.at("len").get<I>()});
   }
   const cpdispatch::QkvDocumentsPlan balanced = documents_plan(nlohmann::json::parse(plan.out));
@@ -322,7 +372,7 @@ cpdispatch::BalanceProblem dedup_problem() {
   cpdispatch::BalanceProblem p;
   p.world_size = 3;
   p.max_cp_degree = 3;
-  p.documents = {{{2, 6}}, {{1, 11}}, {{1, 5}, {0, 9}}};
+  p.documents = {{{{2, 6}}}, {{{1, 11}}}, {{{1, 5}, {0, 9}}}};
   return p;
 }
 

@@ -43,7 +43,7 @@ TEST(BalanceJson, PackedBatchGivesItsProblem) {
   const BalanceProblem p = cpdispatch::balance_problem_from_json(j);
   EXPECT_EQ(p.world_size, 3);
   EXPECT_EQ(p.max_cp_degree, 2);
-  const std::vector<std::vector<DocumentPiece>> documents{{{0, 5}, {1, 3}}, {{2, 4}}};
+  const std::vector<cpdispatch::BalanceDocument> documents{{{{0, 5}, {1, 3}}}, {{{2, 4}}}};
   EXPECT_EQ(p.documents, documents);
   EXPECT_TRUE(p.docs.empty());
   EXPECT_EQ(p.recv_capacity, (std::vector<I>{10, 11, 12}));

@@ -91,7 +91,7 @@ TEST(DedupBalance, ReceiveCapacitiesAndPerRankDocumentsStillHold) {
     std::vector<I> held(static_cast<std::size_t>(p.world_size), 0);
     for (const auto& doc : p.documents) {
       I len = 0;
-      for (const auto& pc : doc) len += pc.len, held[static_cast<std::size_t>(pc.rank)] += pc.len;
+      for (const auto& pc : doc.pieces) len += pc.len, held[static_cast<std::size_t>(pc.rank)] += pc.len;
       widest = std::max(widest, len);
     }
     for (I h : held) p.recv_capacity.push_back(2 * h + widest);
@@ -117,7 +117,7 @@ TEST(DedupBalance, TwoShardsOfOneDocumentShareARankAndMoveFewerKeyValues) {
   BalanceProblem p;
   p.world_size = 3;
   p.max_cp_degree = 3;
-  p.documents = {{{2, 6}}, {{1, 11}}, {{1, 5}, {0, 9}}};
+  p.documents = {{{{2, 6}}}, {{{1, 11}}}, {{{1, 5}, {0, 9}}}};
   const QkvDocumentsPlan plain = cpdispatch::plan_balanced(p), dedup = cpdispatch::plan_balanced(p, with_dedup());
   ASSERT_TRUE(baltest::valid_packed_plan(p, dedup));
   EXPECT_FALSE(shares_a_rank(plain));
@@ -147,7 +147,7 @@ TEST(DedupBalance, EdgeSettingsPlanAndFailAsWithout) {
   BalanceProblem tight;
   tight.world_size = 2;
   tight.max_cp_degree = 2;
-  tight.documents = {{{0, 50}}, {{1, 40}}};
+  tight.documents = {{{{0, 50}}}, {{{1, 40}}}};
   tight.recv_capacity = {30, 60};
   EXPECT_EQ(baltest::message_of<cpdispatch::capacity_error>([&] { cpdispatch::plan_balanced(tight, with_dedup()); }),
             baltest::message_of<cpdispatch::capacity_error>([&] { cpdispatch::plan_balanced(tight); }));

@@ -75,9 +75,10 @@ TEST(PackedBalance, IsDeterministicAndTheUnbalancedPlanMovesOnlyCrossRankContext
   // Every piece attends at home, but needs the KV of its document's earlier pieces on other ranks.
   I context = 0;
   for (std::size_t i = 0; i < p.documents.size(); ++i) {
-    ASSERT_EQ(none.documents[i].shards.size(), p.documents[i].size());
-    for (std::size_t k = 0; k < p.documents[i].size(); ++k)
-      for (std::size_t j = 0; j < k; ++j) context += p.documents[i][j].rank != p.documents[i][k].rank ? p.documents[i][j].len : 0;
+    const auto& pieces = p.documents[i].pieces;
+    ASSERT_EQ(none.documents[i].shards.size(), pieces.size());
+    for (std::size_t k = 0; k < pieces.size(); ++k)
+      for (std::size_t j = 0; j < k; ++j) context += pieces[j].rank != pieces[k].rank ? pieces[j].len : 0;
   }
   EXPECT_GT(context, 0);
   EXPECT_EQ(cost.kv_bytes, context);
@@ -130,7 +131,7 @@ TEST(PackedBalance, ALongDocumentIsSpreadAcrossRanks) {
   BalanceProblem p;
   p.world_size = 4;
   p.max_cp_degree = 8;
-  p.documents = {{{0, 8}, {1, 8}, {2, 8}}, {{3, 2}}, {{3, 2}}};
+  p.documents = {{{{0, 8}, {1, 8}, {2, 8}}}, {{{3, 2}}}, {{{3, 2}}}};
   const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);
   ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
   // Its last piece alone costs 17*8 + 36 = 172 of 300 in all: balanced, it is cut and shared with rank 3.
@@ -145,7 +146,7 @@ TEST(PackedBalance, TheBoundCutsEachDocumentInsideItsPieces) {
   BalanceProblem p;
   p.world_size = 8;
   p.max_cp_degree = 2;
-  p.documents = {{{0, 10}, {1, 10}}};
+  p.documents = {{{{0, 10}, {1, 10}}}};
   EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p), 155.0);
   p.max_cp_degree = 3;  // the second piece in two: the cheapest largest shard
   const double three = cpdispatch::balance_lower_bound(p);
@@ -158,7 +159,7 @@ TEST(Zigzag, CutsEachDocumentIn2WChunksAttendedOnMinOfIAnd2WMinus1MinusI) {
   BalanceProblem p;
   p.world_size = 4;
   p.max_cp_degree = 1;  // zig-zag ignores C
-  p.documents = {{{0, 16}}, {{1, 5}, {2, 3}}};
+  p.documents = {{{{0, 16}}}, {{{1, 5}, {2, 3}}}};
   const QkvDocumentsPlan plan = cpdispatch::plan_zigzag(p);
   ASSERT_TRUE(baltest::valid_packed_plan(p, plan, false));
   // 16 tokens: 8 chunks of 2 on ranks 0 1 2 3 3 2 1 0 (chunks 3 and 4 merge).
@@ -180,7 +181,7 @@ TEST(PackedBalance, ToRankPlanAndBalanceProblemOfRoundTrip) {
   EXPECT_EQ(cpdispatch::plan_cost(ranks).bytes, cpdispatch::plan_cost(plan).bytes);
   EXPECT_EQ(cpdispatch::balance_problem_of(ranks).docs, p.docs);
   const BalanceProblem packed = cpdispatch::balance_problem_of(plan);
-  EXPECT_EQ(packed.documents, (std::vector<std::vector<DocumentPiece>>{{{0, 50}}, {{0, 7}}, {{2, 300}}}));
+  EXPECT_EQ(packed.documents, (std::vector<cpdispatch::BalanceDocument>{{{{0, 50}}}, {{{0, 7}}}, {{{2, 300}}}}));
   QkvDocumentsPlan spans;
   spans.world_size = 2;
   spans.documents = {{{{0, 1, 0}, {1, 1, 0}}}};
@@ -193,15 +194,15 @@ TEST(PackedBalance, BadBatchesNameTheDocumentAndPiece) {
   BalanceProblem p;
   p.world_size = 2;
   p.max_cp_degree = 2;
-  p.documents = {{{0, 4}}, {{1, 2}, {2, 3}}};
+  p.documents = {{{{0, 4}}}, {{{1, 2}, {2, 3}}}};
   EXPECT_THAT(msg(p), HasSubstr("documents[1].pieces[1].rank = 2 is outside [0, 2)"));
-  p.documents = {{{0, 4}}, {{1, 0}}};
+  p.documents = {{{{0, 4}}}, {{{1, 0}}}};
   EXPECT_THAT(msg(p), HasSubstr("documents[1].pieces[0].len = 0 must be positive"));
-  p.documents = {{{0, 4}}, {}};
+  p.documents = {{{{0, 4}}}, {{}}};
   EXPECT_THAT(msg(p), HasSubstr("documents[1] has no pieces"));
-  p.documents = {{{0, 4}, {1, 1}, {0, 1}}};
+  p.documents = {{{{0, 4}, {1, 1}, {0, 1}}}};
   EXPECT_THAT(msg(p), HasSubstr("documents[0] has 3 pieces, but max_cp_degree = 2"));
-  p.documents = {{{0, 4}}};
+  p.documents = {{{{0, 4}}}};
   p.docs = {{1}, {2}};
   EXPECT_THAT(msg(p), HasSubstr("both documents (a packed batch) and docs (per rank)"));
   p.docs.clear();

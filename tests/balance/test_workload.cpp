@@ -31,13 +31,13 @@ std::vector<I> load_sample(const std::string& name) {
   return nlohmann::json::parse(in).get<std::vector<I>>();
 }
 
-using Batch = std::vector<std::vector<cpdispatch::DocumentPiece>>;
+using Batch = std::vector<cpdispatch::BalanceDocument>;
 
 /// Tokens per rank of a packed batch.
 std::vector<I> rank_tokens(const Batch& b, I W) {
   std::vector<I> out(static_cast<std::size_t>(W), 0);
   for (const auto& doc : b)
-    for (const auto& pc : doc) out[static_cast<std::size_t>(pc.rank)] += pc.len;
+    for (const auto& pc : doc.pieces) out[static_cast<std::size_t>(pc.rank)] += pc.len;
   return out;
 }
 
@@ -48,14 +48,16 @@ TEST(DrawWorkload, FillsEveryRankExactlyWithDocumentsEndToEnd) {
     EXPECT_EQ(rank_tokens(b, 6), std::vector<I>(6, budget));
     I next_rank = 0;  // pieces come rank after rank: a document continues on the next rank
     for (std::size_t i = 0; i < b.size(); ++i) {
-      ASSERT_FALSE(b[i].empty());
-      for (std::size_t k = 0; k < b[i].size(); ++k) {
-        EXPECT_GT(b[i][k].len, 0);
-        EXPECT_TRUE(b[i][k].rank == next_rank || (k == 0 && b[i][k].rank == next_rank - 1)) << i << ", " << k;
+      const auto& pieces = b[i].pieces;
+      ASSERT_FALSE(pieces.empty());
+      EXPECT_TRUE(b[i].slices.empty());
+      for (std::size_t k = 0; k < pieces.size(); ++k) {
+        EXPECT_GT(pieces[k].len, 0);
+        EXPECT_TRUE(pieces[k].rank == next_rank || (k == 0 && pieces[k].rank == next_rank - 1)) << i << ", " << k;
         if (k > 0) {
-          EXPECT_EQ(b[i][k].rank, b[i][k - 1].rank + 1) << "documents[" << i << "] skips a rank";
+          EXPECT_EQ(pieces[k].rank, pieces[k - 1].rank + 1) << "documents[" << i << "] skips a rank";
         }
-        next_rank = b[i][k].rank + 1;
+        next_rank = pieces[k].rank + 1;
       }
     }
   }
@@ -69,7 +71,7 @@ TEST(DrawWorkload, IsSeededAndKeepsEveryDocumentWhole) {
   EXPECT_GT(cpdispatch::spanning_documents(a), 0u);
   for (std::size_t i = 0; i + 1 < a.size(); ++i) {  // every document but the last (cut at the end) has a sampled length
     I len = 0;
-    for (const auto& pc : a[i]) len += pc.len;
+    for (const auto& pc : a[i].pieces) len += pc.len;
     EXPECT_NE(std::find(sample.begin(), sample.end(), len), sample.end()) << "documents[" << i << "] has " << len << " tokens";
   }
 }
@@ -77,7 +79,7 @@ TEST(DrawWorkload, IsSeededAndKeepsEveryDocumentWhole) {
 TEST(DrawWorkload, ALongDocumentSpansConsecutiveRanks) {
   // Documents of 10 tokens, 4 per rank: 4 | 4 | 2 + (new) 2 | 4 (cut at the end).
   const Batch b = cpdispatch::draw_workload(std::vector<I>{10}, 4, 4, std::uint64_t{0});
-  const Batch want = {{{0, 4}, {1, 4}, {2, 2}}, {{2, 2}, {3, 4}}};
+  const Batch want = {{{{0, 4}, {1, 4}, {2, 2}}}, {{{2, 2}, {3, 4}}}};
   EXPECT_EQ(b, want);
   EXPECT_EQ(cpdispatch::spanning_documents(b), 2u);
   EXPECT_EQ(cpdispatch::widest_span(b), 3u);

@@ -1,6 +1,7 @@
 // Per-rank planning under every attention mask (section 2d): for random
 // plans of both forms, with and without dedup, each rank's share equals the
-// global plan's slices, attention row (mask included) and dedup wire.
+// global plan's slices, attention row (mask included) and dedup wire, and
+// the global layout covers every allowed pair once (verify_coverage).
 
 #include <gtest/gtest.h>
 
@@ -42,6 +43,11 @@ template <class Plan>
 ::testing::AssertionResult every_rank_matches(const Plan& plan) {
   const cpdispatch::QkvMetadata global = cpdispatch::plan_qkv(plan);
   if (global.attn.mask != plan.mask) return ::testing::AssertionFailure() << "the global layout lost the mask";
+  try {
+    cpdispatch::verify_coverage(plan, global);
+  } catch (const cpdispatch::invalid_input& e) {
+    return ::testing::AssertionFailure() << e.what();
+  }
   const cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(global);
   cpdispatch::RankQkvMetadata mine;
   cpdispatch::RankPlanWorkspace workspace;  // reused across ranks, as a job reuses it across steps
@@ -96,6 +102,7 @@ TEST(MaskRankPlanning, BothFormsGiveTheSameMetadata) {
     cpdispatch::QkvPlan plan = cptest::to_plan(cptest::random_qkv_plan(seed, {6, 3, 8, 20}));
     plan.mask = mask_of(seed);
     const cpdispatch::QkvMetadata a = cpdispatch::plan_qkv(plan), b = cpdispatch::plan_qkv(cpdispatch::to_documents(plan));
+    ASSERT_NO_THROW(cpdispatch::verify_coverage(cpdispatch::to_documents(plan), b)) << "seed " << seed;
     ASSERT_EQ(a.kv_fwd.dst_rank, b.kv_fwd.dst_rank) << "seed " << seed;
     ASSERT_EQ(a.kv_fwd.dst_offset, b.kv_fwd.dst_offset) << "seed " << seed;
     ASSERT_EQ(a.kv_rev.dst_offset, b.kv_rev.dst_offset) << "seed " << seed;

@@ -1,6 +1,7 @@
 // plan_qkv and plan_query against the independent brute-force reference
-// (reference.hpp) on randomized plans, field by field. A failure prints the
-// seed; rerun one case with --gtest_filter and CPDISPATCH_TEST_SEED=<seed>.
+// (reference.hpp) on randomized plans, field by field; every QKV layout also
+// passes verify_coverage. A failure prints the seed; rerun one case with
+// --gtest_filter and CPDISPATCH_TEST_SEED=<seed>.
 
 #include <gtest/gtest.h>
 
@@ -38,6 +39,7 @@ TEST(CoreReference, QkvPlansMatchTheReference) {
     cpdispatch::QkvMetadata got;
     ASSERT_NO_THROW(got = cpdispatch::plan_qkv(cptest::to_plan(p)));
     ASSERT_TRUE(cptest::same_qkv(got, want));
+    ASSERT_NO_THROW(cpdispatch::verify_coverage(cptest::to_plan(p), got));
     // coverage bookkeeping: the generator really produces what the suite claims
     max_w = std::max(max_w, static_cast<int>(p.W));
     with_c += p.C.has_value();
@@ -101,7 +103,9 @@ TEST(CoreReference, GeneratedQkvDispatchesMatchTheReference) {
     I C = 1;
     while (C * 2 <= std::min<I>(W, 8)) C *= 2;
     const auto plan = cpdispatch::create_qkv_dispatch(W, 64 * C, 1 + static_cast<I>(seed % 4), C, seed);
-    ASSERT_TRUE(cptest::same_qkv(cpdispatch::plan_qkv(plan), ref::plan_qkv(cptest::from_plan(plan))));
+    const cpdispatch::QkvMetadata got = cpdispatch::plan_qkv(plan);
+    ASSERT_TRUE(cptest::same_qkv(got, ref::plan_qkv(cptest::from_plan(plan))));
+    ASSERT_NO_THROW(cpdispatch::verify_coverage(plan, got));
   }
 }
 

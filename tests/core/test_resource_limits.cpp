@@ -95,7 +95,7 @@ TEST(ResourceLimits, BalanceProblemOfABillionRanksIsRefused) {
   cpdispatch::BalanceProblem p;
   p.world_size = 1'000'000'000;
   p.max_cp_degree = 2;
-  p.documents = {{{0, 5}}};
+  p.documents = {{{{0, 5}}}};
   expect_refused([&] { (void)cpdispatch::plan_balanced(p); }, {"plan_balanced", "world_size = 1000000000", "1 pieces"});
   expect_refused([&] { (void)cpdispatch::plan_unbalanced(p); }, {"plan_balanced", "world_size = 1000000000"});
   p.world_size = std::int64_t{1} << 40;
@@ -175,7 +175,7 @@ TEST(ResourceLimits, QueryAndBalancedPlansStayWithinTheirBudget) {
     cpdispatch::BalanceProblem p;
     p.world_size = 24;
     p.max_cp_degree = 4;
-    for (std::uint64_t d = 0; d < 60; ++d) p.documents.push_back({{static_cast<std::int64_t>((d * 7 + seed) % 24), static_cast<std::int64_t>(1 + (d * 37 + seed) % 300)}});
+    for (std::uint64_t d = 0; d < 60; ++d) p.documents.push_back({{{static_cast<std::int64_t>((d * 7 + seed) % 24), static_cast<std::int64_t>(1 + (d * 37 + seed) % 300)}}});
     const auto [balance_budget, balance_peak] = smallest_budget([&](const PlanLimits& l) { (void)cpdispatch::plan_balanced(p, {}, l); });
     ASSERT_GT(balance_budget, 64u);
     EXPECT_LE(balance_peak, balance_budget) << "seed " << seed;

@@ -287,6 +287,20 @@ TEST(CoreValidate, RejectsAnEntryWithoutADestination) {
   EXPECT_THAT(rejection(m.q_rev, "q_rev"), AllOf(HasSubstr("q_rev.seq_len[0][3] = 2"), HasSubstr("no destination")));
 }
 
+// Section 2e: a KV shard that no query needs has no copy in kv_fwd; that is
+// valid (it stays home), while a query shard without a destination is not.
+TEST(CoreValidate, AcceptsAKeyValueShardThatNoQueryNeeds) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.documents.push_back({{{0, 2, 1}, {1, 2, 0}}, {{0, 4, 0, 2, cpdispatch::SliceType::full}}});
+  const auto m = cpdispatch::plan_qkv(plan);
+  ASSERT_EQ(m.kv_fwd.dst_rank(1, 0, 0), -1);  // shard 1's keys are seen by nobody
+  EXPECT_NO_THROW(m.q_fwd.validate("q_fwd"));
+  EXPECT_NO_THROW(m.q_rev.validate("q_rev"));
+  EXPECT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
+  EXPECT_NO_THROW(m.kv_rev.validate("kv_rev"));
+}
+
 TEST(CoreValidate, RejectsANegativeLength) {
   auto m = spec();
   m.q_fwd.seq_len(1, 1) = -1;

@@ -1,8 +1,10 @@
 // CudaAttentionKernel on a GPU (nvcc) and through the cuda-cpu harness: forward and backward
 // against the double-precision reference (float, every mask, MHA and GQA),
-// entries covering parts of documents (arbitrary diagonals, empty entries,
-// rows that see nothing) against HostAttentionKernel, 16-bit types, and
-// prepared entry lists (bitwise equal, capturable, changed lists recognised).
+// entries covering parts of documents (their own bands, empty entries, rows
+// that see nothing) against HostAttentionKernel, entries sharing query and
+// key rows (a shared prefix, inverse and bi-causal bands, random calls)
+// against the brute-force reference, 16-bit types, and prepared entry lists
+// (bitwise equal, capturable, changed lists recognised).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -61,26 +63,26 @@ struct Outputs {
 /// Forward then backward (with the forward's own out and lse) on the device.
 /// Outputs start as NaN so that an element the kernel should write but does not shows.
 template <class E>
-Outputs<E> on_device(const Inputs<E>& in, const AttentionMask& mask, const std::vector<AttentionEntry>& entries) {
+Outputs<E> on_device(const Inputs<E>& in, const std::vector<AttentionEntry>& entries) {
   const E poison = to_element<E>(std::numeric_limits<float>::quiet_NaN());
   OnDevice<E> q(in.q), k(in.k), v(in.v), dout(in.dout), out(std::vector<E>(in.q.size(), poison));
   OnDevice<E> dq(std::vector<E>(in.q.size(), poison)), dk(std::vector<E>(in.k.size(), poison)), dv(dk.host());
   OnDevice<float> lse(std::vector<float>(static_cast<std::size_t>(in.shape.heads_q * in.tokens), -1.0f));
   cuda::CudaAttentionKernel kernel;
-  kernel.forward<E>(in.shape, mask, entries, q.cspan(), k.cspan(), v.cspan(), out.span(), lse.span());
-  kernel.backward<E>(in.shape, mask, entries, q.cspan(), k.cspan(), v.cspan(), out.cspan(), lse.cspan(), dout.cspan(),
-                     dq.span(), dk.span(), dv.span());
+  kernel.forward<E>(in.shape, entries, q.cspan(), k.cspan(), v.cspan(), out.span(), lse.span());
+  kernel.backward<E>(in.shape, entries, q.cspan(), k.cspan(), v.cspan(), out.cspan(), lse.cspan(), dout.cspan(), dq.span(),
+                     dk.span(), dv.span());
   return {out.host(), dq.host(), dk.host(), dv.host(), lse.host()};
 }
 
 template <class E>
-Outputs<E> on_host(const Inputs<E>& in, const AttentionMask& mask, const std::vector<AttentionEntry>& entries) {
+Outputs<E> on_host(const Inputs<E>& in, const std::vector<AttentionEntry>& entries) {
   const E poison = to_element<E>(std::numeric_limits<float>::quiet_NaN());
   Outputs<E> r{std::vector<E>(in.q.size(), poison), std::vector<E>(in.q.size(), poison), std::vector<E>(in.k.size(), poison),
                std::vector<E>(in.k.size(), poison), std::vector<float>(static_cast<std::size_t>(in.shape.heads_q * in.tokens), -1.0f)};
   HostAttentionKernel kernel({1, 4, 4});
-  kernel.forward<E>(in.shape, mask, entries, in.q, in.k, in.v, r.out, r.lse);
-  kernel.backward<E>(in.shape, mask, entries, in.q, in.k, in.v, r.out, r.lse, in.dout, r.dq, r.dk, r.dv);
+  kernel.forward<E>(in.shape, entries, in.q, in.k, in.v, r.out, r.lse);
+  kernel.backward<E>(in.shape, entries, in.q, in.k, in.v, r.out, r.lse, in.dout, r.dq, r.dk, r.dv);
   return r;
 }
 
@@ -97,7 +99,7 @@ TEST(CudaAttentionKernel, FloatMatchesTheReferenceForEveryMask) {
     const Inputs<float> in(shape, cu.back(), 23);
     for (const AttentionMask& mask : all_masks()) {
       SCOPED_TRACE(to_string(mask) + ", heads " + std::to_string(shape.heads_q) + "/" + std::to_string(shape.heads_kv));
-      const auto got = on_device(in, mask, layout_entries(cu, cu));
+      const auto got = on_device(in, layout_entries(cu, cu, mask));
       const std::int64_t wq = shape.heads_q * shape.head_dim, wk = shape.heads_kv * shape.head_dim;
       for (std::size_t d = 0; d < lengths.size(); ++d) {
         const std::int64_t first = cu[d], L = lengths[d];
@@ -119,17 +121,23 @@ TEST(CudaAttentionKernel, FloatMatchesTheReferenceForEveryMask) {
   }
 }
 
-/// Parts of documents with their own diagonals, an entry without keys, one
-/// without queries, rows that see nothing: the device agrees with the host kernel.
+/// Parts of documents under `mask`, each with its own band (written as the
+/// document position of its first query counted from its first key), an
+/// entry without keys, one without queries and rows that see nothing.
+std::vector<AttentionEntry> partial_entries(const AttentionMask& mask) {
+  return {part_entry(mask, 0, 5, 7, 6, 7), part_entry(mask, 5, 0, 0, 3, 0), part_entry(mask, 5, 3, 3, 0, 0),
+          part_entry(mask, 8, 7, 13, 5, -4), part_entry(mask, 15, 9, 18, 6, 2)};
+}
+
+/// The partial entries above: the device agrees with the host kernel.
 TEST(CudaAttentionKernel, PartialEntriesAgreeWithTheHostKernel) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   const AttentionShape shape = make_shape(4, 2, 6);
   const Inputs<float> in(shape, 24, 29);
-  const std::vector<AttentionEntry> entries{{0, 5, 7, 6, 7},  {5, 0, 0, 3, 0},   {5, 3, 3, 0, 0},
-                                            {8, 7, 13, 5, -4}, {15, 9, 18, 6, 2}};
   for (const AttentionMask& mask : all_masks()) {
     SCOPED_TRACE(to_string(mask));
-    const auto got = on_device(in, mask, entries), want = on_host(in, mask, entries);
+    const auto entries = partial_entries(mask);
+    const auto got = on_device(in, entries), want = on_host(in, entries);
     std::vector<double> got_lse(got.lse.begin(), got.lse.end()), want_lse(want.lse.begin(), want.lse.end());
     EXPECT_LE(relative_error(doubles(got.out), doubles(want.out)), 1e-5);
     EXPECT_LE(relative_error(got_lse, want_lse), 1e-5);
@@ -149,6 +157,67 @@ TEST(CudaAttentionKernel, PartialEntriesAgreeWithTheHostKernel) {
   }
 }
 
+/// Entries sharing query rows and key rows: a shared-prefix document (a
+/// prompt of 7 tokens, responses of 5 and 6 that see the prompt whole and
+/// themselves causally), inverse and bi-causal bands with an empty one, and
+/// random calls; the forward folds each row's entries into one softmax and
+/// the backward sums each row's shares, against the brute-force reference.
+TEST(CudaAttentionKernel, EntriesSharingRowsMatchTheReference) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const AttentionShape shape = make_shape(4, 2, 6);
+  const Inputs<float> in(shape, 18, 53);
+  const Band causal{Band::unbounded_lo, 0}, full{};
+  std::vector<std::vector<AttentionEntry>> calls{
+      {{0, 7, 0, 7, causal}, {7, 5, 0, 7, full}, {7, 5, 7, 5, causal}, {12, 6, 0, 7, full}, {12, 6, 12, 6, causal}},
+      {{0, 8, 0, 12, {0, Band::unbounded_hi}}, {0, 8, 12, 4, full}, {8, 8, 0, 16, {-3, 2}}, {4, 6, 2, 9, {5, 1}},
+       {10, 6, 3, 6, {-9, -4}}}};
+  std::mt19937 rng(59);
+  for (int n = 0; n < 6; ++n) {
+    std::vector<AttentionEntry> entries(1 + rng() % 5);
+    for (AttentionEntry& e : entries) {
+      e.q_start = static_cast<std::int64_t>(rng() % 19);
+      e.q_len = static_cast<std::int64_t>(rng() % static_cast<unsigned>(19 - e.q_start));
+      e.kv_start = static_cast<std::int64_t>(rng() % 19);
+      e.kv_len = static_cast<std::int64_t>(rng() % static_cast<unsigned>(19 - e.kv_start));
+      const std::int64_t lo = static_cast<std::int64_t>(rng() % 21) - 10;
+      e.band = {rng() % 4 == 0 ? Band::unbounded_lo : lo, rng() % 4 == 0 ? Band::unbounded_hi : lo + static_cast<std::int64_t>(rng() % 12) - 2};
+    }
+    calls.push_back(entries);
+  }
+  for (std::size_t c = 0; c < calls.size(); ++c) {
+    SCOPED_TRACE("call " + std::to_string(c));
+    const auto& entries = calls[c];
+    // Outputs start as NaN: compare the rows some entry covers, where the reference defines them.
+    const auto got = on_device(in, entries);
+    const auto want = reference_by_entries(doubles(in.q), doubles(in.k), doubles(in.v), doubles(in.dout), shape, entries);
+    auto covered = [&](std::vector<double> x, const std::vector<double>& ref, std::int64_t width, bool query) {
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        const auto row = static_cast<std::int64_t>(i) / width;
+        bool in_entry = false;
+        for (const AttentionEntry& e : entries) {
+          in_entry |= query ? (row >= e.q_start && row < e.q_start + e.q_len) : (row >= e.kv_start && row < e.kv_start + e.kv_len);
+        }
+        if (!in_entry) x[i] = ref[i];
+      }
+      return relative_error(x, ref);
+    };
+    const std::int64_t wq = shape.heads_q * shape.head_dim, wk = shape.heads_kv * shape.head_dim;
+    std::vector<double> lse_by_row;  // [row][head], to walk it by row like the others
+    std::vector<double> want_lse;
+    for (std::int64_t row = 0; row < in.tokens; ++row) {
+      for (std::int64_t h = 0; h < shape.heads_q; ++h) {
+        lse_by_row.push_back(got.lse[static_cast<std::size_t>(h * in.tokens + row)]);
+        want_lse.push_back(want.lse[static_cast<std::size_t>(h * in.tokens + row)]);
+      }
+    }
+    EXPECT_LE(covered(doubles(got.out), want.out, wq, true), 1e-5) << "out";
+    EXPECT_LE(covered(lse_by_row, want_lse, shape.heads_q, true), 1e-5) << "lse";
+    EXPECT_LE(covered(doubles(got.dq), want.dq, wq, true), 1e-5) << "dq";
+    EXPECT_LE(covered(doubles(got.dk), want.dk, wk, false), 1e-5) << "dk";
+    EXPECT_LE(covered(doubles(got.dv), want.dv, wk, false), 1e-5) << "dv";
+  }
+}
+
 /// 16-bit types: within twice the host kernel's error against the double
 /// reference (the host kernel is held to flash-attention's rule in tests/attention_kernel).
 template <class E>
@@ -156,10 +225,10 @@ void expect_16bit_close_to_the_reference() {
   const AttentionShape shape = make_shape(4, 2, 8);
   const std::int64_t L = 17;
   const Inputs<E> in(shape, L, 31);
-  const std::vector<AttentionEntry> entries{{0, L, 0, L, 0}};
   for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::sliding_window(4)}) {
     SCOPED_TRACE(to_string(mask));
-    const auto dev = on_device(in, mask, entries), host = on_host(in, mask, entries);
+    const std::vector<AttentionEntry> entries{part_entry(mask, 0, L, 0, L, 0)};
+    const auto dev = on_device(in, entries), host = on_host(in, entries);
     const auto q = doubles(in.q), k = doubles(in.k), v = doubles(in.v), dout = doubles(in.dout);
     const auto fwd = reference_attention_forward(q, k, v, L, reference_shape(shape), mask);
     const auto grad = reference_attention_backward(q, k, v, dout, L, reference_shape(shape), mask);
@@ -185,13 +254,15 @@ TEST(CudaAttentionKernel, Float16CloseToTheReference) {
 // ---- prepared entry lists (PreparedAttentionKernel) ----
 
 /// Entry lists as a staged step passes them: whole KV groups, parts of
-/// documents with their own diagonals (an entry without keys, one without
-/// queries), and a second split; all over 24 rows.
-std::vector<std::vector<AttentionEntry>> step_lists() {
+/// documents with their own bands (an entry without keys, one without
+/// queries), a second split, and parts sharing query and key rows; all over
+/// 24 rows, under `mask`.
+std::vector<std::vector<AttentionEntry>> step_lists(const AttentionMask& mask) {
   const std::vector<std::int64_t> cu{0, 5, 14, 24};
-  return {layout_entries(cu, cu),
-          {{0, 5, 7, 6, 7}, {5, 0, 0, 3, 0}, {5, 3, 3, 0, 0}, {8, 7, 13, 5, -4}, {15, 9, 18, 6, 2}},
-          {{2, 10, 0, 12, 4}, {14, 10, 12, 12, -3}}};
+  return {layout_entries(cu, cu, mask),
+          partial_entries(mask),
+          {part_entry(mask, 2, 10, 0, 12, 4), part_entry(mask, 14, 10, 12, 12, -3)},
+          {part_entry(mask, 14, 10, 0, 6, 14), part_entry(mask, 14, 10, 10, 14, 4), part_entry(mask, 4, 6, 0, 6, 4)}};
 }
 
 std::vector<std::span<const AttentionEntry>> spans_of(const std::vector<std::vector<AttentionEntry>>& lists) {
@@ -228,29 +299,28 @@ struct StepBuffers {
 
 /// A staged step's calls: every list's forward, then every list's backward.
 template <class E>
-void enqueue_step(cuda::CudaAttentionKernel& kernel, const AttentionShape& shape, const AttentionMask& mask,
+void enqueue_step(cuda::CudaAttentionKernel& kernel, const AttentionShape& shape,
                   const std::vector<std::vector<AttentionEntry>>& lists, StepBuffers<E>& b) {
   for (std::size_t i = 0; i < lists.size(); ++i) {
     auto& o = b.outs[i];
-    kernel.forward<E>(shape, mask, lists[i], b.q.cspan(), b.k.cspan(), b.v.cspan(), o.out.span(), o.lse.span());
+    kernel.forward<E>(shape, lists[i], b.q.cspan(), b.k.cspan(), b.v.cspan(), o.out.span(), o.lse.span());
   }
   for (std::size_t i = 0; i < lists.size(); ++i) {
     auto& o = b.outs[i];
-    kernel.backward<E>(shape, mask, lists[i], b.q.cspan(), b.k.cspan(), b.v.cspan(), o.out.cspan(), o.lse.cspan(),
-                       b.dout.cspan(), o.dq.span(), o.dk.span(), o.dv.span());
+    kernel.backward<E>(shape, lists[i], b.q.cspan(), b.k.cspan(), b.v.cspan(), o.out.cspan(), o.lse.cspan(), b.dout.cspan(),
+                       o.dq.span(), o.dk.span(), o.dv.span());
   }
 }
 
 /// A step on a kernel of its own, prepared with `prepared` first unless empty.
 template <class E>
-std::vector<Outputs<E>> run_step(const Inputs<E>& in, const AttentionMask& mask,
-                                 const std::vector<std::vector<AttentionEntry>>& lists,
+std::vector<Outputs<E>> run_step(const Inputs<E>& in, const std::vector<std::vector<AttentionEntry>>& lists,
                                  const std::vector<std::vector<AttentionEntry>>& prepared) {
   cuda::Stream stream;
   cuda::CudaAttentionKernel kernel(stream.get());
   if (!prepared.empty()) kernel.prepare(spans_of(prepared));
   StepBuffers<E> b(in, lists.size());
-  enqueue_step(kernel, in.shape, mask, lists, b);
+  enqueue_step(kernel, in.shape, lists, b);
   return b.read();
 }
 
@@ -275,10 +345,10 @@ template <class E>
 void expect_prepared_equals_unprepared() {
   const AttentionShape shape = make_shape(4, 2, 6);
   const Inputs<E> in(shape, 24, 37);
-  const auto lists = step_lists();
   for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::sliding_window(3), AttentionMask::full()}) {
     SCOPED_TRACE(to_string(mask));
-    expect_bitwise_equal(run_step(in, mask, lists, lists), run_step(in, mask, lists, {}));
+    const auto lists = step_lists(mask);
+    expect_bitwise_equal(run_step(in, lists, lists), run_step(in, lists, {}));
   }
 }
 
@@ -294,11 +364,11 @@ TEST(CudaAttentionKernel, PreparedCallsEqualUnpreparedOnesBitwiseBfloat16) {
 /// Captures a step on `kernel` (a synchronising call fails the capture),
 /// runs the graph and returns its results.
 template <class E>
-std::vector<Outputs<E>> captured_step(cuda::CudaAttentionKernel& kernel, const Inputs<E>& in, const AttentionMask& mask,
+std::vector<Outputs<E>> captured_step(cuda::CudaAttentionKernel& kernel, const Inputs<E>& in,
                                       const std::vector<std::vector<AttentionEntry>>& lists, cudaStreamCaptureMode mode) {
   StepBuffers<E> b(in, lists.size());
   CPDISPATCH_CUDA_CHECK(cudaStreamBeginCapture(kernel.stream(), mode));
-  EXPECT_NO_THROW(enqueue_step(kernel, in.shape, mask, lists, b));
+  EXPECT_NO_THROW(enqueue_step(kernel, in.shape, lists, b));
   cudaGraph_t graph = nullptr;
   EXPECT_EQ(cudaStreamEndCapture(kernel.stream(), &graph), cudaSuccess);
   if (!graph) return {};
@@ -321,20 +391,20 @@ TEST(CudaAttentionKernel, PreparedStepsCaptureIntoGraphs) {
   const AttentionShape shape = make_shape(4, 2, 6);
   const Inputs<bfloat16> in(shape, 24, 41);
   const AttentionMask mask = AttentionMask::sliding_window(4);
-  const std::vector<std::vector<AttentionEntry>> short_lists{{{0, 5, 0, 5, 0}, {5, 4, 5, 4, 0}}, {{2, 3, 0, 2, 3}}};
-  const auto lists = step_lists();
+  const std::vector<std::vector<AttentionEntry>> short_lists{
+      {part_entry(mask, 0, 5, 0, 5, 0), part_entry(mask, 5, 4, 5, 4, 0)}, {part_entry(mask, 2, 3, 0, 2, 3)}};
+  const auto lists = step_lists(mask);
   cuda::Stream stream;
   cuda::CudaAttentionKernel kernel(stream.get());
   {
     SCOPED_TRACE("first step, relaxed capture");
     kernel.prepare(spans_of(short_lists));
-    expect_bitwise_equal(captured_step(kernel, in, mask, short_lists, cudaStreamCaptureModeRelaxed),
-                         run_step(in, mask, short_lists, {}));
+    expect_bitwise_equal(captured_step(kernel, in, short_lists, cudaStreamCaptureModeRelaxed), run_step(in, short_lists, {}));
   }
   {
     SCOPED_TRACE("longer lists, global capture");
     kernel.prepare(spans_of(lists));
-    expect_bitwise_equal(captured_step(kernel, in, mask, lists, cudaStreamCaptureModeGlobal), run_step(in, mask, lists, {}));
+    expect_bitwise_equal(captured_step(kernel, in, lists, cudaStreamCaptureModeGlobal), run_step(in, lists, {}));
   }
 }
 
@@ -343,7 +413,7 @@ TEST(CudaAttentionKernel, UnpreparedCallFailsACapture) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   const AttentionShape shape = make_shape(2, 2, 4);
   const Inputs<float> in(shape, 24, 43);
-  const auto lists = step_lists();
+  const auto lists = step_lists(AttentionMask::causal());
   cuda::Stream stream;
   cuda::CudaAttentionKernel kernel(stream.get());
   kernel.prepare(spans_of(lists));
@@ -351,8 +421,7 @@ TEST(CudaAttentionKernel, UnpreparedCallFailsACapture) {
   CPDISPATCH_CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeRelaxed));
   auto& o = b.outs[0];
   const std::vector<AttentionEntry> copy = lists[0];  // the same entries at another address: not recognised
-  EXPECT_THROW(kernel.forward<float>(shape, AttentionMask::causal(), copy, b.q.cspan(), b.k.cspan(), b.v.cspan(),
-                                     o.out.span(), o.lse.span()),
+  EXPECT_THROW(kernel.forward<float>(shape, copy, b.q.cspan(), b.k.cspan(), b.v.cspan(), o.out.span(), o.lse.span()),
                cuda_error);
   cudaGraph_t graph = nullptr;
   EXPECT_NE(cudaStreamEndCapture(stream.get(), &graph), cudaSuccess);
@@ -367,18 +436,18 @@ TEST(CudaAttentionKernel, PreparedListChangedInPlaceStillGivesItsResults) {
   const AttentionShape shape = make_shape(4, 2, 6);
   const Inputs<float> in(shape, 24, 47);
   const AttentionMask mask = AttentionMask::causal();
-  auto lists = step_lists();
-  const auto before = run_step(in, mask, lists, {});
+  auto lists = step_lists(mask);
+  const auto before = run_step(in, lists, {});
 
   cuda::Stream stream;
   cuda::CudaAttentionKernel kernel(stream.get());
   kernel.prepare(spans_of(lists));
-  lists[1][3].diagonal = 1;  // was -4: the entry's rows see other keys
+  lists[1][3] = part_entry(mask, 8, 7, 13, 5, 1);  // was diagonal -4: the entry's rows see other keys
   lists[2][0].q_len = 9;     // one query row fewer
   StepBuffers<float> b(in, lists.size());
-  enqueue_step(kernel, shape, mask, lists, b);
+  enqueue_step(kernel, shape, lists, b);
   const auto got = b.read();
-  const auto want = run_step(in, mask, lists, {});
+  const auto want = run_step(in, lists, {});
   expect_bitwise_equal(got, want);
   EXPECT_TRUE(same_bytes(got[0].out, before[0].out));  // the unchanged list
   EXPECT_FALSE(same_bytes(got[1].out, before[1].out));
@@ -390,7 +459,7 @@ TEST(CudaAttentionKernel, RefusesAHeadDimBeyondItsAccumulators) {
   cuda::CudaAttentionKernel kernel;
   const AttentionShape shape = make_shape(1, 1, 300);
   std::vector<float> none;
-  EXPECT_THROW(kernel.forward<float>(shape, AttentionMask::causal(), {}, none, none, none, none, none), invalid_input);
+  EXPECT_THROW(kernel.forward<float>(shape, {}, none, none, none, none, none), invalid_input);
 }
 
 }  // namespace

@@ -3,9 +3,9 @@
 // dk, dv) equal attention over each whole document (the double-precision
 // reference): float within 1e-5 relative, 16-bit types within twice the
 // error of the same kernel run unsharded in that type. Cases are pairwise
-// over world size, heads, mask, dedup and stages; replan over changing
-// plans; an idle rank; the refusals; one stage is bitwise the same run to
-// run. Without a CUDA device every test skips.
+// over world size, heads, mask, dedup and stages; a plan with slices; replan
+// over changing plans; an idle rank; the refusals; one stage is bitwise the
+// same run to run. Without a CUDA device every test skips.
 
 #include <gtest/gtest.h>
 
@@ -156,6 +156,26 @@ TEST_P(CpAttentionDevice, EqualsWholeDocumentAttention) {
   const Case& c = GetParam();
   const CpWorld world(plan_of(c.world_size, c.seed, c.mask, c.dedup), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
   world.expect_equal(run_device_op<float>(world, shape_of(c), {c.dedup, c.stages}), 1e-5);
+}
+
+/// A plan with slices (section 2e's worked example: a shared-prefix document
+/// and a causal one, W = 2): the device kernel gets the plan's own entries,
+/// several per query shard sharing its rows, and equals the reference.
+TEST(CpAttentionDeviceSlices, SharedPrefixEqualsTheReference) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  using cpdispatch::SliceType;
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.documents = {{{{0, 3, 1}, {0, 2, 0}, {1, 3, 1}},
+                     {{0, 3, 0, 3, SliceType::causal}, {3, 5, 0, 3, SliceType::full}, {3, 5, 3, 5, SliceType::causal},
+                      {5, 8, 0, 3, SliceType::full}, {5, 8, 5, 8, SliceType::causal}}},
+                    {{{1, 2, 1}, {1, 2, 0}}}};
+  const AttentionShape shape{4, 2, 4, 0.45f};
+  for (const bool dedup : {false, true}) {
+    plan.dedup = dedup;
+    const CpWorld world(plan, shape, AttentionMask::causal(), 62, attention_test::round_to<float>);
+    for (const int stages : {1, 2}) world.expect_equal(run_device_op<float>(world, shape, {dedup, stages}), 1e-5);
+  }
 }
 
 /// With one stage, the device op's results are bitwise the same run to run.

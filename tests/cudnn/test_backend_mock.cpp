@@ -24,6 +24,7 @@ namespace {
 using namespace cpdispatch;
 using namespace cpdispatch::cudnn;
 using namespace cpdispatch::cudnn::detail;
+using cpdispatch::cudnn::Band;  // the execution's kind of mask, not cpdispatch::Band (an entry's bounds)
 using ::testing::_;
 using ::testing::AtLeast;
 using ::testing::NiceMock;
@@ -440,6 +441,14 @@ TEST_F(CudnnMock, AFailingCallNamesTheAttributeAndCudnnsMessage) {
 
 // ---- whole calls -------------------------------------------------------------
 
+/// The entry attending query rows [q0, +lq) to key rows [k0, +lk) under
+/// `mask`, its query row 0 at document position `diagonal` counted from key
+/// row 0: the mask's band moved into buffer rows.
+AttentionEntry part(const AttentionMask& mask, std::int64_t q0, std::int64_t lq, std::int64_t k0, std::int64_t lk,
+                    std::int64_t diagonal) {
+  return {q0, lq, k0, lk, mask.band().shifted(diagonal + k0 - q0)};
+}
+
 std::vector<float16> halves(std::size_t n, float v) { return std::vector<float16>(n, float16(v)); }
 
 struct Pack {
@@ -466,7 +475,8 @@ TEST_F(CudnnMock, ForwardExecutesOneGraphPerBandAndFixesDeadRows) {
   const std::int64_t Hq = 4, Hk = 2, D = 8, T = 20, TK = 16;
   // causal: entry 0 whole KV group (causal, shift 0), entry 1 sees all its keys
   // (full), entry 2 sees nothing (dead), rows 18..19 outside every entry
-  const std::vector<AttentionEntry> entries{{0, 6, 0, 6, 0}, {6, 8, 6, 4, 20}, {14, 4, 10, 6, -8}};
+  const AttentionMask causal = AttentionMask::causal();
+  const std::vector<AttentionEntry> entries{part(causal, 0, 6, 0, 6, 0), part(causal, 6, 8, 6, 4, 20), part(causal, 14, 4, 10, 6, -8)};
   const auto q = halves(static_cast<std::size_t>(T * Hq * D), 1.0f), k = halves(static_cast<std::size_t>(TK * Hk * D), 1.0f);
   auto out = halves(static_cast<std::size_t>(T * Hq * D), 7.0f);
   std::vector<float> lse(static_cast<std::size_t>(Hq * T), 7.0f);
@@ -496,7 +506,7 @@ TEST_F(CudnnMock, ForwardExecutesOneGraphPerBandAndFixesDeadRows) {
     (void)off_kv;
   };
   cuda::CudnnAttentionKernel kernel(stream, {}, api);
-  kernel.forward<float16>(shape, AttentionMask::causal(), entries, q, k, k, out, lse);
+  kernel.forward<float16>(shape, entries, q, k, k, out, lse);
   EXPECT_EQ(fake.executions, 2);
   EXPECT_EQ(kernel.plan_count(), 2u);
   EXPECT_EQ(seq_q_seen, (std::vector<std::vector<std::int32_t>>{{8}, {6}}));  // full band first, then causal
@@ -520,7 +530,7 @@ TEST_F(CudnnMock, ForwardExecutesOneGraphPerBandAndFixesDeadRows) {
   }
   // the same shapes again: no new plan, no new heuristics
   const int heuristics = fake.created(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
-  kernel.forward<float16>(shape, AttentionMask::causal(), entries, q, k, k, out, lse);
+  kernel.forward<float16>(shape, entries, q, k, k, out, lse);
   EXPECT_EQ(kernel.plan_count(), 2u);
   EXPECT_EQ(fake.created(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR), heuristics);
   EXPECT_EQ(fake.executions, 4);
@@ -534,7 +544,7 @@ TEST_F(CudnnMock, BackwardHandsCudnnOurLseAndZeroesDeadGradients) {
   // (window band, shift 0); rows 6..11 against keys 6..11, diagonal -3: rows
   // 6..8 see nothing, keys 9..11 nobody sees, and rows 9..11 against keys
   // 6..8 never reach the left bound (causal band)
-  const std::vector<AttentionEntry> entries{{0, 6, 0, 6, 0}, {6, 6, 6, 6, -3}};
+  const std::vector<AttentionEntry> entries{part(mask, 0, 6, 0, 6, 0), part(mask, 6, 6, 6, 6, -3)};
   const auto q = halves(static_cast<std::size_t>(T * Hq * D), 1.0f), k = halves(static_cast<std::size_t>(TK * Hq * D), 1.0f);
   std::vector<float> lse(static_cast<std::size_t>(Hq * T));
   for (std::size_t i = 0; i < lse.size(); ++i) lse[i] = static_cast<float>(i);
@@ -562,7 +572,7 @@ TEST_F(CudnnMock, BackwardHandsCudnnOurLseAndZeroesDeadGradients) {
     }
   };
   cuda::CudnnAttentionKernel kernel(nullptr, {}, api);
-  kernel.backward<float16>(shape, mask, entries, q, k, k, q, lse, q, dq, dk, dv);
+  kernel.backward<float16>(shape, entries, q, k, k, q, lse, q, dq, dk, dv);
   EXPECT_EQ(fake.executions, 2);
   EXPECT_EQ(lengths, (std::vector<std::int32_t>{3, 6}));  // causal band, then window
   EXPECT_EQ(checked, Hq * 9);
@@ -576,7 +586,7 @@ TEST_F(CudnnMock, BackwardHandsCudnnOurLseAndZeroesDeadGradients) {
 
 TEST_F(CudnnMock, NonDeterministicBackwardAccumulatesInTheWorkspace) {
   const AttentionShape shape{2, 1, 16, 0.25f};
-  const std::vector<AttentionEntry> entries{{0, 4, 0, 4, 0}};
+  const std::vector<AttentionEntry> entries{part(AttentionMask::full(), 0, 4, 0, 4, 0)};
   const auto q = halves(4 * 2 * 16, 1.0f), k = halves(4 * 16, 1.0f);
   std::vector<float> lse(8, 0.0f);
   auto dq = halves(q.size(), 0.0f), dk = halves(k.size(), 0.0f), dv = halves(k.size(), 0.0f);
@@ -588,7 +598,7 @@ TEST_F(CudnnMock, NonDeterministicBackwardAccumulatesInTheWorkspace) {
     seen = true;
   };
   cuda::CudnnAttentionKernel kernel(nullptr, {.deterministic = false}, api);
-  kernel.backward<float16>(shape, AttentionMask::full(), entries, q, k, k, q, lse, q, dq, dk, dv);
+  kernel.backward<float16>(shape, entries, q, k, k, q, lse, q, dq, dk, dv);
   EXPECT_TRUE(seen);
 }
 
@@ -597,12 +607,36 @@ TEST_F(CudnnMock, EmptyCallsTouchNothingAndBadHeadDimsAreRefused) {
   cuda::CudnnAttentionKernel kernel(nullptr, {}, api);
   std::vector<float16> none;
   std::vector<float> no_lse;
-  kernel.forward<float16>({2, 1, 8, 1.0f}, AttentionMask::causal(), {}, none, none, none, none, no_lse);
-  const std::vector<AttentionEntry> entries{{0, 1, 0, 1, 0}};
+  kernel.forward<float16>({2, 1, 8, 1.0f}, {}, none, none, none, none, no_lse);
+  const std::vector<AttentionEntry> entries{part(AttentionMask::causal(), 0, 1, 0, 1, 0)};
   auto q = halves(2 * 12, 1.0f), k = halves(12, 1.0f), out = q;
   std::vector<float> lse(2);
-  EXPECT_THROW(kernel.forward<float16>({2, 1, 12, 1.0f}, AttentionMask::causal(), entries, q, k, k, out, lse),
-               invalid_input);
+  EXPECT_THROW(kernel.forward<float16>({2, 1, 12, 1.0f}, entries, q, k, k, out, lse), invalid_input);
+}
+
+/// cuDNN writes each sequence's rows on its own, so entries sharing a query
+/// or a key row are refused before anything runs (the op gives this kernel
+/// calls whose entries share no row: folds_shared_rows is false).
+TEST_F(CudnnMock, EntriesSharingRowsAreRefused) {
+  EXPECT_CALL(mock, Create(_)).Times(0);
+  static_assert(!attention_kernel_folds_shared_rows<cuda::CudnnAttentionKernel>());
+  cuda::CudnnAttentionKernel kernel(nullptr, {}, api);
+  const AttentionShape shape{2, 1, 8, 1.0f};
+  const auto q = halves(2 * 8 * 8, 1.0f), k = halves(8 * 8, 1.0f);
+  auto out = q, dq = q, dk = k, dv = k;
+  std::vector<float> lse(2 * 8);
+  const cpdispatch::Band full{};
+  const std::vector<AttentionEntry> shared_q{{0, 4, 0, 4, full}, {2, 4, 4, 4, full}}, shared_kv{{0, 4, 0, 4, full}, {4, 4, 2, 4, full}};
+  auto refused = [](auto&& call, const char* what) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one naming " << what;
+    } catch (const invalid_input& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { kernel.forward<float16>(shape, shared_q, q, k, k, out, lse); }, "share query rows");
+  refused([&] { kernel.backward<float16>(shape, shared_kv, q, k, k, q, lse, q, dq, dk, dv); }, "share key-value rows");
 }
 
 }  // namespace

@@ -78,7 +78,7 @@ void expect_close(const std::vector<E>& got, const std::vector<E>& want, double 
 
 template <class E>
 void run_case(const AttentionShape& shape, const AttentionMask& mask, const std::vector<AttentionEntry>& entries,
-              std::int64_t tokens_q, std::int64_t tokens_kv) {
+              std::int64_t tokens_q, std::int64_t tokens_kv) {  // `mask`: what the entries' bands came from, for messages
   SCOPED_TRACE(::testing::Message() << to_string(mask) << " heads " << shape.heads_q << "/" << shape.heads_kv
                                     << " d " << shape.head_dim);
   std::mt19937 rng(11);
@@ -89,13 +89,13 @@ void run_case(const AttentionShape& shape, const AttentionMask& mask, const std:
   HostAttentionKernel host(HostAttentionOptions{.threads = 2});
   std::vector<E> out(nq, E(0.0f)), dq(nq, E(0.0f)), dk(nk, E(0.0f)), dv(nk, E(0.0f));
   std::vector<float> lse(static_cast<std::size_t>(shape.heads_q * tokens_q), 0.0f);
-  host.forward<E>(shape, mask, entries, q, k, v, out, lse);
-  host.backward<E>(shape, mask, entries, q, k, v, out, lse, dout, dq, dk, dv);
+  host.forward<E>(shape, entries, q, k, v, out, lse);
+  host.backward<E>(shape, entries, q, k, v, out, lse, dout, dq, dk, dv);
 
   Dev<E> dq_in(q), dk_in(k), dv_in(v), d_dout(dout), d_out(std::vector<E>(nq, E(0.0f)));
   Dev<float> d_lse(std::vector<float>(lse.size(), 0.0f));
   cuda::CudnnAttentionKernel kernel(nullptr);
-  kernel.forward<E>(shape, mask, entries, dq_in.cspan(), dk_in.cspan(), dv_in.cspan(), d_out.span(), d_lse.span());
+  kernel.forward<E>(shape, entries, dq_in.cspan(), dk_in.cspan(), dv_in.cspan(), d_out.span(), d_lse.span());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   expect_close(d_out.get(), out, 2e-2, "out");
   expect_close(d_lse.get(), lse, 2e-3, "lse");
@@ -104,7 +104,7 @@ void run_case(const AttentionShape& shape, const AttentionMask& mask, const std:
   Dev<E> h_out(out), g_dq(std::vector<E>(nq, E(9.0f))), g_dk(std::vector<E>(nk, E(9.0f))), g_dv(std::vector<E>(nk, E(9.0f)));
   Dev<float> h_lse(lse);
   auto backward = [&] {
-    kernel.backward<E>(shape, mask, entries, dq_in.cspan(), dk_in.cspan(), dv_in.cspan(), h_out.cspan(), h_lse.cspan(),
+    kernel.backward<E>(shape, entries, dq_in.cspan(), dk_in.cspan(), dv_in.cspan(), h_out.cspan(), h_lse.cspan(),
                        d_dout.cspan(), g_dq.span(), g_dk.span(), g_dv.span());
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   };
@@ -122,24 +122,31 @@ void run_case(const AttentionShape& shape, const AttentionMask& mask, const std:
 TEST(CudnnAttentionGpu, WholeKvGroupsEveryMask) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::vector<std::int64_t> cu_q{0, 100, 137, 437}, cu_kv{0, 100, 137, 437};
-  const auto entries = layout_entries(cu_q, cu_kv);
   for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::full(), AttentionMask::sliding_window(64)}) {
+    const auto entries = layout_entries(cu_q, cu_kv, mask);
     run_case<bfloat16>({8, 2, 64, 0.125f}, mask, entries, 437, 437);
     run_case<float16>({4, 4, 128, 0.088f}, mask, entries, 437, 437);
   }
 }
 
-TEST(CudnnAttentionGpu, PartsOfDocumentsWithTheirOwnDiagonals) {
+TEST(CudnnAttentionGpu, PartsOfDocumentsWithTheirOwnBands) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   // a document of 300 tokens: queries 200..299 against key parts 0..99
   // (seen whole), 100..199 and 200..299 (the diagonal), plus queries placed
-  // before their keys (nothing seen) and a short KV group
-  const std::vector<AttentionEntry> entries{{0, 100, 0, 100, 200},   {100, 100, 100, 100, 100},
-                                            {200, 100, 200, 100, 0}, {300, 50, 300, 60, -20},
-                                            {350, 70, 360, 90, 20}};
+  // before their keys (nothing seen) and a short KV group; each part's band
+  // is the mask's moved to its rows (query row 0 at document position d of its keys)
+  auto part = [](const AttentionMask& mask, std::int64_t q0, std::int64_t lq, std::int64_t k0, std::int64_t lk, std::int64_t d) {
+    return AttentionEntry{q0, lq, k0, lk, mask.band().shifted(d + k0 - q0)};
+  };
   for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::sliding_window(150), AttentionMask::full()}) {
+    const std::vector<AttentionEntry> entries{part(mask, 0, 100, 0, 100, 200), part(mask, 100, 100, 100, 100, 100),
+                                              part(mask, 200, 100, 200, 100, 0), part(mask, 300, 50, 300, 60, -20),
+                                              part(mask, 350, 70, 360, 90, 20)};
     run_case<bfloat16>({8, 2, 64, 0.125f}, mask, entries, 420, 450);
   }
+  // an inverse causal and a bi-causal band (slices' shapes)
+  const std::vector<AttentionEntry> slices{{0, 128, 0, 192, {0, Band::unbounded_hi}}, {128, 128, 192, 128, {40, 100}}};
+  run_case<bfloat16>({8, 2, 64, 0.125f}, AttentionMask::full(), slices, 256, 320);
 }
 
 }  // namespace

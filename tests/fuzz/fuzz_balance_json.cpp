@@ -3,7 +3,7 @@
 // capacities, bytes per token, dedup). Reading, the lower bound, the balanced,
 // unbalanced and greedy plans and their costs must succeed or throw
 // invalid_input (capacity_error included); a plan the balancer returns must
-// itself plan.
+// itself plan, into a layout that covers every allowed pair once.
 
 #include <cstddef>
 #include <cstdint>
@@ -11,6 +11,7 @@
 
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/balance_json.hpp"
+#include "fuzz_coverage.hpp"
 #include "fuzz_target.hpp"
 
 namespace {
@@ -21,7 +22,7 @@ namespace {
 bool small_enough(const cpdispatch::BalanceProblem& p) {
   std::size_t docs = 0;
   for (const auto& rank : p.docs) docs += rank.size();
-  for (const auto& document : p.documents) docs += document.size();  // pieces of a packed batch
+  for (const auto& document : p.documents) docs += document.pieces.size() + document.slices.size();  // pieces (and slices) of a packed batch
   return p.world_size <= 16 && docs <= 64;
 }
 
@@ -39,7 +40,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(problem, options, cpdispatch_fuzz::limits);
     (void)cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes, cpdispatch_fuzz::limits);
     try {
-      (void)cpdispatch::plan_qkv(plan);  // the balancer's own output must be a valid plan
+      cpdispatch_fuzz::expect_coverage(plan, cpdispatch::plan_qkv(plan));  // the balancer's own output must be a valid plan
     } catch (...) {
       std::abort();
     }

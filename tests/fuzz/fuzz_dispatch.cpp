@@ -4,7 +4,9 @@
 // Dispatcher's constructor and calls (forward, reverse, reverse_combine)
 // over a transport that reads and writes every byte range it is handed.
 // A bad slice must become invalid_input; out-of-bounds access, overflow or
-// any other exception is a finding (AddressSanitizer and UBSan watch).
+// any other exception is a finding (AddressSanitizer and UBSan watch). The
+// planned layout must pass verify_coverage, and the perturbed one must pass
+// it or be invalid_input.
 
 #include <array>
 #include <cstddef>
@@ -18,6 +20,7 @@
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/plan/plan.hpp"
+#include "fuzz_coverage.hpp"
 #include "fuzz_target.hpp"
 
 namespace {
@@ -121,7 +124,9 @@ std::optional<std::pair<Metadata, Metadata>> perturbed_plan(Choices& in) {
     }
   }
   cpdispatch::QkvMetadata qkv = cpdispatch::plan_qkv(plan);
-  std::pair<Metadata, Metadata> pair = in.below(2) ? std::pair{qkv.kv_fwd, qkv.kv_rev} : std::pair{qkv.q_fwd, qkv.q_rev};
+  cpdispatch_fuzz::expect_coverage(plan, qkv);
+  const bool kv = in.below(2) != 0;
+  std::pair<Metadata, Metadata> pair = kv ? std::pair{qkv.kv_fwd, qkv.kv_rev} : std::pair{qkv.q_fwd, qkv.q_rev};
   for (std::size_t k = in.below(4); k > 0; --k) {
     Metadata& m = in.below(2) ? pair.first : pair.second;
     std::array<Tensor<std::int64_t>*, 6> fields = {&m.dst_rank, &m.dst_offset, &m.seq_len, &m.num_recv_tokens, &m.num_seqs,
@@ -132,6 +137,8 @@ std::optional<std::pair<Metadata, Metadata>> perturbed_plan(Choices& in) {
       m.num_total_recv_tokens[r] = m.num_recv_tokens(r, static_cast<std::size_t>(m.world_size));
     }
   }
+  (kv ? qkv.kv_fwd : qkv.q_fwd) = pair.first;  // the verifier reads only the forward metadata and the layout
+  cpdispatch_fuzz::expect_valid_or_invalid_input([&] { cpdispatch::verify_coverage(plan, qkv, cpdispatch_fuzz::limits); });
   return pair;
 }
 

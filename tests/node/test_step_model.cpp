@@ -135,7 +135,7 @@ cpdispatch::BalanceProblem spanning_document() {
   cpdispatch::BalanceProblem p;
   p.world_size = 4;
   p.max_cp_degree = 8;
-  p.documents = {{{0, 64}, {1, 64}, {2, 64}, {3, 64}}};
+  p.documents = {{{{0, 64}, {1, 64}, {2, 64}, {3, 64}}}};
   return p;
 }
 
@@ -201,6 +201,14 @@ TEST(StepModel, SimulatePrintsEverySchemeAndRefusesBadOptions) {
   for (const char* scheme : {"\n        flat", "\n       dedup", "\n  node-level", "\nzig-zag ring", "\n     ulysses", "\n     a2a+p2p"}) {
     EXPECT_NE(run.out.find(scheme), std::string::npos) << scheme << " in\n" << run.out;
   }
+  // A plan with slices: the peers count the same pairs as the plan.
+  const std::string sliced =
+      R"({"world_size": 2, "documents": [{"shards": [{"rank": 0, "len": 3, "dst": 1}, {"rank": 0, "len": 2, "dst": 0}, {"rank": 1, "len": 3, "dst": 1}],)"
+      R"( "slices": [{"q": [0, 3], "k": [0, 3], "type": "causal"}, {"q": [3, 5], "k": [0, 5], "type": "causal"},)"
+      R"( {"q": [5, 8], "k": [0, 3], "type": "full"}, {"q": [5, 8], "k": [5, 8], "type": "causal"}]}]})";
+  const SimulateRun with_slices = simulate(sliced, "--ranks-per-node 1");
+  ASSERT_EQ(with_slices.status, 0) << with_slices.err;
+  EXPECT_NE(with_slices.out.find("\n     ulysses"), std::string::npos) << with_slices.out;
   const SimulateRun bad_cluster = simulate(cli_plan, "--cluster a100");
   EXPECT_EQ(bad_cluster.status, 2);
   EXPECT_NE(bad_cluster.err.find("--cluster is h100 or h200"), std::string::npos) << bad_cluster.err;

@@ -138,17 +138,17 @@ def test_bfloat16_accumulates_in_float32():
 def test_visits_exactly_the_key_blocks_the_mask_leaves_visible(mask):
     # Each (query block, key block) pair the kernel computes holds a pair the
     # mask allows, and every allowed pair lies in one it computes.
-    from cpdispatch.torch import _Problem, attention_mask
+    from cpdispatch.torch import _entries, _Problem, attention_mask
 
     entries = [(37, 37), (5, 40), (40, 5), (1, 0)]
     q, k, v, cu_q, cu_kv, _, _ = inputs(entries, 1, 1, torch.float64)
     seen = attention_mask(cu_q, cu_kv, mask)
-    problem = _Problem(q, k, v, cu_q, cu_kv, mask, None, 8, 6)
+    problem = _Problem(q, k, v, _entries(cu_q, cu_kv, q.shape[0], k.shape[0], mask), None, 8, 6)
     covered = torch.zeros_like(seen)
-    for q0, k0, j0, j1, lk, off in problem.blocks():
-        for t0, t1 in problem.key_blocks(j0, j1, lk, off):
-            assert seen[q0 + j0:q0 + j1, k0 + t0:k0 + t1].any(), (q0 + j0, k0 + t0)
-            covered[q0 + j0:q0 + j1, k0 + t0:k0 + t1] = True
+    for r0, r1, visits in problem.blocks:
+        for _, c0, c1 in visits:
+            assert seen[r0:r1, c0:c1].any(), (r0, c0)
+            covered[r0:r1, c0:c1] = True
     assert not (seen & ~covered).any()
 
 

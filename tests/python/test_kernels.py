@@ -78,16 +78,23 @@ def test_flash_adapter_maps_the_plans_mask(fakes, mask):
     assert fakes[0][1]["cu_seqlens_q"] == cu_q.tolist() and fakes[0][1]["softmax_scale"] == SCALE
 
 
-def parts_of(entries, cuts):
+def band(mask, lq, lk, q0, k0):
+    """The plan's mask in an entry of lq x lk rows at q0, k0 as a band on t - j in the buffers' rows (bottom-right)."""
+    d = (k0 + lk) - (q0 + lq)
+    return {"causal": (None, d), "full": (None, None), "sliding_window": (d + 1 - mask.get("window", 0), d)}[mask["type"]]
+
+
+def parts_of(entries, cuts, mask):
     """Each entry's keys cut at ``cuts`` (fractions) into runs: the passes
-    (k-th run of each entry in pass k) of (q0, lq, k0, lk, diagonal) parts."""
+    (k-th run of each entry in pass k) of (q0, lq, k0, lk, lo, hi) parts,
+    each with its entry's band (buffer rows: a run keeps it)."""
     passes, q0, k0 = [], 0, 0
     for lq, lk in entries:
         bounds = sorted({0, lk} | {int(lk * c) for c in cuts})
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
             if i == len(passes):
                 passes.append([])
-            passes[i].append((q0, lq, k0 + a, b - a, lk - lq - a))
+            passes[i].append((q0, lq, k0 + a, b - a) + band(mask, lq, lk, q0, k0))
         q0, k0 = q0 + lq, k0 + lk
     return passes
 
@@ -105,17 +112,17 @@ def test_parts_merge_into_whole_attention_and_their_backward_sums_to_its_gradien
     q, k, v, w, cu_q, cu_kv = inputs(ENTRIES, seed=1)
     want_out, *want_grads = whole(q, k, v, w, cu_q, cu_kv, mask)
     want_lse = varlen_attention(q, k, v, cu_q, cu_kv, mask=mask, softmax_scale=SCALE, return_lse=True)[1]
-    passes = parts_of(ENTRIES, (0.3, 0.7))
+    passes = parts_of(ENTRIES, (0.3, 0.7), mask)
     assert len(passes) == 3
     out = torch.zeros(q.shape[0], HEADS, DIM_V, dtype=torch.float64)
     lse = torch.full((HEADS, q.shape[0]), float("-inf"), dtype=torch.float64)
     for parts in passes:
-        _merge(out, lse, *kernel.forward(q, k, v, parts, mask, SCALE))
+        _merge(out, lse, *kernel.forward(q, k, v, parts, SCALE))
     torch.testing.assert_close(out, want_out, **TIGHT)
     torch.testing.assert_close(lse, want_lse.double(), **TIGHT)
     grads = [torch.zeros_like(x) for x in (q, k, v)]
     for parts in passes:
-        for total, g in zip(grads, kernel.backward(q, k, v, out, lse, w, parts, mask, SCALE)):
+        for total, g in zip(grads, kernel.backward(q, k, v, out, lse, w, parts, SCALE)):
             total += g
     finite(out, *grads)
     for g, x, n in zip(grads, want_grads, "qkv"):
@@ -193,7 +200,9 @@ def test_bad_kernel_and_stages_are_refused():
             ContextParallelAttention(stages=stages)
     q, k, v, _, _, _ = inputs([(3, 3)])
     with pytest.raises(ValueError, match="a part is"):
-        BlockwiseKernel().forward(q, k, v, [(0, 3, 1, 3, 0)])  # keys past the end
+        BlockwiseKernel().forward(q, k, v, [(0, 3, 1, 3, None, 0)])  # keys past the end
+    with pytest.raises(ValueError, match="a part is"):
+        BlockwiseKernel().forward(q, k, v, [(0, 3, 0, 3, 0)])  # no band
 
 
 def test_a_kernel_output_autograd_does_not_see_still_runs_the_backward():

@@ -54,7 +54,9 @@
 #include <utility>
 #include <vector>
 
+#include "cpdispatch/attention/call_check.hpp"
 #include "cpdispatch/attention/data_path.hpp"
+#include "cpdispatch/attention/detail/row_cover.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/attention/kernel.hpp"
@@ -211,6 +213,7 @@ class ContextParallelAttention {
     for (owned<float>* b : {&lse_, &lse_part_}) b->reserve(n(c.q_tokens) * static_cast<std::size_t>(shape_.heads_q));
     acc_.reserve(n(c.q_tokens) * hq);
     entries_.reserve(n(c.shards));
+    entry_begin_.reserve(n(c.shards) + 1);
     for (auto* v : {&kv_rev_.dst_rank, &kv_rev_.dst_offset, &kv_rev_.seq_len}) v->reserve(n(c.shards));
     kv_rev_.num_recv_tokens.reserve(static_cast<std::size_t>(transport_.world_size()) + 1);
     for (auto* o : {&kv_rev_.seq_recv_mask, &kv_rev_.recv_seq_lens}) {
@@ -260,8 +263,9 @@ class ContextParallelAttention {
     kv_rev_ = share.kv_rev;
     layout_ = share.attn;
     check_layout();
-    layout_entries(layout_.cu_seqlens_q, layout_.cu_seqlens_kv, entries_);
-    stage_plan_.build(entries_, share.q_rev, share.kv_rev, me, W, groups_, who);
+    lay_out_entries();
+    stage_plan_.build(entries_, entry_begin_, layout_.cu_seqlens_q, layout_.cu_seqlens_kv, share.q_rev, share.kv_rev, me, W, groups_,
+                      attention_kernel_folds_shared_rows<Kernel>(), who);
     size_buffers();
     path_.clear();
     lay_out_exchanges(me, W);
@@ -294,8 +298,8 @@ class ContextParallelAttention {
     if (groups_ == 0) {  // one exchange, then one kernel call over the whole layout
       exchange_all(call, fwd_in_, in);
       fan_out(0);
-      kernel_.forward(shape_, mask(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), view(out_attn_),
-                      view(lse_));
+      clear_stray_forward();
+      kernel_.forward(shape_, std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), view(out_attn_), view(lse_));
     } else {
       forward_by_stages(call, in);
     }
@@ -311,10 +315,11 @@ class ContextParallelAttention {
     check_mlp(call, {{dout.size(), "dout", true}, {dq.size(), "dq", true}, {dk.size(), "dk", false}, {dv.size(), "dv", false}});
     const detail::StagedTensor in[] = {{&q_plan_.forward, bytes(dout.data()), bytes(dout_attn_)}};
     const detail::StagedTensor kv[] = {{kv_reverse(), bytes(dk_attn_), bytes(replica_)}, {kv_reverse(), bytes(dv_attn_), bytes(replica_v_)}};
+    clear_stray_backward();
     if (groups_ == 0) {
       exchange_all(call, dout_in_, in);
-      kernel_.backward(shape_, mask(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_),
-                       read(lse_), read(dout_attn_), view(dq_attn_), view(dk_attn_), view(dv_attn_));
+      kernel_.backward(shape_, std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_), read(lse_),
+                       read(dout_attn_), view(dq_attn_), view(dk_attn_), view(dv_attn_));
       fan_in(0);  // one round: every shard's copies
       post_kv_gradients(call, kv, 0);
     } else {
@@ -458,11 +463,12 @@ class ContextParallelAttention {
     path_.store(acc_.data(), out_attn_.data(), acc_.size());
   }
 
-  /// One pass: the kernel's partial output, folded into the running one
-  /// through the log-sum-exp (rows outside the pass keep lse_part = -inf).
+  /// One pass (a round's parts, each query row's folded by the kernel): the
+  /// kernel's partial output, folded into the running one through the
+  /// log-sum-exp (rows outside the pass keep lse_part = -inf).
   void attend_forward(std::span<const AttentionEntry> parts) {
     path_.fill(lse_part_.data(), lse_part_.size(), -std::numeric_limits<float>::infinity());
-    kernel_.forward(shape_, mask(), parts, read(q_attn_), read(k_attn_), read(v_attn_), view(out_part_), view(lse_part_));
+    kernel_.forward(shape_, parts, read(q_attn_), read(k_attn_), read(v_attn_), view(out_part_), view(lse_part_));
     path_.merge(acc_.data(), lse_.data(), out_part_.data(), lse_part_.data(), layout_.q_tokens(), shape_.heads_q, shape_.head_dim);
   }
 
@@ -485,10 +491,10 @@ class ContextParallelAttention {
   }
 
   /// One pass: dq shares summed in fp32 (rows outside the pass add zero); dk,
-  /// dv of the pass's key rows written in place (each key row is in one part).
+  /// dv of the pass's key rows written in place (each key row is in one pass).
   void attend_backward(std::span<const AttentionEntry> parts) {
     path_.zero(bytes(out_part_), out_part_.size() * sizeof(E));
-    kernel_.backward(shape_, mask(), parts, read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_), read(lse_), read(dout_attn_), view(out_part_),
+    kernel_.backward(shape_, parts, read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_), read(lse_), read(dout_attn_), view(out_part_),
                      view(dk_attn_), view(dv_attn_));
     path_.accumulate(acc_.data(), out_part_.data(), acc_.size());
   }
@@ -545,6 +551,10 @@ class ContextParallelAttention {
     if (layout_.cu_seqlens_q.size() != layout_.cu_seqlens_kv.size()) {
       fail("share.attn has ", layout_.cu_seqlens_q.size(), " cu_seqlens_q but ", layout_.cu_seqlens_kv.size(), " cu_seqlens_kv");
     }
+    const std::size_t shards = layout_.cu_seqlens_q.empty() ? 0 : layout_.cu_seqlens_q.size() - 1;
+    if (!layout_.entries.empty() && layout_.entries.size() != shards) {
+      fail("share.attn has entries for ", layout_.entries.size(), " query shards but ", shards, " query shards");
+    }
     if (layout_.q_tokens() != q_plan_.forward.output_tokens || layout_.kv_tokens() != kv_plan_.forward.output_tokens) {
       fail("share.attn holds ", layout_.q_tokens(), " query and ", layout_.kv_tokens(), " key-value tokens, but the share's metadata delivers ",
            q_plan_.forward.output_tokens, " and ", kv_plan_.forward.output_tokens, " (not one plan's share)");
@@ -552,6 +562,59 @@ class ContextParallelAttention {
     if (q_plan_.forward.input_tokens != kv_plan_.forward.input_tokens) {
       fail("share.q_fwd holds ", q_plan_.forward.input_tokens, " tokens but share.kv_fwd ", kv_plan_.forward.input_tokens, " (not one plan's share)");
     }
+  }
+
+  /// The kernel's entries in the attention buffers' rows, and where each
+  /// query shard's start (entry_begin_): the plan's own where it has them
+  /// (section 2e's attn.entries: per query shard, in the shard's rows and
+  /// its KV group's columns) moved by the shard's cu_seqlens, so their bands
+  /// shift by cu_kv - cu_q; else one entry per KV group under the plan's
+  /// mask (layout_entries). A kernel that cannot fold shared rows gets only
+  /// entries that share none.
+  void lay_out_entries() {
+    entry_begin_.assign(1, 0);
+    if (layout_.entries.empty()) {
+      layout_entries(layout_.cu_seqlens_q, layout_.cu_seqlens_kv, layout_.mask, entries_);
+      for (std::size_t g = 0; g < entries_.size(); ++g) entry_begin_.push_back(g + 1);
+      stray_rows_ = stray_keys_ = false;  // each KV group's entry covers its query shard's rows and all its keys
+      return;
+    }
+    entries_.clear();
+    for (std::size_t g = 0; g < layout_.entries.size(); ++g) {
+      for (const AttentionEntry& e : layout_.entries[g]) entries_.push_back(in_buffers(e, g));
+      entry_begin_.push_back(entries_.size());
+    }
+    if constexpr (!attention_kernel_folds_shared_rows<Kernel>()) row_check_.separate_rows("ContextParallelAttention", "replan", entries_);
+    // A kernel writes only the rows of its entries; a plan's own entries may leave some out.
+    cover_.build(entries_, detail::attention::CoverSide::query);
+    stray_rows_ = cover_.rows() != layout_.q_tokens();
+    cover_.build(entries_, detail::attention::CoverSide::key);
+    stray_keys_ = cover_.rows() != layout_.kv_tokens();
+  }
+
+  /// Rows no entry covers see nothing: out 0 and lse -inf (one kernel call
+  /// over the layout; the staged path starts every row so), dq 0, and keys
+  /// no entry covers get dk = dv = 0, written before the kernel writes the rest.
+  void clear_stray_forward() {
+    if (!stray_rows_ || groups_ > 0) return;
+    path_.zero(bytes(out_attn_), out_attn_.size() * sizeof(E));
+    path_.fill(lse_.data(), lse_.size(), -std::numeric_limits<float>::infinity());
+  }
+  void clear_stray_backward() {
+    if (stray_rows_ && groups_ == 0) path_.zero(bytes(dq_attn_), dq_attn_.size() * sizeof(E));
+    if (!stray_keys_) return;
+    for (owned<E>* b : {&dk_attn_, &dv_attn_}) path_.zero(bytes(*b), b->size() * sizeof(E));
+  }
+
+  /// Entry e of query shard g (in the shard's rows and its group's columns) in the buffers' rows.
+  AttentionEntry in_buffers(const AttentionEntry& e, std::size_t g) const {
+    const std::int64_t lq = layout_.cu_seqlens_q[g + 1] - layout_.cu_seqlens_q[g], lk = layout_.cu_seqlens_kv[g + 1] - layout_.cu_seqlens_kv[g];
+    if (e.q_start < 0 || e.q_len < 0 || e.q_len > lq - e.q_start || e.kv_start < 0 || e.kv_len < 0 || e.kv_len > lk - e.kv_start) {
+      fail("share.attn.entries[", g, "] has query rows [", e.q_start, ", +", e.q_len, ") and columns [", e.kv_start, ", +", e.kv_len,
+           ") outside its ", lq, " rows and ", lk, " columns");
+    }
+    const std::int64_t dq = layout_.cu_seqlens_q[g], dk = layout_.cu_seqlens_kv[g];
+    return {e.q_start + dq, e.q_len, e.kv_start + dk, e.kv_len, e.band.shifted(dk - dq)};
   }
 
   void size_buffers() {
@@ -578,7 +641,11 @@ class ContextParallelAttention {
   RankMetadata wire_rev_, kv_rev_;
   KvFanList fan_;
   RankAttentionLayout layout_;
-  std::vector<AttentionEntry> entries_;
+  std::vector<AttentionEntry> entries_;                 // the kernel's, in the attention buffers' rows
+  std::vector<std::size_t> entry_begin_;                // where each query shard's entries start in entries_ (one past the last at the end)
+  detail::attention::CallCheck row_check_;              // for a kernel that cannot fold shared rows
+  detail::attention::RowCover cover_;                   // the rows entries_ cover (lay_out_entries' scratch)
+  bool stray_rows_ = false, stray_keys_ = false;        // some query row / key row is in no entry
   std::vector<std::span<const AttentionEntry>> calls_;  // what the kernel is told to expect
   detail::StagePlan stage_plan_;
   std::vector<KvFanList> round_fans_;                  // with dedup, per round: shards with several copies

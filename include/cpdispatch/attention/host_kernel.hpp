@@ -3,14 +3,18 @@
 // backward, for float, bfloat16 and float16 (fp32 accumulation), satisfying
 // AttentionKernel (attention/kernel.hpp). docs/attention-kernel.md.
 //
-// Forward: per (entry, query head, query block), the key blocks the mask lets
-// the block see are attended one after another with an online softmax (a
-// running row maximum and sum), so no [q_len][kv_len] matrix is ever held.
-// Backward recomputes the probabilities from the log-sum-exp in two passes:
-// one per (entry, key-value head, key block) accumulates dk and dv over the
-// query rows that see the block, one per (entry, query head, query block)
-// accumulates dq. Every output element is summed by one thread in a fixed
-// order, so results are bitwise the same for every thread count.
+// The call's rows are cut into segments covered by the same entries
+// (detail/row_cover.hpp; one segment per entry when no rows are shared).
+// Forward: per (query segment, query head, query block), every covering
+// entry in index order attends the key blocks its band lets the block see,
+// one after another, with one online softmax (a running row maximum and sum)
+// across all of them, so no [q_len][kv_len] matrix is ever held. Backward
+// recomputes the probabilities from the log-sum-exp in two passes: one per
+// (key segment, key-value head, key block) accumulates dk and dv over the
+// query rows of every covering entry that see the block, one per (query
+// segment, query head, query block) accumulates dq. Every output element is
+// summed by one thread in a fixed order, so results are bitwise the same for
+// every thread count.
 //
 // One call at a time per kernel object (its scratch and thread pool serve one
 // call); scratch only grows, so calls of sizes seen before allocate nothing.
@@ -34,6 +38,7 @@
 
 #include "cpdispatch/attention/detail/block_math.hpp"
 #include "cpdispatch/attention/call_check.hpp"
+#include "cpdispatch/attention/detail/row_cover.hpp"
 #include "cpdispatch/attention/detail/work_pool.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/error.hpp"
@@ -73,45 +78,46 @@ inline E from_f32(float x) {
   }
 }
 
-/// Keys [lo, hi) of an entry that its query row j sees (hi <= lo: none).
-struct KeyRange {
-  std::int64_t lo = 0, hi = 0;
+/// Rows [begin, end) of a buffer (end <= begin: none).
+struct RowRun {
+  std::int64_t begin = 0, end = 0;
 };
 
-inline KeyRange visible_keys(const AttentionMask& mask, std::int64_t j, std::int64_t diagonal, std::int64_t kv_len) {
-  const std::int64_t p = j + diagonal;  // the row's document position, counted from key 0
-  const std::int64_t hi = std::clamp<std::int64_t>(p + 1, 0, kv_len);
-  switch (mask.type) {
-    case MaskType::full: return {0, kv_len};
-    case MaskType::sliding_window: {
-      const std::int64_t w = std::min(mask.window, std::int64_t{1} << 62);  // wider than any entry; no overflow below
-      return {std::clamp<std::int64_t>(p - w + 1, 0, hi), hi};
-    }
-    case MaskType::causal: break;
-  }
-  return {0, hi};
+/// Whether entry e lets no pair through at all.
+inline bool sees_nothing(const AttentionEntry& e) { return e.q_len <= 0 || e.kv_len <= 0 || e.band.lo > e.band.hi; }
+
+// Bounded band ends lie within 2^62 (CallCheck) and rows below 2^56 (any
+// address space), so a row plus a band end never overflows below.
+
+/// Key rows of entry e that query row j sees: t with lo <= t - j <= hi.
+inline RowRun visible_keys(const AttentionEntry& e, std::int64_t j) {
+  const std::int64_t end = e.kv_start + e.kv_len;
+  const std::int64_t lo = e.band.bounded_below() ? std::clamp(j + e.band.lo, e.kv_start, end) : e.kv_start;
+  const std::int64_t hi = e.band.bounded_above() ? std::clamp(j + e.band.hi + 1, lo, end) : end;
+  return {lo, hi};
 }
 
-/// Query rows [begin, end) of an entry that see some key of [t0, t1). The
-/// bounds of visible_keys grow with j, so those rows are contiguous.
-inline std::pair<std::int64_t, std::int64_t> rows_seeing(const AttentionMask& mask, const AttentionEntry& e,
-                                                         std::int64_t t0, std::int64_t t1) {
-  auto first = [&](auto&& pred) {  // first row j where pred(j) holds (pred monotone false -> true)
-    std::int64_t lo = 0, hi = e.q_len;
-    while (lo < hi) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
-      if (pred(mid)) hi = mid; else lo = mid + 1;
-    }
-    return lo;
-  };
-  const std::int64_t begin = first([&](std::int64_t j) { return visible_keys(mask, j, e.diagonal, e.kv_len).hi > t0; });
-  const std::int64_t end = first([&](std::int64_t j) { return visible_keys(mask, j, e.diagonal, e.kv_len).lo >= t1; });
-  return {begin, std::max(begin, end)};
+/// Query rows of entry e that see some key of [t0, t1) (inside its keys):
+/// t0 - hi <= j < t1 - lo. Both ends of visible_keys grow with j, so the
+/// rows are contiguous.
+inline RowRun rows_seeing(const AttentionEntry& e, std::int64_t t0, std::int64_t t1) {
+  if (sees_nothing(e)) return {e.q_start, e.q_start};
+  const std::int64_t end = e.q_start + e.q_len;
+  const std::int64_t first = e.band.bounded_above() ? std::clamp(t0 - e.band.hi, e.q_start, end) : e.q_start;
+  const std::int64_t last = e.band.bounded_below() ? std::clamp(t1 - e.band.lo, first, end) : end;
+  return {first, last};
 }
 
-/// One unit of parallel work: an entry, a head and the first row of a block.
+/// Key rows that some query row of [j0, j1) (inside entry e's rows) sees.
+inline RowRun block_keys(const AttentionEntry& e, std::int64_t j0, std::int64_t j1) {
+  if (sees_nothing(e)) return {e.kv_start, e.kv_start};
+  const RowRun first = visible_keys(e, j0), last = visible_keys(e, j1 - 1);
+  return {first.begin, std::max(first.begin, last.end)};
+}
+
+/// One unit of parallel work: a row segment, a head and the first row of a block.
 struct WorkItem {
-  std::int64_t entry = 0, head = 0, start = 0, cost = 0;
+  std::int64_t segment = 0, head = 0, start = 0, cost = 0;
 };
 
 /// Scratch of one thread, grown to fit and kept across calls.
@@ -142,39 +148,40 @@ class HostAttentionKernel {
   const HostAttentionOptions& options() const noexcept { return options_; }
 
   template <class E>
-  void forward(const AttentionShape& shape, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-               std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out,
-               std::span<float> lse) {
-    const Sizes z = check_.forward(name_, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
+  void forward(const AttentionShape& shape, std::span<const AttentionEntry> entries, std::span<const E> q,
+               std::span<const E> k, std::span<const E> v, std::span<E> out, std::span<float> lse) {
+    const Sizes z = check_.forward(name_, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
     const Inputs in{as_f32(q, q32_), as_f32(k, k32_), as_f32(v, v32_)};
     prepare_scratch(shape);
-    list_query_blocks(shape, mask, entries);
+    query_cover_.build(entries, detail::attention::CoverSide::query);
+    list_query_blocks(shape, entries);
     auto body = [&](std::int64_t i, int w) {
-      forward_block(shape, mask, entries, in, items_[static_cast<std::size_t>(i)], scratch_[static_cast<std::size_t>(w)],
-                    out, lse, z);
+      forward_block(shape, entries, in, items_[static_cast<std::size_t>(i)], scratch_[static_cast<std::size_t>(w)], out,
+                    lse, z);
     };
     pool_->run(static_cast<std::int64_t>(items_.size()), body);
   }
 
   template <class E>
-  void backward(const AttentionShape& shape, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-                std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<const E> out,
-                std::span<const float> lse, std::span<const E> dout, std::span<E> dq, std::span<E> dk,
-                std::span<E> dv) {
-    const Sizes z = check_.backward(name_, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size(),
+  void backward(const AttentionShape& shape, std::span<const AttentionEntry> entries, std::span<const E> q,
+                std::span<const E> k, std::span<const E> v, std::span<const E> out, std::span<const float> lse,
+                std::span<const E> dout, std::span<E> dq, std::span<E> dk, std::span<E> dv) {
+    const Sizes z = check_.backward(name_, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size(),
                                     dout.size(), dq.size(), dk.size(), dv.size());
     const Inputs in{as_f32(q, q32_), as_f32(k, k32_), as_f32(v, v32_), as_f32(dout, dout32_)};
     prepare_scratch(shape);
-    row_deltas(shape, entries, out, dout, z);
-    list_key_blocks(shape, mask, entries);
+    query_cover_.build(entries, detail::attention::CoverSide::query);
+    key_cover_.build(entries, detail::attention::CoverSide::key);
+    row_deltas(shape, out, dout, z);
+    list_key_blocks(shape, entries);
     auto kv_body = [&](std::int64_t i, int w) {
-      key_value_grad_block(shape, mask, entries, in, lse, items_[static_cast<std::size_t>(i)],
+      key_value_grad_block(shape, entries, in, lse, items_[static_cast<std::size_t>(i)],
                            scratch_[static_cast<std::size_t>(w)], dk, dv, z);
     };
     pool_->run(static_cast<std::int64_t>(items_.size()), kv_body);
-    list_query_blocks(shape, mask, entries);
+    list_query_blocks(shape, entries);
     auto q_body = [&](std::int64_t i, int w) {
-      query_grad_block(shape, mask, entries, in, lse, items_[static_cast<std::size_t>(i)],
+      query_grad_block(shape, entries, in, lse, items_[static_cast<std::size_t>(i)],
                        scratch_[static_cast<std::size_t>(w)], dq, z);
     };
     pool_->run(static_cast<std::int64_t>(items_.size()), q_body);
@@ -183,6 +190,8 @@ class HostAttentionKernel {
  private:
   using WorkItem = detail::attention::WorkItem;
   using ThreadScratch = detail::attention::ThreadScratch;
+  using RowRun = detail::attention::RowRun;
+  using RowSegment = detail::attention::RowSegment;
 
   using Sizes = detail::attention::CallSizes;
   static constexpr const char* name_ = "HostAttentionKernel";
@@ -239,39 +248,42 @@ class HostAttentionKernel {
     }
   }
 
-  /// Keys [lo, hi) that some row of the query block [j0, j1) sees.
-  static detail::attention::KeyRange block_keys(const AttentionMask& mask, const AttentionEntry& e, std::int64_t j0,
-                                                std::int64_t j1) {
-    const auto first = detail::attention::visible_keys(mask, j0, e.diagonal, e.kv_len);
-    const auto last = detail::attention::visible_keys(mask, j1 - 1, e.diagonal, e.kv_len);
-    return {first.lo, std::max(first.lo, last.hi)};
+  const AttentionEntry& entry(std::span<const AttentionEntry> entries, std::int64_t id) const {
+    return entries[static_cast<std::size_t>(id)];
   }
 
-  /// One item per (entry, query head, query block), the costliest first.
-  void list_query_blocks(const AttentionShape& s, const AttentionMask& mask, std::span<const AttentionEntry> entries) {
+  /// One item per (query segment, query head, query block), the costliest
+  /// first; a block's cost counts the keys of every entry covering it.
+  void list_query_blocks(const AttentionShape& s, std::span<const AttentionEntry> entries) {
     items_.clear();
-    for (std::size_t e = 0; e < entries.size(); ++e) {
-      for (std::int64_t j = 0; j < entries[e].q_len; j += options_.block_q) {
-        const std::int64_t j1 = std::min(entries[e].q_len, j + options_.block_q);
-        const auto keys = block_keys(mask, entries[e], j, j1);
-        for (std::int64_t h = 0; h < s.heads_q; ++h) {
-          items_.push_back({static_cast<std::int64_t>(e), h, j, (j1 - j) * (keys.hi - keys.lo + 1)});
+    const auto segments = query_cover_.segments();
+    for (std::size_t g = 0; g < segments.size(); ++g) {
+      for (std::int64_t j = segments[g].begin; j < segments[g].end; j += options_.block_q) {
+        const std::int64_t j1 = std::min(segments[g].end, j + options_.block_q);
+        std::int64_t cost = 0;
+        for (std::int64_t id : query_cover_.entries_of(segments[g])) {
+          const RowRun keys = detail::attention::block_keys(entry(entries, id), j, j1);
+          cost += (j1 - j) * (keys.end - keys.begin + 1);
         }
+        for (std::int64_t h = 0; h < s.heads_q; ++h) items_.push_back({static_cast<std::int64_t>(g), h, j, cost});
       }
     }
     sort_items();
   }
 
-  /// One item per (entry, key-value head, key block), the costliest first.
-  void list_key_blocks(const AttentionShape& s, const AttentionMask& mask, std::span<const AttentionEntry> entries) {
+  /// One item per (key segment, key-value head, key block), the costliest first.
+  void list_key_blocks(const AttentionShape& s, std::span<const AttentionEntry> entries) {
     items_.clear();
-    for (std::size_t e = 0; e < entries.size(); ++e) {
-      for (std::int64_t t = 0; t < entries[e].kv_len; t += options_.block_kv) {
-        const std::int64_t t1 = std::min(entries[e].kv_len, t + options_.block_kv);
-        const auto rows = detail::attention::rows_seeing(mask, entries[e], t, t1);
-        for (std::int64_t g = 0; g < s.heads_kv; ++g) {
-          items_.push_back({static_cast<std::int64_t>(e), g, t, (t1 - t) * (rows.second - rows.first + 1)});
+    const auto segments = key_cover_.segments();
+    for (std::size_t g = 0; g < segments.size(); ++g) {
+      for (std::int64_t t = segments[g].begin; t < segments[g].end; t += options_.block_kv) {
+        const std::int64_t t1 = std::min(segments[g].end, t + options_.block_kv);
+        std::int64_t cost = 0;
+        for (std::int64_t id : key_cover_.entries_of(segments[g])) {
+          const RowRun rows = detail::attention::rows_seeing(entry(entries, id), t, t1);
+          cost += (t1 - t) * (rows.end - rows.begin + 1);
         }
+        for (std::int64_t h = 0; h < s.heads_kv; ++h) items_.push_back({static_cast<std::int64_t>(g), h, t, cost});
       }
     }
     sort_items();
@@ -281,27 +293,25 @@ class HostAttentionKernel {
     // The order only balances the threads (each item's result does not depend on it).
     std::sort(items_.begin(), items_.end(), [](const WorkItem& a, const WorkItem& b) {
       if (a.cost != b.cost) return a.cost > b.cost;
-      if (a.entry != b.entry) return a.entry < b.entry;
+      if (a.segment != b.segment) return a.segment < b.segment;
       if (a.head != b.head) return a.head < b.head;
       return a.start < b.start;
     });
   }
 
-  /// Scores S = scale * log2(e) * Q K^T of rows [j0, j0 + r) against keys
-  /// [c0, c0 + c), with the masked ones set to -infinity; row stride ld.
-  static void block_scores(const AttentionShape& s, const AttentionMask& mask, const AttentionEntry& e, HeadRows q,
-                           HeadRows k, std::int64_t j0, std::int64_t r, std::int64_t c0, std::int64_t c, float* out,
-                           std::int64_t ld) {
+  /// Scores S = scale * log2(e) * Q K^T of query rows [j0, j0 + r) against
+  /// key rows [c0, c0 + c), both inside entry e's and in buffer rows, with
+  /// those outside e's band set to -infinity; row stride ld.
+  static void block_scores(const AttentionShape& s, const AttentionEntry& e, HeadRows q, HeadRows k, std::int64_t j0,
+                           std::int64_t r, std::int64_t c0, std::int64_t c, float* out, std::int64_t ld) {
     using namespace detail::attention;
-    gemm_nt(r, c, s.head_dim, s.softmax_scale * log2e, q.row(e.q_start + j0), q.stride, k.row(e.kv_start + c0),
-            k.stride, 0.0f, out, ld);
-    const auto first = visible_keys(mask, j0, e.diagonal, e.kv_len);
-    const auto last = visible_keys(mask, j0 + r - 1, e.diagonal, e.kv_len);
-    if (last.lo <= c0 && first.hi >= c0 + c) return;  // every row sees every key of the block
+    gemm_nt(r, c, s.head_dim, s.softmax_scale * log2e, q.row(j0), q.stride, k.row(c0), k.stride, 0.0f, out, ld);
+    const RowRun first = visible_keys(e, j0), last = visible_keys(e, j0 + r - 1);
+    if (last.begin <= c0 && first.end >= c0 + c) return;  // every row sees every key of the block
     for (std::int64_t i = 0; i < r; ++i) {
-      const auto keys = visible_keys(mask, j0 + i, e.diagonal, e.kv_len);
-      const std::int64_t lo = std::clamp<std::int64_t>(keys.lo - c0, 0, c);
-      const std::int64_t hi = std::clamp<std::int64_t>(keys.hi - c0, lo, c);
+      const RowRun keys = visible_keys(e, j0 + i);
+      const std::int64_t lo = std::clamp<std::int64_t>(keys.begin - c0, 0, c);
+      const std::int64_t hi = std::clamp<std::int64_t>(keys.end - c0, lo, c);
       float* row = out + i * ld;
       std::fill(row, row + lo, minus_inf);
       std::fill(row + hi, row + c, minus_inf);
@@ -316,33 +326,43 @@ class HostAttentionKernel {
   }
 
   template <class E>
-  void forward_block(const AttentionShape& s, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-                     const Inputs& in, const WorkItem& item, ThreadScratch& t, std::span<E> out, std::span<float> lse,
+  void forward_block(const AttentionShape& s, std::span<const AttentionEntry> entries, const Inputs& in,
+                     const WorkItem& item, ThreadScratch& t, std::span<E> out, std::span<float> lse,
                      const Sizes& z) const {
     using namespace detail::attention;
-    const AttentionEntry& e = entries[static_cast<std::size_t>(item.entry)];
-    const std::int64_t D = s.head_dim, j0 = item.start, r = std::min(options_.block_q, e.q_len - j0);
-    const std::int64_t g = item.head / (s.heads_q / s.heads_kv), bk = options_.block_kv;
+    const RowSegment& seg = query_cover_.segments()[static_cast<std::size_t>(item.segment)];
+    const std::int64_t D = s.head_dim, j0 = item.start, r = std::min(options_.block_q, seg.end - j0);
+    const std::int64_t g = item.head / (s.heads_q / s.heads_kv);
     const HeadRows q = head_q(s, in.q, item.head), k = head_kv(s, in.k, g), v = head_kv(s, in.v, g);
     float* acc = t.acc.data();
     std::fill(acc, acc + r * D, 0.0f);
     std::fill(t.m.begin(), t.m.begin() + r, minus_inf);
     std::fill(t.l.begin(), t.l.begin() + r, 0.0f);
-    const auto keys = block_keys(mask, e, j0, j0 + r);
-    for (std::int64_t c0 = keys.lo; c0 < keys.hi; c0 += bk) {
-      const std::int64_t c = std::min(bk, keys.hi - c0);
-      block_scores(s, mask, e, q, k, j0, r, c0, c, t.s.data(), bk);
-      for (std::int64_t i = 0; i < r; ++i) online_softmax_row(t, i, t.s.data() + i * bk, c, acc + i * D, D);
-      gemm_nn(r, D, c, 1.0f, t.s.data(), bk, v.row(e.kv_start + c0), v.stride, 1.0f, acc, D);
-    }
+    // One softmax per row across every entry covering it, entries in index order.
+    for (std::int64_t id : query_cover_.entries_of(seg)) attend_entry(s, entry(entries, id), q, k, v, j0, r, t);
     for (std::int64_t i = 0; i < r; ++i) {
-      const std::int64_t row = e.q_start + j0 + i;
+      const std::int64_t row = j0 + i;
       const float l = t.l[static_cast<std::size_t>(i)];
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       E* o = out.data() + (row * s.heads_q + item.head) * D;
       for (std::int64_t d = 0; d < D; ++d) o[d] = from_f32<E>(acc[i * D + d] * inv);
       lse[static_cast<std::size_t>(item.head * z.tokens_q + row)] =
           l > 0.0f ? (t.m[static_cast<std::size_t>(i)] + std::log2(l)) * ln2 : minus_inf;
+    }
+  }
+
+  /// Folds entry e's keys into the running softmax of query rows [j0, j0 + r).
+  void attend_entry(const AttentionShape& s, const AttentionEntry& e, HeadRows q, HeadRows k, HeadRows v,
+                    std::int64_t j0, std::int64_t r, ThreadScratch& t) const {
+    using namespace detail::attention;
+    const std::int64_t D = s.head_dim, bk = options_.block_kv;
+    float* acc = t.acc.data();
+    const RowRun keys = block_keys(e, j0, j0 + r);
+    for (std::int64_t c0 = keys.begin; c0 < keys.end; c0 += bk) {
+      const std::int64_t c = std::min(bk, keys.end - c0);
+      block_scores(s, e, q, k, j0, r, c0, c, t.s.data(), bk);
+      for (std::int64_t i = 0; i < r; ++i) online_softmax_row(t, i, t.s.data() + i * bk, c, acc + i * D, D);
+      gemm_nn(r, D, c, 1.0f, t.s.data(), bk, v.row(c0), v.stride, 1.0f, acc, D);
     }
   }
 
@@ -366,15 +386,14 @@ class HostAttentionKernel {
     m = m_new;
   }
 
-  /// D = rowsum(dout * out) per (query head, row): the softmax gradient's shift.
+  /// D = rowsum(dout * out) per (query head, covered row): the softmax gradient's shift.
   template <class E>
-  void row_deltas(const AttentionShape& s, std::span<const AttentionEntry> entries, std::span<const E> out,
-                  std::span<const E> dout, const Sizes& z) {
+  void row_deltas(const AttentionShape& s, std::span<const E> out, std::span<const E> dout, const Sizes& z) {
     const std::int64_t D = s.head_dim;
     const auto n = static_cast<std::size_t>(s.heads_q * z.tokens_q);
     if (delta_.size() < n) delta_.resize(n);
-    for (const AttentionEntry& e : entries) {
-      for (std::int64_t row = e.q_start; row < e.q_start + e.q_len; ++row) {
+    for (const RowSegment& seg : query_cover_.segments()) {
+      for (std::int64_t row = seg.begin; row < seg.end; ++row) {
         for (std::int64_t h = 0; h < s.heads_q; ++h) {
           const std::int64_t base = (row * s.heads_q + h) * D;
           float sum = 0.0f;
@@ -389,20 +408,18 @@ class HostAttentionKernel {
   }
 
   /// Probabilities P (in t.s) and dS = P * (dP - D) (in t.dp) of query rows
-  /// [j0, j0 + r) of head h against keys [c0, c0 + c).
-  void block_probability_grads(const AttentionShape& s, const AttentionMask& mask, const AttentionEntry& e,
-                               const Inputs& in, std::span<const float> lse, std::int64_t h, std::int64_t j0,
-                               std::int64_t r, std::int64_t c0, std::int64_t c, ThreadScratch& t,
-                               const Sizes& z) const {
+  /// [j0, j0 + r) of head h against key rows [c0, c0 + c) under entry e.
+  void block_probability_grads(const AttentionShape& s, const AttentionEntry& e, const Inputs& in,
+                               std::span<const float> lse, std::int64_t h, std::int64_t j0, std::int64_t r,
+                               std::int64_t c0, std::int64_t c, ThreadScratch& t, const Sizes& z) const {
     using namespace detail::attention;
     const std::int64_t g = h / (s.heads_q / s.heads_kv), bk = options_.block_kv;
     const HeadRows q = head_q(s, in.q, h), k = head_kv(s, in.k, g), v = head_kv(s, in.v, g);
     const HeadRows dout = head_q(s, in.dout, h);
-    block_scores(s, mask, e, q, k, j0, r, c0, c, t.s.data(), bk);
-    gemm_nt(r, c, s.head_dim, 1.0f, dout.row(e.q_start + j0), dout.stride, v.row(e.kv_start + c0), v.stride, 0.0f,
-            t.dp.data(), bk);
+    block_scores(s, e, q, k, j0, r, c0, c, t.s.data(), bk);
+    gemm_nt(r, c, s.head_dim, 1.0f, dout.row(j0), dout.stride, v.row(c0), v.stride, 0.0f, t.dp.data(), bk);
     for (std::int64_t i = 0; i < r; ++i) {
-      const auto idx = static_cast<std::size_t>(h * z.tokens_q + e.q_start + j0 + i);
+      const auto idx = static_cast<std::size_t>(h * z.tokens_q + j0 + i);
       float* p = t.s.data() + i * bk;
       float* dp = t.dp.data() + i * bk;
       if (lse[idx] == minus_inf) {  // the row saw nothing in the whole attention
@@ -416,29 +433,22 @@ class HostAttentionKernel {
   }
 
   template <class E>
-  void key_value_grad_block(const AttentionShape& s, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-                            const Inputs& in, std::span<const float> lse, const WorkItem& item, ThreadScratch& t,
-                            std::span<E> dk, std::span<E> dv, const Sizes& z) const {
+  void key_value_grad_block(const AttentionShape& s, std::span<const AttentionEntry> entries, const Inputs& in,
+                            std::span<const float> lse, const WorkItem& item, ThreadScratch& t, std::span<E> dk,
+                            std::span<E> dv, const Sizes& z) const {
     using namespace detail::attention;
-    const AttentionEntry& e = entries[static_cast<std::size_t>(item.entry)];
-    const std::int64_t D = s.head_dim, c0 = item.start, c = std::min(options_.block_kv, e.kv_len - c0);
-    const std::int64_t group = s.heads_q / s.heads_kv, bq = options_.block_q, bk = options_.block_kv;
+    const RowSegment& seg = key_cover_.segments()[static_cast<std::size_t>(item.segment)];
+    const std::int64_t D = s.head_dim, c0 = item.start, c = std::min(options_.block_kv, seg.end - c0);
     float* dk_acc = t.acc.data();
     float* dv_acc = t.acc2.data();
     std::fill(dk_acc, dk_acc + c * D, 0.0f);
     std::fill(dv_acc, dv_acc + c * D, 0.0f);
-    const auto rows = rows_seeing(mask, e, c0, c0 + c);
-    for (std::int64_t h = item.head * group; h < (item.head + 1) * group; ++h) {
-      const HeadRows q = head_q(s, in.q, h), dout = head_q(s, in.dout, h);
-      for (std::int64_t j0 = rows.first; j0 < rows.second; j0 += bq) {
-        const std::int64_t r = std::min(bq, rows.second - j0);
-        block_probability_grads(s, mask, e, in, lse, h, j0, r, c0, c, t, z);
-        gemm_tn(c, D, r, 1.0f, t.s.data(), bk, dout.row(e.q_start + j0), dout.stride, 1.0f, dv_acc, D);
-        gemm_tn(c, D, r, s.softmax_scale, t.dp.data(), bk, q.row(e.q_start + j0), q.stride, 1.0f, dk_acc, D);
-      }
+    // The shares of every entry covering the keys, entries in index order.
+    for (std::int64_t id : key_cover_.entries_of(seg)) {
+      key_value_grads_of_entry(s, entry(entries, id), in, lse, item.head, c0, c, t, z);
     }
     for (std::int64_t i = 0; i < c; ++i) {
-      const std::int64_t base = ((e.kv_start + c0 + i) * s.heads_kv + item.head) * D;
+      const std::int64_t base = ((c0 + i) * s.heads_kv + item.head) * D;
       for (std::int64_t d = 0; d < D; ++d) {
         dk[static_cast<std::size_t>(base + d)] = from_f32<E>(dk_acc[i * D + d]);
         dv[static_cast<std::size_t>(base + d)] = from_f32<E>(dv_acc[i * D + d]);
@@ -446,25 +456,47 @@ class HostAttentionKernel {
     }
   }
 
-  template <class E>
-  void query_grad_block(const AttentionShape& s, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-                        const Inputs& in, std::span<const float> lse, const WorkItem& item, ThreadScratch& t,
-                        std::span<E> dq, const Sizes& z) const {
+  /// Adds entry e's dk and dv of key rows [c0, c0 + c), head g, into the
+  /// thread's accumulators, over the rows of every query head of the group.
+  void key_value_grads_of_entry(const AttentionShape& s, const AttentionEntry& e, const Inputs& in,
+                                std::span<const float> lse, std::int64_t g, std::int64_t c0, std::int64_t c,
+                                ThreadScratch& t, const Sizes& z) const {
     using namespace detail::attention;
-    const AttentionEntry& e = entries[static_cast<std::size_t>(item.entry)];
-    const std::int64_t D = s.head_dim, j0 = item.start, r = std::min(options_.block_q, e.q_len - j0);
+    const std::int64_t D = s.head_dim, group = s.heads_q / s.heads_kv, bq = options_.block_q, bk = options_.block_kv;
+    const RowRun rows = rows_seeing(e, c0, c0 + c);
+    for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const HeadRows q = head_q(s, in.q, h), dout = head_q(s, in.dout, h);
+      for (std::int64_t j0 = rows.begin; j0 < rows.end; j0 += bq) {
+        const std::int64_t r = std::min(bq, rows.end - j0);
+        block_probability_grads(s, e, in, lse, h, j0, r, c0, c, t, z);
+        gemm_tn(c, D, r, 1.0f, t.s.data(), bk, dout.row(j0), dout.stride, 1.0f, t.acc2.data(), D);
+        gemm_tn(c, D, r, s.softmax_scale, t.dp.data(), bk, q.row(j0), q.stride, 1.0f, t.acc.data(), D);
+      }
+    }
+  }
+
+  template <class E>
+  void query_grad_block(const AttentionShape& s, std::span<const AttentionEntry> entries, const Inputs& in,
+                        std::span<const float> lse, const WorkItem& item, ThreadScratch& t, std::span<E> dq,
+                        const Sizes& z) const {
+    using namespace detail::attention;
+    const RowSegment& seg = query_cover_.segments()[static_cast<std::size_t>(item.segment)];
+    const std::int64_t D = s.head_dim, j0 = item.start, r = std::min(options_.block_q, seg.end - j0);
     const std::int64_t g = item.head / (s.heads_q / s.heads_kv), bk = options_.block_kv;
     const HeadRows k = head_kv(s, in.k, g);
     float* acc = t.acc.data();
     std::fill(acc, acc + r * D, 0.0f);
-    const auto keys = block_keys(mask, e, j0, j0 + r);
-    for (std::int64_t c0 = keys.lo; c0 < keys.hi; c0 += bk) {
-      const std::int64_t c = std::min(bk, keys.hi - c0);
-      block_probability_grads(s, mask, e, in, lse, item.head, j0, r, c0, c, t, z);
-      gemm_nn(r, D, c, s.softmax_scale, t.dp.data(), bk, k.row(e.kv_start + c0), k.stride, 1.0f, acc, D);
+    for (std::int64_t id : query_cover_.entries_of(seg)) {
+      const AttentionEntry& e = entry(entries, id);
+      const RowRun keys = block_keys(e, j0, j0 + r);
+      for (std::int64_t c0 = keys.begin; c0 < keys.end; c0 += bk) {
+        const std::int64_t c = std::min(bk, keys.end - c0);
+        block_probability_grads(s, e, in, lse, item.head, j0, r, c0, c, t, z);
+        gemm_nn(r, D, c, s.softmax_scale, t.dp.data(), bk, k.row(c0), k.stride, 1.0f, acc, D);
+      }
     }
     for (std::int64_t i = 0; i < r; ++i) {
-      E* o = dq.data() + ((e.q_start + j0 + i) * s.heads_q + item.head) * D;
+      E* o = dq.data() + ((j0 + i) * s.heads_q + item.head) * D;
       for (std::int64_t d = 0; d < D; ++d) o[d] = from_f32<E>(acc[i * D + d]);
     }
   }
@@ -474,6 +506,7 @@ class HostAttentionKernel {
   std::vector<ThreadScratch> scratch_;
   std::vector<WorkItem> items_;
   detail::attention::CallCheck check_;
+  detail::attention::RowCover query_cover_, key_cover_;
   std::vector<float> q32_, k32_, v32_, dout32_, delta_;
 };
 

@@ -4,31 +4,35 @@
 // float16 with fp32 accumulation. docs/attention-kernel.md.
 //
 // Correctness first: one thread per (query row, query head) attends the
-// row's visible keys with an online softmax (forward) or accumulates its dq
-// (backward); one thread per (key row, key-value head) accumulates dk and dv
-// over the rows of every query head of its group that see the key. Threads
-// never cooperate (no shared memory, no atomics), so results are the same
-// run to run, and the kernels run unchanged in the cuda-cpu test harness,
-// which executes a block's threads one after another. Flash-attention's
-// tiled kernels are the fast path on a GPU (the adapter in the docs).
+// visible keys of every entry covering the row, entries in index order, with
+// one online softmax (forward) or accumulates its dq over them (backward);
+// one thread per (key row, key-value head) accumulates dk and dv over the
+// rows of every query head of its group that see the key, in every entry
+// covering the key. The rows covered are cut into segments covered by the
+// same entries (attention/detail/row_cover.hpp), built on the host with the
+// entry list; a thread finds its segment by binary search. Threads never
+// cooperate (no shared memory, no atomics), so results are the same run to
+// run, and the kernels run unchanged in the cuda-cpu test harness, which
+// executes a block's threads one after another. Flash-attention's tiled
+// kernels are the fast path on a GPU (the adapter in the docs).
 //
 // Buffers (q, k, v, out, lse, dout, dq, dk, dv) are device memory; the
 // entries are host memory. prepare(calls) (PreparedAttentionKernel) uploads
-// every entry list the next calls will pass, with their row prefix sums, in
+// every entry list the next calls will pass, with their row segments, in
 // one go and keeps host copies; a call whose list matches a prepared one
 // (same address and size, then the same bytes: a host memcmp) launches on
 // that device copy with no upload and no synchronisation, so a step of
 // prepared calls can be captured into a CUDA graph (valid until the next
 // prepare, which rewrites the copies). A list that was not prepared (or was
-// changed in place since) is uploaded on the kernel's stream after
-// synchronising it, so that the host copy of the previous upload may be
-// reused: correct, but a host synchronisation per call. Backward's fp32
-// scratch (heads_q x the entries' last query row) is sized by prepare for
-// the most query heads of any earlier backward; a backward that needs more
-// (the first one of a kernel, say) allocates it (cudaMalloc) and keeps the
-// smaller buffer until the next prepare, since cudaFree waits for the
-// device. Launches are asynchronous on the stream: synchronise it before
-// reading the results on the host.
+// changed in place since) is cut into segments and uploaded on the kernel's
+// stream after synchronising it, so that the host copy of the previous
+// upload may be reused: correct, but a host synchronisation per call.
+// Backward's fp32 scratch (heads_q x the entries' last query row) is sized
+// by prepare for the most query heads of any earlier backward; a backward
+// that needs more (the first one of a kernel, say) allocates it (cudaMalloc)
+// and keeps the smaller buffer until the next prepare, since cudaFree waits
+// for the device. Launches are asynchronous on the stream: synchronise it
+// before reading the results on the host.
 // head_dim is at most 256 (per-thread accumulators).
 //
 // Requires nvcc (kernels): include from a .cu translation unit (the tests
@@ -47,6 +51,7 @@
 #include <vector>
 
 #include "cpdispatch/attention/call_check.hpp"
+#include "cpdispatch/attention/detail/row_cover.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/cuda_runtime/error.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
@@ -61,15 +66,15 @@ namespace attention_kernels {
 inline constexpr int max_head_dim = 256;
 inline constexpr unsigned block_threads = 128;
 
+using detail::attention::RowSegment;
+
 /// What every thread of a launch needs, by value.
 struct Params {
   std::int64_t heads_q, heads_kv, head_dim;
   float scale;
-  int mask_type;        // 0 causal, 1 full, 2 sliding window
-  std::int64_t window;  // sliding window only, at most 2^62
   std::int64_t tokens_q;
-  std::int64_t rows;     // query rows (or key rows) of all entries: the launch's x extent
-  std::int64_t entries;  // number of entries
+  std::int64_t rows;      // rows of the launch's cover (query or key rows): its x extent
+  std::int64_t segments;  // segments of that cover
   std::int64_t delta_pitch;  // backward's scratch is [heads_q][delta_pitch]: the entries' last query row + 1
 };
 
@@ -97,35 +102,32 @@ __host__ __device__ inline std::int64_t clamp64(std::int64_t x, std::int64_t lo,
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
-/// Keys [lo, hi) that query row j of an entry sees (attention/kernel.hpp's rule).
-__host__ __device__ inline void visible_keys(const Params& p, std::int64_t j, std::int64_t diagonal, std::int64_t kv_len,
-                                             std::int64_t& lo, std::int64_t& hi) {
-  const std::int64_t pos = j + diagonal;
-  lo = 0;
-  hi = p.mask_type == 1 ? kv_len : clamp64(pos + 1, 0, kv_len);
-  if (p.mask_type == 2) lo = clamp64(pos - p.window + 1, 0, hi);
+// A bounded band end is within 2^62 (the call checks) and a row below 2^56,
+// so a row plus a band end never overflows below.
+
+/// Key rows [lo, hi) of entry e that query row j sees: lo <= t - j <= hi
+/// in its band (attention/kernel.hpp's rule).
+__host__ __device__ inline void visible_keys(const AttentionEntry& e, std::int64_t j, std::int64_t& lo, std::int64_t& hi) {
+  const std::int64_t end = e.kv_start + e.kv_len;
+  lo = e.band.lo == Band::unbounded_lo ? e.kv_start : clamp64(j + e.band.lo, e.kv_start, end);
+  hi = e.band.hi == Band::unbounded_hi ? end : clamp64(j + e.band.hi + 1, lo, end);
 }
 
-/// Query rows [lo, hi) of an entry that see its key t.
-__host__ __device__ inline void rows_seeing(const Params& p, std::int64_t t, std::int64_t diagonal, std::int64_t q_len,
-                                            std::int64_t& lo, std::int64_t& hi) {
-  if (p.mask_type == 1) {
-    lo = 0;
-    hi = q_len;
-    return;
-  }
-  lo = clamp64(t - diagonal, 0, q_len);  // j + diagonal >= t
-  hi = p.mask_type == 2 ? clamp64(t - diagonal + p.window, lo, q_len) : q_len;  // j + diagonal - window < t
+/// Query rows [lo, hi) of entry e that see its key row t: t - hi <= j <= t - lo.
+__host__ __device__ inline void rows_seeing(const AttentionEntry& e, std::int64_t t, std::int64_t& lo, std::int64_t& hi) {
+  const std::int64_t end = e.q_start + e.q_len;
+  lo = e.band.hi == Band::unbounded_hi ? e.q_start : clamp64(t - e.band.hi, e.q_start, end);
+  hi = e.band.lo == Band::unbounded_lo ? end : clamp64(t - e.band.lo + 1, lo, end);
 }
 
-/// The entry holding launch row i: the last e with offsets[e] <= i.
-__host__ __device__ inline std::int64_t entry_of(const std::int64_t* offsets, std::int64_t entries, std::int64_t i) {
-  std::int64_t lo = 0, hi = entries;  // offsets[lo] <= i < offsets[hi]
+/// The segment holding launch row i: the last s with segments[s].offset <= i.
+__host__ __device__ inline const RowSegment& segment_of(const RowSegment* segments, std::int64_t count, std::int64_t i) {
+  std::int64_t lo = 0, hi = count;  // segments[lo].offset <= i < segments[hi].offset
   while (hi - lo > 1) {
     const std::int64_t mid = lo + (hi - lo) / 2;
-    if (offsets[mid] <= i) lo = mid; else hi = mid;
+    if (segments[mid].offset <= i) lo = mid; else hi = mid;
   }
-  return lo;
+  return segments[lo];
 }
 
 template <class E>
@@ -135,35 +137,38 @@ __host__ __device__ inline float dot(const E* a, const E* b, std::int64_t n) {
   return s;
 }
 
-/// Thread (query row, query head): online softmax over the row's keys.
+/// Thread (query row, query head): one online softmax over the keys of
+/// every entry covering the row.
 template <class E>
 __global__ void __launch_bounds__(block_threads)
-    forward_kernel(Params p, const AttentionEntry* entries, const std::int64_t* offsets, const E* q, const E* k,
-                   const E* v, E* out, float* lse) {
+    forward_kernel(Params p, const AttentionEntry* entries, const RowSegment* segments, const std::int64_t* ids,
+                   const E* q, const E* k, const E* v, E* out, float* lse) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, h = blockIdx.y;
   if (i >= p.rows) return;
-  const std::int64_t ei = entry_of(offsets, p.entries, i);
-  const AttentionEntry e = entries[ei];
-  const std::int64_t j = i - offsets[ei], row = e.q_start + j;
+  const RowSegment seg = segment_of(segments, p.segments, i);
+  const std::int64_t row = seg.begin + (i - seg.offset);
   const std::int64_t D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
   const E* qr = q + (row * p.heads_q + h) * D;
   float acc[max_head_dim];
   for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
   float m = -INFINITY, l = 0.0f;
-  std::int64_t lo = 0, hi = 0;
-  visible_keys(p, j, e.diagonal, e.kv_len, lo, hi);
-  for (std::int64_t t = lo; t < hi; ++t) {
-    const std::int64_t kr = ((e.kv_start + t) * p.heads_kv + g) * D;
-    const float s = dot(qr, k + kr, D) * p.scale;
-    if (s > m) {  // a new maximum: rescale what was summed against the old one
-      const float c = expf(m - s);
-      l *= c;
-      for (std::int64_t d = 0; d < D; ++d) acc[d] *= c;
-      m = s;
+  for (std::int64_t n = 0; n < seg.count; ++n) {
+    const AttentionEntry e = entries[ids[seg.first + n]];
+    std::int64_t lo = 0, hi = 0;
+    visible_keys(e, row, lo, hi);
+    for (std::int64_t t = lo; t < hi; ++t) {
+      const std::int64_t kr = (t * p.heads_kv + g) * D;
+      const float s = dot(qr, k + kr, D) * p.scale;
+      if (s > m) {  // a new maximum: rescale what was summed against the old one
+        const float c = expf(m - s);
+        l *= c;
+        for (std::int64_t d = 0; d < D; ++d) acc[d] *= c;
+        m = s;
+      }
+      const float w = expf(s - m);
+      l += w;
+      for (std::int64_t d = 0; d < D; ++d) acc[d] += w * load(v, kr + d);
     }
-    const float w = expf(s - m);
-    l += w;
-    for (std::int64_t d = 0; d < D; ++d) acc[d] += w * load(v, kr + d);
   }
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   for (std::int64_t d = 0; d < D; ++d) store(out, (row * p.heads_q + h) * D + d, acc[d] * inv);
@@ -173,67 +178,73 @@ __global__ void __launch_bounds__(block_threads)
 /// Thread (query row, query head): D = rowsum(dout * out), the softmax gradient's shift.
 template <class E>
 __global__ void __launch_bounds__(block_threads)
-    delta_kernel(Params p, const AttentionEntry* entries, const std::int64_t* offsets, const E* out, const E* dout,
-                 float* delta) {
+    delta_kernel(Params p, const RowSegment* segments, const E* out, const E* dout, float* delta) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, h = blockIdx.y;
   if (i >= p.rows) return;
-  const std::int64_t e = entry_of(offsets, p.entries, i);
-  const std::int64_t row = entries[e].q_start + i - offsets[e], base = (row * p.heads_q + h) * p.head_dim;
+  const RowSegment& seg = segment_of(segments, p.segments, i);
+  const std::int64_t row = seg.begin + (i - seg.offset), base = (row * p.heads_q + h) * p.head_dim;
   delta[h * p.delta_pitch + row] = dot(out + base, dout + base, p.head_dim);
 }
 
-/// Thread (query row, query head): dq = scale * sum_t dS_t k_t.
+/// Thread (query row, query head): dq = scale * sum_t dS_t k_t over the keys
+/// of every entry covering the row.
 template <class E>
 __global__ void __launch_bounds__(block_threads)
-    query_grad_kernel(Params p, const AttentionEntry* entries, const std::int64_t* offsets, const E* q, const E* k,
-                      const E* v, const float* lse, const E* dout, const float* delta, E* dq) {
+    query_grad_kernel(Params p, const AttentionEntry* entries, const RowSegment* segments, const std::int64_t* ids,
+                      const E* q, const E* k, const E* v, const float* lse, const E* dout, const float* delta, E* dq) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, h = blockIdx.y;
   if (i >= p.rows) return;
-  const std::int64_t ei = entry_of(offsets, p.entries, i);
-  const AttentionEntry e = entries[ei];
-  const std::int64_t j = i - offsets[ei], row = e.q_start + j, D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
+  const RowSegment seg = segment_of(segments, p.segments, i);
+  const std::int64_t row = seg.begin + (i - seg.offset), D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
   const std::int64_t qi = (row * p.heads_q + h) * D;
   float acc[max_head_dim];
   for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
   const float row_lse = lse[h * p.tokens_q + row], shift = delta[h * p.delta_pitch + row];
-  std::int64_t lo = 0, hi = 0;
-  visible_keys(p, j, e.diagonal, e.kv_len, lo, hi);
-  if (row_lse == -INFINITY) hi = lo;  // the row saw nothing in the whole attention
-  for (std::int64_t t = lo; t < hi; ++t) {
-    const std::int64_t kr = ((e.kv_start + t) * p.heads_kv + g) * D;
-    const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
-    const float ds = prob * (dot(dout + qi, v + kr, D) - shift) * p.scale;
-    for (std::int64_t d = 0; d < D; ++d) acc[d] += ds * load(k, kr + d);
+  // A row whose lse is -infinity saw nothing in the whole attention: dq = 0.
+  for (std::int64_t n = 0; n < seg.count && row_lse != -INFINITY; ++n) {
+    const AttentionEntry e = entries[ids[seg.first + n]];
+    std::int64_t lo = 0, hi = 0;
+    visible_keys(e, row, lo, hi);
+    for (std::int64_t t = lo; t < hi; ++t) {
+      const std::int64_t kr = (t * p.heads_kv + g) * D;
+      const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
+      const float ds = prob * (dot(dout + qi, v + kr, D) - shift) * p.scale;
+      for (std::int64_t d = 0; d < D; ++d) acc[d] += ds * load(k, kr + d);
+    }
   }
   for (std::int64_t d = 0; d < D; ++d) store(dq, qi + d, acc[d]);
 }
 
 /// Thread (key row, key-value head): dv = sum P dout, dk = scale * sum dS q
-/// over the rows of every query head of the group that see the key.
+/// over the rows of every query head of the group that see the key, in every
+/// entry covering the key.
 template <class E>
 __global__ void __launch_bounds__(block_threads)
-    key_value_grad_kernel(Params p, const AttentionEntry* entries, const std::int64_t* offsets, const E* q,
-                          const E* k, const E* v, const float* lse, const E* dout, const float* delta, E* dk, E* dv) {
+    key_value_grad_kernel(Params p, const AttentionEntry* entries, const RowSegment* segments, const std::int64_t* ids,
+                          const E* q, const E* k, const E* v, const float* lse, const E* dout, const float* delta, E* dk,
+                          E* dv) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, g = blockIdx.y;
   if (i >= p.rows) return;
-  const std::int64_t ei = entry_of(offsets, p.entries, i);
-  const AttentionEntry e = entries[ei];
-  const std::int64_t t = i - offsets[ei], D = p.head_dim, group = p.heads_q / p.heads_kv;
-  const std::int64_t kr = ((e.kv_start + t) * p.heads_kv + g) * D;
+  const RowSegment seg = segment_of(segments, p.segments, i);
+  const std::int64_t t = seg.begin + (i - seg.offset), D = p.head_dim, group = p.heads_q / p.heads_kv;
+  const std::int64_t kr = (t * p.heads_kv + g) * D;
   float acc_k[max_head_dim], acc_v[max_head_dim];
   for (std::int64_t d = 0; d < D; ++d) acc_k[d] = acc_v[d] = 0.0f;
-  std::int64_t lo = 0, hi = 0;
-  rows_seeing(p, t, e.diagonal, e.q_len, lo, hi);
   for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
-    for (std::int64_t j = lo; j < hi; ++j) {
-      const std::int64_t row = e.q_start + j, qi = (row * p.heads_q + h) * D;
-      const float row_lse = lse[h * p.tokens_q + row];
-      if (row_lse == -INFINITY) continue;
-      const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
-      const float ds = prob * (dot(dout + qi, v + kr, D) - delta[h * p.delta_pitch + row]) * p.scale;
-      for (std::int64_t d = 0; d < D; ++d) {
-        acc_v[d] += prob * load(dout, qi + d);
-        acc_k[d] += ds * load(q, qi + d);
+    for (std::int64_t n = 0; n < seg.count; ++n) {
+      const AttentionEntry e = entries[ids[seg.first + n]];
+      std::int64_t lo = 0, hi = 0;
+      rows_seeing(e, t, lo, hi);
+      for (std::int64_t row = lo; row < hi; ++row) {
+        const std::int64_t qi = (row * p.heads_q + h) * D;
+        const float row_lse = lse[h * p.tokens_q + row];
+        if (row_lse == -INFINITY) continue;
+        const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
+        const float ds = prob * (dot(dout + qi, v + kr, D) - delta[h * p.delta_pitch + row]) * p.scale;
+        for (std::int64_t d = 0; d < D; ++d) {
+          acc_v[d] += prob * load(dout, qi + d);
+          acc_k[d] += ds * load(q, qi + d);
+        }
       }
     }
   }
@@ -259,86 +270,77 @@ class CudaAttentionKernel {
   cudaStream_t stream() const noexcept { return stream_; }
 
   template <class E>
-  void forward(const AttentionShape& shape, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-               std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out,
-               std::span<float> lse) {
-    const auto z = check_.forward(name, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
+  void forward(const AttentionShape& shape, std::span<const AttentionEntry> entries, std::span<const E> q,
+               std::span<const E> k, std::span<const E> v, std::span<E> out, std::span<float> lse) {
+    const auto z = check_.forward(name, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
     check_head_dim(shape);
-    attention_kernels::Params p = params(shape, mask, z);
     const OnDevice d = on_device(entries);
-    p.rows = d.query_rows;
-    p.entries = static_cast<std::int64_t>(entries.size());
+    attention_kernels::Params p = params(shape, z, d.query_rows, d.query_segment_count);
     if (p.rows == 0) return;
     launch_kernel("attention forward_kernel", &attention_kernels::forward_kernel<E>, grid(p.rows, shape.heads_q),
-                  dim3(attention_kernels::block_threads), stream_, p, d.entries, d.q_offsets, q.data(), k.data(),
-                  v.data(), out.data(), lse.data());
+                  dim3(attention_kernels::block_threads), stream_, p, d.entries, d.query_segments, d.query_ids, q.data(),
+                  k.data(), v.data(), out.data(), lse.data());
   }
 
   template <class E>
-  void backward(const AttentionShape& shape, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-                std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<const E> out,
-                std::span<const float> lse, std::span<const E> dout, std::span<E> dq, std::span<E> dk,
-                std::span<E> dv) {
-    const auto z = check_.backward(name, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size(),
+  void backward(const AttentionShape& shape, std::span<const AttentionEntry> entries, std::span<const E> q,
+                std::span<const E> k, std::span<const E> v, std::span<const E> out, std::span<const float> lse,
+                std::span<const E> dout, std::span<E> dq, std::span<E> dk, std::span<E> dv) {
+    const auto z = check_.backward(name, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size(),
                                    dout.size(), dq.size(), dk.size(), dv.size());
     check_head_dim(shape);
-    attention_kernels::Params p = params(shape, mask, z);
     const OnDevice d = on_device(entries);
-    p.entries = static_cast<std::int64_t>(entries.size());
     if (d.query_rows == 0 && d.key_rows == 0) return;
-    p.delta_pitch = d.query_end;
     grow_delta(static_cast<std::size_t>(shape.heads_q * d.query_end));
     heads_q_seen_ = std::max(heads_q_seen_, shape.heads_q);
     const dim3 block(attention_kernels::block_threads);
-    p.rows = d.query_rows;
+    attention_kernels::Params p = params(shape, z, d.query_rows, d.query_segment_count);
+    p.delta_pitch = d.query_end;
     if (p.rows > 0) {
       launch_kernel("attention delta_kernel", &attention_kernels::delta_kernel<E>, grid(p.rows, shape.heads_q), block,
-                    stream_, p, d.entries, d.q_offsets, out.data(), dout.data(), delta_.data());
+                    stream_, p, d.query_segments, out.data(), dout.data(), delta_.data());
       launch_kernel("attention query_grad_kernel", &attention_kernels::query_grad_kernel<E>, grid(p.rows, shape.heads_q),
-                    block, stream_, p, d.entries, d.q_offsets, q.data(), k.data(), v.data(), lse.data(), dout.data(),
-                    delta_.data(), dq.data());
+                    block, stream_, p, d.entries, d.query_segments, d.query_ids, q.data(), k.data(), v.data(), lse.data(),
+                    dout.data(), delta_.data(), dq.data());
     }
     p.rows = d.key_rows;
+    p.segments = d.key_segment_count;
     if (p.rows > 0) {
       launch_kernel("attention key_value_grad_kernel", &attention_kernels::key_value_grad_kernel<E>,
-                    grid(p.rows, shape.heads_kv), block, stream_, p, d.entries, d.kv_offsets, q.data(), k.data(),
-                    v.data(), lse.data(), dout.data(), delta_.data(), dk.data(), dv.data());
+                    grid(p.rows, shape.heads_kv), block, stream_, p, d.entries, d.key_segments, d.key_ids, q.data(),
+                    k.data(), v.data(), lse.data(), dout.data(), delta_.data(), dk.data(), dv.data());
     }
   }
 
   /// Uploads every entry list the calls until the next prepare will pass
-  /// (PreparedAttentionKernel): one copy of all lists and their row prefix
-  /// sums, kept with host copies so that a call can confirm its list. Waits
-  /// for the stream first (the previous prepare's copy reads the host copies
-  /// being replaced) and may allocate: call it outside a step.
+  /// (PreparedAttentionKernel): one copy of all lists and their row
+  /// segments, kept with host copies so that a call can confirm its list.
+  /// Waits for the stream first (the previous prepare's copy reads the host
+  /// copies being replaced) and may allocate: call it outside a step.
   void prepare(std::span<const std::span<const AttentionEntry>> calls) {
     CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream_));
     retired_.clear();  // nothing on the stream reads them any more
     prepared_.clear();
-    prepared_host_entries_.clear();
-    prepared_host_offsets_.clear();
+    prepared_host_.clear();
     std::int64_t query_end = 0;
     for (const std::span<const AttentionEntry> list : calls) {
       if (list.empty() || find_prepared(list)) continue;  // an empty call uploads nothing anyway
-      OnDevice d;
-      const std::size_t entry_at = prepared_host_entries_.size(), offset_at = prepared_host_offsets_.size();
-      prepared_host_entries_.insert(prepared_host_entries_.end(), list.begin(), list.end());
-      append_offsets(list, prepared_host_offsets_, d);
-      prepared_.push_back({list.data(), list.size(), entry_at, offset_at, d.query_rows, d.key_rows, d.query_end});
-      query_end = std::max(query_end, d.query_end);
+      const std::size_t entry_at = prepared_host_.entries.size();
+      prepared_host_.entries.insert(prepared_host_.entries.end(), list.begin(), list.end());
+      const ListCover c = append_cover(list, prepared_host_);
+      prepared_.push_back({list.data(), list.size(), entry_at, c});
+      query_end = std::max(query_end, c.query_end);
     }
     // Backward's scratch for these lists at the most query heads seen so far
     // (the shape is not known here), so that a step allocates nothing.
     const auto need = static_cast<std::size_t>(heads_q_seen_ * query_end);
     if (delta_.size() < need) delta_.allocate(need);
-    if (prepared_entries_.size() < prepared_host_entries_.size()) prepared_entries_.allocate(prepared_host_entries_.size());
-    if (prepared_offsets_.size() < prepared_host_offsets_.size()) prepared_offsets_.allocate(prepared_host_offsets_.size());
-    prepared_entries_.upload(prepared_host_entries_, stream_);
-    prepared_offsets_.upload(prepared_host_offsets_, stream_);
+    prepared_device_.upload(prepared_host_, stream_);
   }
 
  private:
   static constexpr const char* name = "CudaAttentionKernel";
+  using RowSegment = detail::attention::RowSegment;
 
   static void check_head_dim(const AttentionShape& s) {
     if (s.head_dim > attention_kernels::max_head_dim) {
@@ -347,11 +349,9 @@ class CudaAttentionKernel {
     }
   }
 
-  static attention_kernels::Params params(const AttentionShape& s, const AttentionMask& mask,
-                                          const detail::attention::CallSizes& z) {
-    const int type = mask.type == MaskType::causal ? 0 : (mask.type == MaskType::full ? 1 : 2);
-    const std::int64_t window = std::min(mask.window, detail::attention::CallCheck::max_diagonal);
-    return {s.heads_q, s.heads_kv, s.head_dim, s.softmax_scale, type, window, z.tokens_q, 0, 0, 0};
+  static attention_kernels::Params params(const AttentionShape& s, const detail::attention::CallSizes& z,
+                                          std::int64_t rows, std::int64_t segments) {
+    return {s.heads_q, s.heads_kv, s.head_dim, s.softmax_scale, z.tokens_q, rows, segments, 0};
   }
 
   static dim3 grid(std::int64_t rows, std::int64_t heads) {
@@ -363,36 +363,87 @@ class CudaAttentionKernel {
   // memcmp compares the entries' bytes: no padding may differ between equal lists.
   static_assert(std::has_unique_object_representations_v<AttentionEntry>);
 
-  /// A call's entries on the device, with the prefix sums of their query and key rows.
-  struct OnDevice {
-    const AttentionEntry* entries = nullptr;
-    const std::int64_t* q_offsets = nullptr;
-    const std::int64_t* kv_offsets = nullptr;
+  /// Entry lists with their covers, one list after another: host copies, or
+  /// the device buffers they are uploaded to.
+  struct HostLists {
+    std::vector<AttentionEntry> entries;
+    std::vector<RowSegment> segments;  // per list: its query segments, then its key segments
+    std::vector<std::int64_t> ids;     // per list: its query cover's entry ids, then its key cover's
+    void clear() {
+      entries.clear();
+      segments.clear();
+      ids.clear();
+    }
+  };
+  struct DeviceLists {
+    DeviceBuffer<AttentionEntry> entries;
+    DeviceBuffer<RowSegment> segments;
+    DeviceBuffer<std::int64_t> ids;
+    /// Grows the buffers to fit `host` (allocating) and copies it on the stream.
+    void upload(const HostLists& host, cudaStream_t stream) {
+      if (entries.size() < host.entries.size()) entries.allocate(host.entries.size());
+      if (segments.size() < host.segments.size()) segments.allocate(host.segments.size());
+      if (ids.size() < host.ids.size()) ids.allocate(host.ids.size());
+      entries.upload(host.entries, stream);
+      segments.upload(host.segments, stream);
+      ids.upload(host.ids, stream);
+    }
+  };
+
+  /// Where one list's cover lies in its HostLists / DeviceLists (segment
+  /// `first`s count from the list's own query ids, or key ids), and its sizes.
+  struct ListCover {
+    std::size_t segment_at = 0, id_at = 0;
+    std::int64_t query_segments = 0, key_segments = 0, query_ids = 0;
     std::int64_t query_rows = 0, key_rows = 0;
     std::int64_t query_end = 0;  // one past the last query row of any entry
   };
 
-  /// A list of the last prepare: where its copies start (entries, offsets).
-  struct Prepared {
-    const AttentionEntry* data;
-    std::size_t size, entry_at, offset_at;
-    std::int64_t query_rows, key_rows, query_end;
+  /// A call's entries and covers on the device.
+  struct OnDevice {
+    const AttentionEntry* entries = nullptr;
+    const RowSegment* query_segments = nullptr;
+    const RowSegment* key_segments = nullptr;
+    const std::int64_t* query_ids = nullptr;
+    const std::int64_t* key_ids = nullptr;
+    std::int64_t query_segment_count = 0, key_segment_count = 0;
+    std::int64_t query_rows = 0, key_rows = 0, query_end = 0;
   };
 
-  /// Appends the prefix sums of the query rows (n + 1), then of the key rows
-  /// (n + 1); the row counts and the query end go to `d`.
-  static void append_offsets(std::span<const AttentionEntry> entries, std::vector<std::int64_t>& offsets, OnDevice& d) {
-    const std::size_t q0 = offsets.size(), n = entries.size();
-    offsets.resize(q0 + 2 * (n + 1), 0);
-    const std::size_t k0 = q0 + n + 1;
-    d.query_end = 0;
-    for (std::size_t e = 0; e < n; ++e) {
-      offsets[q0 + e + 1] = offsets[q0 + e] + entries[e].q_len;
-      offsets[k0 + e + 1] = offsets[k0 + e] + entries[e].kv_len;
-      if (entries[e].q_len > 0) d.query_end = std::max(d.query_end, entries[e].q_start + entries[e].q_len);
-    }
-    d.query_rows = offsets[q0 + n];
-    d.key_rows = offsets[k0 + n];
+  /// A list of the last prepare: where its copies start.
+  struct Prepared {
+    const AttentionEntry* data;
+    std::size_t size, entry_at;
+    ListCover cover;
+  };
+
+  /// Appends the query cover, then the key cover, of `entries` to `lists`.
+  ListCover append_cover(std::span<const AttentionEntry> entries, HostLists& lists) {
+    ListCover c{lists.segments.size(), lists.ids.size()};
+    cover_.build(entries, detail::attention::CoverSide::query);
+    append(cover_, lists);
+    c.query_segments = static_cast<std::int64_t>(cover_.segments().size());
+    c.query_ids = static_cast<std::int64_t>(cover_.ids().size());
+    c.query_rows = cover_.rows();
+    c.query_end = cover_.end();
+    cover_.build(entries, detail::attention::CoverSide::key);
+    append(cover_, lists);
+    c.key_segments = static_cast<std::int64_t>(cover_.segments().size());
+    c.key_rows = cover_.rows();
+    return c;
+  }
+
+  static void append(const detail::attention::RowCover& cover, HostLists& lists) {
+    lists.segments.insert(lists.segments.end(), cover.segments().begin(), cover.segments().end());
+    lists.ids.insert(lists.ids.end(), cover.ids().begin(), cover.ids().end());
+  }
+
+  /// The device pointers of a list whose entries start at `entry_at`.
+  static OnDevice located(const DeviceLists& lists, std::size_t entry_at, const ListCover& c) {
+    const RowSegment* segments = lists.segments.data() + c.segment_at;
+    const std::int64_t* ids = lists.ids.data() + c.id_at;
+    return {lists.entries.data() + entry_at, segments, segments + c.query_segments, ids, ids + c.query_ids,
+            c.query_segments, c.key_segments, c.query_rows, c.key_rows, c.query_end};
   }
 
   /// The prepared list with this address, size and contents, if any. The
@@ -401,7 +452,7 @@ class CudaAttentionKernel {
   const Prepared* find_prepared(std::span<const AttentionEntry> entries) const noexcept {
     for (const Prepared& p : prepared_) {
       if (p.data != entries.data() || p.size != entries.size()) continue;
-      if (std::memcmp(prepared_host_entries_.data() + p.entry_at, entries.data(), entries.size_bytes()) == 0) return &p;
+      if (std::memcmp(prepared_host_.entries.data() + p.entry_at, entries.data(), entries.size_bytes()) == 0) return &p;
     }
     return nullptr;
   }
@@ -412,25 +463,13 @@ class CudaAttentionKernel {
   /// stream is synchronised first).
   OnDevice on_device(std::span<const AttentionEntry> entries) {
     if (entries.empty()) return {};
-    if (const Prepared* p = find_prepared(entries)) {
-      const std::int64_t* offsets = prepared_offsets_.data() + p->offset_at;
-      return {prepared_entries_.data() + p->entry_at, offsets, offsets + p->size + 1, p->query_rows, p->key_rows,
-              p->query_end};
-    }
+    if (const Prepared* p = find_prepared(entries)) return located(prepared_device_, p->entry_at, p->cover);
     CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    const std::size_t n = entries.size();
-    host_entries_.assign(entries.begin(), entries.end());
-    host_offsets_.clear();
-    OnDevice d;
-    append_offsets(entries, host_offsets_, d);
-    if (entries_.size() < n) entries_.allocate(n);
-    if (offsets_.size() < host_offsets_.size()) offsets_.allocate(host_offsets_.size());
-    entries_.upload(host_entries_, stream_);
-    offsets_.upload(host_offsets_, stream_);
-    d.entries = entries_.data();
-    d.q_offsets = offsets_.data();
-    d.kv_offsets = offsets_.data() + n + 1;
-    return d;
+    host_.clear();
+    host_.entries.assign(entries.begin(), entries.end());
+    const ListCover c = append_cover(entries, host_);
+    device_.upload(host_, stream_);
+    return located(device_, 0, c);
   }
 
   /// Backward's scratch of at least `need` floats. Launches already on the
@@ -445,17 +484,14 @@ class CudaAttentionKernel {
 
   cudaStream_t stream_ = nullptr;
   detail::attention::CallCheck check_;
+  detail::attention::RowCover cover_;  // scratch of append_cover
   // Host copies first: destroyed after the device buffers, whose cudaFree
   // waits for the copies that read them.
-  std::vector<AttentionEntry> host_entries_;  // the last unprepared call's
-  std::vector<std::int64_t> host_offsets_;    // query row offsets (n + 1), then key row offsets (n + 1)
+  HostLists host_;           // the last unprepared call's
   std::vector<Prepared> prepared_;
-  std::vector<AttentionEntry> prepared_host_entries_;  // every prepared list, one after another
-  std::vector<std::int64_t> prepared_host_offsets_;    // per list, as host_offsets_
-  DeviceBuffer<AttentionEntry> entries_;
-  DeviceBuffer<std::int64_t> offsets_;
-  DeviceBuffer<AttentionEntry> prepared_entries_;
-  DeviceBuffer<std::int64_t> prepared_offsets_;
+  HostLists prepared_host_;  // every prepared list, one after another
+  DeviceLists device_;
+  DeviceLists prepared_device_;
   DeviceBuffer<float> delta_;
   std::vector<DeviceBuffer<float>> retired_;
   std::int64_t heads_q_seen_ = 0;  // the most query heads of a backward so far

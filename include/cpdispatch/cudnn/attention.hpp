@@ -6,9 +6,13 @@
 //
 // A call maps its entries onto cuDNN's ragged sequences (cudnn/mapping.hpp):
 // entries are trimmed to the rows that see a key and the keys some row sees,
-// grouped by band (full, causal or window, and the diagonal's offset from
+// grouped by band (full, causal or window, and the band's bounds relative to
 // bottom-right alignment), and each group is one cuDNN execution over THD
 // buffers with per-sequence lengths and ragged offsets in device memory.
+// cuDNN writes each sequence's rows on its own, so the entries of one call
+// must share no query row and no key row: the kernel declares
+// folds_shared_rows = false (attention/kernel.hpp; the op then attends a
+// stage's parts in passes) and refuses calls whose entries share rows.
 // Rows that see no key get out = 0 and lse = -inf (dq = 0; unseen keys dk =
 // dv = 0) by memset and copies, so cuDNN never sees an empty row.
 //
@@ -67,6 +71,8 @@ class CudnnAttentionKernel {
  public:
   /// Its buffers are device memory (attention_kernel_memory_space).
   static constexpr MemorySpace memory_space = MemorySpace::device;
+  /// cuDNN attends each sequence on its own: entries sharing rows are refused.
+  static constexpr bool folds_shared_rows = false;
 
   /// Runs on the legacy default stream.
   CudnnAttentionKernel() : CudnnAttentionKernel(nullptr) {}
@@ -82,16 +88,16 @@ class CudnnAttentionKernel {
   std::size_t plan_count() const noexcept { return state_->plans.size(); }
 
   template <class E>
-  void forward(const AttentionShape& shape, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-               std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out,
-               std::span<float> lse) {
+  void forward(const AttentionShape& shape, std::span<const AttentionEntry> entries, std::span<const E> q,
+               std::span<const E> k, std::span<const E> v, std::span<E> out, std::span<float> lse) {
     static_assert(cudnn_attention_type<E>,
                   "CudnnAttentionKernel: cuDNN's fused attention takes bfloat16 and float16 (cpdispatch::bfloat16, "
                   "cpdispatch::float16), not float; use cuda::CudaAttentionKernel for float");
     State& s = *state_;
-    const auto z = s.check.forward(name, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
+    const auto z = s.check.forward(name, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
+    s.check.separate_rows(name, "forward", entries);
     check_head_dim(shape);
-    cudnn::map_entries(mask, entries, s.map);
+    cudnn::map_entries(entries, s.map);
     if (s.map.groups.empty() && s.map.dead_q.empty()) return;
     const std::int64_t Hq = shape.heads_q, D = shape.head_dim, T = z.tokens_q;
     const std::int64_t pitch = s.prepare(shape, T, /*backward=*/false);
@@ -118,18 +124,18 @@ class CudnnAttentionKernel {
   }
 
   template <class E>
-  void backward(const AttentionShape& shape, const AttentionMask& mask, std::span<const AttentionEntry> entries,
-                std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<const E> out,
-                std::span<const float> lse, std::span<const E> dout, std::span<E> dq, std::span<E> dk,
-                std::span<E> dv) {
+  void backward(const AttentionShape& shape, std::span<const AttentionEntry> entries, std::span<const E> q,
+                std::span<const E> k, std::span<const E> v, std::span<const E> out, std::span<const float> lse,
+                std::span<const E> dout, std::span<E> dq, std::span<E> dk, std::span<E> dv) {
     static_assert(cudnn_attention_type<E>,
                   "CudnnAttentionKernel: cuDNN's fused attention takes bfloat16 and float16 (cpdispatch::bfloat16, "
                   "cpdispatch::float16), not float; use cuda::CudaAttentionKernel for float");
     State& s = *state_;
-    const auto z = s.check.backward(name, shape, mask, entries, q.size(), k.size(), v.size(), out.size(), lse.size(),
+    const auto z = s.check.backward(name, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size(),
                                     dout.size(), dq.size(), dk.size(), dv.size());
+    s.check.separate_rows(name, "backward", entries);
     check_head_dim(shape);
-    cudnn::map_entries(mask, entries, s.map);
+    cudnn::map_entries(entries, s.map);
     if (s.map.groups.empty() && s.map.dead_q.empty() && s.map.dead_kv.empty()) return;
     const std::int64_t Hq = shape.heads_q, Hk = shape.heads_kv, D = shape.head_dim, T = z.tokens_q;
     const std::int64_t pitch = s.prepare(shape, T, /*backward=*/true);
@@ -409,5 +415,6 @@ class CudnnAttentionKernel {
 static_assert(AttentionKernel<CudnnAttentionKernel, bfloat16>);
 static_assert(AttentionKernel<CudnnAttentionKernel, float16>);
 static_assert(attention_kernel_memory_space<CudnnAttentionKernel>() == MemorySpace::device);
+static_assert(!attention_kernel_folds_shared_rows<CudnnAttentionKernel>());
 
 }  // namespace cpdispatch::cuda

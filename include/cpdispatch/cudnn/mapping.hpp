@@ -9,17 +9,24 @@
 // when (padding) i < sq and c < skv, and for a band
 //   right bound:  c <= i + (skv - sq) + R
 //   left bound:   c >  i + (skv - sq) - L
-// with R and L scalars of the whole execution. An entry's rule is
-// t <= j + diagonal (and t > j + diagonal - window), one diagonal per entry.
+// with R and L scalars of the whole execution. An entry's rule is its band,
+// lo <= t - j <= hi (either end may be open), one band per entry: on the
+// sequence's own rows i and keys c it is lo' <= c - i <= hi', the band
+// shifted by q_start - kv_start, so R = hi' - (skv - sq) and
+// L = (skv - sq) - lo' + 1.
 //
 // trim_entry cuts an entry down to the query rows that see a key and the keys
 // some row sees (the rest are "dead": out = 0, lse = -inf, dq = 0 for dead
 // query rows, dk = dv = 0 for dead keys, written by the kernel without cuDNN).
-// After trimming, every row sees at least one key and the entry's diagonal
-// offset from bottom-right alignment, R = diagonal - (kv_len - q_len), is
-// >= 0. Entries whose every row sees every key become the `full` band;
-// a window whose left bound binds no live row becomes `causal`; the others
-// are grouped by (band, R, L), one cuDNN execution per group.
+// After trimming, every row sees at least one key and the upper end's offset
+// from bottom-right alignment, R, is >= 0. Entries whose every row sees
+// every key become the `full` band; a band whose lower end binds no live row
+// becomes `causal`; one whose upper end binds none (an inverse causal band)
+// is a `window` with R clamped to free_shift; the others are windows with
+// both bounds. They are grouped by (band, R, L), one cuDNN execution per
+// group. cuDNN writes each sequence's rows on its own, so the entries of a
+// call must share no row (the kernel checks; attention/kernel.hpp's
+// folds_shared_rows).
 
 #include <algorithm>
 #include <bit>
@@ -73,29 +80,19 @@ struct EntryMap {
 struct Trimmed {
   bool live = false;             ///< some row sees some key
   Sequence sequence;             ///< the live rows and keys (when live)
-  std::int64_t diagonal = 0;     ///< the entry's diagonal re-based to the live rows and keys
+  cpdispatch::Band live_band;    ///< the entry's band on c - i of the live rows and keys
   Band band = Band::full;        ///< full when every live row sees every live key
-  std::int64_t shift = 0;        ///< R = diagonal - (kv_len - q_len) >= 0 (0 for full; see free_shift)
-  std::int64_t left = 0;         ///< window: L = window - R, in (1 - q_len, kv_len)
+  std::int64_t shift = 0;        ///< R = hi' - (kv_len - q_len) >= 0 (0 for full; see free_shift)
+  std::int64_t left = 0;         ///< window: L = (kv_len - q_len) - lo' + 1, in (1 - q_len, kv_len)
 };
 
 /// The shift of a window sequence whose right bound binds no row (R >=
-/// q_len - 1): any such R gives the same mask, so it is clamped here (and
-/// L keeps the exact window - R), which keeps R + i + skv - sq within int32.
+/// q_len - 1, or an open upper end): any such R gives the same mask, so it
+/// is clamped here (L stays exact), which keeps R + i + skv - sq within int32.
 inline constexpr std::int64_t free_shift = std::int64_t{1} << 30;
 
 namespace detail {
 
-inline std::int64_t sat_add(std::int64_t a, std::int64_t b) noexcept {
-  std::int64_t s = 0;
-  if (!__builtin_add_overflow(a, b, &s)) return s;
-  return b > 0 ? std::numeric_limits<std::int64_t>::max() : std::numeric_limits<std::int64_t>::min();
-}
-inline std::int64_t sat_sub(std::int64_t a, std::int64_t b) noexcept {
-  std::int64_t s = 0;
-  if (!__builtin_sub_overflow(a, b, &s)) return s;
-  return b < 0 ? std::numeric_limits<std::int64_t>::max() : std::numeric_limits<std::int64_t>::min();
-}
 inline std::int64_t clamp(std::int64_t x, std::int64_t lo, std::int64_t hi) noexcept { return x < lo ? lo : (x > hi ? hi : x); }
 
 inline void push_range(std::vector<RowRange>& out, std::int64_t start, std::int64_t len) {
@@ -109,71 +106,63 @@ inline void push_range(std::vector<RowRange>& out, std::int64_t start, std::int6
 
 }  // namespace detail
 
-/// The live part of entry `e` under `mask` (see the file comment); its dead
-/// query rows and keys are appended to dead_q and dead_kv.
-inline Trimmed trim_entry(const AttentionMask& mask, const AttentionEntry& e, std::vector<RowRange>& dead_q,
-                          std::vector<RowRange>& dead_kv) {
+/// The cuDNN band, R and L of a live trimmed entry (its sequence and live_band set).
+inline void classify(Trimmed& t) {
+  const std::int64_t lq = t.sequence.q_len, lk = t.sequence.kv_len, skew = lk - lq;
+  const cpdispatch::Band& b = t.live_band;
+  // Every row sees every key: row 0 reaches the last key, and the last row still sees key 0.
+  const bool right_free = !b.bounded_above() || b.hi >= lk - 1;
+  const bool left_free = !b.bounded_below() || b.lo <= 1 - lq;
+  t.band = right_free && left_free ? Band::full : (left_free ? Band::causal : Band::window);
+  t.shift = 0;
+  t.left = 0;
+  if (t.band == Band::full) return;
+  if (t.band == Band::window) t.left = skew - b.lo + 1;
+  t.shift = right_free ? (b.bounded_above() ? std::min(b.hi - skew, free_shift) : free_shift) : b.hi - skew;
+}
+
+/// The live part of entry `e` (see the file comment); its dead query rows
+/// and keys are appended to dead_q and dead_kv. Band ends within 2^62 and
+/// rows below 2^56 (the kernel's call checks) keep the arithmetic in 64 bits.
+inline Trimmed trim_entry(const AttentionEntry& e, std::vector<RowRange>& dead_q, std::vector<RowRange>& dead_kv) {
   using detail::clamp;
-  using detail::sat_add;
-  using detail::sat_sub;
-  const std::int64_t L = e.q_len, K = e.kv_len, d = e.diagonal;
+  const std::int64_t L = e.q_len, K = e.kv_len;
   Trimmed t;
   auto all_dead = [&] {
     detail::push_range(dead_q, e.q_start, L);
     detail::push_range(dead_kv, e.kv_start, K);
     return t;
   };
-  if (L <= 0 || K <= 0) return all_dead();
-  if (mask.type == MaskType::full) {
-    t.live = true;
-    t.sequence = {e.q_start, L, e.kv_start, K};
-    t.diagonal = d;
-    return t;
-  }
-  const bool window = mask.type == MaskType::sliding_window;
-  const std::int64_t w = window ? std::max<std::int64_t>(mask.window, 1) : 0;
-  // Row j sees keys [j + d - w + 1, j + d] (causal: [0, j + d]) within [0, K).
-  const std::int64_t ja = clamp(-d, 0, L);                                             // first row with j + d >= 0
-  const std::int64_t jb = window ? clamp(sat_sub(sat_add(K - 1, w), d), ja, L) : L;    // rows with j + d - w + 1 <= K - 1
-  if (ja >= jb) return all_dead();
-  const std::int64_t ta = window ? clamp(sat_add(sat_sub(sat_add(ja, d), w), 1), 0, K) : 0;  // row ja's first key
-  const std::int64_t tb = clamp(sat_add(jb, d), 0, K);                                      // one past row jb - 1's last key
-  detail::push_range(dead_q, e.q_start, ja);
-  detail::push_range(dead_q, e.q_start + jb, L - jb);
+  if (L <= 0 || K <= 0 || e.band.lo > e.band.hi) return all_dead();
+  const cpdispatch::Band b = e.band.shifted(e.q_start - e.kv_start);  // on c - i: the entry's own rows and keys
+  const bool open_lo = !b.bounded_below(), open_hi = !b.bounded_above();
+  // Row i sees keys [i + lo, i + hi] within [0, K).
+  const std::int64_t ia = open_hi ? 0 : clamp(-b.hi, 0, L);      // first row with i + hi >= 0
+  const std::int64_t ib = open_lo ? L : clamp(K - b.lo, ia, L);  // rows with i + lo <= K - 1
+  if (ia >= ib) return all_dead();
+  const std::int64_t ta = open_lo ? 0 : clamp(ia + b.lo, 0, K);  // row ia's first key
+  const std::int64_t tb = open_hi ? K : clamp(ib + b.hi, 0, K);  // one past row ib - 1's last key
+  detail::push_range(dead_q, e.q_start, ia);
+  detail::push_range(dead_q, e.q_start + ib, L - ib);
   detail::push_range(dead_kv, e.kv_start, ta);
   detail::push_range(dead_kv, e.kv_start + tb, K - tb);
   t.live = true;
-  t.sequence = {e.q_start + ja, jb - ja, e.kv_start + ta, tb - ta};
-  const std::int64_t lq = jb - ja, lk = tb - ta;
-  t.diagonal = d + ja - ta;  // |d| <= 2^62 (the kernel's checks), ja, ta <= 2^62: no overflow
-  // Every row sees every key: row 0 reaches the last key, and (window) the
-  // last row still sees key 0.
-  const bool right_free = t.diagonal >= lk - 1;
-  const bool left_free = !window || sat_sub(sat_add(lq - 1, t.diagonal), w) < 0;
-  if (right_free && left_free) {
-    t.band = Band::full;
-    t.shift = 0;
-  } else {
-    t.band = left_free ? Band::causal : Band::window;  // a window that never binds is causal
-    t.shift = t.diagonal - (lk - lq);
-    if (t.band == Band::window) {
-      t.left = sat_sub(w, t.shift);
-      if (right_free) t.shift = std::min(t.shift, free_shift);
-    }
-  }
+  t.sequence = {e.q_start + ia, ib - ia, e.kv_start + ta, tb - ta};
+  t.live_band = b.shifted(ia - ta);
+  classify(t);
   return t;
 }
 
 /// All entries of a call: groups of sequences (by band, then shift; each by
 /// q_start) and the dead rows. `out` keeps its storage between calls.
-inline void map_entries(const AttentionMask& mask, std::span<const AttentionEntry> entries, EntryMap& out) {
+inline void map_entries(std::span<const AttentionEntry> entries, EntryMap& out) {
   std::vector<Group>& groups = out.groups;
   for (Group& g : groups) g.sequences.clear();
   std::size_t used = 0;
   out.dead_q.clear();
   out.dead_kv.clear();
   for (const AttentionEntry& e : entries) {
-    const Trimmed t = trim_entry(mask, e, out.dead_q, out.dead_kv);
+    const Trimmed t = trim_entry(e, out.dead_q, out.dead_kv);
     if (!t.live) continue;
     std::size_t g = 0;
     while (g < used && !(groups[g].band == t.band && groups[g].shift == t.shift && groups[g].left == t.left)) ++g;
@@ -203,9 +192,9 @@ inline void map_entries(const AttentionMask& mask, std::span<const AttentionEntr
   std::sort(out.dead_kv.begin(), out.dead_kv.end(), by_start);
 }
 
-inline EntryMap map_entries(const AttentionMask& mask, std::span<const AttentionEntry> entries) {
+inline EntryMap map_entries(std::span<const AttentionEntry> entries) {
   EntryMap out;
-  map_entries(mask, entries, out);
+  map_entries(entries, out);
   return out;
 }
 
@@ -231,7 +220,7 @@ inline BandBounds band_bounds(const Group& g) {
 
 /// cuDNN's rule for one sequence of a group (the file comment): whether query
 /// row i sees key c. What the graph computes; the tests hold it against
-/// AttentionMask::allows.
+/// AttentionEntry::allows.
 inline bool cudnn_sees(Band band, const BandBounds& b, std::int64_t sq, std::int64_t skv, std::int64_t i, std::int64_t c) {
   if (i < 0 || c < 0 || i >= sq || c >= skv) return false;  // padding mask
   if (band == Band::full) return true;

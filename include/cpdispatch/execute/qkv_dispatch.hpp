@@ -59,7 +59,8 @@ inline RankAttentionLayout attention_of(const AttentionLayout& attn, std::int64_
   }
   const auto r = static_cast<std::size_t>(rank);
   return RankAttentionLayout{attn.seqlens_q[r],    attn.seqlens_kv[r],   attn.cu_seqlens_q[r],
-                             attn.cu_seqlens_kv[r], attn.max_seqlen_q[r], attn.max_seqlen_kv[r], attn.mask};
+                             attn.cu_seqlens_kv[r], attn.max_seqlen_q[r], attn.max_seqlen_kv[r], attn.mask,
+                             attn.entries.empty() ? std::vector<std::vector<AttentionEntry>>{} : attn.entries.at(r)};
 }
 
 /// How QkvDispatch moves key-values.

@@ -60,6 +60,19 @@
 // detail::balance::MaskPlanner builds the plan (see there); the plan carries
 // the mask and leaves max_cp_degree out, so planning derives C from it.
 //
+// Documents with slices (BalanceDocument::slices, section 2e) are balanced
+// by the same MaskPlanner, together with the other documents of the batch
+// (under the mask): a query shard of a document with slices costs its
+// allowed pairs, and it needs the key-value shards some slice pairs it with,
+// a set rather than a range. A plan counts only when every rank's KV groups
+// (those needed sets) fit its recv_capacity; then single shards move to
+// ranks attending or holding their document where that sends fewer bytes
+// (with dedup, wire bytes), no rank's cost passing the largest by more than
+// `cost_slack` (or `cost_limit`). The plan
+// carries every document's slices unchanged (cuts do not move them) and
+// leaves max_cp_degree to planning. A batch without slices is planned
+// exactly as before.
+//
 // This header includes the rest of planning by balance: the problem
 // (plan/balance_problem.hpp), what a plan costs (plan/cost.hpp) and the
 // baselines (plan/baselines.hpp).
@@ -78,27 +91,31 @@ namespace cpdispatch {
 
 /// No plan's largest rank cost is below this: the larger of the mean rank
 /// cost and, for each document, the cheapest possible largest shard when it
-/// is cut into at most C shards inside its pieces.
+/// is cut into at most C shards inside its pieces (costs under the mask, or
+/// a document's slices).
 inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimits& limits = {}) {
   detail::balance::check_footprint(problem, limits);
   detail::balance::check_masked_problem(problem);
   const detail::balance::Planner planner(problem);
-  if (problem.mask == AttentionMask::causal()) return planner.lower_bound();
+  if (problem.mask == AttentionMask::causal() && !has_slices(problem)) return planner.lower_bound();
   return detail::balance::MaskPlanner(planner, problem.mask).lower_bound();
 }
 
 /// The load-balanced plan (see the top of this header), in documents form:
 /// documents in input order (for the per-rank form: rank 0's documents,
-/// then rank 1's, ...), each piece tiled by its shards in order. Throws
-/// invalid_input for a malformed problem (naming `documents[i].pieces[k]`
-/// or `docs[r][i]`) and capacity_error (naming ranks and token counts) when
+/// then rank 1's, ...), each piece tiled by its shards in order, each
+/// document with its slices. Throws invalid_input for a malformed problem
+/// (naming `documents[i].pieces[k]`, `documents[i].slices[j]` -- refused as
+/// planning refuses them -- or `docs[r][i]`) and capacity_error (naming ranks and token counts) when
 /// the receive capacities cannot hold the documents.
 inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}, const PlanLimits& limits = {}) {
   detail::balance::check_footprint(problem, limits);
   detail::balance::check_masked_problem(problem);
   detail::balance::Planner planner(problem);
-  if (problem.mask == AttentionMask::causal()) return detail::balance::masked_plan(planner, planner.plan(options), problem.mask);
-  return detail::balance::masked_plan(planner, detail::balance::MaskPlanner(planner, problem.mask).plan(), problem.mask);
+  if (problem.mask == AttentionMask::causal() && !has_slices(problem)) {
+    return detail::balance::masked_plan(planner, planner.plan(options), problem.mask);
+  }
+  return detail::balance::masked_plan(planner, detail::balance::MaskPlanner(planner, problem.mask).plan(options), problem.mask);
 }
 
 }  // namespace cpdispatch

@@ -1,7 +1,8 @@
 #pragma once
 // JSON reading of a load-balancing input (the document `cpdispatch-plan
 // balance` reads, docs/cli.md): a packed batch ("documents": every document's
-// pieces on their home ranks) or the whole documents per rank ("ranks"),
+// pieces on their home ranks, and its "slices" where it has its own mask,
+// docs/plan-format.md section 2e) or the whole documents per rank ("ranks"),
 // with C, receive capacities, bytes per token, the mask, "dedup" and the
 // topology's "inter_node_ratio"; and the balanced plan's JSON. On
 // nlohmann-json (target cpdispatch::json), like plan/json.hpp: a malformed
@@ -27,16 +28,38 @@ namespace cpdispatch {
 
 namespace detail {
 
+/// A slice's "q" or "k" range [begin, end] (at `path`): non-empty and
+/// inside the document's `len` tokens. Planning checks the rest of a slice.
+inline void check_slice_range(std::int64_t begin, std::int64_t end, const JsonPath& path, std::int64_t len) {
+  if (begin >= end) fail_at(path, " = [", begin, ", ", end, "] is empty");
+  if (begin < 0 || end > len) fail_at(path, " = [", begin, ", ", end, "] reaches outside the document (", len, " tokens)");
+}
+
+/// "slices" of a document of `len` tokens (section 2e): a non-empty list of
+/// {"q": [qa, qb], "k": [ka, kb], "type": t}, read as a plan's are, each
+/// rectangle inside the document.
+inline std::vector<AttentionSlice> read_balance_slices(const json& j, const JsonPath& path, std::int64_t len) {
+  const json& list = read_array(j, path);
+  if (list.empty()) fail_at(path, ": an empty list; leave \"slices\" out for the mask (section 2e)");
+  std::vector<AttentionSlice> out;
+  for (std::size_t k = 0; k < list.size(); ++k) {
+    const AttentionSlice& s = out.emplace_back(read_slice(list[k], path[k]));
+    check_slice_range(s.q_begin, s.q_end, path[k] / "q", len);
+    check_slice_range(s.k_begin, s.k_end, path[k] / "k", len);
+  }
+  return out;
+}
+
 /// `documents` of a balance input: every document's "pieces", objects
 /// {"rank", "len"}, at most max_cp_degree of them (a shard never crosses a
-/// piece boundary).
-inline std::vector<std::vector<DocumentPiece>> read_packed_documents(const json& j, const JsonPath& path, std::int64_t world_size,
-                                                                     std::int64_t max_cp_degree) {
+/// piece boundary), and its optional "slices".
+inline std::vector<BalanceDocument> read_packed_documents(const json& j, const JsonPath& path, std::int64_t world_size,
+                                                          std::int64_t max_cp_degree) {
   const json& docs = read_array(j, path);
-  std::vector<std::vector<DocumentPiece>> out(docs.size());
+  std::vector<BalanceDocument> out(docs.size());
   for (std::size_t i = 0; i < docs.size(); ++i) {
     const JsonPath doc_path = path[i];
-    check_keys(read_object(docs[i], doc_path), doc_path, "a document", {"pieces"});
+    check_keys(read_object(docs[i], doc_path), doc_path, "a document", {"pieces", "slices"});
     const JsonPath pieces_path = doc_path / "pieces";
     const json& pieces = read_array(*member(docs[i], doc_path, "pieces", true), pieces_path);
     if (pieces.empty()) fail_at(pieces_path, " is empty: a document has at least one piece");
@@ -52,11 +75,17 @@ inline std::vector<std::vector<DocumentPiece>> read_packed_documents(const json&
       const std::int64_t len = read_int(*member(pieces[k], piece_path, "len", true), len_path);
       if (rank < 0 || rank >= world_size) fail_at(rank_path, " = ", rank, " is outside [0, ", world_size, ")");
       if (len < 1) fail_at(len_path, " = ", len, " must be a positive length");
-      out[i].push_back({rank, len});
+      out[i].pieces.push_back({rank, len});
+    }
+    if (const json* slices = member(docs[i], doc_path, "slices", false)) {
+      std::int64_t doc_len = 0;
+      for (const DocumentPiece& pc : out[i].pieces) doc_len = add_tokens(doc_len, pc.len, "balance input");
+      out[i].slices = read_balance_slices(*slices, doc_path / "slices", doc_len);
     }
   }
   return out;
 }
+
 
 /// `ranks` of a balance input: W objects {"docs": [length, ...]}.
 inline std::vector<std::vector<std::int64_t>> read_rank_documents(const json& j, const JsonPath& path, std::size_t W) {
@@ -151,8 +180,9 @@ inline double inter_node_ratio_from_json(const nlohmann::json& j) {
   return v->get<double>();
 }
 
-/// The JSON of a balanced plan, as cpdispatch-plan balance writes it: balanced
-/// for dedup, it also asks for the deduplicated exchange ("dedup": true).
+/// The JSON of a balanced plan, as cpdispatch-plan balance writes it (every
+/// document with its slices, as plan_to_json writes them); balanced for dedup, it also asks for the
+/// deduplicated exchange ("dedup": true).
 inline nlohmann::json balanced_plan_to_json(const Plan& plan, bool dedup) {
   nlohmann::json out = plan_to_json(plan);
   if (dedup) out["dedup"] = true;

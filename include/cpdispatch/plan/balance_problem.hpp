@@ -1,7 +1,7 @@
 #pragma once
 // What load-balanced planning starts from (plan/balance.hpp): the documents
-// as pieces on their home ranks, the planner's options, and the problem a
-// plan was made from.
+// as pieces on their home ranks (with their slices, where a document has its
+// own mask), the planner's options, and the problem a plan was made from.
 
 #include <algorithm>
 #include <cstddef>
@@ -22,27 +22,42 @@ struct DocumentPiece {
   friend bool operator==(const DocumentPiece&, const DocumentPiece&) = default;
 };
 
+/// One document of a packed batch: its pieces in causal order and, where it
+/// has its own mask (docs/plan-format.md, section 2e), its slices in its own
+/// positions. Without slices the problem's mask holds for it. Slices do not
+/// depend on where the document is cut, so the balanced plan carries them
+/// unchanged.
+struct BalanceDocument {
+  std::vector<DocumentPiece> pieces;
+  std::vector<AttentionSlice> slices{};
+  friend bool operator==(const BalanceDocument&, const BalanceDocument&) = default;
+};
+
 /// What load-balanced planning starts from. Give the documents either as a
-/// packed batch (`documents`) or per rank (`docs`), not both.
+/// packed batch (`documents`) or per rank (`docs`), not both; a document
+/// with slices is given in the packed form.
 struct BalanceProblem {
   std::int64_t world_size = 0;
   std::int64_t max_cp_degree = 1;  ///< C: the most shards one document may be cut into
-  /// Packed batch: every document's pieces in causal order. Rank r's MLP
-  /// layout holds the pieces whose home is r, ordered by (document, piece).
-  std::vector<std::vector<DocumentPiece>> documents;
+  /// Packed batch: every document's pieces in causal order (and its slices).
+  /// Rank r's MLP layout holds the pieces whose home is r, ordered by
+  /// (document, piece).
+  std::vector<BalanceDocument> documents;
   /// Per-rank form, [W] (or empty when `documents` is used): the lengths of
   /// the whole documents each rank holds, in MLP-layout order. The same as
   /// listing rank 0's documents, then rank 1's, ... as one-piece documents.
   std::vector<std::vector<std::int64_t>> docs;
   /// Empty, or [W]: the most tokens each rank's attention layout may hold,
   /// counted as its KV groups (context + own length of every query shard it
-  /// attends), which also bounds its query tokens.
+  /// attends; for a document with slices, the KV shards it needs), which
+  /// also bounds its query tokens.
   std::vector<std::int64_t> recv_capacity;
   std::int64_t q_bytes = 1;   ///< bytes of one query token (weighs communication)
   std::int64_t kv_bytes = 1;  ///< bytes of one key-value token
-  /// The attention mask (docs/plan-format.md, section 2d): it decides the
-  /// attention cost of a shard and the key-values it needs. The balanced
-  /// plan carries it, and leaves max_cp_degree to planning unless causal.
+  /// The attention mask (docs/plan-format.md, section 2d) of the documents
+  /// without slices: it decides the attention cost of a shard and the
+  /// key-values it needs. The balanced plan carries it, and leaves
+  /// max_cp_degree to planning unless causal and no document has slices.
   AttentionMask mask;
 };
 
@@ -55,13 +70,14 @@ struct BalanceOptions {
   /// its level of balance).
   std::int64_t cost_limit = 0;
   /// Count key-value bytes as the deduplicated exchange sends them (once per
-  /// document and destination rank), for plans run with dedup switched on.
+  /// document and destination rank; with slices, each needed key-value shard
+  /// once per destination rank), for plans run with dedup switched on.
   bool dedup = false;
 };
 
 /// The documents of a documents-form plan as a packed batch: consecutive
-/// shards with one home rank form a piece; C from the plan (its largest
-/// shard count when unset).
+/// shards with one home rank form a piece, the slices as they are; C from
+/// the plan (its largest shard count when unset).
 inline BalanceProblem balance_problem_of(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1) {
   BalanceProblem p;
   p.world_size = plan.world_size;
@@ -69,7 +85,9 @@ inline BalanceProblem balance_problem_of(const QkvDocumentsPlan& plan, std::int6
   p.kv_bytes = kv_bytes;
   p.max_cp_degree = plan.max_cp_degree.value_or(1);
   for (const PackedDocument& doc : plan.documents) {
-    auto& pieces = p.documents.emplace_back();
+    BalanceDocument& packed = p.documents.emplace_back();
+    packed.slices = doc.slices;
+    auto& pieces = packed.pieces;
     for (const DocumentShard& s : doc.shards) {
       if (!pieces.empty() && pieces.back().rank == s.rank) pieces.back().len = detail::add_tokens(pieces.back().len, s.len, "balance_problem_of");
       else pieces.push_back({s.rank, s.len});
@@ -87,30 +105,37 @@ inline BalanceProblem balance_problem_of(const QkvPlan& plan, std::int64_t q_byt
   auto piece = p.documents.begin();
   for (const RankDocuments& rank : plan.ranks) {
     auto& lengths = p.docs.emplace_back();
-    for (std::size_t i = 0; i < rank.docs.size(); ++i, ++piece) lengths.push_back(piece->empty() ? 0 : piece->front().len);
+    for (std::size_t i = 0; i < rank.docs.size(); ++i, ++piece) lengths.push_back(piece->pieces.empty() ? 0 : piece->pieces.front().len);
   }
   p.documents.clear();
   return p;
 }
 
 /// How many documents of a packed batch span more than one rank.
-inline std::size_t spanning_documents(const std::vector<std::vector<DocumentPiece>>& documents) {
+inline std::size_t spanning_documents(const std::vector<BalanceDocument>& documents) {
   std::size_t n = 0;
-  for (const auto& doc : documents)
-    n += std::any_of(doc.begin(), doc.end(), [&](const DocumentPiece& pc) { return pc.rank != doc.front().rank; }) ? 1u : 0u;
+  for (const BalanceDocument& doc : documents) {
+    const auto& pieces = doc.pieces;
+    n += std::any_of(pieces.begin(), pieces.end(), [&](const DocumentPiece& pc) { return pc.rank != pieces.front().rank; }) ? 1u : 0u;
+  }
   return n;
 }
 
 /// The most ranks any document of a packed batch spans.
-inline std::size_t widest_span(const std::vector<std::vector<DocumentPiece>>& documents) {
+inline std::size_t widest_span(const std::vector<BalanceDocument>& documents) {
   std::size_t widest = 0;
-  for (const auto& doc : documents) {
+  for (const BalanceDocument& doc : documents) {
     std::vector<std::int64_t> ranks;
-    for (const DocumentPiece& pc : doc) ranks.push_back(pc.rank);
+    for (const DocumentPiece& pc : doc.pieces) ranks.push_back(pc.rank);
     std::sort(ranks.begin(), ranks.end());
     widest = std::max(widest, static_cast<std::size_t>(std::unique(ranks.begin(), ranks.end()) - ranks.begin()));
   }
   return widest;
+}
+
+/// Whether some document of the problem has its own mask (section 2e).
+inline bool has_slices(const BalanceProblem& problem) {
+  return std::any_of(problem.documents.begin(), problem.documents.end(), [](const BalanceDocument& d) { return !d.slices.empty(); });
 }
 
 }  // namespace cpdispatch

@@ -112,7 +112,7 @@ inline QkvDocumentsPlan plan_zigzag(const BalanceProblem& problem, const PlanLim
   using namespace detail::balance;
   check_footprint(problem, limits, 2 * static_cast<std::uint64_t>(std::max<std::int64_t>(problem.world_size, 0)));  // 2W chunks a document
   BalanceProblem wide = problem;  // C does not limit zig-zag: only every piece's own shard
-  for (const auto& doc : problem.documents) wide.max_cp_degree = std::max(wide.max_cp_degree, static_cast<std::int64_t>(doc.size()));
+  for (const auto& doc : problem.documents) wide.max_cp_degree = std::max(wide.max_cp_degree, static_cast<std::int64_t>(doc.pieces.size()));
   Planner planner(wide);  // validates, and lists the pieces
   const auto& pieces = planner.pieces();
   const auto W = static_cast<std::int64_t>(planner.world());

@@ -3,6 +3,8 @@
 // pair of ranks exchanges, counted as the layout of docs/plan-format.md
 // sends them (a query shard attended off its home sends its queries; it
 // gets a copy of every key-value shard it attends whose home is elsewhere).
+// A document with slices (section 2e) costs its allowed pairs, and each of
+// its query shards gets the key-value shards it needs, a set, not a range.
 
 #include <algorithm>
 #include <cstddef>
@@ -147,6 +149,35 @@ inline void add_masked_document(PlanCost& out, const std::vector<DocumentShard>&
   }
 }
 
+/// The same for a document with slices (section 2e): query shard i costs the
+/// allowed pairs of its queries, holds the KV shards it needs (a set), and
+/// gets a copy of each of them whose home is not its destination.
+inline void add_sliced_document(PlanCost& out, const std::vector<DocumentShard>& shards, const std::vector<AttentionSlice>& slices,
+                                std::int64_t q_bytes, std::int64_t kv_bytes) {
+  const auto W = static_cast<std::size_t>(out.world_size);
+  std::vector<std::int64_t> start{0};
+  for (const DocumentShard& s : shards) start.push_back(detail::add_tokens(start.back(), s.len, "plan_cost"));
+  const std::int64_t total = start.back();
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const auto home = static_cast<std::size_t>(shards[i].rank), d = static_cast<std::size_t>(shards[i].dst);
+    add_to(out.attention[d], slice_pairs(slices, start[i], start[i + 1], 0, total));
+    if (d != home) {
+      const std::int64_t qb = times(q_bytes, shards[i].len);
+      add_to(out.bytes[home * W + d], qb);
+      add_to(out.query_bytes, qb);
+    }
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      if (!slices_meet(slices, start[i], start[i + 1], start[k], start[k + 1])) continue;
+      add_to(out.kv_tokens[d], shards[k].len);
+      const auto from = static_cast<std::size_t>(shards[k].rank);
+      if (from == d) continue;
+      const std::int64_t kvb = times(kv_bytes, shards[k].len);
+      add_to(out.bytes[from * W + d], kvb);
+      add_to(out.kv_bytes, kvb);
+    }
+  }
+}
+
 /// One document into `out`, as its mask sends it.
 inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
                              std::vector<std::pair<std::size_t, std::int64_t>>& held, detail::DocumentRanges& need) {
@@ -160,9 +191,11 @@ inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& sh
 }  // namespace detail::balance
 
 /// Attention cost and bytes moved of a documents-form plan, counted as the
-/// layout of docs/plan-format.md sends them (see the top of plan/balance.hpp).
-/// Throws invalid_input naming `documents[i].shards[k].<field>` for a home
-/// or destination outside [0, W), a non-positive length or an empty document.
+/// layout of docs/plan-format.md sends them (see the top of plan/balance.hpp;
+/// a document with slices as section 2e sends it). Throws invalid_input
+/// naming `documents[i].shards[k].<field>` for a home or destination outside
+/// [0, W), a non-positive length or an empty document, and
+/// `documents[i].slices[j]` for a slice empty or outside its document.
 inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
   PlanCost out = detail::balance::empty_cost(plan.world_size, limits);
@@ -179,7 +212,15 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
       if (s.dst < 0 || s.dst >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", plan.world_size, ")");
       if (s.len <= 0) fail("plan_cost: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
     }
-    detail::balance::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
+    const auto& slices = plan.documents[i].slices;
+    if (slices.empty()) {
+      detail::balance::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
+      continue;
+    }
+    std::int64_t len = 0;
+    for (const DocumentShard& s : shards) len = detail::add_tokens(len, s.len, "plan_cost");
+    detail::balance::check_slices_inside(slices, len, i, "plan_cost");
+    detail::balance::add_sliced_document(out, shards, slices, q_bytes, kv_bytes);
   }
   detail::balance::add_to(out.bytes_moved, out.query_bytes);
   detail::balance::add_to(out.bytes_moved, out.kv_bytes);

@@ -138,9 +138,8 @@ inline KvWireMetadata plan_kv_wire(const Metadata& kv_fwd) {
   }
   KvWireMetadata out;
   detail::plan_wire_dispatch(kv_fwd, out);
-  QueryMetadata wire = plan_query(kv_fwd.seq_len, out.dispatch);
-  out.fwd = std::move(wire.fwd);
-  out.rev = std::move(wire.rev);
+  // A KV shard nobody needs (section 2e) has no wire slot: it stays home.
+  detail::plan_query_into(kv_fwd.seq_len, out.dispatch, out.fwd, out.rev, {}, true);
   // Wire entries arrive back to back in wire order: the fan lists' order.
   for (KvFanList& fan : out.fan) {
     std::int64_t at = 0;

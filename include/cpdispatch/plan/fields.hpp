@@ -63,6 +63,11 @@ struct Table<DocumentShard> {
       std::tuple{field("rank", &DocumentShard::rank), field("len", &DocumentShard::len), field("dst", &DocumentShard::dst)};
 };
 
+/// A document's optional "slices" (section 2e) are not in this table: a
+/// slice's [qa, qb] and [ka, kb] pairs and its type name have no member of
+/// their own, so plan/json.hpp reads and writes them by hand (and the Python
+/// module, which walks these tables, hands a dict with "slices" to the JSON
+/// reader).
 template <>
 struct Table<PackedDocument> {
   static constexpr std::string_view what = "a document";

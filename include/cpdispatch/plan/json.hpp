@@ -17,6 +17,7 @@
 // (plan/fields.hpp), which the Python module's dict conversion walks too.
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -25,6 +26,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -143,12 +146,15 @@ inline const json* member(const json& obj, const JsonPath& path, std::string_vie
   return &*it;
 }
 
-/// Rejects keys outside `allowed`, so that a misspelt optional key is an
-/// error rather than silently ignored.
-inline void check_keys(const json& obj, const JsonPath& path, std::string_view what, std::span<const std::string_view> allowed) {
+/// Rejects keys outside `allowed` (and `unlisted`, accepted but left out of
+/// the message), so that a misspelt optional key is an error rather than
+/// silently ignored.
+inline void check_keys(const json& obj, const JsonPath& path, std::string_view what, std::span<const std::string_view> allowed,
+                       std::span<const std::string_view> unlisted = {}) {
   for (const auto& item : obj.items()) {
     bool known = false;
     for (std::string_view a : allowed) known = known || item.key() == a;
+    for (std::string_view a : unlisted) known = known || item.key() == a;
     if (known) continue;
     std::string list;
     for (std::string_view a : allowed) list += (list.empty() ? "\"" : ", \"") + std::string(a) + '"';
@@ -356,13 +362,82 @@ void read_field(const json& obj, const JsonPath& path, const fields::Field<S, T>
   read_value(*v, p, out.*f.member, f.rule);
 }
 
+// ---- section 2e's slices: read and written by hand (plan/fields.hpp says why)
+
+/// [a, b]: a slice's query or key range, two integers (the planner checks the values).
+inline std::pair<std::int64_t, std::int64_t> read_range(const json& j, const JsonPath& path) {
+  read_array(j, path);
+  if (j.size() != 2) fail_at(path, " has ", entries(j.size()), ", expected 2 ([begin, end), document positions)");
+  return {read_int(j[0], path[0]), read_int(j[1], path[1])};
+}
+
+/// "full", "causal", "inv_causal" or "bi_causal".
+inline SliceType read_slice_type(const json& j, const JsonPath& path) {
+  const char* expected = "expected \"full\", \"causal\", \"inv_causal\" or \"bi_causal\"";
+  if (!j.is_string()) fail_at(path, ": ", expected, ", got ", describe(j));
+  for (SliceType type : {SliceType::full, SliceType::causal, SliceType::inv_causal, SliceType::bi_causal}) {
+    if (j.get_ref<const std::string&>() == to_string(type)) return type;
+  }
+  fail_at(path, ": unknown slice type ", describe(j), "; ", expected);
+}
+
+/// {"q": [qa, qb], "k": [ka, kb], "type": ...}.
+inline AttentionSlice read_slice(const json& j, const JsonPath& path) {
+  read_object(j, path);
+  check_keys(j, path, "a slice", {"q", "k", "type"});
+  AttentionSlice s;
+  std::tie(s.q_begin, s.q_end) = read_range(*member(j, path, "q", true), path / "q");
+  std::tie(s.k_begin, s.k_end) = read_range(*member(j, path, "k", true), path / "k");
+  s.type = read_slice_type(*member(j, path, "type", true), path / "type");
+  return s;
+}
+
+/// A document's optional "slices": absent or null keeps the plan's mask; an
+/// empty list is refused, so that a list emptied by mistake is not silently
+/// read as "the plan's mask".
+inline void read_extra_keys(const json& obj, const JsonPath& path, PackedDocument& doc) {
+  const json* list = member(obj, path, "slices", false);
+  if (!list) return;
+  const JsonPath p = path / "slices";
+  read_array(*list, p);
+  if (list->empty()) fail_at(p, ": an empty list; leave \"slices\" out for the plan's mask (section 2e)");
+  doc.slices.reserve(list->size());
+  for (std::size_t i = 0; i < list->size(); ++i) doc.slices.push_back(read_slice((*list)[i], p[i]));
+}
+
+template <class S>
+void read_extra_keys(const json&, const JsonPath&, S&) {}
+
+/// A per-rank document has no slices: they need the documents form (a
+/// message of its own rather than "unknown key").
+inline void reject_misplaced_keys(const json& obj, const JsonPath& path, const Document&) {
+  if (obj.contains("slices")) {
+    fail_at(path / "slices", ": slices exist only in the documents form (\"documents\": [{\"shards\": [...], \"slices\": [...]}], section 2e)");
+  }
+}
+
+template <class S>
+void reject_misplaced_keys(const json&, const JsonPath&, const S&) {}
+
+/// Keys an object of S may have beyond its table's: a document's "slices".
+/// Messages about unknown keys name the table's keys only, as they always have.
+inline constexpr std::array<std::string_view, 1> document_extra_keys{"slices"};
+
+template <class S>
+constexpr std::span<const std::string_view> extra_keys() {
+  if constexpr (std::is_same_v<S, PackedDocument>) return document_extra_keys;
+  return {};
+}
+
 /// The members of S from the object at `path`: its keys checked, then each
-/// field in table order.
+/// field in table order, then the keys read by hand.
 template <fields::Tabled S>
 void read_fields(const json& obj, const JsonPath& path, S& out) {
+  reject_misplaced_keys(obj, path, out);
   static constexpr auto keys = fields::keys<S>();
-  check_keys(obj, path, fields::Table<S>::what, keys);
+  check_keys(obj, path, fields::Table<S>::what, keys, extra_keys<S>());
   fields::for_each<S>([&](const auto& entry) { read_field(obj, path, entry, out); });
+  read_extra_keys(obj, path, out);
 }
 
 template <fields::Tabled S>
@@ -374,6 +449,15 @@ S read_struct(const json& j, const JsonPath& path) {
 
 template <fields::Tabled S>
 json struct_json(const S& s);
+
+/// A document's slices as the plan format writes them.
+inline json slices_json(const std::vector<AttentionSlice>& slices) {
+  json out = json::array();
+  for (const AttentionSlice& s : slices) {
+    out.push_back({{"q", {s.q_begin, s.q_end}}, {"k", {s.k_begin, s.k_end}}, {"type", to_string(s.type)}});
+  }
+  return out;
+}
 
 inline json value_json(std::int64_t v) { return v; }
 inline json value_json(const std::optional<std::int64_t>& v) { return v ? json(*v) : json(nullptr); }
@@ -407,6 +491,9 @@ template <fields::Tabled S>
 json struct_json(const S& s) {
   json j = json::object();
   fields::for_each<S>([&](const auto& entry) { write_field(j, entry, s); });
+  if constexpr (std::is_same_v<S, PackedDocument>) {
+    if (!s.slices.empty()) j["slices"] = slices_json(s.slices);  // left out otherwise, so plans without slices read as before
+  }
   return j;
 }
 
@@ -672,6 +759,66 @@ inline Metadata metadata_from_json(const nlohmann::json& j, std::string_view nam
   return m;
 }
 
+namespace detail {
+
+/// An entry's band end: an integer, or null for an open end.
+inline std::int64_t read_band_end(const json& j, const JsonPath& path, std::int64_t open) {
+  return j.is_null() ? open : read_int(j, path);
+}
+
+/// [q0, q1, k0, k1, lo, hi] (section 2e), lo and hi null where open.
+inline AttentionEntry read_entry(const json& j, const JsonPath& path) {
+  read_array(j, path);
+  if (j.size() != 6) fail_at(path, " has ", entries(j.size()), ", expected 6 ([q0, q1, k0, k1, lo, hi])");
+  const std::int64_t q0 = read_int(j[0], path[0]), q1 = read_int(j[1], path[1]), k0 = read_int(j[2], path[2]), k1 = read_int(j[3], path[3]);
+  if (q0 < 0 || q1 < q0) fail_at(path, ": rows [", q0, ", ", q1, ") are not a range (0 <= q0 <= q1)");
+  if (k0 < 0 || k1 < k0) fail_at(path, ": columns [", k0, ", ", k1, ") are not a range (0 <= k0 <= k1)");
+  AttentionEntry e;
+  e.q_start = q0;
+  e.q_len = q1 - q0;
+  e.kv_start = k0;
+  e.kv_len = k1 - k0;
+  e.band = {read_band_end(j[4], path[4], Band::unbounded_lo), read_band_end(j[5], path[5], Band::unbounded_hi)};
+  return e;
+}
+
+/// attn.entries: per rank, per query shard (as many as seqlens_q lists), its entries.
+inline std::vector<std::vector<std::vector<AttentionEntry>>> read_entries(const json& j, const JsonPath& path,
+                                                                          const std::vector<std::vector<std::int64_t>>& seqlens_q) {
+  read_array(j, path);
+  if (j.size() != seqlens_q.size()) fail_at(path, " has ", entries(j.size()), ", but seqlens_q has ", seqlens_q.size());
+  std::vector<std::vector<std::vector<AttentionEntry>>> out(j.size());
+  for (std::size_t d = 0; d < j.size(); ++d) {
+    read_array(j[d], path[d]);
+    if (j[d].size() != seqlens_q[d].size()) fail_at(path[d], " has ", entries(j[d].size()), ", but seqlens_q[", d, "] has ", seqlens_q[d].size());
+    out[d].resize(j[d].size());
+    for (std::size_t q = 0; q < j[d].size(); ++q) {
+      const json& list = read_array(j[d][q], path[d][q]);
+      for (std::size_t e = 0; e < list.size(); ++e) out[d][q].push_back(read_entry(list[e], path[d][q][e]));
+    }
+  }
+  return out;
+}
+
+/// One entry as [q0, q1, k0, k1, lo, hi], open ends null.
+inline json entry_json(const AttentionEntry& e) {
+  return json::array({e.q_start, e.q_start + e.q_len, e.kv_start, e.kv_start + e.kv_len, e.band.bounded_below() ? json(e.band.lo) : json(nullptr),
+                      e.band.bounded_above() ? json(e.band.hi) : json(nullptr)});
+}
+
+/// Per query shard, its entries.
+inline json entry_rows_json(const std::vector<std::vector<AttentionEntry>>& rows) {
+  json out = json::array();
+  for (const auto& row : rows) {
+    json list = json::array();
+    for (const AttentionEntry& e : row) list.push_back(entry_json(e));
+    out.push_back(std::move(list));
+  }
+  return out;
+}
+
+}  // namespace detail
+
 inline AttentionLayout attention_layout_from_json(const nlohmann::json& j, std::string_view name = "attn") {
   const auto root = detail::JsonPath::root("attention layout");
   const auto named = root / name;
@@ -696,6 +843,7 @@ inline AttentionLayout attention_layout_from_json(const nlohmann::json& j, std::
   check("cu_seqlens_kv", a.cu_seqlens_kv.size());
   check("max_seqlen_q", a.max_seqlen_q.size());
   check("max_seqlen_kv", a.max_seqlen_kv.size());
+  if (const nlohmann::json* e = detail::member(j, path, "entries", false)) a.entries = detail::read_entries(*e, path / "entries", a.seqlens_q);
   return a;
 }
 
@@ -777,6 +925,10 @@ inline void to_json(nlohmann::json& j, const AttentionLayout& a) {
   j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
        {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
   j["mask"] = detail::mask_to_json(a.mask);
+  if (a.entries.empty()) return;  // a plan without slices: the layout reads as it always has
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& rank : a.entries) rows.push_back(detail::entry_rows_json(rank));
+  j["entries"] = std::move(rows);
 }
 
 inline void to_json(nlohmann::json& j, const QueryMetadata& q) { j = {{"fwd", q.fwd}, {"rev", q.rev}}; }
@@ -818,6 +970,7 @@ inline void to_json(nlohmann::json& j, const RankAttentionLayout& a) {
   j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
        {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
   j["mask"] = detail::mask_to_json(a.mask);
+  if (!a.entries.empty()) j["entries"] = detail::entry_rows_json(a.entries);  // as the global layout: only for a plan with slices
 }
 
 inline void to_json(nlohmann::json& j, const RankQkvMetadata& m) {

@@ -153,6 +153,22 @@ inline PlanFootprint rank_share(std::uint64_t W, std::uint64_t N, std::uint64_t 
   return f;
 }
 
+/// Section 2e's slice tables of a documents-form plan (built by plan_qkv
+/// and by per-rank planning alike): the slices copied, each (slice, query
+/// shard) piece, and per attention entry its needed-set and user records,
+/// with the same again as one document's working copy.
+inline PlanFootprint slice_tables(std::uint64_t slices, std::uint64_t pieces, std::uint64_t entries) {
+  using detail::sat_add;
+  using detail::sat_mul;
+  std::uint64_t work = sat_mul(48, slices);
+  work = sat_add(work, sat_mul(96, pieces));
+  work = sat_add(work, sat_mul(96, entries));
+  return {0, work};
+}
+
+/// Section 2e's attn.entries: seven integers an entry.
+inline PlanFootprint attention_entries(std::uint64_t entries) { return {detail::sat_mul(7, entries), 0}; }
+
 /// plan_query_for_rank: O(W) rows and working arrays plus at most the
 /// input's own entries.
 inline PlanFootprint query_rank_share(std::uint64_t W, std::uint64_t entries) {
@@ -239,7 +255,7 @@ template <class QkvPlanForm>
 RankShareSizes rank_share_sizes(const QkvPlanForm& plan, std::uint64_t R) {
   RankShareSizes s;
   const bool causal = plan.mask == decltype(plan.mask)::causal();  // other masks: counted as if each shard needed all
-  const auto needed = [&](std::size_t k, std::size_t n) { return static_cast<std::uint64_t>(causal ? k + 1 : n); };
+  const auto needed = [&](std::size_t k, std::size_t n, bool sliced = false) { return static_cast<std::uint64_t>(causal && !sliced ? k + 1 : n); };
   if constexpr (requires { plan.ranks; }) {
     for (std::size_t r = 0; r < plan.ranks.size(); ++r)
       for (const auto& doc : plan.ranks[r].docs)
@@ -247,7 +263,9 @@ RankShareSizes rank_share_sizes(const QkvPlanForm& plan, std::uint64_t R) {
   } else {
     for (const auto& doc : plan.documents)
       for (std::size_t k = 0; k < doc.shards.size(); ++k) {
-        s.add(static_cast<std::uint64_t>(doc.shards[k].rank), static_cast<std::uint64_t>(doc.shards[k].dst), needed(k, doc.shards.size()), R);
+        // A document with slices (section 2e) needs any set: counted as all.
+        s.add(static_cast<std::uint64_t>(doc.shards[k].rank), static_cast<std::uint64_t>(doc.shards[k].dst),
+              needed(k, doc.shards.size(), !doc.slices.empty()), R);
       }
   }
   return s;

@@ -167,7 +167,8 @@ class NodeWirePlanner {
       seen_[static_cast<std::size_t>(d)] = shard_id;
       wire.push_back(d);
     }
-    if (wire.empty()) fail("plan_node_wire: kv_fwd shard ", index_str(r, g), " has ", kv_.seq_len(r, g), " tokens and no destination");
+    // No destination: a KV shard nobody needs (section 2e) stays home; its
+    // replica slots stay unmarked, so its gradient is 0.
   }
 
   void shard(std::size_t r, std::size_t g, std::int64_t len, std::int64_t home_at, const std::vector<std::int64_t>& wire,

@@ -9,7 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -63,6 +65,9 @@ struct DocumentShard {
 /// live on different home ranks (a long document packed across ranks).
 struct PackedDocument {
   std::vector<DocumentShard> shards;
+  /// The document's mask as slices in its positions (section 2e); empty:
+  /// the plan's mask over the whole document.
+  std::vector<AttentionSlice> slices{};
   friend bool operator==(const PackedDocument&, const PackedDocument&) = default;
 };
 
@@ -87,6 +92,11 @@ struct AttentionLayout {
   std::vector<std::int64_t> max_seqlen_q;               ///< 0 when a rank receives nothing
   std::vector<std::int64_t> max_seqlen_kv;
   AttentionMask mask;  ///< the plan's mask; a kernel applies it bottom-right aligned (mask.allows with diagonal lk - lq)
+  /// Section 2e's attn.entries, only when some document has slices (else
+  /// empty): per destination rank, per query shard in arrival order, its
+  /// entries in the shard's own rows and its KV group's columns. Where
+  /// present they alone decide what is attended.
+  std::vector<std::vector<std::vector<AttentionEntry>>> entries;
 };
 
 struct QkvMetadata {
@@ -151,9 +161,10 @@ inline QueryInput check_query_shapes(const Tensor<std::int64_t>& seq_len, const 
   return QueryInput{seq_len, dispatch, W, S, copies ? dispatch.size(2) : 1, copies};
 }
 
-/// Checks every entry (ranges, padding, a destination per shard) and counts
-/// the entries each destination receives.
-inline std::vector<std::int64_t> check_query_entries(const QueryInput& in) {
+/// Checks every entry (ranges, padding, a destination per shard unless
+/// `unsent_allowed`) and counts the entries each destination receives.
+/// Section 2e's wire lets a KV shard nobody needs stay home: unsent_allowed.
+inline std::vector<std::int64_t> check_query_entries(const QueryInput& in, bool unsent_allowed = false) {
   const auto world = static_cast<std::int64_t>(in.W);
   std::vector<std::int64_t> entries_to(in.W, 0);
   for (std::size_t r = 0; r < in.W; ++r) {
@@ -172,7 +183,7 @@ inline std::vector<std::int64_t> check_query_entries(const QueryInput& in) {
         ++n_dst;
         ++entries_to[static_cast<std::size_t>(d)];
       }
-      if (len > 0 && n_dst == 0) fail("plan_query: seq_len", index_str(r, j), " = ", len, " but dispatch", index_str(r, j), " has no destination");
+      if (len > 0 && n_dst == 0 && !unsent_allowed) fail("plan_query: seq_len", index_str(r, j), " = ", len, " but dispatch", index_str(r, j), " has no destination");
       if (len > 0 && padding_seen) fail("plan_query: seq_len", index_str(r, j), " = ", len, " follows a padding shard (padding sits only at the end of a row)");
       if (len == 0) padding_seen = true;
     }
@@ -257,11 +268,12 @@ inline void copy_mask(const Tensor<std::int64_t>& dst_rank, std::optional<Tensor
   for (std::size_t i = 0; i < dst_rank.numel(); ++i) mask->flat()[i] = dst_rank.flat()[i] >= 0 ? 1 : 0;
 }
 
-/// plan_query into `fwd` and `rev`, reusing their storage.
+/// plan_query into `fwd` and `rev`, reusing their storage; with
+/// `unsent_allowed` a shard may have no destination (it stays home).
 inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& dispatch, Metadata& fwd, Metadata& rev,
-                            const PlanLimits& limits = {}) {
+                            const PlanLimits& limits = {}, bool unsent_allowed = false) {
   const QueryInput in = check_query_shapes(seq_len, dispatch);
-  const std::vector<std::int64_t> entries_to = check_query_entries(in);
+  const std::vector<std::int64_t> entries_to = check_query_entries(in, unsent_allowed);
   const auto M = static_cast<std::size_t>(*std::max_element(entries_to.begin(), entries_to.end()));
   check_footprint(limits, footprint::query(in.W, in.S, in.C, M), "plan_query",
                   concat("a plan of world_size = ", in.W, ", ", in.S, " shards a rank, ", in.C, " copies, ", M, " entries at one rank"));
@@ -329,6 +341,7 @@ inline QkvPlan to_rank_plan(const QkvDocumentsPlan& plan) {
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
     const auto& shards = plan.documents[i].shards;
     if (shards.empty()) fail("to_rank_plan: documents[", i, "] has no shards");
+    if (!plan.documents[i].slices.empty()) fail("to_rank_plan: documents[", i, "] has slices (section 2e); only the documents form holds them");
     const std::int64_t home = shards.front().rank;
     if (home < 0 || home >= plan.world_size) fail("to_rank_plan: documents[", i, "].shards[0].rank = ", home, " is outside [0, ", plan.world_size, ")");
     Document doc;
@@ -428,8 +441,313 @@ inline std::size_t check_rank_plan(const QkvPlan& plan) {
   return C;
 }
 
-/// Validates a documents-form plan; returns C.
-inline std::size_t check_documents_plan(const QkvDocumentsPlan& plan) {
+// ---- section 2e: documents with slices
+
+/// Where one slice meets one query shard of its document: KV shards first ..
+/// last (inclusive) each hold a pair of the slice's rectangle, cut to the two
+/// shards, inside the slice's band, and no other KV shard does.
+struct SlicePiece {
+  std::size_t query = 0;
+  std::size_t slice = 0;
+  std::size_t first = 0, last = 0;
+};
+
+/// The smallest x in [lo, hi) with pred(x), pred being false then true over
+/// the range; hi when none.
+template <class Pred>
+std::size_t first_where(std::size_t lo, std::size_t hi, const Pred& pred) {
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    if (pred(mid)) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+/// The shards of a document (n of them, starting at start[k]) that hold
+/// positions [from, to), 0 <= from < to <= its length: [first, end).
+inline std::pair<std::size_t, std::size_t> shards_holding(const std::int64_t* start, std::size_t n, std::int64_t from, std::int64_t to) {
+  const auto first = static_cast<std::size_t>(std::upper_bound(start, start + n, from) - start) - 1;  // start[0] = 0 <= from
+  const auto end = static_cast<std::size_t>(std::lower_bound(start, start + n, to) - start);
+  return {first, end};
+}
+
+/// Section 2e's needed sets of one document with slices, its shards numbered
+/// from 0 (shard k at start[k], len[k] tokens): the KV shards each query shard
+/// needs, where each starts in its KV group, and each KV shard's users. The
+/// vectors keep their memory from one document to the next.
+class SliceNeeds {
+ public:
+  std::vector<SlicePiece> pieces;        ///< grouped by query shard, slice order inside a group
+  std::vector<std::size_t> piece_begin;  ///< [n + 1] into pieces
+  std::vector<std::size_t> need_begin;   ///< [n + 1] into needs
+  std::vector<std::size_t> needs;        ///< each query shard's needed set, increasing
+  std::vector<std::int64_t> columns;     ///< col_i(k) of each needs entry
+  std::vector<std::size_t> copies;       ///< of each needs entry: the query shard's place among k's users
+  std::vector<std::size_t> user_begin;   ///< [n + 1] into users
+  std::vector<std::size_t> users;        ///< each KV shard's users, increasing
+  std::vector<std::size_t> user_need;    ///< of each users entry: its needs entry (its column)
+
+  /// Both steps below.
+  void compute(std::span<const AttentionSlice> slices, const std::int64_t* start, const std::int64_t* len, std::size_t n) {
+    find(slices, start, len, n);
+    link(len, n);
+  }
+
+  /// The pieces of every slice, grouped by query shard.
+  void find(std::span<const AttentionSlice> slices, const std::int64_t* start, const std::int64_t* len, std::size_t n) {
+    found_.clear();
+    for (std::size_t s = 0; s < slices.size(); ++s) find_pieces(slices[s], s, start, len, n);
+    group_by_query(n);
+  }
+
+  /// The entries the pieces give: one per piece and KV shard.
+  std::uint64_t entry_count() const noexcept {
+    std::uint64_t total = 0;
+    for (const SlicePiece& p : pieces) total += p.last - p.first + 1;
+    return total;
+  }
+
+  /// The needed sets (the union of each query shard's pieces), their
+  /// columns, and the users of each KV shard; after find().
+  void link(const std::int64_t* len, std::size_t n) {
+    union_needs(len, n);
+    list_users(n);
+  }
+
+  /// (the most users of one KV shard, the first shard with that many).
+  std::pair<std::size_t, std::size_t> most_users() const noexcept {
+    std::pair<std::size_t, std::size_t> best{0, 0};
+    for (std::size_t k = 0; k + 1 < user_begin.size(); ++k) {
+      if (user_begin[k + 1] - user_begin[k] > best.first) best = {user_begin[k + 1] - user_begin[k], k};
+    }
+    return best;
+  }
+
+ private:
+  std::vector<SlicePiece> found_;                          // pieces in slice order
+  std::vector<std::pair<std::size_t, std::size_t>> runs_;  // one query shard's KV ranges
+  std::vector<std::size_t> fill_;
+
+  void find_pieces(const AttentionSlice& slice, std::size_t s, const std::int64_t* start, const std::int64_t* len, std::size_t n) {
+    const Band band = slice.band();
+    const auto [q_first, q_end] = shards_holding(start, n, slice.q_begin, slice.q_end);
+    const auto [k_first, k_end] = shards_holding(start, n, slice.k_begin, slice.k_end);
+    for (std::size_t i = q_first; i < q_end; ++i) {
+      const std::int64_t p0 = std::max(slice.q_begin, start[i]), p1 = std::min(slice.q_end, start[i] + len[i]);
+      // band_meets's two bounds, each monotone in k: the last key minus the
+      // first query reaches lo from some shard on, and the first key minus
+      // the last query stays within hi up to some shard.
+      const std::size_t first = first_where(k_first, k_end, [&](std::size_t k) {
+        return std::min(slice.k_end, start[k] + len[k]) - 1 - p0 >= band.lo;
+      });
+      const std::size_t end = first_where(first, k_end, [&](std::size_t k) { return std::max(slice.k_begin, start[k]) - (p1 - 1) > band.hi; });
+      if (first < end) found_.push_back({i, s, first, end - 1});
+    }
+  }
+
+  /// A stable counting sort by query shard: each group keeps slice order.
+  void group_by_query(std::size_t n) {
+    piece_begin.assign(n + 1, 0);
+    for (const SlicePiece& p : found_) ++piece_begin[p.query + 1];
+    for (std::size_t i = 0; i < n; ++i) piece_begin[i + 1] += piece_begin[i];
+    pieces.resize(found_.size());
+    fill_.assign(piece_begin.begin(), piece_begin.end() - 1);
+    for (const SlicePiece& p : found_) pieces[fill_[p.query]++] = p;
+  }
+
+  void union_needs(const std::int64_t* len, std::size_t n) {
+    need_begin.assign(1, 0);
+    needs.clear();
+    columns.clear();
+    for (std::size_t i = 0; i < n; ++i) {
+      runs_.clear();
+      for (std::size_t p = piece_begin[i]; p < piece_begin[i + 1]; ++p) runs_.emplace_back(pieces[p].first, pieces[p].last);
+      std::sort(runs_.begin(), runs_.end());
+      std::int64_t column = 0;  // within the document's length: each shard is listed once
+      std::size_t next = 0;     // shards below `next` are listed already
+      for (const auto& [first, last] : runs_) {
+        for (std::size_t k = std::max(first, next); k <= last; ++k) {
+          needs.push_back(k);
+          columns.push_back(column);
+          column += len[k];
+        }
+        next = std::max(next, last + 1);
+      }
+      need_begin.push_back(needs.size());
+    }
+  }
+
+  /// Users in increasing query shard order: copy c of KV shard k goes to its c-th user.
+  void list_users(std::size_t n) {
+    user_begin.assign(n + 1, 0);
+    for (std::size_t k : needs) ++user_begin[k + 1];
+    for (std::size_t k = 0; k < n; ++k) user_begin[k + 1] += user_begin[k];
+    users.resize(needs.size());
+    user_need.resize(needs.size());
+    copies.resize(needs.size());
+    fill_.assign(user_begin.begin(), user_begin.end() - 1);
+    for (std::size_t i = 0; i < n; ++i) {
+      for (std::size_t p = need_begin[i]; p < need_begin[i + 1]; ++p) {
+        const std::size_t slot = fill_[needs[p]]++;
+        users[slot] = i;
+        user_need[slot] = p;
+        copies[p] = slot - user_begin[needs[p]];
+      }
+    }
+  }
+};
+
+/// Section 2e's entry of `slice` for the query shard at document positions
+/// [a_i, a_i + len_i) and the KV shard at [a_k, a_k + len_k), which starts at
+/// `column` of the query shard's KV group: the slice's rectangle cut to both
+/// shards, moved into the query shard's rows and the group's columns, its
+/// band shifted by as much (s = column - a_k + a_i). Only where they meet.
+inline AttentionEntry slice_entry(const AttentionSlice& slice, std::int64_t a_i, std::int64_t len_i, std::int64_t a_k, std::int64_t len_k,
+                                  std::int64_t column) {
+  const std::int64_t p0 = std::max(slice.q_begin, a_i), p1 = std::min(slice.q_end, a_i + len_i);
+  const std::int64_t k0 = std::max(slice.k_begin, a_k), k1 = std::min(slice.k_end, a_k + len_k);
+  std::int64_t shift = 0;
+  if (__builtin_add_overflow(column - a_k, a_i, &shift)) fail("plan_qkv: an attention entry's band shift overflows 64 bits");
+  AttentionEntry e;
+  e.q_start = p0 - a_i;
+  e.q_len = p1 - p0;
+  e.kv_start = k0 - a_k + column;
+  e.kv_len = k1 - k0;
+  e.band = slice.band().shifted(shift);
+  return e;
+}
+
+/// The one entry of a query shard of a document without slices: its whole
+/// KV group under the plan's mask, bottom-right aligned (the group ends where
+/// the query shard ends), so the mask's band shifted by lk - lq.
+inline AttentionEntry whole_group_entry(const AttentionMask& mask, std::int64_t lq, std::int64_t lk) {
+  AttentionEntry e;
+  e.q_len = lq;
+  e.kv_len = lk;
+  e.band = mask.band().shifted(lk - lq);
+  return e;
+}
+
+/// Whether any document of the plan has slices.
+inline bool has_slices(const QkvDocumentsPlan& plan) {
+  return std::any_of(plan.documents.begin(), plan.documents.end(), [](const PackedDocument& d) { return !d.slices.empty(); });
+}
+
+/// The sizes of a plan's slice tables, counted while validating.
+struct SliceSizes {
+  std::uint64_t slices = 0;   ///< slices in all
+  std::uint64_t pieces = 0;   ///< (slice, query shard) pieces
+  std::uint64_t entries = 0;  ///< entries of the documents with slices
+};
+
+/// Section 2e's rules for one slice of documents[d] on its own: a type, a
+/// rectangle inside the document's `length` tokens, a pair inside its band.
+inline void check_slice(const AttentionSlice& s, std::size_t d, std::size_t i, std::int64_t length) {
+  const auto type = static_cast<int>(s.type);
+  if (type < static_cast<int>(SliceType::full) || type > static_cast<int>(SliceType::bi_causal)) {
+    fail("plan_qkv: documents[", d, "].slices[", i, "].type = ", type, " is not a slice type (full, causal, inv_causal or bi_causal)");
+  }
+  const auto check_range = [&](const char* key, std::int64_t a, std::int64_t b) {
+    if (0 <= a && a < b && b <= length) return;
+    fail("plan_qkv: documents[", d, "].slices[", i, "].", key, " = [", a, ", ", b, "] is empty or outside the document (0 <= ", key,
+         "[0] < ", key, "[1] <= ", length, ", its length)");
+  };
+  check_range("q", s.q_begin, s.q_end);
+  check_range("k", s.k_begin, s.k_end);
+  if (!slice_has_pair(s)) {
+    fail("plan_qkv: documents[", d, "].slices[", i, "] (", to_string(s.type), ", q [", s.q_begin, ", ", s.q_end, "], k [", s.k_begin, ", ",
+         s.k_end, "]) has no (query, key) pair inside its band: key - query in ", to_string(s.band()));
+  }
+}
+
+/// documents[d].slices[a] and [b] (a < b) share a pair: the error naming both and one such pair.
+[[noreturn]] inline void fail_shared_pair(const std::vector<AttentionSlice>& slices, std::size_t d, std::size_t a, std::size_t b) {
+  const AttentionSlice &x = slices[a], &y = slices[b];
+  const auto [p, t] = first_pair(std::max(x.q_begin, y.q_begin), std::min(x.q_end, y.q_end), std::max(x.k_begin, y.k_begin),
+                                 x.band().intersect(y.band()));
+  fail("plan_qkv: documents[", d, "].slices[", a, "] and documents[", d, "].slices[", b, "] share the pair (query ", p, ", key ", t,
+       "); each allowed pair belongs to exactly one slice");
+}
+
+/// No two slices of documents[d] share a pair. A sweep over the slices by
+/// first query compares each one only with those whose query ranges reach
+/// it; that work is bounded by limits.max_bytes / 16 comparisons.
+inline void check_disjoint_slices(const std::vector<AttentionSlice>& slices, std::size_t d, const PlanLimits& limits) {
+  std::vector<std::size_t> order(slices.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return slices[a].q_begin < slices[b].q_begin; });
+  const std::uint64_t budget = limits.max_bytes / 16;
+  std::uint64_t compared = 0;
+  std::vector<std::size_t> active;  // slices whose queries reach the current one's first query
+  for (std::size_t s : order) {
+    const AttentionSlice& slice = slices[s];
+    std::erase_if(active, [&](std::size_t o) { return slices[o].q_end <= slice.q_begin; });  // sorted by q_begin: done for good
+    compared += active.size();
+    if (compared > budget) {
+      fail("plan_qkv: documents[", d, "].slices: checking its ", slices.size(), " slices for shared pairs takes more than ", budget,
+           " comparisons of slices whose query ranges overlap (PlanLimits::max_bytes / 16)");
+    }
+    for (std::size_t o : active) {
+      if (slices_share_pair(slices[o], slice)) fail_shared_pair(slices, d, std::min(o, s), std::max(o, s));
+    }
+    active.push_back(s);
+  }
+}
+
+/// The (slice, query shard) pieces a document's slices can give at most:
+/// each slice's query range in shards. O(slices x log shards).
+inline std::uint64_t piece_bound(const std::vector<AttentionSlice>& slices, const std::vector<std::int64_t>& start) {
+  std::uint64_t total = 0;
+  for (const AttentionSlice& s : slices) {
+    const auto [first, end] = shards_holding(start.data(), start.size(), s.q_begin, s.q_end);
+    total += end - first;
+  }
+  return total;
+}
+
+/// Validates documents[d]'s slices, counts its slice tables into `sizes`
+/// (refusing them beyond `limits` before they are built) and returns its KV
+/// shard with the most users, as (users, shard). `needs`, `start` and `len`
+/// are scratch.
+inline std::pair<std::size_t, std::size_t> check_document_slices(const PackedDocument& doc, std::size_t d, const PlanLimits& limits,
+                                                                  SliceSizes& sizes, SliceNeeds& needs, std::vector<std::int64_t>& start,
+                                                                  std::vector<std::int64_t>& len) {
+  start.clear();
+  len.clear();
+  std::int64_t length = 0;
+  for (const DocumentShard& s : doc.shards) {
+    start.push_back(length);
+    len.push_back(s.len);
+    length = add_tokens(length, s.len, "plan_qkv");
+  }
+  for (std::size_t i = 0; i < doc.slices.size(); ++i) check_slice(doc.slices[i], d, i, length);
+  check_disjoint_slices(doc.slices, d, limits);
+  const auto check_sizes = [&] {
+    check_footprint(limits, footprint::slice_tables(sizes.slices, sizes.pieces, sizes.entries), "plan_qkv",
+                    concat("the slices of documents[0..", d, "] (", sizes.slices, " slices, ", sizes.pieces, " (slice, query shard) pieces, ",
+                           sizes.entries, " attention entries)"));
+  };
+  sizes.slices = sat_add(sizes.slices, doc.slices.size());
+  sizes.pieces = sat_add(sizes.pieces, piece_bound(doc.slices, start));
+  check_sizes();
+  needs.find(doc.slices, start.data(), len.data(), len.size());
+  sizes.entries = sat_add(sizes.entries, needs.entry_count());
+  check_sizes();
+  needs.link(len.data(), len.size());
+  return needs.most_users();
+}
+
+/// What validation learns of a documents-form plan: C and the sizes of its
+/// slice tables.
+struct DocumentsCheck {
+  std::size_t C = 1;
+  SliceSizes slices;
+};
+
+/// Validates a documents-form plan (its slices' work bounded by `limits`);
+/// returns C and the slice tables' sizes.
+inline DocumentsCheck check_documents_plan_sizes(const QkvDocumentsPlan& plan, const PlanLimits& limits) {
   if (plan.world_size <= 0) fail("plan_qkv: world_size = ", plan.world_size, " must be at least 1");
   const std::int64_t W = plan.world_size;
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
@@ -443,25 +761,41 @@ inline std::size_t check_documents_plan(const QkvDocumentsPlan& plan) {
     }
   }
   check_mask(plan.mask);
+  DocumentsCheck out;
+  std::vector<std::pair<std::size_t, std::size_t>> slice_users(plan.documents.size());  // of documents with slices
+  SliceNeeds needs;
+  std::vector<std::int64_t> start, len;
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    if (!plan.documents[i].slices.empty()) slice_users[i] = check_document_slices(plan.documents[i], i, limits, out.slices, needs, start, len);
+  }
   DocumentRanges ranges;
-  std::vector<std::int64_t> len;
   std::size_t most = 0;
-  const auto users_of = [&](const PackedDocument& d) -> std::pair<std::size_t, std::size_t> {
+  const auto users_of = [&](std::size_t i) -> std::pair<std::size_t, std::size_t> {
+    const PackedDocument& d = plan.documents[i];
+    if (!d.slices.empty()) return slice_users[i];
     if (plan.mask.type != MaskType::sliding_window) return {d.shards.size(), 0};  // every shard needs shard 0
     len.clear();
     for (const DocumentShard& s : d.shards) len.push_back(s.len);
     return most_users(plan.mask, len.data(), len.size(), ranges);
   };
-  for (const PackedDocument& d : plan.documents) most = std::max(most, users_of(d).first);
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) most = std::max(most, users_of(i).first);
   const std::size_t C = copy_dimension(plan.max_cp_degree, most);
   for (std::size_t i = 0; i < plan.documents.size() && C < most; ++i) {
-    const auto [users, k] = users_of(plan.documents[i]);
-    if (users > C) {
-      fail("plan_qkv: documents[", i, "].shards has ", users, " shards", mask_detail(plan.mask, "documents[", i, "].shards[", k, "]"),
-           ", more than max_cp_degree = ", C);
+    const auto [users, k] = users_of(i);
+    if (users <= C) continue;
+    if (!plan.documents[i].slices.empty()) {
+      fail("plan_qkv: documents[", i, "].shards[", k, "] is needed by ", users, " query shards (by the document's slices), more than max_cp_degree = ", C);
     }
+    fail("plan_qkv: documents[", i, "].shards has ", users, " shards", mask_detail(plan.mask, "documents[", i, "].shards[", k, "]"),
+         ", more than max_cp_degree = ", C);
   }
-  return C;
+  out.C = C;
+  return out;
+}
+
+/// Validates a documents-form plan; returns C.
+inline std::size_t check_documents_plan(const QkvDocumentsPlan& plan, const PlanLimits& limits = {}) {
+  return check_documents_plan_sizes(plan, limits).C;
 }
 
 /// Every shard of a QKV plan, numbered in document order (document, then
@@ -482,6 +816,25 @@ struct ShardTable {
   // documents' bounds.
   std::vector<std::size_t> lo, hi, first, end;  // [N], or empty when causal
   DocumentRanges ranges;                        // one document's, relative to its first id
+  // Section 2e, kept only when some document has slices (has_slices, set
+  // before the first add()), as ids, for the shards of documents with
+  // slices (the lists of other shards are empty: the ranges above hold):
+  // query shard q needs need_kv[need_begin[q] .. need_begin[q + 1]),
+  // increasing, each starting at need_column in q's KV group, q being copy
+  // need_copy of it; KV shard k's users are user_query[user_begin[k] ..
+  // user_begin[k + 1]), increasing, k starting at user_column in each one's
+  // group; q's entries come from pieces[piece_begin[q] .. piece_begin[q + 1]).
+  bool has_slices = false;
+  std::vector<std::uint8_t> doc_sliced;                // [D]
+  std::vector<AttentionSlice> slices;                  // every document's, back to back
+  std::vector<std::size_t> need_begin{0}, need_kv, need_copy;
+  std::vector<std::int64_t> need_column;
+  std::vector<std::size_t> user_begin{0}, user_query;
+  std::vector<std::int64_t> user_column;
+  std::vector<std::size_t> piece_begin{0};
+  std::vector<SlicePiece> pieces;                      // query and KV shards as ids, slice an index into `slices`
+  std::size_t entry_total = 0;                         // attn.entries of every query shard
+  SliceNeeds slice_needs;                              // one document's, relative to its first id
 
   std::size_t size() const noexcept { return len.size(); }
   bool causal() const noexcept { return mask.type == MaskType::causal; }
@@ -489,14 +842,73 @@ struct ShardTable {
   std::size_t hi_of(std::size_t q) const noexcept { return causal() ? q : hi[q]; }
   std::size_t first_of(std::size_t k) const noexcept { return causal() ? k : first[k]; }
   std::size_t end_of(std::size_t k) const noexcept { return causal() ? doc_begin[doc[k] + 1] : end[k]; }
-  std::size_t users(std::size_t id) const noexcept { return end_of(id) - first_of(id); }
-  /// Tokens of the KV group of query shard q: KV shards lo..hi back to back.
+  /// Whether shard id belongs to a document with slices (section 2e).
+  bool sliced(std::size_t id) const noexcept { return has_slices && doc_sliced[doc[id]] != 0; }
+  std::size_t users(std::size_t id) const noexcept {
+    return sliced(id) ? user_begin[id + 1] - user_begin[id] : end_of(id) - first_of(id);
+  }
+  /// The KV shards query shard q needs.
+  std::size_t needed_count(std::size_t q) const noexcept {
+    return sliced(q) ? need_begin[q + 1] - need_begin[q] : hi_of(q) - lo_of(q) + 1;
+  }
+  /// Tokens of the KV group of query shard q: the KV shards it needs, back to back.
   std::int64_t group_tokens(std::size_t q) const {
+    if (sliced(q)) {
+      const std::size_t last = need_begin[q + 1];
+      return last == need_begin[q] ? 0 : need_column[last - 1] + len[need_kv[last - 1]];  // within the document, checked
+    }
     const std::size_t h = hi_of(q);
     return add_tokens(context[h], len[h], "plan_qkv") - context[lo_of(q)];
   }
-  /// Where KV shard kv sits inside the KV group of query shard q.
+  /// Where KV shard kv sits inside the KV group of query shard q (a document without slices).
   std::int64_t group_offset(std::size_t q, std::size_t kv) const noexcept { return context[kv] - context[lo_of(q)]; }
+
+  /// f(kv, column, copy) for each KV shard query shard q needs, in
+  /// increasing order: where it starts in q's group, and q's place among its users.
+  template <class F>
+  void each_needed(std::size_t q, F&& f) const {
+    if (sliced(q)) {
+      for (std::size_t p = need_begin[q]; p < need_begin[q + 1]; ++p) f(need_kv[p], need_column[p], need_copy[p]);
+      return;
+    }
+    for (std::size_t kv = lo_of(q); kv <= hi_of(q); ++kv) f(kv, group_offset(q, kv), q - first_of(kv));
+  }
+
+  /// f(copy, q, column) for each user q of KV shard k, in increasing order:
+  /// copy c goes to the c-th user, whose group holds k at `column`.
+  template <class F>
+  void each_user(std::size_t k, F&& f) const {
+    if (sliced(k)) {
+      for (std::size_t p = user_begin[k]; p < user_begin[k + 1]; ++p) f(p - user_begin[k], user_query[p], user_column[p]);
+      return;
+    }
+    for (std::size_t q = first_of(k); q < end_of(k); ++q) f(q - first_of(k), q, group_offset(q, k));
+  }
+
+  /// Query shard q's attn.entries (section 2e), appended to `out`.
+  void append_entries(std::size_t q, std::vector<AttentionEntry>& out) const {
+    if (!sliced(q)) {
+      out.push_back(whole_group_entry(mask, len[q], group_tokens(q)));
+      return;
+    }
+    const std::size_t* needed = need_kv.data();
+    for (std::size_t p = piece_begin[q]; p < piece_begin[q + 1]; ++p) {
+      const SlicePiece& piece = pieces[p];
+      // A piece's KV shards are consecutive in q's needed set, which is the union of its pieces.
+      auto at = static_cast<std::size_t>(std::lower_bound(needed + need_begin[q], needed + need_begin[q + 1], piece.first) - needed);
+      for (std::size_t kv = piece.first; kv <= piece.last; ++kv, ++at) {
+        out.push_back(slice_entry(slices[piece.slice], context[q], len[q], context[kv], len[kv], need_column[at]));
+      }
+    }
+  }
+
+  /// The entries of query shard q, counted without building them.
+  std::size_t entry_count(std::size_t q) const noexcept {
+    if (!sliced(q)) return 1;
+    std::size_t n = 0;
+    for (std::size_t p = piece_begin[q]; p < piece_begin[q + 1]; ++p) n += pieces[p].last - pieces[p].first + 1;
+    return n;
+  }
 
   /// Empty, keeping the memory of every field (a table refilled each step).
   void clear() {
@@ -505,6 +917,15 @@ struct ShardTable {
     doc_begin.assign(1, 0);
     W = S = 0;
     C = 1;
+    has_slices = false;
+    doc_sliced.clear();
+    slices.clear();
+    for (auto* v : {&need_kv, &need_copy, &user_query}) v->clear();
+    for (auto* v : {&need_begin, &user_begin, &piece_begin}) v->assign(1, 0);
+    need_column.clear();
+    user_column.clear();
+    pieces.clear();
+    entry_total = 0;
   }
   void reserve(std::size_t n) {
     for (auto* v : {&len, &dst, &context}) v->reserve(n);
@@ -521,20 +942,12 @@ struct ShardTable {
     home.push_back(static_cast<std::size_t>(rank));
     doc.push_back(doc_begin.size() - 1);
   }
-  /// Closes the current document: its needed ranges and users, as ids.
-  void end_document() {
+  /// Closes the current document: its needed ranges and users, as ids, or
+  /// with `doc_slices` (a document with slices, section 2e) its needed sets.
+  void end_document(std::span<const AttentionSlice> doc_slices = {}) {
     const std::size_t base = doc_begin.back(), n = len.size() - base;
-    if (causal()) {  // the ranges follow from doc_begin
-      doc_begin.push_back(len.size());
-      return;
-    }
-    ranges.compute(mask, len.data() + base, n);
-    for (std::size_t k = 0; k < n; ++k) {
-      lo.push_back(base + ranges.lo[k]);
-      hi.push_back(base + ranges.hi[k]);
-      first.push_back(base + ranges.first[k]);
-      end.push_back(base + ranges.end[k]);
-    }
+    if (has_slices) add_sets(base, n, doc_slices);
+    if (!causal()) add_ranges(base, n, !doc_slices.empty());
     doc_begin.push_back(len.size());
   }
 
@@ -567,6 +980,60 @@ struct ShardTable {
     }
     return out;
   }
+
+ private:
+  /// Section 2d's ranges of the document at ids base .. base + n; a document
+  /// with slices keeps its sets instead, and these rows only hold its place.
+  void add_ranges(std::size_t base, std::size_t n, bool has_sets) {
+    if (has_sets) {
+      for (auto* v : {&lo, &hi, &first, &end}) v->insert(v->end(), n, base);
+      return;
+    }
+    ranges.compute(mask, len.data() + base, n);
+    for (std::size_t k = 0; k < n; ++k) {
+      lo.push_back(base + ranges.lo[k]);
+      hi.push_back(base + ranges.hi[k]);
+      first.push_back(base + ranges.first[k]);
+      end.push_back(base + ranges.end[k]);
+    }
+  }
+
+  /// Section 2e's lists of the document at ids base .. base + n: its needed
+  /// sets, users and pieces, as ids; empty lists (and one entry a query
+  /// shard) for a document without slices.
+  void add_sets(std::size_t base, std::size_t n, std::span<const AttentionSlice> doc_slices) {
+    doc_sliced.push_back(doc_slices.empty() ? 0 : 1);
+    if (doc_slices.empty()) {
+      need_begin.insert(need_begin.end(), n, need_kv.size());
+      user_begin.insert(user_begin.end(), n, user_query.size());
+      piece_begin.insert(piece_begin.end(), n, pieces.size());
+      entry_total += n;
+      return;
+    }
+    const std::size_t first_slice = slices.size();
+    slices.insert(slices.end(), doc_slices.begin(), doc_slices.end());
+    SliceNeeds& s = slice_needs;
+    s.compute(doc_slices, context.data() + base, len.data() + base, n);
+    for (std::size_t i = 0; i < n; ++i) {  // i: query shard base + i, and KV shard base + i
+      for (std::size_t p = s.need_begin[i]; p < s.need_begin[i + 1]; ++p) {
+        need_kv.push_back(base + s.needs[p]);
+        need_column.push_back(s.columns[p]);
+        need_copy.push_back(s.copies[p]);
+      }
+      need_begin.push_back(need_kv.size());
+      for (std::size_t u = s.user_begin[i]; u < s.user_begin[i + 1]; ++u) {
+        user_query.push_back(base + s.users[u]);
+        user_column.push_back(s.columns[s.user_need[u]]);
+      }
+      user_begin.push_back(user_query.size());
+      for (std::size_t p = s.piece_begin[i]; p < s.piece_begin[i + 1]; ++p) {
+        const SlicePiece& piece = s.pieces[p];
+        pieces.push_back({base + i, first_slice + piece.slice, base + piece.first, base + piece.last});
+        entry_total += piece.last - piece.first + 1;
+      }
+      piece_begin.push_back(pieces.size());
+    }
+  }
 };
 
 inline ShardTable shard_table(const QkvPlan& plan, std::size_t C) {
@@ -590,12 +1057,13 @@ inline ShardTable shard_table(const QkvPlan& plan, std::size_t C) {
 inline void shard_table(const QkvDocumentsPlan& plan, std::size_t C, ShardTable& t) {
   t.clear();
   t.mask = plan.mask;
+  t.has_slices = has_slices(plan);
   std::size_t n = 0;
   for (const PackedDocument& d : plan.documents) n += d.shards.size();
   t.reserve(n);
   for (const PackedDocument& d : plan.documents) {
     for (const DocumentShard& s : d.shards) t.add(s.rank, s.len, s.dst);
-    t.end_document();
+    t.end_document(d.slices);
   }
   t.place(static_cast<std::size_t>(plan.world_size), C);
 }
@@ -632,7 +1100,7 @@ inline void kv_groups(const ShardTable& t, KvGroups& g) {
       const std::size_t q = g.arrivals[p];
       g.start[q] = at;
       at = add_tokens(at, t.group_tokens(q), "plan_qkv");  // a group lies within its document, whose total add() checked
-      entries += t.hi_of(q) - t.lo_of(q) + 1;
+      entries += t.needed_count(q);
     }
     g.most_entries = std::max(g.most_entries, entries);
   }
@@ -653,11 +1121,10 @@ inline void kv_arrival_counts(const ShardTable& t, const KvGroups& g, Tensor<std
   for (std::size_t d = 0; d < t.W; ++d) {
     auto row = rows.row(d);
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
-      const std::size_t q = g.arrivals[p];
-      for (std::size_t kv = t.lo_of(q); kv <= t.hi_of(q); ++kv) {
+      t.each_needed(g.arrivals[p], [&](std::size_t kv, std::int64_t, std::size_t) {
         row[t.home[kv]] += t.len[kv];
         row[t.W] += t.len[kv];
-      }
+      });
     }
   }
 }
@@ -672,10 +1139,10 @@ inline void kv_return_counts(const ShardTable& t, Tensor<std::int64_t>& counts) 
     auto row = rows.row(r);
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p];
-      for (std::size_t q = t.first_of(id); q < t.end_of(id); ++q) {
+      t.each_user(id, [&](std::size_t, std::size_t q, std::int64_t) {
         row[static_cast<std::size_t>(t.dst[q])] += t.len[id];
         row[t.W] += t.len[id];
-      }
+      });
     }
   }
 }
@@ -689,8 +1156,9 @@ inline std::vector<std::int64_t> row_totals(const Tensor<std::int64_t>& counts) 
 }
 
 /// kv_fwd: KV shard k of a document goes in one copy per user (query shard
-/// that needs it), copy c to the group of its c-th user. Counts follow the
-/// bytes: they are charged to the KV shard's home rank.
+/// that needs it), copy c to the group of its c-th user; a shard nobody
+/// needs (section 2e) has no copies. Counts follow the bytes: they are
+/// charged to the KV shard's home rank.
 inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& num_seqs,
                        Metadata& fwd) {
   const std::size_t W = t.W, S = t.S, C = t.C;
@@ -704,11 +1172,10 @@ inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std:
   for (std::size_t r = 0; r < W; ++r) {
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p], j = p - t.rank_begin[r];
-      for (std::size_t q = t.first_of(id); q < t.end_of(id); ++q) {  // its users, copy c = q - first
-        const std::size_t c = q - t.first_of(id);
+      t.each_user(id, [&](std::size_t c, std::size_t q, std::int64_t column) {
         fwd.dst_rank(r, j, c) = t.dst[q];
-        fwd.dst_offset(r, j, c) = g.start[q] + t.group_offset(q, id);
-      }
+        fwd.dst_offset(r, j, c) = g.start[q] + column;
+      });
     }
   }
   kv_arrival_counts(t, g, fwd.num_recv_tokens);
@@ -723,8 +1190,9 @@ inline std::vector<std::int64_t> send_starts(const ShardTable& t, const RowPrefi
   return start;
 }
 
-/// kv_rev: at each destination the KV groups in order, shards in order; each
-/// entry returns to slab c (its copy) of its home's [C][T] replica buffer.
+/// kv_rev: at each destination the KV groups in order, each group's needed
+/// shards in order; each entry returns to slab c (its copy) of its home's
+/// [C][T] replica buffer.
 inline void kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& prefix, const Tensor<std::int64_t>& seq_len, Metadata& rev) {
   const std::size_t W = t.W, M = g.most_entries;
   rev.world_size = static_cast<std::int64_t>(W);
@@ -736,13 +1204,13 @@ inline void kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& 
   for (std::size_t d = 0; d < W; ++d) {
     std::size_t m = 0;
     for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
-      const std::size_t q = g.arrivals[p];
-      for (std::size_t kv = t.lo_of(q); kv <= t.hi_of(q); ++kv, ++m) {
+      t.each_needed(g.arrivals[p], [&](std::size_t kv, std::int64_t, std::size_t c) {
         const std::size_t r = t.home[kv];
         rev.dst_rank(d, m) = static_cast<std::int64_t>(r);
         rev.seq_len(d, m) = t.len[kv];
-        rev.dst_offset(d, m) = static_cast<std::int64_t>(q - t.first_of(kv)) * prefix.totals[r] + start[kv];
-      }
+        rev.dst_offset(d, m) = static_cast<std::int64_t>(c) * prefix.totals[r] + start[kv];
+        ++m;
+      });
     }
     rev.num_seqs(d) = static_cast<std::int64_t>(m);
   }
@@ -750,6 +1218,18 @@ inline void kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& 
   rev.num_total_recv_tokens = row_totals(rev.num_recv_tokens);
   if (!rev.recv_seq_lens) rev.recv_seq_lens.emplace();
   reuse_copy(*rev.recv_seq_lens, seq_len);
+}
+
+/// Section 2e's attn.entries, only for a plan with slices (else empty): per
+/// destination, per query shard in arrival order, its entries.
+inline void attention_entries(const ShardTable& t, const KvGroups& g, std::vector<std::vector<std::vector<AttentionEntry>>>& entries) {
+  entries.clear();
+  if (!t.has_slices) return;
+  entries.resize(t.W);
+  for (std::size_t d = 0; d < t.W; ++d) {
+    entries[d].resize(g.dest_begin[d + 1] - g.dest_begin[d]);
+    for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) t.append_entries(g.arrivals[p], entries[d][p - g.dest_begin[d]]);
+  }
 }
 
 /// What a varlen attention kernel needs at each destination.
@@ -778,22 +1258,30 @@ inline void attention_layout(const ShardTable& t, const KvGroups& g, AttentionLa
       attn.max_seqlen_kv[d] = std::max(attn.max_seqlen_kv[d], kv);
     }
   }
+  attention_entries(t, g, attn.entries);
 }
 
 /// The shard tables of a validated plan of `shards` shards, checked before
-/// they are built.
+/// they are built (its slice tables validation checked).
 inline void check_table_footprint(std::size_t W, std::size_t shards, std::size_t C, const PlanLimits& limits) {
   check_footprint(limits, footprint::shard_tables(W, shards), "plan_qkv",
                   concat("a plan of world_size = ", W, ", ", shards, " shards, max_cp_degree = ", C));
+}
+
+/// A footprint with another's allocations added.
+inline PlanFootprint plus(PlanFootprint a, const PlanFootprint& b) noexcept {
+  return {sat_add(a.elements, b.elements), sat_add(a.work_bytes, b.work_bytes)};
 }
 
 /// The dense metadata of a shard table, checked before it is allocated.
 inline void check_qkv_footprint(const ShardTable& t, const KvGroups& g, const PlanLimits& limits) {
   std::size_t Mq = 0;
   for (std::size_t d = 0; d < t.W; ++d) Mq = std::max(Mq, g.dest_begin[d + 1] - g.dest_begin[d]);
-  check_footprint(limits, footprint::qkv(t.W, t.size(), t.S, t.C, Mq, g.most_entries), "plan_qkv",
+  const std::string entries = t.has_slices ? concat(", ", t.entry_total, " attention entries") : std::string();
+  check_footprint(limits, plus(footprint::qkv(t.W, t.size(), t.S, t.C, Mq, g.most_entries), footprint::attention_entries(t.entry_total)),
+                  "plan_qkv",
                   concat("a plan of world_size = ", t.W, ", ", t.size(), " shards (", t.S, " on one rank), max_cp_degree = ", t.C, ", ", Mq,
-                         " query and ", g.most_entries, " key-value entries at one rank"));
+                         " query and ", g.most_entries, " key-value entries at one rank", entries));
 }
 
 /// Plans a validated shard table into `out`: queries, KV forward and
@@ -832,7 +1320,7 @@ inline void plan_qkv(const QkvPlan& plan, QkvMetadata& out, const PlanLimits& li
 /// (section 2b of docs/plan-format.md), into `out` (see above). A per-rank
 /// plan and its to_documents() form give identical metadata.
 inline void plan_qkv(const QkvDocumentsPlan& plan, QkvMetadata& out, const PlanLimits& limits = {}) {
-  const std::size_t C = detail::check_documents_plan(plan);
+  const std::size_t C = detail::check_documents_plan(plan, limits);
   std::size_t shards = 0;
   for (const PackedDocument& d : plan.documents) shards += d.shards.size();
   detail::check_table_footprint(static_cast<std::size_t>(plan.world_size), shards, C, limits);

@@ -33,6 +33,10 @@ struct RankAttentionLayout {
   std::int64_t max_seqlen_q = 0;            ///< 0 when the rank receives nothing
   std::int64_t max_seqlen_kv = 0;
   AttentionMask mask;  ///< the plan's mask; a kernel applies it bottom-right aligned (mask.allows with diagonal lk - lq)
+  /// Section 2e's attn.entries row, only when some document has slices
+  /// (else empty; empty too where the rank receives no query shard): per
+  /// query shard, its entries (see AttentionLayout::entries).
+  std::vector<std::vector<AttentionEntry>> entries = {};
   std::int64_t q_tokens() const noexcept { return cu_seqlens_q.empty() ? 0 : cu_seqlens_q.back(); }
   std::int64_t kv_tokens() const noexcept { return cu_seqlens_kv.empty() ? 0 : cu_seqlens_kv.back(); }
 };
@@ -141,23 +145,22 @@ inline RankMetadata q_reverse_slice(const ShardTable& t, const KvGroups& g, cons
   return s;
 }
 
-/// kv_fwd row of rank R: each of its KV shards to the groups of its users,
-/// and the KV tokens R's own groups receive.
+/// kv_fwd row of rank R: each of its KV shards to the groups of its users
+/// (none for a shard nobody needs), and the KV tokens R's own groups receive.
 inline RankMetadata kv_forward_slice(const ShardTable& t, const KvGroups& g, std::size_t R) {
   RankMetadata s = rank_slice(R, t.W, true, t.C);
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
-    const std::size_t id = t.by_rank[p];
+    const std::size_t id = t.by_rank[p], row = s.dst_rank.size();
     s.seq_len.push_back(t.len[id]);
-    for (std::size_t c = 0; c < t.C; ++c) {
-      const std::size_t q = t.first_of(id) + c;
-      const bool sent = q < t.end_of(id);
-      s.dst_rank.push_back(sent ? t.dst[q] : -1);
-      s.dst_offset.push_back(sent ? g.start[q] + t.group_offset(q, id) : 0);
-    }
+    s.dst_rank.insert(s.dst_rank.end(), t.C, -1);
+    s.dst_offset.insert(s.dst_offset.end(), t.C, 0);
+    t.each_user(id, [&](std::size_t c, std::size_t q, std::int64_t column) {
+      s.dst_rank[row + c] = t.dst[q];
+      s.dst_offset[row + c] = g.start[q] + column;
+    });
   }
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
-    const std::size_t q = g.arrivals[p];
-    for (std::size_t kv = t.lo_of(q); kv <= t.hi_of(q); ++kv) s.num_recv_tokens[t.home[kv]] += t.len[kv];  // within R's groups
+    t.each_needed(g.arrivals[p], [&](std::size_t kv, std::int64_t, std::size_t) { s.num_recv_tokens[t.home[kv]] += t.len[kv]; });  // within R's groups
   }
   finish_slice(s, "plan_qkv_for_rank");
   return s;
@@ -168,24 +171,23 @@ inline RankMetadata kv_forward_slice(const ShardTable& t, const KvGroups& g, std
 inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, const ShardPositions& pos, std::size_t R) {
   RankMetadata s = rank_slice(R, t.W, false, 1);
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
-    const std::size_t q = g.arrivals[p];
-    for (std::size_t kv = t.lo_of(q); kv <= t.hi_of(q); ++kv) {
+    t.each_needed(g.arrivals[p], [&](std::size_t kv, std::int64_t, std::size_t c) {
       const std::size_t home = t.home[kv];
       s.dst_rank.push_back(static_cast<std::int64_t>(home));
-      s.dst_offset.push_back(static_cast<std::int64_t>(q - t.first_of(kv)) * pos.total[home] + pos.start[kv]);
+      s.dst_offset.push_back(static_cast<std::int64_t>(c) * pos.total[home] + pos.start[kv]);
       s.seq_len.push_back(t.len[kv]);
-    }
+    });
   }
   s.mask_copies = t.C;
   std::vector<std::int64_t> mask, lens;
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
-    const std::size_t id = t.by_rank[p];
+    const std::size_t id = t.by_rank[p], row = mask.size();
     lens.push_back(t.len[id]);
-    for (std::size_t c = 0; c < t.C; ++c) {
-      const bool sent = c < t.users(id);
-      mask.push_back(sent ? 1 : 0);
-      if (sent) s.num_recv_tokens[static_cast<std::size_t>(t.dst[t.first_of(id) + c])] += t.len[id];  // at most C x T_R
-    }
+    mask.insert(mask.end(), t.C, 0);
+    t.each_user(id, [&](std::size_t c, std::size_t q, std::int64_t) {
+      mask[row + c] = 1;
+      s.num_recv_tokens[static_cast<std::size_t>(t.dst[q])] += t.len[id];  // at most C x T_R
+    });
   }
   s.seq_recv_mask = std::move(mask);
   s.recv_seq_lens = std::move(lens);
@@ -207,6 +209,7 @@ inline RankAttentionLayout rank_attention(const ShardTable& t, const KvGroups& g
     a.cu_seqlens_kv.push_back(a.cu_seqlens_kv.back() + kv);
     a.max_seqlen_q = std::max(a.max_seqlen_q, len);
     a.max_seqlen_kv = std::max(a.max_seqlen_kv, kv);
+    if (t.has_slices) t.append_entries(q, a.entries.emplace_back());
   }
   return a;
 }
@@ -223,6 +226,16 @@ struct DocumentsTables {
   ShardPositions positions;
   KvGroups groups;
 };
+
+/// Rank R's section 2e entries (a plan with slices), counted and checked
+/// against `limits` before they are built.
+inline void check_rank_entries(const DocumentsTables& tables, std::size_t R, const PlanLimits& limits) {
+  const ShardTable& t = tables.table;
+  if (!t.has_slices) return;
+  std::uint64_t entries = 0;
+  for (std::size_t p = tables.groups.dest_begin[R]; p < tables.groups.dest_begin[R + 1]; ++p) entries += t.entry_count(tables.groups.arrivals[p]);
+  check_footprint(limits, footprint::attention_entries(entries), "plan_qkv_for_rank", concat("rank ", R, "'s ", entries, " attention entries"));
+}
 
 /// Rank R's share of the shard table in `tables`.
 inline void plan_shards_for_rank(const DocumentsTables& tables, std::size_t R, RankQkvMetadata& out) {
@@ -251,6 +264,8 @@ struct RankPlanWorkspace {
   std::vector<std::uint64_t> wire_seen;   ///< [W]: the last KV shard with a wire slot at each destination
   detail::DocumentRanges ranges;          ///< the current document's needed ranges and users (section 2d)
   std::vector<std::int64_t> doc_context;  ///< the current document's shard starts a_k
+  std::vector<std::int64_t> user_dst;     ///< a KV shard of a document with slices: its users' destinations
+  std::vector<std::int64_t> user_offset;  ///< and where it sits in each one's KV group
 };
 
 namespace detail {
@@ -286,6 +301,7 @@ inline void reset_attention(RankAttentionLayout& a) {
   a.cu_seqlens_q.assign(1, 0);
   a.cu_seqlens_kv.assign(1, 0);
   a.max_seqlen_q = a.max_seqlen_kv = 0;
+  a.entries.clear();
 }
 
 /// Rank R's slices of the deduplicated exchange (section 2c), fed the KV
@@ -632,6 +648,17 @@ inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out)
     wire.begin_rank();
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p];
+      if (t.sliced(id)) {  // its users are a set, not a run of ids: list them
+        ws.user_dst.clear();
+        ws.user_offset.clear();
+        t.each_user(id, [&](std::size_t, std::size_t q, std::int64_t column) {
+          ws.user_dst.push_back(t.dst[q]);
+          ws.user_offset.push_back(groups.start[q] + column);
+        });
+        const auto attn_offset = [&](std::size_t c) { return ws.user_offset[c]; };
+        wire.shard(r, p - t.rank_begin[r], pos.start[id], t.len[id], ws.user_dst.data(), ws.user_dst.size(), attn_offset);
+        continue;
+      }
       const auto attn_offset = [&](std::size_t c) { return groups.start[t.first_of(id) + c] + t.group_offset(t.first_of(id) + c, id); };
       wire.shard(r, p - t.rank_begin[r], pos.start[id], t.len[id], t.dst.data() + t.first_of(id), t.users(id), attn_offset);
     }
@@ -651,13 +678,14 @@ inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out)
 inline void plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace,
                               RankKvWire* wire = nullptr, const PlanLimits& limits = {}) {
   wire = detail::wire_target(plan.dedup, out, wire);
-  const std::size_t C = detail::check_documents_plan(plan);
+  const std::size_t C = detail::check_documents_plan(plan, limits);
   const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
   detail::check_rank_share(plan, R, C, limits, "plan_qkv_for_rank");
   detail::DocumentsTables& tables = workspace.documents;
   detail::shard_table(plan, C, tables.table);
   detail::shard_positions(tables.table, "plan_qkv_for_rank", tables.positions);
   detail::kv_groups(tables.table, tables.groups);
+  detail::check_rank_entries(tables, R, limits);
   detail::plan_shards_for_rank(tables, R, out);
   if (wire) detail::wire_for_rank(workspace, R, *wire);
   detail::keep_wire(plan.dedup, out, wire);

@@ -7,7 +7,13 @@
 //
 //   const QkvMetadata m = plan_qkv(plan);
 //   const auto rows = model_step(m, plan_cost(plan), document_lengths(plan),
-//                                Topology::uniform(W, 8), ClusterModel::h100_ib(), LayerShape{});
+//                                Topology::uniform(W, 8), ClusterModel::h100_ib(), LayerShape{},
+//                                document_slices(plan));
+//
+// Documents with slices (docs/plan-format.md, section 2e) count their allowed
+// pairs, and the plan's exchanges send their needed sets (as planned); the
+// peers are given each document's slices (document_slices) to count the same
+// pairs.
 
 #include <algorithm>
 #include <cmath>
@@ -206,16 +212,24 @@ inline StepTime peer_row(const char* scheme, const ClusterModel& c, const LayerS
 }
 
 /// A batch's tokens and the (query, key) pairs its mask lets through, each
-/// document padded first to a multiple of `pad` (the zig-zag layouts' rule; 1: no padding).
+/// document padded first to a multiple of `pad` (the zig-zag layouts' rule; 1:
+/// no padding). A document with slices (`slices[j]` not empty) counts its
+/// allowed pairs: its padding sees nothing and is seen by nothing.
 struct BatchTotals {
   double tokens = 0, pairs = 0;
 };
-inline BatchTotals batch_totals(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t pad) {
+inline BatchTotals batch_totals(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t pad,
+                                std::span<const std::vector<AttentionSlice>> slices) {
+  if (!slices.empty() && slices.size() != docs.size()) {
+    detail::fail("model_step: slices are given for ", slices.size(), " documents, but the batch has ", docs.size());
+  }
   BatchTotals b;
-  for (std::int64_t len : docs) {
+  for (std::size_t j = 0; j < docs.size(); ++j) {
+    const std::int64_t len = docs[j];
     const double padded = static_cast<double>((len + pad - 1) / pad * pad);
     b.tokens += padded;
-    b.pairs += document_pairs(padded, mask);
+    const bool sliced = !slices.empty() && !slices[j].empty();
+    b.pairs += sliced ? static_cast<double>(slice_pairs(slices[j], 0, len, 0, len)) : document_pairs(padded, mask);
   }
   return b;
 }
@@ -242,6 +256,17 @@ inline std::vector<std::int64_t> document_lengths(const QkvPlan& plan) {
     }
   return out;
 }
+
+/// The documents' slices of a plan (section 2e), in document_lengths' order;
+/// empty when no document has any (the peers then count the plan's mask).
+inline std::vector<std::vector<AttentionSlice>> document_slices(const QkvDocumentsPlan& plan) {
+  std::vector<std::vector<AttentionSlice>> out;
+  for (const PackedDocument& d : plan.documents) out.push_back(d.slices);
+  const bool any = std::any_of(out.begin(), out.end(), [](const auto& s) { return !s.empty(); });
+  return any ? out : std::vector<std::vector<AttentionSlice>>{};
+}
+/// A per-rank plan has no slices.
+inline std::vector<std::vector<AttentionSlice>> document_slices(const QkvPlan&) { return {}; }
 
 /// The plan's three KV exchanges: "flat" (section 2), "dedup" (section 2c),
 /// "node-level". Queries and outputs travel flat in all three; backward
@@ -298,11 +323,12 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
 /// gradient (backward) to the next rank, each overlapped with one block of
 /// attention. The ring steps in lockstep, so a step waits for its slowest link.
 inline StepTime model_zigzag_ring(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
-                                  const ClusterModel& c, const LayerShape& shape) {
+                                  const ClusterModel& c, const LayerShape& shape,
+                                  std::span<const std::vector<AttentionSlice>> slices = {}) {
   using namespace detail::step_model;
   StepTime t = peer_row("zig-zag ring", c, shape);
   const double W = static_cast<double>(world_size);
-  const auto [tokens, pairs] = batch_totals(docs, mask, 2 * world_size);
+  const auto [tokens, pairs] = batch_totals(docs, mask, 2 * world_size, slices);
   const LinkTier link = world_size > c.ranks_per_node ? c.inter : c.intra;
   const double steps = W - 1;
   const double step_bytes = tokens / W * 2 * shape.token_bytes();
@@ -322,7 +348,7 @@ inline StepTime model_zigzag_ring(const std::vector<std::int64_t>& docs, const A
 /// and back (O) after it, the reverse for the gradients; nothing overlaps.
 /// Needs heads % W == 0.
 inline StepTime model_ulysses(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
-                              const ClusterModel& c, const LayerShape& shape) {
+                              const ClusterModel& c, const LayerShape& shape, std::span<const std::vector<AttentionSlice>> slices = {}) {
   using namespace detail::step_model;
   StepTime t = peer_row("ulysses", c, shape);
   if (shape.heads % world_size != 0) {
@@ -330,7 +356,7 @@ inline StepTime model_ulysses(const std::vector<std::int64_t>& docs, const Atten
     return t;
   }
   const double W = static_cast<double>(world_size);
-  const auto [tokens, pairs] = batch_totals(docs, mask, 1);
+  const auto [tokens, pairs] = batch_totals(docs, mask, 1, slices);
   const double local = std::ceil(tokens / W) * shape.token_bytes();  // one tensor's bytes per rank
   const double rpn = static_cast<double>(std::min(c.ranks_per_node, world_size));
   // Four tensors each way: of a rank's share, (rpn-1)/W stays in the node, (W-rpn)/W leaves it.
@@ -350,7 +376,8 @@ inline StepTime model_ulysses(const std::vector<std::int64_t>& docs, const Atten
 /// to a multiple of 2 * nodes), each ring step overlapped. Needs heads %
 /// ranks_per_node == 0 and world_size % ranks_per_node == 0.
 inline StepTime model_hierarchical(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
-                                   const ClusterModel& c, const LayerShape& shape) {
+                                   const ClusterModel& c, const LayerShape& shape,
+                                   std::span<const std::vector<AttentionSlice>> slices = {}) {
   using namespace detail::step_model;
   StepTime t = peer_row("a2a+p2p", c, shape);
   const std::int64_t rpn = std::min(c.ranks_per_node, world_size);
@@ -360,7 +387,7 @@ inline StepTime model_hierarchical(const std::vector<std::int64_t>& docs, const 
   }
   const std::int64_t nodes = world_size / rpn;
   const double W = static_cast<double>(world_size), N = static_cast<double>(nodes), R = static_cast<double>(rpn);
-  const auto [tokens, pairs] = batch_totals(docs, mask, 2 * nodes);
+  const auto [tokens, pairs] = batch_totals(docs, mask, 2 * nodes, slices);
   const double local = tokens / W * shape.token_bytes();
   const double a2a = 4 * local * (R - 1) / R / c.intra.bandwidth + (R - 1) * c.intra.latency;
   // After the all-to-all a rank holds its node's tokens on heads/rpn heads: tokens/N * (1/R) per tensor.
@@ -379,14 +406,20 @@ inline StepTime model_hierarchical(const std::vector<std::int64_t>& docs, const 
   return finish(t);
 }
 
-/// All six rows: the plan's three exchanges, then the peers on the same batch.
+/// All six rows: the plan's three exchanges, then the peers on the same
+/// batch. A plan with slices (its layout has attn.entries) needs its
+/// documents' slices (document_slices), so that the peers count its pairs.
 inline std::vector<StepTime> model_step(const QkvMetadata& m, const PlanCost& cost, const std::vector<std::int64_t>& docs,
-                                        const Topology& topo, const ClusterModel& c, const LayerShape& shape) {
+                                        const Topology& topo, const ClusterModel& c, const LayerShape& shape,
+                                        std::span<const std::vector<AttentionSlice>> slices = {}) {
+  if (slices.empty() && !m.attn.entries.empty()) {
+    detail::fail("model_step: the plan's documents have slices; pass document_slices(plan) so that the peers count their pairs");
+  }
   std::vector<StepTime> rows = model_plan(m, cost, topo, c, shape);
   const std::int64_t W = m.kv_fwd.world_size;
-  rows.push_back(model_zigzag_ring(docs, cost.mask, W, c, shape));
-  rows.push_back(model_ulysses(docs, cost.mask, W, c, shape));
-  rows.push_back(model_hierarchical(docs, cost.mask, W, c, shape));
+  rows.push_back(model_zigzag_ring(docs, cost.mask, W, c, shape, slices));
+  rows.push_back(model_ulysses(docs, cost.mask, W, c, shape, slices));
+  rows.push_back(model_hierarchical(docs, cost.mask, W, c, shape, slices));
   return rows;
 }
 

@@ -12,13 +12,14 @@
 // 450 / 50 = 9 by default). The cost of placing a share on a rank is a sum
 // over its tokens, so the best permutation is a linear assignment, solved
 // exactly (Hungarian method, O(W^3)); the unchanged placement is one of the
-// candidates, so the weighted bytes never rise. Then (causal plans), query
-// shards move to a rank of a node holding their key-values where that saves
-// weighted bytes, a full rank making room by sending as many of its shards
-// away as it takes (to the rank the shard leaves or the roomiest ranks, the
-// fewest weighted bytes per unit of work first); no rank's attention cost
-// passes the plan's largest, so the largest, and max / mean, never rises, and
-// no move adds key-value tokens between nodes in the node-level exchange.
+// candidates, so the weighted bytes never rise. Then (causal plans without
+// slices), query shards move to a rank of a node holding their key-values
+// where that saves weighted bytes, a full rank making room by sending as
+// many of its shards away as it takes (to the rank the shard leaves or the
+// roomiest ranks, the fewest weighted bytes per unit of work first); no
+// rank's attention cost passes the plan's largest, so the largest, and
+// max / mean, never rises, and no move adds key-value tokens between nodes
+// in the node-level exchange.
 //
 //   const Topology topology = Topology::uniform(W, 8);
 //   const QkvDocumentsPlan plan = plan_balanced(problem, options, topology);
@@ -382,13 +383,14 @@ inline QkvDocumentsPlan relabel_attention_ranks(const QkvDocumentsPlan& plan, co
   return out;
 }
 
-/// relabel_attention_ranks, then (causal plans) query shards moved (or
+/// relabel_attention_ranks, then (causal plans without slices) query shards moved (or
 /// traded) into nodes holding their key-values where that saves weighted
 /// bytes without raising the largest rank cost (see the top of this header).
 inline QkvDocumentsPlan place_on_topology(const QkvDocumentsPlan& plan, const BalanceProblem& problem, const Topology& topology,
                                           double inter_node_ratio = default_inter_node_ratio, bool dedup = false) {
   QkvDocumentsPlan out = relabel_attention_ranks(plan, problem, topology, inter_node_ratio, dedup);
-  if (out.mask.type == MaskType::causal) detail::ShardMover(out, problem, topology, static_cast<long double>(inter_node_ratio)).run(4);
+  // The mover counts causal key-value groups (prefixes): not a document's slices.
+  if (out.mask.type == MaskType::causal && !detail::has_slices(out)) detail::ShardMover(out, problem, topology, static_cast<long double>(inter_node_ratio)).run(4);
   return out;
 }
 

@@ -3,9 +3,16 @@
 // needs only this rank's own queries and key-values; round g + 1 needs what
 // the peers of stage group g send (execute/staged_exchange.hpp). A part is an entry's
 // query rows against a run of its KV group's rows that all become available
-// in the same round; its `diagonal` is shifted so the mask stays the
-// document's. One kernel call may not see a query row twice, so a round's
-// parts are cut into passes: pass k holds the k-th part of each entry.
+// in the same round; parts stay in the layout's buffers, so a part keeps its
+// entry's band (a band is on buffer rows). A kernel folds the parts of a
+// query row within one call, so a round is one pass; for a kernel that
+// cannot (attention_kernel_folds_shared_rows), a round's parts are cut into
+// passes that share no query row: pass k holds the k-th part of each entry.
+// Either way every part holding a key row is attended in one pass (its KV
+// shard arrives in one round, KV groups do not overlap, and entries sharing
+// key rows reach only a kernel that folds them: ContextParallelAttention
+// refuses them for one that cannot), so a pass writes its key rows' dk, dv
+// whole. A query shard's entries are cut where its KV group's shards meet.
 
 #include <algorithm>
 #include <cstddef>
@@ -28,34 +35,27 @@ struct StagePass {
 class StagePlan {
  public:
   /// `groups` stage groups (0: everything in round 0). q_rev and kv_rev are
-  /// this rank's reverse slices: entry m came from home dst_rank[m] and the
-  /// entries lie back to back in the attention layout.
-  void build(std::span<const AttentionEntry> entries, const RankMetadata& q_rev, const RankMetadata& kv_rev, int me, int world_size,
-             int groups, const char* who) {
-    me_ = me, world_size_ = world_size, groups_ = groups;
-    if (q_rev.seq_len.size() != entries.size()) fail(who, ": q_rev has ", q_rev.seq_len.size(), " entries, the attention layout ", entries.size());
+  /// this rank's reverse slices: query shard g came from home
+  /// q_rev.dst_rank[g], its KV group [cu_kv[g], cu_kv[g + 1]) is kv_rev's
+  /// shards back to back, and its entries are entries[entry_begin[g],
+  /// entry_begin[g + 1]) (in buffer rows, inside its rows and its group).
+  /// `fold_shared_rows`: the kernel folds a call's entries that share rows
+  /// (then each round is one pass).
+  void build(std::span<const AttentionEntry> entries, std::span<const std::size_t> entry_begin,
+             std::span<const std::int64_t> cu_q, std::span<const std::int64_t> cu_kv, const RankMetadata& q_rev,
+             const RankMetadata& kv_rev, int me, int world_size, int groups, bool fold_shared_rows, const char* who) {
+    me_ = me, world_size_ = world_size, groups_ = groups, fold_shared_rows_ = fold_shared_rows;
+    const std::size_t shards = cu_q.empty() ? 0 : cu_q.size() - 1;
+    if (q_rev.seq_len.size() != shards) fail(who, ": q_rev has ", q_rev.seq_len.size(), " entries, the attention layout ", shards, " query shards");
     scratch_.clear();
     kv_ready_.assign(static_cast<std::size_t>(groups), 0);
-    std::size_t m = 0;
-    std::int64_t at = 0;  // start of kv_rev entry m in the attention layout
-    for (std::size_t e = 0; e < entries.size(); ++e) {
-      const AttentionEntry& entry = entries[e];
-      if (q_rev.seq_len[e] != entry.q_len) fail(who, ": q_rev.seq_len[", e, "] = ", q_rev.seq_len[e], " but the layout's entry holds ", entry.q_len);
-      const int q_round = round_of(q_rev.dst_rank[e]);
-      const std::int64_t end = entry.kv_start + entry.kv_len;
-      if (at != entry.kv_start) fail(who, ": KV group ", e, " starts at ", entry.kv_start, " but kv_rev's entries reach ", at);
-      while (at < end) {
-        if (m >= kv_rev.seq_len.size()) fail(who, ": kv_rev's entries end inside KV group ", e);
-        const int kv_round = round_of(kv_rev.dst_rank[m]);
-        const int round = std::max(q_round, kv_round);
-        if (kv_round > 0) {
-          int& ready = kv_ready_[static_cast<std::size_t>(kv_round - 1)];
-          ready = std::max(ready, round);
-        }
-        add_part(e, entry, at, kv_rev.seq_len[m], round);
-        at += kv_rev.seq_len[m++];
+    std::size_t m = 0;  // the next kv_rev entry
+    for (std::size_t g = 0; g < shards; ++g) {
+      if (q_rev.seq_len[g] != cu_q[g + 1] - cu_q[g]) {
+        fail(who, ": q_rev.seq_len[", g, "] = ", q_rev.seq_len[g], " but the layout's query shard holds ", cu_q[g + 1] - cu_q[g]);
       }
-      if (at != end) fail(who, ": kv_rev's entries cross the end of KV group ", e);
+      group_pieces(g, cu_kv, kv_rev, round_of(q_rev.dst_rank[g]), m, who);
+      for (std::size_t e = entry_begin[g]; e < entry_begin[g + 1]; ++e) split_entry(e, entries[e]);
     }
     if (m != kv_rev.seq_len.size()) fail(who, ": kv_rev has ", kv_rev.seq_len.size(), " entries, the KV groups hold ", m);
     cut_passes();
@@ -65,6 +65,7 @@ class StagePlan {
   void reserve(std::size_t parts) {
     for (auto* v : {&rank_in_round_, &order_}) v->reserve(parts);
     scratch_.reserve(parts);
+    pieces_.reserve(parts);
     parts_.reserve(parts);
     passes_.reserve(parts);
   }
@@ -87,8 +88,45 @@ class StagePlan {
     std::size_t entry;
     AttentionEntry part;
   };
+  /// Rows [at, at + len) of the current KV group, arriving in `round`.
+  struct Piece {
+    std::int64_t at, len;
+    int round;
+  };
 
-  /// Appends rows [at, at + len) of entry e's KV group, merged with the entry's previous part when it runs on in the same round.
+  /// The kv_rev shards of KV group g (from kv_rev entry m on, m advanced
+  /// past them) with the round each is attended in: the later of its own
+  /// arrival and its queries' (q_round).
+  void group_pieces(std::size_t g, std::span<const std::int64_t> cu_kv, const RankMetadata& kv_rev, int q_round, std::size_t& m,
+                    const char* who) {
+    pieces_.clear();
+    std::int64_t at = cu_kv[g];
+    const std::int64_t end = cu_kv[g + 1];
+    while (at < end) {
+      if (m >= kv_rev.seq_len.size()) fail(who, ": kv_rev's entries end inside KV group ", g);
+      const int kv_round = round_of(kv_rev.dst_rank[m]);
+      const int round = std::max(q_round, kv_round);
+      if (kv_round > 0) {
+        int& ready = kv_ready_[static_cast<std::size_t>(kv_round - 1)];
+        ready = std::max(ready, round);
+      }
+      pieces_.push_back({at, kv_rev.seq_len[m], round});
+      at += kv_rev.seq_len[m++];
+    }
+    if (at != end) fail(who, ": kv_rev's entries cross the end of KV group ", g);
+  }
+
+  /// Entry e's keys cut where the group's pieces meet, one part per piece it
+  /// reaches (the band stays: parts keep the buffers' rows).
+  void split_entry(std::size_t e, const AttentionEntry& entry) {
+    const std::int64_t begin = entry.kv_start, end = entry.kv_start + entry.kv_len;
+    for (const Piece& p : pieces_) {
+      const std::int64_t from = std::max(begin, p.at), to = std::min(end, p.at + p.len);
+      if (from < to) add_part(e, entry, from, to - from, p.round);
+    }
+  }
+
+  /// Appends rows [at, at + len) of entry e's keys, merged with the entry's previous part when it runs on in the same round.
   void add_part(std::size_t e, const AttentionEntry& entry, std::int64_t at, std::int64_t len, int round) {
     if (!scratch_.empty()) {
       Part& last = scratch_.back();
@@ -97,14 +135,14 @@ class StagePlan {
         return;
       }
     }
-    const std::int64_t diagonal = entry.diagonal - (at - entry.kv_start);
-    scratch_.push_back({round, e, AttentionEntry{entry.q_start, entry.q_len, at, len, diagonal}});
+    scratch_.push_back({round, e, AttentionEntry{entry.q_start, entry.q_len, at, len, entry.band}});
   }
 
-  /// Orders the parts by (round, k-th part of its entry in that round, entry) and cuts passes.
+  /// Orders the parts by (round, k-th part of its entry in that round, entry)
+  /// and cuts passes: one per round, or (kernels that cannot fold) one per k.
   void cut_passes() {
     rank_in_round_.assign(scratch_.size(), 0);
-    for (std::size_t i = 1; i < scratch_.size(); ++i) {
+    for (std::size_t i = 1; i < scratch_.size() && !fold_shared_rows_; ++i) {
       const Part& b = scratch_[i];
       std::size_t k = 0;
       for (std::size_t j = i; j-- > 0 && scratch_[j].entry == b.entry;) k += scratch_[j].round == b.round;
@@ -129,7 +167,9 @@ class StagePlan {
   }
 
   int me_ = 0, world_size_ = 1, groups_ = 0;
+  bool fold_shared_rows_ = true;
   std::vector<Part> scratch_;
+  std::vector<Piece> pieces_;  // the current KV group's
   std::vector<std::size_t> rank_in_round_, order_;
   std::vector<AttentionEntry> parts_;
   std::vector<StagePass> passes_;

@@ -249,12 +249,15 @@ class Planner {
     return out;
   }
 
-  /// The documents-form plan of a layout: documents and pieces in input order.
+  /// The documents-form plan of a layout: documents and pieces in input
+  /// order, each document with its slices (in its positions, so the cuts do
+  /// not change them).
   QkvDocumentsPlan to_plan(const Layout& layout) const {
     QkvDocumentsPlan out;
     out.world_size = p_.world_size;
     out.max_cp_degree = C_;
     out.documents.resize(first_piece_.size() - 1);
+    for (std::size_t d = 0; d < out.documents.size(); ++d) out.documents[d].slices = slices_of(d);
     for (std::size_t id = 0; id < pieces_.size(); ++id) {
       auto& shards = out.documents[pieces_[id].document].shards;
       for (std::size_t k = layout.first[id]; k < layout.first[id + 1]; ++k) {
@@ -267,8 +270,17 @@ class Planner {
 
   const std::vector<Piece>& pieces() const { return pieces_; }
   std::size_t num_documents() const { return first_piece_.size() - 1; }
+  /// Document d's slices (section 2e); empty: the problem's mask holds for it.
+  const std::vector<AttentionSlice>& slices_of(std::size_t d) const {
+    static const std::vector<AttentionSlice> none_given;
+    return per_rank_ ? none_given : p_.documents[d].slices;
+  }
   std::size_t world() const { return W_; }
   std::int64_t cp_degree() const { return C_; }
+  /// [W]: each rank's recv_capacity (`unlimited` where none is given).
+  const std::vector<std::int64_t>& capacity() const { return cap_; }
+  std::int64_t q_bytes() const { return p_.q_bytes; }
+  std::int64_t kv_bytes() const { return p_.kv_bytes; }
 
  private:
   static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
@@ -335,7 +347,7 @@ class Planner {
   std::int64_t add_packed() {
     std::int64_t tokens = 0;
     for (std::size_t i = 0; i < p_.documents.size(); ++i) {
-      const auto& doc = p_.documents[i];
+      const auto& doc = p_.documents[i].pieces;
       if (doc.empty()) fail("plan_balanced: documents[", i, "] has no pieces");
       if (static_cast<std::int64_t>(doc.size()) > C_) {
         fail("plan_balanced: documents[", i, "] has ", doc.size(), " pieces, but max_cp_degree = ", C_,
@@ -352,9 +364,20 @@ class Planner {
         add_piece(static_cast<std::size_t>(pc.rank), pc.len, end);
         tokens = detail::add_tokens(tokens, pc.len, "plan_balanced");
       }
+      check_slices(p_.documents[i].slices, end, i);
       end_document();
     }
     return tokens;
+  }
+
+  /// Refuses the slices of documents[d] (`len` tokens) that planning would:
+  /// first a rectangle empty or outside the document, named here; then
+  /// planning's own checks (a pair inside the band, no pair shared), so that
+  /// a balanced plan always plans.
+  static void check_slices(const std::vector<AttentionSlice>& slices, std::int64_t len, std::size_t d) {
+    check_slices_inside(slices, len, d, "plan_balanced");
+    for (std::size_t j = 0; j < slices.size(); ++j) detail::check_slice(slices[j], d, j, len);
+    if (!slices.empty()) detail::check_disjoint_slices(slices, d, PlanLimits{});
   }
 
   /// How messages name a piece: as the user gave it.
@@ -713,10 +736,17 @@ class Planner {
     return true;
   }
 
+  /// Refuses capacities no plan fits. A document with slices is left out:
+  /// its KV groups hold only the shards their queries need, which depends
+  /// on the cuts (the slice planner checks its plans instead).
   void check_capacity(std::int64_t tokens) const {
     const auto widest = static_cast<std::size_t>(std::max_element(cap_.begin(), cap_.end()) - cap_.begin());
     // A piece's last shard attends to all of the document up to the piece's end: some rank must hold that.
     for (const Piece& pc : pieces_) {
+      if (!slices_of(pc.document).empty()) {
+        tokens -= pc.end - pc.begin;
+        continue;
+      }
       if (pc.end > cap_[widest]) {
         fail<capacity_error>("plan_balanced: ", where(pc), per_rank_ ? " has " : " ends ", pc.end, per_rank_ ? " tokens" : " tokens into its document",
                              " and its last shard's KV group holds all of them, but the largest recv_capacity is ", cap_[widest],
@@ -780,7 +810,7 @@ namespace detail::balance {
 inline void check_footprint(const BalanceProblem& p, const PlanLimits& limits, std::uint64_t shards_per_piece = 0) {
   if (p.world_size <= 0 || p.max_cp_degree <= 0) return;  // Planner names these
   std::uint64_t pieces = 0;
-  for (const auto& doc : p.documents) pieces += doc.size();
+  for (const auto& doc : p.documents) pieces += doc.pieces.size();
   for (const auto& rank : p.docs) pieces += rank.size();
   const auto W = static_cast<std::uint64_t>(p.world_size), C = static_cast<std::uint64_t>(p.max_cp_degree);
   detail::check_footprint(limits, footprint::balance(W, pieces, shards_per_piece ? shards_per_piece : std::min<std::uint64_t>(C, 64)), "plan_balanced",
