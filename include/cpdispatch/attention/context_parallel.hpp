@@ -1,9 +1,12 @@
 #pragma once
 // Context-parallel attention: one object per attention layer and rank that
 // takes this rank's queries, keys and values in its MLP layout, attends every
-// query to its document's keys under the plan's mask wherever they live, and
-// returns the output (forward) and the gradients (backward) in the MLP layout.
-// The result equals attention over each whole document.
+// query to its document's keys under the plan's mask (or the document's
+// slices, plan-format section 2e) wherever they live, and returns the output
+// (forward) and the gradients (backward) in the MLP layout. The result
+// equals attention over each whole document. The kernel gets entries with
+// bands: one per KV group under the mask (layout_entries), or the plan's own
+// (its attention layout's entries, moved to the buffers' rows).
 //
 //   auto share = cpdispatch::plan_qkv_for_rank(plan, transport.rank());
 //   cpdispatch::ContextParallelAttention<Transport, cpdispatch::bfloat16> attn(transport, share, shape, {});
