@@ -1,9 +1,12 @@
 // bench_cp_attention: one attention layer's step (forward + backward) with
 // ContextParallelAttention, W ranks as threads over SimulatedLinkTransport,
-// on packed batches drawn from the ProLong and WLB-LLM length samples and
-// balanced by plan_balanced; against ring attention with the zig-zag layout
-// (Transformer Engine / Megatron p2p) and Ulysses (all-to-all from sequence
-// to heads and back, DeepSpeed) over the same kernel and link.
+// on packed batches drawn from document-length samples (ProLong and WLB-LLM,
+// or a file) and balanced by plan_balanced; against ring attention with the
+// zig-zag layout (Transformer Engine / Megatron p2p), Ulysses (all-to-all
+// from sequence to heads and back, DeepSpeed) and USP (Ulysses inside groups
+// of u consecutive ranks, the zig-zag ring across the W / u groups) over the
+// same kernel and link. Query and key-value heads may differ (grouped-query
+// attention): Ulysses and USP move every query head and every key-value head.
 //
 // The link's bandwidth comes from the kernel's FLOP rate measured while all
 // W ranks compute at once, so that FLOPs per byte match an H100 (400 TFLOP/s
@@ -16,10 +19,20 @@
 // Per batch also: the most bytes a rank sends or receives in one step (forward and
 // backward; counted by the link) and the attention work's max / mean over
 // the ranks, for each method.
+// USP runs every u with 1 < u < W that divides W and both head counts (u = 1
+// is the ring, u = W Ulysses: those are their own lines) and reports the
+// fastest u, beside the u the step model (model_usp) picks for the link.
+// --shared-prefix N makes every document a prompt (a third of it) and N equal
+// responses, each seeing the prompt and itself (docs/plan-format.md, 2e): ours
+// runs the plan of those slices, Ulysses whole documents under the same mask;
+// both lines then give the key-value bytes the busiest rank moves (forward).
 // Prints one line per (sample, batch, link, method) and the medians.
-//   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--first-batch 0] [--sample prolong|wlbllm|both]
-//                      [--heads 8] [--head-dim 64] [--dedup 1] [--links ib|nvlink|both] [--stages 1,2,4]
-//                      [--peers ulysses|ring|both] [--bound 1] [--balanced 1]
+//   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--first-batch 0]
+//                      [--sample prolong|wlbllm|both | --lengths FILE] [--heads 8 | --heads-q 8 --heads-kv 8]
+//                      [--head-dim 64] [--dedup 1] [--links ib|nvlink|both] [--stages 1,2,4]
+//                      [--peers ulysses,ring,usp|both|all] [--shared-prefix 0] [--bound 1] [--balanced 1]
+// --lengths FILE: a JSON array of document lengths like data/*.json, the sample named by the file's stem.
+// --peers both (the default) is ulysses,ring; all adds usp. --shared-prefix runs with --peers ulysses only.
 // Ours runs the deduplicated key-value exchange (each shard once per destination rank) unless --dedup 0.
 // Batch b is the packed batch drawn with seed b: --first-batch and --sample run part of a long
 // measurement (at 8K tokens a rank, twenty minutes a batch on two cores) in separate runs; --links,
@@ -60,9 +73,10 @@ using Link = cpdispatch::SimulatedLinkTransport<cpdispatch::SimTransport>;
 
 struct Config {
   int world = 8;
-  std::int64_t tokens = 1024, heads = 8, head_dim = 64;
+  std::int64_t tokens = 1024, heads_q = 8, heads_kv = 8, head_dim = 64, shared_prefix = 0;
   int batches = 3, first_batch = 0;
-  std::string sample = "both", links = "both", peers = "both";
+  std::string sample = "both", lengths, links = "both";
+  bool ulysses = true, ring = true, usp = false;
   std::vector<int> stages{1, 2, 4};
   bool dedup = true, bound = true, balanced = true;
 };
@@ -75,24 +89,61 @@ struct NoKernel {
   void backward(A&&...) {}
 };
 
-std::vector<std::int64_t> sample(const std::string& name) {
-  const char* env = std::getenv("CPDISPATCH_DOC_LENGTHS_DIR");
-  const std::filesystem::path dir = env && *env ? env : CPDISPATCH_DOC_LENGTHS_DIR;
-  std::ifstream in(dir / (name + ".json"));
+/// A JSON array of document lengths (data/*.json).
+std::vector<std::int64_t> read_lengths(const std::filesystem::path& file) {
+  std::ifstream in(file);
   if (!in) {
-    std::fprintf(stderr, "bench_cp_attention: cannot read %s\n", (dir / (name + ".json")).c_str());
+    std::fprintf(stderr, "bench_cp_attention: cannot read %s\n", file.c_str());
     std::exit(2);
   }
-  return nlohmann::json::parse(in).get<std::vector<std::int64_t>>();
+  try {
+    return nlohmann::json::parse(in).get<std::vector<std::int64_t>>();
+  } catch (const nlohmann::json::exception& e) {
+    std::fprintf(stderr, "bench_cp_attention: %s is not a JSON array of document lengths: %s\n", file.c_str(), e.what());
+    std::exit(2);
+  }
 }
 
-/// Causal token pairs of a batch (what every method attends in all).
-double causal_pairs(const std::vector<cpdispatch::BalanceDocument>& docs) {
+/// The samples to run, each with its name: the file of --lengths (named by its stem), or the shipped ones.
+std::vector<std::pair<std::string, std::vector<std::int64_t>>> samples(const Config& c) {
+  if (!c.lengths.empty()) return {{std::filesystem::path(c.lengths).stem().string(), read_lengths(c.lengths)}};
+  const char* env = std::getenv("CPDISPATCH_DOC_LENGTHS_DIR");
+  const std::filesystem::path dir = env && *env ? env : CPDISPATCH_DOC_LENGTHS_DIR;
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> out;
+  for (const char* name : {"prolong", "wlbllm"}) {
+    if (c.sample == "both" || c.sample == name) out.emplace_back(name, read_lengths(dir / (std::string(name) + ".json")));
+  }
+  return out;
+}
+
+std::int64_t length_of(const cpdispatch::BalanceDocument& d) {
+  std::int64_t L = 0;
+  for (const auto& p : d.pieces) L += p.len;
+  return L;
+}
+
+/// A shared prefix (docs/plan-format.md, 2e) of `len` tokens: a prompt (a third, with what the responses
+/// leave) and `responses` equal responses, each seeing the whole prompt and itself causally. Empty (the
+/// document stays causal) when the document is too short for a token of prompt and of every response.
+std::vector<cpdispatch::AttentionSlice> shared_prefix(std::int64_t len, std::int64_t responses) {
+  const std::int64_t each = (len - len / 3) / responses, prompt = len - responses * each;
+  if (len / 3 < 1 || each < 1) return {};
+  using cpdispatch::SliceType;
+  std::vector<cpdispatch::AttentionSlice> slices{{0, prompt, 0, prompt, SliceType::causal}};
+  for (std::int64_t at = prompt; at < len; at += each) {
+    slices.push_back({at, at + each, 0, prompt, SliceType::full});
+    slices.push_back({at, at + each, at, at + each, SliceType::causal});
+  }
+  return slices;
+}
+
+/// (query, key) pairs of a batch (what every method attends in all): a document's slices, else causal.
+double mask_pairs(const std::vector<cpdispatch::BalanceDocument>& docs) {
   double pairs = 0;
   for (const auto& d : docs) {
-    double L = 0;
-    for (const auto& p : d.pieces) L += static_cast<double>(p.len);
-    pairs += L * (L + 1) / 2;
+    const std::int64_t L = length_of(d);
+    pairs += d.slices.empty() ? static_cast<double>(L) * static_cast<double>(L + 1) / 2
+                              : static_cast<double>(cpdispatch::slice_pairs(d.slices, 0, L, 0, L));
   }
   return pairs;
 }
@@ -133,9 +184,7 @@ double imbalance(const std::vector<double>& work) {
 std::vector<double> zigzag_pairs(const std::vector<cpdispatch::BalanceDocument>& docs, int W) {
   std::vector<double> pairs(static_cast<std::size_t>(W));
   for (const auto& d : docs) {
-    double L = 0;
-    for (const auto& p : d.pieces) L += static_cast<double>(p.len);
-    const double ch = std::ceil(L / (2.0 * W));
+    const double ch = std::ceil(static_cast<double>(length_of(d)) / (2.0 * W));
     for (int r = 0; r < W; ++r) {
       for (const int chunk : {r, 2 * W - 1 - r}) pairs[static_cast<std::size_t>(r)] += ch * ch * chunk + ch * (ch + 1) / 2;
     }
@@ -155,12 +204,13 @@ Kernel make_kernel() {
 /// Ours: the balanced plan through ContextParallelAttention with `stages`.
 template <class Kernel>
 Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::LinkModel& link, int stages) {
-  const cpdispatch::AttentionShape shape{c.heads, c.heads, c.head_dim, 0.125f};
+  const cpdispatch::AttentionShape shape{c.heads_q, c.heads_kv, c.head_dim, 0.125f};
   return timed_world(c.world, link, [&](Link& t, auto&& time) {
     const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
     cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, {c.dedup, stages}, Kernel(make_kernel<Kernel>()));
-    const auto n = static_cast<std::size_t>(op.mlp_tokens() * c.heads * c.head_dim);
-    std::vector<float> q(n, 0.01f), k(n, 0.02f), v(n, 0.03f), out(n), dq(n), dk(n), dv(n);
+    const auto nq = static_cast<std::size_t>(op.mlp_tokens() * c.heads_q * c.head_dim);
+    const auto nkv = static_cast<std::size_t>(op.mlp_tokens() * c.heads_kv * c.head_dim);
+    std::vector<float> q(nq, 0.01f), k(nkv, 0.02f), v(nkv, 0.03f), out(nq), dq(nq), dk(nkv), dv(nkv);
     time([&] {
       op.forward(q, k, v, out);
       op.backward(out, dq, dk, dv);
@@ -168,158 +218,253 @@ Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const 
   });
 }
 
-/// Ulysses: all-to-all from sequence to heads (every rank gets every token of heads_q / W heads), attention
-/// over whole documents, all-to-all back; backward the same with the gradients.
-template <class Kernel>
-Step ulysses_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link) {
-  const auto W = static_cast<std::size_t>(c.world);
-  const std::int64_t hg = c.heads / c.world, D = c.head_dim, T = c.tokens, total = T * c.world;
+std::size_t sz(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+/// Ulysses' all-to-all inside the group of `group` consecutive ranks that holds this rank: each rank's
+/// `tokens` rows [tokens][heads][D] to the group's rows [group x tokens][heads / group][D] (in rank order, this
+/// rank's share of the heads), and back. Ranks outside the group get nothing.
+class HeadExchange {
+ public:
+  HeadExchange(Link& t, std::int64_t tokens, std::int64_t group, std::int64_t head_dim)
+      : t_(t), tokens_(tokens), group_(group), dim_(head_dim), first_(t.rank() / group * group) {}
+
+  void to_heads(const float* from, std::int64_t heads, float* to) {
+    const std::int64_t hg = blocks(heads);
+    for (std::int64_t p = 0; p < group_; ++p)
+      for (std::int64_t i = 0; i < tokens_; ++i) std::memcpy(staged(p, i, hg), from + row(i, p, heads, hg), sz(hg * dim_) * sizeof(float));
+    t_.all_to_all_v(staging_.data(), counts_, displs_, to, counts_, displs_);
+  }
+
+  void to_sequence(const float* from, std::int64_t heads, float* to) {
+    const std::int64_t hg = blocks(heads);
+    t_.all_to_all_v(from, counts_, displs_, staging_.data(), counts_, displs_);
+    for (std::int64_t p = 0; p < group_; ++p)
+      for (std::int64_t i = 0; i < tokens_; ++i) std::memcpy(to + row(i, p, heads, hg), staged(p, i, hg), sz(hg * dim_) * sizeof(float));
+  }
+
+ private:
+  /// One block of `heads` / group heads to each rank of the group; returns heads / group.
+  std::int64_t blocks(std::int64_t heads) {
+    const std::int64_t hg = heads / group_;
+    const std::size_t block = sz(tokens_ * hg * dim_) * sizeof(float);
+    counts_.assign(sz(t_.world_size()), 0);
+    displs_.assign(counts_.size(), 0);
+    for (std::int64_t p = 0; p < group_; ++p) counts_[sz(first_ + p)] = block, displs_[sz(first_ + p)] = sz(p) * block;
+    staging_.resize(sz(group_ * tokens_ * hg * dim_));
+    return hg;
+  }
+  float* staged(std::int64_t p, std::int64_t i, std::int64_t hg) { return staging_.data() + sz((p * tokens_ + i) * hg * dim_); }
+  std::size_t row(std::int64_t i, std::int64_t p, std::int64_t heads, std::int64_t hg) const { return sz((i * heads + p * hg) * dim_); }
+
+  Link& t_;
+  std::int64_t tokens_, group_, dim_, first_;
+  std::vector<float> staging_;
+  std::vector<std::size_t> counts_, displs_;
+};
+
+/// The documents as entries on the packed batch's rows: each slice of a document (its band, in document
+/// positions, holds on rows too), or the whole document, causal.
+std::vector<cpdispatch::AttentionEntry> batch_entries(const std::vector<cpdispatch::BalanceDocument>& docs) {
   std::vector<cpdispatch::AttentionEntry> entries;
   std::int64_t at = 0;
   for (const auto& d : docs) {
-    std::int64_t L = 0;
-    for (const auto& p : d.pieces) L += p.len;
-    entries.push_back({at, L, at, L, cpdispatch::AttentionMask::causal().band()});  // a whole document, bottom-right
+    const std::int64_t L = length_of(d);
+    if (d.slices.empty()) entries.push_back({at, L, at, L, cpdispatch::AttentionMask::causal().band()});
+    for (const auto& s : d.slices) entries.push_back({at + s.q_begin, s.q_end - s.q_begin, at + s.k_begin, s.k_end - s.k_begin, s.band()});
     at += L;
   }
-  const cpdispatch::AttentionShape shape{hg, hg, D, 0.125f};
+  return entries;
+}
+
+/// Ulysses: all-to-all from sequence to heads (every rank gets every token of heads_q / W query heads and
+/// heads_kv / W key-value heads), attention over whole documents under their masks, all-to-all back;
+/// backward the same with the gradients.
+template <class Kernel>
+Step ulysses_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link) {
+  const std::int64_t W = c.world, D = c.head_dim, T = c.tokens, total = T * W, hq = c.heads_q / W, hkv = c.heads_kv / W;
+  const std::vector<cpdispatch::AttentionEntry> entries = batch_entries(docs);
+  const cpdispatch::AttentionShape shape{hq, hkv, D, 0.125f};
   return timed_world(c.world, link, [&](Link& t, auto&& time) {
     Kernel kernel = make_kernel<Kernel>();
-    const std::size_t mine = static_cast<std::size_t>(T * c.heads * D), theirs = static_cast<std::size_t>(total * hg * D);
-    std::vector<float> x(mine, 0.01f), send(mine), q(theirs), k(theirs), v(theirs), out(theirs), dout(theirs), dq(theirs), dk(theirs),
-        dv(theirs), back(mine), y(mine);
-    std::vector<float> lse(static_cast<std::size_t>(total * hg));
-    const std::size_t block = static_cast<std::size_t>(T * hg * D) * sizeof(float);
-    std::vector<std::size_t> counts(W, block), displs(W);
-    for (std::size_t p = 0; p < W; ++p) displs[p] = p * block;
-    // [T][heads][D] -> per peer p: [T][heads of p][D]; received blocks are [rank's tokens][hg][D] in rank order.
-    const auto to_heads = [&](const std::vector<float>& from, std::vector<float>& to) {
-      for (std::size_t p = 0; p < W; ++p)
-        for (std::int64_t i = 0; i < T; ++i)
-          std::memcpy(&send[(p * static_cast<std::size_t>(T) + static_cast<std::size_t>(i)) * static_cast<std::size_t>(hg * D)],
-                      &from[(static_cast<std::size_t>(i * c.heads) + p * static_cast<std::size_t>(hg)) * static_cast<std::size_t>(D)],
-                      static_cast<std::size_t>(hg * D) * sizeof(float));
-      t.all_to_all_v(send.data(), counts, displs, to.data(), counts, displs);
-    };
-    const auto to_sequence = [&](const std::vector<float>& from, std::vector<float>& to) {
-      t.all_to_all_v(from.data(), counts, displs, back.data(), counts, displs);
-      for (std::size_t p = 0; p < W; ++p)
-        for (std::int64_t i = 0; i < T; ++i)
-          std::memcpy(&to[(static_cast<std::size_t>(i * c.heads) + p * static_cast<std::size_t>(hg)) * static_cast<std::size_t>(D)],
-                      &back[(p * static_cast<std::size_t>(T) + static_cast<std::size_t>(i)) * static_cast<std::size_t>(hg * D)],
-                      static_cast<std::size_t>(hg * D) * sizeof(float));
-    };
+    HeadExchange heads(t, T, W, D);
+    std::vector<float> x(sz(T * c.heads_q * D), 0.01f), y(x.size()), xkv(sz(T * c.heads_kv * D), 0.02f), ykv(xkv.size());
+    std::vector<float> q(sz(total * hq * D)), out(q.size()), dout(q.size()), dq(q.size()), lse(sz(total * hq));
+    std::vector<float> k(sz(total * hkv * D)), v(k.size()), dk(k.size()), dv(k.size());
+    const std::span<const cpdispatch::AttentionEntry> e(entries);
     time([&] {
-      to_heads(x, q), to_heads(x, k), to_heads(x, v);
-      kernel.forward(shape, std::span<const cpdispatch::AttentionEntry>(entries), std::span<const float>(q),
-                     std::span<const float>(k), std::span<const float>(v), std::span<float>(out), std::span<float>(lse));
-      to_sequence(out, y);
-      to_heads(y, dout);
-      kernel.backward(shape, std::span<const cpdispatch::AttentionEntry>(entries), std::span<const float>(q),
-                      std::span<const float>(k), std::span<const float>(v), std::span<const float>(out), std::span<const float>(lse),
-                      std::span<const float>(dout), std::span<float>(dq), std::span<float>(dk), std::span<float>(dv));
-      to_sequence(dq, y), to_sequence(dk, y), to_sequence(dv, y);
+      heads.to_heads(x.data(), c.heads_q, q.data());
+      heads.to_heads(xkv.data(), c.heads_kv, k.data());
+      heads.to_heads(xkv.data(), c.heads_kv, v.data());
+      kernel.forward(shape, e, std::span<const float>(q), std::span<const float>(k), std::span<const float>(v), std::span<float>(out),
+                     std::span<float>(lse));
+      heads.to_sequence(out.data(), c.heads_q, y.data());
+      heads.to_heads(y.data(), c.heads_q, dout.data());
+      kernel.backward(shape, e, std::span<const float>(q), std::span<const float>(k), std::span<const float>(v), std::span<const float>(out),
+                      std::span<const float>(lse), std::span<const float>(dout), std::span<float>(dq), std::span<float>(dk), std::span<float>(dv));
+      heads.to_sequence(dq.data(), c.heads_q, y.data());
+      heads.to_sequence(dk.data(), c.heads_kv, ykv.data());
+      heads.to_sequence(dv.data(), c.heads_kv, ykv.data());
     });
   });
 }
 
-/// Ring attention with the zig-zag layout (Transformer Engine's and Megatron's p2p context parallelism): every
-/// document padded to a multiple of 2W and cut into 2W chunks, rank r holding chunks r and 2W-1-r; W-1 ring steps
-/// pass the key-value blocks on (isend / irecv, overlapped with the step's attention), partial outputs merged by
-/// log-sum-exp; backward passes the key-values and their gradients around the ring once more.
-template <class Kernel>
-Step ring_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link) {
-  const int W = c.world;
-  const std::int64_t H = c.heads, D = c.head_dim;
-  std::vector<std::int64_t> chunk;  // chunk length of each document
-  std::int64_t local = 0;          // tokens per rank: two chunks of every document
+/// The zig-zag layout over `groups` groups of ranks: every document padded to a multiple of 2 x groups and cut
+/// into as many chunks, group g holding chunks g and 2 groups - 1 - g of each, back to back.
+struct ZigZagLayout {
+  int groups = 1;
+  std::vector<std::int64_t> chunk{};  ///< each document's chunk length
+  std::int64_t tokens = 0;            ///< a group's tokens: two chunks of every document
+};
+ZigZagLayout zigzag_layout(const std::vector<cpdispatch::BalanceDocument>& docs, int groups) {
+  ZigZagLayout z;
+  z.groups = groups;
   for (const auto& d : docs) {
-    std::int64_t L = 0;
-    for (const auto& p : d.pieces) L += p.len;
-    chunk.push_back((L + 2 * W - 1) / (2 * W));
-    local += 2 * chunk.back();
+    z.chunk.push_back((length_of(d) + 2 * groups - 1) / (2 * groups));
+    z.tokens += 2 * z.chunk.back();
   }
-  const cpdispatch::AttentionShape shape{H, H, D, 0.125f};
-  return timed_world(W, link, [&](Link& t, auto&& time) {
+  return z;
+}
+
+/// Ring attention with the zig-zag layout across groups of `group` ranks (Transformer Engine's and Megatron's
+/// p2p context parallelism; rank r passes to rank r + group): groups - 1 ring steps pass the key-value blocks on
+/// (isend / irecv, overlapped with the step's attention), partial outputs merged by log-sum-exp; backward passes
+/// the key-values and their gradients around the ring once more, each block's gradients ending at home (in dkv).
+/// The buffers hold `rows` rows (at least the layout's tokens) of `shape`'s heads; K then V in kv and dkv.
+template <class Kernel>
+class ZigZagRing {
+ public:
+  ZigZagRing(Link& t, Kernel& kernel, const ZigZagLayout& layout, std::int64_t group, std::int64_t rows, cpdispatch::AttentionShape shape)
+      : q(sz(rows * shape.heads_q * shape.head_dim), 0.01f), kv(2 * sz(rows * shape.heads_kv * shape.head_dim), 0.02f), out(q.size()),
+        lse(sz(rows * shape.heads_q)), dout(q.size(), 0.01f), dq(q.size()), dkv(kv.size()), t_(t), kernel_(kernel), layout_(layout),
+        shape_(shape), rows_(rows), me_(static_cast<int>(t.rank() / group)), to_(static_cast<int>((t.rank() + group) % t.world_size())),
+        from_(static_cast<int>((t.rank() + t.world_size() - group) % t.world_size())), kv_cur_(kv.size()), kv_next_(kv.size()),
+        part_(q.size()), lse_part_(lse.size()), dkv_cur_(kv.size()), dkv_part_(kv.size()), dkv_in_(kv.size()), dkv_out_(kv.size()) {}
+
+  std::vector<float> q, kv, out, lse, dout, dq, dkv;
+
+  void forward() {
+    const int G = layout_.groups;
+    kv_cur_ = kv;
+    for (int step = 0; step < G; ++step) {  // attend the block of group me - step while the next one travels
+      const int src = (me_ - step + G) % G;
+      std::pair<cpdispatch::Request, cpdispatch::Request> reqs{};
+      if (step + 1 < G) reqs = pass();
+      for (int a = 0; a < 2; ++a)
+        for (int b = 0; b < 2; ++b) {
+          entries_of(src, a, b);
+          kernel_.forward(shape_, std::span<const cpdispatch::AttentionEntry>(entries_), std::span<const float>(q), k(), v(),
+                          std::span<float>(part_), std::span<float>(lse_part_));
+          for (const auto& x : entries_)
+            cpdispatch::detail::merge_partial<float>(out, lse, std::span<const float>(part_), lse_part_, rows_, shape_.heads_q,
+                                                     shape_.head_dim, x.q_start, x.q_start + x.q_len);
+        }
+      if (step + 1 < G) t_.wait(reqs.first), t_.wait(reqs.second), std::swap(kv_cur_, kv_next_);
+    }
+  }
+
+  void backward() {
+    const int G = layout_.groups;
+    const std::size_t bytes = kv.size() * sizeof(float);
+    kv_cur_ = kv;
+    cpdispatch::Request g_send{};
+    for (int step = 0; step < G; ++step) {  // each block's gradient accumulator travels with it
+      const int src = (me_ - step + G) % G;
+      cpdispatch::Request g_recv{};
+      // The accumulator of this step's block comes from the previous rank (posted before the next block's
+      // key-values, as the previous rank sends them: messages between two ranks match in posting order).
+      if (step > 0) g_recv = t_.irecv(dkv_in_.data(), bytes, from_, 1);
+      std::pair<cpdispatch::Request, cpdispatch::Request> reqs{};
+      if (step + 1 < G) reqs = pass();
+      std::fill(dkv_cur_.begin(), dkv_cur_.end(), 0.0f);
+      const std::size_t n = kv.size() / 2;
+      for (int a = 0; a < 2; ++a)
+        for (int b = 0; b < 2; ++b) {
+          entries_of(src, a, b);
+          kernel_.backward(shape_, std::span<const cpdispatch::AttentionEntry>(entries_), std::span<const float>(q), k(), v(),
+                           std::span<const float>(out), std::span<const float>(lse), std::span<const float>(dout), std::span<float>(dq),
+                           std::span<float>(dkv_part_.data(), n), std::span<float>(dkv_part_.data() + n, n));
+          for (std::size_t i = 0; i < kv.size(); ++i) dkv_cur_[i] += dkv_part_[i];  // a ring adds each pair's share (timed as such)
+        }
+      if (step > 0) {
+        t_.wait(g_recv);
+        for (std::size_t i = 0; i < kv.size(); ++i) dkv_cur_[i] += dkv_in_[i];
+        t_.wait(g_send);  // the previous accumulator has left: its buffer may be reused
+      }
+      std::swap(dkv_cur_, dkv_out_);
+      g_send = t_.isend(dkv_out_.data(), bytes, to_, 1);  // the last one goes home
+      if (step + 1 < G) t_.wait(reqs.first), t_.wait(reqs.second), std::swap(kv_cur_, kv_next_);
+    }
+    const cpdispatch::Request home = t_.irecv(dkv.data(), bytes, from_, 1);  // this rank's own block's gradients
+    t_.wait(g_send);
+    t_.wait(home);
+  }
+
+ private:
+  std::span<const float> k() const { return {kv_cur_.data(), kv_cur_.size() / 2}; }
+  std::span<const float> v() const { return {kv_cur_.data() + kv_cur_.size() / 2, kv_cur_.size() / 2}; }
+
+  /// The entries of Q chunk a (0: chunk me, 1: chunk 2G-1-me) against block chunk b of group `src`: causal in
+  /// document positions, where the query chunk starts (qa - kb) * ch after the key chunk, so the band on buffer
+  /// rows is t - j <= (qa - kb) * ch + (b - a) * ch.
+  void entries_of(int src, int a, int b) {
+    const int G = layout_.groups;
+    entries_.clear();
+    std::int64_t at = 0;
+    const int qa = a == 0 ? me_ : 2 * G - 1 - me_, kb = b == 0 ? src : 2 * G - 1 - src;
+    for (const std::int64_t ch : layout_.chunk) {
+      if (kb <= qa) entries_.push_back({at + a * ch, ch, at + b * ch, ch, {cpdispatch::Band::unbounded_lo, (qa - kb + b - a) * ch}});
+      at += 2 * ch;
+    }
+  }
+
+  /// The key-values held now to the next group, the previous group's into kv_next_.
+  std::pair<cpdispatch::Request, cpdispatch::Request> pass() {
+    const std::size_t bytes = kv_cur_.size() * sizeof(float);
+    return {t_.isend(kv_cur_.data(), bytes, to_, 0), t_.irecv(kv_next_.data(), bytes, from_, 0)};
+  }
+
+  Link& t_;
+  Kernel& kernel_;
+  const ZigZagLayout& layout_;
+  cpdispatch::AttentionShape shape_;
+  std::int64_t rows_;
+  int me_, to_, from_;
+  std::vector<float> kv_cur_, kv_next_, part_, lse_part_, dkv_cur_, dkv_part_, dkv_in_, dkv_out_;
+  std::vector<cpdispatch::AttentionEntry> entries_;
+};
+
+/// USP: Ulysses inside groups of `group` consecutive ranks, the zig-zag ring across the W / group groups. A
+/// group's tokens (its two chunks of every document) lie spread over its ranks' MLP layouts; the all-to-all
+/// gives each of them all those tokens on heads / group heads, which the ring attends. group = 1 is ring
+/// attention alone (no all-to-all).
+template <class Kernel>
+Step usp_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link, std::int64_t group) {
+  const ZigZagLayout layout = zigzag_layout(docs, static_cast<int>(c.world / group));
+  const std::int64_t T = (layout.tokens + group - 1) / group, D = c.head_dim;  // T: a rank's MLP tokens
+  const cpdispatch::AttentionShape shape{c.heads_q / group, c.heads_kv / group, D, 0.125f};
+  return timed_world(c.world, link, [&](Link& t, auto&& time) {
     Kernel kernel = make_kernel<Kernel>();
-    const int r = t.rank();
-    const auto n = static_cast<std::size_t>(local * H * D);
-    std::vector<float> q(n, 0.01f), kv_cur(2 * n, 0.02f), kv_next(2 * n), out(n), part(n), acc(n), dq(n), dkv_cur(2 * n), dkv_next(2 * n),
-        scratch_dq(n);
-    std::vector<float> lse(static_cast<std::size_t>(local * H)), lse_part(lse.size());
-    // The block held now (its buffer changes at every swap).
-    const auto k = [&] { return std::span<const float>(kv_cur.data(), n); };
-    const auto v = [&] { return std::span<const float>(kv_cur.data() + n, n); };
-    // The entries of Q chunk a (0: chunk r, 1: chunk 2W-1-r) against block chunk b of the rank `src`: causal
-    // in document positions, where the query chunk starts (qa - kb) * ch after the key chunk, so the band on
-    // buffer rows is t - j <= (qa - kb) * ch + (b - a) * ch.
-    const auto entries_of = [&](int src, int a, int b, std::vector<cpdispatch::AttentionEntry>& e) {
-      e.clear();
-      std::int64_t at = 0;
-      const int qa = a == 0 ? r : 2 * W - 1 - r, kb = b == 0 ? src : 2 * W - 1 - src;
-      for (const std::int64_t ch : chunk) {
-        if (kb <= qa) e.push_back({at + a * ch, ch, at + b * ch, ch, {cpdispatch::Band::unbounded_lo, (qa - kb + b - a) * ch}});
-        at += 2 * ch;
-      }
-    };
-    std::vector<cpdispatch::AttentionEntry> e;
-    const auto ring_pass = [&](std::vector<float>& cur, std::vector<float>& next) {
-      const int to = (r + 1) % W, from = (r + W - 1) % W;
-      const std::size_t bytes = cur.size() * sizeof(float);
-      const cpdispatch::Request s = t.isend(cur.data(), bytes, to, 0), rv = t.irecv(next.data(), bytes, from, 0);
-      return std::pair{s, rv};
-    };
+    ZigZagRing<Kernel> ring(t, kernel, layout, group, group * T, shape);
+    HeadExchange heads(t, T, group, D);
+    const std::size_t half = ring.kv.size() / 2;  // K, then V
+    std::vector<float> x(sz(T * c.heads_q * D), 0.01f), y(x.size()), xkv(sz(T * c.heads_kv * D), 0.02f), ykv(xkv.size());
     time([&] {
-      for (int step = 0; step < W; ++step) {  // forward: attend the block of rank r - step while the next one travels
-        const int src = (r - step + W) % W;
-        std::pair<cpdispatch::Request, cpdispatch::Request> reqs{};
-        if (step + 1 < W) reqs = ring_pass(kv_cur, kv_next);
-        for (int a = 0; a < 2; ++a)
-          for (int b = 0; b < 2; ++b) {
-            entries_of(src, a, b, e);
-            kernel.forward(shape, std::span<const cpdispatch::AttentionEntry>(e), std::span<const float>(q), k(), v(),
-                           std::span<float>(part), std::span<float>(lse_part));
-            for (const auto& x : e)
-              cpdispatch::detail::merge_partial<float>(acc, lse, std::span<const float>(part), lse_part, local, H, D, x.q_start, x.q_start + x.q_len);
-          }
-        if (step + 1 < W) {
-          t.wait(reqs.first), t.wait(reqs.second);
-          std::swap(kv_cur, kv_next);
-        }
+      if (group > 1) {
+        heads.to_heads(x.data(), c.heads_q, ring.q.data());
+        heads.to_heads(xkv.data(), c.heads_kv, ring.kv.data());
+        heads.to_heads(xkv.data(), c.heads_kv, ring.kv.data() + half);
       }
-      out = acc;
-      std::vector<float> dkv_in(2 * n), dkv_out(2 * n);
-      cpdispatch::Request g_send{};
-      const int to = (r + 1) % W, from = (r + W - 1) % W;
-      for (int step = 0; step < W; ++step) {  // backward: each block's gradient accumulator travels with it
-        const int src = (r - step + W) % W;
-        cpdispatch::Request g_recv{};
-        // The accumulator of this step's block comes from the previous rank (posted before the next block's
-        // key-values, as the previous rank sends them: messages between two ranks match in posting order).
-        if (step > 0) g_recv = t.irecv(dkv_in.data(), dkv_in.size() * sizeof(float), from, 1);
-        std::pair<cpdispatch::Request, cpdispatch::Request> a_reqs{};
-        if (step + 1 < W) a_reqs = ring_pass(kv_cur, kv_next);
-        std::fill(dkv_cur.begin(), dkv_cur.end(), 0.0f);
-        for (int a = 0; a < 2; ++a)
-          for (int b = 0; b < 2; ++b) {
-            entries_of(src, a, b, e);
-            kernel.backward(shape, std::span<const cpdispatch::AttentionEntry>(e), std::span<const float>(q), k(), v(),
-                            std::span<const float>(out), std::span<const float>(lse), std::span<const float>(q), std::span<float>(scratch_dq),
-                            std::span<float>(dkv_next.data(), n), std::span<float>(dkv_next.data() + n, n));
-            for (std::size_t i = 0; i < 2 * n; ++i) dkv_cur[i] += dkv_next[i];  // a ring adds each pair's share (timed as such)
-          }
-        if (step > 0) {
-          t.wait(g_recv);
-          for (std::size_t i = 0; i < 2 * n; ++i) dkv_cur[i] += dkv_in[i];
-        }
-        if (step > 0) t.wait(g_send);  // the previous accumulator has left: its buffer may be reused
-        std::swap(dkv_cur, dkv_out);
-        g_send = t.isend(dkv_out.data(), dkv_out.size() * sizeof(float), to, 1);  // the last one goes home
-        if (step + 1 < W) t.wait(a_reqs.first), t.wait(a_reqs.second), std::swap(kv_cur, kv_next);
+      ring.forward();
+      if (group > 1) {
+        heads.to_sequence(ring.out.data(), c.heads_q, y.data());
+        heads.to_heads(y.data(), c.heads_q, ring.dout.data());
       }
-      const cpdispatch::Request home = t.irecv(dkv_in.data(), dkv_in.size() * sizeof(float), from, 1);  // this rank's own block's gradients
-      t.wait(g_send);
-      t.wait(home);
+      ring.backward();
+      if (group > 1) {
+        heads.to_sequence(ring.dq.data(), c.heads_q, y.data());
+        heads.to_sequence(ring.dkv.data(), c.heads_kv, ykv.data());
+        heads.to_sequence(ring.dkv.data() + half, c.heads_kv, ykv.data());
+      }
     });
   });
 }
@@ -331,40 +476,261 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a line as soon as it is measured
-  Config c;
+/// The layer as the step model sees it: float elements, 2 stages.
+cpdispatch::LayerShape layer_shape(const Config& c) {
+  cpdispatch::LayerShape shape{c.heads_q, c.head_dim, 4, 2};
+  shape.heads_kv = c.heads_kv;
+  return shape;
+}
+
+/// The USP group sizes this config can run (1 < u < W; u = 1 is the ring, u = W Ulysses, run as such).
+std::vector<std::int64_t> usp_groups(const Config& c) { return cpdispatch::usp_groups(c.world, layer_shape(c)); }
+
+/// Key-value bytes (K and V, forward) the busiest rank sends or receives: ours from the plan's exchange,
+/// Ulysses' all-to-all (every token's key-value heads but a rank's own share).
+double ours_kv_bytes(const Config& c, const cpdispatch::QkvDocumentsPlan& plan) {
+  return cpdispatch::max_kv_tokens_per_rank(cpdispatch::plan_qkv(plan).kv_fwd, c.dedup) * 2.0 * static_cast<double>(c.heads_kv * c.head_dim * 4);
+}
+double ulysses_kv_bytes(const Config& c) {
+  return static_cast<double>((c.world - 1) * c.tokens * (c.heads_kv / c.world) * c.head_dim * 4) * 2.0;
+}
+
+/// One batch, drawn and planned, and what it measured over an instant link.
+struct Batch {
+  std::string name;
+  int index = 0;
+  cpdispatch::BalanceProblem problem{};
+  cpdispatch::QkvDocumentsPlan plan{};
+  double compute = 0;          ///< ours over an instant link, s
+  double rate = 0;             ///< the kernel's FLOP rate per rank, all ranks computing at once
+  bool bytes_printed = false;  ///< bytes and work do not depend on the link: printed once a batch
+};
+
+/// A link the batch runs over: its name, its --links option and its bandwidth (bytes a second).
+struct LinkRun {
+  const char* name;
+  const char* option;
+  double bandwidth;
+};
+
+using Ratios = std::map<std::string, std::vector<double>>;
+
+/// Ours with the balanced plan at each of --stages (and its bound where asked): the best step (1e300 when not
+/// run) and the bytes it moved.
+Step run_balanced(const Config& c, const Batch& batch, const LinkRun& l, Ratios& ratios_of) {
+  const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, l.bandwidth};
+  const std::string key = batch.name + "|" + l.name + "|";
+  const Step comm = c.bound && c.balanced ? ours_step<NoKernel>(c, batch.plan, link, 1) : Step{};  // the bound is the balanced plan's
+  Step best{1e300, 0};
+  double one_stage = 0;
+  for (const int stages : c.balanced ? c.stages : std::vector<int>{}) {
+    const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, batch.plan, link, stages);
+    if (ours.seconds < best.seconds) best.seconds = ours.seconds;
+    best.bytes = ours.bytes;
+    std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms", batch.name.c_str(), batch.index, l.name, stages,
+                ours.seconds * 1e3, batch.compute * 1e3);
+    if (c.bound) {
+      const double bound = std::max(batch.compute, comm.seconds) + std::min(batch.compute, comm.seconds) / stages;
+      std::printf(" | comm %.1f ms | step/bound %.2f", comm.seconds * 1e3, ours.seconds / bound);
+      ratios_of[key + "overlap s" + std::to_string(stages)].push_back(ours.seconds / bound);
+    }
+    std::printf("\n");
+    if (stages == 1) one_stage = ours.seconds;
+    if (one_stage > 0) ratios_of[key + "gain over stages=1, s" + std::to_string(stages)].push_back(one_stage / ours.seconds);
+  }
+  return best;
+}
+
+/// The link as the step model's cluster: one tier of its bandwidth, no latency, the kernel's rate.
+cpdispatch::ClusterModel link_cluster(const Config& c, const Batch& batch, double bandwidth) {
+  cpdispatch::ClusterModel cluster;
+  cluster.intra = cluster.inter = {bandwidth, 0.0};
+  cluster.attention_flops = batch.rate;
+  cluster.ranks_per_node = c.world;
+  return cluster;
+}
+
+/// USP at every group size it can run, the fastest kept (`u`), beside the group size the step model picks.
+struct UspRun {
+  Step step{};
+  std::int64_t u = 0, model_u = 0;
+};
+UspRun run_usp(const Config& c, const Batch& batch, const cpdispatch::LinkModel& link, const cpdispatch::ClusterModel& cluster) {
+  std::vector<std::int64_t> lengths;
+  for (const auto& d : batch.problem.documents) lengths.push_back(length_of(d));
+  UspRun best;
+  for (const std::int64_t u : usp_groups(c)) {
+    const Step s = usp_step<cpdispatch::HostAttentionKernel>(c, batch.problem.documents, link, u);
+    if (best.u == 0 || s.seconds < best.step.seconds) best.step = s, best.u = u;
+  }
+  best.model_u = cpdispatch::model_usp_best(lengths, cpdispatch::AttentionMask::causal(), c.world, cluster, layer_shape(c)).group;
+  return best;
+}
+
+/// What one batch measured over one link.
+struct LinkResult {
+  Step ours{}, modelled{}, ulysses{}, ring{};
+  cpdispatch::ClusterPlan chosen{};
+  UspRun usp{};
+};
+
+/// The bytes each method moves and the balance of the work: printed once a batch (they do not depend on the link).
+void print_bytes(const Config& c, Batch& batch, const LinkRun& l, const LinkResult& m, Ratios& ratios_of) {
+  if (batch.bytes_printed) return;
+  batch.bytes_printed = true;
+  std::printf("%s batch %d | most bytes a rank sends or receives per step (MiB):", batch.name.c_str(), batch.index);
+  if (c.balanced) std::printf(" ours %.1f,", m.ours.bytes / 1048576.0);
+  std::printf(" the step model's plan (%s) %.1f", l.option, m.modelled.bytes / 1048576.0);
+  if (c.ulysses) std::printf(", ulysses %.1f", m.ulysses.bytes / 1048576.0);
+  if (c.ring) std::printf(", ring %.1f", m.ring.bytes / 1048576.0);
+  if (c.usp) std::printf(", USP u=%lld %.1f", static_cast<long long>(m.usp.u), m.usp.step.bytes / 1048576.0);
+  if (c.shared_prefix > 0) {
+    std::printf(" | key-value MiB a rank (forward):");
+    if (c.balanced) std::printf(" ours %.1f,", ours_kv_bytes(c, batch.plan) / 1048576.0);
+    std::printf(" the step model's plan (%s) %.1f, ulysses %.1f", l.option, ours_kv_bytes(c, m.chosen.plan) / 1048576.0,
+                ulysses_kv_bytes(c) / 1048576.0);
+  }
+  const cpdispatch::PlanCost cost = cpdispatch::plan_cost(batch.plan);
+  const double ours_imbalance = imbalance(std::vector<double>(cost.attention.begin(), cost.attention.end()));
+  std::printf(" | attention work max/mean: ours %.3f, ulysses 1.000", ours_imbalance);
+  ratios_of[batch.name + "|imbalance ours"].push_back(ours_imbalance);
+  if (c.ring) {  // the causal zig-zag layout's (the ring runs no slices)
+    const double ring_imbalance = imbalance(zigzag_pairs(batch.problem.documents, c.world));
+    std::printf(", ring %.3f", ring_imbalance);
+    ratios_of[batch.name + "|imbalance ring zig-zag"].push_back(ring_imbalance);
+  }
+  std::printf("\n");
+  if (c.ulysses && c.balanced) ratios_of[batch.name + "|bytes ours/ulysses"].push_back(m.ours.bytes / m.ulysses.bytes);
+  if (c.ring && c.balanced) ratios_of[batch.name + "|bytes ours/ring"].push_back(m.ours.bytes / m.ring.bytes);
+}
+
+/// One batch over one link: ours (balanced, at each stage count), ours with the plan the step model picks for
+/// the link (plan_for_cluster: as balanced as pays, 2 stages), and the peers.
+void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of) {
+  const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, l.bandwidth};
+  const std::string key = batch.name + "|" + l.name + "|";
+  const char* name = batch.name.c_str();
+  const auto& docs = batch.problem.documents;
+  LinkResult m;
+  m.ours = run_balanced(c, batch, l, ratios_of);
+  const cpdispatch::ClusterModel cluster = link_cluster(c, batch, l.bandwidth);
+  cpdispatch::BalanceOptions chosen_options;
+  chosen_options.dedup = c.dedup;
+  m.chosen = cpdispatch::plan_for_cluster(batch.problem, cluster, layer_shape(c), cpdispatch::Topology::uniform(c.world, c.world), chosen_options);
+  m.modelled = ours_step<cpdispatch::HostAttentionKernel>(c, m.chosen.plan, link, 2);
+  std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=2 | step %.1f ms | %.1f MiB", name, batch.index, l.name,
+              m.chosen.cost_slack, m.modelled.seconds * 1e3, m.modelled.bytes / 1048576.0);
+  if (c.shared_prefix > 0) std::printf(" | key-value %.1f MiB a rank (forward)", ours_kv_bytes(c, m.chosen.plan) / 1048576.0);
+  std::printf("\n");
+  std::vector<double> peers;
+  const auto peer = [&](const std::string& what, const std::string& detail, const Step& s) {
+    std::printf("%s batch %d | %s | %s%s | step %.1f ms", name, batch.index, l.name, what.c_str(), detail.c_str(), s.seconds * 1e3);
+    if (c.balanced) std::printf(" | ours (best stages) / %s %.2f", what.c_str(), m.ours.seconds / s.seconds);
+    std::printf(" | the step model's plan / %s %.2f\n", what.c_str(), m.modelled.seconds / s.seconds);
+    if (c.balanced) ratios_of[key + "ours/" + what].push_back(m.ours.seconds / s.seconds);
+    ratios_of[key + "ours (step model's plan)/" + what].push_back(m.modelled.seconds / s.seconds);
+    peers.push_back(s.seconds);
+  };
+  if (c.ulysses) {
+    char kv[64] = "";
+    if (c.shared_prefix > 0) std::snprintf(kv, sizeof kv, " (key-value %.1f MiB a rank, forward)", ulysses_kv_bytes(c) / 1048576.0);
+    peer("ulysses", kv, m.ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, docs, link));
+  }
+  if (c.ring) peer("ring zig-zag", "", m.ring = usp_step<cpdispatch::HostAttentionKernel>(c, docs, link, 1));
+  if (c.usp) {
+    m.usp = run_usp(c, batch, link, cluster);
+    peer("USP", " u=" + std::to_string(m.usp.u) + " (the step model picks u=" + std::to_string(m.usp.model_u) + ")", m.usp.step);
+  }
+  if (peers.size() > 1) {
+    const double better = *std::min_element(peers.begin(), peers.end());
+    if (c.balanced) ratios_of[key + "ours/better peer"].push_back(m.ours.seconds / better);
+    ratios_of[key + "ours (step model's plan)/better peer"].push_back(m.modelled.seconds / better);
+  }
+  print_bytes(c, batch, l, m, ratios_of);
+}
+
+/// "ulysses,ring,usp" (any of them; "both": ulysses and ring; "all": the three) into the config; false on a bad item.
+bool parse_peers(const std::string& text, Config& c) {
+  if (text == "both" || text == "all") {
+    c.ulysses = c.ring = true, c.usp = text == "all";
+    return true;
+  }
+  c.ulysses = c.ring = c.usp = false;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    if (item == "ulysses") c.ulysses = true;
+    else if (item == "ring") c.ring = true;
+    else if (item == "usp") c.usp = true;
+    else return false;
+    at = comma + 1;
+  }
+  return true;
+}
+
+/// The options into `c`; a message for the first bad one, empty when all are good.
+std::string parse_options(int argc, char** argv, Config& c) {
   for (int i = 1; i < argc; i += 2) {
     const std::string a = argv[i];
-    if (i + 1 == argc) {
-      return std::fprintf(stderr, "bench_cp_attention: %s: every option takes a value (the options: the top of bench_cp_attention.cpp)\n", a.c_str()), 2;
-    }
-    const long long v = std::atoll(argv[i + 1]);
-    if (a == "--sample") c.sample = argv[i + 1];
+    if (i + 1 == argc) return a + ": every option takes a value (the options: the top of bench_cp_attention.cpp)";
+    const std::string text = argv[i + 1];
+    const long long v = std::atoll(text.c_str());
+    if (a == "--sample") c.sample = text;
+    else if (a == "--lengths") c.lengths = text;
     else if (a == "--first-batch") c.first_batch = static_cast<int>(v);
     else if (a == "--world") c.world = static_cast<int>(v);
     else if (a == "--tokens") c.tokens = v;
     else if (a == "--batches") c.batches = static_cast<int>(v);
-    else if (a == "--heads") c.heads = v;
+    else if (a == "--heads") c.heads_q = c.heads_kv = v;
+    else if (a == "--heads-q") c.heads_q = v;
+    else if (a == "--heads-kv") c.heads_kv = v;
     else if (a == "--head-dim") c.head_dim = v;
+    else if (a == "--shared-prefix") c.shared_prefix = v;
     else if (a == "--dedup") c.dedup = v != 0;
-    else if (a == "--links") c.links = argv[i + 1];
-    else if (a == "--peers") c.peers = argv[i + 1];
-    else if (a == "--stages") c.stages = stage_list(argv[i + 1]);
+    else if (a == "--links") c.links = text;
+    else if (a == "--peers") {
+      if (!parse_peers(text, c)) return "--peers is a comma-separated list of ulysses, ring and usp (or both, all), got " + text;
+    } else if (a == "--stages") c.stages = stage_list(text);
     else if (a == "--bound") c.bound = v != 0;
     else if (a == "--balanced") c.balanced = v != 0;
-    else return std::fprintf(stderr, "bench_cp_attention: unknown option %s\n", a.c_str()), 2;
+    else return "unknown option " + a;
   }
-  if (c.world < 1 || c.heads % c.world != 0) return std::fprintf(stderr, "bench_cp_attention: heads must divide by world\n"), 2;
-  if (c.sample != "both" && c.sample != "prolong" && c.sample != "wlbllm") {
-    return std::fprintf(stderr, "bench_cp_attention: --sample %s is not prolong, wlbllm or both\n", c.sample.c_str()), 2;
+  return {};
+}
+
+/// Why the config cannot run; empty when it can.
+std::string check_config(const Config& c) {
+  const auto n = [](std::int64_t x) { return std::to_string(x); };
+  if (c.world < 1 || c.tokens < 1 || c.head_dim < 1) return "--world, --tokens and --head-dim must be at least 1";
+  if (c.heads_q < 1 || c.heads_kv < 1 || c.heads_q % c.heads_kv != 0) {
+    return "--heads-q " + n(c.heads_q) + " must be a multiple of --heads-kv " + n(c.heads_kv) + " (both at least 1)";
   }
-  if (c.first_batch < 0 || c.batches < 1) return std::fprintf(stderr, "bench_cp_attention: --first-batch >= 0 and --batches >= 1\n"), 2;
-  if (c.links != "ib" && c.links != "nvlink" && c.links != "both") return std::fprintf(stderr, "bench_cp_attention: --links is ib, nvlink or both\n"), 2;
-  if (c.peers != "ulysses" && c.peers != "ring" && c.peers != "both") {
-    return std::fprintf(stderr, "bench_cp_attention: --peers is ulysses, ring or both\n"), 2;
+  if (c.ulysses && (c.heads_q % c.world != 0 || c.heads_kv % c.world != 0)) {
+    return "Ulysses splits the heads over the ranks: --heads-q " + n(c.heads_q) + " and --heads-kv " + n(c.heads_kv) +
+           " must divide by --world " + n(c.world) + " (or leave ulysses out of --peers)";
   }
-  if (c.stages.empty()) return std::fprintf(stderr, "bench_cp_attention: --stages is a comma-separated list of stage counts >= 1\n"), 2;
+  if (c.usp && usp_groups(c).empty()) {
+    return "USP needs a group size u with 1 < u < --world " + n(c.world) + " dividing it, --heads-q " + n(c.heads_q) + " and --heads-kv " +
+           n(c.heads_kv) + " (or leave usp out of --peers)";
+  }
+  if (c.shared_prefix < 0) return "--shared-prefix " + n(c.shared_prefix) + " must be at least 0";
+  if (c.shared_prefix > 0 && (c.ring || c.usp)) return "--shared-prefix runs ours and Ulysses only: add --peers ulysses";
+  if (!c.lengths.empty() && c.sample != "both") return "--lengths and --sample name two samples: give one";
+  if (c.sample != "both" && c.sample != "prolong" && c.sample != "wlbllm") return "--sample " + c.sample + " is not prolong, wlbllm or both";
+  if (c.first_batch < 0 || c.batches < 1) return "--first-batch >= 0 and --batches >= 1";
+  if (c.links != "ib" && c.links != "nvlink" && c.links != "both") return "--links is ib, nvlink or both";
+  if (c.stages.empty()) return "--stages is a comma-separated list of stage counts >= 1";
+  return {};
+}
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // a line as soon as it is measured
+  Config c;
+  std::string bad = parse_options(argc, argv, c);
+  if (bad.empty()) bad = check_config(c);
+  if (!bad.empty()) return std::fprintf(stderr, "bench_cp_attention: %s\n", bad.c_str()), 2;
+  const auto lengths_of = samples(c);  // read before anything is printed: a bad file stops here
   const cpdispatch::LinkModel instant{std::chrono::nanoseconds{0}, 1e15};
   struct Ratio {
     const char* name;
@@ -372,97 +738,36 @@ int main(int argc, char** argv) {
     double bytes_per_flop;
   };
   const Ratio ratios[] = {{"IB 50 GB/s", "ib", 50e9 / 400e12}, {"NVLink 450 GB/s", "nvlink", 450e9 / 400e12}};
-  const bool run_ulysses = c.peers != "ring", run_ring = c.peers != "ulysses";
-  std::printf("bench_cp_attention: W = %d ranks x %lld tokens, %lld heads x %lld, float; %d batches per sample; ours %s dedup\n", c.world,
-              static_cast<long long>(c.tokens), static_cast<long long>(c.heads), static_cast<long long>(c.head_dim), c.batches,
-              c.dedup ? "with" : "without");
+  std::printf("bench_cp_attention: W = %d ranks x %lld tokens, %lld query / %lld key-value heads x %lld, float; %d batches per sample; ours %s dedup",
+              c.world, static_cast<long long>(c.tokens), static_cast<long long>(c.heads_q), static_cast<long long>(c.heads_kv),
+              static_cast<long long>(c.head_dim), c.batches, c.dedup ? "with" : "without");
+  if (c.shared_prefix > 0) std::printf("; each document a prompt and %lld responses", static_cast<long long>(c.shared_prefix));
+  std::printf("\n");
   std::map<std::string, std::vector<double>> ratios_of;  // "sample|link|what" -> per batch
-  for (const char* name : {"prolong", "wlbllm"}) {
-    if (c.sample != "both" && c.sample != name) continue;
-    const std::vector<std::int64_t> lengths = sample(name);
+  for (const auto& [name, lengths] : lengths_of) {
     for (int b = c.first_batch; b < c.first_batch + c.batches; ++b) {
       cpdispatch::BalanceProblem p;
       p.world_size = c.world;
       p.documents = cpdispatch::draw_workload(lengths, c.world, c.tokens, static_cast<std::uint64_t>(b));
+      if (c.shared_prefix > 0)
+        for (auto& d : p.documents) d.slices = shared_prefix(length_of(d), c.shared_prefix);
       // As many shards per document as the zig-zag layout's chunks: with only W, a document spanning all W ranks
       // could not be re-cut at all (a shard never leaves its piece), and the plan would keep the packing's imbalance.
       p.max_cp_degree = std::max<std::int64_t>(2 * c.world, static_cast<std::int64_t>(cpdispatch::widest_span(p.documents)));
-      p.q_bytes = c.heads * c.head_dim * 4;
-      p.kv_bytes = 2 * p.q_bytes;
+      p.q_bytes = c.heads_q * c.head_dim * 4;
+      p.kv_bytes = 2 * c.heads_kv * c.head_dim * 4;
       cpdispatch::BalanceOptions options;
       options.dedup = c.dedup;
       cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, options);
       plan.dedup = c.dedup;
-      const double flops = 3.5 * 4.0 * causal_pairs(p.documents) * static_cast<double>(c.head_dim * c.heads);  // forward + 2.5x backward
+      const double flops = 3.5 * 4.0 * mask_pairs(p.documents) * static_cast<double>(c.head_dim * c.heads_q);  // forward + 2.5x backward
       const double compute = ours_step<cpdispatch::HostAttentionKernel>(c, plan, instant, 1).seconds;
       const double rate = flops / compute / c.world;  // per rank, all ranks computing at once
-      const cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan);
-      const double ours_imbalance = imbalance(std::vector<double>(cost.attention.begin(), cost.attention.end()));
-      const double ring_imbalance = imbalance(zigzag_pairs(p.documents, c.world));
-      bool bytes_printed = false;  // bytes and work do not depend on the link: printed once a batch
+      Batch batch{name, b, p, plan, compute, rate};
       for (const Ratio& r : ratios) {
-        if (c.links != "both" && c.links != r.option) continue;
-        const std::string key = std::string(name) + "|" + r.name + "|";
-        const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, rate * r.bytes_per_flop};
-        const Step comm = c.bound && c.balanced ? ours_step<NoKernel>(c, plan, link, 1) : Step{};  // the bound is the balanced plan's
-        double best_ours = 1e300, one_stage = 0, ours_bytes = 0;
-        for (const int stages : c.balanced ? c.stages : std::vector<int>{}) {
-          const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, plan, link, stages);
-          best_ours = std::min(best_ours, ours.seconds);
-          ours_bytes = ours.bytes;
-          std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms", name, b, r.name, stages, ours.seconds * 1e3, compute * 1e3);
-          if (c.bound) {
-            const double bound = std::max(compute, comm.seconds) + std::min(compute, comm.seconds) / stages;
-            std::printf(" | comm %.1f ms | step/bound %.2f", comm.seconds * 1e3, ours.seconds / bound);
-            ratios_of[key + "overlap s" + std::to_string(stages)].push_back(ours.seconds / bound);
-          }
-          std::printf("\n");
-          if (stages == 1) one_stage = ours.seconds;
-          if (one_stage > 0) ratios_of[key + "gain over stages=1, s" + std::to_string(stages)].push_back(one_stage / ours.seconds);
-        }
-        // The plan the step model picks for this link: as balanced as pays (plan_for_cluster), 2 stages.
-        cpdispatch::ClusterModel cluster;
-        cluster.intra = cluster.inter = {link.bandwidth, 0.0};
-        cluster.attention_flops = rate;
-        cluster.ranks_per_node = c.world;
-        cpdispatch::BalanceOptions chosen_options;
-        chosen_options.dedup = c.dedup;
-        const cpdispatch::ClusterPlan chosen = cpdispatch::plan_for_cluster(
-            p, cluster, cpdispatch::LayerShape{c.heads, c.head_dim, 4, 2}, cpdispatch::Topology::uniform(c.world, c.world), chosen_options);
-        const Step modelled = ours_step<cpdispatch::HostAttentionKernel>(c, chosen.plan, link, 2);
-        std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=2 | step %.1f ms | %.1f MiB\n", name, b, r.name,
-                    chosen.cost_slack, modelled.seconds * 1e3, modelled.bytes / 1048576.0);
-        const auto peer = [&](const char* what, const Step& s) {
-          std::printf("%s batch %d | %s | %s | step %.1f ms", name, b, r.name, what, s.seconds * 1e3);
-          if (c.balanced) std::printf(" | ours (best stages) / %s %.2f", what, best_ours / s.seconds);
-          std::printf(" | the step model's plan / %s %.2f\n", what, modelled.seconds / s.seconds);
-          if (c.balanced) ratios_of[key + "ours/" + what].push_back(best_ours / s.seconds);
-          ratios_of[key + "ours (step model's plan)/" + what].push_back(modelled.seconds / s.seconds);
-        };
-        const Step ulysses = run_ulysses ? ulysses_step<cpdispatch::HostAttentionKernel>(c, p.documents, link) : Step{};
-        if (run_ulysses) peer("ulysses", ulysses);
-        const Step ring = run_ring ? ring_step<cpdispatch::HostAttentionKernel>(c, p.documents, link) : Step{};
-        if (run_ring) peer("ring zig-zag", ring);
-        if (run_ulysses && run_ring) {
-          const double better = std::min(ulysses.seconds, ring.seconds);
-          if (c.balanced) ratios_of[key + "ours/better peer"].push_back(best_ours / better);
-          ratios_of[key + "ours (step model's plan)/better peer"].push_back(modelled.seconds / better);
-        }
-        if (!bytes_printed) {
-          bytes_printed = true;
-          std::printf("%s batch %d | most bytes a rank sends or receives per step (MiB):", name, b);
-          if (c.balanced) std::printf(" ours %.1f,", ours_bytes / 1048576.0);
-          std::printf(" the step model's plan (%s) %.1f", r.option, modelled.bytes / 1048576.0);
-          if (run_ulysses) std::printf(", ulysses %.1f", ulysses.bytes / 1048576.0);
-          if (run_ring) std::printf(", ring %.1f", ring.bytes / 1048576.0);
-          std::printf(" | attention work max/mean: ours %.3f, ulysses 1.000, ring %.3f\n", ours_imbalance, ring_imbalance);
-          if (run_ulysses && c.balanced) ratios_of[std::string(name) + "|bytes ours/ulysses"].push_back(ours_bytes / ulysses.bytes);
-          if (run_ring && c.balanced) ratios_of[std::string(name) + "|bytes ours/ring"].push_back(ours_bytes / ring.bytes);
-          ratios_of[std::string(name) + "|imbalance ours"].push_back(ours_imbalance);
-          ratios_of[std::string(name) + "|imbalance ring zig-zag"].push_back(ring_imbalance);
-        }
+        if (c.links == "both" || c.links == r.option) run_link(c, batch, {r.name, r.option, rate * r.bytes_per_flop}, ratios_of);
       }
-      std::printf("%s batch %d | kernel %.2f GFLOP/s per rank with %d ranks computing\n", name, b, rate * 1e-9, c.world);
+      std::printf("%s batch %d | kernel %.2f GFLOP/s per rank with %d ranks computing\n", name.c_str(), b, rate * 1e-9, c.world);
       std::fflush(stdout);
     }
   }

@@ -2,7 +2,9 @@
 // drawn from the ProLong and WLB-LLM samples: for W ranks, 8 a node, the
 // modelled time of one layer's forward + backward (ms) for our balanced plan
 // with the flat, deduplicated and node-level KV exchanges, and for the zig-zag
-// ring, Ulysses and Transformer Engine's a2a+p2p on the same batch.
+// ring, Ulysses, Transformer Engine's a2a+p2p and USP at its fastest group
+// size (model_usp_best: Ulysses inside groups of u ranks, the ring across
+// them; the u printed after the row) on the same batch.
 // A plain driver (a model, nothing to time):
 //   bench_step_model [h100|h200] [--svg FILE] [W ...]     (default: h100, W = 64 128 ... 4096)
 //       --svg FILE also writes the table as a chart: step time against W, one
@@ -82,13 +84,15 @@ std::vector<cpdispatch::StepTime> row(const std::string& name, I W, const cpdisp
   p.documents = cpdispatch::draw_workload(lengths, W, kTokensPerRank, 0);
   I C = 0;
   const cpdispatch::QkvDocumentsPlan plan = balanced(p, C);
-  const auto rows = cpdispatch::model_step(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), cpdispatch::document_lengths(plan),
-                                           cpdispatch::Topology::uniform(W, kRanksPerNode), cluster, cpdispatch::LayerShape{});
+  auto rows = cpdispatch::model_step(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), cpdispatch::document_lengths(plan),
+                                     cpdispatch::Topology::uniform(W, kRanksPerNode), cluster, cpdispatch::LayerShape{});
+  rows.back().scheme = "usp (best u)";  // model_step's last row: one series in the chart, whichever u wins at each W
   std::printf("%-8s %5lld %3lld", name.c_str(), static_cast<long long>(W), static_cast<long long>(C));
   for (const cpdispatch::StepTime& t : rows) {
     if (t.feasible) std::printf(" %12.2f", t.step * 1e3);
     else std::printf(" %12s", "n/a");
   }
+  if (rows.back().feasible) std::printf(" (u=%lld)", static_cast<long long>(rows.back().group));  // the best USP's group size
   std::printf("\n");
   std::fflush(stdout);
   return rows;
@@ -253,7 +257,7 @@ std::vector<double> measure_tiers(const TierCase& tc, const cpdispatch::Topology
 void validate_case(const TierCase& tc) {
   const cpdispatch::Topology topo = cpdispatch::Topology::uniform(tc.W, kTierRanksPerNode);
   // The H100 cluster with its bandwidths per sim byte: a sim token stands for one real K and V token.
-  const double real_kv_token_bytes = 2 * cpdispatch::LayerShape{}.token_bytes();
+  const double real_kv_token_bytes = 2 * cpdispatch::LayerShape{}.kv_token_bytes();
   cpdispatch::ClusterModel c = cpdispatch::ClusterModel::h100_ib();
   c.ranks_per_node = kTierRanksPerNode;
   for (cpdispatch::LinkTier* t : {&c.intra, &c.inter}) t->bandwidth *= static_cast<double>(kSimTokenBytes) / real_kv_token_bytes;
@@ -324,7 +328,8 @@ int main(int argc, char** argv) {
   }
   std::printf("step time of one layer, forward + backward (ms), %lld ranks a node, %lld tokens a rank\n",
               static_cast<long long>(kRanksPerNode), static_cast<long long>(kTokensPerRank));
-  std::printf("%-8s %5s %3s %12s %12s %12s %12s %12s %12s\n", "sample", "W", "C", "flat", "dedup", "node-level", "zig-zag", "ulysses", "a2a+p2p");
+  std::printf("%-8s %5s %3s %12s %12s %12s %12s %12s %12s %12s\n", "sample", "W", "C", "flat", "dedup", "node-level", "zig-zag", "ulysses",
+              "a2a+p2p", "usp (best u)");
   std::vector<step_chart::Panel> panels;
   const std::map<std::string, std::string> titles = {{"prolong", "ProLong sample"}, {"wlbllm", "WLB-LLM sample"}};
   for (const char* name : {"prolong", "wlbllm"}) {

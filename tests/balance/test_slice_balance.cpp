@@ -379,7 +379,7 @@ TEST(SliceBalance, StepModelOfASlicePlanNeedsItsSlices) {
   const cpdispatch::Topology topology = cpdispatch::Topology::uniform(2, 2);
   const auto rows = cpdispatch::model_step(m, cost, cpdispatch::document_lengths(plan), topology, cpdispatch::ClusterModel::h100_ib(),
                                            cpdispatch::LayerShape{}, cpdispatch::document_slices(plan));
-  EXPECT_EQ(rows.size(), 6u);
+  EXPECT_EQ(rows.size(), 7u);
   EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] {
                 cpdispatch::model_step(m, cost, cpdispatch::document_lengths(plan), topology, cpdispatch::ClusterModel::h100_ib(),
                                        cpdispatch::LayerShape{});

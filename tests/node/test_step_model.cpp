@@ -1,6 +1,7 @@
 // The step-time model of a cluster (docs/node-exchange.md, "Step-time
-// model"): hand-computed small cases, more bandwidth never slower, and the
-// node-level exchange never more inter-node bytes than dedup, nor dedup than flat.
+// model"): hand-computed small cases (grouped-query attention and USP
+// among them), more bandwidth never slower, and the node-level exchange
+// never more inter-node bytes than dedup, nor dedup than flat.
 
 #include <gtest/gtest.h>
 
@@ -91,13 +92,91 @@ TEST(StepModel, ZigZagRingHandComputed) {
 
 TEST(StepModel, UlyssesNeedsHeadsDivisibleByRanks) {
   LayerShape s = unit_shape();
-  s.heads = 3;
+  s.heads_q = 3;
   EXPECT_FALSE(cpdispatch::model_ulysses({8}, cpdispatch::AttentionMask::causal(), 2, unit_cluster(2), s).feasible);
-  s.heads = 4;
+  s.heads_q = 4;
   const StepTime t = cpdispatch::model_ulysses({8}, cpdispatch::AttentionMask::causal(), 2, unit_cluster(2), s);
   ASSERT_TRUE(t.feasible);
   // 4 tokens a rank x 4 heads = 16 bytes a tensor; four tensors, half leaving the rank: 32 s.
   EXPECT_DOUBLE_EQ(t.forward_comm, 32.0);
+}
+
+TEST(StepModel, GroupedQueryAttentionMovesFewerKeyValues) {
+  // Four query heads, two key-value heads: a token's Q or O is 4 bytes, its K or V 2.
+  LayerShape s = unit_shape();
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  // Ulysses, W = 2: 4 tokens a rank, Q, K, V, O = 4 + 2 + 2 + 4 = 12 bytes a token, 48 a rank, half leaving it: 24 s.
+  const StepTime u = cpdispatch::model_ulysses({8}, cpdispatch::AttentionMask::causal(), 2, unit_cluster(2), s);
+  ASSERT_TRUE(u.feasible);
+  EXPECT_DOUBLE_EQ(u.forward_comm, 24.0);
+  // Compute follows the query heads: 36 pairs, 18 a rank, x 4 FLOPs x 4 heads.
+  EXPECT_DOUBLE_EQ(u.forward_compute, 288.0);
+  s.heads_kv = 1;  // one key-value head cannot be split over two ranks
+  EXPECT_FALSE(cpdispatch::model_ulysses({8}, cpdispatch::AttentionMask::causal(), 2, unit_cluster(2), s).feasible);
+  // The plan: rank 1 receives 2 query tokens (8 bytes, 16 s across nodes), 4 key-value tokens (K and V of one
+  // head: 8 bytes, 16 s) and sends 2 outputs back (16 s); with four key-value heads the key-values take 64 s.
+  EXPECT_DOUBLE_EQ(model(two_rank_plan(), unit_cluster(1), s)[0].forward_comm, 48.0);
+  s.heads_kv = 0;
+  EXPECT_DOUBLE_EQ(model(two_rank_plan(), unit_cluster(1), s)[0].forward_comm, 96.0);
+}
+
+TEST(StepModel, UspHandComputed) {
+  // W = 4 on two nodes of 2, groups of u = 2 (one a node), 4 query and 2 key-value heads; one causal document
+  // of 8 tokens (2 groups: padded to a multiple of 4, so 8), 36 pairs, 9 a rank, 4 x 9 x 4 = 144 FLOPs.
+  LayerShape s = unit_shape();
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  const StepTime t = cpdispatch::model_usp({8}, cpdispatch::AttentionMask::causal(), 4, 2, unit_cluster(2), s);
+  ASSERT_TRUE(t.feasible);
+  EXPECT_EQ(t.scheme, "usp u=2");
+  EXPECT_DOUBLE_EQ(t.forward_compute, 144.0);
+  // All-to-all in the node: 2 tokens a rank x 12 bytes = 24, half to the other rank of the group: 12 s.
+  // One ring step to the other node: the group's 4 tokens on 1 key-value head, K and V: 8 bytes, 16 s.
+  EXPECT_DOUBLE_EQ(t.forward_comm, 12.0 + 16.0);
+  EXPECT_DOUBLE_EQ(t.forward, 12.0 + 144.0 + 16.0);  // one ring step: one stage, nothing hides
+  EXPECT_DOUBLE_EQ(t.backward, 12.0 + 2.5 * 144.0 + 32.0);
+  EXPECT_DOUBLE_EQ(t.inter_node_bytes, 4 * 8.0);  // every rank's successor is on the other node
+  // Groups across the nodes instead (ranks_per_node 1): the all-to-all leaves the node (0.5 B/s), 24 s.
+  EXPECT_DOUBLE_EQ(cpdispatch::model_usp({8}, cpdispatch::AttentionMask::causal(), 4, 2, unit_cluster(1), s).forward_comm, 24.0 + 16.0);
+}
+
+TEST(StepModel, UspEndsAreTheRingAndUlyssesAndAGroupPerNodeIsA2aP2p) {
+  const std::vector<std::int64_t> docs{13, 7, 30};
+  LayerShape s{8, 4, 2, 2, 4};
+  const ClusterModel c = unit_cluster(2);
+  const auto mask = cpdispatch::AttentionMask::causal();
+  const auto same = [](const StepTime& a, const StepTime& b) {
+    EXPECT_DOUBLE_EQ(a.step, b.step);
+    EXPECT_DOUBLE_EQ(a.forward_comm, b.forward_comm);
+    EXPECT_DOUBLE_EQ(a.inter_node_bytes, b.inter_node_bytes);
+  };
+  same(cpdispatch::model_usp(docs, mask, 8, 1, c, s), cpdispatch::model_zigzag_ring(docs, mask, 8, c, s));
+  same(cpdispatch::model_usp(docs, mask, 8, 8, c, s), cpdispatch::model_ulysses(docs, mask, 8, c, s));
+  same(cpdispatch::model_usp(docs, mask, 8, 2, c, s), cpdispatch::model_hierarchical(docs, mask, 8, c, s));
+  EXPECT_EQ(cpdispatch::usp_groups(8, s), (std::vector<std::int64_t>{2, 4}));
+  const StepTime best = cpdispatch::model_usp_best(docs, mask, 8, c, s);
+  ASSERT_TRUE(best.feasible);
+  for (const std::int64_t u : {2, 4}) EXPECT_LE(best.step, cpdispatch::model_usp(docs, mask, 8, u, c, s).step) << u;
+  EXPECT_DOUBLE_EQ(best.step, cpdispatch::model_usp(docs, mask, 8, best.group, c, s).step);
+  EXPECT_FALSE(cpdispatch::model_usp_best(docs, mask, 2, c, s).feasible);  // W = 2: no group between the ring and Ulysses
+  s.heads_kv = 2;  // two key-value heads: groups of 4 cannot split them
+  EXPECT_EQ(cpdispatch::usp_groups(8, s), (std::vector<std::int64_t>{2}));
+  EXPECT_FALSE(cpdispatch::model_usp(docs, mask, 8, 4, c, s).feasible);
+  EXPECT_FALSE(cpdispatch::model_usp(docs, mask, 6, 4, c, LayerShape{4, 4, 2, 2}).feasible);  // 4 does not divide W = 6
+  EXPECT_THROW(cpdispatch::model_usp(docs, mask, 8, 0, c, s), cpdispatch::invalid_input);
+  EXPECT_THROW(cpdispatch::model_usp(docs, mask, 8, 9, c, s), cpdispatch::invalid_input);
+}
+
+TEST(StepModel, MostKeyValueTokensOfARank) {
+  // Both shards of one document attended on rank 1: shard 0 goes there for both query shards (two copies)
+  // and shard 1 for the second; deduplicated, each shard crosses once.
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.documents = {{{{0, 2, 1}, {0, 3, 1}}}};
+  const cpdispatch::QkvMetadata m = cpdispatch::plan_qkv(plan);
+  EXPECT_DOUBLE_EQ(cpdispatch::max_kv_tokens_per_rank(m.kv_fwd, false), 2 + 2 + 3);
+  EXPECT_DOUBLE_EQ(cpdispatch::max_kv_tokens_per_rank(m.kv_fwd, true), 2 + 3);
 }
 
 cpdispatch::QkvDocumentsPlan four_rank_plan() {
@@ -181,6 +260,10 @@ TEST(StepModel, BadInputIsRefused) {
   LayerShape s = unit_shape();
   s.stages = 0;
   EXPECT_THROW(model(four_rank_plan(), unit_cluster(2), s), cpdispatch::invalid_input);
+  for (const std::int64_t heads_kv : {-1, 3}) {  // key-value heads must divide the query heads
+    LayerShape g{4, 1, 1, 1, heads_kv};
+    EXPECT_THROW(model(four_rank_plan(), unit_cluster(2), g), cpdispatch::invalid_input) << heads_kv;
+  }
 }
 
 #ifdef CPDISPATCH_PLAN_EXE
@@ -197,8 +280,8 @@ constexpr const char* cli_plan =
 TEST(StepModel, SimulatePrintsEverySchemeAndRefusesBadOptions) {
   const SimulateRun run = simulate(cli_plan, "--ranks-per-node 2 --heads 4 --head-dim 8 --stages 2");
   ASSERT_EQ(run.status, 0) << run.err;
-  EXPECT_NE(run.out.find("world_size 4, nodes 2, heads 4, head_dim 8, stages 2"), std::string::npos) << run.out;
-  for (const char* scheme : {"\n        flat", "\n       dedup", "\n  node-level", "\nzig-zag ring", "\n     ulysses", "\n     a2a+p2p"}) {
+  EXPECT_NE(run.out.find("world_size 4, nodes 2, heads 4, key-value heads 4, head_dim 8, stages 2"), std::string::npos) << run.out;
+  for (const char* scheme : {"\n        flat", "\n       dedup", "\n  node-level", "\nzig-zag ring", "\n     ulysses", "\n     a2a+p2p", "\n     usp u=2"}) {
     EXPECT_NE(run.out.find(scheme), std::string::npos) << scheme << " in\n" << run.out;
   }
   // A plan with slices: the peers count the same pairs as the plan.

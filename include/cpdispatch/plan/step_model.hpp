@@ -3,7 +3,9 @@
 // "Step-time model"): bytes over each tier / bandwidth + latency per message,
 // attention FLOPs / rate, stages overlapped as the context-parallel op runs
 // them; for a plan's three KV exchanges and for the peers' schemes on the same
-// batch (zig-zag ring, Ulysses, hierarchical all-to-all + ring).
+// batch (zig-zag ring, Ulysses, and USP -- Ulysses inside groups of ranks,
+// the ring across them -- of which the first two and Transformer Engine's
+// a2a+p2p are cases), with grouped-query attention's fewer key-value heads.
 //
 //   const QkvMetadata m = plan_qkv(plan);
 //   const auto rows = model_step(m, plan_cost(plan), document_lengths(plan),
@@ -63,21 +65,30 @@ struct ClusterModel {
   }
 };
 
-/// The attention layer: heads, head dimension, bytes per element, and the
-/// stages the context-parallel op splits the remote key-values into.
+/// The attention layer: query heads, key-value heads (grouped-query
+/// attention), head dimension, bytes per element, and the stages the
+/// context-parallel op splits the remote key-values into. `heads_q` alone sets
+/// both head counts: `heads_kv` = 0 means as many key-value heads as query heads.
 struct LayerShape {
-  std::int64_t heads = 32;
+  std::int64_t heads_q = 32;  ///< query heads
   std::int64_t head_dim = 128;
   std::int64_t element_bytes = 2;
   std::int64_t stages = 4;
+  std::int64_t heads_kv = 0;  ///< key-value heads; 0: as many as heads_q
   void check() const {
-    if (heads < 1 || head_dim < 1 || element_bytes < 1 || stages < 1) {
-      detail::fail("LayerShape: heads = ", heads, ", head_dim = ", head_dim, ", element_bytes = ", element_bytes,
+    if (heads_q < 1 || head_dim < 1 || element_bytes < 1 || stages < 1) {
+      detail::fail("LayerShape: heads_q = ", heads_q, ", head_dim = ", head_dim, ", element_bytes = ", element_bytes,
                    ", stages = ", stages, " must all be at least 1");
     }
+    if (heads_kv < 0 || heads_q % kv_heads() != 0) {
+      detail::fail("LayerShape: heads_kv = ", heads_kv, " must be 0 (as many as heads_q) or divide heads_q = ", heads_q);
+    }
   }
-  /// Bytes of one token of one tensor (Q, K, V, O or a gradient).
-  double token_bytes() const { return static_cast<double>(heads * head_dim * element_bytes); }
+  std::int64_t kv_heads() const { return heads_kv > 0 ? heads_kv : heads_q; }
+  /// Bytes of one token of a query-sized tensor (Q, O or their gradients).
+  double q_token_bytes() const { return static_cast<double>(heads_q * head_dim * element_bytes); }
+  /// Bytes of one token of K or of V (or of their gradients).
+  double kv_token_bytes() const { return static_cast<double>(kv_heads() * head_dim * element_bytes); }
 };
 
 /// One scheme's modelled time of one layer (seconds): the slowest rank's
@@ -89,6 +100,7 @@ struct StepTime {
   double backward_compute = 0, backward_comm = 0, backward = 0;
   double step = 0;                   ///< max over ranks of forward + backward
   double inter_node_bytes = 0;       ///< forward bytes that cross between nodes, all ranks
+  std::int64_t group = 0;            ///< model_usp's group size u (the ring 1, Ulysses W); 0 for the plan's rows
 };
 
 namespace detail::step_model {
@@ -193,8 +205,9 @@ inline double document_pairs(double len, const AttentionMask& mask) {
 }
 
 /// Forward FLOPs of `pairs` (query, key) pairs on every head; backward is 2.5x.
+/// Compute follows the query heads (a key-value head serves its group's query heads).
 inline double forward_flops(double pairs, const LayerShape& shape) {
-  return 4.0 * pairs * static_cast<double>(shape.head_dim * shape.heads);
+  return 4.0 * pairs * static_cast<double>(shape.head_dim * shape.heads_q);
 }
 
 inline StepTime finish(StepTime t) {
@@ -209,6 +222,37 @@ inline StepTime peer_row(const char* scheme, const ClusterModel& c, const LayerS
   StepTime t;
   t.scheme = scheme;
   return t;
+}
+
+/// The ranks whose ring successor (the same rank of the next group of
+/// `group`) sits on another node: the links that cross between nodes in
+/// each ring step.
+inline double ring_crossings(std::int64_t world_size, std::int64_t group, std::int64_t ranks_per_node) {
+  double n = 0;
+  for (std::int64_t r = 0; r < world_size; ++r) n += r / ranks_per_node != (r + group) % world_size / ranks_per_node ? 1 : 0;
+  return n;
+}
+
+/// The all-to-all inside groups of `group` consecutive ranks, each rank's
+/// `bytes` spread evenly over its group: per rank, the slower of the part
+/// that stays in its node and the part that leaves it, plus a latency a
+/// peer; the slowest rank's time and the bytes that cross between nodes.
+struct GroupAllToAll {
+  double seconds = 0, inter_node_bytes = 0;
+};
+inline GroupAllToAll group_all_to_all(double bytes, std::int64_t world_size, std::int64_t group, const ClusterModel& c) {
+  GroupAllToAll out;
+  for (std::int64_t r = 0; r < world_size; ++r) {
+    const std::int64_t first = r / group * group, node = r / c.ranks_per_node;
+    std::int64_t inside = 0;
+    for (std::int64_t p = first; p < first + group; ++p) inside += p != r && p / c.ranks_per_node == node ? 1 : 0;
+    const double in = static_cast<double>(inside), across = static_cast<double>(group - 1 - inside), U = static_cast<double>(group);
+    const double intra = bytes * in / U / c.intra.bandwidth + in * c.intra.latency;
+    const double inter = bytes * across / U / c.inter.bandwidth + across * c.inter.latency;
+    out.seconds = std::max(out.seconds, std::max(intra, inter));
+    out.inter_node_bytes += bytes * across / U;
+  }
+  return out;
 }
 
 /// A batch's tokens and the (query, key) pairs its mask lets through, each
@@ -268,6 +312,22 @@ inline std::vector<std::vector<AttentionSlice>> document_slices(const QkvDocumen
 /// A per-rank plan has no slices.
 inline std::vector<std::vector<AttentionSlice>> document_slices(const QkvPlan&) { return {}; }
 
+/// The most key-value tokens one rank sends or receives in a plan's
+/// forward exchange (K and V each carry them): every copy (flat, section 2)
+/// or each shard once per destination rank (dedup, section 2c).
+inline double max_kv_tokens_per_rank(const Metadata& kv_fwd, bool dedup) {
+  using namespace detail::step_model;
+  const auto W = static_cast<std::size_t>(kv_fwd.world_size);
+  const PairTokens t = dedup ? dedup_tokens(kv_fwd) : flat_tokens(kv_fwd);
+  double most = 0;
+  for (std::size_t r = 0; r < W; ++r) {
+    double sent = 0, received = 0;
+    for (std::size_t p = 0; p < W; ++p) sent += t[r * W + p], received += t[p * W + r];
+    most = std::max(most, std::max(sent, received));
+  }
+  return most;
+}
+
 /// The plan's three KV exchanges: "flat" (section 2), "dedup" (section 2c),
 /// "node-level". Queries and outputs travel flat in all three; backward
 /// moves the same bytes in reverse (output gradients out, query and KV
@@ -280,21 +340,20 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   topo.check_world_size(m.kv_fwd.world_size, "model_plan");
   if (cost.world_size != m.kv_fwd.world_size) detail::fail("model_plan: the cost has world_size = ", cost.world_size, ", the metadata ", m.kv_fwd.world_size);
   const auto W = static_cast<std::size_t>(m.kv_fwd.world_size);
-  const double b = shape.token_bytes();
+  const double bq = shape.q_token_bytes(), bkv = 2 * shape.kv_token_bytes();  // K and V: two tensors a token
   const PairTokens q = flat_tokens(m.q_fwd);
   PairTokens between, inside;
   node_tokens(m.kv_fwd, topo, between, inside);
   const PairTokens kv_forms[2] = {flat_tokens(m.kv_fwd), dedup_tokens(m.kv_fwd)};
   // Every exchange is a collective: it ends when its busiest rank is done,
   // and the next starts after it, so each costs its slowest rank's time.
-  // K and V are two tensors a token. An exchange in reverse takes as long
-  // (sent and received swap), so queries out and outputs back cost the same,
-  // and backward's gradients as much as forward's copies. The node-level
+  // An exchange in reverse takes as long (sent and received swap), so
+  // queries out and outputs back cost the same, and backward's gradients as much as forward's copies. The node-level
   // exchange's two phases are two such exchanges (a relay forwards only what
   // it has received): forward between nodes, then inside; backward the reverse.
-  const double qo = 2 * slowest(q, W, b, topo, c);
-  const double between_time = slowest(between, W, 2 * b, topo, c), inside_time = slowest(inside, W, 2 * b, topo, c);
-  const double kv_times[3] = {slowest(kv_forms[0], W, 2 * b, topo, c), slowest(kv_forms[1], W, 2 * b, topo, c), between_time + inside_time};
+  const double qo = 2 * slowest(q, W, bq, topo, c);
+  const double between_time = slowest(between, W, bkv, topo, c), inside_time = slowest(inside, W, bkv, topo, c);
+  const double kv_times[3] = {slowest(kv_forms[0], W, bkv, topo, c), slowest(kv_forms[1], W, bkv, topo, c), between_time + inside_time};
   const char* names[3] = {"flat", "dedup", "node-level"};
   std::vector<StepTime> out;
   for (int form = 0; form < 3; ++form) {
@@ -310,104 +369,115 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
         t.backward_compute = 2.5 * fc, t.backward_comm = bm, t.backward = bw;
       }
     }
-    t.inter_node_bytes = inter_bytes(q, W, topo, 2 * b) +
-                         (form < 2 ? inter_bytes(kv_forms[form], W, topo, 2 * b) : inter_bytes(between, W, topo, 2 * b));
+    t.inter_node_bytes = inter_bytes(q, W, topo, 2 * bq) +
+                         (form < 2 ? inter_bytes(kv_forms[form], W, topo, bkv) : inter_bytes(between, W, topo, bkv));
     out.push_back(t);
   }
   return out;
 }
 
-/// Transformer Engine's p2p ring with zig-zag: each document padded to a
-/// multiple of 2W, split into 2W chunks (rank i holds chunks i and 2W-1-i),
-/// W-1 ring steps each passing every rank's KV (forward) or KV and its
-/// gradient (backward) to the next rank, each overlapped with one block of
-/// attention. The ring steps in lockstep, so a step waits for its slowest link.
+/// USP (unified sequence parallelism): Ulysses inside groups of `group`
+/// consecutive ranks (an all-to-all from sequence to heads, each rank then
+/// holding its group's tokens on heads / group query heads and
+/// heads_kv / group key-value heads), and ring attention with the zig-zag
+/// layout across the W / group groups (documents padded to a multiple of
+/// 2 x groups, split into 2 x groups chunks, group g holding chunks g and
+/// 2 x groups - 1 - g): groups - 1 ring steps, each passing every rank's
+/// key-values (forward) or key-values and their gradients (backward) to
+/// the same rank of the next group, overlapped with one block of attention;
+/// the ring steps in lockstep, so a step waits for its slowest link. The
+/// all-to-alls overlap nothing. Needs group | W, group | heads and
+/// group | key-value heads (else not feasible); group = 1 is the zig-zag
+/// ring, group = W Ulysses, group = ranks_per_node Transformer Engine's a2a+p2p.
+inline StepTime model_usp(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
+                          std::int64_t group, const ClusterModel& c, const LayerShape& shape,
+                          std::span<const std::vector<AttentionSlice>> slices = {}) {
+  using namespace detail::step_model;
+  StepTime t = peer_row("usp", c, shape);
+  t.scheme += " u=" + std::to_string(group);
+  t.group = group;
+  if (group < 1 || group > world_size) detail::fail("model_usp: group = ", group, " must be between 1 and world_size = ", world_size);
+  if (world_size % group != 0 || shape.heads_q % group != 0 || shape.kv_heads() % group != 0) {
+    t.feasible = false;
+    return t;
+  }
+  const std::int64_t groups = world_size / group;
+  const double W = static_cast<double>(world_size), G = static_cast<double>(groups), U = static_cast<double>(group);
+  const auto [tokens, pairs] = batch_totals(docs, mask, groups > 1 ? 2 * groups : 1, slices);
+  // Forward: Q, K and V to heads, O back; backward: dO to heads, dQ, dK and dV back -- the same bytes.
+  const double a2a_bytes = std::ceil(tokens / W) * 2 * (shape.q_token_bytes() + shape.kv_token_bytes());
+  const GroupAllToAll a2a = group_all_to_all(a2a_bytes, world_size, group, c);
+  const double step_bytes = tokens / G / U * 2 * shape.kv_token_bytes();
+  const double crossings = ring_crossings(world_size, group, c.ranks_per_node);
+  const LinkTier link = crossings > 0 ? c.inter : c.intra;
+  const double steps = G - 1;
+  const double ring_f = steps * (step_bytes / link.bandwidth + link.latency);
+  const double ring_b = steps * (2 * step_bytes / link.bandwidth + link.latency);
+  const std::int64_t stages = std::max<std::int64_t>(1, groups - 1);
+  t.forward_compute = forward_flops(pairs / W, shape) / c.attention_flops;
+  t.backward_compute = 2.5 * t.forward_compute;
+  t.forward_comm = a2a.seconds + ring_f;
+  t.backward_comm = a2a.seconds + ring_b;
+  t.forward = a2a.seconds + overlapped(t.forward_compute, ring_f, stages);
+  t.backward = a2a.seconds + overlapped(t.backward_compute, ring_b, stages);
+  t.inter_node_bytes = a2a.inter_node_bytes + steps * crossings * step_bytes;
+  return finish(t);
+}
+
+/// The group sizes USP can run: every u with 1 < u < W dividing W, the
+/// query heads and the key-value heads (u = 1 is the ring, u = W Ulysses).
+inline std::vector<std::int64_t> usp_groups(std::int64_t world_size, const LayerShape& shape) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t u = 2; u < world_size; ++u) {
+    if (world_size % u == 0 && shape.heads_q % u == 0 && shape.kv_heads() % u == 0) out.push_back(u);
+  }
+  return out;
+}
+
+/// USP at the group size of usp_groups that the model finds fastest (the
+/// first on a tie); not feasible when there is none.
+inline StepTime model_usp_best(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
+                               const ClusterModel& c, const LayerShape& shape, std::span<const std::vector<AttentionSlice>> slices = {}) {
+  StepTime best = detail::step_model::peer_row("usp", c, shape);
+  best.feasible = false;
+  for (const std::int64_t u : usp_groups(world_size, shape)) {
+    StepTime t = model_usp(docs, mask, world_size, u, c, shape, slices);
+    if (!best.feasible || t.step < best.step) best = std::move(t);
+  }
+  return best;
+}
+
+/// Transformer Engine's p2p ring with zig-zag: USP with groups of one rank.
 inline StepTime model_zigzag_ring(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                                   const ClusterModel& c, const LayerShape& shape,
                                   std::span<const std::vector<AttentionSlice>> slices = {}) {
-  using namespace detail::step_model;
-  StepTime t = peer_row("zig-zag ring", c, shape);
-  const double W = static_cast<double>(world_size);
-  const auto [tokens, pairs] = batch_totals(docs, mask, 2 * world_size, slices);
-  const LinkTier link = world_size > c.ranks_per_node ? c.inter : c.intra;
-  const double steps = W - 1;
-  const double step_bytes = tokens / W * 2 * shape.token_bytes();
-  t.forward_compute = forward_flops(pairs / W, shape) / c.attention_flops;
-  t.backward_compute = 2.5 * t.forward_compute;
-  t.forward_comm = steps * (step_bytes / link.bandwidth + link.latency);
-  t.backward_comm = steps * (2 * step_bytes / link.bandwidth + link.latency);
-  const std::int64_t stages = std::max<std::int64_t>(1, world_size - 1);
-  t.forward = overlapped(t.forward_compute, t.forward_comm, stages);
-  t.backward = overlapped(t.backward_compute, t.backward_comm, stages);
-  const double nodes = std::ceil(W / static_cast<double>(c.ranks_per_node));
-  t.inter_node_bytes = nodes > 1 ? steps * nodes * step_bytes : 0;  // one ring link per node boundary
-  return finish(t);
+  StepTime t = model_usp(docs, mask, world_size, 1, c, shape, slices);
+  t.scheme = "zig-zag ring";
+  return t;
 }
 
-/// Ulysses: an all-to-all from sequence to heads (Q, K, V) before attention
-/// and back (O) after it, the reverse for the gradients; nothing overlaps.
-/// Needs heads % W == 0.
+/// Ulysses (DeepSpeed): USP with one group of all W ranks -- all-to-alls
+/// only, the query heads and the key-value heads split over the ranks.
 inline StepTime model_ulysses(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                               const ClusterModel& c, const LayerShape& shape, std::span<const std::vector<AttentionSlice>> slices = {}) {
-  using namespace detail::step_model;
-  StepTime t = peer_row("ulysses", c, shape);
-  if (shape.heads % world_size != 0) {
-    t.feasible = false;
-    return t;
-  }
-  const double W = static_cast<double>(world_size);
-  const auto [tokens, pairs] = batch_totals(docs, mask, 1, slices);
-  const double local = std::ceil(tokens / W) * shape.token_bytes();  // one tensor's bytes per rank
-  const double rpn = static_cast<double>(std::min(c.ranks_per_node, world_size));
-  // Four tensors each way: of a rank's share, (rpn-1)/W stays in the node, (W-rpn)/W leaves it.
-  const double intra = 4 * local * (rpn - 1) / W / c.intra.bandwidth + (rpn - 1) * c.intra.latency;
-  const double inter = 4 * local * (W - rpn) / W / c.inter.bandwidth + (W - rpn) * c.inter.latency;
-  t.forward_comm = t.backward_comm = std::max(intra, inter);
-  t.forward_compute = forward_flops(pairs / W, shape) / c.attention_flops;
-  t.backward_compute = 2.5 * t.forward_compute;
-  t.forward = t.forward_compute + t.forward_comm;
-  t.backward = t.backward_compute + t.backward_comm;
-  t.inter_node_bytes = 4 * local * (W - rpn);
-  return finish(t);
+  StepTime t = model_usp(docs, mask, world_size, world_size, c, shape, slices);
+  t.scheme = "ulysses";
+  return t;
 }
 
-/// Transformer Engine's a2a+p2p: Ulysses inside each node (heads split over
-/// its ranks_per_node ranks), a zig-zag ring between nodes (documents padded
-/// to a multiple of 2 * nodes), each ring step overlapped. Needs heads %
-/// ranks_per_node == 0 and world_size % ranks_per_node == 0.
+/// Transformer Engine's a2a+p2p: USP with a group per node (ranks_per_node
+/// ranks; not feasible unless it divides W and the heads).
 inline StepTime model_hierarchical(const std::vector<std::int64_t>& docs, const AttentionMask& mask, std::int64_t world_size,
                                    const ClusterModel& c, const LayerShape& shape,
                                    std::span<const std::vector<AttentionSlice>> slices = {}) {
-  using namespace detail::step_model;
-  StepTime t = peer_row("a2a+p2p", c, shape);
-  const std::int64_t rpn = std::min(c.ranks_per_node, world_size);
-  if (shape.heads % rpn != 0 || world_size % rpn != 0) {
-    t.feasible = false;
-    return t;
-  }
-  const std::int64_t nodes = world_size / rpn;
-  const double W = static_cast<double>(world_size), N = static_cast<double>(nodes), R = static_cast<double>(rpn);
-  const auto [tokens, pairs] = batch_totals(docs, mask, 2 * nodes, slices);
-  const double local = tokens / W * shape.token_bytes();
-  const double a2a = 4 * local * (R - 1) / R / c.intra.bandwidth + (R - 1) * c.intra.latency;
-  // After the all-to-all a rank holds its node's tokens on heads/rpn heads: tokens/N * (1/R) per tensor.
-  const double step_bytes = tokens / N / R * 2 * shape.token_bytes();
-  const double steps = N - 1;
-  const double ring_f = steps * (step_bytes / c.inter.bandwidth + c.inter.latency);
-  const double ring_b = steps * (2 * step_bytes / c.inter.bandwidth + c.inter.latency);
-  const std::int64_t stages = std::max<std::int64_t>(1, nodes - 1);
-  t.forward_compute = forward_flops(pairs / W, shape) / c.attention_flops;
-  t.backward_compute = 2.5 * t.forward_compute;
-  t.forward_comm = a2a + ring_f;
-  t.backward_comm = a2a + ring_b;
-  t.forward = a2a + overlapped(t.forward_compute, ring_f, stages);
-  t.backward = a2a + overlapped(t.backward_compute, ring_b, stages);
-  t.inter_node_bytes = steps * W * step_bytes;
-  return finish(t);
+  c.check();
+  StepTime t = model_usp(docs, mask, world_size, std::min(c.ranks_per_node, world_size), c, shape, slices);
+  t.scheme = "a2a+p2p";
+  return t;
 }
 
-/// All six rows: the plan's three exchanges, then the peers on the same
-/// batch. A plan with slices (its layout has attn.entries) needs its
+/// All seven rows: the plan's three exchanges, then the peers on the same
+/// batch (USP at its best group size). A plan with slices (its layout has attn.entries) needs its
 /// documents' slices (document_slices), so that the peers count its pairs.
 inline std::vector<StepTime> model_step(const QkvMetadata& m, const PlanCost& cost, const std::vector<std::int64_t>& docs,
                                         const Topology& topo, const ClusterModel& c, const LayerShape& shape,
@@ -420,6 +490,7 @@ inline std::vector<StepTime> model_step(const QkvMetadata& m, const PlanCost& co
   rows.push_back(model_zigzag_ring(docs, cost.mask, W, c, shape, slices));
   rows.push_back(model_ulysses(docs, cost.mask, W, c, shape, slices));
   rows.push_back(model_hierarchical(docs, cost.mask, W, c, shape, slices));
+  rows.push_back(model_usp_best(docs, cost.mask, W, c, shape, slices));
   return rows;
 }
 
