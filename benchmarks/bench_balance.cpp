@@ -38,6 +38,16 @@
 // with a Topology) and zig-zag (W <= 64), each plan's balance, and the target
 // check (aware node-level <= half of blind dedup, at equal balance).
 // plan_balanced_topology/... times planning with the topology.
+//
+// A fifth table balances batches whose documents are all shared-prefix ones
+// (docs/plan-format.md section 2e: a prompt of a third, 8 responses, each
+// seeing the prompt and itself causally): both samples, W in {8, 16, 64},
+// 16K, 32K, 64K and 128K tokens per rank, C = 16, imbalance against the
+// slices' own lower bound next to the same batch under the causal mask
+// (target: median over the grid within 1.03). plan_balanced_slices/...
+// times planning with the slices:
+//
+//   bin/bench_balance --benchmark_filter='plan_balanced_slices/'
 
 #include <benchmark/benchmark.h>
 
@@ -57,6 +67,7 @@
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/workload.hpp"
 #include "node_columns.hpp"
+#include "shared_prefix.hpp"
 
 namespace {
 
@@ -227,6 +238,49 @@ void bm_plan_balanced_mask(benchmark::State& state, Config c, cpdispatch::Attent
   }
 }
 
+/// One batch made of shared-prefix documents, balanced, and the same batch
+/// causal: each largest rank cost over its own lower bound.
+struct SliceQuality {
+  double slices = 0, causal = 0;
+};
+std::map<std::string, std::vector<SliceQuality>> slice_quality;  // slice_name -> per batch
+constexpr I kSliceTokens[] = {16384, 32768, 65536, 131072};
+constexpr I kResponses = 8;
+
+std::string slice_name(const Config& c) { return "plan_balanced_slices" + c.name().substr(std::string("plan_balanced").size()); }
+
+/// Every document of `p` made a shared-prefix one.
+cpdispatch::BalanceProblem with_shared_prefix(cpdispatch::BalanceProblem p) {
+  for (cpdispatch::BalanceDocument& doc : p.documents) {
+    I length = 0;
+    for (const auto& piece : doc.pieces) length += piece.len;
+    doc.slices = bench::shared_prefix_slices(length, kResponses);
+  }
+  return p;
+}
+
+double imbalance(const cpdispatch::BalanceProblem& p) {
+  const auto cost = cpdispatch::plan_cost(cpdispatch::plan_balanced(p), p.q_bytes, p.kv_bytes);
+  return static_cast<double>(cost.max_attention()) / cpdispatch::balance_lower_bound(p);
+}
+
+void measure_slices(const Config& c) {
+  auto& q = slice_quality[slice_name(c)];
+  if (!q.empty()) return;
+  for (const auto& batch : batches_of(c)) q.push_back({imbalance(with_shared_prefix(batch)), imbalance(batch)});
+}
+
+void bm_plan_balanced_slices(benchmark::State& state, Config c) {
+  std::vector<cpdispatch::BalanceProblem> bs;
+  for (const auto& batch : batches_of(c)) bs.push_back(with_shared_prefix(batch));
+  measure_slices(c);
+  std::size_t i = 0;
+  for (auto _ : state) {
+    cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(bs[i++ % bs.size()]);
+    benchmark::DoNotOptimize(plan);
+  }
+}
+
 /// Captures each benchmark's CPU and real time per plan for the table: the
 /// median over --benchmark_repetitions when repeated.
 class Reporter : public benchmark::ConsoleReporter {
@@ -361,6 +415,31 @@ void print_mask_table(const std::vector<Config>& configs, const Reporter& rep) {
   }
 }
 
+/// Shared-prefix batches: imbalance per row, and the median over every batch measured.
+void print_slice_table(const std::vector<Config>& configs, const Reporter& rep) {
+  std::printf("\nBalancing shared-prefix batches (prompt a third, %lld responses), %d batches per row, C = 16. Imbalance = largest rank\n"
+              "cost / lower bound (median, max), with the slices and for the same batch causal.\n\n",
+              static_cast<long long>(kResponses), kBatches);
+  std::printf("| workload | W | tokens/rank | shared-prefix (max) | causal (max) | time ms CPU |\n");
+  std::printf("|---|---|---|---|---|---|\n");
+  std::vector<double> all;
+  for (const Config& c : configs) {
+    const auto it = slice_quality.find(slice_name(c));
+    if (it == slice_quality.end()) continue;
+    std::vector<double> slices, causal;
+    for (const SliceQuality& b : it->second) {
+      slices.push_back(b.slices);
+      causal.push_back(b.causal);
+    }
+    all.insert(all.end(), slices.begin(), slices.end());
+    char time[32] = "-";
+    if (const auto t = rep.times.find(slice_name(c)); t != rep.times.end()) std::snprintf(time, sizeof time, "%.2f", t->second.cpu_ms);
+    std::printf("| %s | %lld | %s | %.4f (%.4f) | %.4f (%.4f) | %s |\n", c.sample.c_str(), static_cast<long long>(c.world), tokens_text(c.tokens).c_str(),
+                median(slices), most(slices), median(causal), most(causal), time);
+  }
+  if (!all.empty()) std::printf("\nMedian over the %zu batches measured: %.4f (target: within 1.03).\n", all.size(), median(all));
+}
+
 constexpr int kNodeBatches = 8;
 constexpr I kNodeWorlds[] = {16, 64, 256};
 std::map<std::string, node_columns::RowColumns> node_rows;  // name -> row
@@ -444,6 +523,11 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark(mask_name(c, m).c_str(), bm_plan_balanced_mask, c, m)->Unit(benchmark::kMillisecond);
     }
   }
+  std::vector<Config> slice_configs;
+  for (const char* s : {"prolong", "wlbllm"})
+    for (I w : {8, 16, 64})
+      for (I t : kSliceTokens) slice_configs.push_back({s, w, t, 16});
+  for (const Config& c : slice_configs) benchmark::RegisterBenchmark(slice_name(c).c_str(), bm_plan_balanced_slices, c)->Unit(benchmark::kMillisecond);
   for (const char* s : {"prolong", "wlbllm"})
     for (I W : kNodeWorlds)
       benchmark::RegisterBenchmark(node_name(s, W).c_str(), bm_plan_balanced_topology, std::string(s), W)->Unit(benchmark::kMillisecond);
@@ -453,6 +537,7 @@ int main(int argc, char** argv) {
   print_dedup_table(configs, rep);
   print_mask_table(configs, rep);
   print_node_table(rep);
+  print_slice_table(slice_configs, rep);
   benchmark::Shutdown();
   return 0;
 }

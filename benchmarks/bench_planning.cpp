@@ -10,16 +10,25 @@
 // plans to_documents() of BM_PlanQkv's plan (target: at most 1.2x), and
 // BM_PlanQkvCrossRank a packed plan (16 shards per rank) whose long
 // documents continue over consecutive ranks.
+//
+// Masks made of slices (docs/plan-format.md, section 2e): BM_PlanQkvForRankSlices
+// plans one rank's share of the per-rank batch in documents form, every
+// document causal or made a shared-prefix one (a prompt of a third, 8
+// responses), side by side (target: shared-prefix at most 2x causal);
+// BM_VerifyCoverageForRank checks one rank's share of the same plans with
+// verify_coverage_for_rank (target: under 1 s at W = 16384).
 
 #include <cstdint>
 #include <ctime>
 
 #include <benchmark/benchmark.h>
 
+#include "cpdispatch/plan/coverage.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
+#include "shared_prefix.hpp"
 
 namespace {
 
@@ -257,6 +266,61 @@ void BM_PlanQkvReuse(benchmark::State& state) {
   }
   count_entries(state, static_cast<double>(dispatch_entries(plan)));
 }
+
+/// The per-rank batch in documents form under the causal mask, every
+/// document made a shared-prefix one (8 responses) when `shared_prefix`.
+cpdispatch::QkvDocumentsPlan slice_batch(std::int64_t world, bool shared_prefix) {
+  cpdispatch::QkvDocumentsPlan plan =
+      cpdispatch::to_documents(cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed));
+  for (cpdispatch::PackedDocument& doc : plan.documents) {
+    std::int64_t length = 0;
+    for (const cpdispatch::DocumentShard& s : doc.shards) length += s.len;
+    if (shared_prefix) doc.slices = bench::shared_prefix_slices(length, 8);
+  }
+  return plan;
+}
+
+/// Attention entries of a rank's share (the implicit entry counts one).
+double attention_entries(const cpdispatch::RankAttentionLayout& a) {
+  if (a.entries.empty()) return static_cast<double>(a.seqlens_q.size());
+  double n = 0;
+  for (const auto& list : a.entries) n += static_cast<double>(list.size());
+  return n;
+}
+
+/// Per-rank planning (kept output and workspace) of slice_batch: arg
+/// `prefix` 0 causal, 1 shared-prefix.
+void BM_PlanQkvForRankSlices(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvDocumentsPlan plan = slice_batch(world, state.range(1) != 0);
+  state.SetLabel(state.range(1) != 0 ? "shared-prefix" : "causal");
+  cpdispatch::RankQkvMetadata mine;
+  cpdispatch::RankPlanWorkspace workspace;
+  for (auto _ : state) {
+    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
+    benchmark::DoNotOptimize(mine);
+    benchmark::ClobberMemory();
+  }
+  state.counters["attn_entries_at_rank"] = benchmark::Counter(attention_entries(mine.attn));
+  state.counters["kv_tokens_at_rank"] = benchmark::Counter(static_cast<double>(mine.kv_fwd.num_total_recv_tokens));
+}
+
+/// verify_coverage_for_rank on rank W / 2's share of slice_batch (planned
+/// once): arg `prefix` as above.
+void BM_VerifyCoverageForRank(benchmark::State& state) {
+  const std::int64_t world = state.range(0), rank = world / 2;
+  const cpdispatch::QkvDocumentsPlan plan = slice_batch(world, state.range(1) != 0);
+  state.SetLabel(state.range(1) != 0 ? "shared-prefix" : "causal");
+  const cpdispatch::RankQkvMetadata mine = cpdispatch::plan_qkv_for_rank(plan, rank);
+  for (auto _ : state) {
+    cpdispatch::verify_coverage_for_rank(plan, rank, mine);
+    benchmark::ClobberMemory();
+  }
+  state.counters["attn_entries_at_rank"] = benchmark::Counter(attention_entries(mine.attn));
+}
+
+BENCHMARK(BM_PlanQkvForRankSlices)->ArgNames({"W", "prefix"})->ArgsProduct({{1024, 16384}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_VerifyCoverageForRank)->ArgNames({"W", "prefix"})->ArgsProduct({{1024, 16384}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 BENCHMARK(BM_PlanQkvReuse)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);
 

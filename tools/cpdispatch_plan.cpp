@@ -256,6 +256,17 @@ std::string slices_part(const cpdispatch::QkvDocumentsPlan& plan, const cpdispat
          " attention entries)";
 }
 
+/// ", 1 head-parallel (head_parallel_degree 2, up to 5 tokens a rank)" for a
+/// plan with head-parallel documents (section 2f); empty otherwise.
+std::string head_parallel_part(const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::QkvMetadata* qkv) {
+  const auto documents = std::count_if(plan.documents.begin(), plan.documents.end(), [](const auto& doc) { return doc.head_parallel; });
+  if (documents == 0 || !qkv) return {};
+  std::int64_t most = 0;
+  for (const auto& row : qkv->hp_attn.cu_seqlens) most = std::max(most, row.back());
+  return ", " + std::to_string(documents) + " head-parallel (head_parallel_degree " + std::to_string(qkv->hp_attn.degree) + ", up to " +
+         std::to_string(most) + " tokens a rank)";
+}
+
 /// "documents: 3, 1 spanning ranks" for a plan in documents form.
 std::string documents_line(const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::QkvMetadata* qkv) {
   std::size_t spanning = 0;
@@ -267,7 +278,7 @@ std::string documents_line(const cpdispatch::QkvDocumentsPlan& plan, const cpdis
     }
   }
   return "documents: " + std::to_string(plan.documents.size()) + ", " + std::to_string(spanning) + " spanning ranks" + slices_part(plan, qkv) +
-         "\n";
+         head_parallel_part(plan, qkv) + "\n";
 }
 
 std::string summary_head(const cpdispatch::Metadata& q, const cpdispatch::QkvMetadata* qkv) {
@@ -475,6 +486,9 @@ void write_svg(const PlanOptions& options, const cpdispatch::Plan& plan, std::in
                const cpdispatch::PlanLimits& limits) {
   if (options.svg.empty()) return;
   if (const auto* documents = std::get_if<cpdispatch::QkvDocumentsPlan>(&plan)) {
+    if (cpdispatch::detail::has_head_parallel(*documents)) {
+      cpdispatch::detail::fail("--svg does not draw head-parallel documents (docs/plan-format.md, section 2f) yet");
+    }
     return cpdispatch_cli::write_file(options.svg, cpdispatch_cli::plan_picture(*documents, q_bytes, kv_bytes, limits));
   }
   const auto* qkv = std::get_if<cpdispatch::QkvPlan>(&plan);
@@ -557,7 +571,7 @@ int run_balance(Args args) {
 // ---------------------------------------------------------------- simulate mode
 
 constexpr std::string_view simulate_usage = R"(Usage: cpdispatch-plan simulate [FILE|-] [--cluster h100|h200] [--ranks-per-node N]
-                                [--heads H] [--head-dim D] [--stages S]
+                                [--heads H] [--heads-kv H] [--head-dim D] [--stages S]
 
 Reads a qkv plan (JSON) and prints the modelled time of one attention layer's
 forward and backward on a cluster (docs/node-exchange.md, "Step-time model"):
@@ -571,6 +585,7 @@ a2a+p2p on the same documents. Times in milliseconds, bytes in MB (10^6);
   --ranks-per-node  N ranks a node (default: the plan's "ranks_per_node" /
                     "nodes", else 8)
   --heads, --head-dim, --stages  the layer (default 32, 128, 4); bf16 elements
+  --heads-kv        key-value heads (grouped-query attention; default: --heads)
 )";
 
 struct SimulateOptions {
@@ -601,7 +616,7 @@ SimulateOptions parse_simulate_options(Args args) {
     const std::string_view arg = args[i];
     if (arg == "--help" || arg == "-h") {
       o.help = true;
-    } else if (arg == "--cluster" || arg == "--ranks-per-node" || arg == "--heads" || arg == "--head-dim" || arg == "--stages") {
+    } else if (arg == "--cluster" || arg == "--ranks-per-node" || arg == "--heads" || arg == "--heads-kv" || arg == "--head-dim" || arg == "--stages") {
       if (i + 1 >= args.size()) fail(arg, " needs a value");
       const std::string_view v = args[++i];
       if (arg == "--cluster") {
@@ -609,7 +624,8 @@ SimulateOptions parse_simulate_options(Args args) {
         else if (v == "h200") o.cluster = cpdispatch::ClusterModel::h200_ib();
         else fail("--cluster is h100 or h200, got '", v, "'");
       } else if (arg == "--ranks-per-node") o.ranks_per_node = parse_count(arg, v);
-      else if (arg == "--heads") o.shape.heads = parse_count(arg, v);
+      else if (arg == "--heads") o.shape.heads_q = parse_count(arg, v);
+      else if (arg == "--heads-kv") o.shape.heads_kv = parse_count(arg, v);
       else if (arg == "--head-dim") o.shape.head_dim = parse_count(arg, v);
       else o.shape.stages = parse_count(arg, v);
     } else if (arg.size() > 1 && arg.front() == '-') {
@@ -678,7 +694,7 @@ int run_simulate(Args args) {
     else return cpdispatch::document_slices(p);
   }, plan);
   std::ostringstream head;
-  head << "world_size " << W << ", nodes " << topology->num_nodes() << ", heads " << o.shape.heads << ", head_dim "
+  head << "world_size " << W << ", nodes " << topology->num_nodes() << ", heads " << o.shape.heads_q << ", key-value heads " << o.shape.kv_heads() << ", head_dim "
        << o.shape.head_dim << ", stages " << o.shape.stages << " (times in ms)\n";
   write_output(head.str() + step_table(cpdispatch::model_step(qkv, cost, docs, *topology, o.cluster, o.shape, slices)));
   return 0;

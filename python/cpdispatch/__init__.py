@@ -92,7 +92,9 @@ def plan(plan, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
     """Plans a whole plan: cpdispatch-plan's output as a dict (see the module doc).
 
     ``dedup=True`` (or ``"dedup": true`` in the plan) adds ``kv_wire_fwd`` and
-    ``kv_wire_rev``, the deduplicated KV exchange."""
+    ``kv_wire_rev``, the deduplicated KV exchange. A plan with head-parallel
+    documents (``"head_parallel": true``, docs/plan-format.md section 2f) adds
+    ``hp_fwd``, ``hp_rev`` and ``hp_attn``."""
     return _cpdispatch.plan(_core(plan), dedup, max_memory)
 
 
@@ -102,7 +104,8 @@ def plan_for_rank(plan, rank, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
     without padding), ``attn`` (this rank's seqlens, cu_seqlens, max_seqlen;
     for a plan whose documents carry slices also ``entries``: per query
     shard a list of [q0, q1, k0, k1, lo, hi], None an open end),
-    ``varlen`` (int32 cu_seqlens), and with dedup its ``kv_wire_fwd`` / ``kv_wire_rev`` slices."""
+    ``varlen`` (int32 cu_seqlens), with dedup its ``kv_wire_fwd`` / ``kv_wire_rev`` slices,
+    and with head-parallel documents (section 2f) its ``hp_fwd`` / ``hp_rev`` slices and ``hp_attn`` row."""
     return _cpdispatch.plan_for_rank(_core(plan), rank, dedup, max_memory)
 
 

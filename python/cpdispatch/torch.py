@@ -227,10 +227,13 @@ class RankDispatch:
         self.rank, self.group = rank, group
         if not isinstance(plan, cpdispatch.Plan):
             plan = cpdispatch.Plan(plan, max_memory=max_memory)  # read once for the calls below
+        self.meta = cpdispatch.plan_for_rank(plan, rank, dedup, max_memory=max_memory)
+        if "hp_attn" in self.meta:  # the same on every rank: none goes on to the collectives alone
+            raise ValueError("the plan has head-parallel documents (docs/plan-format.md section 2f): "
+                             "cpdispatch.torch does not support them yet; plan them as dispatched documents")
         ix = cpdispatch.token_indices(plan, rank, dedup, max_memory=max_memory)
         if "kv" not in ix:
             raise ValueError("RankDispatch takes a qkv plan (queries and key-values); this is a query plan")
-        self.meta = cpdispatch.plan_for_rank(plan, rank, dedup, max_memory=max_memory)
         self.mask = cpdispatch.mask_of(plan)
         self.position_ids = _tensor(cpdispatch.position_ids(plan, rank))
         self.q_route = _Route(ix["q"])

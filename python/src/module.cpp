@@ -539,6 +539,17 @@ auto with_plan(py::handle input, bool dedup, const cpdispatch::PlanLimits& limit
 }
 
 /// The whole plan's metadata: cpdispatch-plan's output.
+py::object to_python(const nlohmann::json& j);
+
+/// Section 2f's parts of a plan with head-parallel documents, as the JSON
+/// writer writes them: the metadata as arrays, the small layout through JSON.
+template <class Planned, class Slice>
+void add_head_parallel(Planned& m, py::dict& out, Slice&& slice) {
+  out["hp_fwd"] = slice(std::move(m.hp_fwd));
+  out["hp_rev"] = slice(std::move(m.hp_rev));
+  out["hp_attn"] = to_python(nlohmann::json(m.hp_attn));
+}
+
 py::dict plan_dict(cpdispatch::PlanMetadata&& planned, bool dedup) {
   py::dict out;
   if (auto* q = std::get_if<cpdispatch::QueryMetadata>(&planned)) {
@@ -557,6 +568,7 @@ py::dict plan_dict(cpdispatch::PlanMetadata&& planned, bool dedup) {
   out["kv_fwd"] = metadata_dict(std::move(qkv.kv_fwd));
   out["kv_rev"] = metadata_dict(std::move(qkv.kv_rev));
   out["attn"] = attention_dict(qkv.attn);
+  if (!qkv.hp_attn.empty()) add_head_parallel(qkv, out, [](Metadata&& m) { return metadata_dict(std::move(m)); });
   return out;
 }
 
@@ -569,10 +581,11 @@ py::dict plan(py::handle input, bool dedup, py::handle max_memory) {
   });
 }
 
-/// Whether some document of the plan carries slices (section 2e).
+/// Whether some dispatched document of the plan carries slices (section 2e;
+/// a head-parallel one's entries are in hp_attn, section 2f).
 bool has_slices(const ParsedPlan& parsed) {
   const auto* d = std::get_if<cpdispatch::QkvDocumentsPlan>(&parsed.plan);
-  return d && std::any_of(d->documents.begin(), d->documents.end(), [](const auto& doc) { return !doc.slices.empty(); });
+  return d && std::any_of(d->documents.begin(), d->documents.end(), [](const auto& doc) { return !doc.slices.empty() && !doc.head_parallel; });
 }
 
 /// Rank `rank`'s share (and, with dedup, its wire slices and fan list), planned per rank.
@@ -620,6 +633,7 @@ py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup, py::hand
     out["kv_wire_fwd"] = slice_dict(std::move(share.wire->fwd));
     out["kv_wire_rev"] = slice_dict(std::move(share.wire->rev));
   }
+  if (m.has_head_parallel()) add_head_parallel(m, out, [](RankMetadata&& s) { return slice_dict(std::move(s)); });
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "common/reference_attention.hpp"
 #include "cpdispatch/attention/context_parallel.hpp"
 #include "cpdispatch/attention/detail/lse_merge.hpp"
+#include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
 
@@ -218,6 +220,38 @@ class CpWorld {
   std::vector<std::int64_t> lengths_;
   std::vector<Doc> docs_;
 };
+
+/// A random plan of W ranks for the op's cases: W + 2 documents, each in up
+/// to 4 shards of up to 5 tokens, under `mask`, planned with dedup or not.
+inline cpdispatch::QkvDocumentsPlan random_plan(int W, std::uint64_t seed, const cpdispatch::AttentionMask& mask, bool dedup) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = W;
+  o.num_documents = W + 2;
+  o.max_shards = 4;
+  o.max_len = 5;
+  cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
+  plan.mask = mask;
+  plan.dedup = dedup;
+  return plan;
+}
+
+/// One case of a pairwise table over world size, heads, mask, dedup and stages.
+struct OpCase {
+  const char* name;
+  int world_size;
+  std::int64_t heads_q, heads_kv;
+  cpdispatch::AttentionMask mask;
+  bool dedup;
+  int stages;
+  std::uint64_t seed;
+};
+
+inline void PrintTo(const OpCase& c, std::ostream* os) { *os << c.name; }
+
+inline cpdispatch::AttentionShape shape_of(const OpCase& c) { return {c.heads_q, c.heads_kv, 4, 0.45f}; }
+
+/// The case's random plan (random_plan).
+inline cpdispatch::QkvDocumentsPlan plan_of(const OpCase& c) { return random_plan(c.world_size, c.seed, c.mask, c.dedup); }
 
 /// f() must throw invalid_input whose message holds `words`.
 template <class F>

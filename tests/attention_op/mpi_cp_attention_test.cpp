@@ -1,6 +1,7 @@
 // ContextParallelAttention over MPI (one process per rank): each rank's
 // output and gradients equal whole-document attention, with one stage and
-// with stages over the posted all-to-all (grouped MPI_Isend / MPI_Irecv);
+// with stages over the posted all-to-all (grouped MPI_Isend / MPI_Irecv),
+// on plain plans and on plans with slices (section 2e), dedup off and on;
 // a rank that fails mid-step is named on every rank.
 
 #include <mpi.h>
@@ -13,6 +14,7 @@
 #include "attention_op/cp_world.hpp"
 #include "attention_op/exact_kernel.hpp"
 #include "attention_op/run_op.hpp"
+#include "attention_op/slice_plans.hpp"
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/adapters/fault_injecting.hpp"
@@ -39,31 +41,59 @@ cpdispatch::QkvDocumentsPlan plan_of(int W, std::uint64_t seed) {
   return cpdispatch::random_documents_plan(o, seed);
 }
 
+/// This rank's output, lse and gradients equal the reference over whole documents (plain ones under plan.mask).
 template <class Kernel, class... KernelArgs>
-void expect_rank_equals_reference(int stages, std::uint64_t seed, cpdispatch::MpiTransportOptions options, const KernelArgs&... args) {
+void expect_rank_equals_reference(const cpdispatch::QkvDocumentsPlan& plan, cpdispatch::CpAttentionOptions op_options, std::uint64_t seed,
+                                  cpdispatch::MpiTransportOptions options, const KernelArgs&... args) {
   const cpdispatch::AttentionShape shape{4, 2, 4, 0.45f};
-  const CpWorld world(plan_of(world_size(), seed), shape, cpdispatch::AttentionMask::causal(), seed, attention_test::round_to<float>);
+  const CpWorld world(plan, shape, plan.mask, seed, attention_test::round_to<float>);
   cpdispatch::MpiTransport t(MPI_COMM_WORLD, options);
   const auto r = static_cast<std::size_t>(t.rank());
   const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
-  cpdispatch::ContextParallelAttention<cpdispatch::MpiTransport, float, Kernel> op(t, share, shape, {false, stages}, Kernel(args...));
+  cpdispatch::ContextParallelAttention<cpdispatch::MpiTransport, float, Kernel> op(t, share, shape, op_options, Kernel(args...));
   std::vector<attention_test::RankResult> mine{attention_test::step<float>(op, world.tensors(r))};
   mine[0].q_rev = share.q_rev;
   world.expect_equal(mine, 1e-5, r);
 }
 
 TEST(MpiCpAttention, OneStageEqualsWholeDocumentAttention) {
-  expect_rank_equals_reference<attention_test::ExactKernel>(1, 51, {});
+  expect_rank_equals_reference<attention_test::ExactKernel>(plan_of(world_size(), 51), {false, 1}, 51, {});
 }
 
 TEST(MpiCpAttention, StagesOverPostedExchangesEqualWholeDocumentAttention) {
-  expect_rank_equals_reference<attention_test::ExactKernel>(3, 52, {});
+  expect_rank_equals_reference<attention_test::ExactKernel>(plan_of(world_size(), 52), {false, 3}, 52, {});
 }
 
 TEST(MpiCpAttention, StagesWithATimeoutAndTheHostKernel) {
   cpdispatch::MpiTransportOptions o;
   o.timeout = std::chrono::milliseconds(60000);
-  expect_rank_equals_reference<cpdispatch::HostAttentionKernel>(4, 53, o, cpdispatch::HostAttentionOptions{1, 4, 4});
+  expect_rank_equals_reference<cpdispatch::HostAttentionKernel>(plan_of(world_size(), 53), {false, 4}, 53, o, cpdispatch::HostAttentionOptions{1, 4, 4});
+}
+
+// Plans with slices (slice_plans.hpp: shared prefix, block causal,
+// prefix-LM, a random mix of the four slice types, inverse and bi-causal
+// bands, plain documents beside them), GQA, dedup off and on, one stage and
+// several: every rank's share of them equals whole-document attention.
+TEST(MpiCpAttention, SlicePlansEqualWholeDocumentAttention) {
+  for (const bool dedup : {false, true}) {
+    for (const int stages : {1, 3}) {
+      SCOPED_TRACE(std::to_string(stages) + " stage(s)" + (dedup ? ", dedup" : ""));
+      const std::uint64_t seed = 61 + (dedup ? 1 : 0);
+      expect_rank_equals_reference<attention_test::ExactKernel>(attention_test::random_slice_plan(world_size(), seed, dedup), {dedup, stages},
+                                                                seed, {});
+    }
+  }
+}
+
+// The same through the host kernel (entries sharing rows folded), plain
+// documents under a window, 2 and 4 stages.
+TEST(MpiCpAttention, SlicePlansWithTheHostKernel) {
+  for (const bool dedup : {false, true}) {
+    const int stages = dedup ? 4 : 2;
+    SCOPED_TRACE(std::to_string(stages) + " stages" + (dedup ? ", dedup" : ""));
+    const cpdispatch::QkvDocumentsPlan plan = attention_test::random_slice_plan(world_size(), 63, dedup, cpdispatch::AttentionMask::sliding_window(3));
+    expect_rank_equals_reference<cpdispatch::HostAttentionKernel>(plan, {dedup, stages}, 63, {}, cpdispatch::HostAttentionOptions{1, 4, 4});
+  }
 }
 
 // The last rank fails its second posted exchange (a forward stage) before

@@ -4,12 +4,11 @@
 
 #include <gtest/gtest.h>
 
-#include <ostream>
 #include <string>
 #include <vector>
 
 #include "attention_op/run_op.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "attention_op/slice_plans.hpp"
 
 namespace {
 
@@ -20,31 +19,9 @@ using cpdispatch::AttentionMask;
 using cpdispatch::AttentionShape;
 using cpdispatch::CpAttentionOptions;
 
-struct Case {
-  const char* name;
-  int world_size;
-  std::int64_t heads_q, heads_kv;
-  AttentionMask mask;
-  bool dedup;
-  int stages;
-  std::uint64_t seed;
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
-AttentionShape shape_of(const Case& c) { return {c.heads_q, c.heads_kv, 4, 0.45f}; }
-
-cpdispatch::QkvDocumentsPlan plan_of(const Case& c) {
-  cpdispatch::RandomDocumentsOptions o;
-  o.world_size = c.world_size;
-  o.num_documents = c.world_size + 2;
-  o.max_shards = 4;
-  o.max_len = 5;
-  cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, c.seed);
-  plan.mask = c.mask;
-  plan.dedup = c.dedup;
-  return plan;
-}
+using Case = attention_test::OpCase;
+using attention_test::plan_of;
+using attention_test::shape_of;
 
 class CpAttentionTest : public testing::TestWithParam<Case> {};
 
@@ -102,17 +79,12 @@ static_assert(!cpdispatch::posted_all_to_all_v<BlockingOnlyTransport>);
 TEST(CpAttentionTransports, StagesOverABlockingOnlyTransportEqualTheReference) {
   const Case c{"W4", 4, 2, 1, AttentionMask::causal(), false, 3, 31};
   const CpWorld world(plan_of(c), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
-  std::vector<attention_test::RankResult> results(4);
   cpdispatch::SimWorld sim(4, cpdispatch::SimOptions{sim_test::hang_timeout});
-  sim.run([&](cpdispatch::SimTransport& t) {
+  world.expect_equal(attention_test::on_every_rank(sim, world, [&](cpdispatch::SimTransport& t, const cpdispatch::RankQkvMetadata& share) {
     BlockingOnlyTransport blocking(t);
-    const auto share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
     cpdispatch::ContextParallelAttention<BlockingOnlyTransport, float, ExactKernel> op(blocking, share, shape_of(c), {false, 3});
-    const auto r = static_cast<std::size_t>(t.rank());
-    results[r] = attention_test::step<float>(op, world.tensors(r));
-    results[r].q_rev = share.q_rev;
-  });
-  world.expect_equal(results, 1e-5);
+    return attention_test::step<float>(op, world.tensors(static_cast<std::size_t>(t.rank())));
+  }), 1e-5);
 }
 
 /// Rank 2 holds tokens but attends to nothing; rank 3 holds nothing and attends to nothing.
@@ -134,28 +106,19 @@ TEST(CpAttentionIdleRanks, EmptyRankAndRankThatAttendsNothing) {
 using cpdispatch::AttentionSlice;
 using cpdispatch::SliceType;
 
-/// Section 2e's worked example (W = 2): a shared-prefix document (a prompt of
-/// 3 tokens, responses of 2 and 3, each seeing the prompt and itself) in
-/// shards of 3, 2, 3, and a plain causal document of two 2-token shards;
-/// then a second pair over three ranks: a prompt of 4 shared by responses of
-/// 3 and 5 in shards that cut through them, and a document of inverse and
-/// bi-causal slices; then slices that leave query and key rows uncovered.
+/// Section 2e's worked example (W = 2); then a second pair over three
+/// ranks: a prompt of 4 shared by responses of 3 and 5 in shards that cut
+/// through them, and the banded document (inverse and bi-causal slices);
+/// then slices that leave query and key rows uncovered.
 std::vector<cpdispatch::QkvDocumentsPlan> slice_plans(bool dedup) {
-  cpdispatch::QkvDocumentsPlan a;
-  a.world_size = 2;
-  a.dedup = dedup;
-  a.documents = {{{{0, 3, 1}, {0, 2, 0}, {1, 3, 1}},
-                  {{0, 3, 0, 3, SliceType::causal}, {3, 5, 0, 3, SliceType::full}, {3, 5, 3, 5, SliceType::causal},
-                   {5, 8, 0, 3, SliceType::full}, {5, 8, 5, 8, SliceType::causal}}},
-                 {{{1, 2, 1}, {1, 2, 0}}}};
+  const cpdispatch::QkvDocumentsPlan a = attention_test::shared_prefix_example(dedup);
   cpdispatch::QkvDocumentsPlan b;
   b.world_size = 3;
   b.dedup = dedup;
   b.documents = {{{{0, 3, 2}, {1, 3, 0}, {2, 2, 1}, {2, 4, 2}},
                   {{0, 4, 0, 4, SliceType::causal}, {4, 7, 0, 4, SliceType::full}, {4, 7, 4, 7, SliceType::causal},
                    {7, 12, 0, 4, SliceType::full}, {7, 12, 7, 12, SliceType::causal}}},
-                 {{{1, 4, 1}, {0, 5, 2}},
-                  {{0, 4, 0, 9, SliceType::inv_causal}, {4, 9, 0, 6, SliceType::bi_causal}, {4, 9, 6, 9, SliceType::full}}},
+                 attention_test::banded_document({1, 1}, {0, 2}),
                  {{{2, 3, 0}, {0, 3, 1}}}};
   // Rows no slice covers: query 4 sees nothing, keys 2 and 3 are not in query
   // shard 0's entries and keys 0 and 1 not in shard 1's (both groups hold them).
@@ -179,6 +142,40 @@ TEST(CpAttentionSlices, SharedPrefixAndBandsEqualTheReference) {
     }
   }
 }
+
+class CpAttentionRandomSlices : public testing::TestWithParam<Case> {};
+
+/// Random slice plans (slice_plans.hpp: a document of every kind, the
+/// banded one, plain ones under the case's mask), four seeds a case, equal the reference.
+TEST_P(CpAttentionRandomSlices, EqualsWholeDocumentAttention) {
+  const Case& c = GetParam();
+  for (std::uint64_t seed = c.seed; seed < c.seed + 400; seed += 100) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const CpWorld world(attention_test::random_slice_plan(c.world_size, seed, c.dedup, c.mask), shape_of(c), c.mask, seed,
+                        attention_test::round_to<float>);
+    world.expect_equal(run_op<float>(world, shape_of(c), CpAttentionOptions{c.dedup, c.stages}), 1e-5);
+  }
+}
+
+// GQA in every case; pairwise over (world size, heads, mask, dedup, stages):
+// W = 1..8, every stage count 1..4 with and without dedup.
+const Case slice_cases[] = {
+    {"W1_gqa_causal_s1", 1, 4, 2, AttentionMask::causal(), false, 1, 71},
+    {"W2_gqa4_full_s2_dedup", 2, 4, 1, AttentionMask::full(), true, 2, 72},
+    {"W3_gqa_window3_s3", 3, 2, 1, window3, false, 3, 73},
+    {"W4_gqa_causal_s4_dedup", 4, 4, 2, AttentionMask::causal(), true, 4, 74},
+    {"W5_gqa4_window6_s1_dedup", 5, 4, 1, window6, true, 1, 75},
+    {"W6_gqa_full_s3", 6, 4, 2, AttentionMask::full(), false, 3, 76},
+    {"W7_gqa_causal_s2", 7, 2, 1, AttentionMask::causal(), false, 2, 77},
+    {"W8_gqa4_window3_s4", 8, 4, 1, window3, false, 4, 78},
+    {"W8_gqa_full_s1_dedup", 8, 2, 1, AttentionMask::full(), true, 1, 79},
+    {"W6_gqa4_causal_s2_dedup", 6, 4, 1, AttentionMask::causal(), true, 2, 80},
+    {"W3_gqa_window6_s4_dedup", 3, 4, 2, window6, true, 4, 81},
+    {"W5_gqa_causal_s3_dedup", 5, 2, 1, AttentionMask::causal(), true, 3, 82},
+};
+
+INSTANTIATE_TEST_SUITE_P(Pairwise, CpAttentionRandomSlices, testing::ValuesIn(slice_cases),
+                         [](const testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 /// Rows and keys no entry covers (the third slice plan) are cleared on an op
 /// that attended another plan first, whose outputs and gradients fill its buffers.

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention_op/run_op.hpp"
+#include "attention_op/slice_plans.hpp"
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/plan/generate.hpp"
 
@@ -79,15 +80,8 @@ TEST(CpAttentionHostKernel, Float16WithinTwiceTheUnshardedError) {
 /// causal one, W = 2): the kernel gets the plan's own entries, several per
 /// query shard sharing its rows, and equals the reference.
 TEST(CpAttentionHostKernel, SharedPrefixSlicesEqualWholeDocumentAttention) {
-  using cpdispatch::SliceType;
-  cpdispatch::QkvDocumentsPlan plan;
-  plan.world_size = 2;
-  plan.documents = {{{{0, 3, 1}, {0, 2, 0}, {1, 3, 1}},
-                     {{0, 3, 0, 3, SliceType::causal}, {3, 5, 0, 3, SliceType::full}, {3, 5, 3, 5, SliceType::causal},
-                      {5, 8, 0, 3, SliceType::full}, {5, 8, 5, 8, SliceType::causal}}},
-                    {{{1, 2, 1}, {1, 2, 0}}}};
   const AttentionShape shape{4, 2, 8, 0.35f};
-  const CpWorld world(plan, shape, AttentionMask::causal(), 59, attention_test::round_to<float>);
+  const CpWorld world(attention_test::shared_prefix_example(), shape, AttentionMask::causal(), 59, attention_test::round_to<float>);
   for (const int stages : {1, 2}) {
     world.expect_equal(run_op<float, HostAttentionKernel>(world, shape, {false, stages}, cpdispatch::HostAttentionOptions{1, 2, 2}), 1e-5);
   }

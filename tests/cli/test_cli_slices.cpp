@@ -1,7 +1,8 @@
 // Slices (docs/plan-format.md, section 2e) through JSON and the
 // cpdispatch-plan executable: the worked example's every number, its summary,
 // one rank's share, the picture and dedup; slices written back with a plan;
-// attn.entries read back; and the JSON errors, each naming its path.
+// attn.entries read back; and the JSON errors, each naming its path. The
+// same for head-parallel documents (section 2f, example 4.7).
 
 #include <gtest/gtest.h>
 
@@ -179,3 +180,98 @@ TEST_F(CliSlicesTest, PlanningErrorsNameDocumentAndSlice) {
 }
 
 }  // namespace
+
+// ---- section 2f: head-parallel documents (data/spec_head_parallel.json is example 4.7)
+
+const cli_test::Expected spec_head_parallel_numbers = {
+    {"/q_fwd/dst_rank", "[[-1,-1],[-1,2],[3,-1],[0,-1]]"},
+    {"/q_rev/seq_recv_mask", "[[[0],[0]],[[0],[1]],[[1],[0]],[[1],[0]]]"},
+    {"/q_rev/recv_seq_lens", "[[3,0],[2,2],[4,0],[1,0]]"},
+    {"/kv_fwd/dst_rank", "[[[-1,-1],[-1,-1]],[[-1,-1],[2,3]],[[3,-1],[-1,-1]],[[0,-1],[-1,-1]]]"},
+    {"/kv_rev/seq_recv_mask", "[[[0,0],[0,0]],[[0,0],[1,1]],[[1,0],[0,0]],[[1,0],[0,0]]]"},
+    {"/attn/seqlens_q", "[[1],[],[2],[4]]"},
+    {"/attn/seqlens_kv", "[[1],[],[2],[6]]"},
+    {"/hp_fwd/dst_rank", "[[[0,1],[-1,-1]],[[0,1],[-1,-1]],[[-1,-1],[-1,-1]],[[-1,-1],[-1,-1]]]"},
+    {"/hp_fwd/dst_offset", "[[[0,0],[0,0]],[[3,3],[0,0]],[[0,0],[0,0]],[[0,0],[0,0]]]"},
+    {"/hp_fwd/num_recv_tokens", "[[3,2,0,0,5],[3,2,0,0,5],[0,0,0,0,0],[0,0,0,0,0]]"},
+    {"/hp_fwd/num_seqs", "[1,2,1,1]"},
+    {"/hp_rev/dst_rank", "[[0,1],[0,1],[-1,-1],[-1,-1]]"},
+    {"/hp_rev/dst_offset", "[[0,0],[3,4],[0,0],[0,0]]"},
+    {"/hp_rev/seq_len", "[[3,2],[3,2],[0,0],[0,0]]"},
+    {"/hp_rev/num_recv_tokens", "[[3,3,0,0,6],[2,2,0,0,4],[0,0,0,0,0],[0,0,0,0,0]]"},
+    {"/hp_rev/num_seqs", "[2,2,0,0]"},
+    {"/hp_rev/seq_recv_mask", "[[[1,1],[0,0]],[[1,1],[0,0]],[[0,0],[0,0]],[[0,0],[0,0]]]"},
+    {"/hp_rev/recv_seq_lens", "[[3,0],[2,2],[4,0],[1,0]]"},
+    {"/hp_attn/degree", "2"},
+    {"/hp_attn/documents", "[[0],[0],[],[]]"},
+    {"/hp_attn/seqlens", "[[5],[5],[],[]]"},
+    {"/hp_attn/cu_seqlens", "[[0,5],[0,5],[0],[0]]"},
+    {"/hp_attn/max_seqlen", "[5,5,0,0]"},
+    {"/hp_attn/group_rank", "[0,1,0,1]"},
+};
+
+TEST_F(CliSlicesTest, SpecHeadParallelExampleFile) {
+  const std::string text = plan_cli::read_file(data_dir + "/spec_head_parallel.json");
+  const json out = expect_json(run({data_dir + "/spec_head_parallel.json"}));
+  cli_test::expect_numbers(out, spec_head_parallel_numbers);
+  EXPECT_FALSE(out["hp_attn"].contains("entries"));
+  // The metadata reads back whole, head-parallel part included.
+  const auto m = std::get<cpdispatch::QkvMetadata>(cpdispatch::plan_metadata(cpdispatch::parse_plan(text)));
+  EXPECT_EQ(json(cpdispatch::qkv_metadata_from_json(out)), out);
+  EXPECT_EQ(json(m), out);
+  // The plan writes its keys back, and reads back the same.
+  const json plan = cpdispatch::plan_to_json(cpdispatch::parse_plan(text));
+  EXPECT_EQ(plan["head_parallel_degree"], 2);
+  EXPECT_EQ(plan["documents"][0]["head_parallel"], true);
+  EXPECT_FALSE(plan["documents"][1].contains("head_parallel"));
+  EXPECT_EQ(std::get<cpdispatch::QkvDocumentsPlan>(cpdispatch::parse_plan(plan.dump())).documents,
+            std::get<cpdispatch::QkvDocumentsPlan>(cpdispatch::parse_plan(text)).documents);
+  // Plans and outputs without head-parallel documents keep the keys out.
+  const json plain_plan = cpdispatch::plan_to_json(cpdispatch::parse_plan(cli_test::spec_documents_plan));
+  EXPECT_FALSE(plain_plan.contains("head_parallel_degree"));
+  EXPECT_FALSE(plain_plan["documents"][0].contains("head_parallel"));
+  const json plain = expect_json(run({data_dir + "/spec_documents.json"}));
+  for (const char* key : {"hp_fwd", "hp_rev", "hp_attn"}) EXPECT_FALSE(plain.contains(key)) << key;
+  EXPECT_TRUE(plain["q_rev"]["seq_recv_mask"].is_null());
+}
+
+TEST_F(CliSlicesTest, HeadParallelEntriesReadBack) {
+  json plan = json::parse(plan_cli::read_file(data_dir + "/spec_head_parallel.json"));
+  plan["documents"][0]["slices"] = json::parse(R"([{"q": [0, 2], "k": [0, 2], "type": "causal"}, {"q": [2, 5], "k": [0, 5], "type": "causal"}])");
+  const json out = expect_json(run({"--compact"}, plan.dump()));
+  EXPECT_EQ(out["hp_attn"]["entries"], json::parse("[[[[0,2,0,2,null,0],[2,5,0,5,null,0]]],[[[0,2,0,2,null,0],[2,5,0,5,null,0]]],[],[]]"));
+  EXPECT_FALSE(out["attn"].contains("entries"));  // the dispatched documents have no slices
+  EXPECT_EQ(json(cpdispatch::qkv_metadata_from_json(out)), out);
+}
+
+TEST_F(CliSlicesTest, SummaryAndRankShareOfHeadParallelDocuments) {
+  const plan_cli::CliRun r = run({data_dir + "/spec_head_parallel.json", "--summary"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("documents: 3, 2 spanning ranks, 1 head-parallel (head_parallel_degree 2, up to 5 tokens a rank)\n"), std::string::npos)
+      << r.out;
+  const json share = expect_json(run({data_dir + "/spec_head_parallel.json", "--rank", "1", "--compact"}));
+  EXPECT_EQ(share["hp_fwd"]["dst_rank"], json::parse("[[0,1],[-1,-1]]"));
+  EXPECT_EQ(share["hp_rev"]["dst_offset"], json::parse("[3,4]"));
+  EXPECT_EQ(share["hp_attn"]["documents"], json::parse("[0]"));
+  EXPECT_EQ(share["hp_attn"]["group_rank"], 1);
+  const json plain = expect_json(run({data_dir + "/spec_documents.json", "--rank", "1", "--compact"}));
+  EXPECT_FALSE(plain.contains("hp_attn"));
+}
+
+TEST_F(CliSlicesTest, HeadParallelErrorsNameTheirPath) {
+  json plan = json::parse(plan_cli::read_file(data_dir + "/spec_head_parallel.json"));
+  json bad = plan;
+  bad["documents"][0]["head_parallel"] = 1;
+  expect_invalid(run({}, bad.dump()), "documents[0].head_parallel: expected true or false, got 1");
+  bad = plan;
+  bad["head_parallel_degree"] = 3;
+  expect_invalid(run({}, bad.dump()), "head_parallel_degree = 3 must divide world_size = 4");
+  bad = plan;
+  bad["documents"][1]["shards"][0].erase("dst");  // a dispatched document still needs its destinations
+  expect_invalid(run({}, bad.dump()), "documents[1].shards[0]: missing \"dst\"");
+  bad = plan;
+  bad["documents"][0]["shards"][1]["rank"] = 2;
+  expect_invalid(run({}, bad.dump()), "documents[0] is head-parallel but its shards live on ranks 0 (shards[0]) and 2 (shards[1])");
+  expect_invalid(run({}, R"({"world_size": 1, "head_parallel_degree": 1, "ranks": [{"docs": []}]})"), "unknown key \"head_parallel_degree\"");
+  expect_invalid(run({data_dir + "/spec_head_parallel.json", "--svg", dir_ + "/plan.svg"}), "--svg does not draw head-parallel documents");
+}

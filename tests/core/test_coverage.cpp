@@ -3,7 +3,9 @@
 // from them, and section 2e's worked example built by hand; it rejects seeded
 // corruptions, naming the document and the entry; and on small random cases
 // with random entry sets its verdict equals brute force, which enumerates
-// every pair.
+// every pair. verify_coverage_for_rank passes every rank's share of those
+// layouts, rejects the same corruptions on one rank, and all shares passing
+// equals brute force too.
 
 #include <gtest/gtest.h>
 #include <gmock/gmock.h>
@@ -33,9 +35,11 @@ using cpdispatch::Band;
 using cpdispatch::invalid_input;
 using cpdispatch::QkvDocumentsPlan;
 using cpdispatch::QkvMetadata;
+using cpdispatch::RankQkvMetadata;
 using cpdispatch::Rng;
 using cpdispatch::SliceType;
 using cpdispatch::verify_coverage;
+using cpdispatch::verify_coverage_for_rank;
 using ::testing::AllOf;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
@@ -110,13 +114,15 @@ I document_length(const QkvDocumentsPlan& plan, std::size_t doc) {
   return length;
 }
 
-/// A planned (valid) layout read from q_fwd and kv_fwd.
+/// A planned (valid) layout read from q_fwd and kv_fwd (which head-parallel
+/// shards do not use).
 Layout read_layout(const QkvDocumentsPlan& plan, const QkvMetadata& m) {
   const auto mlp = mlp_layout(plan);
   Layout out(mlp.size());
   for (std::size_t d = 0; d < out.size(); ++d) out[d].resize(m.attn.seqlens_q[d].size());
   for (std::size_t r = 0; r < mlp.size(); ++r) {
     for (std::size_t j = 0; j < mlp[r].size(); ++j) {
+      if (plan.documents[mlp[r][j].doc].head_parallel) continue;
       const auto d = static_cast<std::size_t>(m.q_fwd.dst_rank(r, j));
       const auto& cu = m.attn.cu_seqlens_q[d];
       out[d][static_cast<std::size_t>(std::find(cu.begin(), cu.end(), m.q_fwd.dst_offset(r, j)) - cu.begin())].query = mlp[r][j];
@@ -231,6 +237,7 @@ bool brute_rows(const QkvDocumentsPlan& plan, const QkvMetadata& m, std::vector<
   for (std::size_t d = 0; d < mlp.size(); ++d) rows[d].resize(m.attn.seqlens_q[d].size());
   for (std::size_t r = 0; r < mlp.size(); ++r) {
     for (std::size_t j = 0; j < mlp[r].size(); ++j) {
+      if (plan.documents[mlp[r][j].doc].head_parallel) continue;  // attended through hp_attn: brute_head_parallel
       const auto d = static_cast<std::size_t>(m.q_fwd.dst_rank(r, j));
       const auto& cu = m.attn.cu_seqlens_q[d];
       std::size_t g = 0;
@@ -303,6 +310,7 @@ bool brute_force_covers(const QkvDocumentsPlan& plan, const QkvMetadata& m) {
     }
   }
   for (std::size_t i = 0; i < count.size(); ++i) {
+    if (plan.documents[i].head_parallel) continue;
     const I length = document_length(plan, i);
     for (I p = 0; p < length; ++p)
       for (I t = 0; t < length; ++t)
@@ -558,22 +566,29 @@ TEST(Coverage, EmptyRanksAndEmptyPlansPass) {
   EXPECT_NO_THROW(verify_coverage(plan, cpdispatch::plan_qkv(plan)));
 }
 
+/// Up to 5 ranks, documents and shards under a random mask; with `slices`,
+/// about two documents in three get random slices.
+QkvDocumentsPlan random_slice_plan(std::uint64_t seed, bool slices) {
+  Rng rng(seed);
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = rng.between(1, 5);
+  o.num_documents = rng.between(1, 5);
+  o.max_shards = rng.between(1, 5);
+  o.max_len = rng.between(1, 8);
+  QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
+  plan.mask = mask_of(rng.next());
+  for (std::size_t i = 0; i < plan.documents.size() && slices; ++i)
+    if (rng.below(3) != 0) plan.documents[i].slices = random_slices(document_length(plan, i), rng);
+  return plan;
+}
+
 TEST(Coverage, AcceptsPlannedSliceLayouts) {
   const QkvMetadata example = cpdispatch::plan_qkv(example_plan());
   EXPECT_EQ(example.attn.entries, example_metadata().attn.entries);
   EXPECT_NO_THROW(verify_coverage(example_plan(), example));
   int sliced = 0;
   for (std::uint64_t seed = 0; seed < 600; ++seed) {
-    Rng rng(seed);
-    cpdispatch::RandomDocumentsOptions o;
-    o.world_size = rng.between(1, 5);
-    o.num_documents = rng.between(1, 5);
-    o.max_shards = rng.between(1, 5);
-    o.max_len = rng.between(1, 8);
-    QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
-    plan.mask = mask_of(rng.next());
-    for (std::size_t i = 0; i < plan.documents.size(); ++i)
-      if (rng.below(3) != 0) plan.documents[i].slices = random_slices(document_length(plan, i), rng);
+    const QkvDocumentsPlan plan = random_slice_plan(seed, true);
     sliced += plan.documents[0].slices.empty() ? 0 : 1;
     QkvMetadata m;
     ASSERT_NO_THROW(m = cpdispatch::plan_qkv(plan)) << "seed " << seed;
@@ -616,6 +631,20 @@ bool widen(AttentionEntry& x) {
   return false;
 }
 
+/// The plans the corruptions below start from: slices on every document of
+/// even seeds (drawn from `rng`), section 2d's masks otherwise.
+QkvDocumentsPlan corruption_plan(std::uint64_t seed, Rng& rng) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = 1 + static_cast<I>(seed % 6);
+  o.num_documents = 1 + static_cast<I>(seed % 5);
+  o.max_shards = 1 + static_cast<I>(seed % 4);
+  o.max_len = 1 + static_cast<I>(seed % 9);
+  QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
+  plan.mask = mask_of(seed / 3);
+  for (std::size_t i = 0; i < plan.documents.size() && seed % 2 == 0; ++i) plan.documents[i].slices = random_slices(document_length(plan, i), rng);
+  return plan;
+}
+
 /// Each corruption provably breaks the cover of a planned layout, 2d or with
 /// slices: a dropped entry with pairs leaves them unattended; a widened band
 /// admits pairs that are disallowed or already attended; an entry's pairs one
@@ -627,14 +656,7 @@ TEST(Coverage, RejectsSeededCorruptionsOfPlannedLayouts) {
   int dropped = 0, widened = 0, moved = 0, shifted_copies = 0, swapped = 0;
   for (std::uint64_t seed = 1; seed <= 300; ++seed) {
     Rng rng(seed);
-    cpdispatch::RandomDocumentsOptions o;
-    o.world_size = 1 + static_cast<I>(seed % 6);
-    o.num_documents = 1 + static_cast<I>(seed % 5);
-    o.max_shards = 1 + static_cast<I>(seed % 4);
-    o.max_len = 1 + static_cast<I>(seed % 9);
-    QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
-    plan.mask = mask_of(seed / 3);
-    for (std::size_t i = 0; i < plan.documents.size() && seed % 2 == 0; ++i) plan.documents[i].slices = random_slices(document_length(plan, i), rng);
+    const QkvDocumentsPlan plan = corruption_plan(seed, rng);
     const QkvMetadata planned = cpdispatch::plan_qkv(plan);
     QkvMetadata exact = planned;
     exact.attn.entries = exact_entries(plan, read_layout(plan, planned), false);
@@ -755,30 +777,189 @@ TEST(Coverage, RejectsMalformedInputsByName) {
   EXPECT_THAT(message_of<invalid_input>([&] { verify_coverage(plan, good, cpdispatch::PlanLimits{.max_bytes = 64}); }), HasSubstr("PlanLimits::max_bytes"));
 }
 
+/// Every value of some tensors, rows and entry lists, for the fuzz tests to
+/// overwrite with edges of the 64-bit range or small values.
+struct Cells {
+  std::vector<I*> at;
+  void add(Tensor<I>& t) {
+    for (I& v : t.flat()) at.push_back(&v);
+  }
+  void add(std::vector<I>& row) {
+    for (I& v : row) at.push_back(&v);
+  }
+  void add(std::vector<std::vector<I>>& rows) {
+    for (auto& row : rows) add(row);
+  }
+  void add(std::vector<std::vector<AttentionEntry>>& lists) {
+    for (auto& list : lists)
+      for (AttentionEntry& x : list)
+        for (I* v : {&x.q_start, &x.q_len, &x.kv_start, &x.kv_len, &x.band.lo, &x.band.hi}) at.push_back(v);
+  }
+  void add(Entries& entries) {
+    for (auto& rank : entries) add(rank);
+  }
+  /// Overwrites 1 to 3 values drawn from `rng`.
+  void poke(Rng& rng) {
+    constexpr std::array<I, 8> edges = {-1, 0, 1, 5, std::numeric_limits<I>::max(), std::numeric_limits<I>::min(), I{1} << 62, -(I{1} << 40)};
+    for (std::uint64_t n = 1 + rng.below(3); n > 0 && !at.empty(); --n) {
+      const I value = rng.below(2) ? edges[rng.below(edges.size())] : rng.between(-2, 12);
+      *at[rng.below(at.size())] = value;
+    }
+  }
+};
+
 TEST(Coverage, ArbitraryCorruptionIsInvalidInputOrPasses) {
-  constexpr std::array<I, 8> edges = {-1, 0, 1, 5, std::numeric_limits<I>::max(), std::numeric_limits<I>::min(), I{1} << 62, -(I{1} << 40)};
   for (std::uint64_t seed = 0; seed < 3000; ++seed) {
     Rng rng(seed);
     auto [plan, m] = small_case(seed, seed % 2 == 0);
-    for (std::uint64_t n = 1 + rng.below(3); n > 0; --n) {
-      const I value = rng.below(2) ? edges[rng.below(edges.size())] : rng.between(-2, 12);
-      std::vector<I*> cells;
-      for (Tensor<I>* t : {&m.q_fwd.dst_rank, &m.q_fwd.dst_offset, &m.q_fwd.seq_len, &m.kv_fwd.dst_rank, &m.kv_fwd.dst_offset, &m.kv_fwd.seq_len})
-        for (I& v : t->flat()) cells.push_back(&v);
-      for (auto* rows : {&m.attn.seqlens_q, &m.attn.seqlens_kv, &m.attn.cu_seqlens_q, &m.attn.cu_seqlens_kv})
-        for (auto& row : *rows)
-          for (I& v : row) cells.push_back(&v);
-      for (auto& rank : m.attn.entries)
-        for (auto& list : rank)
-          for (AttentionEntry& x : list)
-            for (I* v : {&x.q_start, &x.q_len, &x.kv_start, &x.kv_len, &x.band.lo, &x.band.hi}) cells.push_back(v);
-      *cells[rng.below(cells.size())] = value;
-    }
+    Cells cells;
+    for (Tensor<I>* t : {&m.q_fwd.dst_rank, &m.q_fwd.dst_offset, &m.q_fwd.seq_len, &m.kv_fwd.dst_rank, &m.kv_fwd.dst_offset, &m.kv_fwd.seq_len}) cells.add(*t);
+    for (auto* rows : {&m.attn.seqlens_q, &m.attn.seqlens_kv, &m.attn.cu_seqlens_q, &m.attn.cu_seqlens_kv}) cells.add(*rows);
+    cells.add(m.attn.entries);
+    cells.poke(rng);
     try {
       verify_coverage(plan, m);
     } catch (const invalid_input&) {
     }
   }
+}
+
+// ------------------------------------------------------------ one rank's share
+
+/// Rank r's row of hp_attn.
+cpdispatch::RankHeadParallelLayout head_parallel_row(const cpdispatch::HeadParallelLayout& a, I r) {
+  if (a.empty()) return {};
+  const auto d = static_cast<std::size_t>(r);
+  return {.degree = a.degree, .documents = a.documents[d], .seqlens = a.seqlens[d], .cu_seqlens = a.cu_seqlens[d], .max_seqlen = a.max_seqlen[d],
+          .group_rank = a.group_rank[d], .mask = a.mask, .entries = a.entries.empty() ? Entries::value_type{} : a.entries[d]};
+}
+
+/// Rank r's share of global metadata, as plan_qkv_for_rank gives it.
+RankQkvMetadata share_of(const QkvMetadata& m, I r) {
+  RankQkvMetadata mine{m.q_fwd.get_slice(r), m.q_rev.get_slice(r), m.kv_fwd.get_slice(r), m.kv_rev.get_slice(r), cpdispatch::attention_of(m.attn, r),
+                       std::nullopt};
+  if (m.hp_attn.empty()) return mine;
+  mine.hp_fwd = m.hp_fwd.get_slice(r);
+  mine.hp_rev = m.hp_rev.get_slice(r);
+  mine.hp_attn = head_parallel_row(m.hp_attn, r);
+  return mine;
+}
+
+std::string rank_rejection(const QkvDocumentsPlan& plan, I r, const RankQkvMetadata& mine) {
+  return message_of<invalid_input>([&] { verify_coverage_for_rank(plan, r, mine); });
+}
+
+/// Whether every rank's share of `m` passes; the first rejection in `why`.
+bool every_share_accepted(const QkvDocumentsPlan& plan, const QkvMetadata& m, std::string* why = nullptr) {
+  for (I r = 0; r < plan.world_size; ++r) {
+    try {
+      verify_coverage_for_rank(plan, r, share_of(m, r));
+    } catch (const invalid_input& e) {
+      if (why) *why = e.what();
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(CoverageForRank, AcceptsEveryRanksShareOfPlannedLayouts) {
+  int sliced = 0;
+  for (std::uint64_t seed = 0; seed < 300; ++seed) {
+    const QkvDocumentsPlan plan = random_slice_plan(seed, seed % 3 != 0);
+    sliced += plan.documents[0].slices.empty() ? 0 : 1;
+    for (I r = 0; r < plan.world_size; ++r) {
+      const RankQkvMetadata mine = cpdispatch::plan_qkv_for_rank(plan, r);
+      ASSERT_NO_THROW(verify_coverage_for_rank(plan, r, mine)) << "seed " << seed << " rank " << r << ": " << rank_rejection(plan, r, mine);
+    }
+    QkvMetadata m = cpdispatch::plan_qkv(plan);
+    m.attn.entries = exact_entries(plan, read_layout(plan, m), false);  // one entry per KV copy
+    std::string why;
+    ASSERT_TRUE(every_share_accepted(plan, m, &why)) << "seed " << seed << ": " << why;
+  }
+  EXPECT_GT(sliced, 100);
+  for (std::uint64_t seed = 0; seed < 40; ++seed) {  // the per-rank plan form
+    const I W = 1 + static_cast<I>(seed % 8), C = W >= 4 ? 4 : (W >= 2 ? 2 : 1);
+    cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(W, 32 * C, 1 + static_cast<I>(seed % 3), C, seed);
+    plan.mask = mask_of(seed);
+    for (I r = 0; r < W; ++r) EXPECT_NO_THROW(verify_coverage_for_rank(plan, r, cpdispatch::plan_qkv_for_rank(plan, r))) << "seed " << seed;
+  }
+}
+
+/// The corruptions of RejectsSeededCorruptionsOfPlannedLayouts on one rank's
+/// share: a dropped entry, a widened band, an entry's pairs one column over.
+/// The other ranks' shares still pass, and only this rank's check sees it.
+TEST(CoverageForRank, RejectsSeededCorruptionsOnOneRank) {
+  int widened = 0, moved = 0;
+  for (std::uint64_t seed = 1; seed <= 300; ++seed) {
+    Rng rng(seed);
+    const QkvDocumentsPlan plan = corruption_plan(seed, rng);
+    QkvMetadata exact = cpdispatch::plan_qkv(plan);
+    exact.attn.entries = exact_entries(plan, read_layout(plan, exact), false);
+    const auto pick = entry_with_pairs(exact.attn.entries, rng);
+    ASSERT_TRUE(pick) << "seed " << seed;
+    const auto [d, g, e] = *pick;
+    const auto r = static_cast<I>(d);
+    SCOPED_TRACE("seed " + std::to_string(seed) + " entry [" + std::to_string(d) + "][" + std::to_string(g) + "][" + std::to_string(e) + "]");
+    ASSERT_TRUE(every_share_accepted(plan, exact));
+
+    RankQkvMetadata mine = share_of(exact, r);
+    mine.attn.entries[g].erase(mine.attn.entries[g].begin() + static_cast<std::ptrdiff_t>(e));
+    EXPECT_THAT(rank_rejection(plan, r, mine), HasSubstr("no entry attends"));
+
+    mine = share_of(exact, r);
+    if (widen(mine.attn.entries[g][e])) {
+      EXPECT_THAT(rank_rejection(plan, r, mine), AllOf(HasSubstr("rank " + std::to_string(d) + " query shard " + std::to_string(g)),
+                                                       AnyOf(HasSubstr("does not allow"), HasSubstr("attended twice"))));
+      ++widened;
+    }
+
+    mine = share_of(exact, r);
+    AttentionEntry& x = mine.attn.entries[g][e];
+    const I step = x.kv_start + x.kv_len < mine.attn.seqlens_kv[g] ? 1 : -1;
+    if (x.kv_start + step >= 0) {
+      x.kv_start += step;
+      x.band = x.band.shifted(step);
+      EXPECT_FALSE(rank_rejection(plan, r, mine).empty());
+      QkvMetadata global = exact;  // the global check agrees
+      global.attn.entries[d] = mine.attn.entries;
+      EXPECT_FALSE(accepted(plan, global));
+      ++moved;
+    }
+  }
+  EXPECT_GT(widened, 60);
+  EXPECT_GT(moved, 100);
+}
+
+/// What only the per-rank reading has: rows named by where q_rev and kv_rev
+/// send them home, and the plan's dst.
+TEST(CoverageForRank, RejectsReturnRowsThatDisagreeWithThePlan) {
+  const QkvDocumentsPlan plan = example_plan();
+  const QkvMetadata m = example_metadata();
+  for (I r = 0; r < 2; ++r) EXPECT_NO_THROW(verify_coverage_for_rank(plan, r, share_of(m, r))) << "rank " << r;
+  RankQkvMetadata mine = share_of(m, 1);
+  mine.q_rev.dst_offset[0] = 1;  // rank 1's first query shard (doc0.0, 3 tokens at rank 0 offset 0) named one token on
+  EXPECT_THAT(rank_rejection(plan, 1, mine), HasSubstr("verify_coverage_for_rank: q_rev[1][0] returns 3 tokens to rank 0 offset 1, where no shard of 3 tokens starts"));
+  mine = share_of(m, 1);
+  std::swap(mine.q_rev.dst_rank[0], mine.q_rev.dst_rank[1]);  // doc0.0 and doc0.2 (3 tokens each) trade rows
+  std::swap(mine.q_rev.dst_offset[0], mine.q_rev.dst_offset[1]);
+  EXPECT_THAT(rank_rejection(plan, 1, mine), HasSubstr("does not allow"));
+  mine = share_of(m, 0);
+  mine.kv_rev.dst_offset[1] = 0;  // doc0.0 (3 tokens) where doc0.1 (2 tokens) sits
+  EXPECT_THAT(rank_rejection(plan, 0, mine), HasSubstr("kv_rev[0][1] returns 2 tokens to rank 0 offset 0, where no shard of 2 tokens starts"));
+  mine = share_of(m, 0);
+  mine.q_rev.seq_len.pop_back();
+  EXPECT_THAT(rank_rejection(plan, 0, mine), HasSubstr("q_rev has 2 dst_rank, 2 dst_offset and 1 seq_len entries"));
+  mine.q_rev = share_of(m, 0).q_rev;
+  mine.q_rev.dst_rank.pop_back();
+  mine.q_rev.dst_offset.pop_back();
+  mine.q_rev.seq_len.pop_back();
+  EXPECT_THAT(rank_rejection(plan, 0, mine), HasSubstr("rank 0 query shard 1 receives no document shard's queries (q_rev returns none from there)"));
+  QkvDocumentsPlan moved = plan;
+  moved.documents[1].shards[1].dst = 1;  // the plan now attends doc1.1 on rank 1; rank 0's share still does
+  EXPECT_THAT(rank_rejection(moved, 0, share_of(m, 0)), HasSubstr("documents[1].shards[1].dst = 1, but rank 0 attends its queries (q_rev)"));
+  EXPECT_THAT(rank_rejection(moved, 1, share_of(m, 1)), HasSubstr("documents[1].shards[1].dst = 1, yet rank 1 does not attend its queries (q_rev)"));
+  EXPECT_THAT(rank_rejection(plan, 2, share_of(m, 1)), HasSubstr("rank = 2 is outside [0, 2)"));
+  EXPECT_THAT(rank_rejection(plan, 0, share_of(m, 1)), HasSubstr("q_rev.rank = 1, expected 0"));
 }
 
 // --------------------------------------------------------------- brute force
@@ -792,6 +973,7 @@ TEST(Coverage, VerdictEqualsBruteForceOnRandomEntrySets) {
     for (std::uint64_t k = 0; k < edits; ++k) mutate(m.attn.entries, rng);
     const bool brute = brute_force_covers(plan, m), verdict = accepted(plan, m);
     ASSERT_EQ(verdict, brute) << "seed " << seed << " edits " << edits << (verdict ? std::string() : ": " + rejection(plan, m));
+    ASSERT_EQ(every_share_accepted(plan, m), brute) << "seed " << seed << " edits " << edits << ": every rank's share";
     if (edits == 0) {
       ASSERT_TRUE(verdict) << "seed " << seed << ": " << rejection(plan, m);
     }
@@ -799,6 +981,270 @@ TEST(Coverage, VerdictEqualsBruteForceOnRandomEntrySets) {
   }
   EXPECT_GT(accepts, 1000);
   EXPECT_GT(rejects, 1000);
+}
+
+// ---------------------------------------------- head-parallel documents (2f)
+
+/// A random plan (slices on some documents for even seeds) with u a random
+/// divisor of W or 0 (the world), in which two in three of the documents
+/// living in one group are head-parallel; dedup on every third seed.
+QkvDocumentsPlan head_parallel_plan(std::uint64_t seed) {
+  QkvDocumentsPlan plan = random_slice_plan(seed, seed % 2 == 0);
+  Rng rng(seed ^ 0x5bd1e995ULL);
+  const I W = plan.world_size;
+  std::vector<I> divisors;
+  for (I u = 1; u <= W; ++u)
+    if (W % u == 0) divisors.push_back(u);
+  plan.head_parallel_degree = rng.below(4) == 0 ? 0 : divisors[rng.below(divisors.size())];
+  const I u = plan.head_parallel_degree == 0 ? W : plan.head_parallel_degree;
+  for (auto& doc : plan.documents) {
+    const I group = doc.shards[0].rank / u;
+    const bool one_group = std::all_of(doc.shards.begin(), doc.shards.end(), [&](const auto& x) { return x.rank / u == group; });
+    doc.head_parallel = one_group && rng.below(3) != 0;
+  }
+  plan.dedup = seed % 3 == 0;
+  return plan;
+}
+
+/// hp_attn's whole-document entries written out, as a layout without
+/// hp_attn.entries implies them: [0, len) x [0, len) under hp_attn.mask.
+Entries whole_document_entries(const cpdispatch::HeadParallelLayout& a) {
+  Entries out(a.seqlens.size());
+  const Band band = a.mask.band();
+  for (std::size_t d = 0; d < out.size(); ++d)
+    for (const I len : a.seqlens[d]) out[d].push_back({entry(0, len, 0, len, band.lo, band.hi)});
+  return out;
+}
+
+/// Every pair of every document each rank's hp_attn lists, enumerated:
+/// true when each rank attends every allowed pair of it once and nothing
+/// else. Reads hp_attn only (the listing is taken as planned).
+bool brute_head_parallel(const QkvDocumentsPlan& plan, const QkvMetadata& m) {
+  if (m.hp_attn.empty()) return true;
+  const Entries written = m.hp_attn.entries.empty() ? whole_document_entries(m.hp_attn) : m.hp_attn.entries;
+  for (std::size_t d = 0; d < written.size(); ++d) {
+    for (std::size_t i = 0; i < written[d].size(); ++i) {
+      const auto doc = static_cast<std::size_t>(m.hp_attn.documents[d][i]);
+      const I length = document_length(plan, doc);
+      std::vector<int> count(static_cast<std::size_t>(length * length), 0);
+      for (const AttentionEntry& e : written[d][i]) {
+        if (e.q_start < 0 || e.q_len < 0 || e.q_start + e.q_len > length || e.kv_start < 0 || e.kv_len < 0 || e.kv_start + e.kv_len > length) return false;
+        for (I p = e.q_start; p < e.q_start + e.q_len; ++p)
+          for (I t = e.kv_start; t < e.kv_start + e.kv_len; ++t)
+            if (e.band.contains(t - p)) ++count[static_cast<std::size_t>(p * length + t)];
+      }
+      for (I p = 0; p < length; ++p)
+        for (I t = 0; t < length; ++t)
+          if (count[static_cast<std::size_t>(p * length + t)] != (allowed_pair(plan, doc, p, t) ? 1 : 0)) return false;
+    }
+  }
+  return true;
+}
+
+/// The plan's metadata with every entry written out: one per KV copy for
+/// the dispatched documents, the whole-document ones where hp_attn has none.
+QkvMetadata explicit_metadata(const QkvDocumentsPlan& plan) {
+  QkvMetadata m = cpdispatch::plan_qkv(plan);
+  m.attn.entries = exact_entries(plan, read_layout(plan, m), false);
+  if (m.hp_attn.entries.empty() && !m.hp_attn.empty()) m.hp_attn.entries = whole_document_entries(m.hp_attn);
+  return m;
+}
+
+TEST(CoverageHeadParallel, AcceptsPlannedLayouts) {
+  int head_parallel = 0, sliced = 0, narrow = 0;
+  for (std::uint64_t seed = 0; seed < 240; ++seed) {
+    const QkvDocumentsPlan plan = head_parallel_plan(seed);
+    if (!cpdispatch::detail::has_head_parallel(plan)) continue;
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    ++head_parallel;
+    sliced += std::any_of(plan.documents.begin(), plan.documents.end(), [](const auto& d) { return d.head_parallel && !d.slices.empty(); }) ? 1 : 0;
+    narrow += plan.head_parallel_degree != 0 && plan.head_parallel_degree < plan.world_size ? 1 : 0;
+    const QkvMetadata planned = cpdispatch::plan_qkv(plan);
+    ASSERT_TRUE(accepted(plan, planned)) << rejection(plan, planned);
+    for (I r = 0; r < plan.world_size; ++r) {
+      const RankQkvMetadata mine = cpdispatch::plan_qkv_for_rank(plan, r);
+      ASSERT_NO_THROW(verify_coverage_for_rank(plan, r, mine)) << "rank " << r << ": " << rank_rejection(plan, r, mine);
+    }
+    const QkvMetadata m = explicit_metadata(plan);
+    ASSERT_TRUE(accepted(plan, m)) << rejection(plan, m);
+    std::string why;
+    ASSERT_TRUE(every_share_accepted(plan, m, &why)) << why;
+    ASSERT_TRUE(brute_force_covers(plan, m) && brute_head_parallel(plan, m));
+  }
+  EXPECT_GT(head_parallel, 120);  // the draw exercises what it names
+  EXPECT_GT(sliced, 30);
+  EXPECT_GT(narrow, 30);
+}
+
+/// Takes hp_attn.documents[r][i] off rank r, its length and entries with it.
+void unlist(cpdispatch::HeadParallelLayout& a, std::size_t r, std::size_t i) {
+  const auto at = static_cast<std::ptrdiff_t>(i);
+  a.documents[r].erase(a.documents[r].begin() + at);
+  a.seqlens[r].erase(a.seqlens[r].begin() + at);
+  if (!a.entries.empty()) a.entries[r].erase(a.entries[r].begin() + at);
+  a.cu_seqlens[r].assign(1, 0);
+  for (const I len : a.seqlens[r]) a.cu_seqlens[r].push_back(a.cu_seqlens[r].back() + len);
+}
+
+/// Appends hp_attn.documents[from][i] to rank r's list.
+void list_also(cpdispatch::HeadParallelLayout& a, std::size_t from, std::size_t i, std::size_t r) {
+  a.documents[r].push_back(a.documents[from][i]);
+  a.seqlens[r].push_back(a.seqlens[from][i]);
+  a.cu_seqlens[r].push_back(a.cu_seqlens[r].back() + a.seqlens[from][i]);
+  if (!a.entries.empty()) a.entries[r].push_back(a.entries[from][i]);
+}
+
+/// Both checks reject `m` and name `what`: globally, and on rank r.
+::testing::AssertionResult both_reject(const QkvDocumentsPlan& plan, const QkvMetadata& m, I r, const std::string& what) {
+  const std::string global = rejection(plan, m), mine = rank_rejection(plan, r, share_of(m, r));
+  if (global.find(what) != std::string::npos && mine.find(what) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "expected \"" << what << "\"; verify_coverage: \"" << global << "\"; rank " << r << ": \"" << mine << "\"";
+}
+
+/// Each corruption breaks section 2f's contract on planned head-parallel
+/// layouts: a document left off one rank of its group or listed twice on
+/// one, a shard placed one row on (hp_fwd) or two returned rows swapped
+/// (hp_rev), a document listed on a rank outside its group, a dropped entry
+/// with pairs (dispatched or head-parallel), a widened head-parallel band.
+TEST(CoverageHeadParallel, RejectsSeededCorruptions) {
+  int unlisted = 0, swapped = 0, outside = 0, dropped = 0, dropped_hp = 0, widened = 0;
+  for (std::uint64_t seed = 0; seed < 240; ++seed) {
+    const QkvDocumentsPlan plan = head_parallel_plan(seed);
+    if (!cpdispatch::detail::has_head_parallel(plan)) continue;
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    Rng rng(seed);
+    const QkvMetadata exact = explicit_metadata(plan);
+    const std::size_t W = exact.hp_attn.documents.size(), u = static_cast<std::size_t>(exact.hp_attn.degree);
+    std::vector<std::size_t> holding;  // ranks whose hp_attn lists some document
+    for (std::size_t r = 0; r < W; ++r)
+      if (!exact.hp_attn.documents[r].empty()) holding.push_back(r);
+    const std::size_t r = holding[rng.below(holding.size())], i = rng.below(exact.hp_attn.documents[r].size());
+    const I doc = exact.hp_attn.documents[r][i], R = static_cast<I>(r);
+
+    QkvMetadata m = exact;
+    unlist(m.hp_attn, r, i);
+    EXPECT_TRUE(both_reject(plan, m, R, "hp_attn.documents[" + std::to_string(r) + "] lacks documents[" + std::to_string(doc) + "]"));
+    ++unlisted;
+
+    m = exact;  // listed twice on the same rank (hp_fwd fills one place only)
+    list_also(m.hp_attn, r, i, r);
+    EXPECT_TRUE(both_reject(plan, m, R, "lists documents[" + std::to_string(doc) + "] a second time"));
+
+    m = exact;  // a copy of the document's first shard one row on
+    const auto& first = plan.documents[static_cast<std::size_t>(doc)].shards[0];
+    const auto home = static_cast<std::size_t>(first.rank);
+    std::size_t j = 0;
+    for (I x = 0; x < doc; ++x)
+      for (const auto& s : plan.documents[static_cast<std::size_t>(x)].shards) j += s.rank == first.rank ? 1 : 0;
+    const std::size_t c = rng.below(u);
+    ++m.hp_fwd.dst_offset(home, j, c);
+    EXPECT_THAT(rejection(plan, m), HasSubstr("(hp_fwd.dst_offset[" + std::to_string(home) + "][" + std::to_string(j) + "][" + std::to_string(c) +
+                                              "]) lands at rank " + std::to_string(m.hp_fwd.dst_rank(home, j, c)) + " head-parallel row"));
+
+    m = exact;  // rank r returns two of its rows in each other's place
+    RankQkvMetadata mine = share_of(m, R);
+    if (mine.hp_rev.seq_len.size() >= 2) {
+      const std::size_t x = rng.below(mine.hp_rev.seq_len.size() - 1);
+      for (auto* v : {&mine.hp_rev.dst_rank, &mine.hp_rev.dst_offset, &mine.hp_rev.seq_len}) std::swap((*v)[x], (*v)[x + 1]);
+      EXPECT_THAT(rank_rejection(plan, R, mine),
+                  AllOf(HasSubstr("hp_rev[" + std::to_string(r) + "][" + std::to_string(x) + "]"), HasSubstr("head-parallel row")));
+      ++swapped;
+    }
+
+    if (u < W) {  // listed on a rank of the next group too
+      m = exact;
+      const std::size_t other = (r / u * u + u + rng.below(u)) % W;
+      list_also(m.hp_attn, r, i, other);
+      EXPECT_TRUE(both_reject(plan, m, static_cast<I>(other), "hp_attn.documents[" + std::to_string(other) + "][" +
+                                                                  std::to_string(m.hp_attn.documents[other].size() - 1) + "] = " + std::to_string(doc) +
+                                                                  ", but documents[" + std::to_string(doc) + "] is head-parallel on ranks"));
+      ++outside;
+    }
+
+    if (const auto pick = entry_with_pairs(exact.attn.entries, rng)) {
+      const auto [d, g, e] = *pick;
+      m = exact;
+      m.attn.entries[d][g].erase(m.attn.entries[d][g].begin() + static_cast<std::ptrdiff_t>(e));
+      EXPECT_TRUE(both_reject(plan, m, static_cast<I>(d), "no entry attends"));
+      ++dropped;
+    }
+
+    if (const auto pick = entry_with_pairs(exact.hp_attn.entries, rng)) {
+      const auto [d, k, e] = *pick;
+      const std::string where = "rank " + std::to_string(d) + " (hp_attn.documents[" + std::to_string(d) + "][" + std::to_string(k) + "])";
+      m = exact;
+      m.hp_attn.entries[d][k].erase(m.hp_attn.entries[d][k].begin() + static_cast<std::ptrdiff_t>(e));
+      EXPECT_TRUE(both_reject(plan, m, static_cast<I>(d), "allowed pair")) << where;
+      EXPECT_THAT(rejection(plan, m), HasSubstr(where));
+      ++dropped_hp;
+      m = exact;
+      if (widen(m.hp_attn.entries[d][k][e])) {
+        EXPECT_THAT(rejection(plan, m), AllOf(HasSubstr("rank " + std::to_string(d) + " head-parallel document " + std::to_string(k)),
+                                              AnyOf(HasSubstr("does not allow"), HasSubstr("attended twice"))));
+        EXPECT_FALSE(rank_rejection(plan, static_cast<I>(d), share_of(m, static_cast<I>(d))).empty());
+        ++widened;
+      }
+    }
+  }
+  EXPECT_GT(unlisted, 120);
+  EXPECT_GT(swapped, 60);
+  EXPECT_GT(outside, 30);
+  EXPECT_GT(dropped, 60);
+  EXPECT_GT(dropped_hp, 120);
+  EXPECT_GT(widened, 40);
+}
+
+/// Any value in hp_fwd, hp_rev or hp_attn gives invalid_input or a pass,
+/// globally and on one rank: no crash, no other exception.
+TEST(CoverageHeadParallel, ArbitraryCorruptionIsInvalidInputOrPasses) {
+  int runs = 0;
+  for (std::uint64_t seed = 0; seed < 1500; ++seed) {
+    const QkvDocumentsPlan plan = head_parallel_plan(seed);
+    if (!cpdispatch::detail::has_head_parallel(plan)) continue;
+    Rng rng(seed);
+    QkvMetadata m = explicit_metadata(plan);
+    const I r = rng.between(0, plan.world_size - 1);
+    RankQkvMetadata mine = share_of(m, r);
+    Cells global, rank;
+    for (Tensor<I>* t : {&m.hp_fwd.dst_rank, &m.hp_fwd.dst_offset, &m.hp_fwd.seq_len}) global.add(*t);
+    for (auto* rows : {&m.hp_attn.documents, &m.hp_attn.seqlens, &m.hp_attn.cu_seqlens}) global.add(*rows);
+    global.add(m.hp_attn.group_rank);
+    global.add(m.hp_attn.entries);
+    for (auto* row : {&mine.hp_rev.dst_rank, &mine.hp_rev.dst_offset, &mine.hp_rev.seq_len, &mine.hp_attn.documents, &mine.hp_attn.seqlens,
+                      &mine.hp_attn.cu_seqlens})
+      rank.add(*row);
+    rank.add(mine.hp_attn.entries);
+    global.poke(rng);
+    rank.poke(rng);
+    try {
+      verify_coverage(plan, m);
+    } catch (const invalid_input&) {
+    }
+    try {
+      verify_coverage_for_rank(plan, r, mine);
+    } catch (const invalid_input&) {
+    }
+    ++runs;
+  }
+  EXPECT_GT(runs, 700);
+}
+
+TEST(CoverageHeadParallel, VerdictEqualsBruteForceOnRandomEntrySets) {
+  int accepts = 0, rejects = 0;
+  for (std::uint64_t seed = 0; seed < 1500; ++seed) {
+    const QkvDocumentsPlan plan = head_parallel_plan(seed);
+    if (!cpdispatch::detail::has_head_parallel(plan)) continue;
+    QkvMetadata m = explicit_metadata(plan);
+    Rng rng(seed ^ 0x9e3779b97f4a7c15ULL);
+    const std::uint64_t edits = rng.below(4);  // 0: the planned entries themselves
+    for (std::uint64_t k = 0; k < edits; ++k) mutate(m.hp_attn.entries, rng);
+    const bool brute = brute_force_covers(plan, m) && brute_head_parallel(plan, m), verdict = accepted(plan, m);
+    ASSERT_EQ(verdict, brute) << "seed " << seed << " edits " << edits << (verdict ? std::string() : ": " + rejection(plan, m));
+    ASSERT_EQ(every_share_accepted(plan, m), brute) << "seed " << seed << " edits " << edits << ": every rank's share";
+    (verdict ? accepts : rejects) += 1;
+  }
+  EXPECT_GT(accepts, 300);
+  EXPECT_GT(rejects, 300);
 }
 
 }  // namespace

@@ -6,20 +6,17 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <string>
-#include <tuple>
 
 #include "cpdispatch/cpdispatch.hpp"
 #include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/plan/rank.hpp"
 #include "helpers.hpp"
-#include "../common/same_slice.hpp"
+#include "rank_share.hpp"
 
 namespace {
 
 using cpdispatch::AttentionMask;
 using cptest::I;
-using cptest::same_slice;
+using cptest::every_rank_matches;
 
 /// Causal, full, and windows from one token to past most documents.
 AttentionMask mask_of(std::uint64_t seed) {
@@ -28,49 +25,6 @@ AttentionMask mask_of(std::uint64_t seed) {
     case 1: return AttentionMask::full();
     default: return AttentionMask::sliding_window(1 + static_cast<I>(seed * 7 % 60));
   }
-}
-
-::testing::AssertionResult same_attention(const cpdispatch::RankAttentionLayout& mine, const cpdispatch::AttentionLayout& a, std::size_t u) {
-  if (mine.seqlens_q != a.seqlens_q[u] || mine.seqlens_kv != a.seqlens_kv[u] || mine.cu_seqlens_q != a.cu_seqlens_q[u] ||
-      mine.cu_seqlens_kv != a.cu_seqlens_kv[u] || mine.max_seqlen_q != a.max_seqlen_q[u] || mine.max_seqlen_kv != a.max_seqlen_kv[u] ||
-      mine.mask != a.mask) {
-    return ::testing::AssertionFailure() << "attention layout differs";
-  }
-  return ::testing::AssertionSuccess();
-}
-
-template <class Plan>
-::testing::AssertionResult every_rank_matches(const Plan& plan) {
-  const cpdispatch::QkvMetadata global = cpdispatch::plan_qkv(plan);
-  if (global.attn.mask != plan.mask) return ::testing::AssertionFailure() << "the global layout lost the mask";
-  try {
-    cpdispatch::verify_coverage(plan, global);
-  } catch (const cpdispatch::invalid_input& e) {
-    return ::testing::AssertionFailure() << e.what();
-  }
-  const cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(global);
-  cpdispatch::RankQkvMetadata mine;
-  cpdispatch::RankPlanWorkspace workspace;  // reused across ranks, as a job reuses it across steps
-  for (I r = 0; r < plan.world_size; ++r) {
-    cpdispatch::plan_qkv_for_rank(plan, r, mine, workspace);
-    const std::string at = "rank " + std::to_string(r) + ": ";
-    for (auto [got, want, name] : {std::tuple{&mine.q_fwd, &global.q_fwd, "q_fwd"}, std::tuple{&mine.q_rev, &global.q_rev, "q_rev"},
-                                   std::tuple{&mine.kv_fwd, &global.kv_fwd, "kv_fwd"}, std::tuple{&mine.kv_rev, &global.kv_rev, "kv_rev"}}) {
-      auto same = same_slice(*got, want->get_slice(r), at + name);
-      if (!same) return same;
-    }
-    auto attn = same_attention(mine.attn, global.attn, static_cast<std::size_t>(r));
-    if (!attn) return attn << " at " << at;
-    if (mine.kv_wire.has_value() != plan.dedup) return ::testing::AssertionFailure() << at << "kv_wire present = " << mine.kv_wire.has_value();
-    if (!plan.dedup) continue;
-    const cpdispatch::RankKvWire want = wire.get_slice(r);
-    for (auto [got, w, name] : {std::tuple{&mine.kv_wire->fwd, &want.fwd, "kv_wire_fwd"}, std::tuple{&mine.kv_wire->rev, &want.rev, "kv_wire_rev"}}) {
-      auto same = same_slice(*got, *w, at + name);
-      if (!same) return same;
-    }
-    if (!(mine.kv_wire->fan == want.fan)) return ::testing::AssertionFailure() << at << "fan list differs";
-  }
-  return ::testing::AssertionSuccess();
 }
 
 TEST(MaskRankPlanning, PerRankFormEqualsTheGlobalSlices) {

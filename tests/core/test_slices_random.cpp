@@ -10,15 +10,13 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <random>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/plan/rank.hpp"
 #include "helpers.hpp"
-#include "../common/same_slice.hpp"
+#include "random_slices.hpp"
+#include "rank_share.hpp"
 
 namespace {
 
@@ -27,24 +25,12 @@ using cpdispatch::AttentionMask;
 using cpdispatch::AttentionSlice;
 using cpdispatch::PackedDocument;
 using cpdispatch::QkvDocumentsPlan;
-using cpdispatch::SliceType;
 using cptest::I;
-
-using Rng = std::mt19937_64;
-
-I draw(Rng& rng, I lo, I hi) { return std::uniform_int_distribution<I>(lo, hi)(rng); }
-
-/// Whether slice s lets query p see key t: section 2e's table, written out here.
-bool slice_sees(const AttentionSlice& s, I p, I t) {
-  if (p < s.q_begin || p >= s.q_end || t < s.k_begin || t >= s.k_end) return false;
-  switch (s.type) {
-    case SliceType::full: return true;
-    case SliceType::causal: return t - p <= s.k_end - s.q_end;
-    case SliceType::inv_causal: return t - p >= s.k_begin - s.q_begin;
-    case SliceType::bi_causal: return t - p >= s.k_begin - s.q_begin && t - p <= s.k_end - s.q_end;
-  }
-  return false;
-}
+using cptest::draw;
+using cptest::length_of;
+using cptest::random_slice;
+using cptest::slice_sees;
+using Rng = cptest::SliceRng;
 
 /// Whether query p of `doc` sees key t: its slices, or else the plan's mask.
 bool sees(const PackedDocument& doc, const AttentionMask& mask, I p, I t) {
@@ -53,84 +39,6 @@ bool sees(const PackedDocument& doc, const AttentionMask& mask, I p, I t) {
     if (slice_sees(s, p, t)) return true;
   }
   return false;
-}
-
-I length_of(const PackedDocument& doc) {
-  I total = 0;
-  for (const auto& s : doc.shards) total += s.len;
-  return total;
-}
-
-/// [0, L) cut at random into runs of at least one position: their starts, then L.
-std::vector<I> random_cuts(Rng& rng, I L) {
-  std::vector<I> cuts{0};
-  for (I p = 1; p < L; ++p) {
-    if (draw(rng, 0, 2) == 0) cuts.push_back(p);
-  }
-  cuts.push_back(L);
-  return cuts;
-}
-
-/// A prompt, then responses that each see the prompt and themselves.
-std::vector<AttentionSlice> shared_prefix(Rng& rng, I L) {
-  if (L == 1) return {{0, 1, 0, 1, SliceType::causal}};
-  const I prompt = draw(rng, 1, L - 1);
-  std::vector<AttentionSlice> out{{0, prompt, 0, prompt, SliceType::causal}};
-  const std::vector<I> cuts = random_cuts(rng, L - prompt);
-  for (std::size_t r = 0; r + 1 < cuts.size(); ++r) {
-    const I a = prompt + cuts[r], b = prompt + cuts[r + 1];
-    out.push_back({a, b, 0, prompt, SliceType::full});
-    out.push_back({a, b, a, b, SliceType::causal});
-  }
-  return out;
-}
-
-/// Frames that see every earlier frame and themselves whole.
-std::vector<AttentionSlice> block_causal(Rng& rng, I L) {
-  std::vector<AttentionSlice> out;
-  const std::vector<I> cuts = random_cuts(rng, L);
-  for (std::size_t f = 0; f + 1 < cuts.size(); ++f) out.push_back({cuts[f], cuts[f + 1], 0, cuts[f + 1], SliceType::full});
-  return out;
-}
-
-/// A bidirectional prefix, then causal text that sees the prefix.
-std::vector<AttentionSlice> prefix_lm(Rng& rng, I L) {
-  const I prefix = draw(rng, 1, L);
-  std::vector<AttentionSlice> out{{0, prefix, 0, prefix, SliceType::full}};
-  if (prefix == L) return out;
-  out.push_back({prefix, L, 0, prefix, SliceType::full});
-  out.push_back({prefix, L, prefix, L, SliceType::causal});
-  return out;
-}
-
-AttentionSlice random_slice(Rng& rng, I L) {
-  const I qa = draw(rng, 0, L - 1), qb = draw(rng, qa + 1, L), ka = draw(rng, 0, L - 1), kb = draw(rng, ka + 1, L);
-  return {qa, qb, ka, kb, static_cast<SliceType>(draw(rng, 0, 3))};
-}
-
-/// Random slices of all four types, each kept only when it has a pair and
-/// shares none with those kept before (checked on a grid of every pair).
-std::vector<AttentionSlice> random_mix(Rng& rng, I L) {
-  std::vector<AttentionSlice> out;
-  std::vector<char> taken(static_cast<std::size_t>(L * L), 0);
-  const I tries = draw(rng, 1, 8);
-  for (I n = 0; n < tries; ++n) {
-    const AttentionSlice s = random_slice(rng, L);
-    bool any = false, clash = false;
-    for (I p = 0; p < L; ++p)
-      for (I t = 0; t < L; ++t)
-        if (slice_sees(s, p, t)) {
-          any = true;
-          clash = clash || taken[static_cast<std::size_t>(p * L + t)];
-        }
-    if (!any || clash) continue;
-    for (I p = 0; p < L; ++p)
-      for (I t = 0; t < L; ++t)
-        if (slice_sees(s, p, t)) taken[static_cast<std::size_t>(p * L + t)] = 1;
-    out.push_back(s);
-  }
-  if (out.empty()) out.push_back({0, 1, 0, 1, SliceType::full});
-  return out;
 }
 
 /// A random documents-form plan whose documents have slices of every kind,
@@ -146,25 +54,7 @@ QkvDocumentsPlan random_slice_plan(std::uint64_t seed) {
     default: plan.mask = AttentionMask::sliding_window(draw(rng, 1, 12)); break;
   }
   const I documents = draw(rng, 1, 6);
-  for (I d = 0; d < documents; ++d) {
-    PackedDocument doc;
-    I home = draw(rng, 0, W - 1), dst = draw(rng, 0, W - 1);
-    const I shards = draw(rng, 1, 5);
-    for (I k = 0; k < shards; ++k) {
-      if (k > 0 && draw(rng, 0, 2) == 0) home = (home + 1) % W;  // packed across ranks
-      if (draw(rng, 0, 1) == 0) dst = draw(rng, 0, W - 1);
-      doc.shards.push_back({home, draw(rng, 1, 8), dst});
-    }
-    const I L = length_of(doc);
-    switch (draw(rng, 0, 4)) {
-      case 1: doc.slices = shared_prefix(rng, L); break;
-      case 2: doc.slices = block_causal(rng, L); break;
-      case 3: doc.slices = prefix_lm(rng, L); break;
-      case 4: doc.slices = random_mix(rng, L); break;
-      default: break;  // the plan's mask
-    }
-    plan.documents.push_back(doc);
-  }
+  for (I d = 0; d < documents; ++d) plan.documents.push_back(cptest::random_slice_document(rng, W));
   plan.dedup = seed % 2 == 0;
   return plan;
 }
@@ -287,49 +177,10 @@ TEST(SlicesRandom, EveryAllowedPairInExactlyOneEntry) {
   }
 }
 
-::testing::AssertionResult same_attention(const cpdispatch::RankAttentionLayout& mine, const cpdispatch::AttentionLayout& a, std::size_t r) {
-  if (mine.seqlens_q != a.seqlens_q[r] || mine.seqlens_kv != a.seqlens_kv[r] || mine.cu_seqlens_q != a.cu_seqlens_q[r] ||
-      mine.cu_seqlens_kv != a.cu_seqlens_kv[r] || mine.max_seqlen_q != a.max_seqlen_q[r] || mine.max_seqlen_kv != a.max_seqlen_kv[r] ||
-      mine.mask != a.mask) {
-    return ::testing::AssertionFailure() << "attention layout differs";
-  }
-  if (mine.entries != (a.entries.empty() ? std::vector<std::vector<AttentionEntry>>{} : a.entries[r])) {
-    return ::testing::AssertionFailure() << "entries differ";
-  }
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult every_rank_matches(const QkvDocumentsPlan& plan) {
-  const cpdispatch::QkvMetadata global = cpdispatch::plan_qkv(plan);
-  const cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(global);
-  cpdispatch::RankQkvMetadata mine;
-  cpdispatch::RankPlanWorkspace workspace;  // reused across ranks, as a job reuses it across steps
-  for (I r = 0; r < plan.world_size; ++r) {
-    cpdispatch::plan_qkv_for_rank(plan, r, mine, workspace);
-    const std::string at = "rank " + std::to_string(r) + ": ";
-    for (auto [got, want, name] : {std::tuple{&mine.q_fwd, &global.q_fwd, "q_fwd"}, std::tuple{&mine.q_rev, &global.q_rev, "q_rev"},
-                                   std::tuple{&mine.kv_fwd, &global.kv_fwd, "kv_fwd"}, std::tuple{&mine.kv_rev, &global.kv_rev, "kv_rev"}}) {
-      auto same = cptest::same_slice(*got, want->get_slice(r), at + name);
-      if (!same) return same;
-    }
-    auto attn = same_attention(mine.attn, global.attn, static_cast<std::size_t>(r));
-    if (!attn) return attn << " at " << at;
-    if (mine.kv_wire.has_value() != plan.dedup) return ::testing::AssertionFailure() << at << "kv_wire present = " << mine.kv_wire.has_value();
-    if (!plan.dedup) continue;
-    const cpdispatch::RankKvWire want = wire.get_slice(r);
-    for (auto [got, w, name] : {std::tuple{&mine.kv_wire->fwd, &want.fwd, "kv_wire_fwd"}, std::tuple{&mine.kv_wire->rev, &want.rev, "kv_wire_rev"}}) {
-      auto same = cptest::same_slice(*got, *w, at + name);
-      if (!same) return same;
-    }
-    if (!(mine.kv_wire->fan == want.fan)) return ::testing::AssertionFailure() << at << "fan list differs";
-  }
-  return ::testing::AssertionSuccess();
-}
-
 TEST(SlicesRandom, EachRanksShareEqualsTheGlobalPlan) {
   for (std::uint64_t seed = 1; seed <= 600; ++seed) {
     const QkvDocumentsPlan plan = random_slice_plan(seed);
-    ASSERT_TRUE(every_rank_matches(plan)) << "seed " << seed << " W " << plan.world_size << " dedup " << plan.dedup;
+    ASSERT_TRUE(cptest::every_rank_matches(plan)) << "seed " << seed << " W " << plan.world_size << " dedup " << plan.dedup;
   }
 }
 

@@ -280,15 +280,27 @@ TEST(CoreValidate, RejectsAWrongNumSeqs) {
   EXPECT_THAT(rejection(m.q_rev, "q_rev"), AllOf(HasSubstr("q_rev.num_seqs[0] = 5"), HasSubstr("outside [0, 4]")));
 }
 
-TEST(CoreValidate, RejectsAnEntryWithoutADestination) {
-  auto m = spec();
-  m.q_rev.dst_rank(0, 3) = -1;
-  m.q_rev.dst_offset(0, 3) = 0;
-  EXPECT_THAT(rejection(m.q_rev, "q_rev"), AllOf(HasSubstr("q_rev.seq_len[0][3] = 2"), HasSubstr("no destination")));
+// Section 2f: a head-parallel shard stays home in q_fwd (no destination);
+// that is valid metadata, while the planner's own input still needs a
+// destination for every query shard (test_errors.cpp).
+TEST(CoreValidate, AcceptsAQueryShardThatStaysHome) {
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.documents.push_back({{{0, 2, 0}, {1, 2, 1}}, {}, true});
+  plan.documents.push_back({{{0, 3, 1}}});
+  const auto m = cpdispatch::plan_qkv(plan);
+  ASSERT_EQ(m.q_fwd.dst_rank(0, 0), -1);  // the head-parallel shard on rank 0
+  ASSERT_EQ(m.q_fwd.dst_rank(0, 1), 1);
+  EXPECT_NO_THROW(m.q_fwd.validate("q_fwd"));
+  EXPECT_NO_THROW(m.q_rev.validate("q_rev"));
+  EXPECT_NO_THROW(m.kv_fwd.validate("kv_fwd"));
+  EXPECT_NO_THROW(m.kv_rev.validate("kv_rev"));
+  EXPECT_NO_THROW(m.hp_fwd.validate("hp_fwd"));
+  EXPECT_NO_THROW(m.hp_rev.validate("hp_rev"));
 }
 
 // Section 2e: a KV shard that no query needs has no copy in kv_fwd; that is
-// valid (it stays home), while a query shard without a destination is not.
+// valid (it stays home).
 TEST(CoreValidate, AcceptsAKeyValueShardThatNoQueryNeeds) {
   cpdispatch::QkvDocumentsPlan plan;
   plan.world_size = 2;

@@ -20,8 +20,8 @@
 
 #include "attention_op/cp_world.hpp"
 #include "attention_op/run_op.hpp"
+#include "attention_op/slice_plans.hpp"
 #include "cpdispatch/cuda/context_parallel.hpp"
-#include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
 #include "cuda_test_util.hpp"
 
@@ -91,44 +91,16 @@ RankResult device_step(Op& op, const RankTensors& x) {
 /// Every rank plans its own share, builds the device op and runs one step.
 template <class E>
 std::vector<RankResult> run_device_op(const CpWorld& world, const AttentionShape& shape, CpAttentionOptions options) {
-  const auto W = static_cast<std::size_t>(world.plan().world_size);
-  std::vector<RankResult> results(W);
-  DeviceSimWorld sim(static_cast<int>(W));
-  sim.run([&](DeviceSimTransport& t) {
-    const auto r = static_cast<std::size_t>(t.rank());
-    const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+  DeviceSimWorld sim(static_cast<int>(world.plan().world_size));
+  return attention_test::on_every_rank(sim, world, [&](DeviceSimTransport& t, const cpdispatch::RankQkvMetadata& share) {
     DeviceOp<E> op(t, share, shape, options);
-    results[r] = device_step<E>(op, world.tensors(r));
-    results[r].q_rev = share.q_rev;
+    return device_step<E>(op, world.tensors(static_cast<std::size_t>(t.rank())));
   });
-  return results;
 }
 
-struct Case {
-  const char* name;
-  int world_size;
-  std::int64_t heads_q, heads_kv;
-  AttentionMask mask;
-  bool dedup;
-  int stages;
-  std::uint64_t seed;
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
-AttentionShape shape_of(const Case& c) { return {c.heads_q, c.heads_kv, 4, 0.45f}; }
-
-cpdispatch::QkvDocumentsPlan plan_of(int world_size, std::uint64_t seed, const AttentionMask& mask, bool dedup) {
-  cpdispatch::RandomDocumentsOptions o;
-  o.world_size = world_size;
-  o.num_documents = world_size + 2;
-  o.max_shards = 4;
-  o.max_len = 5;
-  cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
-  plan.mask = mask;
-  plan.dedup = dedup;
-  return plan;
-}
+using Case = attention_test::OpCase;
+using attention_test::random_plan;
+using attention_test::shape_of;
 
 const AttentionMask window3 = AttentionMask::sliding_window(3);
 
@@ -154,7 +126,7 @@ INSTANTIATE_TEST_SUITE_P(Pairwise, CpAttentionDevice, testing::ValuesIn(cases),
 TEST_P(CpAttentionDevice, EqualsWholeDocumentAttention) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   const Case& c = GetParam();
-  const CpWorld world(plan_of(c.world_size, c.seed, c.mask, c.dedup), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
+  const CpWorld world(random_plan(c.world_size, c.seed, c.mask, c.dedup), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
   world.expect_equal(run_device_op<float>(world, shape_of(c), {c.dedup, c.stages}), 1e-5);
 }
 
@@ -163,17 +135,9 @@ TEST_P(CpAttentionDevice, EqualsWholeDocumentAttention) {
 /// several per query shard sharing its rows, and equals the reference.
 TEST(CpAttentionDeviceSlices, SharedPrefixEqualsTheReference) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
-  using cpdispatch::SliceType;
-  cpdispatch::QkvDocumentsPlan plan;
-  plan.world_size = 2;
-  plan.documents = {{{{0, 3, 1}, {0, 2, 0}, {1, 3, 1}},
-                     {{0, 3, 0, 3, SliceType::causal}, {3, 5, 0, 3, SliceType::full}, {3, 5, 3, 5, SliceType::causal},
-                      {5, 8, 0, 3, SliceType::full}, {5, 8, 5, 8, SliceType::causal}}},
-                    {{{1, 2, 1}, {1, 2, 0}}}};
   const AttentionShape shape{4, 2, 4, 0.45f};
   for (const bool dedup : {false, true}) {
-    plan.dedup = dedup;
-    const CpWorld world(plan, shape, AttentionMask::causal(), 62, attention_test::round_to<float>);
+    const CpWorld world(attention_test::shared_prefix_example(dedup), shape, AttentionMask::causal(), 62, attention_test::round_to<float>);
     for (const int stages : {1, 2}) world.expect_equal(run_device_op<float>(world, shape, {dedup, stages}), 1e-5);
   }
 }
@@ -183,7 +147,7 @@ TEST(CpAttentionDeviceOneStage, BitwiseTheSameRunToRun) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   const AttentionShape shape{4, 2, 4, 0.45f};
   for (const bool dedup : {false, true}) {
-    const CpWorld world(plan_of(4, 61, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 61, attention_test::round_to<float>);
+    const CpWorld world(random_plan(4, 61, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 61, attention_test::round_to<float>);
     const std::vector<RankResult> a = run_device_op<float>(world, shape, {dedup, 1}), b = run_device_op<float>(world, shape, {dedup, 1});
     for (std::size_t r = 0; r < a.size(); ++r) {
       EXPECT_TRUE(a[r].out == b[r].out && a[r].dq == b[r].dq && a[r].dk == b[r].dk && a[r].dv == b[r].dv && a[r].lse == b[r].lse)
@@ -197,7 +161,7 @@ TEST(CpAttentionDeviceOneStage, BitwiseTheSameRunToRun) {
 template <class E>
 void expect_within_twice_unsharded(bool dedup, int stages) {
   const AttentionShape shape{2, 1, 8, 0.35f};
-  const CpWorld sharded(plan_of(4, 63, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 63, attention_test::round_to<E>);
+  const CpWorld sharded(random_plan(4, 63, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 63, attention_test::round_to<E>);
   const CpWorld whole(CpWorld::unsharded(sharded.plan()), shape, AttentionMask::causal(), 63, attention_test::round_to<E>);
   const std::array<double, 5> got = sharded.relative_errors(run_device_op<E>(sharded, shape, {dedup, stages}));
   const std::array<double, 5> base = whole.relative_errors(run_device_op<E>(whole, shape, {}));
@@ -238,7 +202,7 @@ TEST(CpAttentionDeviceReplan, EveryStepEqualsWholeDocumentAttention) {
     std::vector<CpWorld> worlds;
     for (int i = 0; i < steps; ++i) {
       const AttentionMask mask = i % 2 ? window3 : AttentionMask::causal();
-      worlds.emplace_back(plan_of(W, 70 + static_cast<std::uint64_t>(i), mask, dedup), shape, mask, 70 + static_cast<std::uint64_t>(i),
+      worlds.emplace_back(random_plan(W, 70 + static_cast<std::uint64_t>(i), mask, dedup), shape, mask, 70 + static_cast<std::uint64_t>(i),
                           attention_test::round_to<float>);
     }
     std::vector<std::vector<RankResult>> results(steps, std::vector<RankResult>(W));
@@ -296,19 +260,14 @@ class EarlyReadTransport {
 
 /// One step with stages = 3 over the broken transport, every rank's results.
 std::vector<RankResult> run_early_read_op(const CpWorld& world, const AttentionShape& shape) {
-  const auto W = static_cast<std::size_t>(world.plan().world_size);
-  std::vector<RankResult> results(W);
-  DeviceSimWorld sim(static_cast<int>(W));
-  sim.run([&](DeviceSimTransport& t) {
-    const auto r = static_cast<std::size_t>(t.rank());
-    const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
+  DeviceSimWorld sim(static_cast<int>(world.plan().world_size));
+  return attention_test::on_every_rank(sim, world, [&](DeviceSimTransport& t, const cpdispatch::RankQkvMetadata& share) {
     EarlyReadTransport early(t);
     cpdispatch::ContextParallelAttention<EarlyReadTransport, float> op(early, share, shape, {false, 3});
-    results[r] = device_step<float>(op, world.tensors(r));
+    RankResult mine = device_step<float>(op, world.tensors(static_cast<std::size_t>(t.rank())));
     early.retire();
-    results[r].q_rev = share.q_rev;
+    return mine;
   });
-  return results;
 }
 
 /// Whether every result is finite and within 1e-5 of the reference.
@@ -320,7 +279,7 @@ bool exact(const CpWorld& world, const std::vector<RankResult>& results) {
 TEST(CpAttentionDeviceStreams, ReadingAStageBeforeItsWaitIsCaughtAndTheOpIsExactUnderEverySeed) {
   const cuda_harness::SeedGuard restore;
   const AttentionShape shape{2, 1, 4, 0.4f};
-  const CpWorld world(plan_of(3, 81, AttentionMask::causal(), false), shape, AttentionMask::causal(), 81, attention_test::round_to<float>);
+  const CpWorld world(random_plan(3, 81, AttentionMask::causal(), false), shape, AttentionMask::causal(), 81, attention_test::round_to<float>);
   int caught = 0;
   for (std::uint64_t seed = 1; seed <= 12; ++seed) {
     cuda_harness::set_seed(seed);
@@ -336,7 +295,7 @@ TEST(CpAttentionDeviceStreams, ReadingAStageBeforeItsWaitIsCaughtAndTheOpIsExact
 TEST(CpAttentionDeviceStreams, AStagedStepMakesNoSynchronisingCall) {
   const AttentionShape shape{4, 2, 4, 0.4f};
   for (const bool dedup : {false, true}) {
-    const CpWorld world(plan_of(3, 83, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 83, attention_test::round_to<float>);
+    const CpWorld world(random_plan(3, 83, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 83, attention_test::round_to<float>);
     std::vector<std::uint64_t> synchronising(3);
     std::vector<RankResult> results(3);
     DeviceSimWorld sim(3);

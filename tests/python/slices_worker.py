@@ -5,7 +5,7 @@ no slice covers) mixed with plain causal documents, against unsharded
 float64 attention whose mask is built from each document's slices; 1 to 3
 stages, the blockwise kernel and the stand-ins of flash-attention's and
 sdpa's, dedup off and on, grouped-query attention with a value dimension of
-its own; stages = 1 twice gives the same bytes.
+its own; stages = 1 twice gives the same bytes (workers.py).
 
 Two modes:
 
@@ -19,23 +19,17 @@ Two modes:
   RankDispatch.entries. Tests the op's use of entries without the planner.
 """
 
-import json
-import os
+import functools
 import random
-import traceback
 
 import torch
-import torch.distributed as dist
 
 import cpdispatch
-import kernel_fakes
 import slice_masks
-from cpdispatch.torch import ContextParallelAttention, RankDispatch
-from stages_worker import CountingKernel, documents_of, local_rows, mine
+import workers
+from cpdispatch.torch import RankDispatch
+from workers import SCALE, documents_of, local_rows
 
-HEADS, HEADS_KV, DIM, DIM_V = 4, 2, 4, 3
-SCALE = DIM ** -0.5
-SHAPES = [(HEADS, DIM), (HEADS_KV, DIM), (HEADS_KV, DIM_V), (HEADS, DIM_V)]  # q, k, v and the output's gradient weights
 MODES = ("planned", "given")
 
 
@@ -129,14 +123,9 @@ def given_entries(plan, dispatch, rank):
 
 def expected(plan, seed):
     """The documents' inputs, output-gradient weights, outputs and gradients (dense, float64, masks from the slices)."""
-    gen = torch.Generator().manual_seed(seed)
     docs = slices_of(plan)
-    q, k, v, w = ([torch.randn(n, *shape, generator=gen, dtype=torch.float64).requires_grad_(i < 3) for n, _ in docs]
-                  for i, shape in enumerate(SHAPES))
-    outs = [slice_masks.masked_attention(*x, slice_masks.slice_mask(n, slices), SCALE)[0] for x, (n, slices) in zip(zip(q, k, v), docs)]
-    sum((o * wd).sum() for o, wd in zip(outs, w)).backward()
-    grads = [[x.grad if x.grad is not None else torch.zeros_like(x) for x in xs] for xs in (q, k, v)]
-    return (q, k, v, w), [o.detach() for o in outs], grads
+    return workers.expected([n for n, _ in docs], lambda d, q, k, v: slice_masks.masked_attention(
+        q, k, v, slice_masks.slice_mask(*docs[d]), SCALE)[0], seed)
 
 
 def dispatch_for(plan, mode, dedup, rank):
@@ -150,71 +139,28 @@ def dispatch_for(plan, mode, dedup, rank):
     return dispatch
 
 
-def attend(plan, mode, dedup, stages, kernel, inputs, rows, rank):
-    q, k, v, w = (mine([x.detach() for x in xs], rows, shape) for xs, shape in zip(inputs, SHAPES))
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    dispatch = dispatch_for(plan, mode, dedup, rank)
-    out = ContextParallelAttention(softmax_scale=SCALE, kernel=kernel, stages=stages)(q, k, v, dispatch)
-    (out * w).sum().backward()
-    return [out.detach(), q.grad, k.grad, v.grad], dispatch
-
-
 def check_case(plan, mode, dedup, stages, kernel, rank, seed):
-    """Against unsharded attention; returns how many query shards the stages
-    cut into parts merged by lse and the passes and calls (blockwise)."""
-    inputs, outs, grads = expected(plan, seed)
-    rows = local_rows(plan, rank)
-    calls = CountingKernel.calls
-    got, dispatch = attend(plan, mode, dedup, stages, kernel, inputs, rows, rank)
-    calls = CountingKernel.calls - calls
-    want = [mine(outs, rows, (HEADS, DIM_V))] + [mine(g, rows, shape) for g, shape in zip(grads, SHAPES)]
-    for name, g, x in zip(("out", "dq", "dk", "dv"), got, want):
-        assert torch.isfinite(g).all(), f"{name} has a NaN or infinity"
-        torch.testing.assert_close(g, x, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
-    passes = [parts for round_passes in getattr(dispatch.staging(stages), "passes", []) for parts in round_passes]
-    starts = [part[0] for parts in passes for part in parts]
-    return {"split": sum(starts.count(q0) > 1 for q0 in set(starts)), "passes": len(passes), "calls": calls,
-            "entries": len(dispatch.entries or [])}
+    """Against unsharded attention: workers.check_case's counts and this rank's entries."""
+    dispatch = dispatch_for(plan, mode, dedup, rank)
+    return dict(workers.check_case(dispatch, kernel, stages, expected(plan, seed), local_rows(plan, rank)), entries=len(dispatch.entries or []))
 
 
 def bitwise_twice(plan, mode, dedup, rank, seed):
     inputs, _, _ = expected(plan, seed)
-    rows = local_rows(plan, rank)
-    first, _ = attend(plan, mode, dedup, 1, "blockwise", inputs, rows, rank)
-    second, _ = attend(plan, mode, dedup, 1, "blockwise", inputs, rows, rank)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), first, second):
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), f"{name} differs between two runs"
+    workers.bitwise_twice(lambda: dispatch_for(plan, mode, dedup, rank), inputs, local_rows(plan, rank))
 
 
-def kernels():
-    runs = [("blockwise", CountingKernel(), s) for s in (1, 2, 3)]
-    return runs + [("flash_attn_varlen", "flash_attn_varlen", 1), ("flash_attn_varlen", "flash_attn_varlen", 3), ("sdpa", "sdpa", 1)]
+def cases(world):
+    """(name, case(rank, seed)) of every plan, mode, dedup and kernel run, and the bitwise check."""
+    for name, plan in plans(world):
+        assert len(documents_of(plan)) == len(plan["documents"])
+        for mode in MODES:
+            for dedup in (False, True):
+                for kernel_name, kernel, stages in workers.kernels():
+                    yield f"{mode} {name} dedup={dedup} {kernel_name} stages={stages}", functools.partial(
+                        check_case, plan, mode, dedup, stages, kernel)
+                yield f"{mode} {name} dedup={dedup} bitwise", functools.partial(bitwise_twice, plan, mode, dedup)
 
 
 def run(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)  # the ranks share two cores with the rest of the tests
-    kernel_fakes.install_flash()
-    kernel_fakes.install_sdpa()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    results = {}
-    try:
-        for name, plan in plans(world):
-            assert len(documents_of(plan)) == len(plan["documents"])
-            for mode in MODES:
-                for dedup in (False, True):
-                    for kernel_name, kernel, stages in kernels():
-                        case = f"{mode} {name} dedup={dedup} {kernel_name} stages={stages}"
-                        try:
-                            results[case] = check_case(plan, mode, dedup, stages, kernel, rank, seed=len(results))
-                        except Exception:  # every case reports; the collectives stay matched (the same calls on every rank)
-                            results[case] = {"error": traceback.format_exc()}
-                    case = f"{mode} {name} dedup={dedup} bitwise"
-                    try:
-                        bitwise_twice(plan, mode, dedup, rank, seed=len(results))
-                        results[case] = {}
-                    except Exception:
-                        results[case] = {"error": traceback.format_exc()}
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
+    workers.run_cases(rank, world, init_file, out_dir, cases(world))

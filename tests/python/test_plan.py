@@ -16,6 +16,12 @@ cpdispatch = require("cpdispatch")
 
 PLANS = random_plans(seed=20240601, count=6)
 
+# docs/plan-format.md example 4.7: a head-parallel document (section 2f) beside dispatched ones.
+HEAD_PARALLEL = {"kind": "qkv", "world_size": 4, "head_parallel_degree": 2, "documents": [
+    {"shards": [{"rank": 0, "len": 3}, {"rank": 1, "len": 2}], "head_parallel": True},
+    {"shards": [{"rank": 1, "len": 2, "dst": 2}, {"rank": 2, "len": 4, "dst": 3}]},
+    {"shards": [{"rank": 3, "len": 1, "dst": 0}]}]}
+
 
 def run_cli(cli, document, *args):
     done = subprocess.run([cli, *args, "-", "--compact"], input=json.dumps(document), capture_output=True, text=True, check=False)
@@ -221,6 +227,8 @@ BAD = [
     ({"world_size": 1, "ranks": [{"docs": [{"shard_len": [1.5], "dst": [0]}]}]}, "ranks[0].docs[0].shard_len[0]"),
     ({"world_size": 1, "ranks": [{"docs": [{"shard_len": [object()], "dst": [0]}]}]}, "ranks.docs.shard_len"),
     ("{not json", "invalid JSON"),
+    (dict(HEAD_PARALLEL, head_parallel_degree=3), "head_parallel_degree"),
+    ({**HEAD_PARALLEL, "documents": [dict(HEAD_PARALLEL["documents"][0], head_parallel="yes")]}, "documents[0].head_parallel"),
 ]
 
 
@@ -256,3 +264,24 @@ def test_masked_plans_equal_cli(cli, name, mask):
         assert as_json(result) == run_cli(cli, plan, "--dedup")
         for rank in range(plan["world_size"]):
             assert as_json(cpdispatch.plan_for_rank(plan, rank)) == run_cli(cli, plan, "--rank", str(rank))
+
+
+def test_head_parallel_plans_equal_cli(cli):
+    result = cpdispatch.plan(HEAD_PARALLEL)
+    assert result["hp_attn"]["documents"] == [[0], [0], [], []]
+    assert result["hp_fwd"]["dst_offset"].tolist()[1][0] == [3, 3]
+    assert result["q_fwd"]["dst_rank"].tolist()[0] == [-1, -1]
+    assert as_json(result) == run_cli(cli, HEAD_PARALLEL)
+    for rank in range(HEAD_PARALLEL["world_size"]):
+        share = cpdispatch.plan_for_rank(HEAD_PARALLEL, rank)
+        assert share["hp_attn"]["group_rank"] == rank % 2
+        assert as_json(share) == run_cli(cli, HEAD_PARALLEL, "--rank", str(rank))
+    plain = cpdispatch.plan(dict(HEAD_PARALLEL, documents=HEAD_PARALLEL["documents"][1:]))
+    assert not {"hp_fwd", "hp_rev", "hp_attn"} & plain.keys()
+
+
+def test_torch_refuses_head_parallel_documents():
+    require("torch")
+    from cpdispatch.torch import RankDispatch  # pylint: disable=import-outside-toplevel
+    with pytest.raises(ValueError, match="head-parallel documents"):
+        RankDispatch(HEAD_PARALLEL, rank=0)

@@ -13,7 +13,6 @@ test_slice_plans_and_balance_equal_cli; the worker's balanced plan needs
 cpdispatch.balance to take slices, in both modes. The other tests ("given"
 entries over a full-mask layout, derived by the test) run without it."""
 
-import json
 import random
 
 import pytest
@@ -23,6 +22,8 @@ from conftest import require
 torch = require("torch")
 cpdispatch = require("cpdispatch")
 
+import workers  # after the requires: it imports torch and cpdispatch
+
 WORLDS = [1, 2, 3, 4]
 CASES_PER_MODE = 3 * 2 * 7  # plans, dedup, six kernel runs and the bitwise check
 
@@ -30,57 +31,35 @@ CASES_PER_MODE = 3 * 2 * 7  # plans, dedup, six kernel runs and the bitwise chec
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     """Per world size, every rank's results, run once."""
-    import torch.multiprocessing as mp
-
     import slices_worker
-
-    cache = {}
-
-    def run(world):
-        if world not in cache:
-            tmp = tmp_path_factory.mktemp(f"slices{world}")
-            mp.start_processes(slices_worker.run, args=(world, str(tmp / "init"), str(tmp)), nprocs=world, join=True, start_method="fork")
-            cache[world] = [json.load(open(tmp / f"rank{r}.json")) for r in range(world)]
-        return cache[world]
-
-    return run
+    return workers.outcomes(tmp_path_factory, slices_worker.run, "slices")
 
 
 def failures(results, mode):
-    cases = {case: res for rank in results for case, res in rank.items() if case.startswith(mode + " ")}
+    cases = {case for rank in results for case in rank if case.startswith(mode + " ")}
     assert len(cases) == CASES_PER_MODE, sorted(cases)
-    return {f"rank {r}: {case}": res["error"] for r, rank in enumerate(results) for case, res in rank.items()
-            if case.startswith(mode + " ") and "error" in res}
+    return workers.errors(results, lambda case: case.startswith(mode + " "))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_given_entries_equal_unsharded_slice_attention(outcomes, world):
     # No C++ slice planning needed: the entries come from the test.
     failed = failures(outcomes(world), "given")
-    assert not failed, "\n".join(f"{case}\n{error}" for case, error in failed.items())
+    assert not failed, workers.report(failed)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_slice_plans_equal_unsharded_slice_attention(outcomes, world):
     # Needs the C++ slice planning: the entries come from the plan (attn.entries of each rank).
     failed = failures(outcomes(world), "planned")
-    assert not failed, "\n".join(f"{case}\n{error}" for case, error in failed.items())
+    assert not failed, workers.report(failed)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_stages_cut_entries_into_parts(outcomes, world):
     # The staged runs really cut query shards' entries into parts in several
     # rounds (merged by lse), and the blockwise kernel is called once per pass.
-    split = {}
-    for rank in outcomes(world):
-        for case, res in rank.items():
-            if "error" in res or case.endswith("bitwise"):
-                continue
-            mode, _, _, kernel, stages = case.split(" ")
-            if kernel == "blockwise":
-                assert res["calls"] == (res["passes"] if stages != "stages=1" else 0), (case, res)
-            if stages != "stages=1" and mode == "given":
-                split[kernel] = split.get(kernel, 0) + res["split"]
+    split = workers.split_parts(outcomes(world), lambda words: words[3] if words[0] == "given" else None)
     assert split and all(n > 0 for n in split.values()), split
 
 

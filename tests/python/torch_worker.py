@@ -14,6 +14,7 @@ import cpdispatch
 from cpdispatch.torch import ContextParallelAttention, RankDispatch
 
 from plans import documents_plan, rank_plan
+from workers import documents_of, local_rows
 
 HEADS, DIM = 2, 4
 
@@ -41,13 +42,6 @@ def test_plans(world):
     return plans
 
 
-def documents_of(plan):
-    """Per document, its shards in causal order as (home rank, length)."""
-    if "documents" in plan:
-        return [[(s["rank"], s["len"]) for s in doc["shards"]] for doc in plan["documents"]]
-    return [[(r, n) for n in doc["shard_len"]] for r, rank in enumerate(plan["ranks"]) for doc in rank["docs"]]
-
-
 def sees(mask, p, t):
     """Whether the query at document position p sees the key at t (section 2d's table)."""
     if mask["type"] == "full":
@@ -64,18 +58,6 @@ def reference(q, k, v, mask):
     scores = torch.einsum("qhd,khd->hqk", q, k) * DIM ** -0.5
     scores = scores.masked_fill(~sees(mask, pos[:, None], pos[None, :]), float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
-
-
-def local_rows(plan, rank):
-    """(document, start, length) of rank's MLP layout, in order (documents in order, shards in order)."""
-    rows = []
-    for d, shards in enumerate(documents_of(plan)):
-        start = 0
-        for home, n in shards:
-            if home == rank:
-                rows.append((d, start, n))
-            start += n
-    return rows
 
 
 def check_case(plan, mask, dedup, rank, seed):

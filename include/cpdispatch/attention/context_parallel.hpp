@@ -254,6 +254,9 @@ class ContextParallelAttention {
     const char* who = "ContextParallelAttention";
     const int me = transport_.rank(), W = transport_.world_size();
     planned_ = forward_done_ = false;
+    if (share.has_head_parallel()) {
+      fail("the share has head-parallel documents (docs/plan-format.md, section 2f), which this op does not run yet; plan them as dispatched documents");
+    }
     if (options_.dedup) {
       if (!share.kv_wire) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
       wire_planner_.plan(share.kv_wire->fwd, share.kv_wire->rev, share.kv_wire->fan, kv_token_bytes(), me, W, wire_plan_);

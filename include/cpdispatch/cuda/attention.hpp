@@ -130,6 +130,31 @@ __host__ __device__ inline const RowSegment& segment_of(const RowSegment* segmen
   return segments[lo];
 }
 
+/// Launch row i's place: its segment and the buffer row it stands for
+/// (a query row or a key row, as the launch's cover is).
+struct LaunchRow {
+  RowSegment seg;
+  std::int64_t row;
+};
+
+__host__ __device__ inline LaunchRow launch_row(const RowSegment* segments, std::int64_t count, std::int64_t i) {
+  const RowSegment seg = segment_of(segments, count, i);
+  return {seg, seg.begin + (i - seg.offset)};
+}
+
+/// Calls f(kr) for each key row that query row `at.row` sees, over every
+/// entry of its segment in index order; kr is the first element of that
+/// key row's head g in k and v. Forward and dq walk the keys alike.
+template <class F>
+__device__ inline void for_each_visible_key(const Params& p, const AttentionEntry* entries, const std::int64_t* ids, const LaunchRow& at,
+                                            std::int64_t g, F&& f) {
+  for (std::int64_t n = 0; n < at.seg.count; ++n) {
+    std::int64_t lo = 0, hi = 0;
+    visible_keys(entries[ids[at.seg.first + n]], at.row, lo, hi);
+    for (std::int64_t t = lo; t < hi; ++t) f((t * p.heads_kv + g) * p.head_dim);
+  }
+}
+
 template <class E>
 __host__ __device__ inline float dot(const E* a, const E* b, std::int64_t n) {
   float s = 0.0f;
@@ -145,31 +170,24 @@ __global__ void __launch_bounds__(block_threads)
                    const E* q, const E* k, const E* v, E* out, float* lse) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, h = blockIdx.y;
   if (i >= p.rows) return;
-  const RowSegment seg = segment_of(segments, p.segments, i);
-  const std::int64_t row = seg.begin + (i - seg.offset);
-  const std::int64_t D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
+  const LaunchRow at = launch_row(segments, p.segments, i);
+  const std::int64_t row = at.row, D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
   const E* qr = q + (row * p.heads_q + h) * D;
   float acc[max_head_dim];
   for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
   float m = -INFINITY, l = 0.0f;
-  for (std::int64_t n = 0; n < seg.count; ++n) {
-    const AttentionEntry e = entries[ids[seg.first + n]];
-    std::int64_t lo = 0, hi = 0;
-    visible_keys(e, row, lo, hi);
-    for (std::int64_t t = lo; t < hi; ++t) {
-      const std::int64_t kr = (t * p.heads_kv + g) * D;
-      const float s = dot(qr, k + kr, D) * p.scale;
-      if (s > m) {  // a new maximum: rescale what was summed against the old one
-        const float c = expf(m - s);
-        l *= c;
-        for (std::int64_t d = 0; d < D; ++d) acc[d] *= c;
-        m = s;
-      }
-      const float w = expf(s - m);
-      l += w;
-      for (std::int64_t d = 0; d < D; ++d) acc[d] += w * load(v, kr + d);
+  for_each_visible_key(p, entries, ids, at, g, [&](std::int64_t kr) {
+    const float s = dot(qr, k + kr, D) * p.scale;
+    if (s > m) {  // a new maximum: rescale what was summed against the old one
+      const float c = expf(m - s);
+      l *= c;
+      for (std::int64_t d = 0; d < D; ++d) acc[d] *= c;
+      m = s;
     }
-  }
+    const float w = expf(s - m);
+    l += w;
+    for (std::int64_t d = 0; d < D; ++d) acc[d] += w * load(v, kr + d);
+  });
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   for (std::int64_t d = 0; d < D; ++d) store(out, (row * p.heads_q + h) * D + d, acc[d] * inv);
   lse[h * p.tokens_q + row] = l > 0.0f ? m + logf(l) : -INFINITY;
@@ -181,8 +199,7 @@ __global__ void __launch_bounds__(block_threads)
     delta_kernel(Params p, const RowSegment* segments, const E* out, const E* dout, float* delta) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, h = blockIdx.y;
   if (i >= p.rows) return;
-  const RowSegment& seg = segment_of(segments, p.segments, i);
-  const std::int64_t row = seg.begin + (i - seg.offset), base = (row * p.heads_q + h) * p.head_dim;
+  const std::int64_t row = launch_row(segments, p.segments, i).row, base = (row * p.heads_q + h) * p.head_dim;
   delta[h * p.delta_pitch + row] = dot(out + base, dout + base, p.head_dim);
 }
 
@@ -194,23 +211,19 @@ __global__ void __launch_bounds__(block_threads)
                       const E* q, const E* k, const E* v, const float* lse, const E* dout, const float* delta, E* dq) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, h = blockIdx.y;
   if (i >= p.rows) return;
-  const RowSegment seg = segment_of(segments, p.segments, i);
-  const std::int64_t row = seg.begin + (i - seg.offset), D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
+  const LaunchRow at = launch_row(segments, p.segments, i);
+  const std::int64_t row = at.row, D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
   const std::int64_t qi = (row * p.heads_q + h) * D;
   float acc[max_head_dim];
   for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
   const float row_lse = lse[h * p.tokens_q + row], shift = delta[h * p.delta_pitch + row];
   // A row whose lse is -infinity saw nothing in the whole attention: dq = 0.
-  for (std::int64_t n = 0; n < seg.count && row_lse != -INFINITY; ++n) {
-    const AttentionEntry e = entries[ids[seg.first + n]];
-    std::int64_t lo = 0, hi = 0;
-    visible_keys(e, row, lo, hi);
-    for (std::int64_t t = lo; t < hi; ++t) {
-      const std::int64_t kr = (t * p.heads_kv + g) * D;
+  if (row_lse != -INFINITY) {
+    for_each_visible_key(p, entries, ids, at, g, [&](std::int64_t kr) {
       const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
       const float ds = prob * (dot(dout + qi, v + kr, D) - shift) * p.scale;
       for (std::int64_t d = 0; d < D; ++d) acc[d] += ds * load(k, kr + d);
-    }
+    });
   }
   for (std::int64_t d = 0; d < D; ++d) store(dq, qi + d, acc[d]);
 }
@@ -225,8 +238,9 @@ __global__ void __launch_bounds__(block_threads)
                           E* dv) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, g = blockIdx.y;
   if (i >= p.rows) return;
-  const RowSegment seg = segment_of(segments, p.segments, i);
-  const std::int64_t t = seg.begin + (i - seg.offset), D = p.head_dim, group = p.heads_q / p.heads_kv;
+  const LaunchRow at = launch_row(segments, p.segments, i);
+  const RowSegment& seg = at.seg;
+  const std::int64_t t = at.row, D = p.head_dim, group = p.heads_q / p.heads_kv;
   const std::int64_t kr = (t * p.heads_kv + g) * D;
   float acc_k[max_head_dim], acc_v[max_head_dim];
   for (std::int64_t d = 0; d < D; ++d) acc_k[d] = acc_v[d] = 0.0f;

@@ -405,8 +405,34 @@ inline void read_extra_keys(const json& obj, const JsonPath& path, PackedDocumen
   for (std::size_t i = 0; i < list->size(); ++i) doc.slices.push_back(read_slice((*list)[i], p[i]));
 }
 
+/// A plan's optional "head_parallel_degree" (section 2f; plan_qkv checks its value).
+inline void read_extra_keys(const json& obj, const JsonPath& path, QkvDocumentsPlan& plan) {
+  if (const json* u = member(obj, path, "head_parallel_degree", false)) plan.head_parallel_degree = read_int(*u, path / "head_parallel_degree");
+}
+
 template <class S>
 void read_extra_keys(const json&, const JsonPath&, S&) {}
+
+/// A document's optional "head_parallel" (section 2f), true or false.
+inline void read_head_parallel(const json& obj, const JsonPath& path, PackedDocument& doc) {
+  const json* hp = member(obj, path, "head_parallel", false);
+  if (!hp) return;
+  if (!hp->is_boolean()) fail_at(path / "head_parallel", ": expected true or false, got ", describe(*hp));
+  doc.head_parallel = hp->get<bool>();
+}
+
+/// A head-parallel document's shards need no "dst" (section 2f): where it is
+/// missing or null it reads as -1. Other objects are read as they are.
+inline const json& with_default_dst(const json& obj, json& patched) {
+  const auto hp = obj.find("head_parallel");
+  const auto shards = obj.find("shards");
+  if (hp == obj.end() || *hp != json(true) || shards == obj.end() || !shards->is_array()) return obj;
+  patched = obj;
+  for (json& shard : patched["shards"]) {
+    if (shard.is_object() && (!shard.contains("dst") || shard["dst"].is_null())) shard["dst"] = -1;
+  }
+  return patched;
+}
 
 /// A per-rank document has no slices: they need the documents form (a
 /// message of its own rather than "unknown key").
@@ -419,13 +445,16 @@ inline void reject_misplaced_keys(const json& obj, const JsonPath& path, const D
 template <class S>
 void reject_misplaced_keys(const json&, const JsonPath&, const S&) {}
 
-/// Keys an object of S may have beyond its table's: a document's "slices".
+/// Keys an object of S may have beyond its table's: a document's "slices"
+/// and "head_parallel", a documents-form plan's "head_parallel_degree".
 /// Messages about unknown keys name the table's keys only, as they always have.
-inline constexpr std::array<std::string_view, 1> document_extra_keys{"slices"};
+inline constexpr std::array<std::string_view, 2> document_extra_keys{"slices", "head_parallel"};
+inline constexpr std::array<std::string_view, 1> documents_plan_extra_keys{"head_parallel_degree"};
 
 template <class S>
 constexpr std::span<const std::string_view> extra_keys() {
   if constexpr (std::is_same_v<S, PackedDocument>) return document_extra_keys;
+  if constexpr (std::is_same_v<S, QkvDocumentsPlan>) return documents_plan_extra_keys;
   return {};
 }
 
@@ -436,7 +465,15 @@ void read_fields(const json& obj, const JsonPath& path, S& out) {
   reject_misplaced_keys(obj, path, out);
   static constexpr auto keys = fields::keys<S>();
   check_keys(obj, path, fields::Table<S>::what, keys, extra_keys<S>());
-  fields::for_each<S>([&](const auto& entry) { read_field(obj, path, entry, out); });
+  json patched;
+  const json& read = [&]() -> const json& {
+    if constexpr (std::is_same_v<S, PackedDocument>) {
+      read_head_parallel(obj, path, out);
+      return with_default_dst(obj, patched);
+    }
+    return obj;
+  }();
+  fields::for_each<S>([&](const auto& entry) { read_field(read, path, entry, out); });
   read_extra_keys(obj, path, out);
 }
 
@@ -493,6 +530,10 @@ json struct_json(const S& s) {
   fields::for_each<S>([&](const auto& entry) { write_field(j, entry, s); });
   if constexpr (std::is_same_v<S, PackedDocument>) {
     if (!s.slices.empty()) j["slices"] = slices_json(s.slices);  // left out otherwise, so plans without slices read as before
+    if (s.head_parallel) j["head_parallel"] = true;              // likewise for section 2f
+  }
+  if constexpr (std::is_same_v<S, QkvDocumentsPlan>) {
+    if (s.head_parallel_degree != 0) j["head_parallel_degree"] = s.head_parallel_degree;
   }
   return j;
 }
@@ -782,15 +823,17 @@ inline AttentionEntry read_entry(const json& j, const JsonPath& path) {
   return e;
 }
 
-/// attn.entries: per rank, per query shard (as many as seqlens_q lists), its entries.
+/// attn.entries: per rank, per query shard (as many as seqlens_q lists), its
+/// entries; hp_attn.entries likewise per document (`rows` names "seqlens").
 inline std::vector<std::vector<std::vector<AttentionEntry>>> read_entries(const json& j, const JsonPath& path,
-                                                                          const std::vector<std::vector<std::int64_t>>& seqlens_q) {
+                                                                          const std::vector<std::vector<std::int64_t>>& seqlens_q,
+                                                                          std::string_view rows = "seqlens_q") {
   read_array(j, path);
-  if (j.size() != seqlens_q.size()) fail_at(path, " has ", entries(j.size()), ", but seqlens_q has ", seqlens_q.size());
+  if (j.size() != seqlens_q.size()) fail_at(path, " has ", entries(j.size()), ", but ", rows, " has ", seqlens_q.size());
   std::vector<std::vector<std::vector<AttentionEntry>>> out(j.size());
   for (std::size_t d = 0; d < j.size(); ++d) {
     read_array(j[d], path[d]);
-    if (j[d].size() != seqlens_q[d].size()) fail_at(path[d], " has ", entries(j[d].size()), ", but seqlens_q[", d, "] has ", seqlens_q[d].size());
+    if (j[d].size() != seqlens_q[d].size()) fail_at(path[d], " has ", entries(j[d].size()), ", but ", rows, "[", d, "] has ", seqlens_q[d].size());
     out[d].resize(j[d].size());
     for (std::size_t q = 0; q < j[d].size(); ++q) {
       const json& list = read_array(j[d][q], path[d][q]);
@@ -847,6 +890,32 @@ inline AttentionLayout attention_layout_from_json(const nlohmann::json& j, std::
   return a;
 }
 
+/// Section 2f's hp_attn as to_json writes it.
+inline HeadParallelLayout head_parallel_layout_from_json(const nlohmann::json& j, std::string_view name = "hp_attn") {
+  const auto root = detail::JsonPath::root("head-parallel layout");
+  const auto named = root / name;
+  const detail::JsonPath& path = name.empty() ? root : named;
+  detail::read_object(j, path);
+  detail::check_keys(j, path, "a head-parallel layout", {"degree", "documents", "seqlens", "cu_seqlens", "max_seqlen", "group_rank", "mask", "entries"});
+  HeadParallelLayout a;
+  auto rows = [&](std::string_view key) { return detail::read_int_rows(*detail::member(j, path, key, true), path / key); };
+  auto ints = [&](std::string_view key) { return detail::read_int_vector(*detail::member(j, path, key, true), path / key); };
+  a.degree = detail::read_int(*detail::member(j, path, "degree", true), path / "degree");
+  a.documents = rows("documents");
+  a.seqlens = rows("seqlens");
+  a.cu_seqlens = rows("cu_seqlens");
+  a.max_seqlen = ints("max_seqlen");
+  a.group_rank = ints("group_rank");
+  a.mask = detail::read_plan_mask(j, path);
+  const std::size_t W = a.seqlens.size();
+  for (const auto& [key, n] : {std::pair<std::string_view, std::size_t>{"documents", a.documents.size()}, {"cu_seqlens", a.cu_seqlens.size()},
+                               {"max_seqlen", a.max_seqlen.size()}, {"group_rank", a.group_rank.size()}}) {
+    if (n != W) detail::fail_at(path / key, " has ", detail::entries(n), ", but seqlens has ", W);
+  }
+  if (const nlohmann::json* e = detail::member(j, path, "entries", false)) a.entries = detail::read_entries(*e, path / "entries", a.seqlens, "seqlens");
+  return a;
+}
+
 /// {"fwd", "rev"} as to_json writes it.
 inline QueryMetadata query_metadata_from_json(const nlohmann::json& j) {
   const auto root = detail::JsonPath::root("query metadata");
@@ -865,6 +934,10 @@ inline QkvMetadata qkv_metadata_from_json(const nlohmann::json& j) {
   q.kv_fwd = metadata_from_json(*detail::member(j, root, "kv_fwd", true), "kv_fwd");
   q.kv_rev = metadata_from_json(*detail::member(j, root, "kv_rev", true), "kv_rev");
   q.attn = attention_layout_from_json(*detail::member(j, root, "attn", true), "attn");
+  if (!j.contains("hp_attn") && !j.contains("hp_fwd") && !j.contains("hp_rev")) return q;  // no head-parallel document (section 2f)
+  q.hp_fwd = metadata_from_json(*detail::member(j, root, "hp_fwd", true), "hp_fwd");
+  q.hp_rev = metadata_from_json(*detail::member(j, root, "hp_rev", true), "hp_rev");
+  q.hp_attn = head_parallel_layout_from_json(*detail::member(j, root, "hp_attn", true), "hp_attn");
   return q;
 }
 
@@ -933,8 +1006,38 @@ inline void to_json(nlohmann::json& j, const AttentionLayout& a) {
 
 inline void to_json(nlohmann::json& j, const QueryMetadata& q) { j = {{"fwd", q.fwd}, {"rev", q.rev}}; }
 
+namespace detail {
+
+/// A head-parallel layout's row fields (global: per rank; one rank's: its row).
+template <class Layout>
+nlohmann::json head_parallel_object(const Layout& a) {
+  nlohmann::json j = {{"degree", a.degree},         {"documents", a.documents},   {"seqlens", a.seqlens},
+                      {"cu_seqlens", a.cu_seqlens}, {"max_seqlen", a.max_seqlen}, {"group_rank", a.group_rank}};
+  j["mask"] = mask_to_json(a.mask);
+  return j;
+}
+
+}  // namespace detail
+
+inline void to_json(nlohmann::json& j, const HeadParallelLayout& a) {
+  j = detail::head_parallel_object(a);
+  if (a.entries.empty()) return;
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& rank : a.entries) rows.push_back(detail::entry_rows_json(rank));
+  j["entries"] = std::move(rows);
+}
+
+inline void to_json(nlohmann::json& j, const RankHeadParallelLayout& a) {
+  j = detail::head_parallel_object(a);
+  if (!a.entries.empty()) j["entries"] = detail::entry_rows_json(a.entries);
+}
+
 inline void to_json(nlohmann::json& j, const QkvMetadata& q) {
   j = {{"q_fwd", q.q_fwd}, {"q_rev", q.q_rev}, {"kv_fwd", q.kv_fwd}, {"kv_rev", q.kv_rev}, {"attn", q.attn}};
+  if (q.hp_attn.empty()) return;  // no head-parallel document: the output reads as it always has
+  j["hp_fwd"] = q.hp_fwd;
+  j["hp_rev"] = q.hp_rev;
+  j["hp_attn"] = q.hp_attn;
 }
 
 namespace detail {
@@ -975,6 +1078,10 @@ inline void to_json(nlohmann::json& j, const RankAttentionLayout& a) {
 
 inline void to_json(nlohmann::json& j, const RankQkvMetadata& m) {
   j = {{"rank", m.q_fwd.rank}, {"q_fwd", m.q_fwd}, {"q_rev", m.q_rev}, {"kv_fwd", m.kv_fwd}, {"kv_rev", m.kv_rev}, {"attn", m.attn}};
+  if (!m.has_head_parallel()) return;
+  j["hp_fwd"] = m.hp_fwd;
+  j["hp_rev"] = m.hp_rev;
+  j["hp_attn"] = m.hp_attn;
 }
 
 inline void to_json(nlohmann::json& j, const RankQueryMetadata& m) { j = {{"rank", m.fwd.rank}, {"fwd", m.fwd}, {"rev", m.rev}}; }

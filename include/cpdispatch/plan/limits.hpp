@@ -17,6 +17,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "cpdispatch/error.hpp"
 
@@ -208,6 +209,16 @@ inline void check_footprint(const PlanLimits& limits, const PlanFootprint& f, st
   if (need <= limits.max_bytes) return;
   fail(who, ": ", sizes, " needs about ", bytes_text(need), " of memory, more than the limit of ", bytes_text(limits.max_bytes),
        " (PlanLimits::max_bytes)");
+}
+
+/// The same, with the sizes' description made only when the check fails:
+/// hot planning loops check once per document.
+template <class Describe>
+  requires std::is_invocable_r_v<std::string, Describe&>
+void check_footprint(const PlanLimits& limits, const PlanFootprint& f, std::string_view who, Describe&& describe) {
+  if (footprint_bytes(f, limits) <= limits.max_bytes) return;
+  const std::string sizes = describe();
+  check_footprint(limits, f, who, std::string_view(sizes));
 }
 
 /// A JSON text's size and nesting, checked before it is parsed: a scan that

@@ -404,7 +404,6 @@ inline std::vector<std::int64_t> check_entries(const Metadata& m, std::string_vi
     for (std::size_t j = 0; j < S; ++j) {
       const std::int64_t len = m.seq_len(r, j);
       check_seq_len(name, index_str(r, j), len);
-      std::size_t copies = 0;
       for (std::size_t k = 0; k < C; ++k) {
         const std::int64_t d = v.rank(r, j, k), off = v.offset(r, j, k);
         check_copy(name, v.where(r, j, k), d, off, m.world_size);
@@ -412,7 +411,6 @@ inline std::vector<std::int64_t> check_entries(const Metadata& m, std::string_vi
           if (off != 0) fail(name, ".dst_offset", v.where(r, j, k), " = ", off, " but the copy has no destination (padding offset must be 0)");
           continue;
         }
-        ++copies;
         if (len == 0) fail(name, ".dst_rank", v.where(r, j, k), " = ", d, " but seq_len", index_str(r, j), " = 0 (padding has no destination)");
         auto& to_d = sent[static_cast<std::size_t>(d) * W + r];
         to_d = add_tokens(to_d, len, "validate");
@@ -422,8 +420,8 @@ inline std::vector<std::int64_t> check_entries(const Metadata& m, std::string_vi
         continue;
       }
       if (padding_seen) fail(name, ".seq_len", index_str(r, j), " = ", len, " follows a padding entry (padding sits only at the end of a row)");
-      // With copies (kv_fwd) a shard that no query needs stays home (section 2e).
-      if (copies == 0 && !m.has_copies()) fail(name, ".seq_len", index_str(r, j), " = ", len, " but the entry has no destination");
+      // A real entry may have no destination and stay home: a KV shard no
+      // query needs (section 2e), a head-parallel shard in q_fwd (section 2f).
       ++entries;
     }
     if (m.num_seqs(r) != entries) fail(name, ".num_seqs", index_str(r), " = ", m.num_seqs(r), ", but the row has ", entries, " non-padding entries");

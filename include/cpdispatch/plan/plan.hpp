@@ -68,6 +68,9 @@ struct PackedDocument {
   /// The document's mask as slices in its positions (section 2e); empty:
   /// the plan's mask over the whole document.
   std::vector<AttentionSlice> slices{};
+  /// Section 2f: the whole document goes to every rank of its group, each
+  /// attending its share of the heads; its shards' dst are ignored.
+  bool head_parallel = false;
   friend bool operator==(const PackedDocument&, const PackedDocument&) = default;
 };
 
@@ -81,6 +84,8 @@ struct QkvDocumentsPlan {
   std::vector<PackedDocument> documents;
   AttentionMask mask;                         ///< which keys each query sees; decides the KV exchange
   bool dedup = false;                         ///< also plan the deduplicated KV exchange (section 2c)
+  /// u of section 2f: head-parallel groups are u consecutive ranks; 0 means W.
+  std::int64_t head_parallel_degree = 0;
 };
 
 /// What flash-attention needs per destination rank (variable-length batch).
@@ -99,10 +104,32 @@ struct AttentionLayout {
   std::vector<std::vector<std::vector<AttentionEntry>>> entries;
 };
 
+/// Section 2f's head-parallel layout, per rank: the head-parallel documents
+/// of its group, whole, back to back in document order (the same on every
+/// rank of the group), and which share of the heads the rank attends.
+struct HeadParallelLayout {
+  std::int64_t degree = 0;                             ///< u, the ranks of a group; 0 when no document is head-parallel
+  std::vector<std::vector<std::int64_t>> documents;    ///< per rank: the plan's document indices, in order
+  std::vector<std::vector<std::int64_t>> seqlens;      ///< per rank: each document's length
+  std::vector<std::vector<std::int64_t>> cu_seqlens;   ///< per rank: leading 0, total last
+  std::vector<std::int64_t> max_seqlen;                ///< per rank: 0 when it holds none
+  std::vector<std::int64_t> group_rank;                ///< per rank: r mod u, which decides its heads
+  AttentionMask mask;                                  ///< for a document without slices, over the whole document
+  /// Only when some head-parallel document has slices (else empty): per
+  /// rank, per document, its entries in the document's own positions.
+  std::vector<std::vector<std::vector<AttentionEntry>>> entries;
+  bool empty() const noexcept { return degree == 0; }
+};
+
 struct QkvMetadata {
   Metadata q_fwd, q_rev;    ///< queries (and attention outputs) to and from the attention layout
   Metadata kv_fwd, kv_rev;  ///< key-values replicated to every query that needs them; gradients back
   AttentionLayout attn;
+  /// Section 2f, default-constructed when no document is head-parallel:
+  /// every head-parallel shard to each rank of its group ([W][S][u]), the
+  /// way back into a [u][T_r] replica buffer, and the layout there.
+  Metadata hp_fwd, hp_rev;
+  HeadParallelLayout hp_attn;
 };
 
 namespace detail {
@@ -112,6 +139,14 @@ struct RowPrefix {
   std::vector<std::int64_t> starts;  // [W][S] flat
   std::vector<std::int64_t> totals;  // [W]
 };
+
+/// Refuses a [copies][T_r] replica buffer that 64 bits cannot address:
+/// reverse offsets address it.
+inline void check_replica_buffer(std::int64_t tokens, std::size_t copies, std::size_t r, const char* who) {
+  if (copies > 1 && tokens > std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(copies)) {
+    fail(who, ": rank ", r, " holds ", tokens, " tokens; its replica buffer of ", copies, " copies overflows 64 bits");
+  }
+}
 
 inline RowPrefix row_prefix(const Tensor<std::int64_t>& seq_len, std::size_t copies, const char* who) {
   const std::size_t W = seq_len.size(0), S = seq_len.size(1);
@@ -123,10 +158,7 @@ inline RowPrefix row_prefix(const Tensor<std::int64_t>& seq_len, std::size_t cop
       acc = add_tokens(acc, seq_len(r, j), who);
     }
     p.totals[r] = acc;
-    // Reverse offsets address a [copies][T_r] replica buffer: it must be addressable.
-    if (copies > 1 && acc > std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(copies)) {
-      fail(who, ": rank ", r, " holds ", acc, " tokens; its replica buffer of ", copies, " copies overflows 64 bits");
-    }
+    check_replica_buffer(acc, copies, r, who);
   }
   return p;
 }
@@ -342,6 +374,7 @@ inline QkvPlan to_rank_plan(const QkvDocumentsPlan& plan) {
     const auto& shards = plan.documents[i].shards;
     if (shards.empty()) fail("to_rank_plan: documents[", i, "] has no shards");
     if (!plan.documents[i].slices.empty()) fail("to_rank_plan: documents[", i, "] has slices (section 2e); only the documents form holds them");
+    if (plan.documents[i].head_parallel) fail("to_rank_plan: documents[", i, "] is head-parallel (section 2f); only the documents form holds it");
     const std::int64_t home = shards.front().rank;
     if (home < 0 || home >= plan.world_size) fail("to_rank_plan: documents[", i, "].shards[0].rank = ", home, " is outside [0, ", plan.world_size, ")");
     Document doc;
@@ -724,9 +757,10 @@ inline std::pair<std::size_t, std::size_t> check_document_slices(const PackedDoc
   for (std::size_t i = 0; i < doc.slices.size(); ++i) check_slice(doc.slices[i], d, i, length);
   check_disjoint_slices(doc.slices, d, limits);
   const auto check_sizes = [&] {
-    check_footprint(limits, footprint::slice_tables(sizes.slices, sizes.pieces, sizes.entries), "plan_qkv",
-                    concat("the slices of documents[0..", d, "] (", sizes.slices, " slices, ", sizes.pieces, " (slice, query shard) pieces, ",
-                           sizes.entries, " attention entries)"));
+    check_footprint(limits, footprint::slice_tables(sizes.slices, sizes.pieces, sizes.entries), "plan_qkv", [&] {
+      return concat("the slices of documents[0..", d, "] (", sizes.slices, " slices, ", sizes.pieces, " (slice, query shard) pieces, ",
+                    sizes.entries, " attention entries)");
+    });
   };
   sizes.slices = sat_add(sizes.slices, doc.slices.size());
   sizes.pieces = sat_add(sizes.pieces, piece_bound(doc.slices, start));
@@ -736,6 +770,22 @@ inline std::pair<std::size_t, std::size_t> check_document_slices(const PackedDoc
   check_sizes();
   needs.link(len.data(), len.size());
   return needs.most_users();
+}
+
+/// Section 2f's u of a documents-form plan, checked: head_parallel_degree,
+/// or W when it is 0.
+inline std::int64_t head_parallel_degree(const QkvDocumentsPlan& plan) {
+  const std::int64_t W = plan.world_size, u = plan.head_parallel_degree == 0 ? W : plan.head_parallel_degree;
+  if (u < 1 || u > W || W % u != 0) {
+    fail("plan_qkv: head_parallel_degree = ", plan.head_parallel_degree, " must divide world_size = ", W,
+         " (0 means world_size; the groups are that many consecutive ranks)");
+  }
+  return u;
+}
+
+/// Whether any document of the plan is head-parallel (section 2f).
+inline bool has_head_parallel(const QkvDocumentsPlan& plan) {
+  return std::any_of(plan.documents.begin(), plan.documents.end(), [](const PackedDocument& d) { return d.head_parallel; });
 }
 
 /// What validation learns of a documents-form plan: C and the sizes of its
@@ -750,14 +800,20 @@ struct DocumentsCheck {
 inline DocumentsCheck check_documents_plan_sizes(const QkvDocumentsPlan& plan, const PlanLimits& limits) {
   if (plan.world_size <= 0) fail("plan_qkv: world_size = ", plan.world_size, " must be at least 1");
   const std::int64_t W = plan.world_size;
+  const std::int64_t u = head_parallel_degree(plan);
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
     const auto& shards = plan.documents[i].shards;
     if (shards.empty()) fail("plan_qkv: documents[", i, "].shards is empty (a document has at least one shard)");
+    const bool hp = plan.documents[i].head_parallel;  // its dst are ignored (section 2f)
     for (std::size_t k = 0; k < shards.size(); ++k) {
       const DocumentShard& s = shards[k];
       if (s.rank < 0 || s.rank >= W) fail("plan_qkv: documents[", i, "].shards[", k, "].rank = ", s.rank, " is outside [0, ", W, ")");
       if (s.len <= 0) fail("plan_qkv: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
-      if (s.dst < 0 || s.dst >= W) fail("plan_qkv: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", W, ")");
+      if (!hp && (s.dst < 0 || s.dst >= W)) fail("plan_qkv: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", W, ")");
+      if (hp && s.rank / u != shards.front().rank / u) {
+        fail("plan_qkv: documents[", i, "] is head-parallel but its shards live on ranks ", shards.front().rank, " (shards[0]) and ", s.rank,
+             " (shards[", k, "]), in different groups of head_parallel_degree = ", u, " ranks (a head-parallel document lies within one group)");
+      }
     }
   }
   check_mask(plan.mask);
@@ -772,6 +828,7 @@ inline DocumentsCheck check_documents_plan_sizes(const QkvDocumentsPlan& plan, c
   std::size_t most = 0;
   const auto users_of = [&](std::size_t i) -> std::pair<std::size_t, std::size_t> {
     const PackedDocument& d = plan.documents[i];
+    if (d.head_parallel) return {0, 0};  // it sends no KV copies: C counts dispatched documents only
     if (!d.slices.empty()) return slice_users[i];
     if (plan.mask.type != MaskType::sliding_window) return {d.shards.size(), 0};  // every shard needs shard 0
     len.clear();
@@ -835,6 +892,11 @@ struct ShardTable {
   std::vector<SlicePiece> pieces;                      // query and KV shards as ids, slice an index into `slices`
   std::size_t entry_total = 0;                         // attn.entries of every query shard
   SliceNeeds slice_needs;                              // one document's, relative to its first id
+  // Section 2f, kept only when some document is head-parallel (set before
+  // the first add()): such a document's shards have no destination (dst
+  // -1), need no KV shards and have no users; doc_hp marks its documents.
+  bool has_head_parallel = false;
+  std::vector<std::uint8_t> doc_hp;                    // [D]
 
   std::size_t size() const noexcept { return len.size(); }
   bool causal() const noexcept { return mask.type == MaskType::causal; }
@@ -844,11 +906,15 @@ struct ShardTable {
   std::size_t end_of(std::size_t k) const noexcept { return causal() ? doc_begin[doc[k] + 1] : end[k]; }
   /// Whether shard id belongs to a document with slices (section 2e).
   bool sliced(std::size_t id) const noexcept { return has_slices && doc_sliced[doc[id]] != 0; }
+  /// Whether shard id belongs to a head-parallel document (section 2f).
+  bool head_parallel(std::size_t id) const noexcept { return has_head_parallel && doc_hp[doc[id]] != 0; }
   std::size_t users(std::size_t id) const noexcept {
+    if (head_parallel(id)) return 0;
     return sliced(id) ? user_begin[id + 1] - user_begin[id] : end_of(id) - first_of(id);
   }
   /// The KV shards query shard q needs.
   std::size_t needed_count(std::size_t q) const noexcept {
+    if (head_parallel(q)) return 0;
     return sliced(q) ? need_begin[q + 1] - need_begin[q] : hi_of(q) - lo_of(q) + 1;
   }
   /// Tokens of the KV group of query shard q: the KV shards it needs, back to back.
@@ -867,6 +933,7 @@ struct ShardTable {
   /// increasing order: where it starts in q's group, and q's place among its users.
   template <class F>
   void each_needed(std::size_t q, F&& f) const {
+    if (head_parallel(q)) return;
     if (sliced(q)) {
       for (std::size_t p = need_begin[q]; p < need_begin[q + 1]; ++p) f(need_kv[p], need_column[p], need_copy[p]);
       return;
@@ -878,6 +945,7 @@ struct ShardTable {
   /// copy c goes to the c-th user, whose group holds k at `column`.
   template <class F>
   void each_user(std::size_t k, F&& f) const {
+    if (head_parallel(k)) return;
     if (sliced(k)) {
       for (std::size_t p = user_begin[k]; p < user_begin[k + 1]; ++p) f(p - user_begin[k], user_query[p], user_column[p]);
       return;
@@ -926,6 +994,8 @@ struct ShardTable {
     user_column.clear();
     pieces.clear();
     entry_total = 0;
+    has_head_parallel = false;
+    doc_hp.clear();
   }
   void reserve(std::size_t n) {
     for (auto* v : {&len, &dst, &context}) v->reserve(n);
@@ -944,8 +1014,9 @@ struct ShardTable {
   }
   /// Closes the current document: its needed ranges and users, as ids, or
   /// with `doc_slices` (a document with slices, section 2e) its needed sets.
-  void end_document(std::span<const AttentionSlice> doc_slices = {}) {
+  void end_document(std::span<const AttentionSlice> doc_slices = {}, bool hp = false) {
     const std::size_t base = doc_begin.back(), n = len.size() - base;
+    if (has_head_parallel) doc_hp.push_back(hp ? 1 : 0);
     if (has_slices) add_sets(base, n, doc_slices);
     if (!causal()) add_ranges(base, n, !doc_slices.empty());
     doc_begin.push_back(len.size());
@@ -1057,13 +1128,15 @@ inline ShardTable shard_table(const QkvPlan& plan, std::size_t C) {
 inline void shard_table(const QkvDocumentsPlan& plan, std::size_t C, ShardTable& t) {
   t.clear();
   t.mask = plan.mask;
-  t.has_slices = has_slices(plan);
+  // Head-parallel documents are planned in section 2f, not here: their slices do not count.
+  t.has_slices = std::any_of(plan.documents.begin(), plan.documents.end(), [](const PackedDocument& d) { return !d.slices.empty() && !d.head_parallel; });
+  t.has_head_parallel = has_head_parallel(plan);
   std::size_t n = 0;
   for (const PackedDocument& d : plan.documents) n += d.shards.size();
   t.reserve(n);
   for (const PackedDocument& d : plan.documents) {
-    for (const DocumentShard& s : d.shards) t.add(s.rank, s.len, s.dst);
-    t.end_document(d.slices);
+    for (const DocumentShard& s : d.shards) t.add(s.rank, s.len, d.head_parallel ? -1 : s.dst);
+    t.end_document(d.head_parallel ? std::span<const AttentionSlice>{} : std::span<const AttentionSlice>{d.slices}, d.head_parallel);
   }
   t.place(static_cast<std::size_t>(plan.world_size), C);
 }
@@ -1088,11 +1161,13 @@ inline void kv_groups(const ShardTable& t, KvGroups& g) {
   g.most_entries = 0;
   g.start.assign(t.size(), 0);
   g.dest_begin.assign(t.W + 1, 0);
-  for (std::size_t id : t.by_rank) ++g.dest_begin[static_cast<std::size_t>(t.dst[id]) + 1];
+  for (std::size_t id : t.by_rank)
+    if (t.dst[id] >= 0) ++g.dest_begin[static_cast<std::size_t>(t.dst[id]) + 1];  // a head-parallel shard (section 2f) has no KV group
   for (std::size_t d = 0; d < t.W; ++d) g.dest_begin[d + 1] += g.dest_begin[d];
-  g.arrivals.resize(t.size());
   std::vector<std::size_t> next(g.dest_begin.begin(), g.dest_begin.end() - 1);
-  for (std::size_t id : t.by_rank) g.arrivals[next[static_cast<std::size_t>(t.dst[id])]++] = id;
+  g.arrivals.resize(g.dest_begin[t.W]);
+  for (std::size_t id : t.by_rank)
+    if (t.dst[id] >= 0) g.arrivals[next[static_cast<std::size_t>(t.dst[id])]++] = id;
   for (std::size_t d = 0; d < t.W; ++d) {
     std::int64_t at = 0;
     std::size_t entries = 0;
@@ -1284,19 +1359,41 @@ inline void check_qkv_footprint(const ShardTable& t, const KvGroups& g, const Pl
                          " query and ", g.most_entries, " key-value entries at one rank", entries));
 }
 
+/// q_rev of a plan with head-parallel shards (section 2f), which stay home
+/// and leave gaps in the MLP layout it returns into: like kv_rev, it marks
+/// the shards that come back ([W][S][1]) and gives their lengths.
+inline void query_return_mask(const Metadata& q_fwd, Metadata& q_rev) {
+  const std::size_t W = q_fwd.dst_rank.size(0), S = q_fwd.dst_rank.size(1);
+  if (!q_rev.seq_recv_mask) q_rev.seq_recv_mask.emplace();
+  reuse_output<std::int64_t>(*q_rev.seq_recv_mask, {W, S, 1}, 0);
+  for (std::size_t r = 0; r < W; ++r)
+    for (std::size_t j = 0; j < S; ++j) (*q_rev.seq_recv_mask)(r, j, 0) = q_fwd.dst_rank(r, j) >= 0 ? 1 : 0;
+  if (!q_rev.recv_seq_lens) q_rev.recv_seq_lens.emplace();
+  reuse_copy(*q_rev.recv_seq_lens, q_fwd.seq_len);
+}
+
 /// Plans a validated shard table into `out`: queries, KV forward and
 /// reverse, attention layout.
 inline void plan_shards(const ShardTable& t, QkvMetadata& out, const PlanLimits& limits) {
   const KvGroups groups = kv_groups(t);
   check_qkv_footprint(t, groups, limits);
   const Tensor<std::int64_t> seq_len = t.rank_major(t.len, 0);
-  plan_query_into(seq_len, t.rank_major(t.dst, -1), out.q_fwd, out.q_rev, limits);
+  // A head-parallel shard (section 2f) has no query destination: it stays home here.
+  plan_query_into(seq_len, t.rank_major(t.dst, -1), out.q_fwd, out.q_rev, limits, t.has_head_parallel);
+  if (t.has_head_parallel) query_return_mask(out.q_fwd, out.q_rev);
   const RowPrefix prefix = row_prefix(seq_len, t.C, "plan_qkv");
   kv_forward(t, groups, seq_len, out.q_fwd.num_seqs, out.kv_fwd);
   kv_reverse(t, groups, prefix, seq_len, out.kv_rev);
   copy_mask(out.kv_fwd.dst_rank, out.kv_rev.seq_recv_mask);
   attention_layout(t, groups, out.attn);
+  out.hp_fwd = {};
+  out.hp_rev = {};
+  out.hp_attn = {};
 }
+
+/// Section 2f's hp_fwd, hp_rev and hp_attn of a plan with head-parallel
+/// documents (plan/head_parallel.hpp); nothing otherwise.
+inline void plan_head_parallel(const QkvDocumentsPlan& plan, const ShardTable& t, QkvMetadata& out, const PlanLimits& limits);
 
 }  // namespace detail
 
@@ -1324,7 +1421,9 @@ inline void plan_qkv(const QkvDocumentsPlan& plan, QkvMetadata& out, const PlanL
   std::size_t shards = 0;
   for (const PackedDocument& d : plan.documents) shards += d.shards.size();
   detail::check_table_footprint(static_cast<std::size_t>(plan.world_size), shards, C, limits);
-  detail::plan_shards(detail::shard_table(plan, C), out, limits);
+  const detail::ShardTable table = detail::shard_table(plan, C);
+  detail::plan_shards(table, out, limits);
+  detail::plan_head_parallel(plan, table, out, limits);
 }
 
 /// QKV planning of a per-rank plan into fresh metadata.
@@ -1342,3 +1441,5 @@ inline QkvMetadata plan_qkv(const QkvDocumentsPlan& plan, const PlanLimits& limi
 }
 
 }  // namespace cpdispatch
+
+#include "cpdispatch/plan/head_parallel.hpp"  // section 2f, planned on the shard table above

@@ -48,6 +48,11 @@ struct RankQkvMetadata {
   RankMetadata q_fwd, q_rev, kv_fwd, kv_rev;
   RankAttentionLayout attn;
   std::optional<RankKvWire> kv_wire;  ///< the rank's kv_wire_fwd / kv_wire_rev slices and fan list when the plan asks for dedup
+  /// Section 2f, default-constructed (hp_attn.degree 0) when no document is
+  /// head-parallel: the rank's slices of hp_fwd and hp_rev and its layout.
+  RankMetadata hp_fwd = {}, hp_rev = {};
+  RankHeadParallelLayout hp_attn = {};
+  bool has_head_parallel() const noexcept { return hp_attn.degree != 0; }
 };
 
 /// What one rank needs of a query plan: the get_slice() of fwd and rev.
@@ -67,39 +72,15 @@ struct ShardPositions {
 inline void shard_positions(const ShardTable& t, const char* who, ShardPositions& pos) {
   pos.start.resize(t.size());  // every entry is written below
   pos.total.resize(t.W);
-  const auto copies = static_cast<std::int64_t>(t.C);
   for (std::size_t r = 0; r < t.W; ++r) {
     std::int64_t at = 0;
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       pos.start[t.by_rank[p]] = at;
       at = add_tokens(at, t.len[t.by_rank[p]], who);
     }
-    if (copies > 1 && at > std::numeric_limits<std::int64_t>::max() / copies) {
-      fail(who, ": rank ", r, " holds ", at, " tokens; its replica buffer of ", copies, " copies overflows 64 bits");
-    }
+    check_replica_buffer(at, t.C, r, who);
     pos.total[r] = at;
   }
-}
-
-/// An empty slice of rank `rank` with `copies` copies per entry.
-inline RankMetadata rank_slice(std::size_t rank, std::size_t W, bool has_copies, std::size_t copies) {
-  RankMetadata s;
-  s.rank = static_cast<std::int64_t>(rank);
-  s.world_size = static_cast<std::int64_t>(W);
-  s.has_copies = has_copies;
-  s.num_copies = copies;
-  s.num_recv_tokens.assign(W + 1, 0);
-  return s;
-}
-
-/// Sets the row total (column W) from the cells.
-inline void finish_slice(RankMetadata& s, const char* who) {
-  const std::size_t W = s.num_recv_tokens.size() - 1;
-  std::int64_t total = 0;
-  for (std::size_t i = 0; i < W; ++i) total = add_tokens(total, s.num_recv_tokens[i], who);
-  s.num_recv_tokens[W] = total;
-  s.num_total_recv_tokens = total;
-  s.num_seqs = static_cast<std::int64_t>(s.seq_len.size());
 }
 
 /// q_fwd row of rank R: its shards, each placed after everything earlier
@@ -109,15 +90,20 @@ inline RankMetadata q_forward_slice(const ShardTable& t, std::size_t R) {
   std::vector<std::int64_t> before(t.W, 0);
   for (std::size_t p = 0; p < t.rank_begin[R]; ++p) {
     const std::size_t id = t.by_rank[p];
+    if (t.dst[id] < 0) continue;  // head-parallel (section 2f): not sent here
     auto& b = before[static_cast<std::size_t>(t.dst[id])];
     b = add_tokens(b, t.len[id], "plan_qkv_for_rank");
   }
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p];
-    auto& b = before[static_cast<std::size_t>(t.dst[id])];
     s.dst_rank.push_back(t.dst[id]);
-    s.dst_offset.push_back(b);
     s.seq_len.push_back(t.len[id]);
+    if (t.dst[id] < 0) {
+      s.dst_offset.push_back(0);
+      continue;
+    }
+    auto& b = before[static_cast<std::size_t>(t.dst[id])];
+    s.dst_offset.push_back(b);
     b = add_tokens(b, t.len[id], "plan_qkv_for_rank");
   }
   for (std::size_t id = 0; id < t.size(); ++id) {
@@ -137,9 +123,18 @@ inline RankMetadata q_reverse_slice(const ShardTable& t, const KvGroups& g, cons
     s.dst_offset.push_back(pos.start[q]);
     s.seq_len.push_back(t.len[q]);
   }
+  if (t.has_head_parallel) {  // section 2f: which of R's shards come back (see query_return_mask)
+    s.mask_copies = 1;
+    s.seq_recv_mask.emplace();
+    s.recv_seq_lens.emplace();
+  }
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p];
-    s.num_recv_tokens[static_cast<std::size_t>(t.dst[id])] += t.len[id];  // at most T_R
+    if (t.has_head_parallel) {
+      s.seq_recv_mask->push_back(t.dst[id] >= 0 ? 1 : 0);
+      s.recv_seq_lens->push_back(t.len[id]);
+    }
+    if (t.dst[id] >= 0) s.num_recv_tokens[static_cast<std::size_t>(t.dst[id])] += t.len[id];  // at most T_R
   }
   finish_slice(s, "plan_qkv_for_rank");
   return s;
@@ -225,6 +220,7 @@ struct DocumentsTables {
   ShardTable table;
   ShardPositions positions;
   KvGroups groups;
+  HeadParallelGroups head_parallel;  // section 2f, filled only when some document is head-parallel
 };
 
 /// Rank R's section 2e entries (a plan with slices), counted and checked
@@ -245,6 +241,25 @@ inline void plan_shards_for_rank(const DocumentsTables& tables, std::size_t R, R
   out.kv_fwd = kv_forward_slice(t, tables.groups, R);
   out.kv_rev = kv_reverse_slice(t, tables.groups, tables.positions, R);
   out.attn = rank_attention(t, tables.groups, R);
+}
+
+/// Rank R's share of section 2f (head-parallel documents), or none.
+inline void plan_head_parallel_for_rank(const QkvDocumentsPlan& plan, DocumentsTables& tables, std::size_t R, RankQkvMetadata& out,
+                                        const PlanLimits& limits) {
+  out.hp_fwd = {};
+  out.hp_rev = {};
+  out.hp_attn = {};
+  const ShardTable& t = tables.table;
+  if (!t.has_head_parallel) return;
+  HeadParallelGroups& g = tables.head_parallel;
+  head_parallel_groups(plan, t, g);
+  const std::size_t own = t.rank_begin[R + 1] - t.rank_begin[R];
+  check_footprint(limits, footprint::query_rank_share(t.W, sat_add(sat_mul(own, g.u), g.most_shards)), "plan_qkv_for_rank",
+                  concat("rank ", R, "'s share of the head-parallel exchange (", own, " shards at home, head_parallel_degree = ", g.u, ")"));
+  for (std::size_t r = 0; r < t.W; ++r) check_replica_buffer(tables.positions.total[r], g.u, r, "plan_qkv_for_rank");
+  out.hp_fwd = head_parallel_forward_slice(t, g, R);
+  out.hp_rev = head_parallel_reverse_slice(t, g, tables.positions.start, tables.positions.total, R);
+  out.hp_attn = head_parallel_layout_row(plan, t, g, R);
 }
 
 }  // namespace detail
@@ -422,6 +437,9 @@ class RankStream {
     reset_slice(out.kv_rev, R, W, false, 1, C);
     reset_attention(out.attn);
     out.attn.mask = mask;
+    out.hp_fwd = {};  // a per-rank plan has no head-parallel documents (section 2f)
+    out.hp_rev = {};
+    out.hp_attn = {};
     ws.q_next.assign(W, 0);
     ws.group_next.assign(W, 0);
   }
@@ -687,6 +705,7 @@ inline void plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, R
   detail::kv_groups(tables.table, tables.groups);
   detail::check_rank_entries(tables, R, limits);
   detail::plan_shards_for_rank(tables, R, out);
+  detail::plan_head_parallel_for_rank(plan, tables, R, out, limits);
   if (wire) detail::wire_for_rank(workspace, R, *wire);
   detail::keep_wire(plan.dedup, out, wire);
 }
