@@ -4,9 +4,11 @@ CPDISPATCH_REQUIRE_TORCH=1 (set by .ci/run) makes a missing NumPy or PyTorch
 an error instead of a skip, so that CI cannot pass without running them.
 CPDISPATCH_PLAN names the cpdispatch-plan CLI (ctest sets it)."""
 
+import functools
 import importlib
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -21,6 +23,16 @@ def require(module):
         if REQUIRED:
             raise RuntimeError(f"{module} is required here (CPDISPATCH_REQUIRE_TORCH=1): {e}") from e
         pytest.skip(f"{module} is not installed")
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """The stand-ins of kernel_fakes.py installed for one test, their call log emptied."""
+    kernel_fakes = require("kernel_fakes")
+    kernel_fakes.install_flash(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
+    kernel_fakes.install_sdpa(functools.partial(monkeypatch.setattr, raising=False))
+    kernel_fakes.CALLS.clear()
+    return kernel_fakes.CALLS
 
 
 @pytest.fixture(scope="session")

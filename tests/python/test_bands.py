@@ -10,7 +10,6 @@ float32, bitwise reproducible; parts of entries merged by log-sum-exp (as
 stages > 1 cut them) for the blockwise and flash-attention adapters; the
 flash-attention and sdpa adapters' one-call path."""
 
-import functools
 import random
 import sys
 
@@ -23,10 +22,10 @@ require("cpdispatch")
 
 import kernel_fakes  # noqa: E402
 from cpdispatch.torch import BlockwiseKernel, FlashAttnVarlenKernel, SdpaKernel, _merge, varlen_attention  # noqa: E402
+from attention_checks import TOLERANCE, check_attention, loss  # noqa: E402
 from slice_masks import EXAMPLES, band, masked_attention, slice_mask  # noqa: E402
 
 HEADS, DIM, DIM_V, SCALE = 4, 5, 3, 0.4
-TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 
 def shift(lo, hi, s):
@@ -101,16 +100,6 @@ def inputs(queries, keys, heads_kv, dtype, seed=0):
     return [x.to(dtype).requires_grad_() for x in (q, k, v)], w_out, w_lse
 
 
-def loss(out, lse, w_out, w_lse):
-    """Through the output and the finite lse values (so lse's gradient is checked too)."""
-    return (out.double() * w_out).sum() + (lse.double().masked_fill(lse.isinf(), 0.0) * w_lse).sum()
-
-
-def check(got, want, tol, what):
-    assert not got.isnan().any(), f"{what}: NaN"
-    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
-
-
 def against_reference(names, blocks, heads_kv, dtype, seed=0):
     entries, seen, queries, keys = layout(names, seed)
     (q, k, v), w_out, w_lse = inputs(queries, keys, heads_kv, dtype, seed)
@@ -121,14 +110,7 @@ def against_reference(names, blocks, heads_kv, dtype, seed=0):
     ref_out, ref_lse = masked_attention(q.double(), k.double(), v.double(), seen, SCALE)
     if len(names) > 1:
         assert ref_lse[0, :queries - 2].isinf().any(), "the layout should have rows that see no key"
-    tol = TOLERANCE[dtype]
-    check(out, ref_out, tol, "out")
-    check(lse, ref_lse, tol, "lse")
-    grads = torch.autograd.grad(loss(out, lse, w_out, w_lse), (q, k, v))
-    ref_grads = torch.autograd.grad(loss(ref_out, ref_lse, w_out, w_lse), (q, k, v))
-    for name, got, want in zip("qkv", grads, ref_grads):
-        assert got.dtype == dtype
-        check(got, want, tol, f"d{name}")
+    check_attention((out, lse), (ref_out, ref_lse), (q, k, v), (w_out, w_lse), (TOLERANCE[dtype],) * 3, dtype)
 
 
 LAYOUTS = [[name] for name in EXAMPLES] + [["random"], list(EXAMPLES) + ["random"]]
@@ -179,14 +161,6 @@ def test_a_band_that_shows_nothing_and_bad_bands():
 
 
 # ---- parts merged by lse, and the other adapters, through the stand-ins of kernel_fakes.py
-
-
-@pytest.fixture
-def fakes(monkeypatch):
-    kernel_fakes.install_flash(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
-    kernel_fakes.install_sdpa(functools.partial(monkeypatch.setattr, raising=False))
-    kernel_fakes.CALLS.clear()
-    return kernel_fakes.CALLS
 
 
 def runs_of(entries, cuts):

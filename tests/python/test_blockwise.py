@@ -19,6 +19,7 @@ from conftest import require
 torch = require("torch")
 require("cpdispatch")
 
+from attention_checks import TOLERANCE, check, check_attention  # noqa: E402
 from cpdispatch.torch import ContextParallelAttention, RankDispatch, varlen_attention  # noqa: E402
 
 MASKS = [{"type": "causal"}, {"type": "full"}, {"type": "sliding_window", "window": 3}, {"type": "sliding_window", "window": 1}]
@@ -83,19 +84,6 @@ def inputs(entries, heads, kv_heads, dtype, seed=0):
     return q, k, v, cu_q, cu_kv, w_out, w_lse
 
 
-def loss(out, lse, w_out, w_lse):
-    """A loss through the output and the finite lse values (so lse's gradient is checked too)."""
-    return (out.double() * w_out).sum() + (lse.double().masked_fill(lse.isinf(), 0.0) * w_lse).sum()
-
-
-def check(got, want, tol, what):
-    assert not got.isnan().any(), f"{what}: NaN"
-    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
-
-
-TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5}
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa2", "mqa"])
 @pytest.mark.parametrize("blocks", [(4, 3), (1, 2), (256, 512)], ids=["blocks4x3", "blocks1x2", "default"])
@@ -109,14 +97,7 @@ def test_equals_dense_reference(mask, blocks, heads, dtype):
     if mask["type"] != "full":
         assert ref_lse.isinf().any(dim=0)[:cu_q[-1]].any(), "the layout should have rows that see no key"
     assert ref_lse[:, cu_q[-1]:].isinf().all() and torch.isfinite(ref_out).all()
-    tol = TOLERANCE[dtype]
-    check(out, ref_out, tol, "out")
-    check(lse, ref_lse, tol, "lse")
-    grads = torch.autograd.grad(loss(out, lse, w_out, w_lse), (q, k, v))
-    ref_grads = torch.autograd.grad(loss(ref_out, ref_lse, w_out, w_lse), (q, k, v))
-    for name, got, want in zip("qkv", grads, ref_grads):
-        assert got.dtype == dtype
-        check(got, want, tol, f"d{name}")
+    check_attention((out, lse), (ref_out, ref_lse), (q, k, v), (w_out, w_lse), (TOLERANCE[dtype],) * 3, dtype)
 
 
 def test_bfloat16_accumulates_in_float32():
@@ -125,13 +106,8 @@ def test_bfloat16_accumulates_in_float32():
     out, lse = varlen_attention(q, k, v, cu_q, cu_kv, None, None, mask, SCALE, block_q=4, block_kv=3, return_lse=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref_out, ref_lse = reference(q, k, v, ENTRIES, mask, SCALE)
-    check(out, ref_out, 2e-2, "out")
-    check(lse, ref_lse, 1e-5, "lse")  # from bfloat16 inputs, summed in float32
-    grads = torch.autograd.grad(loss(out, lse, w_out, w_lse), (q, k, v))
-    ref_grads = torch.autograd.grad(loss(ref_out, ref_lse, w_out, w_lse), (q, k, v))
-    for name, got, want in zip("qkv", grads, ref_grads):
-        assert got.dtype == torch.bfloat16
-        check(got, want, 5e-2, f"d{name}")
+    # lse from bfloat16 inputs, summed in float32
+    check_attention((out, lse), (ref_out, ref_lse), (q, k, v), (w_out, w_lse), (2e-2, 1e-5, 5e-2), torch.bfloat16)
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)

@@ -29,15 +29,6 @@ HEADS, HEADS_KV, DIM, DIM_V, SCALE = 4, 2, 5, 3, 0.4
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
 
-@pytest.fixture
-def fakes(monkeypatch):
-    """The stand-ins installed for one test, their call log emptied."""
-    kernel_fakes.install_flash(lambda name, module: monkeypatch.setitem(sys.modules, name, module))
-    kernel_fakes.install_sdpa(functools.partial(monkeypatch.setattr, raising=False))
-    kernel_fakes.CALLS.clear()
-    return kernel_fakes.CALLS
-
-
 def inputs(entries, seed=0):
     gen = torch.Generator().manual_seed(seed)
     nq, nk = sum(lq for lq, _ in entries), sum(lk for _, lk in entries)
