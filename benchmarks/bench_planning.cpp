@@ -142,6 +142,20 @@ void count_entries(benchmark::State& state, double entries) {
   state.counters["entries/s"] = benchmark::Counter(entries, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// Plans rank world / 2's share of `plan` every iteration into kept output
+/// and workspace, as a training loop does; the last share.
+template <class Plan>
+cpdispatch::RankQkvMetadata plan_middle_rank(benchmark::State& state, const Plan& plan, std::int64_t world) {
+  cpdispatch::RankQkvMetadata mine;
+  cpdispatch::RankPlanWorkspace workspace;
+  for (auto _ : state) {
+    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
+    benchmark::DoNotOptimize(mine);
+    benchmark::ClobberMemory();
+  }
+  return mine;
+}
+
 /// Per-rank planning (reused storage) under each attention mask (mask 0:
 /// causal, 1: full, 2: a window of 4096 tokens, 3: a window of 512): the
 /// needed ranges change the KV copies, so "kv_entries" counts what each mask
@@ -153,13 +167,7 @@ void BM_PlanQkvForRankMask(benchmark::State& state) {
                                              cpdispatch::AttentionMask::sliding_window(4096), cpdispatch::AttentionMask::sliding_window(512)};
   plan.mask = masks[state.range(1)];
   state.SetLabel(to_string(plan.mask));
-  cpdispatch::RankQkvMetadata mine;
-  cpdispatch::RankPlanWorkspace workspace;
-  for (auto _ : state) {
-    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
-    benchmark::DoNotOptimize(mine);
-    benchmark::ClobberMemory();
-  }
+  const cpdispatch::RankQkvMetadata mine = plan_middle_rank(state, plan, world);
   double kv_entries = 0;
   cpdispatch::detail::DocumentRanges need;
   for (const auto& rank : plan.ranks)
@@ -178,13 +186,7 @@ BENCHMARK(BM_PlanQkvForRankMask)->ArgNames({"W", "mask"})->ArgsProduct({{1024, 1
 void BM_PlanQkvForRankReuse(benchmark::State& state) {
   const std::int64_t world = state.range(0);
   const cpdispatch::QkvPlan plan = cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed);
-  cpdispatch::RankQkvMetadata mine;
-  cpdispatch::RankPlanWorkspace workspace;
-  for (auto _ : state) {
-    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
-    benchmark::DoNotOptimize(mine);
-    benchmark::ClobberMemory();
-  }
+  plan_middle_rank(state, plan, world);
   count_entries(state, static_cast<double>(dispatch_entries(plan)));
 }
 
@@ -208,13 +210,7 @@ void BM_PlanQkvForRankDocumentsFormReuse(benchmark::State& state) {
   const std::int64_t world = state.range(0);
   const cpdispatch::QkvDocumentsPlan plan =
       cpdispatch::to_documents(cpdispatch::create_qkv_dispatch(world, kTokensPerRank, kDocsPerRank, kMaxCpDegree, kSeed));
-  cpdispatch::RankQkvMetadata mine;
-  cpdispatch::RankPlanWorkspace workspace;
-  for (auto _ : state) {
-    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
-    benchmark::DoNotOptimize(mine);
-    benchmark::ClobberMemory();
-  }
+  plan_middle_rank(state, plan, world);
   count_entries(state, static_cast<double>(dispatch_entries(plan)));
 }
 
@@ -294,13 +290,7 @@ void BM_PlanQkvForRankSlices(benchmark::State& state) {
   const std::int64_t world = state.range(0);
   const cpdispatch::QkvDocumentsPlan plan = slice_batch(world, state.range(1) != 0);
   state.SetLabel(state.range(1) != 0 ? "shared-prefix" : "causal");
-  cpdispatch::RankQkvMetadata mine;
-  cpdispatch::RankPlanWorkspace workspace;
-  for (auto _ : state) {
-    cpdispatch::plan_qkv_for_rank(plan, world / 2, mine, workspace);
-    benchmark::DoNotOptimize(mine);
-    benchmark::ClobberMemory();
-  }
+  const cpdispatch::RankQkvMetadata mine = plan_middle_rank(state, plan, world);
   state.counters["attn_entries_at_rank"] = benchmark::Counter(attention_entries(mine.attn));
   state.counters["kv_tokens_at_rank"] = benchmark::Counter(static_cast<double>(mine.kv_fwd.num_total_recv_tokens));
 }

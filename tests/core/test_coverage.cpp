@@ -343,17 +343,24 @@ std::vector<AttentionSlice> random_slices(I length, Rng& rng) {
   return out;
 }
 
+/// A random documents-form plan of up to `most` ranks, documents and
+/// shards a document, and shards of up to `longest` tokens, its sizes drawn
+/// from `rng`.
+QkvDocumentsPlan random_plan(Rng& rng, std::uint64_t seed, I most, I longest) {
+  cpdispatch::RandomDocumentsOptions o;
+  o.world_size = rng.between(1, most);
+  o.num_documents = rng.between(1, most);
+  o.max_shards = rng.between(1, most);
+  o.max_len = rng.between(1, longest);
+  return cpdispatch::random_documents_plan(o, seed);
+}
+
 /// A small plan with its planned layout and exact explicit entries. With
 /// slices, planning runs under the full mask (every group holds every KV
 /// shard), then slices are added to some documents.
 std::pair<QkvDocumentsPlan, QkvMetadata> small_case(std::uint64_t seed, bool with_slices) {
   Rng rng(seed);
-  cpdispatch::RandomDocumentsOptions o;
-  o.world_size = rng.between(1, 4);
-  o.num_documents = rng.between(1, 4);
-  o.max_shards = rng.between(1, 4);
-  o.max_len = rng.between(1, 6);
-  QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
+  QkvDocumentsPlan plan = random_plan(rng, seed, 4, 6);
   plan.mask = with_slices ? AttentionMask::full() : mask_of(rng.next());
   QkvMetadata m = cpdispatch::plan_qkv(plan);
   if (with_slices) {
@@ -570,12 +577,7 @@ TEST(Coverage, EmptyRanksAndEmptyPlansPass) {
 /// about two documents in three get random slices.
 QkvDocumentsPlan random_slice_plan(std::uint64_t seed, bool slices) {
   Rng rng(seed);
-  cpdispatch::RandomDocumentsOptions o;
-  o.world_size = rng.between(1, 5);
-  o.num_documents = rng.between(1, 5);
-  o.max_shards = rng.between(1, 5);
-  o.max_len = rng.between(1, 8);
-  QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, seed);
+  QkvDocumentsPlan plan = random_plan(rng, seed, 5, 8);
   plan.mask = mask_of(rng.next());
   for (std::size_t i = 0; i < plan.documents.size() && slices; ++i)
     if (rng.below(3) != 0) plan.documents[i].slices = random_slices(document_length(plan, i), rng);
