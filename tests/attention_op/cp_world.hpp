@@ -43,6 +43,8 @@ struct RankTensors {
 struct RankResult {
   std::vector<float> out, dq, dk, dv, lse;  // lse: attention layout [heads_q][q tokens]
   cpdispatch::RankMetadata q_rev;
+  std::vector<float> hp_lse = {};              // the head-parallel documents', [heads_q / u][their tokens]
+  cpdispatch::RankHeadParallelLayout hp = {};  // ... and their layout
 };
 
 class CpWorld {
@@ -101,6 +103,7 @@ class CpWorld {
       e[2].add(max_error(results[i].dk, expected(r, [](const Doc& d) { return &d.grads.dk; }, shape_.heads_kv)));
       e[3].add(max_error(results[i].dv, expected(r, [](const Doc& d) { return &d.grads.dv; }, shape_.heads_kv)));
       e[4].add(max_error(results[i].lse, expected_lse(results[i].q_rev)));
+      e[4].add(max_error(results[i].hp_lse, expected_head_parallel_lse(results[i].hp)));
     }
     std::array<double, 5> rel{};
     for (std::size_t i = 0; i < 5; ++i) rel[i] = e[i].relative();
@@ -200,6 +203,21 @@ class CpWorld {
         }
       }
       row += q_rev.seq_len[m];
+    }
+    return want;
+  }
+
+  /// The reference lse of a rank's head-parallel documents, [heads_q / u][their tokens]: group rank c holds query heads [c * heads_q / u, + heads_q / u).
+  std::vector<double> expected_head_parallel_lse(const cpdispatch::RankHeadParallelLayout& a) const {
+    if (a.degree == 0) return {};
+    const std::int64_t heads = shape_.heads_q / a.degree, n = a.tokens(), first = a.group_rank * heads;
+    std::vector<double> want(static_cast<std::size_t>(heads * n));
+    for (std::size_t i = 0; i < a.documents.size(); ++i) {
+      const std::int64_t L = a.seqlens[i];
+      const Doc& d = docs_[static_cast<std::size_t>(a.documents[i])];
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t p = 0; p < L; ++p) want[static_cast<std::size_t>(h * n + a.cu_seqlens[i] + p)] = d.ref.lse[static_cast<std::size_t>((first + h) * L + p)];
+      }
     }
     return want;
   }

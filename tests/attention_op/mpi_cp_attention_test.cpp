@@ -13,6 +13,7 @@
 
 #include "attention_op/cp_world.hpp"
 #include "attention_op/exact_kernel.hpp"
+#include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "attention_op/slice_plans.hpp"
 #include "cpdispatch/attention.hpp"
@@ -53,6 +54,7 @@ void expect_rank_equals_reference(const cpdispatch::QkvDocumentsPlan& plan, cpdi
   cpdispatch::ContextParallelAttention<cpdispatch::MpiTransport, float, Kernel> op(t, share, shape, op_options, Kernel(args...));
   std::vector<attention_test::RankResult> mine{attention_test::step<float>(op, world.tensors(r))};
   mine[0].q_rev = share.q_rev;
+  mine[0].hp = share.hp_attn;
   world.expect_equal(mine, 1e-5, r);
 }
 
@@ -93,6 +95,24 @@ TEST(MpiCpAttention, SlicePlansWithTheHostKernel) {
     SCOPED_TRACE(std::to_string(stages) + " stages" + (dedup ? ", dedup" : ""));
     const cpdispatch::QkvDocumentsPlan plan = attention_test::random_slice_plan(world_size(), 63, dedup, cpdispatch::AttentionMask::sliding_window(3));
     expect_rank_equals_reference<cpdispatch::HostAttentionKernel>(plan, {dedup, stages}, 63, {}, cpdispatch::HostAttentionOptions{1, 4, 4});
+  }
+}
+
+// Head-parallel documents (section 2f) beside dispatched ones, in groups of
+// 2 ranks and of all of them (the key-value heads then shared by 2 ranks),
+// dedup off and on, one stage and several.
+TEST(MpiCpAttention, HeadParallelPlansEqualWholeDocumentAttention) {
+  const int W = world_size();
+  for (const int u : {2, W}) {
+    if (W % u != 0 || 4 % u != 0) continue;  // the shape's 4 query heads split over u
+    for (const bool dedup : {false, true}) {
+      const int stages = dedup ? 1 : 3;
+      SCOPED_TRACE("u = " + std::to_string(u) + ", " + std::to_string(stages) + " stage(s)" + (dedup ? ", dedup" : ""));
+      const std::uint64_t seed = 71 + static_cast<std::uint64_t>(u) + (dedup ? 1 : 0);
+      cpdispatch::QkvDocumentsPlan plan = attention_test::with_head_parallel(plan_of(W, seed), u, seed, true);
+      plan.dedup = dedup;
+      expect_rank_equals_reference<attention_test::ExactKernel>(plan, {dedup, stages}, seed, {});
+    }
   }
 }
 

@@ -44,6 +44,7 @@ RankResult step(Op& op, const RankTensors& x) {
   op.forward(q, k, v, out);
   op.backward(dout, dq, dk, dv);
   RankResult r{to_floats(out), to_floats(dq), to_floats(dk), to_floats(dv), std::vector<float>(op.lse().begin(), op.lse().end()), {}};
+  r.hp_lse.assign(op.head_parallel_lse().begin(), op.head_parallel_lse().end());
   return r;
 }
 
@@ -58,6 +59,7 @@ std::vector<RankResult> on_every_rank(Sim& sim, const CpWorld& world, RankStep&&
     const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
     results[r] = rank_step(t, share);
     results[r].q_rev = share.q_rev;
+    results[r].hp = share.hp_attn;
   });
   return results;
 }

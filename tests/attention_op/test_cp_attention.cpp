@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "attention_op/slice_plans.hpp"
 
@@ -56,6 +57,75 @@ const Case cases[] = {
 
 INSTANTIATE_TEST_SUITE_P(Pairwise, CpAttentionTest, testing::ValuesIn(cases),
                          [](const testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+/// A case of the op with head-parallel documents mixed with dispatched ones:
+/// groups of u ranks, heads that split over them (heads_kv < u: each
+/// key-value head shared by u / heads_kv ranks of the group).
+struct HeadParallelCase {
+  const char* name;
+  int world_size;
+  std::int64_t u, heads_q, heads_kv;
+  AttentionMask mask;
+  bool dedup;
+  int stages;
+  bool prefix;  // shared-prefix slices on some head-parallel documents
+  std::uint64_t seed;
+};
+
+void PrintTo(const HeadParallelCase& c, std::ostream* os) { *os << c.name; }
+
+class CpAttentionHeadParallel : public testing::TestWithParam<HeadParallelCase> {};
+
+TEST_P(CpAttentionHeadParallel, EqualsWholeDocumentAttention) {
+  const HeadParallelCase& c = GetParam();
+  const cpdispatch::QkvDocumentsPlan plan =
+      attention_test::with_head_parallel(attention_test::random_plan(c.world_size, c.seed, c.mask, c.dedup), c.u, c.seed, c.prefix);
+  const AttentionShape shape{c.heads_q, c.heads_kv, 4, 0.45f};
+  const CpWorld world(plan, shape, c.mask, c.seed, attention_test::round_to<float>);
+  world.expect_equal(run_op<float>(world, shape, CpAttentionOptions{c.dedup, c.stages}), 1e-5);
+}
+
+// u among the divisors of W (2 and W where they exist); every mask meets
+// every stage count, dedup on and off, MHA, GQA and shared key-value heads.
+const HeadParallelCase head_parallel_cases[] = {
+    {"W1_u1_mha_causal_s1", 1, 1, 2, 2, AttentionMask::causal(), false, 1, false, 41},
+    {"W2_u2_gqa_full_s2_dedup", 2, 2, 4, 2, AttentionMask::full(), true, 2, true, 42},
+    {"W2_u1_gqa4_causal_s3", 2, 1, 4, 1, AttentionMask::causal(), false, 3, false, 43},
+    {"W3_u3_gqa_window3_s3", 3, 3, 6, 3, window3, false, 3, true, 44},
+    {"W4_u2_shared_kv_causal_s4_dedup", 4, 2, 4, 1, AttentionMask::causal(), true, 4, true, 45},
+    {"W4_u4_shared_kv_full_s1", 4, 4, 4, 2, AttentionMask::full(), false, 1, true, 46},
+    {"W5_u5_mha_causal_s2", 5, 5, 5, 5, AttentionMask::causal(), false, 2, false, 47},
+    {"W6_u2_mha_window6_s3_dedup", 6, 2, 2, 2, window6, true, 3, false, 48},
+    {"W6_u6_shared_kv_causal_s4", 6, 6, 6, 2, AttentionMask::causal(), false, 4, true, 49},
+    {"W7_u7_shared_kv_full_s1_dedup", 7, 7, 7, 1, AttentionMask::full(), true, 1, false, 50},
+    {"W8_u2_mha_causal_s2_dedup", 8, 2, 4, 4, AttentionMask::causal(), true, 2, true, 51},
+    {"W8_u8_gqa_window3_s3", 8, 8, 8, 2, window3, false, 3, false, 52},
+    {"W8_u4_gqa_causal_s1_dedup", 8, 4, 8, 8, AttentionMask::causal(), true, 1, true, 53},
+};
+
+INSTANTIATE_TEST_SUITE_P(Pairwise, CpAttentionHeadParallel, testing::ValuesIn(head_parallel_cases),
+                         [](const testing::TestParamInfo<HeadParallelCase>& info) { return std::string(info.param.name); });
+
+TEST(CpAttentionHeadParallelRefusals, HeadsThatDoNotSplitOverTheGroupsAreNamed) {
+  const auto plan = attention_test::with_head_parallel(attention_test::random_plan(4, 7, AttentionMask::causal(), false), 4, 7);
+  const auto refusal = [&](const AttentionShape& shape) {
+    std::string message;
+    cpdispatch::SimWorld sim(4, cpdispatch::SimOptions{sim_test::hang_timeout});
+    sim.run([&](cpdispatch::SimTransport& t) {
+      try {
+        cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel> op(t, cpdispatch::plan_qkv_for_rank(plan, t.rank()), shape);
+      } catch (const cpdispatch::invalid_input& e) {
+        if (t.rank() == 0) message = e.what();
+      }
+    });
+    return message;
+  };
+  EXPECT_EQ(refusal({2, 2, 4, 0.5f}),
+            "ContextParallelAttention (rank 0 of 4): shape.heads_q = 2 is not divisible by the plan's head_parallel_degree = 4 "
+            "(each rank of a group attends heads_q / u query heads)");
+  EXPECT_EQ(refusal({12, 3, 4, 0.5f}),
+            "ContextParallelAttention (rank 0 of 4): shape.heads_kv = 3 neither divides nor is divisible by the plan's head_parallel_degree = 4");
+}
 
 /// SimTransport without post_all_to_all_v: the op exchanges in blocking calls where it would post.
 class BlockingOnlyTransport {

@@ -3,7 +3,8 @@
 // within twice the error of the same kernel run unsharded in that type; one
 // stage gives the same bytes for every kernel thread count; a staged pass in
 // which a query row sees no key leaves the merged result exact and finite;
-// a plan with slices (its own entries, sharing rows) is exact.
+// a plan with slices (its own entries, sharing rows) is exact, and so is
+// one with head-parallel documents.
 
 #include <gtest/gtest.h>
 
@@ -17,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "attention_op/slice_plans.hpp"
 #include "cpdispatch/attention.hpp"
@@ -54,9 +56,9 @@ TEST(CpAttentionHostKernel, FloatEqualsWholeDocumentAttention) {
 }
 
 template <class E>
-void expect_within_twice_unsharded(int stages) {
+void expect_within_twice_unsharded(int stages, const cpdispatch::QkvDocumentsPlan& plan = plan_of(4, 43)) {
   const AttentionShape shape{2, 1, 8, 0.35f};
-  const CpWorld sharded(plan_of(4, 43), shape, AttentionMask::causal(), 43, attention_test::round_to<E>);
+  const CpWorld sharded(plan, shape, AttentionMask::causal(), 43, attention_test::round_to<E>);
   const CpWorld whole(CpWorld::unsharded(sharded.plan()), shape, AttentionMask::causal(), 43, attention_test::round_to<E>);
   const std::array<double, 5> got = sharded.relative_errors(run_op<E, HostAttentionKernel>(sharded, shape, {false, stages}, one_thread));
   const std::array<double, 5> base = whole.relative_errors(run_op<E, HostAttentionKernel>(whole, shape, {}, one_thread));
@@ -85,6 +87,18 @@ TEST(CpAttentionHostKernel, SharedPrefixSlicesEqualWholeDocumentAttention) {
   for (const int stages : {1, 2}) {
     world.expect_equal(run_op<float, HostAttentionKernel>(world, shape, {false, stages}, cpdispatch::HostAttentionOptions{1, 2, 2}), 1e-5);
   }
+}
+
+/// Head-parallel documents (section 2f) beside dispatched ones, some with
+/// slices: float equals the reference; in bfloat16, with the one key-value
+/// head shared by both ranks of a group (its gradients summed at home), the
+/// error stays within twice the unsharded run's.
+TEST(CpAttentionHostKernel, HeadParallelDocuments) {
+  const AttentionShape shape{4, 2, 8, 0.35f};
+  const CpWorld world(attention_test::with_head_parallel(plan_of(4, 45), 4, 45, true), shape, AttentionMask::causal(), 45,
+                      attention_test::round_to<float>);
+  for (const int stages : {1, 2}) world.expect_equal(run_op<float, HostAttentionKernel>(world, shape, {false, stages}, one_thread), 1e-5);
+  expect_within_twice_unsharded<cpdispatch::bfloat16>(3, attention_test::with_head_parallel(plan_of(4, 43), 2, 43, true));
 }
 
 /// Every byte of every rank's out, lse, dq, dk and dv of `b` equals `a`'s

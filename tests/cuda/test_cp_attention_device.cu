@@ -20,6 +20,7 @@
 
 #include "attention_op/cp_world.hpp"
 #include "attention_op/run_op.hpp"
+#include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/slice_plans.hpp"
 #include "cpdispatch/cuda/context_parallel.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
@@ -85,7 +86,9 @@ RankResult device_step(Op& op, const RankTensors& x) {
                         dv = to_device(to_elements<E>(nan_k));
   op.forward(in(q, nq), in(k, nk), in(v, nk), out(o, nq));
   op.backward(in(dout, nq), out(dq, nq), out(dk, nk), out(dv, nk));
-  return {to_host(o.data(), nq), to_host(dq.data(), nq), to_host(dk.data(), nk), to_host(dv.data(), nk), to_host(op.lse().data(), op.lse().size()), {}};
+  RankResult r{to_host(o.data(), nq), to_host(dq.data(), nq), to_host(dk.data(), nk), to_host(dv.data(), nk), to_host(op.lse().data(), op.lse().size()), {}};
+  r.hp_lse = to_host(op.head_parallel_lse().data(), op.head_parallel_lse().size());
+  return r;
 }
 
 /// Every rank plans its own share, builds the device op and runs one step.
@@ -139,6 +142,27 @@ TEST(CpAttentionDeviceSlices, SharedPrefixEqualsTheReference) {
   for (const bool dedup : {false, true}) {
     const CpWorld world(attention_test::shared_prefix_example(dedup), shape, AttentionMask::causal(), 62, attention_test::round_to<float>);
     for (const int stages : {1, 2}) world.expect_equal(run_device_op<float>(world, shape, {dedup, stages}), 1e-5);
+  }
+}
+
+/// Head-parallel documents (section 2f) beside dispatched ones: groups of 2
+/// ranks and of all of them, key-value heads split or shared, dedup off and
+/// on, one stage and several.
+TEST(CpAttentionDeviceHeadParallel, EqualsTheReference) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  struct Run {
+    int world_size;
+    std::int64_t u, heads_q, heads_kv;
+    bool dedup;
+    int stages;
+  };
+  for (const Run& run : {Run{4, 2, 4, 2, true, 3}, Run{4, 4, 4, 2, false, 1}, Run{6, 2, 2, 1, false, 4}, Run{3, 3, 3, 3, true, 2}}) {
+    SCOPED_TRACE("W = " + std::to_string(run.world_size) + ", u = " + std::to_string(run.u));
+    const AttentionShape shape{run.heads_q, run.heads_kv, 4, 0.45f};
+    const auto seed = static_cast<std::uint64_t>(70 + run.world_size + run.u);
+    const auto plan = attention_test::with_head_parallel(random_plan(run.world_size, seed, AttentionMask::causal(), run.dedup), run.u, seed, true);
+    const CpWorld world(plan, shape, AttentionMask::causal(), seed, attention_test::round_to<float>);
+    world.expect_equal(run_device_op<float>(world, shape, {run.dedup, run.stages}), 1e-5);
   }
 }
 

@@ -59,6 +59,7 @@
 
 #include "cpdispatch/attention/call_check.hpp"
 #include "cpdispatch/attention/data_path.hpp"
+#include "cpdispatch/attention/detail/head_parallel_part.hpp"
 #include "cpdispatch/attention/detail/row_cover.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
@@ -233,7 +234,7 @@ class ContextParallelAttention {
     const std::size_t pieces = n(c.shards) * copies;
     fwd_in_.reserve(mlp * (hq + 2 * hk * copies) * e, (tq * hq + 2 * tk * hk) * e, pieces);
     dout_in_.reserve(mlp * hq * e, tq * hq * e, pieces);
-    q_out_.reserve(tq * hq * e, mlp * hq * e, pieces);
+    for (Exchange* x : {&out_home_, &grads_home_}) x->reserve(tq * hq * e, mlp * hq * e, pieces);
     kv_out_.reserve(2 * tk * hk * e, copies * mlp * 2 * hk * e, pieces);
     calls_.reserve(pieces + 1);
     for (KvFanList& f : round_fans_) {
@@ -254,9 +255,6 @@ class ContextParallelAttention {
     const char* who = "ContextParallelAttention";
     const int me = transport_.rank(), W = transport_.world_size();
     planned_ = forward_done_ = false;
-    if (share.has_head_parallel()) {
-      fail("the share has head-parallel documents (docs/plan-format.md, section 2f), which this op does not run yet; plan them as dispatched documents");
-    }
     if (options_.dedup) {
       if (!share.kv_wire) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
       wire_planner_.plan(share.kv_wire->fwd, share.kv_wire->rev, share.kv_wire->fan, kv_token_bytes(), me, W, wire_plan_);
@@ -269,6 +267,8 @@ class ContextParallelAttention {
     kv_rev_ = share.kv_rev;
     layout_ = share.attn;
     check_layout();
+    hp_.plan(share, shape_, me, W, who);
+    if constexpr (!attention_kernel_folds_shared_rows<Kernel>()) row_check_.separate_rows(who, "replan", hp_.entries());
     lay_out_entries();
     stage_plan_.build(entries_, entry_begin_, layout_.cu_seqlens_q, layout_.cu_seqlens_kv, share.q_rev, share.kv_rev, me, W, groups_,
                       attention_kernel_folds_shared_rows<Kernel>(), who);
@@ -276,6 +276,7 @@ class ContextParallelAttention {
     path_.clear();
     lay_out_exchanges(me, W);
     lay_out_fan();
+    hp_.lay_out(path_);
     combine_id_ = path_.add_combine(options_.dedup ? wire_rev_ : kv_rev_, kv_token_bytes());
     path_.commit();
     prepare_kernel();
@@ -290,6 +291,13 @@ class ContextParallelAttention {
   const CpAttentionOptions& options() const noexcept { return options_; }
   /// The last forward's log-sum-exp in the attention layout, [heads_q][q tokens] (in the transport's memory).
   buffer<const float> lse() const noexcept { return {lse_.data(), lse_.size()}; }
+  /// This rank's head-parallel documents (section 2f; degree 0 when the plan
+  /// has none): whole documents for the query heads [c * heads_q / u, +
+  /// heads_q / u) of group rank c = group_rank. attention() and lse() hold
+  /// only the dispatched documents.
+  const RankHeadParallelLayout& head_parallel() const noexcept { return hp_.layout(); }
+  /// The last forward's log-sum-exp of the head-parallel documents, [heads_q / u][their tokens] (in the transport's memory).
+  buffer<const float> head_parallel_lse() const noexcept { return {hp_.lse_buffer().data(), hp_.lse_buffer().size()}; }
   Kernel& kernel() noexcept { return kernel_; }
 
   /// q: [T][heads_q][head_dim], k, v: [T][heads_kv][head_dim] -> out: [T][heads_q][head_dim].
@@ -298,9 +306,14 @@ class ContextParallelAttention {
     if (!planned_) fail("forward needs a plan: the last replan threw");
     check_mlp(call, {{q.size(), "q", true}, {k.size(), "k", false}, {v.size(), "v", false}, {out.size(), "out", true}});
     forward_done_ = false;
-    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes(q.data()), bytes(q_attn_)},
-                                       {kv_forward(), bytes(k.data()), bytes(k_attn_)},
-                                       {kv_forward(), bytes(v.data()), bytes(v_attn_)}};
+    hp_.scatter_inputs(path_, bytes(q.data()), bytes(k.data()), bytes(v.data()));
+    const detail::StagedTensor in_all[] = {{&q_plan_.forward, bytes(q.data()), bytes(q_attn_)},
+                                           {kv_forward(), bytes(k.data()), bytes(k_attn_)},
+                                           {kv_forward(), bytes(v.data()), bytes(v_attn_)},
+                                           {hp_.q_in(), hp_.q_slabs(), hp_.q()},
+                                           {hp_.kv_in(), hp_.k_slabs(), hp_.k()},
+                                           {hp_.kv_in(), hp_.v_slabs(), hp_.v()}};
+    const Tensors in = with_head_parallel(in_all, 3);
     if (groups_ == 0) {  // one exchange, then one kernel call over the whole layout
       exchange_all(call, fwd_in_, in);
       fan_out(0);
@@ -309,8 +322,10 @@ class ContextParallelAttention {
     } else {
       forward_by_stages(call, in);
     }
-    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(out_attn_), bytes(out.data())}};
-    exchange_all(call, q_out_, back);
+    hp_.attend_forward(kernel_, path_);
+    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(out_attn_), bytes(out.data())}, {hp_.q_back(), hp_.out(), hp_.q_slabs()}};
+    exchange_all(call, out_home_, with_head_parallel(back, 1));
+    hp_.gather_output(path_, bytes(out.data()));
     forward_done_ = true;
   }
 
@@ -319,7 +334,9 @@ class ContextParallelAttention {
     const char* call = "backward";
     if (!forward_done_) fail("backward needs the forward of the same plan first");
     check_mlp(call, {{dout.size(), "dout", true}, {dq.size(), "dq", true}, {dk.size(), "dk", false}, {dv.size(), "dv", false}});
-    const detail::StagedTensor in[] = {{&q_plan_.forward, bytes(dout.data()), bytes(dout_attn_)}};
+    hp_.scatter_dout(path_, bytes(dout.data()));
+    const detail::StagedTensor in_all[] = {{&q_plan_.forward, bytes(dout.data()), bytes(dout_attn_)}, {hp_.q_in(), hp_.q_slabs(), hp_.dout()}};
+    const Tensors in = with_head_parallel(in_all, 1);
     const detail::StagedTensor kv[] = {{kv_reverse(), bytes(dk_attn_), bytes(replica_)}, {kv_reverse(), bytes(dv_attn_), bytes(replica_v_)}};
     clear_stray_backward();
     if (groups_ == 0) {
@@ -331,9 +348,14 @@ class ContextParallelAttention {
     } else {
       backward_by_stages(call, in, kv);
     }
-    const detail::StagedTensor q_back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())}};
-    exchange_all(call, q_out_, q_back);
+    hp_.attend_backward(kernel_, path_);  // while the dispatched key-value gradients travel
+    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())},
+                                         {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
+                                         {hp_.kv_back(), hp_.dk(), hp_.k_slabs()},
+                                         {hp_.kv_back(), hp_.dv(), hp_.v_slabs()}};
+    exchange_all(call, grads_home_, with_head_parallel(back, 1));
     finish_kv_gradients(call, kv, dk, dv);
+    hp_.gather_gradients(path_, bytes(dq.data()), bytes(dk.data()), bytes(dv.data()));
   }
 
  private:
@@ -355,13 +377,24 @@ class ContextParallelAttention {
   /// Their gradients' reverse plan: with dedup the wire's, from each shard's first copy (after the fan-in).
   const detail::ExchangePlan* kv_reverse() const noexcept { return options_.dedup ? &wire_plan_.reverse_in_place : &kv_plan_.reverse; }
 
+  /// A tensor list's first `dispatched` tensors, and the head-parallel ones after them where the plan has some.
+  template <class X, std::size_t N>
+  std::span<const X> with_head_parallel(const X (&all)[N], std::size_t dispatched) const noexcept {
+    return std::span<const X>(all, hp_.active() ? N : dispatched);
+  }
+
+  /// The exchanges, each ONE post per stage group: the head-parallel part's
+  /// tensors ride the dispatched ones' (its outputs and gradients go home
+  /// with the queries').
   void lay_out_exchanges(int me, int W) {
-    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, kv_forward(), kv_forward()};
+    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, kv_forward(), kv_forward(), hp_.q_in(), hp_.kv_in(), hp_.kv_in()};
+    const detail::ExchangePlan* dout_in[] = {&q_plan_.forward, hp_.q_in()};
     const detail::ExchangePlan* kv_rev[] = {kv_reverse(), kv_reverse()};
-    const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse};
-    fwd_in_.lay_out(path_, fwd_in, me, W, groups_, true);
-    dout_in_.lay_out(path_, std::span(fwd_in).first(1), me, W, groups_, true);
-    q_out_.lay_out(path_, q_rev, me, W, 0, false);
+    const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse, hp_.q_back(), hp_.kv_back(), hp_.kv_back()};
+    fwd_in_.lay_out(path_, with_head_parallel(fwd_in, 3), me, W, groups_, true);
+    dout_in_.lay_out(path_, with_head_parallel(dout_in, 1), me, W, groups_, true);
+    out_home_.lay_out(path_, std::span(q_rev).first(hp_.active() ? 2 : 1), me, W, 0, false);
+    grads_home_.lay_out(path_, with_head_parallel(q_rev, 1), me, W, 0, false);
     kv_out_.lay_out(path_, kv_rev, me, W, groups_, false);
   }
 
@@ -413,6 +446,7 @@ class ContextParallelAttention {
       for (const detail::StagePass& pass : stage_plan_.passes()) {
         if (groups_ > 0) calls_.push_back(parts_of(pass));
       }
+      if (!hp_.entries().empty()) calls_.push_back(hp_.entries());
       kernel_.prepare(std::span<const std::span<const AttentionEntry>>(calls_));
     }
   }
@@ -658,7 +692,8 @@ class ContextParallelAttention {
   std::vector<std::vector<detail::CopyPiece>> round_copies_;  // ... and their fan-out
   std::vector<std::size_t> fan_out_ids_, fan_in_ids_;  // the path's lists, per round
   std::size_t combine_id_ = 0;
-  Exchange fwd_in_, dout_in_, q_out_, kv_out_;
+  Exchange fwd_in_, dout_in_, out_home_, grads_home_, kv_out_;
+  detail::HeadParallelPart<Path, E> hp_;  // the plan's head-parallel documents on this rank
   owned<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_, replica_v_;
   owned<E> out_part_;            // a pass's output (forward) or dq (backward)
   owned<float> lse_, lse_part_;  // the merged log-sum-exp; a pass's
