@@ -11,7 +11,16 @@
 // the same thread count; the ratios are kernel rate / peer rate.
 //
 //   bench_attention [--threads N] [--seconds 1.5] [--peer-cap 16384] [--cases default|all|quick]
-//                   [--block-q 128] [--block-kv 256]
+//                   [--block-q 128] [--block-kv 256] [--sweep]
+//
+// --sweep measures the kernel's rate against the entry's length instead (one
+// document of L = 128 .. 8192 tokens; heads 1 x 128, 8 : 2 x 64, 8 : 8 x 64;
+// causal and full; the fastest of the repetitions, the run a shared machine
+// disturbed least), fits the step model's kernel rate to it
+// (cpdispatch/plan/kernel_rate.hpp, fit_kernel_rate) and prints per case the
+// measured rate, its fraction of SGEMM (of an [L x 128] x [128 x L] product),
+// the model's rate and its error, then the fitted parameters of forward and
+// backward, as bench_cp_attention's --kernel-rate reads them.
 //
 // The machine may be shared: compare the ratios of one run, not absolute rates across runs.
 #include <algorithm>
@@ -30,6 +39,7 @@
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/gemm/gemm_cblas.hpp"
+#include "cpdispatch/plan/kernel_rate.hpp"
 
 namespace {
 
@@ -50,6 +60,7 @@ struct Options {
   std::int64_t peer_cap = 16384;
   std::string cases = "default";
   std::int64_t block_q = 128, block_kv = 256;
+  bool sweep = false;
 };
 
 std::vector<Case> cases_named(const std::string& name) {
@@ -87,8 +98,10 @@ Options parse(int argc, char** argv) {
       o.block_kv = std::atoll(argv[++i]);
     } else if (a == "--cases" && next) {
       o.cases = argv[++i];
+    } else if (a == "--sweep") {
+      o.sweep = true;
     } else {
-      std::fprintf(stderr, "usage: bench_attention [--threads N] [--seconds S] [--peer-cap L] [--cases default|all|quick] [--block-q 128] [--block-kv 256]\n");
+      std::fprintf(stderr, "usage: bench_attention [--threads N] [--seconds S] [--peer-cap L] [--cases default|all|quick] [--block-q 128] [--block-kv 256] [--sweep]\n");
       std::exit(2);
     }
   }
@@ -96,9 +109,10 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-/// Median seconds of fn over repetitions fitting `budget` seconds (at least one, at most 9).
+/// Median seconds of fn over repetitions fitting `budget` seconds (at least one, at most 9); with `least`
+/// the fastest of them (the run a shared machine disturbed least).
 template <class Fn>
-double median_seconds(double budget, Fn&& fn) {
+double median_seconds(double budget, Fn&& fn, bool least = false) {
   std::vector<double> t;
   const auto start = Clock::now();
   do {
@@ -107,7 +121,7 @@ double median_seconds(double budget, Fn&& fn) {
     t.push_back(std::chrono::duration<double>(Clock::now() - a).count());
   } while (t.size() < 9 && std::chrono::duration<double>(Clock::now() - start).count() + t.back() < budget);
   std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return least ? t.front() : t[t.size() / 2];
 }
 
 /// GFLOP/s of SGEMM [L x 128] x [128 x L] with OpenBLAS on `threads` threads.
@@ -133,7 +147,7 @@ struct Timing {
 };
 
 template <class E>
-Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double budget) {
+Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double budget, bool least = false) {
   const AttentionShape shape{c.heads_q, c.heads_kv, c.head_dim, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   const auto nq = static_cast<std::size_t>(c.tokens * c.heads_q * c.head_dim);
   const auto nk = static_cast<std::size_t>(c.tokens * c.heads_kv * c.head_dim);
@@ -151,9 +165,66 @@ Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double 
   const std::vector<cpdispatch::AttentionEntry> entries = cpdispatch::layout_entries(cu, cu, c.mask);
   auto forward = [&] { kernel.forward<E>(shape, entries, q, k, v, out, lse); };
   auto backward = [&] { kernel.backward<E>(shape, entries, q, k, v, out, lse, dout, dq, dk, dv); };
-  const double f = median_seconds(budget / 2, forward);  // also leaves out and lse for backward
-  const double b = median_seconds(budget / 2, backward);
+  const double f = median_seconds(budget / 2, forward, least);  // also leaves out and lse for backward
+  const double b = median_seconds(budget / 2, backward, least);
   return {f, b};
+}
+
+/// One case of the sweep as measured: its entry, the seconds of each pass and SGEMM's GFLOP/s beside it.
+struct Measured {
+  Case c;
+  cpdispatch::KernelEntry entry;
+  Timing t;
+  double peer;
+};
+
+/// Every length, head shape and mask of --sweep, measured.
+std::vector<Measured> measure_sweep(const Options& o, cpdispatch::HostAttentionKernel& kernel) {
+  struct Heads {
+    std::int64_t q, kv, dim;
+  };
+  const Heads shapes[] = {{1, 1, 128}, {8, 2, 64}, {8, 8, 64}};
+  std::vector<Measured> out;
+  for (std::int64_t L = 128; L <= 8192; L *= 2) {
+    const double peer = sgemm_rate(std::min(L, o.peer_cap), o.threads, o.seconds / 3);
+    for (const Heads& h : shapes)
+      for (const AttentionMask mask : {AttentionMask::causal(), AttentionMask::full()}) {
+        const Case c{"float", L, h.q, h.kv, h.dim, mask, false};
+        out.push_back({c, cpdispatch::group_entry(L, L, mask, h.q, h.dim), time_case<float>(c, kernel, o.seconds, true), peer});
+        std::fprintf(stderr, ".");
+      }
+  }
+  std::fprintf(stderr, "\n");
+  return out;
+}
+
+/// --sweep: the measured rates, the fitted model's and its errors, the fitted parameters.
+void run_sweep(const Options& o, cpdispatch::HostAttentionKernel& kernel) {
+  const std::vector<Measured> cases = measure_sweep(o, kernel);
+  std::vector<cpdispatch::KernelSample> forward, backward;
+  for (const Measured& m : cases) {
+    forward.push_back({m.entry, m.t.forward_s});
+    backward.push_back({m.entry, m.t.backward_s});
+  }
+  cpdispatch::KernelRates model{cpdispatch::fit_kernel_rate(forward, 1.0), cpdispatch::fit_kernel_rate(backward, 2.5)};
+  std::printf("%6s %5s %4s %-7s %8s %7s %8s %7s %8s %7s %8s %7s %9s\n", "L", "heads", "dim", "mask", "fwd GF/s", "/GEMM", "model", "err %",
+              "bwd GF/s", "/GEMM", "model", "err %", "GEMM GF/s");
+  std::vector<double> errors[2];
+  for (const Measured& m : cases) {
+    const double flop = m.entry.forward_flops();
+    const double fwd = flop / m.t.forward_s * 1e-9, bwd = 2.5 * flop / m.t.backward_s * 1e-9;
+    const double fwd_model = flop / model.forward_seconds(m.entry) * 1e-9, bwd_model = 2.5 * flop / model.backward_seconds(m.entry) * 1e-9;
+    errors[0].push_back(std::abs(fwd_model / fwd - 1));
+    errors[1].push_back(std::abs(bwd_model / bwd - 1));
+    const std::string heads = std::to_string(m.c.heads_q) + ":" + std::to_string(m.c.heads_kv);
+    std::printf("%6lld %5s %4lld %-7s %8.2f %7.2f %8.2f %+7.1f %8.2f %7.2f %8.2f %+7.1f %9.2f\n", static_cast<long long>(m.c.tokens),
+                heads.c_str(), static_cast<long long>(m.c.head_dim), to_string(m.c.mask).c_str(), fwd, fwd / m.peer, fwd_model,
+                100 * (fwd_model / fwd - 1), bwd, bwd / m.peer, bwd_model, 100 * (bwd_model / bwd - 1), m.peer);
+  }
+  for (auto& e : errors) std::sort(e.begin(), e.end());
+  std::printf("model error |model / measured - 1|: forward median %.1f %%, max %.1f %%; backward median %.1f %%, max %.1f %%\n",
+              100 * errors[0][errors[0].size() / 2], 100 * errors[0].back(), 100 * errors[1][errors[1].size() / 2], 100 * errors[1].back());
+  std::printf("--kernel-rate forward:%s/backward:%s\n", to_string(model.forward).c_str(), to_string(model.backward).c_str());
 }
 
 }  // namespace
@@ -161,6 +232,14 @@ Timing time_case(const Case& c, cpdispatch::HostAttentionKernel& kernel, double 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   cpdispatch::HostAttentionKernel kernel({o.threads, o.block_q, o.block_kv});
+  if (o.sweep) {
+    std::printf("bench_attention --sweep: HostAttentionKernel (%s block products, blocks %lld x %lld), float, %d threads; "
+                "rates as flash-attention counts FLOPs\n",
+                cpdispatch::detail::attention::uses_cblas ? "CBLAS" : "portable", static_cast<long long>(kernel.options().block_q),
+                static_cast<long long>(kernel.options().block_kv), o.threads);
+    run_sweep(o, kernel);
+    return 0;
+  }
   std::printf("bench_attention: HostAttentionKernel (%s block products, blocks %lld x %lld) vs OpenBLAS SGEMM, "
               "%d threads each; %u hardware threads\n",
               cpdispatch::detail::attention::uses_cblas ? "CBLAS" : "portable",

@@ -29,8 +29,16 @@
 // Prints one line per (sample, batch, link, method) and the medians.
 //   bench_cp_attention [--world 8] [--tokens 1024] [--batches 3] [--first-batch 0]
 //                      [--sample prolong|wlbllm|both | --lengths FILE] [--heads 8 | --heads-q 8 --heads-kv 8]
-//                      [--head-dim 64] [--dedup 1] [--links ib|nvlink|both] [--stages 1,2,4]
+//                      [--head-dim 64] [--dedup 1] [--links ib|nvlink|none|both] [--stages 1,2,4]
 //                      [--peers ulysses,ring,usp|both|all] [--shared-prefix 0] [--bound 1] [--balanced 1]
+//                      [--model-check 1] [--kernel-rate forward:peak=...,.../backward:...]
+// --model-check 1 (2: also the kernel sweep's entries) prints, per batch, link and method (ours at each stage
+// count, Ulysses, the ring), the step model's step (model_plan, model_ulysses, model_zigzag_ring over the link
+// as a cluster) next to the measured one, twice: with one FLOP rate (the kernel's rate measured on the batch, as without the flag) and with the
+// kernel priced by the entries each rank runs (cpdispatch/plan/kernel_rate.hpp). That kernel rate is fitted at
+// the start from a short sweep of entries run by all W ranks at once, as in the step (or read from
+// --kernel-rate, as bench_attention --sweep prints it). --links none runs an instant link (1e6 bytes a
+// FLOP: the kernels alone), which --links both adds with --model-check 1, to check the compute part alone.
 // --lengths FILE: a JSON array of document lengths like data/*.json, the sample named by the file's stem.
 // --peers both (the default) is ulysses,ring; all adds usp. --shared-prefix runs with --peers ulysses only.
 // Ours runs the deduplicated key-value exchange (each shard once per destination rank) unless --dedup 0.
@@ -49,6 +57,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +67,7 @@
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/cost.hpp"
+#include "cpdispatch/plan/kernel_rate.hpp"
 #include "cpdispatch/plan/step_model.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/plan/workload.hpp"
@@ -79,6 +89,8 @@ struct Config {
   bool ulysses = true, ring = true, usp = false;
   std::vector<int> stages{1, 2, 4};
   bool dedup = true, bound = true, balanced = true;
+  int model_check = 0;  ///< 1: the model's step beside each measured one; 2: also the kernel sweep's entries
+  std::string kernel_rate;  ///< --kernel-rate: the fitted rates to use instead of the sweep
 };
 
 /// A kernel that attends nothing: the step's communication alone.
@@ -504,6 +516,7 @@ struct Batch {
   double compute = 0;          ///< ours over an instant link, s
   double rate = 0;             ///< the kernel's FLOP rate per rank, all ranks computing at once
   bool bytes_printed = false;  ///< bytes and work do not depend on the link: printed once a batch
+  std::optional<cpdispatch::KernelRates> kernel{};  ///< --model-check: the kernel priced by its entries
 };
 
 /// A link the batch runs over: its name, its --links option and its bandwidth (bytes a second).
@@ -514,6 +527,35 @@ struct LinkRun {
 };
 
 using Ratios = std::map<std::string, std::vector<double>>;
+
+cpdispatch::ClusterModel link_cluster(const Config& c, const Batch& batch, double bandwidth);
+
+/// --model-check: one method's modelled step (`model` of a cluster: one rate, then the kernel's entries) beside
+/// the measured one.
+template <class Model>
+void model_check(const Config& c, const Batch& batch, const LinkRun& l, const std::string& method, double measured, Model&& model,
+                 Ratios& ratios_of) {
+  if (!c.model_check) return;
+  cpdispatch::ClusterModel cluster = link_cluster(c, batch, l.bandwidth);
+  const double one_rate = model(cluster);
+  cluster.kernel = batch.kernel;
+  const double by_entries = model(cluster);
+  std::printf("%s batch %d | %s | model check %s | measured %.1f ms | modelled, one rate %.1f ms (%.2f) | by entries %.1f ms (%.2f)\n",
+              batch.name.c_str(), batch.index, l.name, method.c_str(), measured * 1e3, one_rate * 1e3, one_rate / measured, by_entries * 1e3,
+              by_entries / measured);
+  const std::string key = batch.name + "|" + l.name + "|modelled/measured, ";
+  ratios_of[key + "one rate, " + method].push_back(one_rate / measured);
+  ratios_of[key + "by entries, " + method].push_back(by_entries / measured);
+}
+
+/// The step model's step of ours: the plan's exchange (dedup or flat, as the op runs it) at `stages`.
+double modelled_ours(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::ClusterModel& cluster, int stages) {
+  cpdispatch::LayerShape shape = layer_shape(c);
+  shape.stages = stages;
+  const auto rows = cpdispatch::model_plan(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), cpdispatch::Topology::uniform(c.world, c.world),
+                                           cluster, shape);
+  return rows[c.dedup ? 1 : 0].step;
+}
 
 /// Ours with the balanced plan at each of --stages (and its bound where asked): the best step (1e300 when not
 /// run) and the bytes it moved.
@@ -535,6 +577,8 @@ Step run_balanced(const Config& c, const Batch& batch, const LinkRun& l, Ratios&
       ratios_of[key + "overlap s" + std::to_string(stages)].push_back(ours.seconds / bound);
     }
     std::printf("\n");
+    model_check(c, batch, l, "ours stages=" + std::to_string(stages), ours.seconds,
+                [&](const cpdispatch::ClusterModel& m) { return modelled_ours(c, batch.plan, m, stages); }, ratios_of);
     if (stages == 1) one_stage = ours.seconds;
     if (one_stage > 0) ratios_of[key + "gain over stages=1, s" + std::to_string(stages)].push_back(one_stage / ours.seconds);
   }
@@ -637,6 +681,21 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
     peer("ulysses", kv, m.ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, docs, link));
   }
   if (c.ring) peer("ring zig-zag", "", m.ring = usp_step<cpdispatch::HostAttentionKernel>(c, docs, link, 1));
+  std::vector<std::int64_t> lengths;
+  std::vector<std::vector<cpdispatch::AttentionSlice>> slices;
+  for (const auto& d : docs) lengths.push_back(length_of(d)), slices.push_back(d.slices);
+  if (c.shared_prefix == 0) slices.clear();
+  const auto causal = cpdispatch::AttentionMask::causal();
+  if (c.ulysses) {
+    model_check(c, batch, l, "ulysses", m.ulysses.seconds, [&](const cpdispatch::ClusterModel& cl) {
+      return cpdispatch::model_ulysses(lengths, causal, c.world, cl, layer_shape(c), slices).step;
+    }, ratios_of);
+  }
+  if (c.ring) {
+    model_check(c, batch, l, "ring zig-zag", m.ring.seconds, [&](const cpdispatch::ClusterModel& cl) {
+      return cpdispatch::model_zigzag_ring(lengths, causal, c.world, cl, layer_shape(c), slices).step;
+    }, ratios_of);
+  }
   if (c.usp) {
     m.usp = run_usp(c, batch, link, cluster);
     peer("USP", " u=" + std::to_string(m.usp.u) + " (the step model picks u=" + std::to_string(m.usp.model_u) + ")", m.usp.step);
@@ -694,6 +753,8 @@ std::string parse_options(int argc, char** argv, Config& c) {
     } else if (a == "--stages") c.stages = stage_list(text);
     else if (a == "--bound") c.bound = v != 0;
     else if (a == "--balanced") c.balanced = v != 0;
+    else if (a == "--model-check") c.model_check = static_cast<int>(v);
+    else if (a == "--kernel-rate") c.kernel_rate = text;
     else return "unknown option " + a;
   }
   return {};
@@ -719,9 +780,123 @@ std::string check_config(const Config& c) {
   if (!c.lengths.empty() && c.sample != "both") return "--lengths and --sample name two samples: give one";
   if (c.sample != "both" && c.sample != "prolong" && c.sample != "wlbllm") return "--sample " + c.sample + " is not prolong, wlbllm or both";
   if (c.first_batch < 0 || c.batches < 1) return "--first-batch >= 0 and --batches >= 1";
-  if (c.links != "ib" && c.links != "nvlink" && c.links != "both") return "--links is ib, nvlink or both";
+  if (c.links != "ib" && c.links != "nvlink" && c.links != "none" && c.links != "both") return "--links is ib, nvlink, none or both";
   if (c.stages.empty()) return "--stages is a comma-separated list of stage counts >= 1";
   return {};
+}
+
+/// Seconds of one pass of the host kernel over one entry with all W ranks running it at once, as in a step:
+/// the slowest rank's, the median of three runs (a step meets the machine's load as it is, not at its best).
+/// A short entry runs as copies on their own rows of buffers up to 8192 rows, in one call (as a step's layout
+/// holds many), repeated up to 0.2 GFLOP a rank: the ranks then share the cores and the caches as in a step,
+/// rather than each finishing alone, in cache, inside one time slice.
+cpdispatch::KernelSample time_on_every_rank(const Config& c, const cpdispatch::AttentionEntry& e, std::int64_t hq, std::int64_t hkv,
+                                            bool backward) {
+  const cpdispatch::AttentionShape shape{hq, hkv, c.head_dim, 0.125f};
+  const double flops = (backward ? 2.5 : 1.0) * cpdispatch::kernel_entry(e, hq, c.head_dim).forward_flops();
+  const std::int64_t copies = std::clamp<std::int64_t>(static_cast<std::int64_t>(0.2e9 / flops), 1, std::max<std::int64_t>(1, 8192 / e.kv_len));
+  const int calls = static_cast<int>(std::clamp(std::ceil(0.2e9 / (flops * static_cast<double>(copies))), 1.0, 1000.0));
+  std::vector<cpdispatch::AttentionEntry> entries;
+  for (std::int64_t i = 0; i < copies; ++i) {  // copy i's rows and columns start i x q_len and i x kv_len on: its band shifts
+    entries.push_back({i * e.q_len, e.q_len, i * e.kv_len, e.kv_len, e.band.shifted(i * (e.kv_len - e.q_len))});
+  }
+  cpdispatch::SimWorld world(c.world);
+  std::vector<double> seconds(sz(c.world)), runs;
+  for (int run = 0; run < 3; ++run) {
+    world.run([&](cpdispatch::SimTransport& sim) {
+      auto kernel = make_kernel<cpdispatch::HostAttentionKernel>();
+      const std::size_t nq = sz(copies * e.q_len * hq * c.head_dim), nk = sz(copies * e.kv_len * hkv * c.head_dim);
+      std::vector<float> q(nq, 0.01f), k(nk, 0.02f), v(nk, 0.03f), out(nq), dout(nq, 0.01f), dq(nq), dk(nk), dv(nk), lse(sz(copies * e.q_len * hq));
+      const std::span<const float> cq(q), ck(k), cv(v);
+      kernel.forward(shape, std::span<const cpdispatch::AttentionEntry>(entries), cq, ck, cv, std::span<float>(out), std::span<float>(lse));
+      sim.barrier();
+      const auto start = Clock::now();
+      for (int i = 0; i < calls; ++i) {
+        if (backward) {
+          kernel.backward(shape, std::span<const cpdispatch::AttentionEntry>(entries), cq, ck, cv, std::span<const float>(out),
+                          std::span<const float>(lse), std::span<const float>(dout), std::span<float>(dq), std::span<float>(dk), std::span<float>(dv));
+        } else {
+          kernel.forward(shape, std::span<const cpdispatch::AttentionEntry>(entries), cq, ck, cv, std::span<float>(out), std::span<float>(lse));
+        }
+      }
+      seconds[sz(sim.rank())] = std::chrono::duration<double>(Clock::now() - start).count() / static_cast<double>(calls * copies);
+    });
+    runs.push_back(*std::max_element(seconds.begin(), seconds.end()));
+  }
+  return {cpdispatch::kernel_entry(e, hq, c.head_dim), median(runs)};
+}
+
+/// The host kernel's rates, fitted to a short sweep run by all W ranks at once: for each head count the
+/// methods run (ours and the ring all heads, Ulysses heads / W, USP heads / u), square causal and full entries
+/// and causal query shards at the end of their keys (L / 4 x L), L = 64, 128, ... while a case's FLOPs a rank
+/// stay under 4 GFLOP (longer entries run near the rate of the longest measured).
+cpdispatch::KernelRates fit_host_rates(const Config& c) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> heads{{c.heads_q, c.heads_kv}};
+  if (c.ulysses) heads.emplace_back(c.heads_q / c.world, c.heads_kv / c.world);
+  for (const std::int64_t u : c.usp ? usp_groups(c) : std::vector<std::int64_t>{}) heads.emplace_back(c.heads_q / u, c.heads_kv / u);
+  std::vector<cpdispatch::KernelSample> forward, backward;
+  const auto causal = cpdispatch::AttentionMask::causal().band();
+  for (const auto& [hq, hkv] : heads)
+    for (std::int64_t L = 64; L <= 8192; L *= 2) {
+      const cpdispatch::AttentionEntry entries[] = {{0, L, 0, L, causal}, {0, L, 0, L, {}}, {0, L / 4, 0, L, causal.shifted(L - L / 4)}};
+      for (const cpdispatch::AttentionEntry& e : entries) {
+        if (3.5 * cpdispatch::kernel_entry(e, hq, c.head_dim).forward_flops() > 4e9) continue;
+        forward.push_back(time_on_every_rank(c, e, hq, hkv, false));
+        backward.push_back(time_on_every_rank(c, e, hq, hkv, true));
+      }
+    }
+  const cpdispatch::KernelRates rates{cpdispatch::fit_kernel_rate(forward, 1.0), cpdispatch::fit_kernel_rate(backward, 2.5)};
+  double worst = 0;
+  for (std::size_t i = 0; i < forward.size(); ++i) {
+    const cpdispatch::KernelEntry& e = forward[i].entry;
+    const double f = rates.forward_seconds(e) / forward[i].seconds, b = rates.backward_seconds(e) / backward[i].seconds;
+    worst = std::max({worst, std::abs(f - 1), std::abs(b - 1)});
+    if (c.model_check < 2) continue;
+    std::printf("kernel sweep | %lld x %lld, %lld heads, %s | forward %.3f ms, %.2f GFLOP/s, model %+.0f %% | backward %.3f ms, %.2f GFLOP/s, model %+.0f %%\n",
+                static_cast<long long>(e.q_len), static_cast<long long>(e.kv_len), static_cast<long long>(e.heads_q), e.cut ? "cut" : "whole",
+                forward[i].seconds * 1e3, e.forward_flops() / forward[i].seconds * 1e-9, 100 * (f - 1), backward[i].seconds * 1e3,
+                2.5 * e.forward_flops() / backward[i].seconds * 1e-9, 100 * (b - 1));
+  }
+  std::printf("host kernel, %d ranks at once, fitted to %zu entries (worst error %.0f %%): --kernel-rate forward:%s/backward:%s\n", c.world,
+              forward.size(), 100 * worst, to_string(rates.forward).c_str(), to_string(rates.backward).c_str());
+  return rates;
+}
+
+/// --kernel-rate "forward:peak=...,pair_seconds=...,.../backward:..." (bench_attention --sweep's line); exits on a bad one.
+cpdispatch::KernelRates parse_kernel_rates(const std::string& text) {
+  cpdispatch::KernelRates rates;
+  const auto bad = [&](const std::string& why) {
+    std::fprintf(stderr, "bench_cp_attention: --kernel-rate %s: %s\n", text.c_str(), why.c_str());
+    std::exit(2);
+  };
+  std::size_t at = 0;
+  while (at < text.size()) {
+    const std::size_t end = std::min(text.find('/', at), text.size()), colon = text.find(':', at);
+    if (colon >= end) bad("each part is forward:... or backward:...");
+    const std::string pass = text.substr(at, colon - at);
+    if (pass != "forward" && pass != "backward") bad("\"" + pass + "\" is not forward or backward");
+    cpdispatch::KernelRate& r = pass == "forward" ? rates.forward : rates.backward;
+    for (std::size_t p = colon + 1; p < end;) {
+      const std::size_t comma = std::min(text.find(',', p), end), eq = text.find('=', p);
+      if (eq >= comma) bad("each term is name=value");
+      const std::string name = text.substr(p, eq - p);
+      const double value = std::atof(text.substr(eq + 1, comma - eq - 1).c_str());
+      if (name == "peak") r.peak = value;
+      else if (name == "pair_seconds") r.pair_seconds = value;
+      else if (name == "row_seconds") r.row_seconds = value;
+      else if (name == "cut_row_seconds") r.cut_row_seconds = value;
+      else if (name == "entry_seconds") r.entry_seconds = value;
+      else bad("unknown term " + name);
+      p = comma + 1;
+    }
+    at = end + 1;
+  }
+  try {
+    rates.check();
+  } catch (const cpdispatch::invalid_input& e) {
+    bad(e.what());
+  }
+  return rates;
 }
 
 int main(int argc, char** argv) {
@@ -737,12 +912,14 @@ int main(int argc, char** argv) {
     const char* option;
     double bytes_per_flop;
   };
-  const Ratio ratios[] = {{"IB 50 GB/s", "ib", 50e9 / 400e12}, {"NVLink 450 GB/s", "nvlink", 450e9 / 400e12}};
+  const Ratio ratios[] = {{"IB 50 GB/s", "ib", 50e9 / 400e12}, {"NVLink 450 GB/s", "nvlink", 450e9 / 400e12}, {"no link", "none", 1e6}};
   std::printf("bench_cp_attention: W = %d ranks x %lld tokens, %lld query / %lld key-value heads x %lld, float; %d batches per sample; ours %s dedup",
               c.world, static_cast<long long>(c.tokens), static_cast<long long>(c.heads_q), static_cast<long long>(c.heads_kv),
               static_cast<long long>(c.head_dim), c.batches, c.dedup ? "with" : "without");
   if (c.shared_prefix > 0) std::printf("; each document a prompt and %lld responses", static_cast<long long>(c.shared_prefix));
   std::printf("\n");
+  std::optional<cpdispatch::KernelRates> kernel;
+  if (c.model_check) kernel = c.kernel_rate.empty() ? fit_host_rates(c) : parse_kernel_rates(c.kernel_rate);
   std::map<std::string, std::vector<double>> ratios_of;  // "sample|link|what" -> per batch
   for (const auto& [name, lengths] : lengths_of) {
     for (int b = c.first_batch; b < c.first_batch + c.batches; ++b) {
@@ -764,8 +941,10 @@ int main(int argc, char** argv) {
       const double compute = ours_step<cpdispatch::HostAttentionKernel>(c, plan, instant, 1).seconds;
       const double rate = flops / compute / c.world;  // per rank, all ranks computing at once
       Batch batch{name, b, p, plan, compute, rate};
+      batch.kernel = kernel;
       for (const Ratio& r : ratios) {
-        if (c.links == "both" || c.links == r.option) run_link(c, batch, {r.name, r.option, rate * r.bytes_per_flop}, ratios_of);
+        const bool none = std::strcmp(r.option, "none") == 0, all = c.links == "both" && (!none || c.model_check);
+        if (all || c.links == r.option) run_link(c, batch, {r.name, r.option, rate * r.bytes_per_flop}, ratios_of);
       }
       std::printf("%s batch %d | kernel %.2f GFLOP/s per rank with %d ranks computing\n", name.c_str(), b, rate * 1e-9, c.world);
       std::fflush(stdout);

@@ -12,6 +12,11 @@
 //   bench_step_model validate                (the model's exchange time against
 //       the flat KV exchange measured over SimulatedLinkTransport on 8 sim
 //       ranks: one tier, every rank its own node, the same bandwidth and latency)
+//   bench_step_model head-parallel [W ...]   (default W = 8 64 256: plan_for_cluster
+//       with head-parallel documents chosen (BalanceOptions::head_parallel auto)
+//       against the best of Ulysses, the zig-zag ring and USP, per batch: the
+//       median and worst ratio over ten seeded batches of 8K tokens a rank, for
+//       8 + 8 heads and 32 : 8 heads of 64; see head_parallel_table)
 //   bench_step_model validate-tiers          (the model's KV exchange times against
 //       the flat, dedup and node-level exchanges measured over a two-tier
 //       SimulatedLinkTransport: W = 8 and 16, 4 ranks a node; see validate_tiers)
@@ -305,6 +310,81 @@ int validate_tiers() {
   return 0;
 }
 
+// ---- head-parallel: plan_for_cluster choosing head-parallel documents, against the peers
+
+constexpr I kHeadParallelTokensPerRank = 8 * 1024;
+
+/// plan_for_cluster with the smallest max_cp_degree of 8..64 that can cut every document.
+cpdispatch::ClusterPlan for_cluster(cpdispatch::BalanceProblem p, const cpdispatch::ClusterModel& cluster, const cpdispatch::LayerShape& shape,
+                                    const cpdispatch::Topology& topology, const cpdispatch::BalanceOptions& options) {
+  for (p.max_cp_degree = 8;; p.max_cp_degree *= 2) {
+    try {
+      return cpdispatch::plan_for_cluster(p, cluster, shape, topology, options);
+    } catch (const cpdispatch::invalid_input&) {
+      if (p.max_cp_degree >= 64) throw;
+    }
+  }
+}
+
+/// The median and the largest of `v`.
+std::pair<double, double> median_and_worst(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return {n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2, v.back()};
+}
+
+/// Per sample, layer and W: over ten batches (seeds 0..9), the modelled step of
+/// plan_for_cluster with head-parallel auto, and without, over the best of
+/// Ulysses, the zig-zag ring and USP on the same batch; how many batches got
+/// head-parallel documents, and how many chose each u (0: none).
+int head_parallel_table(std::vector<I> worlds) {
+  if (worlds.empty()) worlds = {8, 64, 256};
+  const cpdispatch::ClusterModel cluster = cpdispatch::ClusterModel::h100_ib();
+  const std::pair<const char*, cpdispatch::LayerShape> shapes[] = {{"8+8x64", {8, 64, 2, 4, 8}}, {"32:8x64", {32, 64, 2, 4, 8}}};
+  std::printf("plan_for_cluster (H100 links, 8 ranks a node, %lld tokens a rank, ten batches) over the best peer per batch:\n",
+              static_cast<long long>(kHeadParallelTokensPerRank));
+  std::printf("%-8s %-8s %5s %12s %12s %12s %12s %6s %s\n", "sample", "heads", "W", "auto median", "auto worst", "off median", "off worst",
+              "hp", "u chosen");
+  for (const char* name : {"prolong", "wlbllm"}) {
+    const std::vector<I> lengths = sample(name);
+    for (const auto& [heads, shape] : shapes) {
+      for (const I W : worlds) {
+        const cpdispatch::Topology topology = cpdispatch::Topology::uniform(W, std::min(W, kRanksPerNode));
+        cpdispatch::BalanceProblem p;
+        p.world_size = W;
+        p.q_bytes = shape.heads_q;  // bytes in proportion to the layer's
+        p.kv_bytes = 2 * shape.kv_heads();
+        cpdispatch::BalanceOptions automatic;
+        automatic.head_parallel = cpdispatch::HeadParallel::automatic;
+        std::vector<double> with, without;
+        std::map<I, int> degrees;
+        for (std::uint64_t seed = 0; seed < 10; ++seed) {
+          p.documents = cpdispatch::draw_workload(lengths, W, kHeadParallelTokensPerRank, seed);
+          const cpdispatch::ClusterPlan hp = for_cluster(p, cluster, shape, topology, automatic);
+          const cpdispatch::ClusterPlan off = for_cluster(p, cluster, shape, topology, {});
+          const std::vector<I> docs = cpdispatch::document_lengths(off.plan);
+          double peer = 0;
+          for (const cpdispatch::StepTime& t : {cpdispatch::model_ulysses(docs, {}, W, cluster, shape), cpdispatch::model_zigzag_ring(docs, {}, W, cluster, shape),
+                                                cpdispatch::model_usp_best(docs, {}, W, cluster, shape)}) {
+            if (t.feasible && (peer == 0 || t.step < peer)) peer = t.step;
+          }
+          with.push_back(hp.modelled.step / peer);
+          without.push_back(off.modelled.step / peer);
+          ++degrees[hp.plan.head_parallel_degree];
+        }
+        const auto [m_with, w_with] = median_and_worst(with);
+        const auto [m_without, w_without] = median_and_worst(without);
+        std::printf("%-8s %-8s %5lld %12.3f %12.3f %12.3f %12.3f %6d", name, heads, static_cast<long long>(W), m_with, w_with, m_without,
+                    w_without, 10 - degrees[0]);
+        for (const auto& [u, n] : degrees) std::printf(" u=%lld:%d", static_cast<long long>(u), n);
+        std::printf("\n");
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -313,6 +393,11 @@ int main(int argc, char** argv) {
   std::string svg;
   if (argc == 2 && std::string(argv[1]) == "validate") return validate();
   if (argc == 2 && std::string(argv[1]) == "validate-tiers") return validate_tiers();
+  if (argc >= 2 && std::string(argv[1]) == "head-parallel") {
+    std::vector<I> hp_worlds;
+    for (int i = 2; i < argc; ++i) hp_worlds.push_back(std::atoll(argv[i]));
+    return head_parallel_table(hp_worlds);
+  }
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--svg" && i + 1 < argc) svg = argv[++i];

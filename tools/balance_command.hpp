@@ -4,6 +4,7 @@
 // document is read by the library (cpdispatch/plan/balance_json.hpp); I/O
 // and option parsing stay in cpdispatch_plan.cpp.
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +23,7 @@
 namespace cpdispatch_cli {
 
 constexpr std::string_view balance_usage = R"(Usage: cpdispatch-plan balance [FILE|-] [--summary] [--svg FILE] [--compact] [--dedup]
+                               [--head-parallel off|auto] [--heads-q H] [--heads-kv H] [--head-parallel-degree U]
 
 Reads a batch of documents and writes a load-balanced qkv plan (JSON, the
 format cpdispatch-plan reads): documents are cut into at most C contiguous
@@ -51,8 +53,12 @@ Input (FILE, or standard input when FILE is - or absent): a packed batch,
                                                    rank]: balance for the topology, see
                                                    docs/node-exchange.md; --summary adds the
                                                    tokens that cross nodes; the plan keeps "nodes")
-   "inter_node_ratio": 9}                         (optional, with a topology: weight of a byte
+   "inter_node_ratio": 9,                         (optional, with a topology: weight of a byte
                                                    between nodes against one inside a node)
+   "head_parallel": "off", "heads_q": H,          (optional: as the flags below)
+   "heads_kv": H, "head_parallel_degree": U,
+   "pair_weight": 0}                              (optional, with auto: what one (query, key)
+                                                   pair of work weighs against one byte)
   or, with "ranks": [{"docs": [length, ...]}, ...] (W entries, MLP-layout order)
   instead of "documents", the whole documents each rank holds.
 
@@ -74,6 +80,18 @@ Options:
                (once per document and destination rank): the plan may put
                several shards of a document on one rank where that moves
                fewer bytes at no cost to balance
+  --head-parallel off|auto
+               auto: a document spanning ranks of one group of U consecutive
+               ranks goes head-parallel (whole on every rank of its group, each
+               attending 1/U of the heads) where its dispatch would move more
+               bytes than its share of that exchange; the other documents are
+               balanced around the 1/U of its work on each rank of the group.
+               Causal batches without slices. off (the default): none is.
+  --heads-q H  query heads (needed with auto)
+  --heads-kv H key-value heads (default: --heads-q)
+  --head-parallel-degree U
+               the group size (default: world_size); U divides world_size and
+               H, and divides the key-value heads or is a multiple of them
   -h, --help   this help
 
 Exit status: 0 success, 2 invalid input or usage (one line on standard error),
@@ -97,6 +115,17 @@ inline void write_file(const std::string& path, std::string_view text) {
   if (!ok) throw std::runtime_error("cannot write '" + path + "': " + std::strerror(error));
 }
 
+/// The summary's line on head-parallel documents (none for a per-rank plan
+/// or one without them): their work is split u ways, below the lower bound
+/// of dispatched plans.
+inline std::string head_parallel_note(const cpdispatch::QkvPlan&) { return {}; }
+inline std::string head_parallel_note(const cpdispatch::QkvDocumentsPlan& plan) {
+  const auto n = std::count_if(plan.documents.begin(), plan.documents.end(), [](const auto& d) { return d.head_parallel; });
+  if (n == 0) return {};
+  return "head-parallel: " + std::to_string(n) + " document" + (n == 1 ? "" : "s") + " in groups of " +
+         std::to_string(cpdispatch::detail::head_parallel_degree(plan)) + " ranks, the attention cost above counting 1/u of each on each rank of its group\n";
+}
+
 /// The `balance --summary` line: the plan against the unbalanced one and the bound.
 template <class PlanForm>
 std::string balance_report(const cpdispatch::BalanceProblem& problem, const PlanForm& plan, const cpdispatch::PlanLimits& limits) {
@@ -111,7 +140,7 @@ std::string balance_report(const cpdispatch::BalanceProblem& problem, const Plan
                 bound, static_cast<long long>(before.max_attention()),
                 bound > 0 ? static_cast<double>(before.max_attention()) / bound : 1.0, static_cast<long long>(after.bytes_moved),
                 static_cast<long long>(after.query_bytes), static_cast<long long>(after.kv_bytes));
-  return buf;
+  return buf + head_parallel_note(plan);
 }
 
 /// The SVG picture of a qkv plan (either form); the bars show the

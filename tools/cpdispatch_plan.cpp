@@ -534,9 +534,47 @@ int run_plan(Args args) {
 
 // ---------------------------------------------------------------- balance mode
 
+std::int64_t parse_count(std::string_view name, std::string_view text);
+
+/// balance's head-parallel flags, which override the input's keys.
+struct HeadParallelFlags {
+  std::optional<cpdispatch::HeadParallel> mode;
+  std::optional<std::int64_t> heads_q, heads_kv, degree;
+  void apply(cpdispatch::BalanceOptions& o) const {
+    o.head_parallel = mode.value_or(o.head_parallel);
+    o.heads_q = heads_q.value_or(o.heads_q);
+    o.heads_kv = heads_kv.value_or(o.heads_kv);
+    o.head_parallel_degree = degree.value_or(o.head_parallel_degree);
+  }
+};
+
+/// Takes --head-parallel off|auto, --heads-q H, --heads-kv H and
+/// --head-parallel-degree U (each also as --flag=V) into `flags`; the other
+/// arguments are returned.
+std::vector<std::string_view> take_head_parallel_flags(Args args, HeadParallelFlags& flags) {
+  std::vector<std::string_view> rest;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string_view arg = args[i];
+    const std::string_view name = arg.substr(0, arg.find('='));
+    if (name != "--head-parallel" && name != "--heads-q" && name != "--heads-kv" && name != "--head-parallel-degree") {
+      rest.push_back(arg);
+      continue;
+    }
+    if (name == arg && i + 1 >= args.size()) cpdispatch::detail::fail(name, " needs a value");
+    const std::string_view value = name == arg ? args[++i] : arg.substr(name.size() + 1);
+    if (name == "--head-parallel") flags.mode = cpdispatch::head_parallel_from_string(value, name);
+    else if (name == "--heads-q") flags.heads_q = parse_count(name, value);
+    else if (name == "--heads-kv") flags.heads_kv = parse_count(name, value);
+    else flags.degree = parse_count(name, value);
+  }
+  return rest;
+}
+
 /// `balance`: documents in, the balanced qkv plan out (as JSON, or as plan
 /// mode's --summary followed by a comparison with the unbalanced plan).
-int run_balance(Args args) {
+int run_balance(Args all_args) {
+  HeadParallelFlags flags;
+  const std::vector<std::string_view> args = take_head_parallel_flags(all_args, flags);
   const PlanOptions options = parse_plan_options(args);
   if (options.help) {
     write_output(cpdispatch_cli::balance_usage);
@@ -548,6 +586,7 @@ int run_balance(Args args) {
   const cpdispatch::BalanceProblem problem = cpdispatch::balance_problem_from_json(input);
   cpdispatch::BalanceOptions balancing = cpdispatch::balance_options_from_json(input);
   balancing.dedup = balancing.dedup || options.dedup;
+  flags.apply(balancing);
   const std::optional<cpdispatch::Topology> topology = cpdispatch::topology_from_json(input, problem.world_size, "input");
   const double ratio = cpdispatch::inter_node_ratio_from_json(input);
   const cpdispatch::QkvDocumentsPlan balanced = topology ? cpdispatch::plan_balanced(problem, balancing, *topology, ratio, reading)

@@ -116,8 +116,10 @@ def balance(batch, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY, **options):
     "documents": [{"pieces": [{"rank": r, "len": n}, ...]}, ...]}`` (a packed
     batch: documents may span ranks) or ``"ranks": [{"docs": [len, ...]}, ...]``.
     Keyword options are added to it (``max_cp_degree``, ``q_bytes``,
-    ``kv_bytes``, ``recv_capacity``, ``mask``...). The result is a plan that
-    plan() and plan_for_rank() take."""
+    ``kv_bytes``, ``recv_capacity``, ``mask``, ``head_parallel="auto"`` with
+    ``heads_q`` and optionally ``heads_kv`` and ``head_parallel_degree``:
+    documents spread over ranks may go head-parallel...). The result is a
+    plan that plan() and plan_for_rank() take."""
     if options:
         batch = dict(batch, **options)
     return _cpdispatch.balance(batch, dedup, max_memory)

@@ -905,14 +905,20 @@ void write_field(py::dict& d, PyObject* key, const fields::Field<S, T>& f, const
   if (!fields::is_default(s, f)) set_item(d, key, python_value(s.*f.member));
 }
 
-/// A document's "slices" (section 2e), which the JSON writer writes by hand
-/// rather than from the tables (plan/fields.hpp says why): last, as
-/// "slices" sorts after "shards". Other structs have none.
+/// The keys the JSON writer writes by hand rather than from the tables
+/// (plan/fields.hpp says why), last: a document's "slices" (section 2e) and
+/// "head_parallel", a documents-form plan's "head_parallel_degree" (section
+/// 2f), each only when set. Other structs have none.
 template <class S>
-void add_slices(py::dict&, const S&) {}
+void add_extra_keys(py::dict&, const S&) {}
 
-void add_slices(py::dict& d, const cpdispatch::PackedDocument& doc) {
+void add_extra_keys(py::dict& d, const cpdispatch::PackedDocument& doc) {
   if (!doc.slices.empty()) d["slices"] = to_python(cpdispatch::detail::slices_json(doc.slices));
+  if (doc.head_parallel) d["head_parallel"] = py::bool_(true);
+}
+
+void add_extra_keys(py::dict& d, const cpdispatch::QkvDocumentsPlan& plan) {
+  if (plan.head_parallel_degree != 0) d["head_parallel_degree"] = int_object(plan.head_parallel_degree);
 }
 
 /// S as the dict json.loads makes of the JSON writer's object: the same keys
@@ -923,7 +929,7 @@ py::dict struct_dict(const S& s) {
   const auto& keys = interned_keys<S>();
   py::dict d;
   for (std::size_t i : order) fields::visit<S>(i, [&](const auto& entry) { write_field(d, keys[i], entry, s); });
-  add_slices(d, s);
+  add_extra_keys(d, s);
   return d;
 }
 

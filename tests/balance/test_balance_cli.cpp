@@ -420,4 +420,71 @@ TEST_F(BalanceCli, DedupMustBeABoolean) {
   }
 }
 
+// ---- head-parallel documents chosen by balance (section 2f)
+
+/// One 12000-token document over all 8 ranks, and a short one on each.
+const std::string kWideBatch = [] {
+  nlohmann::json j = {{"world_size", 8}, {"max_cp_degree", 8}, {"q_bytes", 2}, {"kv_bytes", 2}};
+  nlohmann::json wide = nlohmann::json::array(), documents = nlohmann::json::array();
+  for (int r = 0; r < 8; ++r) wide.push_back({{"rank", r}, {"len", 1500}});
+  documents.push_back({{"pieces", wide}});
+  for (int r = 0; r < 8; ++r) documents.push_back({{"pieces", {{{"rank", r}, {"len", 90 - 10 * r}}}}});
+  j["documents"] = documents;
+  return j.dump();
+}();
+
+TEST_F(BalanceCli, HeadParallelAutoFromFlagsOrKeysGivesTheLibrarysPlan) {
+  const std::string in = file("in.json", kWideBatch);
+  cpdispatch::BalanceOptions o;
+  o.head_parallel = cpdispatch::HeadParallel::automatic;
+  o.heads_q = 8;
+  const cpdispatch::QkvDocumentsPlan expected = cpdispatch::plan_balanced(cpdispatch::balance_problem_from_json(nlohmann::json::parse(kWideBatch)), o);
+  ASSERT_TRUE(expected.documents[0].head_parallel);  // the choice matters here
+  nlohmann::json keyed = nlohmann::json::parse(kWideBatch);
+  keyed["head_parallel"] = "auto";
+  keyed["heads_q"] = 8;
+  const Result from_flags = run("balance --head-parallel auto --heads-q 8 " + in);
+  const Result from_keys = run("balance " + file("keyed.json", keyed.dump()));
+  const Result equals_form = run("balance --head-parallel=auto --heads-q=8 " + in);
+  for (const Result* r : {&from_flags, &from_keys, &equals_form}) {
+    ASSERT_EQ(r->status, 0) << r->err;
+    const nlohmann::json out = nlohmann::json::parse(r->out);
+    EXPECT_EQ(out.at("head_parallel_degree"), 8);
+    EXPECT_EQ(std::get<cpdispatch::QkvDocumentsPlan>(cpdispatch::plan_from_json(out)).documents, expected.documents);
+  }
+  const Result planned = run(file("plan.json", from_flags.out));  // plan mode plans it, with the head-parallel exchange
+  ASSERT_EQ(planned.status, 0) << planned.err;
+  EXPECT_THAT(planned.out, HasSubstr("\"hp_fwd\""));
+  const Result summary = run("balance --summary --head-parallel auto --heads-q 8 " + in);
+  ASSERT_EQ(summary.status, 0) << summary.err;
+  EXPECT_THAT(summary.out, HasSubstr("head-parallel: 1 document in groups of 8 ranks"));
+  // off, by flag over the key, is plain balancing.
+  const Result off = run("balance --head-parallel off " + file("off.json", keyed.dump()));
+  ASSERT_EQ(off.status, 0) << off.err;
+  EXPECT_EQ(nlohmann::json::parse(off.out), nlohmann::json::parse(run("balance " + in).out));
+}
+
+TEST_F(BalanceCli, HeadParallelErrorsNameTheFlagOrField) {
+  const std::string in = file("in.json", kWideBatch);
+  const std::pair<const char*, const char*> cases[] = {
+      {"--head-parallel maybe", "--head-parallel: expected \"off\" or \"auto\", got \"maybe\""},
+      {"--head-parallel", "--head-parallel needs a value"},
+      {"--head-parallel auto", "heads_q = 0"},
+      {"--head-parallel auto --heads-q 6", "head_parallel_degree = 8 does not fit heads_q = 6"},
+      {"--head-parallel auto --heads-q 8 --heads-kv 3", "heads_kv = 3"},
+      {"--heads-q 0", "--heads-q needs a whole number at least 1"},
+  };
+  for (const auto& [flags, message] : cases) {
+    const Result r = run(std::string("balance ") + in + " " + flags);
+    EXPECT_EQ(r.status, 2) << flags;
+    EXPECT_EQ(r.out, "");
+    EXPECT_THAT(r.err, HasSubstr(message)) << flags;
+  }
+  nlohmann::json keyed = nlohmann::json::parse(kWideBatch);
+  keyed["head_parallel"] = true;
+  const Result r = run("balance", keyed.dump());
+  EXPECT_EQ(r.status, 2);
+  EXPECT_THAT(r.err, HasSubstr("head_parallel: expected \"off\" or \"auto\", got true"));
+}
+
 }  // namespace

@@ -2,18 +2,23 @@
 // greedy, zig-zag and unbalanced plans tile every piece in order on its home
 // rank, keep at most C shards per document (zig-zag excepted), conserve
 // attention cost, never beat the lower bound, and are costed exactly; bad
-// batches fail naming the document and piece.
+// batches fail naming the document and piece. Head-parallel documents chosen
+// by the balancer (section 2f): which ones, the work around them, the search
+// of plan_for_cluster, and bad options.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "balance_helpers.hpp"
 #include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/coverage.hpp"
 #include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/plan/step_model.hpp"
 #include "cpdispatch/plan/workload.hpp"
 
 namespace {
@@ -226,6 +231,166 @@ TEST(PackedBalance, NothingTheUserGaveIsModified) {
   (void)cpdispatch::plan_greedy(p);
   (void)cpdispatch::plan_zigzag(p);
   EXPECT_EQ(p.documents, copy.documents);
+}
+
+// ---- head-parallel documents chosen by the balancer (section 2f)
+
+using cpdispatch::BalanceOptions;
+using cpdispatch::HeadParallel;
+
+/// Documents of `per_rank` tokens on each of `span` consecutive ranks, W /
+/// span of them, then `short_ones` documents of `short_len` tokens on every rank.
+BalanceProblem long_among_short(I W, I per_rank, I short_ones, I short_len, I span = 0) {
+  BalanceProblem p;
+  p.world_size = W;
+  p.max_cp_degree = W;
+  p.q_bytes = 2;
+  p.kv_bytes = 2;
+  span = span == 0 ? W : span;
+  for (I first = 0; per_rank > 0 && first < W; first += span) {
+    cpdispatch::BalanceDocument& wide = p.documents.emplace_back();
+    for (I r = first; r < first + span; ++r) wide.pieces.push_back({r, per_rank});
+  }
+  for (I r = 0; r < W; ++r)
+    for (I k = 0; k < short_ones; ++k) p.documents.push_back({{{r, short_len}}});
+  return p;
+}
+
+BalanceOptions automatic(I heads_q, I heads_kv = 0, I degree = 0) {
+  BalanceOptions o;
+  o.head_parallel = HeadParallel::automatic;
+  o.heads_q = heads_q;
+  o.heads_kv = heads_kv;
+  o.head_parallel_degree = degree;
+  return o;
+}
+
+/// Every field of two documents-form plans equal.
+void expect_same_plan(const QkvDocumentsPlan& a, const QkvDocumentsPlan& b) {
+  EXPECT_EQ(a.world_size, b.world_size);
+  EXPECT_EQ(a.max_cp_degree, b.max_cp_degree);
+  EXPECT_EQ(a.documents, b.documents);
+  EXPECT_EQ(a.mask, b.mask);
+  EXPECT_EQ(a.dedup, b.dedup);
+  EXPECT_EQ(a.head_parallel_degree, b.head_parallel_degree);
+}
+
+/// The plan of section 2f is valid: its metadata plans, and its layout
+/// attends every pair exactly once.
+::testing::AssertionResult covers(const QkvDocumentsPlan& plan) {
+  try {
+    cpdispatch::verify_coverage(plan, cpdispatch::plan_qkv(plan));
+  } catch (const cpdispatch::error& e) {
+    return ::testing::AssertionFailure() << e.what();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(HeadParallelBalance, OffIgnoresTheOtherHeadParallelFields) {
+  for (std::uint64_t seed = 1; seed <= 10; ++seed) {
+    const BalanceProblem p = random_batch(seed, 8, 4, 120);
+    BalanceOptions off = automatic(8, 8, 4);
+    off.head_parallel = HeadParallel::off;
+    const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, off);
+    expect_same_plan(plan, cpdispatch::plan_balanced(p));
+    EXPECT_EQ(plan.head_parallel_degree, 0);
+  }
+}
+
+TEST(HeadParallelBalance, TheDocumentOverAllRanksGoesHeadParallelTheShortOnesStay) {
+  const BalanceProblem p = long_among_short(8, 2048, 6, 64);
+  const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, automatic(8));
+  EXPECT_EQ(plan.head_parallel_degree, 8);
+  ASSERT_EQ(plan.documents.size(), p.documents.size());
+  EXPECT_TRUE(plan.documents[0].head_parallel);
+  for (std::size_t i = 1; i < plan.documents.size(); ++i) EXPECT_FALSE(plan.documents[i].head_parallel) << "documents[" << i << "]";
+  EXPECT_TRUE(baltest::valid_packed_plan(p, plan));
+  EXPECT_TRUE(covers(plan));
+  // Its work, split 8 ways, leaves the ranks more even than its dispatch could.
+  EXPECT_LT(cpdispatch::plan_cost(plan).max_attention(), cpdispatch::plan_cost(cpdispatch::plan_balanced(p)).max_attention());
+}
+
+TEST(HeadParallelBalance, NothingGoesHeadParallelWhereNoDocumentSpansRanksOrDispatchIsCheap) {
+  BalanceProblem one_rank_each = random_batch(5, 4, 2, 100);
+  one_rank_each.documents.clear();
+  for (I r = 0; r < 4; ++r)
+    for (I k = 1; k <= 5; ++k) one_rank_each.documents.push_back({{{r, 10 * k + r}}});
+  expect_same_plan(cpdispatch::plan_balanced(one_rank_each, automatic(4)), cpdispatch::plan_balanced(one_rank_each));
+  // A short tail on the next rank: its key-values cross once, while head-parallel
+  // would send every token to 7 ranks.
+  BalanceProblem tail = long_among_short(8, 0, 4, 256);
+  tail.documents.push_back({{{3, 200}, {4, 8}}});
+  expect_same_plan(cpdispatch::plan_balanced(tail, automatic(8)), cpdispatch::plan_balanced(tail));
+}
+
+TEST(HeadParallelBalance, WorkPerRankCountsEachHeadParallelDocumentOneUthOnEachRankOfItsGroup) {
+  BalanceProblem p = long_among_short(8, 1500, 5, 40, 4);  // one wide document in each group of 4
+  const cpdispatch::BalanceDocument across = long_among_short(8, 300, 0, 0).documents.front();
+  p.documents.push_back(across);
+  const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, automatic(8, 2, 4));  // groups of 4, two KV heads replicated
+  ASSERT_EQ(plan.head_parallel_degree, 4);
+  EXPECT_TRUE(plan.documents[0].head_parallel && plan.documents[1].head_parallel);
+  EXPECT_FALSE(plan.documents.back().head_parallel);  // it spans both groups
+  const I u = 4;
+  std::vector<I> expected(8, 0);
+  for (const auto& doc : plan.documents) {
+    I context = 0;
+    if (!doc.head_parallel) {
+      for (const auto& s : doc.shards) expected[static_cast<std::size_t>(s.dst)] += cpdispatch::attention_cost(context, s.len), context += s.len;
+      continue;
+    }
+    for (const auto& s : doc.shards) context += s.len;
+    const I pairs = context * (context + 1) / 2, first = doc.shards.front().rank / u * u;
+    for (I c = 0; c < u; ++c) expected[static_cast<std::size_t>(first + c)] += pairs / u + (c < pairs % u ? 1 : 0);
+  }
+  EXPECT_EQ(cpdispatch::plan_cost(plan).attention, expected);
+  EXPECT_TRUE(baltest::valid_packed_plan(p, plan));
+  EXPECT_TRUE(covers(plan));
+}
+
+TEST(HeadParallelBalance, RandomBatchesPlanValidateAndCoverEveryPair) {
+  std::size_t chosen = 0;
+  for (std::uint64_t seed = 1; seed <= 24; ++seed) {
+    const I W = std::array<I, 3>{2, 4, 8}[seed % 3], u = seed % 2 == 0 ? W : W / 2;
+    const BalanceProblem p = random_batch(seed, W, 2 + static_cast<I>(seed % 3), 64 + static_cast<I>(seed % 4) * 48);
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", W " + std::to_string(W) + ", u " + std::to_string(u));
+    BalanceOptions o = automatic(8, 8, u);
+    o.pair_weight = static_cast<double>(seed % 3);
+    const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, o);
+    ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
+    ASSERT_TRUE(covers(plan));
+    for (const auto& doc : plan.documents) chosen += doc.head_parallel ? 1 : 0;
+  }
+  EXPECT_GT(chosen, 0u);  // the batches do exercise the choice
+}
+
+TEST(HeadParallelBalance, PlanForClusterTriesOnlyAllowedGroupSizesAndNeverModelsSlower) {
+  const cpdispatch::LayerShape shape{12, 64, 2, 4, 4};  // u must divide 12 and divide 4 or be a multiple of it
+  EXPECT_EQ(cpdispatch::head_parallel_degrees(8, shape), (std::vector<I>{2, 4}));
+  const BalanceProblem p = long_among_short(8, 4096, 6, 128, 4);
+  const cpdispatch::Topology topology = cpdispatch::Topology::uniform(8, 8);
+  const auto cluster = cpdispatch::ClusterModel::h100_ib();
+  BalanceOptions o;
+  o.head_parallel = HeadParallel::automatic;
+  const cpdispatch::ClusterPlan chosen = cpdispatch::plan_for_cluster(p, cluster, shape, topology, o);
+  const cpdispatch::ClusterPlan off = cpdispatch::plan_for_cluster(p, cluster, shape, topology);
+  EXPECT_TRUE(chosen.plan.head_parallel_degree == 2 || chosen.plan.head_parallel_degree == 4) << chosen.plan.head_parallel_degree;
+  EXPECT_LE(chosen.modelled.step, off.modelled.step);
+  EXPECT_EQ(off.plan.head_parallel_degree, 0);
+  EXPECT_TRUE(covers(chosen.plan));
+}
+
+TEST(HeadParallelBalance, BadOptionsNameTheirField) {
+  const BalanceProblem p = long_among_short(8, 256, 2, 16);
+  const auto message = [&](const BalanceOptions& o) { return baltest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_balanced(p, o); }); };
+  EXPECT_THAT(message(automatic(0)), HasSubstr("heads_q = 0"));
+  EXPECT_THAT(message(automatic(6, 4)), HasSubstr("heads_kv = 4"));
+  EXPECT_THAT(message(automatic(6, 0, 4)), HasSubstr("head_parallel_degree = 4 does not fit heads_q = 6"));
+  EXPECT_THAT(message(automatic(8, 0, 3)), HasSubstr("head_parallel_degree = 3 must divide world_size = 8"));
+  EXPECT_THAT(message(automatic(16, 0, 16)), HasSubstr("head_parallel_degree = 16"));
+  BalanceProblem masked = p;
+  masked.mask = cpdispatch::AttentionMask::full();
+  EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_balanced(masked, automatic(8)); }), HasSubstr("full"));
 }
 
 }  // namespace

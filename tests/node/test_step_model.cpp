@@ -1,18 +1,23 @@
 // The step-time model of a cluster (docs/node-exchange.md, "Step-time
 // model"): hand-computed small cases (grouped-query attention and USP
 // among them), more bandwidth never slower, and the node-level exchange
-// never more inter-node bytes than dedup, nor dedup than flat.
+// never more inter-node bytes than dedup, nor dedup than flat; the kernel
+// priced by the entries it runs (kernel_rate.hpp): its fit, its curve, and
+// a rank's compute as the sum over its entries.
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <iterator>
+#include <limits>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/plan_cli.hpp"
 #include "cpdispatch/error.hpp"
+#include "cpdispatch/plan/kernel_rate.hpp"
 #include "cpdispatch/plan/step_model.hpp"
 
 namespace {
@@ -264,6 +269,149 @@ TEST(StepModel, BadInputIsRefused) {
     LayerShape g{4, 1, 1, 1, heads_kv};
     EXPECT_THROW(model(four_rank_plan(), unit_cluster(2), g), cpdispatch::invalid_input) << heads_kv;
   }
+}
+
+/// Round numbers for the kernel's terms: 1 FLOP/s, and each other term its own size.
+cpdispatch::KernelRate unit_kernel() {
+  cpdispatch::KernelRate k;
+  k.peak = 1.0;
+  k.pair_seconds = 0.5;
+  k.row_seconds = 2.0;
+  k.cut_row_seconds = 1.0;
+  k.entry_seconds = 10.0;
+  return k;
+}
+
+/// `message` of the invalid_input `fn` throws; empty when it throws none.
+template <class Fn>
+std::string refusal(Fn&& fn) {
+  try {
+    fn();
+  } catch (const cpdispatch::invalid_input& e) {
+    return e.what();
+  }
+  return {};
+}
+
+TEST(KernelRate, OneRateReproducesTheModelWithoutIt) {
+  LayerShape s{4, 8, 2, 2, 2};
+  ClusterModel plain = unit_cluster(2), with = plain;
+  with.kernel = cpdispatch::KernelRates::constant(plain.attention_flops);
+  const auto a = model(four_rank_plan(), plain, s), b = model(four_rank_plan(), with, s);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    SCOPED_TRACE(a[i].scheme);
+    EXPECT_EQ(a[i].feasible, b[i].feasible);
+    EXPECT_DOUBLE_EQ(a[i].forward_compute, b[i].forward_compute);
+    EXPECT_DOUBLE_EQ(a[i].backward_compute, b[i].backward_compute);
+    EXPECT_DOUBLE_EQ(a[i].step, b[i].step);
+  }
+  // And both still give the hand-computed 28 FLOPs of rank 1 in the two-rank plan.
+  ClusterModel one = unit_cluster(1);
+  one.kernel = cpdispatch::KernelRates::constant(1.0);
+  EXPECT_DOUBLE_EQ(model(two_rank_plan(), one, unit_shape())[0].forward_compute, 28.0);
+}
+
+TEST(KernelRate, PlanComputeIsTheSumOverItsEntries) {
+  // Two-rank plan: rank 0 attends query shard 0 against its own 2 keys (2 x 2 causal, 3 pairs, cut), rank 1
+  // query shard 1 against keys 0-3 (2 x 4 bottom-right causal, 7 pairs, cut). Forward with unit_kernel:
+  // rank 1: 28 FLOPs / 1 + 7 x 0.5 + 2 rows x (2 + 1) + 10 = 47.5; rank 0: 12 + 1.5 + 6 + 10 = 29.5.
+  // Backward at 2 FLOP/s and nothing else: rank 1 2.5 x 28 / 2 = 35.
+  cpdispatch::KernelRate backward;
+  backward.peak = 2.0;
+  ClusterModel c = unit_cluster(1);
+  c.kernel = cpdispatch::KernelRates{unit_kernel(), backward};
+  const auto per_rank = cpdispatch::plan_compute_seconds(cpdispatch::plan_qkv(two_rank_plan()), *c.kernel, 1, 1);
+  ASSERT_EQ(per_rank.size(), 2u);
+  EXPECT_DOUBLE_EQ(per_rank[0].forward, 29.5);
+  EXPECT_DOUBLE_EQ(per_rank[1].forward, 47.5);
+  EXPECT_DOUBLE_EQ(per_rank[1].backward, 35.0);
+  const StepTime flat = model(two_rank_plan(), c, unit_shape())[0];
+  EXPECT_DOUBLE_EQ(flat.forward_compute, 47.5);
+  EXPECT_DOUBLE_EQ(flat.backward_compute, 35.0);
+  EXPECT_DOUBLE_EQ(flat.forward, 47.5 + 24.0);  // one stage: the links' 24 s as before
+}
+
+TEST(KernelRate, PeersRunTheirChunksAndWholeDocuments) {
+  ClusterModel c = unit_cluster(2);
+  c.kernel = cpdispatch::KernelRates{unit_kernel(), unit_kernel()};
+  const auto causal = cpdispatch::AttentionMask::causal();
+  // Ring, W = 2: one causal document of 8 tokens in 4 chunks of 2; 6 chunk pairs below the diagonal (2 x 2
+  // whole: 16 + 4 x 0.5 + 2 x 2 + 10 = 32 s) and 4 on it (2 x 2 causal, 3 pairs: 12 + 1.5 + 2 x 3 + 10 =
+  // 29.5 s), each rank half of them.
+  const StepTime ring = cpdispatch::model_zigzag_ring({8}, causal, 2, c, unit_shape());
+  EXPECT_DOUBLE_EQ(ring.forward_compute, (6 * 32.0 + 4 * 29.5) / 2);
+  // Ulysses, W = 2, 2 heads: every rank the whole document (36 pairs) on one head: 144 + 18 + 8 x 3 + 10.
+  LayerShape two_heads = unit_shape();
+  two_heads.heads_q = 2;
+  EXPECT_DOUBLE_EQ(cpdispatch::model_ulysses({8}, causal, 2, c, two_heads).forward_compute, 196.0);
+}
+
+TEST(KernelRate, FitRecoversKnownParameters) {
+  cpdispatch::KernelRate truth;
+  truth.peak = 50e9;
+  truth.pair_seconds = 2e-9;
+  truth.row_seconds = 1e-7;
+  truth.cut_row_seconds = 3e-7;
+  truth.entry_seconds = 5e-6;
+  const auto causal = cpdispatch::AttentionMask::causal(), full = cpdispatch::AttentionMask::full();
+  for (const double flop_factor : {1.0, 2.5}) {
+    std::vector<cpdispatch::KernelSample> samples;
+    for (std::int64_t L = 64; L <= 4096; L *= 2)
+      for (const auto& [heads, dim] : {std::pair<std::int64_t, std::int64_t>{1, 128}, {8, 64}})
+        for (const auto e : {cpdispatch::group_entry(L, L, causal, heads, dim), cpdispatch::group_entry(L, L, full, heads, dim),
+                             cpdispatch::group_entry(L / 4, L, causal, heads, dim)}) {
+          samples.push_back({e, truth.seconds(e, flop_factor * e.forward_flops())});
+        }
+    const cpdispatch::KernelRate fit = cpdispatch::fit_kernel_rate(samples, flop_factor);
+    EXPECT_NEAR(fit.peak / truth.peak, 1.0, 1e-6) << flop_factor;
+    EXPECT_NEAR(fit.pair_seconds / truth.pair_seconds, 1.0, 1e-6);
+    EXPECT_NEAR(fit.row_seconds / truth.row_seconds, 1.0, 1e-6);
+    EXPECT_NEAR(fit.cut_row_seconds / truth.cut_row_seconds, 1.0, 1e-6);
+    EXPECT_NEAR(fit.entry_seconds / truth.entry_seconds, 1.0, 1e-6);
+  }
+}
+
+TEST(KernelRate, LongerEntriesRunFaster) {
+  cpdispatch::KernelRate k;
+  k.peak = 50e9;
+  k.row_seconds = 1e-6;
+  k.entry_seconds = 1e-5;
+  double previous = 0;
+  for (std::int64_t L = 128; L <= 16384; L *= 2) {
+    const auto e = cpdispatch::group_entry(L, L, cpdispatch::AttentionMask::causal(), 8, 64);
+    const double rate = k.rate(e, e.forward_flops());
+    EXPECT_GT(rate, previous) << L;
+    EXPECT_LT(rate, k.peak) << L;
+    previous = rate;
+  }
+  EXPECT_GT(previous, 0.9 * k.peak);  // saturating: the longest runs near peak
+}
+
+TEST(KernelRate, BadParametersAreRefusedByName) {
+  const auto named = [](cpdispatch::KernelRate k, const char* field) {
+    EXPECT_NE(refusal([&] { k.check(); }).find(field), std::string::npos) << field;
+    ClusterModel c = unit_cluster(2);
+    c.kernel = cpdispatch::KernelRates{unit_kernel(), k};
+    EXPECT_NE(refusal([&] { model(four_rank_plan(), c, unit_shape()); }).find(std::string("KernelRates.backward: ") + field), std::string::npos) << field;
+  };
+  cpdispatch::KernelRate k = unit_kernel();
+  k.peak = 0;
+  named(k, "peak");
+  k = unit_kernel();
+  k.row_seconds = -1;
+  named(k, "row_seconds");
+  k = unit_kernel();
+  k.entry_seconds = std::numeric_limits<double>::quiet_NaN();
+  named(k, "entry_seconds");
+  EXPECT_NE(refusal([] { cpdispatch::KernelRate::constant(-5); }).find("peak"), std::string::npos);
+  // Too few samples, and a sample without time, are refused too.
+  const auto e = cpdispatch::group_entry(64, 64, cpdispatch::AttentionMask::causal(), 1, 64);
+  std::vector<cpdispatch::KernelSample> samples(3, {e, 1e-3});
+  EXPECT_NE(refusal([&] { cpdispatch::fit_kernel_rate(samples); }).find("at least 5"), std::string::npos);
+  samples.resize(6, {e, 1e-3});
+  samples[4].seconds = 0;
+  EXPECT_NE(refusal([&] { cpdispatch::fit_kernel_rate(samples); }).find("samples[4]"), std::string::npos);
 }
 
 #ifdef CPDISPATCH_PLAN_EXE

@@ -73,15 +73,27 @@
 // leaves max_cp_degree to planning. A batch without slices is planned
 // exactly as before.
 //
+// With BalanceOptions::head_parallel = automatic (causal batches without
+// slices), documents spanning ranks of one group of head_parallel_degree
+// ranks go head-parallel (section 2f) where their dispatch in the plan above
+// moves more link-weighted bytes than their share of the head-parallel
+// exchange; the rest are balanced again around the work those leave, 1/u of
+// each one's pairs on each rank of its group (detail/head_parallel_choice.hpp).
+// With `off` (the default) the plan is the one above.
+//
 // This header includes the rest of planning by balance: the problem
 // (plan/balance_problem.hpp), what a plan costs (plan/cost.hpp) and the
 // baselines (plan/baselines.hpp).
+
+#include <cstdint>
+#include <utility>
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/balance_problem.hpp"
 #include "cpdispatch/plan/baselines.hpp"
 #include "cpdispatch/plan/cost.hpp"
 #include "cpdispatch/plan/detail/balance_planner.hpp"
+#include "cpdispatch/plan/detail/head_parallel_choice.hpp"
 #include "cpdispatch/plan/detail/mask_balance.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/mask.hpp"
@@ -101,21 +113,34 @@ inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimit
   return detail::balance::MaskPlanner(planner, problem.mask).lower_bound();
 }
 
+namespace detail::balance {
+
+/// plan_balanced with every document dispatched (head_parallel ignored).
+inline QkvDocumentsPlan plan_dispatched(const BalanceProblem& problem, const BalanceOptions& options, const PlanLimits& limits) {
+  check_footprint(problem, limits);
+  check_masked_problem(problem);
+  Planner planner(problem);
+  if (problem.mask == AttentionMask::causal() && !has_slices(problem)) return masked_plan(planner, planner.plan(options), problem.mask);
+  return masked_plan(planner, MaskPlanner(planner, problem.mask).plan(options), problem.mask);
+}
+
+}  // namespace detail::balance
+
 /// The load-balanced plan (see the top of this header), in documents form:
 /// documents in input order (for the per-rank form: rank 0's documents,
 /// then rank 1's, ...), each piece tiled by its shards in order, each
-/// document with its slices. Throws invalid_input for a malformed problem
-/// (naming `documents[i].pieces[k]`, `documents[i].slices[j]` -- refused as
-/// planning refuses them -- or `docs[r][i]`) and capacity_error (naming ranks and token counts) when
-/// the receive capacities cannot hold the documents.
+/// document with its slices; head-parallel documents (with
+/// options.head_parallel = automatic) as their pieces, marked. Throws
+/// invalid_input for a malformed problem (naming `documents[i].pieces[k]`,
+/// `documents[i].slices[j]` -- refused as planning refuses them -- or
+/// `docs[r][i]`) or head-parallel option (naming the BalanceOptions field),
+/// and capacity_error (naming ranks and token counts) when the receive
+/// capacities cannot hold the documents.
 inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}, const PlanLimits& limits = {}) {
-  detail::balance::check_footprint(problem, limits);
-  detail::balance::check_masked_problem(problem);
-  detail::balance::Planner planner(problem);
-  if (problem.mask == AttentionMask::causal() && !has_slices(problem)) {
-    return detail::balance::masked_plan(planner, planner.plan(options), problem.mask);
-  }
-  return detail::balance::masked_plan(planner, detail::balance::MaskPlanner(planner, problem.mask).plan(options), problem.mask);
+  QkvDocumentsPlan dispatched = detail::balance::plan_dispatched(problem, options, limits);
+  if (options.head_parallel == HeadParallel::off) return dispatched;
+  const std::int64_t u = detail::balance::check_head_parallel(problem, options);
+  return detail::balance::with_head_parallel(problem, options, u, std::move(dispatched));
 }
 
 }  // namespace cpdispatch

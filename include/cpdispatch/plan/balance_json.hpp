@@ -137,7 +137,8 @@ inline BalanceProblem balance_problem_from_json(const nlohmann::json& j) {
   const auto root = JsonPath::root("input");
   read_object(j, root);
   check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes", "dedup",
-                                          "ranks_per_node", "nodes", "inter_node_ratio", "mask"});
+                                          "ranks_per_node", "nodes", "inter_node_ratio", "mask", "head_parallel", "head_parallel_degree",
+                                          "heads_q", "heads_kv", "pair_weight"});
   BalanceProblem p;
   p.world_size = read_world_size(j, root, true);
   const auto W = static_cast<std::size_t>(p.world_size);
@@ -155,8 +156,18 @@ inline BalanceProblem balance_problem_from_json(const nlohmann::json& j) {
   return p;
 }
 
+/// "off" or "auto" as a HeadParallel; `where` names the field or flag.
+inline HeadParallel head_parallel_from_string(std::string_view text, std::string_view where) {
+  if (text == "off") return HeadParallel::off;
+  if (text == "auto") return HeadParallel::automatic;
+  detail::fail(where, ": expected \"off\" or \"auto\", got \"", text, "\"");
+}
+
 /// A balance input's planning options: its optional "dedup" (true or false,
-/// false when absent); the other options keep their defaults.
+/// false when absent) and head-parallel choice ("head_parallel": "off" or
+/// "auto", "head_parallel_degree", "heads_q", "heads_kv", "pair_weight";
+/// plan_balanced checks their values together); the other options keep
+/// their defaults.
 inline BalanceOptions balance_options_from_json(const nlohmann::json& j) {
   using namespace detail;
   const auto root = JsonPath::root("input");
@@ -164,6 +175,19 @@ inline BalanceOptions balance_options_from_json(const nlohmann::json& j) {
   const json* dedup = member(read_object(j, root), root, "dedup", false);
   if (dedup && !dedup->is_boolean()) fail_at(root / "dedup", ": expected true or false, got ", describe(*dedup));
   options.dedup = dedup && dedup->get<bool>();
+  if (const json* hp = member(j, root, "head_parallel", false)) {
+    if (!hp->is_string()) fail_at(root / "head_parallel", ": expected \"off\" or \"auto\", got ", describe(*hp));
+    options.head_parallel = head_parallel_from_string(hp->get<std::string>(), (root / "head_parallel").str());
+  }
+  options.head_parallel_degree = read_int_at_least(j, root, "head_parallel_degree", 0, false, 0);
+  options.heads_q = read_int_at_least(j, root, "heads_q", 1, false, 0);
+  options.heads_kv = read_int_at_least(j, root, "heads_kv", 0, false, 0);
+  if (const json* w = member(j, root, "pair_weight", false)) {
+    if (!w->is_number() || !(w->get<double>() >= 0) || w->get<double>() > 1e12) {
+      fail_at(root / "pair_weight", ": expected a number in [0, 1e12], got ", describe(*w));
+    }
+    options.pair_weight = w->get<double>();
+  }
   return options;
 }
 

@@ -61,6 +61,24 @@ struct BalanceProblem {
   AttentionMask mask;
 };
 
+/// Whether the balancer may make documents head-parallel (docs/plan-format.md,
+/// section 2f). JSON and the CLI spell it "off" and "auto".
+enum class HeadParallel {
+  off,        ///< every document is dispatched (the plan as without the option)
+  automatic,  ///< a document spanning ranks inside one group goes head-parallel when that moves fewer link-weighted bytes
+};
+
+/// "off" or "auto".
+inline const char* to_string(HeadParallel h) noexcept { return h == HeadParallel::off ? "off" : "auto"; }
+
+/// Whether groups of `u` ranks can hold documents head-parallel for this
+/// layer: u divides W and the query heads, and u divides the key-value
+/// heads or they divide u (each rank then holds one key-value head).
+inline bool head_parallel_degree_allowed(std::int64_t u, std::int64_t world_size, std::int64_t heads_q, std::int64_t heads_kv) noexcept {
+  if (u < 1 || world_size % u != 0 || heads_q % u != 0 || heads_kv < 1) return false;
+  return heads_kv % u == 0 || u % heads_kv == 0;
+}
+
 struct BalanceOptions {
   /// Plans whose largest rank cost is within this fraction of the best found
   /// count as equal; among them the one moving the fewest bytes wins.
@@ -73,6 +91,30 @@ struct BalanceOptions {
   /// document and destination rank; with slices, each needed key-value shard
   /// once per destination rank), for plans run with dedup switched on.
   bool dedup = false;
+  /// Head-parallel documents (section 2f): with `automatic`, a document
+  /// whose pieces span ranks of one group of head_parallel_degree ranks goes
+  /// head-parallel when its dispatch in the plan balanced without it costs
+  /// more than its share of the head-parallel exchange. Dispatched, it
+  /// costs its link-weighted bytes (queries and outputs, q_bytes each, and
+  /// its key-value copies) plus pair_weight times its largest shard's pairs;
+  /// head-parallel, the bytes of its pieces to every other rank of its group
+  /// (1/u of its query, output and key-value bytes; 1/heads_kv of the
+  /// key-values when the heads replicate) plus pair_weight times 1/u of its
+  /// pairs. Its work then counts 1/u on each rank of its group and the other
+  /// documents are balanced around it. Causal batches without slices only.
+  HeadParallel head_parallel = HeadParallel::off;
+  std::int64_t head_parallel_degree = 0;  ///< u: groups of u consecutive ranks; 0 means W
+  std::int64_t heads_q = 0;               ///< query heads (needed with `automatic`)
+  std::int64_t heads_kv = 0;              ///< key-value heads; 0: as many as heads_q
+  /// Link weights of the choice: a byte between nodes of `ranks_per_node`
+  /// consecutive ranks weighs `inter_node_ratio`, one inside a node 1
+  /// (0: all ranks in one node).
+  std::int64_t ranks_per_node = 0;
+  double inter_node_ratio = 9.0;
+  /// What one (query, key) pair of work on a rank weighs against one byte
+  /// (q_bytes / kv_bytes units) inside a node in the choice: the step
+  /// model's attention time of a pair over a byte's link time. 0: bytes only.
+  double pair_weight = 0;
 };
 
 /// The documents of a documents-form plan as a packed batch: consecutive

@@ -5,6 +5,8 @@
 // gets a copy of every key-value shard it attends whose home is elsewhere).
 // A document with slices (section 2e) costs its allowed pairs, and each of
 // its query shards gets the key-value shards it needs, a set, not a range.
+// A head-parallel document (section 2f) costs 1/u of its pairs on each rank
+// of its group, and sends each of them 1/u of every token's bytes.
 
 #include <algorithm>
 #include <cstddef>
@@ -178,6 +180,56 @@ inline void add_sliced_document(PlanCost& out, const std::vector<DocumentShard>&
   }
 }
 
+/// Rank c of a group of u's share of a head-parallel document's `pairs`: it
+/// attends 1/u of the heads; the remainder goes to the first ranks so that
+/// the shares sum to the whole.
+inline std::int64_t head_parallel_share(std::int64_t pairs, std::int64_t u, std::int64_t c) noexcept {
+  return pairs / u + (c < pairs % u ? 1 : 0);
+}
+
+/// A head-parallel document (section 2f) of `pairs` into `out`: its work
+/// split over the u ranks of its group, each of which holds the whole
+/// document; each shard sends every other rank of the group 1/u of its query
+/// and key-value bytes (rounded down; plan_cost does not know the heads, so
+/// a replicated key-value head counts 1/u too).
+inline void add_head_parallel_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t pairs, std::int64_t u,
+                                       std::int64_t q_bytes, std::int64_t kv_bytes) {
+  const auto W = static_cast<std::size_t>(out.world_size);
+  const std::int64_t first = shards.front().rank / u * u;
+  std::int64_t len = 0;
+  for (const DocumentShard& s : shards) len = detail::add_tokens(len, s.len, "plan_cost");
+  for (std::int64_t c = 0; c < u; ++c) {
+    add_to(out.attention[static_cast<std::size_t>(first + c)], head_parallel_share(pairs, u, c));
+    add_to(out.kv_tokens[static_cast<std::size_t>(first + c)], len);
+  }
+  for (const DocumentShard& s : shards) {
+    const std::int64_t qb = times(q_bytes, s.len) / u, kvb = times(kv_bytes, s.len) / u;
+    for (std::int64_t g = first; g < first + u; ++g) {
+      if (g == s.rank) continue;
+      add_to(out.bytes[static_cast<std::size_t>(s.rank) * W + static_cast<std::size_t>(g)], qb + kvb);
+      add_to(out.query_bytes, qb);
+      add_to(out.kv_bytes, kvb);
+    }
+  }
+}
+
+/// Document i's shards as plan_cost reads them: homes (and, unless it is
+/// head-parallel, destinations) in [0, W), positive lengths, and a
+/// head-parallel document inside one group of u.
+inline void check_cost_shards(const PackedDocument& doc, std::size_t i, std::int64_t W, std::int64_t u) {
+  const auto& shards = doc.shards;
+  if (shards.empty()) fail("plan_cost: documents[", i, "] has no shards");
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    const DocumentShard& s = shards[k];
+    if (s.rank < 0 || s.rank >= W) fail("plan_cost: documents[", i, "].shards[", k, "].rank = ", s.rank, " is outside [0, ", W, ")");
+    if (!doc.head_parallel && (s.dst < 0 || s.dst >= W)) fail("plan_cost: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", W, ")");
+    if (s.len <= 0) fail("plan_cost: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
+    if (doc.head_parallel && s.rank / u != shards.front().rank / u) {
+      fail("plan_cost: documents[", i, "] is head-parallel, but its shards[0] and shards[", k, "] live in different groups of ", u, " ranks");
+    }
+  }
+}
+
 /// One document into `out`, as its mask sends it.
 inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
                              std::vector<std::pair<std::size_t, std::int64_t>>& held, detail::DocumentRanges& need) {
@@ -192,35 +244,38 @@ inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& sh
 
 /// Attention cost and bytes moved of a documents-form plan, counted as the
 /// layout of docs/plan-format.md sends them (see the top of plan/balance.hpp;
-/// a document with slices as section 2e sends it). Throws invalid_input
+/// a document with slices as section 2e sends it, a head-parallel one as
+/// add_head_parallel_document counts it: 1/u of its pairs on each rank of
+/// its group, its dst ignored). Throws invalid_input
 /// naming `documents[i].shards[k].<field>` for a home or destination outside
 /// [0, W), a non-positive length or an empty document, and
 /// `documents[i].slices[j]` for a slice empty or outside its document.
 inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
-  using detail::fail;
   PlanCost out = detail::balance::empty_cost(plan.world_size, limits);
   out.mask = plan.mask;
   detail::check_mask(plan.mask);
   detail::DocumentRanges need;
   std::vector<std::pair<std::size_t, std::int64_t>> held;
+  const std::int64_t u = detail::has_head_parallel(plan) ? detail::head_parallel_degree(plan) : 1;
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
-    const auto& shards = plan.documents[i].shards;
-    if (shards.empty()) fail("plan_cost: documents[", i, "] has no shards");
-    for (std::size_t k = 0; k < shards.size(); ++k) {
-      const DocumentShard& s = shards[k];
-      if (s.rank < 0 || s.rank >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].rank = ", s.rank, " is outside [0, ", plan.world_size, ")");
-      if (s.dst < 0 || s.dst >= plan.world_size) fail("plan_cost: documents[", i, "].shards[", k, "].dst = ", s.dst, " is outside [0, ", plan.world_size, ")");
-      if (s.len <= 0) fail("plan_cost: documents[", i, "].shards[", k, "].len = ", s.len, " must be positive");
-    }
-    const auto& slices = plan.documents[i].slices;
-    if (slices.empty()) {
+    const PackedDocument& doc = plan.documents[i];
+    const auto& shards = doc.shards;
+    detail::balance::check_cost_shards(doc, i, plan.world_size, u);
+    const auto& slices = doc.slices;
+    if (slices.empty() && !doc.head_parallel) {
       detail::balance::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
       continue;
     }
     std::int64_t len = 0;
     for (const DocumentShard& s : shards) len = detail::add_tokens(len, s.len, "plan_cost");
-    detail::balance::check_slices_inside(slices, len, i, "plan_cost");
-    detail::balance::add_sliced_document(out, shards, slices, q_bytes, kv_bytes);
+    if (!slices.empty()) detail::balance::check_slices_inside(slices, len, i, "plan_cost");
+    if (doc.head_parallel) {
+      const std::int64_t pairs = !slices.empty() ? slice_pairs(slices, 0, len, 0, len)
+                                 : plan.mask == AttentionMask::causal() ? attention_cost(0, len) : attention_pairs(plan.mask, 0, len, len);
+      detail::balance::add_head_parallel_document(out, shards, pairs, u, q_bytes, kv_bytes);
+    } else {
+      detail::balance::add_sliced_document(out, shards, slices, q_bytes, kv_bytes);
+    }
   }
   detail::balance::add_to(out.bytes_moved, out.query_bytes);
   detail::balance::add_to(out.bytes_moved, out.kv_bytes);

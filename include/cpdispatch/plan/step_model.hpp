@@ -1,9 +1,11 @@
 #pragma once
 // A step-time model of one attention layer on a cluster (docs/node-exchange.md,
 // "Step-time model"): bytes over each tier / bandwidth + latency per message,
-// attention FLOPs / rate, stages overlapped as the context-parallel op runs
-// them; for a plan's three KV exchanges and for the peers' schemes on the same
-// batch (zig-zag ring, Ulysses, and USP -- Ulysses inside groups of ranks,
+// attention FLOPs / rate (or, with ClusterModel::kernel, the kernel's time
+// summed over the entries each rank runs: kernel_rate.hpp), stages
+// overlapped as the context-parallel op runs them; for a plan's three KV
+// exchanges and for the peers' schemes on the same batch (zig-zag ring,
+// Ulysses, and USP -- Ulysses inside groups of ranks,
 // the ring across them -- of which the first two and Transformer Engine's
 // a2a+p2p are cases), with grouped-query attention's fewer key-value heads.
 //
@@ -21,6 +23,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -28,6 +31,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/plan/kernel_rate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/topology.hpp"
@@ -41,12 +45,16 @@ struct LinkTier {
 };
 
 /// A described cluster: links inside a node and between nodes, per GPU, and
-/// the attention FLOP rate of one GPU.
+/// the attention FLOP rate of one GPU -- or, with `kernel`, the attention
+/// kernel's time over each entry a rank runs (kernel_rate.hpp): then a
+/// rank's compute is the sum over its entries, so short shards and small
+/// heads cost what the kernel takes on them.
 struct ClusterModel {
   LinkTier intra{450e9, 3e-6};  ///< NVLink
   LinkTier inter{50e9, 5e-6};   ///< InfiniBand, 400 Gb/s per GPU
   double attention_flops = 400e12;
   std::int64_t ranks_per_node = 8;
+  std::optional<KernelRates> kernel{};  ///< unset: every FLOP at attention_flops
 
   /// H100: ~400 TFLOP/s attention, NVLink 450 GB/s, 400 Gb/s InfiniBand per GPU.
   static ClusterModel h100_ib() { return {}; }
@@ -62,6 +70,7 @@ struct ClusterModel {
     if (!(intra.latency >= 0) || !(inter.latency >= 0)) detail::fail("ClusterModel: latencies must be at least 0");
     if (!(attention_flops > 0)) detail::fail("ClusterModel: attention_flops must be positive");
     if (ranks_per_node < 1) detail::fail("ClusterModel: ranks_per_node = ", ranks_per_node, " must be at least 1");
+    if (kernel) kernel->check();
   }
 };
 
@@ -210,6 +219,38 @@ inline double forward_flops(double pairs, const LayerShape& shape) {
   return 4.0 * pairs * static_cast<double>(shape.head_dim * shape.heads_q);
 }
 
+/// The head-parallel exchange of a plan (section 2f), both ways, as one
+/// time: every token of a head-parallel document to the u - 1 other ranks
+/// of its group with 1/u of the query heads and 1/u of the key-value heads
+/// (one head when u is a multiple of them), and the outputs back; backward
+/// moves as much (output gradients out, query and key-value gradients back).
+/// 0 without head-parallel documents.
+inline double head_parallel_exchange(const QkvMetadata& m, const Topology& topo, const ClusterModel& c, const LayerShape& shape) {
+  if (m.hp_attn.degree == 0) return 0;
+  const std::int64_t u = m.hp_attn.degree, W = m.hp_fwd.world_size;
+  if (!head_parallel_degree_allowed(u, W, shape.heads_q, shape.kv_heads())) {
+    fail("model_plan: head_parallel_degree = ", u, " does not fit heads_q = ", shape.heads_q, ", heads_kv = ", shape.kv_heads(),
+         ": it must divide heads_q, and divide heads_kv or be a multiple of it");
+  }
+  const double U = static_cast<double>(u), kv_share = shape.kv_heads() % u == 0 ? U : static_cast<double>(shape.kv_heads());
+  const double q_bytes = shape.q_token_bytes() / U, qkv_bytes = q_bytes + 2 * shape.kv_token_bytes() / kv_share;
+  const PairTokens t = flat_tokens(m.hp_fwd);
+  const auto n = static_cast<std::size_t>(W);
+  return slowest(t, n, qkv_bytes, topo, c) + slowest(t, n, q_bytes, topo, c);
+}
+
+/// Each rank's compute of a plan: its entries priced by the cluster's
+/// kernel, else its pairs (plan_cost's) at attention_flops, backward 2.5x.
+inline std::vector<ComputeSeconds> plan_compute(const QkvMetadata& m, const PlanCost& cost, const ClusterModel& c, const LayerShape& shape) {
+  if (c.kernel) return plan_compute_seconds(m, *c.kernel, shape.heads_q, shape.head_dim);
+  std::vector<ComputeSeconds> out;
+  for (const std::int64_t pairs : cost.attention) {
+    const double f = forward_flops(static_cast<double>(pairs), shape) / c.attention_flops;
+    out.push_back({f, 2.5 * f});
+  }
+  return out;
+}
+
 inline StepTime finish(StepTime t) {
   t.step = t.forward + t.backward;
   return t;
@@ -331,7 +372,9 @@ inline double max_kv_tokens_per_rank(const Metadata& kv_fwd, bool dedup) {
 /// The plan's three KV exchanges: "flat" (section 2), "dedup" (section 2c),
 /// "node-level". Queries and outputs travel flat in all three; backward
 /// moves the same bytes in reverse (output gradients out, query and KV
-/// gradients back).
+/// gradients back). Head-parallel documents (section 2f) add their exchange
+/// (head_parallel_exchange) to each, and their work counts 1/u on each rank
+/// of their group, as plan_cost counts it.
 inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,
                                         const ClusterModel& c, const LayerShape& shape) {
   using namespace detail::step_model;
@@ -351,22 +394,23 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   // queries out and outputs back cost the same, and backward's gradients as much as forward's copies. The node-level
   // exchange's two phases are two such exchanges (a relay forwards only what
   // it has received): forward between nodes, then inside; backward the reverse.
-  const double qo = 2 * slowest(q, W, bq, topo, c);
+  const double qo = 2 * slowest(q, W, bq, topo, c) + head_parallel_exchange(m, topo, c, shape);
   const double between_time = slowest(between, W, bkv, topo, c), inside_time = slowest(inside, W, bkv, topo, c);
   const double kv_times[3] = {slowest(kv_forms[0], W, bkv, topo, c), slowest(kv_forms[1], W, bkv, topo, c), between_time + inside_time};
   const char* names[3] = {"flat", "dedup", "node-level"};
   std::vector<StepTime> out;
+  const std::vector<ComputeSeconds> compute = plan_compute(m, cost, c, shape);
   for (int form = 0; form < 3; ++form) {
     StepTime t;
     t.scheme = names[form];
     for (std::size_t r = 0; r < W; ++r) {
-      const double fc = forward_flops(static_cast<double>(cost.attention[r]), shape) / c.attention_flops;
+      const double fc = compute[r].forward, bc = compute[r].backward;
       const double fm = qo + kv_times[form], bm = fm;
-      const double f = overlapped(fc, fm, shape.stages), bw = overlapped(2.5 * fc, bm, shape.stages);
+      const double f = overlapped(fc, fm, shape.stages), bw = overlapped(bc, bm, shape.stages);
       if (f + bw > t.step) {
         t.step = f + bw;
         t.forward_compute = fc, t.forward_comm = fm, t.forward = f;
-        t.backward_compute = 2.5 * fc, t.backward_comm = bm, t.backward = bw;
+        t.backward_compute = bc, t.backward_comm = bm, t.backward = bw;
       }
     }
     t.inter_node_bytes = inter_bytes(q, W, topo, 2 * bq) +
@@ -414,8 +458,12 @@ inline StepTime model_usp(const std::vector<std::int64_t>& docs, const Attention
   const double ring_f = steps * (step_bytes / link.bandwidth + link.latency);
   const double ring_b = steps * (2 * step_bytes / link.bandwidth + link.latency);
   const std::int64_t stages = std::max<std::int64_t>(1, groups - 1);
-  t.forward_compute = forward_flops(pairs / W, shape) / c.attention_flops;
-  t.backward_compute = 2.5 * t.forward_compute;
+  // Every rank computes alike: its share of the pairs, or with the kernel's rates the entries of its chunks.
+  const double one_rate = forward_flops(pairs / W, shape) / c.attention_flops;
+  const ComputeSeconds compute = c.kernel ? usp_compute_seconds(docs, mask, world_size, group, *c.kernel, shape.heads_q, shape.head_dim, slices)
+                                          : ComputeSeconds{one_rate, 2.5 * one_rate};
+  t.forward_compute = compute.forward;
+  t.backward_compute = compute.backward;
   t.forward_comm = a2a.seconds + ring_f;
   t.backward_comm = a2a.seconds + ring_b;
   t.forward = a2a.seconds + overlapped(t.forward_compute, ring_f, stages);
@@ -506,31 +554,76 @@ struct ClusterPlan {
   StepTime modelled;      ///< its modelled step (the exchange options.dedup selects)
 };
 
+/// The head-parallel group sizes plan_for_cluster tries for a layer: every
+/// u > 1 that head_parallel_degree_allowed admits, in increasing order.
+inline std::vector<std::int64_t> head_parallel_degrees(std::int64_t world_size, const LayerShape& shape) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t u = 2; u <= world_size; ++u)
+    if (head_parallel_degree_allowed(u, world_size, shape.heads_q, shape.kv_heads())) out.push_back(u);
+  return out;
+}
+
+namespace detail::step_model {
+
+/// BalanceOptions::pair_weight for a layer on a cluster: a pair's attention
+/// time, forward and backward, over the time of one byte unit of `problem`
+/// inside a node, both ways (a unit of q_bytes stands for a query token's
+/// bytes, else one of kv_bytes for K and V of a token).
+inline double pair_weight(const BalanceProblem& p, const ClusterModel& c, const LayerShape& shape) {
+  const double unit = p.q_bytes > 0    ? shape.q_token_bytes() / static_cast<double>(p.q_bytes)
+                      : p.kv_bytes > 0 ? 2 * shape.kv_token_bytes() / static_cast<double>(p.kv_bytes)
+                                       : 0;
+  if (unit == 0) return 0;
+  return 3.5 * forward_flops(1, shape) / c.attention_flops / (2 * unit / c.intra.bandwidth);
+}
+
+/// `plan` as the step model prices it on the cluster, kept in `best` when faster.
+inline void keep_faster(QkvDocumentsPlan plan, double slack, const BalanceOptions& options, const ClusterModel& cluster,
+                        const LayerShape& shape, const Topology& topology, const PlanLimits& limits, std::optional<ClusterPlan>& best) {
+  plan.dedup = options.dedup;
+  const std::vector<StepTime> rows = model_plan(plan_qkv(plan, limits), plan_cost(plan, 1, 1, limits), topology, cluster, shape);
+  const StepTime& t = rows[options.dedup ? 1 : 0];
+  if (!best || t.step < best->modelled.step) best = ClusterPlan{std::move(plan), slack, t};
+}
+
+}  // namespace detail::step_model
+
 /// The balanced plan the step model says runs fastest on `cluster`:
 /// plan_balanced at each slack of `slacks`, each modelled with the exchange
 /// it will run (dedup when options.dedup, else flat), the fastest kept (the
 /// first on a tie, so the better balanced). Where attention dominates the
 /// step this is plan_balanced's own plan; where the links do, it gives up
-/// balance for bytes. `options.cost_slack` is ignored.
+/// balance for bytes. With options.head_parallel = automatic it also tries,
+/// at each slack, head-parallel documents in groups of each u of
+/// head_parallel_degrees (the heads from `shape`, the link weights from
+/// `cluster`; a u that makes no document head-parallel is the plan without),
+/// the plan without them first. `options.cost_slack`, and with automatic
+/// options' heads, head_parallel_degree and link weights, are ignored.
 inline ClusterPlan plan_for_cluster(const BalanceProblem& problem, const ClusterModel& cluster, const LayerShape& shape,
                                     const Topology& topology, BalanceOptions options = {},
                                     std::span<const double> slacks = cluster_slacks, const PlanLimits& limits = {}) {
   if (slacks.empty()) detail::fail("plan_for_cluster: no cost slack to try");
-  ClusterPlan best;
-  bool found = false;
+  cluster.check();
+  shape.check();
+  options.heads_q = shape.heads_q;
+  options.heads_kv = shape.kv_heads();
+  options.ranks_per_node = cluster.ranks_per_node;
+  options.inter_node_ratio = cluster.intra.bandwidth / cluster.inter.bandwidth;
+  options.pair_weight = detail::step_model::pair_weight(problem, cluster, shape);
+  std::optional<ClusterPlan> best;
   for (const double slack : slacks) {
     if (!(slack >= 0)) detail::fail("plan_for_cluster: cost slack ", slack, " must be at least 0");
     options.cost_slack = slack;
-    QkvDocumentsPlan plan = plan_balanced(problem, options, limits);
-    plan.dedup = options.dedup;
-    const std::vector<StepTime> rows = model_plan(plan_qkv(plan, limits), plan_cost(plan, 1, 1, limits), topology, cluster, shape);
-    const StepTime& t = rows[options.dedup ? 1 : 0];
-    if (!found || t.step < best.modelled.step) {
-      best = ClusterPlan{std::move(plan), slack, t};
-      found = true;
+    const QkvDocumentsPlan dispatched = detail::balance::plan_dispatched(problem, options, limits);
+    detail::step_model::keep_faster(dispatched, slack, options, cluster, shape, topology, limits, best);
+    if (options.head_parallel == HeadParallel::off) continue;
+    for (const std::int64_t u : head_parallel_degrees(problem.world_size, shape)) {
+      options.head_parallel_degree = u;
+      QkvDocumentsPlan plan = detail::balance::with_head_parallel(problem, options, detail::balance::check_head_parallel(problem, options), dispatched);
+      if (plan.head_parallel_degree != 0) detail::step_model::keep_faster(std::move(plan), slack, options, cluster, shape, topology, limits, best);
     }
   }
-  return best;
+  return std::move(*best);
 }
 
 }  // namespace cpdispatch

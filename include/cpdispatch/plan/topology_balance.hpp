@@ -395,10 +395,14 @@ inline QkvDocumentsPlan place_on_topology(const QkvDocumentsPlan& plan, const Ba
 }
 
 /// plan_balanced on a topology: the balanced plan, then place_on_topology
-/// (the same balance, fewer weighted bytes).
+/// (the same balance, fewer weighted bytes). A plan with head-parallel
+/// documents stays as balanced: their work is tied to their group, so
+/// permuting the dispatched work's ranks would undo the balance around it.
 inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options, const Topology& topology,
                                       double inter_node_ratio = default_inter_node_ratio, const PlanLimits& limits = {}) {
-  return place_on_topology(plan_balanced(problem, options, limits), problem, topology, inter_node_ratio, options.dedup);
+  QkvDocumentsPlan plan = plan_balanced(problem, options, limits);
+  if (detail::has_head_parallel(plan)) return plan;
+  return place_on_topology(plan, problem, topology, inter_node_ratio, options.dedup);
 }
 
 }  // namespace cpdispatch

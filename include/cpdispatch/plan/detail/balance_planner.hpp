@@ -92,11 +92,16 @@ struct Variant {
 
 class Planner {
  public:
-  explicit Planner(const BalanceProblem& p) : p_(p) {
+  /// `fixed`: empty, or [W] work each rank does besides the problem's
+  /// documents (head-parallel documents), which the plan balances around.
+  explicit Planner(const BalanceProblem& p, std::vector<std::int64_t> fixed = {}) : p_(p), fixed_(std::move(fixed)) {
     check_settings();
     W_ = static_cast<std::size_t>(p.world_size);
     C_ = p.max_cp_degree;
     home_load_.assign(W_, 0);
+    if (fixed_.empty()) fixed_.assign(W_, 0);
+    if (fixed_.size() != W_) fail("plan_balanced: fixed work is given for ", fixed_.size(), " ranks, but world_size = ", W_);
+    for (const std::int64_t f : fixed_) fixed_total_ += f;
     pieces_of_.resize(W_);
     const std::int64_t tokens = p.docs.empty() ? add_packed() : add_per_rank();
     // Byte counts of any plan stay below (q + C * kv) * tokens.
@@ -199,7 +204,7 @@ class Planner {
   /// document, where that sends fewer bytes and the rank stays within `top`
   /// cost and its receive capacity; neighbours that meet on a rank merge.
   void join_documents(Layout& l, std::int64_t top) const {
-    std::vector<std::int64_t> load(W_, 0), kv(W_, 0);
+    std::vector<std::int64_t> load(fixed_), kv(W_, 0);
     for (const Shard& s : l.shards) load[s.dst] += pairs(s.begin, s.end), kv[s.dst] += s.end;
     bool moved = false;
     std::vector<std::size_t> ranks;
@@ -245,8 +250,15 @@ class Planner {
     std::vector<Shard> shards;
     for (std::size_t id = 0; id < pieces_.size(); ++id) shards.push_back({id, pieces_[id].begin, pieces_[id].end, pieces_[id].home});
     Layout out = make_layout(shards, pieces_, p_.q_bytes, p_.kv_bytes);
-    out.max_cost = home_load_.empty() ? 0 : *std::max_element(home_load_.begin(), home_load_.end());
+    out.max_cost = highest_home_load();
     return out;
+  }
+
+  /// The largest cost of a rank whose pieces all stay home.
+  std::int64_t highest_home_load() const {
+    std::int64_t top = 0;
+    for (std::size_t r = 0; r < W_; ++r) top = std::max(top, home_load_[r] + fixed_[r]);
+    return top;
   }
 
   /// The documents-form plan of a layout: documents and pieces in input
@@ -414,7 +426,8 @@ class Planner {
       for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1]; ++id) runs.push_back({pieces_[id].begin, pieces_[id].end});
       best = std::max(best, min_max_shard(runs, C_));
     }
-    return std::max(static_cast<double>(total_) / static_cast<double>(W_), static_cast<double>(best));
+    best = std::max(best, *std::max_element(fixed_.begin(), fixed_.end()));
+    return std::max(static_cast<double>(total_ + fixed_total_) / static_cast<double>(W_), static_cast<double>(best));
   }
 
   // ---- searching the target
@@ -422,13 +435,13 @@ class Planner {
   /// Widens geometrically from the bound `lb` (plans usually land within a
   /// few percent of it), then bisects to 0.1%; sets `target` to the one reached.
   Layout search_target(std::int64_t lb, std::int64_t& target) {
-    const std::int64_t top = *std::max_element(home_load_.begin(), home_load_.end());
+    const std::int64_t top = highest_home_load(), all = total_ + fixed_total_;
     std::optional<Layout> found;
     std::int64_t lo = lb, hi = lb;  // lo fails, hi reaches
     for (std::int64_t step = std::max<std::int64_t>(1, lb / 256); !found; step *= 4) {
       lo = hi;
-      if (lo >= total_) capacity_failure();  // not even with no limit on cost
-      hi = std::min(total_, lo + step);
+      if (lo >= all) capacity_failure();  // not even with no limit on cost
+      hi = std::min(all, lo + step);
       if (lo < top && hi > top) hi = top;  // where every piece stays home
       found = reach(hi);
     }
@@ -502,7 +515,8 @@ class Planner {
 
   void start_construction(std::int64_t T) {
     shards_.clear();
-    excess_.assign(W_, -T);  // cost above T on each rank (negative: room left)
+    excess_.resize(W_);  // cost above T on each rank (negative: room left), the fixed work included
+    for (std::size_t r = 0; r < W_; ++r) excess_[r] = fixed_[r] - T;
     kv_excess_.resize(W_);
     for (std::size_t r = 0; r < W_; ++r) kv_excess_[r] = -cap_[r];
     pending_ = home_load_;  // cost each rank still holds of its own, not yet placed
@@ -775,6 +789,8 @@ class Planner {
   }
 
   const BalanceProblem& p_;
+  std::vector<std::int64_t> fixed_;  // [W] work besides the problem's documents
+  std::int64_t fixed_total_ = 0;
   std::size_t W_ = 0;
   std::int64_t C_ = 1;
   std::int64_t total_ = 0;
