@@ -15,6 +15,7 @@
 // plans one rank's share of the per-rank batch in documents form, every
 // document causal or made a shared-prefix one (a prompt of a third, 8
 // responses), side by side (target: shared-prefix at most 2x causal);
+// BM_PlanQkvSlices plans the same batches globally (plan_qkv, kept output);
 // BM_VerifyCoverageForRank checks one rank's share of the same plans with
 // verify_coverage_for_rank (target: under 1 s at W = 16384).
 
@@ -309,7 +310,21 @@ void BM_VerifyCoverageForRank(benchmark::State& state) {
   state.counters["attn_entries_at_rank"] = benchmark::Counter(attention_entries(mine.attn));
 }
 
+/// Global planning (kept output) of slice_batch: arg `prefix` as above.
+void BM_PlanQkvSlices(benchmark::State& state) {
+  const std::int64_t world = state.range(0);
+  const cpdispatch::QkvDocumentsPlan plan = slice_batch(world, state.range(1) != 0);
+  state.SetLabel(state.range(1) != 0 ? "shared-prefix" : "causal");
+  cpdispatch::QkvMetadata meta;
+  for (auto _ : state) {
+    cpdispatch::plan_qkv(plan, meta);
+    benchmark::DoNotOptimize(meta);
+    benchmark::ClobberMemory();
+  }
+}
+
 BENCHMARK(BM_PlanQkvForRankSlices)->ArgNames({"W", "prefix"})->ArgsProduct({{1024, 16384}, {0, 1}})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PlanQkvSlices)->ArgNames({"W", "prefix"})->ArgsProduct({{1024}, {0, 1}})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_VerifyCoverageForRank)->ArgNames({"W", "prefix"})->ArgsProduct({{1024, 16384}, {0, 1}})->Unit(benchmark::kMillisecond);
 
 BENCHMARK(BM_PlanQkvReuse)->ArgName("W")->Arg(8)->Arg(64)->Arg(512)->Arg(1024)->Arg(4096)->Unit(benchmark::kMillisecond);

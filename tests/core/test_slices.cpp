@@ -14,6 +14,7 @@
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "helpers.hpp"
+#include "rank_share.hpp"
 
 namespace {
 
@@ -199,10 +200,84 @@ TEST(SliceValidation, WorkBeyondTheLimitsIsRefused) {
   EXPECT_NO_THROW((void)cpdispatch::plan_qkv(p));
 }
 
+TEST(SliceValidation, ExactEntryCountsDecideTheLimitNotTheirBound) {
+  // One causal slice over 64 one-token shards: query shard i needs KV shards
+  // 0 .. i, so 64 x 65 / 2 entries, fewer than the 64 x 64 its query and key
+  // ranges could give.
+  QkvDocumentsPlan p;
+  p.world_size = 1;
+  p.documents = {PackedDocument{std::vector<cpdispatch::DocumentShard>(64, {0, 1, 0})}};
+  p.documents[0].slices = {slice(0, 64, 0, 64, SliceType::causal)};
+  cpdispatch::PlanLimits limits;
+  const auto bytes = [&](std::uint64_t entries) { return cpdispatch::footprint_bytes(cpdispatch::footprint::slice_tables(1, 64, entries), limits); };
+  const std::uint64_t entries = 64 * 65 / 2;
+  ASSERT_LT(bytes(entries), bytes(64 * 64));
+  limits.max_bytes = bytes(entries);
+  EXPECT_EQ(cpdispatch::detail::check_documents_plan(p, limits), 64u);
+  limits.max_bytes -= 1;
+  EXPECT_THAT(message_of<invalid_input>([&] { (void)cpdispatch::detail::check_documents_plan(p, limits); }),
+              HasSubstr("the slices of documents[0..0] (1 slices, 64 (slice, query shard) pieces, " + std::to_string(entries) + " attention entries)"));
+}
+
+TEST(SliceValidation, CopyDimensionCountsUsersNotShards) {
+  // Three shards each attending only itself (one user a KV shard), and three
+  // under one causal slice (KV shard 0 has three users).
+  PackedDocument diagonal{{{0, 1, 0}, {0, 1, 0}, {0, 1, 0}}};
+  diagonal.slices = {slice(0, 1, 0, 1, SliceType::full), slice(1, 2, 1, 2, SliceType::full), slice(2, 3, 2, 3, SliceType::full)};
+  PackedDocument causal{{{0, 1, 0}, {0, 1, 0}, {0, 1, 0}}};
+  causal.slices = {slice(0, 3, 0, 3, SliceType::causal)};
+  QkvDocumentsPlan p;
+  p.world_size = 1;
+  p.documents = {diagonal, diagonal};
+  EXPECT_EQ(cpdispatch::detail::check_documents_plan(p), 1u);
+  p.documents = {diagonal, causal};
+  EXPECT_EQ(cpdispatch::detail::check_documents_plan(p), 3u);
+  p.max_cp_degree = 2;
+  EXPECT_THAT(plan_error(p), HasSubstr("documents[1].shards[0] is needed by 3 query shards (by the document's slices), more than max_cp_degree = 2"));
+  p.max_cp_degree = 1;
+  p.documents = {diagonal, diagonal};
+  EXPECT_EQ(cpdispatch::detail::check_documents_plan(p), 1u);
+}
+
 TEST(SliceValidation, PerRankFormHasNoSlices) {
   QkvDocumentsPlan p = example();
   EXPECT_THAT(message_of<invalid_input>([&] { (void)cpdispatch::to_rank_plan(p); }),
               HasSubstr("to_rank_plan: documents[0] has slices (section 2e); only the documents form holds them"));
+}
+
+// ---------------------------------------------------------------- one rank's share
+
+/// Five ranks: documents[0] (a causal slice, home 0) and documents[1] (a
+/// shared prefix, home 1) attend on rank 2, documents[0] first, so rank 1's
+/// KV copies there start after documents[0]'s KV group; documents[2] (a
+/// causal slice) stays on rank 3 and documents[3] (no slices) on rank 4.
+QkvDocumentsPlan groups_before_a_copy() {
+  QkvDocumentsPlan p;
+  p.world_size = 5;
+  PackedDocument before{{{0, 3, 2}}}, shared{{{1, 2, 2}, {1, 2, 2}}}, apart{{{3, 2, 3}}};
+  before.slices = {slice(0, 3, 0, 3, SliceType::causal)};
+  shared.slices = {slice(0, 2, 0, 2, SliceType::causal), slice(2, 4, 0, 2, SliceType::full), slice(2, 4, 2, 4, SliceType::causal)};
+  apart.slices = {slice(0, 2, 0, 2, SliceType::causal)};
+  p.documents = {before, shared, apart, PackedDocument{{{4, 2, 4}}}};
+  return p;
+}
+
+TEST(Slices, EachRankPlansTheNeededSetsItsShareReadsOnly) {
+  QkvDocumentsPlan plan = groups_before_a_copy();
+  const std::vector<std::vector<std::uint8_t>> wanted = {{1, 1, 0, 0}, {1, 1, 0, 0}, {1, 1, 0, 0}, {0, 0, 1, 0}, {0, 0, 0, 0}};
+  cpdispatch::RankQkvMetadata mine;
+  cpdispatch::RankPlanWorkspace workspace;
+  for (I r = 0; r < plan.world_size; ++r) {
+    cpdispatch::plan_qkv_for_rank(plan, r, mine, workspace);
+    EXPECT_EQ(workspace.set_docs, wanted[static_cast<std::size_t>(r)]) << "rank " << r;
+  }
+  const cpdispatch::RankQkvMetadata rank1 = cpdispatch::plan_qkv_for_rank(plan, 1);
+  EXPECT_EQ(rank1.kv_fwd.dst_offset[0], 3);  // after documents[0]'s group of 3 tokens at rank 2
+  EXPECT_TRUE(cptest::every_rank_matches(plan));
+  plan.dedup = true;  // the dedup slices read every document's users
+  cpdispatch::plan_qkv_for_rank(plan, 1, mine, workspace);
+  EXPECT_TRUE(workspace.set_docs.empty());
+  EXPECT_TRUE(cptest::every_rank_matches(plan));
 }
 
 // ---------------------------------------------------------------- nothing needed

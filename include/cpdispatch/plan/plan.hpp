@@ -500,6 +500,14 @@ std::size_t first_where(std::size_t lo, std::size_t hi, const Pred& pred) {
 /// The shards of a document (n of them, starting at start[k]) that hold
 /// positions [from, to), 0 <= from < to <= its length: [first, end).
 inline std::pair<std::size_t, std::size_t> shards_holding(const std::int64_t* start, std::size_t n, std::int64_t from, std::int64_t to) {
+  if (n <= 16) {  // a few shards: counting without branches beats a binary search
+    std::size_t at_or_before = 0, before = 0;
+    for (std::size_t k = 0; k < n; ++k) {
+      at_or_before += start[k] <= from ? 1 : 0;
+      before += start[k] < to ? 1 : 0;
+    }
+    return {at_or_before - 1, before};  // start[0] = 0 <= from
+  }
   const auto first = static_cast<std::size_t>(std::upper_bound(start, start + n, from) - start) - 1;  // start[0] = 0 <= from
   const auto end = static_cast<std::size_t>(std::lower_bound(start, start + n, to) - start);
   return {first, end};
@@ -670,8 +678,8 @@ inline bool has_slices(const QkvDocumentsPlan& plan) {
 /// The sizes of a plan's slice tables, counted while validating.
 struct SliceSizes {
   std::uint64_t slices = 0;   ///< slices in all
-  std::uint64_t pieces = 0;   ///< (slice, query shard) pieces
-  std::uint64_t entries = 0;  ///< entries of the documents with slices
+  std::uint64_t pieces = 0;   ///< (slice, query shard) pieces, at most
+  std::uint64_t entries = 0;  ///< entries of the documents with slices: exact, or at most where that bound fits the limits
 };
 
 /// Section 2e's rules for one slice of documents[d] on its own: a type, a
@@ -703,16 +711,26 @@ inline void check_slice(const AttentionSlice& s, std::size_t d, std::size_t i, s
        "); each allowed pair belongs to exactly one slice");
 }
 
+/// Scratch memory of slice validation, kept from one document to the next.
+struct SliceCheckScratch {
+  std::vector<std::int64_t> start, len;    // the current document's shard starts and lengths
+  std::vector<std::size_t> order, active;  // check_disjoint_slices's sweep
+  SliceNeeds needs;
+};
+
 /// No two slices of documents[d] share a pair. A sweep over the slices by
 /// first query compares each one only with those whose query ranges reach
 /// it; that work is bounded by limits.max_bytes / 16 comparisons.
-inline void check_disjoint_slices(const std::vector<AttentionSlice>& slices, std::size_t d, const PlanLimits& limits) {
-  std::vector<std::size_t> order(slices.size());
+inline void check_disjoint_slices(const std::vector<AttentionSlice>& slices, std::size_t d, const PlanLimits& limits, SliceCheckScratch& scratch) {
+  std::vector<std::size_t>& order = scratch.order;
+  std::vector<std::size_t>& active = scratch.active;  // slices whose queries reach the current one's first query
+  order.resize(slices.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return slices[a].q_begin < slices[b].q_begin; });
+  const auto by_first_query = [&](std::size_t a, std::size_t b) { return slices[a].q_begin < slices[b].q_begin; };
+  if (!std::is_sorted(order.begin(), order.end(), by_first_query)) std::stable_sort(order.begin(), order.end(), by_first_query);
   const std::uint64_t budget = limits.max_bytes / 16;
   std::uint64_t compared = 0;
-  std::vector<std::size_t> active;  // slices whose queries reach the current one's first query
+  active.clear();
   for (std::size_t s : order) {
     const AttentionSlice& slice = slices[s];
     std::erase_if(active, [&](std::size_t o) { return slices[o].q_end <= slice.q_begin; });  // sorted by q_begin: done for good
@@ -728,24 +746,27 @@ inline void check_disjoint_slices(const std::vector<AttentionSlice>& slices, std
   }
 }
 
-/// The (slice, query shard) pieces a document's slices can give at most:
-/// each slice's query range in shards. O(slices x log shards).
-inline std::uint64_t piece_bound(const std::vector<AttentionSlice>& slices, const std::vector<std::int64_t>& start) {
-  std::uint64_t total = 0;
+inline void check_disjoint_slices(const std::vector<AttentionSlice>& slices, std::size_t d, const PlanLimits& limits) {
+  SliceCheckScratch scratch;
+  check_disjoint_slices(slices, d, limits, scratch);
+}
+
+/// The (slice, query shard) pieces a document's slices can give at most
+/// (each slice's query range in shards), and the attention entries (each
+/// piece's whole key range in shards). O(slices x log shards).
+inline SliceSizes slice_bounds(const std::vector<AttentionSlice>& slices, const std::vector<std::int64_t>& start) {
+  SliceSizes total;
   for (const AttentionSlice& s : slices) {
-    const auto [first, end] = shards_holding(start.data(), start.size(), s.q_begin, s.q_end);
-    total += end - first;
+    const auto [q_first, q_end] = shards_holding(start.data(), start.size(), s.q_begin, s.q_end);
+    const auto [k_first, k_end] = shards_holding(start.data(), start.size(), s.k_begin, s.k_end);
+    total.pieces += q_end - q_first;
+    total.entries = sat_add(total.entries, sat_mul(q_end - q_first, k_end - k_first));
   }
   return total;
 }
 
-/// Validates documents[d]'s slices, counts its slice tables into `sizes`
-/// (refusing them beyond `limits` before they are built) and returns its KV
-/// shard with the most users, as (users, shard). `needs`, `start` and `len`
-/// are scratch.
-inline std::pair<std::size_t, std::size_t> check_document_slices(const PackedDocument& doc, std::size_t d, const PlanLimits& limits,
-                                                                  SliceSizes& sizes, SliceNeeds& needs, std::vector<std::int64_t>& start,
-                                                                  std::vector<std::int64_t>& len) {
+/// A document's shard starts and lengths into `start` and `len`; returns its length, checked.
+inline std::int64_t document_shards(const PackedDocument& doc, std::vector<std::int64_t>& start, std::vector<std::int64_t>& len) {
   start.clear();
   len.clear();
   std::int64_t length = 0;
@@ -754,22 +775,76 @@ inline std::pair<std::size_t, std::size_t> check_document_slices(const PackedDoc
     len.push_back(s.len);
     length = add_tokens(length, s.len, "plan_qkv");
   }
+  return length;
+}
+
+/// Whether the slice tables of documents[0..d] (`sizes`) fit `limits`; when
+/// `exact`, a table that does not is refused (invalid_input naming the sizes).
+inline bool slice_tables_fit(const SliceSizes& sizes, std::size_t d, const PlanLimits& limits, bool exact) {
+  const PlanFootprint f = footprint::slice_tables(sizes.slices, sizes.pieces, sizes.entries);
+  if (!exact) return footprint_bytes(f, limits) <= limits.max_bytes;
+  check_footprint(limits, f, "plan_qkv", [&] {
+    return concat("the slices of documents[0..", d, "] (", sizes.slices, " slices, ", sizes.pieces, " (slice, query shard) pieces, ",
+                  sizes.entries, " attention entries)");
+  });
+  return true;
+}
+
+/// Validates documents[d]'s slices and counts its slice tables into
+/// `sizes`: exactly when `exact` (refusing them beyond `limits` before they
+/// are built), else with each entry count bounded from above, without the
+/// needed sets. Returns whether the tables fit (always true when `exact`).
+inline bool check_document_slices(const PackedDocument& doc, std::size_t d, const PlanLimits& limits, SliceSizes& sizes,
+                                  SliceCheckScratch& scratch, bool exact) {
+  const std::int64_t length = document_shards(doc, scratch.start, scratch.len);
   for (std::size_t i = 0; i < doc.slices.size(); ++i) check_slice(doc.slices[i], d, i, length);
-  check_disjoint_slices(doc.slices, d, limits);
-  const auto check_sizes = [&] {
-    check_footprint(limits, footprint::slice_tables(sizes.slices, sizes.pieces, sizes.entries), "plan_qkv", [&] {
-      return concat("the slices of documents[0..", d, "] (", sizes.slices, " slices, ", sizes.pieces, " (slice, query shard) pieces, ",
-                    sizes.entries, " attention entries)");
-    });
-  };
+  check_disjoint_slices(doc.slices, d, limits, scratch);
+  const SliceSizes bound = slice_bounds(doc.slices, scratch.start);
   sizes.slices = sat_add(sizes.slices, doc.slices.size());
-  sizes.pieces = sat_add(sizes.pieces, piece_bound(doc.slices, start));
-  check_sizes();
-  needs.find(doc.slices, start.data(), len.data(), len.size());
-  sizes.entries = sat_add(sizes.entries, needs.entry_count());
-  check_sizes();
-  needs.link(len.data(), len.size());
-  return needs.most_users();
+  sizes.pieces = sat_add(sizes.pieces, bound.pieces);
+  if (!slice_tables_fit(sizes, d, limits, exact)) return false;
+  if (exact) {
+    scratch.needs.find(doc.slices, scratch.start.data(), scratch.len.data(), scratch.len.size());
+    sizes.entries = sat_add(sizes.entries, scratch.needs.entry_count());
+  } else {
+    sizes.entries = sat_add(sizes.entries, bound.entries);
+  }
+  return slice_tables_fit(sizes, d, limits, exact);
+}
+
+/// Asks the cache for a document's shards and slices ahead of their checks:
+/// each document's lie apart in memory, and a plan's slices rarely fit in cache.
+inline void prefetch_document(const PackedDocument& doc) {
+  if (doc.slices.empty()) return;  // nothing of it is read here
+  const auto ahead = [](const void* data, std::size_t bytes) {
+    for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(data) + b);
+  };
+  ahead(doc.shards.data(), doc.shards.size() * sizeof(DocumentShard));
+  ahead(doc.slices.data(), doc.slices.size() * sizeof(AttentionSlice));
+}
+
+/// Validates the slices of every document and counts their tables. Bounds
+/// on the entry counts settle the footprint without any needed set when
+/// they fit; else the exact counts decide, as planning would build them.
+inline SliceSizes check_plan_slices(const QkvDocumentsPlan& plan, const PlanLimits& limits, SliceCheckScratch& scratch) {
+  for (const bool exact : {false, true}) {
+    SliceSizes sizes;
+    bool fit = true;
+    for (std::size_t i = 0; i < plan.documents.size() && fit; ++i) {
+      if (i + 4 < plan.documents.size()) prefetch_document(plan.documents[i + 4]);
+      if (!plan.documents[i].slices.empty()) fit = check_document_slices(plan.documents[i], i, limits, sizes, scratch, exact);
+    }
+    if (fit) return sizes;
+  }
+  return {};  // the exact pass fits or throws
+}
+
+/// The KV shard of a document with slices (validated) with the most users,
+/// as (users, shard): its needed sets, computed in `scratch`.
+inline std::pair<std::size_t, std::size_t> slice_most_users(const PackedDocument& doc, SliceCheckScratch& scratch) {
+  (void)document_shards(doc, scratch.start, scratch.len);
+  scratch.needs.compute(doc.slices, scratch.start.data(), scratch.len.data(), scratch.len.size());
+  return scratch.needs.most_users();
 }
 
 /// Section 2f's u of a documents-form plan, checked: head_parallel_degree,
@@ -818,26 +893,29 @@ inline DocumentsCheck check_documents_plan_sizes(const QkvDocumentsPlan& plan, c
   }
   check_mask(plan.mask);
   DocumentsCheck out;
-  std::vector<std::pair<std::size_t, std::size_t>> slice_users(plan.documents.size());  // of documents with slices
-  SliceNeeds needs;
-  std::vector<std::int64_t> start, len;
-  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
-    if (!plan.documents[i].slices.empty()) slice_users[i] = check_document_slices(plan.documents[i], i, limits, out.slices, needs, start, len);
-  }
+  SliceCheckScratch scratch;
+  out.slices = check_plan_slices(plan, limits, scratch);
   DocumentRanges ranges;
-  std::size_t most = 0;
+  std::vector<std::int64_t>& len = scratch.len;
   const auto users_of = [&](std::size_t i) -> std::pair<std::size_t, std::size_t> {
     const PackedDocument& d = plan.documents[i];
     if (d.head_parallel) return {0, 0};  // it sends no KV copies: C counts dispatched documents only
-    if (!d.slices.empty()) return slice_users[i];
+    if (!d.slices.empty()) return slice_most_users(d, scratch);
     if (plan.mask.type != MaskType::sliding_window) return {d.shards.size(), 0};  // every shard needs shard 0
     len.clear();
     for (const DocumentShard& s : d.shards) len.push_back(s.len);
     return most_users(plan.mask, len.data(), len.size(), ranges);
   };
-  for (std::size_t i = 0; i < plan.documents.size(); ++i) most = std::max(most, users_of(i).first);
+  // A KV shard has at most one user per shard of its document: a document
+  // with no more shards than the most users so far (or than C) is skipped.
+  const auto may_exceed = [&](std::size_t i, std::size_t users) { return !plan.documents[i].head_parallel && plan.documents[i].shards.size() > users; };
+  std::size_t most = 0;
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    if (may_exceed(i, most)) most = std::max(most, users_of(i).first);
+  }
   const std::size_t C = copy_dimension(plan.max_cp_degree, most);
   for (std::size_t i = 0; i < plan.documents.size() && C < most; ++i) {
+    if (!may_exceed(i, C)) continue;
     const auto [users, k] = users_of(i);
     if (users <= C) continue;
     if (!plan.documents[i].slices.empty()) {
@@ -881,6 +959,9 @@ struct ShardTable {
   // need_copy of it; KV shard k's users are user_query[user_begin[k] ..
   // user_begin[k + 1]), increasing, k starting at user_column in each one's
   // group; q's entries come from pieces[piece_begin[q] .. piece_begin[q + 1]).
+  // A table built for one rank's share may leave the lists of a document
+  // with slices empty where that share reads none of them (see
+  // shard_table's `sets`).
   bool has_slices = false;
   std::vector<std::uint8_t> doc_sliced;                // [D]
   std::vector<AttentionSlice> slices;                  // every document's, back to back
@@ -1013,11 +1094,12 @@ struct ShardTable {
     doc.push_back(doc_begin.size() - 1);
   }
   /// Closes the current document: its needed ranges and users, as ids, or
-  /// with `doc_slices` (a document with slices, section 2e) its needed sets.
-  void end_document(std::span<const AttentionSlice> doc_slices = {}, bool hp = false) {
+  /// with `doc_slices` (a document with slices, section 2e) its needed sets,
+  /// left empty unless `with_sets`.
+  void end_document(std::span<const AttentionSlice> doc_slices = {}, bool hp = false, bool with_sets = true) {
     const std::size_t base = doc_begin.back(), n = len.size() - base;
     if (has_head_parallel) doc_hp.push_back(hp ? 1 : 0);
-    if (has_slices) add_sets(base, n, doc_slices);
+    if (has_slices) add_sets(base, n, doc_slices, with_sets);
     if (!causal()) add_ranges(base, n, !doc_slices.empty());
     doc_begin.push_back(len.size());
   }
@@ -1071,14 +1153,15 @@ struct ShardTable {
 
   /// Section 2e's lists of the document at ids base .. base + n: its needed
   /// sets, users and pieces, as ids; empty lists (and one entry a query
-  /// shard) for a document without slices.
-  void add_sets(std::size_t base, std::size_t n, std::span<const AttentionSlice> doc_slices) {
+  /// shard) for a document without slices, and empty lists for one whose
+  /// sets are not wanted.
+  void add_sets(std::size_t base, std::size_t n, std::span<const AttentionSlice> doc_slices, bool wanted) {
     doc_sliced.push_back(doc_slices.empty() ? 0 : 1);
-    if (doc_slices.empty()) {
+    if (doc_slices.empty() || !wanted) {
       need_begin.insert(need_begin.end(), n, need_kv.size());
       user_begin.insert(user_begin.end(), n, user_query.size());
       piece_begin.insert(piece_begin.end(), n, pieces.size());
-      entry_total += n;
+      entry_total += doc_slices.empty() ? n : 0;
       return;
     }
     const std::size_t first_slice = slices.size();
@@ -1124,8 +1207,10 @@ inline ShardTable shard_table(const QkvPlan& plan, std::size_t C) {
   return t;
 }
 
-/// The shard table of a documents-form plan, written into `t` (its memory reused).
-inline void shard_table(const QkvDocumentsPlan& plan, std::size_t C, ShardTable& t) {
+/// The shard table of a documents-form plan, written into `t` (its memory
+/// reused). With `sets` ([D]), only documents i with sets[i] != 0 get their
+/// section 2e lists (one rank's share reads no others); empty: all do.
+inline void shard_table(const QkvDocumentsPlan& plan, std::size_t C, ShardTable& t, std::span<const std::uint8_t> sets = {}) {
   t.clear();
   t.mask = plan.mask;
   // Head-parallel documents are planned in section 2f, not here: their slices do not count.
@@ -1134,9 +1219,11 @@ inline void shard_table(const QkvDocumentsPlan& plan, std::size_t C, ShardTable&
   std::size_t n = 0;
   for (const PackedDocument& d : plan.documents) n += d.shards.size();
   t.reserve(n);
-  for (const PackedDocument& d : plan.documents) {
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    const PackedDocument& d = plan.documents[i];
     for (const DocumentShard& s : d.shards) t.add(s.rank, s.len, d.head_parallel ? -1 : s.dst);
-    t.end_document(d.head_parallel ? std::span<const AttentionSlice>{} : std::span<const AttentionSlice>{d.slices}, d.head_parallel);
+    t.end_document(d.head_parallel ? std::span<const AttentionSlice>{} : std::span<const AttentionSlice>{d.slices}, d.head_parallel,
+                   sets.empty() || sets[i] != 0);
   }
   t.place(static_cast<std::size_t>(plan.world_size), C);
 }

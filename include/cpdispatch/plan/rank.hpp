@@ -281,6 +281,8 @@ struct RankPlanWorkspace {
   std::vector<std::int64_t> doc_context;  ///< the current document's shard starts a_k
   std::vector<std::int64_t> user_dst;     ///< a KV shard of a document with slices: its users' destinations
   std::vector<std::int64_t> user_offset;  ///< and where it sits in each one's KV group
+  std::vector<std::uint8_t> set_dests{};  ///< [W]: destinations whose KV groups the rank's share reads (section 2e)
+  std::vector<std::uint8_t> set_docs{};   ///< [D]: the documents with slices whose needed sets it reads
 };
 
 namespace detail {
@@ -687,6 +689,32 @@ inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out)
   wire.finish(attention);
 }
 
+/// The documents with slices whose needed sets rank R's share (without the
+/// dedup slices, which read every document's users) reads, into
+/// ws.set_docs: those with a query shard attending on R or on a destination
+/// of a copy of R's KV shards, where the groups before it decide the copy's
+/// offset. A document's users attend where its shards do, so those
+/// destinations are all the shards' destinations of R's documents. Empty
+/// when every document's sets are read. `sliced`: whether any document has slices.
+inline void documents_for_rank(const QkvDocumentsPlan& plan, std::size_t R, bool dedup, bool sliced, RankPlanWorkspace& ws) {
+  ws.set_docs.clear();
+  if (dedup || !sliced) return;
+  ws.set_dests.assign(static_cast<std::size_t>(plan.world_size), 0);
+  ws.set_dests[R] = 1;
+  for (const PackedDocument& d : plan.documents) {
+    if (d.head_parallel) continue;  // no KV copies (section 2f)
+    const bool own = std::any_of(d.shards.begin(), d.shards.end(), [&](const DocumentShard& s) { return static_cast<std::size_t>(s.rank) == R; });
+    if (own)
+      for (const DocumentShard& s : d.shards) ws.set_dests[static_cast<std::size_t>(s.dst)] = 1;
+  }
+  ws.set_docs.resize(plan.documents.size());
+  for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+    const PackedDocument& d = plan.documents[i];
+    const auto here = [&](const DocumentShard& s) { return ws.set_dests[static_cast<std::size_t>(s.dst)] != 0; };
+    ws.set_docs[i] = !d.slices.empty() && !d.head_parallel && std::any_of(d.shards.begin(), d.shards.end(), here) ? 1 : 0;
+  }
+}
+
 }  // namespace detail
 
 /// Rank `rank`'s share of a documents-form plan into `out`, with the
@@ -696,11 +724,13 @@ inline void wire_for_rank(RankPlanWorkspace& ws, std::size_t R, RankKvWire& out)
 inline void plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, RankQkvMetadata& out, RankPlanWorkspace& workspace,
                               RankKvWire* wire = nullptr, const PlanLimits& limits = {}) {
   wire = detail::wire_target(plan.dedup, out, wire);
-  const std::size_t C = detail::check_documents_plan(plan, limits);
+  const detail::DocumentsCheck check = detail::check_documents_plan_sizes(plan, limits);
+  const std::size_t C = check.C;
   const std::size_t R = detail::checked_rank(rank, plan.world_size, "plan_qkv_for_rank");
   detail::check_rank_share(plan, R, C, limits, "plan_qkv_for_rank");
   detail::DocumentsTables& tables = workspace.documents;
-  detail::shard_table(plan, C, tables.table);
+  detail::documents_for_rank(plan, R, wire != nullptr, check.slices.slices > 0, workspace);
+  detail::shard_table(plan, C, tables.table, workspace.set_docs);
   detail::shard_positions(tables.table, "plan_qkv_for_rank", tables.positions);
   detail::kv_groups(tables.table, tables.groups);
   detail::check_rank_entries(tables, R, limits);
