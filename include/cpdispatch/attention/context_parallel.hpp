@@ -27,6 +27,12 @@
 // the parts together; backward posts each group's key-value gradients home
 // as soon as they are complete.
 //
+// Documents the plan marks head-parallel (plan-format section 2f) go whole
+// to every rank of their group, each attending its share of the heads: their
+// head slabs ride the same exchanges (attention/detail/head_parallel_part.hpp),
+// the kernel attends them once every stage group has arrived, and their
+// outputs and gradients go home with the queries'.
+//
 // One class body serves every transport: what differs by memory space (the
 // buffers, the copies, the merges, the fan-out and fan-in, the default
 // kernel) comes from the data path of the transport's memory space
@@ -416,20 +422,10 @@ class ContextParallelAttention {
     }
     const std::size_t tb = kv_token_bytes();
     for (std::size_t e = 0; e < fan_.num_entries(); ++e) {
-      const std::span<const std::int64_t> copies = fan_.copies(e);
-      if (copies.size() < 2) continue;
+      if (fan_.copies(e).size() < 2) continue;
       const auto r = static_cast<std::size_t>(stage_plan_.round_of(fan_.src_rank[e]));
-      KvFanList& f = round_fans_[r];
-      f.seq_len.push_back(fan_.seq_len[e]);
-      f.src_rank.push_back(fan_.src_rank[e]);
-      f.src_shard.push_back(fan_.src_shard[e]);
-      f.wire_offset.push_back(copies[0]);  // summed in place, at the first copy
-      f.attn_offset.insert(f.attn_offset.end(), copies.begin(), copies.end());
-      f.copy_splits.push_back(f.attn_offset.size());
-      const auto len = static_cast<std::size_t>(fan_.seq_len[e]) * tb;
-      for (std::size_t c = 1; c < copies.size(); ++c) {
-        round_copies_[r].push_back({static_cast<std::size_t>(copies[0]) * tb, static_cast<std::size_t>(copies[c]) * tb, len});
-      }
+      detail::append_fan_in_place(round_fans_[r], fan_, e);  // summed in place, at the first copy
+      detail::append_fan_out(round_copies_[r], fan_, e, tb);
     }
     for (std::size_t r = 0; r < rounds; ++r) {
       round_fans_[r].attention_tokens = fan_.attention_tokens;

@@ -19,6 +19,7 @@
 //     void commit();                             // (the device path uploads here)
 //     // Per call, ordered after everything before it:
 //     void copy(id, const std::byte* src, std::byte* dst);
+//     void copy(detail::PieceList, const std::byte* src, std::byte* dst);  // the exchange engine's: an id with its pieces
 //     void fan_in(id, ElementType, std::byte* attention);   // in place where wire offsets are first copies
 //     void combine(id, ElementType, const std::byte* replica, std::size_t, std::byte* grad, std::size_t);
 //     void fill(float*, std::size_t n, float value);  void zero(std::byte*, std::size_t bytes);
@@ -105,9 +106,9 @@ class AttentionDataPath<MemorySpace::host> {
 
   void commit() noexcept {}
 
-  void copy(std::size_t id, const std::byte* src, std::byte* dst) const noexcept {
-    for (const detail::CopyPiece& p : copies_[id]) std::memcpy(dst + p.dst, src + p.src, p.bytes);
-  }
+  void copy(std::size_t id, const std::byte* src, std::byte* dst) const noexcept { detail::copy_pieces(copies_[id], src, dst); }
+  /// The exchange engine's form: a list added here, with its pieces.
+  void copy(detail::PieceList list, const std::byte* src, std::byte* dst) const noexcept { detail::copy_pieces(list.pieces, src, dst); }
 
   /// Sums each entry's copies at its wire offset, in the fixed order of the fan-in.
   void fan_in(std::size_t id, ElementType type, std::byte* attention) const {

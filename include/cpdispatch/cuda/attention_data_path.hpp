@@ -239,6 +239,8 @@ class AttentionDataPath<MemorySpace::device> {
     }
     copies_->run(id, copy_pieces_[id], src, dst, who);
   }
+  /// The exchange engine's form: a list added here, by its id.
+  void copy(detail::PieceList list, const std::byte* src, std::byte* dst) const { copy(list.id, src, dst); }
 
   /// Sums each entry's copies at its wire offset: in place when the wire
   /// offsets are the entries' first copies (the fan-in kernel allows that).

@@ -124,6 +124,12 @@ class DeviceCopyLists {
     lists_[i] = {pieces.size(), host_.size(), chunks.size()};
     host_.insert(host_.end(), chunks.begin(), chunks.end());
   }
+  /// Appends an exchange's lists, by Stage from id `first`.
+  void add_exchange(std::size_t first, const ExchangePlan& ex) {
+    add(first + static_cast<std::size_t>(Stage::pack), ex.send.copies);
+    add(first + static_cast<std::size_t>(Stage::self), ex.self);
+    add(first + static_cast<std::size_t>(Stage::unpack), ex.recv.copies);
+  }
   void upload() {
     device_.allocate(host_.size());
     device_.upload(std::span<const cuda::CopyChunk>(host_), stream_);
@@ -135,6 +141,7 @@ class DeviceCopyLists {
     if (pieces != list.pieces) fail(who, ": ", pieces, " copy pieces, but the plan it was built from has ", list.pieces);
     cuda::launch_copy(src, dst, device_.data() + list.offset, list.count, stream_);
   }
+  void run(PieceList list, const std::byte* src, std::byte* dst, const char* who) const { run(list.id, list.pieces.size(), src, dst, who); }
 
  private:
   struct List {
@@ -160,10 +167,7 @@ class data_path<MemorySpace::device> {
             std::size_t staging_bytes)
       : stream_(stream_of(transport)), lists_(stream_) {
     for (Direction dir : {Direction::forward, Direction::reverse}) {
-      const ExchangePlan& ex = dir == Direction::forward ? plan.forward : plan.reverse;
-      for (Stage stage : {Stage::pack, Stage::self, Stage::unpack}) {
-        lists_.add(index(dir, stage), stage == Stage::pack ? ex.send.copies : stage == Stage::self ? ex.self : ex.recv.copies);
-      }
+      lists_.add_exchange(exchange_lists(dir), dir == Direction::forward ? plan.forward : plan.reverse);
     }
     lists_.upload();
     if (rev.seq_recv_mask) combine_.emplace(rev, token_bytes, stream_);  // reverse KV
@@ -172,11 +176,9 @@ class data_path<MemorySpace::device> {
 
   cudaStream_t stream() const noexcept { return stream_; }
 
-  /// Runs one of the plan's piece lists (uploaded at construction; `pieces`
-  /// is the host list it was made from, checked to be the same size).
-  void copy(Direction dir, Stage stage, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const {
-    lists_.run(index(dir, stage), pieces.size(), src, dst, "device data path");
-  }
+  /// Runs one of the plan's piece lists (uploaded at construction under its
+  /// id; its pieces are the host list it was made from, checked to be the same size).
+  void copy(PieceList list, const std::byte* src, std::byte* dst) const { lists_.run(list, src, dst, "device data path"); }
 
   /// The KV-gradient combine on the device: same order and accumulation as
   /// combine_copies (bit-identical for finite values; integers wrap).
@@ -208,10 +210,6 @@ class data_path<MemorySpace::device> {
   };
 
  private:
-  static constexpr std::size_t index(Direction dir, Stage stage) noexcept {
-    return (dir == Direction::forward ? 0 : 3) + (stage == Stage::pack ? 0 : stage == Stage::self ? 1 : 2);
-  }
-
   cudaStream_t stream_;
   DeviceCopyLists lists_;
   std::optional<DeviceCombine> combine_;
@@ -328,23 +326,17 @@ class wire_path<cuda::DeviceDataPath> {
             std::size_t staging_bytes)
       : stream_(stream_of(transport)), combine_(rev, token_bytes, stream_), lists_(stream_), fan_in_(fan, token_bytes, stream_) {
     static_assert(!PieceTransport<Transport>, "cpdispatch: the device wire path serves transports without all_to_all_pieces");
-    for (WireExchange which : {WireExchange::forward, WireExchange::reverse}) {
-      const ExchangePlan& ex = which == WireExchange::forward ? plan.forward : plan.reverse;
-      for (Stage stage : {Stage::pack, Stage::self, Stage::unpack}) {
-        lists_.add(index(which, stage), stage == Stage::pack ? ex.send.copies : stage == Stage::self ? ex.self : ex.recv.copies);
-      }
-    }
-    lists_.add(fan_out_list, plan.fan_out);
+    // reverse_in_place serves all_to_all_pieces only: its lists stay empty here.
+    lists_.add_exchange(exchange_lists(WireExchange::forward), plan.forward);
+    lists_.add_exchange(exchange_lists(WireExchange::reverse), plan.reverse);
+    lists_.add(wire_fan_out_list, plan.fan_out);
     lists_.upload();
     staging_.allocate(staging_bytes);
   }
 
   /// Runs one of the plan's piece lists (uploaded at construction; `pieces`
   /// is the host list it was made from, checked to be the same size).
-  void copy(WireExchange which, Stage stage, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const {
-    lists_.run(index(which, stage), pieces.size(), src, dst, who);
-  }
-  void fan_out(std::span<const CopyPiece> pieces, std::byte* attention) const { lists_.run(fan_out_list, pieces.size(), attention, attention, who); }
+  void copy(PieceList list, const std::byte* src, std::byte* dst) const { lists_.run(list, src, dst, who); }
 
   /// Entries with one copy are copied, the others summed by the fan-in kernel.
   void fan_in(const KvFanList&, ElementType type, const std::byte* attention, std::byte* wire, std::size_t) const { fan_in_(type, attention, wire); }
@@ -354,14 +346,7 @@ class wire_path<cuda::DeviceDataPath> {
   std::byte* staging() noexcept { return staging_.data(); }
 
  private:
-  static constexpr std::size_t fan_out_list = 6;
   static constexpr const char* who = "device wire path";
-
-  /// forward 0..2, reverse 3..5 (reverse_in_place only serves all_to_all_pieces).
-  static std::size_t index(WireExchange which, Stage stage) {
-    if (which == WireExchange::reverse_in_place) fail("device wire path: no in-place exchange without all_to_all_pieces");
-    return (which == WireExchange::forward ? 0 : 3) + (stage == Stage::pack ? 0 : stage == Stage::self ? 1 : 2);
-  }
 
   cudaStream_t stream_;
   DeviceCombine combine_;
@@ -393,9 +378,7 @@ class node_path<cuda::DeviceDataPath> {
     arena_.allocate(plan.arena_bytes);
   }
 
-  void copy(std::size_t list, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const {
-    lists_.run(list, pieces.size(), src, dst, "device node path");
-  }
+  void copy(PieceList list, const std::byte* src, std::byte* dst) const { lists_.run(list, src, dst, "device node path"); }
   void fan_in(NodeFanIn which, const KvFanList&, ElementType type, const std::byte* src, std::byte* dst, std::size_t) const {
     (which == NodeFanIn::attention ? attention_fan_in_ : relay_fan_in_)(type, src, dst);
   }

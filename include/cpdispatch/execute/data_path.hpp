@@ -17,7 +17,7 @@
 //     template <class Transport>
 //     data_path(Transport&, const DispatchPlan&, const RankMetadata& rev, std::size_t token_bytes,
 //               std::size_t staging_bytes);                      // once per plan
-//     void copy(Direction, Stage, std::span<const CopyPiece>, const std::byte* src, std::byte* dst);
+//     void copy(PieceList, const std::byte* src, std::byte* dst);  // one of the plan's piece lists
 //     void combine(const RankMetadata& rev, const_buffer replica, mutable_buffer grad,
 //                  std::size_t token_bytes, ElementType type);
 //     mutable_buffer staging(std::size_t bytes);                // the dispatcher-owned staging
@@ -26,10 +26,11 @@
 //     class scratch;                                            // owned memory that grows: ensure(bytes)
 //   };
 //
-// copy() names the plan's piece list it runs (direction x stage) besides
-// handing over the pieces themselves, so a path that prepared the lists at
-// construction (the device path uploads them once per plan) need not look
-// them up.
+// copy() is the one interface every data path gives the exchange engine
+// (execute/staged_exchange.hpp): a PieceList is a piece list's id besides
+// its pieces, so a path that prepared the lists at construction (the device
+// path uploads them once per plan, by id) need not look them up, and the
+// host path copies the pieces.
 
 #include <cstddef>
 #include <cstring>
@@ -54,10 +55,28 @@ struct CopyPiece {
 struct DispatchPlan;  // dispatch_plan.hpp
 
 /// The two exchanges of a dispatcher.
-enum class Direction { forward, reverse };
+enum class Direction : std::size_t { forward, reverse };
 /// The three piece lists of one exchange: input -> staging, input -> output
-/// (traffic to oneself), staging -> output.
-enum class Stage { pack, self, unpack };
+/// (traffic to oneself), staging -> output. A caller numbers an exchange's
+/// lists in this order from the id of its pack list (exchange_lists).
+enum class Stage : std::size_t { pack, self, unpack };
+
+/// The id of the pack list of a caller's exchange `e` (an index or an enum) when every exchange has its three lists in a row.
+template <class E>
+constexpr std::size_t exchange_lists(E e) noexcept {
+  return 3 * static_cast<std::size_t>(e);
+}
+
+/// One piece list as the engine hands it to a data path: its id and its pieces.
+struct PieceList {
+  std::size_t id = 0;
+  std::span<const CopyPiece> pieces{};
+};
+
+/// The host copy of a piece list: one memcpy per piece.
+inline void copy_pieces(std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) noexcept {
+  for (const CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
+}
 
 /// The data path of a memory space: the host one below; none (refused at
 /// compile time with a readable message) for other spaces. The device path
@@ -81,9 +100,7 @@ class data_path<MemorySpace::host> {
   template <class Transport>
   data_path(Transport&, const DispatchPlan&, const RankMetadata&, std::size_t, std::size_t) noexcept {}
 
-  void copy(Direction, Stage, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const noexcept {
-    for (const CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
-  }
+  void copy(PieceList list, const std::byte* src, std::byte* dst) const noexcept { copy_pieces(list.pieces, src, dst); }
 
   /// Sum of the returned copies, fixed order, fp32 accumulation for 16-bit types.
   void combine(const RankMetadata& rev, const_buffer replica, mutable_buffer grad, std::size_t token_bytes,

@@ -65,7 +65,7 @@
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
-#include "cpdispatch/execute/detail/run_exchange.hpp"
+#include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/transport.hpp"
@@ -302,8 +302,10 @@ inline void check_fan_list(const KvFanList& fan, const RankMetadata& wire_rev, c
   if (fan.wire_tokens != at) fail(who, ": fan.wire_tokens = ", fan.wire_tokens, " but its entries hold ", at);
 }
 
-/// The three exchanges of the deduplicated path (the piece lists a wire data path runs).
-enum class WireExchange { forward, reverse, reverse_in_place };
+/// The three exchanges of the deduplicated path: their piece lists are
+/// exchange_lists(exchange), the fan-out's follows them (the ids a wire data path runs).
+enum class WireExchange : std::size_t { forward, reverse, reverse_in_place };
+inline constexpr std::size_t wire_fan_out_list = exchange_lists(3);
 
 /// The data path of the deduplicated exchange, named by the transport's
 /// Dispatcher data path: the local copies of each exchange, the fan-out, the
@@ -316,6 +318,26 @@ class wire_path {
   using const_buffer = ConstBytes;  // only so that the dispatcher's static_assert is the one error
   using mutable_buffer = MutableBytes;
 };
+
+/// The fan-out of fan entry e, appended to `pieces` (bytes, attention ->
+/// attention): its first copy, where the wire lands it, to each of its other copies.
+inline void append_fan_out(std::vector<CopyPiece>& pieces, const KvFanList& fan, std::size_t e, std::size_t tb) {
+  const std::span<const std::int64_t> copies = fan.copies(e);
+  const auto bytes = [tb](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * tb; };
+  for (std::size_t c = 1; c < copies.size(); ++c) append_piece(pieces, bytes(copies[0]), bytes(copies[c]), bytes(fan.seq_len[e]));
+}
+
+/// Fan entry e as an entry of `in_place`, a fan list whose fan-in sums each
+/// entry's copies at its first copy (wire offset = first copy), as the fan-out's reverse.
+inline void append_fan_in_place(KvFanList& in_place, const KvFanList& fan, std::size_t e) {
+  const std::span<const std::int64_t> copies = fan.copies(e);
+  in_place.seq_len.push_back(fan.seq_len[e]);
+  in_place.src_rank.push_back(fan.src_rank[e]);
+  in_place.src_shard.push_back(fan.src_shard[e]);
+  in_place.wire_offset.push_back(copies.empty() ? 0 : copies[0]);
+  in_place.attn_offset.insert(in_place.attn_offset.end(), copies.begin(), copies.end());
+  in_place.copy_splits.push_back(in_place.attn_offset.size());
+}
 
 /// Both exchanges of one rank's deduplicated KV path, and its fan-out,
 /// computed once. Forward: home MLP layout -> the attention layout at each
@@ -416,11 +438,7 @@ inline void lay_out_wire(WirePlan& plan, const KvFanList& fan, const WireTraffic
     append_piece(plan.reverse.self, bytes(fan.wire_offset[own[i]]), bytes(slot(g, u)), bytes(lens[g]));
     append_piece(plan.reverse_in_place.self, bytes(first(own[i])), bytes(slot(g, u)), bytes(lens[g]));
   }
-  for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-    for (std::size_t i = fan.copy_splits[e] + 1; i < fan.copy_splits[e + 1]; ++i) {
-      append_piece(plan.fan_out, bytes(first(e)), bytes(fan.attn_offset[i]), bytes(fan.seq_len[e]));
-    }
-  }
+  for (std::size_t e = 0; e < fan.num_entries(); ++e) append_fan_out(plan.fan_out, fan, e, tb);
   lay_out_side(plan.forward.send, fwd_send, tb, true);
   lay_out_side(plan.forward.recv, fwd_recv, tb, false);
   lay_out_side(plan.reverse.send, rev_send, tb, true);
@@ -491,12 +509,7 @@ class wire_path<data_path<MemorySpace::host>> {
   wire_path(Transport&, const WirePlan&, const KvFanList&, const RankMetadata&, std::size_t, std::size_t staging_bytes)
       : staging_(staging_bytes) {}
 
-  void copy(WireExchange, Stage, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const noexcept {
-    for (const CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
-  }
-  void fan_out(std::span<const CopyPiece> pieces, std::byte* attention) const noexcept {
-    for (const CopyPiece& p : pieces) std::memcpy(attention + p.dst, attention + p.src, p.bytes);
-  }
+  void copy(PieceList list, const std::byte* src, std::byte* dst) const noexcept { copy_pieces(list.pieces, src, dst); }
   void fan_in(const KvFanList& fan, ElementType type, const std::byte* attention, std::byte* wire, std::size_t token_bytes) const {
     with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan, attention, wire, token_bytes / sizeof(E)); });
   }
@@ -525,7 +538,6 @@ class KvWireDispatcher {
   static_assert(path::available,
                 "cpdispatch: KvWireDispatcher over a device transport needs the CUDA data path: include cpdispatch/cuda/data_path.hpp "
                 "(from a .cu file) where it is used");
-  using Stage = detail::Stage;
   using Exchange = detail::WireExchange;
 
  public:
@@ -606,7 +618,7 @@ class KvWireDispatcher {
     const char* call = "forward";
     check_buffers(call, {{mlp.data(), mlp.size(), "mlp", sizes_.mlp_bytes}, {attention.data(), attention.size(), "attention", sizes_.attention_bytes}});
     exchange(call, Exchange::forward, mlp.data(), attention.data());
-    path_.fan_out(plan_.fan_out, attention.data());
+    path_.copy({detail::wire_fan_out_list, plan_.fan_out}, attention.data(), attention.data());
   }
 
   /// Attention-layout gradients -> `grad` [T]: the fan-in sums each received
@@ -729,7 +741,7 @@ class KvWireDispatcher {
     const detail::ExchangePlan& ex = which == Exchange::forward ? plan_.forward : which == Exchange::reverse ? plan_.reverse : plan_.reverse_in_place;
     std::byte* staging = nullptr;
     if constexpr (!PieceTransport<T>) staging = path_.staging() + staging_at;
-    detail::run_exchange(transport_, path_, which, ex, in, out, staging, {"KvWireDispatcher", call});
+    detail::run_exchange(transport_, path_, detail::exchange_lists(which), ex, in, out, staging, {"KvWireDispatcher", call});
   }
 
   T& transport_;

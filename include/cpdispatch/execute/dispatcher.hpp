@@ -65,7 +65,7 @@
 // dispatcher is not thread-safe (one per rank and thread).
 //
 // Memory spaces: the buffer types (const_buffer, mutable_buffer) and the data
-// path (local copies, combine, owned staging; execute/detail/data_path.hpp) follow
+// path (local copies, combine, owned staging; execute/data_path.hpp) follow
 // the transport's memory_space. Host transports take std::span<std::byte>.
 // Device transports (NCCL, the device sim) take cuda::DeviceSpan, which host
 // containers do not convert to, and name the CUDA data path as their member
@@ -88,7 +88,7 @@
 
 #include "cpdispatch/execute/data_path.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
-#include "cpdispatch/execute/detail/run_exchange.hpp"
+#include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/bytes.hpp"
@@ -134,7 +134,6 @@ class Dispatcher {
                 "cpdispatch: device transports need the CUDA data path (cpdispatch/cuda): the transport names it as "
                 "`using data_path = cuda::DeviceDataPath;`, defined by cpdispatch/cuda/data_path.hpp in a .cu file");
   using Direction = detail::Direction;
-  using Stage = detail::Stage;
 
  public:
   using transport_type = T;
@@ -319,7 +318,7 @@ class Dispatcher {
     check_disjoint(call, scratch, input);
     check_disjoint(call, scratch, output);
 
-    detail::run_exchange(transport_, path_, dir, ex, in.data(), out.data(), staging.data(), {"Dispatcher", call});
+    detail::run_exchange(transport_, path_, detail::exchange_lists(dir), ex, in.data(), out.data(), staging.data(), {"Dispatcher", call});
   }
 
   T& transport_;

@@ -12,8 +12,9 @@
 //
 // Each phase is one all_to_all_v over the whole world (a rank's peers in the
 // inside phase are on its node; in the between phase on other nodes), so any
-// AllToAllTransport serves, without sub-communicators; run_exchange runs it,
-// as for the other dispatchers. At construction every phase is laid out
+// AllToAllTransport serves, without sub-communicators; the exchange engine
+// (run_exchange, execute/staged_exchange.hpp) runs it, as for the other
+// dispatchers. At construction every phase is laid out
 // (NodeWirePlan) and the scratch (relay, wire, gather and replica buffers and
 // the phases' staging, one arena) is allocated: calls do not allocate. Host
 // transports run the lists with memcpy; device transports (the device sim,
@@ -30,7 +31,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -40,7 +40,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/execute/detail/run_exchange.hpp"
+#include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
@@ -204,9 +204,7 @@ class node_path<data_path<MemorySpace::host>> {
   template <class Transport>
   node_path(Transport&, const NodeWirePlan& plan, const KvFanList&, const RankMetadata&, std::size_t) : arena_(plan.arena_bytes) {}
 
-  void copy(std::size_t, std::span<const CopyPiece> pieces, const std::byte* src, std::byte* dst) const noexcept {
-    for (const CopyPiece& p : pieces) std::memcpy(dst + p.dst, src + p.src, p.bytes);
-  }
+  void copy(PieceList list, const std::byte* src, std::byte* dst) const noexcept { copy_pieces(list.pieces, src, dst); }
   void fan_in(NodeFanIn, const KvFanList& fan, ElementType type, const std::byte* src, std::byte* dst, std::size_t token_bytes) const {
     with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan, src, dst, token_bytes / sizeof(E)); });
   }
@@ -308,23 +306,15 @@ class NodeWireDispatcher {
     }
   }
 
-  void copy(std::size_t list, const std::byte* src, std::byte* dst) { path_.copy(list, plan_.pieces(list), src, dst); }
-
-  /// The node path as run_exchange's data path: a step and a stage name the list.
-  struct StepPath {
-    path& p;
-    void copy(Plan::Step s, detail::Stage stage, std::span<const detail::CopyPiece> pieces, const std::byte* src, std::byte* dst) const {
-      p.copy(Plan::list(s, static_cast<std::size_t>(stage)), pieces, src, dst);
-    }
-  };
+  void copy(std::size_t list, const std::byte* src, std::byte* dst) { path_.copy({list, plan_.pieces(list)}, src, dst); }
 
   /// One step: the input's pieces into the staging, the exchange over the arena (all_to_all_v even over a
   /// PieceTransport: the sends read two buffers), the input's traffic to itself. `input`: none in reverse.
   void step(const char* call, Plan::Step s, const std::byte* input) {
     std::byte* arena = path_.arena();
     copy(Plan::list(s, Plan::pack_input), input, arena + plan_.staging_at);
-    StepPath lists{path_};
-    detail::run_exchange<false>(transport_, lists, s, plan_.step[s].exchange, arena, arena, arena + plan_.staging_at, {"NodeWireDispatcher", call});
+    const std::size_t lists = Plan::list(s, 0);  // the exchange's, by Stage
+    detail::run_exchange<false>(transport_, path_, lists, plan_.step[s].exchange, arena, arena, arena + plan_.staging_at, {"NodeWireDispatcher", call});
     copy(Plan::list(s, Plan::self_input), input, arena);
   }
 

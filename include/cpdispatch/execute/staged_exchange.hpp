@@ -1,32 +1,99 @@
 #pragma once
-// A staged exchange: one direction of the exchanges of several tensors
-// (Q, K, V forward; dK, dV backward; ...) that share one all-to-all per
-// stage, cut by peer into stage groups that are posted separately, so that
-// the caller computes on what has arrived while the rest travels.
+// The exchange engine: every planned exchange runs here, the dispatchers'
+// (Dispatcher, KvWireDispatcher, each phase of NodeWireDispatcher; through
+// them QkvDispatch) and ContextParallelAttention's. An exchange is one
+// direction of the traffic of one or more tensors, each an ExchangePlan.
 //
-// Peers are grouped by ring distance: the traffic of the pair (home rank h,
-// attention rank a) belongs to group (a - h mod W - 1) * G / (W - 1) of G
-// groups, in both directions, so every rank agrees on it without talking.
-// All tensors of one post share one staging region per peer: the first
-// tensor's bytes for that peer, then the second's, ... (each in its plan's
-// wire order), so a stage is ONE post of the transport.
+// run_exchange: one plan, one blocking collective. Over a PieceTransport,
+// one all_to_all_pieces on the caller's buffers (unless the caller opts
+// out); otherwise pack into staging (unless the send side is direct), one
+// all_to_all_v, unpack (unless the receive side is direct). Then the traffic
+// to this rank itself. One rank makes no transport call. A transport failure
+// is rethrown with "<who>::<call> (rank r of W): <collective> failed: " in
+// front, same kind; the data path's own failures pass unchanged.
 //
-// Memory is the data path's (cpdispatch/attention/data_path.hpp): the
-// staging is its buffer and the pack, unpack and traffic to oneself are
-// piece lists registered with it when the exchange is laid out (between the
-// path's clear() and commit()), run on its order (the device path's stream).
-// Storage is kept across plans: nothing is allocated while a plan fits what
-// an earlier one needed.
+// StagedExchange: several tensors (Q, K, V; dK, dV; ...) in one post per
+// stage group, posted separately so that the caller computes on what has
+// arrived while the rest travels. The pair (home rank h, attention rank a)
+// is in group (a - h mod W - 1) * G / (W - 1) of G, both ways, so every rank
+// agrees without talking. A post's staging holds, per peer, the first
+// tensor's bytes, then the second's, ... (each in its wire order). The
+// staging is the data path's; the pack, unpack and self lists are registered
+// with it when laid out (between its clear() and commit()). Storage is kept:
+// nothing is allocated while a plan fits what an earlier one needed.
+//
+// Memory is the data path's, through one interface: path.copy(PieceList,
+// src, dst), in the path's order (the device paths' stream). Host paths copy
+// the pieces; device paths run the list uploaded under its id (the
+// dispatchers' at construction, numbered by the caller; the op's as
+// registered here).
 
 #include <algorithm>
 #include <cstddef>
 #include <span>
 #include <vector>
 
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/execute/data_path.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/transport.hpp"
 
 namespace cpdispatch::detail {
+
+/// Who runs an exchange, for the context of a transport failure.
+struct ExchangeCaller {
+  const char* who;   ///< the dispatcher's class name
+  const char* call;  ///< its member function
+};
+
+/// The all-to-all of one post: posted where `Posted` and the transport can,
+/// else complete on return (an empty Request).
+template <bool Posted, class T>
+Request all_to_all_bytes(T& transport, const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                         void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+  if constexpr (Posted && PostedAllToAllTransport<T>) {
+    return transport.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+  } else {
+    transport.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+    return Request{};
+  }
+}
+
+/// Runs `ex` from `in` to `out`. `lists` is the id of the exchange's pack
+/// list (its self and unpack lists follow, in Stage order); `staging` holds
+/// ex.staging_bytes() bytes (unused over all_to_all_pieces).
+/// `Pieces` false: all_to_all_v even over a PieceTransport (a plan without piece lists).
+template <bool Pieces = true, class T, class Path>
+void run_exchange(T& transport, Path& path, std::size_t lists, const ExchangePlan& ex, const std::byte* in, std::byte* out, std::byte* staging,
+                  ExchangeCaller caller) {
+  constexpr bool pieces = Pieces && PieceTransport<T>;
+  const auto list = [lists](Stage stage, const std::vector<CopyPiece>& p) { return PieceList{lists + static_cast<std::size_t>(stage), p}; };
+  const bool alone = transport.world_size() == 1;
+  auto context = [&] {
+    return concat(caller.who, "::", caller.call, " (rank ", transport.rank(), " of ", transport.world_size(), "): ",
+                  pieces ? "all_to_all_pieces" : "all_to_all_v", " failed: ");
+  };
+  if constexpr (pieces) {  // no staging: the transport reads and writes the pieces in place
+    try {
+      if (!alone) transport.all_to_all_pieces(in, ex.send.pieces, ex.send.splits, out, ex.recv.pieces, ex.recv.splits);
+    } catch (...) {
+      rethrow_with_context(context());
+    }
+  } else {
+    std::byte* recv_staging = staging + ex.recv_staging_offset();
+    if (!ex.send.direct) path.copy(list(Stage::pack, ex.send.copies), in, staging);
+    try {
+      if (!alone) {
+        all_to_all_bytes<false>(transport, ex.send.direct ? static_cast<const void*>(in) : staging, ex.send.counts, ex.send.displs,
+                                ex.recv.direct ? static_cast<void*>(out) : recv_staging, ex.recv.counts, ex.recv.displs);
+      }
+    } catch (...) {
+      rethrow_with_context(context());
+    }
+    if (!ex.recv.direct) path.copy(list(Stage::unpack, ex.recv.copies), recv_staging, out);
+  }
+  path.copy(list(Stage::self, ex.self), in, out);
+}
 
 /// One tensor of a staged exchange: its plan (one direction) and buffers.
 struct StagedTensor {
@@ -85,7 +152,7 @@ class StagedExchange {
 
   /// Copies the traffic to this rank itself (no transport call).
   void copy_self(Path& path, std::span<const StagedTensor> tensors) const {
-    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(self_ids_[t], tensors[t].in, tensors[t].out);
+    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(self_[t], tensors[t].in, tensors[t].out);
   }
 
   /// Packs group `group`'s peers and posts their exchange; over a transport
@@ -98,13 +165,8 @@ class StagedExchange {
       send[p] = send_group_[p] == group ? send_counts_[p] : 0;
       recv[p] = recv_group_[p] == group ? recv_counts_[p] : 0;
     }
-    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(pack_ids_[index(group, t)], tensors[t].in, send_staging_.data());
-    if constexpr (PostedAllToAllTransport<T>) {
-      return transport.post_all_to_all_v(send_staging_.data(), send, send_at_, recv_staging_.data(), recv, recv_at_);
-    } else {
-      transport.all_to_all_v(send_staging_.data(), send, send_at_, recv_staging_.data(), recv, recv_at_);
-      return Request{};
-    }
+    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(pack_[index(group, t)], tensors[t].in, send_staging_.data());
+    return all_to_all_bytes<true>(transport, send_staging_.data(), send, send_at_, recv_staging_.data(), recv, recv_at_);
   }
 
   template <class T>
@@ -114,7 +176,7 @@ class StagedExchange {
 
   /// After the wait: unpacks what group `group`'s peers sent.
   void finish(Path& path, std::span<const StagedTensor> tensors, int group) {
-    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(unpack_ids_[index(group, t)], recv_staging_.data(), tensors[t].out);
+    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(unpack_[index(group, t)], recv_staging_.data(), tensors[t].out);
   }
 
   int groups() const noexcept { return groups_; }
@@ -130,10 +192,10 @@ class StagedExchange {
   /// output) of its peers' pieces; per tensor, its traffic to this rank.
   void register_lists(Path& path, std::span<const ExchangePlan* const> plans, int me) {
     const std::size_t W = send_at_.size(), n = static_cast<std::size_t>(groups_) * tensors_;
-    for (auto* v : {&pack_ids_, &unpack_ids_}) v->assign(n, 0);
-    self_ids_.assign(tensors_, 0);
+    for (auto* v : {&pack_, &unpack_}) v->assign(n, PieceList{});
+    self_.assign(tensors_, PieceList{});
     if (lists_.size() < 2 * n) lists_.resize(2 * n);
-    for (std::size_t t = 0; t < tensors_; ++t) self_ids_[t] = path.add_copies(plans[t]->self);
+    for (std::size_t t = 0; t < tensors_; ++t) self_[t] = {path.add_copies(plans[t]->self), plans[t]->self};
     for (int g = 0; g < groups_; ++g) {
       for (std::size_t t = 0; t < tensors_; ++t) {
         for (bool sending : {true, false}) {
@@ -143,7 +205,7 @@ class StagedExchange {
             if (static_cast<int>(p) == me || (sending ? send_group_[p] : recv_group_[p]) != g) continue;
             add_peer(list, plans, t, p, sending);
           }
-          (sending ? pack_ids_ : unpack_ids_)[index(g, t)] = path.add_copies(list);
+          (sending ? pack_ : unpack_)[index(g, t)] = {path.add_copies(list), list};
         }
       }
     }
@@ -165,7 +227,7 @@ class StagedExchange {
   std::size_t tensors_ = 0;
   std::vector<std::size_t> send_at_, recv_at_, send_counts_, recv_counts_, counts_;
   std::vector<int> send_group_, recv_group_;
-  std::vector<std::size_t> pack_ids_, unpack_ids_, self_ids_;
+  std::vector<PieceList> pack_, unpack_, self_;  // the lists registered with the path
   std::vector<std::vector<CopyPiece>> lists_;  // per group and tensor: pack, unpack (the path refers to them)
   typename Path::template buffer<std::byte> send_staging_, recv_staging_;
 };
