@@ -31,7 +31,9 @@
 //                      [--sample prolong|wlbllm|both | --lengths FILE] [--heads 8 | --heads-q 8 --heads-kv 8]
 //                      [--head-dim 64] [--dedup 1] [--links ib|nvlink|none|both] [--stages 1,2,4]
 //                      [--peers ulysses,ring,usp|both|all] [--shared-prefix 0] [--bound 1] [--balanced 1]
-//                      [--model-check 1] [--kernel-rate forward:peak=...,.../backward:...]
+//                      [--model-check 1] [--kernel-rate forward:peak=...,.../backward:...] [--head-parallel off|auto]
+// --head-parallel auto lets the step model's plan (plan_for_cluster) make documents head-parallel in groups of
+// any size the heads allow (docs/planning.md); its line then names how many and the group size.
 // --model-check 1 (2: also the kernel sweep's entries) prints, per batch, link and method (ours at each stage
 // count, Ulysses, the ring), the step model's step (model_plan, model_ulysses, model_zigzag_ring over the link
 // as a cluster) next to the measured one, twice: with one FLOP rate (the kernel's rate measured on the batch, as without the flag) and with the
@@ -89,6 +91,7 @@ struct Config {
   bool ulysses = true, ring = true, usp = false;
   std::vector<int> stages{1, 2, 4};
   bool dedup = true, bound = true, balanced = true;
+  bool head_parallel = false;  ///< --head-parallel auto: the step model's plan may have head-parallel documents
   int model_check = 0;  ///< 1: the model's step beside each measured one; 2: also the kernel sweep's entries
   std::string kernel_rate;  ///< --kernel-rate: the fitted rates to use instead of the sweep
 };
@@ -660,11 +663,14 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
   const cpdispatch::ClusterModel cluster = link_cluster(c, batch, l.bandwidth);
   cpdispatch::BalanceOptions chosen_options;
   chosen_options.dedup = c.dedup;
+  chosen_options.head_parallel = c.head_parallel ? cpdispatch::HeadParallel::automatic : cpdispatch::HeadParallel::off;
   m.chosen = cpdispatch::plan_for_cluster(batch.problem, cluster, layer_shape(c), cpdispatch::Topology::uniform(c.world, c.world), chosen_options);
   m.modelled = ours_step<cpdispatch::HostAttentionKernel>(c, m.chosen.plan, link, 2);
   std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=2 | step %.1f ms | %.1f MiB", name, batch.index, l.name,
               m.chosen.cost_slack, m.modelled.seconds * 1e3, m.modelled.bytes / 1048576.0);
   if (c.shared_prefix > 0) std::printf(" | key-value %.1f MiB a rank (forward)", ours_kv_bytes(c, m.chosen.plan) / 1048576.0);
+  const auto hp = std::count_if(m.chosen.plan.documents.begin(), m.chosen.plan.documents.end(), [](const auto& d) { return d.head_parallel; });
+  if (hp > 0) std::printf(" | %ld head-parallel document(s), groups of %lld", static_cast<long>(hp), static_cast<long long>(cpdispatch::detail::head_parallel_degree(m.chosen.plan)));
   std::printf("\n");
   std::vector<double> peers;
   const auto peer = [&](const std::string& what, const std::string& detail, const Step& s) {
@@ -754,6 +760,10 @@ std::string parse_options(int argc, char** argv, Config& c) {
     else if (a == "--bound") c.bound = v != 0;
     else if (a == "--balanced") c.balanced = v != 0;
     else if (a == "--model-check") c.model_check = static_cast<int>(v);
+    else if (a == "--head-parallel") {
+      if (text != "off" && text != "auto") return "--head-parallel is off or auto, got " + text;
+      c.head_parallel = text == "auto";
+    }
     else if (a == "--kernel-rate") c.kernel_rate = text;
     else return "unknown option " + a;
   }

@@ -4,22 +4,19 @@
 // document whole at its place in the layout, tokens moved by the metadata
 // alone (simulate) go there and back home, the dispatched documents are
 // planned as if the head-parallel ones were not there, and each rank's
-// share equals the global plan. The attention op refuses such a share.
+// share equals the global plan.
 // verify_coverage and verify_coverage_for_rank pass every plan made here and
 // name the seeded corruptions of section 4.7.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "cpdispatch/attention.hpp"
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/transports/sim.hpp"
 #include "helpers.hpp"
 #include "rank_share.hpp"
 
@@ -295,21 +292,6 @@ TEST(HeadParallel, PlanLimitsCountTheHeadParallelMetadata) {
     }
   }
   EXPECT_THAT(last_refusal, HasSubstr("the head-parallel exchange of world_size = 64, head_parallel_degree = 64"));
-}
-
-TEST(HeadParallel, TheAttentionOpRefusesAShareWithHeadParallelDocuments) {
-  const QkvDocumentsPlan plan = example_4_7();
-  cpdispatch::SimWorld world(4, cpdispatch::SimOptions{std::chrono::seconds{60}});
-  world.run([&](cpdispatch::SimTransport& t) {
-    const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
-    const cpdispatch::AttentionShape shape{.heads_q = 2, .heads_kv = 2, .head_dim = 4, .softmax_scale = 0.5f};
-    try {
-      cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float> op(t, share, shape);
-      ADD_FAILURE() << "rank " << t.rank() << " accepted a share with head-parallel documents";
-    } catch (const cpdispatch::invalid_input& e) {
-      EXPECT_THAT(e.what(), HasSubstr("head-parallel documents"));
-    }
-  });
 }
 
 /// A random plan: W = 1..8, u a divisor of W, documents that span ranks
