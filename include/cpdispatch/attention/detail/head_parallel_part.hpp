@@ -106,9 +106,6 @@ class HeadParallelPart {
  public:
   bool active() const noexcept { return active_; }
   const RankHeadParallelLayout& layout() const noexcept { return layout_; }
-  const HeadSplit& split() const noexcept { return split_; }
-  /// The kernel's shape on this rank's heads.
-  AttentionShape shape() const noexcept { return shape_; }
 
   /// Plans the part of `share` (inactive without head-parallel documents);
   /// the path's lists are registered by lay_out.
@@ -165,8 +162,7 @@ class HeadParallelPart {
   std::byte* dk() noexcept { return bytes(dk_); }
   std::byte* dv() noexcept { return bytes(dv_); }
 
-  /// The last forward's log-sum-exp of this rank's head-parallel documents, [q heads][tokens].
-  std::span<const float> lse() const noexcept { return {lse_.data(), lse_.size()}; }
+  /// The last forward's log-sum-exp of this rank's head-parallel documents, [q heads][tokens] (the path's memory).
   const owned<float>& lse_buffer() const noexcept { return lse_; }
 
   /// Lays q, k, v (MLP layout) out slab-major for the exchange.
