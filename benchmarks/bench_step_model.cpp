@@ -12,11 +12,14 @@
 //   bench_step_model validate                (the model's exchange time against
 //       the flat KV exchange measured over SimulatedLinkTransport on 8 sim
 //       ranks: one tier, every rank its own node, the same bandwidth and latency)
-//   bench_step_model head-parallel [W ...]   (default W = 8 64 256: plan_for_cluster
-//       with head-parallel documents chosen (BalanceOptions::head_parallel auto)
-//       against the best of Ulysses, the zig-zag ring and USP, per batch: the
-//       median and worst ratio over ten seeded batches of 8K tokens a rank, for
-//       8 + 8 heads and 32 : 8 heads of 64; see head_parallel_table)
+//   bench_step_model head-parallel [--ranks-per-node N] [W ...]   (default W = 8
+//       64 256, 8 ranks a node: plan_for_cluster with head-parallel documents
+//       chosen (BalanceOptions::head_parallel auto) against the best of Ulysses,
+//       the zig-zag ring and USP, per batch: the median and worst ratio over ten
+//       seeded batches of 8K tokens a rank, for 8 + 8 heads and 32 : 8 heads of
+//       64, and the bound no scheme passes: perfectly balanced attention over
+//       free links against the same best peer; see head_parallel_table.
+//       --ranks-per-node 1 puts every rank on its own node: InfiniBand only)
 //   bench_step_model validate-tiers          (the model's KV exchange times against
 //       the flat, dedup and node-level exchanges measured over a two-tier
 //       SimulatedLinkTransport: W = 8 and 16, 4 ranks a node; see validate_tiers)
@@ -326,6 +329,14 @@ cpdispatch::ClusterPlan for_cluster(cpdispatch::BalanceProblem p, const cpdispat
   }
 }
 
+/// Forward and backward attention of causal documents `docs` shared equally by W ranks at the
+/// cluster's rate: no scheme's modelled step is shorter.
+double balanced_attention_seconds(const std::vector<I>& docs, I W, const cpdispatch::ClusterModel& c, const cpdispatch::LayerShape& shape) {
+  double pairs = 0;
+  for (const I len : docs) pairs += cpdispatch::detail::step_model::document_pairs(static_cast<double>(len), cpdispatch::AttentionMask::causal());
+  return 3.5 * cpdispatch::detail::step_model::forward_flops(pairs / static_cast<double>(W), shape) / c.attention_flops;
+}
+
 /// The median and the largest of `v`.
 std::pair<double, double> median_and_worst(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -335,28 +346,31 @@ std::pair<double, double> median_and_worst(std::vector<double> v) {
 
 /// Per sample, layer and W: over ten batches (seeds 0..9), the modelled step of
 /// plan_for_cluster with head-parallel auto, and without, over the best of
-/// Ulysses, the zig-zag ring and USP on the same batch; how many batches got
-/// head-parallel documents, and how many chose each u (0: none).
-int head_parallel_table(std::vector<I> worlds) {
+/// Ulysses, the zig-zag ring and USP on the same batch; the bound (every
+/// rank's attention an equal share at the model's rate, no link time, over the
+/// same best peer); how many batches got head-parallel documents, and how many
+/// chose each u (0: none).
+int head_parallel_table(std::vector<I> worlds, I ranks_per_node) {
   if (worlds.empty()) worlds = {8, 64, 256};
-  const cpdispatch::ClusterModel cluster = cpdispatch::ClusterModel::h100_ib();
+  cpdispatch::ClusterModel cluster = cpdispatch::ClusterModel::h100_ib();
+  cluster.ranks_per_node = ranks_per_node;
   const std::pair<const char*, cpdispatch::LayerShape> shapes[] = {{"8+8x64", {8, 64, 2, 4, 8}}, {"32:8x64", {32, 64, 2, 4, 8}}};
-  std::printf("plan_for_cluster (H100 links, 8 ranks a node, %lld tokens a rank, ten batches) over the best peer per batch:\n",
-              static_cast<long long>(kHeadParallelTokensPerRank));
-  std::printf("%-8s %-8s %5s %12s %12s %12s %12s %6s %s\n", "sample", "heads", "W", "auto median", "auto worst", "off median", "off worst",
-              "hp", "u chosen");
+  std::printf("plan_for_cluster (H100 links, %lld ranks a node, %lld tokens a rank, ten batches) over the best peer per batch:\n",
+              static_cast<long long>(ranks_per_node), static_cast<long long>(kHeadParallelTokensPerRank));
+  std::printf("%-8s %-8s %5s %12s %12s %12s %12s %12s %6s %s\n", "sample", "heads", "W", "auto median", "auto worst", "off median", "off worst",
+              "bound median", "hp", "u chosen");
   for (const char* name : {"prolong", "wlbllm"}) {
     const std::vector<I> lengths = sample(name);
     for (const auto& [heads, shape] : shapes) {
       for (const I W : worlds) {
-        const cpdispatch::Topology topology = cpdispatch::Topology::uniform(W, std::min(W, kRanksPerNode));
+        const cpdispatch::Topology topology = cpdispatch::Topology::uniform(W, std::min(W, ranks_per_node));
         cpdispatch::BalanceProblem p;
         p.world_size = W;
         p.q_bytes = shape.heads_q;  // bytes in proportion to the layer's
         p.kv_bytes = 2 * shape.kv_heads();
         cpdispatch::BalanceOptions automatic;
         automatic.head_parallel = cpdispatch::HeadParallel::automatic;
-        std::vector<double> with, without;
+        std::vector<double> with, without, bound;
         std::map<I, int> degrees;
         for (std::uint64_t seed = 0; seed < 10; ++seed) {
           p.documents = cpdispatch::draw_workload(lengths, W, kHeadParallelTokensPerRank, seed);
@@ -368,14 +382,15 @@ int head_parallel_table(std::vector<I> worlds) {
                                                 cpdispatch::model_usp_best(docs, {}, W, cluster, shape)}) {
             if (t.feasible && (peer == 0 || t.step < peer)) peer = t.step;
           }
+          bound.push_back(balanced_attention_seconds(docs, W, cluster, shape) / peer);
           with.push_back(hp.modelled.step / peer);
           without.push_back(off.modelled.step / peer);
           ++degrees[hp.plan.head_parallel_degree];
         }
         const auto [m_with, w_with] = median_and_worst(with);
         const auto [m_without, w_without] = median_and_worst(without);
-        std::printf("%-8s %-8s %5lld %12.3f %12.3f %12.3f %12.3f %6d", name, heads, static_cast<long long>(W), m_with, w_with, m_without,
-                    w_without, 10 - degrees[0]);
+        std::printf("%-8s %-8s %5lld %12.3f %12.3f %12.3f %12.3f %12.3f %6d", name, heads, static_cast<long long>(W), m_with, w_with, m_without,
+                    w_without, median_and_worst(bound).first, 10 - degrees[0]);
         for (const auto& [u, n] : degrees) std::printf(" u=%lld:%d", static_cast<long long>(u), n);
         std::printf("\n");
         std::fflush(stdout);
@@ -395,8 +410,15 @@ int main(int argc, char** argv) {
   if (argc == 2 && std::string(argv[1]) == "validate-tiers") return validate_tiers();
   if (argc >= 2 && std::string(argv[1]) == "head-parallel") {
     std::vector<I> hp_worlds;
-    for (int i = 2; i < argc; ++i) hp_worlds.push_back(std::atoll(argv[i]));
-    return head_parallel_table(hp_worlds);
+    I ranks_per_node = kRanksPerNode;
+    for (int i = 2; i < argc; ++i) {
+      if (std::string(argv[i]) == "--ranks-per-node" && i + 1 < argc) {
+        ranks_per_node = std::max<I>(1, std::atoll(argv[++i]));
+      } else {
+        hp_worlds.push_back(std::atoll(argv[i]));
+      }
+    }
+    return head_parallel_table(hp_worlds, ranks_per_node);
   }
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];

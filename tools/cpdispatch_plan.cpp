@@ -208,21 +208,38 @@ std::int64_t entry_pairs_of(const std::vector<std::vector<cpdispatch::AttentionE
   return total;
 }
 
-/// Token pairs each destination attends, from its attention layout: its
-/// entries where the plan has slices, else its KV groups under the mask.
-std::vector<std::int64_t> attention_per_rank(const cpdispatch::AttentionLayout& attn) {
-  std::vector<std::int64_t> cost(attn.seqlens_q.size(), 0);
-  if (!attn.entries.empty()) {
-    for (std::size_t d = 0; d < cost.size(); ++d) cost[d] = entry_pairs_of(attn.entries[d], d);
-    return cost;
-  }
+/// `pairs` more on rank d's attention cost.
+void add_pairs(std::vector<std::int64_t>& cost, std::size_t d, std::int64_t pairs) {
+  if (__builtin_add_overflow(cost[d], pairs, &cost[d])) cpdispatch::detail::fail("summary: attention cost of rank ", d, " overflows 64 bits");
+}
+
+/// Each rank's share of its group's head-parallel documents (section 2f):
+/// it attends 1/u of the heads, so 1/u of each one's pairs, as plan_cost counts them.
+void add_head_parallel_pairs(const cpdispatch::HeadParallelLayout& hp, std::vector<std::int64_t>& cost) {
+  if (hp.empty()) return;
   for (std::size_t d = 0; d < cost.size(); ++d) {
-    for (std::size_t i = 0; i < attn.seqlens_q[d].size(); ++i) {
-      const std::int64_t q = attn.seqlens_q[d][i];
-      const std::int64_t pairs = cpdispatch::entry_pairs(attn.mask, q, attn.seqlens_kv[d][i]);
-      if (__builtin_add_overflow(cost[d], pairs, &cost[d])) cpdispatch::detail::fail("summary: attention cost of rank ", d, " overflows 64 bits");
+    for (std::size_t i = 0; i < hp.seqlens[d].size(); ++i) {
+      const std::int64_t len = hp.seqlens[d][i];
+      const std::int64_t pairs = hp.entries.empty() ? cpdispatch::entry_pairs(hp.mask, len, len) : entry_pairs_of({hp.entries[d][i]}, d);
+      add_pairs(cost, d, cpdispatch::detail::balance::head_parallel_share(pairs, hp.degree, hp.group_rank[d]));
     }
   }
+}
+
+/// Token pairs each destination attends, from its attention layout: its
+/// entries where the plan has slices, else its KV groups under the mask;
+/// and its share of the head-parallel documents.
+std::vector<std::int64_t> attention_per_rank(const cpdispatch::QkvMetadata& qkv) {
+  const cpdispatch::AttentionLayout& attn = qkv.attn;
+  std::vector<std::int64_t> cost(attn.seqlens_q.size(), 0);
+  for (std::size_t d = 0; d < cost.size(); ++d) {
+    if (!attn.entries.empty()) {
+      cost[d] = entry_pairs_of(attn.entries[d], d);
+      continue;
+    }
+    for (std::size_t i = 0; i < attn.seqlens_q[d].size(); ++i) add_pairs(cost, d, cpdispatch::entry_pairs(attn.mask, attn.seqlens_q[d][i], attn.seqlens_kv[d][i]));
+  }
+  add_head_parallel_pairs(qkv.hp_attn, cost);
   return cost;
 }
 
@@ -306,7 +323,7 @@ std::string summary(const cpdispatch::PlanMetadata& planned, const cpdispatch::P
   const auto* documents = std::get_if<cpdispatch::QkvDocumentsPlan>(&plan);
   const cpdispatch::Metadata& q = qkv ? qkv->q_fwd : std::get<cpdispatch::QueryMetadata>(planned).fwd;
   const auto W = static_cast<std::size_t>(q.world_size);
-  const std::vector<std::int64_t> cost = qkv ? attention_per_rank(qkv->attn) : std::vector<std::int64_t>{};
+  const std::vector<std::int64_t> cost = qkv ? attention_per_rank(*qkv) : std::vector<std::int64_t>{};
   const std::vector<std::int64_t> spanning = documents ? spanning_shards(*documents) : std::vector<std::int64_t>{};
   std::vector<std::vector<std::string>> rows = {{"rank", "shards", "tokens", "q_sent_off_rank", "q_recv"}};
   if (qkv) rows[0].insert(rows[0].end(), {"kv_recv", "attn_cost"});

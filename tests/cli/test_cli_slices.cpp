@@ -249,6 +249,11 @@ TEST_F(CliSlicesTest, SummaryAndRankShareOfHeadParallelDocuments) {
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("documents: 3, 2 spanning ranks, 1 head-parallel (head_parallel_degree 2, up to 5 tokens a rank)\n"), std::string::npos)
       << r.out;
+  // attn_cost: ranks 0 and 1 each attend half the heads of document 0 (15 causal pairs: 8 and 7) beside their dispatched shards.
+  EXPECT_NE(r.out.find("   0       1       3                0       1        1          9         1\n"
+                       "   1       2       4                2       0        0          7         2\n"),
+            std::string::npos)
+      << r.out;
   const json share = expect_json(run({data_dir + "/spec_head_parallel.json", "--rank", "1", "--compact"}));
   EXPECT_EQ(share["hp_fwd"]["dst_rank"], json::parse("[[0,1],[-1,-1]]"));
   EXPECT_EQ(share["hp_rev"]["dst_offset"], json::parse("[3,4]"));

@@ -69,20 +69,42 @@ TEST(StepModel, HandComputedTwoRanks) {
   EXPECT_DOUBLE_EQ(f4.forward, 28.0 + 24.0 / 4);
 }
 
-TEST(StepModel, EachExchangeWaitsForItsOwnBusiestRank) {
-  // Three ranks, each its own node (0.5 B/s). Rank 1 receives the most queries (2 from rank 0 and 2
-  // from rank 2: 4 bytes, 8 s), rank 2 sends the most key-values (2 + 7 tokens, 18 bytes, 36 s). The
-  // exchanges are collectives, one after another: 8 + 36 + 8 s forward, though no rank is the
-  // busiest in both (rank 2 alone would take 2 x 6 + 36 = 48 s).
+TEST(StepModel, EachPostWaitsForItsOwnBusiestRank) {
+  // Three ranks, each its own node (0.5 B/s). Queries and key-values ride one post out: rank 2 sends the
+  // most (queries 2 + 1 tokens, key-values 2 + 7 tokens: 3 + 18 bytes, 42 s). The outputs ride one post
+  // home: rank 1 sends the most (4 bytes, 8 s). The posts are collectives, one after another: 42 + 8 s
+  // forward, though no rank is the busiest in both (rank 2 alone would take 42 + 3 bytes back = 48 s).
   cpdispatch::QkvDocumentsPlan plan;
   plan.world_size = 3;
   plan.documents = {{{{0, 2, 1}}}, {{{2, 2, 1}}}, {{{2, 6, 2}, {2, 1, 0}}}};
   const StepTime flat = model(plan, unit_cluster(1), unit_shape())[0];
-  EXPECT_DOUBLE_EQ(flat.forward_comm, 52.0);
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 50.0);
   // Rank 2 computes the most: its 6-token shard, 21 pairs, 84 FLOPs; one stage hides nothing.
   EXPECT_DOUBLE_EQ(flat.forward_compute, 84.0);
-  EXPECT_DOUBLE_EQ(flat.forward, 84.0 + 52.0);
-  EXPECT_DOUBLE_EQ(flat.step, 84.0 + 52.0 + 2.5 * 84.0 + 52.0);
+  EXPECT_DOUBLE_EQ(flat.forward, 84.0 + 50.0);
+  EXPECT_DOUBLE_EQ(flat.step, 84.0 + 50.0 + 2.5 * 84.0 + 50.0);
+}
+
+TEST(StepModel, HeadParallelSlabsRideThePostsOfTheDispatchedTensors) {
+  // Two ranks on one node (1 B/s, 1 s a peer a post), 2 query and 2 key-value heads of 1 byte: a token's
+  // Q or O is 2 bytes, its K and V 4. Document 0 (4 tokens) is head-parallel over both ranks (u = 2):
+  // each rank sends the other its 2 tokens on 1 query head and 1 key-value head, 3 bytes a token out and
+  // 1 home. Document 1 (2 tokens, home 0) is attended on rank 1: 2 query tokens and their key-values out
+  // (4 + 8 bytes), 2 outputs home (4 bytes).
+  ClusterModel c = unit_cluster(2);
+  c.intra.latency = 1.0;
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.head_parallel_degree = 2;
+  plan.documents = {{{{0, 2, 0}, {1, 2, 1}}}, {{{0, 2, 1}}}};
+  plan.documents[0].head_parallel = true;
+  const StepTime flat = model(plan, c, {2, 1, 1, 1, 2})[0];
+  // Out: rank 0 sends 6 + 4 + 8 bytes in one post (18 s + 1 s); home: rank 1 sends 2 + 4 bytes (6 s + 1 s).
+  // Five separate collectives would pay five latencies: 29 s.
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 19.0 + 7.0);
+  // Rank 1 attends half the heads of document 0 (10 pairs: 5) and document 1 (3 pairs): 4 x 8 x 2 FLOPs.
+  EXPECT_DOUBLE_EQ(flat.forward_compute, 64.0);
+  EXPECT_DOUBLE_EQ(flat.forward, 64.0 + 26.0);
 }
 
 TEST(StepModel, ZigZagRingHandComputed) {

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <span>
 #include <string>
@@ -219,24 +220,31 @@ inline double forward_flops(double pairs, const LayerShape& shape) {
   return 4.0 * pairs * static_cast<double>(shape.head_dim * shape.heads_q);
 }
 
-/// The head-parallel exchange of a plan (section 2f), both ways, as one
-/// time: every token of a head-parallel document to the u - 1 other ranks
-/// of its group with 1/u of the query heads and 1/u of the key-value heads
-/// (one head when u is a multiple of them), and the outputs back; backward
-/// moves as much (output gradients out, query and key-value gradients back).
-/// 0 without head-parallel documents.
-inline double head_parallel_exchange(const QkvMetadata& m, const Topology& topo, const ClusterModel& c, const LayerShape& shape) {
-  if (m.hp_attn.degree == 0) return 0;
+/// Bytes a token of a head-parallel document (section 2f) sends each other
+/// rank of its group: 1/u of the query heads, and 1/u of the key-value heads
+/// (one head when u is a multiple of them). `q`: a query-sized tensor (Q, O
+/// or their gradients); `qkv`: Q, K and V together.
+struct HeadParallelTokenBytes {
+  double q = 0, qkv = 0;
+};
+inline HeadParallelTokenBytes head_parallel_token_bytes(const QkvMetadata& m, const LayerShape& shape) {
+  if (m.hp_attn.degree == 0) return {};
   const std::int64_t u = m.hp_attn.degree, W = m.hp_fwd.world_size;
   if (!head_parallel_degree_allowed(u, W, shape.heads_q, shape.kv_heads())) {
     fail("model_plan: head_parallel_degree = ", u, " does not fit heads_q = ", shape.heads_q, ", heads_kv = ", shape.kv_heads(),
          ": it must divide heads_q, and divide heads_kv or be a multiple of it");
   }
   const double U = static_cast<double>(u), kv_share = shape.kv_heads() % u == 0 ? U : static_cast<double>(shape.kv_heads());
-  const double q_bytes = shape.q_token_bytes() / U, qkv_bytes = q_bytes + 2 * shape.kv_token_bytes() / kv_share;
-  const PairTokens t = flat_tokens(m.hp_fwd);
-  const auto n = static_cast<std::size_t>(W);
-  return slowest(t, n, qkv_bytes, topo, c) + slowest(t, n, q_bytes, topo, c);
+  const double q = shape.q_token_bytes() / U;
+  return {q, q + 2 * shape.kv_token_bytes() / kv_share};
+}
+
+/// Tensors that ride one post: per pair, the sum of each one's tokens times its bytes a token.
+inline PairTokens one_post(std::initializer_list<std::pair<const PairTokens*, double>> tensors) {
+  PairTokens out(tensors.begin()->first->size(), 0);
+  for (const auto& [tokens, bytes] : tensors)
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] += (*tokens)[i] * bytes;
+  return out;
 }
 
 /// Each rank's compute of a plan: its entries priced by the cluster's
@@ -372,9 +380,12 @@ inline double max_kv_tokens_per_rank(const Metadata& kv_fwd, bool dedup) {
 /// The plan's three KV exchanges: "flat" (section 2), "dedup" (section 2c),
 /// "node-level". Queries and outputs travel flat in all three; backward
 /// moves the same bytes in reverse (output gradients out, query and KV
-/// gradients back). Head-parallel documents (section 2f) add their exchange
-/// (head_parallel_exchange) to each, and their work counts 1/u on each rank
-/// of their group, as plan_cost counts it.
+/// gradients back). As the op runs them, the queries, the key-values (flat
+/// or deduplicated) and the head-parallel documents' slabs (section 2f) ride
+/// one post out, and the outputs of both parts one post home; the
+/// node-level exchange's key-values take their own two phases. A
+/// head-parallel document's work counts 1/u on each rank of its group, as
+/// plan_cost counts it.
 inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,
                                         const ClusterModel& c, const LayerShape& shape) {
   using namespace detail::step_model;
@@ -384,19 +395,24 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   if (cost.world_size != m.kv_fwd.world_size) detail::fail("model_plan: the cost has world_size = ", cost.world_size, ", the metadata ", m.kv_fwd.world_size);
   const auto W = static_cast<std::size_t>(m.kv_fwd.world_size);
   const double bq = shape.q_token_bytes(), bkv = 2 * shape.kv_token_bytes();  // K and V: two tensors a token
-  const PairTokens q = flat_tokens(m.q_fwd);
+  const PairTokens q = flat_tokens(m.q_fwd), none(W * W, 0);
+  const PairTokens hp = m.hp_attn.degree == 0 ? none : flat_tokens(m.hp_fwd);
+  const HeadParallelTokenBytes bhp = head_parallel_token_bytes(m, shape);
   PairTokens between, inside;
   node_tokens(m.kv_fwd, topo, between, inside);
-  const PairTokens kv_forms[2] = {flat_tokens(m.kv_fwd), dedup_tokens(m.kv_fwd)};
-  // Every exchange is a collective: it ends when its busiest rank is done,
+  const PairTokens kv_forms[3] = {flat_tokens(m.kv_fwd), dedup_tokens(m.kv_fwd), none};
+  // Every post is a collective: it ends when its busiest rank is done,
   // and the next starts after it, so each costs its slowest rank's time.
-  // An exchange in reverse takes as long (sent and received swap), so
-  // queries out and outputs back cost the same, and backward's gradients as much as forward's copies. The node-level
+  // A post in reverse takes as long (sent and received swap), so
+  // backward's gradients cost as much as forward's copies. The node-level
   // exchange's two phases are two such exchanges (a relay forwards only what
   // it has received): forward between nodes, then inside; backward the reverse.
-  const double qo = 2 * slowest(q, W, bq, topo, c) + head_parallel_exchange(m, topo, c, shape);
-  const double between_time = slowest(between, W, bkv, topo, c), inside_time = slowest(inside, W, bkv, topo, c);
-  const double kv_times[3] = {slowest(kv_forms[0], W, bkv, topo, c), slowest(kv_forms[1], W, bkv, topo, c), between_time + inside_time};
+  const double home = slowest(one_post({{&q, bq}, {&hp, bhp.q}}), W, 1, topo, c);
+  const double node_phases = slowest(between, W, bkv, topo, c) + slowest(inside, W, bkv, topo, c);
+  double kv_times[3];
+  for (int form = 0; form < 3; ++form) {
+    kv_times[form] = slowest(one_post({{&q, bq}, {&kv_forms[form], bkv}, {&hp, bhp.qkv}}), W, 1, topo, c) + home + (form == 2 ? node_phases : 0);
+  }
   const char* names[3] = {"flat", "dedup", "node-level"};
   std::vector<StepTime> out;
   const std::vector<ComputeSeconds> compute = plan_compute(m, cost, c, shape);
@@ -405,7 +421,7 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
     t.scheme = names[form];
     for (std::size_t r = 0; r < W; ++r) {
       const double fc = compute[r].forward, bc = compute[r].backward;
-      const double fm = qo + kv_times[form], bm = fm;
+      const double fm = kv_times[form], bm = fm;
       const double f = overlapped(fc, fm, shape.stages), bw = overlapped(bc, bm, shape.stages);
       if (f + bw > t.step) {
         t.step = f + bw;
