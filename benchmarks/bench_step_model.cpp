@@ -332,8 +332,7 @@ cpdispatch::ClusterPlan for_cluster(cpdispatch::BalanceProblem p, const cpdispat
 /// Forward and backward attention of causal documents `docs` shared equally by W ranks at the
 /// cluster's rate: no scheme's modelled step is shorter.
 double balanced_attention_seconds(const std::vector<I>& docs, I W, const cpdispatch::ClusterModel& c, const cpdispatch::LayerShape& shape) {
-  double pairs = 0;
-  for (const I len : docs) pairs += cpdispatch::detail::step_model::document_pairs(static_cast<double>(len), cpdispatch::AttentionMask::causal());
+  const double pairs = cpdispatch::detail::step_model::batch_totals(docs, cpdispatch::AttentionMask::causal(), 1, {}).pairs;
   return 3.5 * cpdispatch::detail::step_model::forward_flops(pairs / static_cast<double>(W), shape) / c.attention_flops;
 }
 

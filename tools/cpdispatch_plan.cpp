@@ -196,14 +196,12 @@ std::string imbalance(const cpdispatch::Metadata& m) {
   return cpdispatch_cli::max_over_mean_text(max, mean);
 }
 
-/// The (query, key) pairs a rank's attn.entries let through (section 2e).
-std::int64_t entry_pairs_of(const std::vector<std::vector<cpdispatch::AttentionEntry>>& rank, std::size_t d) {
+/// The (query, key) pairs `entries` (section 2e) of rank d let through.
+std::int64_t entry_pairs_of(const std::vector<cpdispatch::AttentionEntry>& entries, std::size_t d) {
   std::int64_t total = 0;
-  for (const auto& shard : rank) {
-    for (const cpdispatch::AttentionEntry& e : shard) {
-      const std::int64_t pairs = cpdispatch::band_pairs(e.q_start, e.q_start + e.q_len, e.kv_start, e.kv_start + e.kv_len, e.band);
-      if (__builtin_add_overflow(total, pairs, &total)) cpdispatch::detail::fail("summary: attention cost of rank ", d, " overflows 64 bits");
-    }
+  for (const cpdispatch::AttentionEntry& e : entries) {
+    const std::int64_t pairs = cpdispatch::band_pairs(e.q_start, e.q_start + e.q_len, e.kv_start, e.kv_start + e.kv_len, e.band);
+    if (__builtin_add_overflow(total, pairs, &total)) cpdispatch::detail::fail("summary: attention cost of rank ", d, " overflows 64 bits");
   }
   return total;
 }
@@ -220,7 +218,7 @@ void add_head_parallel_pairs(const cpdispatch::HeadParallelLayout& hp, std::vect
   for (std::size_t d = 0; d < cost.size(); ++d) {
     for (std::size_t i = 0; i < hp.seqlens[d].size(); ++i) {
       const std::int64_t len = hp.seqlens[d][i];
-      const std::int64_t pairs = hp.entries.empty() ? cpdispatch::entry_pairs(hp.mask, len, len) : entry_pairs_of({hp.entries[d][i]}, d);
+      const std::int64_t pairs = hp.entries.empty() ? cpdispatch::entry_pairs(hp.mask, len, len) : entry_pairs_of(hp.entries[d][i], d);
       add_pairs(cost, d, cpdispatch::detail::balance::head_parallel_share(pairs, hp.degree, hp.group_rank[d]));
     }
   }
@@ -234,10 +232,10 @@ std::vector<std::int64_t> attention_per_rank(const cpdispatch::QkvMetadata& qkv)
   std::vector<std::int64_t> cost(attn.seqlens_q.size(), 0);
   for (std::size_t d = 0; d < cost.size(); ++d) {
     if (!attn.entries.empty()) {
-      cost[d] = entry_pairs_of(attn.entries[d], d);
-      continue;
+      for (const auto& shard : attn.entries[d]) add_pairs(cost, d, entry_pairs_of(shard, d));
+    } else {
+      for (std::size_t i = 0; i < attn.seqlens_q[d].size(); ++i) add_pairs(cost, d, cpdispatch::entry_pairs(attn.mask, attn.seqlens_q[d][i], attn.seqlens_kv[d][i]));
     }
-    for (std::size_t i = 0; i < attn.seqlens_q[d].size(); ++i) add_pairs(cost, d, cpdispatch::entry_pairs(attn.mask, attn.seqlens_q[d][i], attn.seqlens_kv[d][i]));
   }
   add_head_parallel_pairs(qkv.hp_attn, cost);
   return cost;

@@ -409,9 +409,9 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   // it has received): forward between nodes, then inside; backward the reverse.
   const double home = slowest(one_post({{&q, bq}, {&hp, bhp.q}}), W, 1, topo, c);
   const double node_phases = slowest(between, W, bkv, topo, c) + slowest(inside, W, bkv, topo, c);
-  double kv_times[3];
+  double exchange_times[3];
   for (int form = 0; form < 3; ++form) {
-    kv_times[form] = slowest(one_post({{&q, bq}, {&kv_forms[form], bkv}, {&hp, bhp.qkv}}), W, 1, topo, c) + home + (form == 2 ? node_phases : 0);
+    exchange_times[form] = slowest(one_post({{&q, bq}, {&kv_forms[form], bkv}, {&hp, bhp.qkv}}), W, 1, topo, c) + home + (form == 2 ? node_phases : 0);
   }
   const char* names[3] = {"flat", "dedup", "node-level"};
   std::vector<StepTime> out;
@@ -421,7 +421,7 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
     t.scheme = names[form];
     for (std::size_t r = 0; r < W; ++r) {
       const double fc = compute[r].forward, bc = compute[r].backward;
-      const double fm = kv_times[form], bm = fm;
+      const double fm = exchange_times[form], bm = fm;
       const double f = overlapped(fc, fm, shape.stages), bw = overlapped(bc, bm, shape.stages);
       if (f + bw > t.step) {
         t.step = f + bw;
