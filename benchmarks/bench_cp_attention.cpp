@@ -15,7 +15,7 @@
 // the step with a kernel that does nothing; bound = max(compute,
 // communication) + min(compute, communication) / stages (bench_overlap's).
 // Per link also ours with the plan the step model picks for it
-// (plan_for_cluster: as balanced as pays on that link), 2 stages.
+// (plan_for_cluster: as balanced as pays on that link), at --plan-stages (2).
 // Per batch also: the most bytes a rank sends or receives in one step (forward and
 // backward; counted by the link) and the attention work's max / mean over
 // the ranks, for each method.
@@ -32,6 +32,7 @@
 //                      [--head-dim 64] [--dedup 1] [--links ib|nvlink|none|both] [--stages 1,2,4]
 //                      [--peers ulysses,ring,usp|both|all] [--shared-prefix 0] [--bound 1] [--balanced 1]
 //                      [--model-check 1] [--kernel-rate forward:peak=...,.../backward:...] [--head-parallel off|auto]
+//                      [--plan-stages 2]
 // --head-parallel auto lets the step model's plan (plan_for_cluster) make documents head-parallel in groups of
 // any size the heads allow (docs/planning.md); its line then names how many and the group size.
 // --model-check 1 (2: also the kernel sweep's entries) prints, per batch, link and method (ours at each stage
@@ -90,6 +91,7 @@ struct Config {
   std::string sample = "both", lengths, links = "both";
   bool ulysses = true, ring = true, usp = false;
   std::vector<int> stages{1, 2, 4};
+  int plan_stages = 2;  ///< the stages of ours with the step model's plan (the model plans for them too)
   bool dedup = true, bound = true, balanced = true;
   bool head_parallel = false;  ///< --head-parallel auto: the step model's plan may have head-parallel documents
   int model_check = 0;  ///< 1: the model's step beside each measured one; 2: also the kernel sweep's entries
@@ -493,7 +495,7 @@ double median(std::vector<double> v) {
 
 /// The layer as the step model sees it: float elements, 2 stages.
 cpdispatch::LayerShape layer_shape(const Config& c) {
-  cpdispatch::LayerShape shape{c.heads_q, c.head_dim, 4, 2};
+  cpdispatch::LayerShape shape{c.heads_q, c.head_dim, 4, c.plan_stages};
   shape.heads_kv = c.heads_kv;
   return shape;
 }
@@ -652,7 +654,7 @@ void print_bytes(const Config& c, Batch& batch, const LinkRun& l, const LinkResu
 }
 
 /// One batch over one link: ours (balanced, at each stage count), ours with the plan the step model picks for
-/// the link (plan_for_cluster: as balanced as pays, 2 stages), and the peers.
+/// the link (plan_for_cluster: as balanced as pays, at --plan-stages), and the peers.
 void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of) {
   const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, l.bandwidth};
   const std::string key = batch.name + "|" + l.name + "|";
@@ -665,9 +667,9 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
   chosen_options.dedup = c.dedup;
   chosen_options.head_parallel = c.head_parallel ? cpdispatch::HeadParallel::automatic : cpdispatch::HeadParallel::off;
   m.chosen = cpdispatch::plan_for_cluster(batch.problem, cluster, layer_shape(c), cpdispatch::Topology::uniform(c.world, c.world), chosen_options);
-  m.modelled = ours_step<cpdispatch::HostAttentionKernel>(c, m.chosen.plan, link, 2);
-  std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=2 | step %.1f ms | %.1f MiB", name, batch.index, l.name,
-              m.chosen.cost_slack, m.modelled.seconds * 1e3, m.modelled.bytes / 1048576.0);
+  m.modelled = ours_step<cpdispatch::HostAttentionKernel>(c, m.chosen.plan, link, c.plan_stages);
+  std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=%d | step %.1f ms | %.1f MiB", name, batch.index, l.name,
+              m.chosen.cost_slack, c.plan_stages, m.modelled.seconds * 1e3, m.modelled.bytes / 1048576.0);
   if (c.shared_prefix > 0) std::printf(" | key-value %.1f MiB a rank (forward)", ours_kv_bytes(c, m.chosen.plan) / 1048576.0);
   const auto hp = std::count_if(m.chosen.plan.documents.begin(), m.chosen.plan.documents.end(), [](const auto& d) { return d.head_parallel; });
   if (hp > 0) std::printf(" | %ld head-parallel document(s), groups of %lld", static_cast<long>(hp), static_cast<long long>(cpdispatch::detail::head_parallel_degree(m.chosen.plan)));
@@ -757,6 +759,7 @@ std::string parse_options(int argc, char** argv, Config& c) {
     else if (a == "--peers") {
       if (!parse_peers(text, c)) return "--peers is a comma-separated list of ulysses, ring and usp (or both, all), got " + text;
     } else if (a == "--stages") c.stages = stage_list(text);
+    else if (a == "--plan-stages") c.plan_stages = static_cast<int>(v);
     else if (a == "--bound") c.bound = v != 0;
     else if (a == "--balanced") c.balanced = v != 0;
     else if (a == "--model-check") c.model_check = static_cast<int>(v);
@@ -792,6 +795,7 @@ std::string check_config(const Config& c) {
   if (c.first_batch < 0 || c.batches < 1) return "--first-batch >= 0 and --batches >= 1";
   if (c.links != "ib" && c.links != "nvlink" && c.links != "none" && c.links != "both") return "--links is ib, nvlink, none or both";
   if (c.stages.empty()) return "--stages is a comma-separated list of stage counts >= 1";
+  if (c.plan_stages < 1) return "--plan-stages " + n(c.plan_stages) + " must be at least 1";
   return {};
 }
 

@@ -127,6 +127,22 @@ TEST(CpAttentionHeadParallelRefusals, HeadsThatDoNotSplitOverTheGroupsAreNamed) 
             "ContextParallelAttention (rank 0 of 4): shape.heads_kv = 3 neither divides nor is divisible by the plan's head_parallel_degree = 4");
 }
 
+TEST(CpAttentionHeadParallelRefusals, AShareWhoseDegreeDisagreesWithItsCopiesIsNamed) {
+  const auto plan = attention_test::with_head_parallel(attention_test::random_plan(4, 7, AttentionMask::causal(), false), 4, 7);
+  std::string message;
+  cpdispatch::SimWorld sim(4, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) {
+    cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
+    share.hp_attn.degree = 2;  // the slices still send each shard to 4 ranks
+    try {
+      cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel> op(t, share, {4, 4, 4, 0.5f});
+    } catch (const cpdispatch::invalid_input& e) {
+      if (t.rank() == 0) message = e.what();
+    }
+  });
+  EXPECT_EQ(message, "ContextParallelAttention (rank 0 of 4): share.hp_fwd holds 4 copies of each shard but share.hp_attn.degree = 2 (not one plan's share)");
+}
+
 /// SimTransport without post_all_to_all_v: the op exchanges in blocking calls where it would post.
 class BlockingOnlyTransport {
  public:

@@ -2,7 +2,8 @@
 // step equals whole-document attention, and once reserve() has sized the op
 // for the largest plan, replan, forward and backward allocate nothing (with
 // dedup, once the wire's lists per peer have seen every plan: a second pass
-// over the same 20 plans allocates nothing at all). This
+// over the same 20 plans allocates nothing at all; likewise with
+// head-parallel documents, which reserve() does not size). This
 // program replaces the global operator new to count each rank thread's
 // allocations while its op runs (the test kernel's own are not counted).
 
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "common/thread_allocations.hpp"
+#include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/plan/generate.hpp"
 
@@ -42,18 +44,26 @@ struct UncountedKernel {
 };
 static_assert(cpdispatch::AttentionKernel<UncountedKernel, float>);
 
-constexpr int W = 3, steps = 20;
+constexpr int steps = 20;
 const AttentionShape shape{2, 1, 4, 0.5f};
 
-cpdispatch::QkvDocumentsPlan step_plan(int step, bool dedup) {
+struct ReplanCase {
+  int stages;
+  bool dedup;
+  int head_parallel = 0;  // the degree u of the head-parallel documents every other step has (0: none)
+  int world_size() const noexcept { return head_parallel > 0 ? 4 : 3; }
+};
+
+cpdispatch::QkvDocumentsPlan step_plan(int step, const ReplanCase& c) {
   cpdispatch::RandomDocumentsOptions o;
-  o.world_size = W;
+  o.world_size = c.world_size();
   o.num_documents = 2 + step % 4;
   o.max_shards = 3;
   o.max_len = 3 + step % 3;
   o.max_cp_degree = 3;
   cpdispatch::QkvDocumentsPlan plan = cpdispatch::random_documents_plan(o, 700 + static_cast<std::uint64_t>(step));
-  plan.dedup = dedup;
+  plan.dedup = c.dedup;
+  if (c.head_parallel > 0 && step % 2 == 1) plan = attention_test::with_head_parallel(std::move(plan), c.head_parallel, 900 + static_cast<std::uint64_t>(step));
   return plan;
 }
 
@@ -72,23 +82,21 @@ cpdispatch::CpAttentionCapacity capacity_of(const std::vector<cpdispatch::QkvDoc
   return c;
 }
 
-struct ReplanCase {
-  int stages;
-  bool dedup;
-};
-
-void PrintTo(const ReplanCase& c, std::ostream* os) { *os << c.stages << " stages" << (c.dedup ? ", dedup" : ""); }
+void PrintTo(const ReplanCase& c, std::ostream* os) {
+  *os << c.stages << " stages" << (c.dedup ? ", dedup" : "") << (c.head_parallel > 0 ? ", head-parallel" : "");
+}
 
 class CpAttentionReplan : public testing::TestWithParam<ReplanCase> {};
 
 TEST_P(CpAttentionReplan, TwentyChangingStepsEqualTheReferenceAndAllocateNothingAfterReserve) {
-  const int stages = GetParam().stages;
-  const bool dedup = GetParam().dedup;
-  const int passes = dedup ? 2 : 1;  // with dedup, the second pass sees no plan larger than one already seen
+  const ReplanCase c = GetParam();
+  const int stages = c.stages, W = c.world_size();
+  const bool dedup = c.dedup, second_pass = dedup || c.head_parallel > 0;
+  const int passes = second_pass ? 2 : 1;  // the second pass sees no plan larger than one already seen
   std::vector<cpdispatch::QkvDocumentsPlan> plans;
   std::vector<CpWorld> worlds;
   for (int s = 0; s < steps; ++s) {
-    plans.push_back(step_plan(s, dedup));
+    plans.push_back(step_plan(s, c));
     worlds.emplace_back(plans.back(), shape, cpdispatch::AttentionMask::causal(), 800 + static_cast<std::uint64_t>(s), attention_test::round_to<float>);
   }
   const std::size_t runs = static_cast<std::size_t>(passes * steps);
@@ -112,21 +120,23 @@ TEST_P(CpAttentionReplan, TwentyChangingStepsEqualTheReferenceAndAllocateNothing
       op.backward(x.dout, dq, dk, dv);
       counting = false;
       counted[run][r] = allocations;
-      results[run][r] = {out, dq, dk, dv, std::vector<float>(op.lse().begin(), op.lse().end()), share.q_rev};
+      results[run][r] = {out, dq, dk, dv, std::vector<float>(op.lse().begin(), op.lse().end()), share.q_rev,
+                         std::vector<float>(op.head_parallel_lse().begin(), op.head_parallel_lse().end()), op.head_parallel()};
     }
   });
   for (std::size_t run = 0; run < runs; ++run) {
     SCOPED_TRACE("pass " + std::to_string(run / steps) + ", step " + std::to_string(run % steps));
     worlds[run % steps].expect_equal(results[run], 1e-5);
     // The first step may allocate in the transport (the sim's list of posted exchanges grows once).
-    if (run == 0 || (dedup && run < static_cast<std::size_t>(steps))) continue;
+    if (run == 0 || (second_pass && run < static_cast<std::size_t>(steps))) continue;
     for (int r = 0; r < W; ++r) EXPECT_EQ(counted[run][static_cast<std::size_t>(r)], 0u) << "rank " << r;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Stages, CpAttentionReplan, testing::Values(ReplanCase{1, false}, ReplanCase{3, false}, ReplanCase{1, true}, ReplanCase{3, true}),
+INSTANTIATE_TEST_SUITE_P(Stages, CpAttentionReplan, testing::Values(ReplanCase{1, false}, ReplanCase{3, false}, ReplanCase{1, true}, ReplanCase{3, true}, ReplanCase{3, false, 2},
+                                         ReplanCase{4, true, 2}),
                          [](const testing::TestParamInfo<ReplanCase>& info) {
-                           return "s" + std::to_string(info.param.stages) + (info.param.dedup ? "_dedup" : "");
+                           return "s" + std::to_string(info.param.stages) + (info.param.dedup ? "_dedup" : "") + (info.param.head_parallel > 0 ? "_hp" : "");
                          });
 
 }  // namespace

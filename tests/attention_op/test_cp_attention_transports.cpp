@@ -124,6 +124,49 @@ TEST_P(CpAttentionGradientStages, AStagesKeyValueGradientsGoHomeBeforeTheLastRou
 
 INSTANTIATE_TEST_SUITE_P(Dedup, CpAttentionGradientStages, testing::Bool(), [](const testing::TestParamInfo<bool>& i) { return i.param ? "dedup" : "plain"; });
 
+// Rank 0 of 3 with 3 stages, as above, and one head-parallel document (u = 3)
+// on ranks 1 and 2 (2 tokens each): its slabs ride the posts of the stage
+// group of their pair, beside the dispatched shards, and its kernel runs
+// once the last group has arrived.
+TEST(CpAttentionMock, HeadParallelSlabsRideTheirPairsStageGroupAndAreAttendedAfterTheLast) {
+  const AttentionShape hp_shape{3, 1, 4, 0.5f};  // one query head a rank of the group, the key-value head replicated
+  cpdispatch::QkvDocumentsPlan plan = three_rank_plan(false);
+  plan.head_parallel_degree = 3;
+  cpdispatch::PackedDocument hp;
+  hp.head_parallel = true;
+  hp.shards = {{1, 2, 1}, {2, 2, 2}};
+  plan.documents.push_back(hp);
+  testing::StrictMock<cpdispatch::testing::MockPostedAllToAllTransport> t(0, 3);
+  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(
+      t, cpdispatch::plan_qkv_for_rank(plan, 0), hp_shape, {false, 3});
+  const auto T = static_cast<std::size_t>(op.mlp_tokens());
+  std::vector<float> q(T * 12, 0.5f), kv(T * 4, 0.25f), out(q.size()), dq(q.size()), dk(kv.size()), dv(kv.size());
+  std::vector<std::vector<std::size_t>> received;  // per post, the bytes from each peer
+  std::vector<int> calls_at_wait;
+  EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(3).WillRepeatedly(testing::Invoke([&](auto&&, auto&&, auto&&, auto&&, auto counts, auto&&) {
+    received.emplace_back(counts.begin(), counts.end());
+    return cpdispatch::Request{9};
+  }));
+  EXPECT_CALL(t, wait(cpdispatch::Request{9})).Times(3).WillRepeatedly([&](auto&&) { calls_at_wait.push_back(op.kernel().forward_calls); });
+  op.forward(q, kv, kv, out);
+  ASSERT_EQ(received.size(), 3u);
+  // The pair (2, 0) is in the first group, (1, 0) in the second: each brings its 2 head-parallel tokens (16 bytes of
+  // Q, K and V slabs each a token) and its dispatched document (3 tokens of 48 + 16 + 16 bytes) in one post.
+  EXPECT_EQ(received[0][2], 2u * 48u + 3u * 80u);
+  EXPECT_EQ(received[0][1], 0u);
+  EXPECT_EQ(received[1][1], 2u * 48u + 3u * 80u);
+  EXPECT_EQ(received[1][2], 0u);
+  EXPECT_EQ(calls_at_wait, (std::vector<int>{1, 2, 4})) << "round 0's local keys, round 1's, then round 2's and the head-parallel documents";
+  testing::Mock::VerifyAndClearExpectations(&t);
+  std::vector<int> backward_at_wait;
+  EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(5).WillRepeatedly(Return(cpdispatch::Request{9}));
+  EXPECT_CALL(t, wait(cpdispatch::Request{9})).Times(5).WillRepeatedly([&](auto&&) { backward_at_wait.push_back(op.kernel().backward_calls); });
+  op.backward(q, dq, dk, dv);
+  ASSERT_EQ(backward_at_wait.size(), 5u);
+  EXPECT_EQ(backward_at_wait[1], 2) << "local keys and round 1 before the second group's dout is awaited";
+  EXPECT_EQ(op.kernel().backward_calls, 4) << "three rounds, then the head-parallel documents";
+}
+
 TEST(CpAttentionSimulatedLink, StagesOverASimulatedLinkEqualTheReference) {
   const CpWorld world(plan_of(4, 61), shape, AttentionMask::causal(), 61, attention_test::round_to<float>);
   std::vector<attention_test::RankResult> results(4);

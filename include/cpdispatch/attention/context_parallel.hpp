@@ -254,8 +254,9 @@ class ContextParallelAttention {
   /// Takes the next step's share (the plan's mask and, with dedup, its wire
   /// slices). On host transports nothing is allocated while the plan fits
   /// what earlier plans or reserve() sized; with dedup the wire's lists per
-  /// peer are sized by the plans seen (reserve does not reach them), so a
-  /// step allocates nothing once every plan of its size has been seen. After
+  /// peer, and the head-parallel part (section 2f), are sized by the plans
+  /// seen (reserve does not reach them), so a step allocates nothing once
+  /// every plan of its size has been seen. After
   /// a throw (a bad share) the object needs a good share before its next forward.
   void replan(const RankQkvMetadata& share) {
     const char* who = "ContextParallelAttention";

@@ -316,15 +316,21 @@ inline void check_self_traffic(const RankMetadata& fwd, const RankMetadata& rev,
   }
 }
 
+/// Where the forward reads a shard's copies: from the shard in the MLP
+/// layout, or (a head-parallel part's slabs) each copy from its own slot of
+/// the replica buffer, where the reverse returns it.
+enum class ForwardFrom { shards, replicas };
+
 /// Both exchanges' piece lists from the checked routes, into `plan`'s storage.
 inline void lay_out_exchanges(DispatchPlan& plan, const RankMetadata& fwd, const RankMetadata& rev, const Positions& at,
-                              const Routes& routes, std::size_t me, std::size_t token_bytes) {
+                              const Routes& routes, std::size_t me, std::size_t token_bytes, ForwardFrom from) {
   const std::size_t W = routes.send_splits.size() - 1;
   const auto bytes = [token_bytes](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * token_bytes; };
+  const auto source = [&](const ShardCopy& c) { return from == ForwardFrom::replicas ? at.replica_pos(fwd, c.j, c.k) : at.P[c.j]; };
   plan.forward.self.clear();
   plan.reverse.self.clear();
   for (const ShardCopy& c : routes.sends_to(me)) {
-    append_piece(plan.forward.self, bytes(at.P[c.j]), bytes(c.dst_offset), bytes(fwd.seq_len[c.j]));
+    append_piece(plan.forward.self, bytes(source(c)), bytes(c.dst_offset), bytes(fwd.seq_len[c.j]));
   }
   for (const EntryFrom& e : routes.receives_from(me)) {
     append_piece(plan.reverse.self, bytes(at.Q[e.m]), bytes(rev.dst_offset[e.m]), bytes(rev.seq_len[e.m]));
@@ -333,7 +339,7 @@ inline void lay_out_exchanges(DispatchPlan& plan, const RankMetadata& fwd, const
   auto copies_by = [&](bool back) {
     return [&, back](std::size_t p, auto&& emit) {
       if (p == me) return;
-      for (const ShardCopy& c : routes.sends_to(p)) emit(TokenRange{back ? at.replica_pos(fwd, c.j, c.k) : at.P[c.j], fwd.seq_len[c.j]});
+      for (const ShardCopy& c : routes.sends_to(p)) emit(TokenRange{back ? at.replica_pos(fwd, c.j, c.k) : source(c), fwd.seq_len[c.j]});
     };
   };
   // Each peer's entries, at their attention-layout position both ways.
@@ -358,20 +364,20 @@ class DispatchPlanner {
   /// Fills `plan` for rank `rank` of `world_size`; `who` starts error messages.
   /// On a throw `plan` is unspecified (plan into a spare to keep a plan).
   void plan(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, int rank, int world_size, std::string_view who,
-            DispatchPlan& plan) {
+            DispatchPlan& plan, ForwardFrom from = ForwardFrom::shards) {
     check_slices(fwd, rev, token_bytes, rank, world_size, who, prefix_);
     positions_of(fwd, rev, who, at_);
     routes_of(fwd, rev, static_cast<std::size_t>(world_size), routes_);
     check_peer_counts(fwd, rev, routes_, who);
     check_self_traffic(fwd, rev, at_, routes_, static_cast<std::size_t>(rank), who);
-    plan.forward.input_tokens = at_.T;
+    plan.forward.input_tokens = from == ForwardFrom::replicas ? at_.R : at_.T;
     plan.forward.output_tokens = plan.reverse.input_tokens = at_.A;
     plan.reverse.output_tokens = at_.R;
     for (ExchangePlan* ex : {&plan.forward, &plan.reverse}) {
       ex->input_bytes = token_bytes_of(ex->input_tokens, token_bytes, who);
       ex->output_bytes = token_bytes_of(ex->output_tokens, token_bytes, who);
     }
-    lay_out_exchanges(plan, fwd, rev, at_, routes_, static_cast<std::size_t>(rank), token_bytes);
+    lay_out_exchanges(plan, fwd, rev, at_, routes_, static_cast<std::size_t>(rank), token_bytes, from);
   }
 
   /// Room for slices of up to `pieces` shard copies or entries each way in a

@@ -68,35 +68,6 @@ inline HeadSplit head_split(const AttentionShape& shape, std::int64_t u, const s
   return s;
 }
 
-/// The forward exchange of a head-parallel part: like DispatchPlanner's,
-/// but copy k of shard j leaves from slab k of the [u][T] buffer (where the
-/// reverse returns it) instead of from the shard itself.
-class SlabForwardPlanner {
- public:
-  void plan(const RankMetadata& fwd, const RankMetadata& rev, std::size_t token_bytes, std::size_t me, std::size_t W, const std::string& who,
-            ExchangePlan& ex) {
-    positions_of(fwd, rev, who, at_);
-    routes_of(fwd, rev, W, routes_);
-    const auto bytes = [token_bytes](std::int64_t tokens) { return static_cast<std::size_t>(tokens) * token_bytes; };
-    ex.self.clear();
-    for (const ShardCopy& c : routes_.sends_to(me)) {
-      append_piece(ex.self, bytes(at_.replica_pos(fwd, c.j, c.k)), bytes(c.dst_offset), bytes(fwd.seq_len[c.j]));
-    }
-    lay_out_side(ex.send, W, token_bytes, true, [&](std::size_t p, auto&& emit) {
-      if (p == me) return;
-      for (const ShardCopy& c : routes_.sends_to(p)) emit(TokenRange{at_.replica_pos(fwd, c.j, c.k), fwd.seq_len[c.j]});
-    });
-    lay_out_side(ex.recv, W, token_bytes, false, [&](std::size_t p, auto&& emit) {
-      if (p == me) return;
-      for (const EntryFrom& e : routes_.receives_from(p)) emit(TokenRange{at_.Q[e.m], rev.seq_len[e.m]});
-    });
-  }
-
- private:
-  Positions at_;
-  Routes routes_;
-};
-
 /// One rank's head-parallel part, over data path `Path`, elements E.
 template <class Path, class E>
 class HeadParallelPart {
@@ -111,22 +82,25 @@ class HeadParallelPart {
   /// the path's lists are registered by lay_out.
   void plan(const RankQkvMetadata& share, const AttentionShape& shape, int me, int W, const char* op) {
     active_ = share.has_head_parallel();
-    if (!active_) return;  // nothing allocated: a step without head-parallel documents allocates nothing here
-    const std::string who = concat(op, " (rank ", me, " of ", W, ")");
+    if (!active_) return forget();
+    const std::string& who = name(op, me, W);
     layout_ = share.hp_attn;
     split_ = head_split(shape, layout_.degree, who);
+    if (!share.hp_fwd.has_copies || share.hp_fwd.num_copies != static_cast<std::size_t>(split_.u)) {
+      fail(who, ": share.hp_fwd holds ", share.hp_fwd.has_copies ? share.hp_fwd.num_copies : 1, " copies of each shard but share.hp_attn.degree = ",
+           split_.u, " (not one plan's share)");
+    }
     shape_head_dim_ = shape.head_dim;
     shape_ = {split_.q, split_.kv, shape.head_dim, shape.softmax_scale};
     const std::size_t qb = slab_bytes(split_.q), kb = slab_bytes(split_.kv);
-    q_planner_.plan(share.hp_fwd, share.hp_rev, qb, me, W, who, q_plan_);
-    kv_planner_.plan(share.hp_fwd, share.hp_rev, kb, me, W, who, kv_plan_);
-    slab_planner_.plan(share.hp_fwd, share.hp_rev, qb, static_cast<std::size_t>(me), static_cast<std::size_t>(W), who, q_forward_);
-    slab_planner_.plan(share.hp_fwd, share.hp_rev, kb, static_cast<std::size_t>(me), static_cast<std::size_t>(W), who, kv_forward_);
+    // Copy c of a shard leaves from slab c, where the reverse returns it.
+    q_planner_.plan(share.hp_fwd, share.hp_rev, qb, me, W, who, q_plan_, ForwardFrom::replicas);
+    kv_planner_.plan(share.hp_fwd, share.hp_rev, kb, me, W, who, kv_plan_, ForwardFrom::replicas);
     if (layout_.tokens() != q_plan_.forward.output_tokens) {
       fail(who, ": share.hp_attn holds ", layout_.tokens(), " tokens, but share.hp_fwd delivers ", q_plan_.forward.output_tokens,
            " (not one plan's share)");
     }
-    T_ = q_plan_.forward.input_tokens;
+    T_ = q_plan_.forward.input_tokens / split_.u;  // the slab buffer holds u slabs of the MLP layout's tokens
     lay_out_slabs(share.hp_fwd);
     lay_out_entries();
     size_buffers();
@@ -143,8 +117,8 @@ class HeadParallelPart {
   }
 
   /// The plans of the exchanges the op's ride: Q (or dout) in, K and V in; outputs (or dq) back, dk and dv back.
-  const ExchangePlan* q_in() const noexcept { return &q_forward_; }
-  const ExchangePlan* kv_in() const noexcept { return &kv_forward_; }
+  const ExchangePlan* q_in() const noexcept { return &q_plan_.forward; }
+  const ExchangePlan* kv_in() const noexcept { return &kv_plan_.forward; }
   const ExchangePlan* q_back() const noexcept { return &q_plan_.reverse; }
   const ExchangePlan* kv_back() const noexcept { return &kv_plan_.reverse; }
 
@@ -218,6 +192,25 @@ class HeadParallelPart {
   std::span<const AttentionEntry> entries() const noexcept { return active_ ? std::span<const AttentionEntry>(entries_) : std::span<const AttentionEntry>(); }
 
  private:
+  /// "<op> (rank r of W)", for error messages, in storage kept between plans.
+  const std::string& name(const char* op, int me, int W) {
+    who_.assign(op).append(" (rank ").append(std::to_string(me)).append(" of ").append(std::to_string(W)).append(")");
+    return who_;
+  }
+
+  /// A plan without head-parallel documents: the layout and lse say so (an
+  /// earlier plan's are dropped; storage is kept, nothing is allocated).
+  void forget() {
+    layout_.degree = layout_.max_seqlen = layout_.group_rank = 0;
+    for (auto* v : {&layout_.documents, &layout_.seqlens}) v->clear();
+    layout_.cu_seqlens.resize(1);  // never empty: at least the leading 0
+    layout_.cu_seqlens[0] = 0;
+    layout_.mask = AttentionMask::causal();
+    layout_.entries.clear();
+    entries_.clear();
+    lse_.resize(0);
+  }
+
   std::size_t slab_bytes(std::int64_t heads) const noexcept { return static_cast<std::size_t>(heads * shape_head_dim_) * sizeof(E); }
 
   /// The slab lists of the home's head-parallel shards: token t's heads of
@@ -306,14 +299,13 @@ class HeadParallelPart {
   static auto read(const B& b) noexcept { return std::span(b.data(), b.size()); }
 
   bool active_ = false;
+  std::string who_;
   RankHeadParallelLayout layout_;
   HeadSplit split_;
   AttentionShape shape_;
   std::int64_t shape_head_dim_ = 0, T_ = 0;
   DispatchPlanner q_planner_, kv_planner_;
-  SlabForwardPlanner slab_planner_;
-  DispatchPlan q_plan_, kv_plan_;      // their reverses: each rank's results back into the home's slabs
-  ExchangePlan q_forward_, kv_forward_;  // the home's slabs out to the group
+  DispatchPlan q_plan_, kv_plan_;  // forward: the home's slabs out to the group; reverse: each rank's results back into them
   std::vector<CopyPiece> q_pieces_, q_back_, kv_pieces_, kv_back_;
   KvFanList fan_;
   std::size_t q_to_slabs_ = 0, q_from_slabs_ = 0, kv_to_slabs_ = 0, kv_from_slabs_ = 0, kv_fan_ = 0;
