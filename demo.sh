@@ -9,6 +9,10 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 build_dir=${BUILD_DIR:-build}
 tools/install-deps.sh
-cmake -S . -B "$build_dir"
+# Ninja where there is no build folder yet (install-deps.sh installs it); an
+# existing folder keeps the generator it was made with.
+generator=()
+[ -f "$build_dir/CMakeCache.txt" ] || generator=(-G Ninja)
+cmake -S . -B "$build_dir" "${generator[@]}"
 cmake --build "$build_dir" -j"$(nproc)" --target cpdispatch-demo
 "$build_dir/bin/cpdispatch-demo" "$@"

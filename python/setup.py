@@ -14,10 +14,19 @@ def version():
         return re.search(r"project\(cpdispatch VERSION ([0-9.]+)", f.read()).group(1)
 
 
+def pybind11_include():
+    """The interpreter's own pybind11 headers where it has them (NumPy 2 needs pybind11 2.12 or later), else the system's."""
+    try:
+        import pybind11
+    except ImportError:
+        return []
+    return [pybind11.get_include()]
+
+
 module = Extension(
     "cpdispatch._cpdispatch",
     sources=[os.path.join("src", "module.cpp")],
-    include_dirs=[os.path.join(CHECKOUT, "include")],
+    include_dirs=[os.path.join(CHECKOUT, "include")] + pybind11_include(),
     language="c++",
     # CPDISPATCH_OPT: the optimisation flag (the install test builds with -O0, faster to compile)
     extra_compile_args=["-std=c++20", os.environ.get("CPDISPATCH_OPT", "-O2"), "-fvisibility=hidden"],

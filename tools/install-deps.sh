@@ -9,13 +9,16 @@ set -euo pipefail
 
 # libboost-dev: Boost.CRC, the independent oracle of the CRC32C tests.
 # libclang-rt-14-dev: libFuzzer for Debian 12's clang 14 (the fuzz targets); iproute2: network namespaces (multihost tests).
-# The Python module and its tests (for Debian's /usr/bin/python3): pybind11-dev, python3-dev,
-# python3-numpy, python3-pytest, python3-torch (CPU; the torch.distributed tests use gloo),
-# python3-venv, python3-pip, python3-setuptools, python3-wheel (the installed-package test).
-packages=(cmake g++ clang libgtest-dev libgmock-dev libbenchmark-dev libboost-dev
+# ninja-build: the build tool of ./test.sh and CI (CMake's Ninja generator).
+# python3-venv, python3-dev: the project's Python environment (tools/python-env.sh
+# installs PyTorch, transformers, NumPy, pytest and pybind11 into it from the
+# package index); pybind11-dev, python3-numpy, python3-pytest: the fallbacks for a
+# plain /usr/bin/python3; python3-pip, python3-setuptools, python3-wheel: the
+# installed-package test.
+packages=(cmake ninja-build g++ clang libgtest-dev libgmock-dev libbenchmark-dev libboost-dev
           libopenmpi-dev openmpi-bin nlohmann-json3-dev libopenblas-dev
           libclang-rt-14-dev iproute2
-          pybind11-dev python3-dev python3-numpy python3-pytest python3-torch
+          pybind11-dev python3-dev python3-numpy python3-pytest
           python3-venv python3-pip python3-setuptools python3-wheel)
 
 if [ "${1:-}" = --list ]; then

@@ -114,7 +114,7 @@ nlohmann::json to_json(PyObject* value, const KeyPath& where) {
     return static_cast<std::int64_t>(n);
   }
   if (PyFloat_Check(value)) return PyFloat_AS_DOUBLE(value);
-  cpdispatch::detail::fail(where.or_plan(), ": a ", std::string(py::str(py::handle(value).get_type().attr("__name__"))),
+  cpdispatch::detail::fail(where.or_plan(), ": a ", std::string(py::str(py::type::handle_of(py::handle(value)).attr("__name__"))),
                            " is not a JSON value (expected a dict, list, int, float, bool, str or None)");
 }
 
@@ -123,7 +123,7 @@ nlohmann::json to_json(PyObject* value, const KeyPath& where) {
 cpdispatch::PlanLimits limits_of(py::handle max_memory) {
   PyObject* o = max_memory.ptr();
   if (PyBool_Check(o) || !PyIndex_Check(o)) {
-    throw py::type_error("max_memory must be an int (bytes), got a " + std::string(py::str(max_memory.get_type().attr("__name__"))));
+    throw py::type_error("max_memory must be an int (bytes), got a " + std::string(py::str(py::type::handle_of(max_memory).attr("__name__"))));
   }
   const py::int_ bytes = py::reinterpret_steal<py::int_>(PyNumber_Index(o));
   if (!bytes) throw py::error_already_set();
@@ -144,7 +144,7 @@ cpdispatch::PlanLimits limits_of(py::handle max_memory) {
 nlohmann::json input_json(py::handle input, const cpdispatch::PlanLimits& limits) {
   if (py::isinstance<py::str>(input) || py::isinstance<py::bytes>(input)) return cpdispatch::parse_json(input.cast<std::string>(), limits);
   if (!py::isinstance<py::dict>(input)) {
-    cpdispatch::detail::fail("plan: expected a dict or JSON text, got a ", std::string(py::str(input.get_type().attr("__name__"))));
+    cpdispatch::detail::fail("plan: expected a dict or JSON text, got a ", std::string(py::str(py::type::handle_of(input).attr("__name__"))));
   }
   return to_json(input.ptr(), KeyPath{});
 }

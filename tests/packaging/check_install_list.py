@@ -317,12 +317,15 @@ def check(args):
     origins = {m: module_origin(m) for m in sorted(modules)}
     optional = {m: files for m, (hard, files) in modules.items() if not hard}
     for module, origin in origins.items():
-        if origin == "absent" and modules[module][0]:
+        if origin == "absent" and modules[module][0] and module.replace("_", "-") in required_names(source_dir):
+            print(f"  Python module {module}: not installed for {sys.executable}; tools/python-env.sh installs it ({REQUIREMENTS})")
+        elif origin == "absent" and modules[module][0]:
             problems.append(f"Python module '{module}' (imported by {', '.join(modules[module][0][:3])}) is not installed "
                             f"for {sys.executable}, so {rel(install_deps, source_dir)} lacks the package that provides it")
 
+    venv_modules = from_python_env(source_dir, {m: o for m, o in origins.items() if modules[m][0]})
     files = dict(to_check)
-    files.update({f"module {m}": o for m, o in origins.items() if o not in (None, "absent") and modules[m][0]})
+    files.update({f"module {m}": o for m, o in origins.items() if o not in (None, "absent") and modules[m][0] and m not in venv_modules})
     owner_of = owners(sorted(set(files.values())))
     report = []
     for what, path in sorted(files.items()):
@@ -347,11 +350,63 @@ def check(args):
         print(line)
     for header, path in sorted(cuda.items()):
         print(f"  <{header}>: the CUDA install ({path}), provided by the machine image, not by Debian")
+    for module, dist in sorted(venv_modules.items()):
+        print(f"  Python module {module}: {dist} from {REQUIREMENTS} (tools/python-env.sh)")
     for module, users in sorted(optional.items()):
         print(f"  Python module {module}: optional (imported under ImportError or importorskip by {', '.join(users[:3])})")
     for problem in problems:
         print(f"MISSING: {problem}")
     return 1 if problems else 0
+
+
+REQUIREMENTS = "python/requirements.txt"
+
+
+def requirement_name(requirement):
+    return re.split(r"[\s<>=!~;\[]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def required_names(source_dir):
+    """The distributions python/requirements.txt names."""
+    requirements = os.path.join(source_dir, REQUIREMENTS)
+    if not os.path.exists(requirements):
+        return set()
+    with open(requirements, encoding="utf-8") as f:
+        return {requirement_name(line) for line in f if line.strip() and not line.lstrip().startswith("#")}
+
+
+def from_python_env(source_dir, origins):
+    """{module: distribution} of the imported modules that the project's
+    Python environment installs: this interpreter is a virtual environment,
+    the module lies in its site-packages, and its distribution is named in
+    python/requirements.txt or required by one that is (what tools/python-env.sh
+    installs with pip)."""
+    import importlib.metadata as metadata
+
+    if sys.prefix == sys.base_prefix:
+        return {}
+    todo = list(required_names(source_dir))
+    wanted = set()
+    while todo:
+        dist = todo.pop()
+        if dist in wanted:
+            continue
+        wanted.add(dist)
+        try:
+            todo += [requirement_name(r) for r in metadata.requires(dist) or [] if "extra ==" not in r]
+        except metadata.PackageNotFoundError:
+            pass
+    site = os.path.realpath(sysconfig.get_paths()["purelib"])
+    owners_of = metadata.packages_distributions()
+    found = {}
+    for module, origin in origins.items():
+        if origin in (None, "absent") or not os.path.realpath(origin).startswith(site + "/"):
+            continue
+        dists = [d.lower().replace("_", "-") for d in owners_of.get(module.split(".")[0], [])]
+        hit = next((d for d in dists if d in wanted), None)
+        if hit:
+            found[module] = hit
+    return found
 
 
 def is_standard_python(path):

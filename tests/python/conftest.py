@@ -12,6 +12,10 @@ import sys
 
 import pytest
 
+# One OpenMP thread, before PyTorch loads: the multi-process tests fork, and a
+# child forked after the parent ran an OpenMP team hangs in its first one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REQUIRED = os.environ.get("CPDISPATCH_REQUIRE_TORCH") == "1"
 
 
@@ -22,7 +26,7 @@ def require(module):
     except ImportError as e:
         if REQUIRED:
             raise RuntimeError(f"{module} is required here (CPDISPATCH_REQUIRE_TORCH=1): {e}") from e
-        pytest.skip(f"{module} is not installed")
+        pytest.skip(f"{module} is not installed", allow_module_level=True)  # also from a module's top
 
 
 @pytest.fixture

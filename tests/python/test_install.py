@@ -1,11 +1,12 @@
 """The documented install: pip install --no-build-isolation ./python into a
-`python3 -m venv --system-site-packages` environment, without network; then
+venv that sees the test interpreter's packages, without network; then
 the installed package (not the build tree's) plans and imports cpdispatch.torch."""
 
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -25,9 +26,18 @@ def venv(tmp_path_factory):
     for name in ("include", "tools", "CMakeLists.txt"):
         os.symlink(os.path.join(CHECKOUT, name), src / name)
     env_dir = tmp / "venv"
-    # The venv sees the system's pip, setuptools, NumPy and PyTorch; no ensurepip.
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env_dir)], check=True)
+    # The venv sees the test interpreter's pip, setuptools, pybind11, NumPy and
+    # PyTorch; no ensurepip. Run from a virtual environment (the project's
+    # .venv), that environment's packages (a venv made from a venv is made
+    # from the base interpreter); else the system's.
+    in_venv = sys.prefix != sys.base_prefix
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)] + ([] if in_venv else ["--system-site-packages"]), check=True)
     python = str(env_dir / "bin" / "python")
+    if in_venv:
+        site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True,
+                              text=True).stdout.strip()
+        with open(os.path.join(site, "parent.pth"), "w") as f:
+            f.write(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["CPDISPATCH_OPT"] = "-O0"  # what is tested here is the install, not the planner's speed
     if shutil.which("ccache") and "CC" not in env:
