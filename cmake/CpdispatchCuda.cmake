@@ -84,6 +84,11 @@ if(CMAKE_CUDA_FLAGS MATCHES "(use_fast_math|ftz=true)" AND NOT CPDISPATCH_ALLOW_
 endif()
 
 set(CPDISPATCH_CUDA_ENABLED ON)
+# The nvcc test and benchmark programs need a GPU to run (without one their
+# tests skip), and nvcc on two cores was a sixth of the build: they are built
+# on request (tools/gpu-check.sh asks). Without them one compile-only nvcc
+# check (tests/cuda) keeps the device code compiling in every build.
+option(CPDISPATCH_BUILD_CUDA_PROGRAMS "Build the nvcc test and benchmark programs (they need a GPU to run)" OFF)
 set(CPDISPATCH_NCCL_ENABLED ${NCCL_FOUND})
 if(NCCL_FOUND)
   message(STATUS "cpdispatch: CUDA enabled (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}, "

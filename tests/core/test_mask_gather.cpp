@@ -68,6 +68,6 @@ TEST_P(MaskGather, RanksThatDisagreeOnTheMaskAllThrow) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, MaskGather, testing::Values(1, 2, 3, 5), sim_test::WorldSizeName{"W"});
+INSTANTIATE_TEST_SUITE_P(Worlds, MaskGather, ::testing::Values(1, 2, 3, 5), sim_test::WorldSizeName{"W"});
 
 }  // namespace

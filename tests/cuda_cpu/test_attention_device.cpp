@@ -1,3 +1,3 @@
 // The CudaAttentionKernel tests of tests/cuda/test_attention_device.cu
 // through the cuda-cpu harness.
-#include "test_attention_device.cu"
+#include "../cuda/test_attention_device.cu"

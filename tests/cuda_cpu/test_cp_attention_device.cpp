@@ -1,3 +1,3 @@
 // The ContextParallelAttention tests of tests/cuda/test_cp_attention_device.cu
 // on the device sim (cuda-cpu harness).
-#include "test_cp_attention_device.cu"
+#include "../cuda/test_cp_attention_device.cu"

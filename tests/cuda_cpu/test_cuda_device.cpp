@@ -1,3 +1,3 @@
 // The device tests of tests/cuda/test_cuda_device.cu, compiled by the host
 // compiler against the CUDA runtime double (cuda-cpu harness).
-#include "test_cuda_device.cu"
+#include "../cuda/test_cuda_device.cu"

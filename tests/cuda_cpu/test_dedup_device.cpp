@@ -1,3 +1,3 @@
 // The deduplicated KV exchange tests of tests/cuda/test_dedup_device.cu on
 // the device sim and the NCCL double at W = 1..8 (cuda-cpu harness).
-#include "test_dedup_device.cu"
+#include "../cuda/test_dedup_device.cu"

@@ -1,3 +1,3 @@
 // The NCCL transport tests of tests/cuda/test_nccl.cu, through the NCCL
 // double at W = 1..8 (cuda-cpu harness).
-#include "test_nccl.cu"
+#include "../cuda/test_nccl.cu"

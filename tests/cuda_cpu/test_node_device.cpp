@@ -1,3 +1,3 @@
 // The NodeWireDispatcher tests of tests/cuda/test_node_device.cu on the
 // device sim (cuda-cpu harness).
-#include "test_node_device.cu"
+#include "../cuda/test_node_device.cu"

@@ -10,10 +10,16 @@ endif()
 
 #   cpdispatch_add_mpi_test(<name> SOURCES <files...> RANKS <n...> [LIBS <targets...>])
 # One program (with the MPI GoogleTest main) and one CTest test per rank count.
+# The shared main, compiled once for every MPI test program.
+add_library(cpdispatch_mpi_test_main OBJECT ${CMAKE_CURRENT_LIST_DIR}/mpi_main.cpp)
+target_link_libraries(cpdispatch_mpi_test_main PRIVATE cpdispatch::mpi GTest::gtest)
+cpdispatch_own_target(cpdispatch_mpi_test_main)
+target_precompile_headers(cpdispatch_mpi_test_main REUSE_FROM cpdispatch_test_pch)
+
 function(cpdispatch_add_mpi_test name)
   cmake_parse_arguments(ARG "" "" "SOURCES;LIBS;RANKS" ${ARGN})
-  add_executable(${name} ${ARG_SOURCES} ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/mpi_main.cpp)
-  target_link_libraries(${name} PRIVATE cpdispatch::mpi GTest::gtest ${ARG_LIBS})
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE cpdispatch_mpi_test_main cpdispatch::mpi GTest::gtest ${ARG_LIBS})
   cpdispatch_own_target(${name})
   target_precompile_headers(${name} REUSE_FROM cpdispatch_test_pch)
   foreach(n IN LISTS ARG_RANKS)
