@@ -10,6 +10,7 @@ replicated weights' gradients are averaged over the ranks.
 """
 
 import argparse
+import math
 import random
 
 import torch
@@ -83,8 +84,12 @@ def main():
         optimizer.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
+        per_token = total.item() / count.item()
+        assert math.isfinite(per_token)
+        if step == 0:  # small initial weights: close to guessing among VOCAB tokens
+            assert abs(per_token - math.log(VOCAB)) < 0.5, per_token
         if rank == 0:
-            print(f"step {step}: loss {total.item() / count.item():.4f} per token")
+            print(f"step {step}: loss {per_token:.4f} per token")
     dist.destroy_process_group()
 
 

@@ -288,6 +288,46 @@ TEST(CpAttentionSlices, RowsNoEntryCoversAreClearedOnAReusedOp) {
   }
 }
 
+/// A head-parallel document (section 2f) whose slices leave rows and keys
+/// uncovered: its query row 4 sees nothing, and keys 2 to 4 are seen by no
+/// query. It is run on an op that attended the same document whole (causal)
+/// first, which filled every row's outputs and gradients: the uncovered
+/// rows' outputs and the uncovered keys' gradients must come back 0 (and
+/// row 4's log-sum-exp minus infinity), not what the first plan left.
+TEST(CpAttentionHeadParallel, RowsAndKeysNoEntryCoversAreClearedOnAReusedOp) {
+  const AttentionShape shape{4, 2, 4, 0.45f};
+  cpdispatch::QkvDocumentsPlan whole;
+  whole.world_size = 2;
+  whole.head_parallel_degree = 2;
+  whole.documents = {{{{0, 4, 0}, {1, 4, 1}}}, {{{1, 3, 0}, {0, 2, 0}}}};
+  whole.documents[0].head_parallel = true;
+  cpdispatch::QkvDocumentsPlan holed = whole;
+  holed.documents[0].slices = {{0, 4, 0, 2, SliceType::full}, {5, 8, 5, 8, SliceType::causal}};
+  const CpWorld before(whole, shape, AttentionMask::causal(), 37, attention_test::round_to<float>);
+  const CpWorld after(holed, shape, AttentionMask::causal(), 39, attention_test::round_to<float>);
+  for (const int stages : {1, 2}) {
+    SCOPED_TRACE("stages " + std::to_string(stages));
+    std::vector<attention_test::RankResult> results(2);
+    cpdispatch::SimWorld sim(2, cpdispatch::SimOptions{sim_test::hang_timeout});
+    sim.run([&](cpdispatch::SimTransport& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel> op(
+          t, cpdispatch::plan_qkv_for_rank(before.plan(), t.rank()), shape, {false, stages});
+      (void)attention_test::step<float>(op, before.tensors(r));
+      const auto share = cpdispatch::plan_qkv_for_rank(after.plan(), t.rank());
+      op.replan(share);
+      results[r] = attention_test::step<float>(op, after.tensors(r));
+      results[r].q_rev = share.q_rev;
+      results[r].hp = share.hp_attn;
+    });
+    after.expect_equal(results, 1e-5);
+    // Row 4 is rank 1's first MLP row (the first of the document's second shard): its output is 0.
+    const auto row = static_cast<std::size_t>(shape.heads_q * shape.head_dim);
+    ASSERT_GE(results[1].out.size(), row);
+    for (std::size_t i = 0; i < row; ++i) EXPECT_EQ(results[1].out[i], 0.0f) << "output of row 4, element " << i;
+  }
+}
+
 /// ExactKernel declaring that it cannot fold entries sharing rows.
 struct SeparateRowsKernel : ExactKernel {
   static constexpr bool folds_shared_rows = false;

@@ -348,6 +348,62 @@ TEST(HeadParallelBalance, WorkPerRankCountsEachHeadParallelDocumentOneUthOnEachR
   EXPECT_TRUE(covers(plan));
 }
 
+/// Four ranks in groups of two: a document of 2 x 512 tokens on ranks 0 and 1 (and, with `both_groups`,
+/// one on ranks 2 and 3), then eight documents of 256 tokens on every rank.
+BalanceProblem one_wide_document_a_group(bool both_groups) {
+  BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 4;
+  p.q_bytes = 2;
+  p.kv_bytes = 2;
+  p.documents.push_back({{{0, 512}, {1, 512}}});
+  if (both_groups) p.documents.push_back({{{2, 512}, {3, 512}}});
+  for (I r = 0; r < 4; ++r)
+    for (int k = 0; k < 8; ++k) p.documents.push_back({{{r, 256}}});
+  return p;
+}
+
+TEST(HeadParallelBalance, TheOtherDocumentsMakeUpForTheWorkHeadParallelOnesLeave) {
+  // The wide document goes head-parallel: 1024 x 1025 / 2 = 524800 pairs, 262400 on each of ranks 0 and 1.
+  // The 32 short ones (32896 pairs each) must then lean towards ranks 2 and 3: the batch's 1577472 pairs
+  // are 394368 a rank, and no rank should hold much more (even short ones would leave ranks 0 and 1
+  // with 262400 more than ranks 2 and 3).
+  const BalanceProblem p = one_wide_document_a_group(false);
+  const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, automatic(8, 0, 2));
+  ASSERT_EQ(plan.head_parallel_degree, 2);
+  ASSERT_TRUE(plan.documents[0].head_parallel);
+  const cpdispatch::PlanCost cost = cpdispatch::plan_cost(plan);
+  I total = 0;
+  for (const I a : cost.attention) total += a;
+  EXPECT_EQ(total, 524800 + 32 * 32896);
+  EXPECT_LE(static_cast<double>(cost.max_attention()), 1.02 * 394368) << ::testing::PrintToString(cost.attention);
+  EXPECT_TRUE(baltest::valid_packed_plan(p, plan));
+  EXPECT_TRUE(covers(plan));
+}
+
+TEST(HeadParallelBalance, AHeadParallelDocumentCountsAgainstTheReceiveCapacityOfEveryRankOfItsGroup) {
+  // A wide document in each group goes head-parallel (its work, with pair_weight 1, weighs more than its
+  // bytes): each rank of a group holds it whole, 1024 tokens, beside its own eight short documents (2048).
+  // Rank 0 may hold 3000 tokens: the short documents must leave it room for the head-parallel one.
+  BalanceProblem p = one_wide_document_a_group(true);
+  p.recv_capacity = {3000, 1 << 20, 1 << 20, 1 << 20};
+  BalanceOptions o = automatic(8, 0, 2);
+  o.pair_weight = 1;
+  const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, o);
+  ASSERT_EQ(plan.head_parallel_degree, 2);
+  ASSERT_TRUE(plan.documents[0].head_parallel && plan.documents[1].head_parallel);
+  const cpdispatch::QkvMetadata m = cpdispatch::plan_qkv(plan);
+  for (std::size_t r = 0; r < 4; ++r) {
+    I held = 0;
+    for (const I len : m.attn.seqlens_kv[r]) held += len;
+    for (const I len : m.hp_attn.seqlens[r]) held += len;
+    EXPECT_LE(held, p.recv_capacity[r]) << "rank " << r;
+    EXPECT_GE(held, 1024) << "rank " << r;  // the head-parallel document, at least
+  }
+  EXPECT_TRUE(baltest::valid_packed_plan(p, plan));
+  EXPECT_TRUE(covers(plan));
+}
+
 TEST(HeadParallelBalance, RandomBatchesPlanValidateAndCoverEveryPair) {
   std::size_t chosen = 0;
   for (std::uint64_t seed = 1; seed <= 24; ++seed) {

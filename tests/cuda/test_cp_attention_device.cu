@@ -315,14 +315,21 @@ TEST(CpAttentionDeviceStreams, ReadingAStageBeforeItsWaitIsCaughtAndTheOpIsExact
 }
 
 /// After a first step (which may size the kernel's scratch), a step with
-/// stages enqueues its work without one host-synchronising call.
+/// stages enqueues its work without one host-synchronising call: with dedup
+/// off and on, and with head-parallel documents (groups of 2 of 4 ranks,
+/// some with shared-prefix slices) beside dispatched ones.
 TEST(CpAttentionDeviceStreams, AStagedStepMakesNoSynchronisingCall) {
   const AttentionShape shape{4, 2, 4, 0.4f};
-  for (const bool dedup : {false, true}) {
-    const CpWorld world(random_plan(3, 83, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 83, attention_test::round_to<float>);
-    std::vector<std::uint64_t> synchronising(3);
-    std::vector<RankResult> results(3);
-    DeviceSimWorld sim(3);
+  for (const int run : {0, 1, 2}) {
+    const bool dedup = run == 1, head_parallel = run == 2;
+    const cpdispatch::QkvDocumentsPlan plan = head_parallel
+                                                  ? attention_test::with_head_parallel(random_plan(4, 84, AttentionMask::causal(), false), 2, 84, true)
+                                                  : random_plan(3, 83, AttentionMask::causal(), dedup);
+    const CpWorld world(plan, shape, AttentionMask::causal(), 83, attention_test::round_to<float>);
+    const auto W = static_cast<std::size_t>(plan.world_size);
+    std::vector<std::uint64_t> synchronising(W);
+    std::vector<RankResult> results(W);
+    DeviceSimWorld sim(static_cast<int>(W));
     sim.run([&](DeviceSimTransport& t) {
       const auto r = static_cast<std::size_t>(t.rank());
       const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
@@ -339,8 +346,15 @@ TEST(CpAttentionDeviceStreams, AStagedStepMakesNoSynchronisingCall) {
       }
       results[r] = {to_host(o.data(), nq), to_host(dq.data(), nq), to_host(dk.data(), nk), to_host(dv.data(), nk),
                     to_host(op.lse().data(), op.lse().size()), share.q_rev};
+      results[r].hp_lse = to_host(op.head_parallel_lse().data(), op.head_parallel_lse().size());
+      results[r].hp = share.hp_attn;
+      if (head_parallel) {
+        EXPECT_FALSE(op.head_parallel().documents.empty()) << "rank " << r;
+      }
     });
-    for (std::size_t r = 0; r < 3; ++r) EXPECT_EQ(synchronising[r], 0u) << "rank " << r << (dedup ? ", dedup" : "");
+    for (std::size_t r = 0; r < W; ++r) {
+      EXPECT_EQ(synchronising[r], 0u) << "rank " << r << (dedup ? ", dedup" : "") << (head_parallel ? ", head-parallel documents" : "");
+    }
     world.expect_equal(results, 1e-5);
   }
 }

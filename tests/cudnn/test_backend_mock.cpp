@@ -584,6 +584,69 @@ TEST_F(CudnnMock, BackwardHandsCudnnOurLseAndZeroesDeadGradients) {
   }
 }
 
+/// Grouped-query attention (4 query heads, 2 key-value heads) with dead rows
+/// and keys, forward then backward: cuDNN gets the GQA graphs (dV and dK summed
+/// over each key-value head's query heads), and the kernel clears exactly the
+/// dead rows' outputs and dq (4 heads a row) and the dead keys' dk and dv (2
+/// heads a row), nothing past the buffers it was given.
+TEST_F(CudnnMock, GroupedQueryAttentionWithDeadRowsAndKeysForwardAndBackward) {
+  const AttentionShape shape{4, 2, 8, 0.25f};
+  const std::int64_t Hq = 4, Hk = 2, D = 8, T = 10, TK = 10, guard = 512;
+  const AttentionMask mask = AttentionMask::sliding_window(2);
+  // Rows 0..4 against keys 0..4, diagonal 0 (a window band); rows 5..9 against keys 5..9, diagonal -4:
+  // rows 5..8 see nothing, keys 6..9 nobody sees (row 9 sees key 5 alone).
+  const std::vector<AttentionEntry> entries{part(mask, 0, 5, 0, 5, 0), part(mask, 5, 5, 5, 5, -4)};
+  const auto q = halves(static_cast<std::size_t>(T * Hq * D), 1.0f), k = halves(static_cast<std::size_t>(TK * Hk * D), 1.0f);
+  const std::size_t nq = q.size(), nk = k.size();
+  // Every output buffer runs `guard` elements past what the kernel is given, all 7 to begin with.
+  auto out = halves(nq + guard, 7.0f), dq = halves(nq + guard, 7.0f), dk = halves(nk + guard, 7.0f), dv = halves(nk + guard, 7.0f);
+  std::vector<float> lse(static_cast<std::size_t>(Hq * T), 7.0f);
+  std::vector<Direction> directions;
+  fake.on_execute = [&](const FakeDescriptor&) {};
+  cuda::CudnnAttentionKernel kernel(nullptr, {}, api);
+  kernel.forward<float16>(shape, entries, q, k, k, std::span<float16>(out.data(), nq), lse);
+  const int forward_runs = fake.executions;
+  EXPECT_EQ(forward_runs, 2);  // a window band and a causal one
+  kernel.backward<float16>(shape, entries, q, k, k, std::span<const float16>(out.data(), nq), lse, q, std::span<float16>(dq.data(), nq),
+                           std::span<float16>(dk.data(), nk), std::span<float16>(dv.data(), nk));
+  EXPECT_EQ(fake.executions, 2 * forward_runs);
+  // The backward graphs reached cuDNN with their dV and dK summed over the group.
+  int sums = 0;
+  for (const FakeDescriptor& d : fake.descs) {
+    if (d.type != CUDNN_BACKEND_REDUCTION_DESCRIPTOR) continue;
+    const auto op = d.at(CUDNN_ATTR_REDUCTION_OPERATOR).one<cudnnReduceTensorOp_t>();
+    EXPECT_TRUE(op == CUDNN_REDUCE_TENSOR_ADD || op == CUDNN_REDUCE_TENSOR_MAX);
+    sums += op == CUDNN_REDUCE_TENSOR_ADD;
+  }
+  // Per graph: forward's row sum; backward's rowsum(dO O), dV's and dK's sums (the row maximum is the one MAX).
+  EXPECT_EQ(sums, 2 * 1 + 2 * 3);
+  for (std::int64_t r = 0; r < T; ++r) {
+    const bool dead_q = r >= 5 && r < 9;
+    for (std::int64_t e = 0; e < Hq * D; ++e) {
+      const auto at = static_cast<std::size_t>(r * Hq * D + e);
+      EXPECT_EQ(static_cast<float>(out[at]), dead_q ? 0.0f : 7.0f) << "out row " << r << ", element " << e;
+      EXPECT_EQ(static_cast<float>(dq[at]), dead_q ? 0.0f : 7.0f) << "dq row " << r << ", element " << e;
+    }
+    for (std::int64_t h = 0; h < Hq; ++h) {
+      EXPECT_EQ(lse[static_cast<std::size_t>(h * T + r)] == -INFINITY, dead_q) << "lse row " << r << ", head " << h;
+    }
+  }
+  for (std::int64_t r = 0; r < TK; ++r) {
+    const bool dead_kv = r >= 6;
+    for (std::int64_t e = 0; e < Hk * D; ++e) {
+      const auto at = static_cast<std::size_t>(r * Hk * D + e);
+      EXPECT_EQ(static_cast<float>(dk[at]), dead_kv ? 0.0f : 7.0f) << "dk row " << r << ", element " << e;
+      EXPECT_EQ(static_cast<float>(dv[at]), dead_kv ? 0.0f : 7.0f) << "dv row " << r << ", element " << e;
+    }
+  }
+  for (std::size_t i = 0; i < guard; ++i) {
+    EXPECT_EQ(static_cast<float>(out[nq + i]), 7.0f) << "past out, " << i;
+    EXPECT_EQ(static_cast<float>(dq[nq + i]), 7.0f) << "past dq, " << i;
+    EXPECT_EQ(static_cast<float>(dk[nk + i]), 7.0f) << "past dk, " << i;
+    EXPECT_EQ(static_cast<float>(dv[nk + i]), 7.0f) << "past dv, " << i;
+  }
+}
+
 TEST_F(CudnnMock, NonDeterministicBackwardAccumulatesInTheWorkspace) {
   const AttentionShape shape{2, 1, 16, 0.25f};
   const std::vector<AttentionEntry> entries{part(AttentionMask::full(), 0, 4, 0, 4, 0)};

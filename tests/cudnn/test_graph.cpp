@@ -2,12 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "cpdispatch/cudnn/detail/graph.hpp"
+#include "cpdispatch/cudnn/mapping.hpp"
 
 namespace {
 
@@ -221,6 +224,166 @@ TEST(CudnnGraph, BackwardGqaSumsOverTheGroupAndNonDeterministicAccumulates) {
   EXPECT_EQ(g.tensor(uid::dq_accum).type, CUDNN_DATA_FLOAT);
   EXPECT_EQ(g.tensor(uid::dq_accum).ragged, uid::ragged_q);
   EXPECT_EQ(count(g, CUDNN_POINTWISE_BINARY_SELECT), 3);
+}
+
+// ---- the graphs against a statement of what each node must compute ---------
+
+/// What every pointwise node of the graphs computes, by name, written down from
+/// the attention it implements (not from the graph code): the scores scaled,
+/// index generators, the bounds' arithmetic and comparisons, the selects with
+/// -inf, the softmax and its statistics, and backward's dO.O, P, dP - sum, dS.
+const std::map<std::string, cudnnPointwiseMode_t> pointwise_modes{
+    {"attn_scale", CUDNN_POINTWISE_MUL},
+    {"gen_row_idx_padding", CUDNN_POINTWISE_GEN_INDEX},
+    {"gen_col_idx_padding", CUDNN_POINTWISE_GEN_INDEX},
+    {"lt_row_sq_padding", CUDNN_POINTWISE_CMP_LT},
+    {"lt_col_skv_padding", CUDNN_POINTWISE_CMP_LT},
+    {"and_row_col_padding", CUDNN_POINTWISE_LOGICAL_AND},
+    {"select_padding", CUDNN_POINTWISE_BINARY_SELECT},
+    {"gen_row_index", CUDNN_POINTWISE_GEN_INDEX},
+    {"gen_col_index", CUDNN_POINTWISE_GEN_INDEX},
+    {"row+skv", CUDNN_POINTWISE_ADD},
+    {"row+skv-sq", CUDNN_POINTWISE_SUB},
+    {"row+skv-sq+right", CUDNN_POINTWISE_ADD},
+    {"row>=col", CUDNN_POINTWISE_CMP_GE},
+    {"select_right_bound", CUDNN_POINTWISE_BINARY_SELECT},
+    {"col+left", CUDNN_POINTWISE_ADD},
+    {"col+left-skv", CUDNN_POINTWISE_SUB},
+    {"col+left-skv+sq", CUDNN_POINTWISE_ADD},
+    {"col>row", CUDNN_POINTWISE_CMP_GT},
+    {"select_left_bound", CUDNN_POINTWISE_BINARY_SELECT},
+    {"sub", CUDNN_POINTWISE_SUB},
+    {"exp", CUDNN_POINTWISE_EXP},
+    {"log", CUDNN_POINTWISE_LOG},
+    {"add", CUDNN_POINTWISE_ADD},
+    {"div", CUDNN_POINTWISE_DIV},
+    {"mul_dO_O", CUDNN_POINTWISE_MUL},
+    {"scale_dropout_inv", CUDNN_POINTWISE_MUL},
+    {"mul_s_attn_scale", CUDNN_POINTWISE_MUL},
+    {"sub_s_m", CUDNN_POINTWISE_SUB},
+    {"exp_s", CUDNN_POINTWISE_EXP},
+    {"sub_dP_softmax_sum", CUDNN_POINTWISE_SUB},
+    {"mul_dP_exp_s", CUDNN_POINTWISE_MUL},
+    {"mul_dS_attn_scale", CUDNN_POINTWISE_MUL},
+    {"identity_dQ", CUDNN_POINTWISE_IDENTITY},
+};
+/// And every reduction: the row maximum, the row sums, and grouped-query
+/// attention's gradients summed over the query heads of a key-value head.
+const std::map<std::string, cudnnReduceTensorOp_t> reductions{
+    {"Max", CUDNN_REDUCE_TENSOR_MAX},        {"sum", CUDNN_REDUCE_TENSOR_ADD},        {"reduce_dO_o", CUDNN_REDUCE_TENSOR_ADD},
+    {"red_dV_head", CUDNN_REDUCE_TENSOR_ADD}, {"red_dK_head", CUDNN_REDUCE_TENSOR_ADD},
+};
+
+TEST(CudnnGraph, EveryNodeComputesWhatItsPlaceInAttentionNeeds) {
+  for (const Direction d : {Direction::forward, Direction::backward}) {
+    for (const Band b : {Band::full, Band::causal, Band::window}) {
+      for (const auto& [hq, hk] : {std::pair<std::int64_t, std::int64_t>{8, 8}, {8, 2}}) {
+        for (const bool deterministic : {true, false}) {
+          const GraphKey k = key(d, b, hq, hk, deterministic);
+          const GraphSpec g = d == Direction::forward ? forward_graph(k) : backward_graph(k);
+          SCOPED_TRACE(::testing::Message() << (d == Direction::forward ? "forward" : "backward") << ", band " << static_cast<int>(b) << ", heads "
+                                            << hq << "/" << hk << (deterministic ? "" : ", atomic dQ"));
+          int reduced = 0;
+          for (const OpSpec& op : g.ops) {
+            if (op.kind == OpKind::pointwise) {
+              const auto it = pointwise_modes.find(op.name);
+              ASSERT_NE(it, pointwise_modes.end()) << "a pointwise node nobody stated: " << op.name;
+              EXPECT_EQ(op.mode, it->second) << op.name;
+            } else if (op.kind == OpKind::reduction) {
+              const auto it = reductions.find(op.name);
+              ASSERT_NE(it, reductions.end()) << "a reduction nobody stated: " << op.name;
+              EXPECT_EQ(op.reduce, it->second) << op.name;
+              ++reduced;
+            }
+          }
+          // Forward: the row maximum and sum; backward: rowsum(dO O), and dV, dK summed over a group (GQA only).
+          EXPECT_EQ(reduced, d == Direction::forward ? 2 : (hq == hk ? 1 : 3));
+        }
+      }
+    }
+  }
+}
+
+/// One score element through the graph's elementwise nodes, as the nodes'
+/// modes define them: query row i and key c of a sequence of sq queries and
+/// skv keys, the scores 1 and the statistics 0. The nodes whose inputs are
+/// not known (the softmax after its reduction, backward's dO.O) are left out.
+/// Returns what reaches `consumer`'s first input: a finite score where the
+/// masks let (i, c) through, -inf where they do not.
+double masked_score(const GraphSpec& g, const std::string& consumer, std::int64_t i, std::int64_t c, std::int64_t sq, std::int64_t skv,
+                    const BandBounds& bounds) {
+  const double inf = std::numeric_limits<double>::infinity();
+  std::map<std::int64_t, double> v{{uid::seq_q, static_cast<double>(sq)}, {uid::seq_kv, static_cast<double>(skv)},
+                                   {uid::right_bound, bounds.right},      {uid::left_bound, bounds.left},
+                                   {uid::scale, 0.5},                    {uid::neg_inf, -inf},
+                                   {uid::stats, 0.0}};
+  for (const OpSpec& op : g.ops) {
+    if (op.kind == OpKind::matmul && op.in[0] == uid::q && op.in[1] == uid::k) v[op.out] = 1.0;  // S = Q K^T
+    if (op.kind != OpKind::pointwise) continue;
+    const auto known = [&](std::int64_t id) { return id == 0 || v.count(id) != 0; };
+    if (op.mode != CUDNN_POINTWISE_GEN_INDEX && !(known(op.in[0]) && known(op.in[1]) && known(op.in[2]))) continue;
+    const double x = op.in[0] ? v[op.in[0]] : 0, y = op.in[1] ? v[op.in[1]] : 0, t = op.in[2] ? v[op.in[2]] : 0;
+    double r = 0;
+    switch (op.mode) {
+      case CUDNN_POINTWISE_GEN_INDEX: r = op.axis == 2 ? static_cast<double>(i) : static_cast<double>(c); break;
+      case CUDNN_POINTWISE_ADD: r = x + y; break;
+      case CUDNN_POINTWISE_SUB: r = x - y; break;
+      case CUDNN_POINTWISE_MUL: r = x * y; break;
+      case CUDNN_POINTWISE_CMP_LT: r = x < y; break;
+      case CUDNN_POINTWISE_CMP_GE: r = x >= y; break;
+      case CUDNN_POINTWISE_CMP_GT: r = x > y; break;
+      case CUDNN_POINTWISE_LOGICAL_AND: r = x != 0 && y != 0; break;
+      case CUDNN_POINTWISE_BINARY_SELECT: r = t != 0 ? x : y; break;
+      default: continue;  // the softmax's own nodes: not masks
+    }
+    v[op.out] = r;
+  }
+  return v[op_named(g, consumer).in[0]];
+}
+
+/// Entries of every kind the mapping makes (full, causal, window, and the
+/// inverse band), each trimmed and grouped; through the graph of its group,
+/// forward and backward, a sequence's (row, key) gets a score exactly where
+/// the entry allows the pair, and padding rows and keys get none.
+TEST(CudnnGraph, TheMasksLetThroughExactlyWhatEachEntryAllows) {
+  using cpdispatch::AttentionEntry;
+  const auto band = [](std::int64_t lo, std::int64_t hi) { return cpdispatch::Band{lo, hi}; };
+  const std::int64_t open_lo = cpdispatch::Band::unbounded_lo, open_hi = cpdispatch::Band::unbounded_hi;
+  const std::vector<AttentionEntry> entries{
+      {0, 6, 0, 6, band(open_lo, 0)},    // causal, square
+      {0, 4, 0, 9, band(open_lo, 5)},    // causal, bottom-right: rows see up to 5 keys ahead
+      {2, 5, 0, 7, band(-2, 0)},         // a window of 3 keys, shifted
+      {0, 5, 0, 5, band(-1, 1)},         // a band of width 3
+      {0, 6, 0, 6, band(0, open_hi)},    // inverse causal: each row sees itself and the keys after it
+      {0, 3, 0, 4, band(open_lo, open_hi)},  // full
+      {3, 7, 1, 8, band(-3, -1)},        // strictly below the diagonal, window
+  };
+  for (const AttentionEntry& e : entries) {
+    SCOPED_TRACE(::testing::Message() << "entry q[" << e.q_start << ", +" << e.q_len << ") kv[" << e.kv_start << ", +" << e.kv_len << ") band ["
+                                      << e.band.lo << ", " << e.band.hi << "]");
+    const EntryMap m = map_entries(std::vector<AttentionEntry>{e});
+    ASSERT_EQ(m.groups.size(), 1u);
+    const Group& group = m.groups[0];
+    ASSERT_EQ(group.sequences.size(), 1u);
+    const Sequence& s = group.sequences[0];
+    const BandBounds bounds = band_bounds(group);
+    for (const Direction d : {Direction::forward, Direction::backward}) {
+      GraphKey k = key(d, group.band, 8, 2);
+      k.max_q = 8;
+      k.max_kv = 16;
+      const GraphSpec g = d == Direction::forward ? forward_graph(k) : backward_graph(k);
+      const std::string consumer = d == Direction::forward ? "Max" : "exp_s";
+      for (std::int64_t i = 0; i < k.max_q; ++i) {
+        for (std::int64_t c = 0; c < k.max_kv; ++c) {
+          const bool inside = i < s.q_len && c < s.kv_len;
+          const bool want = inside && e.allows(s.q_start + i, s.kv_start + c);
+          const double got = masked_score(g, consumer, i, c, s.q_len, s.kv_len, bounds);
+          ASSERT_FALSE(std::isnan(got)) << "row " << i << " key " << c;
+          EXPECT_EQ(std::isfinite(got), want) << (d == Direction::forward ? "forward" : "backward") << ", row " << i << " key " << c << ": " << got;
+        }
+      }
+    }
+  }
 }
 
 TEST(CudnnGraph, RefusesFloatAndBadKeys) {

@@ -11,6 +11,7 @@
 #include <iterator>
 #include <limits>
 #include <span>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,6 +50,17 @@ cpdispatch::QkvDocumentsPlan two_rank_plan() {
 std::vector<StepTime> model(const cpdispatch::QkvDocumentsPlan& plan, const ClusterModel& c, const LayerShape& s) {
   return cpdispatch::model_step(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), cpdispatch::document_lengths(plan),
                                 Topology::uniform(plan.world_size, c.ranks_per_node), c, s);
+}
+
+/// Round numbers for the kernel's terms: 1 FLOP/s, and each other term its own size.
+cpdispatch::KernelRate unit_kernel() {
+  cpdispatch::KernelRate k;
+  k.peak = 1.0;
+  k.pair_seconds = 0.5;
+  k.row_seconds = 2.0;
+  k.cut_row_seconds = 1.0;
+  k.entry_seconds = 10.0;
+  return k;
 }
 
 TEST(StepModel, HandComputedTwoRanks) {
@@ -105,6 +117,119 @@ TEST(StepModel, HeadParallelSlabsRideThePostsOfTheDispatchedTensors) {
   // Rank 1 attends half the heads of document 0 (10 pairs: 5) and document 1 (3 pairs): 4 x 8 x 2 FLOPs.
   EXPECT_DOUBLE_EQ(flat.forward_compute, 64.0);
   EXPECT_DOUBLE_EQ(flat.forward, 64.0 + 26.0);
+}
+
+TEST(StepModel, ARankThatOnlyReceivesPaysALatencyAPeer) {
+  // Three ranks on one node (1 B/s, 1 s a peer a post). Documents 0 and 1 (2 tokens each, homes 0 and 1)
+  // are attended on rank 2, which sends nothing out and receives from two peers: 2 query tokens (2 bytes)
+  // and 2 key-value tokens (4 bytes) from each, 12 bytes and 2 latencies: 14 s (ranks 0 and 1: 6 + 1 s).
+  // Home, rank 2 sends 2 outputs to each: 4 bytes and 2 latencies, 6 s.
+  ClusterModel c = unit_cluster(3);
+  c.intra.latency = 1.0;
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 3;
+  plan.documents = {{{{0, 2, 2}}}, {{{1, 2, 2}}}};
+  const auto rows = model(plan, c, unit_shape());
+  for (std::size_t form : {0u, 1u}) {  // flat and dedup send the same key-values here
+    SCOPED_TRACE(rows[form].scheme);
+    EXPECT_DOUBLE_EQ(rows[form].forward_comm, 14.0 + 6.0);
+    EXPECT_DOUBLE_EQ(rows[form].forward_compute, 4.0 * (3 + 3));  // rank 2: two 2-token causal documents
+    EXPECT_DOUBLE_EQ(rows[form].forward, 24.0 + 20.0);
+    EXPECT_DOUBLE_EQ(rows[form].backward, 2.5 * 24.0 + 20.0);
+  }
+}
+
+TEST(StepModel, AKeyValueHeadSharedByTheGroupGoesWholeToEachRank) {
+  // Two ranks on two nodes (0.5 B/s, 1 s a peer a post), 2 query heads and 1 key-value head of 1 byte.
+  // Document 0 (4 tokens, 2 a rank) is head-parallel over both (u = 2): a rank keeps 1 query head and needs
+  // the one key-value head whole, so it sends the other its 2 tokens at 1 byte of Q and 2 of K and V: 6 bytes,
+  // 12 s + 1 s; home, 1 byte of O a token: 2 bytes, 4 s + 1 s.
+  ClusterModel c = unit_cluster(1);
+  c.inter.latency = 1.0;
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.head_parallel_degree = 2;
+  plan.documents = {{{{0, 2, 0}, {1, 2, 1}}}};
+  plan.documents[0].head_parallel = true;
+  const LayerShape shape{2, 1, 1, 1, 1};
+  const StepTime flat = model(plan, c, shape)[0];
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 13.0 + 5.0);
+  // Each rank attends the whole document (10 pairs) on one of the two query heads: 5 pairs x 4 x 2 heads.
+  EXPECT_DOUBLE_EQ(flat.forward_compute, 40.0);
+  EXPECT_DOUBLE_EQ(flat.step, 40.0 + 18.0 + 2.5 * 40.0 + 18.0);
+  // Priced by the kernel: each rank runs one entry, the document whole on one head: 4 x 10 FLOPs at 1 FLOP/s,
+  // 10 pairs x 0.5 s, 4 cut rows x (2 + 1) s and 10 s for the entry.
+  c.kernel = cpdispatch::KernelRates{unit_kernel(), unit_kernel()};
+  const StepTime priced = model(plan, c, shape)[0];
+  EXPECT_DOUBLE_EQ(priced.forward_compute, 40.0 + 5.0 + 12.0 + 10.0);
+  EXPECT_DOUBLE_EQ(priced.forward_comm, 18.0);
+}
+
+TEST(StepModel, SlidingWindowHandComputedOnTwoNodes) {
+  // One document of 8 tokens under a window of 3 keys: 1 + 2 + 3 x 6 = 21 pairs. The zig-zag ring over
+  // two ranks on two nodes (0.5 B/s): 10.5 pairs a rank, 42 FLOPs; one ring step of the group's 4
+  // tokens of K and V (8 bytes, 16 s).
+  const auto window = cpdispatch::AttentionMask::sliding_window(3);
+  const StepTime ring = cpdispatch::model_zigzag_ring({8}, window, 2, unit_cluster(1), unit_shape());
+  EXPECT_DOUBLE_EQ(ring.forward_compute, 42.0);
+  EXPECT_DOUBLE_EQ(ring.forward_comm, 16.0);
+  EXPECT_DOUBLE_EQ(ring.forward, 42.0 + 16.0);
+  EXPECT_DOUBLE_EQ(ring.backward, 2.5 * 42.0 + 32.0);
+  // A window as long as the document is causal: 36 pairs, 72 FLOPs a rank.
+  EXPECT_DOUBLE_EQ(cpdispatch::model_zigzag_ring({8}, cpdispatch::AttentionMask::sliding_window(8), 2, unit_cluster(1), unit_shape()).forward_compute, 72.0);
+  // Priced by the kernel: 4 query chunks of 2 tokens; each chunk sees 3 pairs of its own (the diagonal) and
+  // 3 of the chunk before (2 for its first row, 1 for its second): 7 entries of 2 x 2 rows, 3 pairs, cut,
+  // each 12 + 1.5 + 2 x 3 + 10 = 29.5 s; a rank runs half of them.
+  ClusterModel c = unit_cluster(1);
+  c.kernel = cpdispatch::KernelRates{unit_kernel(), unit_kernel()};
+  EXPECT_DOUBLE_EQ(cpdispatch::model_zigzag_ring({8}, window, 2, c, unit_shape()).forward_compute, 7 * 29.5 / 2);
+  // The plan: rank 1 attends the second half of the document, whose 4 queries see 3 keys each (12 pairs,
+  // 48 FLOPs); its key-value group takes rank 0's shard whole.
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.mask = window;
+  plan.documents = {{{{0, 4, 0}, {1, 4, 1}}}};
+  const StepTime flat = model(plan, unit_cluster(1), unit_shape())[0];
+  EXPECT_DOUBLE_EQ(flat.forward_compute, 48.0);
+  // Out: 4 key-value tokens (K and V, 8 bytes) from rank 0, 16 s; nothing goes home.
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 16.0);
+}
+
+TEST(StepModel, SlicesHandComputedOnTwoNodes) {
+  // One document of 8 tokens in two causal blocks of 4 (10 pairs each). Ulysses over 2 ranks on two nodes
+  // (2 query heads, one a rank): 20 pairs on one head each, 80 FLOPs.
+  const std::vector<std::vector<cpdispatch::AttentionSlice>> slices{
+      {{0, 4, 0, 4, cpdispatch::SliceType::causal}, {4, 8, 4, 8, cpdispatch::SliceType::causal}}};
+  LayerShape two_heads = unit_shape();
+  two_heads.heads_q = 2;
+  const auto causal = cpdispatch::AttentionMask::causal();
+  EXPECT_DOUBLE_EQ(cpdispatch::model_ulysses({8}, causal, 2, unit_cluster(1), two_heads, slices).forward_compute, 80.0);
+  // The ring: 20 pairs, 10 a rank, 40 FLOPs on one head.
+  EXPECT_DOUBLE_EQ(cpdispatch::model_zigzag_ring({8}, causal, 2, unit_cluster(1), unit_shape(), slices).forward_compute, 40.0);
+  ClusterModel c = unit_cluster(1);
+  c.kernel = cpdispatch::KernelRates{unit_kernel(), unit_kernel()};
+  // Ulysses by the kernel: each slice an entry of 4 cut rows on one head: 40 + 5 + 4 x 3 + 10 = 67 s, two of them.
+  EXPECT_DOUBLE_EQ(cpdispatch::model_ulysses({8}, causal, 2, c, two_heads, slices).forward_compute, 2 * 67.0);
+  // The ring by the kernel: chunks of 2; the diagonal's 4 chunk pairs (3 pairs, cut: 29.5 s) and chunk 1 against
+  // 0 and 3 against 2 (whole: 16 + 2 + 2 x 2 + 10 = 32 s); the others see nothing. A rank runs half.
+  EXPECT_DOUBLE_EQ(cpdispatch::model_zigzag_ring({8}, causal, 2, c, unit_shape(), slices).forward_compute, (4 * 29.5 + 2 * 32.0) / 2);
+}
+
+TEST(StepModel, UspByTheKernelWithTwoGroupsOnTwoNodes) {
+  // W = 4 on two nodes of 2, groups of 2, 2 query heads (one a rank); one causal document of 8 tokens in
+  // 4 chunks of 2: 6 whole chunk pairs (32 s each) and 4 on the diagonal (29.5 s), a group half of them.
+  ClusterModel c = unit_cluster(2);
+  c.kernel = cpdispatch::KernelRates{unit_kernel(), unit_kernel()};
+  LayerShape s = unit_shape();
+  s.heads_q = 2;
+  const StepTime t = cpdispatch::model_usp({8}, cpdispatch::AttentionMask::causal(), 4, 2, c, s);
+  ASSERT_TRUE(t.feasible);
+  EXPECT_DOUBLE_EQ(t.forward_compute, (6 * 32.0 + 4 * 29.5) / 2);
+  // The links as without the kernel: the all-to-all in the node (2 tokens x (2 + 2) bytes x 2 tensors = 16,
+  // half of it to the other rank: 8 s) and one ring step to the other node (4 tokens of K and V on one
+  // head: 8 bytes, 16 s).
+  EXPECT_DOUBLE_EQ(t.forward_comm, 8.0 + 16.0);
+  EXPECT_DOUBLE_EQ(t.forward, 8.0 + t.forward_compute + 16.0);
 }
 
 TEST(StepModel, ZigZagRingHandComputed) {
@@ -280,6 +405,50 @@ TEST(StepModel, PlanForClusterKeepsTheFastestSlack) {
   EXPECT_THROW(cpdispatch::plan_for_cluster(p, slow, unit_shape(), t, {}, std::span<const double>()), cpdispatch::invalid_input);
 }
 
+/// A batch of four ranks on two nodes of two, one byte a token of Q and of K and V.
+cpdispatch::BalanceProblem two_node_batch(std::vector<cpdispatch::BalanceDocument> documents) {
+  cpdispatch::BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 4;
+  p.documents = std::move(documents);
+  return p;
+}
+
+TEST(StepModel, PlanForClusterWeighsTheLinksAndThePairsAsTheClusterDoes) {
+  // 4 query heads, 2 key-value heads of 1 byte; the nodes' links 1 B/s inside, `inter` between.
+  const LayerShape shape{4, 1, 1, 1, 2};
+  const Topology topology = Topology::uniform(4, 2);
+  cpdispatch::BalanceOptions automatic;
+  automatic.head_parallel = cpdispatch::HeadParallel::automatic;
+  const auto chosen = [&](const cpdispatch::BalanceProblem& p, double inter, double flops, const cpdispatch::BalanceOptions& o) {
+    ClusterModel c = unit_cluster(2);
+    c.inter.bandwidth = inter;
+    c.attention_flops = flops;
+    return cpdispatch::plan_for_cluster(p, c, shape, topology, o);
+  };
+  {
+    // Between nodes a byte costs 2 (0.5 B/s): the document on ranks 1 and 2 sends less head-parallel over
+    // all four ranks than its dispatch does across the nodes -- not so where a byte between nodes weighed 9
+    // (the balancer's default). The model agrees: the plan with it head-parallel is the faster.
+    const auto p = two_node_batch({{{{3, 72}}}, {{{1, 200}, {2, 141}}}});
+    const cpdispatch::ClusterPlan with = chosen(p, 0.5, 64, automatic), without = chosen(p, 0.5, 64, {});
+    EXPECT_EQ(with.plan.head_parallel_degree, 4);
+    ASSERT_EQ(with.plan.documents.size(), 2u);
+    EXPECT_TRUE(with.plan.documents[1].head_parallel);
+    EXPECT_LT(with.modelled.step, without.modelled.step);
+  }
+  {
+    // Slow attention (8 FLOP/s: a pair on every head, forward and backward, weighs 7 / 8 of a byte unit):
+    // the long document over ranks 1-3 goes head-parallel for its work, split four ways, not for its bytes.
+    const auto p = two_node_batch({{{{3, 86}}}, {{{2, 22}}}, {{{1, 44}, {2, 148}, {3, 201}}}, {{{3, 135}}}, {{{3, 80}}}});
+    const cpdispatch::ClusterPlan with = chosen(p, 0.125, 8, automatic), without = chosen(p, 0.125, 8, {});
+    EXPECT_EQ(with.plan.head_parallel_degree, 4);
+    ASSERT_EQ(with.plan.documents.size(), 5u);
+    EXPECT_TRUE(with.plan.documents[2].head_parallel);
+    EXPECT_LT(with.modelled.step, 0.95 * without.modelled.step);
+  }
+}
+
 TEST(StepModel, BadInputIsRefused) {
   ClusterModel c = unit_cluster(2);
   c.inter.bandwidth = 0;
@@ -291,17 +460,6 @@ TEST(StepModel, BadInputIsRefused) {
     LayerShape g{4, 1, 1, 1, heads_kv};
     EXPECT_THROW(model(four_rank_plan(), unit_cluster(2), g), cpdispatch::invalid_input) << heads_kv;
   }
-}
-
-/// Round numbers for the kernel's terms: 1 FLOP/s, and each other term its own size.
-cpdispatch::KernelRate unit_kernel() {
-  cpdispatch::KernelRate k;
-  k.peak = 1.0;
-  k.pair_seconds = 0.5;
-  k.row_seconds = 2.0;
-  k.cut_row_seconds = 1.0;
-  k.entry_seconds = 10.0;
-  return k;
 }
 
 /// `message` of the invalid_input `fn` throws; empty when it throws none.
@@ -447,13 +605,66 @@ SimulateRun simulate(const std::string& plan, const std::string& args) {
 constexpr const char* cli_plan =
     R"({"world_size": 4, "documents": [{"shards": [{"rank": 0, "len": 4, "dst": 0}, {"rank": 1, "len": 4, "dst": 2}, {"rank": 2, "len": 4, "dst": 3}]}]})";
 
-TEST(StepModel, SimulatePrintsEverySchemeAndRefusesBadOptions) {
-  const SimulateRun run = simulate(cli_plan, "--ranks-per-node 2 --heads 4 --head-dim 8 --stages 2");
-  ASSERT_EQ(run.status, 0) << run.err;
-  EXPECT_NE(run.out.find("world_size 4, nodes 2, heads 4, key-value heads 4, head_dim 8, stages 2"), std::string::npos) << run.out;
-  for (const char* scheme : {"\n        flat", "\n       dedup", "\n  node-level", "\nzig-zag ring", "\n     ulysses", "\n     a2a+p2p", "\n     usp u=2"}) {
-    EXPECT_NE(run.out.find(scheme), std::string::npos) << scheme << " in\n" << run.out;
+/// The table's rows: the scheme, then its eight numbers (times in ms, then inter-node MB).
+std::vector<std::pair<std::string, std::vector<double>>> table_rows(const std::string& out) {
+  std::vector<std::pair<std::string, std::vector<double>>> rows;
+  std::istringstream lines(out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream words(line);
+    std::vector<std::string> w{std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+    if (w.size() < 9 || w[0] == "scheme" || w[0] == "world_size") continue;
+    std::string scheme = w[0];
+    for (std::size_t i = 1; i + 8 < w.size(); ++i) scheme += " " + w[i];
+    std::vector<double> values;
+    for (std::size_t i = w.size() - 8; i < w.size(); ++i) values.push_back(w[i] == "n/a" ? -1.0 : std::stod(w[i]));
+    rows.emplace_back(scheme, values);
   }
+  return rows;
+}
+
+TEST(StepModel, SimulatePrintsEverySchemeAndRefusesBadOptions) {
+  // One document of three 4096-token shards on two nodes of two ranks; rank 3 attends the last shard
+  // against all 12288 keys: 4096 x 8192 + 4096 x 4097 / 2 = 41945088 pairs, x 4 x 64 x 8 heads at 400 TFLOP/s.
+  const std::string plan =
+      R"({"world_size": 4, "documents": [{"shards": [{"rank": 0, "len": 4096, "dst": 0}, {"rank": 1, "len": 4096, "dst": 2}, {"rank": 2, "len": 4096, "dst": 3}]}]})";
+  const SimulateRun run = simulate(plan, "--ranks-per-node 2 --heads 8 --heads-kv 2 --head-dim 64 --stages 2");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("world_size 4, nodes 2, heads 8, key-value heads 2, head_dim 64, stages 2"), std::string::npos) << run.out;
+  const auto rows = table_rows(run.out);
+  ASSERT_EQ(rows.size(), 7u) << run.out;
+  EXPECT_EQ(rows[4].first, "ulysses");
+  EXPECT_EQ(rows[4].second, std::vector<double>(8, -1.0));
+  EXPECT_NEAR(rows[0].second[0], 41945088.0 * 4 * 64 * 8 / 400e12 * 1e3, 0.0006) << run.out;
+  // Every number is the model's on the same plan, cluster and layer (to the printed digits).
+  cpdispatch::QkvDocumentsPlan same;
+  same.world_size = 4;
+  same.documents = {{{{0, 4096, 0}, {1, 4096, 2}, {2, 4096, 3}}}};
+  ClusterModel h100 = ClusterModel::h100_ib();
+  h100.ranks_per_node = 2;
+  const LayerShape shape{8, 64, 2, 2, 2};
+  const std::vector<StepTime> expected = model(same, h100, shape);
+  ASSERT_EQ(expected.size(), rows.size());
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const StepTime& t = expected[i];
+    SCOPED_TRACE(t.scheme);
+    EXPECT_EQ(rows[i].first, t.scheme);
+    if (!t.feasible) {  // Ulysses cannot split 2 key-value heads over 4 ranks: "n/a"
+      EXPECT_EQ(rows[i].second, std::vector<double>(8, -1.0));
+      continue;
+    }
+    const double ms[] = {t.forward_compute, t.forward_comm, t.forward, t.backward_compute, t.backward_comm, t.backward, t.step};
+    for (std::size_t k = 0; k < 7; ++k) EXPECT_NEAR(rows[i].second[k], ms[k] * 1e3, 0.0005 + 1e-9 * ms[k] * 1e3) << "column " << k;
+    EXPECT_NEAR(rows[i].second[7], t.inter_node_bytes / 1e6, 0.05);
+    EXPECT_GT(t.step, 0.0);
+  }
+  // The options do reach the model: another head count gives other compute times.
+  const SimulateRun more_heads = simulate(plan, "--ranks-per-node 2 --heads 16 --heads-kv 2 --head-dim 64 --stages 2");
+  ASSERT_EQ(more_heads.status, 0) << more_heads.err;
+  const auto doubled = table_rows(more_heads.out);
+  ASSERT_EQ(doubled.size(), 7u);
+  EXPECT_NEAR(doubled[0].second[0], 2 * rows[0].second[0], 0.0015);
+  // A sliced plan's model counts its slices, the same as the library's.
   // A plan with slices: the peers count the same pairs as the plan.
   const std::string sliced =
       R"({"world_size": 2, "documents": [{"shards": [{"rank": 0, "len": 3, "dst": 1}, {"rank": 0, "len": 2, "dst": 0}, {"rank": 1, "len": 3, "dst": 1}],)"
@@ -461,7 +672,16 @@ TEST(StepModel, SimulatePrintsEverySchemeAndRefusesBadOptions) {
       R"( {"q": [5, 8], "k": [0, 3], "type": "full"}, {"q": [5, 8], "k": [5, 8], "type": "causal"}]}]})";
   const SimulateRun with_slices = simulate(sliced, "--ranks-per-node 1");
   ASSERT_EQ(with_slices.status, 0) << with_slices.err;
-  EXPECT_NE(with_slices.out.find("\n     ulysses"), std::string::npos) << with_slices.out;
+  const auto sliced_rows = table_rows(with_slices.out);
+  ASSERT_EQ(sliced_rows.size(), 7u) << with_slices.out;
+  EXPECT_EQ(sliced_rows[4].first, "ulysses");
+  EXPECT_EQ(sliced_rows[6], std::make_pair(std::string("usp"), std::vector<double>(8, -1.0)));  // W = 2: no group size between
+  for (const auto& [scheme, values] : sliced_rows) {
+    if (scheme == "usp") continue;
+    // Too small to show in ms, but each row is there with numbers: none negative, every step at least its parts.
+    for (const double v : values) EXPECT_GE(v, 0.0) << scheme;
+    EXPECT_GE(values[6] + 0.0015, values[2] + values[5]) << scheme;
+  }
   const SimulateRun bad_cluster = simulate(cli_plan, "--cluster a100");
   EXPECT_EQ(bad_cluster.status, 2);
   EXPECT_NE(bad_cluster.err.find("--cluster is h100 or h200"), std::string::npos) << bad_cluster.err;

@@ -167,6 +167,25 @@ def test_context_parallel_attention_takes_gqa_and_a_users_kernel():
     check(users, want, 1e-12, "user's kernel")
 
 
+def test_without_a_scale_the_scores_are_scaled_by_one_over_the_square_root_of_the_head_dimension():
+    # DIM = 8: the scale is 8 ** -0.5, about 0.354, whatever SCALE the other tests pass.
+    mask = {"type": "causal"}
+    q, k, v, cu_q, cu_kv, w_out, w_lse = inputs(ENTRIES, 4, 2, torch.float64)
+    got = varlen_attention(q, k, v, cu_q, cu_kv, None, None, mask, block_q=4, block_kv=3, return_lse=True)
+    check_attention(got, reference(q, k, v, ENTRIES, mask, 1 / math.sqrt(DIM)), (q, k, v), (w_out, w_lse), (TOLERANCE[torch.float64],) * 3,
+                    torch.float64)
+    # The op's default kernel takes the same default: one rank, two documents, the first in two shards.
+    plan = {"world_size": 1, "ranks": [{"docs": [{"shard_len": [5, 3], "dst": [0, 0]}, {"shard_len": [4], "dst": [0]}]}]}
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(12, 4, DIM, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(12, 2, DIM, generator=gen, dtype=torch.float64) for _ in range(2))
+    out = ContextParallelAttention()(q, k, v, RankDispatch(plan))
+    want = torch.cat([reference(q[a:b], k[a:b], v[a:b], [(b - a, b - a)], mask, DIM ** -0.5)[0] for a, b in ((0, 8), (8, 12))])
+    check(out, want, 1e-12, "default scale")
+    unscaled = torch.cat([reference(q[a:b], k[a:b], v[a:b], [(b - a, b - a)], mask, 1.0)[0] for a, b in ((0, 8), (8, 12))])
+    assert (out - unscaled).abs().max() > 1e-3, "the inputs should tell the default scale from 1"
+
+
 def test_memory_is_bounded_by_the_blocks_not_the_sequence():
     # One causal document of 16K tokens: a dense score matrix alone would be
     # 1 GiB in float32. Forward and backward must stay within 256 MiB beyond
