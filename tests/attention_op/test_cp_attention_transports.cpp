@@ -51,10 +51,11 @@ cpdispatch::QkvDocumentsPlan two_rank_plan() {
   return plan;
 }
 
+// The mocks below hold rank 0's share alone, so their ops skip the plan agreement (the third option).
 TEST(CpAttentionMock, StagesPostEveryExchangeAndWaitForEach) {
   testing::StrictMock<cpdispatch::testing::MockPostedAllToAllTransport> t(0, 2);
   const auto share = cpdispatch::plan_qkv_for_rank(two_rank_plan(), 0);
-  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(t, share, shape, {false, 3});
+  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(t, share, shape, {false, 3, false});
   const auto T = static_cast<std::size_t>(op.mlp_tokens());
   std::vector<float> q(T * 8, 0.5f), kv(T * 4, 0.25f), out(q.size()), dq(q.size()), dk(kv.size()), dv(kv.size());
   // Forward: one posted stage (W - 1 = 1 stage group) for Q, K and V, then the outputs home.
@@ -71,7 +72,7 @@ TEST(CpAttentionMock, WithDedupTheKeyValuesAndTheirGradientsRideTheStagesToo) {
   cpdispatch::QkvDocumentsPlan plan = two_rank_plan();
   plan.dedup = true;
   const auto share = cpdispatch::plan_qkv_for_rank(plan, 0);
-  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(t, share, shape, {true, 3});
+  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(t, share, shape, {true, 3, false});
   const auto T = static_cast<std::size_t>(op.mlp_tokens());
   std::vector<float> q(T * 8, 0.5f), kv(T * 4, 0.25f), out(q.size()), dq(q.size()), dk(kv.size()), dv(kv.size());
   // Forward: Q, K and V over the wire in one posted stage, then the outputs home; no blocking exchange.
@@ -102,7 +103,7 @@ TEST_P(CpAttentionGradientStages, AStagesKeyValueGradientsGoHomeBeforeTheLastRou
   const bool dedup = GetParam();
   testing::StrictMock<cpdispatch::testing::MockPostedAllToAllTransport> t(0, 3);
   const auto share = cpdispatch::plan_qkv_for_rank(three_rank_plan(dedup), 0);
-  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(t, share, shape, {dedup, 3});
+  cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(t, share, shape, {dedup, 3, false});
   const auto T = static_cast<std::size_t>(op.mlp_tokens());
   std::vector<float> q(T * 8, 0.5f), kv(T * 4, 0.25f), out(q.size()), dq(q.size()), dk(kv.size()), dv(kv.size());
   EXPECT_CALL(t, post_all_to_all_v(_, _, _, _, _, _)).Times(3).WillRepeatedly(Return(cpdispatch::Request{9}));
@@ -138,7 +139,7 @@ TEST(CpAttentionMock, HeadParallelSlabsRideTheirPairsStageGroupAndAreAttendedAft
   plan.documents.push_back(hp);
   testing::StrictMock<cpdispatch::testing::MockPostedAllToAllTransport> t(0, 3);
   cpdispatch::ContextParallelAttention<cpdispatch::testing::MockPostedAllToAllTransport, float, ExactKernel> op(
-      t, cpdispatch::plan_qkv_for_rank(plan, 0), hp_shape, {false, 3});
+      t, cpdispatch::plan_qkv_for_rank(plan, 0), hp_shape, {false, 3, false});
   const auto T = static_cast<std::size_t>(op.mlp_tokens());
   std::vector<float> q(T * 12, 0.5f), kv(T * 4, 0.25f), out(q.size()), dq(q.size()), dk(kv.size()), dv(kv.size());
   std::vector<std::vector<std::size_t>> received;  // per post, the bytes from each peer
@@ -216,7 +217,9 @@ TEST_P(CpAttentionFaults, SurfaceOnEveryRank) {
       FaultInjectingTransport t(inner, {FaultRule{c.call, 1, c.fault, W - 1}}, options);
       const auto r = static_cast<std::size_t>(t.rank());
       const auto share = cpdispatch::plan_qkv_for_rank(world.plan(), t.rank());
-      cpdispatch::ContextParallelAttention<decltype(t), float, ExactKernel> op(t, share, shape, {false, c.stages});
+      // No plan agreement: its exchange at construction is outside the step timed here, and a rank still
+      // leaving it when the faulty one aborts the world would throw there.
+      cpdispatch::ContextParallelAttention<decltype(t), float, ExactKernel> op(t, share, shape, {false, c.stages, false});
       const auto start = std::chrono::steady_clock::now();
       try {
         attention_test::step<float>(op, world.tensors(r));

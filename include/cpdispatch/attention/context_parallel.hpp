@@ -44,6 +44,10 @@
 // synchronisation: a posted exchange runs on the transport's communication
 // stream, ordered by events), so results are there once that stream has run.
 //
+// Construction and replan check that the ranks' shares belong to one plan
+// (CpAttentionOptions::check_plan_agreement, execute/plan_agreement.hpp):
+// one small exchange per plan, and a mismatch throws on every rank.
+//
 // What forward keeps for backward (the attention-layout Q, K, V, output and
 // log-sum-exp) is owned by the object and reused across steps. Every call is
 // a collective of the transport: all ranks make the same calls in the same
@@ -54,6 +58,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <initializer_list>
 #include <limits>
 #include <optional>
@@ -74,6 +79,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/plan/mask.hpp"
 #include "cpdispatch/plan/rank.hpp"
@@ -89,6 +95,11 @@ struct CpAttentionOptions {
   /// 1: exchange, then attend (bitwise reproducible). More: attend the local
   /// key-values first while the remote ones arrive in `stages - 1` parts.
   int stages = 1;
+  /// At construction and each replan, check that the ranks' shares belong to
+  /// one plan (execute/plan_agreement.hpp: one all_to_all_v of a few words a
+  /// peer per plan, never per step); a mismatch throws on every rank. Turn
+  /// off only where every rank is known to get the same plan.
+  bool check_plan_agreement = true;
 };
 
 /// The largest plan a rank expects (ContextParallelAttention::reserve): its
@@ -208,6 +219,7 @@ class ContextParallelAttention {
     groups_ = std::min(options_.stages - 1, transport_.world_size() - 1);
     requests_.resize(static_cast<std::size_t>(groups_));
     kv_requests_.resize(static_cast<std::size_t>(std::max(groups_, 1)));
+    if (options_.check_plan_agreement) agreement_.size(transport_.world_size(), agreement_slots);
     replan(share);
   }
 
@@ -258,7 +270,24 @@ class ContextParallelAttention {
   /// seen (reserve does not reach them), so a step allocates nothing once
   /// every plan of its size has been seen. After
   /// a throw (a bad share) the object needs a good share before its next forward.
+  /// With options.check_plan_agreement (the default) every rank checks that
+  /// the shares belong to one plan: a share refused here, or shares that
+  /// disagree, throw on every rank (a collective, like every call).
   void replan(const RankQkvMetadata& share) {
+    if (!options_.check_plan_agreement || transport_.world_size() == 1) return plan_share(share);
+    std::exception_ptr refused;
+    try {
+      plan_share(share);
+    } catch (...) {
+      refused = std::current_exception();
+    }
+    agree(share, refused != nullptr);
+    if (refused) std::rethrow_exception(refused);
+  }
+
+ private:
+  /// This rank's part of replan: its share planned, without the agreement.
+  void plan_share(const RankQkvMetadata& share) {
     const char* who = "ContextParallelAttention";
     const int me = transport_.rank(), W = transport_.world_size();
     planned_ = forward_done_ = false;
@@ -290,6 +319,7 @@ class ContextParallelAttention {
     planned_ = true;
   }
 
+ public:
   /// This rank's tokens in the MLP layout (the leading extent of q, k, v, ...).
   std::int64_t mlp_tokens() const noexcept { return q_plan_.forward.input_tokens; }
   const RankAttentionLayout& attention() const noexcept { return layout_; }
@@ -368,6 +398,40 @@ class ContextParallelAttention {
  private:
   using Tensors = std::span<const detail::StagedTensor>;
   using Exchange = detail::StagedExchange<Path>;
+
+  static constexpr std::size_t agreement_slots = 3;
+  static constexpr const char* slot_names[agreement_slots] = {"query", "key-value", "head-parallel"};
+
+  /// Plan agreement (execute/plan_agreement.hpp): this rank's record to every
+  /// rank, then the same verdict everywhere. A rank that refused its share
+  /// takes part, so that its peers throw too, and then throws its own error.
+  void agree(const RankQkvMetadata& share, bool refused_here) {
+    const int W = transport_.world_size();
+    const RankMetadata* kv_fwd = options_.dedup && share.kv_wire ? &share.kv_wire->fwd : &share.kv_fwd;
+    const RankMetadata* kv_rev = options_.dedup && share.kv_wire ? &share.kv_wire->rev : &share.kv_rev;
+    const detail::AgreementSlot slots[] = {{slot_names[0], &share.q_fwd, &share.q_rev}, {slot_names[1], kv_fwd, kv_rev}, {slot_names[2], &share.hp_fwd, &share.hp_rev}};
+    detail::AgreementHeader h;
+    h.world_size = share.q_fwd.world_size;
+    h.config = detail::agreement_hash({sizeof(E), static_cast<std::uint64_t>(element_type_of<E>()), static_cast<std::uint64_t>(shape_.heads_q),
+                                       static_cast<std::uint64_t>(shape_.heads_kv), static_cast<std::uint64_t>(shape_.head_dim), options_.dedup,
+                                       static_cast<std::uint64_t>(groups_)});
+    h.mask = detail::agreement_hash({static_cast<std::uint64_t>(share.attn.mask.type), static_cast<std::uint64_t>(share.attn.mask.window)});
+    h.layout = detail::agreement_hash({share.kv_fwd.has_copies, share.kv_fwd.num_copies, static_cast<std::uint64_t>(share.hp_attn.degree)});
+    agreement_.build(transport_.rank(), h, slots, refused_here);
+    try {
+      agreement_.exchange(transport_);
+    } catch (...) {
+      planned_ = false;
+      detail::rethrow_exchange_failure(transport_.rank(), W, "replan (plan agreement)");
+    }
+    if (refused_here) return;
+    try {
+      agreement_.check("ContextParallelAttention::replan", transport_.rank(), slot_names);
+    } catch (...) {
+      planned_ = false;
+      throw;
+    }
+  }
 
   /// Runs a transport call, naming the op's call in front of its error.
   template <class F>
@@ -696,6 +760,7 @@ class ContextParallelAttention {
   owned<float> lse_, lse_part_;  // the merged log-sum-exp; a pass's
   owned<float> acc_;             // the running fp32 output (forward) or dq (backward)
   std::vector<Request> requests_, kv_requests_;
+  detail::PlanAgreement agreement_;  // sized once: its records depend on the world size alone
   bool forward_done_ = false;
   bool planned_ = false;
 };

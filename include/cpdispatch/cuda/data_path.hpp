@@ -47,6 +47,7 @@
 #include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/node_wire.hpp"
+#include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/execute/combine.hpp"
 
@@ -393,6 +394,29 @@ class node_path<cuda::DeviceDataPath> {
   DeviceCopyLists lists_;
   DeviceFanIn attention_fan_in_, relay_fan_in_;
   cuda::DeviceBuffer<std::byte> arena_;
+};
+
+}  // namespace cpdispatch::detail
+
+namespace cpdispatch::detail {
+
+/// Plan agreement over a device transport: the records go through device
+/// memory on the transport's stream, and the host waits for them (once per
+/// plan, where the plan's piece lists are uploaded anyway).
+template <>
+struct AgreementExchange<MemorySpace::device> {
+  template <class T>
+  static void run(T& t, const std::byte* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, std::byte* recv,
+                  std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    std::size_t send_bytes = 0, recv_bytes = 0;
+    for (std::size_t p = 0; p < send_counts.size(); ++p) send_bytes = std::max(send_bytes, send_displs[p] + send_counts[p]);
+    for (std::size_t p = 0; p < recv_counts.size(); ++p) recv_bytes = std::max(recv_bytes, recv_displs[p] + recv_counts[p]);
+    cuda::DeviceBuffer<std::byte> out(std::max<std::size_t>(send_bytes, 1)), in(std::max<std::size_t>(recv_bytes, 1));
+    out.upload(std::span<const std::byte>(send, send_bytes), t.stream());
+    t.all_to_all_v(out.data(), send_counts, send_displs, in.data(), recv_counts, recv_displs);
+    CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(recv, in.data(), recv_bytes, cudaMemcpyDeviceToHost, t.stream()));
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
+  }
 };
 
 }  // namespace cpdispatch::detail

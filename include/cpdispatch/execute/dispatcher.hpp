@@ -88,6 +88,7 @@
 
 #include "cpdispatch/execute/data_path.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
+#include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/metadata.hpp"
@@ -103,6 +104,16 @@ struct BufferSizes {
   std::size_t replica_bytes = 0;    ///< reverse output ([C][T] replica buffer, or == mlp_bytes)
   std::size_t staging_bytes = 0;    ///< staging for any call (0: none needed)
   friend bool operator==(const BufferSizes&, const BufferSizes&) = default;
+};
+
+/// How a Dispatcher checks its plans.
+struct DispatcherOptions {
+  /// At construction and each replan, check that the ranks' slices belong to
+  /// one plan (execute/plan_agreement.hpp: one all_to_all_v of a few words a
+  /// peer per plan; a mismatch throws on every rank). Off for a bare
+  /// dispatcher, whose construction is otherwise no collective; QkvDispatch
+  /// and ContextParallelAttention check by default.
+  bool check_plan_agreement = false;
 };
 
 namespace detail {
@@ -142,21 +153,24 @@ class Dispatcher {
 
   /// From this rank's slices of a forward and the matching reverse metadata.
   /// Throws invalid_input when a slice is not this transport's rank or world
-  /// size, token_bytes is 0, or the two slices do not belong together.
-  Dispatcher(T& transport, RankMetadata fwd, RankMetadata rev, std::size_t token_bytes)
+  /// size, token_bytes is 0, or the two slices do not belong together; with
+  /// options.check_plan_agreement also (on every rank) when the ranks' slices
+  /// are not of one plan, which makes construction a collective.
+  Dispatcher(T& transport, RankMetadata fwd, RankMetadata rev, std::size_t token_bytes, DispatcherOptions options = {})
       : transport_(transport),
         rank_(transport.rank()),
         world_size_(transport.world_size()),
         token_bytes_(token_bytes),
         who_(detail::concat("Dispatcher (rank ", rank_, " of ", world_size_, ")")),
+        check_(options.check_plan_agreement && world_size_ > 1),
         plan_(first_plan(fwd, rev)),
         rev_(std::move(rev)),
         sizes_(sizes_of(plan_)),
         path_(transport, plan_, rev_, token_bytes_, sizes_.staging_bytes) {}
 
   /// The same from global metadata: takes the slices of transport.rank().
-  Dispatcher(T& transport, const Metadata& fwd, const Metadata& rev, std::size_t token_bytes)
-      : Dispatcher(transport, slices(transport, fwd, rev), token_bytes) {}
+  Dispatcher(T& transport, const Metadata& fwd, const Metadata& rev, std::size_t token_bytes, DispatcherOptions options = {})
+      : Dispatcher(transport, slices(transport, fwd, rev), token_bytes, options) {}
 
   /// The next step's slices of the same tensor, at the same token width.
   /// The dispatcher keeps its storage: once a plan fits what an earlier one
@@ -179,7 +193,9 @@ class Dispatcher {
     requires(detail::memory_space_of<T>() == MemorySpace::host)
   {
     prepared_ = false;
-    planner_.plan(fwd, rev, token_bytes_, rank_, world_size_, who_, next_plan_);
+    const auto plan = [&] { planner_.plan(fwd, rev, token_bytes_, rank_, world_size_, who_, next_plan_); };
+    if (check_) detail::PlanAgreement::run(plan, [&](bool refused) { agree(fwd, rev, refused); });
+    else plan();
     next_rev_ = rev;
     prepared_ = true;
   }
@@ -252,8 +268,8 @@ class Dispatcher {
     Buffer(const Bytes& b, const char* n, std::size_t u = 0) : data(b.data()), size(b.size()), name(n), used(u) {}
   };
 
-  Dispatcher(T& transport, std::pair<RankMetadata, RankMetadata>&& slices, std::size_t token_bytes)
-      : Dispatcher(transport, std::move(slices.first), std::move(slices.second), token_bytes) {}
+  Dispatcher(T& transport, std::pair<RankMetadata, RankMetadata>&& slices, std::size_t token_bytes, DispatcherOptions options)
+      : Dispatcher(transport, std::move(slices.first), std::move(slices.second), token_bytes, options) {}
 
   static std::pair<RankMetadata, RankMetadata> slices(const T& transport, const Metadata& fwd, const Metadata& rev) {
     const int r = transport.rank();
@@ -269,8 +285,32 @@ class Dispatcher {
 
   detail::DispatchPlan first_plan(const RankMetadata& fwd, const RankMetadata& rev) {
     detail::DispatchPlan plan;
-    planner_.plan(fwd, rev, token_bytes_, rank_, world_size_, who_, plan);
+    const auto local = [&] { planner_.plan(fwd, rev, token_bytes_, rank_, world_size_, who_, plan); };
+    if (!check_) {
+      local();
+      return plan;
+    }
+    agreement_.size(world_size_, 1);
+    detail::PlanAgreement::run(local, [&](bool refused) { agree(fwd, rev, refused); });
     return plan;
+  }
+
+  /// Plan agreement: this rank's record to every rank (also when it refused
+  /// its slices, so that the others throw too), then the same verdict everywhere.
+  void agree(const RankMetadata& fwd, const RankMetadata& rev, bool refused) {
+    static constexpr const char* names[] = {""};
+    const detail::AgreementSlot slot[] = {{names[0], &fwd, &rev}};
+    detail::AgreementHeader h;
+    h.world_size = fwd.world_size;
+    h.config = detail::agreement_hash({token_bytes_});
+    h.layout = detail::agreement_hash({fwd.has_copies, fwd.num_copies});
+    agreement_.build(rank_, h, slot, refused);
+    try {
+      agreement_.exchange(transport_);
+    } catch (...) {
+      detail::rethrow_with_context(detail::concat(who_, ": plan agreement: all_to_all_v failed: "));
+    }
+    if (!refused) agreement_.check("Dispatcher", rank_, names);
   }
 
   template <class E = invalid_input, class... Args>
@@ -326,6 +366,8 @@ class Dispatcher {
   int world_size_;
   std::size_t token_bytes_;
   std::string who_;                 // "Dispatcher (rank r of W)", in front of planning errors
+  bool check_;                      // plan agreement at construction and replan
+  detail::PlanAgreement agreement_;
   detail::DispatchPlanner planner_;  // its storage, kept for replan
   detail::DispatchPlan plan_;
   RankMetadata rev_;  // for the combine

@@ -20,6 +20,10 @@
 // attention layout is the same and the KV gradients equal the plain
 // exchange's up to reassociation of the copies' sum.
 //
+// Built from a share, the object checks at each share that the ranks' shares
+// belong to one plan (QkvDispatchOptions::check_plan_agreement,
+// execute/plan_agreement.hpp): one small exchange per plan.
+//
 // Token widths are in elements of E; the element type of the KV-gradient sum
 // is E's. The object owns the [C][T] replica buffer of the KV backward (and
 // the wire scratch with dedup) and the dispatchers' staging, so after
@@ -46,6 +50,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transport.hpp"
@@ -66,6 +71,11 @@ inline RankAttentionLayout attention_of(const AttentionLayout& attn, std::int64_
 /// How QkvDispatch moves key-values.
 struct QkvDispatchOptions {
   bool dedup = false;  ///< over the deduplicated wire (needs a share with kv_wire)
+  /// At construction from a share and each replan, check that the ranks'
+  /// shares belong to one plan (execute/plan_agreement.hpp: one all_to_all_v
+  /// of a few words a peer per plan, never per call); a mismatch throws on
+  /// every rank. Turn off only where every rank is known to get the same plan.
+  bool check_plan_agreement = true;
 };
 
 template <class T, class E>
@@ -97,23 +107,23 @@ class QkvDispatch {
         q_token_elems_(checked_width(q_token_elems, "q_token_elems")),
         kv_token_elems_(checked_width(kv_token_elems, "kv_token_elems")),
         dedup_(options.dedup),
+        check_(options.check_plan_agreement && transport.world_size() > 1),
         attention_(meta.attn) {
+    if (check_) agreement_.size(transport.world_size(), agreement_slots);
     replan(meta);
   }
 
   /// The next step's share, with the widths and options of construction.
-  /// On a throw (a bad share, a share without kv_wire under dedup) the
-  /// object keeps its previous plan. On device transports the dispatchers
-  /// are rebuilt (and allocate); the scratch keeps its memory.
+  /// On a throw (a bad share, a share without kv_wire under dedup, shares
+  /// that disagree) the object keeps its previous plan. With
+  /// check_plan_agreement (the default) the ranks check their shares against
+  /// each other before any is taken: a share refused on one rank, or shares
+  /// of different plans, throw on every rank. On device transports the
+  /// dispatchers are rebuilt (and allocate); the scratch keeps its memory.
   void replan(const RankQkvMetadata& meta) {
-    if (dedup_ && !meta.kv_wire) {
-      detail::fail("QkvDispatch (rank ", transport_.rank(), "): dedup needs the share's kv_wire slices, but kv_wire is empty; plan with plan.dedup = true");
-    }
-    if constexpr (detail::memory_space_of<T>() != MemorySpace::host) {
-      first_plan(meta);  // the device path uploads its piece lists per plan: the dispatchers are rebuilt
-    } else {
-      host_replan(meta);
-    }
+    if (check_) detail::PlanAgreement::run([&] { prepare(meta); }, [&](bool refused) { agree(meta, refused); });
+    else prepare(meta);
+    commit();
   }
 
   const RankAttentionLayout& attention() const noexcept { return attention_; }
@@ -169,33 +179,73 @@ class QkvDispatch {
     return width;
   }
 
-  /// Replans the host dispatchers in place (prepare all, then commit all).
-  void host_replan(const RankQkvMetadata& meta) {
-    if (!q_) return first_plan(meta);
-    q_->prepare_replan(meta.q_fwd, meta.q_rev);
-    if (dedup_) wire_->prepare_replan(*meta.kv_wire);
-    else kv_->prepare_replan(meta.kv_fwd, meta.kv_rev);
+  static constexpr std::size_t agreement_slots = 2;
+  static constexpr const char* slot_names[agreement_slots] = {"query", "key-value"};
+
+  /// Plans `meta` without taking it: the host dispatchers prepare their
+  /// replans in place; the first share (every share on a device transport,
+  /// whose path uploads its piece lists per plan) builds new dispatchers.
+  void prepare(const RankQkvMetadata& meta) {
+    if (dedup_ && !meta.kv_wire) {
+      detail::fail("QkvDispatch (rank ", transport_.rank(), "): dedup needs the share's kv_wire slices, but kv_wire is empty; plan with plan.dedup = true");
+    }
+    fresh_ = false;
+    if constexpr (detail::memory_space_of<T>() == MemorySpace::host) {
+      if (q_) {
+        q_->prepare_replan(meta.q_fwd, meta.q_rev);
+        if (dedup_) wire_->prepare_replan(*meta.kv_wire);
+        else kv_->prepare_replan(meta.kv_fwd, meta.kv_rev);
+        next_attention_ = meta.attn;
+        return;
+      }
+    }
+    next_q_.reset();
+    next_kv_.reset();
+    next_wire_.reset();
+    next_q_.emplace(transport_, meta.q_fwd, meta.q_rev, q_token_elems_ * sizeof(E));
+    if (dedup_) next_wire_.emplace(transport_, *meta.kv_wire, kv_token_elems_ * sizeof(E));
+    else next_kv_.emplace(transport_, meta.kv_fwd, meta.kv_rev, kv_token_elems_ * sizeof(E));
     next_attention_ = meta.attn;
-    q_->commit_replan();
-    if (dedup_) wire_->commit_replan();
-    else kv_->commit_replan();
+    fresh_ = true;
+  }
+
+  /// Takes the prepared plan (all dispatchers at once).
+  void commit() {
+    if (fresh_) {
+      take(q_, next_q_);
+      take(kv_, next_kv_);
+      take(wire_, next_wire_);
+      next_q_.reset();
+      next_kv_.reset();
+      next_wire_.reset();
+      fresh_ = false;
+    } else {
+      q_->commit_replan();
+      if (dedup_) wire_->commit_replan();
+      else kv_->commit_replan();
+    }
     std::swap(attention_, next_attention_);
     size_scratch();
   }
 
-  /// The dispatchers built for `meta` (the first share; every share on a device transport).
-  void first_plan(const RankQkvMetadata& meta) {
-    std::optional<Dispatcher<T>> q(std::in_place, transport_, meta.q_fwd, meta.q_rev, q_token_elems_ * sizeof(E));
-    std::optional<Dispatcher<T>> kv;
-    std::optional<KvWireDispatcher<T>> wire;
-    if (dedup_) wire.emplace(transport_, *meta.kv_wire, kv_token_elems_ * sizeof(E));
-    else kv.emplace(transport_, meta.kv_fwd, meta.kv_rev, kv_token_elems_ * sizeof(E));
-    RankAttentionLayout attention = meta.attn;
-    take(q_, q);
-    take(kv_, kv);
-    take(wire_, wire);
-    attention_ = std::move(attention);
-    size_scratch();
+  /// Plan agreement over the query and key-value slices (the wire's with
+  /// dedup): one exchange for both; a rank that refused its share takes part.
+  void agree(const RankQkvMetadata& meta, bool refused) {
+    const bool wire = dedup_ && meta.kv_wire;
+    const detail::AgreementSlot slots[] = {{slot_names[0], &meta.q_fwd, &meta.q_rev},
+                                           {slot_names[1], wire ? &meta.kv_wire->fwd : &meta.kv_fwd, wire ? &meta.kv_wire->rev : &meta.kv_rev}};
+    detail::AgreementHeader h;
+    h.world_size = meta.q_fwd.world_size;
+    h.config = detail::agreement_hash({q_token_elems_, kv_token_elems_, sizeof(E), static_cast<std::uint64_t>(element_type_of<E>()), dedup_});
+    h.mask = detail::agreement_hash({static_cast<std::uint64_t>(meta.attn.mask.type), static_cast<std::uint64_t>(meta.attn.mask.window)});
+    h.layout = detail::agreement_hash({meta.kv_fwd.has_copies, meta.kv_fwd.num_copies});
+    agreement_.build(transport_.rank(), h, slots, refused);
+    try {
+      agreement_.exchange(transport_);
+    } catch (...) {
+      detail::rethrow_with_context(detail::concat("QkvDispatch::replan (rank ", transport_.rank(), " of ", transport_.world_size(), "): plan agreement: all_to_all_v failed: "));
+    }
+    if (!refused) agreement_.check("QkvDispatch::replan", transport_.rank(), slot_names);
   }
 
   /// The dispatchers hold the transport by reference (no assignment), but
@@ -218,8 +268,13 @@ class QkvDispatch {
   T& transport_;
   std::size_t q_token_elems_, kv_token_elems_;
   bool dedup_ = false;
+  bool check_ = false;  // plan agreement at each share
+  bool fresh_ = false;  // the prepared plan is new dispatchers (next_*), not prepared replans
+  detail::PlanAgreement agreement_;
   std::optional<Dispatcher<T>> q_, kv_;
   std::optional<KvWireDispatcher<T>> wire_;  // in place of kv_ with dedup
+  std::optional<Dispatcher<T>> next_q_, next_kv_;  // prepare's, for the first share (every share on device)
+  std::optional<KvWireDispatcher<T>> next_wire_;
   RankAttentionLayout attention_, next_attention_;  // replan copies into the second, then swaps (both keep their storage)
   typename path::scratch replica_, wire_scratch_;
 };
