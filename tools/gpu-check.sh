@@ -35,7 +35,7 @@ build() {
   tools/install-deps.sh
   cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DCPDISPATCH_WITH_CUDA=ON -DCPDISPATCH_WITH_CUDNN=ON \
     -DCMAKE_CUDA_ARCHITECTURES="90-real;90-virtual" -DCPDISPATCH_WITH_PYTHON=OFF \
-    -DCPDISPATCH_BUILD_CUDA_PROGRAMS=ON
+    -DCPDISPATCH_BUILD_CUDA_PROGRAMS=ON -DCPDISPATCH_BUILD_BENCHMARKS=ON
   cmake --build "$build_dir" -j"$(nproc)" --target "${tests[@]}" "${benches[@]}"
   rm -rf "$carry" && mkdir -p "$carry"
   for program in "${tests[@]}" "${benches[@]}"; do
