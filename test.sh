@@ -19,4 +19,6 @@ generator=()
 cmake -S . -B "$build_dir" "${generator[@]}"
 cmake --build "$build_dir" -j"$(nproc)"
 cd "$build_dir"
-ctest --output-on-failure -j"$(nproc)" "$@"
+# Two tests a core: many wait (MPI start-up, fault tests' stalls and timeouts,
+# Python's imports) rather than compute.
+ctest --output-on-failure -j"$(( $(nproc) * 2 ))" "$@"
