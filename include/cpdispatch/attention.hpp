@@ -5,4 +5,5 @@
 
 #include "cpdispatch/attention/context_parallel.hpp"  // IWYU pragma: export
 #include "cpdispatch/attention/host_kernel.hpp"       // IWYU pragma: export
+#include "cpdispatch/attention/invariant.hpp"         // IWYU pragma: export
 #include "cpdispatch/attention/kernel.hpp"            // IWYU pragma: export

@@ -38,8 +38,10 @@
 
 #include "cpdispatch/attention/detail/block_math.hpp"
 #include "cpdispatch/attention/call_check.hpp"
+#include "cpdispatch/attention/detail/exact_sum.hpp"
 #include "cpdispatch/attention/detail/row_cover.hpp"
 #include "cpdispatch/attention/detail/work_pool.hpp"
+#include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/float16.hpp"
@@ -123,6 +125,10 @@ struct WorkItem {
 /// Scratch of one thread, grown to fit and kept across calls.
 struct ThreadScratch {
   std::vector<float> s, dp, acc, acc2, m, l;
+  // The invariant mode's: per unit of one row, its maximum, sum and output
+  // (or dq) terms; a unit's scores; the row's exact sums.
+  std::vector<float> unit_m, unit_l, unit_p, unit_s;
+  std::vector<std::int64_t> exact;
 };
 
 }  // namespace detail::attention
@@ -183,6 +189,58 @@ class HostAttentionKernel {
     auto q_body = [&](std::int64_t i, int w) {
       query_grad_block(shape, entries, in, lse, items_[static_cast<std::size_t>(i)],
                        scratch_[static_cast<std::size_t>(w)], dq, z);
+    };
+    pool_->run(static_cast<std::int64_t>(items_.size()), q_body);
+  }
+
+  /// Invariant mode (attention/invariant.hpp): out and lse bitwise the same
+  /// for every split of a row's keys on the grid (entries, units), every
+  /// thread count and block size. Throws invalid_input on a non-finite
+  /// score or sum (a NaN or infinity in the inputs).
+  template <class E>
+  void forward_invariant(const AttentionShape& shape, const InvariantGrid& grid, std::span<const AttentionEntry> entries,
+                         std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out,
+                         std::span<float> lse) {
+    const Sizes z = check_.forward(name_, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
+    detail::check_invariant_grid(name_, grid, entries.size());
+    const Inputs in{as_f32(q, q32_), as_f32(k, k32_), as_f32(v, v32_)};
+    query_cover_.build(entries, detail::attention::CoverSide::query);
+    list_query_blocks(shape, entries);
+    auto body = [&](std::int64_t i, int w) {
+      invariant_forward_block(shape, grid, entries, in, items_[static_cast<std::size_t>(i)],
+                              scratch_[static_cast<std::size_t>(w)], out, lse, z);
+    };
+    pool_->run(static_cast<std::int64_t>(items_.size()), body);
+  }
+
+  /// Invariant mode: dq (written, rounded once per element) bitwise the same
+  /// for every split on the grid; dk and dv added as exact sums into `kv`
+  /// (one term per query head and query unit), so that any caller's sum of
+  /// them over calls, copies and ranks is the same integer. Needs the
+  /// forward's out and lse (the invariant forward's, for the property).
+  /// Throws invalid_input on a term that is not finite or outside kv's scale.
+  template <class E>
+  void backward_invariant(const AttentionShape& shape, const InvariantGrid& grid, std::span<const AttentionEntry> entries,
+                          std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<const E> out,
+                          std::span<const float> lse, std::span<const E> dout, std::span<E> dq, ExactKvGradients kv) {
+    const Sizes z = check_.backward(name_, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size(),
+                                    dout.size(), dq.size(), kv.dk.size(), kv.dv.size());
+    detail::check_invariant_grid(name_, grid, entries.size());
+    const Inputs in{as_f32(q, q32_), as_f32(k, k32_), as_f32(v, v32_), as_f32(dout, dout32_)};
+    prepare_scratch(shape);
+    query_cover_.build(entries, detail::attention::CoverSide::query);
+    key_cover_.build(entries, detail::attention::CoverSide::key);
+    row_deltas(shape, out, dout, z);
+    list_key_blocks(shape, entries);
+    auto kv_body = [&](std::int64_t i, int w) {
+      invariant_kv_grad_block(shape, grid, entries, in, lse, items_[static_cast<std::size_t>(i)],
+                              scratch_[static_cast<std::size_t>(w)], kv, z);
+    };
+    pool_->run(static_cast<std::int64_t>(items_.size()), kv_body);
+    list_query_blocks(shape, entries);
+    auto q_body = [&](std::int64_t i, int w) {
+      invariant_query_grad_block(shape, grid, entries, in, lse, items_[static_cast<std::size_t>(i)],
+                                 scratch_[static_cast<std::size_t>(w)], dq, z);
     };
     pool_->run(static_cast<std::int64_t>(items_.size()), q_body);
   }
@@ -501,6 +559,203 @@ class HostAttentionKernel {
     }
   }
 
+  // ---- The invariant mode: units in a fixed order, exact sums across them ----
+
+  /// Calls f(first, end) for each unit of the key rows query row j sees under
+  /// the entries covering segment seg: entries in index order, each one's
+  /// visible keys cut where the grid (shifted by its kv phase) cuts them.
+  template <class F>
+  void for_each_key_unit(const InvariantGrid& grid, std::span<const AttentionEntry> entries, const RowSegment& seg,
+                         std::int64_t j, F&& f) const {
+    for (std::int64_t id : query_cover_.entries_of(seg)) {
+      const AttentionEntry& e = entry(entries, id);
+      const RowRun keys = detail::attention::visible_keys(e, j);
+      const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].kv;
+      for (std::int64_t t = keys.begin; t < keys.end;) {
+        const std::int64_t end = std::min(keys.end, t + grid.size - (phase + t - e.kv_start) % grid.size);
+        f(t, end);
+        t = end;
+      }
+    }
+  }
+
+  /// Scores of query row qj against key rows [c0, c1) in log2 units, then
+  /// 2^(score - shift) in place, in chunks of four lanes with the tail padded
+  /// (one code path for every key). Returns the scores' buffer.
+  static float* unit_probabilities(ThreadScratch& t, const float* qj, HeadRows k, std::int64_t c0, std::int64_t c1,
+                                   std::int64_t D, float cs, const float* shift) {
+    using namespace detail::attention;
+    const std::int64_t c = c1 - c0, padded = (c + 3) / 4 * 4;
+    if (t.unit_s.size() < static_cast<std::size_t>(padded)) t.unit_s.resize(static_cast<std::size_t>(padded));
+    float* sc = t.unit_s.data();
+    for (std::int64_t i = 0; i < c; ++i) sc[i] = dot(qj, k.row(c0 + i), D) * cs;
+    std::fill(sc + c, sc + padded, minus_inf);
+    const float m = shift ? *shift : row_max(sc, c);
+    t.unit_m.push_back(m);
+    for (std::int64_t i = 0; i < padded; i += 4) store4(sc + i, exp2_approx(load4(sc + i) - splat4(m)));
+    return sc;
+  }
+
+  [[noreturn]] static void not_finite(const char* what, std::int64_t row, std::int64_t head) {
+    detail::fail(name_, ": invariant ", what, " of row ", row, ", head ", head,
+                 " is not finite or exceeds its exact sum's scale (a NaN or infinity in the inputs?)");
+  }
+
+  template <class E>
+  void invariant_forward_block(const AttentionShape& s, const InvariantGrid& grid, std::span<const AttentionEntry> entries,
+                               const Inputs& in, const WorkItem& item, ThreadScratch& t, std::span<E> out,
+                               std::span<float> lse, const Sizes& z) const {
+    using namespace detail::attention;
+    const RowSegment& seg = query_cover_.segments()[static_cast<std::size_t>(item.segment)];
+    const std::int64_t D = s.head_dim, j0 = item.start, r = std::min(options_.block_q, seg.end - j0);
+    const std::int64_t g = item.head / (s.heads_q / s.heads_kv);
+    const HeadRows q = head_q(s, in.q, item.head), k = head_kv(s, in.k, g), v = head_kv(s, in.v, g);
+    const float cs = s.softmax_scale * log2e;
+    for (std::int64_t j = j0; j < j0 + r; ++j) {
+      t.unit_m.clear();
+      t.unit_l.clear();
+      t.unit_p.clear();
+      // Each unit on its own: its maximum, then its sum and output in fp32, keys increasing.
+      for_each_key_unit(grid, entries, seg, j, [&](std::int64_t c0, std::int64_t c1) {
+        const float* p = unit_probabilities(t, q.row(j), k, c0, c1, D, cs, nullptr);
+        float l = 0.0f;
+        for (std::int64_t i = 0; i < c1 - c0; ++i) l += p[i];
+        t.unit_l.push_back(l);
+        const std::size_t at = t.unit_p.size();
+        t.unit_p.resize(at + static_cast<std::size_t>(D), 0.0f);
+        for (std::int64_t i = 0; i < c1 - c0; ++i) axpy(p[i], v.row(c0 + i), t.unit_p.data() + at, D);
+      });
+      E* o = out.data() + (j * s.heads_q + item.head) * D;
+      float& row_lse = lse[static_cast<std::size_t>(item.head * z.tokens_q + j)];
+      if (t.unit_m.empty()) {  // the row sees no key
+        std::fill(o, o + D, from_f32<E>(0.0f));
+        row_lse = minus_inf;
+        continue;
+      }
+      finish_forward_row(t, D, j, item.head, o, row_lse);
+    }
+  }
+
+  /// Folds a row's units against the row's maximum (exact: a maximum), adds
+  /// them exactly and rounds out and lse once.
+  template <class E>
+  static void finish_forward_row(ThreadScratch& t, std::int64_t D, std::int64_t j, std::int64_t h, E* o, float& row_lse) {
+    using namespace detail::attention;
+    const std::size_t n = t.unit_m.size();
+    const float m = row_max(t.unit_m.data(), static_cast<std::int64_t>(n));
+    if (!std::isfinite(m)) not_finite("score maximum", j, h);
+    // Each unit's scale to the row maximum, kept in unit_m (one exp2 path for every unit).
+    for (std::size_t u = 0; u < n; ++u) t.unit_m[u] = exp2_approx(splat4(t.unit_m[u] - m))[0];
+    double max_l = 0, max_p = 0;
+    for (std::size_t u = 0; u < n; ++u) {
+      const double f = t.unit_m[u];
+      max_l = std::max(max_l, std::fabs(t.unit_l[u] * f));
+      for (std::int64_t d = 0; d < D; ++d) max_p = std::max(max_p, std::fabs(t.unit_p[u * D + d] * f));
+    }
+    const int el = exact_exponent(max_l, n), ep = exact_exponent(max_p, n);
+    t.exact.assign(static_cast<std::size_t>(D + 1), 0);
+    for (std::size_t u = 0; u < n; ++u) {
+      const double f = t.unit_m[u];  // products of two floats: exact in double
+      if (!add_exact(t.exact[static_cast<std::size_t>(D)], t.unit_l[u] * f, el)) not_finite("softmax sum", j, h);
+      for (std::int64_t d = 0; d < D; ++d) {
+        if (!add_exact(t.exact[static_cast<std::size_t>(d)], t.unit_p[u * D + d] * f, ep)) not_finite("output", j, h);
+      }
+    }
+    const double l = from_fixed(t.exact[static_cast<std::size_t>(D)], el);
+    for (std::int64_t d = 0; d < D; ++d) o[d] = from_f32<E>(static_cast<float>(from_fixed(t.exact[static_cast<std::size_t>(d)], ep) / l));
+    row_lse = static_cast<float>((static_cast<double>(m) + std::log2(l)) * 0.6931471805599453);
+  }
+
+  template <class E>
+  void invariant_query_grad_block(const AttentionShape& s, const InvariantGrid& grid,
+                                  std::span<const AttentionEntry> entries, const Inputs& in, std::span<const float> lse,
+                                  const WorkItem& item, ThreadScratch& t, std::span<E> dq, const Sizes& z) const {
+    using namespace detail::attention;
+    const RowSegment& seg = query_cover_.segments()[static_cast<std::size_t>(item.segment)];
+    const std::int64_t D = s.head_dim, j0 = item.start, r = std::min(options_.block_q, seg.end - j0);
+    const std::int64_t g = item.head / (s.heads_q / s.heads_kv);
+    const HeadRows q = head_q(s, in.q, item.head), k = head_kv(s, in.k, g), v = head_kv(s, in.v, g);
+    const HeadRows dout = head_q(s, in.dout, item.head);
+    const float cs = s.softmax_scale * log2e;
+    for (std::int64_t j = j0; j < j0 + r; ++j) {
+      const auto idx = static_cast<std::size_t>(item.head * z.tokens_q + j);
+      E* o = dq.data() + (j * s.heads_q + item.head) * D;
+      t.unit_m.clear();
+      t.unit_p.clear();
+      const float shift = lse[idx] * log2e, delta = delta_[idx];
+      if (lse[idx] != minus_inf) {
+        for_each_key_unit(grid, entries, seg, j, [&](std::int64_t c0, std::int64_t c1) {
+          const float* p = unit_probabilities(t, q.row(j), k, c0, c1, D, cs, &shift);
+          const std::size_t at = t.unit_p.size();
+          t.unit_p.resize(at + static_cast<std::size_t>(D), 0.0f);
+          for (std::int64_t i = 0; i < c1 - c0; ++i) {
+            const float ds = p[i] * (dot(dout.row(j), v.row(c0 + i), D) - delta);
+            axpy(ds, k.row(c0 + i), t.unit_p.data() + at, D);
+          }
+        });
+      }
+      const std::size_t n = t.unit_m.size();
+      double max_p = 0;
+      for (float x : t.unit_p) max_p = std::max(max_p, static_cast<double>(std::fabs(x)));
+      const int e = exact_exponent(max_p, n);
+      t.exact.assign(static_cast<std::size_t>(D), 0);
+      for (std::size_t u = 0; u < n; ++u) {
+        for (std::int64_t d = 0; d < D; ++d) {
+          if (!add_exact(t.exact[static_cast<std::size_t>(d)], t.unit_p[u * D + d], e)) not_finite("dq", j, item.head);
+        }
+      }
+      const double scale = s.softmax_scale;
+      for (std::int64_t d = 0; d < D; ++d) o[d] = from_f32<E>(static_cast<float>(scale * from_fixed(t.exact[static_cast<std::size_t>(d)], e)));
+    }
+  }
+
+  /// dk and dv of key rows [c0, c0 + c) of key-value head g: per query head
+  /// of the group, entry and query unit, the unit's fp32 sum (rows
+  /// increasing) added exactly into kv.
+  void invariant_kv_grad_block(const AttentionShape& s, const InvariantGrid& grid, std::span<const AttentionEntry> entries,
+                               const Inputs& in, std::span<const float> lse, const WorkItem& item, ThreadScratch& t,
+                               const ExactKvGradients& kv, const Sizes& z) const {
+    using namespace detail::attention;
+    const RowSegment& seg = key_cover_.segments()[static_cast<std::size_t>(item.segment)];
+    const std::int64_t D = s.head_dim, c0 = item.start, c = std::min(options_.block_kv, seg.end - c0);
+    const std::int64_t g = item.head, group = s.heads_q / s.heads_kv;
+    const HeadRows k = head_kv(s, in.k, g), v = head_kv(s, in.v, g);
+    const float cs = s.softmax_scale * log2e;
+    const double scale = s.softmax_scale;
+    float* acc_k = t.acc.data();
+    float* acc_v = t.acc2.data();
+    for (std::int64_t key = c0; key < c0 + c; ++key) {
+      const auto at = static_cast<std::size_t>((key * s.heads_kv + g) * D);
+      for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const HeadRows q = head_q(s, in.q, h), dout = head_q(s, in.dout, h);
+        for (std::int64_t id : key_cover_.entries_of(seg)) {
+          const AttentionEntry& e = entry(entries, id);
+          const RowRun rows = rows_seeing(e, key, key + 1);
+          const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].q;
+          for (std::int64_t i = rows.begin; i < rows.end;) {
+            const std::int64_t end = std::min(rows.end, i + grid.size - (phase + i - e.q_start) % grid.size);
+            std::fill(acc_k, acc_k + D, 0.0f);
+            std::fill(acc_v, acc_v + D, 0.0f);
+            for (; i < end; ++i) {
+              const auto idx = static_cast<std::size_t>(h * z.tokens_q + i);
+              if (lse[idx] == minus_inf) continue;
+              const float x = dot(q.row(i), k.row(key), D) * cs - lse[idx] * log2e;
+              const float p = exp2_approx(splat4(x))[0];
+              const float ds = p * (dot(dout.row(i), v.row(key), D) - delta_[idx]);
+              axpy(p, dout.row(i), acc_v, D);
+              axpy(ds, q.row(i), acc_k, D);
+            }
+            for (std::int64_t d = 0; d < D; ++d) {
+              const auto x = at + static_cast<std::size_t>(d);
+              if (!add_exact(kv.dk[x], acc_k[d] * scale, kv.dk_exponent)) not_finite("dk", key, g);
+              if (!add_exact(kv.dv[x], acc_v[d], kv.dv_exponent)) not_finite("dv", key, g);
+            }
+          }
+        }
+      }
+    }
+  }
+
   HostAttentionOptions options_;
   std::unique_ptr<detail::attention::WorkPool> pool_;
   std::vector<ThreadScratch> scratch_;
@@ -515,5 +770,7 @@ class HostAttentionKernel {
 static_assert(AttentionKernel<HostAttentionKernel, float>);
 static_assert(AttentionKernel<HostAttentionKernel, bfloat16>);
 static_assert(AttentionKernel<HostAttentionKernel, float16>);
+static_assert(InvariantAttentionKernel<HostAttentionKernel, float>);
+static_assert(InvariantAttentionKernel<HostAttentionKernel, bfloat16>);
 
 }  // namespace cpdispatch

@@ -1,0 +1,57 @@
+#pragma once
+// Exact sums for the invariant mode: a value is an integer times a power of
+// two (fixed point), so that sums of such values are integer sums, which no
+// order, split or thread count can change. Each term is rounded once, to the
+// nearest multiple of 2^exponent (ties to even, the default rounding mode),
+// and the sum is rounded once, when it leaves the fixed point.
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace cpdispatch::detail::attention {
+
+/// Integers stay below 2^62 in magnitude, so a sum of two never leaves 64 bits
+/// unnoticed and a bound that is off by a rounding still fits.
+inline constexpr int exact_bits = 62;
+
+/// The smallest b with 2^b >= n (0 for n <= 1).
+inline int ceil_log2(std::uint64_t n) noexcept { return n <= 1 ? 0 : static_cast<int>(std::bit_width(n - 1)); }
+
+/// The exponent at which `terms` values, each of magnitude at most max_abs,
+/// sum within exact_bits: 2^exponent is the unit of the fixed point. 0 when
+/// max_abs is 0 (every term is then 0 as well).
+inline int exact_exponent(double max_abs, std::uint64_t terms) noexcept {
+  if (!(max_abs > 0)) return 0;
+  int e = 0;
+  std::frexp(max_abs, &e);  // max_abs < 2^e
+  return e + ceil_log2(terms) - exact_bits;
+}
+
+/// x in units of 2^exponent, rounded to the nearest integer; false when x is
+/// not finite or does not fit (never a wrap).
+inline bool to_fixed(double x, int exponent, std::int64_t& out) noexcept {
+  const double y = std::ldexp(x, -exponent);
+  if (!(std::fabs(y) < 0x1p62)) return false;  // NaN fails here too
+  out = static_cast<std::int64_t>(std::nearbyint(y));
+  return true;
+}
+
+/// acc += x; false on overflow (acc unchanged then).
+inline bool add_fixed(std::int64_t& acc, std::int64_t x) noexcept {
+  std::int64_t sum = 0;
+  if (__builtin_add_overflow(acc, x, &sum)) return false;
+  acc = sum;
+  return true;
+}
+
+/// acc += x in units of 2^exponent; false when x is not finite, does not fit or the sum overflows.
+inline bool add_exact(std::int64_t& acc, double x, int exponent) noexcept {
+  std::int64_t f = 0;
+  return to_fixed(x, exponent, f) && add_fixed(acc, f);
+}
+
+/// The value of an exact sum (one rounding, to double).
+inline double from_fixed(std::int64_t v, int exponent) noexcept { return std::ldexp(static_cast<double>(v), exponent); }
+
+}  // namespace cpdispatch::detail::attention

@@ -1,0 +1,292 @@
+// HostAttentionKernel's invariant mode: out, lse, dq and the exact sums of
+// dk and dv bitwise the same for every split of a document on the grid (query
+// shards attended in separate calls, as context parallelism does; key groups
+// cut into several entries; rows at other buffer offsets; documents at other
+// grid phases), every thread count and block size; accurate against the
+// double-precision reference; refusals of bad grids and non-finite inputs.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attention_case.hpp"
+#include "cpdispatch/attention/host_kernel.hpp"
+#include "cpdispatch/attention/invariant.hpp"
+#include "cpdispatch/error.hpp"
+
+#ifdef CPDISPATCH_ATTENTION_CBLAS
+#define INVARIANT_SUITE InvariantHostKernelCblas
+#else
+#define INVARIANT_SUITE InvariantHostKernel
+#endif
+
+namespace cpdispatch::testing {
+namespace {
+
+constexpr double tolerance = 1e-5;
+
+/// One document's tensors, [L][heads][head_dim].
+template <class E>
+struct Document {
+  AttentionShape shape;
+  std::int64_t length;
+  std::vector<E> q, k, v, dout;
+
+  Document(AttentionShape s, std::int64_t L, unsigned seed) : shape(s), length(L) {
+    std::mt19937 rng(seed);
+    const auto t = static_cast<std::size_t>(L);
+    q = random_elements<E>(t * static_cast<std::size_t>(s.heads_q * s.head_dim), rng);
+    k = random_elements<E>(t * static_cast<std::size_t>(s.heads_kv * s.head_dim), rng);
+    v = random_elements<E>(t * static_cast<std::size_t>(s.heads_kv * s.head_dim), rng);
+    dout = random_elements<E>(q.size(), rng);
+  }
+  std::size_t qw() const { return static_cast<std::size_t>(shape.heads_q * shape.head_dim); }
+  std::size_t kw() const { return static_cast<std::size_t>(shape.heads_kv * shape.head_dim); }
+};
+
+/// How a run splits the document: query shards [cuts[i], cuts[i + 1]), each
+/// attended in a call of its own against its key group; the group's keys cut
+/// into entries wherever the packed position is a multiple of key_cut (0:
+/// one entry), the shard's rows likewise by row_cut; `pad` unused rows
+/// before the shard's in the call's query buffer.
+struct Split {
+  std::vector<std::int64_t> cuts;
+  std::int64_t key_cut = 0, row_cut = 0, pad = 0;
+};
+
+/// A run's results in document order; dk and dv as exact sums.
+template <class E>
+struct SplitRun {
+  std::vector<E> out, dq;
+  std::vector<float> lse;  // [heads_q][L]
+  std::vector<std::int64_t> dk, dv;
+};
+
+/// [first, end) cut wherever first-based packed position (packed + x) is a multiple of `every` (0: not cut).
+std::vector<std::int64_t> grid_cuts(std::int64_t first, std::int64_t end, std::int64_t packed, std::int64_t every) {
+  std::vector<std::int64_t> cuts{first};
+  if (every > 0) {
+    for (std::int64_t x = first + 1; x < end; ++x) {
+      if ((packed + x) % every == 0) cuts.push_back(x);
+    }
+  }
+  cuts.push_back(end);
+  return cuts;
+}
+
+template <class E>
+SplitRun<E> run_split(HostAttentionKernel& kernel, const Document<E>& doc, const AttentionMask& mask, std::int64_t grid,
+                 std::int64_t packed, const Split& split, KvGradientExponents ex) {
+  const AttentionShape& s = doc.shape;
+  const std::int64_t L = doc.length;
+  const std::size_t qw = doc.qw(), kw = doc.kw();
+  SplitRun<E> r{std::vector<E>(doc.q.size()), std::vector<E>(doc.q.size()), std::vector<float>(static_cast<std::size_t>(s.heads_q * L)),
+           std::vector<std::int64_t>(doc.k.size(), 0), std::vector<std::int64_t>(doc.k.size(), 0)};
+  const Band band = mask.band();
+  for (std::size_t c = 0; c + 1 < split.cuts.size(); ++c) {
+    const std::int64_t a = split.cuts[c], b = split.cuts[c + 1], lq = b - a, rows = split.pad + lq;
+    const std::int64_t k0 = band.bounded_below() ? std::max<std::int64_t>(0, a + band.lo) : 0;
+    const std::int64_t k1 = band.bounded_above() ? std::min<std::int64_t>(L, b - 1 + band.hi + 1) : L;
+    std::vector<AttentionEntry> entries;
+    std::vector<UnitPhase> phases;
+    const auto row_cuts = grid_cuts(a, b, packed, split.row_cut), key_cuts = grid_cuts(k0, k1, packed, split.key_cut);
+    for (std::size_t i = 0; i + 1 < row_cuts.size(); ++i) {
+      for (std::size_t j = 0; j + 1 < key_cuts.size(); ++j) {
+        const std::int64_t r0 = row_cuts[i], t0 = key_cuts[j];
+        entries.push_back(part_entry(mask, split.pad + r0 - a, row_cuts[i + 1] - r0, t0 - k0, key_cuts[j + 1] - t0, r0 - t0));
+        phases.push_back({(packed + r0) % grid, (packed + t0) % grid});
+      }
+    }
+    // The call's buffers: `pad` rows of other data, then the shard's rows; the group's keys.
+    std::vector<E> q(static_cast<std::size_t>(rows) * qw, to_element<E>(0.5f)), dout(q.size(), to_element<E>(-0.25f));
+    std::copy(doc.q.begin() + a * qw, doc.q.begin() + b * qw, q.begin() + split.pad * qw);
+    std::copy(doc.dout.begin() + a * qw, doc.dout.begin() + b * qw, dout.begin() + split.pad * qw);
+    const std::vector<E> k(doc.k.begin() + k0 * kw, doc.k.begin() + k1 * kw), v(doc.v.begin() + k0 * kw, doc.v.begin() + k1 * kw);
+    std::vector<E> out(q.size()), dq(q.size());
+    std::vector<float> lse(static_cast<std::size_t>(s.heads_q * rows));
+    std::vector<std::int64_t> dk(k.size(), 0), dv(k.size(), 0);
+    const InvariantGrid g{grid, phases};
+    kernel.forward_invariant<E>(s, g, entries, q, k, v, out, lse);
+    kernel.backward_invariant<E>(s, g, entries, q, k, v, out, lse, dout, dq, {dk, dv, ex.dk, ex.dv});
+    std::copy(out.begin() + split.pad * qw, out.end(), r.out.begin() + a * qw);
+    std::copy(dq.begin() + split.pad * qw, dq.end(), r.dq.begin() + a * qw);
+    for (std::int64_t h = 0; h < s.heads_q; ++h) {
+      for (std::int64_t p = 0; p < lq; ++p) {
+        r.lse[static_cast<std::size_t>(h * L + a + p)] = lse[static_cast<std::size_t>(h * rows + split.pad + p)];
+      }
+    }
+    // The copies' exact sums add at home as integers.
+    for (std::size_t i = 0; i < dk.size(); ++i) {
+      r.dk[static_cast<std::size_t>(k0) * kw + i] += dk[i];
+      r.dv[static_cast<std::size_t>(k0) * kw + i] += dv[i];
+    }
+  }
+  return r;
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+template <class E>
+void expect_same_bits(const SplitRun<E>& got, const SplitRun<E>& want, const std::string& what) {
+  EXPECT_TRUE(same_bits(got.out, want.out)) << what << ": out";
+  EXPECT_TRUE(same_bits(got.lse, want.lse)) << what << ": lse";
+  EXPECT_TRUE(same_bits(got.dq, want.dq)) << what << ": dq";
+  EXPECT_TRUE(same_bits(got.dk, want.dk)) << what << ": dk";
+  EXPECT_TRUE(same_bits(got.dv, want.dv)) << what << ": dv";
+}
+
+template <class E>
+double max_abs(const std::vector<E>& x) {
+  double m = 0;
+  for (const E& e : x) m = std::max(m, std::fabs(to_double(e)));
+  return m;
+}
+
+template <class E>
+KvGradientExponents exponents_of(const Document<E>& d) {
+  return kv_gradient_exponents(d.shape, {max_abs(d.q), max_abs(d.v), max_abs(d.dout), d.length});
+}
+
+/// Every split below must give the bits of the whole document in one call.
+template <class E>
+void check_splits(const AttentionShape& s, std::int64_t L, std::int64_t grid, std::int64_t packed) {
+  const Document<E> doc(s, L, 5);
+  const auto ex = exponents_of(doc);
+  HostAttentionKernel kernel({2, 4, 8});
+  const auto shards = grid_cuts(0, L, packed, grid);                 // every block its own call
+  const auto halves = grid_cuts(0, L, packed, 3 * grid);             // a few larger shards
+  for (const AttentionMask& mask : all_masks()) {
+    SCOPED_TRACE(to_string(mask) + ", packed start " + std::to_string(packed));
+    const SplitRun<E> whole = run_split(kernel, doc, mask, grid, packed, {{0, L}}, ex);
+    expect_same_bits(run_split(kernel, doc, mask, grid, packed, {shards}, ex), whole, "a call per block");
+    expect_same_bits(run_split(kernel, doc, mask, grid, packed, {halves, 0, 0, 3}, ex), whole, "larger shards, padded rows");
+    expect_same_bits(run_split(kernel, doc, mask, grid, packed, {{0, L}, grid, 0, 0}, ex), whole, "keys cut into entries");
+    expect_same_bits(run_split(kernel, doc, mask, grid, packed, {halves, 2 * grid, grid, 1}, ex), whole, "rows and keys cut");
+  }
+}
+
+TEST(INVARIANT_SUITE, TheSplitOnTheGridChangesNoBit) {
+  check_splits<float>(make_shape(2, 2, 8), 61, 8, 0);
+  check_splits<float>(make_shape(2, 2, 8), 61, 8, 3);   // a document starting inside a block
+  check_splits<float>(make_shape(4, 2, 5), 45, 4, 6);   // GQA, odd head_dim
+  check_splits<bfloat16>(make_shape(2, 1, 8), 40, 8, 5);
+}
+
+TEST(INVARIANT_SUITE, ThreadsAndBlockSizesChangeNoBit) {
+  const Document<float> doc(make_shape(4, 2, 8), 70, 9);
+  const auto ex = exponents_of(doc);
+  const Split split{{0, 16, 48, 70}, 16, 0, 0};
+  for (const AttentionMask& mask : all_masks()) {
+    SCOPED_TRACE(to_string(mask));
+    HostAttentionKernel one({1, 128, 256});
+    const SplitRun<float> want = run_split(one, doc, mask, 16, 0, split, ex);
+    for (const HostAttentionOptions o : {HostAttentionOptions{2, 1, 1}, HostAttentionOptions{3, 7, 5}, HostAttentionOptions{3, 16, 64}}) {
+      HostAttentionKernel kernel(o);
+      expect_same_bits(run_split(kernel, doc, mask, 16, 0, split, ex), want,
+                       "threads " + std::to_string(o.threads) + ", blocks " + std::to_string(o.block_q) + "/" + std::to_string(o.block_kv));
+    }
+  }
+}
+
+/// Accuracy: the whole document in one call against the double reference,
+/// within the default mode's tolerance and never worse than twice its error.
+template <class E>
+void check_accuracy(const AttentionShape& s, std::int64_t L, std::int64_t grid, double tol) {
+  const Document<E> doc(s, L, 13);
+  const auto ex = exponents_of(doc);
+  HostAttentionKernel kernel({2, 8, 8});
+  const auto q = as_doubles<E>(doc.q), k = as_doubles<E>(doc.k), v = as_doubles<E>(doc.v), dout = as_doubles<E>(doc.dout);
+  for (const AttentionMask& mask : all_masks()) {
+    SCOPED_TRACE(to_string(mask));
+    const auto fwd = reference_attention_forward(q, k, v, L, reference_shape(s), mask);
+    const auto grad = reference_attention_backward(q, k, v, dout, L, reference_shape(s), mask);
+    const SplitRun<E> r = run_split(kernel, doc, mask, grid, 0, {grid_cuts(0, L, 0, 2 * grid), grid, 0, 0}, ex);
+    std::vector<E> dk(doc.k.size()), dv(doc.k.size());
+    round_exact<E>(r.dk, ex.dk, dk);
+    round_exact<E>(r.dv, ex.dv, dv);
+    std::vector<double> lse(r.lse.begin(), r.lse.end());
+    // The default mode on the same document, one call.
+    std::vector<E> out0(doc.q.size()), dq0(doc.q.size()), dk0(doc.k.size()), dv0(doc.k.size());
+    std::vector<float> lse0(lse.size());
+    const auto entries = layout_entries(std::vector<std::int64_t>{0, L}, std::vector<std::int64_t>{0, L}, mask);
+    kernel.forward<E>(s, entries, doc.q, doc.k, doc.v, out0, lse0);
+    kernel.backward<E>(s, entries, doc.q, doc.k, doc.v, out0, lse0, doc.dout, dq0, dk0, dv0);
+    const std::vector<double> lse_default(lse0.begin(), lse0.end());
+    const std::pair<double, double> errors[] = {
+        {relative_error(as_doubles<E>(r.out), fwd.out), relative_error(as_doubles<E>(out0), fwd.out)},
+        {relative_error(lse, fwd.lse), relative_error(lse_default, fwd.lse)},
+        {relative_error(as_doubles<E>(r.dq), grad.dq), relative_error(as_doubles<E>(dq0), grad.dq)},
+        {relative_error(as_doubles<E>(dk), grad.dk), relative_error(as_doubles<E>(dk0), grad.dk)},
+        {relative_error(as_doubles<E>(dv), grad.dv), relative_error(as_doubles<E>(dv0), grad.dv)}};
+    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_LE(errors[i].first, tol) << names[i];
+      EXPECT_TRUE(within_twice(errors[i].first, errors[i].second, tol / 10)) << names[i];
+    }
+  }
+}
+
+TEST(INVARIANT_SUITE, MatchesTheReferenceAsTheDefaultModeDoes) {
+  check_accuracy<float>(make_shape(2, 2, 8), 53, 8, tolerance);
+  check_accuracy<float>(make_shape(6, 3, 16), 40, 16, tolerance);
+  check_accuracy<bfloat16>(make_shape(2, 1, 8), 37, 8, 2e-2);
+}
+
+TEST(INVARIANT_SUITE, RefusesBadGridsAndNonFiniteInputs) {
+  const Document<float> doc(make_shape(2, 1, 4), 9, 3);
+  const auto entries = layout_entries(std::vector<std::int64_t>{0, 9}, std::vector<std::int64_t>{0, 9}, AttentionMask::causal());
+  HostAttentionKernel kernel({1, 4, 4});
+  std::vector<float> out(doc.q.size()), lse(18), dq(doc.q.size());
+  std::vector<std::int64_t> dk(doc.k.size()), dv(doc.k.size());
+  const auto forward = [&](const InvariantGrid& g, const std::vector<float>& q) { kernel.forward_invariant<float>(doc.shape, g, entries, q, doc.k, doc.v, out, lse); };
+  const UnitPhase two[] = {{0, 0}, {0, 0}}, outside[] = {{0, 8}};
+  EXPECT_THAT([&] { forward({0, {}}, doc.q); }, ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("grid.size is 0")));
+  EXPECT_THAT([&] { forward({8, two}, doc.q); }, ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("grid.phases has 2 phases for 1 entries")));
+  EXPECT_THAT([&] { forward({8, outside}, doc.q); }, ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("grid.phases[0] is (q 0, kv 8)")));
+  std::vector<float> bad = doc.q;
+  bad[5] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT([&] { forward({8, {}}, bad); }, ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("is not finite")));
+  bad[5] = std::numeric_limits<float>::infinity();
+  EXPECT_THAT([&] { forward({8, {}}, bad); }, ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("is not finite")));
+  // Key-value gradients beyond their exact sums' scale: an error, never a wrap.
+  forward({8, {}}, doc.q);
+  const auto ex = exponents_of(doc);
+  EXPECT_THAT([&] { kernel.backward_invariant<float>(doc.shape, {8, {}}, entries, doc.q, doc.k, doc.v, out, lse, doc.dout, dq, {dk, dv, ex.dk - 40, ex.dv}); },
+              ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("dk of row")));
+  EXPECT_THAT([] { kv_gradient_exponents(make_shape(2, 1, 4), {1.0, std::nan(""), 1.0, 4}); },
+              ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("bounds.max_abs_v is nan")));
+  EXPECT_THAT([] { kv_gradient_exponents(make_shape(2, 1, 4), {1.0, 1.0, 1.0, -1}); },
+              ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("bounds.queries is -1")));
+}
+
+TEST(INVARIANT_SUITE, ExactSumsRoundOnceAndRefuseOverflow) {
+  using namespace cpdispatch::detail::attention;
+  EXPECT_EQ(ceil_log2(1), 0);
+  EXPECT_EQ(ceil_log2(2), 1);
+  EXPECT_EQ(ceil_log2(5), 3);
+  // 1000 terms of 0.1 at the exponent for their bound: the sum is 1000 x the rounded term, exactly.
+  const int e = exact_exponent(0.1, 1000);
+  std::int64_t acc = 0, term = 0;
+  ASSERT_TRUE(to_fixed(0.1, e, term));
+  for (int i = 0; i < 1000; ++i) ASSERT_TRUE(add_exact(acc, 0.1, e));
+  EXPECT_EQ(acc, 1000 * term);
+  EXPECT_NEAR(from_fixed(acc, e), 100.0, 1e-12);
+  std::int64_t big = std::numeric_limits<std::int64_t>::max() - 1;
+  EXPECT_FALSE(add_fixed(big, 2));
+  EXPECT_EQ(big, std::numeric_limits<std::int64_t>::max() - 1);
+  EXPECT_FALSE(to_fixed(std::numeric_limits<double>::infinity(), 0, term));
+  EXPECT_FALSE(to_fixed(0x1p70, 0, term));
+}
+
+}  // namespace
+}  // namespace cpdispatch::testing
