@@ -71,9 +71,11 @@
 #include "cpdispatch/attention/call_check.hpp"
 #include "cpdispatch/attention/data_path.hpp"
 #include "cpdispatch/attention/detail/head_parallel_part.hpp"
+#include "cpdispatch/attention/detail/invariant_part.hpp"
 #include "cpdispatch/attention/detail/row_cover.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
+#include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
@@ -100,6 +102,17 @@ struct CpAttentionOptions {
   /// peer per plan, never per step); a mismatch throws on every rank. Turn
   /// off only where every rank is known to get the same plan.
   bool check_plan_agreement = true;
+  /// Invariant mode (docs/invariant-attention.md): out, lse, dq, dk and dv
+  /// bitwise the same for every world size, plan, stage count and thread
+  /// count whose cuts lie on the grid (and equal to the run with W = 1). The
+  /// kernel must have the mode (InvariantAttentionKernel: HostAttentionKernel);
+  /// host transports; no head-parallel documents. With stages > 1 the
+  /// exchanges are still posted by group, but the kernel attends once
+  /// everything has arrived.
+  bool invariant = false;
+  /// The invariant mode's grid, in tokens of the packed sequence: every cut
+  /// of a document (the loader's and the plan's) must fall on a multiple.
+  std::int64_t grid = 64;
 };
 
 /// The largest plan a rank expects (ContextParallelAttention::reserve): its
@@ -211,6 +224,7 @@ class ContextParallelAttention {
       : transport_(transport), shape_(shape), options_(options), kernel_(std::move(kernel)), path_(transport) {
     detail::check_attention_shape(shape_, "ContextParallelAttention");
     if (options_.stages < 1) fail("options.stages = ", options_.stages, " must be at least 1");
+    if (options_.invariant) check_invariant_options();
     if constexpr (requires { kernel_.stream() == transport_.stream(); }) {
       if (kernel_.stream() != transport_.stream()) {
         fail("the kernel launches on another stream than the transport's; build it on transport.stream() so that its work is ordered with the exchange's");
@@ -274,15 +288,19 @@ class ContextParallelAttention {
   /// the shares belong to one plan: a share refused here, or shares that
   /// disagree, throw on every rank (a collective, like every call).
   void replan(const RankQkvMetadata& share) {
-    if (!options_.check_plan_agreement || transport_.world_size() == 1) return plan_share(share);
-    std::exception_ptr refused;
-    try {
+    if (!options_.check_plan_agreement || transport_.world_size() == 1) {
       plan_share(share);
-    } catch (...) {
-      refused = std::current_exception();
+    } else {
+      std::exception_ptr refused;
+      try {
+        plan_share(share);
+      } catch (...) {
+        refused = std::current_exception();
+      }
+      agree(share, refused != nullptr);
+      if (refused) std::rethrow_exception(refused);
     }
-    agree(share, refused != nullptr);
-    if (refused) std::rethrow_exception(refused);
+    if (options_.invariant) lay_out_grid(share);
   }
 
  private:
@@ -303,7 +321,11 @@ class ContextParallelAttention {
     kv_rev_ = share.kv_rev;
     layout_ = share.attn;
     check_layout();
+    if (options_.invariant && share.has_head_parallel()) {
+      fail("options.invariant: the plan has head-parallel documents, which the invariant mode does not attend yet (plan without them)");
+    }
     hp_.plan(share, shape_, me, W, who);
+    if (options_.invariant) inv_.plan(share, kv_token_elems(), options_.dedup, me, W, who);
     if constexpr (!attention_kernel_folds_shared_rows<Kernel>()) row_check_.separate_rows(who, "replan", hp_.entries());
     lay_out_entries();
     stage_plan_.build(entries_, entry_begin_, layout_.cu_seqlens_q, layout_.cu_seqlens_kv, share.q_rev, share.kv_rev, me, W, groups_,
@@ -314,6 +336,9 @@ class ContextParallelAttention {
     lay_out_fan();
     hp_.lay_out(path_);
     combine_id_ = path_.add_combine(options_.dedup ? wire_rev_ : kv_rev_, kv_token_bytes());
+    if (options_.invariant) {
+      inv_.lay_out(path_, round_fans_, static_cast<std::size_t>(stage_plan_.rounds()), options_.dedup ? wire_rev_ : kv_rev_, me, W);
+    }
     path_.commit();
     prepare_kernel();
     planned_ = true;
@@ -351,7 +376,9 @@ class ContextParallelAttention {
                                            {hp_.kv_in(), hp_.k_slabs(), hp_.k()},
                                            {hp_.kv_in(), hp_.v_slabs(), hp_.v()}};
     const Tensors in = with_head_parallel(in_all, 3);
-    if (groups_ == 0) {  // one exchange, then one kernel call over the whole layout
+    if (options_.invariant) {
+      forward_invariant(call, in, q, v);
+    } else if (groups_ == 0) {  // one exchange, then one kernel call over the whole layout
       exchange_all(call, fwd_in_, in);
       fan_out(0);
       clear_stray_forward();
@@ -375,6 +402,7 @@ class ContextParallelAttention {
     const detail::StagedTensor in_all[] = {{&q_plan_.forward, bytes(dout.data()), bytes(dout_attn_)}, {hp_.q_in(), hp_.q_slabs(), hp_.dout()}};
     const Tensors in = with_head_parallel(in_all, 1);
     const detail::StagedTensor kv[] = {{kv_reverse(), bytes(dk_attn_), bytes(replica_)}, {kv_reverse(), bytes(dv_attn_), bytes(replica_v_)}};
+    if (options_.invariant) return backward_invariant(call, in, dout, dq, dk, dv);
     clear_stray_backward();
     if (groups_ == 0) {
       exchange_all(call, dout_in_, in);
@@ -544,6 +572,86 @@ class ContextParallelAttention {
     const Request r = exchange(call, [&] { return ex.post(transport_, path_, tensors, 0); });
     exchange(call, [&] { Exchange::wait(transport_, r); });
     ex.finish(path_, tensors, 0);
+  }
+
+  // ---- The invariant mode (attention/detail/invariant_part.hpp) ----
+
+  void check_invariant_options() const {
+    if constexpr (space != MemorySpace::host) {
+      fail("options.invariant needs a host transport (the device kernel has no invariant mode yet)");
+    } else if constexpr (!InvariantAttentionKernel<Kernel, E>) {
+      fail("options.invariant: the kernel has no invariant mode (InvariantAttentionKernel, attention/invariant.hpp); HostAttentionKernel has "
+           "one, while cuDNN and flash-attention kernels cannot promise the same bits for every split");
+    }
+    if (options_.grid < 1 || options_.grid > (std::int64_t{1} << 40)) fail("options.grid = ", options_.grid, " must be in [1, 2^40]");
+  }
+
+  /// Each entry's phase on the grid, and the share's cuts checked (a collective).
+  void lay_out_grid(const RankQkvMetadata& share) {
+    try {
+      inv_.lay_out_grid(transport_, options_.grid, mlp_tokens(), layout_, entries_, entry_begin_, share.q_rev, share.kv_rev,
+                        "ContextParallelAttention::replan");
+    } catch (...) {
+      planned_ = false;
+      throw;
+    }
+  }
+
+  /// Every stage group of `ex` received (key-values fanned out per round with `fan`).
+  void receive_all(const char* call, Exchange& ex, Tensors tensors, bool fan) {
+    if (groups_ == 0) {
+      exchange_all(call, ex, tensors);
+      if (fan) fan_out(0);
+      return;
+    }
+    post_groups(call, ex, tensors);
+    if (fan) fan_out(0);
+    for (int round = 1; round < stage_plan_.rounds(); ++round) {
+      await_group(call, ex, tensors, round - 1);
+      if (fan) fan_out(round);
+    }
+  }
+
+  /// One invariant kernel call over the whole layout, once every key-value is here.
+  void forward_invariant(const char* call, Tensors in, buffer<const E> q, buffer<const E> v) {
+    if constexpr (InvariantAttentionKernel<Kernel, E>) {
+      max_q_ = detail::max_abs_of<E>(q);
+      max_v_ = detail::max_abs_of<E>(v);
+      receive_all(call, fwd_in_, in, true);
+      if (stray_rows_) {
+        path_.zero(bytes(out_attn_), out_attn_.size() * sizeof(E));
+        path_.fill(lse_.data(), lse_.size(), -std::numeric_limits<float>::infinity());
+      }
+      kernel_.forward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
+                                view(out_attn_), view(lse_));
+    }
+  }
+
+  /// dq as the default path sends it home; dk and dv as exact sums: fanned
+  /// in and summed over copies as integers, rounded once at home.
+  void backward_invariant(const char* call, Tensors in, buffer<const E> dout, buffer<E> dq, buffer<E> dk, buffer<E> dv) {
+    if constexpr (InvariantAttentionKernel<Kernel, E>) {
+      receive_all(call, dout_in_, in, false);
+      if (stray_rows_) path_.zero(bytes(dq_attn_), dq_attn_.size() * sizeof(E));
+      const InvariantBounds bounds = exchange(call, [&] { return inv_.agree_bounds(transport_, max_q_, max_v_, detail::max_abs_of<E>(dout), mlp_tokens()); });
+      const KvGradientExponents ex = kv_gradient_exponents(shape_, bounds);
+      for (auto* b : {&inv_.dk(), &inv_.dv()}) path_.zero(bytes(*b), b->size() * sizeof(std::int64_t));
+      kernel_.backward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
+                                 read(out_attn_), read(lse_), read(dout_attn_), view(dq_attn_), {view(inv_.dk()), view(inv_.dv()), ex.dk, ex.dv});
+      for (std::size_t id : inv_.fan_in_ids()) {
+        for (auto* b : {&inv_.dk(), &inv_.dv()}) path_.fan_in(id, ElementType::int64, bytes(*b));
+      }
+      const detail::StagedTensor exact[] = {{inv_.reverse(), bytes(inv_.dk()), bytes(inv_.replica_k())},
+                                            {inv_.reverse(), bytes(inv_.dv()), bytes(inv_.replica_v())}};
+      exchange_all(call, inv_.home(), exact);
+      const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())}};
+      exchange_all(call, grads_home_, back);
+      const std::size_t replica_bytes = inv_.replica_k().size() * sizeof(std::int64_t), home_bytes = inv_.home_k().size() * sizeof(std::int64_t);
+      path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_k()), replica_bytes, bytes(inv_.home_k()), home_bytes);
+      path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_v()), replica_bytes, bytes(inv_.home_v()), home_bytes);
+      round_exact<E>(read(inv_.home_k()), ex.dk, dk);
+      round_exact<E>(read(inv_.home_v()), ex.dv, dv);
+    }
   }
 
   std::span<const AttentionEntry> parts_of(const detail::StagePass& pass) const {
@@ -727,6 +835,7 @@ class ContextParallelAttention {
     std::int64_t replica = kv_plan_.reverse.output_tokens;
     if (options_.dedup) replica = std::max(replica, wire_plan_.replica_tokens);
     for (owned<E>* b : {&replica_, &replica_v_}) b->resize(static_cast<std::size_t>(replica) * kv_token_elems());
+    if (options_.invariant) inv_.size(tk * kv_token_elems(), static_cast<std::size_t>(mlp_tokens()) * kv_token_elems());
   }
 
   T& transport_;
@@ -755,6 +864,8 @@ class ContextParallelAttention {
   std::size_t combine_id_ = 0;
   Exchange fwd_in_, dout_in_, out_home_, grads_home_, kv_out_;
   detail::HeadParallelPart<Path, E> hp_;  // the plan's head-parallel documents on this rank
+  detail::InvariantPart<Path> inv_;       // options.invariant's grid and exact key-value gradients
+  double max_q_ = 0, max_v_ = 0;          // this rank's largest |q| and |v| of the last forward (invariant mode)
   owned<E> q_attn_, k_attn_, v_attn_, out_attn_, dout_attn_, dq_attn_, dk_attn_, dv_attn_, replica_, replica_v_;
   owned<E> out_part_;            // a pass's output (forward) or dq (backward)
   owned<float> lse_, lse_part_;  // the merged log-sum-exp; a pass's

@@ -1,0 +1,222 @@
+#pragma once
+// The invariant mode's part of the attention op (docs/invariant-attention.md):
+// what the op needs beyond its default path so that out, lse, dq, dk and dv
+// are the same bits for every world size, plan and stage count.
+//
+// - The grid: every rank learns where each rank's MLP tokens start in the
+//   packed sequence (one small all-gather a plan), gives each kernel entry
+//   its UnitPhase, and refuses shards cut off the grid (every rank then
+//   throws: the verdicts are gathered too).
+// - The key-value gradients' way home as exact sums (8-byte integers a
+//   value, the same shards and fan-in as the default path's), summed over
+//   copies as integers and rounded once at home, at one scale for the batch
+//   from bounds the ranks agree on each backward (one small all-gather).
+//
+// The op owns one; its exchanges ride the op's (execute/staged_exchange.hpp).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cpdispatch/attention/invariant.hpp"
+#include "cpdispatch/attention/kernel.hpp"
+#include "cpdispatch/error.hpp"
+#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/exchange_plan.hpp"
+#include "cpdispatch/execute/staged_exchange.hpp"
+#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/rank.hpp"
+
+namespace cpdispatch::detail {
+
+/// Every rank's `n` values of X (this rank's at rank * n): one all_to_all_v of host memory.
+template <class X, class T>
+void all_gather_values(T& transport, std::span<const X> mine, std::vector<X>& all) {
+  static_assert(std::is_trivially_copyable_v<X>);
+  const auto W = static_cast<std::size_t>(transport.world_size()), me = static_cast<std::size_t>(transport.rank());
+  const std::size_t bytes = mine.size() * sizeof(X);
+  all.resize(W * mine.size());
+  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(me * mine.size()));
+  if (W == 1) return;
+  std::vector<std::size_t> send_counts(W, bytes), send_displs(W, 0), recv_counts(W, bytes), recv_displs(W, 0);
+  send_counts[me] = recv_counts[me] = 0;
+  for (std::size_t p = 0; p < W; ++p) recv_displs[p] = p * bytes;
+  transport.all_to_all_v(reinterpret_cast<const std::byte*>(mine.data()), send_counts, send_displs, reinterpret_cast<std::byte*>(all.data()),
+                         recv_counts, recv_displs);
+}
+
+/// The largest |x| of a host buffer; NaN when it holds a NaN.
+template <class E>
+double max_abs_of(std::span<const E> x) {
+  double m = 0;
+  for (const E& e : x) {
+    const double a = std::fabs(static_cast<double>(static_cast<float>(e)));
+    if (!(a <= m)) m = a;  // a NaN sticks
+  }
+  return m;
+}
+
+template <class Path>
+class InvariantPart {
+ public:
+  template <class U>
+  using owned = typename Path::template buffer<U>;
+  using Exchange = StagedExchange<Path>;
+
+  /// Plans the exact gradients' way home: the key-values' reverse (or, with
+  /// dedup, the wire's from each shard's first copy) at 8 bytes a value.
+  void plan(const RankQkvMetadata& share, std::size_t token_values, bool dedup, int me, int W, const char* who) {
+    token_bytes_ = token_values * sizeof(std::int64_t);
+    dedup_ = dedup;
+    kv_planner_.plan(share.kv_fwd, share.kv_rev, token_bytes_, me, W, who, kv_plan_);
+    if (dedup) wire_planner_.plan(share.kv_wire->fwd, share.kv_wire->rev, share.kv_wire->fan, token_bytes_, me, W, wire_plan_);
+  }
+
+  std::size_t token_bytes() const noexcept { return token_bytes_; }
+  const ExchangePlan* reverse() const noexcept { return dedup_ ? &wire_plan_.reverse_in_place : &kv_plan_.reverse; }
+
+  void size(std::size_t kv_values, std::size_t mlp_values) {
+    const std::int64_t replica = dedup_ ? std::max(kv_plan_.reverse.output_tokens, wire_plan_.replica_tokens) : kv_plan_.reverse.output_tokens;
+    const auto replica_values = static_cast<std::size_t>(replica) * (token_bytes_ / sizeof(std::int64_t));
+    for (owned<std::int64_t>* b : {&dk_, &dv_}) b->resize(kv_values);
+    for (owned<std::int64_t>* b : {&replica_k_, &replica_v_}) b->resize(replica_values);
+    for (owned<std::int64_t>* b : {&home_k_, &home_v_}) b->resize(mlp_values);
+  }
+
+  /// The fan-in lists (per round, with dedup), the home sum over copies and the exchange home.
+  void lay_out(Path& path, std::span<const KvFanList> round_fans, std::size_t rounds, const RankMetadata& combine_rev, int me, int W) {
+    fan_in_ids_.clear();
+    if (dedup_) {
+      for (std::size_t r = 0; r < rounds; ++r) fan_in_ids_.push_back(path.add_fan_in(round_fans[r], token_bytes_));
+    }
+    combine_id_ = path.add_combine(combine_rev, token_bytes_);
+    const ExchangePlan* plans[] = {reverse(), reverse()};
+    home_.lay_out(path, plans, me, W, 0, false);
+  }
+
+  /// Gives each entry its phase (entries_of_shard: where query shard g's
+  /// entries start in `entries`, one past the last at the end) from every
+  /// rank's MLP token count, and checks the cuts this rank's share shows:
+  /// a key-value shard that does not start its KV group, and (causal and
+  /// window masks without slices) a query shard whose KV group starts before
+  /// it, i.e. one that starts inside its document, must start on the grid.
+  /// A collective: every rank throws when some rank's check fails.
+  template <class T>
+  void lay_out_grid(T& transport, std::int64_t grid, std::int64_t mlp_tokens, const RankAttentionLayout& layout,
+                    std::span<const AttentionEntry> entries, std::span<const std::size_t> entries_of_shard, const RankMetadata& q_rev,
+                    const RankMetadata& kv_rev, const char* who) {
+    grid_ = grid;
+    const std::int64_t mine[] = {mlp_tokens};
+    all_gather_values<std::int64_t>(transport, mine, counts_);
+    starts_.assign(1, 0);
+    for (std::int64_t c : counts_) starts_.push_back(starts_.back() + c);
+    std::string refusal;
+    try {
+      phases_for(layout, entries, entries_of_shard, q_rev, kv_rev, who);
+    } catch (const invalid_input& e) {
+      refusal = e.what();
+    }
+    const std::int64_t verdict[] = {refusal.empty() ? 0 : 1};
+    all_gather_values<std::int64_t>(transport, verdict, verdicts_);
+    if (!refusal.empty()) throw invalid_input(refusal);
+    for (std::size_t r = 0; r < verdicts_.size(); ++r) {
+      if (verdicts_[r] != 0) fail(who, ": options.invariant: rank ", r, "'s share has a cut off the grid of ", grid, " tokens (its error names it)");
+    }
+  }
+
+  InvariantGrid grid() const noexcept { return {grid_, phases_}; }
+
+  /// The batch's bounds, the same on every rank: the largest of every
+  /// rank's maxima and the sum of their tokens (a collective).
+  template <class T>
+  InvariantBounds agree_bounds(T& transport, double max_q, double max_v, double max_dout, std::int64_t tokens) {
+    const double mine[] = {max_q, max_v, max_dout, static_cast<double>(tokens)};
+    all_gather_values<double>(transport, mine, bounds_);
+    InvariantBounds b;
+    double queries = 0;
+    for (std::size_t r = 0; r < bounds_.size() / 4; ++r) {
+      const double* x = bounds_.data() + 4 * r;
+      for (auto [field, value] : {std::pair{&b.max_abs_q, x[0]}, std::pair{&b.max_abs_v, x[1]}, std::pair{&b.max_abs_dout, x[2]}}) {
+        if (!(value <= *field)) *field = value;  // a NaN sticks, and kv_gradient_exponents names it
+      }
+      queries += x[3];
+    }
+    b.queries = static_cast<std::int64_t>(queries);
+    return b;
+  }
+
+  Exchange& home() noexcept { return home_; }
+  std::span<const std::size_t> fan_in_ids() const noexcept { return fan_in_ids_; }
+  std::size_t combine_id() const noexcept { return combine_id_; }
+  owned<std::int64_t>& dk() noexcept { return dk_; }
+  owned<std::int64_t>& dv() noexcept { return dv_; }
+  owned<std::int64_t>& replica_k() noexcept { return replica_k_; }
+  owned<std::int64_t>& replica_v() noexcept { return replica_v_; }
+  owned<std::int64_t>& home_k() noexcept { return home_k_; }
+  owned<std::int64_t>& home_v() noexcept { return home_v_; }
+
+ private:
+  void phases_for(const RankAttentionLayout& layout, std::span<const AttentionEntry> entries, std::span<const std::size_t> entries_of_shard,
+                  const RankMetadata& q_rev, const RankMetadata& kv_rev, const char* who) {
+    const std::int64_t G = grid_;
+    const auto packed = [&](std::int64_t rank, std::int64_t offset) { return starts_[static_cast<std::size_t>(rank)] + offset; };
+    // Each key-value shard's first row in the attention layout and its packed position.
+    kv_at_.assign(1, 0);
+    for (std::int64_t len : kv_rev.seq_len) kv_at_.push_back(kv_at_.back() + len);
+    const bool check_queries = layout.entries.empty() && layout.mask.type != MaskType::full;
+    std::size_t m = 0;
+    for (std::size_t g = 0; g + 1 < layout.cu_seqlens_q.size(); ++g) {
+      const std::int64_t q_packed = packed(q_rev.dst_rank[g], q_rev.dst_offset[g]);
+      const std::int64_t lq = layout.cu_seqlens_q[g + 1] - layout.cu_seqlens_q[g], lk = layout.cu_seqlens_kv[g + 1] - layout.cu_seqlens_kv[g];
+      if (check_queries && lk > lq && q_packed % G != 0) {
+        fail(who, ": options.invariant: query shard ", g, " starts inside its document at packed position ", q_packed, ", off the grid of ", G,
+             " tokens (plan with BalanceOptions.grid = ", G, " and an MLP layout cut on it)");
+      }
+      for (; m < kv_rev.seq_len.size() && kv_at_[m] < layout.cu_seqlens_kv[g + 1]; ++m) {
+        const std::int64_t p = packed(kv_rev.dst_rank[m], kv_rev.dst_offset[m]);
+        if (kv_at_[m] != layout.cu_seqlens_kv[g] && p % G != 0) {
+          fail(who, ": options.invariant: key-value shard ", m, " of KV group ", g, " starts at packed position ", p, ", off the grid of ", G,
+               " tokens (plan with BalanceOptions.grid = ", G, " and an MLP layout cut on it)");
+        }
+      }
+      phases_.resize(entries_of_shard[g + 1]);
+      for (std::size_t e = entries_of_shard[g]; e < entries_of_shard[g + 1]; ++e) {
+        const AttentionEntry& x = entries[e];
+        phases_[e] = {(q_packed + x.q_start - layout.cu_seqlens_q[g]) % G, key_phase(x.kv_start, kv_rev)};
+      }
+    }
+    phases_.resize(entries.size());
+  }
+
+  /// The phase of attention-layout key row `row`: its shard's packed start plus the row's offset in it.
+  std::int64_t key_phase(std::int64_t row, const RankMetadata& kv_rev) const {
+    const auto it = std::upper_bound(kv_at_.begin(), kv_at_.end() - 1, row);
+    if (it == kv_at_.begin()) return 0;  // no key rows at all
+    const auto m = static_cast<std::size_t>(it - kv_at_.begin() - 1);
+    if (m >= kv_rev.seq_len.size()) return 0;  // an empty entry at the end
+    return (starts_[static_cast<std::size_t>(kv_rev.dst_rank[m])] + kv_rev.dst_offset[m] + row - kv_at_[m]) % grid_;
+  }
+
+  std::size_t token_bytes_ = 0;
+  bool dedup_ = false;
+  std::int64_t grid_ = 64;
+  DispatchPlanner kv_planner_;
+  DispatchPlan kv_plan_;
+  WirePlanner wire_planner_;
+  WirePlan wire_plan_;
+  Exchange home_;
+  std::vector<std::size_t> fan_in_ids_;
+  std::size_t combine_id_ = 0;
+  std::vector<std::int64_t> counts_, starts_, verdicts_, kv_at_;
+  std::vector<double> bounds_;
+  std::vector<UnitPhase> phases_;
+  owned<std::int64_t> dk_, dv_, replica_k_, replica_v_, home_k_, home_v_;
+};
+
+}  // namespace cpdispatch::detail

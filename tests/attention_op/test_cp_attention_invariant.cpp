@@ -1,0 +1,226 @@
+// ContextParallelAttention's invariant mode: one batch, packed and cut over
+// W ranks on the grid, gives bitwise the same out, lse, dq, dk and dv (in
+// packed order) for every world size, plan (attended at home, anywhere, cut
+// further on the grid), stage count, dedup setting and thread count, equal
+// to the run with W = 1 and to the double reference within the default
+// mode's tolerance; shares cut off the grid, head-parallel plans and kernels
+// without the mode are refused.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_op/head_parallel_plans.hpp"
+#include "attention_op/run_op.hpp"
+#include "cpdispatch/attention/host_kernel.hpp"
+
+namespace {
+
+using attention_test::CpWorld;
+using attention_test::RankResult;
+using cpdispatch::AttentionMask;
+using cpdispatch::AttentionShape;
+using cpdispatch::CpAttentionOptions;
+using cpdispatch::HostAttentionKernel;
+using cpdispatch::HostAttentionOptions;
+using cpdispatch::QkvDocumentsPlan;
+
+constexpr std::int64_t grid = 8;
+const std::vector<std::int64_t> lengths = {37, 100, 5, 64, 90, 3, 21};  // 320 tokens, packed in this order
+
+enum class Placement { home, anywhere, cut_further };
+
+/// The batch packed in document order and cut into W contiguous MLP layouts
+/// at multiples of the grid (rank r from `first(r)`); each document's pieces
+/// attended at home, on random ranks, or also cut at random grid points.
+QkvDocumentsPlan grid_plan(int W, Placement placement, std::uint64_t seed, const AttentionMask& mask, bool dedup, std::int64_t off_grid = 0) {
+  std::int64_t total = 0;
+  for (std::int64_t L : lengths) total += L;
+  std::vector<std::int64_t> first;
+  for (int r = 0; r < W; ++r) first.push_back(r == 0 ? 0 : r * total / W / grid * grid + off_grid);
+  first.push_back(total);
+  std::mt19937_64 rng(seed);
+  QkvDocumentsPlan plan;
+  plan.world_size = W;
+  plan.mask = mask;
+  plan.dedup = dedup;
+  std::int64_t at = 0;
+  for (std::int64_t L : lengths) {
+    std::vector<std::int64_t> cuts{at, at + L};
+    for (int r = 1; r < W; ++r) {
+      if (first[static_cast<std::size_t>(r)] > at && first[static_cast<std::size_t>(r)] < at + L) cuts.push_back(first[static_cast<std::size_t>(r)]);
+    }
+    if (placement == Placement::cut_further) {
+      for (std::int64_t x = (at / grid + 1) * grid; x < at + L; x += grid) {
+        if (rng() % 3 == 0) cuts.push_back(x);
+      }
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    cpdispatch::PackedDocument doc;
+    for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
+      const auto home = static_cast<std::int64_t>(std::upper_bound(first.begin(), first.end() - 1, cuts[i]) - first.begin()) - 1;
+      const std::int64_t dst = placement == Placement::home ? home : static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(W));
+      doc.shards.push_back({home, cuts[i + 1] - cuts[i], dst});
+    }
+    plan.documents.push_back(doc);
+    at += L;
+  }
+  return plan;
+}
+
+/// A run's results in packed order (lse: [heads_q][tokens]).
+struct Packed {
+  std::vector<float> out, dq, dk, dv, lse;
+};
+
+Packed packed(const std::vector<RankResult>& results, const AttentionShape& s) {
+  Packed p;
+  std::vector<std::int64_t> first{0};
+  for (const RankResult& r : results) {
+    for (auto [to, from] : {std::pair{&p.out, &r.out}, std::pair{&p.dq, &r.dq}, std::pair{&p.dk, &r.dk}, std::pair{&p.dv, &r.dv}}) {
+      to->insert(to->end(), from->begin(), from->end());
+    }
+    first.push_back(first.back() + static_cast<std::int64_t>(r.out.size()) / (s.heads_q * s.head_dim));
+  }
+  const std::int64_t T = first.back();
+  p.lse.assign(static_cast<std::size_t>(s.heads_q * T), 0.0f);
+  for (const RankResult& r : results) {
+    const std::int64_t tq = static_cast<std::int64_t>(r.lse.size()) / s.heads_q;
+    std::int64_t row = 0;
+    for (std::size_t m = 0; m < r.q_rev.seq_len.size(); ++m) {
+      const std::int64_t at = first[static_cast<std::size_t>(r.q_rev.dst_rank[m])] + r.q_rev.dst_offset[m];
+      for (std::int64_t h = 0; h < s.heads_q; ++h) {
+        for (std::int64_t j = 0; j < r.q_rev.seq_len[m]; ++j) {
+          p.lse[static_cast<std::size_t>(h * T + at + j)] = r.lse[static_cast<std::size_t>(h * tq + row + j)];
+        }
+      }
+      row += r.q_rev.seq_len[m];
+    }
+  }
+  return p;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void expect_same_bits(const Packed& got, const Packed& want, const std::string& run) {
+  EXPECT_TRUE(same_bits(got.out, want.out)) << run << ": out";
+  EXPECT_TRUE(same_bits(got.lse, want.lse)) << run << ": lse";
+  EXPECT_TRUE(same_bits(got.dq, want.dq)) << run << ": dq";
+  EXPECT_TRUE(same_bits(got.dk, want.dk)) << run << ": dk";
+  EXPECT_TRUE(same_bits(got.dv, want.dv)) << run << ": dv";
+}
+
+CpAttentionOptions invariant_options(bool dedup, int stages) {
+  CpAttentionOptions o;
+  o.dedup = dedup;
+  o.stages = stages;
+  o.invariant = true;
+  o.grid = grid;
+  return o;
+}
+
+template <class E>
+std::vector<RankResult> run(const CpWorld& world, const AttentionShape& s, CpAttentionOptions o, int threads) {
+  return attention_test::run_op<E, HostAttentionKernel>(world, s, o, HostAttentionOptions{threads, 16, 32});
+}
+
+/// The batch's world (its data drawn per document, the same for every plan).
+template <class E>
+CpWorld world_of(const QkvDocumentsPlan& plan, const AttentionShape& s, const AttentionMask& mask) {
+  return CpWorld(plan, s, mask, 77, attention_test::round_to<E>);
+}
+
+template <class E>
+void check_every_run(const AttentionShape& s, const AttentionMask& mask, const std::vector<int>& worlds, double tol) {
+  const CpWorld one = world_of<E>(grid_plan(1, Placement::home, 1, mask, false), s, mask);
+  const auto base = run<E>(one, s, invariant_options(false, 1), 1);
+  one.expect_equal(base, tol);
+  const Packed want = packed(base, s);
+  int n = 0;
+  for (int W : worlds) {
+    for (Placement p : {Placement::home, Placement::anywhere, Placement::cut_further}) {
+      const bool dedup = n % 2 == 1;
+      const int stages = 1 + n % 3, threads = 1 + n % 3;
+      ++n;
+      const std::string name = "W " + std::to_string(W) + ", placement " + std::to_string(static_cast<int>(p)) + ", dedup " + std::to_string(dedup) +
+                               ", stages " + std::to_string(stages) + ", threads " + std::to_string(threads);
+      SCOPED_TRACE(name);
+      const CpWorld world = world_of<E>(grid_plan(W, p, 100 + static_cast<unsigned>(n), mask, dedup), s, mask);
+      expect_same_bits(packed(run<E>(world, s, invariant_options(dedup, stages), threads), s), want, name);
+    }
+  }
+}
+
+TEST(CpAttentionInvariant, EveryWorldSizePlanAndStageCountGivesTheBitsOfOneRank) {
+  for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::full(), AttentionMask::sliding_window(6)}) {
+    SCOPED_TRACE(to_string(mask));
+    check_every_run<float>({4, 2, 8, 0.35f}, mask, {2, 3, 4, 8}, 1e-5);
+  }
+}
+
+TEST(CpAttentionInvariant, BFloat16AndMultiHeadToo) {
+  check_every_run<cpdispatch::bfloat16>({2, 2, 8, 0.35f}, AttentionMask::causal(), {2, 5}, 2e-2);
+}
+
+/// What each rank's op construction threw (empty: nothing).
+std::vector<std::string> construction_errors(const QkvDocumentsPlan& plan, CpAttentionOptions o) {
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  std::vector<std::string> errors(W);
+  cpdispatch::SimWorld sim(plan.world_size, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) {
+    try {
+      cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float> op(t, cpdispatch::plan_qkv_for_rank(plan, t.rank()), {2, 1, 4, 0.5f}, o);
+    } catch (const cpdispatch::invalid_input& e) {
+      errors[static_cast<std::size_t>(t.rank())] = e.what();
+    }
+  });
+  return errors;
+}
+
+TEST(CpAttentionInvariant, ACutOffTheGridIsRefusedOnEveryRank) {
+  for (bool agreement : {true, false}) {
+    CpAttentionOptions o = invariant_options(false, 1);
+    o.check_plan_agreement = agreement;
+    // Rank 1's layout starts 3 tokens past a grid point, inside the second document.
+    const auto errors = construction_errors(grid_plan(3, Placement::anywhere, 5, AttentionMask::causal(), false, 3), o);
+    int naming = 0;
+    for (const std::string& e : errors) {
+      EXPECT_NE(e.find("off the grid of 8 tokens"), std::string::npos) << e;
+      naming += e.find("starts at packed position") != std::string::npos || e.find("starts inside its document") != std::string::npos;
+    }
+    EXPECT_GE(naming, 1);
+  }
+  // On the grid, nothing is refused.
+  for (const std::string& e : construction_errors(grid_plan(3, Placement::anywhere, 5, AttentionMask::causal(), false), invariant_options(false, 1))) {
+    EXPECT_EQ(e, "");
+  }
+}
+
+TEST(CpAttentionInvariant, RefusesHeadParallelPlansKernelsWithoutTheModeAndBadGrids) {
+  const QkvDocumentsPlan hp = attention_test::with_head_parallel(grid_plan(2, Placement::home, 3, AttentionMask::causal(), false), 2, 9);
+  for (const std::string& e : construction_errors(hp, invariant_options(false, 1))) EXPECT_NE(e.find("head-parallel documents"), std::string::npos) << e;
+  CpAttentionOptions bad = invariant_options(false, 1);
+  bad.grid = 0;
+  for (const std::string& e : construction_errors(grid_plan(2, Placement::home, 3, AttentionMask::causal(), false), bad)) {
+    EXPECT_NE(e.find("options.grid = 0 must be in [1, 2^40]"), std::string::npos) << e;
+  }
+  cpdispatch::SimWorld sim(1, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) {
+    attention_test::expect_error(
+        [&] {
+          cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, attention_test::ExactKernel> op(
+              t, cpdispatch::plan_qkv_for_rank(grid_plan(1, Placement::home, 3, AttentionMask::causal(), false), 0), {2, 1, 4, 0.5f},
+              invariant_options(false, 1));
+        },
+        "the kernel has no invariant mode");
+  });
+}
+
+}  // namespace
