@@ -2,7 +2,8 @@
 // output and gradients equal whole-document attention, with one stage and
 // with stages over the posted all-to-all (grouped MPI_Isend / MPI_Irecv),
 // on plain plans and on plans with slices (section 2e), dedup off and on;
-// a rank that fails mid-step is named on every rank.
+// a rank that fails mid-step is named on every rank; the invariant mode gives
+// every rank the bits of the run on one rank.
 
 #include <mpi.h>
 
@@ -13,6 +14,7 @@
 
 #include "attention_op/cp_world.hpp"
 #include "attention_op/exact_kernel.hpp"
+#include "attention_op/grid_plans.hpp"
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "attention_op/slice_plans.hpp"
@@ -70,6 +72,35 @@ TEST(MpiCpAttention, StagesWithATimeoutAndTheHostKernel) {
   cpdispatch::MpiTransportOptions o;
   o.timeout = std::chrono::milliseconds(60000);
   expect_rank_equals_reference<cpdispatch::HostAttentionKernel>(plan_of(world_size(), 53), {false, 4}, 53, o, cpdispatch::HostAttentionOptions{1, 4, 4});
+}
+
+// The invariant mode over MPI: every rank's out, lse, dq, dk and dv are the
+// bits of the same batch attended on one rank (computed here, on the sim).
+TEST(MpiCpAttention, InvariantModeGivesTheBitsOfOneRank) {
+  using attention_test::Placement;
+  const cpdispatch::AttentionShape s{4, 2, 8, 0.35f};
+  const auto causal = cpdispatch::AttentionMask::causal();
+  const cpdispatch::HostAttentionOptions kernel{1, 16, 32};
+  const CpWorld one(attention_test::grid_plan(1, Placement::home, 1, causal, false), s, causal, 77, attention_test::round_to<float>);
+  const attention_test::Packed want =
+      attention_test::packed(attention_test::run_op<float, cpdispatch::HostAttentionKernel>(one, s, attention_test::invariant_options(false, 1), kernel), s);
+  struct Run {
+    Placement placement;
+    bool dedup;
+    int stages;
+  };
+  for (const Run& run : {Run{Placement::anywhere, false, 1}, Run{Placement::cut_further, true, 3}}) {
+    const cpdispatch::QkvDocumentsPlan plan = attention_test::grid_plan(world_size(), run.placement, 200 + run.stages, causal, run.dedup);
+    const CpWorld world(plan, s, causal, 77, attention_test::round_to<float>);
+    cpdispatch::MpiTransport t(MPI_COMM_WORLD, {});
+    const auto r = static_cast<std::size_t>(t.rank());
+    const cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
+    cpdispatch::ContextParallelAttention<cpdispatch::MpiTransport, float> op(t, share, s, attention_test::invariant_options(run.dedup, run.stages),
+                                                                             cpdispatch::HostAttentionKernel(kernel));
+    attention_test::RankResult mine = attention_test::step<float>(op, world.tensors(r));
+    mine.q_rev = share.q_rev;
+    attention_test::expect_rank_same_bits(want, mine, r, plan, s);
+  }
 }
 
 // Plans with slices (slice_plans.hpp: shared prefix, block causal,

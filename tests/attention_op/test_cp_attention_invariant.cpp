@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_op/grid_plans.hpp"
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
@@ -28,103 +29,12 @@ using cpdispatch::CpAttentionOptions;
 using cpdispatch::HostAttentionKernel;
 using cpdispatch::HostAttentionOptions;
 using cpdispatch::QkvDocumentsPlan;
-
-constexpr std::int64_t grid = 8;
-const std::vector<std::int64_t> lengths = {37, 100, 5, 64, 90, 3, 21};  // 320 tokens, packed in this order
-
-enum class Placement { home, anywhere, cut_further };
-
-/// The batch packed in document order and cut into W contiguous MLP layouts
-/// at multiples of the grid (rank r from `first(r)`); each document's pieces
-/// attended at home, on random ranks, or also cut at random grid points.
-QkvDocumentsPlan grid_plan(int W, Placement placement, std::uint64_t seed, const AttentionMask& mask, bool dedup, std::int64_t off_grid = 0) {
-  std::int64_t total = 0;
-  for (std::int64_t L : lengths) total += L;
-  std::vector<std::int64_t> first;
-  for (int r = 0; r < W; ++r) first.push_back(r == 0 ? 0 : r * total / W / grid * grid + off_grid);
-  first.push_back(total);
-  std::mt19937_64 rng(seed);
-  QkvDocumentsPlan plan;
-  plan.world_size = W;
-  plan.mask = mask;
-  plan.dedup = dedup;
-  std::int64_t at = 0;
-  for (std::int64_t L : lengths) {
-    std::vector<std::int64_t> cuts{at, at + L};
-    for (int r = 1; r < W; ++r) {
-      if (first[static_cast<std::size_t>(r)] > at && first[static_cast<std::size_t>(r)] < at + L) cuts.push_back(first[static_cast<std::size_t>(r)]);
-    }
-    if (placement == Placement::cut_further) {
-      for (std::int64_t x = (at / grid + 1) * grid; x < at + L; x += grid) {
-        if (rng() % 3 == 0) cuts.push_back(x);
-      }
-    }
-    std::sort(cuts.begin(), cuts.end());
-    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
-    cpdispatch::PackedDocument doc;
-    for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
-      const auto home = static_cast<std::int64_t>(std::upper_bound(first.begin(), first.end() - 1, cuts[i]) - first.begin()) - 1;
-      const std::int64_t dst = placement == Placement::home ? home : static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(W));
-      doc.shards.push_back({home, cuts[i + 1] - cuts[i], dst});
-    }
-    plan.documents.push_back(doc);
-    at += L;
-  }
-  return plan;
-}
-
-/// A run's results in packed order (lse: [heads_q][tokens]).
-struct Packed {
-  std::vector<float> out, dq, dk, dv, lse;
-};
-
-Packed packed(const std::vector<RankResult>& results, const AttentionShape& s) {
-  Packed p;
-  std::vector<std::int64_t> first{0};
-  for (const RankResult& r : results) {
-    for (auto [to, from] : {std::pair{&p.out, &r.out}, std::pair{&p.dq, &r.dq}, std::pair{&p.dk, &r.dk}, std::pair{&p.dv, &r.dv}}) {
-      to->insert(to->end(), from->begin(), from->end());
-    }
-    first.push_back(first.back() + static_cast<std::int64_t>(r.out.size()) / (s.heads_q * s.head_dim));
-  }
-  const std::int64_t T = first.back();
-  p.lse.assign(static_cast<std::size_t>(s.heads_q * T), 0.0f);
-  for (const RankResult& r : results) {
-    const std::int64_t tq = static_cast<std::int64_t>(r.lse.size()) / s.heads_q;
-    std::int64_t row = 0;
-    for (std::size_t m = 0; m < r.q_rev.seq_len.size(); ++m) {
-      const std::int64_t at = first[static_cast<std::size_t>(r.q_rev.dst_rank[m])] + r.q_rev.dst_offset[m];
-      for (std::int64_t h = 0; h < s.heads_q; ++h) {
-        for (std::int64_t j = 0; j < r.q_rev.seq_len[m]; ++j) {
-          p.lse[static_cast<std::size_t>(h * T + at + j)] = r.lse[static_cast<std::size_t>(h * tq + row + j)];
-        }
-      }
-      row += r.q_rev.seq_len[m];
-    }
-  }
-  return p;
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-void expect_same_bits(const Packed& got, const Packed& want, const std::string& run) {
-  EXPECT_TRUE(same_bits(got.out, want.out)) << run << ": out";
-  EXPECT_TRUE(same_bits(got.lse, want.lse)) << run << ": lse";
-  EXPECT_TRUE(same_bits(got.dq, want.dq)) << run << ": dq";
-  EXPECT_TRUE(same_bits(got.dk, want.dk)) << run << ": dk";
-  EXPECT_TRUE(same_bits(got.dv, want.dv)) << run << ": dv";
-}
-
-CpAttentionOptions invariant_options(bool dedup, int stages) {
-  CpAttentionOptions o;
-  o.dedup = dedup;
-  o.stages = stages;
-  o.invariant = true;
-  o.grid = grid;
-  return o;
-}
+using attention_test::grid;
+using attention_test::grid_plan;
+using attention_test::invariant_options;
+using attention_test::packed;
+using attention_test::Packed;
+using attention_test::Placement;
 
 template <class E>
 std::vector<RankResult> run(const CpWorld& world, const AttentionShape& s, CpAttentionOptions o, int threads) {

@@ -125,10 +125,12 @@ struct WorkItem {
 /// Scratch of one thread, grown to fit and kept across calls.
 struct ThreadScratch {
   std::vector<float> s, dp, acc, acc2, m, l;
-  // The invariant mode's: per unit of one row, its maximum, sum and output
-  // (or dq) terms; a unit's scores; the row's exact sums.
-  std::vector<float> unit_m, unit_l, unit_p, unit_s;
-  std::vector<std::int64_t> exact;
+  // The invariant mode's: two transposed tiles, four rows of lanes, per row
+  // of a block its maximum, bound, key count and exponents, its unit's fp32
+  // sums and its exact sums.
+  std::vector<float> ta, tb, lanes_s, lanes_p, lanes_shift, lanes_delta, row_m, row_b, row_acc;
+  std::vector<std::int64_t> row_n, row_exact;
+  std::vector<int> row_e, row_f;
 };
 
 }  // namespace detail::attention
@@ -204,6 +206,7 @@ class HostAttentionKernel {
     const Sizes z = check_.forward(name_, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
     detail::check_invariant_grid(name_, grid, entries.size());
     const Inputs in{as_f32(q, q32_), as_f32(k, k32_), as_f32(v, v32_)};
+    prepare_invariant(shape, in, z);
     query_cover_.build(entries, detail::attention::CoverSide::query);
     list_query_blocks(shape, entries);
     auto body = [&](std::int64_t i, int w) {
@@ -228,6 +231,7 @@ class HostAttentionKernel {
     detail::check_invariant_grid(name_, grid, entries.size());
     const Inputs in{as_f32(q, q32_), as_f32(k, k32_), as_f32(v, v32_), as_f32(dout, dout32_)};
     prepare_scratch(shape);
+    prepare_invariant(shape, in, z);
     query_cover_.build(entries, detail::attention::CoverSide::query);
     key_cover_.build(entries, detail::attention::CoverSide::key);
     row_deltas(shape, out, dout, z);
@@ -560,45 +564,65 @@ class HostAttentionKernel {
   }
 
   // ---- The invariant mode: units in a fixed order, exact sums across them ----
+  //
+  // Pairs are computed in lanes (detail/block_math.hpp: dot_lanes,
+  // exp2_lanes), one pair a lane with the same operations in every lane, in
+  // tiles of at most `tile` rows that never cross a unit; a unit's terms are
+  // summed in fp32 in increasing row order, then added exactly.
 
-  /// Calls f(first, end) for each unit of the key rows query row j sees under
-  /// the entries covering segment seg: entries in index order, each one's
-  /// visible keys cut where the grid (shifted by its kv phase) cuts them.
-  template <class F>
-  void for_each_key_unit(const InvariantGrid& grid, std::span<const AttentionEntry> entries, const RowSegment& seg,
-                         std::int64_t j, F&& f) const {
-    for (std::int64_t id : query_cover_.entries_of(seg)) {
-      const AttentionEntry& e = entry(entries, id);
-      const RowRun keys = detail::attention::visible_keys(e, j);
-      const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].kv;
-      for (std::int64_t t = keys.begin; t < keys.end;) {
-        const std::int64_t end = std::min(keys.end, t + grid.size - (phase + t - e.kv_start) % grid.size);
-        f(t, end);
-        t = end;
-      }
-    }
+  /// The first row after t of the unit holding t, rows counted from `start` with the grid shifted by `phase`; at most `end`.
+  static std::int64_t unit_end(std::int64_t t, std::int64_t start, std::int64_t phase, std::int64_t G, std::int64_t end) noexcept {
+    return std::min(end, t + G - (phase + t - start) % G);
   }
 
-  /// Scores of query row qj against key rows [c0, c1) in log2 units, then
-  /// 2^(score - shift) in place, in chunks of four lanes with the tail padded
-  /// (one code path for every key). Returns the scores' buffer.
-  static float* unit_probabilities(ThreadScratch& t, const float* qj, HeadRows k, std::int64_t c0, std::int64_t c1,
-                                   std::int64_t D, float cs, const float* shift) {
-    using namespace detail::attention;
-    const std::int64_t c = c1 - c0, padded = (c + 3) / 4 * 4;
-    if (t.unit_s.size() < static_cast<std::size_t>(padded)) t.unit_s.resize(static_cast<std::size_t>(padded));
-    float* sc = t.unit_s.data();
-    for (std::int64_t i = 0; i < c; ++i) sc[i] = dot(qj, k.row(c0 + i), D) * cs;
-    std::fill(sc + c, sc + padded, minus_inf);
-    const float m = shift ? *shift : row_max(sc, c);
-    t.unit_m.push_back(m);
-    for (std::int64_t i = 0; i < padded; i += 4) store4(sc + i, exp2_approx(load4(sc + i) - splat4(m)));
-    return sc;
+  static RowRun clip(RowRun r, std::int64_t first, std::int64_t end) noexcept {
+    return {std::max(r.begin, first), std::min(r.end, end)};
+  }
+
+  template <class X>
+  static void grow(std::vector<X>& x, std::size_t n) {
+    if (x.size() < n) x.resize(n);
+  }
+
+  /// Scratch, and per key-value row and head its largest |k| and |v| (the rows' bounds).
+  void prepare_invariant(const AttentionShape& s, const Inputs& in, const Sizes& z) {
+    const auto D = static_cast<std::size_t>(s.head_dim), T = static_cast<std::size_t>(detail::attention::tile);
+    const auto R = static_cast<std::size_t>(std::max(options_.block_q, options_.block_kv));
+    for (ThreadScratch& t : scratch_) {
+      for (auto* x : {&t.ta, &t.tb}) grow(*x, D * T);
+      for (auto* x : {&t.lanes_s, &t.lanes_p, &t.lanes_shift, &t.lanes_delta}) grow(*x, T);
+      for (auto* x : {&t.row_m, &t.row_b}) grow(*x, R);
+      grow(t.row_acc, R * (D + 1));
+      grow(t.row_n, R);
+      grow(t.row_exact, R * (D + 1));
+      grow(t.row_e, R);
+      grow(t.row_f, R);
+    }
+    const auto rows = static_cast<std::size_t>(z.tokens_kv * s.heads_kv);
+    grow(key_max_, rows);
+    grow(value_max_, rows);
+    for (std::size_t x = 0; x < rows; ++x) {
+      float km = 0.0f, vm = 0.0f;
+      for (std::size_t d = 0; d < D; ++d) {
+        km = std::max(km, std::fabs(in.k[x * D + d]));
+        vm = std::max(vm, std::fabs(in.v[x * D + d]));
+      }
+      key_max_[x] = km;
+      value_max_[x] = vm;
+    }
   }
 
   [[noreturn]] static void not_finite(const char* what, std::int64_t row, std::int64_t head) {
     detail::fail(name_, ": invariant ", what, " of row ", row, ", head ", head,
                  " is not finite or exceeds its exact sum's scale (a NaN or infinity in the inputs?)");
+  }
+
+  /// acc (n values) added exactly into exact at 2^e; false on a term that is not finite or too large.
+  static bool fold(std::int64_t* exact, const float* acc, std::int64_t n, int e, double scale = 1.0) noexcept {
+    for (std::int64_t d = 0; d < n; ++d) {
+      if (!detail::attention::add_exact(exact[d], acc[d] * scale, e)) return false;
+    }
+    return true;
   }
 
   template <class E>
@@ -607,63 +631,86 @@ class HostAttentionKernel {
                                std::span<float> lse, const Sizes& z) const {
     using namespace detail::attention;
     const RowSegment& seg = query_cover_.segments()[static_cast<std::size_t>(item.segment)];
-    const std::int64_t D = s.head_dim, j0 = item.start, r = std::min(options_.block_q, seg.end - j0);
+    const std::int64_t D = s.head_dim, j0 = item.start, r = std::min(options_.block_q, seg.end - j0), W = D + 1;
     const std::int64_t g = item.head / (s.heads_q / s.heads_kv);
     const HeadRows q = head_q(s, in.q, item.head), k = head_kv(s, in.k, g), v = head_kv(s, in.v, g);
     const float cs = s.softmax_scale * log2e;
-    for (std::int64_t j = j0; j < j0 + r; ++j) {
-      t.unit_m.clear();
-      t.unit_l.clear();
-      t.unit_p.clear();
-      // Each unit on its own: its maximum, then its sum and output in fp32, keys increasing.
-      for_each_key_unit(grid, entries, seg, j, [&](std::int64_t c0, std::int64_t c1) {
-        const float* p = unit_probabilities(t, q.row(j), k, c0, c1, D, cs, nullptr);
-        float l = 0.0f;
-        for (std::int64_t i = 0; i < c1 - c0; ++i) l += p[i];
-        t.unit_l.push_back(l);
-        const std::size_t at = t.unit_p.size();
-        t.unit_p.resize(at + static_cast<std::size_t>(D), 0.0f);
-        for (std::int64_t i = 0; i < c1 - c0; ++i) axpy(p[i], v.row(c0 + i), t.unit_p.data() + at, D);
-      });
-      E* o = out.data() + (j * s.heads_q + item.head) * D;
-      float& row_lse = lse[static_cast<std::size_t>(item.head * z.tokens_q + j)];
-      if (t.unit_m.empty()) {  // the row sees no key
+    float* ls = t.lanes_s.data();
+    // Pass 1: each row's largest score (exact: a maximum), key count and largest |v|.
+    std::fill_n(t.row_m.begin(), r, minus_inf);
+    std::fill_n(t.row_b.begin(), r, 0.0f);
+    std::fill_n(t.row_n.begin(), r, 0);
+    for (std::int64_t id : query_cover_.entries_of(seg)) {
+      const AttentionEntry& e = entry(entries, id);
+      const RowRun keys = block_keys(e, j0, j0 + r);
+      for (std::int64_t t0 = keys.begin; t0 < keys.end; t0 += tile) {
+        const std::int64_t n = std::min(tile, keys.end - t0), n32 = (n + 31) / 32 * 32;
+        transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
+        for (std::int64_t i = 0; i < r; ++i) {
+          const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
+          if (vis.begin >= vis.end) continue;
+          dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, ls);
+          for (std::int64_t c = vis.begin; c < vis.end; ++c) {
+            t.row_m[i] = std::max(t.row_m[i], ls[c - t0]);
+            t.row_b[i] = std::max(t.row_b[i], value_max_[static_cast<std::size_t>(c * s.heads_kv + g)]);
+          }
+          t.row_n[i] += vis.end - vis.begin;
+        }
+      }
+    }
+    // Each row's exponents: its sum is at most its key count (every term <= 1), its output terms at most that times max|v|.
+    for (std::int64_t i = 0; i < r; ++i) {
+      if (t.row_n[i] > 0 && !std::isfinite(t.row_m[i])) not_finite("score maximum", j0 + i, item.head);
+      const double n = 2.0 * static_cast<double>(t.row_n[i]);
+      t.row_e[i] = exact_exponent(n, 1);
+      t.row_f[i] = exact_exponent(n * t.row_b[i], 1);
+    }
+    std::fill_n(t.row_exact.begin(), r * W, 0);
+    // Pass 2: per unit, each row's sum and output terms in fp32, keys increasing; then exactly across units.
+    for (std::int64_t id : query_cover_.entries_of(seg)) {
+      const AttentionEntry& e = entry(entries, id);
+      const RowRun keys = block_keys(e, j0, j0 + r);
+      const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].kv;
+      for (std::int64_t u0 = keys.begin; u0 < keys.end;) {
+        const std::int64_t u1 = unit_end(u0, e.kv_start, phase, grid.size, keys.end);
+        std::fill_n(t.row_acc.begin(), r * W, 0.0f);
+        for (std::int64_t t0 = u0; t0 < u1; t0 += tile) {
+          const std::int64_t n = std::min(tile, u1 - t0), n32 = (n + 31) / 32 * 32;
+          transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
+          for (std::int64_t i = 0; i < r; ++i) {
+            const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
+            if (vis.begin >= vis.end) continue;
+            dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, ls);
+            std::fill(ls, ls + (vis.begin - t0), minus_inf);
+            std::fill(ls + (vis.end - t0), ls + n32, minus_inf);
+            std::fill_n(t.lanes_shift.begin(), n32, t.row_m[i]);
+            exp2_lanes(ls, t.lanes_shift.data(), n32);
+            float* acc = t.row_acc.data() + i * W;
+            for (std::int64_t c = vis.begin; c < vis.end; ++c) acc[D] += ls[c - t0];
+            axpy_rows(ls + (vis.begin - t0), v.row(vis.begin), v.stride, vis.end - vis.begin, acc, D);
+          }
+        }
+        for (std::int64_t i = 0; i < r; ++i) {
+          std::int64_t* x = t.row_exact.data() + i * W;
+          const float* acc = t.row_acc.data() + i * W;
+          if (!fold(x + D, acc + D, 1, t.row_e[i]) || !fold(x, acc, D, t.row_f[i])) not_finite("output", j0 + i, item.head);
+        }
+        u0 = u1;
+      }
+    }
+    for (std::int64_t i = 0; i < r; ++i) {
+      E* o = out.data() + ((j0 + i) * s.heads_q + item.head) * D;
+      float& row_lse = lse[static_cast<std::size_t>(item.head * z.tokens_q + j0 + i)];
+      const std::int64_t* x = t.row_exact.data() + i * W;
+      if (t.row_n[i] == 0) {  // the row sees no key
         std::fill(o, o + D, from_f32<E>(0.0f));
         row_lse = minus_inf;
         continue;
       }
-      finish_forward_row(t, D, j, item.head, o, row_lse);
+      const double l = from_fixed(x[D], t.row_e[i]);
+      for (std::int64_t d = 0; d < D; ++d) o[d] = from_f32<E>(static_cast<float>(from_fixed(x[d], t.row_f[i]) / l));
+      row_lse = static_cast<float>((static_cast<double>(t.row_m[i]) + std::log2(l)) * 0.6931471805599453);
     }
-  }
-
-  /// Folds a row's units against the row's maximum (exact: a maximum), adds
-  /// them exactly and rounds out and lse once.
-  template <class E>
-  static void finish_forward_row(ThreadScratch& t, std::int64_t D, std::int64_t j, std::int64_t h, E* o, float& row_lse) {
-    using namespace detail::attention;
-    const std::size_t n = t.unit_m.size();
-    const float m = row_max(t.unit_m.data(), static_cast<std::int64_t>(n));
-    if (!std::isfinite(m)) not_finite("score maximum", j, h);
-    // Each unit's scale to the row maximum, kept in unit_m (one exp2 path for every unit).
-    for (std::size_t u = 0; u < n; ++u) t.unit_m[u] = exp2_approx(splat4(t.unit_m[u] - m))[0];
-    double max_l = 0, max_p = 0;
-    for (std::size_t u = 0; u < n; ++u) {
-      const double f = t.unit_m[u];
-      max_l = std::max(max_l, std::fabs(t.unit_l[u] * f));
-      for (std::int64_t d = 0; d < D; ++d) max_p = std::max(max_p, std::fabs(t.unit_p[u * D + d] * f));
-    }
-    const int el = exact_exponent(max_l, n), ep = exact_exponent(max_p, n);
-    t.exact.assign(static_cast<std::size_t>(D + 1), 0);
-    for (std::size_t u = 0; u < n; ++u) {
-      const double f = t.unit_m[u];  // products of two floats: exact in double
-      if (!add_exact(t.exact[static_cast<std::size_t>(D)], t.unit_l[u] * f, el)) not_finite("softmax sum", j, h);
-      for (std::int64_t d = 0; d < D; ++d) {
-        if (!add_exact(t.exact[static_cast<std::size_t>(d)], t.unit_p[u * D + d] * f, ep)) not_finite("output", j, h);
-      }
-    }
-    const double l = from_fixed(t.exact[static_cast<std::size_t>(D)], el);
-    for (std::int64_t d = 0; d < D; ++d) o[d] = from_f32<E>(static_cast<float>(from_fixed(t.exact[static_cast<std::size_t>(d)], ep) / l));
-    row_lse = static_cast<float>((static_cast<double>(m) + std::log2(l)) * 0.6931471805599453);
   }
 
   template <class E>
@@ -677,35 +724,59 @@ class HostAttentionKernel {
     const HeadRows q = head_q(s, in.q, item.head), k = head_kv(s, in.k, g), v = head_kv(s, in.v, g);
     const HeadRows dout = head_q(s, in.dout, item.head);
     const float cs = s.softmax_scale * log2e;
-    for (std::int64_t j = j0; j < j0 + r; ++j) {
-      const auto idx = static_cast<std::size_t>(item.head * z.tokens_q + j);
-      E* o = dq.data() + (j * s.heads_q + item.head) * D;
-      t.unit_m.clear();
-      t.unit_p.clear();
-      const float shift = lse[idx] * log2e, delta = delta_[idx];
-      if (lse[idx] != minus_inf) {
-        for_each_key_unit(grid, entries, seg, j, [&](std::int64_t c0, std::int64_t c1) {
-          const float* p = unit_probabilities(t, q.row(j), k, c0, c1, D, cs, &shift);
-          const std::size_t at = t.unit_p.size();
-          t.unit_p.resize(at + static_cast<std::size_t>(D), 0.0f);
-          for (std::int64_t i = 0; i < c1 - c0; ++i) {
-            const float ds = p[i] * (dot(dout.row(j), v.row(c0 + i), D) - delta);
-            axpy(ds, k.row(c0 + i), t.unit_p.data() + at, D);
-          }
-        });
-      }
-      const std::size_t n = t.unit_m.size();
-      double max_p = 0;
-      for (float x : t.unit_p) max_p = std::max(max_p, static_cast<double>(std::fabs(x)));
-      const int e = exact_exponent(max_p, n);
-      t.exact.assign(static_cast<std::size_t>(D), 0);
-      for (std::size_t u = 0; u < n; ++u) {
-        for (std::int64_t d = 0; d < D; ++d) {
-          if (!add_exact(t.exact[static_cast<std::size_t>(d)], t.unit_p[u * D + d], e)) not_finite("dq", j, item.head);
+    const auto row_index = [&](std::int64_t i) { return static_cast<std::size_t>(item.head * z.tokens_q + j0 + i); };
+    // Each row's bound: |dq| <= (|dout|_1 max|v| + |delta|) max|k| over the keys it sees (its P sums to 1), twice to spare.
+    for (std::int64_t i = 0; i < r; ++i) {
+      float km = 0.0f, vm = 0.0f;
+      for (std::int64_t id : query_cover_.entries_of(seg)) {
+        const RowRun vis = visible_keys(entry(entries, id), j0 + i);
+        for (std::int64_t c = vis.begin; c < vis.end; ++c) {
+          km = std::max(km, key_max_[static_cast<std::size_t>(c * s.heads_kv + g)]);
+          vm = std::max(vm, value_max_[static_cast<std::size_t>(c * s.heads_kv + g)]);
         }
       }
-      const double scale = s.softmax_scale;
-      for (std::int64_t d = 0; d < D; ++d) o[d] = from_f32<E>(static_cast<float>(scale * from_fixed(t.exact[static_cast<std::size_t>(d)], e)));
+      double d1 = 0;
+      for (std::int64_t d = 0; d < D; ++d) d1 += std::fabs(dout.row(j0 + i)[d]);
+      t.row_e[i] = exact_exponent(2.0 * (d1 * vm + std::fabs(delta_[row_index(i)])) * km, 1);
+    }
+    std::fill_n(t.row_exact.begin(), r * D, 0);
+    for (std::int64_t id : query_cover_.entries_of(seg)) {
+      const AttentionEntry& e = entry(entries, id);
+      const RowRun keys = block_keys(e, j0, j0 + r);
+      const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].kv;
+      for (std::int64_t u0 = keys.begin; u0 < keys.end;) {
+        const std::int64_t u1 = unit_end(u0, e.kv_start, phase, grid.size, keys.end);
+        std::fill_n(t.row_acc.begin(), r * D, 0.0f);
+        for (std::int64_t t0 = u0; t0 < u1; t0 += tile) {
+          const std::int64_t n = std::min(tile, u1 - t0), n32 = (n + 31) / 32 * 32;
+          transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
+          transpose_tile(v.base, v.stride, t0, n, D, t.tb.data());
+          for (std::int64_t i = 0; i < r; ++i) {
+            const std::size_t idx = row_index(i);
+            const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
+            if (vis.begin >= vis.end || lse[idx] == minus_inf) continue;
+            float* p = t.lanes_s.data();
+            float* dp = t.lanes_p.data();
+            dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, p);
+            dot_lanes(dout.row(j0 + i), t.tb.data(), D, n32, 1.0f, dp);
+            std::fill_n(t.lanes_shift.begin(), n32, lse[idx] * log2e);
+            exp2_lanes(p, t.lanes_shift.data(), n32);
+            const float delta = delta_[idx];
+            for (std::int64_t c = vis.begin; c < vis.end; ++c) p[c - t0] *= dp[c - t0] - delta;  // dS
+            axpy_rows(p + (vis.begin - t0), k.row(vis.begin), k.stride, vis.end - vis.begin, t.row_acc.data() + i * D, D);
+          }
+        }
+        for (std::int64_t i = 0; i < r; ++i) {
+          if (!fold(t.row_exact.data() + i * D, t.row_acc.data() + i * D, D, t.row_e[i])) not_finite("dq", j0 + i, item.head);
+        }
+        u0 = u1;
+      }
+    }
+    const double scale = s.softmax_scale;
+    for (std::int64_t i = 0; i < r; ++i) {
+      E* o = dq.data() + ((j0 + i) * s.heads_q + item.head) * D;
+      const std::int64_t* x = t.row_exact.data() + i * D;
+      for (std::int64_t d = 0; d < D; ++d) o[d] = from_f32<E>(static_cast<float>(scale * from_fixed(x[d], t.row_e[i])));
     }
   }
 
@@ -724,33 +795,46 @@ class HostAttentionKernel {
     const double scale = s.softmax_scale;
     float* acc_k = t.acc.data();
     float* acc_v = t.acc2.data();
-    for (std::int64_t key = c0; key < c0 + c; ++key) {
-      const auto at = static_cast<std::size_t>((key * s.heads_kv + g) * D);
-      for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const HeadRows q = head_q(s, in.q, h), dout = head_q(s, in.dout, h);
-        for (std::int64_t id : key_cover_.entries_of(seg)) {
-          const AttentionEntry& e = entry(entries, id);
-          const RowRun rows = rows_seeing(e, key, key + 1);
-          const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].q;
-          for (std::int64_t i = rows.begin; i < rows.end;) {
-            const std::int64_t end = std::min(rows.end, i + grid.size - (phase + i - e.q_start) % grid.size);
-            std::fill(acc_k, acc_k + D, 0.0f);
-            std::fill(acc_v, acc_v + D, 0.0f);
-            for (; i < end; ++i) {
-              const auto idx = static_cast<std::size_t>(h * z.tokens_q + i);
-              if (lse[idx] == minus_inf) continue;
-              const float x = dot(q.row(i), k.row(key), D) * cs - lse[idx] * log2e;
-              const float p = exp2_approx(splat4(x))[0];
-              const float ds = p * (dot(dout.row(i), v.row(key), D) - delta_[idx]);
-              axpy(p, dout.row(i), acc_v, D);
-              axpy(ds, q.row(i), acc_k, D);
+    float* p = t.lanes_s.data();
+    float* dp = t.lanes_p.data();
+    for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const HeadRows q = head_q(s, in.q, h), dout = head_q(s, in.dout, h);
+      for (std::int64_t id : key_cover_.entries_of(seg)) {
+        const AttentionEntry& e = entry(entries, id);
+        const RowRun rows = rows_seeing(e, c0, c0 + c);
+        const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].q;
+        for (std::int64_t w0 = rows.begin; w0 < rows.end;) {
+          const std::int64_t w1 = unit_end(w0, e.q_start, phase, grid.size, rows.end);
+          std::fill_n(acc_k, c * D, 0.0f);
+          std::fill_n(acc_v, c * D, 0.0f);
+          for (std::int64_t i0 = w0; i0 < w1; i0 += tile) {
+            const std::int64_t n = std::min(tile, w1 - i0), n32 = (n + 31) / 32 * 32;
+            transpose_tile(q.base, q.stride, i0, n, D, t.ta.data());
+            transpose_tile(dout.base, dout.stride, i0, n, D, t.tb.data());
+            for (std::int64_t l = 0; l < n32; ++l) {  // rows that saw nothing, and the padding, get p = 0
+              const float x = l < n ? lse[static_cast<std::size_t>(h * z.tokens_q + i0 + l)] : minus_inf;
+              t.lanes_shift[static_cast<std::size_t>(l)] = x == minus_inf ? std::numeric_limits<float>::infinity() : x * log2e;
+              t.lanes_delta[static_cast<std::size_t>(l)] = l < n ? delta_[static_cast<std::size_t>(h * z.tokens_q + i0 + l)] : 0.0f;
             }
-            for (std::int64_t d = 0; d < D; ++d) {
-              const auto x = at + static_cast<std::size_t>(d);
-              if (!add_exact(kv.dk[x], acc_k[d] * scale, kv.dk_exponent)) not_finite("dk", key, g);
-              if (!add_exact(kv.dv[x], acc_v[d], kv.dv_exponent)) not_finite("dv", key, g);
+            for (std::int64_t key = c0; key < c0 + c; ++key) {
+              // The rows of the tile that see `key`: key - hi <= row <= key - lo.
+              const std::int64_t first = e.band.bounded_above() ? std::max(i0, key - e.band.hi) : i0;
+              const std::int64_t end = e.band.bounded_below() ? std::min(i0 + n, key - e.band.lo + 1) : i0 + n;
+              if (first >= end) continue;
+              dot_lanes(k.row(key), t.ta.data(), D, n32, cs, p);
+              dot_lanes(v.row(key), t.tb.data(), D, n32, 1.0f, dp);
+              exp2_lanes(p, t.lanes_shift.data(), n32);
+              axpy_rows(p + (first - i0), dout.row(first), dout.stride, end - first, acc_v + (key - c0) * D, D);
+              for (std::int64_t l = first - i0; l < end - i0; ++l) dp[l] = p[l] * (dp[l] - t.lanes_delta[static_cast<std::size_t>(l)]);  // dS
+              axpy_rows(dp + (first - i0), q.row(first), q.stride, end - first, acc_k + (key - c0) * D, D);
             }
           }
+          for (std::int64_t key = c0; key < c0 + c; ++key) {
+            const auto at = static_cast<std::size_t>((key * s.heads_kv + g) * D);
+            if (!fold(kv.dk.data() + at, acc_k + (key - c0) * D, D, kv.dk_exponent, scale)) not_finite("dk", key, g);
+            if (!fold(kv.dv.data() + at, acc_v + (key - c0) * D, D, kv.dv_exponent)) not_finite("dv", key, g);
+          }
+          w0 = w1;
         }
       }
     }
@@ -763,6 +847,7 @@ class HostAttentionKernel {
   detail::attention::CallCheck check_;
   detail::attention::RowCover query_cover_, key_cover_;
   std::vector<float> q32_, k32_, v32_, dout32_, delta_;
+  std::vector<float> key_max_, value_max_;  // the invariant mode's: per key-value row and head, the largest |k|, |v|
 };
 
 }  // inline namespace host_attention_*

@@ -216,6 +216,64 @@ inline float row_max(const float* row, std::int64_t n) {
   return result;
 }
 
+// ---- The invariant mode's lanes: one pair per lane, the same arithmetic in every lane ----
+
+/// Columns of a transposed tile (a multiple of 32).
+inline constexpr std::int64_t tile = 64;
+
+/// t[d * tile + c] = row (first + c) of a buffer (rows `stride` apart), value d, for c < n; 0 for n <= c < n
+/// rounded up to 32 (the lanes dot_lanes reads).
+inline void transpose_tile(const float* base, std::int64_t stride, std::int64_t first, std::int64_t n, std::int64_t D, float* t) {
+  const std::int64_t n32 = (n + 31) / 32 * 32;
+  for (std::int64_t d = 0; d < D; ++d) {
+    float* row = t + d * tile;
+    for (std::int64_t c = 0; c < n; ++c) row[c] = base[(first + c) * stride + d];
+    std::fill(row + n, row + n32, 0.0f);
+  }
+}
+
+/// out[c] = scale * (sum over d, increasing, of a[d] * t[d * tile + c]) for c < n32 (a multiple of 32):
+/// every lane the same operations, so a pair's value does not depend on its lane or tile (one machine
+/// code for every caller: not inlined).
+[[gnu::noinline]] inline void dot_lanes(const float* a, const float* t, std::int64_t D, std::int64_t n32, float scale, float* out) {
+  for (std::int64_t c = 0; c < n32; c += 32) {
+    f32x4 x[8] = {};
+    for (std::int64_t d = 0; d < D; ++d) {
+      const f32x4 ad = splat4(a[d]);
+      const float* row = t + d * tile + c;
+      for (int l = 0; l < 8; ++l) x[l] += ad * load4(row + 4 * l);
+    }
+    const f32x4 sc = splat4(scale);
+    for (int l = 0; l < 8; ++l) store4(out + c + 4 * l, x[l] * sc);
+  }
+}
+
+/// acc[d] += sum over c < n, increasing, of w[c] * rows[c * stride + d], for d < D: each element's
+/// terms in row order (as n calls of axpy), the accumulators kept in registers across the rows.
+inline void axpy_rows(const float* w, const float* rows, std::int64_t stride, std::int64_t n, float* acc, std::int64_t D) {
+  std::int64_t d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) {
+    f32x4 a[4];
+    for (int l = 0; l < 4; ++l) a[l] = load4(acc + d0 + 4 * l);
+    for (std::int64_t c = 0; c < n; ++c) {
+      const f32x4 wc = splat4(w[c]);
+      const float* row = rows + c * stride + d0;
+      for (int l = 0; l < 4; ++l) a[l] += wc * load4(row + 4 * l);
+    }
+    for (int l = 0; l < 4; ++l) store4(acc + d0 + 4 * l, a[l]);
+  }
+  for (; d0 < D; ++d0) {
+    float a = acc[d0];
+    for (std::int64_t c = 0; c < n; ++c) a += w[c] * rows[c * stride + d0];
+    acc[d0] = a;
+  }
+}
+
+/// x[c] = 2^(x[c] - shift[c]) for c < n32 (a multiple of 4); -infinity gives 0 (not inlined either).
+[[gnu::noinline]] inline void exp2_lanes(float* x, const float* shift, std::int64_t n32) {
+  for (std::int64_t c = 0; c < n32; c += 4) store4(x + c, exp2_approx(load4(x + c) - load4(shift + c)));
+}
+
 /// dS = P * (dP - delta), in place in dp, for n values of one row.
 inline void softmax_grad_row(const float* p, float* dp, float delta, std::int64_t n) {
   for (std::int64_t t = 0; t < n; ++t) dp[t] = p[t] * (dp[t] - delta);
