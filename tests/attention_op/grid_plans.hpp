@@ -28,7 +28,21 @@ enum class Placement { home, anywhere, cut_further };
 /// The batch packed in document order and cut into W contiguous MLP layouts
 /// at multiples of the grid (rank r from `first(r)`); each document's pieces
 /// attended at home, on random ranks, or also cut at random grid points.
-inline cpdispatch::QkvDocumentsPlan grid_plan(int W, Placement placement, std::uint64_t seed, const cpdispatch::AttentionMask& mask, bool dedup, std::int64_t off_grid = 0) {
+/// Slices (section 2e) for documents 1 and 4 of `lengths`: a prompt of 40 and
+/// two responses of 30 (a shared prefix); a prefix of 30 seen whole, then
+/// causal (prefix-LM). Their bounds are the batch's, off the grid.
+inline std::vector<cpdispatch::AttentionSlice> grid_slices(std::size_t doc) {
+  using cpdispatch::SliceType;
+  if (doc == 1) {
+    return {{0, 40, 0, 40, SliceType::causal}, {40, 70, 0, 40, SliceType::full}, {40, 70, 40, 70, SliceType::causal},
+            {70, 100, 0, 40, SliceType::full}, {70, 100, 70, 100, SliceType::causal}};
+  }
+  if (doc == 4) return {{0, 30, 0, 30, SliceType::full}, {30, 90, 0, 30, SliceType::full}, {30, 90, 30, 90, SliceType::causal}};
+  return {};
+}
+
+inline cpdispatch::QkvDocumentsPlan grid_plan(int W, Placement placement, std::uint64_t seed, const cpdispatch::AttentionMask& mask, bool dedup, std::int64_t off_grid = 0,
+                                             bool slices = false) {
   std::int64_t total = 0;
   for (std::int64_t L : lengths) total += L;
   std::vector<std::int64_t> first;
@@ -53,6 +67,7 @@ inline cpdispatch::QkvDocumentsPlan grid_plan(int W, Placement placement, std::u
     std::sort(cuts.begin(), cuts.end());
     cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
     cpdispatch::PackedDocument doc;
+    if (slices) doc.slices = grid_slices(plan.documents.size());
     for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
       const auto home = static_cast<std::int64_t>(std::upper_bound(first.begin(), first.end() - 1, cuts[i]) - first.begin()) - 1;
       const std::int64_t dst = placement == Placement::home ? home : static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(W));

@@ -3,7 +3,8 @@
 // packed order) for every world size, plan (attended at home, anywhere, cut
 // further on the grid), stage count, dedup setting and thread count, equal
 // to the run with W = 1 and to the double reference within the default
-// mode's tolerance; shares cut off the grid, head-parallel plans and kernels
+// mode's tolerance, documents with slices (a shared prefix, prefix-LM)
+// beside causal ones; shares cut off the grid, head-parallel plans and kernels
 // without the mode are refused.
 
 #include <gtest/gtest.h>
@@ -48,8 +49,8 @@ CpWorld world_of(const QkvDocumentsPlan& plan, const AttentionShape& s, const At
 }
 
 template <class E>
-void check_every_run(const AttentionShape& s, const AttentionMask& mask, const std::vector<int>& worlds, double tol) {
-  const CpWorld one = world_of<E>(grid_plan(1, Placement::home, 1, mask, false), s, mask);
+void check_every_run(const AttentionShape& s, const AttentionMask& mask, const std::vector<int>& worlds, double tol, bool slices = false) {
+  const CpWorld one = world_of<E>(grid_plan(1, Placement::home, 1, mask, false, 0, slices), s, mask);
   const auto base = run<E>(one, s, invariant_options(false, 1), 1);
   one.expect_equal(base, tol);
   const Packed want = packed(base, s);
@@ -62,7 +63,7 @@ void check_every_run(const AttentionShape& s, const AttentionMask& mask, const s
       const std::string name = "W " + std::to_string(W) + ", placement " + std::to_string(static_cast<int>(p)) + ", dedup " + std::to_string(dedup) +
                                ", stages " + std::to_string(stages) + ", threads " + std::to_string(threads);
       SCOPED_TRACE(name);
-      const CpWorld world = world_of<E>(grid_plan(W, p, 100 + static_cast<unsigned>(n), mask, dedup), s, mask);
+      const CpWorld world = world_of<E>(grid_plan(W, p, 100 + static_cast<unsigned>(n), mask, dedup, 0, slices), s, mask);
       expect_same_bits(packed(run<E>(world, s, invariant_options(dedup, stages), threads), s), want, name);
     }
   }
@@ -73,6 +74,10 @@ TEST(CpAttentionInvariant, EveryWorldSizePlanAndStageCountGivesTheBitsOfOneRank)
     SCOPED_TRACE(to_string(mask));
     check_every_run<float>({4, 2, 8, 0.35f}, mask, {2, 3, 4, 8}, 1e-5);
   }
+}
+
+TEST(CpAttentionInvariant, DocumentsWithSlicesToo) {
+  check_every_run<float>({4, 2, 8, 0.35f}, AttentionMask::causal(), {2, 4, 5}, 1e-5, true);
 }
 
 TEST(CpAttentionInvariant, BFloat16AndMultiHeadToo) {
