@@ -107,6 +107,18 @@ inline Packed packed(const std::vector<RankResult>& results, const cpdispatch::A
       }
       row += r.q_rev.seq_len[m];
     }
+    // Head-parallel documents, whole on each rank of their group, for its share of the query heads.
+    if (r.hp.degree == 0) continue;
+    const std::int64_t heads = s.heads_q / r.hp.degree, n = r.hp.tokens();
+    for (std::size_t i = 0; i < r.hp.documents.size(); ++i) {
+      std::int64_t start = 0;
+      for (std::int64_t d = 0; d < r.hp.documents[i]; ++d) start += lengths[static_cast<std::size_t>(d)];
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t j = 0; j < r.hp.seqlens[i]; ++j) {
+          p.lse[static_cast<std::size_t>((r.hp.group_rank * heads + h) * T + start + j)] = r.hp_lse[static_cast<std::size_t>(h * n + r.hp.cu_seqlens[i] + j)];
+        }
+      }
+    }
   }
   return p;
 }

@@ -3,9 +3,9 @@
 // packed order) for every world size, plan (attended at home, anywhere, cut
 // further on the grid), stage count, dedup setting and thread count, equal
 // to the run with W = 1 and to the double reference within the default
-// mode's tolerance, documents with slices (a shared prefix, prefix-LM)
-// beside causal ones; shares cut off the grid, head-parallel plans and kernels
-// without the mode are refused.
+// mode's tolerance, documents with slices (a shared prefix, prefix-LM) and
+// head-parallel documents beside causal ones; shares cut off the grid,
+// key-value heads shared by ranks and kernels without the mode are refused.
 
 #include <gtest/gtest.h>
 
@@ -118,9 +118,44 @@ TEST(CpAttentionInvariant, ACutOffTheGridIsRefusedOnEveryRank) {
   }
 }
 
-TEST(CpAttentionInvariant, RefusesHeadParallelPlansKernelsWithoutTheModeAndBadGrids) {
-  const QkvDocumentsPlan hp = attention_test::with_head_parallel(grid_plan(2, Placement::home, 3, AttentionMask::causal(), false), 2, 9);
-  for (const std::string& e : construction_errors(hp, invariant_options(false, 1))) EXPECT_NE(e.find("head-parallel documents"), std::string::npos) << e;
+/// `plan` with head-parallel degree u and every document whose shards lie in one group head-parallel.
+QkvDocumentsPlan head_parallel(QkvDocumentsPlan plan, std::int64_t u) {
+  plan.head_parallel_degree = u;
+  for (cpdispatch::PackedDocument& doc : plan.documents) {
+    doc.head_parallel = true;
+    for (const cpdispatch::DocumentShard& x : doc.shards) doc.head_parallel = doc.head_parallel && x.rank / u == doc.shards.front().rank / u;
+  }
+  return plan;
+}
+
+TEST(CpAttentionInvariant, HeadParallelDocumentsToo) {
+  const AttentionShape s{4, 2, 8, 0.35f};
+  const AttentionMask causal = AttentionMask::causal();
+  const CpWorld one = world_of<float>(grid_plan(1, Placement::home, 1, causal, false), s, causal);
+  const Packed want = packed(run<float>(one, s, invariant_options(false, 1), 1), s);
+  int n = 0;
+  for (const int W : {2, 4, 6}) {
+    for (const Placement p : {Placement::anywhere, Placement::cut_further}) {
+      const bool dedup = n % 2 == 0;
+      const int stages = 1 + n % 2;
+      ++n;
+      const QkvDocumentsPlan plan = head_parallel(grid_plan(W, p, 300 + static_cast<unsigned>(n), causal, dedup), 2);
+      int documents = 0;
+      for (const auto& d : plan.documents) documents += d.head_parallel;
+      ASSERT_GE(documents, 1) << "W " << W;
+      const CpWorld world = world_of<float>(plan, s, causal);
+      expect_same_bits(packed(run<float>(world, s, invariant_options(dedup, stages), 1 + n % 3), s), want,
+                       "W " + std::to_string(W) + ", " + std::to_string(documents) + " head-parallel documents, stages " + std::to_string(stages));
+    }
+  }
+}
+
+TEST(CpAttentionInvariant, RefusesSharedKeyValueHeadsKernelsWithoutTheModeAndBadGrids) {
+  // Degree 2 over one key-value head: its gradients would be summed over two ranks.
+  const QkvDocumentsPlan hp = head_parallel(grid_plan(2, Placement::home, 3, AttentionMask::causal(), false), 2);
+  for (const std::string& e : construction_errors(hp, invariant_options(false, 1))) {
+    EXPECT_NE(e.find("head-parallel degree 2 does not divide shape.heads_kv = 1"), std::string::npos) << e;
+  }
   CpAttentionOptions bad = invariant_options(false, 1);
   bad.grid = 0;
   for (const std::string& e : construction_errors(grid_plan(2, Placement::home, 3, AttentionMask::causal(), false), bad)) {

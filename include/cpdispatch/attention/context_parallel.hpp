@@ -106,7 +106,8 @@ struct CpAttentionOptions {
   /// bitwise the same for every world size, plan, stage count and thread
   /// count whose cuts lie on the grid (and equal to the run with W = 1). The
   /// kernel must have the mode (InvariantAttentionKernel: HostAttentionKernel);
-  /// host transports; no head-parallel documents. With stages > 1 the
+  /// host transports; head-parallel documents whose degree divides
+  /// heads_kv (no key-value head shared by ranks). With stages > 1 the
   /// exchanges are still posted by group, but the kernel attends once
   /// everything has arrived.
   bool invariant = false;
@@ -321,8 +322,9 @@ class ContextParallelAttention {
     kv_rev_ = share.kv_rev;
     layout_ = share.attn;
     check_layout();
-    if (options_.invariant && share.has_head_parallel()) {
-      fail("options.invariant: the plan has head-parallel documents, which the invariant mode does not attend yet (plan without them)");
+    if (options_.invariant && share.has_head_parallel() && shape_.heads_kv % share.hp_attn.degree != 0) {
+      fail("options.invariant: the plan's head-parallel degree ", share.hp_attn.degree, " does not divide shape.heads_kv = ", shape_.heads_kv,
+           ": key-value heads shared by several ranks are not summed exactly yet (plan with a degree that divides it)");
     }
     hp_.plan(share, shape_, me, W, who);
     if (options_.invariant) inv_.plan(share, kv_token_elems(), options_.dedup, me, W, who);
@@ -386,7 +388,11 @@ class ContextParallelAttention {
     } else {
       forward_by_stages(call, in);
     }
-    hp_.attend_forward(kernel_, path_);
+    if (options_.invariant) {
+      if constexpr (InvariantAttentionKernel<Kernel, E>) hp_.attend_forward_invariant(kernel_, path_, inv_.head_parallel_grid());
+    } else {
+      hp_.attend_forward(kernel_, path_);
+    }
     const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(out_attn_), bytes(out.data())}, {hp_.q_back(), hp_.out(), hp_.q_slabs()}};
     exchange_all(call, out_home_, with_head_parallel(back, 1));
     hp_.gather_output(path_, bytes(out.data()));
@@ -591,6 +597,7 @@ class ContextParallelAttention {
     try {
       inv_.lay_out_grid(transport_, options_.grid, mlp_tokens(), layout_, entries_, entry_begin_, share.q_rev, share.kv_rev,
                         "ContextParallelAttention::replan");
+      inv_.lay_out_head_parallel(hp_.layout(), hp_.entries(), share.hp_rev, hp_.kv_values());
     } catch (...) {
       planned_ = false;
       throw;
@@ -644,13 +651,18 @@ class ContextParallelAttention {
       const detail::StagedTensor exact[] = {{inv_.reverse(), bytes(inv_.dk()), bytes(inv_.replica_k())},
                                             {inv_.reverse(), bytes(inv_.dv()), bytes(inv_.replica_v())}};
       exchange_all(call, inv_.home(), exact);
-      const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())}};
-      exchange_all(call, grads_home_, back);
+      hp_.attend_backward_invariant(kernel_, path_, inv_.head_parallel_grid(), inv_.head_parallel_dk(), inv_.head_parallel_dv(), ex.dk, ex.dv);
+      const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())},
+                                           {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
+                                           {hp_.kv_back(), hp_.dk(), hp_.k_slabs()},
+                                           {hp_.kv_back(), hp_.dv(), hp_.v_slabs()}};
+      exchange_all(call, grads_home_, with_head_parallel(back, 1));
       const std::size_t replica_bytes = inv_.replica_k().size() * sizeof(std::int64_t), home_bytes = inv_.home_k().size() * sizeof(std::int64_t);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_k()), replica_bytes, bytes(inv_.home_k()), home_bytes);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_v()), replica_bytes, bytes(inv_.home_v()), home_bytes);
       round_exact<E>(read(inv_.home_k()), ex.dk, dk);
       round_exact<E>(read(inv_.home_v()), ex.dv, dv);
+      hp_.gather_gradients(path_, bytes(dq.data()), bytes(dk.data()), bytes(dv.data()));
     }
   }
 

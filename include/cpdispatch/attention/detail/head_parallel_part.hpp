@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpdispatch/attention/detail/row_cover.hpp"
+#include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
@@ -187,6 +188,41 @@ class HeadParallelPart {
     kernel.backward(shape_, std::span<const AttentionEntry>(entries_), read(q_), read(k_), read(v_), read(out_), read(lse_), read(dout_),
                     view(dq_), view(dk_), view(dv_));
   }
+
+  /// The invariant mode's forward (attention/invariant.hpp): the documents
+  /// are whole here, so each row's units are all in this call.
+  template <class Kernel>
+  void attend_forward_invariant(Kernel& kernel, const Path& path, const InvariantGrid& grid) {
+    if (!active_ || entries_.empty()) return;
+    if (stray_rows_) {
+      path.zero(out(), out_.size() * sizeof(E));
+      path.fill(lse_.data(), lse_.size(), -std::numeric_limits<float>::infinity());
+    }
+    kernel.forward_invariant(shape_, grid, std::span<const AttentionEntry>(entries_), read(q_), read(k_), read(v_), view(out_), view(lse_));
+  }
+
+  /// The invariant mode's backward: every query head of this rank's
+  /// key-value heads is here (the op refuses replicated key-value heads), so
+  /// their exact sums are whole and are rounded here, at the batch's
+  /// exponents, into the slabs that go home. `dk_exact` and `dv_exact` are
+  /// scratch of dk's size.
+  template <class Kernel>
+  void attend_backward_invariant(Kernel& kernel, const Path& path, const InvariantGrid& grid, std::span<std::int64_t> dk_exact,
+                                 std::span<std::int64_t> dv_exact, int dk_exponent, int dv_exponent) {
+    if (!active_ || entries_.empty()) return;
+    if (stray_rows_) path.zero(dq(), dq_.size() * sizeof(E));
+    std::fill(dk_exact.begin(), dk_exact.end(), 0);
+    std::fill(dv_exact.begin(), dv_exact.end(), 0);
+    kernel.backward_invariant(shape_, grid, std::span<const AttentionEntry>(entries_), read(q_), read(k_), read(v_), read(out_), read(lse_),
+                              read(dout_), view(dq_), {dk_exact, dv_exact, dk_exponent, dv_exponent});
+    round_exact<E>(dk_exact, dk_exponent, view(dk_));
+    round_exact<E>(dv_exact, dv_exponent, view(dv_));
+  }
+
+  /// Whether key-value heads are shared by several ranks of a group.
+  bool replicated() const noexcept { return active_ && split_.replicated; }
+  /// Values of this rank's dk (key-value slab) in the layout.
+  std::size_t kv_values() const noexcept { return active_ ? dk_.size() : 0; }
 
   /// The kernel's entry list, for a prepared kernel (empty when inactive).
   std::span<const AttentionEntry> entries() const noexcept { return active_ ? std::span<const AttentionEntry>(entries_) : std::span<const AttentionEntry>(); }

@@ -131,6 +131,38 @@ class InvariantPart {
   }
 
   InvariantGrid grid() const noexcept { return {grid_, phases_}; }
+  InvariantGrid head_parallel_grid() const noexcept { return {grid_, hp_phases_}; }
+
+  /// The phases of the head-parallel part's entries (whole documents, in
+  /// layout rows): each document's packed start, read from hp_rev (entry m
+  /// returns to c * T + P on its home, c this rank's group rank), after
+  /// lay_out_grid has learnt every rank's token count. Sizes the part's scratch.
+  void lay_out_head_parallel(const RankHeadParallelLayout& hp, std::span<const AttentionEntry> entries, const RankMetadata& hp_rev,
+                             std::size_t kv_values) {
+    hp_phases_.clear();
+    hp_dk_.resize(kv_values);
+    hp_dv_.resize(kv_values);
+    if (hp.degree == 0) return;
+    const std::size_t step = hp_rev.has_copies ? hp_rev.num_copies : 1;
+    std::vector<std::int64_t>& doc_start = hp_doc_start_;  // the packed start of each document
+    doc_start.clear();
+    std::int64_t at = 0;
+    std::size_t m = 0;
+    for (std::size_t d = 0; d + 1 < hp.cu_seqlens.size(); ++d) {
+      for (; m < hp_rev.seq_len.size() && at < hp.cu_seqlens[d]; ++m) at += hp_rev.seq_len[m];
+      if (m >= hp_rev.seq_len.size()) fail("head-parallel layout: hp_rev's entries end before document ", d);
+      const auto home = static_cast<std::size_t>(hp_rev.dst_rank[m * step]);
+      doc_start.push_back(starts_[home] + hp_rev.dst_offset[m * step] - hp.group_rank * counts_[home]);
+    }
+    for (const AttentionEntry& e : entries) {
+      const auto d = static_cast<std::size_t>(std::upper_bound(hp.cu_seqlens.begin() + 1, hp.cu_seqlens.end(), e.q_start) - hp.cu_seqlens.begin() - 1);
+      const std::int64_t first = d < doc_start.size() ? doc_start[d] - hp.cu_seqlens[d] : 0;
+      hp_phases_.push_back({(first + e.q_start) % grid_, (first + e.kv_start) % grid_});
+    }
+  }
+
+  std::span<std::int64_t> head_parallel_dk() noexcept { return {hp_dk_.data(), hp_dk_.size()}; }
+  std::span<std::int64_t> head_parallel_dv() noexcept { return {hp_dv_.data(), hp_dv_.size()}; }
 
   /// The batch's bounds, the same on every rank: the largest of every
   /// rank's maxima and the sum of their tokens (a collective).
@@ -215,7 +247,8 @@ class InvariantPart {
   std::size_t combine_id_ = 0;
   std::vector<std::int64_t> counts_, starts_, verdicts_, kv_at_;
   std::vector<double> bounds_;
-  std::vector<UnitPhase> phases_;
+  std::vector<UnitPhase> phases_, hp_phases_;
+  std::vector<std::int64_t> hp_dk_, hp_dv_, hp_doc_start_;  // the head-parallel part's exact sums (host memory: the part is host-only here)
   owned<std::int64_t> dk_, dv_, replica_k_, replica_v_, home_k_, home_v_;
 };
 
