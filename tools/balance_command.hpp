@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -24,6 +25,7 @@ namespace cpdispatch_cli {
 
 constexpr std::string_view balance_usage = R"(Usage: cpdispatch-plan balance [FILE|-] [--summary] [--svg FILE] [--compact] [--dedup]
                                [--head-parallel off|auto] [--heads-q H] [--heads-kv H] [--head-parallel-degree U]
+                               [--grid G]
 
 Reads a batch of documents and writes a load-balanced qkv plan (JSON, the
 format cpdispatch-plan reads): documents are cut into at most C contiguous
@@ -57,8 +59,9 @@ Input (FILE, or standard input when FILE is - or absent): a packed batch,
                                                    between nodes against one inside a node)
    "head_parallel": "off", "heads_q": H,          (optional: as the flags below)
    "heads_kv": H, "head_parallel_degree": U,
-   "pair_weight": 0}                              (optional, with auto: what one (query, key)
+   "pair_weight": 0,                              (optional, with auto: what one (query, key)
                                                    pair of work weighs against one byte)
+   "grid": 1}                                     (optional: as --grid)
   or, with "ranks": [{"docs": [length, ...]}, ...] (W entries, MLP-layout order)
   instead of "documents", the whole documents each rank holds.
 
@@ -92,6 +95,11 @@ Options:
   --head-parallel-degree U
                the group size (default: world_size); U divides world_size and
                H, and divides the key-value heads or is a multiple of them
+  --grid G     cut documents only at multiples of G tokens in the packed
+               coordinate (rank 0's tokens, then rank 1's, ...), as the op's
+               invariant mode needs (its default grid is 64); 1 (the default):
+               anywhere. The input's own piece boundaries are not moved:
+               --summary says whether they are on the grid
   -h, --help   this help
 
 Exit status: 0 success, 2 invalid input or usage (one line on standard error),
@@ -126,12 +134,29 @@ inline std::string head_parallel_note(const cpdispatch::QkvDocumentsPlan& plan) 
          std::to_string(cpdispatch::detail::head_parallel_degree(plan)) + " ranks, the attention cost above counting 1/u of each on each rank of its group\n";
 }
 
-/// The `balance --summary` line: the plan against the unbalanced one and the bound.
+/// The summary's line on the grid (none without one): whether every cut of
+/// the plan is on it, else the first cut off it, the input's own (a piece
+/// boundary) first.
 template <class PlanForm>
-std::string balance_report(const cpdispatch::BalanceProblem& problem, const PlanForm& plan, const cpdispatch::PlanLimits& limits) {
+std::string grid_note(const cpdispatch::BalanceProblem& problem, const PlanForm& plan, std::int64_t grid) {
+  if (grid == 1) return {};
+  std::optional<cpdispatch::GridCut> off = cpdispatch::first_off_grid(problem, grid);
+  const char* whose = "the input's own";
+  if (!off) off = cpdispatch::first_off_grid(plan, grid), whose = "the plan's";
+  std::string out = "grid: " + std::to_string(grid) + " tokens; ";
+  if (!off) return out + "every cut of the plan is on it\n";
+  return out + "a cut off it, " + whose + ": documents[" + std::to_string(off->document) + "] at offset " + std::to_string(off->offset) +
+         " (packed position " + std::to_string(off->packed) + ")\n";
+}
+
+/// The `balance --summary` line: the plan against the unbalanced one and the
+/// bound (for plans balanced with `options`: on its grid).
+template <class PlanForm>
+std::string balance_report(const cpdispatch::BalanceProblem& problem, const cpdispatch::BalanceOptions& options, const PlanForm& plan,
+                           const cpdispatch::PlanLimits& limits) {
   const auto after = cpdispatch::plan_cost(plan, problem.q_bytes, problem.kv_bytes, limits);
   const auto before = cpdispatch::plan_cost(cpdispatch::plan_unbalanced(problem, limits), problem.q_bytes, problem.kv_bytes, limits);
-  const double bound = cpdispatch::balance_lower_bound(problem);
+  const double bound = cpdispatch::balance_lower_bound(problem, options);
   char buf[256];
   std::snprintf(buf, sizeof buf,
                 "balance: largest attention cost %lld, %.3f x the lower bound %.6g (before balancing %lld, %.3f x); "
@@ -140,7 +165,7 @@ std::string balance_report(const cpdispatch::BalanceProblem& problem, const Plan
                 bound, static_cast<long long>(before.max_attention()),
                 bound > 0 ? static_cast<double>(before.max_attention()) / bound : 1.0, static_cast<long long>(after.bytes_moved),
                 static_cast<long long>(after.query_bytes), static_cast<long long>(after.kv_bytes));
-  return buf + head_parallel_note(plan);
+  return buf + head_parallel_note(plan) + grid_note(problem, plan, options.grid);
 }
 
 /// The SVG picture of a qkv plan (either form); the bars show the

@@ -551,27 +551,35 @@ int run_plan(Args args) {
 
 std::int64_t parse_count(std::string_view name, std::string_view text);
 
-/// balance's head-parallel flags, which override the input's keys.
-struct HeadParallelFlags {
+/// --grid G: a whole number in [1, 2^40].
+std::int64_t parse_grid(std::string_view text) {
+  const std::int64_t grid = parse_count("--grid", text);
+  if (grid > cpdispatch::max_grid) cpdispatch::detail::fail("--grid needs a whole number at most 2^40 (1: no grid), got '", text, "'");
+  return grid;
+}
+
+/// balance's own flags (head-parallel choice, grid), which override the input's keys.
+struct BalanceFlags {
   std::optional<cpdispatch::HeadParallel> mode;
-  std::optional<std::int64_t> heads_q, heads_kv, degree;
+  std::optional<std::int64_t> heads_q, heads_kv, degree, grid;
   void apply(cpdispatch::BalanceOptions& o) const {
     o.head_parallel = mode.value_or(o.head_parallel);
     o.heads_q = heads_q.value_or(o.heads_q);
     o.heads_kv = heads_kv.value_or(o.heads_kv);
     o.head_parallel_degree = degree.value_or(o.head_parallel_degree);
+    o.grid = grid.value_or(o.grid);
   }
 };
 
-/// Takes --head-parallel off|auto, --heads-q H, --heads-kv H and
-/// --head-parallel-degree U (each also as --flag=V) into `flags`; the other
-/// arguments are returned.
-std::vector<std::string_view> take_head_parallel_flags(Args args, HeadParallelFlags& flags) {
+/// Takes --head-parallel off|auto, --heads-q H, --heads-kv H,
+/// --head-parallel-degree U and --grid G (each also as --flag=V) into
+/// `flags`; the other arguments are returned.
+std::vector<std::string_view> take_balance_flags(Args args, BalanceFlags& flags) {
   std::vector<std::string_view> rest;
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string_view arg = args[i];
     const std::string_view name = arg.substr(0, arg.find('='));
-    if (name != "--head-parallel" && name != "--heads-q" && name != "--heads-kv" && name != "--head-parallel-degree") {
+    if (name != "--head-parallel" && name != "--heads-q" && name != "--heads-kv" && name != "--head-parallel-degree" && name != "--grid") {
       rest.push_back(arg);
       continue;
     }
@@ -580,6 +588,7 @@ std::vector<std::string_view> take_head_parallel_flags(Args args, HeadParallelFl
     if (name == "--head-parallel") flags.mode = cpdispatch::head_parallel_from_string(value, name);
     else if (name == "--heads-q") flags.heads_q = parse_count(name, value);
     else if (name == "--heads-kv") flags.heads_kv = parse_count(name, value);
+    else if (name == "--grid") flags.grid = parse_grid(value);
     else flags.degree = parse_count(name, value);
   }
   return rest;
@@ -588,8 +597,8 @@ std::vector<std::string_view> take_head_parallel_flags(Args args, HeadParallelFl
 /// `balance`: documents in, the balanced qkv plan out (as JSON, or as plan
 /// mode's --summary followed by a comparison with the unbalanced plan).
 int run_balance(Args all_args) {
-  HeadParallelFlags flags;
-  const std::vector<std::string_view> args = take_head_parallel_flags(all_args, flags);
+  BalanceFlags flags;
+  const std::vector<std::string_view> args = take_balance_flags(all_args, flags);
   const PlanOptions options = parse_plan_options(args);
   if (options.help) {
     write_output(cpdispatch_cli::balance_usage);
@@ -612,7 +621,7 @@ int run_balance(Args all_args) {
   if (options.summary) {
     const cpdispatch::PlanMetadata planned = cpdispatch::plan_metadata(plan, reading);
     const auto& kv_fwd = std::get<cpdispatch::QkvMetadata>(planned).kv_fwd;
-    write_output(summary(planned, plan) + cpdispatch_cli::balance_report(problem, balanced, reading) +
+    write_output(summary(planned, plan) + cpdispatch_cli::balance_report(problem, balancing, balanced, reading) +
                  (balancing.dedup ? dedup_line(kv_fwd, cpdispatch::plan_kv_wire(kv_fwd)) : std::string()) + node_lines(planned, topology));
   } else {
     nlohmann::json out = cpdispatch::balanced_plan_to_json(plan, balancing.dedup);

@@ -109,7 +109,7 @@ def plan_for_rank(plan, rank, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):
     return _cpdispatch.plan_for_rank(_core(plan), rank, dedup, max_memory)
 
 
-def balance(batch, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY, **options):
+def balance(batch, dedup=False, *, grid=1, max_memory=DEFAULT_MAX_MEMORY, **options):
     """A load-balanced qkv plan (dict) for a batch, as ``cpdispatch-plan balance``.
 
     ``batch`` is balance's input: ``{"world_size": W, "max_cp_degree": C,
@@ -118,11 +118,18 @@ def balance(batch, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY, **options):
     Keyword options are added to it (``max_cp_degree``, ``q_bytes``,
     ``kv_bytes``, ``recv_capacity``, ``mask``, ``head_parallel="auto"`` with
     ``heads_q`` and optionally ``heads_kv`` and ``head_parallel_degree``:
-    documents spread over ranks may go head-parallel...). The result is a
-    plan that plan() and plan_for_rank() take."""
+    documents spread over ranks may go head-parallel...). ``grid=G`` (as
+    ``--grid G``; an integer in [1, 2**40]) cuts documents only at multiples
+    of G tokens in the packed coordinate, as the invariant mode needs (its
+    default grid is 64); 1 cuts anywhere, and leaves the batch's own
+    ``"grid"`` in force. The result is a plan that plan() and plan_for_rank() take."""
     if options:
         batch = dict(batch, **options)
-    return _cpdispatch.balance(batch, dedup, max_memory)
+    if isinstance(grid, bool) or not isinstance(grid, _numbers.Integral):
+        raise ValueError(f"grid must be an integer in [1, 2**40], not {grid!r}")
+    if not 1 <= grid <= 2**40:
+        raise ValueError(f"grid = {grid} must be in [1, 2**40] (1: no grid; the invariant mode's default is 64)")
+    return _cpdispatch.balance(batch, dedup, max_memory, int(grid))
 
 
 def token_indices(plan, rank, dedup=False, *, max_memory=DEFAULT_MAX_MEMORY):

@@ -972,11 +972,13 @@ cpdispatch::QkvDocumentsPlan plan_balanced_input(py::handle input, const Balance
   }
 }
 
-/// cpdispatch-plan balance's output for `input`, as the dict json.loads makes of it.
-py::dict balance(py::handle input, bool dedup, py::handle max_memory) {
+/// cpdispatch-plan balance's output for `input`, as the dict json.loads makes
+/// of it; `grid` other than 1 replaces the input's "grid" (as --grid does).
+py::dict balance(py::handle input, bool dedup, py::handle max_memory, std::int64_t grid) {
   const cpdispatch::PlanLimits limits = limits_of(max_memory);
   BalanceInput in = read_balance_input(input, limits);
   in.options.dedup = in.options.dedup || dedup;
+  if (grid != 1) in.options.grid = grid;
   cpdispatch::QkvDocumentsPlan balanced = plan_balanced_input(input, in, limits);
   if (in.problem.docs.empty()) return balanced_plan_dict(std::move(balanced), in.options.dedup);
   return balanced_plan_dict(cpdispatch::to_rank_plan(balanced), in.options.dedup);
@@ -1019,6 +1021,6 @@ PYBIND11_MODULE(_cpdispatch, m) {
   m.def("plan", &plan, py::arg("plan"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
   m.def("plan_for_rank", &plan_for_rank, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
   m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
-  m.def("balance", &balance, py::arg("batch"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
+  m.def("balance", &balance, py::arg("batch"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory, py::arg("grid") = 1);
   m.def("position_ids", &position_ids, py::arg("plan"), py::arg("rank"), py::arg("max_memory") = default_max_memory);
 }

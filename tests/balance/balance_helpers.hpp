@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstddef>
 #include <cstdint>
@@ -143,6 +144,41 @@ inline AssertionResult valid_packed_plan(const cpdispatch::BalanceProblem& p, co
       return AssertionFailure() << "rank " << r << " holds " << cost.kv_tokens[r] << " KV tokens, capacity " << p.recv_capacity[r];
     }
   return AssertionSuccess();
+}
+
+/// Every cut the balancer made in `plan` (a boundary between two shards of a
+/// document that is not a boundary between two of its pieces in `p`) lies on
+/// a multiple of `grid` in the packed coordinate: rank 0's MLP tokens, then
+/// rank 1's, ..., each rank's shards by (document, shard). Counted here from
+/// the shards, not by the library's first_off_grid. A per-rank problem's
+/// documents are whole: each is one piece (the plan lists rank 0's first).
+inline AssertionResult cuts_on_grid(const cpdispatch::BalanceProblem& p, const cpdispatch::QkvDocumentsPlan& plan, I grid) {
+  const auto W = static_cast<std::size_t>(plan.world_size);
+  std::vector<I> at(W + 1, 0);
+  for (const auto& doc : plan.documents)
+    for (const auto& s : doc.shards) at[static_cast<std::size_t>(s.rank) + 1] += s.len;
+  for (std::size_t r = 0; r < W; ++r) at[r + 1] += at[r];  // at[r]: where rank r's next shard starts
+  std::size_t cuts = 0;
+  for (std::size_t d = 0; d < plan.documents.size(); ++d) {
+    std::vector<I> piece_ends;  // the input's own cuts
+    I end = 0;
+    if (!p.documents.empty())
+      for (const auto& pc : p.documents[d].pieces) piece_ends.push_back(end += pc.len);
+    const auto& shards = plan.documents[d].shards;
+    I offset = 0;
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      I& packed = at[static_cast<std::size_t>(shards[k].rank)];
+      packed += shards[k].len;
+      offset += shards[k].len;
+      if (k + 1 == shards.size() || std::find(piece_ends.begin(), piece_ends.end(), offset) != piece_ends.end()) continue;
+      ++cuts;
+      if (packed % grid != 0) {
+        return AssertionFailure() << "documents[" << d << "] is cut after shards[" << k << "] at offset " << offset << ", packed position "
+                                  << packed << ": not a multiple of the grid " << grid;
+      }
+    }
+  }
+  return AssertionSuccess() << cuts << " cuts on the grid";
 }
 
 /// Attention cost per rank and bytes per (source, destination), counted token

@@ -348,4 +348,34 @@ TEST(PlanGreedy, MovesUntilWithinTenPercentOrStuck) {
   EXPECT_GT(imbalance(p, unbalanced(p)), 1.5);
 }
 
+// The planning grid on documents per rank (whole documents: every shard
+// boundary is the balancer's cut): on a multiple of the grid in the packed
+// coordinate, rank 0's documents first; the plan valid, near the grid's
+// bound, with its capacities; a bad grid named.
+TEST(PlanBalanced, PerRankDocumentsAreCutOnTheGrid) {
+  std::size_t cuts = 0;
+  for (std::uint64_t seed = 1; seed <= 30; ++seed) {
+    BalanceProblem p = random_problem(seed, 2 + static_cast<I>(seed % 7), 2 + static_cast<I>(seed % 5), 700 + 33 * static_cast<I>(seed));
+    if (seed % 5 == 0) p.recv_capacity.assign(static_cast<std::size_t>(p.world_size), 2100 + 66 * static_cast<I>(seed));
+    cpdispatch::BalanceOptions o;
+    o.grid = std::vector<I>{8, 13, 64}[seed % 3];
+    o.dedup = seed % 4 == 0;
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", grid " + std::to_string(o.grid));
+    const QkvPlan plan = balanced(p, o);
+    ASSERT_TRUE(baltest::valid_plan(p, plan));
+    const ::testing::AssertionResult on = baltest::cuts_on_grid(p, cpdispatch::to_documents(plan), o.grid);
+    ASSERT_TRUE(on);
+    cuts += static_cast<std::size_t>(std::stoul(on.message()));
+    EXPECT_FALSE(cpdispatch::first_off_grid(plan, o.grid));
+    const double bound = cpdispatch::balance_lower_bound(p, o);
+    EXPECT_GE(static_cast<double>(cpdispatch::plan_cost(plan).max_attention()), bound - 0.5);
+    EXPECT_LE(static_cast<double>(cpdispatch::plan_cost(plan).max_attention()), 1.25 * bound);
+  }
+  EXPECT_GT(cuts, 50u);
+  cpdispatch::BalanceOptions bad;
+  bad.grid = 0;
+  EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { balanced(problem({{4}, {5}}, 2), bad); }),
+              HasSubstr("plan_balanced: BalanceOptions::grid = 0 must be in [1, 2^40]"));
+}
+
 }  // namespace

@@ -487,4 +487,81 @@ TEST_F(BalanceCli, HeadParallelErrorsNameTheFlagOrField) {
   EXPECT_THAT(r.err, HasSubstr("head_parallel: expected \"off\" or \"auto\", got true"));
 }
 
+// A packed batch as a loader packs it, ranks of 1000 tokens: document 1 runs
+// from packed 900 to 2500 (rank boundaries at 1000 and 2000), document 2 from
+// 2500 to 3300 (at 3000). On a grid of 100 (or 50) those are on it; on 64 not.
+constexpr const char* kGridBatch = R"({"world_size": 4, "max_cp_degree": 8, "documents": [
+  {"pieces": [{"rank": 0, "len": 900}]},
+  {"pieces": [{"rank": 0, "len": 100}, {"rank": 1, "len": 1000}, {"rank": 2, "len": 500}]},
+  {"pieces": [{"rank": 2, "len": 500}, {"rank": 3, "len": 300}]},
+  {"pieces": [{"rank": 3, "len": 700}]}]})";
+
+TEST_F(BalanceCli, GridFromTheFlagOrTheKeyGivesTheLibrarysPlanCutOnIt) {
+  const std::string in = file("in.json", kGridBatch);
+  const cpdispatch::BalanceProblem p = cpdispatch::balance_problem_from_json(nlohmann::json::parse(kGridBatch));
+  cpdispatch::BalanceOptions o;
+  o.grid = 100;
+  const cpdispatch::QkvDocumentsPlan expected = cpdispatch::plan_balanced(p, o);
+  ASSERT_TRUE(baltest::cuts_on_grid(p, expected, 100));
+  ASSERT_NE(expected.documents, cpdispatch::plan_balanced(p).documents);  // the grid matters here
+  nlohmann::json keyed = nlohmann::json::parse(kGridBatch);
+  keyed["grid"] = 100;
+  nlohmann::json overridden = keyed;
+  overridden["grid"] = 64;
+  const Result from_flag = run("balance --grid 100 " + in), equals_form = run("balance --grid=100 " + in);
+  const Result from_key = run("balance " + file("keyed.json", keyed.dump()));
+  const Result flag_over_key = run("balance --grid 100 " + file("overridden.json", overridden.dump()));
+  for (const Result* r : {&from_flag, &equals_form, &from_key, &flag_over_key}) {
+    ASSERT_EQ(r->status, 0) << r->err;
+    const auto plan = std::get<cpdispatch::QkvDocumentsPlan>(cpdispatch::plan_from_json(nlohmann::json::parse(r->out)));
+    EXPECT_EQ(plan.documents, expected.documents);
+    EXPECT_FALSE(cpdispatch::first_off_grid(plan, 100));
+  }
+  const Result planned = run(file("plan.json", from_flag.out));  // plan mode plans it
+  EXPECT_EQ(planned.status, 0) << planned.err;
+  // The summary: the bound on the grid, and whether every cut is on it; the input's own cuts, at packed
+  // 1000, 2000 and 3000, are not on a grid of 64, and the summary names the first.
+  const Result on = run("balance --summary --grid 100 " + in);
+  ASSERT_EQ(on.status, 0) << on.err;
+  char bound[64];
+  std::snprintf(bound, sizeof bound, "x the lower bound %.6g", cpdispatch::balance_lower_bound(p, o));
+  EXPECT_THAT(on.out, HasSubstr(bound));
+  EXPECT_THAT(on.out, HasSubstr("grid: 100 tokens; every cut of the plan is on it\n"));
+  const Result off = run("balance --summary --grid 64 " + in);
+  ASSERT_EQ(off.status, 0) << off.err;
+  EXPECT_THAT(off.out, HasSubstr("grid: 64 tokens; a cut off it, the input's own: documents[1] at offset 100 (packed position 1000)\n"));
+  EXPECT_THAT(run("balance --summary " + in).out, ::testing::Not(HasSubstr("grid:")));
+  // Grid 1, by flag or key, is the plan without a grid.
+  keyed["grid"] = 1;
+  EXPECT_EQ(nlohmann::json::parse(run("balance --grid 1 " + in).out), nlohmann::json::parse(run("balance " + in).out));
+  EXPECT_EQ(nlohmann::json::parse(run("balance " + file("one.json", keyed.dump())).out), nlohmann::json::parse(run("balance " + in).out));
+}
+
+TEST_F(BalanceCli, GridErrorsNameTheFlagOrField) {
+  const std::string in = file("in.json", kGridBatch);
+  const std::pair<const char*, const char*> cases[] = {
+      {"--grid 0", "--grid needs a whole number at least 1, got '0'"},
+      {"--grid=-64", "--grid needs a whole number at least 1, got '-64'"},
+      {"--grid 6.4", "--grid needs a whole number at least 1, got '6.4'"},
+      {"--grid 1099511627777", "--grid needs a whole number at most 2^40 (1: no grid), got '1099511627777'"},
+      {"--grid", "--grid needs a value"},
+  };
+  for (const auto& [flags, message] : cases) {
+    const Result r = run(std::string("balance ") + in + " " + flags);
+    EXPECT_EQ(r.status, 2) << flags;
+    EXPECT_EQ(r.out, "");
+    EXPECT_THAT(r.err, HasSubstr(message)) << flags;
+  }
+  nlohmann::json keyed = nlohmann::json::parse(kGridBatch);
+  for (const auto& [value, message] : std::vector<std::pair<nlohmann::json, std::string>>{
+           {0, "grid = 0 must be at least 1"}, {"64", "grid: expected an integer, got"}, {1099511627777, "must be at most 2^40"}}) {
+    keyed["grid"] = value;
+    const Result r = run("balance", keyed.dump());
+    EXPECT_EQ(r.status, 2) << value;
+    EXPECT_THAT(r.err, HasSubstr(message)) << value;
+  }
+  // Plan mode plans a plan as it is: the grid is balance's.
+  EXPECT_THAT(run("--grid 64 " + file("plan.json", run("balance " + in).out)).err, HasSubstr("unknown option '--grid'"));
+}
+
 }  // namespace

@@ -1,6 +1,6 @@
 // The library's reader of a balance input (plan/balance_json.hpp), without
 // the CLI: both forms give the BalanceProblem they describe, absent options
-// their defaults, and a bad field is an invalid_input naming its path.
+// their defaults (the grid too), and a bad field is an invalid_input naming its path.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -95,6 +95,17 @@ TEST(BalanceJson, BalancedPlanReadsBackAsThePlanWithItsDedup) {
     EXPECT_EQ(out.contains("dedup"), dedup);
     EXPECT_EQ(cpdispatch::plan_to_json(cpdispatch::plan_from_json(out)), out) << dedup;  // the plan itself, unchanged
   }
+}
+
+TEST(BalanceJson, GridIsReadAndABadOneIsNamed) {
+  const std::string W2 = R"({"world_size": 2, "max_cp_degree": 2, "ranks": [{"docs": [1]}, {"docs": [1]}])";
+  EXPECT_EQ(cpdispatch::balance_options_from_json(cpdispatch::parse_json(W2 + "}")).grid, 1);
+  EXPECT_EQ(cpdispatch::balance_options_from_json(cpdispatch::parse_json(W2 + R"(, "grid": 64})")).grid, 64);
+  EXPECT_EQ(cpdispatch::balance_options_from_json(cpdispatch::parse_json(W2 + R"(, "grid": 1099511627776})")).grid, cpdispatch::max_grid);
+  EXPECT_THAT(reading_error(W2 + R"(, "grid": 0})"), HasSubstr("grid = 0 must be at least 1"));
+  EXPECT_THAT(reading_error(W2 + R"(, "grid": 1099511627777})"), HasSubstr("grid = 1099511627777 must be at most 2^40"));
+  EXPECT_THAT(reading_error(W2 + R"(, "grid": "64"})"), HasSubstr("grid: expected an integer, got \"64\""));
+  EXPECT_THAT(reading_error(W2 + R"(, "grid": 6.5})"), HasSubstr("grid: expected an integer, got 6.5"));
 }
 
 }  // namespace

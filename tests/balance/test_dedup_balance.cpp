@@ -162,4 +162,28 @@ TEST(DedupBalance, OffByDefaultAndDeterministic) {
   EXPECT_EQ(cpdispatch::plan_balanced(p, off).documents, cpdispatch::plan_balanced(p).documents);
 }
 
+// The planning grid with dedup: the sharing constructions and the pass that
+// moves single shards cut nothing new, so every cut stays on the grid, and
+// balancing for dedup costs no balance against the grid's plan without it.
+TEST(DedupBalance, EveryCutFallsOnTheGrid) {
+  std::size_t cuts = 0;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const BalanceProblem p = random_batch(seed);
+    const I G = 2 + static_cast<I>(seed % 5) * 3;
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", G " + std::to_string(G));
+    BalanceOptions plain_options;
+    plain_options.grid = G;
+    BalanceOptions dedup_options = with_dedup();
+    dedup_options.grid = G;
+    const QkvDocumentsPlan plain = cpdispatch::plan_balanced(p, plain_options), dedup = cpdispatch::plan_balanced(p, dedup_options);
+    ASSERT_TRUE(baltest::valid_packed_plan(p, dedup));
+    const ::testing::AssertionResult on = baltest::cuts_on_grid(p, dedup, G);
+    ASSERT_TRUE(on);
+    cuts += static_cast<std::size_t>(std::stoul(on.message()));
+    EXPECT_LE(max_cost(dedup), max_cost(plain));
+    EXPECT_LE(wire_bytes(p, dedup), wire_bytes(p, plain));
+  }
+  EXPECT_GT(cuts, 20u);
+}
+
 }  // namespace

@@ -4,13 +4,17 @@
 // attention cost, never beat the lower bound, and are costed exactly; bad
 // batches fail naming the document and piece. Head-parallel documents chosen
 // by the balancer (section 2f): which ones, the work around them, the search
-// of plan_for_cluster, and bad options.
+// of plan_for_cluster, and bad options. The planning grid
+// (BalanceOptions::grid): every cut of every path on it, the bound on it,
+// grid 1 the plans of before, bad grids refused, and check_grid's message.
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +23,7 @@
 #include "cpdispatch/plan/coverage.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/step_model.hpp"
+#include "cpdispatch/plan/topology_balance.hpp"
 #include "cpdispatch/plan/workload.hpp"
 
 namespace {
@@ -447,6 +452,258 @@ TEST(HeadParallelBalance, BadOptionsNameTheirField) {
   BalanceProblem masked = p;
   masked.mask = cpdispatch::AttentionMask::full();
   EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_balanced(masked, automatic(8)); }), HasSubstr("full"));
+}
+
+// ---- the planning grid (BalanceOptions::grid): every cut the balancer makes
+// on a multiple of G in the packed coordinate (rank 0's tokens, then rank 1's, ...)
+
+BalanceOptions on_grid(I grid, BalanceOptions o = {}) {
+  o.grid = grid;
+  return o;
+}
+
+TEST(PlanningGrid, EveryCutTheBalancerMakesIsOnTheGrid) {
+  // Random packed batches whose ranks hold a number of tokens that is no multiple of the grid, so the
+  // pieces start anywhere on it; with and without dedup, receive capacities and a topology.
+  std::size_t cuts = 0;
+  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+    const I W = 1 + static_cast<I>(seed % 9), G = std::array<I, 5>{2, 3, 7, 16, 64}[seed % 5];
+    BalanceProblem p = random_batch(seed, W, 2 + static_cast<I>(seed % 6), 150 + static_cast<I>(seed % 4) * 101);
+    if (seed % 7 == 0) p.recv_capacity.assign(static_cast<std::size_t>(W), 2000);
+    BalanceOptions o = on_grid(G);
+    o.dedup = seed % 2 == 0;
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", W " + std::to_string(W) + ", G " + std::to_string(G) + (o.dedup ? ", dedup" : ""));
+    const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, o);
+    ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
+    const ::testing::AssertionResult on = baltest::cuts_on_grid(p, plan, G);
+    ASSERT_TRUE(on);
+    cuts += static_cast<std::size_t>(std::stoul(on.message()));
+    // The library's check agrees: a cut off the grid can only be one of the input's.
+    const std::optional<cpdispatch::GridCut> input = cpdispatch::first_off_grid(p, G), planned = cpdispatch::first_off_grid(plan, G);
+    EXPECT_EQ(planned.has_value(), input.has_value());
+    if (input && planned) {
+      EXPECT_EQ(planned->offset, input->offset);
+    }
+    // The bound cuts on the grid too: never lower, and no plan beats it; the balance stays close to it.
+    const double bound = cpdispatch::balance_lower_bound(p, o);
+    EXPECT_GE(bound, cpdispatch::balance_lower_bound(p));
+    const I most = cpdispatch::plan_cost(plan).max_attention();
+    EXPECT_GE(static_cast<double>(most), bound - 0.5);
+    EXPECT_LE(static_cast<double>(most), 1.25 * bound);
+    if (W % 2 == 0) {  // on a topology only the destinations change
+      const QkvDocumentsPlan placed = cpdispatch::plan_balanced(p, o, cpdispatch::Topology::uniform(W, 2));
+      ASSERT_TRUE(baltest::valid_packed_plan(p, placed));
+      EXPECT_TRUE(baltest::cuts_on_grid(p, placed, G));
+    }
+  }
+  EXPECT_GT(cuts, 100u);  // the batches do get cut (139 cuts)
+}
+
+TEST(PlanningGrid, ADocumentIsCutAtMultiplesOfTheGridFromTheStartOfThePackedSequence) {
+  // Rank 0: a document of 30 tokens, then one of 1000 (packed 30 .. 1030), C = 4 over 4 ranks. On a grid of
+  // 100 the long one may be cut at offsets 70, 170, ..., 970 only; the short one, inside a block, never.
+  BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 4;
+  p.docs = {{30, 1000}, {}, {}, {}};
+  const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, on_grid(100));
+  ASSERT_EQ(plan.documents.size(), 2u);
+  EXPECT_EQ(plan.documents[0].shards.size(), 1u);
+  const auto& shards = plan.documents[1].shards;
+  EXPECT_EQ(shards.size(), 4u);  // the grid leaves room for the C shards the balance needs
+  I offset = 0;
+  for (std::size_t k = 0; k + 1 < shards.size(); ++k) {
+    offset += shards[k].len;
+    EXPECT_EQ((30 + offset) % 100, 0) << "cut " << k << " at offset " << offset;
+  }
+  EXPECT_FALSE(cpdispatch::first_off_grid(plan, 100));
+  EXPECT_TRUE(cpdispatch::first_off_grid(cpdispatch::plan_balanced(p), 100));  // without the grid, cuts fall where the cost says
+  // A grid longer than the batch leaves every document whole.
+  const QkvDocumentsPlan whole = cpdispatch::plan_balanced(p, on_grid(2048));
+  for (const auto& doc : whole.documents) EXPECT_EQ(doc.shards.size(), 1u);
+}
+
+TEST(PlanningGrid, TheBoundCutsOnTheGrid) {
+  // One document of 256 tokens in at most two shards: without a grid the cheapest largest shard ends
+  // at 181 (16471 pairs; the mean, 32896 / 4, is lower); on a grid of 64 the cut is at 128 or 192, and
+  // 192 gives max(pairs(0, 192), pairs(192, 256)) = max(18528, 14368).
+  BalanceProblem p;
+  p.world_size = 4;
+  p.max_cp_degree = 2;
+  p.docs = {{256}, {}, {}, {}};
+  EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p), 16471.0);
+  EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p, on_grid(64)), 18528.0);
+  EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p, on_grid(1)), 16471.0);
+  const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, on_grid(64));
+  EXPECT_EQ(cpdispatch::plan_cost(plan).max_attention(), 18528);
+  ASSERT_EQ(plan.documents[0].shards.size(), 2u);
+  EXPECT_EQ(plan.documents[0].shards[0].len, 192);
+}
+
+/// FNV-1a of `h` and a plan: every shard's home, length and destination, the
+/// head-parallel marks and degree.
+std::uint64_t fingerprint(std::uint64_t h, const QkvDocumentsPlan& plan) {
+  const auto mix = [&h](I v) {
+    for (int byte = 0; byte < 8; ++byte) h = (h ^ ((static_cast<std::uint64_t>(v) >> (8 * byte)) & 0xff)) * 1099511628211ull;
+  };
+  mix(plan.head_parallel_degree);
+  for (const auto& doc : plan.documents) {
+    mix(doc.head_parallel ? -2 : -1);
+    for (const auto& s : doc.shards) mix(s.rank), mix(s.len), mix(s.dst);
+  }
+  return h;
+}
+
+/// Batch `seed` of the grid-one fingerprint and its options: the paths of
+/// the balancer in turn (causal, full, a window, a shared prefix, head-parallel
+/// documents, receive capacities; dedup on every fourth).
+BalanceProblem grid_one_case(std::uint64_t seed, BalanceOptions& o) {
+  const I W = 1 + static_cast<I>(seed % 8), tokens = 40 + static_cast<I>(seed % 4) * 70;
+  BalanceProblem p = random_batch(seed, W, 1 + static_cast<I>(seed % 5), tokens);
+  o = BalanceOptions{};
+  o.dedup = seed % 4 == 0;
+  switch (seed % 6) {
+    case 1: p.mask = cpdispatch::AttentionMask::full(); break;
+    case 2: p.mask = cpdispatch::AttentionMask::sliding_window(1 + static_cast<I>(seed % 40)); break;
+    case 3: {
+      I len = 0;
+      for (const auto& pc : p.documents[0].pieces) len += pc.len;
+      const I h = len / 2;
+      if (h >= 1) {
+        p.documents[0].slices = {{0, h, 0, h, cpdispatch::SliceType::causal}, {h, len, 0, h, cpdispatch::SliceType::full},
+                                 {h, len, h, len, cpdispatch::SliceType::causal}};
+      }
+      break;
+    }
+    case 4:
+      o.head_parallel = HeadParallel::automatic;
+      o.heads_q = 8;
+      o.head_parallel_degree = std::gcd(W, I{8});
+      o.pair_weight = 0.01;
+      break;
+    case 5: p.recv_capacity.assign(static_cast<std::size_t>(W), 4 * tokens); break;
+    default: break;
+  }
+  return p;
+}
+
+TEST(PlanningGrid, GridOneGivesThePlansOfBeforeTheGrid) {
+  // 96 batches over the paths of the balancer (every mask, a shared prefix, dedup, receive capacities,
+  // head-parallel documents, and 48 of them again on a topology), fingerprinted with the balancer as it
+  // was before BalanceOptions::grid (commit 6c9e7c6): a grid of 1 changes no plan by a bit. (A change to
+  // the balancer that is meant to move plans updates the number.)
+  std::uint64_t h = 14695981039346656037ull;
+  for (std::uint64_t seed = 1; seed <= 96; ++seed) {
+    BalanceOptions o;
+    const BalanceProblem p = grid_one_case(seed, o);
+    const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, on_grid(1, o));
+    expect_same_plan(plan, cpdispatch::plan_balanced(p, o));
+    h = fingerprint(h, plan);
+    if (p.world_size % 2 == 0 && o.head_parallel == HeadParallel::off) {
+      h = fingerprint(h, cpdispatch::plan_balanced(p, on_grid(1, o), cpdispatch::Topology::uniform(p.world_size, 2)));
+    }
+  }
+  EXPECT_EQ(h, 0x87ca0d6c8bb1bd6eull);
+}
+
+TEST(PlanningGrid, HeadParallelDocumentsKeepTheirPiecesAndTheRestIsCutOnTheBatchsGrid) {
+  // The documents left dispatched are balanced without the head-parallel ones, but cut on the grid of
+  // the whole batch's packed coordinate, in which the head-parallel pieces still take their places.
+  std::size_t chosen = 0, cuts = 0;
+  for (std::uint64_t seed = 1; seed <= 30; ++seed) {
+    const I W = std::array<I, 3>{2, 4, 8}[seed % 3], u = seed % 2 == 0 ? W : W / 2, G = seed % 3 == 0 ? 16 : 5;
+    const BalanceProblem p = random_batch(seed, W, 2 + static_cast<I>(seed % 3), 150 + static_cast<I>(seed % 4) * 77);
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", W " + std::to_string(W) + ", u " + std::to_string(u) + ", G " + std::to_string(G));
+    BalanceOptions o = on_grid(G, automatic(8, 8, u));
+    o.pair_weight = static_cast<double>(seed % 3);
+    const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, o);
+    ASSERT_TRUE(baltest::valid_packed_plan(p, plan));
+    ASSERT_TRUE(covers(plan));
+    const ::testing::AssertionResult on = baltest::cuts_on_grid(p, plan, G);
+    ASSERT_TRUE(on);
+    cuts += static_cast<std::size_t>(std::stoul(on.message()));
+    for (std::size_t i = 0; i < plan.documents.size(); ++i) {
+      if (!plan.documents[i].head_parallel) continue;
+      ++chosen;
+      EXPECT_EQ(plan.documents[i].shards.size(), p.documents[i].pieces.size()) << "documents[" << i << "]: head-parallel, yet cut";
+    }
+  }
+  EXPECT_GT(chosen, 5u);
+  EXPECT_GT(cuts, 30u);  // 48 cuts
+}
+
+TEST(PlanningGrid, PlanForClusterCutsOnTheGrid) {
+  const BalanceProblem p = long_among_short(8, 4000, 6, 300, 4);
+  const cpdispatch::LayerShape shape{12, 64, 2, 4, 4};
+  BalanceOptions o = on_grid(64);
+  for (const HeadParallel hp : {HeadParallel::off, HeadParallel::automatic}) {
+    o.head_parallel = hp;
+    const cpdispatch::ClusterPlan chosen =
+        cpdispatch::plan_for_cluster(p, cpdispatch::ClusterModel::h100_ib(), shape, cpdispatch::Topology::uniform(8, 4), o);
+    EXPECT_TRUE(baltest::valid_packed_plan(p, chosen.plan));
+    EXPECT_TRUE(baltest::cuts_on_grid(p, chosen.plan, 64));
+  }
+  o.grid = 0;
+  EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] {
+                (void)cpdispatch::plan_for_cluster(p, cpdispatch::ClusterModel::h100_ib(), shape, cpdispatch::Topology::uniform(8, 4), o);
+              }),
+              HasSubstr("BalanceOptions::grid = 0"));
+}
+
+TEST(PlanningGrid, ABadGridIsRefusedNamingTheField) {
+  const BalanceProblem p = random_batch(4, 4, 4, 100);
+  for (const I grid : {I{0}, I{-64}, (I{1} << 40) + 1}) {
+    const std::string field = "BalanceOptions::grid = " + std::to_string(grid) + " must be in [1, 2^40]";
+    EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_balanced(p, on_grid(grid)); }), HasSubstr(field));
+    EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::balance_lower_bound(p, on_grid(grid)); }), HasSubstr(field));
+    EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_balanced(p, on_grid(grid, automatic(8))); }),
+                HasSubstr(field));
+    EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::check_grid(p, grid); }),
+                HasSubstr("check_grid: grid = " + std::to_string(grid) + " must be in [1, 2^40]"));
+  }
+  EXPECT_NO_THROW((void)cpdispatch::plan_balanced(p, on_grid(I{1} << 40)));
+}
+
+TEST(PlanningGrid, CheckGridNamesTheDocumentAndTheOffsetOfTheFirstCutOffTheGrid) {
+  // Ranks of 100 tokens: document 0 is 60 tokens on rank 0; document 1 runs from packed 60 to 250 over
+  // ranks 0, 1 and 2 (pieces of 40, 100 and 50); document 2 fills rank 2. Its rank boundaries, at packed
+  // 100 and 200, are on a grid of 50 or 100, not of 64.
+  BalanceProblem p;
+  p.world_size = 3;
+  p.max_cp_degree = 4;
+  p.documents = {{{{0, 60}}}, {{{0, 40}, {1, 100}, {2, 50}}}, {{{2, 50}}}};
+  EXPECT_FALSE(cpdispatch::first_off_grid(p, 50));
+  EXPECT_NO_THROW(cpdispatch::check_grid(p, 100));
+  EXPECT_EQ(cpdispatch::first_off_grid(p, 64), (cpdispatch::GridCut{1, 0, 40, 100}));
+  EXPECT_EQ(baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::check_grid(p, 64); }),
+            "check_grid: documents[1] is cut at offset 40 (between pieces[0] and pieces[1], a boundary of the MLP layout) "
+            "at packed position 100, which is not a multiple of the grid 64");
+  // A plan: its shard boundaries, the MLP layout's and the balancer's. Document 1's second shard on
+  // rank 1 ends at offset 90, packed 150: on a grid of 50, not of 100.
+  QkvDocumentsPlan plan;
+  plan.world_size = 3;
+  plan.documents = {{{{0, 60, 0}}}, {{{0, 40, 0}, {1, 50, 1}, {1, 50, 2}, {2, 50, 2}}}, {{{2, 50, 2}}}};
+  EXPECT_FALSE(cpdispatch::first_off_grid(plan, 50));
+  EXPECT_EQ(cpdispatch::first_off_grid(plan, 100), (cpdispatch::GridCut{1, 1, 90, 150}));
+  EXPECT_EQ(baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::check_grid(plan, 100); }),
+            "check_grid: documents[1] is cut at offset 90 (between shards[1] and shards[2]) at packed position 150, "
+            "which is not a multiple of the grid 100");
+  // The per-rank form numbers documents as to_documents does: rank 1's first is documents[1].
+  cpdispatch::QkvPlan ranks;
+  ranks.world_size = 2;
+  ranks.ranks = {cpdispatch::RankDocuments{{cpdispatch::Document{{64}, {0}}}}, cpdispatch::RankDocuments{{cpdispatch::Document{{30, 34}, {1, 0}}}}};
+  EXPECT_FALSE(cpdispatch::first_off_grid(ranks, 2));
+  EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::check_grid(ranks, 64); }),
+              HasSubstr("documents[1] is cut at offset 30 (between shards[0] and shards[1]) at packed position 94"));
+  // Document starts and ends are not cuts: a batch of whole documents passes any grid.
+  BalanceProblem whole;
+  whole.world_size = 2;
+  whole.documents = {{{{0, 7}}}, {{{0, 13}}}, {{{1, 5}}}};
+  EXPECT_FALSE(cpdispatch::first_off_grid(whole, 64));
+  // Malformed input is named.
+  whole.documents[1].pieces[0].rank = 2;
+  EXPECT_THAT(baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::check_grid(whole, 64); }),
+              HasSubstr("documents[1].pieces[0].rank = 2 is outside [0, 2)"));
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "balance_helpers.hpp"
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/balance_json.hpp"
+#include "cpdispatch/plan/coverage.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/json.hpp"
 #include "cpdispatch/plan/step_model.hpp"
@@ -423,6 +424,32 @@ TEST(SliceBalanceJson, BadSlicesAreNamedByTheirPath) {
   EXPECT_THAT(reading_error(R"([{"q": [0, 8], "k": [0, 8]}])"), HasSubstr("documents[1].slices[0]: missing \"type\""));
   EXPECT_THAT(reading_error(R"([{"q": [0, 8], "k": [0, 8], "type": "full", "band": 3}])"),
               HasSubstr("documents[1].slices[0]: unknown key \"band\""));
+}
+
+// The planning grid with slices: shared-prefix documents (and plain ones
+// beside them) are cut only at multiples of the grid in the packed
+// coordinate, their slices unchanged, and the plan attends every allowed
+// pair exactly once.
+TEST(SliceBalance, EveryCutFallsOnTheGrid) {
+  std::size_t cuts = 0;
+  for (std::uint64_t seed = 0; seed < 16; ++seed) {
+    const I W = 2 + static_cast<I>(seed % 5), G = std::vector<I>{5, 16, 64}[seed % 3];
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", W " + std::to_string(W) + ", G " + std::to_string(G));
+    BalanceProblem p = shared_prefix_batch({3, 20, 90, 400, 1500}, W, 577 + 29 * static_cast<I>(seed), seed);
+    if (seed % 4 == 3) p.mask = AttentionMask::sliding_window(100);  // for the documents left without slices
+    for (std::size_t i = seed % 2; i < p.documents.size(); i += 3) p.documents[i].slices.clear();
+    cpdispatch::BalanceOptions o;
+    o.grid = G;
+    o.dedup = seed % 2 == 0;
+    const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, o);
+    ASSERT_TRUE(baltest::valid_packed_plan(p, plan, false));
+    const ::testing::AssertionResult on = baltest::cuts_on_grid(p, plan, G);
+    ASSERT_TRUE(on);
+    cuts += static_cast<std::size_t>(std::stoul(on.message()));
+    EXPECT_NO_THROW(cpdispatch::verify_coverage(plan, cpdispatch::plan_qkv(plan)));
+    EXPECT_GE(static_cast<double>(cpdispatch::plan_cost(plan).max_attention()), cpdispatch::balance_lower_bound(p, o) - 0.5);
+  }
+  EXPECT_GT(cuts, 50u);
 }
 
 }  // namespace

@@ -9,10 +9,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <variant>
 #include <vector>
 
+#include "cpdispatch/plan/balance_problem.hpp"
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/json.hpp"
 #include "../common/plan_cli.hpp"
@@ -426,6 +429,51 @@ TEST_F(CliTest, MaskBadInput) {
                  "mask: an attention mask applies to qkv plans");
   expect_invalid(run({}, R"({"world_size":1,"max_cp_degree":1,"mask":{"type":"full"},"ranks":[{"docs":[{"shard_len":[2,2],"dst":[0,0]}]}]})"),
                  "max_cp_degree = 1 is smaller than the 2 shards of ranks[0].docs[0] whose queries need its shard_len[0] (full mask)");
+}
+
+// ---------------------------------------------------------------- balance --grid
+
+TEST_F(CliTest, BalanceOnAGridWritesAPlanCutOnItThatPlanModePlans) {
+  // Three ranks of 250 tokens (no multiple of the grid), a window mask and dedup: every cut the
+  // balancer makes falls on a multiple of 16 in the packed coordinate, and plan mode plans the plan.
+  const std::string batch = R"({"world_size": 3, "max_cp_degree": 6, "mask": {"type": "sliding_window", "window": 40},
+    "documents": [{"pieces": [{"rank": 0, "len": 230}]}, {"pieces": [{"rank": 0, "len": 20}, {"rank": 1, "len": 250}, {"rank": 2, "len": 40}]},
+                  {"pieces": [{"rank": 2, "len": 210}]}]})";
+  for (const std::string grid : {"16", "1"}) {
+    const Result balanced = run({"balance", "-", "--grid", grid, "--dedup"}, batch);
+    const json out = expect_json(balanced);
+    const auto plan = std::get<cpdispatch::QkvDocumentsPlan>(cpdispatch::plan_from_json(out));
+    // The input's own cuts, at packed 250 and 500, are off a grid of 16; with it, every other cut is on it.
+    const std::optional<cpdispatch::GridCut> first = cpdispatch::first_off_grid(plan, 16);
+    ASSERT_TRUE(first);
+    if (grid == "16") {
+      EXPECT_EQ(*first, (cpdispatch::GridCut{1, 0, 20, 250}));
+    }
+    std::int64_t cuts = 0, off = 0, start = 230;  // document 1 starts at packed 230, and its pieces lie end to end
+    for (std::size_t k = 0; k + 1 < plan.documents[1].shards.size(); ++k) {
+      start += plan.documents[1].shards[k].len;
+      if (start == 250 || start == 500) continue;
+      ++cuts;
+      off += start % 16 != 0 ? 1 : 0;
+    }
+    for (const std::size_t d : {std::size_t{0}, std::size_t{2}}) {
+      std::int64_t at = d == 0 ? 0 : 540;
+      for (std::size_t k = 0; k + 1 < plan.documents[d].shards.size(); ++k) {
+        at += plan.documents[d].shards[k].len;
+        ++cuts;
+        off += at % 16 != 0 ? 1 : 0;
+      }
+    }
+    EXPECT_GT(cuts, 0) << grid;
+    if (grid == "16") {
+      EXPECT_EQ(off, 0) << "cuts off the grid";
+    } else {
+      EXPECT_GT(off, 0) << "without a grid the balancer cuts where the cost says";
+    }
+    const Result planned = run({"-", "--summary"}, balanced.out);
+    EXPECT_EQ(planned.status, 0) << planned.err;
+    EXPECT_NE(planned.out.find("mask sliding_window(40)"), std::string::npos) << planned.out;
+  }
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 """cpdispatch.batch_from_cu_seqlens: balance's input from one packed
 sequence's cu_seqlens cut evenly over the ranks, or from every rank's own;
-from lists, NumPy arrays and integer tensors; its errors; and that balance
-takes the result and its plan plans."""
+from lists, NumPy arrays and integer tensors; its errors; that balance
+takes the result and its plan plans; and balance(..., grid=G), whose cuts
+fall on multiples of G in the packed coordinate."""
 
 import pytest
 
 from conftest import require
+from test_plan import run_cli
 
 np = require("numpy")
 cpdispatch = require("cpdispatch")
@@ -110,3 +112,60 @@ def test_a_max_cp_degree_below_a_documents_span_is_refused_by_balance():
     batch = cpdispatch.batch_from_cu_seqlens([0, 12], 4, max_cp_degree=3)
     with pytest.raises(ValueError, match="max_cp_degree = 3"):
         cpdispatch.balance(batch)
+
+
+def _cuts(plan):
+    """Every boundary between two shards of a document, as (document, packed position of the boundary,
+    whether it is a piece boundary of the MLP layout), the packed coordinate counted from the plan's
+    shards: rank 0's tokens, then rank 1's, each rank's by (document, shard)."""
+    at = [0] * (plan["world_size"] + 1)
+    for doc in plan["documents"]:
+        for s in doc["shards"]:
+            at[s["rank"] + 1] += s["len"]
+    for r in range(plan["world_size"]):
+        at[r + 1] += at[r]
+    out = []
+    for d, doc in enumerate(plan["documents"]):
+        shards = doc["shards"]
+        for k, s in enumerate(shards):
+            at[s["rank"]] += s["len"]
+            if k + 1 < len(shards):
+                out.append((d, at[s["rank"]], shards[k + 1]["rank"] != s["rank"]))
+    return out
+
+
+def test_balance_on_a_grid_cuts_documents_only_at_its_multiples(cli):
+    # A loader's batch of 4 ranks of 1000 tokens (no multiple of 64): the rank boundaries, the input's
+    # own cuts, stay where they are; every cut the balancer makes is at a multiple of 64.
+    cu_seqlens = [0, 37, 1830, 1900, 3900, 4000]
+    batch = cpdispatch.batch_from_cu_seqlens(cu_seqlens, 4)
+    plan = cpdispatch.balance(batch, grid=64)
+    balancer_cuts = [(d, p) for d, p, piece in _cuts(plan) if not piece]
+    assert balancer_cuts, "the batch is cut: the test sees cuts"
+    assert all(p % 64 == 0 for _, p in balancer_cuts), balancer_cuts
+    assert any(p % 64 for _, p, piece in _cuts(cpdispatch.balance(batch)) if not piece), "without the grid, cuts fall anywhere"
+    # The same plan as the CLI's --grid, and as a "grid" key in the batch; grid=1 is the plan without a grid.
+    assert plan == run_cli(cli, batch, "balance", "--grid", "64")
+    assert plan == cpdispatch.balance(dict(batch, grid=64)) == cpdispatch.balance(dict(batch, grid=16), grid=64)
+    assert cpdispatch.balance(batch, grid=1) == cpdispatch.balance(batch)
+    assert cpdispatch.plan(plan)["q_fwd"]["num_recv_tokens"][:, -1].sum() == 4000  # and it plans
+
+
+@pytest.mark.parametrize("grid, message", [
+    (0, r"grid = 0 must be in \[1, 2\*\*40\]"),
+    (-64, r"grid = -64 must be in"),
+    (2**40 + 1, r"grid = 1099511627777 must be in"),
+    (6.4, r"grid must be an integer in \[1, 2\*\*40\], not 6.4"),
+    (True, r"grid must be an integer"),
+    ("64", r"grid must be an integer"),
+])
+def test_a_bad_grid_raises_naming_it(grid, message):
+    batch = cpdispatch.batch_from_cu_seqlens([0, 37, 1830, 1900, 3900, 4000], 4)
+    with pytest.raises(ValueError, match=message):
+        cpdispatch.balance(batch, grid=grid)
+
+
+def test_a_bad_grid_key_is_named_by_the_reader():
+    batch = cpdispatch.batch_from_cu_seqlens([0, 37, 1830, 1900, 3900, 4000], 4)
+    with pytest.raises(ValueError, match=r"grid = 0 must be at least 1"):
+        cpdispatch.balance(dict(batch, grid=0))

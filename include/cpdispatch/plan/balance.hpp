@@ -81,6 +81,15 @@
 // each one's pairs on each rank of its group (detail/head_parallel_choice.hpp).
 // With `off` (the default) the plan is the one above.
 //
+// With BalanceOptions::grid = G > 1 every cut the balancer makes inside a
+// piece falls on a multiple of G in the packed coordinate (rank 0's MLP
+// tokens, then rank 1's, ...): each piece knows the phase of its packed
+// start (detail::balance::Grid), and every search above moves the cut it
+// finds onto the grid (up where a shard must cover a cost, down where it must
+// fit a room); the lower bound cuts on the grid too. A piece with no
+// multiple of G inside it is not cut. Head-parallel documents keep their
+// pieces, and the rest is balanced on the batch's own packed coordinate.
+//
 // This header includes the rest of planning by balance: the problem
 // (plan/balance_problem.hpp), what a plan costs (plan/cost.hpp) and the
 // baselines (plan/baselines.hpp).
@@ -113,13 +122,24 @@ inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimit
   return detail::balance::MaskPlanner(planner, problem.mask).lower_bound();
 }
 
+/// The same for plans made with `options`: with a grid (BalanceOptions::grid)
+/// every document's cheapest largest shard is cut on the grid, so the bound
+/// may rise (the other options do not change it).
+inline double balance_lower_bound(const BalanceProblem& problem, const BalanceOptions& options, const PlanLimits& limits = {}) {
+  detail::balance::check_footprint(problem, limits);
+  detail::balance::check_masked_problem(problem);
+  const detail::balance::Planner planner(problem, {}, detail::balance::GridPlacement{options.grid});
+  if (problem.mask == AttentionMask::causal() && !has_slices(problem)) return planner.lower_bound();
+  return detail::balance::MaskPlanner(planner, problem.mask).lower_bound();
+}
+
 namespace detail::balance {
 
 /// plan_balanced with every document dispatched (head_parallel ignored).
 inline QkvDocumentsPlan plan_dispatched(const BalanceProblem& problem, const BalanceOptions& options, const PlanLimits& limits) {
   check_footprint(problem, limits);
   check_masked_problem(problem);
-  Planner planner(problem);
+  Planner planner(problem, {}, GridPlacement{options.grid});
   if (problem.mask == AttentionMask::causal() && !has_slices(problem)) return masked_plan(planner, planner.plan(options), problem.mask);
   return masked_plan(planner, MaskPlanner(planner, problem.mask).plan(options), problem.mask);
 }
@@ -135,7 +155,10 @@ inline QkvDocumentsPlan plan_dispatched(const BalanceProblem& problem, const Bal
 /// `documents[i].slices[j]` -- refused as planning refuses them -- or
 /// `docs[r][i]`) or head-parallel option (naming the BalanceOptions field),
 /// and capacity_error (naming ranks and token counts) when the receive
-/// capacities cannot hold the documents.
+/// capacities cannot hold the documents. With options.grid, every cut the
+/// plan makes inside a piece is on the grid (the pieces' own boundaries are
+/// the input's: check_grid checks them); a grid outside [1, 2^40] is an
+/// invalid_input naming BalanceOptions::grid.
 inline QkvDocumentsPlan plan_balanced(const BalanceProblem& problem, const BalanceOptions& options = {}, const PlanLimits& limits = {}) {
   QkvDocumentsPlan dispatched = detail::balance::plan_dispatched(problem, options, limits);
   if (options.head_parallel == HeadParallel::off) return dispatched;

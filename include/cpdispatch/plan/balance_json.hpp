@@ -138,7 +138,7 @@ inline BalanceProblem balance_problem_from_json(const nlohmann::json& j) {
   read_object(j, root);
   check_keys(j, root, "a balance input", {"world_size", "max_cp_degree", "documents", "ranks", "recv_capacity", "q_bytes", "kv_bytes", "dedup",
                                           "ranks_per_node", "nodes", "inter_node_ratio", "mask", "head_parallel", "head_parallel_degree",
-                                          "heads_q", "heads_kv", "pair_weight"});
+                                          "heads_q", "heads_kv", "pair_weight", "grid"});
   BalanceProblem p;
   p.world_size = read_world_size(j, root, true);
   const auto W = static_cast<std::size_t>(p.world_size);
@@ -164,9 +164,10 @@ inline HeadParallel head_parallel_from_string(std::string_view text, std::string
 }
 
 /// A balance input's planning options: its optional "dedup" (true or false,
-/// false when absent) and head-parallel choice ("head_parallel": "off" or
+/// false when absent), head-parallel choice ("head_parallel": "off" or
 /// "auto", "head_parallel_degree", "heads_q", "heads_kv", "pair_weight";
-/// plan_balanced checks their values together); the other options keep
+/// plan_balanced checks their values together) and "grid" (an integer in
+/// [1, 2^40], 1 when absent: BalanceOptions::grid); the other options keep
 /// their defaults.
 inline BalanceOptions balance_options_from_json(const nlohmann::json& j) {
   using namespace detail;
@@ -188,6 +189,8 @@ inline BalanceOptions balance_options_from_json(const nlohmann::json& j) {
     }
     options.pair_weight = w->get<double>();
   }
+  options.grid = read_int_at_least(j, root, "grid", 1, false, 1);
+  if (options.grid > max_grid) fail_at(root / "grid", " = ", options.grid, " must be at most 2^40 (1: no grid)");
   return options;
 }
 

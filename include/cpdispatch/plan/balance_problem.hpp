@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
@@ -115,7 +116,141 @@ struct BalanceOptions {
   /// (q_bytes / kv_bytes units) inside a node in the choice: the step
   /// model's attention time of a pair over a byte's link time. 0: bytes only.
   double pair_weight = 0;
+  /// The planning grid G (docs/planning.md, "Cutting on a grid"): every cut
+  /// the balancer makes inside a document (a shard boundary inside a piece)
+  /// falls on a multiple of G in the packed coordinate, a token's position in
+  /// the batch's packed sequence (rank 0's MLP tokens, then rank 1's, ...).
+  /// Document starts and ends are not cuts; a piece with no multiple of G
+  /// inside it is never cut. The cuts the MLP layout already has (piece
+  /// boundaries) are the input's: check_grid checks them. 1 (the default):
+  /// no constraint, the plan as without the option. The op's invariant mode
+  /// needs a grid: its default is invariant_grid (64). In [1, max_grid].
+  std::int64_t grid = 1;
 };
+
+/// The grid of the op's invariant mode by default (BalanceOptions::grid).
+inline constexpr std::int64_t invariant_grid = 64;
+
+/// The largest BalanceOptions::grid (and check_grid's grid): 2^40 tokens.
+inline constexpr std::int64_t max_grid = std::int64_t{1} << 40;
+
+namespace detail {
+
+/// Refuses a grid outside [1, max_grid]; `who` and `field` name the caller and the field.
+inline void check_grid_size(std::int64_t grid, const char* who, const char* field) {
+  if (grid < 1 || grid > max_grid) {
+    fail(who, ": ", field, " = ", grid, " must be in [1, 2^40] (1: no grid; the invariant mode's default is ", invariant_grid, ")");
+  }
+}
+
+}  // namespace detail
+
+/// A cut of a document that is not on the grid (first_off_grid).
+struct GridCut {
+  std::size_t document = 0;  ///< the document's index (a plan's documents; a problem's `documents`)
+  std::size_t after = 0;     ///< the cut follows shards[after] (a plan) or pieces[after] (a problem) of the document
+  std::int64_t offset = 0;   ///< the cut's position in its document: the tokens before it
+  std::int64_t packed = 0;   ///< the position off the grid, in the packed coordinate
+  friend bool operator==(const GridCut&, const GridCut&) = default;
+};
+
+namespace detail {
+
+/// The first cut off the grid of documents given as runs (home rank,
+/// length) in causal order: the boundary after run k of a document, unless
+/// it ends the document, where the run's end or the next run's start, in
+/// the packed coordinate, is not a multiple of `grid`. Rank r's MLP layout
+/// holds the runs whose home is r in (document, run) order. `rank_of(d, k)`,
+/// `len_of(d, k)` and `runs(d)` read the input; `what` names a run in
+/// messages ("pieces" or "shards"). The ranks and lengths are checked.
+template <class Runs, class Rank, class Len>
+std::optional<GridCut> first_off_grid(std::int64_t world_size, std::size_t documents, std::int64_t grid, const Runs& runs,
+                                      const Rank& rank_of, const Len& len_of, const char* what) {
+  check_grid_size(grid, "check_grid", "grid");
+  if (world_size < 1) fail("check_grid: world_size = ", world_size, " must be at least 1");
+  const auto W = static_cast<std::size_t>(world_size);
+  std::vector<std::int64_t> at(W + 1, 0);  // first: each rank's tokens; then where its next run starts
+  for (std::size_t d = 0; d < documents; ++d) {
+    for (std::size_t k = 0; k < runs(d); ++k) {
+      const std::int64_t r = rank_of(d, k), len = len_of(d, k);
+      if (r < 0 || r >= world_size) fail("check_grid: documents[", d, "].", what, "[", k, "].rank = ", r, " is outside [0, ", W, ")");
+      if (len < 0) fail("check_grid: documents[", d, "].", what, "[", k, "].len = ", len, " is negative");
+      at[static_cast<std::size_t>(r) + 1] = add_tokens(at[static_cast<std::size_t>(r) + 1], len, "check_grid");
+    }
+  }
+  for (std::size_t r = 0; r < W; ++r) at[r + 1] = add_tokens(at[r + 1], at[r], "check_grid");
+  for (std::size_t d = 0; d < documents; ++d) {
+    std::int64_t offset = 0;
+    const std::size_t n = runs(d);
+    for (std::size_t k = 0; k < n; ++k) {
+      std::int64_t& start = at[static_cast<std::size_t>(rank_of(d, k))];
+      const std::int64_t len = len_of(d, k);
+      if (k > 0 && start % grid != 0) return GridCut{d, k - 1, offset, start};
+      start += len;
+      offset += len;
+      if (k + 1 < n && start % grid != 0) return GridCut{d, k, offset, start};
+    }
+  }
+  return std::nullopt;
+}
+
+/// check_grid's refusal of `cut` (`what`: "pieces" or "shards"; `note`
+/// follows the two runs' names).
+[[noreturn]] inline void off_grid(const GridCut& cut, std::int64_t grid, const char* what, const char* note) {
+  fail("check_grid: documents[", cut.document, "] is cut at offset ", cut.offset, " (between ", what, "[", cut.after, "] and ", what, "[",
+       cut.after + 1, "]", note, ") at packed position ", cut.packed, ", which is not a multiple of the grid ", grid);
+}
+
+}  // namespace detail
+
+/// The first cut of a packed batch's MLP layout off the grid: a boundary
+/// between two pieces of a document (the loader's rank boundaries) whose
+/// packed position is not a multiple of `grid` (documents in order, then
+/// offsets). A per-rank problem (`docs`) holds whole documents: no cuts.
+/// Throws invalid_input for a grid outside [1, max_grid], a piece's rank
+/// outside [0, W) or a negative length.
+inline std::optional<GridCut> first_off_grid(const BalanceProblem& problem, std::int64_t grid) {
+  const auto& docs = problem.documents;
+  return detail::first_off_grid(
+      problem.world_size, docs.size(), grid, [&](std::size_t d) { return docs[d].pieces.size(); },
+      [&](std::size_t d, std::size_t k) { return docs[d].pieces[k].rank; }, [&](std::size_t d, std::size_t k) { return docs[d].pieces[k].len; },
+      "pieces");
+}
+
+/// The first cut of a documents-form plan off the grid: a boundary between
+/// two shards of a document, the balancer's cuts and the MLP layout's
+/// (head-parallel documents included), whose packed position is not a
+/// multiple of `grid`. Throws invalid_input as the problem's form does.
+inline std::optional<GridCut> first_off_grid(const QkvDocumentsPlan& plan, std::int64_t grid) {
+  const auto& docs = plan.documents;
+  return detail::first_off_grid(
+      plan.world_size, docs.size(), grid, [&](std::size_t d) { return docs[d].shards.size(); },
+      [&](std::size_t d, std::size_t k) { return docs[d].shards[k].rank; }, [&](std::size_t d, std::size_t k) { return docs[d].shards[k].len; },
+      "shards");
+}
+
+/// The same for a per-rank plan, its documents numbered as to_documents
+/// numbers them (rank 0's, then rank 1's, ...).
+inline std::optional<GridCut> first_off_grid(const QkvPlan& plan, std::int64_t grid) { return first_off_grid(to_documents(plan), grid); }
+
+/// Refuses (invalid_input) a packed batch whose MLP layout cuts a document
+/// off the grid, naming the document, the offset in it, the pieces on both
+/// sides and the packed position: `check_grid: documents[3] is cut at
+/// offset 100 (between pieces[0] and pieces[1], a boundary of the MLP
+/// layout) at packed position 1124, which is not a multiple of the grid 64`.
+/// A loader that cuts T packed tokens evenly over W ranks passes when G
+/// divides T / W.
+inline void check_grid(const BalanceProblem& problem, std::int64_t grid) {
+  if (const auto cut = first_off_grid(problem, grid)) detail::off_grid(*cut, grid, "pieces", ", a boundary of the MLP layout");
+}
+
+/// Refuses a plan with a cut off the grid (its shards' boundaries), as above.
+inline void check_grid(const QkvDocumentsPlan& plan, std::int64_t grid) {
+  if (const auto cut = first_off_grid(plan, grid)) detail::off_grid(*cut, grid, "shards", "");
+}
+inline void check_grid(const QkvPlan& plan, std::int64_t grid) {
+  if (const auto cut = first_off_grid(plan, grid)) detail::off_grid(*cut, grid, "shards", "");
+}
 
 /// The documents of a documents-form plan as a packed batch: consecutive
 /// shards with one home rank form a piece, the slices as they are; C from

@@ -35,6 +35,15 @@ struct Piece {
   std::size_t slot = 0;   ///< its place on the home rank (per-rank form: the document's index there)
   std::int64_t begin = 0, end = 0;
   std::int64_t cost = 0;  ///< pairs(begin, end)
+  Grid grid{};            ///< where it may be cut (BalanceOptions::grid)
+};
+
+/// The grid a Planner cuts on: its size (BalanceOptions::grid) and, per piece
+/// (documents in order, each one's pieces in order), the piece's start in the
+/// packed coordinate; empty: where the problem's own MLP layout puts it.
+struct GridPlacement {
+  std::int64_t size = 1;
+  std::vector<std::int64_t> starts = {};
 };
 
 /// One shard of a plan: positions [begin, end) of piece `piece`'s document,
@@ -94,8 +103,12 @@ class Planner {
  public:
   /// `fixed`: empty, or [W] work each rank does besides the problem's
   /// documents (head-parallel documents), which the plan balances around.
-  explicit Planner(const BalanceProblem& p, std::vector<std::int64_t> fixed = {}) : p_(p), fixed_(std::move(fixed)) {
+  /// `grid`: where pieces may be cut (the lower bound and every
+  /// construction cut only there).
+  explicit Planner(const BalanceProblem& p, std::vector<std::int64_t> fixed = {}, const GridPlacement& grid = {})
+      : p_(p), fixed_(std::move(fixed)) {
     check_settings();
+    check_grid_size(grid.size, "plan_balanced", "BalanceOptions::grid");
     W_ = static_cast<std::size_t>(p.world_size);
     C_ = p.max_cp_degree;
     home_load_.assign(W_, 0);
@@ -112,6 +125,7 @@ class Planner {
     std::iota(by_cost_.begin(), by_cost_.end(), std::size_t{0});
     std::stable_sort(by_cost_.begin(), by_cost_.end(), [&](std::size_t x, std::size_t y) { return pieces_[x].cost > pieces_[y].cost; });
     read_capacity(tokens);
+    place_on_grid(grid);
     bound_ = compute_bound();
   }
 
@@ -326,7 +340,7 @@ class Planner {
     const std::size_t doc = first_piece_.size() - 1;
     const std::int64_t begin = end;
     end = begin + len;  // within 64 bits: checked against the document's length below
-    Piece pc{doc, pieces_.size() - first_piece_.back(), home, pieces_of_[home].size(), begin, end, 0};
+    Piece pc{doc, pieces_.size() - first_piece_.back(), home, pieces_of_[home].size(), begin, end, 0, Grid{}};
     std::int64_t sq = 0;
     if (__builtin_mul_overflow(end, end + 1, &sq)) fail("plan_balanced: ", where(pc), ": its document's attention cost overflows 64 bits");
     pc.cost = pairs(begin, end);
@@ -392,6 +406,26 @@ class Planner {
     if (!slices.empty()) detail::check_disjoint_slices(slices, d, PlanLimits{});
   }
 
+  /// Each piece's Grid: the phase of its packed start (given, or the MLP
+  /// layout's: rank 0's pieces, then rank 1's, each rank's in order).
+  void place_on_grid(const GridPlacement& grid) {
+    grid_ = grid.size;
+    if (grid.size == 1) return;  // every piece keeps Grid{}: cut anywhere
+    std::vector<std::int64_t> starts = grid.starts;
+    if (starts.empty()) {
+      starts.resize(pieces_.size());
+      std::int64_t at = 0;
+      for (const auto& ids : pieces_of_)
+        for (const std::size_t id : ids) starts[id] = at, at += pieces_[id].end - pieces_[id].begin;
+    }
+    if (starts.size() != pieces_.size()) fail("plan_balanced: the grid gives ", starts.size(), " piece starts for ", pieces_.size(), " pieces");
+    for (std::size_t id = 0; id < pieces_.size(); ++id) {
+      Grid& g = pieces_[id].grid;
+      g.size = grid.size;
+      g.phase = g.mod(pieces_[id].begin - starts[id] % grid.size);
+    }
+  }
+
   /// How messages name a piece: as the user gave it.
   std::string where(const Piece& pc) const {
     return per_rank_ ? detail::concat("docs[", pc.home, "][", pc.slot, "]")
@@ -420,11 +454,16 @@ class Planner {
     std::iota(docs.begin(), docs.end(), std::size_t{0});
     std::stable_sort(docs.begin(), docs.end(), [&](std::size_t x, std::size_t y) { return doc_cost[x] > doc_cost[y]; });
     std::vector<Range> runs;
+    std::vector<Grid> grids;
     for (std::size_t d : docs) {
       if (doc_cost[d] <= best) break;  // its largest shard cannot cost more than all of it
       runs.clear();
-      for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1]; ++id) runs.push_back({pieces_[id].begin, pieces_[id].end});
-      best = std::max(best, min_max_shard(runs, C_));
+      grids.clear();
+      for (std::size_t id = first_piece_[d]; id < first_piece_[d + 1]; ++id) {
+        runs.push_back({pieces_[id].begin, pieces_[id].end});
+        grids.push_back(pieces_[id].grid);
+      }
+      best = std::max(best, min_max_shard(runs, grids, C_));
     }
     best = std::max(best, *std::max_element(fixed_.begin(), fixed_.end()));
     return std::max(static_cast<double>(total_ + fixed_total_) / static_cast<double>(W_), static_cast<double>(best));
@@ -545,16 +584,17 @@ class Planner {
       const Piece& pc = pieces_[giants_[g]];
       std::int64_t& count = shards_of_[pc.document];
       const std::int64_t allowed = C_ - count + 1;  // this piece already counts one
-      std::int64_t n = pieces_needed(pc.begin, pc.end, T, allowed);
+      std::int64_t n = pieces_needed(pc.begin, pc.end, T, allowed, pc.grid);
       if (n > allowed) return false;
-      if (v.extra_piece && n < allowed && n < pc.end - pc.begin) ++n;
+      if (v.extra_piece && n < allowed && n <= pc.grid.slots(pc.begin, pc.end)) ++n;
       count += n - 1;
       auto& cut = cuts_[g];
-      cut = equal_cost_cuts(pc.begin, pc.end, n);
+      cut = equal_cost_cuts(pc.begin, pc.end, n, pc.grid);
       if (!fits_under(cut, T)) {
-        // Rounding pushed a shard over T: cut greedily at T instead, leaving every shard a token.
+        // Rounding pushed a shard over T: cut greedily at T instead (on the
+        // grid), leaving every later shard a token (an allowed position).
         for (std::size_t k = 1; k < static_cast<std::size_t>(n); ++k) {
-          cut[k] = std::min(max_end(cut[k - 1], pc.end, T), pc.end - (n - static_cast<std::int64_t>(k)));
+          cut[k] = std::min(max_end(cut[k - 1], pc.end, T, pc.grid), pc.grid.before(pc.end, n - static_cast<std::int64_t>(k)));
         }
         if (!fits_under(cut, T)) return false;
       }
@@ -692,11 +732,13 @@ class Planner {
       if (need <= 0 || shards_of_[pieces_[id].document] >= C_ || hi - lo < 2) continue;  // (capacity: only whole rests)
       // A front or back shard keeps the rest of the piece home; where all of
       // it would go anyway, only whole (no one-token shards left behind).
-      std::int64_t m = all >= need ? max_end(lo, hi, need - 1) + 1 : hi;  // [lo, m) costs at least need
-      m = std::min({m, max_end(lo, hi, room), kv_room});
+      // Cuts move onto the piece's grid: up to cover `need`, down to fit the room.
+      const Grid& g = pieces_[id].grid;
+      std::int64_t m = all >= need ? grid_up(max_end(lo, hi, need - 1) + 1, lo, hi, g) : hi;  // [lo, m) costs at least need
+      m = std::min(m, grid_down(std::min(max_end(lo, hi, room), kv_room), lo, hi, g));
       if (m > lo && m < hi) consider({id, front, m, move_bytes(id, lo, m, to), std::min(pairs(lo, m), need), to});
-      std::int64_t b = all >= need ? min_begin(lo, hi, need - 1) - 1 : lo;  // [b, hi) costs at least need
-      b = std::max(b, min_begin(lo, hi, room));
+      std::int64_t b = all >= need ? grid_down(min_begin(lo, hi, need - 1) - 1, lo, hi, g) : lo;  // [b, hi) costs at least need
+      b = std::max(b, grid_up(min_begin(lo, hi, room), lo, hi, g));
       if (b > lo && b < hi && hi <= kv_room) consider({id, back, b, move_bytes(id, b, hi, to), std::min(pairs(b, hi), need), to});
     }
     return best;
@@ -719,6 +761,18 @@ class Planner {
     }
   }
 
+  /// On a grid the smallest shard a piece can give (to its next allowed
+  /// position) may not fit the room send_one picked: the next larger rooms
+  /// are tried, then the smaller ones, largest first; the first with a move
+  /// gives it.
+  std::optional<Choice> move_on_grid(std::size_t r, std::int64_t need, std::set<std::pair<std::int64_t, std::size_t>>::iterator slot) const {
+    for (auto it = std::next(slot); it != rooms_.end(); ++it)
+      if (auto c = best_move(r, need, it->second)) return c;
+    for (auto it = slot; it != rooms_.begin();)
+      if (auto c = best_move(r, need, (--it)->second)) return c;
+    return std::nullopt;
+  }
+
   /// Rank r sends one shard of one of its pieces into the room another rank
   /// has left (best_move). With no cost left to shed it sends whole rests,
   /// for the receive capacity. False when nothing can go.
@@ -730,6 +784,7 @@ class Planner {
     if (slot == rooms_.end()) slot = std::prev(rooms_.end());
     std::optional<Choice> best = best_move(r, need, slot->second);
     if (share_) join_context(r, need, best);
+    if (!best && grid_ > 1) best = move_on_grid(r, need, slot);
     if (!best) return false;
     const std::size_t to = best->to;
     if (to != slot->second) slot = rooms_.find({-excess_[to], to});
@@ -810,6 +865,7 @@ class Planner {
   std::set<std::pair<std::int64_t, std::size_t>> over_;   // (cost above the target, rank) of the ranks that must send
   std::set<std::pair<std::int64_t, std::size_t>> rooms_;  // (room left, rank) of the ranks that can take work
   std::vector<std::vector<std::int64_t>> cuts_;
+  std::int64_t grid_ = 1;  // BalanceOptions::grid
   bool dedup_ = false;  // bytes counted on the wire (section 2c); the sharing variants on
   bool share_ = false;  // this construction's Variant::share
   std::vector<std::vector<std::pair<std::size_t, std::int64_t>>> placed_;  // (sharing) per document: (rank, shard end) placed

@@ -192,6 +192,27 @@ inline QkvDocumentsPlan merge_head_parallel(const BalanceProblem& problem, const
   return out;
 }
 
+/// Where the grid lets the rest (the documents not in `hp`) be cut: at
+/// BalanceOptions::grid in the packed coordinate of the whole batch, the
+/// head-parallel documents' pieces included (the rest's pieces in order).
+inline GridPlacement rest_grid(const BalanceProblem& problem, const std::vector<bool>& hp, std::int64_t grid) {
+  GridPlacement out{grid, {}};
+  if (grid == 1) return out;
+  const auto W = static_cast<std::size_t>(problem.world_size);
+  std::vector<std::int64_t> at(W + 1, 0);  // each rank's tokens, then where its next piece starts
+  for (const BalanceDocument& doc : problem.documents)
+    for (const DocumentPiece& pc : doc.pieces) at[static_cast<std::size_t>(pc.rank) + 1] += pc.len;  // the dispatched plan checked the totals
+  for (std::size_t r = 0; r < W; ++r) at[r + 1] += at[r];
+  for (std::size_t i = 0; i < problem.documents.size(); ++i) {
+    for (const DocumentPiece& pc : problem.documents[i].pieces) {
+      std::int64_t& start = at[static_cast<std::size_t>(pc.rank)];
+      if (!hp[i]) out.starts.push_back(start);
+      start += pc.len;
+    }
+  }
+  return out;
+}
+
 /// The plan with head-parallel documents in groups of u (checked by
 /// check_head_parallel), chosen on `dispatched`; `dispatched` itself when
 /// no document goes head-parallel.
@@ -200,7 +221,7 @@ inline QkvDocumentsPlan with_head_parallel(const BalanceProblem& problem, const 
   if (std::find(hp.begin(), hp.end(), true) == hp.end()) return dispatched;
   std::vector<std::int64_t> fixed;
   const BalanceProblem rest = dispatched_rest(problem, hp, u, fixed);
-  Planner planner(rest, std::move(fixed));
+  Planner planner(rest, std::move(fixed), rest_grid(problem, hp, o.grid));
   return merge_head_parallel(problem, hp, u, masked_plan(planner, planner.plan(o), rest.mask));
 }
 

@@ -56,8 +56,8 @@ class MaskPlanner {
     std::int64_t total = 0;
     for (const Piece& pc : base.pieces()) total = sum(total, cost(pc.document, pc.begin, pc.end));
     bound_ = static_cast<double>(total) / static_cast<double>(base.world());
-    std::vector<std::vector<Range>> runs(base.num_documents());
-    for (const Piece& pc : base.pieces()) runs[pc.document].push_back({pc.begin, pc.end});
+    std::vector<std::vector<std::size_t>> runs(base.num_documents());  // each document's pieces
+    for (std::size_t id = 0; id < base.pieces().size(); ++id) runs[base.pieces()[id].document].push_back(id);
     for (std::size_t d = 0; d < runs.size(); ++d) bound_ = std::max(bound_, static_cast<double>(min_max_shard(d, runs[d])));
   }
 
@@ -117,11 +117,12 @@ class MaskPlanner {
     return lo;
   }
 
-  /// The fewest shards of [a, b) each within `limit`; cap + 1 beyond `cap`.
-  std::int64_t needed(std::size_t d, std::int64_t a, std::int64_t b, std::int64_t limit, std::int64_t cap) const {
+  /// The fewest shards of [a, b) each within `limit`, cut on the grid g;
+  /// cap + 1 beyond `cap`.
+  std::int64_t needed(std::size_t d, std::int64_t a, std::int64_t b, std::int64_t limit, std::int64_t cap, const Grid& g) const {
     std::int64_t n = 0;
     while (a < b) {
-      const std::int64_t m = max_end(d, a, b, limit);
+      const std::int64_t m = grid_down(max_end(d, a, b, limit), a, b, g);
       if (n == cap || m == a) return cap + 1;
       a = m;
       ++n;
@@ -129,15 +130,17 @@ class MaskPlanner {
     return n;
   }
 
-  /// The cheapest largest shard of document d's runs cut into at most C shards in all.
-  std::int64_t min_max_shard(std::size_t d, const std::vector<Range>& runs) const {
+  /// The cheapest largest shard of document d's pieces (`ids`) cut into at
+  /// most C shards in all, each piece on its grid.
+  std::int64_t min_max_shard(std::size_t d, const std::vector<std::size_t>& ids) const {
+    const auto& pieces = base_.pieces();
     std::int64_t lo = 1, hi = 0;
-    for (const Range& r : runs) hi = std::max(hi, cost(d, r.lo, r.hi));
+    for (const std::size_t id : ids) hi = std::max(hi, cost(d, pieces[id].begin, pieces[id].end));
     while (lo < hi) {
       const std::int64_t mid = lo + (hi - lo) / 2;
       std::int64_t used = 0;
-      for (const Range& r : runs) {
-        used += needed(d, r.lo, r.hi, mid, C_);
+      for (const std::size_t id : ids) {
+        used += needed(d, pieces[id].begin, pieces[id].end, mid, C_, pieces[id].grid);
         if (used > C_) break;
       }
       if (used <= C_) hi = mid; else lo = mid + 1;
@@ -164,15 +167,18 @@ class MaskPlanner {
     std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return piece_cost[x] > piece_cost[y]; });
     for (std::size_t id : order) {
       const Piece& pc = pieces[id];
-      std::int64_t n = needed(pc.document, pc.begin, pc.end, T, C_);
-      if (how == Cut::extra && n > 1 && count[pc.document] + n < C_ && n < pc.end - pc.begin) ++n;
+      const Grid& g = pc.grid;
+      std::int64_t n = needed(pc.document, pc.begin, pc.end, T, C_, g);
+      if (how == Cut::extra && n > 1 && count[pc.document] + n < C_ && n <= g.slots(pc.begin, pc.end)) ++n;
       count[pc.document] += n;
       if (count[pc.document] > C_) return false;
       std::int64_t a = pc.begin;
       for (std::int64_t k = 0; k < n; ++k) {
         const std::int64_t rest = cost(pc.document, a, pc.end);
         const std::int64_t share = how == Cut::greedy ? T : (rest + (n - k) - 1) / (n - k);
-        const std::int64_t b = k + 1 == n ? pc.end : std::max(a + 1, max_end(pc.document, a, pc.end, share));
+        std::int64_t b = k + 1 == n ? pc.end : std::max(a + 1, max_end(pc.document, a, pc.end, share));
+        // On a grid: the allowed position at or below, after a and leaving one for each later shard.
+        if (g.size > 1 && k + 1 < n) b = std::clamp(g.floor(b), g.ceil(a + 1), g.before(pc.end, n - k - 1));
         shards.push_back({id, a, b, pc.home});
         if (k == 0) load[pc.home] += cost(pc.document, a, b);
         else away.push_back(shards.size() - 1);
@@ -205,8 +211,10 @@ class MaskPlanner {
       return true;
     }
     if (count[d] >= C_) return false;
-    std::int64_t m = min_begin(d, s.begin, s.end, room);
-    if (cost(d, m, s.end) >= excess) m = std::max(m, min_begin(d, s.begin, s.end, excess - 1) - 1);
+    // The cut on the piece's grid: up to fit the room, down to cover the excess.
+    const Grid& g = base_.pieces()[s.piece].grid;
+    std::int64_t m = grid_up(min_begin(d, s.begin, s.end, room), s.begin, s.end, g);
+    if (cost(d, m, s.end) >= excess) m = std::max(m, grid_down(min_begin(d, s.begin, s.end, excess - 1) - 1, s.begin, s.end, g));
     if (m <= s.begin || m >= s.end) return false;
     const std::int64_t tail = cost(d, m, s.end);
     const Shard moved{s.piece, m, s.end, to};
