@@ -1,7 +1,7 @@
 // ContextParallelAttention's invariant mode: one batch, packed and cut over
 // W ranks on the grid, gives bitwise the same out, lse, dq, dk and dv (in
 // packed order) for every world size, plan (attended at home, anywhere, cut
-// further on the grid), stage count, dedup setting and thread count, equal
+// further on the grid, load-balanced on the grid), stage count, dedup setting and thread count, equal
 // to the run with W = 1 and to the double reference within the default
 // mode's tolerance, documents with slices (a shared prefix, prefix-LM) and
 // head-parallel documents beside causal ones; shares cut off the grid,
@@ -19,6 +19,7 @@
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
+#include "cpdispatch/plan/balance.hpp"
 
 namespace {
 
@@ -73,6 +74,45 @@ TEST(CpAttentionInvariant, EveryWorldSizePlanAndStageCountGivesTheBitsOfOneRank)
   for (const AttentionMask& mask : {AttentionMask::causal(), AttentionMask::full(), AttentionMask::sliding_window(6)}) {
     SCOPED_TRACE(to_string(mask));
     check_every_run<float>({4, 2, 8, 0.35f}, mask, {2, 3, 4, 8}, 1e-5);
+  }
+}
+
+/// The load-balanced plan of the batch on grid_plan's MLP layout, every cut on the grid.
+QkvDocumentsPlan balanced(int W, const AttentionMask& mask, bool dedup, bool slices) {
+  const QkvDocumentsPlan layout = grid_plan(W, Placement::home, 1, mask, false, 0, slices);
+  cpdispatch::BalanceProblem p;
+  p.world_size = W;
+  p.mask = mask;
+  p.max_cp_degree = 2 * W;  // room to re-cut documents that span ranks
+  for (const cpdispatch::PackedDocument& d : layout.documents) {
+    cpdispatch::BalanceDocument doc;
+    for (const cpdispatch::DocumentShard& x : d.shards) doc.pieces.push_back({x.rank, x.len});
+    doc.slices = d.slices;
+    p.documents.push_back(doc);
+  }
+  cpdispatch::BalanceOptions o;
+  o.grid = grid;
+  o.dedup = dedup;
+  QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, o);
+  plan.mask = mask;
+  plan.dedup = dedup;
+  return plan;
+}
+
+TEST(CpAttentionInvariant, BalancedPlansOnTheGridToo) {
+  const AttentionShape s{4, 2, 8, 0.35f};
+  for (const bool slices : {false, true}) {
+    const AttentionMask mask = AttentionMask::causal();
+    const CpWorld one = world_of<float>(grid_plan(1, Placement::home, 1, mask, false, 0, slices), s, mask);
+    const Packed want = packed(run<float>(one, s, invariant_options(false, 1), 1), s);
+    for (const int W : {2, 3, 4, 8}) {
+      const bool dedup = W % 2 == 0;
+      const QkvDocumentsPlan plan = balanced(W, mask, dedup, slices);
+      EXPECT_NO_THROW(cpdispatch::check_grid(plan, grid));
+      const CpWorld world = world_of<float>(plan, s, mask);
+      expect_same_bits(packed(run<float>(world, s, invariant_options(dedup, 1 + W % 3), 2), s), want,
+                       "balanced, W " + std::to_string(W) + (slices ? ", slices" : ""));
+    }
   }
 }
 
