@@ -32,7 +32,7 @@
 //                      [--head-dim 64] [--dedup 1] [--links ib|nvlink|none|both] [--stages 1,2,4]
 //                      [--peers ulysses,ring,usp|both|all] [--shared-prefix 0] [--bound 1] [--balanced 1]
 //                      [--model-check 1] [--kernel-rate forward:peak=...,.../backward:...] [--head-parallel off|auto]
-//                      [--plan-stages 2]
+//                      [--plan-stages 2] [--trace PREFIX]
 // --head-parallel auto lets the step model's plan (plan_for_cluster) make documents head-parallel in groups of
 // any size the heads allow (docs/planning.md); its line then names how many and the group size.
 // --model-check 1 (2: also the kernel sweep's entries) prints, per batch, link and method (ours at each stage
@@ -43,6 +43,9 @@
 // --kernel-rate, as bench_attention --sweep prints it). --links none runs an instant link (1e6 bytes a
 // FLOP: the kernels alone), which --links both adds with --model-check 1, to check the compute part alone.
 // --lengths FILE: a JSON array of document lengths like data/*.json, the sample named by the file's stem.
+// --trace PREFIX writes each balanced run of ours (per batch, link and stage count) as every rank's step
+// timeline, Chrome trace-event JSON (attention/step_trace.hpp; open it in ui.perfetto.dev), to
+// PREFIX-<sample>-b<batch>-<link>-s<stages>.json.
 // --peers both (the default) is ulysses,ring; all adds usp. --shared-prefix runs with --peers ulysses only.
 // Ours runs the deduplicated key-value exchange (each shard once per destination rank) unless --dedup 0.
 // Batch b is the packed batch drawn with seed b: --first-batch and --sample run part of a long
@@ -96,6 +99,7 @@ struct Config {
   bool head_parallel = false;  ///< --head-parallel auto: the step model's plan may have head-parallel documents
   int model_check = 0;  ///< 1: the model's step beside each measured one; 2: also the kernel sweep's entries
   std::string kernel_rate;  ///< --kernel-rate: the fitted rates to use instead of the sweep
+  std::string trace;        ///< --trace PREFIX: each balanced run of ours to PREFIX-<sample>-b<batch>-<link>-s<stages>.json
 };
 
 /// A kernel that attends nothing: the step's communication alone.
@@ -220,11 +224,17 @@ Kernel make_kernel() {
 
 /// Ours: the balanced plan through ContextParallelAttention with `stages`.
 template <class Kernel>
-Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::LinkModel& link, int stages) {
+Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::LinkModel& link, int stages,
+               const std::string& trace_file = "") {
   const cpdispatch::AttentionShape shape{c.heads_q, c.heads_kv, c.head_dim, 0.125f};
-  return timed_world(c.world, link, [&](Link& t, auto&& time) {
+  const auto origin = cpdispatch::StepTrace::Clock::now();
+  std::vector<cpdispatch::StepTrace> traces;
+  for (int r = 0; r < c.world; ++r) traces.emplace_back(r, origin);
+  const Step step = timed_world(c.world, link, [&](Link& t, auto&& time) {
     const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
-    cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, {c.dedup, stages}, Kernel(make_kernel<Kernel>()));
+    cpdispatch::CpAttentionOptions o{c.dedup, stages};
+    if (!trace_file.empty()) o.trace = &traces[static_cast<std::size_t>(t.rank())];
+    cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, o, Kernel(make_kernel<Kernel>()));
     const auto nq = static_cast<std::size_t>(op.mlp_tokens() * c.heads_q * c.head_dim);
     const auto nkv = static_cast<std::size_t>(op.mlp_tokens() * c.heads_kv * c.head_dim);
     std::vector<float> q(nq, 0.01f), k(nkv, 0.02f), v(nkv, 0.03f), out(nq), dq(nq), dk(nkv), dv(nkv);
@@ -233,6 +243,14 @@ Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const 
       op.backward(out, dq, dk, dv);
     });
   });
+  if (!trace_file.empty()) {
+    std::ofstream out(trace_file);
+    std::vector<const cpdispatch::StepTrace*> all;
+    for (const auto& t : traces) all.push_back(&t);
+    cpdispatch::write_chrome_trace(out, all);
+    std::printf("  (timeline: %s)\n", trace_file.c_str());
+  }
+  return step;
 }
 
 std::size_t sz(std::int64_t n) { return static_cast<std::size_t>(n); }
@@ -571,7 +589,9 @@ Step run_balanced(const Config& c, const Batch& batch, const LinkRun& l, Ratios&
   Step best{1e300, 0};
   double one_stage = 0;
   for (const int stages : c.balanced ? c.stages : std::vector<int>{}) {
-    const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, batch.plan, link, stages);
+    const std::string trace = c.trace.empty() ? "" : c.trace + "-" + batch.name + "-b" + std::to_string(batch.index) + "-" + l.option + "-s" +
+                                                         std::to_string(stages) + ".json";
+    const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, batch.plan, link, stages, trace);
     if (ours.seconds < best.seconds) best.seconds = ours.seconds;
     best.bytes = ours.bytes;
     std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms", batch.name.c_str(), batch.index, l.name, stages,
@@ -744,6 +764,7 @@ std::string parse_options(int argc, char** argv, Config& c) {
     const std::string text = argv[i + 1];
     const long long v = std::atoll(text.c_str());
     if (a == "--sample") c.sample = text;
+    else if (a == "--trace") c.trace = text;
     else if (a == "--lengths") c.lengths = text;
     else if (a == "--first-batch") c.first_batch = static_cast<int>(v);
     else if (a == "--world") c.world = static_cast<int>(v);

@@ -7,3 +7,4 @@
 #include "cpdispatch/attention/host_kernel.hpp"       // IWYU pragma: export
 #include "cpdispatch/attention/invariant.hpp"         // IWYU pragma: export
 #include "cpdispatch/attention/kernel.hpp"            // IWYU pragma: export
+#include "cpdispatch/attention/step_trace.hpp"        // IWYU pragma: export

@@ -4,12 +4,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "attention_op/slice_plans.hpp"
+#include "cpdispatch/attention/step_trace.hpp"
 
 namespace {
 
@@ -405,6 +409,69 @@ TEST(CpAttentionErrors, WrongBufferSizesAndBackwardFirstAreNamed) {
     std::vector<float> dk(3 * 4), dv(3 * 4);
     attention_test::expect_error([&] { op.backward(q, small, dk, dv); }, "dq has 5 elements");
   });
+}
+
+/// A step with options.trace: each rank's timeline has every part of the
+/// step (posts with their bytes, waits, unpacks, kernel passes and merges per
+/// round, fan-out, fan-in, the gradients' sum), each event inside the step's
+/// time and in order, and the results are those of an untraced step.
+TEST(CpAttentionTrace, RecordsEveryPartOfAStepOnEveryRank) {
+  const int W = 4;
+  const Case c{"trace", W, 4, 2, AttentionMask::causal(), true, 3, 31};
+  const CpWorld world(plan_of(c), shape_of(c), c.mask, c.seed, attention_test::round_to<float>);
+  const auto origin = cpdispatch::StepTrace::Clock::now();
+  std::vector<cpdispatch::StepTrace> traces;
+  for (int r = 0; r < W; ++r) traces.emplace_back(r, origin);
+  cpdispatch::SimWorld sim(W, cpdispatch::SimOptions{sim_test::hang_timeout});
+  const auto traced = attention_test::on_every_rank(sim, world, [&](cpdispatch::SimTransport& t, const cpdispatch::RankQkvMetadata& share) {
+    CpAttentionOptions o{c.dedup, c.stages};
+    o.trace = &traces[static_cast<std::size_t>(t.rank())];
+    cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel> op(t, share, shape_of(c), o);
+    return attention_test::step<float>(op, world.tensors(static_cast<std::size_t>(t.rank())));
+  });
+  const auto plain = run_op<float>(world, shape_of(c), CpAttentionOptions{c.dedup, c.stages});
+  const auto end = cpdispatch::StepTrace::Clock::now();
+  const auto span_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end - origin).count();
+  std::int64_t posted = 0;
+  std::size_t events = 0;
+  for (int r = 0; r < W; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const auto& mine = traced[static_cast<std::size_t>(r)];
+    const auto& want = plain[static_cast<std::size_t>(r)];
+    EXPECT_EQ(mine.out, want.out);
+    EXPECT_EQ(mine.dk, want.dk);
+    std::set<std::string> seen;
+    std::int64_t last = 0;
+    int forward_kernels = 0;
+    for (const cpdispatch::TraceEvent& e : traces[static_cast<std::size_t>(r)].events()) {
+      seen.insert(std::string(e.call) + " " + e.name);
+      EXPECT_LE(0, e.start_ns);
+      EXPECT_LE(e.start_ns, e.end_ns);
+      EXPECT_LE(e.end_ns, span_ns);
+      EXPECT_LE(last, e.start_ns) << e.call << " " << e.name << " starts before the event recorded before it ended";
+      last = e.end_ns;
+      if (std::string(e.name) == "post") posted += e.bytes;
+      forward_kernels += std::string(e.call) == "forward" && std::string(e.name) == "kernel";
+    }
+    for (const char* part : {"forward post", "forward wait", "forward unpack", "forward kernel", "forward merge", "forward fan-out", "backward post",
+                             "backward wait", "backward kernel", "backward merge", "backward fan-in", "backward combine"}) {
+      EXPECT_TRUE(seen.count(part)) << part;
+    }
+    EXPECT_GE(forward_kernels, 2) << "with stages, one kernel pass a round at least";
+    events += traces[static_cast<std::size_t>(r)].events().size();
+  }
+  EXPECT_GT(posted, 0);
+  // Chrome trace-event JSON: a process per rank and one complete event per recorded event.
+  std::ostringstream json;
+  std::vector<const cpdispatch::StepTrace*> all;
+  for (const auto& t : traces) all.push_back(&t);
+  cpdispatch::write_chrome_trace(json, all);
+  const std::string text = json.str();
+  EXPECT_EQ(text.rfind("{\"traceEvents\":[", 0), 0u);
+  std::size_t complete = 0;
+  for (std::size_t at = text.find("\"ph\":\"X\""); at != std::string::npos; at = text.find("\"ph\":\"X\"", at + 1)) ++complete;
+  EXPECT_EQ(complete, events);
+  EXPECT_NE(text.find("\"name\":\"rank 3\""), std::string::npos);
 }
 
 }  // namespace

@@ -77,6 +77,7 @@
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/attention/kernel.hpp"
+#include "cpdispatch/attention/step_trace.hpp"
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/dedup.hpp"
@@ -114,6 +115,10 @@ struct CpAttentionOptions {
   /// The invariant mode's grid, in tokens of the packed sequence: every cut
   /// of a document (the loader's and the plan's) must fall on a multiple.
   std::int64_t grid = 64;
+  /// Where to record each step's timeline (attention/step_trace.hpp: posts,
+  /// waits, kernel passes, merges, fans); nullptr (the default): nothing is
+  /// recorded and no clock is read. Must outlive the calls that record.
+  StepTrace* trace = nullptr;
 };
 
 /// The largest plan a rank expects (ContextParallelAttention::reserve): its
@@ -384,14 +389,20 @@ class ContextParallelAttention {
       exchange_all(call, fwd_in_, in);
       fan_out(0);
       clear_stray_forward();
-      kernel_.forward(shape_, std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), view(out_attn_), view(lse_));
+      traced("kernel", call, -1, 0, [&] {
+        kernel_.forward(shape_, std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), view(out_attn_), view(lse_));
+      });
     } else {
       forward_by_stages(call, in);
     }
-    if (options_.invariant) {
-      if constexpr (InvariantAttentionKernel<Kernel, E>) hp_.attend_forward_invariant(kernel_, path_, inv_.head_parallel_grid());
-    } else {
-      hp_.attend_forward(kernel_, path_);
+    if (hp_.active()) {
+      traced("kernel (head-parallel)", call, -1, 0, [&] {
+        if (options_.invariant) {
+          if constexpr (InvariantAttentionKernel<Kernel, E>) hp_.attend_forward_invariant(kernel_, path_, inv_.head_parallel_grid());
+        } else {
+          hp_.attend_forward(kernel_, path_);
+        }
+      });
     }
     const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(out_attn_), bytes(out.data())}, {hp_.q_back(), hp_.out(), hp_.q_slabs()}};
     exchange_all(call, out_home_, with_head_parallel(back, 1));
@@ -412,14 +423,16 @@ class ContextParallelAttention {
     clear_stray_backward();
     if (groups_ == 0) {
       exchange_all(call, dout_in_, in);
-      kernel_.backward(shape_, std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_), read(lse_),
-                       read(dout_attn_), view(dq_attn_), view(dk_attn_), view(dv_attn_));
+      traced("kernel", call, -1, 0, [&] {
+        kernel_.backward(shape_, std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_), read(lse_),
+                         read(dout_attn_), view(dq_attn_), view(dk_attn_), view(dv_attn_));
+      });
       fan_in(0);  // one round: every shard's copies
       post_kv_gradients(call, kv, 0);
     } else {
       backward_by_stages(call, in, kv);
     }
-    hp_.attend_backward(kernel_, path_);  // while the dispatched key-value gradients travel
+    if (hp_.active()) traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_backward(kernel_, path_); });  // while the dispatched key-value gradients travel
     const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())},
                                          {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
                                          {hp_.kv_back(), hp_.dk(), hp_.k_slabs()},
@@ -551,33 +564,49 @@ class ContextParallelAttention {
   /// (nothing without dedup). Run once per round, when they are complete.
   void fan_in(int round) {
     if (!options_.dedup) return;
-    for (owned<E>* b : {&dk_attn_, &dv_attn_}) path_.fan_in(fan_in_ids_[static_cast<std::size_t>(round)], element_type_of<E>(), bytes(*b));
+    traced("fan-in", "backward", round, 0, [&] {
+      for (owned<E>* b : {&dk_attn_, &dv_attn_}) path_.fan_in(fan_in_ids_[static_cast<std::size_t>(round)], element_type_of<E>(), bytes(*b));
+    });
   }
 
   /// The fan-out of round `round`'s key-values: each shard's first copy to its other places (nothing without dedup).
   void fan_out(int round) {
     if (!options_.dedup) return;
-    for (owned<E>* b : {&k_attn_, &v_attn_}) path_.copy(fan_out_ids_[static_cast<std::size_t>(round)], bytes(*b), bytes(*b));
+    traced("fan-out", "forward", round, 0, [&] {
+      for (owned<E>* b : {&k_attn_, &v_attn_}) path_.copy(fan_out_ids_[static_cast<std::size_t>(round)], bytes(*b), bytes(*b));
+    });
   }
 
   /// Posts every stage group of `ex`, after the traffic to this rank itself.
   void post_groups(const char* call, Exchange& ex, Tensors tensors) {
-    ex.copy_self(path_, tensors);
-    for (int g = 0; g < groups_; ++g) requests_[static_cast<std::size_t>(g)] = exchange(call, [&] { return ex.post(transport_, path_, tensors, g); });
+    traced("copy self", call, -1, 0, [&] { ex.copy_self(path_, tensors); });
+    for (int g = 0; g < groups_; ++g) requests_[static_cast<std::size_t>(g)] = post(call, ex, tensors, g);
   }
 
   void await_group(const char* call, Exchange& ex, Tensors tensors, int g) {
-    exchange(call, [&] { Exchange::wait(transport_, requests_[static_cast<std::size_t>(g)]); });
-    ex.finish(path_, tensors, g);
+    traced("wait", call, g, 0, [&] { exchange(call, [&] { Exchange::wait(transport_, requests_[static_cast<std::size_t>(g)]); }); });
+    traced("unpack", call, g, 0, [&] { ex.finish(path_, tensors, g); });
+  }
+
+  /// Packs and posts group g of `ex`.
+  Request post(const char* call, Exchange& ex, Tensors tensors, int g) {
+    return traced("post", call, g, options_.trace ? ex.group_bytes(g) : 0, [&] { return exchange(call, [&] { return ex.post(transport_, path_, tensors, g); }); });
   }
 
   /// One exchange of every peer at once (`ex` laid out in one group), waited for at once.
   void exchange_all(const char* call, Exchange& ex, Tensors tensors) {
-    ex.copy_self(path_, tensors);
+    traced("copy self", call, -1, 0, [&] { ex.copy_self(path_, tensors); });
     if (transport_.world_size() == 1) return;
-    const Request r = exchange(call, [&] { return ex.post(transport_, path_, tensors, 0); });
-    exchange(call, [&] { Exchange::wait(transport_, r); });
-    ex.finish(path_, tensors, 0);
+    const Request r = post(call, ex, tensors, 0);
+    traced("wait", call, 0, 0, [&] { exchange(call, [&] { Exchange::wait(transport_, r); }); });
+    traced("unpack", call, 0, 0, [&] { ex.finish(path_, tensors, 0); });
+  }
+
+  /// Runs f, recorded as one event of the step's timeline where options.trace asks for one.
+  template <class F>
+  decltype(auto) traced(const char* name, const char* call, int group, std::int64_t bytes, F&& f) {
+    if (options_.trace == nullptr) return std::forward<F>(f)();
+    return options_.trace->record(name, call, group, bytes, std::forward<F>(f));
   }
 
   // ---- The invariant mode (attention/detail/invariant_part.hpp) ----
@@ -629,8 +658,10 @@ class ContextParallelAttention {
         path_.zero(bytes(out_attn_), out_attn_.size() * sizeof(E));
         path_.fill(lse_.data(), lse_.size(), -std::numeric_limits<float>::infinity());
       }
-      kernel_.forward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
-                                view(out_attn_), view(lse_));
+      traced("kernel", call, -1, 0, [&] {
+        kernel_.forward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
+                                  view(out_attn_), view(lse_));
+      });
     }
   }
 
@@ -643,15 +674,21 @@ class ContextParallelAttention {
       const InvariantBounds bounds = exchange(call, [&] { return inv_.agree_bounds(transport_, max_q_, max_v_, detail::max_abs_of<E>(dout), mlp_tokens()); });
       const KvGradientExponents ex = kv_gradient_exponents(shape_, bounds);
       for (auto* b : {&inv_.dk(), &inv_.dv()}) path_.zero(bytes(*b), b->size() * sizeof(std::int64_t));
-      kernel_.backward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
-                                 read(out_attn_), read(lse_), read(dout_attn_), view(dq_attn_), {view(inv_.dk()), view(inv_.dv()), ex.dk, ex.dv});
+      traced("kernel", call, -1, 0, [&] {
+        kernel_.backward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
+                                   read(out_attn_), read(lse_), read(dout_attn_), view(dq_attn_), {view(inv_.dk()), view(inv_.dv()), ex.dk, ex.dv});
+      });
       for (std::size_t id : inv_.fan_in_ids()) {
         for (auto* b : {&inv_.dk(), &inv_.dv()}) path_.fan_in(id, ElementType::int64, bytes(*b));
       }
       const detail::StagedTensor exact[] = {{inv_.reverse(), bytes(inv_.dk()), bytes(inv_.replica_k())},
                                             {inv_.reverse(), bytes(inv_.dv()), bytes(inv_.replica_v())}};
       exchange_all(call, inv_.home(), exact);
-      hp_.attend_backward_invariant(kernel_, path_, inv_.head_parallel_grid(), inv_.head_parallel_dk(), inv_.head_parallel_dv(), ex.dk, ex.dv);
+      if (hp_.active()) {
+        traced("kernel (head-parallel)", call, -1, 0, [&] {
+          hp_.attend_backward_invariant(kernel_, path_, inv_.head_parallel_grid(), inv_.head_parallel_dk(), inv_.head_parallel_dv(), ex.dk, ex.dv);
+        });
+      }
       const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())},
                                            {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
                                            {hp_.kv_back(), hp_.dk(), hp_.k_slabs()},
@@ -679,7 +716,7 @@ class ContextParallelAttention {
     for (int round = 0; round < stage_plan_.rounds(); ++round) {
       if (round > 0) await_group(call, fwd_in_, in, round - 1);
       fan_out(round);
-      for (; next < passes.size() && passes[next].round == round; ++next) attend_forward(parts_of(passes[next]));
+      for (; next < passes.size() && passes[next].round == round; ++next) attend_forward(parts_of(passes[next]), round);
     }
     path_.store(acc_.data(), out_attn_.data(), acc_.size());
   }
@@ -687,10 +724,14 @@ class ContextParallelAttention {
   /// One pass (a round's parts, each query row's folded by the kernel): the
   /// kernel's partial output, folded into the running one through the
   /// log-sum-exp (rows outside the pass keep lse_part = -inf).
-  void attend_forward(std::span<const AttentionEntry> parts) {
+  void attend_forward(std::span<const AttentionEntry> parts, int round) {
     path_.fill(lse_part_.data(), lse_part_.size(), -std::numeric_limits<float>::infinity());
-    kernel_.forward(shape_, parts, read(q_attn_), read(k_attn_), read(v_attn_), view(out_part_), view(lse_part_));
-    path_.merge(acc_.data(), lse_.data(), out_part_.data(), lse_part_.data(), layout_.q_tokens(), shape_.heads_q, shape_.head_dim);
+    traced("kernel", "forward", round, 0, [&] {
+      kernel_.forward(shape_, parts, read(q_attn_), read(k_attn_), read(v_attn_), view(out_part_), view(lse_part_));
+    });
+    traced("merge", "forward", round, 0, [&] {
+      path_.merge(acc_.data(), lse_.data(), out_part_.data(), lse_part_.data(), layout_.q_tokens(), shape_.heads_q, shape_.head_dim);
+    });
   }
 
   void backward_by_stages(const char* call, Tensors in, Tensors kv) {
@@ -701,7 +742,7 @@ class ContextParallelAttention {
     int posted = 0;
     for (int round = 0; round < stage_plan_.rounds(); ++round) {
       if (round > 0) await_group(call, dout_in_, in, round - 1);
-      for (; next < passes.size() && passes[next].round == round; ++next) attend_backward(parts_of(passes[next]));
+      for (; next < passes.size() && passes[next].round == round; ++next) attend_backward(parts_of(passes[next]), round);
       // The KV gradients of a group go home as soon as they are complete, in group order on every rank.
       for (; posted < groups_ && stage_plan_.kv_ready(posted) <= round; ++posted) {
         fan_in(posted + 1);
@@ -713,32 +754,36 @@ class ContextParallelAttention {
 
   /// One pass: dq shares summed in fp32 (rows outside the pass add zero); dk,
   /// dv of the pass's key rows written in place (each key row is in one pass).
-  void attend_backward(std::span<const AttentionEntry> parts) {
+  void attend_backward(std::span<const AttentionEntry> parts, int round) {
     path_.zero(bytes(out_part_), out_part_.size() * sizeof(E));
-    kernel_.backward(shape_, parts, read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_), read(lse_), read(dout_attn_), view(out_part_),
-                     view(dk_attn_), view(dv_attn_));
-    path_.accumulate(acc_.data(), out_part_.data(), acc_.size());
+    traced("kernel", "backward", round, 0, [&] {
+      kernel_.backward(shape_, parts, read(q_attn_), read(k_attn_), read(v_attn_), read(out_attn_), read(lse_), read(dout_attn_), view(out_part_),
+                       view(dk_attn_), view(dv_attn_));
+    });
+    traced("merge", "backward", round, 0, [&] { path_.accumulate(acc_.data(), out_part_.data(), acc_.size()); });
   }
 
   /// Posts group `g`'s KV gradients home (with one group, every peer's).
   void post_kv_gradients(const char* call, Tensors kv, int g) {
     if (transport_.world_size() == 1) return;
-    kv_requests_[static_cast<std::size_t>(g)] = exchange(call, [&] { return kv_out_.post(transport_, path_, kv, g); });
+    kv_requests_[static_cast<std::size_t>(g)] = post(call, kv_out_, kv, g);
   }
 
   /// Waits for the KV gradients, adds this rank's own, and sums every copy into dk, dv.
   void finish_kv_gradients(const char* call, Tensors kv, buffer<E> dk, buffer<E> dv) {
     if (groups_ > 0) fan_in(0);  // this rank's own shards (with one round, fanned in before the post)
-    kv_out_.copy_self(path_, kv);
+    traced("copy self", call, -1, 0, [&] { kv_out_.copy_self(path_, kv); });
     if (transport_.world_size() > 1) {
       for (int g = 0; g < kv_out_.groups(); ++g) {
-        exchange(call, [&] { Exchange::wait(transport_, kv_requests_[static_cast<std::size_t>(g)]); });
-        kv_out_.finish(path_, kv, g);
+        traced("wait", call, g, 0, [&] { exchange(call, [&] { Exchange::wait(transport_, kv_requests_[static_cast<std::size_t>(g)]); }); });
+        traced("unpack", call, g, 0, [&] { kv_out_.finish(path_, kv, g); });
       }
     }
     const std::size_t replica_bytes = replica_.size() * sizeof(E), grad_bytes = dk.size() * sizeof(E);
-    path_.combine(combine_id_, element_type_of<E>(), bytes(replica_), replica_bytes, bytes(dk.data()), grad_bytes);
-    path_.combine(combine_id_, element_type_of<E>(), bytes(replica_v_), replica_bytes, bytes(dv.data()), grad_bytes);
+    traced("combine", call, -1, 0, [&] {
+      path_.combine(combine_id_, element_type_of<E>(), bytes(replica_), replica_bytes, bytes(dk.data()), grad_bytes);
+      path_.combine(combine_id_, element_type_of<E>(), bytes(replica_v_), replica_bytes, bytes(dv.data()), grad_bytes);
+    });
   }
 
   template <class U>

@@ -181,6 +181,16 @@ class StagedExchange {
 
   int groups() const noexcept { return groups_; }
 
+  /// The bytes group `group`'s post sends plus receives.
+  std::int64_t group_bytes(int group) const noexcept {
+    std::size_t n = 0;
+    for (std::size_t p = 0; p < send_at_.size(); ++p) {
+      if (send_group_[p] == group) n += send_counts_[p];
+      if (recv_group_[p] == group) n += recv_counts_[p];
+    }
+    return static_cast<std::int64_t>(n);
+  }
+
  private:
   std::size_t index(int group, std::size_t tensor) const noexcept { return static_cast<std::size_t>(group) * tensors_ + tensor; }
 
