@@ -180,6 +180,7 @@ TEST(INVARIANT_SUITE, TheSplitOnTheGridChangesNoBit) {
   check_splits<float>(make_shape(2, 2, 8), 61, 8, 3);   // a document starting inside a block
   check_splits<float>(make_shape(4, 2, 5), 45, 4, 6);   // GQA, odd head_dim
   check_splits<bfloat16>(make_shape(2, 1, 8), 40, 8, 5);
+  check_splits<float>(make_shape(2, 1, 4), 150, 16, 5);  // entries longer than a tile of the kernel's lanes
 }
 
 TEST(INVARIANT_SUITE, ThreadsAndBlockSizesChangeNoBit) {
