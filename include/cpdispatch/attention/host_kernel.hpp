@@ -579,6 +579,28 @@ class HostAttentionKernel {
     return {std::max(r.begin, first), std::min(r.end, end)};
   }
 
+  /// For each entry covering segment seg, each unit of the key rows that
+  /// query rows [j0, j0 + r) see (the grid shifted by the entry's kv phase)
+  /// and each tile of at most `tile` keys in it: begin_unit() at the unit's
+  /// start, on_tile(entry, first key, keys) per tile, end_unit() at its end.
+  template <class Begin, class Tile, class End>
+  void for_each_key_unit(const InvariantGrid& grid, std::span<const AttentionEntry> entries, const RowSegment& seg, std::int64_t j0,
+                         std::int64_t r, Begin&& begin_unit, Tile&& on_tile, End&& end_unit) const {
+    using detail::attention::tile;
+    for (std::int64_t id : query_cover_.entries_of(seg)) {
+      const AttentionEntry& e = entry(entries, id);
+      const RowRun keys = detail::attention::block_keys(e, j0, j0 + r);
+      const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].kv;
+      for (std::int64_t u0 = keys.begin; u0 < keys.end;) {
+        const std::int64_t u1 = unit_end(u0, e.kv_start, phase, grid.size, keys.end);
+        begin_unit();
+        for (std::int64_t t0 = u0; t0 < u1; t0 += tile) on_tile(e, t0, std::min(tile, u1 - t0));
+        end_unit();
+        u0 = u1;
+      }
+    }
+  }
+
   template <class X>
   static void grow(std::vector<X>& x, std::size_t n) {
     if (x.size() < n) x.resize(n);
@@ -667,37 +689,31 @@ class HostAttentionKernel {
     }
     std::fill_n(t.row_exact.begin(), r * W, 0);
     // Pass 2: per unit, each row's sum and output terms in fp32, keys increasing; then exactly across units.
-    for (std::int64_t id : query_cover_.entries_of(seg)) {
-      const AttentionEntry& e = entry(entries, id);
-      const RowRun keys = block_keys(e, j0, j0 + r);
-      const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].kv;
-      for (std::int64_t u0 = keys.begin; u0 < keys.end;) {
-        const std::int64_t u1 = unit_end(u0, e.kv_start, phase, grid.size, keys.end);
-        std::fill_n(t.row_acc.begin(), r * W, 0.0f);
-        for (std::int64_t t0 = u0; t0 < u1; t0 += tile) {
-          const std::int64_t n = std::min(tile, u1 - t0), n32 = (n + 31) / 32 * 32;
-          transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
-          for (std::int64_t i = 0; i < r; ++i) {
-            const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
-            if (vis.begin >= vis.end) continue;
-            dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, ls);
-            std::fill(ls, ls + (vis.begin - t0), minus_inf);
-            std::fill(ls + (vis.end - t0), ls + n32, minus_inf);
-            std::fill_n(t.lanes_shift.begin(), n32, t.row_m[i]);
-            exp2_lanes(ls, t.lanes_shift.data(), n32);
-            float* acc = t.row_acc.data() + i * W;
-            for (std::int64_t c = vis.begin; c < vis.end; ++c) acc[D] += ls[c - t0];
-            axpy_rows(ls + (vis.begin - t0), v.row(vis.begin), v.stride, vis.end - vis.begin, acc, D);
-          }
-        }
-        for (std::int64_t i = 0; i < r; ++i) {
-          std::int64_t* x = t.row_exact.data() + i * W;
-          const float* acc = t.row_acc.data() + i * W;
-          if (!fold(x + D, acc + D, 1, t.row_e[i]) || !fold(x, acc, D, t.row_f[i])) not_finite("output", j0 + i, item.head);
-        }
-        u0 = u1;
+    const auto begin_unit = [&] { std::fill_n(t.row_acc.begin(), r * W, 0.0f); };
+    const auto on_tile = [&](const AttentionEntry& e, std::int64_t t0, std::int64_t n) {
+      const std::int64_t n32 = (n + 31) / 32 * 32;
+      transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
+      for (std::int64_t i = 0; i < r; ++i) {
+        const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
+        if (vis.begin >= vis.end) continue;
+        dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, ls);
+        std::fill(ls, ls + (vis.begin - t0), minus_inf);
+        std::fill(ls + (vis.end - t0), ls + n32, minus_inf);
+        std::fill_n(t.lanes_shift.begin(), n32, t.row_m[i]);
+        exp2_lanes(ls, t.lanes_shift.data(), n32);
+        float* acc = t.row_acc.data() + i * W;
+        for (std::int64_t c = vis.begin; c < vis.end; ++c) acc[D] += ls[c - t0];
+        axpy_rows(ls + (vis.begin - t0), v.row(vis.begin), v.stride, vis.end - vis.begin, acc, D);
       }
-    }
+    };
+    const auto end_unit = [&] {
+      for (std::int64_t i = 0; i < r; ++i) {
+        std::int64_t* x = t.row_exact.data() + i * W;
+        const float* acc = t.row_acc.data() + i * W;
+        if (!fold(x + D, acc + D, 1, t.row_e[i]) || !fold(x, acc, D, t.row_f[i])) not_finite("output", j0 + i, item.head);
+      }
+    };
+    for_each_key_unit(grid, entries, seg, j0, r, begin_unit, on_tile, end_unit);
     for (std::int64_t i = 0; i < r; ++i) {
       E* o = out.data() + ((j0 + i) * s.heads_q + item.head) * D;
       float& row_lse = lse[static_cast<std::size_t>(item.head * z.tokens_q + j0 + i)];
@@ -740,38 +756,32 @@ class HostAttentionKernel {
       t.row_e[i] = exact_exponent(2.0 * (d1 * vm + std::fabs(delta_[row_index(i)])) * km, 1);
     }
     std::fill_n(t.row_exact.begin(), r * D, 0);
-    for (std::int64_t id : query_cover_.entries_of(seg)) {
-      const AttentionEntry& e = entry(entries, id);
-      const RowRun keys = block_keys(e, j0, j0 + r);
-      const std::int64_t phase = grid.phases.empty() ? 0 : grid.phases[static_cast<std::size_t>(id)].kv;
-      for (std::int64_t u0 = keys.begin; u0 < keys.end;) {
-        const std::int64_t u1 = unit_end(u0, e.kv_start, phase, grid.size, keys.end);
-        std::fill_n(t.row_acc.begin(), r * D, 0.0f);
-        for (std::int64_t t0 = u0; t0 < u1; t0 += tile) {
-          const std::int64_t n = std::min(tile, u1 - t0), n32 = (n + 31) / 32 * 32;
-          transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
-          transpose_tile(v.base, v.stride, t0, n, D, t.tb.data());
-          for (std::int64_t i = 0; i < r; ++i) {
-            const std::size_t idx = row_index(i);
-            const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
-            if (vis.begin >= vis.end || lse[idx] == minus_inf) continue;
-            float* p = t.lanes_s.data();
-            float* dp = t.lanes_p.data();
-            dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, p);
-            dot_lanes(dout.row(j0 + i), t.tb.data(), D, n32, 1.0f, dp);
-            std::fill_n(t.lanes_shift.begin(), n32, lse[idx] * log2e);
-            exp2_lanes(p, t.lanes_shift.data(), n32);
-            const float delta = delta_[idx];
-            for (std::int64_t c = vis.begin; c < vis.end; ++c) p[c - t0] *= dp[c - t0] - delta;  // dS
-            axpy_rows(p + (vis.begin - t0), k.row(vis.begin), k.stride, vis.end - vis.begin, t.row_acc.data() + i * D, D);
-          }
-        }
-        for (std::int64_t i = 0; i < r; ++i) {
-          if (!fold(t.row_exact.data() + i * D, t.row_acc.data() + i * D, D, t.row_e[i])) not_finite("dq", j0 + i, item.head);
-        }
-        u0 = u1;
+    const auto begin_unit = [&] { std::fill_n(t.row_acc.begin(), r * D, 0.0f); };
+    const auto on_tile = [&](const AttentionEntry& e, std::int64_t t0, std::int64_t n) {
+      const std::int64_t n32 = (n + 31) / 32 * 32;
+      transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
+      transpose_tile(v.base, v.stride, t0, n, D, t.tb.data());
+      for (std::int64_t i = 0; i < r; ++i) {
+        const std::size_t idx = row_index(i);
+        const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
+        if (vis.begin >= vis.end || lse[idx] == minus_inf) continue;
+        float* p = t.lanes_s.data();
+        float* dp = t.lanes_p.data();
+        dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, p);
+        dot_lanes(dout.row(j0 + i), t.tb.data(), D, n32, 1.0f, dp);
+        std::fill_n(t.lanes_shift.begin(), n32, lse[idx] * log2e);
+        exp2_lanes(p, t.lanes_shift.data(), n32);
+        const float delta = delta_[idx];
+        for (std::int64_t c = vis.begin; c < vis.end; ++c) p[c - t0] *= dp[c - t0] - delta;  // dS
+        axpy_rows(p + (vis.begin - t0), k.row(vis.begin), k.stride, vis.end - vis.begin, t.row_acc.data() + i * D, D);
       }
-    }
+    };
+    const auto end_unit = [&] {
+      for (std::int64_t i = 0; i < r; ++i) {
+        if (!fold(t.row_exact.data() + i * D, t.row_acc.data() + i * D, D, t.row_e[i])) not_finite("dq", j0 + i, item.head);
+      }
+    };
+    for_each_key_unit(grid, entries, seg, j0, r, begin_unit, on_tile, end_unit);
     const double scale = s.softmax_scale;
     for (std::int64_t i = 0; i < r; ++i) {
       E* o = dq.data() + ((j0 + i) * s.heads_q + item.head) * D;

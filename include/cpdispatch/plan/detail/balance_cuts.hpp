@@ -134,30 +134,11 @@ inline std::int64_t pieces_needed(std::int64_t a, std::int64_t b, std::int64_t l
   return n;
 }
 
-/// The cheapest largest shard when the runs (the pieces of one document,
-/// each cut on its own) are cut into at most `c` shards in all; `c` is at
-/// least the number of runs.
-inline std::int64_t min_max_shard(const std::vector<Range>& runs, std::int64_t c) noexcept {
-  std::int64_t total = 0, hi = 0;
-  for (const Range& r : runs) {
-    total += pairs(r.lo, r.hi);
-    hi = std::max(hi, pairs(r.lo, r.hi));  // every run whole: always within c
-  }
-  std::int64_t lo = (total + c - 1) / c;
-  while (lo < hi) {
-    const std::int64_t mid = lo + (hi - lo) / 2;
-    std::int64_t used = 0;
-    for (const Range& r : runs) {
-      used += pieces_needed(r.lo, r.hi, mid, c);
-      if (used > c) break;
-    }
-    if (used <= c) hi = mid; else lo = mid + 1;
-  }
-  return hi;
-}
-
-/// The same with every run cut only on its grid (grids[i] for runs[i]).
-inline std::int64_t min_max_shard(const std::vector<Range>& runs, const std::vector<Grid>& grids, std::int64_t c) noexcept {
+/// The cheapest largest shard of `runs` cut into at most `c` shards in all,
+/// where needed(i, limit) is how many shards run i needs for that limit: a
+/// binary search between every run whole and an even split.
+template <class Needed>
+std::int64_t min_max_shard_by(const std::vector<Range>& runs, std::int64_t c, Needed&& needed) noexcept {
   std::int64_t total = 0, hi = 0;
   for (const Range& r : runs) {
     total += pairs(r.lo, r.hi);
@@ -168,12 +149,24 @@ inline std::int64_t min_max_shard(const std::vector<Range>& runs, const std::vec
     const std::int64_t mid = lo + (hi - lo) / 2;
     std::int64_t used = 0;
     for (std::size_t i = 0; i < runs.size(); ++i) {
-      used += pieces_needed(runs[i].lo, runs[i].hi, mid, c, grids[i]);
+      used += needed(i, mid);
       if (used > c) break;
     }
     if (used <= c) hi = mid; else lo = mid + 1;
   }
   return hi;
+}
+
+/// The cheapest largest shard when the runs (the pieces of one document,
+/// each cut on its own) are cut into at most `c` shards in all; `c` is at
+/// least the number of runs.
+inline std::int64_t min_max_shard(const std::vector<Range>& runs, std::int64_t c) noexcept {
+  return min_max_shard_by(runs, c, [&](std::size_t i, std::int64_t limit) { return pieces_needed(runs[i].lo, runs[i].hi, limit, c); });
+}
+
+/// The same with every run cut only on its grid (grids[i] for runs[i]).
+inline std::int64_t min_max_shard(const std::vector<Range>& runs, const std::vector<Grid>& grids, std::int64_t c) noexcept {
+  return min_max_shard_by(runs, c, [&](std::size_t i, std::int64_t limit) { return pieces_needed(runs[i].lo, runs[i].hi, limit, c, grids[i]); });
 }
 
 /// The cheapest largest shard of [0, len) cut into at most `c` contiguous shards.
