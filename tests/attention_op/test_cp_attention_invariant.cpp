@@ -190,6 +190,26 @@ TEST(CpAttentionInvariant, HeadParallelDocumentsToo) {
   }
 }
 
+TEST(CpAttentionInvariant, RanksThatDisagreeOnTheModeOrGridAreNamedOnEveryRank) {
+  const QkvDocumentsPlan plan = grid_plan(3, Placement::anywhere, 4, AttentionMask::causal(), false);
+  for (const bool grid_only : {false, true}) {
+    std::vector<std::string> errors(3);
+    cpdispatch::SimWorld sim(3, cpdispatch::SimOptions{sim_test::hang_timeout});
+    sim.run([&](cpdispatch::SimTransport& t) {
+      CpAttentionOptions o = invariant_options(false, 1);
+      if (t.rank() == 1) {
+        if (grid_only) o.grid = 2 * grid; else o.invariant = false;
+      }
+      try {
+        cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float> op(t, cpdispatch::plan_qkv_for_rank(plan, t.rank()), {2, 1, 4, 0.5f}, o);
+      } catch (const cpdispatch::invalid_input& e) {
+        errors[static_cast<std::size_t>(t.rank())] = e.what();
+      }
+    });
+    for (const std::string& e : errors) EXPECT_NE(e.find("rank(s) 1 hold another configuration"), std::string::npos) << e;
+  }
+}
+
 TEST(CpAttentionInvariant, RefusesSharedKeyValueHeadsKernelsWithoutTheModeAndBadGrids) {
   // Degree 2 over one key-value head: its gradients would be summed over two ranks.
   const QkvDocumentsPlan hp = head_parallel(grid_plan(2, Placement::home, 3, AttentionMask::causal(), false), 2);

@@ -461,7 +461,8 @@ class ContextParallelAttention {
     h.world_size = share.q_fwd.world_size;
     h.config = detail::agreement_hash({sizeof(E), static_cast<std::uint64_t>(element_type_of<E>()), static_cast<std::uint64_t>(shape_.heads_q),
                                        static_cast<std::uint64_t>(shape_.heads_kv), static_cast<std::uint64_t>(shape_.head_dim), options_.dedup,
-                                       static_cast<std::uint64_t>(groups_)});
+                                       static_cast<std::uint64_t>(groups_), options_.invariant,
+                                       static_cast<std::uint64_t>(options_.invariant ? options_.grid : 0)});
     h.mask = detail::agreement_hash({static_cast<std::uint64_t>(share.attn.mask.type), static_cast<std::uint64_t>(share.attn.mask.window)});
     h.layout = detail::agreement_hash({share.kv_fwd.has_copies, share.kv_fwd.num_copies, static_cast<std::uint64_t>(share.hp_attn.degree)});
     agreement_.build(transport_.rank(), h, slots, refused_here);
