@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -287,6 +288,33 @@ TEST(INVARIANT_SUITE, ExactSumsRoundOnceAndRefuseOverflow) {
   EXPECT_EQ(big, std::numeric_limits<std::int64_t>::max() - 1);
   EXPECT_FALSE(to_fixed(std::numeric_limits<double>::infinity(), 0, term));
   EXPECT_FALSE(to_fixed(0x1p70, 0, term));
+}
+
+TEST(INVARIANT_SUITE, RoundingToAnIntegerIsNearbyint) {
+  using cpdispatch::detail::attention::round_to_integer;
+  std::vector<double> ys = {0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999999999999994, 0x1p52 - 0.5, -(0x1p52 - 0.5),
+                            0x1p52, 0x1p52 + 1, 0x1p61 + 3, -0x1p61, 0x1p-1074, 4503599627370495.5};
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 100000; ++i) {
+    const double y = std::ldexp(std::uniform_real_distribution<double>(-1.0, 1.0)(rng), static_cast<int>(rng() % 64));
+    ys.push_back(y);
+    ys.push_back(std::floor(y) + 0.5);  // a tie
+  }
+  for (const double y : ys) {
+    ASSERT_EQ(round_to_integer(y), std::nearbyint(y)) << "y " << y;
+  }
+}
+
+TEST(INVARIANT_SUITE, ThePowerOfTwoScaleIsLdexpAtEveryExponent) {
+  using cpdispatch::detail::attention::scale_by_power_of_two;
+  // Normal, subnormal and overflowing results, both signs, and exponents beyond a normal power of two.
+  const double xs[] = {0.1, -3.75, 0x1.fffffep127, 0x1p-149, -0x1.8p-140, 1.0 / 3.0, 0.0};
+  for (const double x : xs) {
+    for (int e = -1100; e <= 1100; ++e) {
+      const double want = std::ldexp(x, -e), got = scale_by_power_of_two(x, e);
+      ASSERT_EQ(std::bit_cast<std::uint64_t>(got), std::bit_cast<std::uint64_t>(want)) << "x " << x << ", exponent " << e;
+    }
+  }
 }
 
 }  // namespace

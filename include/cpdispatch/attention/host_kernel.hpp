@@ -127,8 +127,9 @@ struct ThreadScratch {
   std::vector<float> s, dp, acc, acc2, m, l;
   // The invariant mode's: two transposed tiles, four rows of lanes, per row
   // of a block its maximum, bound, key count and exponents, its unit's fp32
-  // sums and its exact sums.
-  std::vector<float> ta, tb, lanes_s, lanes_p, lanes_shift, lanes_delta, row_m, row_b, row_acc;
+  // sums and its exact sums; the forward's scores of a block (its maximum
+  // pass computes them, its sum pass reads them).
+  std::vector<float> ta, tb, lanes_s, lanes_p, lanes_shift, lanes_delta, row_m, row_b, row_acc, scores;
   std::vector<std::int64_t> row_n, row_exact;
   std::vector<int> row_e, row_f;
 };
@@ -658,13 +659,23 @@ class HostAttentionKernel {
     const HeadRows q = head_q(s, in.q, item.head), k = head_kv(s, in.k, g), v = head_kv(s, in.v, g);
     const float cs = s.softmax_scale * log2e;
     float* ls = t.lanes_s.data();
-    // Pass 1: each row's largest score (exact: a maximum), key count and largest |v|.
+    // The scores of the block, entry after entry (r rows of its keys each): a
+    // pair's score does not depend on its lane, so pass 2 reads pass 1's.
+    std::size_t cached = 0;
+    for (std::int64_t id : query_cover_.entries_of(seg)) {
+      const RowRun keys = block_keys(entry(entries, id), j0, j0 + r);
+      cached += static_cast<std::size_t>(r * std::max<std::int64_t>(0, keys.end - keys.begin));
+    }
+    grow(t.scores, cached);
+    // Pass 1: each row's scores, largest score (exact: a maximum), key count and largest |v|.
     std::fill_n(t.row_m.begin(), r, minus_inf);
     std::fill_n(t.row_b.begin(), r, 0.0f);
     std::fill_n(t.row_n.begin(), r, 0);
+    float* slab = t.scores.data();
     for (std::int64_t id : query_cover_.entries_of(seg)) {
       const AttentionEntry& e = entry(entries, id);
       const RowRun keys = block_keys(e, j0, j0 + r);
+      const std::int64_t width = keys.end - keys.begin;
       for (std::int64_t t0 = keys.begin; t0 < keys.end; t0 += tile) {
         const std::int64_t n = std::min(tile, keys.end - t0), n32 = (n + 31) / 32 * 32;
         transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
@@ -672,13 +683,18 @@ class HostAttentionKernel {
           const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
           if (vis.begin >= vis.end) continue;
           dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, ls);
+          std::copy(ls + (vis.begin - t0), ls + (vis.end - t0), slab + i * width + (vis.begin - keys.begin));
+          float m = t.row_m[i], b = t.row_b[i];  // in registers: the loop is most of the pass otherwise
           for (std::int64_t c = vis.begin; c < vis.end; ++c) {
-            t.row_m[i] = std::max(t.row_m[i], ls[c - t0]);
-            t.row_b[i] = std::max(t.row_b[i], value_max_[static_cast<std::size_t>(c * s.heads_kv + g)]);
+            m = std::max(m, ls[c - t0]);
+            b = std::max(b, value_max_[static_cast<std::size_t>(c * s.heads_kv + g)]);
           }
+          t.row_m[i] = m;
+          t.row_b[i] = b;
           t.row_n[i] += vis.end - vis.begin;
         }
       }
+      if (width > 0) slab += r * width;
     }
     // Each row's exponents: its sum is at most its key count (every term <= 1), its output terms at most that times max|v|.
     for (std::int64_t i = 0; i < r; ++i) {
@@ -690,14 +706,22 @@ class HostAttentionKernel {
     std::fill_n(t.row_exact.begin(), r * W, 0);
     // Pass 2: per unit, each row's sum and output terms in fp32, keys increasing; then exactly across units.
     const auto begin_unit = [&] { std::fill_n(t.row_acc.begin(), r * W, 0.0f); };
+    const AttentionEntry* current = nullptr;  // the entry whose scores start at slab (for_each_key_unit keeps pass 1's order)
+    RowRun keys{};
+    slab = t.scores.data();
     const auto on_tile = [&](const AttentionEntry& e, std::int64_t t0, std::int64_t n) {
-      const std::int64_t n32 = (n + 31) / 32 * 32;
-      transpose_tile(k.base, k.stride, t0, n, D, t.ta.data());
+      if (&e != current) {
+        if (current != nullptr) slab += r * (keys.end - keys.begin);
+        current = &e;
+        keys = block_keys(e, j0, j0 + r);
+      }
+      const std::int64_t n32 = (n + 31) / 32 * 32, width = keys.end - keys.begin;
       for (std::int64_t i = 0; i < r; ++i) {
         const RowRun vis = clip(visible_keys(e, j0 + i), t0, t0 + n);
         if (vis.begin >= vis.end) continue;
-        dot_lanes(q.row(j0 + i), t.ta.data(), D, n32, cs, ls);
         std::fill(ls, ls + (vis.begin - t0), minus_inf);
+        const float* row = slab + i * width;
+        std::copy(row + (vis.begin - keys.begin), row + (vis.end - keys.begin), ls + (vis.begin - t0));
         std::fill(ls + (vis.end - t0), ls + n32, minus_inf);
         std::fill_n(t.lanes_shift.begin(), n32, t.row_m[i]);
         exp2_lanes(ls, t.lanes_shift.data(), n32);
