@@ -19,3 +19,4 @@ dv_total = v.grad.sum(dim=0)                         # each row's attention weig
 dist.all_reduce(dv_total)
 assert torch.allclose(dv_total, torch.full_like(dv_total, 4.0 * 560)), dv_total
 print(f"rank {dist.get_rank()}: {T} tokens, largest query shard here {dispatch.max_seqlen_q}, grad {q.grad.norm():.3f}")
+dist.destroy_process_group()                         # before exit: gloo's threads otherwise may abort the process
