@@ -290,6 +290,44 @@ TEST(INVARIANT_SUITE, ExactSumsRoundOnceAndRefuseOverflow) {
   EXPECT_FALSE(to_fixed(0x1p70, 0, term));
 }
 
+// The kernel's pairs in 256-bit lanes where the CPU has AVX2 must be the bits of its 128-bit lanes: else two
+// machines of one job (or a build with other flags) would disagree. Every width of a row, every tail.
+TEST(INVARIANT_SUITE, TheWideLanesGiveTheBitsOfTheNarrowOnes) {
+  namespace a = cpdispatch::detail::attention;
+#ifdef CPDISPATCH_WIDE_LANES
+  if (!a::wide_lanes()) GTEST_SKIP() << "this CPU has no AVX2";
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const auto draw = [&](std::size_t n) {
+    std::vector<float> x(n);
+    for (float& v : x) v = normal(rng);
+    return x;
+  };
+  const auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  for (const std::int64_t D : {1, 3, 16, 31, 32, 33, 64, 80, 128}) {
+    for (const std::int64_t n32 : {32, 64}) {
+      const std::vector<float> q = draw(static_cast<std::size_t>(D)), t = draw(static_cast<std::size_t>(D * a::tile));
+      std::vector<float> narrow(static_cast<std::size_t>(n32)), wide(static_cast<std::size_t>(n32));
+      a::dot_lanes_narrow(q.data(), t.data(), D, n32, 0.17f, narrow.data());
+      a::dot_lanes_wide(q.data(), t.data(), D, n32, 0.17f, wide.data());
+      EXPECT_TRUE(same(narrow, wide)) << "dot_lanes, D " << D << ", lanes " << n32;
+    }
+    for (const std::int64_t n : {1, 2, 7, 64, 70}) {
+      const std::int64_t stride = D + 5;
+      const std::vector<float> w = draw(static_cast<std::size_t>(n)), rows = draw(static_cast<std::size_t>(n * stride));
+      std::vector<float> narrow = draw(static_cast<std::size_t>(D)), wide = narrow;
+      a::axpy_rows_narrow(w.data(), rows.data(), stride, n, narrow.data(), D);
+      a::axpy_rows_wide(w.data(), rows.data(), stride, n, wide.data(), D);
+      EXPECT_TRUE(same(narrow, wide)) << "axpy_rows, D " << D << ", rows " << n;
+    }
+  }
+#else
+  EXPECT_FALSE(a::wide_lanes());
+#endif
+}
+
 TEST(INVARIANT_SUITE, RoundingToAnIntegerIsNearbyint) {
   using cpdispatch::detail::attention::round_to_integer;
   std::vector<double> ys = {0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 0.49999999999999994, 0x1p52 - 0.5, -(0x1p52 - 0.5),

@@ -232,10 +232,31 @@ inline void transpose_tile(const float* base, std::int64_t stride, std::int64_t 
   }
 }
 
+// 256-bit lanes where the CPU has AVX2 (x86-64, GCC and Clang): every value
+// gets the operations of the 128-bit lanes, a multiplication then an
+// addition in the same order (AVX2 brings no fused multiply-add; -mfma or
+// -march builds fuse both versions alike), so the bits are those of the
+// 128-bit code on every CPU, only computed faster.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CPDISPATCH_WIDE_LANES 1
+typedef float f32x8 __attribute__((vector_size(32)));
+#endif
+
+/// Whether dot_lanes and axpy_rows run their 256-bit versions here.
+inline bool wide_lanes() noexcept {
+#ifdef CPDISPATCH_WIDE_LANES
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 /// out[c] = scale * (sum over d, increasing, of a[d] * t[d * tile + c]) for c < n32 (a multiple of 32):
 /// every lane the same operations, so a pair's value does not depend on its lane or tile (one machine
 /// code for every caller: not inlined).
-[[gnu::noinline]] inline void dot_lanes(const float* a, const float* t, std::int64_t D, std::int64_t n32, float scale, float* out) {
+[[gnu::noinline]] inline void dot_lanes_narrow(const float* a, const float* t, std::int64_t D, std::int64_t n32, float scale,
+                                               float* out) {
   for (std::int64_t c = 0; c < n32; c += 32) {
     f32x4 x[8] = {};
     for (std::int64_t d = 0; d < D; ++d) {
@@ -250,7 +271,7 @@ inline void transpose_tile(const float* base, std::int64_t stride, std::int64_t 
 
 /// acc[d] += sum over c < n, increasing, of w[c] * rows[c * stride + d], for d < D: each element's
 /// terms in row order (as n calls of axpy), the accumulators kept in registers across the rows.
-inline void axpy_rows(const float* w, const float* rows, std::int64_t stride, std::int64_t n, float* acc, std::int64_t D) {
+inline void axpy_rows_narrow(const float* w, const float* rows, std::int64_t stride, std::int64_t n, float* acc, std::int64_t D) {
   std::int64_t d0 = 0;
   for (; d0 + 16 <= D; d0 += 16) {
     f32x4 a[4];
@@ -267,6 +288,70 @@ inline void axpy_rows(const float* w, const float* rows, std::int64_t stride, st
     for (std::int64_t c = 0; c < n; ++c) a += w[c] * rows[c * stride + d0];
     acc[d0] = a;
   }
+}
+
+#ifdef CPDISPATCH_WIDE_LANES
+/// dot_lanes_narrow in 256-bit lanes (f32x8 values only inside: no AVX type crosses a call).
+[[gnu::noinline, gnu::target("avx2")]] inline void dot_lanes_wide(const float* a, const float* t, std::int64_t D, std::int64_t n32,
+                                                                  float scale, float* out) {
+  for (std::int64_t c = 0; c < n32; c += 32) {
+    f32x8 x[4] = {};
+    for (std::int64_t d = 0; d < D; ++d) {
+      const float ad = a[d];
+      const float* row = t + d * tile + c;
+      for (int l = 0; l < 4; ++l) {
+        f32x8 v;
+        std::memcpy(&v, row + 8 * l, sizeof v);
+        x[l] += ad * v;
+      }
+    }
+    for (int l = 0; l < 4; ++l) {
+      const f32x8 v = x[l] * scale;
+      std::memcpy(out + c + 8 * l, &v, sizeof v);
+    }
+  }
+}
+
+/// axpy_rows_narrow in 256-bit lanes, 32 values of a row at a time, then as the narrow one.
+[[gnu::noinline, gnu::target("avx2")]] inline void axpy_rows_wide(const float* w, const float* rows, std::int64_t stride,
+                                                                  std::int64_t n, float* acc, std::int64_t D) {
+  std::int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    f32x8 a[4];
+    std::memcpy(a, acc + d0, sizeof a);
+    for (std::int64_t c = 0; c < n; ++c) {
+      const float wc = w[c];
+      const float* row = rows + c * stride + d0;
+      for (int l = 0; l < 4; ++l) {
+        f32x8 v;
+        std::memcpy(&v, row + 8 * l, sizeof v);
+        a[l] += wc * v;
+      }
+    }
+    std::memcpy(acc + d0, a, sizeof a);
+  }
+  for (; d0 < D; ++d0) {
+    float x = acc[d0];
+    for (std::int64_t c = 0; c < n; ++c) x += w[c] * rows[c * stride + d0];
+    acc[d0] = x;
+  }
+}
+#endif
+
+/// dot_lanes_narrow, in 256-bit lanes where wide_lanes(): the same bits.
+inline void dot_lanes(const float* a, const float* t, std::int64_t D, std::int64_t n32, float scale, float* out) {
+#ifdef CPDISPATCH_WIDE_LANES
+  if (wide_lanes()) return dot_lanes_wide(a, t, D, n32, scale, out);
+#endif
+  dot_lanes_narrow(a, t, D, n32, scale, out);
+}
+
+/// axpy_rows_narrow, in 256-bit lanes where wide_lanes(): the same bits.
+inline void axpy_rows(const float* w, const float* rows, std::int64_t stride, std::int64_t n, float* acc, std::int64_t D) {
+#ifdef CPDISPATCH_WIDE_LANES
+  if (wide_lanes()) return axpy_rows_wide(w, rows, stride, n, acc, D);
+#endif
+  axpy_rows_narrow(w, rows, stride, n, acc, D);
 }
 
 /// x[c] = 2^(x[c] - shift[c]) for c < n32 (a multiple of 4); -infinity gives 0 (not inlined either).
