@@ -135,14 +135,13 @@ function(cpdispatch_add_mpi_test name)
     add_test(NAME ${name}.np${n}
              COMMAND "${MPIEXEC_EXECUTABLE}" ${MPIEXEC_NUMPROC_FLAG} ${n} ${CPDISPATCH_MPIEXEC_PREFLAGS}
                      $<TARGET_FILE:${program}> ${MPIEXEC_POSTFLAGS} ${arguments})
-    # n ctest slots: waiting ranks still spin (Open MPI yields when
-    # oversubscribed, but a yielding rank keeps its share of a core), so a
-    # test's ranks take n slots' worth of CPU from the tests beside it. (With
-    # one slot each, the MPI tests ran beside the rest instead of after it,
-    # and the sanitizer step's tests took 283 s instead of 252 s.)
+    # One ctest slot, not n: the ranks mostly wait on one another (Open MPI
+    # yields when oversubscribed), and a test that needs n slots free at once
+    # starts only at the end of a run whose slots keep filling (on 2 cores
+    # the np3 and np4 tests ran last, one at a time, a core idle). Tests
+    # that time stalls on purpose ask for their n slots back (tests/faults).
     set_tests_properties(${name}.np${n} PROPERTIES
       LABELS mpi
-      PROCESSORS ${n}
       TIMEOUT 300
       # Open MPI refuses root without these two (other MPIs ignore them).
       # Under AddressSanitizer, LeakSanitizer skips Open MPI's own leaks from
