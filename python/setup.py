@@ -25,7 +25,7 @@ def pybind11_include():
 
 module = Extension(
     "cpdispatch._cpdispatch",
-    sources=[os.path.join("src", "module.cpp")],
+    sources=[os.path.join("src", "module.cpp"), os.path.join("src", "invariant_kernel.cpp")],
     include_dirs=[os.path.join(CHECKOUT, "include")] + pybind11_include(),
     language="c++",
     # CPDISPATCH_OPT: the optimisation flag (the install test builds with -O0, faster to compile)

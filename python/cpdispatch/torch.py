@@ -228,6 +228,7 @@ class RankDispatch:
         if not isinstance(plan, cpdispatch.Plan):
             plan = cpdispatch.Plan(plan, max_memory=max_memory)  # read once for the calls below
         self.meta = cpdispatch.plan_for_rank(plan, rank, dedup, max_memory=max_memory)
+        self._plan, self._dedup, self._max_memory = plan, dedup, max_memory
         if "hp_attn" in self.meta:  # the same on every rank: none goes on to the collectives alone
             raise ValueError("the plan has head-parallel documents (docs/plan-format.md section 2f): "
                              "cpdispatch.torch does not support them yet; plan them as dispatched documents")
@@ -252,6 +253,7 @@ class RankDispatch:
             raise ValueError("the plan's documents have slices, but the planner gave no attention entries (attn.entries): "
                              "this cpdispatch module plans no slices (docs/plan-format.md section 2e)")
         self._stagings = {}
+        self._invariant_layouts = {}
 
     @property
     def dedup(self):
@@ -270,6 +272,32 @@ class RankDispatch:
     def undispatch(self, y):
         """Attention outputs, attention layout -> MLP layout."""
         return _Undispatch.apply(y, self.q_route, self.group)
+
+    def invariant_layout(self, grid):
+        """The invariant mode's entries over this rank's attention buffers
+        and each one's phase on the grid (its first query and key row's
+        packed position modulo ``grid``), as the C++ op lays them out, built
+        once per grid. A collective where a process group is initialised:
+        every rank raises when some rank's share has a cut off the grid."""
+        if grid not in self._invariant_layouts:
+            refusal = None
+            try:
+                layout = cpdispatch._cpdispatch.invariant_layout(cpdispatch._core(self._plan), self.rank, self._dedup, grid, self._max_memory)
+            except ValueError as e:
+                refusal = e
+            world = len(self.q_route.forward.send_counts)
+            if _collective(world):
+                verdicts = torch.zeros(world, dtype=torch.int64)
+                verdicts[self.rank] = refusal is not None
+                dist.all_reduce(verdicts, group=self.group)
+                if refusal is None and bool(verdicts.any()):
+                    bad = torch.nonzero(verdicts).flatten().tolist()
+                    raise ValueError(f"invariant=True: the share of rank(s) {bad} has a cut off the grid of {grid} tokens (their errors name it; "
+                                     f"plan with cpdispatch.balance(..., grid={grid}) and an MLP layout cut on it)")
+            if refusal is not None:
+                raise refusal
+            self._invariant_layouts[grid] = _InvariantLayout(layout["entries"], layout["phases"], grid, layout["tokens"])
+        return self._invariant_layouts[grid]
 
     def staging(self, stages):
         """What ContextParallelAttention(stages=stages) exchanges and attends in which round, built once per stage count."""
@@ -631,15 +659,34 @@ def varlen_attention(q, k, v, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_
 class BlockwiseKernel:
     """The default kernel, varlen_attention (blockwise, plain PyTorch: any
     device and float dtype), as an adapter; takes every stage count and
-    entries that share rows (one online softmax per row)."""
+    entries that share rows (one online softmax per row).
+
+    ``invariant=True``: calls run the C++ host kernel's invariant mode
+    instead (CPU tensors of float32, bfloat16 or float16; ``threads`` of
+    its own, 0: every core), treating the call's rows as the packed
+    sequence on a grid of ``grid`` tokens: the bits of
+    ContextParallelAttention(invariant=True) at any world size. Its
+    invariant_forward / invariant_backward / round_exact serve that op."""
 
     name = "blockwise"
 
-    def __init__(self, block_q=BLOCK_Q, block_kv=BLOCK_KV):
+    def __init__(self, block_q=BLOCK_Q, block_kv=BLOCK_KV, *, invariant=False, grid=64, threads=0):
         self.block_q, self.block_kv = block_q, block_kv
+        self.invariant, self.grid = bool(invariant), _checked_grid(grid)
+        if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 0:
+            raise ValueError(f"threads must be an int >= 0 (0: every core), not {threads!r}")
+        self.threads = int(threads)
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=None, max_seqlen_kv=None, mask=None, softmax_scale=None, *,
                  entries=None):
+        if self.invariant:
+            if entries is None:
+                entries = _entries(cu_seqlens_q, cu_seqlens_kv, q.shape[0], k.shape[0], mask)
+            else:
+                entries = _parts(entries, q.shape[0], k.shape[0])
+            phases = [(e[0] % self.grid, e[2] % self.grid) for e in entries]  # the call's rows are the packed sequence
+            scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+            return _KernelAttention.apply(q, k, v, _OneCallInvariant(self, phases), entries, scale)
         return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, mask, softmax_scale, entries=entries,
                                 block_q=self.block_q, block_kv=self.block_kv)
 
@@ -653,6 +700,85 @@ class BlockwiseKernel:
     def backward(self, q, k, v, out, lse, dout, parts, softmax_scale=None):
         """(dq, dk, dv) of the parts given the merged out and lse of every query row."""
         return _backward(self._problem(q, k, v, parts, softmax_scale), q, k, v, out, lse, dout, None)
+
+    def invariant_forward(self, q, k, v, entries, phases, grid, softmax_scale):
+        """The invariant mode's (out, lse) of the entries, from the C++ host
+        kernel (docs/invariant-attention.md): ``phases`` gives each entry's
+        first query and key row's packed position modulo ``grid``. Rows no
+        entry covers: 0 and -inf. CPU tensors of float32, bfloat16 or float16."""
+        element = _invariant_element(q, k, v)
+        out, lse = cpdispatch._cpdispatch.invariant_forward(_host_array(q), _host_array(k), _host_array(v), entries, phases, grid,
+                                                            float(softmax_scale), element, self.threads)
+        return _from_host_array(out, q.dtype), torch.from_numpy(lse)
+
+    def invariant_backward(self, q, k, v, out, lse, dout, entries, phases, grid, softmax_scale, bounds):
+        """The invariant mode's gradients: (dq, dk, dv, dk_exponent,
+        dv_exponent), dq rounded, dk and dv as exact int64 sums (value x *
+        2^exponent) to add over copies and ranks and round once
+        (round_exact). ``bounds``: (largest |q|, |v|, |dout| and the token
+        count of the whole batch), the same on every rank."""
+        element = _invariant_element(q, k, v)
+        dq, dk, dv, ek, ev = cpdispatch._cpdispatch.invariant_backward(
+            _host_array(q), _host_array(k), _host_array(v), _host_array(out), _host_array(lse), _host_array(dout), entries, phases, grid,
+            float(softmax_scale), tuple(bounds), element, self.threads)
+        return _from_host_array(dq, q.dtype), torch.from_numpy(dk), torch.from_numpy(dv), ek, ev
+
+    @staticmethod
+    def round_exact(exact, exponent, dtype):
+        """Exact sums (int64, value x * 2^exponent) rounded once to ``dtype``."""
+        element = _invariant_element(torch.empty(0, dtype=dtype))
+        return _from_host_array(cpdispatch._cpdispatch.round_exact(_host_array(exact), int(exponent), element), dtype)
+
+
+_INVARIANT_ELEMENTS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _checked_grid(grid):
+    if isinstance(grid, bool) or not isinstance(grid, numbers.Integral) or not 1 <= grid <= 2 ** 40:
+        raise ValueError(f"grid must be an int in [1, 2**40] (the invariant mode's default is 64), not {grid!r}")
+    return int(grid)
+
+
+def _invariant_element(*xs):
+    """The element name of the host kernel's invariant mode for these tensors, or a ValueError naming the one it cannot take."""
+    for name, x in zip(("q", "k", "v"), xs):
+        if x.device.type != "cpu":
+            raise ValueError(f"the invariant mode runs the C++ host kernel: {name} must be a CPU tensor, not one on {x.device}")
+        if x.dtype not in _INVARIANT_ELEMENTS:
+            raise ValueError(f"the invariant mode takes float32, bfloat16 or float16 tensors; {name} is {x.dtype}")
+    return _INVARIANT_ELEMENTS[xs[0].dtype]
+
+
+def _host_array(x):
+    """A tensor as the C-contiguous NumPy array the C++ kernel reads (bfloat16 as its int16 bits)."""
+    x = x.detach().contiguous()
+    return (x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy()
+
+
+def _from_host_array(a, dtype):
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def _max_abs(x):
+    """The largest |x| as a float (0 for an empty tensor; NaN where x holds one)."""
+    return float(x.detach().abs().max()) if x.numel() else 0.0
+
+
+class _OneCallInvariant:
+    """BlockwiseKernel(invariant=True)'s call as the forward / backward that
+    _KernelAttention takes: the whole batch in one call, so its bounds are its own."""
+
+    def __init__(self, kernel, phases):
+        self.kernel, self.phases = kernel, phases
+
+    def forward(self, q, k, v, entries, scale):
+        return self.kernel.invariant_forward(q, k, v, entries, self.phases, self.kernel.grid, scale)
+
+    def backward(self, q, k, v, out, lse, dout, entries, scale):
+        bounds = (_max_abs(q), _max_abs(v), _max_abs(dout), q.shape[0])
+        dq, dk, dv, ek, ev = self.kernel.invariant_backward(q, k, v, out, lse, dout, entries, self.phases, self.kernel.grid, scale, bounds)
+        return dq, self.kernel.round_exact(dk, ek, k.dtype), self.kernel.round_exact(dv, ev, v.dtype)
 
 
 def _row_disjoint(parts):
@@ -1106,11 +1232,7 @@ class _JointDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, d, st):
         ctx.d, ctx.st, ctx.dim = d, st, k.shape[-1]
-        kv = torch.cat([k, v], -1)
-        qa = q.new_zeros((d.q_route.forward.output_tokens,) + tuple(q.shape[1:]))
-        landed = kv.new_zeros((st.land.forward.output_tokens,) + tuple(kv.shape[1:]))
-        st.forward.post([q, kv], d.group, _collective(st.world)).land([qa, landed])
-        kva = st.fan_out(landed, None)
+        qa, kva = _dispatch_joint(q, k, v, d, st)
         return qa, kva[..., :ctx.dim], kva[..., ctx.dim:]
 
     @staticmethod
@@ -1125,6 +1247,68 @@ class _JointDispatch(torch.autograd.Function):
         st.reverse.post([dqa.contiguous(), dland], d.group, _collective(st.world)).land([dq, replica])
         dkv = st.land.combine(replica)
         return dq, dkv[..., :ctx.dim], dkv[..., ctx.dim:], None, None
+
+
+def _dispatch_joint(q, k, v, d, st):
+    """(queries, key-values side by side) in the attention layout, in ONE exchange (the key-values fanned out with dedup)."""
+    kv = torch.cat([k, v], -1)
+    qa = q.new_zeros((d.q_route.forward.output_tokens,) + tuple(q.shape[1:]))
+    landed = kv.new_zeros((st.land.forward.output_tokens,) + tuple(kv.shape[1:]))
+    st.forward.post([q, kv], d.group, _collective(st.world)).land([qa, landed])
+    return qa, st.fan_out(landed, None)
+
+
+class _InvariantLayout:
+    """A rank's entries for the invariant mode, their phases, the grid and the batch's token count."""
+
+    def __init__(self, entries, phases, grid, tokens):
+        self.entries, self.phases, self.grid, self.tokens = entries, phases, grid, tokens
+
+
+class _InvariantAttention(torch.autograd.Function):
+    """invariant=True: queries and key-values to the attention layout in one
+    exchange and the kernel's invariant mode over the rank's entries (every
+    key of a query row is here, so out, lse and dq are whole). Backward: the
+    key-value gradients as exact sums (int64 at one scale for the batch,
+    from bounds the ranks agree on) through the same fan-in, exchange and
+    copy sum as the default path's, as integers, rounded once at home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, d, st, kernel, scale, layout):
+        dim = k.shape[-1]
+        qa, kva = _dispatch_joint(q, k, v, d, st)
+        out, lse = kernel.invariant_forward(qa, kva[..., :dim], kva[..., dim:], layout.entries, layout.phases, layout.grid, scale)
+        ctx.d, ctx.st, ctx.kernel, ctx.scale, ctx.layout, ctx.dim = d, st, kernel, scale, layout, dim
+        ctx.maxima, ctx.dtypes = (_max_abs(q), _max_abs(v)), (q.dtype, k.dtype, v.dtype)
+        ctx.save_for_backward(qa, kva, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        qa, kva, out, lse = ctx.saved_tensors
+        d, st, layout, dim = ctx.d, ctx.st, ctx.layout, ctx.dim
+        dout = dout.contiguous()
+        bounds = _agreed_bounds(ctx.maxima + (_max_abs(dout),), layout.tokens, d.group, st.world)
+        dqa, dk, dv, ek, ev = ctx.kernel.invariant_backward(qa, kva[..., :dim], kva[..., dim:], out, lse, dout, layout.entries, layout.phases,
+                                                            layout.grid, ctx.scale, bounds)
+        exact = torch.cat([dk, dv], -1)
+        if st.fan_source is not None:
+            exact = st.fan_in(exact, exact.new_zeros((st.land.forward.output_tokens,) + tuple(exact.shape[1:])))
+        home = st.land.combine(st.land.reverse(exact, d.group))  # integer sums: the same whatever the order
+        dq = d.q_route.reverse(dqa, d.group)
+        dk = ctx.kernel.round_exact(home[..., :dim], ek, ctx.dtypes[1])
+        dv = ctx.kernel.round_exact(home[..., dim:], ev, ctx.dtypes[2])
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _agreed_bounds(maxima, tokens, group, world):
+    """(largest |q|, |v|, |dout| over every rank, the batch's tokens): a NaN
+    counts as infinity, so every rank refuses it alike."""
+    local = torch.tensor(maxima, dtype=torch.float64).nan_to_num(nan=math.inf)
+    if _collective(world):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    return tuple(local.tolist()) + (tokens,)
 
 
 def _merge(out, lse, part_out, part_lse):
@@ -1247,14 +1431,26 @@ class ContextParallelAttention(torch.nn.Module):
     parts, softmax_scale) -> (dq, dk, dv)`` taking the merged output and lse,
     a part being (q_start, q_len, kv_start, kv_len, lo, hi) (an entry's
     query rows, a run of its key rows and its band): "blockwise" and
-    "flash_attn_varlen" have them."""
+    "flash_attn_varlen" have them.
 
-    def __init__(self, softmax_scale=None, kernel="blockwise", stages=1):
+    ``invariant=True`` (with ``grid``, default 64): out, dq, dk and dv
+    bitwise the same at every world size, plan, stage count and kernel
+    thread count whose cuts lie on the grid (cpdispatch.balance(...,
+    grid=)), by the C++ host kernel's invariant mode: CPU tensors of
+    float32, bfloat16 or float16, a kernel with the mode ("blockwise"), one
+    exchange whatever ``stages`` is, and the key-value gradients home as
+    exact sums rounded once (docs/invariant-attention.md)."""
+
+    def __init__(self, softmax_scale=None, kernel="blockwise", stages=1, *, invariant=False, grid=64):
         super().__init__()
         if isinstance(stages, bool) or not isinstance(stages, numbers.Integral) or stages < 1:
             raise ValueError(f"stages must be an int of at least 1, not {stages!r}")
         self.softmax_scale, self.stages = softmax_scale, int(stages)
+        self.invariant, self.grid = bool(invariant), _checked_grid(grid)
         self.kernel = kernel_adapter(kernel)
+        if self.invariant and not callable(getattr(self.kernel, "invariant_forward", None)):
+            raise ValueError(f"invariant=True needs a kernel with the invariant mode ('blockwise', or an adapter with invariant_forward, "
+                             f"invariant_backward and round_exact); {_kernel_name(self.kernel)!r} cannot promise the same bits for every split")
         if self.stages > 1 and not _takes_stages(self.kernel):
             name = _kernel_name(self.kernel)
             raise ValueError(f"stages = {stages} needs a kernel whose forward gives the log-sum-exp and whose backward takes the merged "
@@ -1263,6 +1459,11 @@ class ContextParallelAttention(torch.nn.Module):
     def forward(self, q, k, v, dispatch):
         if not q.dtype == k.dtype == v.dtype:
             raise ValueError(f"q, k and v travel in one exchange and need one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
+        if self.invariant:
+            layout = dispatch.invariant_layout(self.grid)
+            scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
+            out = _InvariantAttention.apply(q, k, v, dispatch, dispatch.staging(1), self.kernel, scale, layout)
+            return dispatch.undispatch(out)
         staging = dispatch.staging(self.stages)
         if staging.groups:
             out = _StagedAttention.apply(q, k, v, dispatch, staging, self.kernel, self.softmax_scale)

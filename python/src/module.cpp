@@ -9,6 +9,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include "invariant_kernel.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -22,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpdispatch/attention/detail/share_entries.hpp"
 #include "cpdispatch/execute/token_indices.hpp"
 #include "cpdispatch/plan/balance_json.hpp"
 #include "cpdispatch/plan/json.hpp"
@@ -637,6 +640,64 @@ py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup, py::hand
   return out;
 }
 
+// ---------------------------------------------------------------- invariant mode
+
+/// Every rank's MLP token count of a plan (a rank's MLP layout holds the shards whose home it is).
+std::vector<std::int64_t> rank_tokens(const ParsedPlan& parsed) {
+  std::vector<std::int64_t> tokens;
+  if (const auto* p = std::get_if<cpdispatch::QkvPlan>(&parsed.plan)) {
+    for (const auto& r : p->ranks) {
+      tokens.push_back(0);
+      for (const auto& d : r.docs) {
+        for (std::int64_t len : d.shard_len) tokens.back() += len;
+      }
+    }
+  } else if (const auto* d = std::get_if<cpdispatch::QkvDocumentsPlan>(&parsed.plan)) {
+    tokens.assign(static_cast<std::size_t>(d->world_size), 0);
+    for (const auto& doc : d->documents) {
+      for (const auto& s : doc.shards) tokens[static_cast<std::size_t>(s.rank)] += s.len;
+    }
+  }
+  return tokens;
+}
+
+py::object band_end(std::int64_t x, std::int64_t open) { return x == open ? py::object(py::none()) : py::object(py::int_(x)); }
+
+/// Rank `rank`'s kernel entries over its attention buffers and each one's
+/// phase on a grid of `grid` tokens, as ContextParallelAttention lays them
+/// out in its invariant mode (attention/detail/share_entries.hpp); refuses
+/// a share cut off the grid, naming the shard and its packed position.
+py::dict invariant_layout(py::handle input, std::int64_t rank, bool dedup, std::int64_t grid, py::handle max_memory) {
+  if (grid < 1 || grid > (std::int64_t{1} << 40)) cpdispatch::detail::fail("grid = ", grid, " must be in [1, 2^40]");
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  std::vector<std::int64_t> starts(1, 0);
+  RankShare share = with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) {
+    for (std::int64_t t : rank_tokens(parsed)) starts.push_back(starts.back() + t);
+    return plan_rank_share(parsed, rank, limits);
+  });
+  const auto* m = std::get_if<cpdispatch::RankQkvMetadata>(&share.metadata);
+  if (m == nullptr) cpdispatch::detail::fail("the invariant mode takes a qkv plan (queries and key-values); this is a query plan");
+  std::vector<cpdispatch::AttentionEntry> entries;
+  std::vector<std::size_t> begin;
+  std::vector<cpdispatch::UnitPhase> phases;
+  std::vector<std::int64_t> scratch;
+  cpdispatch::detail::share_entries(m->attn, entries, begin);
+  cpdispatch::detail::unit_phases(grid, starts, m->attn, entries, begin, m->q_rev, m->kv_rev, "ContextParallelAttention(invariant=True)", phases,
+                                  scratch);
+  py::list e, p;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const cpdispatch::AttentionEntry& x = entries[i];
+    e.append(py::make_tuple(x.q_start, x.q_len, x.kv_start, x.kv_len, band_end(x.band.lo, cpdispatch::Band::unbounded_lo),
+                            band_end(x.band.hi, cpdispatch::Band::unbounded_hi)));
+    p.append(py::make_tuple(phases[i].q, phases[i].kv));
+  }
+  py::dict out;
+  out["entries"] = e;
+  out["phases"] = p;
+  out["tokens"] = starts.back();
+  return out;
+}
+
 // ---------------------------------------------------------------- token indices
 
 py::dict exchange_dict(cpdispatch::ExchangeIndices&& e) {
@@ -1023,4 +1084,7 @@ PYBIND11_MODULE(_cpdispatch, m) {
   m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
   m.def("balance", &balance, py::arg("batch"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory, py::arg("grid") = 1);
   m.def("position_ids", &position_ids, py::arg("plan"), py::arg("rank"), py::arg("max_memory") = default_max_memory);
+  m.def("invariant_layout", &invariant_layout, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("grid") = 64,
+        py::arg("max_memory") = default_max_memory);
+  bind_invariant_kernel(m);
 }

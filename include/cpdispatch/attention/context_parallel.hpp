@@ -73,6 +73,7 @@
 #include "cpdispatch/attention/detail/head_parallel_part.hpp"
 #include "cpdispatch/attention/detail/invariant_part.hpp"
 #include "cpdispatch/attention/detail/row_cover.hpp"
+#include "cpdispatch/attention/detail/share_entries.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/attention/invariant.hpp"
@@ -831,25 +832,12 @@ class ContextParallelAttention {
     }
   }
 
-  /// The kernel's entries in the attention buffers' rows, and where each
-  /// query shard's start (entry_begin_): the plan's own where it has them
-  /// (section 2e's attn.entries: per query shard, in the shard's rows and
-  /// its KV group's columns) moved by the shard's cu_seqlens, so their bands
-  /// shift by cu_kv - cu_q; else one entry per KV group under the plan's
-  /// mask (layout_entries). A kernel that cannot fold shared rows gets only
-  /// entries that share none.
+  /// The kernel's entries (share_entries). A kernel that cannot fold shared
+  /// rows gets only entries that share none.
   void lay_out_entries() {
-    entry_begin_.assign(1, 0);
-    if (layout_.entries.empty()) {
-      layout_entries(layout_.cu_seqlens_q, layout_.cu_seqlens_kv, layout_.mask, entries_);
-      for (std::size_t g = 0; g < entries_.size(); ++g) entry_begin_.push_back(g + 1);
+    if (!detail::share_entries(layout_, entries_, entry_begin_)) {
       stray_rows_ = stray_keys_ = false;  // each KV group's entry covers its query shard's rows and all its keys
       return;
-    }
-    entries_.clear();
-    for (std::size_t g = 0; g < layout_.entries.size(); ++g) {
-      for (const AttentionEntry& e : layout_.entries[g]) entries_.push_back(in_buffers(e, g));
-      entry_begin_.push_back(entries_.size());
     }
     if constexpr (!attention_kernel_folds_shared_rows<Kernel>()) row_check_.separate_rows("ContextParallelAttention", "replan", entries_);
     // A kernel writes only the rows of its entries; a plan's own entries may leave some out.
@@ -871,17 +859,6 @@ class ContextParallelAttention {
     if (stray_rows_ && groups_ == 0) path_.zero(bytes(dq_attn_), dq_attn_.size() * sizeof(E));
     if (!stray_keys_) return;
     for (owned<E>* b : {&dk_attn_, &dv_attn_}) path_.zero(bytes(*b), b->size() * sizeof(E));
-  }
-
-  /// Entry e of query shard g (in the shard's rows and its group's columns) in the buffers' rows.
-  AttentionEntry in_buffers(const AttentionEntry& e, std::size_t g) const {
-    const std::int64_t lq = layout_.cu_seqlens_q[g + 1] - layout_.cu_seqlens_q[g], lk = layout_.cu_seqlens_kv[g + 1] - layout_.cu_seqlens_kv[g];
-    if (e.q_start < 0 || e.q_len < 0 || e.q_len > lq - e.q_start || e.kv_start < 0 || e.kv_len < 0 || e.kv_len > lk - e.kv_start) {
-      fail("share.attn.entries[", g, "] has query rows [", e.q_start, ", +", e.q_len, ") and columns [", e.kv_start, ", +", e.kv_len,
-           ") outside its ", lq, " rows and ", lk, " columns");
-    }
-    const std::int64_t dq = layout_.cu_seqlens_q[g], dk = layout_.cu_seqlens_kv[g];
-    return {e.q_start + dq, e.q_len, e.kv_start + dk, e.kv_len, e.band.shifted(dk - dq)};
   }
 
   void size_buffers() {

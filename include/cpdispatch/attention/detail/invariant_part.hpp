@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpdispatch/attention/detail/share_entries.hpp"
 #include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/error.hpp"
@@ -118,7 +119,7 @@ class InvariantPart {
     for (std::int64_t c : counts_) starts_.push_back(starts_.back() + c);
     std::string refusal;
     try {
-      phases_for(layout, entries, entries_of_shard, q_rev, kv_rev, who);
+      unit_phases(grid, starts_, layout, entries, entries_of_shard, q_rev, kv_rev, who, phases_, kv_at_);
     } catch (const invalid_input& e) {
       refusal = e.what();
     }
@@ -194,47 +195,6 @@ class InvariantPart {
   owned<std::int64_t>& home_v() noexcept { return home_v_; }
 
  private:
-  void phases_for(const RankAttentionLayout& layout, std::span<const AttentionEntry> entries, std::span<const std::size_t> entries_of_shard,
-                  const RankMetadata& q_rev, const RankMetadata& kv_rev, const char* who) {
-    const std::int64_t G = grid_;
-    const auto packed = [&](std::int64_t rank, std::int64_t offset) { return starts_[static_cast<std::size_t>(rank)] + offset; };
-    // Each key-value shard's first row in the attention layout and its packed position.
-    kv_at_.assign(1, 0);
-    for (std::int64_t len : kv_rev.seq_len) kv_at_.push_back(kv_at_.back() + len);
-    const bool check_queries = layout.entries.empty() && layout.mask.type != MaskType::full;
-    std::size_t m = 0;
-    for (std::size_t g = 0; g + 1 < layout.cu_seqlens_q.size(); ++g) {
-      const std::int64_t q_packed = packed(q_rev.dst_rank[g], q_rev.dst_offset[g]);
-      const std::int64_t lq = layout.cu_seqlens_q[g + 1] - layout.cu_seqlens_q[g], lk = layout.cu_seqlens_kv[g + 1] - layout.cu_seqlens_kv[g];
-      if (check_queries && lk > lq && q_packed % G != 0) {
-        fail(who, ": options.invariant: query shard ", g, " starts inside its document at packed position ", q_packed, ", off the grid of ", G,
-             " tokens (plan with BalanceOptions.grid = ", G, " and an MLP layout cut on it)");
-      }
-      for (; m < kv_rev.seq_len.size() && kv_at_[m] < layout.cu_seqlens_kv[g + 1]; ++m) {
-        const std::int64_t p = packed(kv_rev.dst_rank[m], kv_rev.dst_offset[m]);
-        if (kv_at_[m] != layout.cu_seqlens_kv[g] && p % G != 0) {
-          fail(who, ": options.invariant: key-value shard ", m, " of KV group ", g, " starts at packed position ", p, ", off the grid of ", G,
-               " tokens (plan with BalanceOptions.grid = ", G, " and an MLP layout cut on it)");
-        }
-      }
-      phases_.resize(entries_of_shard[g + 1]);
-      for (std::size_t e = entries_of_shard[g]; e < entries_of_shard[g + 1]; ++e) {
-        const AttentionEntry& x = entries[e];
-        phases_[e] = {(q_packed + x.q_start - layout.cu_seqlens_q[g]) % G, key_phase(x.kv_start, kv_rev)};
-      }
-    }
-    phases_.resize(entries.size());
-  }
-
-  /// The phase of attention-layout key row `row`: its shard's packed start plus the row's offset in it.
-  std::int64_t key_phase(std::int64_t row, const RankMetadata& kv_rev) const {
-    const auto it = std::upper_bound(kv_at_.begin(), kv_at_.end() - 1, row);
-    if (it == kv_at_.begin()) return 0;  // no key rows at all
-    const auto m = static_cast<std::size_t>(it - kv_at_.begin() - 1);
-    if (m >= kv_rev.seq_len.size()) return 0;  // an empty entry at the end
-    return (starts_[static_cast<std::size_t>(kv_rev.dst_rank[m])] + kv_rev.dst_offset[m] + row - kv_at_[m]) % grid_;
-  }
-
   std::size_t token_bytes_ = 0;
   bool dedup_ = false;
   std::int64_t grid_ = 64;
