@@ -10,6 +10,7 @@ import random
 import torch
 
 import cpdispatch
+import slice_masks
 import workers
 from cpdispatch.torch import BlockwiseKernel, ContextParallelAttention, RankDispatch
 
@@ -18,6 +19,19 @@ HEADS, HEADS_KV, DIM = 4, 2, 8
 SCALE = DIM ** -0.5
 CU_SEQLENS = [0, 20, 57, 96]  # documents spanning ranks at W = 2, 3, 4
 MASKS = [{"type": "causal"}, {"type": "full"}, {"type": "sliding_window", "window": 11}]
+# Documents whose masks are slices (a shared prefix, a prefix-LM) and a causal one, over the same TOKENS.
+SLICE_DOCS = [slice_masks.shared_prefix(10, [12, 9, 7]), slice_masks.prefix_lm(6, 19), (33, None)]
+
+
+def slice_entries():
+    """The slice documents' attention entries over the packed batch (q_start, q_len, kv_start, kv_len, lo, hi)."""
+    entries, start = [], 0
+    for length, slices in SLICE_DOCS:
+        for s in slices or [{"q": [0, length], "k": [0, length], "type": "causal"}]:
+            (qa, qb), (ka, kb) = s["q"], s["k"]
+            entries.append((start + qa, qb - qa, start + ka, kb - ka) + slice_masks.band(s))
+        start += length
+    return entries
 
 
 def inputs(dtype=torch.float32):
@@ -28,8 +42,19 @@ def inputs(dtype=torch.float32):
 
 
 def plan_of(world, mask, placement, seed):
-    """A plan balanced on the grid, or the same cuts with every shard attended on a random rank."""
-    plan = dict(cpdispatch.balance(cpdispatch.batch_from_cu_seqlens(CU_SEQLENS, world), mask=mask, grid=GRID), mask=mask)
+    """A plan balanced on the grid, or the same cuts with every shard attended
+    on a random rank; mask None: the slice documents."""
+    if mask is None:
+        cu = [0]
+        for length, _ in SLICE_DOCS:
+            cu.append(cu[-1] + length)
+        batch = cpdispatch.batch_from_cu_seqlens(cu, world)
+        for doc, (_, slices) in zip(batch["documents"], SLICE_DOCS):
+            if slices is not None:
+                doc["slices"] = slices
+        plan = cpdispatch.balance(batch, grid=GRID)
+    else:
+        plan = dict(cpdispatch.balance(cpdispatch.batch_from_cu_seqlens(CU_SEQLENS, world), mask=mask, grid=GRID), mask=mask)
     if placement == "random":
         rng = random.Random(seed)
         for doc in plan["documents"]:
@@ -81,6 +106,10 @@ def cases(world):
                             attend(plan_of(world, mask, placement, 11 * world + seed), rank, world, dedup, stages, threads, torch.float32)))
     out.append(("balanced causal bfloat16", lambda rank, seed: attend(plan_of(world, MASKS[0], "balanced", 0), rank, world, False, 2, 2,
                                                                      torch.bfloat16)))
+    for placement in ("balanced", "random"):
+        out.append((f"{placement} slices dedup={placement == 'random'}",
+                    lambda rank, seed, placement=placement: attend(plan_of(world, None, placement, 7 * world + seed), rank, world,
+                                                                   placement == "random", 1, 2, torch.float32)))
     out.append(("off grid", lambda rank, seed: off_grid(world)))
     return out
 

@@ -1,7 +1,7 @@
 """ContextParallelAttention(invariant=True) and BlockwiseKernel(invariant=True):
 out, dq, dk and dv bitwise the same on 1 to 4 processes (gloo), for
-balanced and random placements, every mask, dedup off and on, 1 to 3
-stages and kernel threads, float32 and bfloat16, and equal to the kernel's
+balanced and random placements, every mask and documents with slices,
+dedup off and on, 1 to 3 stages and kernel threads, float32 and bfloat16, and equal to the kernel's
 own invariant run over the whole packed batch, which is checked against
 float64 attention over whole documents; a plan cut off the grid is refused
 on every rank."""
@@ -26,21 +26,23 @@ def outcomes(tmp_path_factory):
 
 
 def whole_batch(dtype, mask, double=False):
-    """out, dq, dk, dv of the whole packed batch in one call: the invariant kernel's, or float64 attention's."""
+    """out, dq, dk, dv of the whole packed batch in one call: the invariant
+    kernel's, or float64 attention's; mask None: the slice documents."""
     q, k, v, w = iw.inputs(dtype)
     if double:
         q, k, v, w = (x.double() for x in (q, k, v, w))
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     cu = torch.tensor(iw.CU_SEQLENS)
+    entries = iw.slice_entries() if mask is None else None
     if double:
-        out = varlen_attention(q, k, v, cu, cu, mask=mask, softmax_scale=iw.SCALE)
+        out = varlen_attention(q, k, v, cu, cu, mask=mask, softmax_scale=iw.SCALE, entries=entries)
     else:
-        out = BlockwiseKernel(invariant=True, grid=iw.GRID)(q, k, v, cu, cu, mask=mask, softmax_scale=iw.SCALE)
+        out = BlockwiseKernel(invariant=True, grid=iw.GRID)(q, k, v, cu, cu, mask=mask, softmax_scale=iw.SCALE, entries=entries)
     (out.float() * w.float()).sum().backward() if not double else (out * w).sum().backward()
     return [x.detach() for x in (out, q.grad, k.grad, v.grad)]
 
 
-@pytest.mark.parametrize("mask", iw.MASKS, ids=lambda m: m["type"])
+@pytest.mark.parametrize("mask", iw.MASKS + [None], ids=lambda m: m["type"] if m else "slices")
 def test_the_kernel_on_the_whole_batch_is_attention(mask):
     got, want = whole_batch(torch.float32, mask), whole_batch(torch.float32, mask, double=True)
     for name, g, x in zip(("out", "dq", "dk", "dv"), got, want):
@@ -59,7 +61,7 @@ def test_every_world_size_gives_the_bits_of_one_call(outcomes, world):
             continue
         words = case.split(" ")
         dtype = torch.bfloat16 if words[-1] == "bfloat16" else torch.float32
-        mask = next(m for m in iw.MASKS if m["type"] == words[1])
+        mask = next((m for m in iw.MASKS if m["type"] == words[1]), None)  # "slices": None
         if (dtype, words[1]) not in expected:
             expected[(dtype, words[1])] = [iw._hex(x) for x in whole_batch(dtype, mask)]
         for i, name in enumerate(("out", "dq", "dk", "dv")):
