@@ -328,11 +328,7 @@ class ContextParallelAttention {
     kv_rev_ = share.kv_rev;
     layout_ = share.attn;
     check_layout();
-    if (options_.invariant && share.has_head_parallel() && shape_.heads_kv % share.hp_attn.degree != 0) {
-      fail("options.invariant: the plan's head-parallel degree ", share.hp_attn.degree, " does not divide shape.heads_kv = ", shape_.heads_kv,
-           ": key-value heads shared by several ranks are not summed exactly yet (plan with a degree that divides it)");
-    }
-    hp_.plan(share, shape_, me, W, who);
+    hp_.plan(share, shape_, me, W, who, options_.invariant);
     if (options_.invariant) inv_.plan(share, kv_token_elems(), options_.dedup, me, W, who);
     if constexpr (!attention_kernel_folds_shared_rows<Kernel>()) row_check_.separate_rows(who, "replan", hp_.entries());
     lay_out_entries();
@@ -628,7 +624,7 @@ class ContextParallelAttention {
     try {
       inv_.lay_out_grid(transport_, options_.grid, mlp_tokens(), layout_, entries_, entry_begin_, share.q_rev, share.kv_rev,
                         "ContextParallelAttention::replan");
-      inv_.lay_out_head_parallel(hp_.layout(), hp_.entries(), share.hp_rev, hp_.kv_values());
+      inv_.lay_out_head_parallel(hp_.layout(), hp_.entries(), share.hp_rev);
     } catch (...) {
       planned_ = false;
       throw;
@@ -688,20 +684,20 @@ class ContextParallelAttention {
       exchange_all(call, inv_.home(), exact);
       if (hp_.active()) {
         traced("kernel (head-parallel)", call, -1, 0, [&] {
-          hp_.attend_backward_invariant(kernel_, path_, inv_.head_parallel_grid(), inv_.head_parallel_dk(), inv_.head_parallel_dv(), ex.dk, ex.dv);
+          hp_.attend_backward_invariant(kernel_, path_, inv_.head_parallel_grid(), ex.dk, ex.dv);
         });
       }
       const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())},
                                            {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
-                                           {hp_.kv_back(), hp_.dk(), hp_.k_slabs()},
-                                           {hp_.kv_back(), hp_.dv(), hp_.v_slabs()}};
+                                           {hp_.kv_back(), hp_.dk_back(), hp_.dk_home()},
+                                           {hp_.kv_back(), hp_.dv_back(), hp_.dv_home()}};
       exchange_all(call, grads_home_, with_head_parallel(back, 1));
       const std::size_t replica_bytes = inv_.replica_k().size() * sizeof(std::int64_t), home_bytes = inv_.home_k().size() * sizeof(std::int64_t);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_k()), replica_bytes, bytes(inv_.home_k()), home_bytes);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_v()), replica_bytes, bytes(inv_.home_v()), home_bytes);
       round_exact<E>(read(inv_.home_k()), ex.dk, dk);
       round_exact<E>(read(inv_.home_v()), ex.dv, dv);
-      hp_.gather_gradients(path_, bytes(dq.data()), bytes(dk.data()), bytes(dv.data()));
+      hp_.gather_gradients_invariant(path_, bytes(dq.data()), bytes(dk.data()), bytes(dv.data()), ex.dk, ex.dv);
     }
   }
 

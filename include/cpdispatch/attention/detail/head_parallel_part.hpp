@@ -11,7 +11,9 @@
 // results into slab c of the same [u][T] buffer, which the home lays back
 // out token-major. Where the key-value heads are fewer than u (they divide
 // u), the u / heads_kv ranks that share a key-value head each get it, and
-// their gradients are summed in the home's slabs in group-rank order.
+// their gradients are summed in the home's slabs in group-rank order. In the
+// invariant mode those gradients travel home as exact sums (8-byte integers
+// a value) and are rounded once there, after their integer sum.
 //
 // The part owns its buffers, piece lists and plans; its exchanges ride the
 // op's (execute/staged_exchange.hpp) as extra tensors.
@@ -80,8 +82,9 @@ class HeadParallelPart {
   const RankHeadParallelLayout& layout() const noexcept { return layout_; }
 
   /// Plans the part of `share` (inactive without head-parallel documents);
-  /// the path's lists are registered by lay_out.
-  void plan(const RankQkvMetadata& share, const AttentionShape& shape, int me, int W, const char* op) {
+  /// the path's lists are registered by lay_out. `invariant`: the backward
+  /// gives exact key-value gradients (attend_backward_invariant).
+  void plan(const RankQkvMetadata& share, const AttentionShape& shape, int me, int W, const char* op, bool invariant) {
     active_ = share.has_head_parallel();
     if (!active_) return forget();
     const std::string& who = name(op, me, W);
@@ -97,6 +100,11 @@ class HeadParallelPart {
     // Copy c of a shard leaves from slab c, where the reverse returns it.
     q_planner_.plan(share.hp_fwd, share.hp_rev, qb, me, W, who, q_plan_, ForwardFrom::replicas);
     kv_planner_.plan(share.hp_fwd, share.hp_rev, kb, me, W, who, kv_plan_, ForwardFrom::replicas);
+    invariant_ = invariant;
+    exact_home_ = invariant && split_.replicated;
+    if (exact_home_) {
+      exact_planner_.plan(share.hp_fwd, share.hp_rev, exact_slab_bytes(), me, W, who, exact_plan_, ForwardFrom::replicas);
+    }
     if (layout_.tokens() != q_plan_.forward.output_tokens) {
       fail(who, ": share.hp_attn holds ", layout_.tokens(), " tokens, but share.hp_fwd delivers ", q_plan_.forward.output_tokens,
            " (not one plan's share)");
@@ -114,14 +122,15 @@ class HeadParallelPart {
     q_from_slabs_ = path.add_copies(q_back_);
     kv_to_slabs_ = path.add_copies(kv_pieces_);
     kv_from_slabs_ = path.add_copies(kv_back_);
-    if (split_.replicated) kv_fan_ = path.add_fan_in(fan_, slab_bytes(1));
+    if (split_.replicated) kv_fan_ = path.add_fan_in(fan_, exact_home_ ? exact_slab_bytes() : slab_bytes(1));
   }
 
   /// The plans of the exchanges the op's ride: Q (or dout) in, K and V in; outputs (or dq) back, dk and dv back.
   const ExchangePlan* q_in() const noexcept { return &q_plan_.forward; }
   const ExchangePlan* kv_in() const noexcept { return &kv_plan_.forward; }
   const ExchangePlan* q_back() const noexcept { return &q_plan_.reverse; }
-  const ExchangePlan* kv_back() const noexcept { return &kv_plan_.reverse; }
+  /// (The invariant mode's exact sums where key-value heads are shared.)
+  const ExchangePlan* kv_back() const noexcept { return exact_home_ ? &exact_plan_.reverse : &kv_plan_.reverse; }
 
   // The tensors of those exchanges, for the op's StagedTensor lists.
   const std::byte* q_slabs() const noexcept { return bytes(q_slabs_); }
@@ -136,6 +145,11 @@ class HeadParallelPart {
   std::byte* dq() noexcept { return bytes(dq_); }
   std::byte* dk() noexcept { return bytes(dk_); }
   std::byte* dv() noexcept { return bytes(dv_); }
+  // The key-value gradients the invariant backward sends home (kv_back), and where they land.
+  std::byte* dk_back() noexcept { return exact_home_ ? bytes(dk_exact_) : dk(); }
+  std::byte* dv_back() noexcept { return exact_home_ ? bytes(dv_exact_) : dv(); }
+  std::byte* dk_home() noexcept { return exact_home_ ? bytes(dk_exact_slabs_) : k_slabs(); }
+  std::byte* dv_home() noexcept { return exact_home_ ? bytes(dv_exact_slabs_) : v_slabs(); }
 
   /// The last forward's log-sum-exp of this rank's head-parallel documents, [q heads][tokens] (the path's memory).
   const owned<float>& lse_buffer() const noexcept { return lse_; }
@@ -162,6 +176,20 @@ class HeadParallelPart {
     for (std::byte* slabs : {k_slabs(), v_slabs()}) {
       if (split_.replicated) path.fan_in(kv_fan_, element_type_of<E>(), slabs);
     }
+    path.copy(kv_from_slabs_, k_slabs(), dk);
+    path.copy(kv_from_slabs_, v_slabs(), dv);
+  }
+  /// The invariant backward's: where key-value heads are shared, their exact
+  /// sums came home: summed as integers, rounded once (at the batch's
+  /// exponents) into the slabs, then laid out token-major as above.
+  void gather_gradients_invariant(const Path& path, std::byte* dq, std::byte* dk, std::byte* dv, int dk_exponent, int dv_exponent) {
+    if (!active_) return;
+    if (!exact_home_) return gather_gradients(path, dq, dk, dv);
+    path.copy(q_from_slabs_, q_slabs(), dq);
+    path.fan_in(kv_fan_, ElementType::int64, bytes(dk_exact_slabs_));
+    path.fan_in(kv_fan_, ElementType::int64, bytes(dv_exact_slabs_));
+    round_exact<E>(read(dk_exact_slabs_), dk_exponent, view(k_slabs_));
+    round_exact<E>(read(dv_exact_slabs_), dv_exponent, view(v_slabs_));
     path.copy(kv_from_slabs_, k_slabs(), dk);
     path.copy(kv_from_slabs_, v_slabs(), dv);
   }
@@ -201,28 +229,28 @@ class HeadParallelPart {
     kernel.forward_invariant(shape_, grid, std::span<const AttentionEntry>(entries_), read(q_), read(k_), read(v_), view(out_), view(lse_));
   }
 
-  /// The invariant mode's backward: every query head of this rank's
-  /// key-value heads is here (the op refuses replicated key-value heads), so
-  /// their exact sums are whole and are rounded here, at the batch's
-  /// exponents, into the slabs that go home. `dk_exact` and `dv_exact` are
-  /// scratch of dk's size.
+  /// The invariant mode's backward: the key-value gradients as exact sums
+  /// at the batch's exponents. Where every query head of this rank's
+  /// key-value heads is here, they are whole and are rounded here into what
+  /// goes home; where key-value heads are shared, the exact sums go home
+  /// (dk_back) and are summed there (gather_gradients_invariant).
   template <class Kernel>
-  void attend_backward_invariant(Kernel& kernel, const Path& path, const InvariantGrid& grid, std::span<std::int64_t> dk_exact,
-                                 std::span<std::int64_t> dv_exact, int dk_exponent, int dv_exponent) {
-    if (!active_ || entries_.empty()) return;
-    if (stray_rows_) path.zero(dq(), dq_.size() * sizeof(E));
-    std::fill(dk_exact.begin(), dk_exact.end(), 0);
-    std::fill(dv_exact.begin(), dv_exact.end(), 0);
-    kernel.backward_invariant(shape_, grid, std::span<const AttentionEntry>(entries_), read(q_), read(k_), read(v_), read(out_), read(lse_),
-                              read(dout_), view(dq_), {dk_exact, dv_exact, dk_exponent, dv_exponent});
-    round_exact<E>(dk_exact, dk_exponent, view(dk_));
-    round_exact<E>(dv_exact, dv_exponent, view(dv_));
+  void attend_backward_invariant(Kernel& kernel, const Path& path, const InvariantGrid& grid, int dk_exponent, int dv_exponent) {
+    if (!active_) return;
+    path.zero(bytes(dk_exact_), dk_exact_.size() * sizeof(std::int64_t));
+    path.zero(bytes(dv_exact_), dv_exact_.size() * sizeof(std::int64_t));
+    if (!entries_.empty()) {
+      if (stray_rows_) path.zero(dq(), dq_.size() * sizeof(E));
+      kernel.backward_invariant(shape_, grid, std::span<const AttentionEntry>(entries_), read(q_), read(k_), read(v_), read(out_), read(lse_),
+                                read(dout_), view(dq_), {view(dk_exact_), view(dv_exact_), dk_exponent, dv_exponent});
+    }
+    if (exact_home_) return;
+    round_exact<E>(read(dk_exact_), dk_exponent, view(dk_));
+    round_exact<E>(read(dv_exact_), dv_exponent, view(dv_));
   }
 
   /// Whether key-value heads are shared by several ranks of a group.
   bool replicated() const noexcept { return active_ && split_.replicated; }
-  /// Values of this rank's dk (key-value slab) in the layout.
-  std::size_t kv_values() const noexcept { return active_ ? dk_.size() : 0; }
 
   /// The kernel's entry list, for a prepared kernel (empty when inactive).
   std::span<const AttentionEntry> entries() const noexcept { return active_ ? std::span<const AttentionEntry>(entries_) : std::span<const AttentionEntry>(); }
@@ -248,6 +276,8 @@ class HeadParallelPart {
   }
 
   std::size_t slab_bytes(std::int64_t heads) const noexcept { return static_cast<std::size_t>(heads * shape_head_dim_) * sizeof(E); }
+  /// A key-value slab token of exact sums (one head where heads are shared).
+  std::size_t exact_slab_bytes() const noexcept { return static_cast<std::size_t>(split_.kv * shape_head_dim_) * sizeof(std::int64_t); }
 
   /// The slab lists of the home's head-parallel shards: token t's heads of
   /// slab c between the MLP row and row c * T + t of the slab buffer, and
@@ -323,6 +353,8 @@ class HeadParallelPart {
     for (owned<E>* b : {&q_, &out_, &dout_, &dq_}) b->resize(n * q);
     for (owned<E>* b : {&k_, &v_, &dk_, &dv_}) b->resize(n * kv);
     lse_.resize(n * static_cast<std::size_t>(split_.q));
+    for (owned<std::int64_t>* b : {&dk_exact_, &dv_exact_}) b->resize(invariant_ ? n * kv : 0);
+    for (owned<std::int64_t>* b : {&dk_exact_slabs_, &dv_exact_slabs_}) b->resize(exact_home_ ? t * kv : 0);
   }
 
   template <class B>
@@ -340,8 +372,10 @@ class HeadParallelPart {
   HeadSplit split_;
   AttentionShape shape_;
   std::int64_t shape_head_dim_ = 0, T_ = 0;
-  DispatchPlanner q_planner_, kv_planner_;
+  DispatchPlanner q_planner_, kv_planner_, exact_planner_;
   DispatchPlan q_plan_, kv_plan_;  // forward: the home's slabs out to the group; reverse: each rank's results back into them
+  DispatchPlan exact_plan_;        // the invariant mode's, where key-value heads are shared: exact sums back into exact slabs
+  bool invariant_ = false, exact_home_ = false;
   std::vector<CopyPiece> q_pieces_, q_back_, kv_pieces_, kv_back_;
   KvFanList fan_;
   std::size_t q_to_slabs_ = 0, q_from_slabs_ = 0, kv_to_slabs_ = 0, kv_from_slabs_ = 0, kv_fan_ = 0;
@@ -350,6 +384,7 @@ class HeadParallelPart {
   bool stray_rows_ = false, stray_keys_ = false;
   owned<E> q_slabs_, k_slabs_, v_slabs_, q_, k_, v_, out_, dout_, dq_, dk_, dv_;
   owned<float> lse_;
+  owned<std::int64_t> dk_exact_, dv_exact_, dk_exact_slabs_, dv_exact_slabs_;  // the invariant mode's exact sums
 };
 
 }  // namespace cpdispatch::detail

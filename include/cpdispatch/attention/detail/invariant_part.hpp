@@ -137,12 +137,9 @@ class InvariantPart {
   /// The phases of the head-parallel part's entries (whole documents, in
   /// layout rows): each document's packed start, read from hp_rev (entry m
   /// returns to c * T + P on its home, c this rank's group rank), after
-  /// lay_out_grid has learnt every rank's token count. Sizes the part's scratch.
-  void lay_out_head_parallel(const RankHeadParallelLayout& hp, std::span<const AttentionEntry> entries, const RankMetadata& hp_rev,
-                             std::size_t kv_values) {
+  /// lay_out_grid has learnt every rank's token count.
+  void lay_out_head_parallel(const RankHeadParallelLayout& hp, std::span<const AttentionEntry> entries, const RankMetadata& hp_rev) {
     hp_phases_.clear();
-    hp_dk_.resize(kv_values);
-    hp_dv_.resize(kv_values);
     if (hp.degree == 0) return;
     const std::size_t step = hp_rev.has_copies ? hp_rev.num_copies : 1;
     std::vector<std::int64_t>& doc_start = hp_doc_start_;  // the packed start of each document
@@ -161,9 +158,6 @@ class InvariantPart {
       hp_phases_.push_back({(first + e.q_start) % grid_, (first + e.kv_start) % grid_});
     }
   }
-
-  std::span<std::int64_t> head_parallel_dk() noexcept { return {hp_dk_.data(), hp_dk_.size()}; }
-  std::span<std::int64_t> head_parallel_dv() noexcept { return {hp_dv_.data(), hp_dv_.size()}; }
 
   /// The batch's bounds, the same on every rank: the largest of every
   /// rank's maxima and the sum of their tokens (a collective).
@@ -208,7 +202,7 @@ class InvariantPart {
   std::vector<std::int64_t> counts_, starts_, verdicts_, kv_at_;
   std::vector<double> bounds_;
   std::vector<UnitPhase> phases_, hp_phases_;
-  std::vector<std::int64_t> hp_dk_, hp_dv_, hp_doc_start_;  // the head-parallel part's exact sums (host memory: the part is host-only here)
+  std::vector<std::int64_t> hp_doc_start_;
   owned<std::int64_t> dk_, dv_, replica_k_, replica_v_, home_k_, home_v_;
 };
 
