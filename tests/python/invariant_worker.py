@@ -45,14 +45,7 @@ def plan_of(world, mask, placement, seed):
     """A plan balanced on the grid, or the same cuts with every shard attended
     on a random rank; mask None: the slice documents."""
     if mask is None:
-        cu = [0]
-        for length, _ in SLICE_DOCS:
-            cu.append(cu[-1] + length)
-        batch = cpdispatch.batch_from_cu_seqlens(cu, world)
-        for doc, (_, slices) in zip(batch["documents"], SLICE_DOCS):
-            if slices is not None:
-                doc["slices"] = slices
-        plan = cpdispatch.balance(batch, grid=GRID)
+        plan = cpdispatch.balance(slice_masks.packed_batch(SLICE_DOCS, world), grid=GRID)
     else:
         plan = dict(cpdispatch.balance(cpdispatch.batch_from_cu_seqlens(CU_SEQLENS, world), mask=mask, grid=GRID), mask=mask)
     if placement == "random":

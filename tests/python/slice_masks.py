@@ -57,6 +57,22 @@ EXAMPLES = {
 }
 
 
+def packed_batch(docs, world):
+    """The batch (cpdispatch.batch_from_cu_seqlens) of documents (length,
+    slices or None) packed in order over ``world`` ranks, each document
+    with its slices."""
+    import cpdispatch
+
+    cu = [0]
+    for n, _ in docs:
+        cu.append(cu[-1] + n)
+    batch = cpdispatch.batch_from_cu_seqlens(cu, world)
+    for doc, (_, slices) in zip(batch["documents"], docs):
+        if slices is not None:
+            doc["slices"] = slices
+    return batch
+
+
 def band(s):
     """A slice's band on t - p (document positions), None for an open end."""
     (qa, qb), (ka, kb) = s["q"], s["k"]

@@ -62,14 +62,7 @@ def balanced_plan(rng, world):
     docs = documents(rng)
     total = sum(n for n, _ in docs)
     docs.append((world - total % world + world, None))  # pads the sequence to a multiple of W
-    cu = [0]
-    for n, _ in docs:
-        cu.append(cu[-1] + n)
-    batch = cpdispatch.batch_from_cu_seqlens(cu, world)
-    for doc, (_, slices) in zip(batch["documents"], docs):
-        if slices is not None:
-            doc["slices"] = slices
-    plan = cpdispatch.balance(batch)
+    plan = cpdispatch.balance(slice_masks.packed_batch(docs, world))
     assert [doc.get("slices") for doc in plan["documents"]] == [slices for _, slices in docs], "balance kept the slices"
     return plan
 
