@@ -1122,14 +1122,6 @@ def _kernel_name(kernel):
     return getattr(kernel, "name", None) or getattr(kernel, "__name__", type(kernel).__name__)
 
 
-def _stage_group(home, attention, world, groups):
-    """The stage group (0 .. groups - 1) of the traffic between a home rank
-    and an attention rank (home != attention), by ring distance, in both
-    directions: every rank agrees on it without talking (as the C++ op,
-    staged_exchange.hpp)."""
-    return ((attention - home) % world - 1) * groups // (world - 1)
-
-
 def _collective(world):
     """Whether exchanges go through torch.distributed (one rank without a process group: a local copy)."""
     if dist.is_available() and dist.is_initialized():
@@ -1140,21 +1132,25 @@ def _collective(world):
 
 
 class _Staging:
-    """How ContextParallelAttention(stages=S) moves and attends one rank's share.
+    """How ContextParallelAttention(stages=S) moves and attends one rank's
+    share, as the C++ op plans it (cpdispatch's stage plan, through the
+    module: one implementation).
 
-    ``groups`` = min(S - 1, W - 1) groups of remote peers. Round 0 is what
-    this rank holds itself (its own query shards and key-value shards),
-    round g + 1 what the peers of group g send; each group is ONE joint
-    exchange of queries and key-values. A part is an entry's query rows
-    against a run of its key rows that all arrive by the same round, with
-    the entry's band (bands are in the buffers' rows, so a run keeps it);
-    runs whose band shows no pair are left out. ``passes[r]`` cuts round r's
-    parts so that no kernel call sees a query row twice. ``kv_ready[g]``: the round after which every part reading
-    group g's key-values is done, so their gradients can go home."""
+    ``groups`` = min(S - 1, W - 1) groups of remote peers by ring distance.
+    Round 0 is what this rank holds itself (its own query shards and
+    key-value shards), round g + 1 what the peers of group g send; each
+    group is ONE joint exchange of queries and key-values. A part is an
+    entry's query rows against a run of its key rows that all arrive by the
+    same round, with the entry's band (bands are in the buffers' rows, so a
+    run keeps it). ``passes[r]``: round r's kernel calls (lists of parts; the
+    kernels fold parts that share a query row). ``kv_ready[g]``: the round
+    after which every part reading group g's key-values is done, so their
+    gradients can go home."""
 
     def __init__(self, d, stages):
         self.world, me = len(d.q_route.forward.send_counts), d.rank
-        self.groups = min(stages - 1, self.world - 1)
+        plan = cpdispatch._cpdispatch.stage_plan(cpdispatch._core(d._plan), me, d._dedup, stages, d.entries, d._max_memory)
+        self.groups = plan["groups"]
         self.land = d.wire_route if d.wire_route is not None else d.kv_route  # the key-value route on the wire
         self.fan_source = d.fan_source if d.wire_route is not None else None
         fwd = [d.q_route.forward, self.land.forward]
@@ -1164,48 +1160,27 @@ class _Staging:
             self.reverse = _Joint([d.q_route.reverse, self.land.reverse], everyone, everyone)
             return
         mine = [p == me for p in range(self.world)]
-        as_home = [-1 if p == me else _stage_group(me, p, self.world, self.groups) for p in range(self.world)]
-        as_attention = [-1 if p == me else _stage_group(p, me, self.world, self.groups) for p in range(self.world)]
+        as_home = plan["send_group"]  # per peer: the group of what this rank sends it (-1: this rank)
+        as_attention = [r - 1 for r in plan["recv_round"]]  # per peer: the group of what it sends this rank
         self.local = _Joint(fwd, mine, mine)
         self.stages = [_Joint(fwd, [h == g for h in as_home], [a == g for a in as_attention]) for g in range(self.groups)]
         self.kv_local = _Joint([self.land.reverse], mine, mine)
         self.kv_stages = [_Joint([self.land.reverse], [a == g for a in as_attention], [h == g for h in as_home]) for g in range(self.groups)]
-        self._plan_parts(d, me)
-
-    def _rounds(self, exchange, me):
-        """The round in which each output row of a forward exchange arrives."""
-        source = torch.full((exchange.output_tokens,), me, dtype=torch.long)
-        source[exchange.recv_index] = torch.repeat_interleave(torch.arange(self.world), torch.as_tensor(exchange.recv_counts, dtype=torch.long))
-        group = torch.div(((me - source) % self.world - 1) * self.groups, self.world - 1, rounding_mode="floor")
-        return torch.where(source == me, torch.zeros_like(source), group + 1)
-
-    def _plan_parts(self, d, me):
-        q_round = self._rounds(d.q_route.forward, me)
-        kv_round = self._rounds(self.land.forward, me)
+        parts = plan["parts"]
+        self.passes = [[] for _ in range(self.groups + 1)]
+        for r, begin, end in plan["passes"]:
+            self.passes[r].append(parts[begin:end])
+        self.kv_ready = plan["kv_ready"]
         if self.fan_source is not None:
-            kv_round = kv_round[self.fan_source]
+            kv_round = self._rounds(self.land.forward, plan["recv_round"])[self.fan_source]
             self.fan_rows = [torch.nonzero(kv_round == r).flatten() for r in range(self.groups + 1)]
-        entries = d.entries
-        if entries is None:  # one entry per query shard under the plan's mask
-            entries = _entries(d.cu_seqlens_q, d.cu_seqlens_kv, len(q_round), len(kv_round), d.mask)
-        parts = [[] for _ in range(self.groups + 1)]
-        read = kv_round.clone()  # the round in which each key-value row is last read
-        for entry in entries:
-            for part, r in self._cut(entry, int(q_round[entry[0]]), kv_round):
-                parts[r].append(part)
-                read[part[2]:part[2] + part[3]].clamp_(min=r)
-        self.passes = [_row_disjoint(round_parts) for round_parts in parts]
-        self.kv_ready = [max([g + 1] + read[kv_round == g + 1].tolist()) for g in range(self.groups)]
 
-    @staticmethod
-    def _cut(entry, q_round, kv_round):
-        """(part, round) of each maximal run of entry's key rows read in one round (a part needs its queries too)."""
-        q0, lq, k0, lk, lo, hi = entry
-        rounds = kv_round[k0:k0 + lk].clamp(min=q_round)
-        cuts = [0] + (torch.nonzero(rounds[1:] != rounds[:-1]).flatten() + 1).tolist() + [lk]
-        for a, b in zip(cuts, cuts[1:]):
-            if _meets(q0, lq, k0 + a, b - a, lo, hi):
-                yield (q0, lq, k0 + a, b - a, lo, hi), int(rounds[a])
+    def _rounds(self, exchange, recv_round):
+        """The round in which each output row of a forward exchange arrives (rows no peer sends: round 0)."""
+        rounds = torch.zeros(exchange.output_tokens, dtype=torch.long)
+        rounds[exchange.recv_index] = torch.repeat_interleave(torch.as_tensor(recv_round, dtype=torch.long),
+                                                              torch.as_tensor(exchange.recv_counts, dtype=torch.long))
+        return rounds
 
     def fan_out(self, landed, kva, rows=None):
         """Key-value rows of the attention layout from the wire (dedup); ``rows`` None: all."""

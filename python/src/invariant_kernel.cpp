@@ -57,7 +57,8 @@ Tensor tensor_of(py::handle x, const char* name, const std::string& element, int
 
 std::int64_t band_end(py::handle x, std::int64_t open) { return x.is_none() ? open : x.cast<std::int64_t>(); }
 
-/// (q_start, q_len, kv_start, kv_len, lo, hi) tuples, None for an open band end.
+}  // namespace
+
 std::vector<AttentionEntry> entries_of(py::handle list) {
   std::vector<AttentionEntry> out;
   std::size_t i = 0;
@@ -70,6 +71,8 @@ std::vector<AttentionEntry> entries_of(py::handle list) {
   }
   return out;
 }
+
+namespace {
 
 std::vector<cpdispatch::UnitPhase> phases_of(py::handle list) {
   std::vector<cpdispatch::UnitPhase> out;

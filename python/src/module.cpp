@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpdispatch/attention/detail/share_entries.hpp"
+#include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/execute/token_indices.hpp"
 #include "cpdispatch/plan/balance_json.hpp"
 #include "cpdispatch/plan/json.hpp"
@@ -698,6 +699,86 @@ py::dict invariant_layout(py::handle input, std::int64_t rank, bool dedup, std::
   return out;
 }
 
+// ---------------------------------------------------------------- stages
+
+/// Entries over a rank's attention buffers in query-shard order (stable),
+/// with where each shard's start (begin); refuses one that leaves its
+/// shard's rows or its KV group's columns.
+std::vector<cpdispatch::AttentionEntry> shard_order(std::vector<cpdispatch::AttentionEntry> entries, const cpdispatch::RankAttentionLayout& layout,
+                                                    std::vector<std::size_t>& begin) {
+  const auto& cu_q = layout.cu_seqlens_q;
+  const auto& cu_kv = layout.cu_seqlens_kv;
+  std::vector<std::size_t> shard(entries.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const cpdispatch::AttentionEntry& e = entries[i];
+    const auto g = static_cast<std::size_t>(std::upper_bound(cu_q.begin(), cu_q.end(), e.q_start) - cu_q.begin()) - 1;
+    if (e.q_start < 0 || e.q_len < 0 || e.kv_start < 0 || e.kv_len < 0 || g + 1 >= cu_q.size() || e.q_start + e.q_len > cu_q[g + 1] ||
+        e.kv_start < cu_kv[g] || e.kv_start + e.kv_len > cu_kv[g + 1]) {
+      cpdispatch::detail::fail("entries[", i, "] = (", e.q_start, ", ", e.q_len, ", ", e.kv_start, ", ", e.kv_len,
+                               ", ...) does not lie in one query shard's rows and its KV group's columns");
+    }
+    shard[i] = g;
+  }
+  std::vector<std::size_t> order(entries.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return shard[a] < shard[b]; });
+  std::vector<cpdispatch::AttentionEntry> sorted;
+  begin.assign(cu_q.size(), 0);
+  for (std::size_t i : order) {
+    sorted.push_back(entries[i]);
+    ++begin[shard[i] + 1];
+  }
+  for (std::size_t g = 1; g < begin.size(); ++g) begin[g] += begin[g - 1];
+  return sorted;
+}
+
+/// What ContextParallelAttention(stages=S) attends in which round on rank
+/// `rank`, as the C++ op plans it (attention/detail/stage_plan.hpp over the
+/// entries of share_entries): the stage groups, per peer the group of what
+/// this rank sends it and the round in which what it sends arrives (this
+/// rank itself: -1 and 0), the parts (entries' query rows against runs of
+/// their keys that arrive in one round), the passes (round, first part, end)
+/// and per group the round after which its key-value gradients are complete.
+/// `entries` (None: the share's own) replaces the share's entries: each
+/// must lie in one query shard's rows and its KV group's columns.
+py::dict stage_plan(py::handle input, std::int64_t rank, bool dedup, std::int64_t stages, py::handle entries_in, py::handle max_memory) {
+  if (stages < 1) cpdispatch::detail::fail("stages = ", stages, " must be at least 1");
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  RankShare share = with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank, limits); });
+  const auto* m = std::get_if<cpdispatch::RankQkvMetadata>(&share.metadata);
+  if (m == nullptr) cpdispatch::detail::fail("stages take a qkv plan (queries and key-values); this is a query plan");
+  const int W = static_cast<int>(m->q_fwd.world_size), me = static_cast<int>(rank);
+  const int groups = static_cast<int>(std::min<std::int64_t>(stages - 1, W - 1));
+  std::vector<cpdispatch::AttentionEntry> entries;
+  std::vector<std::size_t> begin;
+  if (entries_in.is_none()) {
+    cpdispatch::detail::share_entries(m->attn, entries, begin);
+  } else {
+    entries = shard_order(entries_of(entries_in), m->attn, begin);
+  }
+  cpdispatch::detail::StagePlan plan;
+  plan.build(entries, begin, m->attn.cu_seqlens_q, m->attn.cu_seqlens_kv, m->q_rev, m->kv_rev, me, W, groups, true, "stage_plan");
+  py::list send_group, recv_round, parts, passes, kv_ready;
+  for (int p = 0; p < W; ++p) {
+    send_group.append(p == me || groups == 0 ? -1 : cpdispatch::detail::stage_group(me, p, W, groups));
+    recv_round.append(plan.round_of(p));
+  }
+  for (const cpdispatch::AttentionEntry& x : plan.parts()) {
+    parts.append(py::make_tuple(x.q_start, x.q_len, x.kv_start, x.kv_len, band_end(x.band.lo, cpdispatch::Band::unbounded_lo),
+                                band_end(x.band.hi, cpdispatch::Band::unbounded_hi)));
+  }
+  for (const cpdispatch::detail::StagePass& x : plan.passes()) passes.append(py::make_tuple(x.round, x.begin, x.end));
+  for (int g = 0; g < groups; ++g) kv_ready.append(plan.kv_ready(g));
+  py::dict out;
+  out["groups"] = groups;
+  out["send_group"] = send_group;
+  out["recv_round"] = recv_round;
+  out["parts"] = parts;
+  out["passes"] = passes;
+  out["kv_ready"] = kv_ready;
+  return out;
+}
+
 // ---------------------------------------------------------------- token indices
 
 py::dict exchange_dict(cpdispatch::ExchangeIndices&& e) {
@@ -1086,5 +1167,7 @@ PYBIND11_MODULE(_cpdispatch, m) {
   m.def("position_ids", &position_ids, py::arg("plan"), py::arg("rank"), py::arg("max_memory") = default_max_memory);
   m.def("invariant_layout", &invariant_layout, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("grid") = 64,
         py::arg("max_memory") = default_max_memory);
+  m.def("stage_plan", &stage_plan, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("stages") = 1,
+        py::arg("entries") = py::none(), py::arg("max_memory") = default_max_memory);
   bind_invariant_kernel(m);
 }
