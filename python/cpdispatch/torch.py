@@ -1149,8 +1149,7 @@ class _Staging:
 
     def __init__(self, d, stages):
         self.world, me = len(d.q_route.forward.send_counts), d.rank
-        plan = cpdispatch._cpdispatch.stage_plan(cpdispatch._core(d._plan), me, d._dedup, stages, d.entries, d._max_memory)
-        self.groups = plan["groups"]
+        self.groups = min(stages - 1, self.world - 1)
         self.land = d.wire_route if d.wire_route is not None else d.kv_route  # the key-value route on the wire
         self.fan_source = d.fan_source if d.wire_route is not None else None
         fwd = [d.q_route.forward, self.land.forward]
@@ -1159,6 +1158,7 @@ class _Staging:
             self.forward = _Joint(fwd, everyone, everyone)
             self.reverse = _Joint([d.q_route.reverse, self.land.reverse], everyone, everyone)
             return
+        plan = cpdispatch._cpdispatch.stage_plan(cpdispatch._core(d._plan), me, d._dedup, stages, d.entries, d._max_memory)
         mine = [p == me for p in range(self.world)]
         as_home = plan["send_group"]  # per peer: the group of what this rank sends it (-1: this rank)
         as_attention = [r - 1 for r in plan["recv_round"]]  # per peer: the group of what it sends this rank
