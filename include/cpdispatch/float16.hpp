@@ -11,11 +11,7 @@
 #include <bit>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define CPDISPATCH_HOST_DEVICE __host__ __device__
-#else
-#define CPDISPATCH_HOST_DEVICE
-#endif
+#include "cpdispatch/host_device.hpp"
 
 namespace cpdispatch {
 

@@ -3,8 +3,11 @@
 // entries covering parts of documents (their own bands, empty entries, rows
 // that see nothing) against HostAttentionKernel, entries sharing query and
 // key rows (a shared prefix, inverse and bi-causal bands, random calls)
-// against the brute-force reference, 16-bit types, and prepared entry lists
-// (bitwise equal, capturable, changed lists recognised).
+// against the brute-force reference, 16-bit types, prepared entry lists
+// (bitwise equal, capturable, changed lists recognised), and the invariant
+// mode (every split on the grid gives the bits of one call; accurate against
+// the reference; non-finite inputs refused).
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "../attention_kernel/attention_case.hpp"
+#include "../attention_kernel/invariant_splits.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/cuda/attention.hpp"
 #include "cuda_test_util.hpp"
@@ -460,6 +464,120 @@ TEST(CudaAttentionKernel, RefusesAHeadDimBeyondItsAccumulators) {
   const AttentionShape shape = make_shape(1, 1, 300);
   std::vector<float> none;
   EXPECT_THROW(kernel.forward<float>(shape, {}, none, none, none, none, none), invalid_input);
+}
+
+/// CudaAttentionKernel's invariant calls on host vectors, as run_split_with takes them: each copied to the device and back.
+template <class E>
+void device_invariant_calls(cuda::CudaAttentionKernel& kernel, const AttentionShape& s, const InvariantGrid& g,
+                            const std::vector<AttentionEntry>& entries, const std::vector<E>& q_, const std::vector<E>& k_,
+                            const std::vector<E>& v_, const std::vector<E>& dout_, std::vector<E>& out_, std::vector<float>& lse_,
+                            std::vector<E>& dq_, std::vector<std::int64_t>& dk_, std::vector<std::int64_t>& dv_, KvGradientExponents ex) {
+  OnDevice<E> q(q_), k(k_), v(v_), dout(dout_), out(out_), dq(dq_);
+  OnDevice<float> lse(lse_);
+  OnDevice<std::int64_t> dk(dk_), dv(dv_);
+  kernel.forward_invariant<E>(s, g, entries, q.cspan(), k.cspan(), v.cspan(), out.span(), lse.span());
+  kernel.backward_invariant<E>(s, g, entries, q.cspan(), k.cspan(), v.cspan(), out.cspan(), lse.cspan(), dout.cspan(), dq.span(),
+                               {dk.span(), dv.span(), ex.dk, ex.dv});
+  out_ = out.host();
+  lse_ = lse.host();
+  dq_ = dq.host();
+  dk_ = dk.host();
+  dv_ = dv.host();
+}
+
+template <class E>
+SplitRun<E> device_split(cuda::CudaAttentionKernel& kernel, const Document<E>& doc, const AttentionMask& mask, std::int64_t grid,
+                         std::int64_t packed, const Split& split, KvGradientExponents ex) {
+  const auto calls = [&kernel]<class X>(auto&&... args) { device_invariant_calls<X>(kernel, args...); };
+  return run_split_with(calls, doc, mask, grid, packed, split, ex);
+}
+
+/// Every split below must give the bits of the whole document in one call.
+template <class E>
+void check_device_splits(const AttentionShape& s, std::int64_t L, std::int64_t grid, std::int64_t packed) {
+  const Document<E> doc(s, L, 5);
+  const auto ex = exponents_of(doc);
+  cuda::CudaAttentionKernel kernel;
+  const auto shards = grid_cuts(0, L, packed, grid), larger = grid_cuts(0, L, packed, 3 * grid);
+  for (const AttentionMask& mask : all_masks()) {
+    SCOPED_TRACE(to_string(mask) + ", packed start " + std::to_string(packed));
+    const SplitRun<E> whole = device_split(kernel, doc, mask, grid, packed, {{0, L}}, ex);
+    expect_same_bits(device_split(kernel, doc, mask, grid, packed, {shards}, ex), whole, "a call per block");
+    expect_same_bits(device_split(kernel, doc, mask, grid, packed, {larger, 0, 0, 3}, ex), whole, "larger shards, padded rows");
+    expect_same_bits(device_split(kernel, doc, mask, grid, packed, {{0, L}, grid, 0, 0}, ex), whole, "keys cut into entries");
+    expect_same_bits(device_split(kernel, doc, mask, grid, packed, {larger, 2 * grid, grid, 1}, ex), whole, "rows and keys cut");
+  }
+}
+
+TEST(CudaAttentionKernelInvariant, TheSplitOnTheGridChangesNoBit) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  check_device_splits<float>(make_shape(2, 2, 8), 45, 8, 0);
+  check_device_splits<float>(make_shape(4, 2, 5), 37, 4, 6);  // GQA, odd head_dim, a document starting inside a block
+  check_device_splits<bfloat16>(make_shape(2, 1, 8), 30, 8, 5);
+}
+
+/// The whole document in one call against the double reference, within the
+/// default mode's tolerance and never worse than twice its error.
+TEST(CudaAttentionKernelInvariant, MatchesTheReferenceAsTheDefaultModeDoes) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const AttentionShape s = make_shape(4, 2, 8);
+  const std::int64_t L = 41, grid = 8;
+  const Document<float> doc(s, L, 13);
+  const auto ex = exponents_of(doc);
+  cuda::CudaAttentionKernel kernel;
+  const auto q = as_doubles<float>(doc.q), k = as_doubles<float>(doc.k), v = as_doubles<float>(doc.v), dout = as_doubles<float>(doc.dout);
+  for (const AttentionMask& mask : all_masks()) {
+    SCOPED_TRACE(to_string(mask));
+    const auto fwd = reference_attention_forward(q, k, v, L, reference_shape(s), mask);
+    const auto grad = reference_attention_backward(q, k, v, dout, L, reference_shape(s), mask);
+    const SplitRun<float> r = device_split(kernel, doc, mask, grid, 0, {grid_cuts(0, L, 0, 2 * grid), grid, 0, 0}, ex);
+    std::vector<float> dk(doc.k.size()), dv(doc.k.size());
+    round_exact<float>(r.dk, ex.dk, dk);
+    round_exact<float>(r.dv, ex.dv, dv);
+    Inputs<float> in(s, L, 13);
+    in.q = doc.q, in.k = doc.k, in.v = doc.v, in.dout = doc.dout;
+    const Outputs<float> plain = on_device(in, layout_entries(std::vector<std::int64_t>{0, L}, std::vector<std::int64_t>{0, L}, mask));
+    const std::vector<double> lse(r.lse.begin(), r.lse.end()), lse0(plain.lse.begin(), plain.lse.end());
+    const std::pair<double, double> errors[] = {{relative_error(as_doubles<float>(r.out), fwd.out), relative_error(as_doubles<float>(plain.out), fwd.out)},
+                                                {relative_error(lse, fwd.lse), relative_error(lse0, fwd.lse)},
+                                                {relative_error(as_doubles<float>(r.dq), grad.dq), relative_error(as_doubles<float>(plain.dq), grad.dq)},
+                                                {relative_error(as_doubles<float>(dk), grad.dk), relative_error(as_doubles<float>(plain.dk), grad.dk)},
+                                                {relative_error(as_doubles<float>(dv), grad.dv), relative_error(as_doubles<float>(plain.dv), grad.dv)}};
+    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_LE(errors[i].first, 1e-5) << names[i];
+      EXPECT_TRUE(within_twice(errors[i].first, errors[i].second, 1e-6)) << names[i];
+    }
+  }
+}
+
+TEST(CudaAttentionKernelInvariant, RefusesNonFiniteInputsAndBadGrids) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const Document<float> doc(make_shape(2, 1, 4), 9, 3);
+  const auto entries = layout_entries(std::vector<std::int64_t>{0, 9}, std::vector<std::int64_t>{0, 9}, AttentionMask::causal());
+  cuda::CudaAttentionKernel kernel;
+  OnDevice<float> k(doc.k), v(doc.v), out(doc.q), lse(std::vector<float>(18));
+  const auto forward = [&](const InvariantGrid& g, const std::vector<float>& q_) {
+    OnDevice<float> q(q_);
+    kernel.forward_invariant<float>(doc.shape, g, entries, q.cspan(), k.cspan(), v.cspan(), out.span(), lse.span());
+  };
+  const UnitPhase two[] = {{0, 0}, {0, 0}};
+  EXPECT_THAT([&] { forward({0, {}}, doc.q); }, ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("grid.size is 0")));
+  EXPECT_THAT([&] { forward({8, two}, doc.q); }, ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("grid.phases has 2 phases for 1 entries")));
+  std::vector<float> bad = doc.q;
+  bad[5] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT([&] { forward({8, {}}, bad); }, ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("score maximum of row 0, head 1 is not finite")));
+  forward({8, {}}, doc.q);  // a good call after a refused one
+  // Key-value gradients beyond their exact sums' scale: an error, never a wrap.
+  OnDevice<float> q(doc.q), dout(doc.dout), dq(doc.q);
+  OnDevice<std::int64_t> dk(std::vector<std::int64_t>(doc.k.size())), dv(dk.host());
+  const auto ex = exponents_of(doc);
+  EXPECT_THAT(
+      [&] {
+        kernel.backward_invariant<float>(doc.shape, {8, {}}, entries, q.cspan(), k.cspan(), v.cspan(), out.cspan(), lse.cspan(), dout.cspan(),
+                                         dq.span(), {dk.span(), dv.span(), ex.dk - 40, ex.dv});
+      },
+      ::testing::ThrowsMessage<invalid_input>(::testing::HasSubstr("dk or dv of key row")));
 }
 
 }  // namespace

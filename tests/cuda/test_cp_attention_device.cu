@@ -374,6 +374,9 @@ TEST(CpAttentionDeviceErrors, RefusalsNameTheField) {
     attention_test::expect_error([&] { DeviceOp<float>(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
     attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {}, cpdispatch::cuda::CudaAttentionKernel(nullptr)); },
                  "the kernel launches on another stream than the transport's");
+    cpdispatch::CpAttentionOptions invariant;
+    invariant.invariant = true;
+    attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, invariant); }, "options.invariant needs a host transport");
     DeviceOp<float> op(t, share, shape);
     const DeviceBuffer<float> b(64);
     attention_test::expect_error([&] { op.forward(in(b, 24), in(b, 12), in(b, 11), out(b, 24)); }, "forward: v has 11 elements, but 3 tokens x 1 heads x 4 = 12");

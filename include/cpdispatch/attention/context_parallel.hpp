@@ -395,7 +395,7 @@ class ContextParallelAttention {
     if (hp_.active()) {
       traced("kernel (head-parallel)", call, -1, 0, [&] {
         if (options_.invariant) {
-          if constexpr (InvariantAttentionKernel<Kernel, E>) hp_.attend_forward_invariant(kernel_, path_, inv_.head_parallel_grid());
+          if constexpr (invariant_path) hp_.attend_forward_invariant(kernel_, path_, inv_.head_parallel_grid());
         } else {
           hp_.attend_forward(kernel_, path_);
         }
@@ -609,12 +609,15 @@ class ContextParallelAttention {
 
   // ---- The invariant mode (attention/detail/invariant_part.hpp) ----
 
+  /// Whether this op has the invariant path: a host transport and a kernel with the mode.
+  static constexpr bool invariant_path = space == MemorySpace::host && InvariantAttentionKernel<Kernel, E>;
+
   void check_invariant_options() const {
     if constexpr (space != MemorySpace::host) {
-      fail("options.invariant needs a host transport (the device kernel has no invariant mode yet)");
+      fail("options.invariant needs a host transport (the op's device path has no invariant mode yet; its kernel, CudaAttentionKernel, has one)");
     } else if constexpr (!InvariantAttentionKernel<Kernel, E>) {
-      fail("options.invariant: the kernel has no invariant mode (InvariantAttentionKernel, attention/invariant.hpp); HostAttentionKernel has "
-           "one, while cuDNN and flash-attention kernels cannot promise the same bits for every split");
+      fail("options.invariant: the kernel has no invariant mode (InvariantAttentionKernel, attention/invariant.hpp); HostAttentionKernel and "
+           "CudaAttentionKernel have one, while cuDNN and flash-attention kernels cannot promise the same bits for every split");
     }
     if (options_.grid < 1 || options_.grid > (std::int64_t{1} << 40)) fail("options.grid = ", options_.grid, " must be in [1, 2^40]");
   }
@@ -648,7 +651,7 @@ class ContextParallelAttention {
 
   /// One invariant kernel call over the whole layout, once every key-value is here.
   void forward_invariant(const char* call, Tensors in, buffer<const E> q, buffer<const E> v) {
-    if constexpr (InvariantAttentionKernel<Kernel, E>) {
+    if constexpr (invariant_path) {
       max_q_ = detail::max_abs_of<E>(q);
       max_v_ = detail::max_abs_of<E>(v);
       receive_all(call, fwd_in_, in, true);
@@ -666,7 +669,7 @@ class ContextParallelAttention {
   /// dq as the default path sends it home; dk and dv as exact sums: fanned
   /// in and summed over copies as integers, rounded once at home.
   void backward_invariant(const char* call, Tensors in, buffer<const E> dout, buffer<E> dq, buffer<E> dk, buffer<E> dv) {
-    if constexpr (InvariantAttentionKernel<Kernel, E>) {
+    if constexpr (invariant_path) {
       receive_all(call, dout_in_, in, false);
       if (stray_rows_) path_.zero(bytes(dq_attn_), dq_attn_.size() * sizeof(E));
       const InvariantBounds bounds = exchange(call, [&] { return inv_.agree_bounds(transport_, max_q_, max_v_, detail::max_abs_of<E>(dout), mlp_tokens()); });

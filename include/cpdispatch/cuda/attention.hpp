@@ -27,6 +27,9 @@
 // changed in place since) is cut into segments and uploaded on the kernel's
 // stream after synchronising it, so that the host copy of the previous
 // upload may be reused: correct, but a host synchronisation per call.
+// The invariant mode (forward_invariant, backward_invariant; attention/invariant.hpp)
+// runs the same thread layout with an exact maximum pass and per-unit fp32
+// sums added exactly; its calls upload the grid's phases and synchronise.
 // Backward's fp32 scratch (heads_q x the entries' last query row) is sized
 // by prepare for the most query heads of any earlier backward; a backward
 // that needs more (the first one of a kernel, say) allocates it (cudaMalloc)
@@ -51,7 +54,9 @@
 #include <vector>
 
 #include "cpdispatch/attention/call_check.hpp"
+#include "cpdispatch/attention/detail/exact_sum.hpp"
 #include "cpdispatch/attention/detail/row_cover.hpp"
+#include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/cuda_runtime/error.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
@@ -268,6 +273,198 @@ __global__ void __launch_bounds__(block_threads)
   }
 }
 
+// ---- The invariant mode (attention/invariant.hpp): per row (or key), each
+// unit's terms summed in fp32 in increasing order, the units added exactly
+// (attention/detail/exact_sum.hpp). A term that is not finite or too large
+// for its exact sum is reported in `fault` (what, then row and head) and the
+// host call throws after the launch.
+
+using detail::attention::add_exact;
+using detail::attention::exact_exponent;
+using detail::attention::from_fixed;
+
+/// What an invariant launch needs beyond Params: the grid, each entry's
+/// phase on it (device memory) and where to report a fault.
+struct GridParams {
+  std::int64_t size;
+  const UnitPhase* phases;
+  std::int64_t* fault;  // [3]: what (0: none, 1: scores, 2: output, 3: dq, 4: dk or dv), row, head
+};
+
+__host__ __device__ inline void report(const GridParams& g, std::int64_t what, std::int64_t row, std::int64_t head) {
+  g.fault[1] = row;
+  g.fault[2] = head;
+  g.fault[0] = what;
+}
+
+/// The first row after t of the unit holding t (rows from `start`, the grid shifted by `phase`), at most `end`.
+__host__ __device__ inline std::int64_t unit_end(std::int64_t t, std::int64_t start, std::int64_t phase, std::int64_t G, std::int64_t end) {
+  const std::int64_t u = t + G - (phase + t - start) % G;
+  return u < end ? u : end;
+}
+
+template <class E>
+__host__ __device__ inline float max_abs_row(const E* x, std::int64_t n) {
+  float m = 0.0f;
+  for (std::int64_t d = 0; d < n; ++d) m = fmaxf(m, fabsf(load(x, d)));
+  return m;
+}
+
+/// Thread (query row, query head): pass 1 the row's largest score (exact),
+/// key count and largest |v|; pass 2 per unit the softmax sum and output
+/// terms in fp32, added exactly across units; out and lse rounded once.
+template <class E>
+__global__ void __launch_bounds__(block_threads)
+    invariant_forward_kernel(Params p, GridParams gp, const AttentionEntry* entries, const RowSegment* segments, const std::int64_t* ids,
+                             const E* q, const E* k, const E* v, E* out, float* lse) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, h = blockIdx.y;
+  if (i >= p.rows) return;
+  const LaunchRow at = launch_row(segments, p.segments, i);
+  const std::int64_t row = at.row, D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
+  const E* qr = q + (row * p.heads_q + h) * D;
+  float m = -INFINITY, b = 0.0f;
+  std::int64_t n = 0;
+  for_each_visible_key(p, entries, ids, at, g, [&](std::int64_t kr) {
+    m = fmaxf(m, dot(qr, k + kr, D) * p.scale);
+    b = fmaxf(b, max_abs_row(v + kr, D));
+    ++n;
+  });
+  E* o = out + (row * p.heads_q + h) * D;
+  if (n == 0) {  // the row sees no key
+    for (std::int64_t d = 0; d < D; ++d) store(o, d, 0.0f);
+    lse[h * p.tokens_q + row] = -INFINITY;
+    return;
+  }
+  if (!isfinite(m)) return report(gp, 1, row, h);
+  const int el = exact_exponent(2.0 * static_cast<double>(n), 1), eo = exact_exponent(2.0 * static_cast<double>(n) * b, 1);
+  std::int64_t exact[max_head_dim + 1];
+  float acc[max_head_dim + 1];
+  for (std::int64_t d = 0; d <= D; ++d) exact[d] = 0;
+  for (std::int64_t c = 0; c < at.seg.count; ++c) {
+    const std::int64_t id = ids[at.seg.first + c];
+    const AttentionEntry& e = entries[id];
+    std::int64_t lo = 0, hi = 0;
+    visible_keys(e, row, lo, hi);
+    for (std::int64_t u0 = lo; u0 < hi;) {
+      const std::int64_t u1 = unit_end(u0, e.kv_start, gp.phases[id].kv, gp.size, hi);
+      for (std::int64_t d = 0; d <= D; ++d) acc[d] = 0.0f;
+      for (std::int64_t t = u0; t < u1; ++t) {
+        const std::int64_t kr = (t * p.heads_kv + g) * D;
+        const float w = expf(dot(qr, k + kr, D) * p.scale - m);
+        acc[D] += w;
+        for (std::int64_t d = 0; d < D; ++d) acc[d] += w * load(v, kr + d);
+      }
+      bool fits = add_exact(exact[D], acc[D], el);
+      for (std::int64_t d = 0; d < D; ++d) fits = add_exact(exact[d], acc[d], eo) && fits;
+      if (!fits) return report(gp, 2, row, h);
+      u0 = u1;
+    }
+  }
+  const double l = from_fixed(exact[D], el);
+  for (std::int64_t d = 0; d < D; ++d) store(o, d, static_cast<float>(from_fixed(exact[d], eo) / l));
+  lse[h * p.tokens_q + row] = static_cast<float>(static_cast<double>(m) + log(l));
+}
+
+/// Thread (query row, query head): dq = scale * sum_t dS_t k_t, per key unit
+/// in fp32, exactly across units at the row's bound ((|dout|_1 max|v| + |D|)
+/// max|k| over the keys it sees, twice to spare), rounded once.
+template <class E>
+__global__ void __launch_bounds__(block_threads)
+    invariant_query_grad_kernel(Params p, GridParams gp, const AttentionEntry* entries, const RowSegment* segments, const std::int64_t* ids,
+                                const E* q, const E* k, const E* v, const float* lse, const E* dout, const float* delta, E* dq) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, h = blockIdx.y;
+  if (i >= p.rows) return;
+  const LaunchRow at = launch_row(segments, p.segments, i);
+  const std::int64_t row = at.row, D = p.head_dim, g = h / (p.heads_q / p.heads_kv);
+  const std::int64_t qi = (row * p.heads_q + h) * D;
+  const float row_lse = lse[h * p.tokens_q + row], shift = delta[h * p.delta_pitch + row];
+  if (row_lse == -INFINITY) {  // the row saw nothing in the whole attention: dq = 0
+    for (std::int64_t d = 0; d < D; ++d) store(dq, qi + d, 0.0f);
+    return;
+  }
+  float km = 0.0f, vm = 0.0f;
+  for_each_visible_key(p, entries, ids, at, g, [&](std::int64_t kr) {
+    km = fmaxf(km, max_abs_row(k + kr, D));
+    vm = fmaxf(vm, max_abs_row(v + kr, D));
+  });
+  double d1 = 0;
+  for (std::int64_t d = 0; d < D; ++d) d1 += fabs(static_cast<double>(load(dout, qi + d)));
+  const int e_dq = exact_exponent(2.0 * (d1 * vm + fabs(static_cast<double>(shift))) * km, 1);
+  std::int64_t exact[max_head_dim];
+  float acc[max_head_dim];
+  for (std::int64_t d = 0; d < D; ++d) exact[d] = 0;
+  for (std::int64_t c = 0; c < at.seg.count; ++c) {
+    const std::int64_t id = ids[at.seg.first + c];
+    const AttentionEntry& e = entries[id];
+    std::int64_t lo = 0, hi = 0;
+    visible_keys(e, row, lo, hi);
+    for (std::int64_t u0 = lo; u0 < hi;) {
+      const std::int64_t u1 = unit_end(u0, e.kv_start, gp.phases[id].kv, gp.size, hi);
+      for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+      for (std::int64_t t = u0; t < u1; ++t) {
+        const std::int64_t kr = (t * p.heads_kv + g) * D;
+        const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
+        const float ds = prob * (dot(dout + qi, v + kr, D) - shift);
+        for (std::int64_t d = 0; d < D; ++d) acc[d] += ds * load(k, kr + d);
+      }
+      bool fits = true;
+      for (std::int64_t d = 0; d < D; ++d) fits = add_exact(exact[d], acc[d], e_dq) && fits;
+      if (!fits) return report(gp, 3, row, h);
+      u0 = u1;
+    }
+  }
+  const double scale = p.scale;
+  for (std::int64_t d = 0; d < D; ++d) store(dq, qi + d, static_cast<float>(scale * from_fixed(exact[d], e_dq)));
+}
+
+/// Thread (key row, key-value head): per query head of the group, entry and
+/// query unit (the grid shifted by the entry's query phase), dv = sum P dout
+/// and dk = scale * sum dS q in fp32, added exactly into dk_exact, dv_exact
+/// (which the caller sums over calls, copies and ranks).
+template <class E>
+__global__ void __launch_bounds__(block_threads)
+    invariant_key_value_grad_kernel(Params p, GridParams gp, const AttentionEntry* entries, const RowSegment* segments, const std::int64_t* ids,
+                                    const E* q, const E* k, const E* v, const float* lse, const E* dout, const float* delta,
+                                    std::int64_t* dk_exact, std::int64_t* dv_exact, int dk_exponent, int dv_exponent) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x, g = blockIdx.y;
+  if (i >= p.rows) return;
+  const LaunchRow at = launch_row(segments, p.segments, i);
+  const std::int64_t t = at.row, D = p.head_dim, group = p.heads_q / p.heads_kv;
+  const std::int64_t kr = (t * p.heads_kv + g) * D;
+  const double scale = p.scale;
+  float acc_k[max_head_dim], acc_v[max_head_dim];
+  for (std::int64_t h = g * group; h < (g + 1) * group; ++h) {
+    for (std::int64_t c = 0; c < at.seg.count; ++c) {
+      const std::int64_t id = ids[at.seg.first + c];
+      const AttentionEntry& e = entries[id];
+      std::int64_t lo = 0, hi = 0;
+      rows_seeing(e, t, lo, hi);
+      for (std::int64_t w0 = lo; w0 < hi;) {
+        const std::int64_t w1 = unit_end(w0, e.q_start, gp.phases[id].q, gp.size, hi);
+        for (std::int64_t d = 0; d < D; ++d) acc_k[d] = acc_v[d] = 0.0f;
+        for (std::int64_t row = w0; row < w1; ++row) {
+          const std::int64_t qi = (row * p.heads_q + h) * D;
+          const float row_lse = lse[h * p.tokens_q + row];
+          if (row_lse == -INFINITY) continue;
+          const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
+          const float ds = prob * (dot(dout + qi, v + kr, D) - delta[h * p.delta_pitch + row]);
+          for (std::int64_t d = 0; d < D; ++d) {
+            acc_v[d] += prob * load(dout, qi + d);
+            acc_k[d] += ds * load(q, qi + d);
+          }
+        }
+        bool fits = true;
+        for (std::int64_t d = 0; d < D; ++d) {
+          fits = add_exact(dk_exact[kr + d], acc_k[d] * scale, dk_exponent) && fits;
+          fits = add_exact(dv_exact[kr + d], acc_v[d], dv_exponent) && fits;
+        }
+        if (!fits) return report(gp, 4, t, g);
+        w0 = w1;
+      }
+    }
+  }
+}
+
 }  // namespace attention_kernels
 
 /// Varlen attention on the device; see the file comment.
@@ -324,6 +521,64 @@ class CudaAttentionKernel {
                     grid(p.rows, shape.heads_kv), block, stream_, p, d.entries, d.key_segments, d.key_ids, q.data(),
                     k.data(), v.data(), lse.data(), dout.data(), delta_.data(), dk.data(), dv.data());
     }
+  }
+
+  /// Invariant mode (attention/invariant.hpp): out and lse bitwise the same
+  /// for every split of a row's keys on the grid (entries, calls), as the
+  /// host kernel promises. A synchronising call: it uploads the grid's
+  /// phases and waits for the stream, then throws invalid_input where a
+  /// score or sum was not finite or left its exact sum's scale.
+  template <class E>
+  void forward_invariant(const AttentionShape& shape, const InvariantGrid& g, std::span<const AttentionEntry> entries,
+                         std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<E> out, std::span<float> lse) {
+    const auto z = check_.forward(name, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size());
+    check_head_dim(shape);
+    detail::check_invariant_grid(name, g, entries.size());
+    const OnDevice d = on_device(entries);
+    const attention_kernels::Params p = params(shape, z, d.query_rows, d.query_segment_count);
+    if (p.rows == 0) return;
+    const attention_kernels::GridParams gp = upload_grid(g, entries.size());
+    launch_kernel("attention invariant_forward_kernel", &attention_kernels::invariant_forward_kernel<E>, grid(p.rows, shape.heads_q),
+                  dim3(attention_kernels::block_threads), stream_, p, gp, d.entries, d.query_segments, d.query_ids, q.data(), k.data(),
+                  v.data(), out.data(), lse.data());
+    check_fault();
+  }
+
+  /// Invariant mode: dq (rounded once per element) bitwise the same for
+  /// every split on the grid; dk and dv added as exact sums into `kv`
+  /// (device memory), which callers sum over calls, copies and ranks as
+  /// integers and round once. Synchronising, as forward_invariant.
+  template <class E>
+  void backward_invariant(const AttentionShape& shape, const InvariantGrid& g, std::span<const AttentionEntry> entries,
+                          std::span<const E> q, std::span<const E> k, std::span<const E> v, std::span<const E> out,
+                          std::span<const float> lse, std::span<const E> dout, std::span<E> dq, ExactKvGradients kv) {
+    const auto z = check_.backward(name, shape, entries, q.size(), k.size(), v.size(), out.size(), lse.size(), dout.size(), dq.size(),
+                                   kv.dk.size(), kv.dv.size());
+    check_head_dim(shape);
+    detail::check_invariant_grid(name, g, entries.size());
+    const OnDevice d = on_device(entries);
+    if (d.query_rows == 0 && d.key_rows == 0) return;
+    grow_delta(static_cast<std::size_t>(shape.heads_q * d.query_end));
+    heads_q_seen_ = std::max(heads_q_seen_, shape.heads_q);
+    const attention_kernels::GridParams gp = upload_grid(g, entries.size());
+    const dim3 block(attention_kernels::block_threads);
+    attention_kernels::Params p = params(shape, z, d.query_rows, d.query_segment_count);
+    p.delta_pitch = d.query_end;
+    if (p.rows > 0) {
+      launch_kernel("attention delta_kernel", &attention_kernels::delta_kernel<E>, grid(p.rows, shape.heads_q), block, stream_, p,
+                    d.query_segments, out.data(), dout.data(), delta_.data());
+      launch_kernel("attention invariant_query_grad_kernel", &attention_kernels::invariant_query_grad_kernel<E>, grid(p.rows, shape.heads_q),
+                    block, stream_, p, gp, d.entries, d.query_segments, d.query_ids, q.data(), k.data(), v.data(), lse.data(), dout.data(),
+                    delta_.data(), dq.data());
+    }
+    p.rows = d.key_rows;
+    p.segments = d.key_segment_count;
+    if (p.rows > 0) {
+      launch_kernel("attention invariant_key_value_grad_kernel", &attention_kernels::invariant_key_value_grad_kernel<E>,
+                    grid(p.rows, shape.heads_kv), block, stream_, p, gp, d.entries, d.key_segments, d.key_ids, q.data(), k.data(), v.data(),
+                    lse.data(), dout.data(), delta_.data(), kv.dk.data(), kv.dv.data(), kv.dk_exponent, kv.dv_exponent);
+    }
+    check_fault();
   }
 
   /// Uploads every entry list the calls until the next prepare will pass
@@ -486,6 +741,30 @@ class CudaAttentionKernel {
     return located(device_, 0, c);
   }
 
+  /// The grid's phases on the device (every entry at phase 0 when it gives
+  /// none) and a cleared fault record, after the stream's earlier work.
+  attention_kernels::GridParams upload_grid(const InvariantGrid& g, std::size_t entries) {
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the last upload's host copy may be read until then
+    phases_host_.assign(g.phases.begin(), g.phases.end());
+    phases_host_.resize(entries);
+    if (phases_.size() < entries) phases_.allocate(entries);
+    phases_.upload(phases_host_, stream_);
+    if (fault_.empty()) fault_.allocate(3);
+    CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(fault_.data(), 0, fault_.size_bytes(), stream_));
+    return {g.size, phases_.data(), fault_.data()};
+  }
+
+  /// Waits for the stream; throws what an invariant launch reported.
+  void check_fault() {
+    std::int64_t f[3] = {0, 0, 0};
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CPDISPATCH_CUDA_CHECK(cudaMemcpy(f, fault_.data(), sizeof f, cudaMemcpyDeviceToHost));
+    if (f[0] == 0) return;
+    static constexpr const char* what[] = {"", "score maximum", "output", "dq", "dk or dv"};
+    detail::fail(name, ": invariant ", what[f[0] < 5 ? f[0] : 0], " of ", f[0] == 4 ? "key row " : "row ", f[1], ", head ", f[2],
+                 " is not finite or exceeds its exact sum's scale (a NaN or infinity in the inputs?)");
+  }
+
   /// Backward's scratch of at least `need` floats. Launches already on the
   /// stream may still read the old buffer, and cudaFree would wait for them:
   /// it is kept until the next prepare (or the kernel's end) instead.
@@ -508,6 +787,9 @@ class CudaAttentionKernel {
   DeviceLists prepared_device_;
   DeviceBuffer<float> delta_;
   std::vector<DeviceBuffer<float>> retired_;
+  std::vector<UnitPhase> phases_host_;  // the invariant mode's: the last call's phases, and their device copy
+  DeviceBuffer<UnitPhase> phases_;
+  DeviceBuffer<std::int64_t> fault_;
   std::int64_t heads_q_seen_ = 0;  // the most query heads of a backward so far
 };
 
@@ -515,5 +797,8 @@ static_assert(AttentionKernel<CudaAttentionKernel, float>);
 static_assert(AttentionKernel<CudaAttentionKernel, bfloat16>);
 static_assert(AttentionKernel<CudaAttentionKernel, float16>);
 static_assert(PreparedAttentionKernel<CudaAttentionKernel>);
+static_assert(InvariantAttentionKernel<CudaAttentionKernel, float>);
+static_assert(InvariantAttentionKernel<CudaAttentionKernel, bfloat16>);
+static_assert(InvariantAttentionKernel<CudaAttentionKernel, float16>);
 
 }  // namespace cpdispatch::cuda
