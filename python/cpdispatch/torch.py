@@ -1435,6 +1435,7 @@ class ContextParallelAttention(torch.nn.Module):
         if not q.dtype == k.dtype == v.dtype:
             raise ValueError(f"q, k and v travel in one exchange and need one dtype, not {q.dtype}, {k.dtype}, {v.dtype}")
         if self.invariant:
+            _invariant_element(q, k, v)  # before any collective: every rank refuses alike
             layout = dispatch.invariant_layout(self.grid)
             scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
             out = _InvariantAttention.apply(q, k, v, dispatch, dispatch.staging(1), self.kernel, scale, layout)

@@ -15,7 +15,7 @@ require("cpdispatch")
 
 import workers  # after the requires: it imports torch and cpdispatch
 import invariant_worker as iw
-from cpdispatch.torch import BlockwiseKernel, ContextParallelAttention, varlen_attention
+from cpdispatch.torch import BlockwiseKernel, ContextParallelAttention, RankDispatch, varlen_attention
 
 WORLDS = [1, 2, 3, 4]
 
@@ -81,11 +81,16 @@ def test_kernels_without_the_mode_are_refused():
         ContextParallelAttention(kernel="sdpa", invariant=True)
 
 
-def test_device_tensors_and_other_dtypes_are_refused():
+def test_other_dtypes_are_refused_before_any_exchange():
     q, k, v, _ = iw.inputs(torch.float64)
     cu = torch.tensor(iw.CU_SEQLENS)
     with pytest.raises(ValueError, match="float32, bfloat16 or float16 tensors; q is torch.float64"):
         BlockwiseKernel(invariant=True)(q, k, v, cu, cu)
+    plan = iw.plan_of(1, iw.MASKS[0], "balanced", 0)
+    dispatch = RankDispatch(plan)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 tensors; q is torch.float64"):
+        ContextParallelAttention(invariant=True, grid=iw.GRID)(q, k, v, dispatch)
+    assert not dispatch._invariant_layouts, "refused before the layout (a collective) was made"
 
 
 def test_a_nan_is_an_error_not_a_result():
