@@ -148,4 +148,22 @@ KvGradientExponents exponents_of(const Document<E>& d) {
   return kv_gradient_exponents(d.shape, {max_abs(d.q), max_abs(d.v), max_abs(d.dout), d.length});
 }
 
+/// Every split below must give the bits of the whole document in one call
+/// (run(doc, mask, grid, packed, split, exponents) runs one split).
+template <class E, class Run>
+void check_splits_with(Run&& run, const AttentionShape& s, std::int64_t L, std::int64_t grid, std::int64_t packed) {
+  const Document<E> doc(s, L, 5);
+  const auto ex = exponents_of(doc);
+  const auto shards = grid_cuts(0, L, packed, grid);      // every block its own call
+  const auto larger = grid_cuts(0, L, packed, 3 * grid);  // a few larger shards
+  for (const AttentionMask& mask : all_masks()) {
+    SCOPED_TRACE(to_string(mask) + ", packed start " + std::to_string(packed));
+    const SplitRun<E> whole = run(doc, mask, grid, packed, Split{{0, L}}, ex);
+    expect_same_bits(run(doc, mask, grid, packed, Split{shards}, ex), whole, "a call per block");
+    expect_same_bits(run(doc, mask, grid, packed, Split{larger, 0, 0, 3}, ex), whole, "larger shards, padded rows");
+    expect_same_bits(run(doc, mask, grid, packed, Split{{0, L}, grid, 0, 0}, ex), whole, "keys cut into entries");
+    expect_same_bits(run(doc, mask, grid, packed, Split{larger, 2 * grid, grid, 1}, ex), whole, "rows and keys cut");
+  }
+}
+
 }  // namespace cpdispatch::testing

@@ -50,22 +50,13 @@ SplitRun<E> run_split(HostAttentionKernel& kernel, const Document<E>& doc, const
   return run_split_with(host_calls(kernel), doc, mask, grid, packed, split, ex);
 }
 
-/// Every split below must give the bits of the whole document in one call.
+/// Every split of check_splits_with, on the host kernel.
 template <class E>
 void check_splits(const AttentionShape& s, std::int64_t L, std::int64_t grid, std::int64_t packed) {
-  const Document<E> doc(s, L, 5);
-  const auto ex = exponents_of(doc);
   HostAttentionKernel kernel({2, 4, 8});
-  const auto shards = grid_cuts(0, L, packed, grid);                 // every block its own call
-  const auto halves = grid_cuts(0, L, packed, 3 * grid);             // a few larger shards
-  for (const AttentionMask& mask : all_masks()) {
-    SCOPED_TRACE(to_string(mask) + ", packed start " + std::to_string(packed));
-    const SplitRun<E> whole = run_split(kernel, doc, mask, grid, packed, {{0, L}}, ex);
-    expect_same_bits(run_split(kernel, doc, mask, grid, packed, {shards}, ex), whole, "a call per block");
-    expect_same_bits(run_split(kernel, doc, mask, grid, packed, {halves, 0, 0, 3}, ex), whole, "larger shards, padded rows");
-    expect_same_bits(run_split(kernel, doc, mask, grid, packed, {{0, L}, grid, 0, 0}, ex), whole, "keys cut into entries");
-    expect_same_bits(run_split(kernel, doc, mask, grid, packed, {halves, 2 * grid, grid, 1}, ex), whole, "rows and keys cut");
-  }
+  check_splits_with<E>([&](const Document<E>& doc, const AttentionMask& mask, std::int64_t g, std::int64_t at, const Split& split,
+                           KvGradientExponents ex) { return run_split(kernel, doc, mask, g, at, split, ex); },
+                       s, L, grid, packed);
 }
 
 TEST(INVARIANT_SUITE, TheSplitOnTheGridChangesNoBit) {

@@ -492,21 +492,13 @@ SplitRun<E> device_split(cuda::CudaAttentionKernel& kernel, const Document<E>& d
   return run_split_with(calls, doc, mask, grid, packed, split, ex);
 }
 
-/// Every split below must give the bits of the whole document in one call.
+/// Every split of check_splits_with, on the device kernel.
 template <class E>
 void check_device_splits(const AttentionShape& s, std::int64_t L, std::int64_t grid, std::int64_t packed) {
-  const Document<E> doc(s, L, 5);
-  const auto ex = exponents_of(doc);
   cuda::CudaAttentionKernel kernel;
-  const auto shards = grid_cuts(0, L, packed, grid), larger = grid_cuts(0, L, packed, 3 * grid);
-  for (const AttentionMask& mask : all_masks()) {
-    SCOPED_TRACE(to_string(mask) + ", packed start " + std::to_string(packed));
-    const SplitRun<E> whole = device_split(kernel, doc, mask, grid, packed, {{0, L}}, ex);
-    expect_same_bits(device_split(kernel, doc, mask, grid, packed, {shards}, ex), whole, "a call per block");
-    expect_same_bits(device_split(kernel, doc, mask, grid, packed, {larger, 0, 0, 3}, ex), whole, "larger shards, padded rows");
-    expect_same_bits(device_split(kernel, doc, mask, grid, packed, {{0, L}, grid, 0, 0}, ex), whole, "keys cut into entries");
-    expect_same_bits(device_split(kernel, doc, mask, grid, packed, {larger, 2 * grid, grid, 1}, ex), whole, "rows and keys cut");
-  }
+  check_splits_with<E>([&](const Document<E>& doc, const AttentionMask& mask, std::int64_t g, std::int64_t at, const Split& split,
+                           KvGradientExponents ex) { return device_split(kernel, doc, mask, g, at, split, ex); },
+                       s, L, grid, packed);
 }
 
 TEST(CudaAttentionKernelInvariant, TheSplitOnTheGridChangesNoBit) {

@@ -303,6 +303,30 @@ __host__ __device__ inline std::int64_t unit_end(std::int64_t t, std::int64_t st
   return u < end ? u : end;
 }
 
+/// For each entry covering launch row `at` (index order) and each unit of
+/// the keys the row sees in it (the grid shifted by the entry's key phase):
+/// begin(), key(kr) for each key in increasing order (kr: the key's first
+/// element of head g in k and v), then end(); stops, returning false, where
+/// end() returns false. The forward and dq walk the units alike.
+template <class Begin, class Key, class End>
+__device__ inline bool for_each_key_unit(const Params& p, const GridParams& gp, const AttentionEntry* entries, const std::int64_t* ids,
+                                         const LaunchRow& at, std::int64_t g, Begin&& begin, Key&& key, End&& end) {
+  for (std::int64_t c = 0; c < at.seg.count; ++c) {
+    const std::int64_t id = ids[at.seg.first + c];
+    const AttentionEntry& e = entries[id];
+    std::int64_t lo = 0, hi = 0;
+    visible_keys(e, at.row, lo, hi);
+    for (std::int64_t u0 = lo; u0 < hi;) {
+      const std::int64_t u1 = unit_end(u0, e.kv_start, gp.phases[id].kv, gp.size, hi);
+      begin();
+      for (std::int64_t t = u0; t < u1; ++t) key((t * p.heads_kv + g) * p.head_dim);
+      if (!end()) return false;
+      u0 = u1;
+    }
+  }
+  return true;
+}
+
 template <class E>
 __host__ __device__ inline float max_abs_row(const E* x, std::int64_t n) {
   float m = 0.0f;
@@ -340,26 +364,19 @@ __global__ void __launch_bounds__(block_threads)
   std::int64_t exact[max_head_dim + 1];
   float acc[max_head_dim + 1];
   for (std::int64_t d = 0; d <= D; ++d) exact[d] = 0;
-  for (std::int64_t c = 0; c < at.seg.count; ++c) {
-    const std::int64_t id = ids[at.seg.first + c];
-    const AttentionEntry& e = entries[id];
-    std::int64_t lo = 0, hi = 0;
-    visible_keys(e, row, lo, hi);
-    for (std::int64_t u0 = lo; u0 < hi;) {
-      const std::int64_t u1 = unit_end(u0, e.kv_start, gp.phases[id].kv, gp.size, hi);
-      for (std::int64_t d = 0; d <= D; ++d) acc[d] = 0.0f;
-      for (std::int64_t t = u0; t < u1; ++t) {
-        const std::int64_t kr = (t * p.heads_kv + g) * D;
+  const bool fits = for_each_key_unit(
+      p, gp, entries, ids, at, g, [&] { for (std::int64_t d = 0; d <= D; ++d) acc[d] = 0.0f; },
+      [&](std::int64_t kr) {
         const float w = expf(dot(qr, k + kr, D) * p.scale - m);
         acc[D] += w;
         for (std::int64_t d = 0; d < D; ++d) acc[d] += w * load(v, kr + d);
-      }
-      bool fits = add_exact(exact[D], acc[D], el);
-      for (std::int64_t d = 0; d < D; ++d) fits = add_exact(exact[d], acc[d], eo) && fits;
-      if (!fits) return report(gp, 2, row, h);
-      u0 = u1;
-    }
-  }
+      },
+      [&] {
+        bool in_scale = add_exact(exact[D], acc[D], el);
+        for (std::int64_t d = 0; d < D; ++d) in_scale = add_exact(exact[d], acc[d], eo) && in_scale;
+        return in_scale;
+      });
+  if (!fits) return report(gp, 2, row, h);
   const double l = from_fixed(exact[D], el);
   for (std::int64_t d = 0; d < D; ++d) store(o, d, static_cast<float>(from_fixed(exact[d], eo) / l));
   lse[h * p.tokens_q + row] = static_cast<float>(static_cast<double>(m) + log(l));
@@ -393,26 +410,19 @@ __global__ void __launch_bounds__(block_threads)
   std::int64_t exact[max_head_dim];
   float acc[max_head_dim];
   for (std::int64_t d = 0; d < D; ++d) exact[d] = 0;
-  for (std::int64_t c = 0; c < at.seg.count; ++c) {
-    const std::int64_t id = ids[at.seg.first + c];
-    const AttentionEntry& e = entries[id];
-    std::int64_t lo = 0, hi = 0;
-    visible_keys(e, row, lo, hi);
-    for (std::int64_t u0 = lo; u0 < hi;) {
-      const std::int64_t u1 = unit_end(u0, e.kv_start, gp.phases[id].kv, gp.size, hi);
-      for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
-      for (std::int64_t t = u0; t < u1; ++t) {
-        const std::int64_t kr = (t * p.heads_kv + g) * D;
+  const bool fits = for_each_key_unit(
+      p, gp, entries, ids, at, g, [&] { for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f; },
+      [&](std::int64_t kr) {
         const float prob = expf(dot(q + qi, k + kr, D) * p.scale - row_lse);
         const float ds = prob * (dot(dout + qi, v + kr, D) - shift);
         for (std::int64_t d = 0; d < D; ++d) acc[d] += ds * load(k, kr + d);
-      }
-      bool fits = true;
-      for (std::int64_t d = 0; d < D; ++d) fits = add_exact(exact[d], acc[d], e_dq) && fits;
-      if (!fits) return report(gp, 3, row, h);
-      u0 = u1;
-    }
-  }
+      },
+      [&] {
+        bool in_scale = true;
+        for (std::int64_t d = 0; d < D; ++d) in_scale = add_exact(exact[d], acc[d], e_dq) && in_scale;
+        return in_scale;
+      });
+  if (!fits) return report(gp, 3, row, h);
   const double scale = p.scale;
   for (std::int64_t d = 0; d < D; ++d) store(dq, qi + d, static_cast<float>(scale * from_fixed(exact[d], e_dq)));
 }
