@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 
 from setuptools import Extension, setup
 
@@ -28,8 +29,8 @@ module = Extension(
     sources=[os.path.join("src", "module.cpp"), os.path.join("src", "invariant_kernel.cpp")],
     include_dirs=[os.path.join(CHECKOUT, "include")] + pybind11_include(),
     language="c++",
-    # CPDISPATCH_OPT: the optimisation flag (the install test builds with -O0, faster to compile)
-    extra_compile_args=["-std=c++20", os.environ.get("CPDISPATCH_OPT", "-O2"), "-fvisibility=hidden"],
+    # CPDISPATCH_OPT: the optimisation flags (the install test builds with "-O0 -g0", faster to compile)
+    extra_compile_args=["-std=c++20", *shlex.split(os.environ.get("CPDISPATCH_OPT", "-O2")), "-fvisibility=hidden"],
 )
 
 setup(version=version(), ext_modules=[module])

@@ -39,7 +39,7 @@ def venv(tmp_path_factory):
         with open(os.path.join(site, "parent.pth"), "w") as f:
             f.write(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["CPDISPATCH_OPT"] = "-O0"  # what is tested here is the install, not the planner's speed
+    env["CPDISPATCH_OPT"] = "-O0 -g0"  # what is tested here is the install, not the planner's speed (nor its debug info: a third of the compile)
     if shutil.which("ccache") and "CC" not in env:
         env["CC"] = "ccache " + (shutil.which("x86_64-linux-gnu-gcc") or "gcc")  # a rebuilt module compiles once
     done = subprocess.run([python, "-m", "pip", "install", "--no-build-isolation", "--no-index", "--quiet", str(src / "python")],
