@@ -664,6 +664,12 @@ std::vector<std::int64_t> rank_tokens(const ParsedPlan& parsed) {
 
 py::object band_end(std::int64_t x, std::int64_t open) { return x == open ? py::object(py::none()) : py::object(py::int_(x)); }
 
+/// An entry as Python's (q_start, q_len, kv_start, kv_len, lo, hi) tuple, None for an open band end.
+py::tuple entry_tuple(const cpdispatch::AttentionEntry& x) {
+  return py::make_tuple(x.q_start, x.q_len, x.kv_start, x.kv_len, band_end(x.band.lo, cpdispatch::Band::unbounded_lo),
+                        band_end(x.band.hi, cpdispatch::Band::unbounded_hi));
+}
+
 /// Rank `rank`'s kernel entries over its attention buffers and each one's
 /// phase on a grid of `grid` tokens, as ContextParallelAttention lays them
 /// out in its invariant mode (attention/detail/share_entries.hpp); refuses
@@ -687,9 +693,7 @@ py::dict invariant_layout(py::handle input, std::int64_t rank, bool dedup, std::
                                   scratch);
   py::list e, p;
   for (std::size_t i = 0; i < entries.size(); ++i) {
-    const cpdispatch::AttentionEntry& x = entries[i];
-    e.append(py::make_tuple(x.q_start, x.q_len, x.kv_start, x.kv_len, band_end(x.band.lo, cpdispatch::Band::unbounded_lo),
-                            band_end(x.band.hi, cpdispatch::Band::unbounded_hi)));
+    e.append(entry_tuple(entries[i]));
     p.append(py::make_tuple(phases[i].q, phases[i].kv));
   }
   py::dict out;
@@ -763,10 +767,7 @@ py::dict stage_plan(py::handle input, std::int64_t rank, bool dedup, std::int64_
     send_group.append(p == me || groups == 0 ? -1 : cpdispatch::detail::stage_group(me, p, W, groups));
     recv_round.append(plan.round_of(p));
   }
-  for (const cpdispatch::AttentionEntry& x : plan.parts()) {
-    parts.append(py::make_tuple(x.q_start, x.q_len, x.kv_start, x.kv_len, band_end(x.band.lo, cpdispatch::Band::unbounded_lo),
-                                band_end(x.band.hi, cpdispatch::Band::unbounded_hi)));
-  }
+  for (const cpdispatch::AttentionEntry& x : plan.parts()) parts.append(entry_tuple(x));
   for (const cpdispatch::detail::StagePass& x : plan.passes()) passes.append(py::make_tuple(x.round, x.begin, x.end));
   for (int g = 0; g < groups; ++g) kv_ready.append(plan.kv_ready(g));
   py::dict out;

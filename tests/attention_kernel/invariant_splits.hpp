@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_case.hpp"
@@ -146,6 +147,29 @@ double max_abs(const std::vector<E>& x) {
 template <class E>
 KvGradientExponents exponents_of(const Document<E>& d) {
   return kv_gradient_exponents(d.shape, {max_abs(d.q), max_abs(d.v), max_abs(d.dout), d.length});
+}
+
+/// A split run `r` (its exact dk and dv rounded at `ex`) and the default
+/// mode's run `d` of the same document (out, lse, dq, dk, dv) against the
+/// double reference `fwd`, `grad`: each within `tol`, and never worse than
+/// twice the default's error (plus tol / 10).
+template <class E, class Default, class Forward, class Backward>
+void expect_as_accurate_as_the_default(const SplitRun<E>& r, KvGradientExponents ex, const Default& d, const Forward& fwd, const Backward& grad,
+                                       double tol) {
+  std::vector<E> dk(r.dk.size()), dv(r.dv.size());
+  round_exact<E>(r.dk, ex.dk, dk);
+  round_exact<E>(r.dv, ex.dv, dv);
+  const std::vector<double> lse(r.lse.begin(), r.lse.end()), lse0(d.lse.begin(), d.lse.end());
+  const std::pair<double, double> errors[] = {{relative_error(as_doubles<E>(r.out), fwd.out), relative_error(as_doubles<E>(d.out), fwd.out)},
+                                              {relative_error(lse, fwd.lse), relative_error(lse0, fwd.lse)},
+                                              {relative_error(as_doubles<E>(r.dq), grad.dq), relative_error(as_doubles<E>(d.dq), grad.dq)},
+                                              {relative_error(as_doubles<E>(dk), grad.dk), relative_error(as_doubles<E>(d.dk), grad.dk)},
+                                              {relative_error(as_doubles<E>(dv), grad.dv), relative_error(as_doubles<E>(d.dv), grad.dv)}};
+  const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_LE(errors[i].first, tol) << names[i];
+    EXPECT_TRUE(within_twice(errors[i].first, errors[i].second, tol / 10)) << names[i];
+  }
 }
 
 /// Every split below must give the bits of the whole document in one call

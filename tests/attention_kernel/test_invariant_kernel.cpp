@@ -96,28 +96,16 @@ void check_accuracy(const AttentionShape& s, std::int64_t L, std::int64_t grid, 
     const auto fwd = reference_attention_forward(q, k, v, L, reference_shape(s), mask);
     const auto grad = reference_attention_backward(q, k, v, dout, L, reference_shape(s), mask);
     const SplitRun<E> r = run_split(kernel, doc, mask, grid, 0, {grid_cuts(0, L, 0, 2 * grid), grid, 0, 0}, ex);
-    std::vector<E> dk(doc.k.size()), dv(doc.k.size());
-    round_exact<E>(r.dk, ex.dk, dk);
-    round_exact<E>(r.dv, ex.dv, dv);
-    std::vector<double> lse(r.lse.begin(), r.lse.end());
     // The default mode on the same document, one call.
-    std::vector<E> out0(doc.q.size()), dq0(doc.q.size()), dk0(doc.k.size()), dv0(doc.k.size());
-    std::vector<float> lse0(lse.size());
+    struct {
+      std::vector<E> out, dq, dk, dv;
+      std::vector<float> lse;
+    } d{std::vector<E>(doc.q.size()), std::vector<E>(doc.q.size()), std::vector<E>(doc.k.size()), std::vector<E>(doc.k.size()),
+        std::vector<float>(r.lse.size())};
     const auto entries = layout_entries(std::vector<std::int64_t>{0, L}, std::vector<std::int64_t>{0, L}, mask);
-    kernel.forward<E>(s, entries, doc.q, doc.k, doc.v, out0, lse0);
-    kernel.backward<E>(s, entries, doc.q, doc.k, doc.v, out0, lse0, doc.dout, dq0, dk0, dv0);
-    const std::vector<double> lse_default(lse0.begin(), lse0.end());
-    const std::pair<double, double> errors[] = {
-        {relative_error(as_doubles<E>(r.out), fwd.out), relative_error(as_doubles<E>(out0), fwd.out)},
-        {relative_error(lse, fwd.lse), relative_error(lse_default, fwd.lse)},
-        {relative_error(as_doubles<E>(r.dq), grad.dq), relative_error(as_doubles<E>(dq0), grad.dq)},
-        {relative_error(as_doubles<E>(dk), grad.dk), relative_error(as_doubles<E>(dk0), grad.dk)},
-        {relative_error(as_doubles<E>(dv), grad.dv), relative_error(as_doubles<E>(dv0), grad.dv)}};
-    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    for (int i = 0; i < 5; ++i) {
-      EXPECT_LE(errors[i].first, tol) << names[i];
-      EXPECT_TRUE(within_twice(errors[i].first, errors[i].second, tol / 10)) << names[i];
-    }
+    kernel.forward<E>(s, entries, doc.q, doc.k, doc.v, d.out, d.lse);
+    kernel.backward<E>(s, entries, doc.q, doc.k, doc.v, d.out, d.lse, doc.dout, d.dq, d.dk, d.dv);
+    expect_as_accurate_as_the_default(r, ex, d, fwd, grad, tol);
   }
 }
 
