@@ -79,6 +79,16 @@ inline cpdispatch::QkvDocumentsPlan grid_plan(int W, Placement placement, std::u
   return plan;
 }
 
+/// `plan` with head-parallel degree u and every document whose shards lie in one group head-parallel.
+inline cpdispatch::QkvDocumentsPlan head_parallel_on_grid(cpdispatch::QkvDocumentsPlan plan, std::int64_t u) {
+  plan.head_parallel_degree = u;
+  for (cpdispatch::PackedDocument& doc : plan.documents) {
+    doc.head_parallel = true;
+    for (const cpdispatch::DocumentShard& x : doc.shards) doc.head_parallel = doc.head_parallel && x.rank / u == doc.shards.front().rank / u;
+  }
+  return plan;
+}
+
 /// A run's results in packed order (lse: [heads_q][tokens]).
 struct Packed {
   std::vector<float> out, dq, dk, dv, lse;
@@ -133,6 +143,24 @@ inline void expect_same_bits(const Packed& got, const Packed& want, const std::s
   EXPECT_TRUE(same_bits(got.dq, want.dq)) << run << ": dq";
   EXPECT_TRUE(same_bits(got.dk, want.dk)) << run << ": dk";
   EXPECT_TRUE(same_bits(got.dv, want.dv)) << run << ": dv";
+}
+
+/// Each rank's error of a step with a NaN in one rank's v (the forward: the
+/// rank whose kernel met it names the row, the others that rank) or dout (the
+/// backward: every rank's bounds name it).
+inline void expect_refused_on_every_rank(const std::vector<std::string>& errors, bool in_dout) {
+  int naming_the_row = 0;
+  for (const std::string& e : errors) {
+    if (in_dout) {
+      EXPECT_NE(e.find("bounds.max_abs_dout is nan"), std::string::npos) << e;
+    } else {
+      naming_the_row += e.find("is not finite") != std::string::npos;
+      EXPECT_TRUE(e.find("is not finite") != std::string::npos || e.find("'s kernel refused the step") != std::string::npos) << e;
+    }
+  }
+  if (!in_dout) {
+    EXPECT_GE(naming_the_row, 1);
+  }
 }
 
 inline cpdispatch::CpAttentionOptions invariant_options(bool dedup, int stages) {

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -158,16 +159,6 @@ TEST(CpAttentionInvariant, ACutOffTheGridIsRefusedOnEveryRank) {
   }
 }
 
-/// `plan` with head-parallel degree u and every document whose shards lie in one group head-parallel.
-QkvDocumentsPlan head_parallel(QkvDocumentsPlan plan, std::int64_t u) {
-  plan.head_parallel_degree = u;
-  for (cpdispatch::PackedDocument& doc : plan.documents) {
-    doc.head_parallel = true;
-    for (const cpdispatch::DocumentShard& x : doc.shards) doc.head_parallel = doc.head_parallel && x.rank / u == doc.shards.front().rank / u;
-  }
-  return plan;
-}
-
 /// Head-parallel documents of degree u at each world size of `worlds` give the bits of one rank.
 void check_head_parallel(const AttentionShape& s, std::int64_t u, const std::vector<int>& worlds, unsigned seed) {
   const AttentionMask causal = AttentionMask::causal();
@@ -179,7 +170,7 @@ void check_head_parallel(const AttentionShape& s, std::int64_t u, const std::vec
       const bool dedup = n % 2 == 0;
       const int stages = 1 + n % 2;
       ++n;
-      const QkvDocumentsPlan plan = head_parallel(grid_plan(W, p, seed + static_cast<unsigned>(n), causal, dedup), u);
+      const QkvDocumentsPlan plan = attention_test::head_parallel_on_grid(grid_plan(W, p, seed + static_cast<unsigned>(n), causal, dedup), u);
       int documents = 0;
       for (const auto& d : plan.documents) documents += d.head_parallel;
       ASSERT_GE(documents, 1) << "W " << W;
@@ -217,6 +208,33 @@ TEST(CpAttentionInvariant, RanksThatDisagreeOnTheModeOrGridAreNamedOnEveryRank) 
       }
     });
     for (const std::string& e : errors) EXPECT_NE(e.find("rank(s) 1 hold another configuration"), std::string::npos) << e;
+  }
+}
+
+// A NaN first in one rank's input, larger values after it: every rank
+// refuses the step (none waits in an exchange for a rank whose kernel threw):
+// in v, the forward's kernels are agreed on; in dout, every rank's bounds
+// hold the NaN.
+TEST(CpAttentionInvariant, ANaNInOneRanksInputIsRefusedOnEveryRank) {
+  const AttentionShape s{2, 1, 8, 0.35f};
+  const QkvDocumentsPlan plan = grid_plan(3, Placement::anywhere, 9, AttentionMask::causal(), false);
+  const CpWorld world = world_of<float>(plan, s, AttentionMask::causal());
+  for (const bool in_dout : {false, true}) {
+    std::vector<std::string> errors(3);
+    cpdispatch::SimWorld sim(3, cpdispatch::SimOptions{sim_test::hang_timeout});
+    sim.run([&](cpdispatch::SimTransport& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      attention_test::RankTensors x = world.tensors(r);
+      if (r == 1) (in_dout ? x.dout : x.v)[0] = std::numeric_limits<float>::quiet_NaN();
+      cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, HostAttentionKernel> op(t, cpdispatch::plan_qkv_for_rank(plan, t.rank()), s,
+                                                                                                   invariant_options(false, 2), HostAttentionKernel({1, 16, 32}));
+      try {
+        attention_test::step<float>(op, x);
+      } catch (const cpdispatch::invalid_input& e) {
+        errors[r] = e.what();
+      }
+    });
+    attention_test::expect_refused_on_every_rank(errors, in_dout);
   }
 }
 

@@ -19,12 +19,14 @@
 #include <vector>
 
 #include "attention_op/cp_world.hpp"
+#include "attention_op/grid_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/slice_plans.hpp"
 #include "cpdispatch/cuda/context_parallel.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
 #include "cuda_test_util.hpp"
+#include "device_step.hpp"
 
 namespace {
 
@@ -38,58 +40,17 @@ using cpdispatch::DeviceSimTransport;
 using cpdispatch::DeviceSimWorld;
 using cpdispatch::cuda::DeviceBuffer;
 using cpdispatch::cuda::DeviceSpan;
+using cptest::device_step;
+using cptest::to_device;
+using cptest::to_host;
+using cptest::in;
+using cptest::out;
 
 template <class E>
 using DeviceOp = cpdispatch::ContextParallelAttention<DeviceSimTransport, E>;
 
 static_assert(std::is_same_v<DeviceOp<float>::kernel_type, cpdispatch::cuda::CudaAttentionKernel>);
 static_assert(DeviceOp<float>::overlaps);  // the device sim posts: stages overlap the kernel
-
-/// A host vector's copy in device memory (never empty: an idle rank still gets a valid pointer).
-template <class E>
-DeviceBuffer<E> to_device(const std::vector<E>& host) {
-  DeviceBuffer<E> b(host.size() + 1);
-  if (!host.empty()) CPDISPATCH_CUDA_CHECK(cudaMemcpy(b.data(), host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice));
-  return b;
-}
-
-template <class E>
-std::vector<float> to_host(const E* device, std::size_t n) {
-  std::vector<E> host(n);
-  CPDISPATCH_CUDA_CHECK(cudaDeviceSynchronize());
-  if (n) CPDISPATCH_CUDA_CHECK(cudaMemcpy(host.data(), device, n * sizeof(E), cudaMemcpyDeviceToHost));
-  if constexpr (std::is_same_v<E, float>) {
-    return host;
-  } else {
-    return attention_test::to_floats(host);
-  }
-}
-
-template <class E>
-DeviceSpan<const E> in(const DeviceBuffer<E>& b, std::size_t n) {
-  return {b.data(), n};
-}
-template <class E>
-DeviceSpan<E> out(const DeviceBuffer<E>& b, std::size_t n) {
-  return {b.data(), n};
-}
-
-/// One rank's forward and backward on the device; outputs start as NaN so that an unwritten element shows.
-template <class E, class Op>
-RankResult device_step(Op& op, const RankTensors& x) {
-  using attention_test::to_elements;
-  const std::size_t nq = x.q.size(), nk = x.k.size();
-  const DeviceBuffer<E> q = to_device(to_elements<E>(x.q)), k = to_device(to_elements<E>(x.k)), v = to_device(to_elements<E>(x.v)),
-                        dout = to_device(to_elements<E>(x.dout));
-  const std::vector<float> nan_q(nq, std::numeric_limits<float>::quiet_NaN()), nan_k(nk, std::numeric_limits<float>::quiet_NaN());
-  const DeviceBuffer<E> o = to_device(to_elements<E>(nan_q)), dq = to_device(to_elements<E>(nan_q)), dk = to_device(to_elements<E>(nan_k)),
-                        dv = to_device(to_elements<E>(nan_k));
-  op.forward(in(q, nq), in(k, nk), in(v, nk), out(o, nq));
-  op.backward(in(dout, nq), out(dq, nq), out(dk, nk), out(dv, nk));
-  RankResult r{to_host(o.data(), nq), to_host(dq.data(), nq), to_host(dk.data(), nk), to_host(dv.data(), nk), to_host(op.lse().data(), op.lse().size()), {}};
-  r.hp_lse = to_host(op.head_parallel_lse().data(), op.head_parallel_lse().size());
-  return r;
-}
 
 /// Every rank plans its own share, builds the device op and runs one step.
 template <class E>
@@ -360,6 +321,75 @@ TEST(CpAttentionDeviceStreams, AStagedStepMakesNoSynchronisingCall) {
 }
 #endif
 
+// The invariant mode (docs/invariant-attention.md): one batch cut on the
+// grid over W ranks gives the bits of the one-rank device run, in packed
+// order, for every plan, stage count and dedup setting; that run matches the
+// reference; a NaN is refused on every rank.
+template <class E>
+std::vector<RankResult> invariant_run(const cpdispatch::QkvDocumentsPlan& plan, const AttentionShape& s, bool dedup, int stages) {
+  const CpWorld world(plan, s, plan.mask, 77, attention_test::round_to<E>);
+  return run_device_op<E>(world, s, attention_test::invariant_options(dedup, stages));
+}
+
+template <class E>
+void expect_invariant(const AttentionShape& s, const AttentionMask& mask, const std::vector<int>& worlds, double tol, std::int64_t head_parallel = 0) {
+  using attention_test::grid_plan;
+  using attention_test::Placement;
+  const auto one_plan = grid_plan(1, Placement::home, 1, mask, false);
+  const std::vector<RankResult> one = invariant_run<E>(one_plan, s, false, 1);
+  CpWorld(one_plan, s, mask, 77, attention_test::round_to<E>).expect_equal(one, tol);
+  const attention_test::Packed want = attention_test::packed(one, s);
+  int n = 0;
+  for (const int W : worlds) {
+    for (const Placement p : {Placement::anywhere, Placement::cut_further}) {
+      const bool dedup = n % 2 == 0;
+      const int stages = 1 + n % 3;
+      ++n;
+      auto plan = grid_plan(W, p, 200 + static_cast<unsigned>(n), mask, dedup);
+      if (head_parallel > 0) plan = attention_test::head_parallel_on_grid(plan, head_parallel);
+      const std::string run = "W " + std::to_string(W) + ", placement " + std::to_string(static_cast<int>(p)) + ", dedup " + std::to_string(dedup) +
+                              ", stages " + std::to_string(stages);
+      attention_test::expect_same_bits(attention_test::packed(invariant_run<E>(plan, s, dedup, stages), s), want, run);
+    }
+  }
+}
+
+TEST(CpAttentionDeviceInvariant, EveryWorldSizePlanAndStageCountGivesTheBitsOfOneRank) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  expect_invariant<float>({4, 2, 8, 0.35f}, AttentionMask::causal(), {2, 3, 4}, 1e-5);
+  expect_invariant<float>({2, 1, 8, 0.35f}, AttentionMask::sliding_window(6), {3}, 1e-5);
+}
+
+TEST(CpAttentionDeviceInvariant, BFloat16AndHeadParallelDocumentsToo) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  expect_invariant<cpdispatch::bfloat16>({2, 2, 8, 0.35f}, AttentionMask::causal(), {2}, 2e-2);
+  expect_invariant<float>({4, 2, 8, 0.35f}, AttentionMask::causal(), {4}, 1e-5, 2);  // key-value heads split by the group
+  expect_invariant<float>({4, 1, 8, 0.35f}, AttentionMask::causal(), {2}, 1e-5, 2);  // ... and shared: exact sums go home
+}
+
+TEST(CpAttentionDeviceInvariant, ANaNInOneRanksInputIsRefusedOnEveryRank) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const AttentionShape s{2, 1, 8, 0.35f};
+  const auto plan = attention_test::grid_plan(3, attention_test::Placement::anywhere, 9, AttentionMask::causal(), false);
+  const CpWorld world(plan, s, AttentionMask::causal(), 77, attention_test::round_to<float>);
+  for (const bool in_dout : {false, true}) {
+    std::vector<std::string> errors(3);
+    DeviceSimWorld sim(3, cpdispatch::DeviceSimOptions{sim_test::hang_timeout});  // a rank left waiting fails, not hangs
+    sim.run([&](DeviceSimTransport& t) {
+      const auto r = static_cast<std::size_t>(t.rank());
+      RankTensors x = world.tensors(r);
+      if (r == 1) (in_dout ? x.dout : x.v)[0] = std::numeric_limits<float>::quiet_NaN();  // first: a later, larger value must not hide it
+      DeviceOp<float> op(t, cpdispatch::plan_qkv_for_rank(plan, t.rank()), s, attention_test::invariant_options(false, 2));
+      try {
+        device_step<float>(op, x);
+      } catch (const cpdispatch::invalid_input& e) {
+        errors[r] = e.what();
+      }
+    });
+    attention_test::expect_refused_on_every_rank(errors, in_dout);
+  }
+}
+
 TEST(CpAttentionDeviceErrors, RefusalsNameTheField) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   cpdispatch::QkvDocumentsPlan plan;
@@ -374,9 +404,6 @@ TEST(CpAttentionDeviceErrors, RefusalsNameTheField) {
     attention_test::expect_error([&] { DeviceOp<float>(t, share, {3, 2, 4, 1.0f}); }, "shape.heads_q = 3 is not a multiple of shape.heads_kv = 2");
     attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, {}, cpdispatch::cuda::CudaAttentionKernel(nullptr)); },
                  "the kernel launches on another stream than the transport's");
-    cpdispatch::CpAttentionOptions invariant;
-    invariant.invariant = true;
-    attention_test::expect_error([&] { DeviceOp<float>(t, share, shape, invariant); }, "options.invariant needs a host transport");
     DeviceOp<float> op(t, share, shape);
     const DeviceBuffer<float> b(64);
     attention_test::expect_error([&] { op.forward(in(b, 24), in(b, 12), in(b, 11), out(b, 24)); }, "forward: v has 11 elements, but 3 tokens x 1 heads x 4 = 12");

@@ -1,7 +1,7 @@
 // AttentionDataPath<MemorySpace::device> (cuda/attention_data_path.hpp)
 // against the host path of attention/data_path.hpp on random inputs:
 // copies, the fan-in in place, the home combine, fill and zero, accumulate
-// and store bit for bit; the log-sum-exp merge within 1e-6 (the device's
+// and store, the invariant mode's max_abs and round_exact bit for bit; the log-sum-exp merge within 1e-6 (the device's
 // expf/logf), with rows the part did not see left alone; and plans
 // replaced by larger ones. Each data set depends on the harness's seed.
 
@@ -435,6 +435,53 @@ TEST_F(AttentionDataPathTest, AccumulateAndStoreMatchTheHostPathBitForBit) {
   accumulate_and_store_case<float>(transport);
   accumulate_and_store_case<bfloat16>(transport);
   accumulate_and_store_case<float16>(transport);
+}
+
+// ---- the invariant mode's: max_abs, round_exact ------------------------------------------
+
+template <class E>
+void max_abs_and_round_exact_case(StreamTransport& transport) {
+  HostPath host(transport);
+  DevicePath device(transport);
+  // Past one block's partial maxima, and (float) past the first pass's 1024 blocks of threads.
+  std::vector<std::size_t> sizes = {0, 1, 300, 70000};
+  if (std::is_same_v<E, float>) sizes.push_back(270000);
+  for (std::size_t n : sizes) {
+    SCOPED_TRACE(std::string(cpdispatch::element_name(type_of<E>())) + " n " + std::to_string(n));
+    std::mt19937_64 rng = rng_for(300 + n);
+    std::vector<E> x(n);
+    for (E& e : x) e = to_e<E>(std::ldexp(static_cast<float>(static_cast<std::int64_t>(rng() >> 41)) - 0x1p22f, -22));  // [-1, 1)
+    for (std::size_t at : {std::size_t{0}, n / 2, n - 1}) {  // the largest value first, inside, last
+      if (n == 0) break;
+      std::vector<E> spiked = x;
+      spiked[at] = to_e<E>(-1000.0f);  // exact in every type
+      const auto d = upload(spiked);
+      EXPECT_EQ(device.max_abs<E>(d.data(), n), 1000.0) << "at " << at;
+      EXPECT_EQ(host.max_abs<E>(spiked.data(), n), 1000.0) << "at " << at;
+      spiked[at] = to_e<E>(std::numeric_limits<float>::quiet_NaN());  // then larger values after it, on any thread
+      const auto d_nan = upload(spiked);
+      EXPECT_TRUE(std::isnan(device.max_abs<E>(d_nan.data(), n))) << "NaN at " << at;
+    }
+    const auto d = upload(x);
+    EXPECT_EQ(device.max_abs<E>(d.data(), n), host.max_abs<E>(x.data(), n));
+
+    std::vector<std::int64_t> exact(n);
+    for (std::int64_t& v : exact) v = static_cast<std::int64_t>(rng()) >> (2 + rng() % 60);
+    const auto d_exact = upload(exact);
+    for (int exponent : {-90, -40, 0}) {
+      std::vector<E> out(n + 1, to_e<E>(3.0f));
+      const auto d_out = upload(out);
+      host.round_exact<E>(exact.data(), exponent, out.data(), n);
+      device.round_exact<E>(d_exact.data(), exponent, d_out.data(), n);
+      EXPECT_EQ(bytes_of(download(d_out.data(), n + 1)), bytes_of(out)) << "exponent " << exponent;
+    }
+  }
+}
+
+TEST_F(AttentionDataPathTest, MaxAbsAndRoundExactMatchTheHostPath) {
+  max_abs_and_round_exact_case<float>(transport);
+  max_abs_and_round_exact_case<bfloat16>(transport);
+  max_abs_and_round_exact_case<float16>(transport);
 }
 
 // ---- buffers, plans ------------------------------------------------------------------------

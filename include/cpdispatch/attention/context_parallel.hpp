@@ -392,15 +392,7 @@ class ContextParallelAttention {
     } else {
       forward_by_stages(call, in);
     }
-    if (hp_.active()) {
-      traced("kernel (head-parallel)", call, -1, 0, [&] {
-        if (options_.invariant) {
-          if constexpr (invariant_path) hp_.attend_forward_invariant(kernel_, path_, inv_.head_parallel_grid());
-        } else {
-          hp_.attend_forward(kernel_, path_);
-        }
-      });
-    }
+    if (hp_.active() && !options_.invariant) traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_forward(kernel_, path_); });
     const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(out_attn_), bytes(out.data())}, {hp_.q_back(), hp_.out(), hp_.q_slabs()}};
     exchange_all(call, out_home_, with_head_parallel(back, 1));
     hp_.gather_output(path_, bytes(out.data()));
@@ -609,13 +601,11 @@ class ContextParallelAttention {
 
   // ---- The invariant mode (attention/detail/invariant_part.hpp) ----
 
-  /// Whether this op has the invariant path: a host transport and a kernel with the mode.
-  static constexpr bool invariant_path = space == MemorySpace::host && InvariantAttentionKernel<Kernel, E>;
+  /// Whether this op has the invariant path: a kernel with the mode.
+  static constexpr bool invariant_path = InvariantAttentionKernel<Kernel, E>;
 
   void check_invariant_options() const {
-    if constexpr (space != MemorySpace::host) {
-      fail("options.invariant needs a host transport (the op's device path has no invariant mode yet; its kernel, CudaAttentionKernel, has one)");
-    } else if constexpr (!InvariantAttentionKernel<Kernel, E>) {
+    if constexpr (!invariant_path) {
       fail("options.invariant: the kernel has no invariant mode (InvariantAttentionKernel, attention/invariant.hpp); HostAttentionKernel and "
            "CudaAttentionKernel have one, while cuDNN and flash-attention kernels cannot promise the same bits for every split");
     }
@@ -652,18 +642,34 @@ class ContextParallelAttention {
   /// One invariant kernel call over the whole layout, once every key-value is here.
   void forward_invariant(const char* call, Tensors in, buffer<const E> q, buffer<const E> v) {
     if constexpr (invariant_path) {
-      max_q_ = detail::max_abs_of<E>(q);
-      max_v_ = detail::max_abs_of<E>(v);
+      max_q_ = path_.max_abs(q.data(), q.size());
+      max_v_ = path_.max_abs(v.data(), v.size());
       receive_all(call, fwd_in_, in, true);
       if (stray_rows_) {
         path_.zero(bytes(out_attn_), out_attn_.size() * sizeof(E));
         path_.fill(lse_.data(), lse_.size(), -std::numeric_limits<float>::infinity());
       }
-      traced("kernel", call, -1, 0, [&] {
-        kernel_.forward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
-                                  view(out_attn_), view(lse_));
+      agree_on_kernels(call, [&] {
+        traced("kernel", call, -1, 0, [&] {
+          kernel_.forward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
+                                    view(out_attn_), view(lse_));
+        });
+        if (hp_.active()) {
+          traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_forward_invariant(kernel_, path_, inv_.head_parallel_grid()); });
+        }
       });
     }
+  }
+
+  /// Runs the step's invariant kernel calls, which throw on a score or sum
+  /// that is not finite (a NaN or infinity in the inputs), and refuses the
+  /// step on every rank where one threw (a collective).
+  template <class F>
+  void agree_on_kernels(const char* call, F&& kernels) {
+    inv_.agree_on(transport_, std::forward<F>(kernels), [&](std::size_t r) {
+      fail("ContextParallelAttention::", call, " (rank ", transport_.rank(), " of ", transport_.world_size(), "): options.invariant: rank ", r,
+           "'s kernel refused the step (its error names the row: a NaN or infinity in the inputs?)");
+    });
   }
 
   /// dq as the default path sends it home; dk and dv as exact sums: fanned
@@ -672,12 +678,17 @@ class ContextParallelAttention {
     if constexpr (invariant_path) {
       receive_all(call, dout_in_, in, false);
       if (stray_rows_) path_.zero(bytes(dq_attn_), dq_attn_.size() * sizeof(E));
-      const InvariantBounds bounds = exchange(call, [&] { return inv_.agree_bounds(transport_, max_q_, max_v_, detail::max_abs_of<E>(dout), mlp_tokens()); });
+      const InvariantBounds bounds = exchange(call, [&] { return inv_.agree_bounds(transport_, max_q_, max_v_, path_.max_abs(dout.data(), dout.size()), mlp_tokens()); });
       const KvGradientExponents ex = kv_gradient_exponents(shape_, bounds);
       for (auto* b : {&inv_.dk(), &inv_.dv()}) path_.zero(bytes(*b), b->size() * sizeof(std::int64_t));
-      traced("kernel", call, -1, 0, [&] {
-        kernel_.backward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
-                                   read(out_attn_), read(lse_), read(dout_attn_), view(dq_attn_), {view(inv_.dk()), view(inv_.dv()), ex.dk, ex.dv});
+      agree_on_kernels(call, [&] {
+        traced("kernel", call, -1, 0, [&] {
+          kernel_.backward_invariant(shape_, inv_.grid(), std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_),
+                                     read(out_attn_), read(lse_), read(dout_attn_), view(dq_attn_), {view(inv_.dk()), view(inv_.dv()), ex.dk, ex.dv});
+        });
+        if (hp_.active()) {
+          traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_backward_invariant(kernel_, path_, inv_.head_parallel_grid(), ex.dk, ex.dv); });
+        }
       });
       for (std::size_t id : inv_.fan_in_ids()) {
         for (auto* b : {&inv_.dk(), &inv_.dv()}) path_.fan_in(id, ElementType::int64, bytes(*b));
@@ -685,11 +696,6 @@ class ContextParallelAttention {
       const detail::StagedTensor exact[] = {{inv_.reverse(), bytes(inv_.dk()), bytes(inv_.replica_k())},
                                             {inv_.reverse(), bytes(inv_.dv()), bytes(inv_.replica_v())}};
       exchange_all(call, inv_.home(), exact);
-      if (hp_.active()) {
-        traced("kernel (head-parallel)", call, -1, 0, [&] {
-          hp_.attend_backward_invariant(kernel_, path_, inv_.head_parallel_grid(), ex.dk, ex.dv);
-        });
-      }
       const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())},
                                            {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
                                            {hp_.kv_back(), hp_.dk_back(), hp_.dk_home()},
@@ -698,8 +704,8 @@ class ContextParallelAttention {
       const std::size_t replica_bytes = inv_.replica_k().size() * sizeof(std::int64_t), home_bytes = inv_.home_k().size() * sizeof(std::int64_t);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_k()), replica_bytes, bytes(inv_.home_k()), home_bytes);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_v()), replica_bytes, bytes(inv_.home_v()), home_bytes);
-      round_exact<E>(read(inv_.home_k()), ex.dk, dk);
-      round_exact<E>(read(inv_.home_v()), ex.dv, dv);
+      path_.round_exact(inv_.home_k().data(), ex.dk, dk.data(), dk.size());
+      path_.round_exact(inv_.home_v().data(), ex.dv, dv.data(), dv.size());
       hp_.gather_gradients_invariant(path_, bytes(dq.data()), bytes(dk.data()), bytes(dv.data()), ex.dk, ex.dv);
     }
   }

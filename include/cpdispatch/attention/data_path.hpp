@@ -23,6 +23,10 @@
 //     void fan_in(id, ElementType, std::byte* attention);   // in place where wire offsets are first copies
 //     void combine(id, ElementType, const std::byte* replica, std::size_t, std::byte* grad, std::size_t);
 //     void fill(float*, std::size_t n, float value);  void zero(std::byte*, std::size_t bytes);
+//     // The invariant mode's: the largest |x| (NaN if x holds one; the device
+//     // path waits for its stream), and exact sums rounded once (round_exact).
+//     template <class E> double max_abs(const E*, std::size_t n);
+//     template <class E> void round_exact(const std::int64_t*, int exponent, E* out, std::size_t n);
 //     template <class E> void merge(...);  accumulate(...);  store(...);
 //   };
 //
@@ -41,6 +45,7 @@
 #include <vector>
 
 #include "cpdispatch/attention/detail/lse_merge.hpp"
+#include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/execute/dedup.hpp"
@@ -127,6 +132,15 @@ class AttentionDataPath<MemorySpace::host> {
   void fill(float* p, std::size_t n, float value) const noexcept { std::fill(p, p + n, value); }
   void zero(std::byte* p, std::size_t bytes) const noexcept {
     if (bytes > 0) std::memset(p, 0, bytes);
+  }
+
+  template <class E>
+  double max_abs(const E* x, std::size_t n) const {
+    return detail::max_abs_of<E>(std::span<const E>(x, n));
+  }
+  template <class E>
+  void round_exact(const std::int64_t* exact, int exponent, E* out, std::size_t n) const {
+    cpdispatch::round_exact<E>(std::span<const std::int64_t>(exact, n), exponent, std::span<E>(out, n));
   }
 
   /// Folds a pass's output into the running fp32 one over the whole layout;

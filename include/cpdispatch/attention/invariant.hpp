@@ -127,6 +127,15 @@ concept InvariantAttentionKernel =
 
 namespace detail {
 
+/// The largest |x| of a host buffer; NaN when it holds a NaN (the op's
+/// bounds, InvariantBounds, then refuse the batch on every rank).
+template <class E>
+double max_abs_of(std::span<const E> x) {
+  double m = 0;
+  for (const E& e : x) m = attention::max_keeping_nan(m, std::fabs(static_cast<double>(static_cast<float>(e))));
+  return m;
+}
+
 /// Refuses a grid that does not fit a call of `entries` entries.
 inline void check_invariant_grid(const char* who, const InvariantGrid& g, std::size_t entries) {
   if (g.size < 1 || g.size > (std::int64_t{1} << 40)) fail(who, ": grid.size is ", g.size, "; it must be in [1, 2^40]");

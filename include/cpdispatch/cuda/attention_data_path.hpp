@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cpdispatch/attention/data_path.hpp"
+#include "cpdispatch/attention/detail/exact_sum.hpp"
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda/plan.hpp"
@@ -145,6 +146,32 @@ __global__ void merge_lse_kernel(float* lse, const float* lse_part, std::uint64_
   for (std::uint64_t l = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; l < rows; l += std::uint64_t{gridDim.x} * blockDim.x) {
     const float p = lse_part[l];
     if (p != -INFINITY) lse[l] = merge_weights(lse[l], p).merged;
+  }
+}
+
+/// The invariant mode's bound, first pass: partial[t] = the largest |x| of
+/// thread t's elements x[t], x[t + threads], ... (a NaN met once stays).
+template <class E>
+__global__ void max_abs_kernel(const E* x, std::uint64_t n, float* partial) {
+  const std::uint64_t t = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x, threads = std::uint64_t{gridDim.x} * blockDim.x;
+  float m = 0;
+  for (std::uint64_t i = t; i < n; i += threads) m = detail::attention::max_keeping_nan(m, fabsf(to_float(x[i])));
+  partial[t] = m;
+}
+
+/// Second pass: partial[t] for t < threads folds partial[t], partial[t + threads], ... of n.
+__global__ void max_fold_kernel(float* partial, std::uint64_t n) {
+  const std::uint64_t t = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x, threads = std::uint64_t{gridDim.x} * blockDim.x;
+  float m = partial[t];
+  for (std::uint64_t i = t + threads; i < n; i += threads) m = detail::attention::max_keeping_nan(m, partial[i]);
+  partial[t] = m;
+}
+
+/// out[i] = exact[i] * 2^exponent, rounded once to E (round_exact's arithmetic).
+template <class E>
+__global__ void round_exact_kernel(const std::int64_t* exact, int exponent, E* out, std::uint64_t n) {
+  for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < n; i += std::uint64_t{gridDim.x} * blockDim.x) {
+    out[i] = from_float<E>(static_cast<float>(detail::attention::from_fixed(exact[i], exponent)));
   }
 }
 
@@ -264,6 +291,39 @@ class AttentionDataPath<MemorySpace::device> {
     if (bytes > 0) CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
   }
 
+  /// The largest |x| (NaN when x holds one): the invariant mode's bound.
+  /// Waits for the stream (the value is read on the host).
+  template <class E>
+  double max_abs(const E* x, std::size_t n) const {
+    check_element<E>();
+    if (n == 0) return 0;
+    const unsigned blocks = std::min(cuda::attention_path_kernels::blocks_for_elements(n), 1024u);  // enough to fill a GPU's memory bandwidth
+    const std::size_t threads = std::size_t{blocks} * cuda::block_threads;
+    if (max_partial_.size() < threads) max_partial_.allocate(threads);
+    cuda::launch_kernel("max_abs_kernel", &cuda::attention_path_kernels::max_abs_kernel<E>, blocks, cuda::block_threads, stream_, x, std::uint64_t{n},
+                        max_partial_.data());
+    const std::size_t folded = std::min<std::size_t>(threads, cuda::block_threads);
+    if (threads > folded) {
+      cuda::launch_kernel("max_fold_kernel", &cuda::attention_path_kernels::max_fold_kernel, 1u, cuda::block_threads, stream_, max_partial_.data(),
+                          std::uint64_t{threads});
+    }
+    max_host_.resize(folded);
+    CPDISPATCH_CUDA_CHECK(cudaMemcpyAsync(max_host_.data(), max_partial_.data(), folded * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    float m = 0;
+    for (float a : max_host_) m = detail::attention::max_keeping_nan(m, a);
+    return m;
+  }
+
+  /// out = exact * 2^exponent, rounded once to E (round_exact).
+  template <class E>
+  void round_exact(const std::int64_t* exact, int exponent, E* out, std::size_t n) const {
+    check_element<E>();
+    if (n == 0) return;
+    cuda::launch_kernel("round_exact_kernel", &cuda::attention_path_kernels::round_exact_kernel<E>, cuda::attention_path_kernels::blocks_for_elements(n),
+                        cuda::block_threads, stream_, exact, exponent, out, std::uint64_t{n});
+  }
+
   /// Folds a pass's output into the running fp32 one over the whole layout;
   /// rows the pass did not attend carry lse_part = -inf and are left alone.
   template <class E>
@@ -358,6 +418,8 @@ class AttentionDataPath<MemorySpace::device> {
   std::deque<Fan> fans_;                  // a deque: the pending uploads read host arrays that must not move
   std::deque<Combine> combines_;
   bool committed_ = false;
+  mutable cuda::DeviceBuffer<float> max_partial_;  // max_abs's partial maxima
+  mutable std::vector<float> max_host_;
 };
 
 }  // namespace cpdispatch

@@ -86,6 +86,13 @@ CPDISPATCH_HOST_DEVICE inline bool add_exact(std::int64_t& acc, double x, int ex
   return to_fixed(x, exponent, f) && add_fixed(acc, f);
 }
 
+/// The larger of m and a, where a NaN met once stays: a when a > m or a is
+/// NaN (the invariant mode's bounds refuse a NaN in the inputs on every rank).
+template <class X>
+CPDISPATCH_HOST_DEVICE inline X max_keeping_nan(X m, X a) noexcept {
+  return a > m || ::isnan(a) ? a : m;
+}
+
 /// The value of an exact sum (one rounding, to double).
 CPDISPATCH_HOST_DEVICE inline double from_fixed(std::int64_t v, int exponent) noexcept { return ::ldexp(static_cast<double>(v), exponent); }
 

@@ -188,8 +188,8 @@ class HeadParallelPart {
     path.copy(q_from_slabs_, q_slabs(), dq);
     path.fan_in(kv_fan_, ElementType::int64, bytes(dk_exact_slabs_));
     path.fan_in(kv_fan_, ElementType::int64, bytes(dv_exact_slabs_));
-    round_exact<E>(read(dk_exact_slabs_), dk_exponent, view(k_slabs_));
-    round_exact<E>(read(dv_exact_slabs_), dv_exponent, view(v_slabs_));
+    path.round_exact(dk_exact_slabs_.data(), dk_exponent, k_slabs_.data(), k_slabs_.size());
+    path.round_exact(dv_exact_slabs_.data(), dv_exponent, v_slabs_.data(), v_slabs_.size());
     path.copy(kv_from_slabs_, k_slabs(), dk);
     path.copy(kv_from_slabs_, v_slabs(), dv);
   }
@@ -245,8 +245,8 @@ class HeadParallelPart {
                                 read(dout_), view(dq_), {view(dk_exact_), view(dv_exact_), dk_exponent, dv_exponent});
     }
     if (exact_home_) return;
-    round_exact<E>(read(dk_exact_), dk_exponent, view(dk_));
-    round_exact<E>(read(dv_exact_), dv_exponent, view(dv_));
+    path.round_exact(dk_exact_.data(), dk_exponent, dk_.data(), dk_.size());
+    path.round_exact(dv_exact_.data(), dv_exponent, dv_.data(), dv_.size());
   }
 
   /// Whether key-value heads are shared by several ranks of a group.

@@ -30,37 +30,30 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
+#include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/rank.hpp"
 
 namespace cpdispatch::detail {
 
-/// Every rank's `n` values of X (this rank's at rank * n): one all_to_all_v of host memory.
+/// Every rank's `n` values of X (this rank's at rank * n): one all_to_all_v
+/// (through device memory on a device transport, as the plan agreement's).
 template <class X, class T>
 void all_gather_values(T& transport, std::span<const X> mine, std::vector<X>& all) {
   static_assert(std::is_trivially_copyable_v<X>);
   const auto W = static_cast<std::size_t>(transport.world_size()), me = static_cast<std::size_t>(transport.rank());
   const std::size_t bytes = mine.size() * sizeof(X);
   all.resize(W * mine.size());
-  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(me * mine.size()));
-  if (W == 1) return;
-  std::vector<std::size_t> send_counts(W, bytes), send_displs(W, 0), recv_counts(W, bytes), recv_displs(W, 0);
-  send_counts[me] = recv_counts[me] = 0;
-  for (std::size_t p = 0; p < W; ++p) recv_displs[p] = p * bytes;
-  transport.all_to_all_v(reinterpret_cast<const std::byte*>(mine.data()), send_counts, send_displs, reinterpret_cast<std::byte*>(all.data()),
-                         recv_counts, recv_displs);
-}
-
-/// The largest |x| of a host buffer; NaN when it holds a NaN.
-template <class E>
-double max_abs_of(std::span<const E> x) {
-  double m = 0;
-  for (const E& e : x) {
-    const double a = std::fabs(static_cast<double>(static_cast<float>(e)));
-    if (!(a <= m)) m = a;  // a NaN sticks
+  if (W > 1) {
+    std::vector<std::size_t> send_counts(W, bytes), send_displs(W, 0), recv_counts(W, bytes), recv_displs(W, 0);
+    send_counts[me] = recv_counts[me] = 0;
+    for (std::size_t p = 0; p < W; ++p) recv_displs[p] = p * bytes;
+    AgreementExchange<T::memory_space>::run(transport, reinterpret_cast<const std::byte*>(mine.data()), send_counts, send_displs,
+                                            reinterpret_cast<std::byte*>(all.data()), recv_counts, recv_displs);
   }
-  return m;
+  // After: a device transport copies back the whole range, this rank's slot included.
+  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(me * mine.size()));
 }
 
 template <class Path>
@@ -117,9 +110,20 @@ class InvariantPart {
     all_gather_values<std::int64_t>(transport, mine, counts_);
     starts_.assign(1, 0);
     for (std::int64_t c : counts_) starts_.push_back(starts_.back() + c);
+    agree_on(
+        transport, [&] { unit_phases(grid, starts_, layout, entries, entries_of_shard, q_rev, kv_rev, who, phases_, kv_at_); },
+        [&](std::size_t r) { fail(who, ": options.invariant: rank ", r, "'s share has a cut off the grid of ", grid, " tokens (its error names it)"); });
+  }
+
+  /// Runs f on every rank and agrees on the outcome (a collective): where f
+  /// threw invalid_input on some rank, that rank rethrows its error and
+  /// every other one calls refused(r) (which throws) for the first such rank
+  /// r, so no rank goes on to wait in an exchange a refusing rank will not join.
+  template <class T, class F, class Refused>
+  void agree_on(T& transport, F&& f, Refused&& refused) {
     std::string refusal;
     try {
-      unit_phases(grid, starts_, layout, entries, entries_of_shard, q_rev, kv_rev, who, phases_, kv_at_);
+      f();
     } catch (const invalid_input& e) {
       refusal = e.what();
     }
@@ -127,7 +131,7 @@ class InvariantPart {
     all_gather_values<std::int64_t>(transport, verdict, verdicts_);
     if (!refusal.empty()) throw invalid_input(refusal);
     for (std::size_t r = 0; r < verdicts_.size(); ++r) {
-      if (verdicts_[r] != 0) fail(who, ": options.invariant: rank ", r, "'s share has a cut off the grid of ", grid, " tokens (its error names it)");
+      if (verdicts_[r] != 0) refused(r);
     }
   }
 
@@ -170,7 +174,7 @@ class InvariantPart {
     for (std::size_t r = 0; r < bounds_.size() / 4; ++r) {
       const double* x = bounds_.data() + 4 * r;
       for (auto [field, value] : {std::pair{&b.max_abs_q, x[0]}, std::pair{&b.max_abs_v, x[1]}, std::pair{&b.max_abs_dout, x[2]}}) {
-        if (!(value <= *field)) *field = value;  // a NaN sticks, and kv_gradient_exponents names it
+        *field = attention::max_keeping_nan(*field, value);  // kv_gradient_exponents names a NaN
       }
       queries += x[3];
     }
