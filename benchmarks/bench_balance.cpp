@@ -48,6 +48,15 @@
 // times planning with the slices:
 //
 //   bin/bench_balance --benchmark_filter='plan_balanced_slices/'
+//
+// A sixth table plans the C = 16 rows on the invariant mode's grid
+// (BalanceOptions::grid = 64, docs/invariant-attention.md): the balancer's
+// lower bound with the grid over the bound without it (target: within
+// 1.005 on a row's median), each plan's largest rank cost over the bound
+// without the grid, and bytes moved, grid over no grid.
+// plan_balanced_grid/... times planning on the grid:
+//
+//   bin/bench_balance --benchmark_filter='plan_balanced_grid/'
 
 #include <benchmark/benchmark.h>
 
@@ -440,6 +449,70 @@ void print_slice_table(const std::vector<Config>& configs, const Reporter& rep) 
   if (!all.empty()) std::printf("\nMedian over the %zu batches measured: %.4f (target: within 1.03).\n", all.size(), median(all));
 }
 
+/// One batch planned on the grid and without it.
+struct GridQuality {
+  double bound = 0;       // the lower bound with the grid / without it
+  double on = 0, off = 0;  // largest rank cost / the bound without the grid
+  double bytes = 0;       // bytes moved, grid / no grid
+};
+std::map<std::string, std::vector<GridQuality>> grid_quality;  // grid_name -> per batch
+constexpr I kGrid = 64;
+
+std::string grid_name(const Config& c) { return "plan_balanced_grid" + c.name().substr(std::string("plan_balanced").size()); }
+
+cpdispatch::BalanceOptions on_the_grid() {
+  cpdispatch::BalanceOptions o;
+  o.grid = kGrid;
+  return o;
+}
+
+void measure_grid(const Config& c) {
+  auto& q = grid_quality[grid_name(c)];
+  if (!q.empty()) return;
+  for (const auto& p : batches_of(c)) {
+    const double bound = cpdispatch::balance_lower_bound(p);
+    const auto on = cpdispatch::plan_cost(cpdispatch::plan_balanced(p, on_the_grid()), p.q_bytes, p.kv_bytes);
+    const auto off = cpdispatch::plan_cost(cpdispatch::plan_balanced(p), p.q_bytes, p.kv_bytes);
+    q.push_back({cpdispatch::balance_lower_bound(p, on_the_grid()) / bound, static_cast<double>(on.max_attention()) / bound,
+                 static_cast<double>(off.max_attention()) / bound, static_cast<double>(on.bytes_moved) / static_cast<double>(off.bytes_moved)});
+  }
+}
+
+void bm_plan_balanced_grid(benchmark::State& state, Config c) {
+  const auto& bs = batches_of(c);
+  measure_grid(c);
+  std::size_t i = 0;
+  for (auto _ : state) {
+    cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(bs[i++ % bs.size()], on_the_grid());
+    benchmark::DoNotOptimize(plan);
+  }
+}
+
+void print_grid_table(const std::vector<Config>& configs, const Reporter& rep) {
+  std::printf("\nPlanning on the grid of %lld tokens, %d batches per row (C = 16 rows). Bound: the balancer's lower bound with the grid /\n"
+              "without it (median, max; target: median within 1.005). Cost: largest rank cost / the bound without the grid (median),\n"
+              "on the grid and off it. Bytes: bytes moved, grid / no grid (median, range).\n\n",
+              static_cast<long long>(kGrid), kBatches);
+  std::printf("| workload | W | tokens/rank | bound (max) | cost on the grid | cost off it | bytes (range) | time ms CPU |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  for (const Config& c : configs) {
+    const auto it = grid_quality.find(grid_name(c));
+    if (it == grid_quality.end()) continue;
+    std::vector<double> bound, on, off, bytes;
+    for (const GridQuality& b : it->second) {
+      bound.push_back(b.bound);
+      on.push_back(b.on);
+      off.push_back(b.off);
+      bytes.push_back(b.bytes);
+    }
+    char time[32] = "-";
+    if (const auto t = rep.times.find(grid_name(c)); t != rep.times.end()) std::snprintf(time, sizeof time, "%.2f", t->second.cpu_ms);
+    std::printf("| %s | %lld | %s | %.4f (%.4f) | %.4f | %.4f | %.3f (%.3f-%.3f) | %s |\n", c.sample.c_str(), static_cast<long long>(c.world),
+                tokens_text(c.tokens).c_str(), median(bound), most(bound), median(on), median(off), median(bytes),
+                *std::min_element(bytes.begin(), bytes.end()), most(bytes), time);
+  }
+}
+
 constexpr int kNodeBatches = 8;
 constexpr I kNodeWorlds[] = {16, 64, 256};
 std::map<std::string, node_columns::RowColumns> node_rows;  // name -> row
@@ -522,6 +595,7 @@ int main(int argc, char** argv) {
     for (const cpdispatch::AttentionMask& m : kMasks) {
       benchmark::RegisterBenchmark(mask_name(c, m).c_str(), bm_plan_balanced_mask, c, m)->Unit(benchmark::kMillisecond);
     }
+    benchmark::RegisterBenchmark(grid_name(c).c_str(), bm_plan_balanced_grid, c)->Unit(benchmark::kMillisecond);
   }
   std::vector<Config> slice_configs;
   for (const char* s : {"prolong", "wlbllm"})
@@ -538,6 +612,7 @@ int main(int argc, char** argv) {
   print_mask_table(configs, rep);
   print_node_table(rep);
   print_slice_table(slice_configs, rep);
+  print_grid_table(configs, rep);
   benchmark::Shutdown();
   return 0;
 }

@@ -107,11 +107,11 @@ struct CpAttentionOptions {
   /// Invariant mode (docs/invariant-attention.md): out, lse, dq, dk and dv
   /// bitwise the same for every world size, plan, stage count and thread
   /// count whose cuts lie on the grid (and equal to the run with W = 1). The
-  /// kernel must have the mode (InvariantAttentionKernel: HostAttentionKernel);
-  /// host transports; head-parallel documents whose degree divides
-  /// heads_kv (no key-value head shared by ranks). With stages > 1 the
-  /// exchanges are still posted by group, but the kernel attends once
-  /// everything has arrived.
+  /// kernel must have the mode (InvariantAttentionKernel: HostAttentionKernel,
+  /// cuda::CudaAttentionKernel); host and device transports. With stages > 1
+  /// the exchanges are still posted by group, but the kernel attends once
+  /// everything has arrived; the ranks agree on each step's kernel calls and
+  /// bounds (small all-gathers), so a refused step is refused on every rank.
   bool invariant = false;
   /// The invariant mode's grid, in tokens of the packed sequence: every cut
   /// of a document (the loader's and the plan's) must fall on a multiple.
