@@ -335,25 +335,18 @@ def _has_slices(plan):
 
 
 class _Mask:
-    """The plan's mask (docs/plan-format.md section 2d), checked, as a band
-    on t - p over a whole document: causal (None, 0), full (None, None), a
-    sliding window of w (1 - w, 0). Inside an entry of lq query and lk key
-    rows it is bottom-right aligned: the band shifted by lk - lq."""
+    """The plan's mask (docs/plan-format.md section 2d), read and checked by
+    the library, as a band on t - p over a whole document: causal (None, 0),
+    full (None, None), a sliding window of w (1 - w, 0). Inside an entry of
+    lq query and lk key rows it is bottom-right aligned: the band shifted by
+    lk - lq."""
 
     def __init__(self, mask):
-        mask = cpdispatch.CAUSAL if mask is None else mask
-        self.kind = mask.get("type", "causal")
-        if self.kind not in ("causal", "full", "sliding_window"):
-            raise ValueError(f"mask.type: unknown mask {self.kind!r} (causal, full or sliding_window)")
-        self.window = mask.get("window") if self.kind == "sliding_window" else None
-        if self.kind == "sliding_window" and (not isinstance(self.window, numbers.Integral) or isinstance(self.window, bool) or self.window < 1):
-            raise ValueError(f"mask.window: a sliding window needs an integer window of at least 1, not {self.window!r}")
+        self.lo, self.hi = cpdispatch._cpdispatch.mask_band(mask)
 
     def band(self, shift=0):
         """(lo, hi) on t - p, None for an open end, shifted by ``shift``."""
-        if self.kind == "full":
-            return None, None
-        return (None if self.window is None else shift + 1 - int(self.window)), shift
+        return tuple(None if end is None else end + shift for end in (self.lo, self.hi))
 
 
 #: An open end of a band, as a number (lo = -_OPEN, hi = _OPEN): beyond any row difference.
@@ -372,23 +365,13 @@ def _meets(q0, lq, k0, lk, lo, hi):
 
 
 def _entries(cu_seqlens_q, cu_seqlens_kv, queries, keys, mask):
-    """The entries of a varlen layout, checked: entry i's query rows against
-    its key rows under the plan's mask, bottom-right aligned, as
-    (q_start, q_len, kv_start, kv_len, lo, hi) with the band in the buffers'
-    rows (its document band shifted by kv_start + lk - q_start - lq)."""
+    """The entries of a varlen layout, checked (the library's layout_entries):
+    entry i's query rows against its key rows under the plan's mask,
+    bottom-right aligned, as (q_start, q_len, kv_start, kv_len, lo, hi) with
+    the band in the buffers' rows; empty entries left out."""
     cu_q = [int(x) for x in torch.as_tensor(cu_seqlens_q).tolist()]
     cu_kv = [int(x) for x in torch.as_tensor(cu_seqlens_kv).tolist()]
-    if len(cu_q) != len(cu_kv) or not cu_q:
-        raise ValueError(f"cu_seqlens_q has {len(cu_q)} values and cu_seqlens_kv {len(cu_kv)}: they need the same number, at least 1")
-    for name, cu, total in (("cu_seqlens_q", cu_q, queries), ("cu_seqlens_kv", cu_kv, keys)):
-        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
-            raise ValueError(f"{name} must start at 0, never decrease and end at most at {total} rows: {cu[:8]}...")
-    m = _Mask(mask)
-    out = []
-    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_kv, cu_kv[1:]):
-        if q1 > q0 and k1 > k0:
-            out.append((q0, q1 - q0, k0, k1 - k0) + m.band(k1 - q1))  # t - j <= (k1 - 1) - (q1 - 1): the last row sees the last key
-    return out
+    return cpdispatch._cpdispatch.layout_entries(cu_q, cu_kv, queries, keys, mask)
 
 
 def _end(x, what, part):
@@ -1069,7 +1052,7 @@ class SdpaKernel:
             lo, hi = _ends(*m.band(lk - lq))
             d = torch.arange(lk, device=q.device)[None, :] - torch.arange(lq, device=q.device)[:, None]
             seen = ((d >= lo) & (d <= hi))[None]
-            square_causal = m.kind == "causal" and lq == lk
+            square_causal = m.band() == (None, 0) and lq == lk
         else:
             seen, square_causal = masks, False
         blind = ~seen.any(-1)  # [entries or 1, lq]: rows that see no key: sdpa would give nan, we give 0

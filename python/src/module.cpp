@@ -670,6 +670,43 @@ py::tuple entry_tuple(const cpdispatch::AttentionEntry& x) {
                         band_end(x.band.hi, cpdispatch::Band::unbounded_hi));
 }
 
+/// `mask` (None: causal) through the library's reader.
+cpdispatch::AttentionMask mask_or_causal(py::handle mask) {
+  return mask.is_none() ? cpdispatch::AttentionMask::causal() : read_mask_field(mask.ptr());
+}
+
+/// The band of `mask` on t - p over a whole document, (lo, hi), None for an open end.
+py::tuple mask_band(py::handle mask) {
+  const cpdispatch::Band b = mask_or_causal(mask).band();
+  return py::make_tuple(band_end(b.lo, cpdispatch::Band::unbounded_lo), band_end(b.hi, cpdispatch::Band::unbounded_hi));
+}
+
+/// A varlen layout's entries (layout_entries, attention/kernel.hpp: each
+/// entry's query rows against its key rows under `mask`, bottom-right
+/// aligned) as (q_start, q_len, kv_start, kv_len, lo, hi), the empty ones
+/// left out; the prefix sums checked against `queries` and `keys` rows.
+py::list layout_entries(py::handle cu_seqlens_q, py::handle cu_seqlens_kv, std::int64_t queries, std::int64_t keys, py::handle mask) {
+  std::vector<std::int64_t> cu_q, cu_kv;
+  if (!int_list(cu_seqlens_q.ptr(), cu_q)) cpdispatch::detail::fail("cu_seqlens_q must be a list of ints");
+  if (!int_list(cu_seqlens_kv.ptr(), cu_kv)) cpdispatch::detail::fail("cu_seqlens_kv must be a list of ints");
+  if (cu_q.size() != cu_kv.size() || cu_q.empty()) {
+    cpdispatch::detail::fail("cu_seqlens_q has ", cu_q.size(), " values and cu_seqlens_kv ", cu_kv.size(), ": they need the same number, at least 1");
+  }
+  for (auto [name, cu, total] : {std::tuple{"cu_seqlens_q", &cu_q, queries}, std::tuple{"cu_seqlens_kv", &cu_kv, keys}}) {
+    for (std::size_t i = 0; i < cu->size(); ++i) {
+      const std::int64_t x = (*cu)[i];
+      if ((i == 0 && x != 0) || (i > 0 && x < (*cu)[i - 1]) || x > total) {
+        cpdispatch::detail::fail(name, " must start at 0, never decrease and end at most at ", total, " rows: ", name, "[", i, "] = ", x);
+      }
+    }
+  }
+  py::list out;
+  for (const cpdispatch::AttentionEntry& e : cpdispatch::layout_entries(cu_q, cu_kv, mask_or_causal(mask))) {
+    if (e.q_len > 0 && e.kv_len > 0) out.append(entry_tuple(e));
+  }
+  return out;
+}
+
 /// Rank `rank`'s kernel entries over its attention buffers and each one's
 /// phase on a grid of `grid` tokens, as ContextParallelAttention lays them
 /// out in its invariant mode (attention/detail/share_entries.hpp); refuses
@@ -1170,5 +1207,8 @@ PYBIND11_MODULE(_cpdispatch, m) {
         py::arg("max_memory") = default_max_memory);
   m.def("stage_plan", &stage_plan, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("stages") = 1,
         py::arg("entries") = py::none(), py::arg("max_memory") = default_max_memory);
+  m.def("mask_band", &mask_band, py::arg("mask") = py::none());
+  m.def("layout_entries", &layout_entries, py::arg("cu_seqlens_q"), py::arg("cu_seqlens_kv"), py::arg("queries"), py::arg("keys"),
+        py::arg("mask") = py::none());
   bind_invariant_kernel(m);
 }

@@ -135,14 +135,18 @@ def test_bad_input_raises():
     q, k, v, cu_q, cu_kv, _, _ = inputs([(4, 4)], 2, 1, torch.float64)
     with pytest.raises(ValueError, match="block_q = 0"):
         varlen_attention(q, k, v, cu_q, cu_kv, block_q=0)
-    with pytest.raises(ValueError, match="cu_seqlens_kv"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_kv must start at 0, never decrease and end at most at 5 rows: cu_seqlens_kv\[1\] = 99"):
         varlen_attention(q, k, v, cu_q, torch.tensor([0, 99]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[1\] = 99"):
+        varlen_attention(q, k, v, torch.tensor([0, 99]), cu_kv)
+    with pytest.raises(ValueError, match=r"mask: unknown key \"window\" \(a causal mask has \"type\"\)"):
+        varlen_attention(q, k, v, cu_q, cu_kv, mask={"type": "causal", "window": 3})
     with pytest.raises(ValueError, match="the same number"):
         varlen_attention(q, k, v, cu_q, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="unknown mask"):
         varlen_attention(q, k, v, cu_q, cu_kv, mask={"type": "diagonal"})
     for window in (None, 0, 2.0):
-        with pytest.raises(ValueError, match="mask.window"):
+        with pytest.raises(ValueError, match='mask.window|mask: a sliding_window mask needs "window"'):
             varlen_attention(q, k, v, cu_q, cu_kv, mask={"type": "sliding_window", "window": window})
 
 
