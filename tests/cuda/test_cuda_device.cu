@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 // The device data path first: the dispatcher needs it for device transports.
@@ -688,6 +689,38 @@ TEST(DeviceDataPath, CombineRefusesMisalignedGradients) {
         [&] { d.reverse_combine(cbytes(attn), mbytes(replica), odd, ElementType::float32); });
     EXPECT_THAT(what, HasSubstr("grad is not aligned to 4 bytes for float32"));
   });
+}
+
+// A rank that never posts its side of an exchange: the ranks meet on the
+// host at a post, so every other rank's post ends at the world's timeout,
+// naming the call and the timeout option, instead of waiting forever.
+TEST(DeviceSimStuckRank, APostARankNeverJoinsEndsAtTheTimeoutOnEveryOtherRank) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const int W = 3;
+  const std::size_t n = 64;
+  DeviceSimWorld world(W, DeviceSimOptions{std::chrono::milliseconds(200), -1});
+  std::vector<std::string> errors(W);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_ANY_THROW(world.run([&](DeviceSimTransport& t) {
+    if (t.rank() == W - 1) {  // stalls past the timeout, alive, and never posts
+      std::this_thread::sleep_for(std::chrono::milliseconds(600));
+      return;
+    }
+    DeviceBytesBuffer send(n * W), recv(n * W);
+    std::vector<std::size_t> counts(W, n), displs(W);
+    for (int p = 0; p < W; ++p) displs[static_cast<std::size_t>(p)] = static_cast<std::size_t>(p) * n;
+    try {
+      t.wait(t.post_all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs));
+    } catch (const cpdispatch::error& e) {
+      errors[static_cast<std::size_t>(t.rank())] = e.what();
+      throw;
+    }
+  }));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int r = 0; r + 1 < W; ++r) {
+    EXPECT_THAT(errors[static_cast<std::size_t>(r)], HasSubstr("not complete after 200 ms (DeviceSimOptions::timeout)")) << "rank " << r;
+  }
+  EXPECT_LT(seconds, 0.6 + 1.0) << "the stalled rank's 0.6 s plus a second";
 }
 
 }  // namespace

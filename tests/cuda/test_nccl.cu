@@ -296,6 +296,71 @@ TEST(NcclTransportFailure, AFailingRankEndsTheRunWithoutTouchingOtherRanksCommun
   EXPECT_THAT(what, ::testing::HasSubstr("rank 1 fails before its all_reduce"));
 }
 
+// ---- the watchdog of posted exchanges (NcclTransportOptions::deadline) ----------
+
+// Rank W-1 never posts its side: every other rank's watchdog aborts its
+// communicator within the deadline (plus a poll), its stream then ends, and
+// its next call throws timeout_error naming the post and its peers.
+TEST(NcclTransportWatchdog, APostAPeerNeverJoinsIsReportedWithinTheDeadline) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  int count = 0;
+  CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (count < 2) GTEST_SKIP() << "needs 2 CUDA devices (this machine has " << count << ")";
+  const int W = std::min(count, 3);
+  const auto U = static_cast<std::size_t>(W);
+  constexpr auto deadline = std::chrono::milliseconds(200);
+  std::vector<ncclComm_t> comms(U);
+  std::vector<int> devices(U);
+  for (int d = 0; d < W; ++d) devices[static_cast<std::size_t>(d)] = d;
+  CPDISPATCH_NCCL_CHECK(ncclCommInitAll(comms.data(), W, devices.data()));
+  std::vector<std::string> errors(U);
+  std::vector<double> seconds(U, -1);
+  std::atomic<int> done{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      const auto me = static_cast<std::size_t>(r);
+      CPDISPATCH_CUDA_CHECK(cudaSetDevice(r));
+      {
+        const cpdispatch::cuda::Stream stream;
+        NcclTransport t(comms[me], stream.get(), cpdispatch::NcclTransportOptions{.timeout = {}, .comm_stream = nullptr, .deadline = deadline});
+        if (r == W - 1) {  // stalls: never posts, until the others have their reports
+          while (done < W - 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        } else {
+          const std::size_t n = 64;
+          DeviceBytesBuffer send(n * U), recv(n * U);
+          std::vector<std::size_t> counts(U, n), displs(U);
+          for (std::size_t p = 0; p < U; ++p) displs[p] = p * n;
+          const auto start = std::chrono::steady_clock::now();
+          t.wait(t.post_all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs));
+          CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
+          try {
+            t.barrier();
+          } catch (const cpdispatch::timeout_error& e) {
+            errors[me] = e.what();
+          }
+          seconds[me] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          EXPECT_TRUE(t.broken());
+          ++done;
+        }
+      }
+      if (r == W - 1) (void)ncclCommDestroy(comms[me]);  // the others' watchdogs aborted theirs
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r + 1 < W; ++r) {
+    const auto me = static_cast<std::size_t>(r);
+    std::string peers;
+    for (int p = 0; p < W; ++p) peers += p == r ? "" : (peers.empty() ? " " : ", ") + std::to_string(p);
+    EXPECT_THAT(errors[me], ::testing::HasSubstr("NcclTransport: posted exchange #1 on rank " + std::to_string(r) + " of " + std::to_string(W) +
+                                                 " (receives from rank(s)" + peers + "; sends to rank(s)" + peers + ") was not done"));
+    EXPECT_THAT(errors[me], ::testing::HasSubstr("(NcclTransportOptions::deadline = 200 ms)"));
+    EXPECT_THAT(errors[me], ::testing::HasSubstr("the communicator was aborted (seen at barrier)"));
+    EXPECT_GE(seconds[me], 0.2) << "rank " << r;
+    EXPECT_LT(seconds[me], 0.2 + 1.0) << "rank " << r << ": the deadline plus a second";
+  }
+}
+
 // ---- posted exchanges ----------------------------------------------------------
 
 using cptest::AllToAllCase;

@@ -76,6 +76,17 @@
 //   reports (and aborts on) an asynchronous error NCCL found. After an abort
 //   the transport is broken: every later call throws nccl_error. A request
 //   whose group failed to issue throws from its wait().
+// - A stuck post is reported: NcclTransportOptions::deadline (300 s unless
+//   set; none turns it off) starts a watchdog thread at the first posted
+//   exchange. It watches an event recorded on the communication stream
+//   after each post; a post not done by its deadline (a peer that never
+//   posts its side, a dead GPU, a deadlock) makes it read NCCL's
+//   asynchronous state, write a report (the post, the peers it sends to and
+//   receives from, the state) and abort the communicator, so the GPU stops
+//   waiting and a host blocked on the stream gets it back. The transport's
+//   next call throws timeout_error with the report; broken() is true. Per
+//   post it costs an event record and a lock; the thread polls every tenth
+//   of the deadline (at most a second) and is joined at destruction.
 // - The communicator's GPU (ncclCommCuDevice) must be the current device of
 //   the calling thread: checked at construction and at every call
 //   (invalid_input naming both devices).
@@ -87,13 +98,18 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <optional>
 #include <thread>
 #include <unordered_set>
 #include <utility>
@@ -189,6 +205,121 @@ namespace cuda {
 class DeviceDataPath;  // the dispatcher's data path: cpdispatch/cuda/data_path.hpp
 }  // namespace cuda
 
+namespace detail {
+
+/// NcclTransport's watchdog of posted exchanges (NcclTransportOptions::
+/// deadline): one thread, started at the first post, that watches one
+/// event recorded on the communication stream after each post. The stream
+/// runs posts in order, so the event of the last post marks every post
+/// before it done too. A post still not done `deadline` after it was posted
+/// (the first such: the deadline counts from the oldest post not seen done)
+/// makes the thread read NCCL's asynchronous state, abort the communicator
+/// (the GPUs stop waiting for the missing peer) and keep a report, which
+/// the transport's next call throws.
+class NcclWatchdog {
+ public:
+  NcclWatchdog(ncclComm_t comm, int device, int rank, int size, std::chrono::milliseconds deadline)
+      : comm_(comm), device_(device), rank_(rank), size_(size), deadline_(deadline),
+        poll_(std::clamp<std::chrono::milliseconds>(deadline / 10, std::chrono::milliseconds(1), std::chrono::milliseconds(1000))) {}
+  NcclWatchdog(const NcclWatchdog&) = delete;
+  NcclWatchdog& operator=(const NcclWatchdog&) = delete;
+  ~NcclWatchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  /// After post `id` was enqueued on `comm_stream`: watches it. `send` and
+  /// `recv`: its peers (those with bytes to send or receive), for the report.
+  void posted(cudaStream_t comm_stream, std::uint64_t id, std::span<const std::size_t> send, std::span<const std::size_t> recv) {
+    std::lock_guard lock(mutex_);
+    if (!event_) event_.emplace();
+    if (!pending_) {
+      pending_ = true;
+      first_id_ = id;
+      first_at_ = std::chrono::steady_clock::now();
+      send_peers_.clear();
+      recv_peers_.clear();
+      for (std::size_t p = 0; p < send.size(); ++p) {
+        if (send[p] > 0 && static_cast<int>(p) != rank_) send_peers_.push_back(static_cast<int>(p));
+        if (recv[p] > 0 && static_cast<int>(p) != rank_) recv_peers_.push_back(static_cast<int>(p));
+      }
+    }
+    last_id_ = id;
+    ++generation_;
+    event_->record(comm_stream);  // under the lock: the thread never pairs an older record with this generation
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  }
+
+  /// Whether the deadline passed; then report() holds what happened.
+  bool fired() const noexcept { return fired_.load(std::memory_order_acquire); }
+  const std::string& report() const noexcept { return report_; }
+
+ private:
+  void run() {
+    (void)cudaSetDevice(device_);
+    std::unique_lock lock(mutex_);
+    while (!stop_) {
+      wake_.wait_for(lock, poll_, [this] { return stop_; });
+      if (stop_ || !pending_) continue;
+      const std::uint64_t generation = generation_;
+      lock.unlock();
+      const cudaError_t state = cudaEventQuery(event_->get());
+      if (state != cudaSuccess && state != cudaErrorNotReady) (void)cudaGetLastError();
+      lock.lock();
+      if (state == cudaSuccess && generation == generation_) {
+        pending_ = false;  // every post so far is done
+        continue;
+      }
+      if (!pending_ || std::chrono::steady_clock::now() - first_at_ <= deadline_) continue;
+      fire();
+      return;
+    }
+  }
+
+  /// Reads NCCL's state, writes the report, then aborts the communicator
+  /// (in this order: once the abort ends the stream's wait, the transport's
+  /// next call must already see the report, not reach NCCL).
+  void fire() {
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t polled = ncclCommGetAsyncError(comm_, &async);
+    std::string peers;
+    for (const auto& [what, list] : {std::pair{"receives from rank(s)", &recv_peers_}, std::pair{"sends to rank(s)", &send_peers_}}) {
+      peers += peers.empty() ? "" : "; ";
+      peers += what;
+      for (std::size_t i = 0; i < list->size(); ++i) peers += (i ? ", " : " ") + std::to_string((*list)[i]);
+      if (list->empty()) peers += " none";
+    }
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - first_at_).count();
+    report_ = concat("NcclTransport: posted exchange #", first_id_, last_id_ > first_id_ ? concat(" (and the ", last_id_ - first_id_, " posted after it)") : "",
+                     " on rank ", rank_, " of ", size_, " (", peers, ") was not done ", waited, " ms after it was posted (NcclTransportOptions::deadline = ",
+                     deadline_.count(), " ms): a peer that never posted its side, a dead GPU or a deadlock; NCCL's asynchronous state: ",
+                     polled == ncclSuccess ? nccl_result_name(async) : nccl_result_name(polled), "; the communicator was aborted");
+    fired_.store(true, std::memory_order_release);
+    (void)ncclCommAbort(comm_);
+  }
+
+  ncclComm_t comm_;
+  int device_, rank_, size_;
+  std::chrono::milliseconds deadline_, poll_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::optional<cuda::Event> event_;  // recorded after every post
+  bool pending_ = false;              // some post is not known to be done
+  std::uint64_t first_id_ = 0, last_id_ = 0, generation_ = 0;
+  std::chrono::steady_clock::time_point first_at_;
+  std::vector<int> send_peers_, recv_peers_;  // the first pending post's
+  std::atomic<bool> fired_{false};
+  std::string report_;  // written before fired_ is set
+  std::thread thread_;  // last: started after everything above exists
+};
+
+}  // namespace detail
+
 // Inside NcclTransport: checks an NCCL call with the transport's timeout.
 #define CPDISPATCH_NCCL_TRANSPORT_CHECK(expr) check((expr), #expr, __FILE__, __LINE__)
 
@@ -200,6 +331,13 @@ struct NcclTransportOptions {
   /// The stream posted exchanges run on; borrowed, must outlive the
   /// transport. Null: the transport creates its own.
   cudaStream_t comm_stream = nullptr;
+  /// Deadline of a posted exchange (post_all_to_all_v): a watchdog thread
+  /// (started at the first post) aborts the communicator when a post is
+  /// not done this long after it was posted (a peer that never posts its
+  /// side, a dead GPU, a deadlock), so that the GPUs stop waiting; the
+  /// transport's next call then throws timeout_error naming the post, its
+  /// peers and NCCL's asynchronous state. None: no watchdog.
+  std::optional<std::chrono::milliseconds> deadline = std::chrono::seconds(300);
 };
 
 class NcclTransport {
@@ -224,6 +362,10 @@ class NcclTransport {
       comm_stream_ = own_comm_stream_->get();
     }
     inputs_ready_.emplace();
+    if (options_.deadline) {
+      if (options_.deadline->count() < 1) fail("NcclTransport", detail::concat("options.deadline = ", options_.deadline->count(), " ms must be at least 1 ms"));
+      watchdog_ = std::make_unique<detail::NcclWatchdog>(comm_, device_, rank_, size_, *options_.deadline);
+    }
     barrier_word_.allocate(1);
     CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(barrier_word_.data(), 0, sizeof(std::int32_t), stream_));
   }
@@ -242,7 +384,7 @@ class NcclTransport {
   /// The communicator's GPU.
   int device() const noexcept { return device_; }
   /// True after the communicator was aborted (a timeout or an asynchronous error).
-  bool broken() const noexcept { return !broken_.empty(); }
+  bool broken() const noexcept { return !broken_.empty() || (watchdog_ && watchdog_->fired()); }
 
   /// Throws nccl_error, after aborting the communicator, when NCCL reports
   /// an asynchronous error on it (e.g. a peer failed); returns otherwise.
@@ -287,6 +429,7 @@ class NcclTransport {
       throw;
     }
     const std::uint64_t id = next_request_++;
+    if (watchdog_) watchdog_->posted(comm_stream_, id, send_counts, recv_counts);
     outstanding_.push_back({id, done, false});
     return Request{id};
   }
@@ -416,6 +559,7 @@ class NcclTransport {
 
   /// Refuses calls on a broken transport and from a thread whose current device is not the communicator's.
   void usable(const char* op) const {
+    if (watchdog_ && watchdog_->fired()) throw timeout_error(detail::concat(watchdog_->report(), " (seen at ", op, ")"));
     if (!broken_.empty()) {
       throw nccl_error(detail::concat("NcclTransport: ", op, " on rank ", rank_, " of ", size_, ": the communicator was aborted (", broken_,
                                       "); make a new one"),
@@ -539,6 +683,7 @@ class NcclTransport {
   int size_ = 0;
   int device_ = 0;
   std::string broken_;  // why the communicator was aborted; empty while usable
+  std::unique_ptr<detail::NcclWatchdog> watchdog_;  // with options.deadline
   cuda::DeviceBuffer<std::int32_t> barrier_word_;
   std::optional<cuda::Stream> own_comm_stream_;  // empty when NcclTransportOptions::comm_stream lends one
   cudaStream_t comm_stream_ = nullptr;
