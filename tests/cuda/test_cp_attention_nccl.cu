@@ -1,13 +1,18 @@
 // ContextParallelAttention on NcclTransport, a GPU a rank: the default mode
 // equals whole-document attention, and the invariant mode gives, at every
 // world size the machine has GPUs for, the bits of the one-rank device run
-// (packed order). Without two CUDA devices every test skips (the cuda-cpu
-// harness's NCCL double has four).
+// (packed order); a rank that never joins the step is reported by the
+// others' op (the transport's watchdog). Without two CUDA devices every test
+// skips (the cuda-cpu harness's NCCL double has eight).
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attention_op/cp_world.hpp"
@@ -81,6 +86,59 @@ TEST(CpAttentionNcclInvariant, EveryWorldSizeGivesTheBitsOfTheOneRankRun) {
     const CpWorld world(grid_plan(W, Placement::cut_further, 400 + static_cast<unsigned>(W), causal, dedup), s, causal, 77, attention_test::round_to<float>);
     attention_test::expect_same_bits(attention_test::packed(run_op<float>(NcclRanks{W}, world, s, attention_test::invariant_options(dedup, W)), s), want,
                                      "NCCL, W " + std::to_string(W));
+  }
+}
+
+// A rank that builds its op, then stalls and never joins the step: every
+// other rank's watchdog aborts its communicator within the deadline, and its
+// op's next call throws, naming the exchange and the post found stuck.
+TEST(CpAttentionNcclWatchdog, ARankThatNeverJoinsTheStepIsReportedByTheOthersOp) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const int W = std::min(nccl_ranks(), 3);
+  if (W == 0) GTEST_SKIP() << "NCCL needs a GPU a rank";
+  const auto U = static_cast<std::size_t>(W);
+  const AttentionShape s{2, 1, 8, 0.35f};
+  const CpWorld world(attention_test::random_plan(W, 95, AttentionMask::causal(), false), s, AttentionMask::causal(), 95, attention_test::round_to<float>);
+  std::vector<ncclComm_t> comms(U);
+  std::vector<int> devices(U);
+  for (int d = 0; d < W; ++d) devices[static_cast<std::size_t>(d)] = d;
+  CPDISPATCH_NCCL_CHECK(ncclCommInitAll(comms.data(), W, devices.data()));
+  std::vector<std::string> errors(U);
+  std::atomic<int> done{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      const auto me = static_cast<std::size_t>(r);
+      CPDISPATCH_CUDA_CHECK(cudaSetDevice(r));
+      {
+        const cpdispatch::cuda::Stream stream;
+        cpdispatch::NcclTransport t(comms[me], stream.get(),
+                                    cpdispatch::NcclTransportOptions{.timeout = {}, .comm_stream = nullptr, .deadline = std::chrono::milliseconds(200)});
+        cpdispatch::ContextParallelAttention<cpdispatch::NcclTransport, float> op(t, cpdispatch::plan_qkv_for_rank(world.plan(), t.rank()), s);
+        if (r == W - 1) {  // stalls: never joins the step
+          while (done < W - 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        } else {
+          const attention_test::RankTensors x = world.tensors(me);
+          const auto q = cptest::to_device(x.q), k = cptest::to_device(x.k), v = cptest::to_device(x.v), out = cptest::to_device(x.q);
+          try {
+            op.forward(cptest::in(q, x.q.size()), cptest::in(k, x.k.size()), cptest::in(v, x.v.size()), cptest::out(out, x.q.size()));
+            CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
+            op.backward(cptest::in(out, x.q.size()), cptest::out(q, x.q.size()), cptest::out(k, x.k.size()), cptest::out(v, x.v.size()));
+          } catch (const cpdispatch::timeout_error& e) {
+            errors[me] = e.what();
+          }
+          ++done;
+        }
+      }
+      if (r == W - 1) (void)ncclCommDestroy(comms[me]);  // the others' watchdogs aborted theirs
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r + 1 < W; ++r) {
+    const std::string& e = errors[static_cast<std::size_t>(r)];
+    EXPECT_THAT(e, ::testing::HasSubstr("ContextParallelAttention::backward (rank " + std::to_string(r) + " of " + std::to_string(W) + "): exchange failed"));
+    EXPECT_THAT(e, ::testing::HasSubstr("NcclTransport: posted exchange #"));
+    EXPECT_THAT(e, ::testing::HasSubstr("(NcclTransportOptions::deadline = 200 ms)"));
   }
 }
 
