@@ -361,6 +361,39 @@ TEST(NcclTransportWatchdog, APostAPeerNeverJoinsIsReportedWithinTheDeadline) {
   }
 }
 
+// A post captured into a graph runs at the graph's launch: the watchdog does
+// not count it as late while the graph waits to be launched.
+TEST(NcclTransportWatchdog, APostCapturedInAGraphIsNotWatched) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  ncclComm_t comm = nullptr;
+  const int device = 0;
+  CPDISPATCH_NCCL_CHECK(ncclCommInitAll(&comm, 1, &device));
+  CPDISPATCH_CUDA_CHECK(cudaSetDevice(0));
+  {
+    const cpdispatch::cuda::Stream stream;
+    NcclTransport t(comm, stream.get(), cpdispatch::NcclTransportOptions{.timeout = {}, .comm_stream = nullptr, .deadline = std::chrono::milliseconds(20)});
+    const cptest::AllToAllCase c(1, 200, 9);
+    const auto send = to_device(c.send(0));
+    DeviceBytesBuffer recv(c.bytes());
+    CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(recv.data(), 0, recv.size(), t.stream()));
+    cudaGraph_t graph = nullptr;
+    CPDISPATCH_CUDA_CHECK(cudaStreamBeginCapture(t.stream(), cudaStreamCaptureModeGlobal));
+    t.wait(c.post(t, send, recv));
+    CPDISPATCH_CUDA_CHECK(cudaStreamEndCapture(t.stream(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    CPDISPATCH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // ten deadlines before the launch
+    EXPECT_FALSE(t.broken());
+    EXPECT_NO_THROW(t.check_async());
+    CPDISPATCH_CUDA_CHECK(cudaGraphLaunch(exec, t.stream()));
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
+    EXPECT_EQ(to_host(recv.data(), recv.size()), c.expected(0));
+    CPDISPATCH_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CPDISPATCH_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  CPDISPATCH_NCCL_CHECK(ncclCommDestroy(comm));
+}
+
 // ---- posted exchanges ----------------------------------------------------------
 
 using cptest::AllToAllCase;

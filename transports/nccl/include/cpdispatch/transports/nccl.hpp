@@ -86,7 +86,9 @@
 //   waiting and a host blocked on the stream gets it back. The transport's
 //   next call throws timeout_error with the report; broken() is true. Per
 //   post it costs an event record and a lock; the thread polls every tenth
-//   of the deadline (at most a second) and is joined at destruction.
+//   of the deadline (at most a second) and is joined at destruction. Posts
+//   captured into a CUDA graph are not watched (they run when the graph is
+//   launched, which the transport does not see).
 // - The communicator's GPU (ncclCommCuDevice) must be the current device of
 //   the calling thread: checked at construction and at every call
 //   (invalid_input naming both devices).
@@ -429,7 +431,12 @@ class NcclTransport {
       throw;
     }
     const std::uint64_t id = next_request_++;
-    if (watchdog_) watchdog_->posted(comm_stream_, id, send_counts, recv_counts);
+    if (watchdog_) {
+      // A post captured into a graph runs when the graph is launched, not now: not watched.
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      CPDISPATCH_CUDA_CHECK(cudaStreamIsCapturing(comm_stream_, &capture));
+      if (capture == cudaStreamCaptureStatusNone) watchdog_->posted(comm_stream_, id, send_counts, recv_counts);
+    }
     outstanding_.push_back({id, done, false});
     return Request{id};
   }
