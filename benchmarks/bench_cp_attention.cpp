@@ -43,9 +43,11 @@
 // --kernel-rate, as bench_attention --sweep prints it). --links none runs an instant link (1e6 bytes a
 // FLOP: the kernels alone), which --links both adds with --model-check 1, to check the compute part alone.
 // --lengths FILE: a JSON array of document lengths like data/*.json, the sample named by the file's stem.
-// --trace PREFIX writes each balanced run of ours (per batch, link and stage count) as every rank's step
-// timeline, Chrome trace-event JSON (attention/step_trace.hpp; open it in ui.perfetto.dev), to
-// PREFIX-<sample>-b<batch>-<link>-s<stages>.json.
+// --trace PREFIX writes each balanced run of ours (per batch, link and stage count) and each peer's run as
+// every rank's step timeline, Chrome trace-event JSON (attention/step_trace.hpp; open it in ui.perfetto.dev),
+// to PREFIX-<sample>-b<batch>-<link>-<run>.json, <run> one of s<stages>, ulysses, ring, usp<u>: ours'
+// events are the op's (posts, waits, kernel passes, merges, fans), the peers' their all-to-alls, ring
+// passes' waits, kernel calls, merges and sums. tools/trace_diff.py lists where two timelines differ most.
 // --peers both (the default) is ulysses,ring; all adds usp. --shared-prefix runs with --peers ulysses only.
 // Ours runs the deduplicated key-value exchange (each shard once per destination rank) unless --dedup 0.
 // Batch b is the packed batch drawn with seed b: --first-batch and --sample run part of a long
@@ -194,6 +196,37 @@ Step timed_world(int W, const cpdispatch::LinkModel& link, Body&& body) {
   return {*std::max_element(seconds.begin(), seconds.end()), *std::max_element(bytes.begin(), bytes.end())};
 }
 
+/// Every rank's timeline of one run (attention/step_trace.hpp), one origin for all, written to `file` as
+/// Chrome trace-event JSON by write(); nothing is recorded when no file is named.
+class RunTrace {
+ public:
+  RunTrace(int W, std::string file) : file_(std::move(file)) {
+    const auto origin = cpdispatch::StepTrace::Clock::now();
+    if (!file_.empty())
+      for (int r = 0; r < W; ++r) traces_.emplace_back(r, origin);
+  }
+  cpdispatch::StepTrace* of(int rank) { return file_.empty() ? nullptr : &traces_[static_cast<std::size_t>(rank)]; }
+  void write() const {
+    if (file_.empty()) return;
+    std::ofstream out(file_);
+    std::vector<const cpdispatch::StepTrace*> all;
+    for (const auto& t : traces_) all.push_back(&t);
+    cpdispatch::write_chrome_trace(out, all);
+    std::printf("  (timeline: %s)\n", file_.c_str());
+  }
+
+ private:
+  std::string file_;
+  std::vector<cpdispatch::StepTrace> traces_;
+};
+
+/// Runs f, recorded as one event of `trace` where there is one (a peer's all-to-all, ring pass, kernel or merge).
+template <class F>
+void traced(cpdispatch::StepTrace* trace, const char* name, const char* call, int group, std::int64_t bytes, F&& f) {
+  if (trace == nullptr) return std::forward<F>(f)();
+  trace->record(name, call, group, bytes, std::forward<F>(f));
+}
+
 /// max / mean of per-rank work.
 double imbalance(const std::vector<double>& work) {
   double max = 0, sum = 0;
@@ -227,13 +260,11 @@ template <class Kernel>
 Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const cpdispatch::LinkModel& link, int stages,
                const std::string& trace_file = "") {
   const cpdispatch::AttentionShape shape{c.heads_q, c.heads_kv, c.head_dim, 0.125f};
-  const auto origin = cpdispatch::StepTrace::Clock::now();
-  std::vector<cpdispatch::StepTrace> traces;
-  for (int r = 0; r < c.world; ++r) traces.emplace_back(r, origin);
+  RunTrace traces(c.world, trace_file);
   const Step step = timed_world(c.world, link, [&](Link& t, auto&& time) {
     const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
     cpdispatch::CpAttentionOptions o{c.dedup, stages};
-    if (!trace_file.empty()) o.trace = &traces[static_cast<std::size_t>(t.rank())];
+    o.trace = traces.of(t.rank());
     cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, o, Kernel(make_kernel<Kernel>()));
     const auto nq = static_cast<std::size_t>(op.mlp_tokens() * c.heads_q * c.head_dim);
     const auto nkv = static_cast<std::size_t>(op.mlp_tokens() * c.heads_kv * c.head_dim);
@@ -243,13 +274,7 @@ Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const 
       op.backward(out, dq, dk, dv);
     });
   });
-  if (!trace_file.empty()) {
-    std::ofstream out(trace_file);
-    std::vector<const cpdispatch::StepTrace*> all;
-    for (const auto& t : traces) all.push_back(&t);
-    cpdispatch::write_chrome_trace(out, all);
-    std::printf("  (timeline: %s)\n", trace_file.c_str());
-  }
+  traces.write();
   return step;
 }
 
@@ -260,19 +285,20 @@ std::size_t sz(std::int64_t n) { return static_cast<std::size_t>(n); }
 /// rank's share of the heads), and back. Ranks outside the group get nothing.
 class HeadExchange {
  public:
-  HeadExchange(Link& t, std::int64_t tokens, std::int64_t group, std::int64_t head_dim)
-      : t_(t), tokens_(tokens), group_(group), dim_(head_dim), first_(t.rank() / group * group) {}
+  HeadExchange(Link& t, std::int64_t tokens, std::int64_t group, std::int64_t head_dim, cpdispatch::StepTrace* trace = nullptr)
+      : t_(t), tokens_(tokens), group_(group), dim_(head_dim), first_(t.rank() / group * group), trace_(trace) {}
 
-  void to_heads(const float* from, std::int64_t heads, float* to) {
+  /// `call`: "forward" or "backward", for the timeline.
+  void to_heads(const float* from, std::int64_t heads, float* to, const char* call = "forward") {
     const std::int64_t hg = blocks(heads);
     for (std::int64_t p = 0; p < group_; ++p)
       for (std::int64_t i = 0; i < tokens_; ++i) std::memcpy(staged(p, i, hg), from + row(i, p, heads, hg), sz(hg * dim_) * sizeof(float));
-    t_.all_to_all_v(staging_.data(), counts_, displs_, to, counts_, displs_);
+    traced(trace_, "all-to-all", call, -1, sent(), [&] { t_.all_to_all_v(staging_.data(), counts_, displs_, to, counts_, displs_); });
   }
 
-  void to_sequence(const float* from, std::int64_t heads, float* to) {
+  void to_sequence(const float* from, std::int64_t heads, float* to, const char* call = "forward") {
     const std::int64_t hg = blocks(heads);
-    t_.all_to_all_v(from, counts_, displs_, staging_.data(), counts_, displs_);
+    traced(trace_, "all-to-all", call, -1, sent(), [&] { t_.all_to_all_v(from, counts_, displs_, staging_.data(), counts_, displs_); });
     for (std::int64_t p = 0; p < group_; ++p)
       for (std::int64_t i = 0; i < tokens_; ++i) std::memcpy(to + row(i, p, heads, hg), staged(p, i, hg), sz(hg * dim_) * sizeof(float));
   }
@@ -289,10 +315,17 @@ class HeadExchange {
     return hg;
   }
   float* staged(std::int64_t p, std::int64_t i, std::int64_t hg) { return staging_.data() + sz((p * tokens_ + i) * hg * dim_); }
+  /// Bytes this rank sends and receives in one exchange (its own block stays).
+  std::int64_t sent() const {
+    std::size_t n = 0;
+    for (std::size_t p = 0; p < counts_.size(); ++p) n += static_cast<int>(p) == t_.rank() ? 0 : 2 * counts_[p];
+    return static_cast<std::int64_t>(n);
+  }
   std::size_t row(std::int64_t i, std::int64_t p, std::int64_t heads, std::int64_t hg) const { return sz((i * heads + p * hg) * dim_); }
 
   Link& t_;
   std::int64_t tokens_, group_, dim_, first_;
+  cpdispatch::StepTrace* trace_;
   std::vector<float> staging_;
   std::vector<std::size_t> counts_, displs_;
 };
@@ -315,13 +348,16 @@ std::vector<cpdispatch::AttentionEntry> batch_entries(const std::vector<cpdispat
 /// heads_kv / W key-value heads), attention over whole documents under their masks, all-to-all back;
 /// backward the same with the gradients.
 template <class Kernel>
-Step ulysses_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link) {
+Step ulysses_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link,
+                  const std::string& trace_file = "") {
   const std::int64_t W = c.world, D = c.head_dim, T = c.tokens, total = T * W, hq = c.heads_q / W, hkv = c.heads_kv / W;
   const std::vector<cpdispatch::AttentionEntry> entries = batch_entries(docs);
   const cpdispatch::AttentionShape shape{hq, hkv, D, 0.125f};
-  return timed_world(c.world, link, [&](Link& t, auto&& time) {
+  RunTrace traces(c.world, trace_file);
+  const Step step = timed_world(c.world, link, [&](Link& t, auto&& time) {
     Kernel kernel = make_kernel<Kernel>();
-    HeadExchange heads(t, T, W, D);
+    cpdispatch::StepTrace* trace = traces.of(t.rank());
+    HeadExchange heads(t, T, W, D, trace);
     std::vector<float> x(sz(T * c.heads_q * D), 0.01f), y(x.size()), xkv(sz(T * c.heads_kv * D), 0.02f), ykv(xkv.size());
     std::vector<float> q(sz(total * hq * D)), out(q.size()), dout(q.size()), dq(q.size()), lse(sz(total * hq));
     std::vector<float> k(sz(total * hkv * D)), v(k.size()), dk(k.size()), dv(k.size());
@@ -330,17 +366,23 @@ Step ulysses_step(const Config& c, const std::vector<cpdispatch::BalanceDocument
       heads.to_heads(x.data(), c.heads_q, q.data());
       heads.to_heads(xkv.data(), c.heads_kv, k.data());
       heads.to_heads(xkv.data(), c.heads_kv, v.data());
-      kernel.forward(shape, e, std::span<const float>(q), std::span<const float>(k), std::span<const float>(v), std::span<float>(out),
-                     std::span<float>(lse));
+      traced(trace, "kernel", "forward", -1, 0, [&] {
+        kernel.forward(shape, e, std::span<const float>(q), std::span<const float>(k), std::span<const float>(v), std::span<float>(out),
+                       std::span<float>(lse));
+      });
       heads.to_sequence(out.data(), c.heads_q, y.data());
-      heads.to_heads(y.data(), c.heads_q, dout.data());
-      kernel.backward(shape, e, std::span<const float>(q), std::span<const float>(k), std::span<const float>(v), std::span<const float>(out),
-                      std::span<const float>(lse), std::span<const float>(dout), std::span<float>(dq), std::span<float>(dk), std::span<float>(dv));
-      heads.to_sequence(dq.data(), c.heads_q, y.data());
-      heads.to_sequence(dk.data(), c.heads_kv, ykv.data());
-      heads.to_sequence(dv.data(), c.heads_kv, ykv.data());
+      heads.to_heads(y.data(), c.heads_q, dout.data(), "backward");
+      traced(trace, "kernel", "backward", -1, 0, [&] {
+        kernel.backward(shape, e, std::span<const float>(q), std::span<const float>(k), std::span<const float>(v), std::span<const float>(out),
+                        std::span<const float>(lse), std::span<const float>(dout), std::span<float>(dq), std::span<float>(dk), std::span<float>(dv));
+      });
+      heads.to_sequence(dq.data(), c.heads_q, y.data(), "backward");
+      heads.to_sequence(dk.data(), c.heads_kv, ykv.data(), "backward");
+      heads.to_sequence(dv.data(), c.heads_kv, ykv.data(), "backward");
     });
   });
+  traces.write();
+  return step;
 }
 
 /// The zig-zag layout over `groups` groups of ranks: every document padded to a multiple of 2 x groups and cut
@@ -376,6 +418,7 @@ class ZigZagRing {
         part_(q.size()), lse_part_(lse.size()), dkv_cur_(kv.size()), dkv_part_(kv.size()), dkv_in_(kv.size()), dkv_out_(kv.size()) {}
 
   std::vector<float> q, kv, out, lse, dout, dq, dkv;
+  cpdispatch::StepTrace* trace = nullptr;  ///< where to record the ring's timeline (none: nothing)
 
   void forward() {
     const int G = layout_.groups;
@@ -387,13 +430,17 @@ class ZigZagRing {
       for (int a = 0; a < 2; ++a)
         for (int b = 0; b < 2; ++b) {
           entries_of(src, a, b);
-          kernel_.forward(shape_, std::span<const cpdispatch::AttentionEntry>(entries_), std::span<const float>(q), k(), v(),
-                          std::span<float>(part_), std::span<float>(lse_part_));
-          for (const auto& x : entries_)
-            cpdispatch::detail::merge_partial<float>(out, lse, std::span<const float>(part_), lse_part_, rows_, shape_.heads_q,
-                                                     shape_.head_dim, x.q_start, x.q_start + x.q_len);
+          traced(trace, "kernel", "forward", step, 0, [&] {
+            kernel_.forward(shape_, std::span<const cpdispatch::AttentionEntry>(entries_), std::span<const float>(q), k(), v(),
+                            std::span<float>(part_), std::span<float>(lse_part_));
+          });
+          traced(trace, "merge", "forward", step, 0, [&] {
+            for (const auto& x : entries_)
+              cpdispatch::detail::merge_partial<float>(out, lse, std::span<const float>(part_), lse_part_, rows_, shape_.heads_q,
+                                                       shape_.head_dim, x.q_start, x.q_start + x.q_len);
+          });
         }
-      if (step + 1 < G) t_.wait(reqs.first), t_.wait(reqs.second), std::swap(kv_cur_, kv_next_);
+      if (step + 1 < G) wait_pass("forward", step, reqs);
     }
   }
 
@@ -415,23 +462,31 @@ class ZigZagRing {
       for (int a = 0; a < 2; ++a)
         for (int b = 0; b < 2; ++b) {
           entries_of(src, a, b);
-          kernel_.backward(shape_, std::span<const cpdispatch::AttentionEntry>(entries_), std::span<const float>(q), k(), v(),
-                           std::span<const float>(out), std::span<const float>(lse), std::span<const float>(dout), std::span<float>(dq),
-                           std::span<float>(dkv_part_.data(), n), std::span<float>(dkv_part_.data() + n, n));
-          for (std::size_t i = 0; i < kv.size(); ++i) dkv_cur_[i] += dkv_part_[i];  // a ring adds each pair's share (timed as such)
+          traced(trace, "kernel", "backward", step, 0, [&] {
+            kernel_.backward(shape_, std::span<const cpdispatch::AttentionEntry>(entries_), std::span<const float>(q), k(), v(),
+                             std::span<const float>(out), std::span<const float>(lse), std::span<const float>(dout), std::span<float>(dq),
+                             std::span<float>(dkv_part_.data(), n), std::span<float>(dkv_part_.data() + n, n));
+          });
+          traced(trace, "sum", "backward", step, 0, [&] {
+            for (std::size_t i = 0; i < kv.size(); ++i) dkv_cur_[i] += dkv_part_[i];  // a ring adds each pair's share (timed as such)
+          });
         }
       if (step > 0) {
-        t_.wait(g_recv);
-        for (std::size_t i = 0; i < kv.size(); ++i) dkv_cur_[i] += dkv_in_[i];
-        t_.wait(g_send);  // the previous accumulator has left: its buffer may be reused
+        traced(trace, "wait", "backward", step, static_cast<std::int64_t>(bytes), [&] { t_.wait(g_recv); });
+        traced(trace, "sum", "backward", step, 0, [&] {
+          for (std::size_t i = 0; i < kv.size(); ++i) dkv_cur_[i] += dkv_in_[i];
+        });
+        traced(trace, "wait", "backward", step, static_cast<std::int64_t>(bytes), [&] { t_.wait(g_send); });  // the previous accumulator has left
       }
       std::swap(dkv_cur_, dkv_out_);
       g_send = t_.isend(dkv_out_.data(), bytes, to_, 1);  // the last one goes home
-      if (step + 1 < G) t_.wait(reqs.first), t_.wait(reqs.second), std::swap(kv_cur_, kv_next_);
+      if (step + 1 < G) wait_pass("backward", step, reqs);
     }
     const cpdispatch::Request home = t_.irecv(dkv.data(), bytes, from_, 1);  // this rank's own block's gradients
-    t_.wait(g_send);
-    t_.wait(home);
+    traced(trace, "wait", "backward", G, static_cast<std::int64_t>(2 * bytes), [&] {
+      t_.wait(g_send);
+      t_.wait(home);
+    });
   }
 
  private:
@@ -450,6 +505,15 @@ class ZigZagRing {
       if (kb <= qa) entries_.push_back({at + a * ch, ch, at + b * ch, ch, {cpdispatch::Band::unbounded_lo, (qa - kb + b - a) * ch}});
       at += 2 * ch;
     }
+  }
+
+  /// Waits for a ring step's pass (its key-values out and the next block in), then takes the next block.
+  void wait_pass(const char* call, int step, std::pair<cpdispatch::Request, cpdispatch::Request> reqs) {
+    traced(trace, "wait", call, step, static_cast<std::int64_t>(2 * kv_cur_.size() * sizeof(float)), [&] {
+      t_.wait(reqs.first);
+      t_.wait(reqs.second);
+    });
+    std::swap(kv_cur_, kv_next_);
   }
 
   /// The key-values held now to the next group, the previous group's into kv_next_.
@@ -473,14 +537,17 @@ class ZigZagRing {
 /// gives each of them all those tokens on heads / group heads, which the ring attends. group = 1 is ring
 /// attention alone (no all-to-all).
 template <class Kernel>
-Step usp_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link, std::int64_t group) {
+Step usp_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& docs, const cpdispatch::LinkModel& link, std::int64_t group,
+              const std::string& trace_file = "") {
   const ZigZagLayout layout = zigzag_layout(docs, static_cast<int>(c.world / group));
   const std::int64_t T = (layout.tokens + group - 1) / group, D = c.head_dim;  // T: a rank's MLP tokens
   const cpdispatch::AttentionShape shape{c.heads_q / group, c.heads_kv / group, D, 0.125f};
-  return timed_world(c.world, link, [&](Link& t, auto&& time) {
+  RunTrace traces(c.world, trace_file);
+  const Step step = timed_world(c.world, link, [&](Link& t, auto&& time) {
     Kernel kernel = make_kernel<Kernel>();
     ZigZagRing<Kernel> ring(t, kernel, layout, group, group * T, shape);
-    HeadExchange heads(t, T, group, D);
+    ring.trace = traces.of(t.rank());
+    HeadExchange heads(t, T, group, D, ring.trace);
     const std::size_t half = ring.kv.size() / 2;  // K, then V
     std::vector<float> x(sz(T * c.heads_q * D), 0.01f), y(x.size()), xkv(sz(T * c.heads_kv * D), 0.02f), ykv(xkv.size());
     time([&] {
@@ -492,16 +559,18 @@ Step usp_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& d
       ring.forward();
       if (group > 1) {
         heads.to_sequence(ring.out.data(), c.heads_q, y.data());
-        heads.to_heads(y.data(), c.heads_q, ring.dout.data());
+        heads.to_heads(y.data(), c.heads_q, ring.dout.data(), "backward");
       }
       ring.backward();
       if (group > 1) {
-        heads.to_sequence(ring.dq.data(), c.heads_q, y.data());
-        heads.to_sequence(ring.dkv.data(), c.heads_kv, ykv.data());
-        heads.to_sequence(ring.dkv.data() + half, c.heads_kv, ykv.data());
+        heads.to_sequence(ring.dq.data(), c.heads_q, y.data(), "backward");
+        heads.to_sequence(ring.dkv.data(), c.heads_kv, ykv.data(), "backward");
+        heads.to_sequence(ring.dkv.data() + half, c.heads_kv, ykv.data(), "backward");
       }
     });
   });
+  traces.write();
+  return step;
 }
 
 double median(std::vector<double> v) {
@@ -551,6 +620,11 @@ struct LinkRun {
 
 using Ratios = std::map<std::string, std::vector<double>>;
 
+/// --trace's file for one run of a batch over a link: PREFIX-<sample>-b<batch>-<link>-<run>.json (none without --trace).
+std::string trace_name(const Config& c, const Batch& batch, const LinkRun& l, const std::string& run) {
+  return c.trace.empty() ? "" : c.trace + "-" + batch.name + "-b" + std::to_string(batch.index) + "-" + l.option + "-" + run + ".json";
+}
+
 cpdispatch::ClusterModel link_cluster(const Config& c, const Batch& batch, double bandwidth);
 
 /// --model-check: one method's modelled step (`model` of a cluster: one rate, then the kernel's entries) beside
@@ -589,9 +663,7 @@ Step run_balanced(const Config& c, const Batch& batch, const LinkRun& l, Ratios&
   Step best{1e300, 0};
   double one_stage = 0;
   for (const int stages : c.balanced ? c.stages : std::vector<int>{}) {
-    const std::string trace = c.trace.empty() ? "" : c.trace + "-" + batch.name + "-b" + std::to_string(batch.index) + "-" + l.option + "-s" +
-                                                         std::to_string(stages) + ".json";
-    const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, batch.plan, link, stages, trace);
+    const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, batch.plan, link, stages, trace_name(c, batch, l, "s" + std::to_string(stages)));
     if (ours.seconds < best.seconds) best.seconds = ours.seconds;
     best.bytes = ours.bytes;
     std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms", batch.name.c_str(), batch.index, l.name, stages,
@@ -624,12 +696,13 @@ struct UspRun {
   Step step{};
   std::int64_t u = 0, model_u = 0;
 };
-UspRun run_usp(const Config& c, const Batch& batch, const cpdispatch::LinkModel& link, const cpdispatch::ClusterModel& cluster) {
+UspRun run_usp(const Config& c, const Batch& batch, const LinkRun& l, const cpdispatch::ClusterModel& cluster) {
+  const cpdispatch::LinkModel link{std::chrono::nanoseconds{0}, l.bandwidth};
   std::vector<std::int64_t> lengths;
   for (const auto& d : batch.problem.documents) lengths.push_back(length_of(d));
   UspRun best;
   for (const std::int64_t u : usp_groups(c)) {
-    const Step s = usp_step<cpdispatch::HostAttentionKernel>(c, batch.problem.documents, link, u);
+    const Step s = usp_step<cpdispatch::HostAttentionKernel>(c, batch.problem.documents, link, u, trace_name(c, batch, l, "usp" + std::to_string(u)));
     if (best.u == 0 || s.seconds < best.step.seconds) best.step = s, best.u = u;
   }
   best.model_u = cpdispatch::model_usp_best(lengths, cpdispatch::AttentionMask::causal(), c.world, cluster, layer_shape(c)).group;
@@ -706,9 +779,9 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
   if (c.ulysses) {
     char kv[64] = "";
     if (c.shared_prefix > 0) std::snprintf(kv, sizeof kv, " (key-value %.1f MiB a rank, forward)", ulysses_kv_bytes(c) / 1048576.0);
-    peer("ulysses", kv, m.ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, docs, link));
+    peer("ulysses", kv, m.ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, docs, link, trace_name(c, batch, l, "ulysses")));
   }
-  if (c.ring) peer("ring zig-zag", "", m.ring = usp_step<cpdispatch::HostAttentionKernel>(c, docs, link, 1));
+  if (c.ring) peer("ring zig-zag", "", m.ring = usp_step<cpdispatch::HostAttentionKernel>(c, docs, link, 1, trace_name(c, batch, l, "ring")));
   std::vector<std::int64_t> lengths;
   std::vector<std::vector<cpdispatch::AttentionSlice>> slices;
   for (const auto& d : docs) lengths.push_back(length_of(d)), slices.push_back(d.slices);
@@ -725,7 +798,7 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
     }, ratios_of);
   }
   if (c.usp) {
-    m.usp = run_usp(c, batch, link, cluster);
+    m.usp = run_usp(c, batch, l, cluster);
     peer("USP", " u=" + std::to_string(m.usp.u) + " (the step model picks u=" + std::to_string(m.usp.model_u) + ")", m.usp.step);
   }
   if (peers.size() > 1) {
