@@ -172,6 +172,6 @@ add_test(NAME mpi_option_on_without_mpi
                  -DCPDISPATCH_WITH_MPI=ON -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DCPDISPATCH_BUILD_TESTS=OFF
                  -DCPDISPATCH_BUILD_TOOLS=OFF -DCPDISPATCH_BUILD_EXAMPLES=OFF -DCPDISPATCH_BUILD_BENCHMARKS=OFF)
 set_tests_properties(mpi_option_on_without_mpi PROPERTIES
-  LABELS mpi
+  LABELS "mpi;configure"
   TIMEOUT 120
   PASS_REGULAR_EXPRESSION "CPDISPATCH_WITH_MPI=ON, but no MPI implementation was found")
