@@ -9,10 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "attention_op/cp_world.hpp"
@@ -96,44 +94,23 @@ TEST(CpAttentionNcclWatchdog, ARankThatNeverJoinsTheStepIsReportedByTheOthersOp)
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
   const int W = std::min(nccl_ranks(), 3);
   if (W == 0) GTEST_SKIP() << "NCCL needs a GPU a rank";
-  const auto U = static_cast<std::size_t>(W);
   const AttentionShape s{2, 1, 8, 0.35f};
   const CpWorld world(attention_test::random_plan(W, 95, AttentionMask::causal(), false), s, AttentionMask::causal(), 95, attention_test::round_to<float>);
-  std::vector<ncclComm_t> comms(U);
-  std::vector<int> devices(U);
-  for (int d = 0; d < W; ++d) devices[static_cast<std::size_t>(d)] = d;
-  CPDISPATCH_NCCL_CHECK(ncclCommInitAll(comms.data(), W, devices.data()));
-  std::vector<std::string> errors(U);
-  std::atomic<int> done{0};
-  std::vector<std::thread> threads;
-  for (int r = 0; r < W; ++r) {
-    threads.emplace_back([&, r] {
-      const auto me = static_cast<std::size_t>(r);
-      CPDISPATCH_CUDA_CHECK(cudaSetDevice(r));
-      {
-        const cpdispatch::cuda::Stream stream;
-        cpdispatch::NcclTransport t(comms[me], stream.get(),
-                                    cpdispatch::NcclTransportOptions{.timeout = {}, .comm_stream = nullptr, .deadline = std::chrono::milliseconds(200)});
-        cpdispatch::ContextParallelAttention<cpdispatch::NcclTransport, float> op(t, cpdispatch::plan_qkv_for_rank(world.plan(), t.rank()), s);
-        if (r == W - 1) {  // stalls: never joins the step
-          while (done < W - 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        } else {
-          const attention_test::RankTensors x = world.tensors(me);
-          const auto q = cptest::to_device(x.q), k = cptest::to_device(x.k), v = cptest::to_device(x.v), out = cptest::to_device(x.q);
-          try {
-            op.forward(cptest::in(q, x.q.size()), cptest::in(k, x.k.size()), cptest::in(v, x.v.size()), cptest::out(out, x.q.size()));
-            CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
-            op.backward(cptest::in(out, x.q.size()), cptest::out(q, x.q.size()), cptest::out(k, x.k.size()), cptest::out(v, x.v.size()));
-          } catch (const cpdispatch::timeout_error& e) {
-            errors[me] = e.what();
-          }
-          ++done;
-        }
-      }
-      if (r == W - 1) (void)ncclCommDestroy(comms[me]);  // the others' watchdogs aborted theirs
-    });
-  }
-  for (auto& t : threads) t.join();
+  std::vector<std::string> errors(static_cast<std::size_t>(W));
+  cptest::run_nccl_with_a_stalled_rank(W, std::chrono::milliseconds(200), [&](cpdispatch::NcclTransport& t, bool stalled) {
+    cpdispatch::ContextParallelAttention<cpdispatch::NcclTransport, float> op(t, cpdispatch::plan_qkv_for_rank(world.plan(), t.rank()), s);
+    if (stalled) return;  // built its op (the plan agreement is a collective), never joins the step
+    const auto me = static_cast<std::size_t>(t.rank());
+    const attention_test::RankTensors x = world.tensors(me);
+    const auto q = cptest::to_device(x.q), k = cptest::to_device(x.k), v = cptest::to_device(x.v), out = cptest::to_device(x.q);
+    try {
+      op.forward(cptest::in(q, x.q.size()), cptest::in(k, x.k.size()), cptest::in(v, x.v.size()), cptest::out(out, x.q.size()));
+      CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
+      op.backward(cptest::in(out, x.q.size()), cptest::out(q, x.q.size()), cptest::out(k, x.k.size()), cptest::out(v, x.v.size()));
+    } catch (const cpdispatch::timeout_error& e) {
+      errors[me] = e.what();
+    }
+  });
   for (int r = 0; r + 1 < W; ++r) {
     const std::string& e = errors[static_cast<std::size_t>(r)];
     EXPECT_THAT(e, ::testing::HasSubstr("ContextParallelAttention::backward (rank " + std::to_string(r) + " of " + std::to_string(W) + "): exchange failed"));

@@ -32,6 +32,7 @@
 #include "all_to_all_case.hpp"
 #include "cuda_test_util.hpp"
 #include "dispatch_helpers.hpp"
+#include "nccl_world.hpp"
 
 namespace {
 
@@ -308,46 +309,26 @@ TEST(NcclTransportWatchdog, APostAPeerNeverJoinsIsReportedWithinTheDeadline) {
   if (count < 2) GTEST_SKIP() << "needs 2 CUDA devices (this machine has " << count << ")";
   const int W = std::min(count, 3);
   const auto U = static_cast<std::size_t>(W);
-  constexpr auto deadline = std::chrono::milliseconds(200);
-  std::vector<ncclComm_t> comms(U);
-  std::vector<int> devices(U);
-  for (int d = 0; d < W; ++d) devices[static_cast<std::size_t>(d)] = d;
-  CPDISPATCH_NCCL_CHECK(ncclCommInitAll(comms.data(), W, devices.data()));
   std::vector<std::string> errors(U);
   std::vector<double> seconds(U, -1);
-  std::atomic<int> done{0};
-  std::vector<std::thread> threads;
-  for (int r = 0; r < W; ++r) {
-    threads.emplace_back([&, r] {
-      const auto me = static_cast<std::size_t>(r);
-      CPDISPATCH_CUDA_CHECK(cudaSetDevice(r));
-      {
-        const cpdispatch::cuda::Stream stream;
-        NcclTransport t(comms[me], stream.get(), cpdispatch::NcclTransportOptions{.timeout = {}, .comm_stream = nullptr, .deadline = deadline});
-        if (r == W - 1) {  // stalls: never posts, until the others have their reports
-          while (done < W - 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        } else {
-          const std::size_t n = 64;
-          DeviceBytesBuffer send(n * U), recv(n * U);
-          std::vector<std::size_t> counts(U, n), displs(U);
-          for (std::size_t p = 0; p < U; ++p) displs[p] = p * n;
-          const auto start = std::chrono::steady_clock::now();
-          t.wait(t.post_all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs));
-          CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
-          try {
-            t.barrier();
-          } catch (const cpdispatch::timeout_error& e) {
-            errors[me] = e.what();
-          }
-          seconds[me] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          EXPECT_TRUE(t.broken());
-          ++done;
-        }
-      }
-      if (r == W - 1) (void)ncclCommDestroy(comms[me]);  // the others' watchdogs aborted theirs
-    });
-  }
-  for (auto& t : threads) t.join();
+  cptest::run_nccl_with_a_stalled_rank(W, std::chrono::milliseconds(200), [&](NcclTransport& t, bool stalled) {
+    if (stalled) return;  // never posts
+    const auto me = static_cast<std::size_t>(t.rank());
+    const std::size_t n = 64;
+    DeviceBytesBuffer send(n * U), recv(n * U);
+    std::vector<std::size_t> counts(U, n), displs(U);
+    for (std::size_t p = 0; p < U; ++p) displs[p] = p * n;
+    const auto start = std::chrono::steady_clock::now();
+    t.wait(t.post_all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs));
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
+    try {
+      t.barrier();
+    } catch (const cpdispatch::timeout_error& e) {
+      errors[me] = e.what();
+    }
+    seconds[me] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_TRUE(t.broken());
+  });
   for (int r = 0; r + 1 < W; ++r) {
     const auto me = static_cast<std::size_t>(r);
     std::string peers;
