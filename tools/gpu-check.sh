@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build-gpu}
 carry="$build_dir/carry"
 tests=(cuda_device_test cuda_dedup_test cuda_nccl_test cuda_nccl_errors_test cuda_host_test cudnn_attention_test)
-benches=(bench_cuda_dispatch bench_cuda_dedup bench_cuda_attention bench_cuda_cp_attention)
+benches=(bench_cuda_dispatch bench_cuda_dedup bench_cuda_attention bench_cuda_cp_attention bench_cuda_checksum)
 
 build() {
   set -e
@@ -115,6 +115,7 @@ run() {
   part bench_cuda_attention-cuda 90 "$carry/bench_cuda_attention" --kernel cuda --cases quick --repeats 3
   part bench_cuda_dispatch 90 "$carry/bench_cuda_dispatch" 8 8192 20
   part bench_cuda_dedup 90 "$carry/bench_cuda_dedup" 8 16384 20
+  part bench_cuda_checksum 60 "$carry/bench_cuda_checksum" 8 1048576 20
   echo "gpu-check: $failed part(s) failed; logs in $out/"
   [ $failed -eq 0 ]
 }

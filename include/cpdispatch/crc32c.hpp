@@ -1,7 +1,7 @@
 #pragma once
 // CRC32C (Castagnoli: polynomial 0x1EDC6F41, reflected, initial value and
 // final xor 0xFFFFFFFF), the checksum of exchanged segments
-// (execute/checksummed_transport.hpp).
+// (adapters/checksummed.hpp; on the device, cuda/crc32c.hpp).
 //
 //   std::uint32_t c = cpdispatch::crc32c(data, bytes);            // one buffer
 //   c = cpdispatch::crc32c(more, more_bytes, c);                  // continues it: crc32c(A) then B == crc32c(A||B)

@@ -5,7 +5,8 @@
 // error of the same kernel run unsharded in that type. Cases are pairwise
 // over world size, heads, mask, dedup and stages; a plan with slices; replan
 // over changing plans; an idle rank; the refusals; one stage is bitwise the
-// same run to run. Without a CUDA device every test skips.
+// same run to run; the op over DeviceChecksummedTransport. Without a CUDA
+// device every test skips.
 
 #include <gtest/gtest.h>
 
@@ -23,6 +24,7 @@
 #include "attention_op/run_op.hpp"
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/slice_plans.hpp"
+#include "cpdispatch/cuda/checksummed.hpp"
 #include "cpdispatch/cuda/context_parallel.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
 #include "cuda_test_util.hpp"
@@ -387,6 +389,32 @@ TEST(CpAttentionDeviceInvariant, ANaNInOneRanksInputIsRefusedOnEveryRank) {
       }
     });
     attention_test::expect_refused_on_every_rank(errors, in_dout);
+  }
+}
+
+/// Over DeviceChecksummedTransport the op gives the results it gives over
+/// the bare device sim, and each rank's check() counts the segments its
+/// exchanges brought from other ranks (blocking and posted, every stage).
+TEST(CpAttentionDeviceChecksummed, EqualsTheReferenceWithEverySegmentChecked) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const AttentionShape shape{4, 2, 4, 0.45f};
+  for (const auto& run : {std::pair{true, 1}, std::pair{false, 3}}) {
+    const bool dedup = run.first;  // copies, not structured bindings: a lambda below takes them
+    const int stages = run.second;
+    SCOPED_TRACE(std::string(dedup ? "dedup, " : "") + std::to_string(stages) + " stage(s)");
+    const CpWorld world(random_plan(4, 64, AttentionMask::causal(), dedup), shape, AttentionMask::causal(), 64, attention_test::round_to<float>);
+    DeviceSimWorld sim(4);
+    std::vector<std::uint64_t> checked(4);
+    const auto results = attention_test::on_every_rank(sim, world, [&](DeviceSimTransport& t, const cpdispatch::RankQkvMetadata& share) {
+      cpdispatch::DeviceChecksummedTransport checked_transport(t);
+      cpdispatch::ContextParallelAttention<decltype(checked_transport), float> op(checked_transport, share, shape, {dedup, stages});
+      RankResult r = device_step<float>(op, world.tensors(static_cast<std::size_t>(t.rank())));
+      checked[static_cast<std::size_t>(t.rank())] = checked_transport.check();
+      return r;
+    });
+    world.expect_equal(results, 1e-5);
+    // The plan agreement's exchange, then the step's: at least W - 1 segments each, on every rank.
+    for (std::size_t r = 0; r < checked.size(); ++r) EXPECT_GE(checked[r], 2u * 3u) << "rank " << r;
   }
 }
 

@@ -120,6 +120,36 @@ inline SegmentSum pieces_sum(const void* base, std::span<const BytePiece> pieces
   return s;
 }
 
+/// "0x1f2e0c55".
+inline std::string hex(std::uint32_t v) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s = "0x00000000";
+  for (int i = 0; i < 8; ++i) s[static_cast<std::size_t>(9 - i)] = digits[(v >> (4 * i)) & 0xFu];
+  return s;
+}
+
+/// The error of a received segment (`where`: "rank 0 of 4: the segment
+/// from rank 3 in exchange #1 (...)") whose byte count or CRC32C differ
+/// from what its sender sent.
+inline corruption_error mismatch(const std::string& where, int source, int receiving, std::uint32_t got_crc, std::uint64_t got_bytes,
+                                 std::uint32_t sent_crc, std::uint64_t sent_bytes) {
+  if (got_bytes != sent_bytes) {
+    return corruption_error(detail::concat(where, " was expected to hold ", got_bytes, " bytes, but rank ", source, " sent ", sent_bytes,
+                                           " (short or long delivery)"),
+                            source, receiving);
+  }
+  return corruption_error(
+      detail::concat(where, " fails its CRC32C check: rank ", source, " sent ", hex(sent_crc), ", received ", hex(got_crc), " (corrupted or short delivery)"),
+      source, receiving);
+}
+
+/// The error on `rank` when rank `reporter` found the segment from `source` bad.
+inline corruption_error reported(int rank, int world_size, std::uint64_t exchange, int reporter, int source) {
+  return corruption_error(detail::concat("rank ", rank, " of ", world_size, ": exchange #", exchange, " failed on rank ", reporter,
+                                         ": the segment it received from rank ", source, " is corrupted or short (reported by rank ", reporter, ")"),
+                          source, reporter);
+}
+
 }  // namespace detail::checksum
 
 template <class Inner>
@@ -388,15 +418,7 @@ class ChecksummedTransport {
       return std::nullopt;
     }
     const std::string where = detail::concat("rank ", rank(), " of ", world_size(), ": ", unit());
-    const int from = static_cast<int>(source);
-    if (got.bytes != sent.bytes) {
-      return corruption_error(detail::concat(where, " was expected to hold ", got.bytes, " bytes, but rank ", source, " sent ", sent.bytes,
-                                             " (short or long delivery)"),
-                              from, rank());
-    }
-    return corruption_error(detail::concat(where, " fails its CRC32C check: rank ", source, " sent ", hex(sent.crc), ", received ", hex(got.crc),
-                                           " (corrupted or short delivery)"),
-                            from, rank());
+    return detail::checksum::mismatch(where, static_cast<int>(source), rank(), got.crc, got.bytes, sent.crc, sent.bytes);
   }
 
   /// Throws this rank's error, or with agreement the first bad verdict of
@@ -413,9 +435,7 @@ class ChecksummedTransport {
     for (std::size_t d = 0; d < W; ++d) {
       const detail::checksum::Verdict& v = verdicts_in_[d];
       if (d == self() || !v.bad) continue;
-      throw corruption_error(detail::concat("rank ", rank(), " of ", world_size(), ": exchange #", exchanges_, " failed on rank ", d,
-                                            ": the segment it received from rank ", v.source, " is corrupted or short (reported by rank ", d, ")"),
-                             v.source, static_cast<int>(d));
+      throw detail::checksum::reported(rank(), world_size(), exchanges_, static_cast<int>(d), v.source);
     }
   }
 
@@ -432,13 +452,6 @@ class ChecksummedTransport {
     } else {
       inner_.all_gather(&mine, verdicts_in_.data(), sizeof(detail::checksum::Verdict), ElementType::uint8);
     }
-  }
-
-  static std::string hex(std::uint32_t v) {
-    static constexpr char digits[] = "0123456789abcdef";
-    std::string s = "0x00000000";
-    for (int i = 0; i < 8; ++i) s[static_cast<std::size_t>(9 - i)] = digits[(v >> (4 * i)) & 0xFu];
-    return s;
   }
 
   Inner& inner_;

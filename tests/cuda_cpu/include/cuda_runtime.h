@@ -84,6 +84,9 @@ struct dim3 {
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) noexcept : x(x_), y(y_), z(z_) {}
 };
 
+// The threads of a kernel run one after another on the host: an atomic is a plain update (atomic_ref for other host threads).
+inline unsigned atomicXor(unsigned* address, unsigned value) { return std::atomic_ref<unsigned>(*address).fetch_xor(value); }
+
 namespace cuda_harness {
 inline thread_local uint3 thread_index{0, 0, 0};
 inline thread_local uint3 block_index{0, 0, 0};
