@@ -7,8 +7,9 @@
 // while the stream computes, wait() orders the stream after them, and
 // collectives called before the wait run after the exchange on every rank
 // (under the harness: many scheduler seeds, a read before the wait caught,
-// no synchronising call). Without a CUDA device every test skips ("no CUDA
-// device").
+// no synchronising call). The watchdog reports a post or a collective a peer
+// never joins and leaves completed or captured calls alone. Without a CUDA
+// device every test skips ("no CUDA device").
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -340,6 +341,68 @@ TEST(NcclTransportWatchdog, APostAPeerNeverJoinsIsReportedWithinTheDeadline) {
     EXPECT_GE(seconds[me], 0.2) << "rank " << r;
     EXPECT_LT(seconds[me], 0.2 + 1.0) << "rank " << r << ": the deadline plus a second";
   }
+}
+
+// Rank W-1 never joins a collective: every other rank's watchdog aborts its
+// communicator within the deadline (plus a poll), and its next call throws
+// timeout_error naming the collective.
+TEST(NcclTransportWatchdog, ACollectiveAPeerNeverJoinsIsReportedWithinTheDeadline) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  int count = 0;
+  CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (count < 2) GTEST_SKIP() << "needs 2 CUDA devices (this machine has " << count << ")";
+  const int W = std::min(count, 3);
+  const auto U = static_cast<std::size_t>(W);
+  std::vector<std::string> errors(U);
+  std::vector<double> seconds(U, -1);
+  cptest::run_nccl_with_a_stalled_rank(W, std::chrono::milliseconds(200), [&](NcclTransport& t, bool stalled) {
+    if (stalled) return;  // never calls the all-reduce
+    const auto me = static_cast<std::size_t>(t.rank());
+    DeviceBytesBuffer word(64);
+    const auto start = std::chrono::steady_clock::now();
+    t.all_reduce(word.data(), 16, ElementType::float32, cpdispatch::ReduceOp::sum);
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
+    try {
+      t.barrier();
+    } catch (const cpdispatch::timeout_error& e) {
+      errors[me] = e.what();
+    }
+    seconds[me] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_TRUE(t.broken());
+  });
+  for (int r = 0; r + 1 < W; ++r) {
+    const auto me = static_cast<std::size_t>(r);
+    EXPECT_THAT(errors[me], ::testing::HasSubstr("NcclTransport: all_reduce (call #1 on the stream) on rank " + std::to_string(r) + " of " +
+                                                 std::to_string(W) + " was not done"));
+    EXPECT_THAT(errors[me], ::testing::HasSubstr("after it was called (NcclTransportOptions::deadline = 200 ms): a peer that never made the same call"));
+    EXPECT_THAT(errors[me], ::testing::HasSubstr("the communicator was aborted (seen at barrier)"));
+    EXPECT_GE(seconds[me], 0.2) << "rank " << r;
+    EXPECT_LT(seconds[me], 0.2 + 1.0) << "rank " << r << ": the deadline plus a second";
+  }
+}
+
+// Calls on the stream that are done stay done: ten deadlines later the
+// watchdog has aborted nothing.
+TEST(NcclTransportWatchdog, CallsThatCompletedAreNotReportedLater) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  ncclComm_t comm = nullptr;
+  const int device = 0;
+  CPDISPATCH_NCCL_CHECK(ncclCommInitAll(&comm, 1, &device));
+  CPDISPATCH_CUDA_CHECK(cudaSetDevice(0));
+  {
+    const cpdispatch::cuda::Stream stream;
+    NcclTransport t(comm, stream.get(), cpdispatch::NcclTransportOptions{.timeout = {}, .comm_stream = nullptr, .deadline = std::chrono::milliseconds(20)});
+    DeviceBytesBuffer word(64);
+    t.all_reduce(word.data(), 16, ElementType::float32, cpdispatch::ReduceOp::sum);
+    t.barrier();
+    t.broadcast(word.data(), 64, 0);
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_FALSE(t.broken());
+    EXPECT_NO_THROW(t.barrier());
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
+  }
+  CPDISPATCH_NCCL_CHECK(ncclCommDestroy(comm));
 }
 
 // A post captured into a graph runs at the graph's launch: the watchdog does

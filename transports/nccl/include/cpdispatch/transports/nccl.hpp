@@ -76,17 +76,19 @@
 //   reports (and aborts on) an asynchronous error NCCL found. After an abort
 //   the transport is broken: every later call throws nccl_error. A request
 //   whose group failed to issue throws from its wait().
-// - A stuck post is reported: NcclTransportOptions::deadline (300 s unless
-//   set; none turns it off) starts a watchdog thread at the first posted
-//   exchange. It watches an event recorded on the communication stream
-//   after each post; a post not done by its deadline (a peer that never
-//   posts its side, a dead GPU, a deadlock) makes it read NCCL's
-//   asynchronous state, write a report (the post, the peers it sends to and
-//   receives from, the state) and abort the communicator, so the GPU stops
-//   waiting and a host blocked on the stream gets it back. The transport's
-//   next call throws timeout_error with the report; broken() is true. Per
-//   post it costs an event record and a lock; the thread polls every tenth
-//   of the deadline (at most a second) and is joined at destruction. Posts
+// - A stuck call is reported: NcclTransportOptions::deadline (300 s unless
+//   set; none turns it off) starts a watchdog thread at the first call that
+//   communicates. It watches an event recorded on the communication stream
+//   after each post, and one recorded on the stream after each call there
+//   (all_to_all_v, the collectives, a group of point-to-point messages); a
+//   call not done by its deadline (a peer that never makes it, a dead GPU,
+//   a deadlock) makes it read NCCL's asynchronous state, write a report
+//   (the call; for a post the peers it sends to and receives from; the
+//   state) and abort the communicator, so the GPU stops waiting and a host
+//   blocked on the stream gets it back. The transport's next call throws
+//   timeout_error with the report; broken() is true. Per call it costs an
+//   event record, a capture query and a lock; the thread polls every tenth
+//   of the deadline (at most a second) and is joined at destruction. Calls
 //   captured into a CUDA graph are not watched (they run when the graph is
 //   launched, which the transport does not see).
 // - The communicator's GPU (ncclCommCuDevice) must be the current device of
@@ -209,15 +211,17 @@ class DeviceDataPath;  // the dispatcher's data path: cpdispatch/cuda/data_path.
 
 namespace detail {
 
-/// NcclTransport's watchdog of posted exchanges (NcclTransportOptions::
-/// deadline): one thread, started at the first post, that watches one
-/// event recorded on the communication stream after each post. The stream
-/// runs posts in order, so the event of the last post marks every post
-/// before it done too. A post still not done `deadline` after it was posted
-/// (the first such: the deadline counts from the oldest post not seen done)
-/// makes the thread read NCCL's asynchronous state, abort the communicator
-/// (the GPUs stop waiting for the missing peer) and keep a report, which
-/// the transport's next call throws.
+/// NcclTransport's watchdog (NcclTransportOptions::deadline): one thread,
+/// started at the first watched call, that watches two lanes, each with one
+/// event recorded after every call of the lane: the posted exchanges on the
+/// communication stream, and the calls on the stream (collectives, blocking
+/// exchanges, point-to-point groups). A stream runs its work in order, so
+/// the event of a lane's last call marks every call before it done too. A
+/// call still not done `deadline` after it was made (the first such: the
+/// deadline counts from the lane's oldest call not seen done) makes the
+/// thread read NCCL's asynchronous state, abort the communicator (the GPUs
+/// stop waiting for the missing peer) and keep a report, which the
+/// transport's next call throws.
 class NcclWatchdog {
  public:
   NcclWatchdog(ncclComm_t comm, int device, int rank, int size, std::chrono::milliseconds deadline)
@@ -237,23 +241,26 @@ class NcclWatchdog {
   /// After post `id` was enqueued on `comm_stream`: watches it. `send` and
   /// `recv`: its peers (those with bytes to send or receive), for the report.
   void posted(cudaStream_t comm_stream, std::uint64_t id, std::span<const std::size_t> send, std::span<const std::size_t> recv) {
-    std::lock_guard lock(mutex_);
-    if (!event_) event_.emplace();
-    if (!pending_) {
-      pending_ = true;
-      first_id_ = id;
-      first_at_ = std::chrono::steady_clock::now();
-      send_peers_.clear();
-      recv_peers_.clear();
-      for (std::size_t p = 0; p < send.size(); ++p) {
-        if (send[p] > 0 && static_cast<int>(p) != rank_) send_peers_.push_back(static_cast<int>(p));
-        if (recv[p] > 0 && static_cast<int>(p) != rank_) recv_peers_.push_back(static_cast<int>(p));
+    watch(posts_, comm_stream, [&] {
+      std::string peers;
+      for (const auto& [what, counts] : {std::pair{"receives from rank(s)", recv}, std::pair{"sends to rank(s)", send}}) {
+        peers += peers.empty() ? "" : "; ";
+        peers += what;
+        bool any = false;
+        for (std::size_t p = 0; p < counts.size(); ++p) {
+          if (counts[p] == 0 || static_cast<int>(p) == rank_) continue;
+          peers += (any ? ", " : " ") + std::to_string(p);
+          any = true;
+        }
+        if (!any) peers += " none";
       }
-    }
-    last_id_ = id;
-    ++generation_;
-    event_->record(comm_stream);  // under the lock: the thread never pairs an older record with this generation
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+      return concat("posted exchange #", id, "|", " (", peers, ")");
+    });
+  }
+
+  /// After `op`, the transport's call number `n` on `stream`, was enqueued: watches it.
+  void called(cudaStream_t stream, const char* op, std::uint64_t n) {
+    watch(calls_, stream, [&] { return concat(op, " (call #", n, " on the stream)|"); });
   }
 
   /// Whether the deadline passed; then report() holds what happened.
@@ -261,45 +268,71 @@ class NcclWatchdog {
   const std::string& report() const noexcept { return report_; }
 
  private:
+  /// One stream's watched calls.
+  struct Lane {
+    const char* made;     // "posted", "called"
+    const char* missing;  // what a peer failed to do
+    std::optional<cuda::Event> event;  // recorded after every call
+    bool pending = false;              // some call is not known to be done
+    std::uint64_t calls = 0, generation = 0;  // since the first pending one; every call
+    std::string first;  // the first pending call: "<name>|<peers>"
+    std::chrono::steady_clock::time_point first_at;
+  };
+
+  /// Records the lane's event after a call; `describe()` names the call when it is the first pending one.
+  template <class Describe>
+  void watch(Lane& lane, cudaStream_t stream, Describe&& describe) {
+    std::lock_guard lock(mutex_);
+    if (!lane.event) lane.event.emplace();
+    if (!lane.pending) {
+      lane.pending = true;
+      lane.calls = 0;
+      lane.first = describe();
+      lane.first_at = std::chrono::steady_clock::now();
+    }
+    ++lane.calls;
+    ++lane.generation;
+    lane.event->record(stream);  // under the lock: the thread never pairs an older record with this generation
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  }
+
   void run() {
     (void)cudaSetDevice(device_);
     std::unique_lock lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, poll_, [this] { return stop_; });
-      if (stop_ || !pending_) continue;
-      const std::uint64_t generation = generation_;
-      lock.unlock();
-      const cudaError_t state = cudaEventQuery(event_->get());
-      if (state != cudaSuccess && state != cudaErrorNotReady) (void)cudaGetLastError();
-      lock.lock();
-      if (state == cudaSuccess && generation == generation_) {
-        pending_ = false;  // every post so far is done
-        continue;
+      if (stop_) return;
+      for (Lane* lane : {&posts_, &calls_}) {
+        if (!lane->pending) continue;
+        const std::uint64_t generation = lane->generation;
+        lock.unlock();
+        const cudaError_t state = cudaEventQuery(lane->event->get());
+        if (state != cudaSuccess && state != cudaErrorNotReady) (void)cudaGetLastError();
+        lock.lock();
+        if (state == cudaSuccess && generation == lane->generation) {
+          lane->pending = false;  // every call of the lane so far is done
+          continue;
+        }
+        if (!lane->pending || std::chrono::steady_clock::now() - lane->first_at <= deadline_) continue;
+        fire(*lane);
+        return;
       }
-      if (!pending_ || std::chrono::steady_clock::now() - first_at_ <= deadline_) continue;
-      fire();
-      return;
     }
   }
 
   /// Reads NCCL's state, writes the report, then aborts the communicator
   /// (in this order: once the abort ends the stream's wait, the transport's
   /// next call must already see the report, not reach NCCL).
-  void fire() {
+  void fire(const Lane& lane) {
     ncclResult_t async = ncclSuccess;
     const ncclResult_t polled = ncclCommGetAsyncError(comm_, &async);
-    std::string peers;
-    for (const auto& [what, list] : {std::pair{"receives from rank(s)", &recv_peers_}, std::pair{"sends to rank(s)", &send_peers_}}) {
-      peers += peers.empty() ? "" : "; ";
-      peers += what;
-      for (std::size_t i = 0; i < list->size(); ++i) peers += (i ? ", " : " ") + std::to_string((*list)[i]);
-      if (list->empty()) peers += " none";
-    }
-    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - first_at_).count();
-    report_ = concat("NcclTransport: posted exchange #", first_id_, last_id_ > first_id_ ? concat(" (and the ", last_id_ - first_id_, " posted after it)") : "",
-                     " on rank ", rank_, " of ", size_, " (", peers, ") was not done ", waited, " ms after it was posted (NcclTransportOptions::deadline = ",
-                     deadline_.count(), " ms): a peer that never posted its side, a dead GPU or a deadlock; NCCL's asynchronous state: ",
-                     polled == ncclSuccess ? nccl_result_name(async) : nccl_result_name(polled), "; the communicator was aborted");
+    const std::size_t bar = lane.first.find('|');
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - lane.first_at).count();
+    report_ = concat("NcclTransport: ", lane.first.substr(0, bar), lane.calls > 1 ? concat(" (and the ", lane.calls - 1, " after it)") : "", " on rank ",
+                     rank_, " of ", size_, lane.first.substr(bar + 1), " was not done ", waited, " ms after it was ", lane.made,
+                     " (NcclTransportOptions::deadline = ", deadline_.count(), " ms): a peer that never ", lane.missing,
+                     ", a dead GPU or a deadlock; NCCL's asynchronous state: ", polled == ncclSuccess ? nccl_result_name(async) : nccl_result_name(polled),
+                     "; the communicator was aborted");
     fired_.store(true, std::memory_order_release);
     (void)ncclCommAbort(comm_);
   }
@@ -310,11 +343,8 @@ class NcclWatchdog {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
-  std::optional<cuda::Event> event_;  // recorded after every post
-  bool pending_ = false;              // some post is not known to be done
-  std::uint64_t first_id_ = 0, last_id_ = 0, generation_ = 0;
-  std::chrono::steady_clock::time_point first_at_;
-  std::vector<int> send_peers_, recv_peers_;  // the first pending post's
+  Lane posts_{"posted", "posted its side", {}, false, 0, 0, {}, {}};
+  Lane calls_{"called", "made the same call", {}, false, 0, 0, {}, {}};
   std::atomic<bool> fired_{false};
   std::string report_;  // written before fired_ is set
   std::thread thread_;  // last: started after everything above exists
@@ -333,12 +363,17 @@ struct NcclTransportOptions {
   /// The stream posted exchanges run on; borrowed, must outlive the
   /// transport. Null: the transport creates its own.
   cudaStream_t comm_stream = nullptr;
-  /// Deadline of a posted exchange (post_all_to_all_v): a watchdog thread
-  /// (started at the first post) aborts the communicator when a post is
-  /// not done this long after it was posted (a peer that never posts its
-  /// side, a dead GPU, a deadlock), so that the GPUs stop waiting; the
-  /// transport's next call then throws timeout_error naming the post, its
-  /// peers and NCCL's asynchronous state. None: no watchdog.
+  /// Deadline of every call that communicates: the posted exchanges
+  /// (post_all_to_all_v) and the calls on the stream (all_to_all_v, the
+  /// collectives, the groups of point-to-point messages). A watchdog thread
+  /// (started at the first such call) aborts the communicator when a call
+  /// is not done this long after it was made (a peer that never makes it,
+  /// a dead GPU, a deadlock), so that the GPUs stop waiting; the
+  /// transport's next call then throws timeout_error naming the call (a
+  /// post: its peers too) and NCCL's asynchronous state. A call on the
+  /// stream is done once the stream reaches and passes it, so the time the
+  /// stream's earlier work takes counts too. Calls captured into a CUDA
+  /// graph are not watched. None: no watchdog.
   std::optional<std::chrono::milliseconds> deadline = std::chrono::seconds(300);
 };
 
@@ -412,6 +447,7 @@ class NcclTransport {
     check_exchange("all_to_all_v", send_counts, send_displs, recv_counts, recv_displs);
     before_blocking();
     exchange(send, send_counts, send_displs, recv, recv_counts, recv_displs, stream_);
+    watch_call("all_to_all_v");
   }
 
   /// The exchange, on the communication stream after the stream's earlier
@@ -473,6 +509,7 @@ class NcclTransport {
     usable("barrier");
     before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllReduce(barrier_word_.data(), barrier_word_.data(), 1, ncclInt32, ncclSum, comm_, stream_));
+    watch_call("barrier");
   }
 
   void broadcast(void* buf, std::size_t bytes, int root) {
@@ -480,18 +517,21 @@ class NcclTransport {
     usable("broadcast");
     before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclBroadcast(buf, buf, bytes, ncclUint8, root, comm_, stream_));
+    watch_call("broadcast");
   }
 
   void all_reduce(void* buf, std::size_t count, ElementType type, ReduceOp op) {
     usable("all_reduce");
     before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllReduce(buf, buf, count, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_));
+    watch_call("all_reduce");
   }
 
   void all_gather(const void* send, void* recv, std::size_t count_per_rank, ElementType type) {
     usable("all_gather");
     before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(ncclAllGather(send, recv, count_per_rank, detail::nccl_data_type(type), comm_, stream_));
+    watch_call("all_gather");
   }
 
   void reduce_scatter(const void* send, void* recv, std::size_t count_per_rank, ElementType type, ReduceOp op) {
@@ -499,6 +539,7 @@ class NcclTransport {
     before_blocking();
     CPDISPATCH_NCCL_TRANSPORT_CHECK(
         ncclReduceScatter(send, recv, count_per_rank, detail::nccl_data_type(type), detail::nccl_reduce_op(op), comm_, stream_));
+    watch_call("reduce_scatter");
   }
 
   /// Point-to-point operations recorded and not yet issued.
@@ -681,6 +722,16 @@ class NcclTransport {
       throw;
     }
     for (const Posted& p : batch) issued_.insert(p.id);
+    watch_call("the group of point-to-point messages");
+  }
+
+  /// Watches the call just enqueued on the stream (not while the stream is
+  /// captured: a graph runs at its launch, which the transport does not see).
+  void watch_call(const char* op) {
+    if (!watchdog_) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CPDISPATCH_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capture));
+    if (capture == cudaStreamCaptureStatusNone) watchdog_->called(stream_, op, ++calls_);
   }
 
   ncclComm_t comm_;
@@ -709,6 +760,7 @@ class NcclTransport {
   std::unordered_set<std::uint64_t> issued_;  // issued, not yet waited for
   std::unordered_set<std::uint64_t> failed_;  // in a group that failed to issue, not yet waited for
   std::uint64_t next_request_ = 1;
+  std::uint64_t calls_ = 0;  // calls on the stream the watchdog watched
 };
 
 #undef CPDISPATCH_NCCL_TRANSPORT_CHECK
