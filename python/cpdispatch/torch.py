@@ -227,12 +227,14 @@ class RankDispatch:
         self.rank, self.group = rank, group
         if not isinstance(plan, cpdispatch.Plan):
             plan = cpdispatch.Plan(plan, max_memory=max_memory)  # read once for the calls below
-        self.meta = cpdispatch.plan_for_rank(plan, rank, dedup, max_memory=max_memory)
-        self._plan, self._dedup, self._max_memory = plan, dedup, max_memory
+        # This rank's share, planned once: every call below (and staging, invariant_layout) reads it.
+        self._share = cpdispatch._cpdispatch.RankShare(cpdispatch._core(plan), rank, dedup, max_memory)
+        self.meta = cpdispatch._cpdispatch.plan_for_rank(self._share, rank, dedup, max_memory)
+        self._dedup, self._max_memory = dedup, max_memory
         if "hp_attn" in self.meta:  # the same on every rank: none goes on to the collectives alone
             raise ValueError("the plan has head-parallel documents (docs/plan-format.md section 2f): "
                              "cpdispatch.torch does not support them yet; plan them as dispatched documents")
-        ix = cpdispatch.token_indices(plan, rank, dedup, max_memory=max_memory)
+        ix = cpdispatch._cpdispatch.token_indices(self._share, rank, dedup, max_memory)
         if "kv" not in ix:
             raise ValueError("RankDispatch takes a qkv plan (queries and key-values); this is a query plan")
         self.mask = cpdispatch.mask_of(plan)
@@ -282,7 +284,7 @@ class RankDispatch:
         if grid not in self._invariant_layouts:
             refusal = None
             try:
-                layout = cpdispatch._cpdispatch.invariant_layout(cpdispatch._core(self._plan), self.rank, self._dedup, grid, self._max_memory)
+                layout = cpdispatch._cpdispatch.invariant_layout(self._share, self.rank, self._dedup, grid, self._max_memory)
             except ValueError as e:
                 refusal = e
             world = len(self.q_route.forward.send_counts)
@@ -1141,7 +1143,7 @@ class _Staging:
             self.forward = _Joint(fwd, everyone, everyone)
             self.reverse = _Joint([d.q_route.reverse, self.land.reverse], everyone, everyone)
             return
-        plan = cpdispatch._cpdispatch.stage_plan(cpdispatch._core(d._plan), me, d._dedup, stages, d.entries, d._max_memory)
+        plan = cpdispatch._cpdispatch.stage_plan(d._share, me, d._dedup, stages, d.entries, d._max_memory)
         mine = [p == me for p in range(self.world)]
         as_home = plan["send_group"]  # per peer: the group of what this rank sends it (-1: this rank)
         as_attention = [r - 1 for r in plan["recv_round"]]  # per peer: the group of what it sends this rank

@@ -592,57 +592,6 @@ bool has_slices(const ParsedPlan& parsed) {
   return d && std::any_of(d->documents.begin(), d->documents.end(), [](const auto& doc) { return !doc.slices.empty() && !doc.head_parallel; });
 }
 
-/// Rank `rank`'s share (and, with dedup, its wire slices and fan list), planned per rank.
-struct RankShare {
-  cpdispatch::RankPlanMetadata metadata;
-  std::optional<cpdispatch::RankKvWire> wire;
-  bool slices = false;  ///< some document of the plan has slices
-};
-
-RankShare plan_rank_share(const ParsedPlan& parsed, std::int64_t rank, const cpdispatch::PlanLimits& limits) {
-  if (!parsed.dedup) return {cpdispatch::plan_metadata_for_rank(parsed.plan, rank, limits), std::nullopt, has_slices(parsed)};
-  cpdispatch::RankQkvMetadata share;
-  cpdispatch::RankKvWire wire;
-  if (const auto* p = std::get_if<cpdispatch::QkvPlan>(&parsed.plan)) {
-    cpdispatch::RankPlanWorkspace workspace;
-    cpdispatch::plan_qkv_for_rank(*p, rank, share, workspace, &wire, limits);
-  } else {
-    const auto& d = std::get<cpdispatch::QkvDocumentsPlan>(parsed.plan);
-    share = cpdispatch::plan_qkv_for_rank(d, rank, limits);
-    wire = cpdispatch::plan_kv_wire_for_rank(d, rank, limits);
-  }
-  return {std::move(share), std::move(wire), has_slices(parsed)};
-}
-
-py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup, py::handle max_memory) {
-  const cpdispatch::PlanLimits limits = limits_of(max_memory);
-  RankShare share = with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank, limits); });
-  py::dict out;
-  if (auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
-    out["rank"] = q->fwd.rank;
-    out["fwd"] = slice_dict(std::move(q->fwd));
-    out["rev"] = slice_dict(std::move(q->rev));
-    return out;
-  }
-  auto& m = std::get<cpdispatch::RankQkvMetadata>(share.metadata);
-  out["rank"] = m.q_fwd.rank;
-  out["q_fwd"] = slice_dict(std::move(m.q_fwd));
-  out["q_rev"] = slice_dict(std::move(m.q_rev));
-  out["kv_fwd"] = slice_dict(std::move(m.kv_fwd));
-  out["kv_rev"] = slice_dict(std::move(m.kv_rev));
-  py::dict varlen;
-  out["attn"] = rank_attention_dict(std::move(m.attn), static_cast<std::size_t>(rank), varlen, share.slices);
-  out["varlen"] = varlen;
-  if (share.wire) {
-    out["kv_wire_fwd"] = slice_dict(std::move(share.wire->fwd));
-    out["kv_wire_rev"] = slice_dict(std::move(share.wire->rev));
-  }
-  if (m.has_head_parallel()) add_head_parallel(m, out, [](RankMetadata&& s) { return slice_dict(std::move(s)); });
-  return out;
-}
-
-// ---------------------------------------------------------------- invariant mode
-
 /// Every rank's MLP token count of a plan (a rank's MLP layout holds the shards whose home it is).
 std::vector<std::int64_t> rank_tokens(const ParsedPlan& parsed) {
   std::vector<std::int64_t> tokens;
@@ -661,6 +610,90 @@ std::vector<std::int64_t> rank_tokens(const ParsedPlan& parsed) {
   }
   return tokens;
 }
+
+/// Rank `rank`'s share (and, with dedup, its wire slices and fan list),
+/// planned per rank once: the rank calls below take it in place of a plan
+/// (cpdispatch.torch.RankDispatch plans its share once for all of them).
+struct RankShare {
+  cpdispatch::RankPlanMetadata metadata;
+  std::optional<cpdispatch::RankKvWire> wire;
+  bool slices = false;  ///< some document of the plan has slices
+  std::int64_t rank = 0;
+  bool dedup = false;
+  std::vector<std::int64_t> starts;  ///< each rank's first MLP token in the packed order, then the total
+};
+
+RankShare plan_rank_share(const ParsedPlan& parsed, std::int64_t rank, const cpdispatch::PlanLimits& limits) {
+  RankShare out;
+  if (!parsed.dedup) {
+    out.metadata = cpdispatch::plan_metadata_for_rank(parsed.plan, rank, limits);
+  } else {
+    cpdispatch::RankQkvMetadata share;
+    cpdispatch::RankKvWire wire;
+    if (const auto* p = std::get_if<cpdispatch::QkvPlan>(&parsed.plan)) {
+      cpdispatch::RankPlanWorkspace workspace;
+      cpdispatch::plan_qkv_for_rank(*p, rank, share, workspace, &wire, limits);
+    } else {
+      const auto& d = std::get<cpdispatch::QkvDocumentsPlan>(parsed.plan);
+      share = cpdispatch::plan_qkv_for_rank(d, rank, limits);
+      wire = cpdispatch::plan_kv_wire_for_rank(d, rank, limits);
+    }
+    out.metadata = std::move(share);
+    out.wire = std::move(wire);
+  }
+  out.slices = has_slices(parsed);
+  out.rank = rank;
+  out.dedup = parsed.dedup;
+  out.starts.assign(1, 0);
+  for (std::int64_t t : rank_tokens(parsed)) out.starts.push_back(out.starts.back() + t);
+  return out;
+}
+
+/// Runs `f(share)` on rank `rank`'s share: `input` itself when it is one
+/// (of that rank, planned with dedup where dedup is asked for), else
+/// planned now from the plan `input`.
+template <class F>
+auto with_share(py::handle input, std::int64_t rank, bool dedup, const cpdispatch::PlanLimits& limits, F&& f) {
+  if (py::isinstance<RankShare>(input)) {
+    const RankShare& kept = input.cast<const RankShare&>();
+    if (kept.rank != rank) cpdispatch::detail::fail("rank = ", rank, ", but the share given is rank ", kept.rank, "'s");
+    if (dedup && !kept.dedup) cpdispatch::detail::fail("dedup = True, but the share given was planned without deduplication");
+    return f(kept);
+  }
+  return f(with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank, limits); }));
+}
+
+py::dict rank_share_dict(const RankShare& share) {
+  py::dict out;
+  if (const auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
+    out["rank"] = q->fwd.rank;
+    out["fwd"] = slice_dict(RankMetadata(q->fwd));
+    out["rev"] = slice_dict(RankMetadata(q->rev));
+    return out;
+  }
+  cpdispatch::RankQkvMetadata m = std::get<cpdispatch::RankQkvMetadata>(share.metadata);  // a copy: the share may be kept
+  out["rank"] = m.q_fwd.rank;
+  out["q_fwd"] = slice_dict(std::move(m.q_fwd));
+  out["q_rev"] = slice_dict(std::move(m.q_rev));
+  out["kv_fwd"] = slice_dict(std::move(m.kv_fwd));
+  out["kv_rev"] = slice_dict(std::move(m.kv_rev));
+  py::dict varlen;
+  out["attn"] = rank_attention_dict(std::move(m.attn), static_cast<std::size_t>(share.rank), varlen, share.slices);
+  out["varlen"] = varlen;
+  if (share.wire) {
+    out["kv_wire_fwd"] = slice_dict(RankMetadata(share.wire->fwd));
+    out["kv_wire_rev"] = slice_dict(RankMetadata(share.wire->rev));
+  }
+  if (m.has_head_parallel()) add_head_parallel(m, out, [](RankMetadata&& s) { return slice_dict(std::move(s)); });
+  return out;
+}
+
+py::dict plan_for_rank(py::handle input, std::int64_t rank, bool dedup, py::handle max_memory) {
+  const cpdispatch::PlanLimits limits = limits_of(max_memory);
+  return with_share(input, rank, dedup, limits, [](const RankShare& share) { return rank_share_dict(share); });
+}
+
+// ---------------------------------------------------------------- invariant mode
 
 py::object band_end(std::int64_t x, std::int64_t open) { return x == open ? py::object(py::none()) : py::object(py::int_(x)); }
 
@@ -707,18 +740,8 @@ py::list layout_entries(py::handle cu_seqlens_q, py::handle cu_seqlens_kv, std::
   return out;
 }
 
-/// Rank `rank`'s kernel entries over its attention buffers and each one's
-/// phase on a grid of `grid` tokens, as ContextParallelAttention lays them
-/// out in its invariant mode (attention/detail/share_entries.hpp); refuses
-/// a share cut off the grid, naming the shard and its packed position.
-py::dict invariant_layout(py::handle input, std::int64_t rank, bool dedup, std::int64_t grid, py::handle max_memory) {
-  if (grid < 1 || grid > (std::int64_t{1} << 40)) cpdispatch::detail::fail("grid = ", grid, " must be in [1, 2^40]");
-  const cpdispatch::PlanLimits limits = limits_of(max_memory);
-  std::vector<std::int64_t> starts(1, 0);
-  RankShare share = with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) {
-    for (std::int64_t t : rank_tokens(parsed)) starts.push_back(starts.back() + t);
-    return plan_rank_share(parsed, rank, limits);
-  });
+/// invariant_layout on a planned share.
+py::dict invariant_layout_of(const RankShare& share, std::int64_t grid) {
   const auto* m = std::get_if<cpdispatch::RankQkvMetadata>(&share.metadata);
   if (m == nullptr) cpdispatch::detail::fail("the invariant mode takes a qkv plan (queries and key-values); this is a query plan");
   std::vector<cpdispatch::AttentionEntry> entries;
@@ -726,7 +749,7 @@ py::dict invariant_layout(py::handle input, std::int64_t rank, bool dedup, std::
   std::vector<cpdispatch::UnitPhase> phases;
   std::vector<std::int64_t> scratch;
   cpdispatch::detail::share_entries(m->attn, entries, begin);
-  cpdispatch::detail::unit_phases(grid, starts, m->attn, entries, begin, m->q_rev, m->kv_rev, "ContextParallelAttention(invariant=True)", phases,
+  cpdispatch::detail::unit_phases(grid, share.starts, m->attn, entries, begin, m->q_rev, m->kv_rev, "ContextParallelAttention(invariant=True)", phases,
                                   scratch);
   py::list e, p;
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -736,8 +759,17 @@ py::dict invariant_layout(py::handle input, std::int64_t rank, bool dedup, std::
   py::dict out;
   out["entries"] = e;
   out["phases"] = p;
-  out["tokens"] = starts.back();
+  out["tokens"] = share.starts.back();
   return out;
+}
+
+/// Rank `rank`'s kernel entries over its attention buffers and each one's
+/// phase on a grid of `grid` tokens, as ContextParallelAttention lays them
+/// out in its invariant mode (attention/detail/share_entries.hpp); refuses
+/// a share cut off the grid, naming the shard and its packed position.
+py::dict invariant_layout(py::handle input, std::int64_t rank, bool dedup, std::int64_t grid, py::handle max_memory) {
+  if (grid < 1 || grid > (std::int64_t{1} << 40)) cpdispatch::detail::fail("grid = ", grid, " must be in [1, 2^40]");
+  return with_share(input, rank, dedup, limits_of(max_memory), [&](const RankShare& share) { return invariant_layout_of(share, grid); });
 }
 
 // ---------------------------------------------------------------- stages
@@ -773,22 +805,11 @@ std::vector<cpdispatch::AttentionEntry> shard_order(std::vector<cpdispatch::Atte
   return sorted;
 }
 
-/// What ContextParallelAttention(stages=S) attends in which round on rank
-/// `rank`, as the C++ op plans it (attention/detail/stage_plan.hpp over the
-/// entries of share_entries): the stage groups, per peer the group of what
-/// this rank sends it and the round in which what it sends arrives (this
-/// rank itself: -1 and 0), the parts (entries' query rows against runs of
-/// their keys that arrive in one round), the passes (round, first part, end)
-/// and per group the round after which its key-value gradients are complete.
-/// `entries` (None: the share's own) replaces the share's entries: each
-/// must lie in one query shard's rows and its KV group's columns.
-py::dict stage_plan(py::handle input, std::int64_t rank, bool dedup, std::int64_t stages, py::handle entries_in, py::handle max_memory) {
-  if (stages < 1) cpdispatch::detail::fail("stages = ", stages, " must be at least 1");
-  const cpdispatch::PlanLimits limits = limits_of(max_memory);
-  RankShare share = with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank, limits); });
+/// stage_plan on a planned share.
+py::dict stage_plan_of(const RankShare& share, std::int64_t stages, py::handle entries_in) {
   const auto* m = std::get_if<cpdispatch::RankQkvMetadata>(&share.metadata);
   if (m == nullptr) cpdispatch::detail::fail("stages take a qkv plan (queries and key-values); this is a query plan");
-  const int W = static_cast<int>(m->q_fwd.world_size), me = static_cast<int>(rank);
+  const int W = static_cast<int>(m->q_fwd.world_size), me = static_cast<int>(share.rank);
   const int groups = static_cast<int>(std::min<std::int64_t>(stages - 1, W - 1));
   std::vector<cpdispatch::AttentionEntry> entries;
   std::vector<std::size_t> begin;
@@ -817,6 +838,20 @@ py::dict stage_plan(py::handle input, std::int64_t rank, bool dedup, std::int64_
   return out;
 }
 
+/// What ContextParallelAttention(stages=S) attends in which round on rank
+/// `rank`, as the C++ op plans it (attention/detail/stage_plan.hpp over the
+/// entries of share_entries): the stage groups, per peer the group of what
+/// this rank sends it and the round in which what it sends arrives (this
+/// rank itself: -1 and 0), the parts (entries' query rows against runs of
+/// their keys that arrive in one round), the passes (round, first part, end)
+/// and per group the round after which its key-value gradients are complete.
+/// `entries` (None: the share's own) replaces the share's entries: each
+/// must lie in one query shard's rows and its KV group's columns.
+py::dict stage_plan(py::handle input, std::int64_t rank, bool dedup, std::int64_t stages, py::handle entries_in, py::handle max_memory) {
+  if (stages < 1) cpdispatch::detail::fail("stages = ", stages, " must be at least 1");
+  return with_share(input, rank, dedup, limits_of(max_memory), [&](const RankShare& share) { return stage_plan_of(share, stages, entries_in); });
+}
+
 // ---------------------------------------------------------------- token indices
 
 py::dict exchange_dict(cpdispatch::ExchangeIndices&& e) {
@@ -842,11 +877,8 @@ py::dict indices_dict(const RankMetadata& fwd, const RankMetadata& rev) {
   return d;
 }
 
-/// Rank `rank`'s gather/scatter indices: "q" (queries and outputs), "kv"
-/// (key-values), and with dedup "kv_wire" and "fan" (the fan-out).
-py::dict token_indices(py::handle input, std::int64_t rank, bool dedup, py::handle max_memory) {
-  const cpdispatch::PlanLimits limits = limits_of(max_memory);
-  const RankShare share = with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank, limits); });
+/// token_indices on a planned share.
+py::dict token_indices_of(const RankShare& share) {
   py::dict out;
   if (const auto* q = std::get_if<cpdispatch::RankQueryMetadata>(&share.metadata)) {
     out["q"] = indices_dict(q->fwd, q->rev);
@@ -865,6 +897,12 @@ py::dict token_indices(py::handle input, std::int64_t rank, bool dedup, py::hand
     out["fan"] = f;
   }
   return out;
+}
+
+/// Rank `rank`'s gather/scatter indices: "q" (queries and outputs), "kv"
+/// (key-values), and with dedup "kv_wire" and "fan" (the fan-out).
+py::dict token_indices(py::handle input, std::int64_t rank, bool dedup, py::handle max_memory) {
+  return with_share(input, rank, dedup, limits_of(max_memory), [](const RankShare& share) { return token_indices_of(share); });
 }
 
 // ---------------------------------------------------------------- positions
@@ -1198,6 +1236,14 @@ PYBIND11_MODULE(_cpdispatch, m) {
         return std::visit([](const auto& plan) { return plan.world_size; }, p.plan);
       })
       .def_property_readonly("kind", [](const ParsedPlan& p) { return std::string(cpdispatch::plan_kind(p.plan)); });
+  py::class_<RankShare>(m, "RankShare", "One rank's share of a plan, planned once: plan_for_rank, token_indices, invariant_layout and stage_plan take it in place of the plan")
+      .def(py::init([](py::handle input, std::int64_t rank, bool dedup, py::handle max_memory) {
+             const cpdispatch::PlanLimits limits = limits_of(max_memory);
+             return with_plan(input, dedup, limits, [&](const ParsedPlan& parsed) { return plan_rank_share(parsed, rank, limits); });
+           }),
+           py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory)
+      .def_property_readonly("rank", [](const RankShare& s) { return s.rank; })
+      .def_property_readonly("dedup", [](const RankShare& s) { return s.dedup; });
   m.def("plan", &plan, py::arg("plan"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
   m.def("plan_for_rank", &plan_for_rank, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);
   m.def("token_indices", &token_indices, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("max_memory") = default_max_memory);

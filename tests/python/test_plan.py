@@ -250,6 +250,45 @@ def test_bad_rank_and_bad_types_raise():
         cpdispatch.balance({"world_size": 1, "max_cp_degree": 0, "documents": [{"pieces": [{"rank": 0, "len": 3}]}]})
 
 
+def plain(value):
+    """Every array as nested lists (any dtype), for comparing whole results."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+@pytest.mark.parametrize("name,plan,dedup", PLANS, ids=[p[0] for p in PLANS])
+def test_a_rank_share_planned_once_serves_every_rank_call(name, plan, dedup):
+    """cpdispatch.torch plans a rank's share once (RankShare) and hands it to
+    every rank call: each gives on the share what it gives on the plan."""
+    native = cpdispatch._cpdispatch
+    core = cpdispatch.Plan(plan).parsed
+    for rank in range(plan["world_size"]):
+        share = native.RankShare(core, rank, dedup)
+        assert (share.rank, share.dedup) == (rank, dedup or bool(plan.get("dedup", False)))
+        calls = [("plan_for_rank", ()), ("token_indices", ())]
+        if core.kind == "qkv":
+            calls += [("stage_plan", (3,)), ("stage_plan", (1,)), ("invariant_layout", (1,))]
+        for call, extra in calls:
+            on_plan = getattr(native, call)(core, rank, dedup, *extra)
+            assert plain(getattr(native, call)(share, rank, dedup, *extra)) == plain(on_plan), f"{call}{extra}, rank {rank}"
+
+
+def test_a_rank_share_of_another_rank_or_without_dedup_is_refused():
+    native = cpdispatch._cpdispatch
+    plan = documents_plan(random.Random(7))
+    share = native.RankShare(plan, 0, False)
+    with pytest.raises(ValueError, match="rank = 1, but the share given is rank 0's"):
+        native.token_indices(share, 1, False)
+    with pytest.raises(ValueError, match="dedup = True, but the share given was planned without deduplication"):
+        native.plan_for_rank(share, 0, True)
+    assert plain(native.plan_for_rank(native.RankShare(plan, 0, True), 0, False)) == plain(native.plan_for_rank(plan, 0, True))
+
+
 MASKED = [("full", {"type": "full"}), ("window1", {"type": "sliding_window", "window": 1}),
           ("window4", {"type": "sliding_window", "window": 4})]
 
