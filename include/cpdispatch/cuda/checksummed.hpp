@@ -39,9 +39,10 @@
 //
 // Costs: two CRC passes (what a rank sends and what it receives), one
 // exchange of 16 bytes per peer per exchange, an upload of the segments'
-// ranges (48 bytes per peer) per exchange; per check() one all-gather of 64
-// bytes a rank and one host synchronisation. Device memory: the tables
-// (200 KiB) and, per exchange in flight, 112 bytes per peer.
+// ranges and sums' start (80 bytes per peer) per exchange; per check() one
+// all-gather of 64 bytes a rank and one host synchronisation. Device
+// memory: the tables (200 KiB) and, per exchange in flight, 96 bytes per
+// peer (recycled once the exchange is checked).
 //
 // Requires nvcc (kernels), or the project's CUDA runtime double.
 
