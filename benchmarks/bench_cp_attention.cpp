@@ -43,9 +43,10 @@
 // --kernel-rate, as bench_attention --sweep prints it). --links none runs an instant link (1e6 bytes a
 // FLOP: the kernels alone), which --links both adds with --model-check 1, to check the compute part alone.
 // --lengths FILE: a JSON array of document lengths like data/*.json, the sample named by the file's stem.
-// --trace PREFIX writes each balanced run of ours (per batch, link and stage count) and each peer's run as
-// every rank's step timeline, Chrome trace-event JSON (attention/step_trace.hpp; open it in ui.perfetto.dev),
-// to PREFIX-<sample>-b<batch>-<link>-<run>.json, <run> one of s<stages>, ulysses, ring, usp<u>: ours'
+// --trace PREFIX writes each run of ours (the balanced plan per batch, link and stage count; the step model's
+// plan) and each peer's run as every rank's step timeline, Chrome trace-event JSON (attention/step_trace.hpp;
+// open it in ui.perfetto.dev), to PREFIX-<sample>-b<batch>-<link>-<run>.json, <run> one of s<stages> (the
+// balanced plan), model-s<stages> (the step model's plan), ulysses, ring, usp<u>: ours'
 // events are the op's (posts, waits, kernel passes, merges, fans), the peers' their all-to-alls, ring
 // passes' waits, kernel calls, merges and sums. tools/trace_diff.py lists where two timelines differ most.
 // --peers both (the default) is ulysses,ring; all adds usp. --shared-prefix runs with --peers ulysses only.
@@ -101,7 +102,7 @@ struct Config {
   bool head_parallel = false;  ///< --head-parallel auto: the step model's plan may have head-parallel documents
   int model_check = 0;  ///< 1: the model's step beside each measured one; 2: also the kernel sweep's entries
   std::string kernel_rate;  ///< --kernel-rate: the fitted rates to use instead of the sweep
-  std::string trace;        ///< --trace PREFIX: each balanced run of ours to PREFIX-<sample>-b<batch>-<link>-s<stages>.json
+  std::string trace;        ///< --trace PREFIX: each run to PREFIX-<sample>-b<batch>-<link>-<run>.json
 };
 
 /// A kernel that attends nothing: the step's communication alone.
@@ -760,13 +761,16 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
   chosen_options.dedup = c.dedup;
   chosen_options.head_parallel = c.head_parallel ? cpdispatch::HeadParallel::automatic : cpdispatch::HeadParallel::off;
   m.chosen = cpdispatch::plan_for_cluster(batch.problem, cluster, layer_shape(c), cpdispatch::Topology::uniform(c.world, c.world), chosen_options);
-  m.modelled = ours_step<cpdispatch::HostAttentionKernel>(c, m.chosen.plan, link, c.plan_stages);
+  m.modelled = ours_step<cpdispatch::HostAttentionKernel>(c, m.chosen.plan, link, c.plan_stages,
+                                                         trace_name(c, batch, l, "model-s" + std::to_string(c.plan_stages)));
   std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=%d | step %.1f ms | %.1f MiB", name, batch.index, l.name,
               m.chosen.cost_slack, c.plan_stages, m.modelled.seconds * 1e3, m.modelled.bytes / 1048576.0);
   if (c.shared_prefix > 0) std::printf(" | key-value %.1f MiB a rank (forward)", ours_kv_bytes(c, m.chosen.plan) / 1048576.0);
   const auto hp = std::count_if(m.chosen.plan.documents.begin(), m.chosen.plan.documents.end(), [](const auto& d) { return d.head_parallel; });
   if (hp > 0) std::printf(" | %ld head-parallel document(s), groups of %lld", static_cast<long>(hp), static_cast<long long>(cpdispatch::detail::head_parallel_degree(m.chosen.plan)));
   std::printf("\n");
+  model_check(c, batch, l, "ours (step model's plan) stages=" + std::to_string(c.plan_stages), m.modelled.seconds,
+              [&](const cpdispatch::ClusterModel& mc) { return modelled_ours(c, m.chosen.plan, mc, c.plan_stages); }, ratios_of);
   std::vector<double> peers;
   const auto peer = [&](const std::string& what, const std::string& detail, const Step& s) {
     std::printf("%s batch %d | %s | %s%s | step %.1f ms", name, batch.index, l.name, what.c_str(), detail.c_str(), s.seconds * 1e3);

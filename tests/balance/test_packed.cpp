@@ -441,6 +441,38 @@ TEST(HeadParallelBalance, PlanForClusterTriesOnlyAllowedGroupSizesAndNeverModels
   EXPECT_TRUE(covers(chosen.plan));
 }
 
+/// A long document held whole by one rank that may not be cut (max_cp_degree
+/// 1: no dispatched plan can share its work) among short ones, on fast
+/// links: only Ulysses' layout, every document head-parallel over all W
+/// ranks, balances the work, and plan_for_cluster picks it; a receive
+/// capacity that cannot hold it leaves it out.
+TEST(HeadParallelBalance, PlanForClusterTriesUlyssesLayout) {
+  const I W = 4;
+  BalanceProblem p;
+  p.world_size = W;
+  p.max_cp_degree = 1;
+  p.q_bytes = 2;
+  p.kv_bytes = 2;
+  p.documents.push_back({{{0, 4096}}});
+  for (I r = 1; r < W; ++r) p.documents.push_back({{{r, 256}}});
+  const cpdispatch::LayerShape shape{8, 64, 2, 2};
+  const cpdispatch::Topology topology = cpdispatch::Topology::uniform(W, W);
+  const auto cluster = cpdispatch::ClusterModel::h100_ib();  // one node: NVLink between every pair
+  BalanceOptions o;
+  o.head_parallel = HeadParallel::automatic;
+  const cpdispatch::ClusterPlan chosen = cpdispatch::plan_for_cluster(p, cluster, shape, topology, o);
+  const cpdispatch::ClusterPlan off = cpdispatch::plan_for_cluster(p, cluster, shape, topology);
+  EXPECT_EQ(chosen.plan.head_parallel_degree, W);
+  for (const auto& doc : chosen.plan.documents) EXPECT_TRUE(doc.head_parallel);
+  EXPECT_LT(chosen.modelled.step, 0.8 * off.modelled.step);
+  EXPECT_TRUE(covers(chosen.plan));
+  EXPECT_TRUE(baltest::valid_packed_plan(p, chosen.plan));
+  BalanceProblem small = p;
+  small.recv_capacity.assign(static_cast<std::size_t>(W), 4096 + 256);  // every rank would hold all 4864 tokens
+  const cpdispatch::ClusterPlan capped = cpdispatch::plan_for_cluster(small, cluster, shape, topology, o);
+  EXPECT_EQ(capped.plan.head_parallel_degree, 0);
+}
+
 TEST(HeadParallelBalance, BadOptionsNameTheirField) {
   const BalanceProblem p = long_among_short(8, 256, 2, 16);
   const auto message = [&](const BalanceOptions& o) { return baltest::message_of<cpdispatch::invalid_input>([&] { (void)cpdispatch::plan_balanced(p, o); }); };

@@ -613,8 +613,11 @@ inline void keep_faster(QkvDocumentsPlan plan, double slack, const BalanceOption
 /// at each slack, head-parallel documents in groups of each u of
 /// head_parallel_degrees (the heads from `shape`, the link weights from
 /// `cluster`; a u that makes no document head-parallel is the plan without),
-/// the plan without them first. `options.cost_slack`, and with automatic
-/// options' heads, head_parallel_degree and link weights, are ignored.
+/// the plan without them first, and, where the heads allow a group of all
+/// W ranks, every document head-parallel over them (Ulysses' layout, cost
+/// slack 0; left out where a rank's recv_capacity cannot hold it).
+/// `options.cost_slack`, and with automatic options' heads,
+/// head_parallel_degree and link weights, are ignored.
 inline ClusterPlan plan_for_cluster(const BalanceProblem& problem, const ClusterModel& cluster, const LayerShape& shape,
                                     const Topology& topology, BalanceOptions options = {},
                                     std::span<const double> slacks = cluster_slacks, const PlanLimits& limits = {}) {
@@ -627,16 +630,26 @@ inline ClusterPlan plan_for_cluster(const BalanceProblem& problem, const Cluster
   options.inter_node_ratio = cluster.intra.bandwidth / cluster.inter.bandwidth;
   options.pair_weight = detail::step_model::pair_weight(problem, cluster, shape);
   std::optional<ClusterPlan> best;
+  std::optional<QkvDocumentsPlan> first;  // the first slack's dispatched plan
   for (const double slack : slacks) {
     if (!(slack >= 0)) detail::fail("plan_for_cluster: cost slack ", slack, " must be at least 0");
     options.cost_slack = slack;
     const QkvDocumentsPlan dispatched = detail::balance::plan_dispatched(problem, options, limits);
+    if (!first) first = dispatched;
     detail::step_model::keep_faster(dispatched, slack, options, cluster, shape, topology, limits, best);
     if (options.head_parallel == HeadParallel::off) continue;
     for (const std::int64_t u : head_parallel_degrees(problem.world_size, shape)) {
       options.head_parallel_degree = u;
       QkvDocumentsPlan plan = detail::balance::with_head_parallel(problem, options, detail::balance::check_head_parallel(problem, options), dispatched);
       if (plan.head_parallel_degree != 0) detail::step_model::keep_faster(std::move(plan), slack, options, cluster, shape, topology, limits, best);
+    }
+  }
+  const std::vector<std::int64_t> degrees = head_parallel_degrees(problem.world_size, shape);
+  if (options.head_parallel != HeadParallel::off && !degrees.empty() && degrees.back() == problem.world_size) {
+    try {  // Ulysses' layout, so that the plan is never modelled slower than it; not where a rank cannot hold it
+      detail::step_model::keep_faster(detail::balance::all_head_parallel(problem, problem.world_size, std::move(*first)), 0, options, cluster, shape,
+                                      topology, limits, best);
+    } catch (const capacity_error&) {
     }
   }
   return std::move(*best);

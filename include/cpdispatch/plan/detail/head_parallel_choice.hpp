@@ -225,4 +225,16 @@ inline QkvDocumentsPlan with_head_parallel(const BalanceProblem& problem, const 
   return merge_head_parallel(problem, hp, u, masked_plan(planner, planner.plan(o), rest.mask));
 }
 
+/// Every document head-parallel in groups of u (with u = W, Ulysses'
+/// layout: each rank attends every token on 1/W of the heads), on
+/// `dispatched`'s plan fields; capacity_error where a rank cannot hold the
+/// head-parallel tokens of its group.
+inline QkvDocumentsPlan all_head_parallel(const BalanceProblem& problem, std::int64_t u, QkvDocumentsPlan dispatched) {
+  const std::vector<bool> hp(problem.documents.size(), true);
+  std::vector<std::int64_t> fixed;
+  (void)dispatched_rest(problem, hp, u, fixed);  // checks each rank's receive capacity
+  dispatched.documents.clear();
+  return merge_head_parallel(problem, hp, u, std::move(dispatched));
+}
+
 }  // namespace cpdispatch::detail::balance
