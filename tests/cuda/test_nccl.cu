@@ -300,46 +300,79 @@ TEST(NcclTransportFailure, AFailingRankEndsTheRunWithoutTouchingOtherRanksCommun
 
 // ---- the watchdog of posted exchanges (NcclTransportOptions::deadline) ----------
 
+/// What the ranks but the stalled one (W-1) saw: each calls `communicate(t)`
+/// (which rank W-1 never joins; it returns the device buffers the call uses,
+/// kept until the end), waits for its stream (which ends once its watchdog,
+/// deadline 200 ms, aborted the communicator), then calls barrier() and keeps
+/// the timeout_error's text and the seconds since its call.
+struct StuckReports {
+  int W = 0;
+  std::vector<std::string> errors;
+  std::vector<double> seconds;
+};
+
+template <class Communicate>
+StuckReports stuck_reports(int W, Communicate&& communicate) {
+  const auto U = static_cast<std::size_t>(W);
+  StuckReports out{W, std::vector<std::string>(U), std::vector<double>(U, -1)};
+  cptest::run_nccl_with_a_stalled_rank(W, std::chrono::milliseconds(200), [&](NcclTransport& t, bool stalled) {
+    if (stalled) return;  // never joins
+    const auto me = static_cast<std::size_t>(t.rank());
+    const auto start = std::chrono::steady_clock::now();
+    const auto buffers = communicate(t);
+    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
+    try {
+      t.barrier();
+    } catch (const cpdispatch::timeout_error& e) {
+      out.errors[me] = e.what();
+    }
+    (void)buffers;
+    out.seconds[me] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_TRUE(t.broken());
+  });
+  return out;
+}
+
+/// Rank r's report: `what` first, then the deadline, the abort, and its time: within the deadline plus a second.
+void expect_reported(const StuckReports& reports, int r, const std::string& what) {
+  const auto me = static_cast<std::size_t>(r);
+  EXPECT_THAT(reports.errors[me], ::testing::HasSubstr(what));
+  EXPECT_THAT(reports.errors[me], ::testing::HasSubstr("(NcclTransportOptions::deadline = 200 ms)"));
+  EXPECT_THAT(reports.errors[me], ::testing::HasSubstr("the communicator was aborted (seen at barrier)"));
+  EXPECT_GE(reports.seconds[me], 0.2) << "rank " << r;
+  EXPECT_LT(reports.seconds[me], 0.2 + 1.0) << "rank " << r << ": the deadline plus a second";
+}
+
+/// Ranks for the stalled-rank tests: 2 or 3, or 0 (skip) without two GPUs.
+int stalled_world() {
+  int count = 0;
+  CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
+  return count < 2 ? 0 : std::min(count, 3);
+}
+
 // Rank W-1 never posts its side: every other rank's watchdog aborts its
 // communicator within the deadline (plus a poll), its stream then ends, and
 // its next call throws timeout_error naming the post and its peers.
 TEST(NcclTransportWatchdog, APostAPeerNeverJoinsIsReportedWithinTheDeadline) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
-  int count = 0;
-  CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
-  if (count < 2) GTEST_SKIP() << "needs 2 CUDA devices (this machine has " << count << ")";
-  const int W = std::min(count, 3);
+  const int W = stalled_world();
+  if (W == 0) GTEST_SKIP() << "needs 2 CUDA devices";
   const auto U = static_cast<std::size_t>(W);
-  std::vector<std::string> errors(U);
-  std::vector<double> seconds(U, -1);
-  cptest::run_nccl_with_a_stalled_rank(W, std::chrono::milliseconds(200), [&](NcclTransport& t, bool stalled) {
-    if (stalled) return;  // never posts
-    const auto me = static_cast<std::size_t>(t.rank());
+  const StuckReports reports = stuck_reports(W, [&](NcclTransport& t) {
     const std::size_t n = 64;
-    DeviceBytesBuffer send(n * U), recv(n * U);
+    std::vector<DeviceBytesBuffer> buffers;  // send, receive
+    buffers.emplace_back(n * U);
+    buffers.emplace_back(n * U);
     std::vector<std::size_t> counts(U, n), displs(U);
     for (std::size_t p = 0; p < U; ++p) displs[p] = p * n;
-    const auto start = std::chrono::steady_clock::now();
-    t.wait(t.post_all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs));
-    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
-    try {
-      t.barrier();
-    } catch (const cpdispatch::timeout_error& e) {
-      errors[me] = e.what();
-    }
-    seconds[me] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    EXPECT_TRUE(t.broken());
+    t.wait(t.post_all_to_all_v(buffers[0].data(), counts, displs, buffers[1].data(), counts, displs));
+    return buffers;
   });
   for (int r = 0; r + 1 < W; ++r) {
-    const auto me = static_cast<std::size_t>(r);
     std::string peers;
     for (int p = 0; p < W; ++p) peers += p == r ? "" : (peers.empty() ? " " : ", ") + std::to_string(p);
-    EXPECT_THAT(errors[me], ::testing::HasSubstr("NcclTransport: posted exchange #1 on rank " + std::to_string(r) + " of " + std::to_string(W) +
-                                                 " (receives from rank(s)" + peers + "; sends to rank(s)" + peers + ") was not done"));
-    EXPECT_THAT(errors[me], ::testing::HasSubstr("(NcclTransportOptions::deadline = 200 ms)"));
-    EXPECT_THAT(errors[me], ::testing::HasSubstr("the communicator was aborted (seen at barrier)"));
-    EXPECT_GE(seconds[me], 0.2) << "rank " << r;
-    EXPECT_LT(seconds[me], 0.2 + 1.0) << "rank " << r << ": the deadline plus a second";
+    expect_reported(reports, r, "NcclTransport: posted exchange #1 on rank " + std::to_string(r) + " of " + std::to_string(W) +
+                                    " (receives from rank(s)" + peers + "; sends to rank(s)" + peers + ") was not done");
   }
 }
 
@@ -348,36 +381,18 @@ TEST(NcclTransportWatchdog, APostAPeerNeverJoinsIsReportedWithinTheDeadline) {
 // timeout_error naming the collective.
 TEST(NcclTransportWatchdog, ACollectiveAPeerNeverJoinsIsReportedWithinTheDeadline) {
   CPDISPATCH_REQUIRE_CUDA_DEVICE();
-  int count = 0;
-  CPDISPATCH_CUDA_CHECK(cudaGetDeviceCount(&count));
-  if (count < 2) GTEST_SKIP() << "needs 2 CUDA devices (this machine has " << count << ")";
-  const int W = std::min(count, 3);
-  const auto U = static_cast<std::size_t>(W);
-  std::vector<std::string> errors(U);
-  std::vector<double> seconds(U, -1);
-  cptest::run_nccl_with_a_stalled_rank(W, std::chrono::milliseconds(200), [&](NcclTransport& t, bool stalled) {
-    if (stalled) return;  // never calls the all-reduce
-    const auto me = static_cast<std::size_t>(t.rank());
+  const int W = stalled_world();
+  if (W == 0) GTEST_SKIP() << "needs 2 CUDA devices";
+  const StuckReports reports = stuck_reports(W, [](NcclTransport& t) {
     DeviceBytesBuffer word(64);
-    const auto start = std::chrono::steady_clock::now();
     t.all_reduce(word.data(), 16, ElementType::float32, cpdispatch::ReduceOp::sum);
-    CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));  // ends once the watchdog aborted the communicator
-    try {
-      t.barrier();
-    } catch (const cpdispatch::timeout_error& e) {
-      errors[me] = e.what();
-    }
-    seconds[me] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    EXPECT_TRUE(t.broken());
+    return word;
   });
   for (int r = 0; r + 1 < W; ++r) {
-    const auto me = static_cast<std::size_t>(r);
-    EXPECT_THAT(errors[me], ::testing::HasSubstr("NcclTransport: all_reduce (call #1 on the stream) on rank " + std::to_string(r) + " of " +
-                                                 std::to_string(W) + " was not done"));
-    EXPECT_THAT(errors[me], ::testing::HasSubstr("after it was called (NcclTransportOptions::deadline = 200 ms): a peer that never made the same call"));
-    EXPECT_THAT(errors[me], ::testing::HasSubstr("the communicator was aborted (seen at barrier)"));
-    EXPECT_GE(seconds[me], 0.2) << "rank " << r;
-    EXPECT_LT(seconds[me], 0.2 + 1.0) << "rank " << r << ": the deadline plus a second";
+    expect_reported(reports, r, "NcclTransport: all_reduce (call #1 on the stream) on rank " + std::to_string(r) + " of " + std::to_string(W) +
+                                    " was not done");
+    EXPECT_THAT(reports.errors[static_cast<std::size_t>(r)],
+                ::testing::HasSubstr("after it was called (NcclTransportOptions::deadline = 200 ms): a peer that never made the same call"));
   }
 }
 
