@@ -40,6 +40,7 @@
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/plan/kernel_rate.hpp"
+#include "stats.hpp"
 
 namespace {
 
@@ -120,8 +121,7 @@ double median_seconds(double budget, Fn&& fn, bool least = false) {
     fn();
     t.push_back(std::chrono::duration<double>(Clock::now() - a).count());
   } while (t.size() < 9 && std::chrono::duration<double>(Clock::now() - start).count() + t.back() < budget);
-  std::sort(t.begin(), t.end());
-  return least ? t.front() : t[t.size() / 2];
+  return least ? *std::min_element(t.begin(), t.end()) : bench::median(t);
 }
 
 /// GFLOP/s of SGEMM [L x 128] x [128 x L] with OpenBLAS on `threads` threads.

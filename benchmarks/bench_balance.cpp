@@ -77,6 +77,7 @@
 #include "cpdispatch/plan/workload.hpp"
 #include "node_columns.hpp"
 #include "shared_prefix.hpp"
+#include "stats.hpp"
 
 namespace {
 
@@ -310,10 +311,7 @@ class Reporter : public benchmark::ConsoleReporter {
   }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+using bench::median;
 double most(const std::vector<double>& v) { return v.empty() ? 0 : *std::max_element(v.begin(), v.end()); }
 
 std::string tokens_text(I t) { return std::to_string(t / 1024) + "K"; }

@@ -19,14 +19,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+#include "stats.hpp"
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 template <class T>
 double timed(T& transport, const std::vector<std::byte>& send, std::vector<std::byte>& recv, const std::vector<std::size_t>& counts,

@@ -22,16 +22,13 @@
 #include <cstring>
 #include <mutex>
 #include <vector>
+#include "stats.hpp"
 
 namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 template <class F>
 double gbps(std::size_t bytes, int reps, F&& f) {

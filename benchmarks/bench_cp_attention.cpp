@@ -82,6 +82,7 @@
 #include "cpdispatch/plan/workload.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "cpdispatch/adapters/simulated_link.hpp"
+#include "stats.hpp"
 
 namespace {
 
@@ -574,10 +575,7 @@ Step usp_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& d
   return step;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+using bench::median;
 
 }  // namespace
 

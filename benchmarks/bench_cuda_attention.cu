@@ -157,8 +157,7 @@ double median_ms(int repeats, cudaStream_t stream, Fn&& fn, int warmup = 1) {
     CPDISPATCH_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
     t.push_back(ms);
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return bench::median(t);
 }
 
 /// TFLOP/s of cuBLAS GEMM 8192 x 8192 x 8192: bf16 A, B and C, fp32 accumulation.

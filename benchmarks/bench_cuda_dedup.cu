@@ -28,6 +28,7 @@
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "stats.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -134,11 +135,7 @@ void dedup_step(RankState& s) {
   s.dedup->reverse_combine(DeviceConstBytes(s.dattn.span()), s.wire.span(), s.replica.span(), s.dedup_grad.span(), ElementType::bfloat16);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 double replay_ms(const DeviceSimGraph& graph, const Stream& stream) {
   Event start(cudaEventDefault), stop(cudaEventDefault);

@@ -40,6 +40,7 @@
 #include "cpdispatch/plan/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "stats.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -65,11 +66,7 @@ using cpdispatch::cuda::Event;
 using cpdispatch::cuda::Stream;
 using Bytes = DeviceBuffer<std::byte>;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 /// The bytes each stage of one exchange copies, for one rank.
 struct StageBytes {

@@ -35,6 +35,7 @@
 #include "cpdispatch/plan/balance.hpp"
 #include "cpdispatch/plan/workload.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "stats.hpp"
 
 namespace {
 
@@ -88,10 +89,7 @@ Config parse(int argc, char** argv) {
   return c;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 template <class Fn>
 double seconds_of(Fn&& fn) {

@@ -26,6 +26,7 @@
 #include <cpdispatch/transports/mpi.hpp>
 
 #include "zigzag_plan.hpp"
+#include "stats.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -43,11 +44,7 @@ using I = std::int64_t;
 using Bytes = std::vector<std::byte>;
 using cpdispatch::MpiTransport;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 /// Raw MPI_Alltoallv of the off-rank bytes an exchange moves: this rank
 /// sends `m.num_recv_tokens(p, me)` tokens to each peer p (or receives them,

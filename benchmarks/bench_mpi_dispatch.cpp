@@ -29,6 +29,7 @@
 #include <functional>
 #include <string>
 #include <vector>
+#include "stats.hpp"
 
 namespace {
 
@@ -43,11 +44,7 @@ struct Method {
   std::vector<double> samples;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 std::byte pattern(int src, int dst, std::size_t i) {
   return static_cast<std::byte>((src * 31 + dst * 17 + static_cast<int>(i % 251)) & 0xff);

@@ -35,6 +35,7 @@
 #include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "cpdispatch/adapters/simulated_link.hpp"
+#include "stats.hpp"
 
 namespace ov = cpdispatch::overlap;
 using cpdispatch::ElementType;
@@ -103,10 +104,7 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 

@@ -23,16 +23,13 @@
 #include <cstdlib>
 #include <exception>
 #include <vector>
+#include "stats.hpp"
 
 namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::median;
 
 }  // namespace
 

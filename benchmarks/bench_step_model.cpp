@@ -55,6 +55,7 @@
 #include "cpdispatch/transports/sim.hpp"
 #include "cpdispatch/adapters/simulated_link.hpp"
 #include "step_chart.hpp"
+#include "stats.hpp"
 
 namespace {
 
@@ -337,10 +338,8 @@ double balanced_attention_seconds(const std::vector<I>& docs, I W, const cpdispa
 }
 
 /// The median and the largest of `v`.
-std::pair<double, double> median_and_worst(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return {n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2, v.back()};
+std::pair<double, double> median_and_worst(const std::vector<double>& v) {
+  return {bench::median(v), v.empty() ? 0 : *std::max_element(v.begin(), v.end())};
 }
 
 /// Per sample, layer and W: over ten batches (seeds 0..9), the modelled step of

@@ -31,6 +31,7 @@
 
 #include "cpdispatch/gemm/gemm_cblas.hpp"
 #include "cpdispatch/tp/tensor_parallel.hpp"
+#include "stats.hpp"
 
 namespace tp = cpdispatch::tp;
 using Clock = std::chrono::steady_clock;
@@ -82,10 +83,7 @@ double timed(MPI_Comm comm, int iters, const std::function<void()>& op) {
   return slowest;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 void allreduce(const Args& args, MPI_Comm comm, int rank, int W) {
   cpdispatch::MpiTransport transport = cpdispatch::MpiTransport::duplicate(comm);

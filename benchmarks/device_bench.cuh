@@ -17,6 +17,7 @@
 
 #include "cpdispatch/cuda_runtime/launch.hpp"
 #include "cpdispatch/cuda_runtime/memory.hpp"
+#include "stats.hpp"
 
 namespace bench {
 
@@ -71,13 +72,6 @@ cpdispatch::cuda::DeviceBuffer<E> random_device(std::size_t n, std::uint64_t see
   cpdispatch::cuda::DeviceBuffer<E> b(std::max<std::size_t>(n, 1));
   cpdispatch::cuda::launch_kernel("fill_uniform", fill_uniform<E>, dim3(1024), dim3(256), stream, b.data(), n, seed);
   return b;
-}
-
-/// The middle value (0 for none).
-inline double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace bench

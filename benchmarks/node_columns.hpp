@@ -28,6 +28,7 @@
 #include "cpdispatch/plan/topology_balance.hpp"
 #include "cpdispatch/plan/workload.hpp"
 #include "zigzag_plan.hpp"
+#include "stats.hpp"
 
 namespace node_columns {
 
@@ -125,10 +126,7 @@ inline BatchColumns batch_columns(const cpdispatch::BalanceProblem& p) {
   return b;
 }
 
-inline double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+using bench::median;
 
 /// The batches of one row, summed (tokens) and their balance (median, worst).
 struct RowColumns {
