@@ -11,7 +11,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../common/thread_allocations.hpp"
+#include "../common/counting_allocator.hpp"
 #include "../common/sim_world_fixture.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
 #include "cpdispatch/plan/generate.hpp"

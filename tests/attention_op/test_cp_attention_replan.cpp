@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "common/thread_allocations.hpp"
+#include "common/counting_allocator.hpp"
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/plan/generate.hpp"

@@ -1,10 +1,14 @@
 #pragma once
-// A counting global allocator for memory-bound tests: every operator new is
-// counted (in all, and the most held at once) while counting is on, and any
-// single allocation above 1 GiB throws bad_alloc at once, so a planner that
-// fails to stop ends the test rather than taking the machine's memory.
-// Include from exactly one source file of a test program: it replaces the
-// global operator new and delete.
+// The counting global allocator of the test program allocation_test, for
+// tests that bound a call's memory or that it allocates nothing:
+// - while `counting_allocator::counting` is on, every operator new is counted
+//   (in all, the most held at once, the largest single one), and any single
+//   allocation above 1 GiB throws bad_alloc at once, so a planner that fails
+//   to stop ends the test rather than taking the machine's memory;
+// - while a thread's `thread_allocations::counting` is on, that thread's
+//   allocations are counted (each rank thread of a SimWorld on its own).
+// Include from exactly one translation unit of a test program: it replaces
+// the global operator new and delete.
 
 #include <gtest/gtest.h>
 
@@ -20,10 +24,17 @@
 
 #include "cpdispatch/error.hpp"
 
+namespace thread_allocations {
+
+inline thread_local bool counting = false;
+inline thread_local std::size_t allocations = 0;
+
+}  // namespace thread_allocations
+
 namespace counting_allocator {
 
 inline std::atomic<bool> counting{false};
-inline std::atomic<std::size_t> total{0}, live{0}, peak{0};
+inline std::atomic<std::size_t> total{0}, live{0}, peak{0}, largest{0};
 constexpr std::size_t refused_size = std::size_t{1} << 30;
 
 // Each block carries its size and its distance from the start of the
@@ -31,14 +42,20 @@ constexpr std::size_t refused_size = std::size_t{1} << 30;
 // or not, nothrow) is counted and freed right.
 constexpr std::size_t header = 2 * sizeof(std::size_t);
 
+/// Keeps `value` at least `n`.
+inline void raise_to(std::atomic<std::size_t>& value, std::size_t n) {
+  std::size_t v = value.load();
+  while (n > v && !value.compare_exchange_weak(v, n)) {
+  }
+}
+
 inline void note(std::size_t n) {
+  if (thread_allocations::counting) ++thread_allocations::allocations;
   if (!counting.load(std::memory_order_relaxed)) return;
   if (n > refused_size) throw std::bad_alloc();  // the planner did not stop first: EXPECTs below fail
   total += n;
-  const std::size_t now = live.fetch_add(n) + n;
-  std::size_t p = peak.load();
-  while (now > p && !peak.compare_exchange_weak(p, now)) {
-  }
+  raise_to(peak, live.fetch_add(n) + n);
+  raise_to(largest, n);
 }
 
 /// `n` bytes aligned to `align` (a power of two, at least the header's size).
@@ -91,15 +108,16 @@ namespace counting_allocator {
 
 constexpr std::size_t hundred_mb = 100'000'000;
 
-/// What running `f` allocated in all, and the most it held at once.
+/// What running `f` allocated in all, the most it held at once, and its largest single allocation.
 struct Counted {
-  std::size_t total = 0, peak = 0;
+  std::size_t total = 0, peak = 0, largest = 0;
 };
 
 inline Counted count(const std::function<void()>& f) {
   total = 0;
   live = 0;
   peak = 0;
+  largest = 0;
   counting = true;
   try {
     f();
@@ -108,7 +126,7 @@ inline Counted count(const std::function<void()>& f) {
     throw;
   }
   counting = false;
-  return {total.load(), peak.load()};
+  return {total.load(), peak.load(), largest.load()};
 }
 
 /// `f` throws invalid_input whose message holds every one of `parts`,

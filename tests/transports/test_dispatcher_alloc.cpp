@@ -1,52 +1,21 @@
 // After its first call, a dispatcher (and the sim transport under it) does not
-// allocate: this program counts the allocations of each thread.
+// allocate: the program's counting allocator counts each rank thread's allocations.
 
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstddef>
-#include <cstdlib>
-#include <new>
 #include <vector>
 
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/sim.hpp"
+#include "../common/counting_allocator.hpp"
 #include "dispatch_helpers.hpp"
 
-// Clang's sanitizer runtimes define operator new themselves (statically
-// linked), so there the count is not taken and the tests skip.
-#if defined(__clang__) && defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
-#define CPD_NO_NEW_REPLACEMENT 1
-#endif
-#endif
-
-namespace {
-thread_local bool counting = false;
-thread_local std::size_t allocations = 0;
-}  // namespace
-
-#ifndef CPD_NO_NEW_REPLACEMENT
-void* operator new(std::size_t n) {
-  if (counting) ++allocations;
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-// GCC 12 pairs free() with the library's operator new at inlined call sites
-// and warns (-Wmismatched-new-delete), though both sides are replaced here.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
-
 namespace {
 
+using thread_allocations::allocations;
+using thread_allocations::counting;
 using cpdispatch::Dispatcher;
 using cpdispatch::ElementType;
 using cpdispatch::SimTransport;
@@ -55,9 +24,6 @@ using cptest::Bytes;
 
 template <class Wrap>
 void expect_no_allocation_after_the_first_call(Wrap wrap) {
-#ifdef CPD_NO_NEW_REPLACEMENT
-  GTEST_SKIP() << "this sanitizer runtime owns operator new: allocations are not counted";
-#endif
   const int W = 4;
   const std::size_t tb = 8;
   const auto qkv = cptest::random_qkv(W, 31);
