@@ -27,6 +27,7 @@
 #include "cpdispatch/plan/json.hpp"
 #include "cpdispatch/plan/step_model.hpp"
 #include "cpdispatch/plan/workload.hpp"
+#include "../common/sanitized.hpp"
 
 namespace {
 
@@ -277,7 +278,7 @@ TEST(SliceBalance, SharedPrefixBatchesBalanceNearTheBound) {
     ASSERT_FALSE(sample.empty()) << "cannot read " << name << ".json under " << CPDISPATCH_DOC_LENGTHS_DIR;
     for (I W : {8, 16}) {
       std::vector<double> ratios;
-      for (std::uint64_t seed = 0; seed < 5; ++seed) {
+      for (std::uint64_t seed = 0; seed < cptest::cases<std::uint64_t>(5, 3); ++seed) {
         SCOPED_TRACE(std::string(name) + " W=" + std::to_string(W) + " seed " + std::to_string(seed));
         const BalanceProblem p = shared_prefix_batch(sample, W, 16384, seed);
         const QkvDocumentsPlan plan = cpdispatch::plan_balanced(p);

@@ -13,6 +13,7 @@
 #include "cpdispatch/cpdispatch.hpp"
 #include "helpers.hpp"
 #include "reference.hpp"
+#include "../common/sanitized.hpp"
 
 namespace {
 
@@ -20,20 +21,8 @@ using cptest::I;
 
 constexpr std::uint64_t kQkvBase = 0x5eed0000;
 constexpr std::uint64_t kQueryBase = 0x9e4a0000;
-// Under AddressSanitizer half: the sanitizers look for memory errors on the
-// paths, which half of the plans reach (W = 64 and 8 shards among them);
-// unsanitized builds run all.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr int kPlans = 600;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr int kPlans = 600;
-#else
-constexpr int kPlans = 1200;
-#endif
-#else
-constexpr int kPlans = 1200;
-#endif
+// Under the sanitizers half (W = 64 and 8 shards among them): tests/common/sanitized.hpp.
+constexpr int kPlans = cptest::cases(1200, 600);
 
 // A single seed to reproduce one failing case (optional).
 std::optional<std::uint64_t> seed_override() {
