@@ -1,7 +1,11 @@
-// Replays files through a fuzz target without libFuzzer: the main() of the
-// corpus tests in builds whose compiler has no libFuzzer (g++). Arguments
-// are files or directories (every regular file inside, sorted); each is run
-// once through LLVMFuzzerTestOneInput. A finding aborts, as under libFuzzer.
+// Replays files through the fuzz targets without libFuzzer: the main() of
+// the corpus tests in builds whose compiler has no libFuzzer (g++). The
+// program fuzz_replay (tests/fuzz/CMakeLists.txt) includes every target
+// under its own entry name, then this file with CPDISPATCH_REPLAY_TARGETS,
+// the list of their names.
+//   fuzz_replay <target> <files or folders>...
+// Each file (every regular file inside a folder, sorted) is run once through
+// the target's entry. A finding aborts, as under libFuzzer.
 
 #include <algorithm>
 #include <cstddef>
@@ -10,12 +14,25 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <string>
+#include <string_view>
 #include <vector>
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size);
+#ifndef CPDISPATCH_REPLAY_TARGETS
+#error "compiled through fuzz_replay.cpp, which defines CPDISPATCH_REPLAY_TARGETS"
+#endif
 
 namespace {
+
+using Entry = int (*)(const std::uint8_t*, std::size_t);
+
+struct Target {
+  std::string_view name;
+  Entry entry;
+};
+
+#define CPDISPATCH_REPLAY_ENTRY(name) Target{#name, &cpdispatch_replay_##name},
+constexpr Target targets[] = {CPDISPATCH_REPLAY_TARGETS(CPDISPATCH_REPLAY_ENTRY)};
+#undef CPDISPATCH_REPLAY_ENTRY
 
 std::vector<std::filesystem::path> inputs_of(const std::filesystem::path& arg) {
   std::vector<std::filesystem::path> files;
@@ -32,8 +49,17 @@ std::vector<std::filesystem::path> inputs_of(const std::filesystem::path& arg) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const Target* target = nullptr;
+  for (const Target& t : targets)
+    if (argc > 1 && t.name == argv[1]) target = &t;
+  if (target == nullptr) {
+    std::fprintf(stderr, "usage: fuzz_replay <target> <files or folders>...; targets:");
+    for (const Target& t : targets) std::fprintf(stderr, " %.*s", static_cast<int>(t.name.size()), t.name.data());
+    std::fprintf(stderr, "\n");
+    return 2;
+  }
   std::size_t replayed = 0;
-  for (int i = 1; i < argc; ++i) {
+  for (int i = 2; i < argc; ++i) {
     if (!std::filesystem::exists(argv[i])) {
       std::fprintf(stderr, "replay: %s does not exist\n", argv[i]);
       return 2;
@@ -41,10 +67,14 @@ int main(int argc, char** argv) {
     for (const auto& file : inputs_of(argv[i])) {
       std::ifstream in(file, std::ios::binary);
       const std::vector<char> bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-      LLVMFuzzerTestOneInput(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
+      target->entry(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
       ++replayed;
     }
   }
-  std::printf("replay: %zu inputs, no finding\n", replayed);
-  return replayed ? 0 : 2;  // an empty corpus would prove nothing
+  if (replayed == 0) {  // an empty corpus would prove nothing
+    std::fprintf(stderr, "replay: no input for %s\n", argv[1]);
+    return 2;
+  }
+  std::printf("replay: %zu inputs through %s, no finding\n", replayed, argv[1]);
+  return 0;
 }
