@@ -109,7 +109,9 @@ __global__ void compare_segments_kernel(const cuda::SegmentCrc* got, const cuda:
 }
 
 /// One exchange's checksums on their way: the ranges and sums on the host
-/// (the upload's source) and on the device. Reused once `done` has passed.
+/// (the upload's source) and on the device. Claimed by an exchange (`claim`)
+/// until its received bytes are checked on the stream (`release`); free again
+/// once that check has run (`done`).
 class DeviceExchangeSums {
  public:
   explicit DeviceExchangeSums(std::size_t W) : W_(W), host_(words(W)), device_(words(W)), sums_in_(W) {}
@@ -135,7 +137,21 @@ class DeviceExchangeSums {
   }
   const cuda::SegmentCrc* sums_out() const noexcept { return sums(2); }
   cuda::SegmentCrc* sums_in() noexcept { return sums_in_.data(); }
-  cuda::Event& done() noexcept { return done_; }
+
+  /// Whether another exchange may claim these: not claimed, and the last check has run on the device.
+  bool free() const {
+    if (claimed_) return false;
+    const cudaError_t state = cudaEventQuery(done_.get());
+    if (state == cudaErrorNotReady) return false;
+    cuda_check(state, "cudaEventQuery", __FILE__, __LINE__);
+    return true;
+  }
+  void claim() noexcept { claimed_ = true; }
+  /// The check is queued on `stream`: free once it has run.
+  void release(cudaStream_t stream) {
+    done_.record(stream);
+    claimed_ = false;
+  }
 
  private:
   // Layout in words: the send ranges, the receive ranges (3 words a peer each), the sent sums, the received sums (2 a peer each).
@@ -168,6 +184,7 @@ class DeviceExchangeSums {
   cuda::DeviceBuffer<cuda::SegmentCrc> sums_in_;  // the senders' sums, written by the exchange
   std::uint64_t send_chunks_ = 0, recv_chunks_ = 0;
   cuda::Event done_;
+  bool claimed_ = false;  // between the exchange's claim and its release
 };
 
 }  // namespace detail::checksum
@@ -330,34 +347,20 @@ class DeviceChecksummedTransport {
       sum_displs_.resize(W);
       for (std::size_t p = 0; p < W; ++p) sum_displs_[p] = p * sizeof(cuda::SegmentCrc);
     }
-    Sums* free = nullptr;
-    for (std::size_t i = 0; i < pool_.size() && !free; ++i) {
-      if (in_use_[i]) continue;
-      const cudaError_t state = cudaEventQuery(pool_[i]->done().get());
-      if (state == cudaSuccess) free = pool_[i].get();
-      else if (state != cudaErrorNotReady) detail::cuda_check(state, "cudaEventQuery", __FILE__, __LINE__);
-    }
-    if (!free) {
-      pool_.push_back(std::make_unique<Sums>(W));
-      in_use_.push_back(false);
-      free = pool_.back().get();
-    }
-    free->prepare(send_counts, send_displs, recv_counts, recv_displs, self(), stream());
-    free->sum_sent(send, tables_.data(), stream());
-    mark(free, true);
-    return *free;
+    Sums* sums = nullptr;
+    for (std::size_t i = 0; i < pool_.size() && !sums; ++i)
+      if (pool_[i]->free()) sums = pool_[i].get();
+    if (!sums) sums = pool_.emplace_back(std::make_unique<Sums>(W)).get();
+    sums->prepare(send_counts, send_displs, recv_counts, recv_displs, self(), stream());
+    sums->sum_sent(send, tables_.data(), stream());
+    sums->claim();
+    return *sums;
   }
 
   /// The received segments checked on the stream; the sums free again once that has run.
   void finish(Sums& sums, const void* recv, std::uint64_t exchange) {
     sums.check_received(recv, tables_.data(), self(), exchange, mine(), stream());
-    sums.done().record(stream());
-    mark(&sums, false);
-  }
-
-  void mark(const Sums* sums, bool used) {
-    for (std::size_t i = 0; i < pool_.size(); ++i)
-      if (pool_[i].get() == sums) in_use_[i] = used;
+    sums.release(stream());
   }
 
   Inner& inner_;
@@ -365,7 +368,6 @@ class DeviceChecksummedTransport {
   cuda::DeviceBuffer<std::uint32_t> tables_;
   cuda::DeviceBuffer<Verdict> verdicts_;  // [W]: the all-gathered records; [W]: this rank's
   std::vector<std::unique_ptr<Sums>> pool_;
-  std::vector<bool> in_use_;  // between take() and finish()
   std::vector<Posted> posted_;
   std::vector<std::size_t> sum_counts_, sum_displs_;
   std::uint64_t exchanges_ = 0;
