@@ -20,22 +20,15 @@
 #include <string>
 #include <vector>
 
+#include "../common/sanitized.hpp"
+
 namespace {
 
 const std::string exe = CPDISPATCH_PLAN_EXE;
 const std::string data_dir = CPDISPATCH_CLI_DATA_DIR;
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool cap_address_space = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool cap_address_space = false;
-#else
-constexpr bool cap_address_space = true;
-#endif
-#else
-constexpr bool cap_address_space = true;
-#endif
+// AddressSanitizer reserves terabytes of address space: no cap under it.
+constexpr bool cap_address_space = !cptest::sanitized;
 
 struct Result {
   int status = -1;  // exit status, or -1 if the program did not exit normally

@@ -1,8 +1,9 @@
 #pragma once
-// Whether this build runs under AddressSanitizer. Tests whose time goes to
-// many random or sampled cases (or to their own brute-force oracle) run a
-// share of them there: the sanitizers look for memory errors on the code
-// paths, which a share of the cases reaches; unsanitized builds run all.
+// Whether this build runs under AddressSanitizer (the tests' one check of it). Tests
+// whose time goes to many random or sampled cases (or to their own
+// brute-force oracle) run a share of them there: the sanitizers look for
+// memory errors on the code paths, which a share of the cases reaches;
+// unsanitized builds run all.
 
 namespace cptest {
 
