@@ -7,10 +7,13 @@
 # install; .venv is a link to it (a real .venv folder is used as it is).
 # Idempotent: a venv made from the same requirements is left alone, silently.
 # CPDISPATCH_SKIP_VENV=1 skips this (bring your own environment and give
-# CMake its interpreter with -DPython3_EXECUTABLE=...).
+# CMake its interpreter with -DPython3_EXECUTABLE=...). With --ready it
+# installs nothing and tells by its exit status whether it would (1) or not (0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${CPDISPATCH_SKIP_VENV:-0}" = 1 ] && exit 0
+ready_only=0
+[ "${1:-}" = --ready ] && ready_only=1
 
 if [ -d .venv ] && [ ! -L .venv ]; then
   venv=.venv
@@ -25,6 +28,7 @@ stamp="$venv/cpdispatch-requirements.txt"
 if [ -x "$venv/bin/python" ] && cmp -s "$requirements" "$stamp"; then
   exit 0
 fi
+[ "$ready_only" = 1 ] && exit 1
 
 # Debian's interpreter (python3-venv; python3-dev for the module's headers),
 # else the python3 first on PATH.
