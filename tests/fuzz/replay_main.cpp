@@ -1,8 +1,8 @@
 // Replays files through the fuzz targets without libFuzzer: the main() of
 // the corpus tests in builds whose compiler has no libFuzzer (g++). The
 // program fuzz_replay (tests/fuzz/CMakeLists.txt) includes every target
-// under its own entry name, then this file with CPDISPATCH_REPLAY_TARGETS,
-// the list of their names.
+// under its own entry name (fuzz_entries.cpp), then this file with
+// CPDISPATCH_FUZZ_TARGETS, the list of their names.
 //   fuzz_replay <target> <files or folders>...
 // Each file (every regular file inside a folder, sorted) is run once through
 // the target's entry. A finding aborts, as under libFuzzer.
@@ -17,8 +17,8 @@
 #include <string_view>
 #include <vector>
 
-#ifndef CPDISPATCH_REPLAY_TARGETS
-#error "compiled through fuzz_replay.cpp, which defines CPDISPATCH_REPLAY_TARGETS"
+#ifndef CPDISPATCH_FUZZ_TARGETS
+#error "compiled through fuzz_replay.cpp, which defines CPDISPATCH_FUZZ_TARGETS"
 #endif
 
 namespace {
@@ -30,8 +30,8 @@ struct Target {
   Entry entry;
 };
 
-#define CPDISPATCH_REPLAY_ENTRY(name) Target{#name, &cpdispatch_replay_##name},
-constexpr Target targets[] = {CPDISPATCH_REPLAY_TARGETS(CPDISPATCH_REPLAY_ENTRY)};
+#define CPDISPATCH_REPLAY_ENTRY(name) Target{#name, &cpdispatch_fuzz_##name},
+constexpr Target targets[] = {CPDISPATCH_FUZZ_TARGETS(CPDISPATCH_REPLAY_ENTRY)};
 #undef CPDISPATCH_REPLAY_ENTRY
 
 std::vector<std::filesystem::path> inputs_of(const std::filesystem::path& arg) {
