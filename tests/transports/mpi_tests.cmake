@@ -174,4 +174,5 @@ add_test(NAME mpi_option_on_without_mpi
 set_tests_properties(mpi_option_on_without_mpi PROPERTIES
   LABELS "mpi;configure"
   TIMEOUT 120
+  COST 100  # started before the unit tests (a configure), not in the run's tail
   PASS_REGULAR_EXPRESSION "CPDISPATCH_WITH_MPI=ON, but no MPI implementation was found")
