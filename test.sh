@@ -20,11 +20,16 @@ configure=(cmake -S . -B "$build_dir")
 # beside the C++ build, configured without the Python module, and the module
 # follows once the environment is there (an existing folder keeps its own
 # CPDISPATCH_WITH_PYTHON, so it waits as before).
+# A run stopped before the module's turn leaves a mark, so that the next one
+# turns the module back on.
+pending="$build_dir/python-module-pending"
+[ -f "$pending" ] && configure+=(-DCPDISPATCH_WITH_PYTHON=AUTO)
 if tools/python-env.sh --ready || [ -f "$build_dir/CMakeCache.txt" ]; then
   tools/python-env.sh
   "${configure[@]}"
 else
   mkdir -p "$build_dir"
+  touch "$pending"
   venv_log="$build_dir/python-env.log"
   echo "test.sh: making the Python environment beside the C++ build (log: $venv_log)"
   tools/python-env.sh > "$venv_log" 2>&1 &
@@ -35,6 +40,7 @@ else
   cat "$venv_log"
   cmake -S . -B "$build_dir" -DCPDISPATCH_WITH_PYTHON=AUTO
 fi
+rm -f "$pending"
 cmake --build "$build_dir" -j"$(nproc)"
 cd "$build_dir"
 # Four tests a core: many wait (MPI start-up, fault tests' stalls and
