@@ -1,6 +1,6 @@
 // AttentionDataPath<MemorySpace::device> (cuda/attention_data_path.hpp)
 // against the host path of attention/data_path.hpp on random inputs:
-// copies, the fan-in in place, the home combine, fill and zero, accumulate
+// copies, the fan-in in place and into a wire buffer, the home combine, fill and zero, accumulate
 // and store, the invariant mode's max_abs and round_exact bit for bit; the log-sum-exp merge within 1e-6 (the device's
 // expf/logf), with rows the part did not see left alone; and plans
 // replaced by larger ones. Each data set depends on the harness's seed.
@@ -63,7 +63,9 @@ float rough(std::mt19937_64& rng) {
 
 template <class E>
 E to_e(float x) {
-  if constexpr (std::is_same_v<E, float>) return x; else return E(x);
+  if constexpr (std::is_same_v<E, float>) return x;
+  else if constexpr (std::is_integral_v<E>) return static_cast<E>(x * 1e6f);  // wraps in the sums: integers must too
+  else return E(x);
 }
 
 template <class E>
@@ -101,6 +103,7 @@ template <class E>
 constexpr ElementType type_of() {
   if constexpr (std::is_same_v<E, float>) return ElementType::float32;
   else if constexpr (std::is_same_v<E, bfloat16>) return ElementType::bfloat16;
+  else if constexpr (std::is_same_v<E, std::int64_t>) return ElementType::int64;
   else return ElementType::float16;
 }
 
@@ -221,8 +224,8 @@ void fan_in_case(StreamTransport& transport, bool no_ops) {
       const std::size_t token_bytes = token_elems * sizeof(E);
       const KvFanList a = in_place_fan_list(9, token_elems > 100 ? 4 : 6, no_ops, 20 + token_elems);
       const KvFanList b = in_place_fan_list(3, 2, no_ops, 30 + token_elems);
-      ASSERT_EQ(device.add_fan_in(a, token_bytes), host.add_fan_in(a, token_bytes));
-      ASSERT_EQ(device.add_fan_in(b, token_bytes), host.add_fan_in(b, token_bytes));
+      ASSERT_EQ(device.add_fan_in_place(a, token_bytes), host.add_fan_in_place(a, token_bytes));
+      ASSERT_EQ(device.add_fan_in_place(b, token_bytes), host.add_fan_in_place(b, token_bytes));
       host.commit();
       device.commit();
       check_fan_in<E>(device, host, 0, a, token_elems, shift, 40 + token_elems);
@@ -245,11 +248,62 @@ TEST_F(AttentionDataPathTest, FanInLeavesNoOpEntriesAsTheHostDoes) {
 TEST_F(AttentionDataPathTest, FanInRefusesMisalignedBuffers) {
   DevicePath device(transport);
   const KvFanList fan = in_place_fan_list(2, 2, false, 5);
-  device.add_fan_in(fan, 3 * sizeof(float));
+  device.add_fan_in_place(fan, 3 * sizeof(float));
   device.commit();
   DeviceBuffer<float> d(static_cast<std::size_t>(fan.attention_tokens) * 3 + 1);
   EXPECT_THROW(device.fan_in(0, ElementType::float32, reinterpret_cast<std::byte*>(d.data()) + 2), cpdispatch::invalid_input);
   EXPECT_THROW(device.fan_in(1, ElementType::float32, reinterpret_cast<std::byte*>(d.data())), cpdispatch::invalid_input);
+}
+
+// ---- the fan-in into a wire buffer ---------------------------------------------------
+
+/// `fan`'s entries summed into a wire buffer of their own, back to back.
+KvFanList into_wire(KvFanList fan) {
+  std::int64_t at = 0;
+  for (std::size_t e = 0; e < fan.num_entries(); ++e) {
+    fan.wire_offset[e] = at;
+    at += fan.seq_len[e];
+  }
+  fan.wire_tokens = at;
+  return fan;
+}
+
+template <class E>
+void fan_in_into_wire_case(StreamTransport& transport) {
+  for (std::size_t token_elems : {std::size_t{3}, std::size_t{64}}) {
+    SCOPED_TRACE(std::string(cpdispatch::element_name(type_of<E>())) + " token_elems " + std::to_string(token_elems));
+    HostPath host(transport);
+    DevicePath device(transport);
+    const std::size_t token_bytes = token_elems * sizeof(E);
+    const KvFanList fan = into_wire(in_place_fan_list(11, 5, true, 60 + token_elems));  // with single copies: copied, not summed
+    ASSERT_EQ(device.add_fan_in(fan, token_bytes), host.add_fan_in(fan, token_bytes));
+    host.commit();
+    device.commit();
+    const std::vector<E> attention = random_values<E>(static_cast<std::size_t>(fan.attention_tokens) * token_elems, 70 + token_elems);
+    std::vector<E> expect(static_cast<std::size_t>(fan.wire_tokens) * token_elems, to_e<E>(7.0f));
+    const auto d_attention = upload(attention), d_wire = upload(expect);
+    host.fan_in(0, type_of<E>(), reinterpret_cast<const std::byte*>(attention.data()), reinterpret_cast<std::byte*>(expect.data()));
+    device.fan_in(0, type_of<E>(), reinterpret_cast<const std::byte*>(d_attention.data()), reinterpret_cast<std::byte*>(d_wire.data()));
+    EXPECT_EQ(bytes_of(download(d_wire.data(), expect.size())), bytes_of(expect));
+    EXPECT_EQ(bytes_of(download(d_attention.data(), attention.size())), bytes_of(attention)) << "the source is only read";
+  }
+}
+
+TEST_F(AttentionDataPathTest, FanInIntoAWireBufferMatchesTheHostPathBitForBit) {
+  fan_in_into_wire_case<float>(transport);
+  fan_in_into_wire_case<bfloat16>(transport);
+  fan_in_into_wire_case<std::int64_t>(transport);
+}
+
+TEST_F(AttentionDataPathTest, AnInPlaceFanInRefusesTwoBuffers) {
+  DevicePath device(transport);
+  const KvFanList fan = in_place_fan_list(2, 2, false, 5);
+  device.add_fan_in_place(fan, 3 * sizeof(float));
+  device.commit();
+  const std::size_t n = static_cast<std::size_t>(fan.attention_tokens) * 3;
+  DeviceBuffer<float> a(n), b(n);
+  const auto* from = reinterpret_cast<const std::byte*>(a.data());
+  EXPECT_THROW(device.fan_in(0, ElementType::float32, from, reinterpret_cast<std::byte*>(b.data())), cpdispatch::invalid_input);
 }
 
 // ---- the home combine -----------------------------------------------------------------
@@ -522,10 +576,10 @@ void run_plan(DevicePath& device, HostPath& host, std::size_t scale, std::uint64
   const cpdispatch::RankMetadata rev = c.rev.get_slice(1);
   const std::size_t token_elems = 16 * scale;
   ASSERT_EQ(device.add_copies(pieces), 0u);
-  ASSERT_EQ(device.add_fan_in(fan, token_elems * sizeof(E)), 0u);
+  ASSERT_EQ(device.add_fan_in_place(fan, token_elems * sizeof(E)), 0u);
   ASSERT_EQ(device.add_combine(rev, token_elems * sizeof(E)), 0u);
   host.add_copies(pieces);
-  host.add_fan_in(fan, token_elems * sizeof(E));
+  host.add_fan_in_place(fan, token_elems * sizeof(E));
   host.add_combine(rev, token_elems * sizeof(E));
   device.commit();
   host.commit();

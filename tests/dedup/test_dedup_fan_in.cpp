@@ -121,7 +121,9 @@ void check_type() {
     std::vector<E> wire(static_cast<std::size_t>(f.wire_tokens) * te);
     cpdispatch::detail::fan_in<E>(f, reinterpret_cast<const std::byte*>(attention.data()), reinterpret_cast<std::byte*>(wire.data()), te);
     std::vector<E> in_place = attention;
-    cpdispatch::detail::fan_in_in_place<E>(f, reinterpret_cast<std::byte*>(in_place.data()), te);
+    KvFanList in_place_list;
+    cpdispatch::detail::fan_in_place_of(f, in_place_list);
+    cpdispatch::detail::fan_in<E>(in_place_list, reinterpret_cast<const std::byte*>(in_place.data()), reinterpret_cast<std::byte*>(in_place.data()), te);
     for (std::size_t e = 0; e < copies.size(); ++e) {
       const std::size_t first = static_cast<std::size_t>(f.attn_offset[f.copy_splits[e]]) * te;
       for (std::size_t x = 0; x < static_cast<std::size_t>(len) * te; ++x) {

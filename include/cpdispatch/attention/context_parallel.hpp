@@ -517,9 +517,7 @@ class ContextParallelAttention {
     if (round_fans_.size() < rounds) round_fans_.resize(rounds);
     if (round_copies_.size() < rounds) round_copies_.resize(rounds);
     for (std::size_t r = 0; r < rounds; ++r) {
-      KvFanList& f = round_fans_[r];
-      for (auto* v : {&f.seq_len, &f.src_rank, &f.src_shard, &f.wire_offset, &f.attn_offset}) v->clear();
-      f.copy_splits.assign(1, 0);
+      detail::clear_fan_list(round_fans_[r]);
       round_copies_[r].clear();
     }
     const std::size_t tb = kv_token_bytes();
@@ -532,7 +530,7 @@ class ContextParallelAttention {
     for (std::size_t r = 0; r < rounds; ++r) {
       round_fans_[r].attention_tokens = fan_.attention_tokens;
       fan_out_ids_.push_back(path_.add_copies(round_copies_[r]));
-      fan_in_ids_.push_back(path_.add_fan_in(round_fans_[r], tb));
+      fan_in_ids_.push_back(path_.add_fan_in_place(round_fans_[r], tb));
     }
   }
 

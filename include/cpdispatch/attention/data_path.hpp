@@ -1,38 +1,22 @@
 #pragma once
-// What ContextParallelAttention does with memory, by memory space: its
-// owned buffers, the piece lists its exchanges and fan-outs run, the fan-in
-// and the home combine of key-value gradients, and the arithmetic of staged
-// passes (the log-sum-exp merge of partial outputs, the fp32 sum of dq). The
-// op's logic (what moves where, when) is written once over this interface;
-// the host path is below, the device path in cpdispatch/cuda/attention_data_path.hpp
-// (the op picks the one of its transport's memory space).
+// ContextParallelAttention's data path: the data path of its transport's
+// memory space (execute/data_path.hpp: owned buffers, piece lists, fan-ins,
+// combines, fill, zero) and the op's arithmetic on top of it:
 //
-//   template <> class AttentionDataPath<Space> {
+//   template <> class AttentionDataPath<Space> : public <Space's data path> {
 //    public:
-//     template <class Transport> explicit AttentionDataPath(Transport&);
-//     template <class U> using span = ...;       // the op's public buffer type
-//     template <class U> class buffer;           // owned; grows, never shrinks
-//     // Per plan: clear(), then add_* (ids count from 0 in order), then commit().
-//     std::size_t add_copies(std::span<const detail::CopyPiece>);   // bytes, src -> dst
-//     std::size_t add_fan_in(const KvFanList&, std::size_t token_bytes);  // sums at wire offsets
-//     std::size_t add_combine(const RankMetadata& rev, std::size_t token_bytes);
-//     void commit();                             // (the device path uploads here)
-//     // Per call, ordered after everything before it:
-//     void copy(id, const std::byte* src, std::byte* dst);
-//     void copy(detail::PieceList, const std::byte* src, std::byte* dst);  // the exchange engine's: an id with its pieces
-//     void fan_in(id, ElementType, std::byte* attention);   // in place where wire offsets are first copies
-//     void combine(id, ElementType, const std::byte* replica, std::size_t, std::byte* grad, std::size_t);
-//     void fill(float*, std::size_t n, float value);  void zero(std::byte*, std::size_t bytes);
+//     // The log-sum-exp merge of staged passes and the fp32 sum of dq:
+//     template <class E> void merge(float* acc, float* lse, const E* part, const float* lse_part, tokens, heads, head_dim);
+//     template <class E> void accumulate(float* acc, const E* part, std::size_t n);   // acc += part
+//     template <class E> void store(const float* acc, E* out, std::size_t n);        // out = acc, rounded
 //     // The invariant mode's: the largest |x| (NaN if x holds one; the device
 //     // path waits for its stream), and exact sums rounded once (round_exact).
 //     template <class E> double max_abs(const E*, std::size_t n);
 //     template <class E> void round_exact(const std::int64_t*, int exponent, E* out, std::size_t n);
-//     template <class E> void merge(...);  accumulate(...);  store(...);
 //   };
 //
-// The host path runs everything at once on the calling thread and keeps
-// references to what is added (unchanged until the next clear()), so a plan
-// allocates nothing in it once its number of lists has been seen.
+// The host one is below, the device one in cpdispatch/cuda/attention_data_path.hpp
+// (the op picks the one of its transport's memory space).
 
 #include <algorithm>
 #include <cmath>
@@ -47,12 +31,8 @@
 #include "cpdispatch/attention/detail/lse_merge.hpp"
 #include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/element_type.hpp"
-#include "cpdispatch/execute/combine.hpp"
-#include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/execute/exchange_plan.hpp"
+#include "cpdispatch/execute/data_path.hpp"
 #include "cpdispatch/memory_space.hpp"
-#include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/metadata.hpp"
 
 namespace cpdispatch {
 
@@ -66,73 +46,9 @@ class AttentionDataPath {
 };
 
 template <>
-class AttentionDataPath<MemorySpace::host> {
+class AttentionDataPath<MemorySpace::host> : public HostDataPath {
  public:
-  static constexpr bool available = true;
-
-  template <class Transport>
-  explicit AttentionDataPath(Transport&) noexcept {}
-
-  template <class U>
-  using span = std::span<U>;
-
-  /// Owned memory of U: resize keeps the storage once it is large enough.
-  template <class U>
-  class buffer {
-   public:
-    void resize(std::size_t n) { v_.resize(n); }
-    void reserve(std::size_t n) { v_.reserve(n); }
-    U* data() noexcept { return v_.data(); }
-    const U* data() const noexcept { return v_.data(); }
-    std::size_t size() const noexcept { return v_.size(); }
-
-   private:
-    std::vector<U> v_;
-  };
-
-  /// Forgets the last plan's lists (keeping their storage).
-  void clear() noexcept { copies_used_ = fans_used_ = combines_used_ = 0; }
-
-  // The host path keeps references: what is added must stay unchanged until the next clear().
-  std::size_t add_copies(std::span<const detail::CopyPiece> pieces) {
-    next(copies_, copies_used_) = pieces;
-    return copies_used_ - 1;
-  }
-
-  std::size_t add_fan_in(const KvFanList& fan, std::size_t token_bytes) {
-    next(fans_, fans_used_) = {&fan, token_bytes};
-    return fans_used_ - 1;
-  }
-
-  std::size_t add_combine(const RankMetadata& rev, std::size_t token_bytes) {
-    next(combines_, combines_used_) = {&rev, token_bytes};
-    return combines_used_ - 1;
-  }
-
-  void commit() noexcept {}
-
-  void copy(std::size_t id, const std::byte* src, std::byte* dst) const noexcept { detail::copy_pieces(copies_[id], src, dst); }
-  /// The exchange engine's form: a list added here, with its pieces.
-  void copy(detail::PieceList list, const std::byte* src, std::byte* dst) const noexcept { detail::copy_pieces(list.pieces, src, dst); }
-
-  /// Sums each entry's copies at its wire offset, in the fixed order of the fan-in.
-  void fan_in(std::size_t id, ElementType type, std::byte* attention) const {
-    const Fan& f = fans_[id];
-    detail::with_element_type(type, [&](auto* tag) {
-      using E = std::remove_pointer_t<decltype(tag)>;
-      detail::fan_in<E>(*f.list, attention, attention, f.token_bytes / sizeof(E));
-    });
-  }
-
-  void combine(std::size_t id, ElementType type, const std::byte* replica, std::size_t replica_bytes, std::byte* grad, std::size_t grad_bytes) const {
-    const Combine& c = combines_[id];
-    combine_copies(*c.rev, ConstBytes(replica, replica_bytes), MutableBytes(grad, grad_bytes), c.token_bytes, type);
-  }
-
-  void fill(float* p, std::size_t n, float value) const noexcept { std::fill(p, p + n, value); }
-  void zero(std::byte* p, std::size_t bytes) const noexcept {
-    if (bytes > 0) std::memset(p, 0, bytes);
-  }
+  using HostDataPath::HostDataPath;
 
   template <class E>
   double max_abs(const E* x, std::size_t n) const {
@@ -163,27 +79,6 @@ class AttentionDataPath<MemorySpace::host> {
   void store(const float* acc, E* out, std::size_t n) const noexcept {
     for (std::size_t i = 0; i < n; ++i) out[i] = detail::from_f32<E>(acc[i]);
   }
-
- private:
-  struct Fan {
-    const KvFanList* list = nullptr;
-    std::size_t token_bytes = 0;
-  };
-  struct Combine {
-    const RankMetadata* rev = nullptr;
-    std::size_t token_bytes = 0;
-  };
-
-  template <class X>
-  static X& next(std::vector<X>& v, std::size_t& used) {
-    if (v.size() <= used) v.emplace_back();
-    return v[used++];
-  }
-
-  std::vector<std::span<const detail::CopyPiece>> copies_;
-  std::vector<Fan> fans_;
-  std::vector<Combine> combines_;
-  std::size_t copies_used_ = 0, fans_used_ = 0, combines_used_ = 0;
 };
 
 }  // namespace cpdispatch

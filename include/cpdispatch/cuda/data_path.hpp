@@ -9,17 +9,18 @@
 //   cpdispatch::Dispatcher q(t, qkv.q_fwd, qkv.q_rev, token_bytes);
 //   q.forward(cuda::DeviceConstBytes(mlp, n), cuda::DeviceBytes(attn, m));
 //
-// At construction (once per plan) the data path splits each of the plan's six
-// piece lists into warp-sized chunks and uploads them, splits the combine
-// into chunks and uploads them with the one array of the reverse metadata the
-// combine kernel reads (seq_recv_mask), and allocates the dispatcher's own
-// staging, all on the transport's stream. Offsets and lengths stay 64-bit:
-// every plan the host path accepts, the device path accepts. Each dispatcher
-// call then launches the copy kernel for the pack, the traffic to itself and
-// the unpack, and the combine kernel, on that stream: no allocation, no host
-// synchronisation, no host access to device memory, so whole calls can be
-// captured in a CUDA graph. Construct and destroy dispatchers outside a
-// capture (they allocate and free device memory).
+// The device data path (cuda::DeviceDataPath; the interface and the host
+// path are in execute/data_path.hpp). Per plan (clear, add_*, commit) each
+// piece list is split into warp-sized chunks, the fan-ins and the home
+// combines are planned, and all of it is uploaded on the transport's stream;
+// the lists of the plan before are freed then (cudaFree waits for the work
+// still using them). Offsets and lengths stay 64-bit: every plan the host
+// path accepts, the device path accepts. Each call then only enqueues
+// kernels (copy, fan-in, combine, fill) and cudaMemsetAsync on that stream:
+// no allocation, no host synchronisation, no host access to device memory,
+// so whole calls can be captured in a CUDA graph. Make and replan the owners
+// outside a capture (they allocate and free device memory). Results equal
+// the host path's bit for bit (same order and accumulation; integers wrap).
 //
 // Device transports must offer `cudaStream_t stream() const`: the stream
 // their work, and so the data path's, is ordered on.
@@ -35,6 +36,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <limits>
 #include <optional>
 #include <span>
@@ -45,8 +47,7 @@
 #include "cpdispatch/cuda/plan.hpp"
 #include "cpdispatch/execute/data_path.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
-#include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/execute/node_wire.hpp"
+#include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/execute/combine.hpp"
@@ -119,17 +120,11 @@ class DeviceCopyLists {
   explicit DeviceCopyLists(cudaStream_t stream) : stream_(stream) {}
 
   /// Appends list i (lists are added in any order, before upload()).
-  void add(std::size_t i, const std::vector<CopyPiece>& pieces) {
+  void add(std::size_t i, std::span<const CopyPiece> pieces) {
     if (lists_.size() <= i) lists_.resize(i + 1);
     const std::vector<cuda::CopyChunk> chunks = cuda::plan_copy_chunks(pieces);
     lists_[i] = {pieces.size(), host_.size(), chunks.size()};
     host_.insert(host_.end(), chunks.begin(), chunks.end());
-  }
-  /// Appends an exchange's lists, by Stage from id `first`.
-  void add_exchange(std::size_t first, const ExchangePlan& ex) {
-    add(first + static_cast<std::size_t>(Stage::pack), ex.send.copies);
-    add(first + static_cast<std::size_t>(Stage::self), ex.self);
-    add(first + static_cast<std::size_t>(Stage::unpack), ex.recv.copies);
   }
   void upload() {
     device_.allocate(host_.size());
@@ -156,78 +151,7 @@ class DeviceCopyLists {
   cuda::DeviceBuffer<cuda::CopyChunk> device_;
 };
 
-template <>
-class data_path<MemorySpace::device> {
- public:
-  static constexpr bool available = true;
-  using const_buffer = cuda::DeviceConstBytes;
-  using mutable_buffer = cuda::DeviceBytes;
-
-  template <class Transport>
-  data_path(Transport& transport, const DispatchPlan& plan, const RankMetadata& rev, std::size_t token_bytes,
-            std::size_t staging_bytes)
-      : stream_(stream_of(transport)), lists_(stream_) {
-    for (Direction dir : {Direction::forward, Direction::reverse}) {
-      lists_.add_exchange(exchange_lists(dir), dir == Direction::forward ? plan.forward : plan.reverse);
-    }
-    lists_.upload();
-    if (rev.seq_recv_mask) combine_.emplace(rev, token_bytes, stream_);  // reverse KV
-    staging_.ensure(staging_bytes);
-  }
-
-  cudaStream_t stream() const noexcept { return stream_; }
-
-  /// Runs one of the plan's piece lists (uploaded at construction under its
-  /// id; its pieces are the host list it was made from, checked to be the same size).
-  void copy(PieceList list, const std::byte* src, std::byte* dst) const { lists_.run(list, src, dst, "device data path"); }
-
-  /// The KV-gradient combine on the device: same order and accumulation as
-  /// combine_copies (bit-identical for finite values; integers wrap).
-  void combine(const RankMetadata&, const_buffer replica, mutable_buffer grad, std::size_t token_bytes, ElementType type) const {
-    if (!combine_) fail("device data path: the combine needs reverse KV metadata (with seq_recv_mask)");
-    (*combine_)(replica, grad, token_bytes, type);
-  }
-
-  /// The dispatcher-owned staging, allocated at construction.
-  mutable_buffer staging(std::size_t bytes) { return staging_.ensure(bytes); }  // the sizes the dispatcher asks exist already
-
-  template <class U>
-  using span = cuda::DeviceSpan<U>;
-
-  template <class U>
-  static auto bytes_of(cuda::DeviceSpan<U> s) noexcept { return cuda::as_bytes(s); }
-
-  /// Device memory a dispatcher's owner keeps for its calls: grows (a fresh
-  /// cudaMalloc), never shrinks.
-  class scratch {
-   public:
-    mutable_buffer ensure(std::size_t bytes) {
-      if (bytes_.size() < bytes) bytes_.allocate(bytes);
-      return bytes_.span().first(bytes);
-    }
-
-   private:
-    cuda::DeviceBuffer<std::byte> bytes_;
-  };
-
- private:
-  cudaStream_t stream_;
-  DeviceCopyLists lists_;
-  std::optional<DeviceCombine> combine_;
-  scratch staging_;
-};
-
 }  // namespace cpdispatch::detail
-
-namespace cpdispatch::cuda {
-
-/// The device data path, as device transports name it: `using data_path = cuda::DeviceDataPath;`.
-class DeviceDataPath : public detail::data_path<MemorySpace::device> {
- public:
-  using detail::data_path<MemorySpace::device>::data_path;
-};
-
-}  // namespace cpdispatch::cuda
 
 namespace cpdispatch::cuda {
 
@@ -307,96 +231,192 @@ class DeviceFanIn {
   cuda::DeviceBuffer<std::uint64_t> copy_at_, splits_;
 };
 
-/// The deduplicated exchange's device path (see execute/dedup.hpp): at
-/// construction the piece lists of its exchanges and of the fan-out are
-/// split into chunks, the fan list's copy offsets and the fan-in are
-/// planned, all uploaded once with the home combine's chunks and mask, and
-/// the staging allocated, on the transport's stream. Calls then only launch
-/// kernels on that stream. For transports without all_to_all_pieces (as
-/// every device transport is): reverse_combine_in_place then fans in
-/// straight into the staging, never in place.
-template <>
-class wire_path<cuda::DeviceDataPath> {
- public:
-  static constexpr bool available = true;
-  using const_buffer = cuda::DeviceConstBytes;
-  using mutable_buffer = cuda::DeviceBytes;
-
-  template <class Transport>
-  wire_path(Transport& transport, const WirePlan& plan, const KvFanList& fan, const RankMetadata& rev, std::size_t token_bytes,
-            std::size_t staging_bytes)
-      : stream_(stream_of(transport)), combine_(rev, token_bytes, stream_), lists_(stream_), fan_in_(fan, token_bytes, stream_) {
-    static_assert(!PieceTransport<Transport>, "cpdispatch: the device wire path serves transports without all_to_all_pieces");
-    // reverse_in_place serves all_to_all_pieces only: its lists stay empty here.
-    lists_.add_exchange(exchange_lists(WireExchange::forward), plan.forward);
-    lists_.add_exchange(exchange_lists(WireExchange::reverse), plan.reverse);
-    lists_.add(wire_fan_out_list, plan.fan_out);
-    lists_.upload();
-    staging_.allocate(staging_bytes);
-  }
-
-  /// Runs one of the plan's piece lists (uploaded at construction; `pieces`
-  /// is the host list it was made from, checked to be the same size).
-  void copy(PieceList list, const std::byte* src, std::byte* dst) const { lists_.run(list, src, dst, who); }
-
-  /// Entries with one copy are copied, the others summed by the fan-in kernel.
-  void fan_in(const KvFanList&, ElementType type, const std::byte* attention, std::byte* wire, std::size_t) const { fan_in_(type, attention, wire); }
-  void combine(const RankMetadata&, const_buffer replica, mutable_buffer grad, std::size_t token_bytes, ElementType type) const {
-    combine_(replica, grad, token_bytes, type);
-  }
-  std::byte* staging() noexcept { return staging_.data(); }
-
- private:
-  static constexpr const char* who = "device wire path";
-
-  cudaStream_t stream_;
-  DeviceCombine combine_;
-  DeviceCopyLists lists_;
-  DeviceFanIn fan_in_;
-  cuda::DeviceBuffer<std::byte> staging_;
-};
-
-/// The node-level exchange's device path (see execute/node_wire.hpp): the
-/// plan's piece lists as copy chunks, the two fan-ins, the home combine and
-/// the arena, all uploaded or allocated at construction on the transport's
-/// stream; calls only launch kernels on that stream.
-template <>
-class node_path<cuda::DeviceDataPath> {
- public:
-  static constexpr bool available = true;
-  using const_buffer = cuda::DeviceConstBytes;
-  using mutable_buffer = cuda::DeviceBytes;
-
-  template <class Transport>
-  node_path(Transport& transport, const NodeWirePlan& plan, const KvFanList& fan, const RankMetadata& combine, std::size_t token_bytes)
-      : stream_(stream_of(transport)),
-        combine_(combine, token_bytes, stream_),
-        lists_(stream_),
-        attention_fan_in_(fan, token_bytes, stream_),
-        relay_fan_in_(plan.relay_fan, token_bytes, stream_) {
-    for (std::size_t i = 0; i < NodeWirePlan::num_lists; ++i) lists_.add(i, plan.pieces(i));
-    lists_.upload();
-    arena_.allocate(plan.arena_bytes);
-  }
-
-  void copy(PieceList list, const std::byte* src, std::byte* dst) const { lists_.run(list, src, dst, "device node path"); }
-  void fan_in(NodeFanIn which, const KvFanList&, ElementType type, const std::byte* src, std::byte* dst, std::size_t) const {
-    (which == NodeFanIn::attention ? attention_fan_in_ : relay_fan_in_)(type, src, dst);
-  }
-  void combine(const RankMetadata&, const_buffer replica, mutable_buffer grad, std::size_t token_bytes, ElementType type) const {
-    combine_(replica, grad, token_bytes, type);
-  }
-  std::byte* arena() noexcept { return arena_.data(); }
-
- private:
-  cudaStream_t stream_;
-  DeviceCombine combine_;
-  DeviceCopyLists lists_;
-  DeviceFanIn attention_fan_in_, relay_fan_in_;
-  cuda::DeviceBuffer<std::byte> arena_;
-};
-
 }  // namespace cpdispatch::detail
+
+namespace cpdispatch::cuda {
+
+/// The device data path, as device transports name it: `using data_path = cuda::DeviceDataPath;`.
+class DeviceDataPath {
+ public:
+  static constexpr bool available = true;
+  using const_buffer = DeviceConstBytes;
+  using mutable_buffer = DeviceBytes;
+
+  template <class U>
+  using span = DeviceSpan<U>;
+
+  template <class U>
+  static auto bytes_of(DeviceSpan<U> s) noexcept { return as_bytes(s); }
+
+  /// Owned device memory of U: a fresh allocation when it grows (the old
+  /// contents are not kept, new elements are uninitialised), never a
+  /// zero-byte one, so data() is a live device pointer once sized at all.
+  template <class U>
+  class buffer {
+   public:
+    void resize(std::size_t n) {
+      reserve(n);
+      size_ = n;
+    }
+    void reserve(std::size_t n) {
+      if (mem_.empty() || mem_.size() < n) mem_.allocate(std::max<std::size_t>(n, 1));
+    }
+    U* data() noexcept { return mem_.data(); }
+    const U* data() const noexcept { return mem_.data(); }
+    std::size_t size() const noexcept { return size_; }
+
+   private:
+    DeviceBuffer<U> mem_;
+    std::size_t size_ = 0;
+  };
+
+  template <class Transport>
+  explicit DeviceDataPath(Transport& transport) : stream_(detail::stream_of(transport)) {}
+
+  /// The stream everything here is ordered on (the transport's).
+  cudaStream_t stream() const noexcept { return stream_; }
+
+  /// Forgets the last plan's lists, freeing their device memory.
+  void clear() noexcept {
+    copies_.reset();
+    copy_pieces_.clear();
+    fans_.clear();
+    combines_.clear();
+    committed_ = false;
+  }
+
+  std::size_t add_copies(std::span<const detail::CopyPiece> pieces) {
+    if (!copies_) copies_.emplace(stream_);
+    const std::size_t id = copy_pieces_.size();
+    copies_->add(id, pieces);
+    copy_pieces_.push_back(pieces.size());
+    committed_ = false;
+    return id;
+  }
+
+  /// Uploaded at once. Entries with one copy are copied to their wire offset.
+  std::size_t add_fan_in(const KvFanList& fan, std::size_t token_bytes) {
+    fans_.push_back(std::make_unique<Fan>(fan, token_bytes, false, stream_));
+    return fans_.size() - 1;
+  }
+
+  /// Uploaded at once. Entries whose fan-in does nothing (one copy, at its
+  /// own wire offset; or no tokens) are left out: in place, they would be
+  /// copies onto themselves.
+  std::size_t add_fan_in_place(const KvFanList& fan, std::size_t token_bytes) {
+    fans_.push_back(std::make_unique<Fan>(without_no_ops(fan), token_bytes, true, stream_));
+    return fans_.size() - 1;
+  }
+
+  /// Uploaded at once (`rev` need not outlive the call).
+  std::size_t add_combine(const RankMetadata& rev, std::size_t token_bytes) {
+    combines_.push_back(std::make_unique<Combine>(rev, token_bytes, stream_));
+    return combines_.size() - 1;
+  }
+
+  void commit() {
+    if (copies_) copies_->upload();
+    committed_ = true;
+  }
+
+  void copy(std::size_t id, const std::byte* src, std::byte* dst) const {
+    check_copy_list(id);
+    copies_->run(id, copy_pieces_[id], src, dst, who);
+  }
+  /// The exchange engine's form: a list added here, by its id (its pieces
+  /// are the host list it was made from, checked to be the same size).
+  void copy(detail::PieceList list, const std::byte* src, std::byte* dst) const {
+    check_copy_list(list.id);
+    copies_->run(list, src, dst, who);
+  }
+
+  /// Entries with one copy are copied, the others summed by the fan-in
+  /// kernel; an in-place list's in place (dst == src).
+  void fan_in(std::size_t id, ElementType type, const std::byte* src, std::byte* dst) const {
+    const Fan& f = at(fans_, id, "fan-in");
+    if (f.in_place && src != dst) detail::fail(who, ": fan-in list ", id, " sums in place, but its source and destination differ");
+    aligned(type, f.token_bytes, src, "fan-in");
+    aligned(type, f.token_bytes, dst, "fan-in");
+    f.run(type, src, dst);
+  }
+  void fan_in(std::size_t id, ElementType type, std::byte* attention) const { fan_in(id, type, attention, attention); }
+
+  /// The KV-gradient combine: same order and accumulation as combine_copies
+  /// (bit-identical for finite values; integers wrap).
+  void combine(std::size_t id, ElementType type, const std::byte* replica, std::size_t replica_bytes, std::byte* grad, std::size_t grad_bytes) const {
+    const Combine& c = at(combines_, id, "combine");
+    c.run(DeviceConstBytes(replica, replica_bytes), DeviceBytes(grad, grad_bytes), c.token_bytes, type);
+  }
+
+  void fill(float* p, std::size_t n, float value) const { launch_fill(p, n, value, stream_); }
+  void zero(std::byte* p, std::size_t bytes) const {
+    if (bytes > 0) CPDISPATCH_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+  }
+
+ protected:
+  static constexpr const char* who = "device data path";
+
+ private:
+  struct Fan {
+    Fan(const KvFanList& fan, std::size_t bytes, bool place, cudaStream_t stream) : run(fan, bytes, stream), token_bytes(bytes), in_place(place) {}
+    detail::DeviceFanIn run;
+    std::size_t token_bytes;
+    bool in_place;
+  };
+  struct Combine {
+    Combine(const RankMetadata& rev, std::size_t bytes, cudaStream_t stream) : run(rev, bytes, stream), token_bytes(bytes) {}
+    detail::DeviceCombine run;
+    std::size_t token_bytes;
+  };
+
+  void check_copy_list(std::size_t id) const {
+    if (!committed_ || id >= copy_pieces_.size()) {
+      detail::fail(who, ": copy list ", id, " of ", copy_pieces_.size(), committed_ ? "" : " (not committed)");
+    }
+  }
+
+  template <class X>
+  static const X& at(const std::vector<std::unique_ptr<X>>& lists, std::size_t id, const char* what) {
+    if (id >= lists.size()) detail::fail(who, ": ", what, " list ", id, " of ", lists.size());
+    return *lists[id];
+  }
+
+  static void aligned(ElementType type, std::size_t token_bytes, const std::byte* p, const char* what) {
+    const std::size_t es = element_size(type);
+    if (token_bytes % es != 0 || reinterpret_cast<std::uintptr_t>(p) % es != 0) {
+      detail::fail(who, ": the ", what, " of ", element_name(type), " needs token_bytes and the buffer aligned to ", es, " bytes");
+    }
+  }
+
+  /// `fan` without the entries whose fan-in changes nothing.
+  static KvFanList without_no_ops(const KvFanList& fan) {
+    KvFanList out;
+    out.wire_tokens = fan.wire_tokens;
+    out.attention_tokens = fan.attention_tokens;
+    out.copy_splits.push_back(0);
+    for (std::size_t e = 0; e < fan.num_entries(); ++e) {
+      const std::span<const std::int64_t> copies = fan.copies(e);
+      if (fan.seq_len[e] == 0 || copies.empty() || (copies.size() == 1 && copies[0] == fan.wire_offset[e])) continue;
+      out.wire_offset.push_back(fan.wire_offset[e]);
+      out.seq_len.push_back(fan.seq_len[e]);
+      if (e < fan.src_rank.size()) out.src_rank.push_back(fan.src_rank[e]);
+      if (e < fan.src_shard.size()) out.src_shard.push_back(fan.src_shard[e]);
+      out.attn_offset.insert(out.attn_offset.end(), copies.begin(), copies.end());
+      out.copy_splits.push_back(out.attn_offset.size());
+    }
+    return out;
+  }
+
+  cudaStream_t stream_;
+  std::optional<detail::DeviceCopyLists> copies_;
+  std::vector<std::size_t> copy_pieces_;  // each copy list's piece count
+  // Held by pointer: the pending uploads read host arrays that must not move.
+  std::vector<std::unique_ptr<Fan>> fans_;
+  std::vector<std::unique_ptr<Combine>> combines_;
+  bool committed_ = false;
+};
+
+}  // namespace cpdispatch::cuda
 
 namespace cpdispatch::detail {
 

@@ -365,7 +365,25 @@ __global__ void __launch_bounds__(Warps * 32) fan_in_kernel(const unsigned char*
   }
 }
 
+/// Thread i of the grid sets p[i], p[i + threads], ...
+template <class = void>
+__global__ void fill_kernel(float* p, std::uint64_t n, float value) {
+  for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < n; i += std::uint64_t{gridDim.x} * blockDim.x) p[i] = value;
+}
+
 }  // namespace kernels
+
+/// Blocks of block_threads threads for one thread per element.
+constexpr unsigned blocks_for_elements(std::uint64_t n) noexcept {
+  const std::uint64_t blocks = n / block_threads + (n % block_threads != 0);
+  return static_cast<unsigned>(blocks < max_blocks ? blocks : max_blocks);
+}
+
+/// Sets n floats (device memory) to `value` on `stream`.
+inline void launch_fill(float* p, std::size_t n, float value, cudaStream_t stream) {
+  if (n == 0) return;
+  launch_kernel("fill_kernel", &kernels::fill_kernel<>, blocks_for_elements(n), block_threads, stream, p, std::uint64_t{n}, value);
+}
 
 /// Copies `count` chunks (device array) from src to dst on `stream`.
 inline void launch_copy(const std::byte* src, std::byte* dst, const CopyChunk* chunks, std::size_t count, cudaStream_t stream) {

@@ -31,22 +31,45 @@ constexpr T sum_of(T a, T b) noexcept {
   }
 }
 
-}  // namespace detail
-
-/// KV-gradient combine on one rank: `replica` is the [C][T] buffer the
-/// reverse KV exchange filled (token = `token_elems` elements), `grad` gets
-/// [T]: for each shard, the sum over its copies whose seq_recv_mask is 1, in
-/// ascending copy order, accumulated in fp32 for 16-bit types (integers wrap).
-template <class T>
-void combine_copies(const RankMetadata& kv_rev, std::span<const T> replica, std::span<T> grad, std::size_t token_elems) {
-  using detail::fail;
-  if (!kv_rev.seq_recv_mask || !kv_rev.recv_seq_lens) {
-    fail("combine_copies: the metadata has no seq_recv_mask (it is not reverse KV metadata)");
+/// Calls f(E*) with a null pointer of the C++ type of `type`.
+template <class F>
+void with_element_type(ElementType type, F&& f) {
+  switch (type) {
+    case ElementType::int8: f(static_cast<std::int8_t*>(nullptr)); break;
+    case ElementType::uint8: f(static_cast<std::uint8_t*>(nullptr)); break;
+    case ElementType::int32: f(static_cast<std::int32_t*>(nullptr)); break;
+    case ElementType::int64: f(static_cast<std::int64_t*>(nullptr)); break;
+    case ElementType::float32: f(static_cast<float*>(nullptr)); break;
+    case ElementType::float64: f(static_cast<double*>(nullptr)); break;
+    case ElementType::bfloat16: f(static_cast<bfloat16*>(nullptr)); break;
+    case ElementType::float16: f(static_cast<float16*>(nullptr)); break;
   }
+}
+
+/// What the combine reads of reverse KV metadata, as views of its arrays:
+/// they stay valid when the metadata moves (not when it changes).
+struct CombineView {
+  bool reverse_kv = false;  ///< seq_recv_mask and recv_seq_lens are there
+  std::span<const std::int64_t> lens, mask;
+  std::size_t copies = 0;
+
+  CombineView() = default;
+  CombineView(const RankMetadata& rev) noexcept  // implicit: a view of it
+      : reverse_kv(rev.seq_recv_mask && rev.recv_seq_lens), copies(rev.mask_copies) {
+    if (reverse_kv) {
+      lens = *rev.recv_seq_lens;
+      mask = *rev.seq_recv_mask;
+    }
+  }
+};
+
+/// combine_copies (below) of a view.
+template <class T>
+void combine_copies(const CombineView& kv_rev, std::span<const T> replica, std::span<T> grad, std::size_t token_elems) {
+  if (!kv_rev.reverse_kv) fail("combine_copies: the metadata has no seq_recv_mask (it is not reverse KV metadata)");
   if (token_elems == 0) fail("combine_copies: token_elems must be positive");
-  const auto& lens = *kv_rev.recv_seq_lens;
-  const auto& mask = *kv_rev.seq_recv_mask;
-  const std::size_t C = kv_rev.mask_copies;
+  const std::span<const std::int64_t> lens = kv_rev.lens, mask = kv_rev.mask;
+  const std::size_t C = kv_rev.copies;
   if (mask.size() != lens.size() * C) {
     fail("combine_copies: seq_recv_mask has ", mask.size(), " entries, expected ", lens.size(), " shards x ", C, " copies");
   }
@@ -97,11 +120,8 @@ void combine_copies(const RankMetadata& kv_rev, std::span<const T> replica, std:
   }
 }
 
-/// The same on raw bytes with a runtime element type (token_bytes must be a
-/// multiple of the element size and the buffers aligned for it).
-inline void combine_copies(const RankMetadata& kv_rev, ConstBytes replica, MutableBytes grad, std::size_t token_bytes,
-                           ElementType type) {
-  using detail::fail;
+/// combine_copies on raw bytes (below) of a view.
+inline void combine_copies(const CombineView& kv_rev, ConstBytes replica, MutableBytes grad, std::size_t token_bytes, ElementType type) {
   const std::size_t es = element_size(type);
   if (token_bytes == 0 || token_bytes % es != 0) {
     fail("combine_copies: token_bytes = ", token_bytes, " is not a positive multiple of the ", es, "-byte ", element_name(type),
@@ -111,20 +131,28 @@ inline void combine_copies(const RankMetadata& kv_rev, ConstBytes replica, Mutab
   if (!aligned(replica.data()) || !aligned(grad.data())) {
     fail("combine_copies: replica and grad must be aligned to ", es, " bytes for ", element_name(type));
   }
-  auto run = [&]<class T>(T*) {
-    combine_copies<T>(kv_rev, std::span<const T>(reinterpret_cast<const T*>(replica.data()), replica.size() / es),
-                      std::span<T>(reinterpret_cast<T*>(grad.data()), grad.size() / es), token_bytes / es);
-  };
-  switch (type) {
-    case ElementType::int8: run(static_cast<std::int8_t*>(nullptr)); break;
-    case ElementType::uint8: run(static_cast<std::uint8_t*>(nullptr)); break;
-    case ElementType::int32: run(static_cast<std::int32_t*>(nullptr)); break;
-    case ElementType::int64: run(static_cast<std::int64_t*>(nullptr)); break;
-    case ElementType::float32: run(static_cast<float*>(nullptr)); break;
-    case ElementType::float64: run(static_cast<double*>(nullptr)); break;
-    case ElementType::bfloat16: run(static_cast<bfloat16*>(nullptr)); break;
-    case ElementType::float16: run(static_cast<float16*>(nullptr)); break;
-  }
+  with_element_type(type, [&]<class T>(T*) {
+    detail::combine_copies<T>(kv_rev, std::span<const T>(reinterpret_cast<const T*>(replica.data()), replica.size() / es),
+                              std::span<T>(reinterpret_cast<T*>(grad.data()), grad.size() / es), token_bytes / es);
+  });
+}
+
+}  // namespace detail
+
+/// KV-gradient combine on one rank: `replica` is the [C][T] buffer the
+/// reverse KV exchange filled (token = `token_elems` elements), `grad` gets
+/// [T]: for each shard, the sum over its copies whose seq_recv_mask is 1, in
+/// ascending copy order, accumulated in fp32 for 16-bit types (integers wrap).
+template <class T>
+void combine_copies(const RankMetadata& kv_rev, std::span<const T> replica, std::span<T> grad, std::size_t token_elems) {
+  detail::combine_copies<T>(detail::CombineView(kv_rev), replica, grad, token_elems);
+}
+
+/// The same on raw bytes with a runtime element type (token_bytes must be a
+/// multiple of the element size and the buffers aligned for it).
+inline void combine_copies(const RankMetadata& kv_rev, ConstBytes replica, MutableBytes grad, std::size_t token_bytes,
+                           ElementType type) {
+  detail::combine_copies(detail::CombineView(kv_rev), replica, grad, token_bytes, type);
 }
 
 /// Global-view convenience: the combine for rank `rank` of reverse KV metadata.

@@ -50,6 +50,7 @@
 // so calls can be captured in a CUDA graph.
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -65,16 +66,13 @@
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
+#include "cpdispatch/execute/fan_in.hpp"
 #include "cpdispatch/execute/staged_exchange.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/transport.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 namespace cpdispatch {
 
@@ -88,184 +86,6 @@ struct KvWireBufferSizes {
 };
 
 namespace detail {
-
-/// bfloat16::from_float without a branch (the same bits), so that the
-/// fan-in's loops vectorise: round to nearest even, NaN stays a quiet NaN.
-inline std::uint16_t bfloat16_bits(float f) noexcept {
-  const std::uint32_t x = bits_of_float(f);
-  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const std::uint32_t quiet_nan = (x >> 16) | 0x0040u;
-  return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-
-// The host fan-in's bfloat16 kernels. Each sum is 0 + copy 0 + copy 1 + ...
-// in fp32, in that order, rounded once (the leading 0 turns a sum of
-// negative zeros into +0, as an fp32 accumulator starting at zero does).
-// SSE2 does 8 elements at a time (the compiler's own vectorisation of the
-// scalar form is 2-3x slower: it cannot see that a bfloat16 is the high half
-// of its fp32, nor narrow with one signed pack); the scalar loops do the
-// tails, and everything where SSE2 is missing, with the same bits (NaN
-// payloads aside: which NaN input's payload a sum of two NaNs keeps is not
-// fixed).
-#if defined(__SSE2__)
-/// 8 bfloat16 -> 2 x 4 fp32 (exact: a bfloat16 is the high half of its fp32).
-inline void widen_bfloat16x8(const std::uint16_t* in, __m128& lo, __m128& hi) noexcept {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
-  lo = _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), v));
-  hi = _mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), v));
-}
-
-/// bfloat16_bits on 4 lanes, the result sign-extended in each 32-bit lane
-/// (so that one signed pack narrows it without saturating).
-inline __m128i round_bfloat16x4(__m128 f) noexcept {
-  const __m128i x = _mm_castps_si128(f);
-  const __m128i lsb = _mm_and_si128(_mm_srli_epi32(x, 16), _mm_set1_epi32(1));
-  const __m128i rounded = _mm_add_epi32(_mm_add_epi32(x, _mm_set1_epi32(0x7fff)), lsb);
-  const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(x, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
-  const __m128i quiet = _mm_or_si128(x, _mm_set1_epi32(0x00400000));
-  return _mm_srai_epi32(_mm_or_si128(_mm_and_si128(nan, quiet), _mm_andnot_si128(nan, rounded)), 16);
-}
-
-inline void store_bfloat16x8(std::uint16_t* out, __m128 lo, __m128 hi) noexcept {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_packs_epi32(round_bfloat16x4(lo), round_bfloat16x4(hi)));
-}
-#endif
-
-/// out = round(0 + a + b): the fan-in of a shard with two copies in one pass.
-inline void sum_two_bfloat16(const std::uint16_t* a, const std::uint16_t* b, std::uint16_t* out, std::size_t n) noexcept {
-  std::size_t i = 0;
-#if defined(__SSE2__)
-  for (const std::size_t body = n & ~std::size_t{7}; i < body; i += 8) {
-    __m128 alo, ahi, blo, bhi;
-    widen_bfloat16x8(a + i, alo, ahi);
-    widen_bfloat16x8(b + i, blo, bhi);
-    const __m128 zero = _mm_setzero_ps();
-    store_bfloat16x8(out + i, _mm_add_ps(_mm_add_ps(zero, alo), blo), _mm_add_ps(_mm_add_ps(zero, ahi), bhi));
-  }
-#endif
-  for (; i < n; ++i) out[i] = bfloat16_bits(0.0f + bfloat16::to_float(a[i]) + bfloat16::to_float(b[i]));
-}
-
-/// acc = 0 + in (first copy), or acc += in (the others).
-inline void accumulate_bfloat16(const std::uint16_t* in, float* acc, std::size_t n, bool first) noexcept {
-  std::size_t i = 0;
-#if defined(__SSE2__)
-  for (const std::size_t body = n & ~std::size_t{7}; i < body; i += 8) {
-    __m128 lo, hi;
-    widen_bfloat16x8(in + i, lo, hi);
-    const __m128 base_lo = first ? _mm_setzero_ps() : _mm_loadu_ps(acc + i);
-    const __m128 base_hi = first ? _mm_setzero_ps() : _mm_loadu_ps(acc + i + 4);
-    _mm_storeu_ps(acc + i, _mm_add_ps(base_lo, lo));
-    _mm_storeu_ps(acc + i + 4, _mm_add_ps(base_hi, hi));
-  }
-#endif
-  for (; i < n; ++i) acc[i] = (first ? 0.0f : acc[i]) + bfloat16::to_float(in[i]);
-}
-
-inline void round_into_bfloat16(const float* acc, std::uint16_t* out, std::size_t n) noexcept {
-  std::size_t i = 0;
-#if defined(__SSE2__)
-  for (const std::size_t body = n & ~std::size_t{7}; i < body; i += 8) store_bfloat16x8(out + i, _mm_loadu_ps(acc + i), _mm_loadu_ps(acc + i + 4));
-#endif
-  for (; i < n; ++i) out[i] = bfloat16_bits(acc[i]);
-}
-
-/// The same for any 16-bit type E (fp32 accumulator), one element at a time.
-template <class E>
-void accumulate_narrow(const E* in, float* acc, std::size_t n, bool first) noexcept {
-  if constexpr (std::is_same_v<E, bfloat16>) {
-    accumulate_bfloat16(reinterpret_cast<const std::uint16_t*>(in), acc, n, first);
-  } else {
-    for (std::size_t i = 0; i < n; ++i) acc[i] = (first ? 0.0f : acc[i]) + E::to_float(in[i].bits);
-  }
-}
-
-template <class E>
-void round_into(const float* acc, E* out, std::size_t n) noexcept {
-  if constexpr (std::is_same_v<E, bfloat16>) {
-    round_into_bfloat16(acc, reinterpret_cast<std::uint16_t*>(out), n);
-  } else {
-    for (std::size_t i = 0; i < n; ++i) out[i] = E(acc[i]);
-  }
-}
-
-/// Fan-in of one wire entry with its copies at token offsets `copies` (ascending), `count`
-/// elements each: out = their sum, accumulated in accumulator_t<E> (fp32 for
-/// 16-bit types; integers wrap). `out` may be the first copy (in place).
-template <class E>
-void fan_in_entry(const E* attention, std::span<const std::int64_t> copies, std::size_t count, std::size_t token_elems, E* out) {
-  const auto row = [&](std::size_t c) { return attention + static_cast<std::size_t>(copies[c]) * token_elems; };
-  if (copies.size() == 1) {
-    if (out != row(0)) std::memcpy(out, row(0), count * sizeof(E));
-    return;
-  }
-  if constexpr (std::is_same_v<accumulator_t<E>, E>) {
-    const E* a = row(0);
-    const E* b = row(1);
-    for (std::size_t i = 0; i < count; ++i) out[i] = sum_of(a[i], b[i]);
-    for (std::size_t c = 2; c < copies.size(); ++c) {
-      const E* in = row(c);
-      for (std::size_t i = 0; i < count; ++i) out[i] = sum_of(out[i], in[i]);
-    }
-  } else {
-    if constexpr (std::is_same_v<E, bfloat16>) {
-      if (copies.size() == 2) {
-        sum_two_bfloat16(reinterpret_cast<const std::uint16_t*>(row(0)), reinterpret_cast<const std::uint16_t*>(row(1)),
-                         reinterpret_cast<std::uint16_t*>(out), count);
-        return;
-      }
-    }
-    constexpr std::size_t block = 512;  // fp32 partial sums on the stack, in L1
-    float acc[block];
-    for (std::size_t b = 0; b < count; b += block) {
-      const std::size_t n = std::min(block, count - b);
-      for (std::size_t c = 0; c < copies.size(); ++c) accumulate_narrow<E>(row(c) + b, acc, n, c == 0);
-      round_into<E>(acc, out + b, n);
-    }
-  }
-}
-
-/// The fan-in of a whole fan list: attention-layout gradients -> wire buffer.
-template <class E>
-void fan_in(const KvFanList& fan, const std::byte* attention, std::byte* wire, std::size_t token_elems) {
-  const E* in = reinterpret_cast<const E*>(attention);
-  E* out = reinterpret_cast<E*>(wire);
-  for (std::size_t e = 0; e < fan.num_entries(); ++e) {
-    fan_in_entry<E>(in, fan.copies(e), static_cast<std::size_t>(fan.seq_len[e]) * token_elems, token_elems,
-                    out + static_cast<std::size_t>(fan.wire_offset[e]) * token_elems);
-  }
-}
-
-/// The in-place fan-in of fan entry e: the sum of its copies at its first
-/// copy (a single copy already is its own sum).
-template <class E>
-void fan_in_entry_in_place(const KvFanList& fan, std::size_t e, E* attention, std::size_t token_elems) {
-  const std::span<const std::int64_t> copies = fan.copies(e);
-  if (copies.size() < 2) return;
-  fan_in_entry<E>(attention, copies, static_cast<std::size_t>(fan.seq_len[e]) * token_elems, token_elems,
-                  attention + static_cast<std::size_t>(copies[0]) * token_elems);
-}
-
-/// The in-place fan-in of a whole fan list.
-template <class E>
-void fan_in_in_place(const KvFanList& fan, std::byte* attention, std::size_t token_elems) {
-  for (std::size_t e = 0; e < fan.num_entries(); ++e) fan_in_entry_in_place<E>(fan, e, reinterpret_cast<E*>(attention), token_elems);
-}
-
-/// Calls f(E*) with a null pointer of the C++ type of `type`.
-template <class F>
-void with_element_type(ElementType type, F&& f) {
-  switch (type) {
-    case ElementType::int8: f(static_cast<std::int8_t*>(nullptr)); break;
-    case ElementType::uint8: f(static_cast<std::uint8_t*>(nullptr)); break;
-    case ElementType::int32: f(static_cast<std::int32_t*>(nullptr)); break;
-    case ElementType::int64: f(static_cast<std::int64_t*>(nullptr)); break;
-    case ElementType::float32: f(static_cast<float*>(nullptr)); break;
-    case ElementType::float64: f(static_cast<double*>(nullptr)); break;
-    case ElementType::bfloat16: f(static_cast<bfloat16*>(nullptr)); break;
-    case ElementType::float16: f(static_cast<float16*>(nullptr)); break;
-  }
-}
 
 /// Checks that a rank's fan list belongs to its wire slices: one entry per
 /// received wire entry, in order, back to back, each with at least one copy
@@ -302,22 +122,8 @@ inline void check_fan_list(const KvFanList& fan, const RankMetadata& wire_rev, c
   if (fan.wire_tokens != at) fail(who, ": fan.wire_tokens = ", fan.wire_tokens, " but its entries hold ", at);
 }
 
-/// The three exchanges of the deduplicated path: their piece lists are
-/// exchange_lists(exchange), the fan-out's follows them (the ids a wire data path runs).
+/// The three exchanges of the deduplicated path.
 enum class WireExchange : std::size_t { forward, reverse, reverse_in_place };
-inline constexpr std::size_t wire_fan_out_list = exchange_lists(3);
-
-/// The data path of the deduplicated exchange, named by the transport's
-/// Dispatcher data path: the local copies of each exchange, the fan-out, the
-/// fan-in, the home combine and the owned staging. The host one is below; the
-/// device one is in cpdispatch/cuda/data_path.hpp; any other is refused.
-template <class DataPath>
-class wire_path {
- public:
-  static constexpr bool available = false;
-  using const_buffer = ConstBytes;  // only so that the dispatcher's static_assert is the one error
-  using mutable_buffer = MutableBytes;
-};
 
 /// The fan-out of fan entry e, appended to `pieces` (bytes, attention ->
 /// attention): its first copy, where the wire lands it, to each of its other copies.
@@ -337,6 +143,21 @@ inline void append_fan_in_place(KvFanList& in_place, const KvFanList& fan, std::
   in_place.wire_offset.push_back(copies.empty() ? 0 : copies[0]);
   in_place.attn_offset.insert(in_place.attn_offset.end(), copies.begin(), copies.end());
   in_place.copy_splits.push_back(in_place.attn_offset.size());
+}
+
+/// Empties a fan list, keeping its storage.
+inline void clear_fan_list(KvFanList& fan) noexcept {
+  for (auto* v : {&fan.seq_len, &fan.src_rank, &fan.src_shard, &fan.wire_offset, &fan.attn_offset}) v->clear();
+  fan.copy_splits.assign(1, 0);
+  fan.wire_tokens = fan.attention_tokens = 0;
+}
+
+/// Every entry of `fan` as an entry of `in_place` (its storage reused): the
+/// fan-in that sums each entry at its first copy, over the attention layout alone.
+inline void fan_in_place_of(const KvFanList& fan, KvFanList& in_place) {
+  clear_fan_list(in_place);
+  for (std::size_t e = 0; e < fan.num_entries(); ++e) append_fan_in_place(in_place, fan, e);
+  in_place.attention_tokens = fan.attention_tokens;
 }
 
 /// Both exchanges of one rank's deduplicated KV path, and its fan-out,
@@ -496,46 +317,13 @@ class WirePlanner {
   WireRanges ranges_;
 };
 
-/// The host wire path: memcpy, the fan-in functions above, combine_copies.
-template <>
-class wire_path<data_path<MemorySpace::host>> {
- public:
-  static constexpr bool available = true;
-  using const_buffer = ConstBytes;
-  using mutable_buffer = MutableBytes;
-
-  /// `staging_bytes` of owned staging, allocated here: calls do not allocate.
-  template <class Transport>
-  wire_path(Transport&, const WirePlan&, const KvFanList&, const RankMetadata&, std::size_t, std::size_t staging_bytes)
-      : staging_(staging_bytes) {}
-
-  void copy(PieceList list, const std::byte* src, std::byte* dst) const noexcept { copy_pieces(list.pieces, src, dst); }
-  void fan_in(const KvFanList& fan, ElementType type, const std::byte* attention, std::byte* wire, std::size_t token_bytes) const {
-    with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan, attention, wire, token_bytes / sizeof(E)); });
-  }
-  void fan_in_in_place(const KvFanList& fan, ElementType type, std::byte* attention, std::size_t token_bytes) const {
-    with_element_type(type, [&]<class E>(E*) { detail::fan_in_in_place<E>(fan, attention, token_bytes / sizeof(E)); });
-  }
-  void combine(const RankMetadata& rev, ConstBytes replica, MutableBytes grad, std::size_t token_bytes, ElementType type) const {
-    combine_copies(rev, replica, grad, token_bytes, type);
-  }
-  std::byte* staging() noexcept { return staging_.data(); }
-  /// Grows the owned staging to at least `bytes` (a replan's; never shrinks).
-  void reserve_staging(std::size_t bytes) {
-    if (staging_.size() < bytes) staging_.resize(bytes);
-  }
-
- private:
-  std::vector<std::byte> staging_;
-};
-
 }  // namespace detail
 
 template <class T>
 class KvWireDispatcher {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
-  using path = detail::wire_path<typename detail::dispatcher_path<T>::type>;
-  static_assert(path::available,
+  using path = typename detail::dispatcher_path<T>::type;
+  static_assert(detail::data_path_available<path>(),
                 "cpdispatch: KvWireDispatcher over a device transport needs the CUDA data path: include cpdispatch/cuda/data_path.hpp "
                 "(from a .cu file) where it is used");
   using Exchange = detail::WireExchange;
@@ -557,7 +345,11 @@ class KvWireDispatcher {
         fan_(std::move(slice.fan)),
         sizes_(sizes_of(plan_, token_bytes)),
         wire_staging_bytes_(wire_staging_of(sizes_)),
-        path_(transport, plan_, fan_, rev_, token_bytes, staging_of(plan_, wire_staging_bytes_)) {}
+        path_(transport) {
+    if constexpr (PieceTransport<T>) detail::fan_in_place_of(fan_, in_place_fan_);
+    lay_out_path();
+    grow_staging(staging_of(plan_, wire_staging_bytes_));
+  }
 
   /// The same from the global wire metadata: takes the part of transport.rank().
   KvWireDispatcher(T& transport, const KvWireMetadata& wire, std::size_t token_bytes)
@@ -585,7 +377,8 @@ class KvWireDispatcher {
     next_sizes_ = sizes_of(next_plan_, token_bytes_);
     next_rev_ = slice.rev;
     next_fan_ = slice.fan;
-    path_.reserve_staging(staging_of(next_plan_, wire_staging_of(next_sizes_)));
+    if constexpr (PieceTransport<T>) detail::fan_in_place_of(next_fan_, next_in_place_fan_);
+    grow_staging(staging_of(next_plan_, wire_staging_of(next_sizes_)));
     prepared_ = true;
   }
 
@@ -594,8 +387,10 @@ class KvWireDispatcher {
     std::swap(plan_, next_plan_);
     std::swap(rev_, next_rev_);
     std::swap(fan_, next_fan_);
+    std::swap(in_place_fan_, next_in_place_fan_);
     sizes_ = next_sizes_;
     wire_staging_bytes_ = wire_staging_of(sizes_);
+    lay_out_path();
     prepared_ = false;
   }
 
@@ -618,7 +413,7 @@ class KvWireDispatcher {
     const char* call = "forward";
     check_buffers(call, {{mlp.data(), mlp.size(), "mlp", sizes_.mlp_bytes}, {attention.data(), attention.size(), "attention", sizes_.attention_bytes}});
     exchange(call, Exchange::forward, mlp.data(), attention.data());
-    path_.copy({detail::wire_fan_out_list, plan_.fan_out}, attention.data(), attention.data());
+    path_.copy(fan_out_, attention.data(), attention.data());
   }
 
   /// Attention-layout gradients -> `grad` [T]: the fan-in sums each received
@@ -630,9 +425,9 @@ class KvWireDispatcher {
                                {wire.data(), wire.size(), "wire", sizes_.wire_bytes},
                                {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
                                {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
-    path_.fan_in(fan_, type, attention_grad.data(), wire.data(), token_bytes_);
+    path_.fan_in(fan_in_, type, attention_grad.data(), wire.data());
     exchange(call, Exchange::reverse, wire.data(), replica.data());
-    path_.combine(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
+    combine(type, replica, grad);
   }
 
   /// The same without the wire buffer, for a caller that no longer needs the
@@ -648,14 +443,14 @@ class KvWireDispatcher {
                                {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
                                {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
     if constexpr (PieceTransport<T>) {
-      path_.fan_in_in_place(fan_, type, attention_grad.data(), token_bytes_);
+      path_.fan_in(fan_in_place_, type, attention_grad.data());
       exchange(call, Exchange::reverse_in_place, attention_grad.data(), replica.data());
     } else {  // the staging's head is the wire buffer, the exchange's own staging follows it
-      std::byte* wire = path_.staging();
-      path_.fan_in(fan_, type, attention_grad.data(), wire, token_bytes_);
+      std::byte* wire = staging_.data();
+      path_.fan_in(fan_in_, type, attention_grad.data(), wire);
       exchange(call, Exchange::reverse, wire, replica.data(), wire_staging_bytes_);
     }
-    path_.combine(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
+    combine(type, replica, grad);
   }
 
  private:
@@ -738,10 +533,35 @@ class KvWireDispatcher {
   /// all_to_all_pieces, the exchange's staging starts `staging_at` bytes into
   /// the owned staging.
   void exchange(const char* call, Exchange which, const std::byte* in, std::byte* out, std::size_t staging_at = 0) {
-    const detail::ExchangePlan& ex = which == Exchange::forward ? plan_.forward : which == Exchange::reverse ? plan_.reverse : plan_.reverse_in_place;
+    const auto w = static_cast<std::size_t>(which);
     std::byte* staging = nullptr;
-    if constexpr (!PieceTransport<T>) staging = path_.staging() + staging_at;
-    detail::run_exchange(transport_, path_, detail::exchange_lists(which), ex, in, out, staging, {"KvWireDispatcher", call});
+    if constexpr (!PieceTransport<T>) staging = staging_.data() + staging_at;
+    detail::run_exchange(transport_, path_, lists_[w], *exchanges()[w], in, out, staging, {"KvWireDispatcher", call});
+  }
+
+  /// The plan's exchanges, by WireExchange (reverse_in_place serves all_to_all_pieces only).
+  std::array<const detail::ExchangePlan*, 3> exchanges() const noexcept { return {&plan_.forward, &plan_.reverse, &plan_.reverse_in_place}; }
+
+  void combine(ElementType type, mutable_buffer replica, mutable_buffer grad) {
+    path_.combine(combine_, type, replica.data(), sizes_.replica_bytes, grad.data(), sizes_.mlp_bytes);
+  }
+
+  /// The plan's lists with the data path (the host path keeps views of
+  /// plan_, fan_ and rev_; once the lists have been seen, this allocates nothing).
+  void lay_out_path() {
+    path_.clear();
+    const std::size_t used = PieceTransport<T> ? 3 : 2;
+    for (std::size_t w = 0; w < used; ++w) lists_[w] = detail::add_exchange(path_, *exchanges()[w]);
+    fan_out_ = {path_.add_copies(plan_.fan_out), plan_.fan_out};
+    fan_in_ = path_.add_fan_in(fan_, token_bytes_);
+    if constexpr (PieceTransport<T>) fan_in_place_ = path_.add_fan_in_place(in_place_fan_, token_bytes_);
+    combine_ = path_.add_combine(rev_, token_bytes_);
+    path_.commit();
+  }
+
+  /// The owned staging grows to `bytes` (never shrinks).
+  void grow_staging(std::size_t bytes) {
+    if (staging_.size() < bytes) staging_.resize(bytes);
   }
 
   T& transport_;
@@ -754,11 +574,16 @@ class KvWireDispatcher {
   KvFanList fan_;     // the fan-in
   KvWireBufferSizes sizes_;
   std::size_t wire_staging_bytes_;  // without all_to_all_pieces: the in-place fan-in's wire, at the staging's head
-  path path_;  // local copies, fan-out, fan-in, combine, owned staging (built from the above)
+  path path_;  // the lists below, registered from the above
+  std::size_t lists_[3] = {};  // each exchange's first piece list, by WireExchange
+  detail::PieceList fan_out_;
+  std::size_t fan_in_ = 0, fan_in_place_ = 0, combine_ = 0;
+  KvFanList in_place_fan_;  // all_to_all_pieces: the fan-in at each shard's first copy
+  typename path::template buffer<std::byte> staging_;  // owned staging (none with all_to_all_pieces)
   // prepare_replan's, swapped in by commit_replan (both keep their storage)
   detail::WirePlan next_plan_;
   RankMetadata next_rev_;
-  KvFanList next_fan_;
+  KvFanList next_fan_, next_in_place_fan_;
   KvWireBufferSizes next_sizes_{};
   bool prepared_ = false;
 };

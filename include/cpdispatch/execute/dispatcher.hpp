@@ -126,7 +126,7 @@ constexpr MemorySpace memory_space_of() {
 /// The transport's data path; the host one while the transport's own checks fail (one diagnostic each).
 template <class T>
 struct dispatcher_path {
-  using type = data_path<MemorySpace::host>;
+  using type = HostDataPath;
 };
 template <class T>
   requires transport_has_memory_space<T>
@@ -166,7 +166,10 @@ class Dispatcher {
         plan_(first_plan(fwd, rev)),
         rev_(std::move(rev)),
         sizes_(sizes_of(plan_)),
-        path_(transport, plan_, rev_, token_bytes_, sizes_.staging_bytes) {}
+        path_(transport) {
+    lay_out_path();
+    grow_staging();
+  }
 
   /// The same from global metadata: takes the slices of transport.rank().
   Dispatcher(T& transport, const Metadata& fwd, const Metadata& rev, std::size_t token_bytes, DispatcherOptions options = {})
@@ -204,6 +207,7 @@ class Dispatcher {
     std::swap(plan_, next_plan_);
     std::swap(rev_, next_rev_);
     sizes_ = sizes_of(plan_);
+    lay_out_path();
     prepared_ = false;
   }
 
@@ -253,7 +257,7 @@ class Dispatcher {
     check_capacity(call, scratch);
     for (const Buffer& other : {into, from, scratch}) check_disjoint(call, g, other);
     exchange(call, Direction::reverse, attention_grad, "attention_grad", replica, "replica", staging);
-    path_.combine(rev_, replica.first(sizes_.replica_bytes), grad.first(sizes_.mlp_bytes), token_bytes_, type);
+    path_.combine(combine_, type, replica.data(), sizes_.replica_bytes, grad.data(), sizes_.mlp_bytes);
   }
 
  private:
@@ -344,7 +348,27 @@ class Dispatcher {
     if constexpr (PieceTransport<T>) return 0; else return ex.staging_bytes();
   }
 
-  mutable_buffer own_staging() { return path_.staging(sizes_.staging_bytes); }
+  /// The plan's lists with the data path (the host path keeps views of
+  /// plan_ and rev_; once the lists have been seen, this allocates nothing).
+  void lay_out_path() {
+    path_.clear();
+    for (Direction dir : {Direction::forward, Direction::reverse}) {
+      lists_[static_cast<std::size_t>(dir)] = detail::add_exchange(path_, dir == Direction::forward ? plan_.forward : plan_.reverse);
+    }
+    if (rev_.seq_recv_mask) combine_ = path_.add_combine(rev_, token_bytes_);  // reverse KV
+    path_.commit();
+  }
+
+  /// The owned staging grows to the plan's (at construction, so that a
+  /// device dispatcher's calls never allocate; after a replan, at its first call).
+  void grow_staging() {
+    if (staging_.size() < sizes_.staging_bytes) staging_.resize(sizes_.staging_bytes);
+  }
+
+  mutable_buffer own_staging() {
+    grow_staging();
+    return mutable_buffer(staging_.data(), sizes_.staging_bytes);
+  }
 
   void exchange(const char* call, Direction dir, const_buffer in, const char* in_name, mutable_buffer out, const char* out_name,
                 mutable_buffer staging) {
@@ -358,7 +382,7 @@ class Dispatcher {
     check_disjoint(call, scratch, input);
     check_disjoint(call, scratch, output);
 
-    detail::run_exchange(transport_, path_, detail::exchange_lists(dir), ex, in.data(), out.data(), staging.data(), {"Dispatcher", call});
+    detail::run_exchange(transport_, path_, lists_[static_cast<std::size_t>(dir)], ex, in.data(), out.data(), staging.data(), {"Dispatcher", call});
   }
 
   T& transport_;
@@ -372,7 +396,10 @@ class Dispatcher {
   detail::DispatchPlan plan_;
   RankMetadata rev_;  // for the combine
   BufferSizes sizes_;
-  path path_;  // local copies, combine, owned staging (after plan_, rev_, sizes_: built from them)
+  path path_;  // local copies and combine, registered from plan_ and rev_
+  std::size_t lists_[2] = {};  // each direction's first piece list with path_
+  std::size_t combine_ = 0;    // the combine's id with path_ (reverse KV)
+  typename path::template buffer<std::byte> staging_;  // owned staging
   detail::DispatchPlan next_plan_;  // prepare_replan's, swapped in by commit_replan (both keep their storage)
   RankMetadata next_rev_;
   bool prepared_ = false;

@@ -179,51 +179,13 @@ inline NodeWirePlan plan_node_steps(const KvFanList& fan, const RankNodeWire& no
   return plan;
 }
 
-/// The data path of the node-level exchange, named by the transport's
-/// Dispatcher data path: the piece lists, the two fan-ins (the fan list's
-/// and the relay sums), the home combine and the arena. The host one is
-/// below; the device one is in cpdispatch/cuda/data_path.hpp.
-template <class DataPath>
-class node_path {
- public:
-  static constexpr bool available = false;
-  using const_buffer = ConstBytes;
-  using mutable_buffer = MutableBytes;
-};
-
-/// The two fan-ins of NodeWireDispatcher.
-enum class NodeFanIn { attention, relay };
-
-template <>
-class node_path<data_path<MemorySpace::host>> {
- public:
-  static constexpr bool available = true;
-  using const_buffer = ConstBytes;
-  using mutable_buffer = MutableBytes;
-
-  template <class Transport>
-  node_path(Transport&, const NodeWirePlan& plan, const KvFanList&, const RankMetadata&, std::size_t) : arena_(plan.arena_bytes) {}
-
-  void copy(PieceList list, const std::byte* src, std::byte* dst) const noexcept { copy_pieces(list.pieces, src, dst); }
-  void fan_in(NodeFanIn, const KvFanList& fan, ElementType type, const std::byte* src, std::byte* dst, std::size_t token_bytes) const {
-    with_element_type(type, [&]<class E>(E*) { detail::fan_in<E>(fan, src, dst, token_bytes / sizeof(E)); });
-  }
-  void combine(const RankMetadata& rev, ConstBytes replica, MutableBytes grad, std::size_t token_bytes, ElementType type) const {
-    combine_copies(rev, replica, grad, token_bytes, type);
-  }
-  std::byte* arena() noexcept { return arena_.data(); }
-
- private:
-  std::vector<std::byte> arena_;  // operator new aligns it for every element type
-};
-
 }  // namespace detail
 
 template <AllToAllTransport T>
 class NodeWireDispatcher {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
-  using path = detail::node_path<typename detail::dispatcher_path<T>::type>;
-  static_assert(path::available,
+  using path = typename detail::dispatcher_path<T>::type;
+  static_assert(detail::data_path_available<path>(),
                 "cpdispatch: NodeWireDispatcher over a device transport needs the CUDA data path: include cpdispatch/cuda/data_path.hpp "
                 "(from a .cu file) where it is used");
   using Plan = detail::NodeWirePlan;
@@ -242,7 +204,14 @@ class NodeWireDispatcher {
         tb_(token_bytes),
         plan_(detail::plan_node_steps(fan_, node_, tb_, static_cast<std::size_t>(transport.rank()))),
         combine_(combine_of(node_, transport)),
-        path_(transport, plan_, fan_, combine_, tb_) {}
+        path_(transport) {
+    for (std::size_t i = 0; i < Plan::num_lists; ++i) path_.add_copies(plan_.pieces(i));  // ids 0, 1, ...: the plan's list numbers
+    attention_fan_in_ = path_.add_fan_in(fan_, tb_);
+    relay_fan_in_ = path_.add_fan_in(plan_.relay_fan, tb_);
+    combine_id_ = path_.add_combine(combine_, tb_);
+    path_.commit();
+    arena_.resize(plan_.arena_bytes);
+  }
 
   NodeWireBufferSizes required_bytes() const { return {bytes(node_.mlp_tokens), bytes(fan_.attention_tokens)}; }
 
@@ -252,7 +221,7 @@ class NodeWireDispatcher {
     check("forward: ", mlp.size(), attention.size());
     step("forward", Plan::between_forward, mlp.data());
     step("forward", Plan::inside_forward, mlp.data());
-    copy(Plan::fan_out, path_.arena(), attention.data());
+    copy(Plan::fan_out, arena_.data(), attention.data());
   }
 
   /// The gradient of this rank's KV shards (MLP layout) from the gradient of
@@ -261,13 +230,13 @@ class NodeWireDispatcher {
     check("reverse_combine: ", grad.size(), attention_grad.size());
     const std::size_t es = element_size(type);
     if (tb_ % es != 0) detail::fail("NodeWireDispatcher::reverse_combine: token_bytes = ", tb_, " is not a multiple of the ", es, "-byte element");
-    std::byte* arena = path_.arena();
-    path_.fan_in(detail::NodeFanIn::attention, fan_, type, attention_grad.data(), arena + plan_.wire_at, tb_);
+    std::byte* arena = arena_.data();
+    path_.fan_in(attention_fan_in_, type, attention_grad.data(), arena + plan_.wire_at);
     step("reverse_combine", Plan::inside_reverse, nullptr);
-    path_.fan_in(detail::NodeFanIn::relay, plan_.relay_fan, type, arena, arena, tb_);
+    path_.fan_in(relay_fan_in_, type, arena, arena);
     step("reverse_combine", Plan::between_reverse, nullptr);
     const std::size_t replica = bytes(node_.num_copies * node_.mlp_tokens);
-    path_.combine(combine_, const_buffer(arena + plan_.replica_at, replica), grad, tb_, type);
+    path_.combine(combine_id_, type, arena + plan_.replica_at, replica, grad.data(), grad.size());
   }
 
  private:
@@ -311,7 +280,7 @@ class NodeWireDispatcher {
   /// One step: the input's pieces into the staging, the exchange over the arena (all_to_all_v even over a
   /// PieceTransport: the sends read two buffers), the input's traffic to itself. `input`: none in reverse.
   void step(const char* call, Plan::Step s, const std::byte* input) {
-    std::byte* arena = path_.arena();
+    std::byte* arena = arena_.data();
     copy(Plan::list(s, Plan::pack_input), input, arena + plan_.staging_at);
     const std::size_t lists = Plan::list(s, 0);  // the exchange's, by Stage
     detail::run_exchange<false>(transport_, path_, lists, plan_.step[s].exchange, arena, arena, arena + plan_.staging_at, {"NodeWireDispatcher", call});
@@ -324,7 +293,9 @@ class NodeWireDispatcher {
   std::size_t tb_;
   Plan plan_;
   RankMetadata combine_;
-  path path_;  // the arena and the lists' runner (last: built from the above)
+  path path_;  // the lists below, registered from the above
+  std::size_t attention_fan_in_ = 0, relay_fan_in_ = 0, combine_id_ = 0;
+  typename path::template buffer<std::byte> arena_;
 };
 
 }  // namespace cpdispatch

@@ -150,9 +150,9 @@ class QkvDispatch {
   /// ascending copy order (fp32 accumulation for 16-bit types); with dedup
   /// each destination first sums its copies, then the home sums the wire's.
   void reverse_kv(buffer<const E> dkv_attention, buffer<E> dkv_mlp) {
-    const auto replica = replica_.ensure(replica_bytes());
+    const auto replica = ensure(replica_, replica_bytes());
     if (wire_) {
-      wire_->reverse_combine(path::bytes_of(dkv_attention), wire_scratch_.ensure(wire_->required_bytes().wire_bytes), replica,
+      wire_->reverse_combine(path::bytes_of(dkv_attention), ensure(wire_scratch_, wire_->required_bytes().wire_bytes), replica,
                              path::bytes_of(dkv_mlp), element_type_of<E>());
     } else {
       kv_->reverse_combine(path::bytes_of(dkv_attention), replica, path::bytes_of(dkv_mlp), element_type_of<E>());
@@ -259,10 +259,16 @@ class QkvDispatch {
 
   std::size_t replica_bytes() const { return wire_ ? wire_->required_bytes().replica_bytes : kv_->required_bytes().replica_bytes; }
 
+  /// `bytes` of scratch: it grows (never shrinks), so it keeps its memory while the plan fits it.
+  static typename path::mutable_buffer ensure(typename path::template buffer<std::byte>& scratch, std::size_t bytes) {
+    if (scratch.size() < bytes) scratch.resize(bytes);
+    return typename path::mutable_buffer(scratch.data(), bytes);
+  }
+
   /// The scratch keeps its memory while the plan fits it (calls then allocate nothing).
   void size_scratch() {
-    replica_.ensure(replica_bytes());
-    if (wire_) wire_scratch_.ensure(wire_->required_bytes().wire_bytes);
+    ensure(replica_, replica_bytes());
+    if (wire_) ensure(wire_scratch_, wire_->required_bytes().wire_bytes);
   }
 
   T& transport_;
@@ -276,7 +282,7 @@ class QkvDispatch {
   std::optional<Dispatcher<T>> next_q_, next_kv_;  // prepare's, for the first share (every share on device)
   std::optional<KvWireDispatcher<T>> next_wire_;
   RankAttentionLayout attention_, next_attention_;  // replan copies into the second, then swaps (both keep their storage)
-  typename path::scratch replica_, wire_scratch_;
+  typename path::template buffer<std::byte> replica_, wire_scratch_;
 };
 
 }  // namespace cpdispatch

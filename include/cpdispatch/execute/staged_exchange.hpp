@@ -23,10 +23,9 @@
 // nothing is allocated while a plan fits what an earlier one needed.
 //
 // Memory is the data path's, through one interface: path.copy(PieceList,
-// src, dst), in the path's order (the device paths' stream). Host paths copy
-// the pieces; device paths run the list uploaded under its id (the
-// dispatchers' at construction, numbered by the caller; the op's as
-// registered here).
+// src, dst), in the path's order (the device path's stream). The host path
+// copies the pieces; the device path runs the list uploaded under its id
+// (add_exchange registers a plan's lists; StagedExchange its own).
 
 #include <algorithm>
 #include <cstddef>
@@ -57,6 +56,16 @@ Request all_to_all_bytes(T& transport, const void* send, std::span<const std::si
     transport.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     return Request{};
   }
+}
+
+/// Registers `ex`'s three piece lists with `path` (between its clear() and
+/// commit()), in Stage order; returns the id of the first, run_exchange's `lists`.
+template <class Path>
+std::size_t add_exchange(Path& path, const ExchangePlan& ex) {
+  const std::size_t first = path.add_copies(ex.send.copies);
+  path.add_copies(ex.self);
+  path.add_copies(ex.recv.copies);
+  return first;
 }
 
 /// Runs `ex` from `in` to `out`. `lists` is the id of the exchange's pack

@@ -122,7 +122,7 @@ class HeadParallelPart {
     q_from_slabs_ = path.add_copies(q_back_);
     kv_to_slabs_ = path.add_copies(kv_pieces_);
     kv_from_slabs_ = path.add_copies(kv_back_);
-    if (split_.replicated) kv_fan_ = path.add_fan_in(fan_, exact_home_ ? exact_slab_bytes() : slab_bytes(1));
+    if (split_.replicated) kv_fan_ = path.add_fan_in_place(fan_, exact_home_ ? exact_slab_bytes() : slab_bytes(1));
   }
 
   /// The plans of the exchanges the op's ride: Q (or dout) in, K and V in; outputs (or dq) back, dk and dv back.

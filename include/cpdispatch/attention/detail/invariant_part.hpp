@@ -87,7 +87,7 @@ class InvariantPart {
   void lay_out(Path& path, std::span<const KvFanList> round_fans, std::size_t rounds, const RankMetadata& combine_rev, int me, int W) {
     fan_in_ids_.clear();
     if (dedup_) {
-      for (std::size_t r = 0; r < rounds; ++r) fan_in_ids_.push_back(path.add_fan_in(round_fans[r], token_bytes_));
+      for (std::size_t r = 0; r < rounds; ++r) fan_in_ids_.push_back(path.add_fan_in_place(round_fans[r], token_bytes_));
     }
     combine_id_ = path.add_combine(combine_rev, token_bytes_);
     const ExchangePlan* plans[] = {reverse(), reverse()};
