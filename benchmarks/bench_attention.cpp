@@ -17,7 +17,7 @@
 // document of L = 128 .. 8192 tokens; heads 1 x 128, 8 : 2 x 64, 8 : 8 x 64;
 // causal and full; the fastest of the repetitions, the run a shared machine
 // disturbed least), fits the step model's kernel rate to it
-// (cpdispatch/plan/kernel_rate.hpp, fit_kernel_rate) and prints per case the
+// (cpdispatch/model/kernel_rate.hpp, fit_kernel_rate) and prints per case the
 // measured rate, its fraction of SGEMM (of an [L x 128] x [128 x L] product),
 // the model's rate and its error, then the fitted parameters of forward and
 // backward, as bench_cp_attention's --kernel-rate reads them.
@@ -39,7 +39,7 @@
 #include "cpdispatch/attention/host_kernel.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/gemm/gemm_cblas.hpp"
-#include "cpdispatch/plan/kernel_rate.hpp"
+#include "cpdispatch/model/kernel_rate.hpp"
 #include "stats.hpp"
 
 namespace {

@@ -72,9 +72,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/balance/balance.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "node_columns.hpp"
 #include "shared_prefix.hpp"
 #include "stats.hpp"

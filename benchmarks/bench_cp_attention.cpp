@@ -38,7 +38,7 @@
 // --model-check 1 (2: also the kernel sweep's entries) prints, per batch, link and method (ours at each stage
 // count, Ulysses, the ring), the step model's step (model_plan, model_ulysses, model_zigzag_ring over the link
 // as a cluster) next to the measured one, twice: with one FLOP rate (the kernel's rate measured on the batch, as without the flag) and with the
-// kernel priced by the entries each rank runs (cpdispatch/plan/kernel_rate.hpp). That kernel rate is fitted at
+// kernel priced by the entries each rank runs (cpdispatch/model/kernel_rate.hpp). That kernel rate is fitted at
 // the start from a short sweep of entries run by all W ranks at once, as in the step (or read from
 // --kernel-rate, as bench_attention --sweep prints it). --links none runs an instant link (1e6 bytes a
 // FLOP: the kernels alone), which --links both adds with --model-check 1, to check the compute part alone.
@@ -74,12 +74,12 @@
 
 #include "stage_list.hpp"
 #include "cpdispatch/attention.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/cost.hpp"
-#include "cpdispatch/plan/kernel_rate.hpp"
-#include "cpdispatch/plan/step_model.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/model/cost.hpp"
+#include "cpdispatch/model/kernel_rate.hpp"
+#include "cpdispatch/model/step_model.hpp"
 #include "cpdispatch/plan/rank.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "cpdispatch/adapters/simulated_link.hpp"
 #include "stats.hpp"

@@ -63,7 +63,7 @@
 #include "cpdispatch/cuda_runtime/launch.hpp"
 #include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #ifndef CPDISPATCH_BENCH_CUDNN  // set by CMake when cpdispatch::cudnn is linked
 #define CPDISPATCH_BENCH_CUDNN 0
 #endif

@@ -60,10 +60,10 @@
 #include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/cudnn/attention.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/cost.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/model/cost.hpp"
 #include "cpdispatch/plan/rank.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
 
 namespace {

@@ -37,7 +37,7 @@
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "stats.hpp"

@@ -60,11 +60,11 @@
 
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
-#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/balance/balance.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/plan.hpp"
-#include "cpdispatch/plan/workload.hpp"
-#include "cpdispatch/plan/topology_balance.hpp"
+#include "cpdispatch/workload/workload.hpp"
+#include "cpdispatch/balance/topology_balance.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "node_columns.hpp"
 

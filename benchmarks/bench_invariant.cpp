@@ -32,8 +32,8 @@
 
 #include "cpdispatch/attention/context_parallel.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "stats.hpp"
 

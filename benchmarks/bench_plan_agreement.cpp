@@ -12,7 +12,7 @@
 // cost per replan: building the record, one all_to_all_v of it, the verdict).
 
 #include <cpdispatch/execute/qkv_dispatch.hpp>
-#include <cpdispatch/plan/generate.hpp>
+#include <cpdispatch/workload/generate.hpp>
 #include <cpdispatch/plan/rank.hpp>
 #include <cpdispatch/transports/sim.hpp>
 

@@ -24,9 +24,9 @@
 
 #include <benchmark/benchmark.h>
 
-#include "cpdispatch/plan/coverage.hpp"
+#include "cpdispatch/check/coverage.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "shared_prefix.hpp"

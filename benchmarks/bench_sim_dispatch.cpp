@@ -40,7 +40,7 @@
 #include <benchmark/benchmark.h>
 
 #include "cpdispatch/execute/dispatcher.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/transports/sim.hpp"
 

@@ -28,7 +28,7 @@
 
 #include <benchmark/benchmark.h>
 
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 

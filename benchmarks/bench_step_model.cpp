@@ -42,11 +42,11 @@
 #include <nlohmann/json.hpp>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/balance/balance.hpp"
 #include "cpdispatch/plan/plan.hpp"
-#include "cpdispatch/plan/step_model.hpp"
+#include "cpdispatch/model/step_model.hpp"
 #include "cpdispatch/plan/topology.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "cpdispatch/execute/dedup.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/node_wire.hpp"

@@ -20,13 +20,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/baselines.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/balance/baselines.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/topology.hpp"
-#include "cpdispatch/plan/topology_balance.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/balance/topology_balance.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "zigzag_plan.hpp"
 #include "stats.hpp"
 

@@ -2,7 +2,7 @@
 // A line chart of modelled step time against W as a standalone SVG document
 // (bench_step_model --svg FILE): one panel a sample, log-scale W and time
 // axes (the schemes span four orders of magnitude), one line a scheme.
-// Text escaping and number formatting come from cpdispatch/plan/svg.hpp.
+// Text escaping and number formatting come from cpdispatch/io/svg.hpp.
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/plan/svg.hpp"
+#include "cpdispatch/io/svg.hpp"
 
 namespace step_chart {
 

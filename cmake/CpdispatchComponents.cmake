@@ -22,7 +22,7 @@ macro(_cpd_component name headers dependencies)
 endmacro()
 
 #              name        its own headers                         found by the package config
-_cpd_component(json       "include/cpdispatch/plan/*json.hpp"      "nlohmann_json 3.10")
+_cpd_component(json       "include/cpdispatch/io/*json.hpp"        "nlohmann_json 3.10")
 _cpd_component(blas       "include/cpdispatch/gemm/gemm_cblas.hpp" "BLAS")
 _cpd_component(sim        "transports/sim/include/*.hpp"           "Threads")
 _cpd_component(mpi        "transports/mpi/include/*.hpp"           "MPI COMPONENTS CXX")

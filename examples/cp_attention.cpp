@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "cpdispatch/attention.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/sim.hpp"
 

@@ -10,7 +10,7 @@
 
 #include "cpdispatch/execute/gather_plan.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/sim.hpp"
 

@@ -1,7 +1,7 @@
 #pragma once
 // cpdispatch-plan's load-balancing parts: the `balance` subcommand's usage
 // and report, and the --svg picture of a qkv plan in either form. Its input
-// document is read by the library (cpdispatch/plan/balance_json.hpp); I/O
+// document is read by the library (cpdispatch/io/balance_json.hpp); I/O
 // and option parsing stay in cpdispatch_plan.cpp.
 
 #include <algorithm>
@@ -15,11 +15,11 @@
 #include <string_view>
 #include <vector>
 
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/balance_json.hpp"
-#include "cpdispatch/plan/json.hpp"
-#include "cpdispatch/plan/topology_balance.hpp"
-#include "cpdispatch/plan/svg.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/io/balance_json.hpp"
+#include "cpdispatch/io/json.hpp"
+#include "cpdispatch/balance/topology_balance.hpp"
+#include "cpdispatch/io/svg.hpp"
 
 namespace cpdispatch_cli {
 

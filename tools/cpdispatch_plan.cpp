@@ -29,9 +29,9 @@
 #include <vector>
 
 #include "balance_command.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
-#include "cpdispatch/plan/step_model.hpp"
+#include "cpdispatch/model/step_model.hpp"
 
 namespace {
 
@@ -219,7 +219,7 @@ void add_head_parallel_pairs(const cpdispatch::HeadParallelLayout& hp, std::vect
     for (std::size_t i = 0; i < hp.seqlens[d].size(); ++i) {
       const std::int64_t len = hp.seqlens[d][i];
       const std::int64_t pairs = hp.entries.empty() ? cpdispatch::entry_pairs(hp.mask, len, len) : entry_pairs_of(hp.entries[d][i], d);
-      add_pairs(cost, d, cpdispatch::detail::balance::head_parallel_share(pairs, hp.degree, hp.group_rank[d]));
+      add_pairs(cost, d, cpdispatch::detail::cost::head_parallel_share(pairs, hp.degree, hp.group_rank[d]));
     }
   }
 }

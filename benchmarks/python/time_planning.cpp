@@ -11,8 +11,8 @@
 #include <string>
 #include <variant>
 
-#include "cpdispatch/plan/balance_json.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/balance_json.hpp"
+#include "cpdispatch/io/json.hpp"
 
 namespace py = pybind11;
 

@@ -10,7 +10,7 @@
 //
 // Not included, because each needs another target or compiler: the
 // transports (cpdispatch/transports/sim.hpp, mpi.hpp, nccl.hpp), JSON
-// (plan/json.hpp, plan/balance_json.hpp), the CBLAS GEMM backend
+// (io/json.hpp, io/balance_json.hpp), the CBLAS GEMM backend
 // (gemm/gemm_cblas.hpp), the CUDA data path (cuda/), the test doubles
 // (testing/), and the layers on top, which have umbrellas of their own
 // (attention.hpp, tp/tensor_parallel.hpp, overlap/overlap.hpp).
@@ -30,21 +30,21 @@
 #include "cpdispatch/execute/token_indices.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/any_plan.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/coverage.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/check/coverage.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/mask.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
-#include "cpdispatch/plan/step_model.hpp"
-#include "cpdispatch/plan/svg.hpp"
+#include "cpdispatch/model/step_model.hpp"
+#include "cpdispatch/io/svg.hpp"
 #include "cpdispatch/plan/topology.hpp"
-#include "cpdispatch/plan/topology_balance.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/balance/topology_balance.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "cpdispatch/tensor.hpp"
 #include "cpdispatch/transport.hpp"
 #include "cpdispatch/version.hpp"

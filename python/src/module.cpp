@@ -27,8 +27,8 @@
 #include "cpdispatch/attention/detail/share_entries.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/execute/token_indices.hpp"
-#include "cpdispatch/plan/balance_json.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/balance_json.hpp"
+#include "cpdispatch/io/json.hpp"
 
 namespace py = pybind11;
 
@@ -358,7 +358,7 @@ struct ParsedPlan {
 
 // ---- the common case without the JSON detour
 // A QKV plan dict is read straight into the plan structs by the format's
-// tables (plan/fields.hpp) with the JSON reader's rules (known keys only,
+// tables (io/fields.hpp) with the JSON reader's rules (known keys only,
 // plain ints in range, lists of the right lengths): walking a dict into
 // nlohmann-json costs several times the planning. Anything else returns
 // false and goes through the library's JSON reader, which then names what is
@@ -1124,7 +1124,7 @@ void write_field(py::dict& d, PyObject* key, const fields::Field<S, T>& f, const
 }
 
 /// The keys the JSON writer writes by hand rather than from the tables
-/// (plan/fields.hpp says why), last: a document's "slices" (section 2e) and
+/// (io/fields.hpp says why), last: a document's "slices" (section 2e) and
 /// "head_parallel", a documents-form plan's "head_parallel_degree" (section
 /// 2f), each only when set. Other structs have none.
 template <class S>

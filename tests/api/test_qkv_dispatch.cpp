@@ -13,7 +13,7 @@
 #include "../common/sim_world_fixture.hpp"
 #include "cpdispatch/execute/gather_plan.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/sim.hpp"
 

@@ -14,7 +14,7 @@
 #include "../common/counting_allocator.hpp"
 #include "../common/sim_world_fixture.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/sim.hpp"
 

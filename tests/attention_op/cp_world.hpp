@@ -22,7 +22,7 @@
 #include "common/reference_attention.hpp"
 #include "cpdispatch/attention/context_parallel.hpp"
 #include "cpdispatch/attention/detail/lse_merge.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"
 

@@ -13,7 +13,7 @@
 #include "attention_op/exact_kernel.hpp"
 #include "cpdispatch/attention/context_parallel.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 

@@ -19,7 +19,7 @@
 #include "attention_op/run_op.hpp"
 #include "attention_op/slice_plans.hpp"
 #include "cpdispatch/attention.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 

@@ -15,7 +15,7 @@
 
 #include "attention_op/exact_kernel.hpp"
 #include "cpdispatch/attention/context_parallel.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "cpdispatch/transports/sim.hpp"

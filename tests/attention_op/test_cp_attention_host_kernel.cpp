@@ -22,7 +22,7 @@
 #include "attention_op/run_op.hpp"
 #include "attention_op/slice_plans.hpp"
 #include "cpdispatch/attention.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 
 namespace {
 

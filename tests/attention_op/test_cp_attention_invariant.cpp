@@ -21,7 +21,7 @@
 #include "attention_op/run_op.hpp"
 #include "common/sanitized.hpp"
 #include "cpdispatch/attention/host_kernel.hpp"
-#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/balance/balance.hpp"
 
 namespace {
 

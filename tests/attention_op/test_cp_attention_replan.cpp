@@ -17,7 +17,7 @@
 #include "common/counting_allocator.hpp"
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 
 namespace {
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "attention_op/run_op.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "cpdispatch/adapters/simulated_link.hpp"

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/balance/balance.hpp"
 #include "cpdispatch/cpdispatch.hpp"
 #include "../core/helpers.hpp"
 

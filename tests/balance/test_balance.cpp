@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/workload/generate.hpp"
 
 namespace {
 

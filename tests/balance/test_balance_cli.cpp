@@ -18,8 +18,8 @@
 
 #include "../common/plan_cli.hpp"
 #include "balance_helpers.hpp"
-#include "cpdispatch/plan/balance_json.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/balance_json.hpp"
+#include "cpdispatch/io/json.hpp"
 
 namespace {
 

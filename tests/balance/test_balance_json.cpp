@@ -1,4 +1,4 @@
-// The library's reader of a balance input (plan/balance_json.hpp), without
+// The library's reader of a balance input (io/balance_json.hpp), without
 // the CLI: both forms give the BalanceProblem they describe, absent options
 // their defaults (the grid too), and a bad field is an invalid_input naming its path.
 
@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/balance_json.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/io/balance_json.hpp"
+#include "cpdispatch/io/json.hpp"
 
 namespace {
 

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/balance/balance.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/workload/generate.hpp"
+#include "cpdispatch/workload/workload.hpp"
 
 namespace {
 

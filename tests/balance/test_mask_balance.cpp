@@ -17,9 +17,9 @@
 #include <nlohmann/json.hpp>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/workload/generate.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "../common/sanitized.hpp"
 
 namespace {

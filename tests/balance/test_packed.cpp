@@ -19,12 +19,12 @@
 #include <vector>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/coverage.hpp"
-#include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/plan/step_model.hpp"
-#include "cpdispatch/plan/topology_balance.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/check/coverage.hpp"
+#include "cpdispatch/workload/generate.hpp"
+#include "cpdispatch/model/step_model.hpp"
+#include "cpdispatch/balance/topology_balance.hpp"
+#include "cpdispatch/workload/workload.hpp"
 
 namespace {
 

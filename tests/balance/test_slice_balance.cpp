@@ -20,13 +20,13 @@
 #include <nlohmann/json.hpp>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/balance_json.hpp"
-#include "cpdispatch/plan/coverage.hpp"
-#include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/plan/json.hpp"
-#include "cpdispatch/plan/step_model.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/io/balance_json.hpp"
+#include "cpdispatch/check/coverage.hpp"
+#include "cpdispatch/workload/generate.hpp"
+#include "cpdispatch/io/json.hpp"
+#include "cpdispatch/model/step_model.hpp"
+#include "cpdispatch/workload/workload.hpp"
 #include "../common/sanitized.hpp"
 
 namespace {

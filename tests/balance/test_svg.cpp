@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/plan/svg.hpp"
+#include "cpdispatch/io/svg.hpp"
 
 namespace {
 

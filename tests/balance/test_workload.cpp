@@ -15,8 +15,8 @@
 #include <nlohmann/json.hpp>
 
 #include "balance_helpers.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/workload/workload.hpp"
 
 namespace {
 

@@ -15,9 +15,9 @@
 #include <variant>
 #include <vector>
 
-#include "cpdispatch/plan/balance_problem.hpp"
-#include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/balance/balance_problem.hpp"
+#include "cpdispatch/workload/generate.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "../common/plan_cli.hpp"
 #include "spec_examples.hpp"
 

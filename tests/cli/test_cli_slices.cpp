@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "../common/plan_cli.hpp"
 #include "spec_examples.hpp"
 

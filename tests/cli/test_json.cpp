@@ -1,4 +1,4 @@
-// include/cpdispatch/plan/json.hpp: plan parsing with path-named errors, metadata
+// include/cpdispatch/io/json.hpp: plan parsing with path-named errors, metadata
 // to_json / from_json, and the worked examples of docs/plan-format.md
 // (section 4) through JSON.
 
@@ -12,8 +12,8 @@
 #include <string_view>
 #include <vector>
 
-#include "cpdispatch/plan/generate.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/workload/generate.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "spec_examples.hpp"
 
 namespace cpdispatch {

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <string>
 
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "../common/counting_allocator.hpp"
 

@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/plan/coverage.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/check/coverage.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "helpers.hpp"
 
 namespace {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "../common/reference_attention.hpp"
 
 namespace {

@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "helpers.hpp"
 #include "rank_share.hpp"
 

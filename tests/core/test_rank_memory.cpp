@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "../common/counting_allocator.hpp"
 

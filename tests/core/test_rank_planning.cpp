@@ -9,7 +9,7 @@
 #include <string>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "helpers.hpp"
 #include "../common/same_slice.hpp"

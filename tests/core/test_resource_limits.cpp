@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "../common/counting_allocator.hpp"

@@ -14,7 +14,7 @@
 
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
 #include "cpdispatch/transports/sim.hpp"

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 
 namespace {
 

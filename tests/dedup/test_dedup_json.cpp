@@ -11,7 +11,7 @@
 #include <sstream>
 #include <string>
 
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "dedup_cli.hpp"
 
 namespace {

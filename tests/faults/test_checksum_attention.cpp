@@ -17,7 +17,7 @@
 
 #include "attention_op/run_op.hpp"
 #include "cpdispatch/adapters/checksummed.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/adapters/fault_injecting.hpp"
 
 namespace {

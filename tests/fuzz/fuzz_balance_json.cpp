@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/balance_json.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/io/balance_json.hpp"
 #include "fuzz_coverage.hpp"
 #include "fuzz_target.hpp"
 

@@ -10,7 +10,7 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "cpdispatch/plan/coverage.hpp"
+#include "cpdispatch/check/coverage.hpp"
 #include "fuzz_target.hpp"
 
 namespace cpdispatch_fuzz {

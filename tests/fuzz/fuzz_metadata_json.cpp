@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cpdispatch/execute/simulate.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "fuzz_target.hpp"
 
 namespace {

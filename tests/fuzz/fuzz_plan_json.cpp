@@ -10,7 +10,7 @@
 #include <string>
 #include <variant>
 
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "fuzz_coverage.hpp"
 #include "fuzz_target.hpp"
 

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/topology.hpp"
 
 namespace node_test {

@@ -13,7 +13,7 @@
 #include "cpdispatch/execute/node_wire.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "node_cases.hpp"
 

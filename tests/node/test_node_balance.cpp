@@ -16,11 +16,11 @@
 #include <nlohmann/json.hpp>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
-#include "cpdispatch/plan/topology_balance.hpp"
-#include "cpdispatch/plan/workload.hpp"
+#include "cpdispatch/balance/topology_balance.hpp"
+#include "cpdispatch/workload/workload.hpp"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/json.hpp"
+#include "cpdispatch/io/json.hpp"
 #include "../dedup/dedup_cli.hpp"
 
 namespace {

@@ -10,7 +10,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "node_cases.hpp"

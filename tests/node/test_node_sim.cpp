@@ -18,7 +18,7 @@
 #include "cpdispatch/execute/node_wire.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "../common/sim_world_fixture.hpp"

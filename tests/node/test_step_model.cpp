@@ -18,8 +18,8 @@
 
 #include "../common/plan_cli.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/kernel_rate.hpp"
-#include "cpdispatch/plan/step_model.hpp"
+#include "cpdispatch/model/kernel_rate.hpp"
+#include "cpdispatch/model/step_model.hpp"
 
 namespace {
 

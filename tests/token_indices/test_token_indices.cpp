@@ -13,7 +13,7 @@
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/execute/token_indices.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 
 namespace {

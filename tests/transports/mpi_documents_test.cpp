@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "documents_exchange.hpp"
 
 namespace {

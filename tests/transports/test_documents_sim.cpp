@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "documents_exchange.hpp"
 

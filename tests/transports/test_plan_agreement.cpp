@@ -14,7 +14,7 @@
 
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/qkv_dispatch.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "cpdispatch/transports/sim.hpp"

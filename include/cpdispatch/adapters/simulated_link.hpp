@@ -52,7 +52,7 @@
 // likewise for the bytes received; alone it takes
 //     latency x (peers of that tier) + max(bytes sent, bytes received over that tier) / bandwidth
 // on the slower tier. These are the step-time model's
-// assumptions (cpdispatch/plan/step_model.hpp, detail::step_model::exchange_time:
+// assumptions (cpdispatch/model/step_model.hpp, detail::step_model::exchange_time:
 // the same per-tier formula, peers with no bytes either way cost no latency,
 // the tiers at once), so a planned exchange measured over this adapter
 // checks the model's communication part. (The one-tier adapter keeps its

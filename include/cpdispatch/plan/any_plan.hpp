@@ -1,7 +1,7 @@
 #pragma once
 // The plan kinds a JSON document may hold (docs/plan-format.md): a query
 // plan, or a QKV plan in its per-rank or documents form, and the metadata
-// planning any of them gives. Needs no JSON library; plan/json.hpp reads
+// planning any of them gives. Needs no JSON library; io/json.hpp reads
 // and writes them.
 
 #include <cstdint>

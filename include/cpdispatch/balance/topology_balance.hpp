@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance.hpp"
+#include "cpdispatch/balance/balance.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/plan.hpp"

@@ -91,19 +91,19 @@
 // pieces, and the rest is balanced on the batch's own packed coordinate.
 //
 // This header includes the rest of planning by balance: the problem
-// (plan/balance_problem.hpp), what a plan costs (plan/cost.hpp) and the
-// baselines (plan/baselines.hpp).
+// (balance/balance_problem.hpp), what a plan costs (model/cost.hpp) and the
+// baselines (balance/baselines.hpp).
 
 #include <cstdint>
 #include <utility>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance_problem.hpp"
-#include "cpdispatch/plan/baselines.hpp"
-#include "cpdispatch/plan/cost.hpp"
-#include "cpdispatch/plan/detail/balance_planner.hpp"
-#include "cpdispatch/plan/detail/head_parallel_choice.hpp"
-#include "cpdispatch/plan/detail/mask_balance.hpp"
+#include "cpdispatch/balance/balance_problem.hpp"
+#include "cpdispatch/balance/baselines.hpp"
+#include "cpdispatch/model/cost.hpp"
+#include "cpdispatch/balance/detail/balance_planner.hpp"
+#include "cpdispatch/balance/detail/head_parallel_choice.hpp"
+#include "cpdispatch/balance/detail/mask_balance.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/mask.hpp"
 #include "cpdispatch/plan/plan.hpp"

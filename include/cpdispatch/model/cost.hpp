@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/detail/balance_cuts.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/mask.hpp"
 #include "cpdispatch/plan/plan.hpp"
@@ -59,10 +58,10 @@ inline std::int64_t attention_cost(std::int64_t context, std::int64_t len) {
   if (__builtin_add_overflow(context, len, &end) || __builtin_mul_overflow(end, end + 1, &sq)) {
     detail::fail("attention_cost: ", context, " + ", len, " tokens overflow 64 bits");
   }
-  return detail::balance::pairs(context, end);
+  return detail::pairs(context, end);
 }
 
-namespace detail::balance {
+namespace detail::cost {
 
 /// Checked arithmetic for plan_cost.
 inline void add_to(std::int64_t& acc, std::int64_t v) {
@@ -240,10 +239,10 @@ inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& sh
   }
 }
 
-}  // namespace detail::balance
+}  // namespace detail::cost
 
 /// Attention cost and bytes moved of a documents-form plan, counted as the
-/// layout of docs/plan-format.md sends them (see the top of plan/balance.hpp;
+/// layout of docs/plan-format.md sends them (see the top of balance/balance.hpp;
 /// a document with slices as section 2e sends it, a head-parallel one as
 /// add_head_parallel_document counts it: 1/u of its pairs on each rank of
 /// its group, its dst ignored). Throws invalid_input
@@ -251,7 +250,7 @@ inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& sh
 /// [0, W), a non-positive length or an empty document, and
 /// `documents[i].slices[j]` for a slice empty or outside its document.
 inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
-  PlanCost out = detail::balance::empty_cost(plan.world_size, limits);
+  PlanCost out = detail::cost::empty_cost(plan.world_size, limits);
   out.mask = plan.mask;
   detail::check_mask(plan.mask);
   detail::DocumentRanges need;
@@ -260,25 +259,25 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
   for (std::size_t i = 0; i < plan.documents.size(); ++i) {
     const PackedDocument& doc = plan.documents[i];
     const auto& shards = doc.shards;
-    detail::balance::check_cost_shards(doc, i, plan.world_size, u);
+    detail::cost::check_cost_shards(doc, i, plan.world_size, u);
     const auto& slices = doc.slices;
     if (slices.empty() && !doc.head_parallel) {
-      detail::balance::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
+      detail::cost::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
       continue;
     }
     std::int64_t len = 0;
     for (const DocumentShard& s : shards) len = detail::add_tokens(len, s.len, "plan_cost");
-    if (!slices.empty()) detail::balance::check_slices_inside(slices, len, i, "plan_cost");
+    if (!slices.empty()) detail::check_slices_inside(slices, len, i, "plan_cost");
     if (doc.head_parallel) {
       const std::int64_t pairs = !slices.empty() ? slice_pairs(slices, 0, len, 0, len)
                                  : plan.mask == AttentionMask::causal() ? attention_cost(0, len) : attention_pairs(plan.mask, 0, len, len);
-      detail::balance::add_head_parallel_document(out, shards, pairs, u, q_bytes, kv_bytes);
+      detail::cost::add_head_parallel_document(out, shards, pairs, u, q_bytes, kv_bytes);
     } else {
-      detail::balance::add_sliced_document(out, shards, slices, q_bytes, kv_bytes);
+      detail::cost::add_sliced_document(out, shards, slices, q_bytes, kv_bytes);
     }
   }
-  detail::balance::add_to(out.bytes_moved, out.query_bytes);
-  detail::balance::add_to(out.bytes_moved, out.kv_bytes);
+  detail::cost::add_to(out.bytes_moved, out.query_bytes);
+  detail::cost::add_to(out.bytes_moved, out.kv_bytes);
   return out;
 }
 
@@ -286,7 +285,7 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
 /// one rank), counted as for the documents form.
 inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
-  PlanCost out = detail::balance::empty_cost(plan.world_size, limits);
+  PlanCost out = detail::cost::empty_cost(plan.world_size, limits);
   out.mask = plan.mask;
   detail::check_mask(plan.mask);
   detail::DocumentRanges need;
@@ -308,11 +307,11 @@ inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::in
         if (d < 0 || d >= plan.world_size) fail("plan_cost: ranks[", r, "].docs[", i, "].dst[", s, "] = ", d, " is outside [0, ", W, ")");
         shards.push_back({static_cast<std::int64_t>(r), len, d});
       }
-      detail::balance::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
+      detail::cost::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
     }
   }
-  detail::balance::add_to(out.bytes_moved, out.query_bytes);
-  detail::balance::add_to(out.bytes_moved, out.kv_bytes);
+  detail::cost::add_to(out.bytes_moved, out.query_bytes);
+  detail::cost::add_to(out.bytes_moved, out.kv_bytes);
   return out;
 }
 

@@ -1,7 +1,7 @@
 #pragma once
 // Cut arithmetic of load-balanced planning: the causal cost of a run of a
 // document's tokens, and where to cut a run so that its shards stay under a
-// cost (plan/balance.hpp describes the planner that uses it); and what a run
+// cost (balance/balance.hpp describes the planner that uses it); and what a run
 // of a document with slices (docs/plan-format.md, section 2e) costs and needs.
 
 #include <algorithm>
@@ -20,10 +20,6 @@ namespace detail::balance {
 
 using detail::fail;
 constexpr std::int64_t unlimited = std::numeric_limits<std::int64_t>::max() / 4;
-
-/// Causal pairs of tokens [a, b) of a document: sum over t of (t + 1).
-/// Callers keep b*(b+1) within 64 bits (checked once per document).
-inline std::int64_t pairs(std::int64_t a, std::int64_t b) noexcept { return (b - a) * (a + b + 1) / 2; }
 
 /// The largest m in [a, b] with pairs(a, m) <= budget.
 inline std::int64_t max_end(std::int64_t a, std::int64_t b, std::int64_t budget) noexcept {
@@ -202,35 +198,6 @@ inline std::vector<std::int64_t> equal_cost_cuts(std::int64_t a, std::int64_t b,
     cut[k] = pairs(a, x) - pairs(a, down) <= pairs(a, up) - pairs(a, x) ? down : up;
   }
   return cut;
-}
-
-/// Whether queries [p0, p1) of a document need its keys [k0, k1): under
-/// its slices (section 2e), else under the plan's mask, which is a band over
-/// the whole document. A needed set is not a range under slices.
-inline bool needs(const std::vector<AttentionSlice>& slices, const AttentionMask& mask, std::int64_t p0, std::int64_t p1,
-                  std::int64_t k0, std::int64_t k1) {
-  return slices.empty() ? band_meets(p0, p1, k0, k1, mask.band()) : slices_meet(slices, p0, p1, k0, k1);
-}
-
-/// The (query, key) pairs of queries [a, b) of a document of `len` tokens:
-/// its slices' allowed pairs, else its mask's.
-inline std::int64_t query_pairs(const std::vector<AttentionSlice>& slices, const AttentionMask& mask, std::int64_t a, std::int64_t b,
-                                std::int64_t len) {
-  return slices.empty() ? attention_pairs(mask, a, b - a, len) : slice_pairs(slices, a, b, 0, len);
-}
-
-/// Refuses a slice of document d that reaches outside its `len` tokens
-/// (`who`: the caller, for the message). Planning checks the rest of a
-/// slice (section 2e); costs and needed sets are only defined inside.
-inline void check_slices_inside(const std::vector<AttentionSlice>& slices, std::int64_t len, std::size_t d, const char* who) {
-  for (std::size_t j = 0; j < slices.size(); ++j) {
-    const AttentionSlice& s = slices[j];
-    const bool empty = s.q_begin >= s.q_end || s.k_begin >= s.k_end;
-    if (empty || s.q_begin < 0 || s.k_begin < 0 || s.q_end > len || s.k_end > len) {
-      fail(who, ": documents[", d, "].slices[", j, "] (q [", s.q_begin, ", ", s.q_end, "), k [", s.k_begin, ", ", s.k_end, ")) ",
-           empty ? "is empty" : "reaches outside the document", " (", len, " tokens)");
-    }
-  }
 }
 
 }  // namespace detail::balance

@@ -1,5 +1,5 @@
 #pragma once
-// Plans to compare the balanced plan with (plan/balance.hpp): every piece
+// Plans to compare the balanced plan with (balance/balance.hpp): every piece
 // on its home rank, a greedy balancer, and the per-document zig-zag of
 // Megatron-LM and Transformer Engine.
 
@@ -9,10 +9,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpdispatch/plan/balance_problem.hpp"
-#include "cpdispatch/plan/detail/balance_cuts.hpp"
-#include "cpdispatch/plan/detail/balance_planner.hpp"
-#include "cpdispatch/plan/detail/mask_balance.hpp"
+#include "cpdispatch/balance/balance_problem.hpp"
+#include "cpdispatch/balance/detail/balance_cuts.hpp"
+#include "cpdispatch/balance/detail/balance_planner.hpp"
+#include "cpdispatch/balance/detail/mask_balance.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/plan.hpp"
 

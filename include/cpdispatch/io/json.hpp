@@ -14,7 +14,7 @@
 // fields are null; masks are 0/1 integers.
 //
 // The QKV plan structs are read and written through their field tables
-// (plan/fields.hpp), which the Python module's dict conversion walks too.
+// (io/fields.hpp), which the Python module's dict conversion walks too.
 
 #include <algorithm>
 #include <array>
@@ -37,7 +37,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/any_plan.hpp"
 #include "cpdispatch/plan/dedup.hpp"
-#include "cpdispatch/plan/fields.hpp"
+#include "cpdispatch/io/fields.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"
@@ -300,7 +300,7 @@ inline json mask_to_json(const AttentionMask& mask) {
   return {{"type", "causal"}};
 }
 
-// ---- the plan format's tables (plan/fields.hpp) as JSON
+// ---- the plan format's tables (io/fields.hpp) as JSON
 
 template <fields::Tabled S>
 S read_struct(const json& j, const JsonPath& path);
@@ -362,7 +362,7 @@ void read_field(const json& obj, const JsonPath& path, const fields::Field<S, T>
   read_value(*v, p, out.*f.member, f.rule);
 }
 
-// ---- section 2e's slices: read and written by hand (plan/fields.hpp says why)
+// ---- section 2e's slices: read and written by hand (io/fields.hpp says why)
 
 /// [a, b]: a slice's query or key range, two integers (the planner checks the values).
 inline std::pair<std::int64_t, std::int64_t> read_range(const json& j, const JsonPath& path) {

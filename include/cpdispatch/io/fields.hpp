@@ -1,7 +1,7 @@
 #pragma once
 // The fields of the plan format's QKV structs (docs/plan-format.md, section
 // 3), one table per struct: each key with its member and the rules a reader
-// applies. The JSON reader and writer (plan/json.hpp) and the Python module's
+// applies. The JSON reader and writer (io/json.hpp) and the Python module's
 // dict conversion walk these tables, so a field is added in one place.
 //
 // A table lists its keys in the order messages name them and readers read
@@ -65,7 +65,7 @@ struct Table<DocumentShard> {
 
 /// A document's optional "slices" (section 2e) are not in this table: a
 /// slice's [qa, qb] and [ka, kb] pairs and its type name have no member of
-/// their own, so plan/json.hpp reads and writes them by hand (and the Python
+/// their own, so io/json.hpp reads and writes them by hand (and the Python
 /// module, which walks these tables, hands a dict with "slices" to the JSON
 /// reader).
 template <>

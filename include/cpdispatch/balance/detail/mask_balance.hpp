@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance_problem.hpp"
-#include "cpdispatch/plan/detail/balance_cuts.hpp"
-#include "cpdispatch/plan/detail/balance_planner.hpp"
+#include "cpdispatch/balance/balance_problem.hpp"
+#include "cpdispatch/balance/detail/balance_cuts.hpp"
+#include "cpdispatch/balance/detail/balance_planner.hpp"
 #include "cpdispatch/plan/mask.hpp"
 #include "cpdispatch/plan/plan.hpp"
 
@@ -261,7 +261,7 @@ class MaskPlanner {
 
   /// Whether query shard q of document d needs key-value shard k.
   bool needs(std::size_t d, const Shard& q, const Shard& k) const {
-    return detail::balance::needs(base_.slices_of(d), mask_, q.begin, q.end, k.begin, k.end);
+    return detail::needs(base_.slices_of(d), mask_, q.begin, q.end, k.begin, k.end);
   }
 
   std::size_t home(const Shard& s) const { return base_.pieces()[s.piece].home; }

@@ -5,7 +5,7 @@
 // docs/plan-format.md section 2e) or the whole documents per rank ("ranks"),
 // with C, receive capacities, bytes per token, the mask, "dedup" and the
 // topology's "inter_node_ratio"; and the balanced plan's JSON. On
-// nlohmann-json (target cpdispatch::json), like plan/json.hpp: a malformed
+// nlohmann-json (target cpdispatch::json), like io/json.hpp: a malformed
 // input throws invalid_input naming the JSON path of the offending value,
 // e.g. `documents[0].pieces[1].len = 0 must be a positive length` (the
 // document as a whole is `input`: `input: expected an object`).
@@ -20,9 +20,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cpdispatch/plan/any_plan.hpp"
-#include "cpdispatch/plan/balance_problem.hpp"
-#include "cpdispatch/plan/json.hpp"
-#include "cpdispatch/plan/topology_balance.hpp"
+#include "cpdispatch/balance/balance_problem.hpp"
+#include "cpdispatch/io/json.hpp"
+#include "cpdispatch/balance/topology_balance.hpp"
 
 namespace cpdispatch {
 

@@ -31,8 +31,8 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/kernel_rate.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/model/kernel_rate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/topology.hpp"

@@ -1,5 +1,5 @@
 #pragma once
-// The load-balancing planner behind plan_balanced (plan/balance.hpp
+// The load-balancing planner behind plan_balanced (balance/balance.hpp
 // describes its algorithm): the pieces of the input, candidate layouts of
 // shards, and the search for the target largest rank cost.
 
@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance_problem.hpp"
-#include "cpdispatch/plan/detail/balance_cuts.hpp"
+#include "cpdispatch/balance/balance_problem.hpp"
+#include "cpdispatch/balance/detail/balance_cuts.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/plan.hpp"
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <string_view>
 
-#include "cpdispatch/plan/cost.hpp"
+#include "cpdispatch/model/cost.hpp"
 #include "cpdispatch/error.hpp"
 
 namespace cpdispatch {

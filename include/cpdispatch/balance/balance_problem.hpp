@@ -1,5 +1,5 @@
 #pragma once
-// What load-balanced planning starts from (plan/balance.hpp): the documents
+// What load-balanced planning starts from (balance/balance.hpp): the documents
 // as pieces on their home ranks (with their slices, where a document has its
 // own mask), the planner's options, and the problem a plan was made from.
 

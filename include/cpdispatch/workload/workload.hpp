@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance.hpp"
-#include "cpdispatch/plan/generate.hpp"
+#include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/workload/generate.hpp"
 
 namespace cpdispatch {
 

@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/balance_problem.hpp"
-#include "cpdispatch/plan/cost.hpp"
-#include "cpdispatch/plan/detail/balance_planner.hpp"
-#include "cpdispatch/plan/detail/mask_balance.hpp"
+#include "cpdispatch/balance/balance_problem.hpp"
+#include "cpdispatch/model/cost.hpp"
+#include "cpdispatch/balance/detail/balance_planner.hpp"
+#include "cpdispatch/balance/detail/mask_balance.hpp"
 #include "cpdispatch/plan/plan.hpp"
 
 namespace cpdispatch::detail::balance {
@@ -68,7 +68,7 @@ inline double link_weight(const BalanceOptions& o, std::int64_t a, std::int64_t 
 inline double dispatch_link_bytes(PlanCost& scratch, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
                                   const BalanceOptions& o, std::vector<std::pair<std::size_t, std::int64_t>>& held) {
   const auto W = static_cast<std::size_t>(scratch.world_size);
-  add_document(scratch, shards, 2 * q_bytes, kv_bytes, held);  // queries out, outputs back
+  cost::add_document(scratch, shards, 2 * q_bytes, kv_bytes, held);  // queries out, outputs back
   double total = 0;
   for (const DocumentShard& from : shards) {
     for (const DocumentShard& to : shards) {
@@ -123,7 +123,7 @@ inline bool head_parallel_candidate(const BalanceDocument& doc, std::int64_t u) 
 inline std::vector<bool> head_parallel_documents(const BalanceProblem& problem, const BalanceOptions& o, std::int64_t u,
                                                  const QkvDocumentsPlan& dispatched) {
   std::vector<bool> out(problem.documents.size(), false);
-  PlanCost scratch = empty_cost(problem.world_size, {});
+  PlanCost scratch = cost::empty_cost(problem.world_size, {});
   std::vector<std::pair<std::size_t, std::int64_t>> held;
   for (std::size_t i = 0; i < problem.documents.size(); ++i) {
     const BalanceDocument& doc = problem.documents[i];
@@ -134,7 +134,7 @@ inline std::vector<bool> head_parallel_documents(const BalanceProblem& problem, 
     const double dispatch = dispatch_link_bytes(scratch, shards, problem.q_bytes, problem.kv_bytes, o, held) +
                             o.pair_weight * static_cast<double>(largest_shard_pairs(shards));
     const double head_parallel = head_parallel_link_bytes(doc, u, problem.q_bytes, problem.kv_bytes, o) +
-                                 o.pair_weight * static_cast<double>(head_parallel_share(attention_cost(0, len), u, 0));
+                                 o.pair_weight * static_cast<double>(cost::head_parallel_share(attention_cost(0, len), u, 0));
     out[i] = dispatch > head_parallel;
   }
   return out;
@@ -159,7 +159,7 @@ inline BalanceProblem dispatched_rest(const BalanceProblem& problem, const std::
     for (const DocumentPiece& pc : doc.pieces) len += pc.len;  // the dispatched plan checked the totals
     const std::int64_t first = doc.pieces.front().rank / u * u, pairs = attention_cost(0, len);
     for (std::int64_t c = 0; c < u; ++c) {
-      fixed[static_cast<std::size_t>(first + c)] += head_parallel_share(pairs, u, c);
+      fixed[static_cast<std::size_t>(first + c)] += cost::head_parallel_share(pairs, u, c);
       held[static_cast<std::size_t>(first + c)] += len;
     }
   }
