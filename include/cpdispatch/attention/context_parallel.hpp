@@ -54,6 +54,7 @@
 // order. The transport is held by reference and must outlive the object.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -373,13 +374,8 @@ class ContextParallelAttention {
     check_mlp(call, {{q.size(), "q", true}, {k.size(), "k", false}, {v.size(), "v", false}, {out.size(), "out", true}});
     forward_done_ = false;
     hp_.scatter_inputs(path_, bytes(q.data()), bytes(k.data()), bytes(v.data()));
-    const detail::StagedTensor in_all[] = {{&q_plan_.forward, bytes(q.data()), bytes(q_attn_)},
-                                           {kv_forward(), bytes(k.data()), bytes(k_attn_)},
-                                           {kv_forward(), bytes(v.data()), bytes(v_attn_)},
-                                           {hp_.q_in(), hp_.q_slabs(), hp_.q()},
-                                           {hp_.kv_in(), hp_.k_slabs(), hp_.k()},
-                                           {hp_.kv_in(), hp_.v_slabs(), hp_.v()}};
-    const Tensors in = with_head_parallel(in_all, 3);
+    const auto in_all = forward_inputs(q.data(), k.data(), v.data());
+    const Tensors in = with_head_parallel(in_all);
     if (options_.invariant) {
       forward_invariant(call, in, q, v);
     } else if (groups_ == 0) {  // one exchange, then one kernel call over the whole layout
@@ -393,8 +389,8 @@ class ContextParallelAttention {
       forward_by_stages(call, in);
     }
     if (hp_.active() && !options_.invariant) traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_forward(kernel_, path_); });
-    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(out_attn_), bytes(out.data())}, {hp_.q_back(), hp_.out(), hp_.q_slabs()}};
-    exchange_all(call, out_home_, with_head_parallel(back, 1));
+    const auto back = outputs_home(out.data());
+    exchange_all(call, out_home_, with_head_parallel(back));
     hp_.gather_output(path_, bytes(out.data()));
     forward_done_ = true;
   }
@@ -405,9 +401,9 @@ class ContextParallelAttention {
     if (!forward_done_) fail("backward needs the forward of the same plan first");
     check_mlp(call, {{dout.size(), "dout", true}, {dq.size(), "dq", true}, {dk.size(), "dk", false}, {dv.size(), "dv", false}});
     hp_.scatter_dout(path_, bytes(dout.data()));
-    const detail::StagedTensor in_all[] = {{&q_plan_.forward, bytes(dout.data()), bytes(dout_attn_)}, {hp_.q_in(), hp_.q_slabs(), hp_.dout()}};
-    const Tensors in = with_head_parallel(in_all, 1);
-    const detail::StagedTensor kv[] = {{kv_reverse(), bytes(dk_attn_), bytes(replica_)}, {kv_reverse(), bytes(dv_attn_), bytes(replica_v_)}};
+    const auto in_all = dout_inputs(dout.data());
+    const Tensors in = with_head_parallel(in_all);
+    const auto kv = kv_gradients();
     if (options_.invariant) return backward_invariant(call, in, dout, dq, dk, dv);
     clear_stray_backward();
     if (groups_ == 0) {
@@ -422,11 +418,8 @@ class ContextParallelAttention {
       backward_by_stages(call, in, kv);
     }
     if (hp_.active()) traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_backward(kernel_, path_); });  // while the dispatched key-value gradients travel
-    const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())},
-                                         {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
-                                         {hp_.kv_back(), hp_.dk(), hp_.k_slabs()},
-                                         {hp_.kv_back(), hp_.dv(), hp_.v_slabs()}};
-    exchange_all(call, grads_home_, with_head_parallel(back, 1));
+    const auto back = gradients_home(dq.data());
+    exchange_all(call, grads_home_, with_head_parallel(back));
     finish_kv_gradients(call, kv, dk, dv);
     hp_.gather_gradients(path_, bytes(dq.data()), bytes(dk.data()), bytes(dv.data()));
   }
@@ -434,6 +427,12 @@ class ContextParallelAttention {
  private:
   using Tensors = std::span<const detail::StagedTensor>;
   using Exchange = detail::StagedExchange<Path>;
+  /// An exchange's tensors: the first `dispatched`, then the head-parallel part's.
+  template <std::size_t N>
+  struct HeadParallelLast {
+    std::array<detail::StagedTensor, N> tensors;
+    std::size_t dispatched;
+  };
 
   static constexpr std::size_t agreement_slots = 3;
   static constexpr const char* slot_names[agreement_slots] = {"query", "key-value", "head-parallel"};
@@ -485,25 +484,47 @@ class ContextParallelAttention {
   /// Their gradients' reverse plan: with dedup the wire's, from each shard's first copy (after the fan-in).
   const detail::ExchangePlan* kv_reverse() const noexcept { return options_.dedup ? &wire_plan_.reverse_in_place : &kv_plan_.reverse; }
 
-  /// A tensor list's first `dispatched` tensors, and the head-parallel ones after them where the plan has some.
-  template <class X, std::size_t N>
-  std::span<const X> with_head_parallel(const X (&all)[N], std::size_t dispatched) const noexcept {
-    return std::span<const X>(all, hp_.active() ? N : dispatched);
+  /// A list of each exchange's tensors (below): its dispatched tensors, and
+  /// the head-parallel part's after them where the plan has some.
+  template <std::size_t N>
+  Tensors with_head_parallel(const HeadParallelLast<N>& all) const noexcept {
+    return Tensors(all.tensors).first(hp_.active() ? N : all.dispatched);
   }
 
-  /// The exchanges, each ONE post per stage group: the head-parallel part's
-  /// tensors ride the dispatched ones' (its outputs and gradients go home
-  /// with the queries').
+  // Each exchange's tensors, in the one order its lay-out and its calls
+  // share (the caller's buffers null when it is laid out). The head-parallel
+  // part's tensors ride the dispatched ones' post (its outputs and gradients
+  // go home with the queries').
+  HeadParallelLast<6> forward_inputs(const E* q, const E* k, const E* v) {
+    return {{{{&q_plan_.forward, bytes(q), bytes(q_attn_)},
+              {kv_forward(), bytes(k), bytes(k_attn_)},
+              {kv_forward(), bytes(v), bytes(v_attn_)},
+              {hp_.q_in(), hp_.q_slabs(), hp_.q()},
+              {hp_.kv_in(), hp_.k_slabs(), hp_.k()},
+              {hp_.kv_in(), hp_.v_slabs(), hp_.v()}}},
+            3};
+  }
+  HeadParallelLast<2> dout_inputs(const E* dout) { return {{{{&q_plan_.forward, bytes(dout), bytes(dout_attn_)}, {hp_.q_in(), hp_.q_slabs(), hp_.dout()}}}, 1}; }
+  HeadParallelLast<2> outputs_home(E* out) { return {{{{&q_plan_.reverse, bytes(out_attn_), bytes(out)}, {hp_.q_back(), hp_.out(), hp_.q_slabs()}}}, 1}; }
+  /// dk and dv of the head-parallel part as it sends them (exact sums in the invariant mode).
+  HeadParallelLast<4> gradients_home(E* dq) {
+    return {{{{&q_plan_.reverse, bytes(dq_attn_), bytes(dq)},
+              {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
+              {hp_.kv_back(), hp_.dk_back(), hp_.dk_home()},
+              {hp_.kv_back(), hp_.dv_back(), hp_.dv_home()}}},
+            1};
+  }
+  std::array<detail::StagedTensor, 2> kv_gradients() {
+    return {{{kv_reverse(), bytes(dk_attn_), bytes(replica_)}, {kv_reverse(), bytes(dv_attn_), bytes(replica_v_)}}};
+  }
+
+  /// The exchanges, each ONE post per stage group.
   void lay_out_exchanges(int me, int W) {
-    const detail::ExchangePlan* fwd_in[] = {&q_plan_.forward, kv_forward(), kv_forward(), hp_.q_in(), hp_.kv_in(), hp_.kv_in()};
-    const detail::ExchangePlan* dout_in[] = {&q_plan_.forward, hp_.q_in()};
-    const detail::ExchangePlan* kv_rev[] = {kv_reverse(), kv_reverse()};
-    const detail::ExchangePlan* q_rev[] = {&q_plan_.reverse, hp_.q_back(), hp_.kv_back(), hp_.kv_back()};
-    fwd_in_.lay_out(path_, with_head_parallel(fwd_in, 3), me, W, groups_, true);
-    dout_in_.lay_out(path_, with_head_parallel(dout_in, 1), me, W, groups_, true);
-    out_home_.lay_out(path_, std::span(q_rev).first(hp_.active() ? 2 : 1), me, W, 0, false);
-    grads_home_.lay_out(path_, with_head_parallel(q_rev, 1), me, W, 0, false);
-    kv_out_.lay_out(path_, kv_rev, me, W, groups_, false);
+    fwd_in_.lay_out(path_, with_head_parallel(forward_inputs(nullptr, nullptr, nullptr)), me, W, groups_, true);
+    dout_in_.lay_out(path_, with_head_parallel(dout_inputs(nullptr)), me, W, groups_, true);
+    out_home_.lay_out(path_, with_head_parallel(outputs_home(nullptr)), me, W, 0, false);
+    grads_home_.lay_out(path_, with_head_parallel(gradients_home(nullptr)), me, W, 0, false);
+    kv_out_.lay_out(path_, kv_gradients(), me, W, groups_, false);
   }
 
   /// With dedup, per round (the round a shard's key-values arrive in), the
@@ -691,14 +712,9 @@ class ContextParallelAttention {
       for (std::size_t id : inv_.fan_in_ids()) {
         for (auto* b : {&inv_.dk(), &inv_.dv()}) path_.fan_in(id, ElementType::int64, bytes(*b));
       }
-      const detail::StagedTensor exact[] = {{inv_.reverse(), bytes(inv_.dk()), bytes(inv_.replica_k())},
-                                            {inv_.reverse(), bytes(inv_.dv()), bytes(inv_.replica_v())}};
-      exchange_all(call, inv_.home(), exact);
-      const detail::StagedTensor back[] = {{&q_plan_.reverse, bytes(dq_attn_), bytes(dq.data())},
-                                           {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
-                                           {hp_.kv_back(), hp_.dk_back(), hp_.dk_home()},
-                                           {hp_.kv_back(), hp_.dv_back(), hp_.dv_home()}};
-      exchange_all(call, grads_home_, with_head_parallel(back, 1));
+      exchange_all(call, inv_.home(), inv_.exact_home());
+      const auto back = gradients_home(dq.data());
+      exchange_all(call, grads_home_, with_head_parallel(back));
       const std::size_t replica_bytes = inv_.replica_k().size() * sizeof(std::int64_t), home_bytes = inv_.home_k().size() * sizeof(std::int64_t);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_k()), replica_bytes, bytes(inv_.home_k()), home_bytes);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_v()), replica_bytes, bytes(inv_.home_v()), home_bytes);

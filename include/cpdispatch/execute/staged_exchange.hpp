@@ -104,7 +104,8 @@ void run_exchange(T& transport, Path& path, std::size_t lists, const ExchangePla
   path.copy(list(Stage::self, ex.self), in, out);
 }
 
-/// One tensor of a staged exchange: its plan (one direction) and buffers.
+/// One tensor of a staged exchange: its plan (one direction) and buffers
+/// (its input `in`, its output `out`).
 struct StagedTensor {
   const ExchangePlan* plan = nullptr;
   const std::byte* in = nullptr;
@@ -120,13 +121,18 @@ inline int stage_group(int home, int attention, int world_size, int groups) {
 template <class Path>
 class StagedExchange {
  public:
-  /// Lays out the exchange of `plans` (one direction; `forward`: this rank
-  /// sends as home rank) for rank `me` of `world_size` in `groups` stage
-  /// groups (0: one group, every peer), and registers its lists with `path`.
-  void lay_out(Path& path, std::span<const ExchangePlan* const> plans, int me, int world_size, int groups, bool forward) {
+  /// Lays out the exchange of `tensors`' plans (one direction; `forward`:
+  /// this rank sends as home rank; their buffers are not read here) for rank
+  /// `me` of `world_size` in `groups` stage groups (0: one group, every
+  /// peer), and registers its lists with `path`. Its calls then take tensors
+  /// of the same plans in the same order, with their buffers.
+  void lay_out(Path& path, std::span<const StagedTensor> tensors, int me, int world_size, int groups, bool forward) {
     const auto W = static_cast<std::size_t>(world_size);
     groups_ = std::max(groups, 1);
-    tensors_ = plans.size();
+    tensors_ = tensors.size();
+    plans_.clear();
+    for (const StagedTensor& t : tensors) plans_.push_back(t.plan);
+    const std::span<const ExchangePlan* const> plans(plans_);
     for (auto* v : {&send_at_, &recv_at_, &send_counts_, &recv_counts_}) v->assign(W, 0);
     send_group_.assign(W, 0);
     recv_group_.assign(W, 0);
@@ -161,6 +167,7 @@ class StagedExchange {
 
   /// Copies the traffic to this rank itself (no transport call).
   void copy_self(Path& path, std::span<const StagedTensor> tensors) const {
+    check(tensors);
     for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(self_[t], tensors[t].in, tensors[t].out);
   }
 
@@ -170,6 +177,7 @@ class StagedExchange {
   Request post(T& transport, Path& path, std::span<const StagedTensor> tensors, int group) {
     const std::size_t W = send_at_.size();
     std::span<std::size_t> send(counts_.data(), W), recv(counts_.data() + W, W);
+    check(tensors);
     for (std::size_t p = 0; p < W; ++p) {
       send[p] = send_group_[p] == group ? send_counts_[p] : 0;
       recv[p] = recv_group_[p] == group ? recv_counts_[p] : 0;
@@ -185,6 +193,7 @@ class StagedExchange {
 
   /// After the wait: unpacks what group `group`'s peers sent.
   void finish(Path& path, std::span<const StagedTensor> tensors, int group) {
+    check(tensors);
     for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(unpack_[index(group, t)], recv_staging_.data(), tensors[t].out);
   }
 
@@ -201,6 +210,13 @@ class StagedExchange {
   }
 
  private:
+  /// A call's tensors are those of the lay-out: the same plans, in its order.
+  void check(std::span<const StagedTensor> tensors) const {
+    bool same = tensors.size() == plans_.size();
+    for (std::size_t t = 0; same && t < tensors.size(); ++t) same = tensors[t].plan == plans_[t];
+    if (!same) fail("StagedExchange: a call's ", tensors.size(), " tensors are not the ", plans_.size(), " it was laid out for, in its order");
+  }
+
   std::size_t index(int group, std::size_t tensor) const noexcept { return static_cast<std::size_t>(group) * tensors_ + tensor; }
 
   static void grow(typename Path::template buffer<std::byte>& b, std::size_t bytes) {
@@ -244,6 +260,7 @@ class StagedExchange {
 
   int groups_ = 1;
   std::size_t tensors_ = 0;
+  std::vector<const ExchangePlan*> plans_;  // the lay-out's, in its order
   std::vector<std::size_t> send_at_, recv_at_, send_counts_, recv_counts_, counts_;
   std::vector<int> send_group_, recv_group_;
   std::vector<PieceList> pack_, unpack_, self_;  // the lists registered with the path

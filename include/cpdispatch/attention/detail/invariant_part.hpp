@@ -15,6 +15,7 @@
 // The op owns one; its exchanges ride the op's (execute/staged_exchange.hpp).
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -90,8 +91,13 @@ class InvariantPart {
       for (std::size_t r = 0; r < rounds; ++r) fan_in_ids_.push_back(path.add_fan_in_place(round_fans[r], token_bytes_));
     }
     combine_id_ = path.add_combine(combine_rev, token_bytes_);
-    const ExchangePlan* plans[] = {reverse(), reverse()};
-    home_.lay_out(path, plans, me, W, 0, false);
+    home_.lay_out(path, exact_home(), me, W, 0, false);
+  }
+
+  /// The exact key-value gradients' way home (home()'s tensors).
+  std::array<StagedTensor, 2> exact_home() {
+    const auto bytes = [](owned<std::int64_t>& b) { return reinterpret_cast<std::byte*>(b.data()); };
+    return {{{reverse(), bytes(dk_), bytes(replica_k_)}, {reverse(), bytes(dv_), bytes(replica_v_)}}};
   }
 
   /// Gives each entry its phase (entries_of_shard: where query shard g's
