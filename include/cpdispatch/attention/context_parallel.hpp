@@ -73,6 +73,7 @@
 #include "cpdispatch/attention/data_path.hpp"
 #include "cpdispatch/attention/detail/head_parallel_part.hpp"
 #include "cpdispatch/attention/detail/invariant_part.hpp"
+#include "cpdispatch/attention/detail/kv_fan_part.hpp"
 #include "cpdispatch/attention/detail/row_cover.hpp"
 #include "cpdispatch/attention/detail/share_entries.hpp"
 #include "cpdispatch/attention/detail/stage_plan.hpp"
@@ -277,12 +278,7 @@ class ContextParallelAttention {
     for (Exchange* x : {&out_home_, &grads_home_}) x->reserve(tq * hq * e, mlp * hq * e, pieces);
     kv_out_.reserve(2 * tk * hk * e, copies * mlp * 2 * hk * e, pieces);
     calls_.reserve(pieces + 1);
-    for (KvFanList& f : round_fans_) {
-      for (auto* v : {&f.seq_len, &f.src_rank, &f.src_shard, &f.wire_offset}) v->reserve(n(c.shards));
-      f.attn_offset.reserve(pieces);
-      f.copy_splits.reserve(n(c.shards) + 1);
-    }
-    for (std::vector<detail::CopyPiece>& list : round_copies_) list.reserve(pieces);
+    fan_.reserve(n(c.shards), pieces);
   }
 
   /// Takes the next step's share (the plan's mask and, with dedup, its wire
@@ -317,12 +313,8 @@ class ContextParallelAttention {
     const char* who = "ContextParallelAttention";
     const int me = transport_.rank(), W = transport_.world_size();
     planned_ = forward_done_ = false;
-    if (options_.dedup) {
-      if (!share.kv_wire) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
-      wire_planner_.plan(share.kv_wire->fwd, share.kv_wire->rev, share.kv_wire->fan, kv_token_bytes(), me, W, wire_plan_);
-      wire_rev_ = share.kv_wire->rev;
-      fan_ = share.kv_wire->fan;
-    }
+    if (options_.dedup && !share.kv_wire) fail("options.dedup is set but the share has no kv_wire (plan the plan with dedup set)");
+    fan_.plan(share, options_.dedup, kv_token_bytes(), me, W);
     q_planner_.plan(share.q_fwd, share.q_rev, q_token_elems() * sizeof(E), me, W, who, q_plan_);
     kv_planner_.plan(share.kv_fwd, share.kv_rev, kv_token_bytes(), me, W, who, kv_plan_);
     if (!share.kv_rev.seq_recv_mask) fail("share.kv_rev has no seq_recv_mask (not the reverse key-value slice of a QKV plan)");
@@ -338,12 +330,11 @@ class ContextParallelAttention {
     size_buffers();
     path_.clear();
     lay_out_exchanges(me, W);
-    lay_out_fan();
+    fan_.lay_out(path_, stage_plan_);
     hp_.lay_out(path_);
-    combine_id_ = path_.add_combine(options_.dedup ? wire_rev_ : kv_rev_, kv_token_bytes());
-    if (options_.invariant) {
-      inv_.lay_out(path_, round_fans_, static_cast<std::size_t>(stage_plan_.rounds()), options_.dedup ? wire_rev_ : kv_rev_, me, W);
-    }
+    const RankMetadata& combine_rev = fan_.active() ? fan_.reverse_slice() : kv_rev_;
+    combine_id_ = path_.add_combine(combine_rev, kv_token_bytes());
+    if (options_.invariant) inv_.lay_out(path_, fan_.round_fans(), static_cast<std::size_t>(stage_plan_.rounds()), combine_rev, me, W);
     path_.commit();
     prepare_kernel();
     planned_ = true;
@@ -480,9 +471,9 @@ class ContextParallelAttention {
   }
 
   /// The forward plan of the key-values: the wire's with dedup (each shard once, at its first copy).
-  const detail::ExchangePlan* kv_forward() const noexcept { return options_.dedup ? &wire_plan_.forward : &kv_plan_.forward; }
+  const detail::ExchangePlan* kv_forward() const noexcept { return fan_.active() ? &fan_.forward() : &kv_plan_.forward; }
   /// Their gradients' reverse plan: with dedup the wire's, from each shard's first copy (after the fan-in).
-  const detail::ExchangePlan* kv_reverse() const noexcept { return options_.dedup ? &wire_plan_.reverse_in_place : &kv_plan_.reverse; }
+  const detail::ExchangePlan* kv_reverse() const noexcept { return fan_.active() ? &fan_.reverse() : &kv_plan_.reverse; }
 
   /// A list of each exchange's tensors (below): its dispatched tensors, and
   /// the head-parallel part's after them where the plan has some.
@@ -527,34 +518,6 @@ class ContextParallelAttention {
     kv_out_.lay_out(path_, kv_gradients(), me, W, groups_, false);
   }
 
-  /// With dedup, per round (the round a shard's key-values arrive in), the
-  /// fan list's shards with several copies: forward copies each one's first
-  /// copy to its other places, backward sums its copies' gradients there.
-  void lay_out_fan() {
-    const auto rounds = static_cast<std::size_t>(stage_plan_.rounds());
-    fan_out_ids_.clear();
-    fan_in_ids_.clear();
-    if (!options_.dedup) return;
-    if (round_fans_.size() < rounds) round_fans_.resize(rounds);
-    if (round_copies_.size() < rounds) round_copies_.resize(rounds);
-    for (std::size_t r = 0; r < rounds; ++r) {
-      detail::clear_fan_list(round_fans_[r]);
-      round_copies_[r].clear();
-    }
-    const std::size_t tb = kv_token_bytes();
-    for (std::size_t e = 0; e < fan_.num_entries(); ++e) {
-      if (fan_.copies(e).size() < 2) continue;
-      const auto r = static_cast<std::size_t>(stage_plan_.round_of(fan_.src_rank[e]));
-      detail::append_fan_in_place(round_fans_[r], fan_, e);  // summed in place, at the first copy
-      detail::append_fan_out(round_copies_[r], fan_, e, tb);
-    }
-    for (std::size_t r = 0; r < rounds; ++r) {
-      round_fans_[r].attention_tokens = fan_.attention_tokens;
-      fan_out_ids_.push_back(path_.add_copies(round_copies_[r]));
-      fan_in_ids_.push_back(path_.add_fan_in_place(round_fans_[r], tb));
-    }
-  }
-
   /// Tells the kernel every entry list this plan's calls pass (where it can be told).
   void prepare_kernel() {
     if constexpr (PreparedAttentionKernel<Kernel>) {
@@ -572,17 +535,17 @@ class ContextParallelAttention {
   /// shard's copies summed at its first copy, whence the wire takes it home
   /// (nothing without dedup). Run once per round, when they are complete.
   void fan_in(int round) {
-    if (!options_.dedup) return;
+    if (!fan_.active()) return;
     traced("fan-in", "backward", round, 0, [&] {
-      for (owned<E>* b : {&dk_attn_, &dv_attn_}) path_.fan_in(fan_in_ids_[static_cast<std::size_t>(round)], element_type_of<E>(), bytes(*b));
+      for (owned<E>* b : {&dk_attn_, &dv_attn_}) fan_.fan_in(path_, round, element_type_of<E>(), bytes(*b));
     });
   }
 
   /// The fan-out of round `round`'s key-values: each shard's first copy to its other places (nothing without dedup).
   void fan_out(int round) {
-    if (!options_.dedup) return;
+    if (!fan_.active()) return;
     traced("fan-out", "forward", round, 0, [&] {
-      for (owned<E>* b : {&k_attn_, &v_attn_}) path_.copy(fan_out_ids_[static_cast<std::size_t>(round)], bytes(*b), bytes(*b));
+      for (owned<E>* b : {&k_attn_, &v_attn_}) fan_.fan_out(path_, round, bytes(*b));
     });
   }
 
@@ -887,7 +850,7 @@ class ContextParallelAttention {
     for (owned<float>* b : {&lse_, &lse_part_}) b->resize(tq * static_cast<std::size_t>(shape_.heads_q));
     acc_.resize(tq * q_token_elems());
     std::int64_t replica = kv_plan_.reverse.output_tokens;
-    if (options_.dedup) replica = std::max(replica, wire_plan_.replica_tokens);
+    if (fan_.active()) replica = std::max(replica, fan_.replica_tokens());
     for (owned<E>* b : {&replica_, &replica_v_}) b->resize(static_cast<std::size_t>(replica) * kv_token_elems());
     if (options_.invariant) inv_.size(tk * kv_token_elems(), static_cast<std::size_t>(mlp_tokens()) * kv_token_elems());
   }
@@ -900,10 +863,7 @@ class ContextParallelAttention {
   int groups_ = 0;  // stage groups of remote peers (0: one exchange, no overlap)
   detail::DispatchPlanner q_planner_, kv_planner_;  // their storage, kept between plans
   detail::DispatchPlan q_plan_, kv_plan_;
-  detail::WirePlanner wire_planner_;  // with dedup: the wire's plan, its reverse slice and fan list
-  detail::WirePlan wire_plan_;
-  RankMetadata wire_rev_, kv_rev_;
-  KvFanList fan_;
+  RankMetadata kv_rev_;
   RankAttentionLayout layout_;
   std::vector<AttentionEntry> entries_;                 // the kernel's, in the attention buffers' rows
   std::vector<std::size_t> entry_begin_;                // where each query shard's entries start in entries_ (one past the last at the end)
@@ -912,11 +872,9 @@ class ContextParallelAttention {
   bool stray_rows_ = false, stray_keys_ = false;        // some query row / key row is in no entry
   std::vector<std::span<const AttentionEntry>> calls_;  // what the kernel is told to expect
   detail::StagePlan stage_plan_;
-  std::vector<KvFanList> round_fans_;                  // with dedup, per round: shards with several copies
-  std::vector<std::vector<detail::CopyPiece>> round_copies_;  // ... and their fan-out
-  std::vector<std::size_t> fan_out_ids_, fan_in_ids_;  // the path's lists, per round
   std::size_t combine_id_ = 0;
   Exchange fwd_in_, dout_in_, out_home_, grads_home_, kv_out_;
+  detail::KvFanPart<Path> fan_;           // with dedup: the wire and the key-value shards' fan-out and fan-in
   detail::HeadParallelPart<Path, E> hp_;  // the plan's head-parallel documents on this rank
   detail::InvariantPart<Path> inv_;       // options.invariant's grid and exact key-value gradients
   double max_q_ = 0, max_v_ = 0;          // this rank's largest |q| and |v| of the last forward (invariant mode)
