@@ -23,11 +23,7 @@ configure=(cmake -S . -B "$build_dir")
 # A run stopped before the module's turn leaves a mark, so that the next one
 # turns the module back on.
 pending="$build_dir/python-module-pending"
-[ -f "$pending" ] && configure+=(-DCPDISPATCH_WITH_PYTHON=AUTO)
-if tools/python-env.sh --ready || [ -f "$build_dir/CMakeCache.txt" ]; then
-  tools/python-env.sh
-  "${configure[@]}"
-else
+if ! tools/python-env.sh --ready && [ ! -f "$build_dir/CMakeCache.txt" ]; then
   mkdir -p "$build_dir"
   touch "$pending"
   venv_log="$build_dir/python-env.log"
@@ -38,8 +34,10 @@ else
   cmake --build "$build_dir" -j"$(nproc)"
   wait "$venv_job" || { cat "$venv_log" >&2; exit 1; }
   cat "$venv_log"
-  cmake -S . -B "$build_dir" -DCPDISPATCH_WITH_PYTHON=AUTO
 fi
+tools/python-env.sh
+[ -f "$pending" ] && configure+=(-DCPDISPATCH_WITH_PYTHON=AUTO)
+"${configure[@]}"
 rm -f "$pending"
 cmake --build "$build_dir" -j"$(nproc)"
 cd "$build_dir"
