@@ -13,7 +13,7 @@
 //     template <class U> using span = ...;                      // a typed buffer of this space
 //     static auto bytes_of(span<U>);                            // its bytes
 //     template <class U> class buffer;                          // owned; grows, never shrinks
-//     template <class Transport> explicit DataPath(Transport&);
+//     template <class Transport> explicit HostDataPath(Transport&);  // (or DeviceDataPath: its stream)
 //     // Per plan: clear(), then add_* (each kind's ids count from 0 in order), then commit().
 //     std::size_t add_copies(std::span<const CopyPiece>);                 // bytes, src -> dst
 //     std::size_t add_fan_in(const KvFanList&, std::size_t token_bytes);  // copies at src -> sums at dst's wire offsets
@@ -30,11 +30,12 @@
 //
 // The host path runs everything at once on the calling thread. It keeps
 // views of what is added (the arrays of each piece list, fan list and
-// combine's metadata), which must stay unchanged until the next clear(); its
-// owner may move them (a vector's elements stay where they are when the
-// vector moves), so an owner may move. A plan allocates nothing once its
-// number of lists has been seen. The device path uploads what is added (at commit() for the
-// piece lists) and launches kernels on the transport's stream.
+// combine's metadata), which must stay unchanged until the next clear(); the
+// objects that hold them may move (a vector's elements stay where they are
+// when the vector moves), and so may their owner. A plan allocates nothing
+// once its number of lists has been seen. The device path uploads what is
+// added (the piece lists at commit()) and launches kernels on the
+// transport's stream.
 //
 // A transport names its data path (data_path_for below): a member type
 // `data_path` when it has one (the device transports name
@@ -45,7 +46,6 @@
 
 #include <cstddef>
 #include <cstring>
-#include <deque>
 #include <span>
 #include <type_traits>
 #include <vector>
