@@ -11,6 +11,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpdispatch/execute/dedup.hpp"
@@ -81,15 +82,17 @@ struct RankResult {
   Bytes attention_ref, attention, grad_ref, grad, grad_again, grad_in_place;
 };
 
-/// Both exchanges on one rank (the section 2 Dispatcher and KvWireDispatcher);
-/// element type E, 3 per token. Every rank of the world calls it.
+/// Both exchanges on one rank (the section 2 Dispatcher and KvWireDispatcher,
+/// the latter moved once after construction); element type E, 3 per token.
+/// Every rank of the world calls it.
 template <class E, class Transport>
 RankResult run_rank(Transport& t, const Case& c, bool exact) {
   const std::size_t tb = 3 * sizeof(E);
   const ElementType type = cpdispatch::element_type_of<E>();
   const auto r = static_cast<std::size_t>(t.rank());
   cpdispatch::Dispatcher<Transport> kv(t, c.meta.kv_fwd, c.meta.kv_rev, tb);
-  KvWireDispatcher<Transport> dd(t, c.wire, tb);
+  KvWireDispatcher<Transport> dd_made(t, c.wire, tb);
+  KvWireDispatcher<Transport> dd(std::move(dd_made));  // runs after a move: what its data path registered moves with it
   const auto& s = dd.required_bytes();
   EXPECT_EQ(s.mlp_bytes, kv.required_bytes().mlp_bytes);
   EXPECT_EQ(s.attention_bytes, kv.required_bytes().attention_bytes);
