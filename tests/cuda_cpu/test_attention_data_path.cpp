@@ -257,11 +257,15 @@ TEST_F(AttentionDataPathTest, FanInRefusesMisalignedBuffers) {
 
 // ---- the fan-in into a wire buffer ---------------------------------------------------
 
-/// `fan`'s entries summed into a wire buffer of their own, back to back.
+/// `fan`'s entries summed into a wire buffer of their own, back to back. An
+/// entry with one copy reads it from its own wire offset in the attention
+/// layout (the sources may overlap: they are only read), so that a fan-in
+/// that took it for an in-place no-op would leave its wire tokens unwritten.
 KvFanList into_wire(KvFanList fan) {
   std::int64_t at = 0;
   for (std::size_t e = 0; e < fan.num_entries(); ++e) {
     fan.wire_offset[e] = at;
+    if (fan.copies(e).size() == 1) fan.attn_offset[fan.copy_splits[e]] = at;
     at += fan.seq_len[e];
   }
   fan.wire_tokens = at;
