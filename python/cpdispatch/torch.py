@@ -360,12 +360,6 @@ def _ends(lo, hi):
     return -_OPEN if lo is None else lo, _OPEN if hi is None else hi
 
 
-def _meets(q0, lq, k0, lk, lo, hi):
-    """Whether rows [q0, q0 + lq) x columns [k0, k0 + lk) hold a pair with lo <= t - j <= hi."""
-    lo, hi = _ends(lo, hi)
-    return lq > 0 and lk > 0 and lo <= hi and lo <= k0 + lk - 1 - q0 and hi >= k0 - (q0 + lq - 1)
-
-
 def _entries(cu_seqlens_q, cu_seqlens_kv, queries, keys, mask):
     """The entries of a varlen layout, checked (the library's layout_entries):
     entry i's query rows against its key rows under the plan's mask,
@@ -376,30 +370,11 @@ def _entries(cu_seqlens_q, cu_seqlens_kv, queries, keys, mask):
     return cpdispatch._cpdispatch.layout_entries(cu_q, cu_kv, queries, keys, mask)
 
 
-def _end(x, what, part):
-    if x is None:
-        return None
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise ValueError(f"a part's {what} is an int or None (open), not {x!r}: {part}")
-    return int(x)
-
-
 def _parts(parts, queries, keys):
     """Explicit entries (q_start, q_len, kv_start, kv_len, lo, hi) as tuples
-    of ints (lo, hi: int or None), checked against the rows; those whose
-    band holds no pair of their rectangle are left out."""
-    out = []
-    for part in parts:
-        part = tuple(part)
-        if len(part) != 6:
-            raise ValueError(f"a part is (q_start, q_len, kv_start, kv_len, lo, hi), not {part}")
-        starts = tuple(int(x) for x in part[:4])
-        if min(starts) < 0 or starts[0] + starts[1] > queries or starts[2] + starts[3] > keys:
-            raise ValueError(f"a part is (q_start, q_len, kv_start, kv_len, lo, hi) within {queries} query and {keys} key rows, not {part}")
-        part = starts + (_end(part[4], "lo", part), _end(part[5], "hi", part))
-        if _meets(*part):
-            out.append(part)
-    return out
+    of ints (lo, hi: int or None), checked against the rows by the library;
+    those whose band holds no pair of their rectangle are left out."""
+    return cpdispatch._cpdispatch.explicit_entries(parts, queries, keys)
 
 
 def attention_mask(cu_seqlens_q, cu_seqlens_kv, mask=None, device=None, *, entries=None):

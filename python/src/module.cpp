@@ -740,6 +740,52 @@ py::list layout_entries(py::handle cu_seqlens_q, py::handle cu_seqlens_kv, std::
   return out;
 }
 
+/// A part's band end: an int, or None (open, `open`); anything else refused naming the part.
+std::int64_t part_end(py::handle x, const char* what, const std::string& part, std::int64_t open) {
+  if (x.is_none()) return open;
+  if (PyBool_Check(x.ptr()) || !PyIndex_Check(x.ptr())) {
+    cpdispatch::detail::fail("a part's ", what, " is an int or None (open), not ", std::string(py::repr(x)), ": ", part);
+  }
+  const std::int64_t v = PyLong_AsLongLong(py::reinterpret_steal<py::object>(PyNumber_Index(x.ptr())).ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    cpdispatch::detail::fail("a part's ", what, " does not fit 64 bits: ", part);
+  }
+  return v;
+}
+
+/// Explicit entries (q_start, q_len, kv_start, kv_len, lo, hi; lo and hi an
+/// int or None, an open end) checked against `queries` query and `keys` key
+/// rows, as tuples of ints; those whose band holds no pair of their
+/// rectangle (band_meets) left out.
+py::list explicit_entries(py::iterable parts, std::int64_t queries, std::int64_t keys) {
+  py::list out;
+  for (py::handle item : parts) {
+    const py::tuple part(py::reinterpret_borrow<py::object>(item));
+    const std::string shown = py::str(part);
+    if (part.size() != 6) cpdispatch::detail::fail("a part is (q_start, q_len, kv_start, kv_len, lo, hi), not ", shown);
+    std::int64_t x[4];
+    bool inside = true;
+    for (std::size_t i = 0; i < 4; ++i) {
+      const py::int_ v(py::reinterpret_borrow<py::object>(part[i]));  // int(x), as Python reads it
+      x[i] = PyLong_AsLongLong(v.ptr());
+      if (PyErr_Occurred()) {
+        PyErr_Clear();
+        inside = false;
+      }
+    }
+    std::int64_t q_end = 0, kv_end = 0;
+    inside = inside && std::min({x[0], x[1], x[2], x[3]}) >= 0 && !__builtin_add_overflow(x[0], x[1], &q_end) &&
+             !__builtin_add_overflow(x[2], x[3], &kv_end) && q_end <= queries && kv_end <= keys;
+    if (!inside) {
+      cpdispatch::detail::fail("a part is (q_start, q_len, kv_start, kv_len, lo, hi) within ", queries, " query and ", keys, " key rows, not ", shown);
+    }
+    const cpdispatch::Band band{part_end(part[4], "lo", shown, cpdispatch::Band::unbounded_lo), part_end(part[5], "hi", shown, cpdispatch::Band::unbounded_hi)};
+    if (cpdispatch::band_meets(x[0], q_end, x[2], kv_end, band)) out.append(entry_tuple({x[0], x[1], x[2], x[3], band}));
+  }
+  return out;
+}
+
 /// invariant_layout on a planned share.
 py::dict invariant_layout_of(const RankShare& share, std::int64_t grid) {
   const auto* m = std::get_if<cpdispatch::RankQkvMetadata>(&share.metadata);
@@ -1254,6 +1300,7 @@ PYBIND11_MODULE(_cpdispatch, m) {
   m.def("stage_plan", &stage_plan, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("stages") = 1,
         py::arg("entries") = py::none(), py::arg("max_memory") = default_max_memory);
   m.def("mask_band", &mask_band, py::arg("mask") = py::none());
+  m.def("explicit_entries", &explicit_entries, py::arg("parts"), py::arg("queries"), py::arg("keys"));
   m.def("layout_entries", &layout_entries, py::arg("cu_seqlens_q"), py::arg("cu_seqlens_kv"), py::arg("queries"), py::arg("keys"),
         py::arg("mask") = py::none());
   bind_invariant_kernel(m);

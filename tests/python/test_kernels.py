@@ -235,3 +235,17 @@ def test_flash_adapter_attends_nothing_without_calling_flash_on_a_rank_with_no_e
                                   {"type": "causal"}, SCALE)
     assert out.shape == (0, HEADS, DIM_V)
     assert not fakes
+
+
+def test_explicit_entries_are_checked_by_the_library_and_empty_bands_left_out():
+    import cpdispatch
+    entries = cpdispatch._cpdispatch.explicit_entries
+    # rows 0-1 against columns 0-1: the band 5 <= t - j <= 9 holds no pair of them
+    assert entries([(0, 2, 0, 2, 0, None), (0, 2, 0, 2, 5, 9), [1, 1, 0, 2, None, 0]], 2, 2) == [(0, 2, 0, 2, 0, None), (1, 1, 0, 2, None, 0)]
+    assert entries([(torch.tensor(0), 2, 0, 2, torch.tensor(-1).item(), 0)], 2, 2) == [(0, 2, 0, 2, -1, 0)]
+    with pytest.raises(ValueError, match=r"a part's hi is an int or None \(open\), not 1.5"):
+        entries([(0, 2, 0, 2, 0, 1.5)], 2, 2)
+    with pytest.raises(ValueError, match="a part's lo is an int or None"):
+        entries([(0, 2, 0, 2, True, 0)], 2, 2)
+    with pytest.raises(ValueError, match="within 2 query and 2 key rows"):
+        entries([(-1, 2, 0, 2, 0, 0)], 2, 2)
