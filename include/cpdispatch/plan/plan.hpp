@@ -1382,45 +1382,59 @@ inline void kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& 
   reuse_copy(*rev.recv_seq_lens, seq_len);
 }
 
-/// Section 2e's attn.entries, only for a plan with slices (else empty): per
-/// destination, per query shard in arrival order, its entries.
-inline void attention_entries(const ShardTable& t, const KvGroups& g, std::vector<std::vector<std::vector<AttentionEntry>>>& entries) {
-  entries.clear();
-  if (!t.has_slices) return;
-  entries.resize(t.W);
-  for (std::size_t d = 0; d < t.W; ++d) {
-    entries[d].resize(g.dest_begin[d + 1] - g.dest_begin[d]);
-    for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) t.append_entries(g.arrivals[p], entries[d][p - g.dest_begin[d]]);
+/// One destination's row of the attention layout, where the global planner
+/// and the per-rank one keep it.
+struct AttentionRow {
+  std::vector<std::int64_t>& seqlens_q;
+  std::vector<std::int64_t>& seqlens_kv;
+  std::vector<std::int64_t>& cu_seqlens_q;
+  std::vector<std::int64_t>& cu_seqlens_kv;
+  std::int64_t& max_seqlen_q;
+  std::int64_t& max_seqlen_kv;
+  std::vector<std::vector<AttentionEntry>>& entries;
+};
+
+/// Destination d's row: per query shard in arrival order, its length and
+/// its KV group's, their prefix sums and maxima, and (a plan with slices,
+/// section 2e) its entries. The vectors' storage is kept.
+inline void attention_row(const ShardTable& t, const KvGroups& g, std::size_t d, AttentionRow row) {
+  const std::size_t arrivals = g.dest_begin[d + 1] - g.dest_begin[d];
+  for (auto* v : {&row.seqlens_q, &row.seqlens_kv}) {
+    v->clear();
+    v->reserve(arrivals);
+  }
+  for (auto* v : {&row.cu_seqlens_q, &row.cu_seqlens_kv}) {
+    v->reserve(arrivals + 1);
+    v->assign(1, 0);
+  }
+  row.max_seqlen_q = row.max_seqlen_kv = 0;
+  row.entries.clear();
+  for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
+    const std::size_t q = g.arrivals[p];
+    const std::int64_t len = t.len[q], kv = t.group_tokens(q);
+    row.seqlens_q.push_back(len);
+    row.seqlens_kv.push_back(kv);
+    row.cu_seqlens_q.push_back(row.cu_seqlens_q.back() + len);
+    row.cu_seqlens_kv.push_back(row.cu_seqlens_kv.back() + kv);
+    row.max_seqlen_q = std::max(row.max_seqlen_q, len);
+    row.max_seqlen_kv = std::max(row.max_seqlen_kv, kv);
+    if (t.has_slices) t.append_entries(q, row.entries.emplace_back());
   }
 }
 
 /// What a varlen attention kernel needs at each destination.
 inline void attention_layout(const ShardTable& t, const KvGroups& g, AttentionLayout& attn) {
-  for (auto* v : {&attn.seqlens_q, &attn.seqlens_kv, &attn.cu_seqlens_q, &attn.cu_seqlens_kv}) {
-    v->resize(t.W);
-    for (auto& row : *v) row.clear();  // keeps each row's memory for the next plan
-  }
+  for (auto* v : {&attn.seqlens_q, &attn.seqlens_kv, &attn.cu_seqlens_q, &attn.cu_seqlens_kv}) v->resize(t.W);  // rows keep their memory
   attn.max_seqlen_q.assign(t.W, 0);
   attn.max_seqlen_kv.assign(t.W, 0);
   attn.mask = t.mask;
+  attn.entries.clear();
+  if (t.has_slices) attn.entries.resize(t.W);
+  std::vector<std::vector<AttentionEntry>> no_entries;  // a plan without slices has none
   for (std::size_t d = 0; d < t.W; ++d) {
-    const std::size_t arrivals = g.dest_begin[d + 1] - g.dest_begin[d];
-    for (auto* v : {&attn.seqlens_q[d], &attn.seqlens_kv[d]}) v->reserve(arrivals);
-    for (auto* v : {&attn.cu_seqlens_q[d], &attn.cu_seqlens_kv[d]}) v->reserve(arrivals + 1);
-    attn.cu_seqlens_q[d].assign(1, 0);
-    attn.cu_seqlens_kv[d].assign(1, 0);
-    for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
-      const std::size_t q = g.arrivals[p];
-      const std::int64_t len = t.len[q], kv = t.group_tokens(q);
-      attn.seqlens_q[d].push_back(len);
-      attn.seqlens_kv[d].push_back(kv);
-      attn.cu_seqlens_q[d].push_back(attn.cu_seqlens_q[d].back() + len);
-      attn.cu_seqlens_kv[d].push_back(attn.cu_seqlens_kv[d].back() + kv);
-      attn.max_seqlen_q[d] = std::max(attn.max_seqlen_q[d], len);
-      attn.max_seqlen_kv[d] = std::max(attn.max_seqlen_kv[d], kv);
-    }
+    attention_row(t, g, d, {attn.seqlens_q[d], attn.seqlens_kv[d], attn.cu_seqlens_q[d], attn.cu_seqlens_kv[d], attn.max_seqlen_q[d],
+                            attn.max_seqlen_kv[d], t.has_slices ? attn.entries[d] : no_entries});
   }
-  attention_entries(t, g, attn.entries);
 }
 
 /// The shard tables of a validated plan of `shards` shards, checked before

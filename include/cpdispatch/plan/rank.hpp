@@ -193,19 +193,7 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
 inline RankAttentionLayout rank_attention(const ShardTable& t, const KvGroups& g, std::size_t R) {
   RankAttentionLayout a;
   a.mask = t.mask;
-  a.cu_seqlens_q.assign(1, 0);
-  a.cu_seqlens_kv.assign(1, 0);
-  for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
-    const std::size_t q = g.arrivals[p];
-    const std::int64_t len = t.len[q], kv = t.group_tokens(q);
-    a.seqlens_q.push_back(len);
-    a.seqlens_kv.push_back(kv);
-    a.cu_seqlens_q.push_back(a.cu_seqlens_q.back() + len);
-    a.cu_seqlens_kv.push_back(a.cu_seqlens_kv.back() + kv);
-    a.max_seqlen_q = std::max(a.max_seqlen_q, len);
-    a.max_seqlen_kv = std::max(a.max_seqlen_kv, kv);
-    if (t.has_slices) t.append_entries(q, a.entries.emplace_back());
-  }
+  attention_row(t, g, R, {a.seqlens_q, a.seqlens_kv, a.cu_seqlens_q, a.cu_seqlens_kv, a.max_seqlen_q, a.max_seqlen_kv, a.entries});
   return a;
 }
 
