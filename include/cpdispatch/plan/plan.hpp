@@ -1394,6 +1394,16 @@ struct AttentionRow {
   std::vector<std::vector<AttentionEntry>>& entries;
 };
 
+/// One arriving query shard of `len` tokens, with a KV group of `kv` tokens, appended to a row.
+inline void add_arrival(const AttentionRow& row, std::int64_t len, std::int64_t kv) {
+  row.seqlens_q.push_back(len);
+  row.seqlens_kv.push_back(kv);
+  row.cu_seqlens_q.push_back(row.cu_seqlens_q.back() + len);
+  row.cu_seqlens_kv.push_back(row.cu_seqlens_kv.back() + kv);
+  row.max_seqlen_q = std::max(row.max_seqlen_q, len);
+  row.max_seqlen_kv = std::max(row.max_seqlen_kv, kv);
+}
+
 /// Destination d's row: per query shard in arrival order, its length and
 /// its KV group's, their prefix sums and maxima, and (a plan with slices,
 /// section 2e) its entries. The vectors' storage is kept.
@@ -1411,13 +1421,7 @@ inline void attention_row(const ShardTable& t, const KvGroups& g, std::size_t d,
   row.entries.clear();
   for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
-    const std::int64_t len = t.len[q], kv = t.group_tokens(q);
-    row.seqlens_q.push_back(len);
-    row.seqlens_kv.push_back(kv);
-    row.cu_seqlens_q.push_back(row.cu_seqlens_q.back() + len);
-    row.cu_seqlens_kv.push_back(row.cu_seqlens_kv.back() + kv);
-    row.max_seqlen_q = std::max(row.max_seqlen_q, len);
-    row.max_seqlen_kv = std::max(row.max_seqlen_kv, kv);
+    add_arrival(row, t.len[q], t.group_tokens(q));
     if (t.has_slices) t.append_entries(q, row.entries.emplace_back());
   }
 }

@@ -190,10 +190,15 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
   return s;
 }
 
+/// A rank's attention layout as the row the planners write.
+inline AttentionRow row_of(RankAttentionLayout& a) noexcept {
+  return {a.seqlens_q, a.seqlens_kv, a.cu_seqlens_q, a.cu_seqlens_kv, a.max_seqlen_q, a.max_seqlen_kv, a.entries};
+}
+
 inline RankAttentionLayout rank_attention(const ShardTable& t, const KvGroups& g, std::size_t R) {
   RankAttentionLayout a;
   a.mask = t.mask;
-  attention_row(t, g, R, {a.seqlens_q, a.seqlens_kv, a.cu_seqlens_q, a.cu_seqlens_kv, a.max_seqlen_q, a.max_seqlen_kv, a.entries});
+  attention_row(t, g, R, row_of(a));
   return a;
 }
 
@@ -515,13 +520,7 @@ class RankStream {
     push(out_.q_rev, static_cast<std::int64_t>(r), add_tokens(doc_start, at[s], "plan_qkv"), len);
     out_.q_fwd.num_recv_tokens[r] += len;
     out_.kv_fwd.num_recv_tokens[r] += kv;
-    RankAttentionLayout& a = out_.attn;
-    a.seqlens_q.push_back(len);
-    a.seqlens_kv.push_back(kv);
-    a.cu_seqlens_q.push_back(a.cu_seqlens_q.back() + len);
-    a.cu_seqlens_kv.push_back(a.cu_seqlens_kv.back() + kv);
-    a.max_seqlen_q = std::max(a.max_seqlen_q, len);
-    a.max_seqlen_kv = std::max(a.max_seqlen_kv, kv);
+    add_arrival(row_of(out_.attn), len, kv);
     // KV shard k goes back to slab c (s's place among k's users) of rank
     // r's replica buffer; the slab's size (rank r's total) is added in end_rank.
     for (std::size_t k = need.lo[s]; k <= need.hi[s]; ++k) {
