@@ -72,15 +72,9 @@ struct CopyPiece {
 /// The two exchanges of a dispatcher.
 enum class Direction : std::size_t { forward, reverse };
 /// The three piece lists of one exchange: input -> staging, input -> output
-/// (traffic to oneself), staging -> output. A caller numbers an exchange's
-/// lists in this order from the id of its pack list (exchange_lists).
+/// (traffic to oneself), staging -> output; registered in this order from
+/// the id of its pack list (add_exchange, execute/staged_exchange.hpp).
 enum class Stage : std::size_t { pack, self, unpack };
-
-/// The id of the pack list of a caller's exchange `e` (an index or an enum) when every exchange has its three lists in a row.
-template <class E>
-constexpr std::size_t exchange_lists(E e) noexcept {
-  return 3 * static_cast<std::size_t>(e);
-}
 
 /// One piece list as the engine hands it to a data path: its id and its pieces.
 struct PieceList {
