@@ -5,6 +5,7 @@
 // (every partial sum exact, so the node-level order cannot change them), on
 // W = 1..12 ranks on 1 to 4 nodes, consecutive, interleaved and lopsided.
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -22,6 +23,7 @@
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "../common/sim_world_fixture.hpp"
+#include "../transports/dispatch_helpers.hpp"
 #include "node_exec.hpp"
 
 namespace {
@@ -51,7 +53,7 @@ TEST(NodeWireSim, FloatSumsOfSmallIntegersAreExact) {
   }
 }
 
-TEST(NodeWireSim, RefusesAnotherRanksWireAndShortBuffers) {
+TEST(NodeWireSim, RefusesAnotherRanksWireAndShortOverlappingOrMisalignedBuffers) {
   const node_test::Case c = node_test::cases(2, 2).front();
   const cpdispatch::QkvMetadata meta = cpdispatch::plan_qkv(c.plan);
   const cpdispatch::KvWireMetadata wire = cpdispatch::plan_kv_wire(meta);
@@ -65,8 +67,24 @@ TEST(NodeWireSim, RefusesAnotherRanksWireAndShortBuffers) {
     D nw(t, wire.fan[me], node.ranks[me], 4);
     const auto sizes = nw.required_bytes();
     std::vector<std::byte> mlp(sizes.mlp_bytes), attn(sizes.attention_bytes);
-    if (sizes.attention_bytes > 0) {  // checked before anything travels: both ranks throw, neither waits
-      EXPECT_THROW(nw.forward(mlp, std::span<std::byte>(attn).first(sizes.attention_bytes - 1)), cpdispatch::capacity_error);
+    // Every check comes before anything travels, and no call here passes them: no rank waits for another.
+    const std::string who = "NodeWireDispatcher::forward (rank " + std::to_string(me) + " of 2): ";
+    if (sizes.attention_bytes > 0) {
+      EXPECT_EQ(cptest::message_of<cpdispatch::capacity_error>([&] { nw.forward(mlp, std::span<std::byte>(attn).first(sizes.attention_bytes - 1)); }),
+                who + "attention holds " + std::to_string(sizes.attention_bytes - 1) + " bytes, the plan needs " + std::to_string(sizes.attention_bytes));
+    }
+    if (sizes.attention_bytes > 0 && sizes.mlp_bytes > 0) {  // one buffer for both, the attention layout over the MLP layout's tail
+      std::vector<std::byte> both(sizes.mlp_bytes + sizes.attention_bytes);
+      const std::span<std::byte> all(both);
+      EXPECT_EQ(cptest::message_of<cpdispatch::invalid_input>([&] { nw.forward(all.first(sizes.mlp_bytes), all.subspan(sizes.mlp_bytes - 1, sizes.attention_bytes)); }),
+                who + "mlp and attention overlap");
+      EXPECT_EQ(cptest::message_of<cpdispatch::invalid_input>(
+                    [&] { nw.reverse_combine(all.subspan(sizes.mlp_bytes - 4, sizes.attention_bytes), all.first(sizes.mlp_bytes), cpdispatch::ElementType::int32); }),
+                "NodeWireDispatcher::reverse_combine (rank " + std::to_string(me) + " of 2): grad and attention_grad overlap");
+      std::vector<std::int32_t> words(sizes.mlp_bytes / 4 + 1);
+      const std::span<std::byte> odd = std::as_writable_bytes(std::span(words)).subspan(1, sizes.mlp_bytes);  // not 4-byte aligned
+      EXPECT_THAT(cptest::message_of<cpdispatch::invalid_input>([&] { nw.reverse_combine(attn, odd, cpdispatch::ElementType::int32); }),
+                  ::testing::HasSubstr("grad is not aligned to 4 bytes for int32"));
     }
   });
 }

@@ -68,7 +68,7 @@
 #include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/execute/fan_in.hpp"
 #include "cpdispatch/execute/staged_exchange.hpp"
-#include "cpdispatch/execute/dispatcher.hpp"
+#include "cpdispatch/execute/exchange_owner.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/transport.hpp"
 #include "cpdispatch/float16.hpp"
@@ -322,33 +322,31 @@ class WirePlanner {
 template <class T>
 class KvWireDispatcher {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
-  using path = typename detail::dispatcher_path<T>::type;
-  static_assert(detail::data_path_available<path>(),
-                "cpdispatch: KvWireDispatcher over a device transport needs the CUDA data path: include cpdispatch/cuda/data_path.hpp "
-                "(from a .cu file) where it is used");
+  using Owner = detail::ExchangeOwner<T, 3>;  // slots by WireExchange
   using Exchange = detail::WireExchange;
+  /// A plan: the exchanges, the home combine's mask (rev), the fan-in (fan),
+  /// and with all_to_all_pieces the fan-in at each shard's first copy.
+  struct State {
+    detail::WirePlan plan;
+    RankMetadata rev;
+    KvFanList fan, in_place_fan;
+    KvWireBufferSizes sizes;
+  };
 
  public:
   using transport_type = T;
-  using const_buffer = typename path::const_buffer;  ///< in the transport's memory space
-  using mutable_buffer = typename path::mutable_buffer;
+  using const_buffer = typename Owner::const_buffer;  ///< in the transport's memory space
+  using mutable_buffer = typename Owner::mutable_buffer;
 
   /// From this rank's part of plan_kv_wire's output. Throws invalid_input when
   /// it is not this transport's rank, or its parts do not belong together.
-  KvWireDispatcher(T& transport, RankKvWire slice, std::size_t token_bytes)
-      : transport_(transport),
-        rank_(transport.rank()),
-        world_size_(transport.world_size()),
-        token_bytes_(token_bytes),
-        plan_(first_plan(slice)),
-        rev_(std::move(slice.rev)),
-        fan_(std::move(slice.fan)),
-        sizes_(sizes_of(plan_, token_bytes)),
-        wire_staging_bytes_(wire_staging_of(sizes_)),
-        path_(transport) {
-    if constexpr (PieceTransport<T>) detail::fan_in_place_of(fan_, in_place_fan_);
-    lay_out_path();
-    grow_staging(staging_of(plan_, wire_staging_bytes_));
+  KvWireDispatcher(T& transport, RankKvWire slice, std::size_t token_bytes) : owner_(transport, "KvWireDispatcher"), token_bytes_(token_bytes) {
+    plan(slice, state_.now);
+    state_.now.rev = std::move(slice.rev);
+    state_.now.fan = std::move(slice.fan);
+    if constexpr (PieceTransport<T>) detail::fan_in_place_of(state_.now.fan, state_.now.in_place_fan);
+    lay_out();
+    owner_.grow_staging(staging_of(state_.now));
   }
 
   /// The same from the global wire metadata: takes the part of transport.rank().
@@ -372,48 +370,40 @@ class KvWireDispatcher {
   void prepare_replan(const RankKvWire& slice)
     requires(detail::memory_space_of<T>() == MemorySpace::host)
   {
-    prepared_ = false;
-    planner_.plan(slice.fwd, slice.rev, slice.fan, token_bytes_, rank_, world_size_, next_plan_);
-    next_sizes_ = sizes_of(next_plan_, token_bytes_);
-    next_rev_ = slice.rev;
-    next_fan_ = slice.fan;
-    if constexpr (PieceTransport<T>) detail::fan_in_place_of(next_fan_, next_in_place_fan_);
-    grow_staging(staging_of(next_plan_, wire_staging_of(next_sizes_)));
-    prepared_ = true;
+    state_.prepare([&](State& next) {
+      plan(slice, next);
+      next.rev = slice.rev;
+      next.fan = slice.fan;
+      if constexpr (PieceTransport<T>) detail::fan_in_place_of(next.fan, next.in_place_fan);
+      owner_.grow_staging(staging_of(next));
+    });
   }
 
   void commit_replan() noexcept {
-    if (!prepared_) return;
-    std::swap(plan_, next_plan_);
-    std::swap(rev_, next_rev_);
-    std::swap(fan_, next_fan_);
-    std::swap(in_place_fan_, next_in_place_fan_);
-    sizes_ = next_sizes_;
-    wire_staging_bytes_ = wire_staging_of(sizes_);
-    lay_out_path();
-    prepared_ = false;
+    if (state_.commit()) lay_out();
   }
 
-  const KvWireBufferSizes& required_bytes() const noexcept { return sizes_; }
+  const KvWireBufferSizes& required_bytes() const noexcept { return state_.now.sizes; }
   /// The piece lists of the exchanges and the fan list, for a caller that
   /// runs the forward in stages itself (ContextParallelAttention): the
   /// forward exchange lands each shard at its first copy, the fan list then
   /// says where its other copies go.
-  const detail::WirePlan& plan() const noexcept { return plan_; }
-  const KvFanList& fan() const noexcept { return fan_; }
+  const detail::WirePlan& plan() const noexcept { return state_.now.plan; }
+  const KvFanList& fan() const noexcept { return state_.now.fan; }
   /// The reverse slice: which slot of the replica each home shard's copy from each peer fills (for the home's combine).
-  const RankMetadata& reverse_slice() const noexcept { return rev_; }
-  int rank() const noexcept { return rank_; }
-  int world_size() const noexcept { return world_size_; }
+  const RankMetadata& reverse_slice() const noexcept { return state_.now.rev; }
+  int rank() const noexcept { return owner_.rank(); }
+  int world_size() const noexcept { return owner_.world_size(); }
   std::size_t token_bytes() const noexcept { return token_bytes_; }
 
   /// MLP layout -> attention layout: one exchange (each shard once per
   /// destination, into its first copy's place), then the local fan-out.
   void forward(const_buffer mlp, mutable_buffer attention) {
     const char* call = "forward";
-    check_buffers(call, {{mlp.data(), mlp.size(), "mlp", sizes_.mlp_bytes}, {attention.data(), attention.size(), "attention", sizes_.attention_bytes}});
+    const KvWireBufferSizes& sizes = required_bytes();
+    owner_.check_buffers(call, {{mlp, "mlp", sizes.mlp_bytes}, {attention, "attention", sizes.attention_bytes}});
     exchange(call, Exchange::forward, mlp.data(), attention.data());
-    path_.copy(fan_out_, attention.data(), attention.data());
+    owner_.data_path().copy(fan_out_, attention.data(), attention.data());
   }
 
   /// Attention-layout gradients -> `grad` [T]: the fan-in sums each received
@@ -421,11 +411,13 @@ class KvWireDispatcher {
   /// ([C][T], slot u in slab u), and the home sums the slots in use.
   void reverse_combine(const_buffer attention_grad, mutable_buffer wire, mutable_buffer replica, mutable_buffer grad, ElementType type) {
     const char* call = "reverse_combine";
-    check_combine(call, type, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
-                               {wire.data(), wire.size(), "wire", sizes_.wire_bytes},
-                               {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
-                               {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
-    path_.fan_in(fan_in_, type, attention_grad.data(), wire.data());
+    const KvWireBufferSizes& sizes = required_bytes();
+    owner_.check_typed_buffers(call, type, token_bytes_,
+                               {{attention_grad, "attention_grad", sizes.attention_bytes},
+                                {wire, "wire", sizes.wire_bytes},
+                                {replica, "replica", sizes.replica_bytes},
+                                {grad, "grad", sizes.mlp_bytes}});
+    owner_.data_path().fan_in(fan_in_, type, attention_grad.data(), wire.data());
     exchange(call, Exchange::reverse, wire.data(), replica.data());
     combine(type, replica, grad);
   }
@@ -439,38 +431,30 @@ class KvWireDispatcher {
   /// straight into the send staging (no pack pass).
   void reverse_combine_in_place(mutable_buffer attention_grad, mutable_buffer replica, mutable_buffer grad, ElementType type) {
     const char* call = "reverse_combine_in_place";
-    check_combine(call, type, {{attention_grad.data(), attention_grad.size(), "attention_grad", sizes_.attention_bytes},
-                               {replica.data(), replica.size(), "replica", sizes_.replica_bytes},
-                               {grad.data(), grad.size(), "grad", sizes_.mlp_bytes}});
+    const KvWireBufferSizes& sizes = required_bytes();
+    owner_.check_typed_buffers(call, type, token_bytes_,
+                               {{attention_grad, "attention_grad", sizes.attention_bytes},
+                                {replica, "replica", sizes.replica_bytes},
+                                {grad, "grad", sizes.mlp_bytes}});
     if constexpr (PieceTransport<T>) {
-      path_.fan_in(fan_in_place_, type, attention_grad.data());
+      owner_.data_path().fan_in(fan_in_place_, type, attention_grad.data());
       exchange(call, Exchange::reverse_in_place, attention_grad.data(), replica.data());
     } else {  // the staging's head is the wire buffer, the exchange's own staging follows it
-      std::byte* wire = staging_.data();
-      path_.fan_in(fan_in_, type, attention_grad.data(), wire);
-      exchange(call, Exchange::reverse, wire, replica.data(), wire_staging_bytes_);
+      std::byte* wire = owner_.staging();
+      owner_.data_path().fan_in(fan_in_, type, attention_grad.data(), wire);
+      exchange(call, Exchange::reverse, wire, replica.data(), wire_staging_of(sizes));
     }
     combine(type, replica, grad);
   }
 
  private:
-  struct Buffer {
-    const std::byte* data;
-    std::size_t size;
-    const char* name;
-    std::size_t used;
-  };
-
-  detail::WirePlan first_plan(const RankKvWire& slice) {
-    detail::WirePlan plan;
-    planner_.plan(slice.fwd, slice.rev, slice.fan, token_bytes_, rank_, world_size_, plan);
-    return plan;
-  }
-
-  static KvWireBufferSizes sizes_of(const detail::WirePlan& plan, std::size_t tb) {
+  /// Plans `slice` into `into`'s plan and sizes.
+  void plan(const RankKvWire& slice, State& into) {
+    planner_.plan(slice.fwd, slice.rev, slice.fan, token_bytes_, owner_.rank(), owner_.world_size(), into.plan);
     const char* who = "KvWireDispatcher";
-    return {detail::token_bytes_of(plan.mlp_tokens, tb, who), detail::token_bytes_of(plan.attention_tokens, tb, who),
-            detail::token_bytes_of(plan.wire_tokens, tb, who), detail::token_bytes_of(plan.replica_tokens, tb, who)};
+    const detail::WirePlan& p = into.plan;
+    into.sizes = {detail::token_bytes_of(p.mlp_tokens, token_bytes_, who), detail::token_bytes_of(p.attention_tokens, token_bytes_, who),
+                  detail::token_bytes_of(p.wire_tokens, token_bytes_, who), detail::token_bytes_of(p.replica_tokens, token_bytes_, who)};
   }
 
   /// Without all_to_all_pieces, reverse_combine_in_place's wire buffer heads
@@ -481,9 +465,9 @@ class KvWireDispatcher {
   }
 
   /// The owned staging: none with all_to_all_pieces.
-  static std::size_t staging_of(const detail::WirePlan& plan, std::size_t wire_staging) noexcept {
+  static std::size_t staging_of(const State& s) noexcept {
     if constexpr (PieceTransport<T>) return 0;
-    else return std::max({plan.forward.staging_bytes(), plan.reverse.staging_bytes(), wire_staging + plan.reverse.staging_bytes()});
+    else return std::max({s.plan.forward.staging_bytes(), s.plan.reverse.staging_bytes(), wire_staging_of(s.sizes) + s.plan.reverse.staging_bytes()});
   }
 
   static RankKvWire slice_of(const T& transport, const KvWireMetadata& wire) {
@@ -497,94 +481,44 @@ class KvWireDispatcher {
     return wire.get_slice(transport.rank());
   }
 
-  template <class E = invalid_input, class... Args>
-  [[noreturn]] void fail(const char* call, Args&&... args) const {
-    detail::fail<E>("KvWireDispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ", std::forward<Args>(args)...);
-  }
-
-  /// The element type's fit, alignment, then check_buffers.
-  void check_combine(const char* call, ElementType type, std::initializer_list<Buffer> buffers) const {
-    const std::size_t es = element_size(type);
-    if (token_bytes_ % es != 0) {
-      fail(call, "token_bytes = ", token_bytes_, " is not a multiple of the ", es, "-byte ", element_name(type), " element");
-    }
-    for (const Buffer& b : buffers) {
-      if (reinterpret_cast<std::uintptr_t>(b.data) % es != 0) fail(call, b.name, " is not aligned to ", es, " bytes for ", element_name(type));
-    }
-    check_buffers(call, buffers);
-  }
-
-  /// Capacity of every buffer first, then pairwise overlap: nothing is written before all pass.
-  void check_buffers(const char* call, std::initializer_list<Buffer> buffers) const {
-    for (const Buffer& b : buffers) {
-      if (b.size < b.used) fail<capacity_error>(call, b.name, " holds ", b.size, " bytes, the plan needs ", b.used);
-    }
-    const std::less<const std::byte*> before;
-    for (auto a = buffers.begin(); a != buffers.end(); ++a) {
-      for (auto b = a + 1; b != buffers.end(); ++b) {
-        if (a->used && b->used && before(a->data, b->data + b->used) && before(b->data, a->data + a->used)) {
-          fail(call, a->name, " and ", b->name, " overlap");
-        }
-      }
-    }
-  }
-
   /// One collective (none when alone), then the traffic to itself. Without
   /// all_to_all_pieces, the exchange's staging starts `staging_at` bytes into
   /// the owned staging.
   void exchange(const char* call, Exchange which, const std::byte* in, std::byte* out, std::size_t staging_at = 0) {
     const auto w = static_cast<std::size_t>(which);
     std::byte* staging = nullptr;
-    if constexpr (!PieceTransport<T>) staging = staging_.data() + staging_at;
-    detail::run_exchange(transport_, path_, lists_[w], *exchanges()[w], in, out, staging, {"KvWireDispatcher", call});
+    if constexpr (!PieceTransport<T>) staging = owner_.staging() + staging_at;
+    owner_.run(w, *exchanges()[w], in, out, staging, call);
   }
 
   /// The plan's exchanges, by WireExchange (reverse_in_place serves all_to_all_pieces only).
-  std::array<const detail::ExchangePlan*, 3> exchanges() const noexcept { return {&plan_.forward, &plan_.reverse, &plan_.reverse_in_place}; }
+  std::array<const detail::ExchangePlan*, 3> exchanges() const noexcept {
+    const detail::WirePlan& p = state_.now.plan;
+    return {&p.forward, &p.reverse, PieceTransport<T> ? &p.reverse_in_place : nullptr};
+  }
 
   void combine(ElementType type, mutable_buffer replica, mutable_buffer grad) {
-    path_.combine(combine_, type, replica.data(), sizes_.replica_bytes, grad.data(), sizes_.mlp_bytes);
+    const KvWireBufferSizes& sizes = required_bytes();
+    owner_.data_path().combine(combine_, type, replica.data(), sizes.replica_bytes, grad.data(), sizes.mlp_bytes);
   }
 
-  /// The plan's lists with the data path (the host path keeps views of
-  /// plan_, fan_ and rev_; once the lists have been seen, this allocates nothing).
-  void lay_out_path() {
-    path_.clear();
-    const std::size_t used = PieceTransport<T> ? 3 : 2;
-    for (std::size_t w = 0; w < used; ++w) lists_[w] = detail::add_exchange(path_, *exchanges()[w]);
-    fan_out_ = {path_.add_copies(plan_.fan_out), plan_.fan_out};
-    fan_in_ = path_.add_fan_in(fan_, token_bytes_);
-    if constexpr (PieceTransport<T>) fan_in_place_ = path_.add_fan_in_place(in_place_fan_, token_bytes_);
-    combine_ = path_.add_combine(rev_, token_bytes_);
-    path_.commit();
+  /// The plan's lists with the data path (the host path keeps views of the
+  /// plan; once the lists have been seen, this allocates nothing).
+  void lay_out() {
+    const State& s = state_.now;
+    owner_.lay_out(exchanges(), [&](auto& path) {
+      fan_out_ = {path.add_copies(s.plan.fan_out), s.plan.fan_out};
+      fan_in_ = path.add_fan_in(s.fan, token_bytes_);
+      if constexpr (PieceTransport<T>) fan_in_place_ = path.add_fan_in_place(s.in_place_fan, token_bytes_);
+      combine_ = path.add_combine(s.rev, token_bytes_);
+    });
   }
 
-  /// The owned staging grows to `bytes` (never shrinks).
-  void grow_staging(std::size_t bytes) {
-    if (staging_.size() < bytes) staging_.resize(bytes);
-  }
-
-  T& transport_;
-  int rank_;
-  int world_size_;
+  Owner owner_;
   std::size_t token_bytes_;
   detail::WirePlanner planner_;  // its storage, kept between plans
-  detail::WirePlan plan_;
-  RankMetadata rev_;  // the home combine's mask
-  KvFanList fan_;     // the fan-in
-  KvWireBufferSizes sizes_;
-  std::size_t wire_staging_bytes_;  // without all_to_all_pieces: the in-place fan-in's wire, at the staging's head
-  path path_;  // the lists below, registered from the above
-  std::size_t lists_[3] = {};  // each exchange's first piece list, by WireExchange
-  detail::PieceList fan_out_;
+  detail::ReplanPair<State> state_;  // the plan in use, and prepare_replan's
+  detail::PieceList fan_out_;  // the ids of the lists below with the data path
   std::size_t fan_in_ = 0, fan_in_place_ = 0, combine_ = 0;
-  KvFanList in_place_fan_;  // all_to_all_pieces: the fan-in at each shard's first copy
-  typename path::template buffer<std::byte> staging_;  // owned staging (none with all_to_all_pieces)
-  // prepare_replan's, swapped in by commit_replan (both keep their storage)
-  detail::WirePlan next_plan_;
-  RankMetadata next_rev_;
-  KvFanList next_fan_, next_in_place_fan_;
-  KvWireBufferSizes next_sizes_{};
-  bool prepared_ = false;
 };
 }  // namespace cpdispatch

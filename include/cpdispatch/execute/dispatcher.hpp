@@ -86,7 +86,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/execute/data_path.hpp"
+#include "cpdispatch/execute/exchange_owner.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/execute/staged_exchange.hpp"
@@ -116,40 +116,21 @@ struct DispatcherOptions {
   bool check_plan_agreement = false;
 };
 
-namespace detail {
-/// The transport's memory space; host while its own check fails (one diagnostic).
-template <class T>
-constexpr MemorySpace memory_space_of() {
-  if constexpr (transport_has_memory_space<T>) return T::memory_space; else return MemorySpace::host;
-}
-
-/// The transport's data path; the host one while the transport's own checks fail (one diagnostic each).
-template <class T>
-struct dispatcher_path {
-  using type = HostDataPath;
-};
-template <class T>
-  requires transport_has_memory_space<T>
-struct dispatcher_path<T> : data_path_for<T> {};
-template <class P>
-constexpr bool data_path_available() {
-  if constexpr (defined_type<P>) return P::available; else return false;
-}
-}  // namespace detail
-
 template <class T>
 class Dispatcher {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
-  using path = typename detail::dispatcher_path<T>::type;
-  static_assert(detail::data_path_available<path>(),
-                "cpdispatch: device transports need the CUDA data path (cpdispatch/cuda): the transport names it as "
-                "`using data_path = cuda::DeviceDataPath;`, defined by cpdispatch/cuda/data_path.hpp in a .cu file");
+  using Owner = detail::ExchangeOwner<T, 2>;  // slots by Direction
   using Direction = detail::Direction;
+  /// A plan: the exchanges, and the reverse slice for the combine.
+  struct State {
+    detail::DispatchPlan plan;
+    RankMetadata rev;
+  };
 
  public:
   using transport_type = T;
-  using const_buffer = typename path::const_buffer;  ///< in the transport's memory space
-  using mutable_buffer = typename path::mutable_buffer;
+  using const_buffer = typename Owner::const_buffer;  ///< in the transport's memory space
+  using mutable_buffer = typename Owner::mutable_buffer;
 
   /// From this rank's slices of a forward and the matching reverse metadata.
   /// Throws invalid_input when a slice is not this transport's rank or world
@@ -157,18 +138,15 @@ class Dispatcher {
   /// options.check_plan_agreement also (on every rank) when the ranks' slices
   /// are not of one plan, which makes construction a collective.
   Dispatcher(T& transport, RankMetadata fwd, RankMetadata rev, std::size_t token_bytes, DispatcherOptions options = {})
-      : transport_(transport),
-        rank_(transport.rank()),
-        world_size_(transport.world_size()),
+      : owner_(transport, "Dispatcher"),
         token_bytes_(token_bytes),
-        who_(detail::concat("Dispatcher (rank ", rank_, " of ", world_size_, ")")),
-        check_(options.check_plan_agreement && world_size_ > 1),
-        plan_(first_plan(fwd, rev)),
-        rev_(std::move(rev)),
-        sizes_(sizes_of(plan_)),
-        path_(transport) {
-    lay_out_path();
-    grow_staging();
+        who_(detail::concat("Dispatcher (rank ", owner_.rank(), " of ", owner_.world_size(), ")")),
+        check_(options.check_plan_agreement && owner_.world_size() > 1) {
+    if (check_) agreement_.size(owner_.world_size(), 1);
+    plan(fwd, rev, state_.now.plan);
+    state_.now.rev = std::move(rev);
+    lay_out();
+    owner_.grow_staging(sizes_.staging_bytes);
   }
 
   /// The same from global metadata: takes the slices of transport.rank().
@@ -195,25 +173,18 @@ class Dispatcher {
   void prepare_replan(const RankMetadata& fwd, const RankMetadata& rev)
     requires(detail::memory_space_of<T>() == MemorySpace::host)
   {
-    prepared_ = false;
-    const auto plan = [&] { planner_.plan(fwd, rev, token_bytes_, rank_, world_size_, who_, next_plan_); };
-    if (check_) detail::PlanAgreement::run(plan, [&](bool refused) { agree(fwd, rev, refused); });
-    else plan();
-    next_rev_ = rev;
-    prepared_ = true;
+    state_.prepare([&](State& next) {
+      plan(fwd, rev, next.plan);
+      next.rev = rev;
+    });
   }
   void commit_replan() noexcept {
-    if (!prepared_) return;
-    std::swap(plan_, next_plan_);
-    std::swap(rev_, next_rev_);
-    sizes_ = sizes_of(plan_);
-    lay_out_path();
-    prepared_ = false;
+    if (state_.commit()) lay_out();
   }
 
   const BufferSizes& required_bytes() const noexcept { return sizes_; }
-  int rank() const noexcept { return rank_; }
-  int world_size() const noexcept { return world_size_; }
+  int rank() const noexcept { return owner_.rank(); }
+  int world_size() const noexcept { return owner_.world_size(); }
   std::size_t token_bytes() const noexcept { return token_bytes_; }
 
   /// MLP layout -> attention layout (every copy is sent).
@@ -239,39 +210,18 @@ class Dispatcher {
   void reverse_combine(const_buffer attention_grad, mutable_buffer replica, mutable_buffer grad, ElementType type,
                        mutable_buffer staging) {
     const char* call = "reverse_combine";
-    if (!rev_.seq_recv_mask) {
-      fail(call, "the reverse metadata has no seq_recv_mask (it has one copy per shard); use reverse()");
-    }
-    const std::size_t es = element_size(type);
-    if (token_bytes_ % es != 0) {
-      fail(call, "token_bytes = ", token_bytes_, " is not a multiple of the ", es, "-byte ", element_name(type), " element");
-    }
-    for (const Buffer& b : {Buffer{replica, "replica"}, Buffer{grad, "grad"}}) {
-      if (reinterpret_cast<std::uintptr_t>(b.data) % es != 0) fail(call, b.name, " is not aligned to ", es, " bytes for ", element_name(type));
-    }
-    const Buffer g{grad, "grad", sizes_.mlp_bytes}, into{replica, "replica", sizes_.replica_bytes};
-    const Buffer from{attention_grad, "attention_grad", sizes_.attention_bytes}, scratch{staging, "staging", staging_of(plan_.reverse)};
-    check_capacity(call, from, plan_.reverse.input_tokens);
-    check_capacity(call, into, plan_.reverse.output_tokens);
-    check_capacity(call, g, plan_.forward.input_tokens);
-    check_capacity(call, scratch);
-    for (const Buffer& other : {into, from, scratch}) check_disjoint(call, g, other);
+    if (!rev().seq_recv_mask) owner_.fail(call, "the reverse metadata has no seq_recv_mask (it has one copy per shard); use reverse()");
+    const detail::ExchangePlan& ex = plan_of(Direction::reverse);
+    owner_.check_typed_buffers(call, type, token_bytes_,
+                               {{grad, "grad", sizes_.mlp_bytes, plan_of(Direction::forward).input_tokens},
+                                {replica, "replica", sizes_.replica_bytes, ex.output_tokens},
+                                {attention_grad, "attention_grad", sizes_.attention_bytes, ex.input_tokens},
+                                {staging, "staging", staging_of(ex)}});
     exchange(call, Direction::reverse, attention_grad, "attention_grad", replica, "replica", staging);
-    path_.combine(combine_, type, replica.data(), sizes_.replica_bytes, grad.data(), sizes_.mlp_bytes);
+    owner_.data_path().combine(combine_, type, replica.data(), sizes_.replica_bytes, grad.data(), sizes_.mlp_bytes);
   }
 
  private:
-  /// A caller's buffer as the checks see it: `used` bytes of it take part in the call.
-  /// (Only its address and size are looked at: device memory is never read here.)
-  struct Buffer {
-    const std::byte* data;
-    std::size_t size;
-    const char* name;
-    std::size_t used = 0;
-    template <class Bytes>
-    Buffer(const Bytes& b, const char* n, std::size_t u = 0) : data(b.data()), size(b.size()), name(n), used(u) {}
-  };
-
   Dispatcher(T& transport, std::pair<RankMetadata, RankMetadata>&& slices, std::size_t token_bytes, DispatcherOptions options)
       : Dispatcher(transport, std::move(slices.first), std::move(slices.second), token_bytes, options) {}
 
@@ -287,16 +237,11 @@ class Dispatcher {
     return {fwd.get_slice(r), rev.get_slice(r)};
   }
 
-  detail::DispatchPlan first_plan(const RankMetadata& fwd, const RankMetadata& rev) {
-    detail::DispatchPlan plan;
-    const auto local = [&] { planner_.plan(fwd, rev, token_bytes_, rank_, world_size_, who_, plan); };
-    if (!check_) {
-      local();
-      return plan;
-    }
-    agreement_.size(world_size_, 1);
-    detail::PlanAgreement::run(local, [&](bool refused) { agree(fwd, rev, refused); });
-    return plan;
+  /// Plans the slices into `into`, with the plan agreement where asked for.
+  void plan(const RankMetadata& fwd, const RankMetadata& rev, detail::DispatchPlan& into) {
+    const auto local = [&] { planner_.plan(fwd, rev, token_bytes_, owner_.rank(), owner_.world_size(), who_, into); };
+    if (check_) detail::PlanAgreement::run(local, [&](bool refused) { agree(fwd, rev, refused); });
+    else local();
   }
 
   /// Plan agreement: this rank's record to every rank (also when it refused
@@ -308,101 +253,58 @@ class Dispatcher {
     h.world_size = fwd.world_size;
     h.config = detail::agreement_hash({token_bytes_});
     h.layout = detail::agreement_hash({fwd.has_copies, fwd.num_copies});
-    agreement_.build(rank_, h, slot, refused);
+    agreement_.build(owner_.rank(), h, slot, refused);
     try {
-      agreement_.exchange(transport_);
+      agreement_.exchange(owner_.transport());
     } catch (...) {
       detail::rethrow_with_context(detail::concat(who_, ": plan agreement: all_to_all_v failed: "));
     }
-    if (!refused) agreement_.check("Dispatcher", rank_, names);
+    if (!refused) agreement_.check("Dispatcher", owner_.rank(), names);
   }
 
-  template <class E = invalid_input, class... Args>
-  [[noreturn]] void fail(const char* call, Args&&... args) const {
-    detail::fail<E>("Dispatcher::", call, " (rank ", rank_, " of ", world_size_, "): ", std::forward<Args>(args)...);
+  const detail::ExchangePlan& plan_of(Direction dir) const noexcept {
+    return dir == Direction::forward ? state_.now.plan.forward : state_.now.plan.reverse;
   }
-
-  /// `tokens`: how many tokens `b.used` bytes are (-1: not whole tokens, e.g. staging).
-  void check_capacity(const char* call, const Buffer& b, std::int64_t tokens = -1) const {
-    if (b.size >= b.used) return;
-    if (tokens < 0) fail<capacity_error>(call, b.name, " holds ", b.size, " bytes, the plan needs ", b.used);
-    fail<capacity_error>(call, b.name, " holds ", b.size, " bytes, the plan needs ", b.used, " (", tokens, " tokens x ", token_bytes_,
-                         " bytes)");
-  }
-
-  void check_disjoint(const char* call, const Buffer& a, const Buffer& b) const {
-    if (detail::regions_overlap(a.data, a.used, b.data, b.used)) fail(call, a.name, " and ", b.name, " overlap");
-  }
-
-  static BufferSizes sizes_of(const detail::DispatchPlan& plan) noexcept {
-    BufferSizes sizes;
-    sizes.mlp_bytes = plan.forward.input_bytes;
-    sizes.attention_bytes = plan.forward.output_bytes;
-    sizes.replica_bytes = plan.reverse.output_bytes;
-    sizes.staging_bytes = std::max(staging_of(plan.forward), staging_of(plan.reverse));
-    return sizes;
-  }
+  const RankMetadata& rev() const noexcept { return state_.now.rev; }
 
   /// The staging an exchange needs: none for a PieceTransport.
   static std::size_t staging_of(const detail::ExchangePlan& ex) noexcept {
     if constexpr (PieceTransport<T>) return 0; else return ex.staging_bytes();
   }
 
-  /// The plan's lists with the data path (the host path keeps views of
-  /// plan_ and rev_; once the lists have been seen, this allocates nothing).
-  void lay_out_path() {
-    path_.clear();
-    for (Direction dir : {Direction::forward, Direction::reverse}) {
-      lists_[static_cast<std::size_t>(dir)] = detail::add_exchange(path_, dir == Direction::forward ? plan_.forward : plan_.reverse);
-    }
-    if (rev_.seq_recv_mask) combine_ = path_.add_combine(rev_, token_bytes_);  // reverse KV
-    path_.commit();
+  /// The plan's sizes and lists with the data path (the host path keeps
+  /// views of the plan; once the lists have been seen, this allocates nothing).
+  void lay_out() {
+    const detail::DispatchPlan& plan = state_.now.plan;
+    sizes_ = {plan.forward.input_bytes, plan.forward.output_bytes, plan.reverse.output_bytes,
+              std::max(staging_of(plan.forward), staging_of(plan.reverse))};
+    owner_.lay_out({&plan.forward, &plan.reverse}, [&](auto& path) {
+      if (rev().seq_recv_mask) combine_ = path.add_combine(rev(), token_bytes_);  // reverse KV
+    });
   }
 
-  /// The owned staging grows to the plan's (at construction, so that a
+  /// The owned staging (grown to the plan's at construction, so that a
   /// device dispatcher's calls never allocate; after a replan, at its first call).
-  void grow_staging() {
-    if (staging_.size() < sizes_.staging_bytes) staging_.resize(sizes_.staging_bytes);
-  }
-
-  mutable_buffer own_staging() {
-    grow_staging();
-    return mutable_buffer(staging_.data(), sizes_.staging_bytes);
-  }
+  mutable_buffer own_staging() { return owner_.staging(sizes_.staging_bytes); }
 
   void exchange(const char* call, Direction dir, const_buffer in, const char* in_name, mutable_buffer out, const char* out_name,
                 mutable_buffer staging) {
-    const detail::ExchangePlan& ex = dir == Direction::forward ? plan_.forward : plan_.reverse;
-    const Buffer input{in, in_name, ex.input_bytes}, output{out, out_name, ex.output_bytes};
-    const Buffer scratch{staging, "staging", staging_of(ex)};
-    check_capacity(call, input, ex.input_tokens);
-    check_capacity(call, output, ex.output_tokens);
-    check_capacity(call, scratch);
-    check_disjoint(call, input, output);
-    check_disjoint(call, scratch, input);
-    check_disjoint(call, scratch, output);
-
-    detail::run_exchange(transport_, path_, lists_[static_cast<std::size_t>(dir)], ex, in.data(), out.data(), staging.data(), {"Dispatcher", call});
+    const detail::ExchangePlan& ex = plan_of(dir);
+    owner_.check_buffers(call,
+                         {{staging, "staging", staging_of(ex)}, {in, in_name, ex.input_bytes, ex.input_tokens}, {out, out_name, ex.output_bytes, ex.output_tokens}},
+                         token_bytes_);
+    owner_.run(static_cast<std::size_t>(dir), ex, in.data(), out.data(), staging.data(), call);
   }
 
-  T& transport_;
-  int rank_;
-  int world_size_;
+  Owner owner_;
   std::size_t token_bytes_;
   std::string who_;                 // "Dispatcher (rank r of W)", in front of planning errors
   bool check_;                      // plan agreement at construction and replan
   detail::PlanAgreement agreement_;
   detail::DispatchPlanner planner_;  // its storage, kept for replan
-  detail::DispatchPlan plan_;
-  RankMetadata rev_;  // for the combine
+  detail::ReplanPair<State> state_;  // the plan in use, and prepare_replan's
   BufferSizes sizes_;
-  path path_;  // local copies and combine, registered from plan_ and rev_
-  std::size_t lists_[2] = {};  // each direction's first piece list with path_
-  std::size_t combine_ = 0;    // the combine's id with path_ (reverse KV)
-  typename path::template buffer<std::byte> staging_;  // owned staging
-  detail::DispatchPlan next_plan_;  // prepare_replan's, swapped in by commit_replan (both keep their storage)
-  RankMetadata next_rev_;
-  bool prepared_ = false;
+  std::size_t combine_ = 0;  // the combine's id with the data path (reverse KV)
 };
 
 }  // namespace cpdispatch

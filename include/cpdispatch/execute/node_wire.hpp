@@ -40,7 +40,7 @@
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/execute/staged_exchange.hpp"
+#include "cpdispatch/execute/exchange_owner.hpp"
 #include "cpdispatch/float16.hpp"
 #include "cpdispatch/plan/dedup.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
@@ -66,11 +66,6 @@ namespace detail {
 /// (the caller's or the arena) and writes one.
 struct NodeWirePlan {
   enum Step : std::size_t { between_forward, inside_forward, inside_reverse, between_reverse, steps };
-  /// A step's lists: its exchange's by Stage (pack, self, unpack), then the input's pack and self.
-  enum List : std::size_t { pack_input = 3, self_input, lists_per_step };
-  static constexpr std::size_t fan_out = std::size_t{steps} * std::size_t{lists_per_step};  ///< arena (wire) -> attention layout
-  static constexpr std::size_t num_lists = fan_out + 1;
-  static constexpr std::size_t list(Step step, std::size_t l) noexcept { return std::size_t{step} * std::size_t{lists_per_step} + l; }
 
   /// The exchange (arena -> arena, never direct, no piece lists); the input's pack (-> staging) and self (-> arena).
   struct StepPlan { ExchangePlan exchange; std::vector<CopyPiece> pack_input, self_input; };
@@ -78,14 +73,6 @@ struct NodeWirePlan {
   std::vector<CopyPiece> fan_out_pieces;
   KvFanList relay_fan;  ///< each relayed shard's own wire gradient and its node's gathered ones, arena -> arena
   std::size_t relay_at = 0, wire_at = 0, gather_at = 0, replica_at = 0, staging_at = 0, arena_bytes = 0;
-
-  /// The pieces of list i, for a data path that prepares every list.
-  const std::vector<CopyPiece>& pieces(std::size_t i) const noexcept {
-    if (i == fan_out) return fan_out_pieces;
-    const StepPlan& s = step[i / lists_per_step];
-    const std::vector<CopyPiece>* by_list[] = {&s.exchange.send.copies, &s.exchange.self, &s.exchange.recv.copies, &s.pack_input, &s.self_input};
-    return *by_list[i % lists_per_step];
-  }
 };
 
 /// Where a piece is read: the caller's buffer (`input`) or the arena, at `offset` bytes.
@@ -184,33 +171,37 @@ inline NodeWirePlan plan_node_steps(const KvFanList& fan, const RankNodeWire& no
 template <AllToAllTransport T>
 class NodeWireDispatcher {
   CPDISPATCH_CHECK_ALL_TO_ALL_TRANSPORT(T);
-  using path = typename detail::dispatcher_path<T>::type;
-  static_assert(detail::data_path_available<path>(),
-                "cpdispatch: NodeWireDispatcher over a device transport needs the CUDA data path: include cpdispatch/cuda/data_path.hpp "
-                "(from a .cu file) where it is used");
   using Plan = detail::NodeWirePlan;
+  using Owner = detail::ExchangeOwner<T, Plan::steps>;  // slots by Step
 
  public:
   using transport_type = T;
-  using const_buffer = typename path::const_buffer;  ///< in the transport's memory space
-  using mutable_buffer = typename path::mutable_buffer;
+  using const_buffer = typename Owner::const_buffer;  ///< in the transport's memory space
+  using mutable_buffer = typename Owner::mutable_buffer;
 
   /// `fan`: this rank's section 2c fan list (plan_kv_wire(...).fan[rank] or
   /// plan_kv_wire_for_rank's); `node`: this rank's node-level wire.
   NodeWireDispatcher(T& transport, KvFanList fan, RankNodeWire node, std::size_t token_bytes)
-      : transport_(transport),
+      : owner_(transport, "NodeWireDispatcher"),
         fan_(checked(transport, std::move(fan), node, token_bytes)),
         node_(std::move(node)),
         tb_(token_bytes),
         plan_(detail::plan_node_steps(fan_, node_, tb_, static_cast<std::size_t>(transport.rank()))),
-        combine_(combine_of(node_, transport)),
-        path_(transport) {
-    for (std::size_t i = 0; i < Plan::num_lists; ++i) path_.add_copies(plan_.pieces(i));  // ids 0, 1, ...: the plan's list numbers
-    attention_fan_in_ = path_.add_fan_in(fan_, tb_);
-    relay_fan_in_ = path_.add_fan_in(plan_.relay_fan, tb_);
-    combine_id_ = path_.add_combine(combine_, tb_);
-    path_.commit();
-    arena_.resize(plan_.arena_bytes);
+        combine_(combine_of(node_, transport)) {
+    std::array<const detail::ExchangePlan*, Plan::steps> exchanges{};
+    for (std::size_t s = 0; s < Plan::steps; ++s) exchanges[s] = &plan_.step[s].exchange;
+    owner_.lay_out(exchanges, [&](auto& path) {
+      for (std::size_t s = 0; s < Plan::steps; ++s) {
+        const Plan::StepPlan& st = plan_.step[s];
+        pack_input_[s] = {path.add_copies(st.pack_input), st.pack_input};
+        self_input_[s] = {path.add_copies(st.self_input), st.self_input};
+      }
+      fan_out_ = {path.add_copies(plan_.fan_out_pieces), plan_.fan_out_pieces};
+      attention_fan_in_ = path.add_fan_in(fan_, tb_);
+      relay_fan_in_ = path.add_fan_in(plan_.relay_fan, tb_);
+      combine_id_ = path.add_combine(combine_, tb_);
+    });
+    owner_.grow_staging(plan_.arena_bytes);
   }
 
   NodeWireBufferSizes required_bytes() const { return {bytes(node_.mlp_tokens), bytes(fan_.attention_tokens)}; }
@@ -218,25 +209,26 @@ class NodeWireDispatcher {
   /// Between nodes into the relay buffer, inside nodes into the wire buffer,
   /// then the fan-out into the attention layout.
   void forward(const_buffer mlp, mutable_buffer attention) {
-    check("forward: ", mlp.size(), attention.size());
+    const NodeWireBufferSizes need = required_bytes();
+    owner_.check_buffers("forward", {{mlp, "mlp", need.mlp_bytes}, {attention, "attention", need.attention_bytes}});
     step("forward", Plan::between_forward, mlp.data());
     step("forward", Plan::inside_forward, mlp.data());
-    copy(Plan::fan_out, arena_.data(), attention.data());
+    owner_.data_path().copy(fan_out_, owner_.staging(), attention.data());
   }
 
   /// The gradient of this rank's KV shards (MLP layout) from the gradient of
   /// its attention layout; `type` is the element type (token_bytes a multiple of its size).
   void reverse_combine(const_buffer attention_grad, mutable_buffer grad, ElementType type) {
-    check("reverse_combine: ", grad.size(), attention_grad.size());
-    const std::size_t es = element_size(type);
-    if (tb_ % es != 0) detail::fail("NodeWireDispatcher::reverse_combine: token_bytes = ", tb_, " is not a multiple of the ", es, "-byte element");
-    std::byte* arena = arena_.data();
-    path_.fan_in(attention_fan_in_, type, attention_grad.data(), arena + plan_.wire_at);
+    const NodeWireBufferSizes need = required_bytes();
+    owner_.check_typed_buffers("reverse_combine", type, tb_, {{grad, "grad", need.mlp_bytes}, {attention_grad, "attention_grad", need.attention_bytes}});
+    auto& path = owner_.data_path();
+    std::byte* arena = owner_.staging();
+    path.fan_in(attention_fan_in_, type, attention_grad.data(), arena + plan_.wire_at);
     step("reverse_combine", Plan::inside_reverse, nullptr);
-    path_.fan_in(relay_fan_in_, type, arena, arena);
+    path.fan_in(relay_fan_in_, type, arena, arena);
     step("reverse_combine", Plan::between_reverse, nullptr);
     const std::size_t replica = bytes(node_.num_copies * node_.mlp_tokens);
-    path_.combine(combine_id_, type, arena + plan_.replica_at, replica, grad.data(), grad.size());
+    path.combine(combine_id_, type, arena + plan_.replica_at, replica, grad.data(), grad.size());
   }
 
  private:
@@ -267,35 +259,25 @@ class NodeWireDispatcher {
     return m;
   }
 
-  void check(const char* call, std::size_t mlp, std::size_t attention) const {
-    const NodeWireBufferSizes need = required_bytes();
-    if (mlp < need.mlp_bytes) detail::fail<capacity_error>("NodeWireDispatcher::", call, "the MLP-layout buffer holds ", mlp, " bytes, the plan needs ", need.mlp_bytes);
-    if (attention < need.attention_bytes) {
-      detail::fail<capacity_error>("NodeWireDispatcher::", call, "the attention buffer holds ", attention, " bytes, the plan needs ", need.attention_bytes);
-    }
-  }
-
-  void copy(std::size_t list, const std::byte* src, std::byte* dst) { path_.copy({list, plan_.pieces(list)}, src, dst); }
-
   /// One step: the input's pieces into the staging, the exchange over the arena (all_to_all_v even over a
   /// PieceTransport: the sends read two buffers), the input's traffic to itself. `input`: none in reverse.
   void step(const char* call, Plan::Step s, const std::byte* input) {
-    std::byte* arena = arena_.data();
-    copy(Plan::list(s, Plan::pack_input), input, arena + plan_.staging_at);
-    const std::size_t lists = Plan::list(s, 0);  // the exchange's, by Stage
-    detail::run_exchange<false>(transport_, path_, lists, plan_.step[s].exchange, arena, arena, arena + plan_.staging_at, {"NodeWireDispatcher", call});
-    copy(Plan::list(s, Plan::self_input), input, arena);
+    auto& path = owner_.data_path();
+    std::byte* arena = owner_.staging();
+    path.copy(pack_input_[s], input, arena + plan_.staging_at);
+    owner_.template run<false>(s, plan_.step[s].exchange, arena, arena, arena + plan_.staging_at, call);
+    path.copy(self_input_[s], input, arena);
   }
 
-  T& transport_;
+  Owner owner_;  // its staging is the arena (relay, wire, gather, replica, then the steps' staging)
   KvFanList fan_;
   RankNodeWire node_;
   std::size_t tb_;
   Plan plan_;
   RankMetadata combine_;
-  path path_;  // the lists below, registered from the above
+  std::array<detail::PieceList, Plan::steps> pack_input_, self_input_;  // the ids of the lists below with the data path
+  detail::PieceList fan_out_;
   std::size_t attention_fan_in_ = 0, relay_fan_in_ = 0, combine_id_ = 0;
-  typename path::template buffer<std::byte> arena_;
 };
 
 }  // namespace cpdispatch
