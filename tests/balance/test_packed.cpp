@@ -155,7 +155,7 @@ TEST(PackedBalance, TheBoundCutsEachDocumentInsideItsPieces) {
   // with C = 2 each piece is one shard, the second costing 155.
   BalanceProblem p;
   p.world_size = 8;
-  p.max_cp_degree = 2;
+  p.max_cp_degree = 4;
   p.documents = {{{{0, 10}, {1, 10}}}};
   EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p), 155.0);
   p.max_cp_degree = 3;  // the second piece in two: the cheapest largest shard
@@ -203,7 +203,7 @@ TEST(PackedBalance, BadBatchesNameTheDocumentAndPiece) {
   auto msg = [](BalanceProblem p) { return baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::plan_balanced(p); }); };
   BalanceProblem p;
   p.world_size = 2;
-  p.max_cp_degree = 2;
+  p.max_cp_degree = 4;
   p.documents = {{{{0, 4}}}, {{{1, 2}, {2, 3}}}};
   EXPECT_THAT(msg(p), HasSubstr("documents[1].pieces[1].rank = 2 is outside [0, 2)"));
   p.documents = {{{{0, 4}}}, {{{1, 0}}}};
@@ -428,7 +428,10 @@ TEST(HeadParallelBalance, RandomBatchesPlanValidateAndCoverEveryPair) {
 TEST(HeadParallelBalance, PlanForClusterTriesOnlyAllowedGroupSizesAndNeverModelsSlower) {
   const cpdispatch::LayerShape shape{12, 64, 2, 4, 4};  // u must divide 12 and divide 4 or be a multiple of it
   EXPECT_EQ(cpdispatch::head_parallel_degrees(8, shape), (std::vector<I>{2, 4}));
-  const BalanceProblem p = long_among_short(8, 4096, 6, 128, 4);
+  // Two long documents over four ranks each, which a dispatched plan may not spread over more ranks: the
+  // head-parallel part shares their work over their groups, which is worth its serial kernel and posts home.
+  BalanceProblem p = long_among_short(8, 4096, 6, 128, 4);
+  p.max_cp_degree = 4;
   const cpdispatch::Topology topology = cpdispatch::Topology::uniform(8, 8);
   const auto cluster = cpdispatch::ClusterModel::h100_ib();
   BalanceOptions o;
@@ -453,7 +456,7 @@ TEST(HeadParallelBalance, PlanForClusterTriesUlyssesLayout) {
   p.max_cp_degree = 1;
   p.q_bytes = 2;
   p.kv_bytes = 2;
-  p.documents.push_back({{{0, 4096}}});
+  p.documents.push_back({{{0, 8192}}});
   for (I r = 1; r < W; ++r) p.documents.push_back({{{r, 256}}});
   const cpdispatch::LayerShape shape{8, 64, 2, 2};
   const cpdispatch::Topology topology = cpdispatch::Topology::uniform(W, W);
@@ -468,7 +471,7 @@ TEST(HeadParallelBalance, PlanForClusterTriesUlyssesLayout) {
   EXPECT_TRUE(covers(chosen.plan));
   EXPECT_TRUE(baltest::valid_packed_plan(p, chosen.plan));
   BalanceProblem small = p;
-  small.recv_capacity.assign(static_cast<std::size_t>(W), 4096 + 256);  // every rank would hold all 4864 tokens
+  small.recv_capacity.assign(static_cast<std::size_t>(W), 8192 + 256);  // every rank would hold all 8960 tokens
   const cpdispatch::ClusterPlan capped = cpdispatch::plan_for_cluster(small, cluster, shape, topology, o);
   EXPECT_EQ(capped.plan.head_parallel_degree, 0);
 }
@@ -561,7 +564,7 @@ TEST(PlanningGrid, TheBoundCutsOnTheGrid) {
   // 192 gives max(pairs(0, 192), pairs(192, 256)) = max(18528, 14368).
   BalanceProblem p;
   p.world_size = 4;
-  p.max_cp_degree = 2;
+  p.max_cp_degree = 4;
   p.docs = {{256}, {}, {}, {}};
   EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p), 16471.0);
   EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p, on_grid(64)), 18528.0);

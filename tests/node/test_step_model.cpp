@@ -78,7 +78,8 @@ TEST(StepModel, HandComputedTwoRanks) {
   LayerShape staged = unit_shape();
   staged.stages = 4;
   const StepTime f4 = model(two_rank_plan(), unit_cluster(1), staged)[0];
-  EXPECT_DOUBLE_EQ(f4.forward, 28.0 + 24.0 / 4);
+  // The post out (20 s) hides behind the kernel but for one stage; the outputs' post home waits for the kernel.
+  EXPECT_DOUBLE_EQ(f4.forward, 28.0 + 20.0 / 4 + 4.0);
 }
 
 TEST(StepModel, EachPostWaitsForItsOwnBusiestRank) {
@@ -94,7 +95,10 @@ TEST(StepModel, EachPostWaitsForItsOwnBusiestRank) {
   // Rank 2 computes the most: its 6-token shard, 21 pairs, 84 FLOPs; one stage hides nothing.
   EXPECT_DOUBLE_EQ(flat.forward_compute, 84.0);
   EXPECT_DOUBLE_EQ(flat.forward, 84.0 + 50.0);
-  EXPECT_DOUBLE_EQ(flat.step, 84.0 + 50.0 + 2.5 * 84.0 + 50.0);
+  // Backward, three posts: the output gradients out (as the outputs home, 8 s), the key-value gradients
+  // home (rank 2 receives its 2 + 7 tokens' K and V: 18 bytes, 36 s), the query gradients home (8 s).
+  EXPECT_DOUBLE_EQ(flat.backward_comm, 8.0 + 36.0 + 8.0);
+  EXPECT_DOUBLE_EQ(flat.step, 84.0 + 50.0 + 2.5 * 84.0 + 52.0);
 }
 
 TEST(StepModel, HeadParallelSlabsRideThePostsOfTheDispatchedTensors) {
@@ -119,11 +123,33 @@ TEST(StepModel, HeadParallelSlabsRideThePostsOfTheDispatchedTensors) {
   EXPECT_DOUBLE_EQ(flat.forward, 64.0 + 26.0);
 }
 
+TEST(StepModel, HeadParallelDocumentsAreAttendedOnceEverySlabHasArrived) {
+  // The plan above on two nodes (0.5 B/s, 1 s a peer a post), in two stages. Out: rank 0 sends 18 bytes
+  // (37 s); home: rank 1 sends 6 (13 s). Rank 1 attends document 1 (24 FLOPs) while the post out travels,
+  // which hides all but one stage of the shorter (37 + 24 / 2 s), then its half of document 0 (40 FLOPs)
+  // once every slab has arrived; the outputs go home after the kernel.
+  ClusterModel c = unit_cluster(1);
+  c.inter.latency = 1.0;
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 2;
+  plan.head_parallel_degree = 2;
+  plan.documents = {{{{0, 2, 0}, {1, 2, 1}}}, {{{0, 2, 1}}}};
+  plan.documents[0].head_parallel = true;
+  const StepTime flat = model(plan, c, {2, 1, 1, 2, 2})[0];
+  EXPECT_DOUBLE_EQ(flat.forward, 37.0 + 12.0 + 40.0 + 13.0);
+  // Backward: the output gradients out (13 s) and document 1's key-value gradients home (8 bytes: 17 s)
+  // behind its backward (60 FLOPs: 60 + 30 / 2 s), then document 0's (100), then the query gradients of
+  // both and the slabs' key-value gradients home (rank 1 sends 4 + 6 bytes: 21 s).
+  EXPECT_DOUBLE_EQ(flat.backward, 60.0 + 15.0 + 100.0 + 21.0);
+}
+
 TEST(StepModel, ARankThatOnlyReceivesPaysALatencyAPeer) {
   // Three ranks on one node (1 B/s, 1 s a peer a post). Documents 0 and 1 (2 tokens each, homes 0 and 1)
   // are attended on rank 2, which sends nothing out and receives from two peers: 2 query tokens (2 bytes)
   // and 2 key-value tokens (4 bytes) from each, 12 bytes and 2 latencies: 14 s (ranks 0 and 1: 6 + 1 s).
-  // Home, rank 2 sends 2 outputs to each: 4 bytes and 2 latencies, 6 s.
+  // Home, rank 2 sends 2 outputs to each: 4 bytes and 2 latencies, 6 s. Backward, three posts: the output
+  // gradients out (6 s), the key-value gradients home (rank 2 sends 4 bytes to each: 8 bytes and 2
+  // latencies, 10 s), the query gradients home (6 s).
   ClusterModel c = unit_cluster(3);
   c.intra.latency = 1.0;
   cpdispatch::QkvDocumentsPlan plan;
@@ -135,7 +161,7 @@ TEST(StepModel, ARankThatOnlyReceivesPaysALatencyAPeer) {
     EXPECT_DOUBLE_EQ(rows[form].forward_comm, 14.0 + 6.0);
     EXPECT_DOUBLE_EQ(rows[form].forward_compute, 4.0 * (3 + 3));  // rank 2: two 2-token causal documents
     EXPECT_DOUBLE_EQ(rows[form].forward, 24.0 + 20.0);
-    EXPECT_DOUBLE_EQ(rows[form].backward, 2.5 * 24.0 + 20.0);
+    EXPECT_DOUBLE_EQ(rows[form].backward, 2.5 * 24.0 + 6.0 + 10.0 + 6.0);
   }
 }
 

@@ -277,12 +277,19 @@ inline KernelRate fit_kernel_rate(std::span<const KernelSample> samples, double 
   return kept_f.size() < f.size() && kept_f.size() >= kr::terms ? kr::fit(kept_f, kept_seconds) : r;
 }
 
-/// One rank's compute seconds, forward and backward.
+/// One rank's compute seconds, forward and backward, and of them the
+/// head-parallel documents' (which the op attends after the dispatched ones).
 struct ComputeSeconds {
   double forward = 0, backward = 0;
+  double head_parallel_forward = 0, head_parallel_backward = 0;
   void add(const KernelRates& k, const KernelEntry& e) {
     forward += k.forward_seconds(e);
     backward += k.backward_seconds(e);
+  }
+  void add_head_parallel(const KernelRates& k, const KernelEntry& e) {
+    add(k, e);
+    head_parallel_forward += k.forward_seconds(e);
+    head_parallel_backward += k.backward_seconds(e);
   }
 };
 
@@ -310,10 +317,10 @@ inline std::vector<ComputeSeconds> plan_compute_seconds(const QkvMetadata& m, co
     for (std::size_t d = 0; d < hp.seqlens[r].size(); ++d) {
       const std::int64_t len = hp.seqlens[r][d];
       if (hp.entries.empty() || hp.entries[r][d].empty()) {
-        out[r].add(k, group_entry(len, len, hp.mask, heads, head_dim));
+        out[r].add_head_parallel(k, group_entry(len, len, hp.mask, heads, head_dim));
         continue;
       }
-      for (const AttentionEntry& e : hp.entries[r][d]) out[r].add(k, kernel_entry(e, heads, head_dim));
+      for (const AttentionEntry& e : hp.entries[r][d]) out[r].add_head_parallel(k, kernel_entry(e, heads, head_dim));
     }
   }
   return out;

@@ -252,9 +252,10 @@ inline PairTokens one_post(std::initializer_list<std::pair<const PairTokens*, do
 inline std::vector<ComputeSeconds> plan_compute(const QkvMetadata& m, const PlanCost& cost, const ClusterModel& c, const LayerShape& shape) {
   if (c.kernel) return plan_compute_seconds(m, *c.kernel, shape.heads_q, shape.head_dim);
   std::vector<ComputeSeconds> out;
-  for (const std::int64_t pairs : cost.attention) {
-    const double f = forward_flops(static_cast<double>(pairs), shape) / c.attention_flops;
-    out.push_back({f, 2.5 * f});
+  const auto seconds = [&](std::int64_t pairs) { return forward_flops(static_cast<double>(pairs), shape) / c.attention_flops; };
+  for (std::size_t r = 0; r < cost.attention.size(); ++r) {
+    const double f = seconds(cost.attention[r]), hp = r < cost.head_parallel_attention.size() ? seconds(cost.head_parallel_attention[r]) : 0.0;
+    out.push_back({f, 2.5 * f, hp, 2.5 * hp});
   }
   return out;
 }
@@ -378,12 +379,18 @@ inline double max_kv_tokens_per_rank(const Metadata& kv_fwd, bool dedup) {
 }
 
 /// The plan's three KV exchanges: "flat" (section 2), "dedup" (section 2c),
-/// "node-level". Queries and outputs travel flat in all three; backward
-/// moves the same bytes in reverse (output gradients out, query and KV
-/// gradients back). As the op runs them, the queries, the key-values (flat
-/// or deduplicated) and the head-parallel documents' slabs (section 2f) ride
-/// one post out, and the outputs of both parts one post home; the
-/// node-level exchange's key-values take their own two phases. A
+/// "node-level". Queries and outputs travel flat in all three. The posts are
+/// those the op makes: forward, the queries, the key-values (flat or
+/// deduplicated) and the head-parallel documents' slabs (section 2f) ride
+/// one post out, in `stages` stage groups that the dispatched attention
+/// overlaps; the head-parallel documents are attended once all have
+/// arrived, and the outputs of both parts ride one post home after the
+/// kernel. Backward, the output gradients come in stage groups and the
+/// dispatched key-value gradients leave as each group's are done, both
+/// overlapped with the dispatched attention; then the head-parallel
+/// documents' backward, and the query gradients of both parts with the
+/// head-parallel key-value gradients ride one post home. The node-level
+/// exchange's key-values take their own two phases each way. A
 /// head-parallel document's work counts 1/u on each rank of its group, as
 /// plan_cost counts it.
 inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,
@@ -401,32 +408,31 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   PairTokens between, inside;
   node_tokens(m.kv_fwd, topo, between, inside);
   const PairTokens kv_forms[3] = {flat_tokens(m.kv_fwd), dedup_tokens(m.kv_fwd), none};
-  // Every post is a collective: it ends when its busiest rank is done,
-  // and the next starts after it, so each costs its slowest rank's time.
-  // A post in reverse takes as long (sent and received swap), so
-  // backward's gradients cost as much as forward's copies. The node-level
+  // Every post is a collective: it ends when its busiest rank is done, and
+  // the next starts after it, so each costs its slowest rank's time. A post
+  // in reverse takes as long (sent and received swap). The node-level
   // exchange's two phases are two such exchanges (a relay forwards only what
   // it has received): forward between nodes, then inside; backward the reverse.
-  const double home = slowest(one_post({{&q, bq}, {&hp, bhp.q}}), W, 1, topo, c);
+  const double q_home = slowest(one_post({{&q, bq}, {&hp, bhp.q}}), W, 1, topo, c);         // outputs home; output gradients out
+  const double grads_home = slowest(one_post({{&q, bq}, {&hp, bhp.qkv}}), W, 1, topo, c);  // query gradients and the slabs' dk, dv
   const double node_phases = slowest(between, W, bkv, topo, c) + slowest(inside, W, bkv, topo, c);
-  double exchange_times[3];
-  for (int form = 0; form < 3; ++form) {
-    exchange_times[form] = slowest(one_post({{&q, bq}, {&kv_forms[form], bkv}, {&hp, bhp.qkv}}), W, 1, topo, c) + home + (form == 2 ? node_phases : 0);
-  }
   const char* names[3] = {"flat", "dedup", "node-level"};
   std::vector<StepTime> out;
   const std::vector<ComputeSeconds> compute = plan_compute(m, cost, c, shape);
   for (int form = 0; form < 3; ++form) {
+    const double in = slowest(one_post({{&q, bq}, {&kv_forms[form], bkv}, {&hp, bhp.qkv}}), W, 1, topo, c) + (form == 2 ? node_phases : 0);
+    const double kv_home = form == 2 ? node_phases : slowest(kv_forms[form], W, bkv, topo, c);
     StepTime t;
     t.scheme = names[form];
     for (std::size_t r = 0; r < W; ++r) {
-      const double fc = compute[r].forward, bc = compute[r].backward;
-      const double fm = exchange_times[form], bm = fm;
-      const double f = overlapped(fc, fm, shape.stages), bw = overlapped(bc, bm, shape.stages);
+      const ComputeSeconds& cr = compute[r];
+      const double fm = in + q_home, bm = q_home + kv_home + grads_home;
+      const double f = overlapped(cr.forward - cr.head_parallel_forward, in, shape.stages) + cr.head_parallel_forward + q_home;
+      const double bw = overlapped(cr.backward - cr.head_parallel_backward, q_home + kv_home, shape.stages) + cr.head_parallel_backward + grads_home;
       if (f + bw > t.step) {
         t.step = f + bw;
-        t.forward_compute = fc, t.forward_comm = fm, t.forward = f;
-        t.backward_compute = bc, t.backward_comm = bm, t.backward = bw;
+        t.forward_compute = cr.forward, t.forward_comm = fm, t.forward = f;
+        t.backward_compute = cr.backward, t.backward_comm = bm, t.backward = bw;
       }
     }
     t.inter_node_bytes = inter_bytes(q, W, topo, 2 * bq) +
