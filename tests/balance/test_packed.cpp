@@ -155,7 +155,7 @@ TEST(PackedBalance, TheBoundCutsEachDocumentInsideItsPieces) {
   // with C = 2 each piece is one shard, the second costing 155.
   BalanceProblem p;
   p.world_size = 8;
-  p.max_cp_degree = 4;
+  p.max_cp_degree = 2;
   p.documents = {{{{0, 10}, {1, 10}}}};
   EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p), 155.0);
   p.max_cp_degree = 3;  // the second piece in two: the cheapest largest shard
@@ -203,7 +203,7 @@ TEST(PackedBalance, BadBatchesNameTheDocumentAndPiece) {
   auto msg = [](BalanceProblem p) { return baltest::message_of<cpdispatch::invalid_input>([&] { cpdispatch::plan_balanced(p); }); };
   BalanceProblem p;
   p.world_size = 2;
-  p.max_cp_degree = 4;
+  p.max_cp_degree = 2;
   p.documents = {{{{0, 4}}}, {{{1, 2}, {2, 3}}}};
   EXPECT_THAT(msg(p), HasSubstr("documents[1].pieces[1].rank = 2 is outside [0, 2)"));
   p.documents = {{{{0, 4}}}, {{{1, 0}}}};
@@ -564,7 +564,7 @@ TEST(PlanningGrid, TheBoundCutsOnTheGrid) {
   // 192 gives max(pairs(0, 192), pairs(192, 256)) = max(18528, 14368).
   BalanceProblem p;
   p.world_size = 4;
-  p.max_cp_degree = 4;
+  p.max_cp_degree = 2;
   p.docs = {{256}, {}, {}, {}};
   EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p), 16471.0);
   EXPECT_DOUBLE_EQ(cpdispatch::balance_lower_bound(p, on_grid(64)), 18528.0);
