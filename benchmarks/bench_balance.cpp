@@ -73,7 +73,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cpdispatch/balance/balance.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/workload/workload.hpp"
 #include "node_columns.hpp"
 #include "shared_prefix.hpp"

@@ -23,9 +23,9 @@
 
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "stats.hpp"

@@ -58,10 +58,10 @@
 #include <benchmark/benchmark.h>
 #include <nlohmann/json.hpp>
 
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/balance/balance.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/workload/workload.hpp"
 #include "cpdispatch/balance/topology_balance.hpp"

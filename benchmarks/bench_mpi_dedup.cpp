@@ -19,9 +19,9 @@
 // within a round (forward, backward, forward + backward).
 // Results: benchmarks/RESULTS.md.
 
-#include <cpdispatch/execute/dedup.hpp>
+#include <cpdispatch/execute/kv_wire.hpp>
 #include <cpdispatch/execute/dispatcher.hpp>
-#include <cpdispatch/plan/dedup.hpp>
+#include <cpdispatch/plan/kv_wire.hpp>
 #include <cpdispatch/plan/plan.hpp>
 #include <cpdispatch/transports/mpi.hpp>
 

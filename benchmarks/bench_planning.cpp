@@ -25,7 +25,7 @@
 #include <benchmark/benchmark.h>
 
 #include "cpdispatch/check/coverage.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/rank.hpp"

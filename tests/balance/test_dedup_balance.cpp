@@ -12,7 +12,7 @@
 
 #include "balance_helpers.hpp"
 #include "cpdispatch/balance/balance.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/workload/workload.hpp"
 

@@ -27,7 +27,7 @@
 
 #include "cpdispatch/cuda/data_path.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/transports/nccl.hpp"
 #include "cpdispatch/transports/sim.hpp"

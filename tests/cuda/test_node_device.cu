@@ -18,10 +18,10 @@
 
 #include "../node/node_cases.hpp"
 #include "cpdispatch/cuda/data_path.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/node_wire.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
 #include "cpdispatch/transports/sim.hpp"

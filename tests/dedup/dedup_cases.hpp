@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 

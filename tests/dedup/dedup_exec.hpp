@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "../common/max_error.hpp"
 #include "dedup_cases.hpp"

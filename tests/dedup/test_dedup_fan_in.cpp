@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/workload/generate.hpp"
 
 namespace {

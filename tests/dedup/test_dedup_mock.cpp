@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/testing/mock_transport.hpp"
 #include "dedup_cases.hpp"

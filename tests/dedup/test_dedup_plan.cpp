@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "../core/helpers.hpp"
 #include "dedup_cases.hpp"
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "../common/sim_world_fixture.hpp"

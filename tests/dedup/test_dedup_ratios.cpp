@@ -21,7 +21,7 @@
 #include <string>
 
 #include "cpdispatch/cpdispatch.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "dedup_cases.hpp"
 
 namespace {

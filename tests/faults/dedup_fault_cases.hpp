@@ -11,8 +11,8 @@
 #include <span>
 #include <vector>
 
-#include "cpdispatch/execute/dedup.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "fault_cases.hpp"
 
 namespace dedup_fault_cases {

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "cpdispatch/adapters/checksummed.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/sim.hpp"

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "../common/sim_world_fixture.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/sim.hpp"
 #include "dedup_fault_cases.hpp"

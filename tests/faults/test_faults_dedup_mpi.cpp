@@ -17,7 +17,7 @@
 #include <tuple>
 #include <vector>
 
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/adapters/fault_injecting.hpp"
 #include "cpdispatch/transports/mpi.hpp"
 #include "dedup_fault_cases.hpp"

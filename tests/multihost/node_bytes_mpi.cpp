@@ -38,9 +38,9 @@
 #include <thread>
 #include <vector>
 
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/node_wire.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/transports/mpi.hpp"

@@ -9,10 +9,10 @@
 #include <cstring>
 #include <vector>
 
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/node_wire.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "node_cases.hpp"

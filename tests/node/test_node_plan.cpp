@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"

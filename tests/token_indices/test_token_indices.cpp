@@ -12,7 +12,7 @@
 
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/execute/token_indices.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/workload/generate.hpp"
 #include "cpdispatch/plan/plan.hpp"
 

@@ -83,7 +83,7 @@
 #include "cpdispatch/attention/step_trace.hpp"
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/execute/staged_exchange.hpp"

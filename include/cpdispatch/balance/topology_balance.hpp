@@ -34,7 +34,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/balance/balance.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/plan.hpp"
 #include "cpdispatch/plan/topology.hpp"

@@ -47,7 +47,7 @@
 #include "cpdispatch/cuda/plan.hpp"
 #include "cpdispatch/execute/data_path.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/execute/combine.hpp"

@@ -55,7 +55,7 @@
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/execute/fan_in.hpp"
 #include "cpdispatch/memory_space.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/transport.hpp"
 

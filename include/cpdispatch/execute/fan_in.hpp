@@ -17,7 +17,7 @@
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/execute/combine.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>

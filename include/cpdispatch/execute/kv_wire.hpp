@@ -72,7 +72,7 @@
 #include "cpdispatch/execute/simulate.hpp"
 #include "cpdispatch/transport.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 
 namespace cpdispatch {
 

@@ -39,10 +39,10 @@
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/combine.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/exchange_owner.hpp"
 #include "cpdispatch/float16.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/transport.hpp"
 

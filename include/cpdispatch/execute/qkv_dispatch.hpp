@@ -48,7 +48,7 @@
 
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/dispatcher.hpp"
 #include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/plan/plan.hpp"

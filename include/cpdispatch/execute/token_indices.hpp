@@ -24,7 +24,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 
 namespace cpdispatch {

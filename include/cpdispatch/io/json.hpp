@@ -36,7 +36,7 @@
 
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/plan/any_plan.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/io/fields.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/metadata.hpp"

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/limits.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/plan.hpp"

@@ -32,7 +32,7 @@
 #include "cpdispatch/element_type.hpp"
 #include "cpdispatch/error.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/head_parallel.hpp"
 #include "cpdispatch/plan/rank.hpp"
 

@@ -29,11 +29,11 @@
 #include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/error.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
 #include "cpdispatch/execute/plan_agreement.hpp"
 #include "cpdispatch/execute/staged_exchange.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/rank.hpp"
 
 namespace cpdispatch::detail {

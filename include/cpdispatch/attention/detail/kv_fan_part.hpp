@@ -18,9 +18,9 @@
 
 #include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/element_type.hpp"
-#include "cpdispatch/execute/dedup.hpp"
+#include "cpdispatch/execute/kv_wire.hpp"
 #include "cpdispatch/execute/exchange_plan.hpp"
-#include "cpdispatch/plan/dedup.hpp"
+#include "cpdispatch/plan/kv_wire.hpp"
 #include "cpdispatch/plan/metadata.hpp"
 #include "cpdispatch/plan/rank.hpp"
 
