@@ -364,7 +364,6 @@ class ContextParallelAttention {
     if (!planned_) fail("forward needs a plan: the last replan threw");
     check_mlp(call, {{q.size(), "q", true}, {k.size(), "k", false}, {v.size(), "v", false}, {out.size(), "out", true}});
     forward_done_ = false;
-    hp_.scatter_inputs(path_, bytes(q.data()), bytes(k.data()), bytes(v.data()));
     const auto in_all = forward_inputs(q.data(), k.data(), v.data());
     const Tensors in = with_head_parallel(in_all);
     if (options_.invariant) {
@@ -382,7 +381,6 @@ class ContextParallelAttention {
     if (hp_.active() && !options_.invariant) traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_forward(kernel_, path_); });
     const auto back = outputs_home(out.data());
     exchange_all(call, out_home_, with_head_parallel(back));
-    hp_.gather_output(path_, bytes(out.data()));
     forward_done_ = true;
   }
 
@@ -391,7 +389,6 @@ class ContextParallelAttention {
     const char* call = "backward";
     if (!forward_done_) fail("backward needs the forward of the same plan first");
     check_mlp(call, {{dout.size(), "dout", true}, {dq.size(), "dq", true}, {dk.size(), "dk", false}, {dv.size(), "dv", false}});
-    hp_.scatter_dout(path_, bytes(dout.data()));
     const auto in_all = dout_inputs(dout.data());
     const Tensors in = with_head_parallel(in_all);
     const auto kv = kv_gradients();
@@ -409,10 +406,10 @@ class ContextParallelAttention {
       backward_by_stages(call, in, kv);
     }
     if (hp_.active()) traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_backward(kernel_, path_); });  // while the dispatched key-value gradients travel
-    const auto back = gradients_home(dq.data());
+    finish_kv_gradients(call, kv, dk, dv);  // before the head-parallel gradients land in dk and dv (its sum writes every token)
+    const auto back = gradients_home(dq.data(), dk.data(), dv.data());
     exchange_all(call, grads_home_, with_head_parallel(back));
-    finish_kv_gradients(call, kv, dk, dv);
-    hp_.gather_gradients(path_, bytes(dq.data()), bytes(dk.data()), bytes(dv.data()));
+    hp_.gather_gradients(path_, bytes(dk.data()), bytes(dv.data()));
   }
 
  private:
@@ -490,19 +487,19 @@ class ContextParallelAttention {
     return {{{{&q_plan_.forward, bytes(q), bytes(q_attn_)},
               {kv_forward(), bytes(k), bytes(k_attn_)},
               {kv_forward(), bytes(v), bytes(v_attn_)},
-              {hp_.q_in(), hp_.q_slabs(), hp_.q()},
-              {hp_.kv_in(), hp_.k_slabs(), hp_.k()},
-              {hp_.kv_in(), hp_.v_slabs(), hp_.v()}}},
+              {hp_.q_in(), bytes(q), hp_.q()},
+              {hp_.kv_in(), bytes(k), hp_.k()},
+              {hp_.kv_in(), bytes(v), hp_.v()}}},
             3};
   }
-  HeadParallelLast<2> dout_inputs(const E* dout) { return {{{{&q_plan_.forward, bytes(dout), bytes(dout_attn_)}, {hp_.q_in(), hp_.q_slabs(), hp_.dout()}}}, 1}; }
-  HeadParallelLast<2> outputs_home(E* out) { return {{{{&q_plan_.reverse, bytes(out_attn_), bytes(out)}, {hp_.q_back(), hp_.out(), hp_.q_slabs()}}}, 1}; }
+  HeadParallelLast<2> dout_inputs(const E* dout) { return {{{{&q_plan_.forward, bytes(dout), bytes(dout_attn_)}, {hp_.q_in(), bytes(dout), hp_.dout()}}}, 1}; }
+  HeadParallelLast<2> outputs_home(E* out) { return {{{{&q_plan_.reverse, bytes(out_attn_), bytes(out)}, {hp_.q_back(), hp_.out(), bytes(out)}}}, 1}; }
   /// dk and dv of the head-parallel part as it sends them (exact sums in the invariant mode).
-  HeadParallelLast<4> gradients_home(E* dq) {
+  HeadParallelLast<4> gradients_home(E* dq, E* dk, E* dv) {
     return {{{{&q_plan_.reverse, bytes(dq_attn_), bytes(dq)},
-              {hp_.q_back(), hp_.dq(), hp_.q_slabs()},
-              {hp_.kv_back(), hp_.dk_back(), hp_.dk_home()},
-              {hp_.kv_back(), hp_.dv_back(), hp_.dv_home()}}},
+              {hp_.q_back(), hp_.dq(), bytes(dq)},
+              {hp_.kv_back(), hp_.dk_back(), hp_.dk_home(bytes(dk))},
+              {hp_.kv_back(), hp_.dv_back(), hp_.dv_home(bytes(dv))}}},
             1};
   }
   std::array<detail::StagedTensor, 2> kv_gradients() {
@@ -514,7 +511,7 @@ class ContextParallelAttention {
     fwd_in_.lay_out(path_, with_head_parallel(forward_inputs(nullptr, nullptr, nullptr)), me, W, groups_, true);
     dout_in_.lay_out(path_, with_head_parallel(dout_inputs(nullptr)), me, W, groups_, true);
     out_home_.lay_out(path_, with_head_parallel(outputs_home(nullptr)), me, W, 0, false);
-    grads_home_.lay_out(path_, with_head_parallel(gradients_home(nullptr)), me, W, 0, false);
+    grads_home_.lay_out(path_, with_head_parallel(gradients_home(nullptr, nullptr, nullptr)), me, W, 0, false);
     kv_out_.lay_out(path_, kv_gradients(), me, W, groups_, false);
   }
 
@@ -676,14 +673,14 @@ class ContextParallelAttention {
         for (auto* b : {&inv_.dk(), &inv_.dv()}) path_.fan_in(id, ElementType::int64, bytes(*b));
       }
       exchange_all(call, inv_.home(), inv_.exact_home());
-      const auto back = gradients_home(dq.data());
+      const auto back = gradients_home(dq.data(), dk.data(), dv.data());
       exchange_all(call, grads_home_, with_head_parallel(back));
       const std::size_t replica_bytes = inv_.replica_k().size() * sizeof(std::int64_t), home_bytes = inv_.home_k().size() * sizeof(std::int64_t);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_k()), replica_bytes, bytes(inv_.home_k()), home_bytes);
       path_.combine(inv_.combine_id(), ElementType::int64, bytes(inv_.replica_v()), replica_bytes, bytes(inv_.home_v()), home_bytes);
       path_.round_exact(inv_.home_k().data(), ex.dk, dk.data(), dk.size());
       path_.round_exact(inv_.home_v().data(), ex.dv, dv.data(), dv.size());
-      hp_.gather_gradients_invariant(path_, bytes(dq.data()), bytes(dk.data()), bytes(dv.data()), ex.dk, ex.dv);
+      hp_.gather_gradients_invariant(path_, bytes(dk.data()), bytes(dv.data()), ex.dk, ex.dv);
     }
   }
 

@@ -3,17 +3,21 @@
 // 2f): the documents a plan marks head-parallel go whole to every rank of
 // their group of u ranks, each rank attending its share of the heads.
 //
-// A home rank first lays its head-parallel tokens out head-slab-major,
-// [u][T][heads / u][head_dim] (slab c: the heads of the group's c-th rank),
-// so that what goes to one rank of the group is a run of whole "tokens" of
-// one slab; the exchange then moves slab c of each shard to the group's
-// rank c (hp_fwd's copy c), and the way back (hp_rev) returns each rank's
-// results into slab c of the same [u][T] buffer, which the home lays back
-// out token-major. Where the key-value heads are fewer than u (they divide
-// u), the u / heads_kv ranks that share a key-value head each get it, and
-// their gradients are summed in the home's slabs in group-rank order. In the
-// invariant mode those gradients travel home as exact sums (8-byte integers
-// a value) and are rounded once there, after their integer sum.
+// The exchange is planned over a head-slab-major view of a home rank's
+// tokens, [u][T][heads / u][head_dim] (slab c: the heads of the group's c-th
+// rank), so that what goes to one rank of the group is a run of whole
+// "tokens" of one slab: hp_fwd's copy c of a shard is its slab c, and the
+// way back (hp_rev) returns each rank's results into slab c. The plans'
+// slab side is then moved to the MLP layout, a piece per token and slab
+// (slabs_to_mlp), so that the pack reads the caller's tensors and the
+// unpack writes them, as for the dispatched documents: no slab buffer and no
+// pass into or out of one. Where the key-value heads are fewer than u (they
+// divide u), the u / heads_kv ranks that share a key-value head each get it,
+// and their gradients come back into slabs, where the home sums them in
+// group-rank order before laying them out token-major (the invariant mode's
+// key-value gradients come home through slabs too: as exact sums, 8-byte
+// integers a value, rounded once there after their integer sum, where heads
+// are shared; rounded at the group rank otherwise).
 //
 // The part owns its buffers, piece lists and plans; its exchanges ride the
 // op's (execute/staged_exchange.hpp) as extra tensors.
@@ -71,6 +75,64 @@ inline HeadSplit head_split(const AttentionShape& shape, std::int64_t u, const s
   return s;
 }
 
+/// Where a slab row lies in the MLP layout: row c * T + t of a slab buffer
+/// holds token t's heads [first(c), first(c) + per) of the `heads` heads of
+/// `head_bytes` each.
+struct SlabRows {
+  std::size_t head_bytes = 0;
+  std::int64_t T = 0, heads = 0, per = 0;
+  const HeadSplit* split = nullptr;
+  bool kv = false;  // key-value heads (first_kv), else query heads
+
+  std::size_t row_bytes() const noexcept { return static_cast<std::size_t>(per) * head_bytes; }
+  std::size_t mlp(std::size_t slab_offset) const noexcept {
+    const auto r = static_cast<std::int64_t>(slab_offset / row_bytes()), c = r / T, t = r % T;
+    const std::int64_t head = kv ? split->first_kv(c) : c * per;
+    return static_cast<std::size_t>(t * heads + head) * head_bytes;
+  }
+};
+
+/// `slab` with one side moved from the slab buffer to the MLP layout, into
+/// `mlp` (`input`: what it reads, the send side and the self sources; else
+/// what it writes, the receive side and the self targets), a piece per slab
+/// row. What travels, and in which order, stays; the side is packed (or
+/// unpacked) through staging laid out by peer, as its pieces are no longer
+/// one run a peer. `mlp` keeps its storage: once it has held a plan as
+/// large, this allocates nothing.
+inline void slabs_to_mlp(const ExchangePlan& slab, bool input, const SlabRows& rows, ExchangePlan& mlp) {
+  const std::size_t rb = rows.row_bytes();
+  mlp = slab;
+  const Side& from = input ? slab.send : slab.recv;
+  Side& side = input ? mlp.send : mlp.recv;
+  const std::size_t W = from.counts.size();
+  side.pieces.clear();
+  side.splits.assign(1, 0);
+  side.copies.clear();
+  side.displs.assign(W, 0);
+  std::size_t at = 0;
+  for (std::size_t p = 0; p < W; ++p) {
+    side.displs[p] = at;
+    for (std::size_t i = from.splits[p]; i < from.splits[p + 1]; ++i) {
+      for (std::size_t o = from.pieces[i].offset; o < from.pieces[i].offset + from.pieces[i].bytes; o += rb) {
+        side.pieces.push_back({rows.mlp(o), rb});
+        if (input) append_piece(side.copies, rows.mlp(o), at, rb); else append_piece(side.copies, at, rows.mlp(o), rb);
+        at += rb;
+      }
+    }
+    side.splits.push_back(side.pieces.size());
+  }
+  side.direct = false;
+  side.staging = at;
+  mlp.self.clear();
+  for (const CopyPiece& c : slab.self) {
+    for (std::size_t o = 0; o < c.bytes; o += rb) {
+      if (input) append_piece(mlp.self, rows.mlp(c.src + o), c.dst + o, rb); else append_piece(mlp.self, c.src + o, rows.mlp(c.dst + o), rb);
+    }
+  }
+  (input ? mlp.input_tokens : mlp.output_tokens) = rows.T;
+  (input ? mlp.input_bytes : mlp.output_bytes) = static_cast<std::size_t>(rows.T * rows.heads) * rows.head_bytes;
+}
+
 /// One rank's head-parallel part, over data path `Path`, elements E.
 template <class Path, class E>
 class HeadParallelPart {
@@ -98,34 +160,41 @@ class HeadParallelPart {
     shape_ = {split_.q, split_.kv, shape.head_dim, shape.softmax_scale};
     const std::size_t qb = slab_bytes(split_.q), kb = slab_bytes(split_.kv);
     // Copy c of a shard leaves from slab c, where the reverse returns it.
-    q_planner_.plan(share.hp_fwd, share.hp_rev, qb, me, W, who, q_plan_, ForwardFrom::replicas);
-    kv_planner_.plan(share.hp_fwd, share.hp_rev, kb, me, W, who, kv_plan_, ForwardFrom::replicas);
+    q_planner_.plan(share.hp_fwd, share.hp_rev, qb, me, W, who, q_slab_plan_, ForwardFrom::replicas);
+    kv_planner_.plan(share.hp_fwd, share.hp_rev, kb, me, W, who, kv_slab_plan_, ForwardFrom::replicas);
     invariant_ = invariant;
     exact_home_ = invariant && split_.replicated;
     if (exact_home_) {
       exact_planner_.plan(share.hp_fwd, share.hp_rev, exact_slab_bytes(), me, W, who, exact_plan_, ForwardFrom::replicas);
     }
-    if (layout_.tokens() != q_plan_.forward.output_tokens) {
-      fail(who, ": share.hp_attn holds ", layout_.tokens(), " tokens, but share.hp_fwd delivers ", q_plan_.forward.output_tokens,
+    if (layout_.tokens() != q_slab_plan_.forward.output_tokens) {
+      fail(who, ": share.hp_attn holds ", layout_.tokens(), " tokens, but share.hp_fwd delivers ", q_slab_plan_.forward.output_tokens,
            " (not one plan's share)");
     }
-    T_ = q_plan_.forward.input_tokens / split_.u;  // the slab buffer holds u slabs of the MLP layout's tokens
+    T_ = q_slab_plan_.forward.input_tokens / split_.u;  // the slab view holds u slabs of the MLP layout's tokens
+    kv_slabs_ = split_.replicated || invariant;    // gradients summed (or rounded) at home, through slabs
+    const SlabRows q_rows{slab_bytes(1), T_, split_.q * split_.u, split_.q, &split_, false};
+    const SlabRows kv_rows{slab_bytes(1), T_, split_.heads_kv, split_.kv, &split_, true};
+    slabs_to_mlp(q_slab_plan_.forward, true, q_rows, q_plan_.forward);
+    slabs_to_mlp(q_slab_plan_.reverse, false, q_rows, q_plan_.reverse);
+    slabs_to_mlp(kv_slab_plan_.forward, true, kv_rows, kv_plan_.forward);
+    if (kv_slabs_) kv_plan_.reverse = kv_slab_plan_.reverse; else slabs_to_mlp(kv_slab_plan_.reverse, false, kv_rows, kv_plan_.reverse);
     lay_out_slabs(share.hp_fwd);
     lay_out_entries();
     size_buffers();
   }
 
-  /// Registers the slab lists and the key-value fan-in with the path (between its clear() and commit()).
+  /// Registers the key-value gradients' lists (slabs -> MLP layout, and the
+  /// fan-in of shared heads) with the path (between its clear() and commit()).
   void lay_out(Path& path) {
-    if (!active_) return;
-    q_to_slabs_ = path.add_copies(q_pieces_);
-    q_from_slabs_ = path.add_copies(q_back_);
-    kv_to_slabs_ = path.add_copies(kv_pieces_);
+    if (!active_ || !kv_slabs_) return;
     kv_from_slabs_ = path.add_copies(kv_back_);
     if (split_.replicated) kv_fan_ = path.add_fan_in_place(fan_, exact_home_ ? exact_slab_bytes() : slab_bytes(1));
   }
 
-  /// The plans of the exchanges the op's ride: Q (or dout) in, K and V in; outputs (or dq) back, dk and dv back.
+  /// The plans of the exchanges the op's ride: Q (or dout) in, K and V in
+  /// (from the MLP layout); outputs (or dq) back, dk and dv back (into the
+  /// MLP layout, or slabs: dk_home).
   const ExchangePlan* q_in() const noexcept { return &q_plan_.forward; }
   const ExchangePlan* kv_in() const noexcept { return &kv_plan_.forward; }
   const ExchangePlan* q_back() const noexcept { return &q_plan_.reverse; }
@@ -133,10 +202,6 @@ class HeadParallelPart {
   const ExchangePlan* kv_back() const noexcept { return exact_home_ ? &exact_plan_.reverse : &kv_plan_.reverse; }
 
   // The tensors of those exchanges, for the op's StagedTensor lists.
-  const std::byte* q_slabs() const noexcept { return bytes(q_slabs_); }
-  std::byte* q_slabs() noexcept { return bytes(q_slabs_); }
-  std::byte* k_slabs() noexcept { return bytes(k_slabs_); }
-  std::byte* v_slabs() noexcept { return bytes(v_slabs_); }
   std::byte* q() noexcept { return bytes(q_); }
   std::byte* k() noexcept { return bytes(k_); }
   std::byte* v() noexcept { return bytes(v_); }
@@ -145,53 +210,39 @@ class HeadParallelPart {
   std::byte* dq() noexcept { return bytes(dq_); }
   std::byte* dk() noexcept { return bytes(dk_); }
   std::byte* dv() noexcept { return bytes(dv_); }
-  // The key-value gradients the invariant backward sends home (kv_back), and where they land.
+  // The key-value gradients the backward sends home (kv_back), and where
+  // they land: the caller's dk, dv, or slabs that gather_gradients lays out there.
   std::byte* dk_back() noexcept { return exact_home_ ? bytes(dk_exact_) : dk(); }
   std::byte* dv_back() noexcept { return exact_home_ ? bytes(dv_exact_) : dv(); }
-  std::byte* dk_home() noexcept { return exact_home_ ? bytes(dk_exact_slabs_) : k_slabs(); }
-  std::byte* dv_home() noexcept { return exact_home_ ? bytes(dv_exact_slabs_) : v_slabs(); }
+  std::byte* dk_home(std::byte* dk) noexcept { return exact_home_ ? bytes(dk_exact_slabs_) : kv_slabs_ ? bytes(k_slabs_) : dk; }
+  std::byte* dv_home(std::byte* dv) noexcept { return exact_home_ ? bytes(dv_exact_slabs_) : kv_slabs_ ? bytes(v_slabs_) : dv; }
 
   /// The last forward's log-sum-exp of this rank's head-parallel documents, [q heads][tokens] (the path's memory).
   const owned<float>& lse_buffer() const noexcept { return lse_; }
 
-  /// Lays q, k, v (MLP layout) out slab-major for the exchange.
-  void scatter_inputs(const Path& path, const std::byte* q, const std::byte* k, const std::byte* v) {
-    if (!active_) return;
-    path.copy(q_to_slabs_, q, q_slabs());
-    path.copy(kv_to_slabs_, k, k_slabs());
-    path.copy(kv_to_slabs_, v, v_slabs());
-  }
-  /// Lays dout out slab-major.
-  void scatter_dout(const Path& path, const std::byte* dout) {
-    if (active_) path.copy(q_to_slabs_, dout, q_slabs());
-  }
-  /// The outputs come back into the query slabs: laid back out token-major into `out`.
-  void gather_output(const Path& path, std::byte* out) const {
-    if (active_) path.copy(q_from_slabs_, q_slabs(), out);
-  }
-  /// dq, dk, dv came back into the slabs: the shared key-value heads' gradients summed, then laid out token-major.
-  void gather_gradients(const Path& path, std::byte* dq, std::byte* dk, std::byte* dv) {
-    if (!active_) return;
-    path.copy(q_from_slabs_, q_slabs(), dq);
-    for (std::byte* slabs : {k_slabs(), v_slabs()}) {
-      if (split_.replicated) path.fan_in(kv_fan_, element_type_of<E>(), slabs);
+  /// Where dk and dv came back into slabs: the shared key-value heads'
+  /// gradients summed, then laid out token-major into dk, dv (nothing where
+  /// they came straight into dk and dv).
+  void gather_gradients(const Path& path, std::byte* dk, std::byte* dv) {
+    if (!active_ || !kv_slabs_) return;
+    for (auto* slabs : {&k_slabs_, &v_slabs_}) {
+      if (split_.replicated) path.fan_in(kv_fan_, element_type_of<E>(), bytes(*slabs));
     }
-    path.copy(kv_from_slabs_, k_slabs(), dk);
-    path.copy(kv_from_slabs_, v_slabs(), dv);
+    path.copy(kv_from_slabs_, bytes(k_slabs_), dk);
+    path.copy(kv_from_slabs_, bytes(v_slabs_), dv);
   }
   /// The invariant backward's: where key-value heads are shared, their exact
   /// sums came home: summed as integers, rounded once (at the batch's
   /// exponents) into the slabs, then laid out token-major as above.
-  void gather_gradients_invariant(const Path& path, std::byte* dq, std::byte* dk, std::byte* dv, int dk_exponent, int dv_exponent) {
+  void gather_gradients_invariant(const Path& path, std::byte* dk, std::byte* dv, int dk_exponent, int dv_exponent) {
     if (!active_) return;
-    if (!exact_home_) return gather_gradients(path, dq, dk, dv);
-    path.copy(q_from_slabs_, q_slabs(), dq);
+    if (!exact_home_) return gather_gradients(path, dk, dv);
     path.fan_in(kv_fan_, ElementType::int64, bytes(dk_exact_slabs_));
     path.fan_in(kv_fan_, ElementType::int64, bytes(dv_exact_slabs_));
     path.round_exact(dk_exact_slabs_.data(), dk_exponent, k_slabs_.data(), k_slabs_.size());
     path.round_exact(dv_exact_slabs_.data(), dv_exponent, v_slabs_.data(), v_slabs_.size());
-    path.copy(kv_from_slabs_, k_slabs(), dk);
-    path.copy(kv_from_slabs_, v_slabs(), dv);
+    path.copy(kv_from_slabs_, bytes(k_slabs_), dk);
+    path.copy(kv_from_slabs_, bytes(v_slabs_), dv);
   }
 
   /// The kernel's forward over this rank's head-parallel documents (after their exchange).
@@ -279,29 +330,30 @@ class HeadParallelPart {
   /// A key-value slab token of exact sums (one head where heads are shared).
   std::size_t exact_slab_bytes() const noexcept { return static_cast<std::size_t>(split_.kv * shape_head_dim_) * sizeof(std::int64_t); }
 
-  /// The slab lists of the home's head-parallel shards: token t's heads of
-  /// slab c between the MLP row and row c * T + t of the slab buffer, and
-  /// with shared key-value heads the fan list that sums each head's slabs.
+  /// Where the key-value gradients come home through slabs: the list that
+  /// lays them out token-major (row c * T + t of slab c to token t's heads
+  /// in the MLP layout), and with shared heads the fan list that sums each
+  /// head's slabs.
   void lay_out_slabs(const RankMetadata& fwd) {
-    for (auto* l : {&q_pieces_, &q_back_, &kv_pieces_, &kv_back_}) l->clear();
+    kv_back_.clear();
     clear_fan();
     const auto u = static_cast<std::size_t>(split_.u);
     std::int64_t at = 0;
     for (std::size_t j = 0; j < fwd.seq_len.size(); ++j) {
       const std::int64_t len = fwd.seq_len[j];
-      if (len > 0 && fwd.dst_rank[j * u] >= 0) add_shard(at, len, j);
+      if (len > 0 && fwd.dst_rank[j * u] >= 0 && kv_slabs_) add_shard(at, len, j);
       at += len;
     }
     fan_.attention_tokens = split_.u * T_;
   }
 
   void add_shard(std::int64_t at, std::int64_t len, std::size_t j) {
-    const std::int64_t Hq = split_.q * split_.u, Hkv = split_.heads_kv;
+    const std::int64_t Hkv = split_.heads_kv;
     for (std::int64_t c = 0; c < split_.u; ++c) {
-      const bool kv_back = !split_.replicated || split_.first_kv(c) * split_.u == c * Hkv;  // the first rank of a shared head
+      if (split_.replicated && split_.first_kv(c) * split_.u != c * Hkv) continue;  // not the first rank of a shared head
       for (std::int64_t t = at; t < at + len; ++t) {
-        add_row(q_pieces_, &q_back_, t * Hq + c * split_.q, c * T_ + t, split_.q);
-        add_row(kv_pieces_, kv_back ? &kv_back_ : nullptr, t * Hkv + split_.first_kv(c), c * T_ + t, split_.kv);
+        const std::size_t n = slab_bytes(split_.kv), mlp = static_cast<std::size_t>(t * Hkv + split_.first_kv(c)) * slab_bytes(1);
+        append_piece(kv_back_, static_cast<std::size_t>(c * T_ + t) * n, mlp, n);
       }
     }
     if (!split_.replicated) return;
@@ -314,13 +366,6 @@ class HeadParallelPart {
       for (std::int64_t i = 0; i < share; ++i) fan_.attn_offset.push_back((h * share + i) * T_ + at);
       fan_.copy_splits.push_back(fan_.attn_offset.size());
     }
-  }
-
-  /// `heads` heads of head_dim from MLP row element `mlp_head` (in heads) to slab row `slab_row`, and back where `back`.
-  void add_row(std::vector<CopyPiece>& to, std::vector<CopyPiece>* back, std::int64_t mlp_head, std::int64_t slab_row, std::int64_t heads) {
-    const std::size_t n = slab_bytes(heads), mlp = static_cast<std::size_t>(mlp_head) * slab_bytes(1), slab = static_cast<std::size_t>(slab_row) * n;
-    append_piece(to, mlp, slab, n);
-    if (back) append_piece(*back, slab, mlp, n);
   }
 
   void clear_fan() {
@@ -348,8 +393,7 @@ class HeadParallelPart {
   void size_buffers() {
     const auto n = static_cast<std::size_t>(layout_.tokens()), t = static_cast<std::size_t>(split_.u * T_);
     const auto hd = static_cast<std::size_t>(shape_head_dim_), q = static_cast<std::size_t>(split_.q) * hd, kv = static_cast<std::size_t>(split_.kv) * hd;
-    q_slabs_.resize(t * q);
-    for (owned<E>* b : {&k_slabs_, &v_slabs_}) b->resize(t * kv);
+    for (owned<E>* b : {&k_slabs_, &v_slabs_}) b->resize(kv_slabs_ ? t * kv : 0);
     for (owned<E>* b : {&q_, &out_, &dout_, &dq_}) b->resize(n * q);
     for (owned<E>* b : {&k_, &v_, &dk_, &dv_}) b->resize(n * kv);
     lse_.resize(n * static_cast<std::size_t>(split_.q));
@@ -373,16 +417,18 @@ class HeadParallelPart {
   AttentionShape shape_;
   std::int64_t shape_head_dim_ = 0, T_ = 0;
   DispatchPlanner q_planner_, kv_planner_, exact_planner_;
-  DispatchPlan q_plan_, kv_plan_;  // forward: the home's slabs out to the group; reverse: each rank's results back into them
+  DispatchPlan q_slab_plan_, kv_slab_plan_;  // forward: the home's slabs out to the group; reverse: each rank's results back into them
+  DispatchPlan q_plan_, kv_plan_;            // the same from and into the MLP layout (kv_plan_.reverse: into slabs where kv_slabs_)
   DispatchPlan exact_plan_;        // the invariant mode's, where key-value heads are shared: exact sums back into exact slabs
   bool invariant_ = false, exact_home_ = false;
-  std::vector<CopyPiece> q_pieces_, q_back_, kv_pieces_, kv_back_;
+  bool kv_slabs_ = false;  // the key-value gradients come home through slabs (shared heads, or the invariant mode)
+  std::vector<CopyPiece> kv_back_;  // slabs -> MLP layout
   KvFanList fan_;
-  std::size_t q_to_slabs_ = 0, q_from_slabs_ = 0, kv_to_slabs_ = 0, kv_from_slabs_ = 0, kv_fan_ = 0;
+  std::size_t kv_from_slabs_ = 0, kv_fan_ = 0;
   std::vector<AttentionEntry> entries_;
   attention::RowCover cover_;
   bool stray_rows_ = false, stray_keys_ = false;
-  owned<E> q_slabs_, k_slabs_, v_slabs_, q_, k_, v_, out_, dout_, dq_, dk_, dv_;
+  owned<E> k_slabs_, v_slabs_, q_, k_, v_, out_, dout_, dq_, dk_, dv_;
   owned<float> lse_;
   owned<std::int64_t> dk_exact_, dv_exact_, dk_exact_slabs_, dv_exact_slabs_;  // the invariant mode's exact sums
 };

@@ -284,7 +284,9 @@ class SimWorld : private detail::sim::World<detail::sim::Message> {
 // ---- SimTransport ----------------------------------------------------------
 
 inline SimTransport::SimTransport(SimWorld& world, int rank)
-    : world_(world), rank_(rank), sources_(static_cast<std::size_t>(world.world_size())) {}
+    : world_(world), rank_(rank), sources_(static_cast<std::size_t>(world.world_size())) {
+  posted_.reserve(64);  // posts in flight at once (an op's stage groups): a step's posts allocate nothing
+}
 
 inline int SimTransport::world_size() const noexcept { return world_.world_size(); }
 
