@@ -2,6 +2,7 @@
 // double-precision reference), forward and backward, on the sim transport.
 // Cases are chosen pairwise over world size, heads, mask, dedup and stages.
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -145,6 +146,30 @@ TEST(CpAttentionHeadParallelRefusals, AShareWhoseDegreeDisagreesWithItsCopiesIsN
     }
   });
   EXPECT_EQ(message, "ContextParallelAttention (rank 0 of 4): share.hp_fwd holds 4 copies of each shard but share.hp_attn.degree = 2 (not one plan's share)");
+}
+
+TEST(CpAttentionHeadParallelRefusals, AShareWhoseHeadParallelSliceListsOtherTokensThanTheMlpLayoutIsNamed) {
+  const auto plan = attention_test::with_head_parallel(attention_test::random_plan(4, 7, AttentionMask::causal(), false), 4, 7);
+  std::string message;
+  cpdispatch::SimWorld sim(4, cpdispatch::SimOptions{sim_test::hang_timeout});
+  sim.run([&](cpdispatch::SimTransport& t) {
+    cpdispatch::RankQkvMetadata share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
+    const std::int64_t mlp = share.q_fwd.send_tokens();
+    cpdispatch::RankMetadata& hp = share.hp_fwd;  // one more shard of 3 tokens, sent nowhere: the exchanges would read past q
+    hp.seq_len.push_back(3);
+    hp.num_seqs += 1;
+    for (std::size_t c = 0; c < hp.num_copies; ++c) hp.dst_rank.push_back(-1), hp.dst_offset.push_back(0);
+    share.hp_rev.recv_seq_lens->push_back(3);  // and no copy of it comes back
+    for (std::size_t c = 0; c < share.hp_rev.mask_copies; ++c) share.hp_rev.seq_recv_mask->push_back(0);
+    try {
+      cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel> op(t, share, {4, 4, 4, 0.5f});
+    } catch (const cpdispatch::invalid_input& e) {
+      if (t.rank() == 0) message = e.what() + std::string(" | ") + std::to_string(mlp);
+    }
+  });
+  EXPECT_THAT(message, ::testing::StartsWith("ContextParallelAttention (rank 0 of 4): share.hp_fwd lists "));
+  const std::string mlp = message.substr(message.rfind(" | ") + 3);
+  EXPECT_THAT(message, ::testing::HasSubstr(" tokens of this rank's MLP layout, share.q_fwd " + mlp + " (not one plan's share)"));
 }
 
 /// SimTransport without post_all_to_all_v: the op exchanges in blocking calls where it would post.

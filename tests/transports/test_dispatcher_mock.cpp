@@ -351,6 +351,17 @@ TEST(MockDispatch, BuffersAreCheckedBeforeAnyCommunication) {
               HasSubstr("staging and attention overlap"));
   EXPECT_THAT(cptest::message_of<invalid_input>([&] { d.reverse_combine(attention, replica, replica, ElementType::float32); }),
               HasSubstr("grad and replica overlap"));
+  // Only the buffers the combine reads or writes as elements must be aligned: the exchange copies bytes.
+  Bytes loose(s.attention_bytes + s.staging_bytes + 2);
+  const auto unaligned_grad = std::span(loose).subspan(1, s.attention_bytes);
+  const auto unaligned_staging = std::span(loose).subspan(s.attention_bytes + 2, s.staging_bytes);
+  EXPECT_CALL(t, all_to_all_v);
+  EXPECT_NO_THROW(d.reverse_combine(unaligned_grad, replica, grad, ElementType::float32, unaligned_staging));
+  ::testing::Mock::VerifyAndClearExpectations(&t);
+  Bytes loose_replica(s.replica_bytes + 1);
+  EXPECT_THAT(cptest::message_of<invalid_input>(
+                  [&] { d.reverse_combine(attention, std::span(loose_replica).subspan(1, s.replica_bytes), grad, ElementType::float32); }),
+              HasSubstr("replica is not aligned to 4 bytes for float32"));
   Dispatcher odd(t, qkv.kv_fwd, qkv.kv_rev, 6);
   EXPECT_THAT(cptest::message_of<invalid_input>([&] { odd.reverse_combine(attention, replica, grad, ElementType::float32); }),
               HasSubstr("token_bytes = 6 is not a multiple of the 4-byte float32 element"));

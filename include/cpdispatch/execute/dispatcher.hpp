@@ -212,11 +212,13 @@ class Dispatcher {
     const char* call = "reverse_combine";
     if (!rev().seq_recv_mask) owner_.fail(call, "the reverse metadata has no seq_recv_mask (it has one copy per shard); use reverse()");
     const detail::ExchangePlan& ex = plan_of(Direction::reverse);
-    owner_.check_typed_buffers(call, type, token_bytes_,
-                               {{grad, "grad", sizes_.mlp_bytes, plan_of(Direction::forward).input_tokens},
-                                {replica, "replica", sizes_.replica_bytes, ex.output_tokens},
-                                {attention_grad, "attention_grad", sizes_.attention_bytes, ex.input_tokens},
-                                {staging, "staging", staging_of(ex)}});
+    owner_.check_elements(call, type, token_bytes_, {{replica, "replica"}, {grad, "grad"}});  // the exchange copies bytes, the combine elements
+    owner_.check_buffers(call,
+                         {{grad, "grad", sizes_.mlp_bytes, plan_of(Direction::forward).input_tokens},
+                          {staging, "staging", staging_of(ex)},
+                          {attention_grad, "attention_grad", sizes_.attention_bytes, ex.input_tokens},
+                          {replica, "replica", sizes_.replica_bytes, ex.output_tokens}},
+                         token_bytes_);
     exchange(call, Direction::reverse, attention_grad, "attention_grad", replica, "replica", staging);
     owner_.data_path().combine(combine_, type, replica.data(), sizes_.replica_bytes, grad.data(), sizes_.mlp_bytes);
   }

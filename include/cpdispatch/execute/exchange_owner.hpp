@@ -14,8 +14,10 @@
 //
 // A replan lays out again in the same storage (the host path keeps views of
 // the plan's vectors, so the owner may move; once the lists have been seen,
-// nothing is allocated). ReplanPair keeps an owner's plan and the one its
-// prepare_replan makes, so that several owners switch together or not at all.
+// nothing is allocated). ReplanPair keeps an owner's plan beside the one its
+// prepare_replan makes, so that a refused plan leaves the plan in use (and
+// an owner of several dispatchers, QkvDispatch, prepares all before it
+// commits any).
 
 #include <algorithm>
 #include <array>
@@ -133,8 +135,8 @@ class ExchangeOwner {
   int rank() const noexcept { return rank_; }
   int world_size() const noexcept { return world_size_; }
 
-  /// The owned staging grows to `bytes` (never shrinks; a device owner grows
-  /// it when it lays out, so that its calls never allocate).
+  /// The owned staging grows to `bytes` (never shrinks; the owners grow it
+  /// at construction, so that a device owner's calls never allocate).
   void grow_staging(std::size_t bytes) {
     if (staging_.size() < bytes) staging_.resize(bytes);
   }
@@ -160,15 +162,15 @@ class ExchangeOwner {
     }
   }
 
-  /// check_buffers after the element type's fit: token_bytes a multiple of
-  /// its size, each buffer aligned to it.
-  void check_typed_buffers(const char* call, ElementType type, std::size_t token_bytes, std::initializer_list<BufferUse> buffers) const {
+  /// The element type's fit, before check_buffers: token_bytes a multiple
+  /// of its size, and each buffer the call reads or writes as elements
+  /// (`typed`) aligned to it.
+  void check_elements(const char* call, ElementType type, std::size_t token_bytes, std::initializer_list<BufferUse> typed) const {
     const std::size_t es = element_size(type);
     if (token_bytes % es != 0) fail(call, "token_bytes = ", token_bytes, " is not a multiple of the ", es, "-byte ", element_name(type), " element");
-    for (const BufferUse& b : buffers) {
+    for (const BufferUse& b : typed) {
       if (reinterpret_cast<std::uintptr_t>(b.data) % es != 0) fail(call, b.name, " is not aligned to ", es, " bytes for ", element_name(type));
     }
-    check_buffers(call, buffers, token_bytes);
   }
 
   template <class E = invalid_input, class... Args>

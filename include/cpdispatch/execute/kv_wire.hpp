@@ -412,11 +412,12 @@ class KvWireDispatcher {
   void reverse_combine(const_buffer attention_grad, mutable_buffer wire, mutable_buffer replica, mutable_buffer grad, ElementType type) {
     const char* call = "reverse_combine";
     const KvWireBufferSizes& sizes = required_bytes();
-    owner_.check_typed_buffers(call, type, token_bytes_,
-                               {{attention_grad, "attention_grad", sizes.attention_bytes},
-                                {wire, "wire", sizes.wire_bytes},
-                                {replica, "replica", sizes.replica_bytes},
-                                {grad, "grad", sizes.mlp_bytes}});
+    const std::initializer_list<detail::BufferUse> buffers = {{attention_grad, "attention_grad", sizes.attention_bytes},
+                                                              {wire, "wire", sizes.wire_bytes},
+                                                              {replica, "replica", sizes.replica_bytes},
+                                                              {grad, "grad", sizes.mlp_bytes}};
+    owner_.check_elements(call, type, token_bytes_, buffers);  // the fan-in and the combine read and write all four as elements
+    owner_.check_buffers(call, buffers);
     owner_.data_path().fan_in(fan_in_, type, attention_grad.data(), wire.data());
     exchange(call, Exchange::reverse, wire.data(), replica.data());
     combine(type, replica, grad);
@@ -432,10 +433,11 @@ class KvWireDispatcher {
   void reverse_combine_in_place(mutable_buffer attention_grad, mutable_buffer replica, mutable_buffer grad, ElementType type) {
     const char* call = "reverse_combine_in_place";
     const KvWireBufferSizes& sizes = required_bytes();
-    owner_.check_typed_buffers(call, type, token_bytes_,
-                               {{attention_grad, "attention_grad", sizes.attention_bytes},
-                                {replica, "replica", sizes.replica_bytes},
-                                {grad, "grad", sizes.mlp_bytes}});
+    const std::initializer_list<detail::BufferUse> buffers = {{attention_grad, "attention_grad", sizes.attention_bytes},
+                                                              {replica, "replica", sizes.replica_bytes},
+                                                              {grad, "grad", sizes.mlp_bytes}};
+    owner_.check_elements(call, type, token_bytes_, buffers);
+    owner_.check_buffers(call, buffers);
     if constexpr (PieceTransport<T>) {
       owner_.data_path().fan_in(fan_in_place_, type, attention_grad.data());
       exchange(call, Exchange::reverse_in_place, attention_grad.data(), replica.data());

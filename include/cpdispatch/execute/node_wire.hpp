@@ -220,7 +220,9 @@ class NodeWireDispatcher {
   /// its attention layout; `type` is the element type (token_bytes a multiple of its size).
   void reverse_combine(const_buffer attention_grad, mutable_buffer grad, ElementType type) {
     const NodeWireBufferSizes need = required_bytes();
-    owner_.check_typed_buffers("reverse_combine", type, tb_, {{grad, "grad", need.mlp_bytes}, {attention_grad, "attention_grad", need.attention_bytes}});
+    const std::initializer_list<detail::BufferUse> buffers = {{grad, "grad", need.mlp_bytes}, {attention_grad, "attention_grad", need.attention_bytes}};
+    owner_.check_elements("reverse_combine", type, tb_, buffers);  // the fan-in reads attention_grad, the combine writes grad, as elements
+    owner_.check_buffers("reverse_combine", buffers);
     auto& path = owner_.data_path();
     std::byte* arena = owner_.staging();
     path.fan_in(attention_fan_in_, type, attention_grad.data(), arena + plan_.wire_at);

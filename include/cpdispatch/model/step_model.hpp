@@ -390,9 +390,11 @@ inline double max_kv_tokens_per_rank(const Metadata& kv_fwd, bool dedup) {
 /// overlapped with the dispatched attention; then the head-parallel
 /// documents' backward, and the query gradients of both parts with the
 /// head-parallel key-value gradients ride one post home. The node-level
-/// exchange's key-values take their own two phases each way. A
-/// head-parallel document's work counts 1/u on each rank of its group, as
-/// plan_cost counts it.
+/// exchange's key-values take their own two phases each way. (The op's
+/// head-parallel backward also overlaps the last key-value gradients'
+/// travel, which this does not count: backward is priced high by at most
+/// the smaller of the two.) A head-parallel document's work counts 1/u on
+/// each rank of its group, as plan_cost counts it.
 inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,
                                         const ClusterModel& c, const LayerShape& shape) {
   using namespace detail::step_model;

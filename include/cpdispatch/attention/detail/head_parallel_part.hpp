@@ -111,7 +111,7 @@ inline void slabs_to_mlp(const ExchangePlan& slab, bool input, const SlabRows& r
   side.displs.assign(W, 0);
   std::size_t at = 0;
   for (std::size_t p = 0; p < W; ++p) {
-    side.displs[p] = at;
+    side.displs[p] = from.counts[p] > 0 ? at : 0;
     for (std::size_t i = from.splits[p]; i < from.splits[p + 1]; ++i) {
       for (std::size_t o = from.pieces[i].offset; o < from.pieces[i].offset + from.pieces[i].bytes; o += rb) {
         side.pieces.push_back({rows.mlp(o), rb});
@@ -146,7 +146,8 @@ class HeadParallelPart {
   /// Plans the part of `share` (inactive without head-parallel documents);
   /// the path's lists are registered by lay_out. `invariant`: the backward
   /// gives exact key-value gradients (attend_backward_invariant).
-  void plan(const RankQkvMetadata& share, const AttentionShape& shape, int me, int W, const char* op, bool invariant) {
+  /// `mlp_tokens`: the tokens of the caller's tensors, which the exchanges read and write.
+  void plan(const RankQkvMetadata& share, const AttentionShape& shape, int me, int W, const char* op, bool invariant, std::int64_t mlp_tokens) {
     active_ = share.has_head_parallel();
     if (!active_) return forget();
     const std::string& who = name(op, me, W);
@@ -172,6 +173,9 @@ class HeadParallelPart {
            " (not one plan's share)");
     }
     T_ = q_slab_plan_.forward.input_tokens / split_.u;  // the slab view holds u slabs of the MLP layout's tokens
+    if (T_ != mlp_tokens) {
+      fail(who, ": share.hp_fwd lists ", T_, " tokens of this rank's MLP layout, share.q_fwd ", mlp_tokens, " (not one plan's share)");
+    }
     kv_slabs_ = split_.replicated || invariant;    // gradients summed (or rounded) at home, through slabs
     const SlabRows q_rows{slab_bytes(1), T_, split_.q * split_.u, split_.q, &split_, false};
     const SlabRows kv_rows{slab_bytes(1), T_, split_.heads_kv, split_.kv, &split_, true};
