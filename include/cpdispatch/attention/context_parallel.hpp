@@ -321,7 +321,7 @@ class ContextParallelAttention {
     kv_rev_ = share.kv_rev;
     layout_ = share.attn;
     check_layout();
-    hp_.plan(share, shape_, me, W, who, options_.invariant, q_plan_.forward.input_tokens);
+    hp_.plan(share, shape_, me, W, who, options_.invariant, mlp_tokens());
     if (options_.invariant) inv_.plan(share, kv_token_elems(), options_.dedup, me, W, who);
     if constexpr (!attention_kernel_folds_shared_rows<Kernel>()) row_check_.separate_rows(who, "replan", hp_.entries());
     lay_out_entries();

@@ -67,7 +67,6 @@ struct BufferUse {
   std::int64_t tokens = -1;
   template <class Bytes>
   BufferUse(const Bytes& b, const char* n, std::size_t u = 0, std::int64_t t = -1) : data(b.data()), size(b.size()), name(n), used(u), tokens(t) {}
-  BufferUse(const std::byte* d, std::size_t s, const char* n, std::size_t u = 0) : data(d), size(s), name(n), used(u) {}
 };
 
 /// An owner's plan (`now`) and the one prepare_replan makes (`next`); commit

@@ -424,11 +424,11 @@ inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& co
   for (int form = 0; form < 3; ++form) {
     const double in = slowest(one_post({{&q, bq}, {&kv_forms[form], bkv}, {&hp, bhp.qkv}}), W, 1, topo, c) + (form == 2 ? node_phases : 0);
     const double kv_home = form == 2 ? node_phases : slowest(kv_forms[form], W, bkv, topo, c);
+    const double fm = in + q_home, bm = q_home + kv_home + grads_home;
     StepTime t;
     t.scheme = names[form];
     for (std::size_t r = 0; r < W; ++r) {
       const ComputeSeconds& cr = compute[r];
-      const double fm = in + q_home, bm = q_home + kv_home + grads_home;
       const double f = overlapped(cr.forward - cr.head_parallel_forward, in, shape.stages) + cr.head_parallel_forward + q_home;
       const double bw = overlapped(cr.backward - cr.head_parallel_backward, q_home + kv_home, shape.stages) + cr.head_parallel_backward + grads_home;
       if (f + bw > t.step) {
