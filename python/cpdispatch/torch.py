@@ -742,16 +742,12 @@ class _OneCallInvariant:
 
 
 def _row_disjoint(parts):
-    """The parts in passes of which none has a query row twice (an interval
-    colouring: by first row, each to the first pass it fits), in order."""
-    passes, ends = [], []
-    for part in sorted(parts, key=lambda part: part[0]):
-        fit = next((i for i, end in enumerate(ends) if end <= part[0]), len(passes))
-        if fit == len(passes):
-            passes.append([])
-            ends.append(0)
-        passes[fit].append(part)
-        ends[fit] = part[0] + part[1]
+    """The parts in passes of which none has a query row twice, cut as the
+    op cuts a kernel's passes (the library's query_row_passes)."""
+    passes = []
+    for part, p in zip(parts, cpdispatch._cpdispatch.query_row_passes(parts)):
+        passes += [[] for _ in range(p + 1 - len(passes))]
+        passes[p].append(part)
     return passes
 
 

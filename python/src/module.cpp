@@ -786,6 +786,20 @@ py::list explicit_entries(py::iterable parts, std::int64_t queries, std::int64_t
   return out;
 }
 
+/// Each entry's pass in the op's cut of a kernel call into passes of which
+/// none holds a query row twice (detail::query_row_passes).
+py::list query_row_passes(py::handle entries_in) {
+  const std::vector<cpdispatch::AttentionEntry> entries = entries_of(entries_in);
+  std::vector<std::size_t> order(entries.size()), pass(entries.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return entries[a].q_start < entries[b].q_start; });
+  std::vector<std::int64_t> ends;
+  cpdispatch::detail::query_row_passes(order, [&](std::size_t i) -> const cpdispatch::AttentionEntry& { return entries[i]; }, pass, ends);
+  py::list out;
+  for (const std::size_t p : pass) out.append(p);
+  return out;
+}
+
 /// invariant_layout on a planned share.
 py::dict invariant_layout_of(const RankShare& share, std::int64_t grid) {
   const auto* m = std::get_if<cpdispatch::RankQkvMetadata>(&share.metadata);
@@ -1300,6 +1314,7 @@ PYBIND11_MODULE(_cpdispatch, m) {
   m.def("stage_plan", &stage_plan, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("stages") = 1,
         py::arg("entries") = py::none(), py::arg("max_memory") = default_max_memory);
   m.def("mask_band", &mask_band, py::arg("mask") = py::none());
+  m.def("query_row_passes", &query_row_passes, py::arg("entries"));
   m.def("explicit_entries", &explicit_entries, py::arg("parts"), py::arg("queries"), py::arg("keys"));
   m.def("layout_entries", &layout_entries, py::arg("cu_seqlens_q"), py::arg("cu_seqlens_kv"), py::arg("queries"), py::arg("keys"),
         py::arg("mask") = py::none());

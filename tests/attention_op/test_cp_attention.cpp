@@ -14,6 +14,8 @@
 #include "attention_op/head_parallel_plans.hpp"
 #include "attention_op/run_op.hpp"
 #include "attention_op/slice_plans.hpp"
+#include "cpdispatch/attention/call_check.hpp"
+#include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/step_trace.hpp"
 
 namespace {
@@ -21,6 +23,7 @@ namespace {
 using attention_test::CpWorld;
 using attention_test::ExactKernel;
 using attention_test::run_op;
+using cpdispatch::AttentionEntry;
 using cpdispatch::AttentionMask;
 using cpdispatch::AttentionShape;
 using cpdispatch::CpAttentionOptions;
@@ -357,10 +360,37 @@ TEST(CpAttentionHeadParallel, RowsAndKeysNoEntryCoversAreClearedOnAReusedOp) {
   }
 }
 
-/// ExactKernel declaring that it cannot fold entries sharing rows.
+/// ExactKernel declaring that it cannot fold entries sharing rows, and
+/// refusing a call whose entries share a row.
 struct SeparateRowsKernel : ExactKernel {
   static constexpr bool folds_shared_rows = false;
+  template <class E>
+  void forward(const AttentionShape& s, std::span<const AttentionEntry> entries, std::span<const E> q, std::span<const E> k,
+               std::span<const E> v, std::span<E> out, std::span<float> lse) {
+    cpdispatch::detail::attention::CallCheck().separate_rows("SeparateRowsKernel", "forward", entries);
+    ExactKernel::forward(s, entries, q, k, v, out, lse);
+  }
+  template <class E>
+  void backward(const AttentionShape& s, std::span<const AttentionEntry> entries, std::span<const E> q, std::span<const E> k,
+                std::span<const E> v, std::span<const E> out, std::span<const float> lse, std::span<const E> dout, std::span<E> dq,
+                std::span<E> dk, std::span<E> dv) {
+    cpdispatch::detail::attention::CallCheck().separate_rows("SeparateRowsKernel", "backward", entries);
+    ExactKernel::backward(s, entries, q, k, v, out, lse, dout, dq, dk, dv);
+  }
 };
+
+/// Entries coloured into passes of which none holds a query row twice: each
+/// to the first pass free at its first row (rows [2, 6) and [6, 9) touch, so
+/// share pass 1), as few passes as the most entries on one row (three, on row 5).
+TEST(CpAttentionSlices, QueryRowPassesColourSharedRowsIntoFewestPasses) {
+  const std::vector<AttentionEntry> entries{{2, 4, 0, 1, {}}, {0, 9, 1, 1, {}}, {6, 3, 2, 1, {}}, {4, 2, 3, 1, {}}, {9, 1, 4, 1, {}}};
+  const std::vector<std::size_t> by_start{1, 0, 3, 2, 4};
+  std::vector<std::size_t> pass(entries.size(), 99);
+  std::vector<std::int64_t> ends;
+  cpdispatch::detail::query_row_passes(by_start, [&](std::size_t i) -> const AttentionEntry& { return entries[i]; }, pass, ends);
+  EXPECT_EQ(pass, (std::vector<std::size_t>{1, 0, 1, 2, 0}));
+  EXPECT_EQ(ends.size(), 3u);
+}
 
 /// A kernel that cannot fold shared rows gets the passes of a staged step
 /// (each call's entries share no row) and equals the reference; a plan whose
@@ -368,9 +398,11 @@ struct SeparateRowsKernel : ExactKernel {
 TEST(CpAttentionSlices, AKernelThatCannotFoldIsGivenSeparateRowsOrRefused) {
   const AttentionShape shape{2, 1, 4, 0.45f};
   for (const bool dedup : {false, true}) {
-    const CpWorld world(plan_of({"W4", 4, 2, 1, AttentionMask::causal(), dedup, 3, 23}), shape, AttentionMask::causal(), 23,
-                        attention_test::round_to<float>);
-    world.expect_equal(run_op<float, SeparateRowsKernel>(world, shape, CpAttentionOptions{dedup, 3}), 1e-5);
+    for (const std::uint64_t seed : {23u, 24u}) {  // seed 24: entries with two parts in one round
+      const CpWorld world(plan_of({"W4", 4, 2, 1, AttentionMask::causal(), dedup, 3, seed}), shape, AttentionMask::causal(), seed,
+                          attention_test::round_to<float>);
+      world.expect_equal(run_op<float, SeparateRowsKernel>(world, shape, CpAttentionOptions{dedup, 3}), 1e-5);
+    }
   }
   cpdispatch::SimWorld sim(2, cpdispatch::SimOptions{sim_test::hang_timeout});
   const cpdispatch::QkvDocumentsPlan plan = slice_plans(false)[0];

@@ -21,7 +21,8 @@ torch = require("torch")
 require("cpdispatch")
 
 import kernel_fakes  # noqa: E402
-from cpdispatch.torch import BlockwiseKernel, FlashAttnVarlenKernel, SdpaKernel, _merge, varlen_attention  # noqa: E402
+import cpdispatch  # noqa: E402
+from cpdispatch.torch import BlockwiseKernel, FlashAttnVarlenKernel, SdpaKernel, _merge, _row_disjoint, varlen_attention  # noqa: E402
 from attention_checks import TOLERANCE, check_attention, loss  # noqa: E402
 from slice_masks import EXAMPLES, band, masked_attention, slice_mask  # noqa: E402
 
@@ -264,3 +265,13 @@ def test_flash_without_the_merged_backward_takes_entries_that_share_no_row(fakes
         torch.testing.assert_close(g, x, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="share query rows .* flash-attn 2.7"):
         kernel(q, k, v, None, None, entries=entries, softmax_scale=SCALE)
+
+
+def test_flash_passes_are_the_ops_cut_by_query_rows():
+    # Each entry to the first pass free at its first row, as the op cuts a
+    # kernel's passes: [2, 6) and [6, 9) touch and share a pass; row 5 has
+    # three entries, so three passes.
+    parts = [(2, 4, 0, 1, None, None), (0, 9, 1, 1, None, None), (6, 3, 2, 1, None, None), (4, 2, 3, 1, None, None), (9, 1, 4, 1, None, None)]
+    assert cpdispatch._cpdispatch.query_row_passes(parts) == [1, 0, 1, 2, 0]
+    assert _row_disjoint(parts) == [[parts[1], parts[4]], [parts[0], parts[2]], [parts[3]]]
+    assert cpdispatch._cpdispatch.query_row_passes([]) == []

@@ -7,7 +7,8 @@
 // entry's band (a band is on buffer rows). A kernel folds the parts of a
 // query row within one call, so a round is one pass; for a kernel that
 // cannot (attention_kernel_folds_shared_rows), a round's parts are cut into
-// passes that share no query row: pass k holds the k-th part of each entry.
+// passes that share no query row (query_row_passes): pass k holds the k-th
+// part of each entry.
 // Either way every part holding a key row is attended in one pass (its KV
 // shard arrives in one round, KV groups do not overlap, and entries sharing
 // key rows reach only a kernel that folds them: ContextParallelAttention
@@ -26,6 +27,24 @@
 #include "cpdispatch/plan/metadata.hpp"
 
 namespace cpdispatch::detail {
+
+/// Colours entries into passes of which none holds a query row twice, as
+/// few as the most entries on one row (an interval colouring): `by_start`
+/// lists entries (`entry(i)` gives entry i) by first row, and each goes to the
+/// first pass whose last entry ended at or before its first row; pass[i]
+/// becomes entry i's pass. `ends` is scratch.
+template <class Entry>
+void query_row_passes(std::span<const std::size_t> by_start, Entry entry, std::span<std::size_t> pass, std::vector<std::int64_t>& ends) {
+  ends.clear();
+  for (const std::size_t i : by_start) {
+    const AttentionEntry& e = entry(i);
+    std::size_t p = 0;
+    while (p < ends.size() && ends[p] > e.q_start) ++p;
+    if (p == ends.size()) ends.push_back(0);
+    ends[p] = e.q_start + e.q_len;
+    pass[i] = p;
+  }
+}
 
 struct StagePass {
   int round = 0;
@@ -63,7 +82,8 @@ class StagePlan {
 
   /// Room for `parts` parts, so that later plans within it allocate nothing.
   void reserve(std::size_t parts) {
-    for (auto* v : {&rank_in_round_, &order_}) v->reserve(parts);
+    for (auto* v : {&order_, &pass_}) v->reserve(parts);
+    ends_.reserve(parts);
     scratch_.reserve(parts);
     pieces_.reserve(parts);
     parts_.reserve(parts);
@@ -138,28 +158,32 @@ class StagePlan {
     scratch_.push_back({round, e, AttentionEntry{entry.q_start, entry.q_len, at, len, entry.band}});
   }
 
-  /// Orders the parts by (round, k-th part of its entry in that round, entry)
-  /// and cuts passes: one per round, or (kernels that cannot fold) one per k.
+  /// Orders the parts by (round, pass, entry) and cuts passes: one per round,
+  /// or (kernels that cannot fold) a round's parts coloured by query rows.
   void cut_passes() {
-    rank_in_round_.assign(scratch_.size(), 0);
-    for (std::size_t i = 1; i < scratch_.size() && !fold_shared_rows_; ++i) {
-      const Part& b = scratch_[i];
-      std::size_t k = 0;
-      for (std::size_t j = i; j-- > 0 && scratch_[j].entry == b.entry;) k += scratch_[j].round == b.round;
-      rank_in_round_[i] = k;
-    }
     order_.resize(scratch_.size());
+    pass_.assign(scratch_.size(), 0);
     for (std::size_t i = 0; i < order_.size(); ++i) order_[i] = i;
-    std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) {  // std::stable_sort would allocate
-      if (scratch_[x].round != scratch_[y].round) return scratch_[x].round < scratch_[y].round;
-      if (rank_in_round_[x] != rank_in_round_[y]) return rank_in_round_[x] < rank_in_round_[y];
-      return x < y;
-    });
+    const auto by = [&](auto key) {  // std::stable_sort would allocate
+      std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) {
+        if (scratch_[x].round != scratch_[y].round) return scratch_[x].round < scratch_[y].round;
+        return key(x) != key(y) ? key(x) < key(y) : x < y;
+      });
+    };
+    if (!fold_shared_rows_) {
+      by([&](std::size_t x) { return scratch_[x].part.q_start; });
+      for (std::size_t i = 0, j = 0; i < order_.size(); i = j) {
+        while (j < order_.size() && scratch_[order_[j]].round == scratch_[order_[i]].round) ++j;
+        query_row_passes(std::span(order_).subspan(i, j - i), [&](std::size_t x) -> const AttentionEntry& { return scratch_[x].part; },
+                         pass_, ends_);
+      }
+    }
+    by([&](std::size_t x) { return pass_[x]; });
     parts_.clear();
     passes_.clear();
     for (std::size_t i = 0; i < order_.size(); ++i) {
       const std::size_t x = order_[i];
-      const bool fresh = i == 0 || scratch_[order_[i - 1]].round != scratch_[x].round || rank_in_round_[order_[i - 1]] != rank_in_round_[x];
+      const bool fresh = i == 0 || scratch_[order_[i - 1]].round != scratch_[x].round || pass_[order_[i - 1]] != pass_[x];
       if (fresh) passes_.push_back({scratch_[x].round, parts_.size(), parts_.size()});
       parts_.push_back(scratch_[x].part);
       passes_.back().end = parts_.size();
@@ -170,7 +194,8 @@ class StagePlan {
   bool fold_shared_rows_ = true;
   std::vector<Part> scratch_;
   std::vector<Piece> pieces_;  // the current KV group's
-  std::vector<std::size_t> rank_in_round_, order_;
+  std::vector<std::size_t> order_, pass_;
+  std::vector<std::int64_t> ends_;
   std::vector<AttentionEntry> parts_;
   std::vector<StagePass> passes_;
   std::vector<int> kv_ready_;
