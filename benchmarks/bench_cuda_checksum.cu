@@ -4,14 +4,18 @@
 //
 //   bin/bench_cuda_checksum [world_size=8] [bytes_per_peer=1048576] [iterations=20]
 //   bin/bench_cuda_checksum --check [world_size=4] [bytes_per_peer=65536]
-//   bin/bench_cuda_checksum --count plain|checked [world_size=4] [bytes_per_peer=1048576] [exchanges=1]
+//   bin/bench_cuda_checksum --count plain|checked|packed|fused [world_size=4] [bytes_per_peer=1048576] [exchanges=1]
 //
 // Timing: per iteration, every rank meets the others at a barrier, then
 // runs the exchange (posted, then waited for) and synchronises its stream;
 // rank 0's wall time is the sample. "plain" is the bare transport, "checked"
 // the same exchange through DeviceChecksummedTransport followed by its
 // check() (once per exchange: the most often a step would check); the two
-// alternate, and the medians are reported with their ratio. Also the CRC
+// alternate, and the medians are reported with their ratio. Where
+// bytes_per_peer is a multiple of 4 KiB, two more alternate with them: the
+// send buffer packed into staging first (as the exchange engine packs),
+// then the checked exchange, its sent sums in a pass of their own or
+// computed by the pack (DeviceChecksummedTransport::pack_sums). Also the CRC
 // kernel alone over rank 0's send segments against one cudaMemcpyAsync of
 // the same bytes (CUDA events, median).
 //
@@ -21,7 +25,10 @@
 //
 // --count: runs `exchanges` exchanges in one mode and nothing else, for an
 // instruction count of each mode on the cuda-cpu harness (valgrind
-// --tool=callgrind; see benchmarks/RESULTS.md).
+// --tool=callgrind; see benchmarks/RESULTS.md). "packed" and "fused" pack
+// the send buffer into staging first, as the exchange engine does, then
+// run the checked exchange: "packed" checksums what it sends in a pass of
+// its own, "fused" in the pack (DeviceChecksummedTransport::pack_sums).
 
 #include <chrono>
 #include <cstddef>
@@ -29,11 +36,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cpdispatch/cuda/checksummed.hpp"
 #include "cpdispatch/cuda/crc32c.hpp"
+#include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/transports/device_sim.hpp"
 #include "device_bench.cuh"
@@ -68,6 +77,30 @@ struct Exchange {
     }
   }
   std::size_t total() const { return static_cast<std::size_t>(W) * per_peer; }
+  /// Packs rank r's send buffer into its staging as the exchange engine
+  /// does (4 KiB tokens, each peer's in reverse order, so no two pieces
+  /// merge), its checksums computed by the pack where `fused` (pack_sums),
+  /// then posts the staging and waits.
+  void run_packed(DeviceChecksummedTransport<DeviceSimTransport>& t, bool fused) {
+    const auto r = static_cast<std::size_t>(t.rank());
+    if (chunks.size() == 0) {
+      std::vector<cpdispatch::detail::CopyPiece> pieces;
+      for (std::size_t at = 0; at < total(); at += token) pieces.push_back({at, at / per_peer * per_peer + (per_peer - token - at % per_peer), token});
+      const auto host = cpdispatch::cuda::plan_copy_chunks(pieces);
+      chunks.allocate(host.size());
+      CPDISPATCH_CUDA_CHECK(cudaMemcpy(chunks.data(), host.data(), host.size() * sizeof(host[0]), cudaMemcpyHostToDevice));
+      chunk_count = host.size();
+    }
+    while (staging.size() < send.size()) staging.emplace_back(total());
+    const cpdispatch::cuda::CrcTarget* sums = fused ? t.pack_sums(staging[r].data(), counts, displs, counts, displs) : nullptr;
+    if (sums) cpdispatch::cuda::launch_copy_crc(send[r].data(), staging[r].data(), chunks.data(), chunk_count, *sums, t.stream());
+    else cpdispatch::cuda::launch_copy(send[r].data(), staging[r].data(), chunks.data(), chunk_count, t.stream());
+    t.wait(t.post_all_to_all_v(staging[r].data(), counts, displs, recv[r].data(), counts, displs));
+  }
+  static constexpr std::size_t token = 4096;
+  std::vector<Bytes> staging;
+  DeviceBuffer<cpdispatch::cuda::CopyChunk> chunks;
+  std::size_t chunk_count = 0;
   /// Posts rank r's share on `t` and waits for it.
   template <class Transport>
   void run(Transport& t) {
@@ -110,20 +143,27 @@ int run_check(int W, std::size_t per_peer) {
   return 0;
 }
 
-int run_count(bool checked, int W, std::size_t per_peer, int exchanges) {
+int run_count(const std::string& mode, int W, std::size_t per_peer, int exchanges) {
+  if (per_peer % Exchange::token != 0) {
+    std::fprintf(stderr, "--count: bytes_per_peer = %zu must be a multiple of %zu (the packed modes' tokens)\n", per_peer, Exchange::token);
+    return 2;
+  }
   DeviceSimWorld world(W);
   Exchange ex(W, per_peer);
   world.run([&](DeviceSimTransport& t) {
-    if (!checked) {
+    if (mode == "plain") {
       for (int i = 0; i < exchanges; ++i) ex.run(t);
     } else {
       DeviceChecksummedTransport c(t);
-      for (int i = 0; i < exchanges; ++i) ex.run(c);
+      for (int i = 0; i < exchanges; ++i) {
+        if (mode == "checked") ex.run(c); else ex.run_packed(c, mode == "fused");
+      }
       (void)c.check();
+      if (mode == "fused" && c.summed_by_packs() != static_cast<std::uint64_t>(exchanges)) throw std::runtime_error("the pack did not checksum");
     }
     CPDISPATCH_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
   });
-  std::printf("bench_cuda_checksum --count %s: W = %d, %zu bytes per peer, %d exchange(s)\n", checked ? "checked" : "plain", W, per_peer, exchanges);
+  std::printf("bench_cuda_checksum --count %s: W = %d, %zu bytes per peer, %d exchange(s)\n", mode.c_str(), W, per_peer, exchanges);
   return 0;
 }
 
@@ -176,7 +216,8 @@ int run_timing(int W, std::size_t per_peer, int iterations) {
   CPDISPATCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   DeviceSimWorld world(W);
   Exchange ex(W, per_peer);
-  std::vector<double> plain_ms, checked_ms;
+  std::vector<double> plain_ms, checked_ms, packed_ms, fused_ms;
+  const bool packs = per_peer % Exchange::token == 0;
   world.run([&](DeviceSimTransport& t) {
     DeviceChecksummedTransport c(t);
     const auto sample = [&](auto&& work) {
@@ -193,6 +234,14 @@ int run_timing(int W, std::size_t per_peer, int iterations) {
         ex.run(c);
         (void)c.check();
       });
+      for (const bool fused : {false, true}) {
+        if (!packs) break;
+        const double f = sample([&] {
+          ex.run_packed(c, fused);
+          (void)c.check();
+        });
+        if (t.rank() == 0 && i >= 0) (fused ? fused_ms : packed_ms).push_back(f);
+      }
       if (t.rank() == 0 && i >= 0) {
         plain_ms.push_back(p);
         checked_ms.push_back(k);
@@ -207,6 +256,11 @@ int run_timing(int W, std::size_t per_peer, int iterations) {
   std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
   std::printf("| %.1f MiB in all | %.3f | %.3f | %.3f | %.4f | %.4f | %.0f |\n", moved / 1048576.0, median(plain_ms), median(checked_ms),
               median(checked_ms) / median(plain_ms), crc, copy, static_cast<double>(W - 1) * static_cast<double>(per_peer) / (crc * 1e6));
+  if (packs) {
+    std::printf("\n| packed first (4 KiB tokens), then checked | sums in a pass of their own ms | sums in the pack ms | in the pack / own pass |\n");
+    std::printf("|---|---:|---:|---:|\n");
+    std::printf("| %.1f MiB in all | %.3f | %.3f | %.3f |\n", moved / 1048576.0, median(packed_ms), median(fused_ms), median(fused_ms) / median(packed_ms));
+  }
   return 0;
 }
 
@@ -218,11 +272,11 @@ int main(int argc, char** argv) {
     if (mode == "--check") return run_check(argc > 2 ? std::atoi(argv[2]) : 4, argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 65536);
     if (mode == "--count") {
       const std::string which = argc > 2 ? argv[2] : "";
-      if (which != "plain" && which != "checked") {
-        std::fprintf(stderr, "usage: %s --count plain|checked [world_size] [bytes_per_peer] [exchanges]\n", argv[0]);
+      if (which != "plain" && which != "checked" && which != "packed" && which != "fused") {
+        std::fprintf(stderr, "usage: %s --count plain|checked|packed|fused [world_size] [bytes_per_peer] [exchanges]\n", argv[0]);
         return 2;
       }
-      return run_count(which == "checked", argc > 3 ? std::atoi(argv[3]) : 4, argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 1048576,
+      return run_count(which, argc > 3 ? std::atoi(argv[3]) : 4, argc > 4 ? std::strtoull(argv[4], nullptr, 10) : 1048576,
                        argc > 5 ? std::atoi(argv[5]) : 1);
     }
     const int W = argc > 1 ? std::atoi(argv[1]) : 8;

@@ -1,5 +1,5 @@
-// Device checksums: the CRC32C kernel against the host's crc32c on segments
-// of every shape, and DeviceChecksummedTransport over the device sim and
+// Device checksums: the CRC32C kernel, and the pack fused with it, against
+// the host's crc32c on segments of every shape, and DeviceChecksummedTransport over the device sim and
 // NcclTransport: clean exchanges (blocking and posted) arrive unchanged and
 // are counted; a flipped byte, or a sender's byte count changed in transit,
 // is a corruption_error in every rank's check() (with agreement; only the
@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -69,6 +70,54 @@ TEST(DeviceCrc32c, EverySegmentMatchesTheHostCrc32c) {
     const auto [offset, bytes] = shapes[s];
     EXPECT_EQ(~sums[s].crc, cpdispatch::crc32c(data.data() + offset, bytes)) << "segment " << s << ": " << bytes << " bytes at " << offset;
     EXPECT_EQ(sums[s].bytes, bytes);
+  }
+}
+
+/// A pack fused with the checksum: pieces of every alignment, some running
+/// from one segment into the next (in two launches sharing one target, as a
+/// pack of two tensors does), copy their bytes unchanged and leave each
+/// segment's sum equal to the host's crc32c of what the segment holds,
+/// empty segments included.
+TEST(DeviceCrc32c, APackFusedWithTheChecksumCopiesAndSumsEverySegment) {
+  CPDISPATCH_REQUIRE_CUDA_DEVICE();
+  const Bytes source = cptest::pattern(60000, 23);
+  const std::vector<std::uint64_t> sizes = {0, 3001, 0, 40000, 7, 16385};  // segments back to back
+  std::vector<CrcRange> segments;
+  std::vector<SegmentCrc> sums;
+  std::vector<cpdispatch::detail::CopyPiece> lists[2];
+  Bytes want;
+  std::mt19937_64 rng(5);
+  std::uint64_t total = 0;
+  for (const std::uint64_t size : sizes) {
+    segments.push_back({total, size, 0});
+    sums.push_back({cpdispatch::cuda::crc_start(size), 0, size});
+    total += size;
+  }
+  while (want.size() < total) {  // pieces cut regardless of the segments: some run on into the next, as merged pieces do
+    const std::uint64_t n = std::min<std::uint64_t>(total - want.size(), 1 + rng() % 5000), from = rng() % (source.size() - n);
+    lists[rng() % 2].push_back({from, want.size(), n});
+    want.insert(want.end(), source.begin() + static_cast<std::ptrdiff_t>(from), source.begin() + static_cast<std::ptrdiff_t>(from + n));
+  }
+  const auto d_source = cptest::to_device(source);
+  const auto staging = cptest::to_device(Bytes(want.size(), std::byte{0}));
+  DeviceBuffer<CrcRange> d_segments(segments.size());
+  DeviceBuffer<SegmentCrc> d_sums(sums.size());
+  DeviceBuffer<std::uint32_t> tables(cpdispatch::cuda::crc_table_words);
+  CPDISPATCH_CUDA_CHECK(cudaMemcpy(d_segments.data(), segments.data(), segments.size() * sizeof(CrcRange), cudaMemcpyHostToDevice));
+  CPDISPATCH_CUDA_CHECK(cudaMemcpy(d_sums.data(), sums.data(), sums.size() * sizeof(SegmentCrc), cudaMemcpyHostToDevice));
+  const auto& host_tables = cpdispatch::cuda::crc_tables();
+  CPDISPATCH_CUDA_CHECK(cudaMemcpy(tables.data(), host_tables.data(), host_tables.size() * sizeof(std::uint32_t), cudaMemcpyHostToDevice));
+  const cpdispatch::cuda::CrcTarget target{d_segments.data(), static_cast<std::uint32_t>(segments.size()), tables.data(), d_sums.data()};
+  for (const auto& pieces : lists) {
+    const auto chunks = cpdispatch::cuda::plan_copy_chunks(pieces);
+    DeviceBuffer<cpdispatch::cuda::CopyChunk> d_chunks(std::max<std::size_t>(chunks.size(), 1));
+    CPDISPATCH_CUDA_CHECK(cudaMemcpy(d_chunks.data(), chunks.data(), chunks.size() * sizeof(chunks[0]), cudaMemcpyHostToDevice));
+    cpdispatch::cuda::launch_copy_crc(d_source.data(), staging.data(), d_chunks.data(), chunks.size(), target, nullptr);
+  }
+  EXPECT_EQ(cptest::to_host(staging.data(), want.size()), want);
+  CPDISPATCH_CUDA_CHECK(cudaMemcpy(sums.data(), d_sums.data(), sums.size() * sizeof(SegmentCrc), cudaMemcpyDeviceToHost));
+  for (std::size_t s = 0; s < segments.size(); ++s) {
+    EXPECT_EQ(~sums[s].crc, cpdispatch::crc32c(want.data() + segments[s].offset, segments[s].bytes)) << "segment " << s;
   }
 }
 

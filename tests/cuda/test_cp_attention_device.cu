@@ -410,6 +410,7 @@ TEST(CpAttentionDeviceChecksummed, EqualsTheReferenceWithEverySegmentChecked) {
       cpdispatch::ContextParallelAttention<decltype(checked_transport), float> op(checked_transport, share, shape, {dedup, stages});
       RankResult r = device_step<float>(op, world.tensors(static_cast<std::size_t>(t.rank())));
       checked[static_cast<std::size_t>(t.rank())] = checked_transport.check();
+      EXPECT_GT(checked_transport.summed_by_packs(), 0u) << "rank " << t.rank() << ": every exchange read its sent bytes a second time";
       return r;
     });
     world.expect_equal(results, 1e-5);

@@ -14,7 +14,10 @@
 //
 // How, without a host synchronisation in the step: before each exchange a
 // kernel on the transport's stream computes the CRC32C of each segment the
-// rank sends (cuda/crc32c.hpp: one pass over the bytes); one more exchange
+// rank sends (cuda/crc32c.hpp: one pass over the bytes), or, where the
+// exchange engine packs the send buffer (the dispatchers and the op, unless
+// a side is sent in place), the pack computes them as it writes the bytes
+// (pack_sums: no pass of its own); one more exchange
 // of 16 bytes per peer, of the same kind (blocking or posted) and through
 // the inner transport, carries those (checksum, byte count) pairs; once the
 // exchange is complete on the stream (after the blocking call, or in the
@@ -37,7 +40,8 @@
 // dispatchers and of the attention op on device transports). Forwarded
 // unchecked: point-to-point messages and the collectives.
 //
-// Costs: two CRC passes (what a rank sends and what it receives), one
+// Costs: two CRC passes (what a rank sends, in its pack where it is
+// packed, and what it receives), one
 // exchange of 16 bytes per peer per exchange, an upload of the segments'
 // ranges and sums' start (80 bytes per peer) per exchange; per check() one
 // all-gather of 64 bytes a rank and one host synchronisation. Device
@@ -48,6 +52,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -55,6 +60,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpdispatch/adapters/checksummed.hpp"
@@ -135,6 +141,8 @@ class DeviceExchangeSums {
                         static_cast<const cuda::SegmentCrc*>(sums_in_.data()), static_cast<const cuda::CrcRange*>(ranges(1)),
                         static_cast<std::uint32_t>(W_), static_cast<std::uint32_t>(self), exchange, verdict);
   }
+  /// Where a pack fused with the checksum XORs the sums of what it writes (in place of sum_sent).
+  cuda::CrcTarget sent_target(const std::uint32_t* tables) const noexcept { return {ranges(0), static_cast<std::uint32_t>(W_), tables, sums(2)}; }
   const cuda::SegmentCrc* sums_out() const noexcept { return sums(2); }
   cuda::SegmentCrc* sums_in() noexcept { return sums_in_.data(); }
 
@@ -242,12 +250,15 @@ class DeviceChecksummedTransport {
     return own.checked;
   }
 
+  /// The exchanges so far whose sent bytes were checksummed by their pack (pack_sums), not by a pass of their own.
+  std::uint64_t summed_by_packs() const noexcept { return summed_by_packs_; }
+
   void all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, void* recv,
                     std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs)
     requires detail::transport_has_all_to_all_v<Inner>
   {
     if (world_size() == 1) return inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    Sums& sums = take(send_counts, send_displs, recv_counts, recv_displs, send);
+    Sums& sums = sent_sums(send, send_counts, send_displs, recv_counts, recv_displs);
     const std::uint64_t exchange = ++exchanges_;
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     inner_.all_to_all_v(sums.sums_out(), sum_counts_, sum_displs_, sums.sums_in(), sum_counts_, sum_displs_);
@@ -260,11 +271,31 @@ class DeviceChecksummedTransport {
     requires detail::transport_has_posted_all_to_all<Inner>
   {
     if (world_size() == 1) return inner_.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
-    Sums& sums = take(send_counts, send_displs, recv_counts, recv_displs, send);
+    Sums& sums = sent_sums(send, send_counts, send_displs, recv_counts, recv_displs);
     const Request data = inner_.post_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     const Request carried = inner_.post_all_to_all_v(sums.sums_out(), sum_counts_, sum_displs_, sums.sums_in(), sum_counts_, sum_displs_);
     posted_.push_back({data.id, carried, recv, ++exchanges_, &sums});
     return data;
+  }
+
+  /// The sums of an exchange whose send buffer a pack is about to write
+  /// (the exchange engine's, detail::pack_sums): the pack XORs the checksums
+  /// of what it writes into them on the way (cuda::launch_copy_crc), and the
+  /// next all_to_all_v or post_all_to_all_v of the same buffer and counts
+  /// takes them instead of reading what it sends once more. nullptr where
+  /// the pack cannot serve (one rank; segments out of offset order).
+  const cuda::CrcTarget* pack_sums(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                                   std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    drop_packed();
+    if (world_size() == 1 || !in_order(send_counts, send_displs)) return nullptr;
+    packed_.sums = &take(send_counts, send_displs, recv_counts, recv_displs);
+    packed_.send = send;
+    for (auto [to, from] : {std::pair{&packed_.send_counts, send_counts}, std::pair{&packed_.send_displs, send_displs},
+                            std::pair{&packed_.recv_counts, recv_counts}, std::pair{&packed_.recv_displs, recv_displs}}) {
+      to->assign(from.begin(), from.end());
+    }
+    packed_.target = packed_.sums->sent_target(tables_.data());
+    return &packed_.target;
   }
 
   /// A posted exchange's wait also waits for its checksums and checks, on the stream.
@@ -334,10 +365,9 @@ class DeviceChecksummedTransport {
   /// This rank's record: after the all-gather's W slots.
   Verdict* mine() const { return verdicts_.data() + world_size(); }
 
-  /// A free set of sums (one whose last exchange is checked and whose upload ran), prepared for this exchange;
-  /// the checksums of `send` computed on the stream.
+  /// A free set of sums (one whose last exchange is checked and whose upload ran), prepared for this exchange and claimed.
   Sums& take(std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, std::span<const std::size_t> recv_counts,
-             std::span<const std::size_t> recv_displs, const void* send) {
+             std::span<const std::size_t> recv_displs) {
     const auto W = static_cast<std::size_t>(world_size());
     if (send_counts.size() != W || send_displs.size() != W || recv_counts.size() != W || recv_displs.size() != W) {
       detail::fail("DeviceChecksummedTransport: rank ", rank(), " of ", W, ": the counts and displacements must have world_size entries each");
@@ -352,9 +382,38 @@ class DeviceChecksummedTransport {
       if (pool_[i]->free()) sums = pool_[i].get();
     if (!sums) sums = pool_.emplace_back(std::make_unique<Sums>(W)).get();
     sums->prepare(send_counts, send_displs, recv_counts, recv_displs, self(), stream());
-    sums->sum_sent(send, tables_.data(), stream());
     sums->claim();
     return *sums;
+  }
+
+  /// The sums of what this exchange sends: the pack's (pack_sums) where it
+  /// wrote this buffer with these counts, else computed here on the stream.
+  Sums& sent_sums(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+                  std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+    const auto same = [](const std::vector<std::size_t>& a, std::span<const std::size_t> b) { return std::ranges::equal(a, b); };
+    if (packed_.sums && packed_.send == send && same(packed_.send_counts, send_counts) && same(packed_.send_displs, send_displs) &&
+        same(packed_.recv_counts, recv_counts) && same(packed_.recv_displs, recv_displs)) {
+      ++summed_by_packs_;
+      return *std::exchange(packed_.sums, nullptr);
+    }
+    drop_packed();
+    Sums& sums = take(send_counts, send_displs, recv_counts, recv_displs);
+    sums.sum_sent(send, tables_.data(), stream());
+    return sums;
+  }
+
+  /// Sums a pack prepared for an exchange that did not follow: free again.
+  void drop_packed() {
+    if (Sums* sums = std::exchange(packed_.sums, nullptr)) sums->release(stream());
+  }
+
+  /// Whether the segments sent lie by offset, none overlapping the next (the pack's sums look them up so).
+  bool in_order(std::span<const std::size_t> counts, std::span<const std::size_t> displs) const {
+    for (std::size_t p = 1; p < displs.size(); ++p) {
+      const std::size_t end = displs[p - 1] + (p - 1 == self() ? 0 : counts[p - 1]);
+      if (displs[p] < displs[p - 1] || displs[p] < end) return false;
+    }
+    return true;
   }
 
   /// The received segments checked on the stream; the sums free again once that has run.
@@ -369,8 +428,14 @@ class DeviceChecksummedTransport {
   cuda::DeviceBuffer<Verdict> verdicts_;  // [W]: the all-gathered records; [W]: this rank's
   std::vector<std::unique_ptr<Sums>> pool_;
   std::vector<Posted> posted_;
+  struct Packed {  // the sums a pack computed for the next exchange (pack_sums)
+    Sums* sums = nullptr;
+    const void* send = nullptr;
+    std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;
+    cuda::CrcTarget target;
+  } packed_;
   std::vector<std::size_t> sum_counts_, sum_displs_;
-  std::uint64_t exchanges_ = 0;
+  std::uint64_t exchanges_ = 0, summed_by_packs_ = 0;
 };
 
 }  // namespace cpdispatch

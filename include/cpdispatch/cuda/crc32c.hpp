@@ -32,6 +32,8 @@
 #include <vector>
 
 #include "cpdispatch/crc32c.hpp"
+#include "cpdispatch/cuda/plan.hpp"
+#include "cpdispatch/cuda_runtime/grid.hpp"
 #include "cpdispatch/cuda_runtime/launch.hpp"
 
 namespace cpdispatch::cuda {
@@ -53,6 +55,17 @@ struct SegmentCrc {
   std::uint64_t bytes = 0;
 };
 static_assert(std::is_trivially_copyable_v<SegmentCrc> && sizeof(SegmentCrc) == 16);
+
+/// Where a pack fused with the checksum (launch_copy_crc) puts the sums of
+/// what it writes: the destination's segments (a device array, by offset,
+/// none overlapping) and their sums (device, each crc preset to
+/// crc_start(bytes)); `tables`: the device copy of crc_tables().
+struct CrcTarget {
+  const CrcRange* segments = nullptr;
+  std::uint32_t count = 0;
+  const std::uint32_t* tables = nullptr;
+  SegmentCrc* sums = nullptr;
+};
 
 /// Bytes one thread checksums.
 inline constexpr std::uint64_t crc_chunk_bytes = 1024;
@@ -124,20 +137,36 @@ inline const std::vector<std::uint32_t>& crc_tables() { return ::cpdispatch::det
 
 namespace kernels {
 
-/// The register after the n bytes at p (slicing by eight on aligned words).
+/// The register after one byte, and after eight (slicing by eight; little-endian: the first four bytes in w.x).
+__host__ __device__ __forceinline__ std::uint32_t crc_byte(const std::uint32_t* __restrict__ t, std::uint32_t reg, unsigned char b) {
+  return t[(reg ^ b) & 0xFFu] ^ (reg >> 8);
+}
+__host__ __device__ __forceinline__ std::uint32_t crc_word(const std::uint32_t* __restrict__ t, std::uint32_t reg, uint2 w) {
+  const std::uint32_t lo = reg ^ w.x, hi = w.y;
+  return t[7 * 256 + (lo & 0xFFu)] ^ t[6 * 256 + ((lo >> 8) & 0xFFu)] ^ t[5 * 256 + ((lo >> 16) & 0xFFu)] ^ t[4 * 256 + (lo >> 24)] ^
+         t[3 * 256 + (hi & 0xFFu)] ^ t[2 * 256 + ((hi >> 8) & 0xFFu)] ^ t[1 * 256 + ((hi >> 16) & 0xFFu)] ^ t[hi >> 24];
+}
+
+/// The register after the n bytes at p (eight at a time on aligned words).
 __host__ __device__ __forceinline__ std::uint32_t crc_update(const std::uint32_t* __restrict__ t, std::uint32_t reg,
                                                             const unsigned char* __restrict__ p, std::uint64_t n) {
-  while (n > 0 && reinterpret_cast<std::uintptr_t>(p) % 8 != 0) {
-    reg = t[(reg ^ *p++) & 0xFFu] ^ (reg >> 8);
-    --n;
+  for (; n > 0 && reinterpret_cast<std::uintptr_t>(p) % 8 != 0; --n) reg = crc_byte(t, reg, *p++);
+  for (; n >= 8; n -= 8, p += 8) reg = crc_word(t, reg, *reinterpret_cast<const uint2*>(p));
+  for (; n > 0; --n) reg = crc_byte(t, reg, *p++);
+  return reg;
+}
+
+/// crc_update over n bytes copied from s to d on the way: each byte read once.
+__host__ __device__ __forceinline__ std::uint32_t crc_copy(const std::uint32_t* __restrict__ t, std::uint32_t reg, const unsigned char* __restrict__ s,
+                                                          unsigned char* __restrict__ d, std::uint64_t n) {
+  const bool words = (reinterpret_cast<std::uintptr_t>(s) - reinterpret_cast<std::uintptr_t>(d)) % 8 == 0;  // both reach 8-byte words together
+  for (; n > 0 && (!words || reinterpret_cast<std::uintptr_t>(s) % 8 != 0); --n) reg = crc_byte(t, reg, *d++ = *s++);
+  for (; n >= 8; n -= 8, s += 8, d += 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(s);
+    *reinterpret_cast<uint2*>(d) = w;
+    reg = crc_word(t, reg, w);
   }
-  for (; n >= 8; n -= 8, p += 8) {
-    const uint2 w = *reinterpret_cast<const uint2*>(p);  // little-endian: the first four bytes in w.x
-    const std::uint32_t lo = reg ^ w.x, hi = w.y;
-    reg = t[7 * 256 + (lo & 0xFFu)] ^ t[6 * 256 + ((lo >> 8) & 0xFFu)] ^ t[5 * 256 + ((lo >> 16) & 0xFFu)] ^ t[4 * 256 + (lo >> 24)] ^
-          t[3 * 256 + (hi & 0xFFu)] ^ t[2 * 256 + ((hi >> 8) & 0xFFu)] ^ t[1 * 256 + ((hi >> 16) & 0xFFu)] ^ t[hi >> 24];
-  }
-  for (; n > 0; --n) reg = t[(reg ^ *p++) & 0xFFu] ^ (reg >> 8);
+  for (; n > 0; --n) reg = crc_byte(t, reg, *d++ = *s++);
   return reg;
 }
 
@@ -170,6 +199,48 @@ __global__ void segment_crc_kernel(const unsigned char* base, const CrcRange* ra
   }
 }
 
+/// The segment of `segments` (by offset, none overlapping) that holds byte `at`: the last that starts at or before it.
+__host__ __device__ __forceinline__ std::uint32_t segment_at(const CrcRange* segments, std::uint32_t count, std::uint64_t at) {
+  std::uint32_t lo = 0, hi = count;
+  while (hi - lo > 1) {
+    const std::uint32_t mid = lo + (hi - lo) / 2;
+    if (segments[mid].offset <= at) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+/// The copy kernel's chunks (copy_chunks_kernel: warp w takes chunks w, w +
+/// warps, ...), each lane copying a run of its warp's chunk and XORing the
+/// CRC register of the run's part in each segment, moved to the segment's
+/// end, into the segment's sum (a part that starts its segment starts from
+/// all ones). A piece may run on from one segment into the next (a pack
+/// merges adjacent pieces).
+template <unsigned Warps>
+__global__ void __launch_bounds__(Warps * 32) copy_crc_kernel(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                                             const CopyChunk* __restrict__ chunks, std::uint64_t count, CrcTarget target) {
+  const unsigned lane = threadIdx.x % 32;
+  for (std::uint64_t c = blockIdx.x * std::uint64_t{Warps} + threadIdx.x / 32; c < count; c += std::uint64_t{gridDim.x} * Warps) {
+    const CopyChunk chunk = chunks[c];
+    const std::uint64_t run = (chunk.bytes + 32 * 8 - 1) / (32 * 8) * 8, from = lane * run;  // runs of whole 8-byte words
+    if (from >= chunk.bytes) continue;
+    const std::uint64_t end = chunk.dst + from + (chunk.bytes - from < run ? chunk.bytes - from : run);
+    for (std::uint64_t at = chunk.dst + from; at < end;) {  // a piece may run on into the next segment (merged pieces)
+      const std::uint32_t s = segment_at(target.segments, target.count, at);
+      const CrcRange seg = target.segments[s];
+      const std::uint64_t seg_end = seg.offset + seg.bytes;
+      if (at < seg.offset || at >= seg_end) {  // bytes that no segment sends: copied, not summed
+        for (; at < end; ++at) dst[at] = src[chunk.src + (at - chunk.dst)];
+        break;
+      }
+      const std::uint64_t n = (end < seg_end ? end : seg_end) - at;
+      std::uint32_t reg = crc_copy(target.tables, at == seg.offset ? 0xFFFFFFFFu : 0u, src + chunk.src + (at - chunk.dst), dst + at, n);
+      reg = crc_append_zeros(target.tables, reg, seg_end - at - n);
+      atomicXor(&target.sums[s].crc, reg);
+      at += n;
+    }
+  }
+}
+
 }  // namespace kernels
 
 /// XORs the raw CRC register of each of the `count` segments `ranges` (a
@@ -184,6 +255,16 @@ inline void launch_segment_crc(const std::byte* base, const CrcRange* ranges, st
   const auto blocks = static_cast<unsigned>(wanted < max_blocks ? wanted : max_blocks);
   launch_kernel("segment_crc_kernel", &kernels::segment_crc_kernel<>, blocks, threads, stream, reinterpret_cast<const unsigned char*>(base), ranges,
                 count, chunks, tables, sums);
+}
+
+/// The copy kernel's chunks (launch_copy) with the checksum of what they
+/// write XORed into `target`'s sums on the way: every byte of a segment must
+/// be written by the chunks of the launches that share `target`, once.
+inline void launch_copy_crc(const std::byte* src, std::byte* dst, const CopyChunk* chunks, std::size_t count, const CrcTarget& target,
+                            cudaStream_t stream) {
+  if (count == 0) return;
+  launch_kernel("copy_crc_kernel", &kernels::copy_crc_kernel<warps_per_block>, static_cast<unsigned>(blocks_for(count)), block_threads, stream,
+                reinterpret_cast<const unsigned char*>(src), reinterpret_cast<unsigned char*>(dst), chunks, std::uint64_t{count}, target);
 }
 
 }  // namespace cpdispatch::cuda

@@ -42,6 +42,7 @@
 #include <span>
 #include <vector>
 
+#include "cpdispatch/cuda/crc32c.hpp"
 #include "cpdispatch/cuda/kernels.hpp"
 #include "cpdispatch/cuda_runtime/memory.hpp"
 #include "cpdispatch/cuda/plan.hpp"
@@ -131,13 +132,14 @@ class DeviceCopyLists {
     device_.upload(std::span<const cuda::CopyChunk>(host_), stream_);
   }
 
-  /// Runs list i; `pieces` is the size of the host list it was made from, checked.
-  void run(std::size_t i, std::size_t pieces, const std::byte* src, std::byte* dst, const char* who) const {
+  /// Runs list i; `pieces` is the size of the host list it was made from,
+  /// checked. With `sums`, the copy checksums what it writes on the way.
+  void run(std::size_t i, std::size_t pieces, const std::byte* src, std::byte* dst, const char* who, const cuda::CrcTarget* sums = nullptr) const {
     const List& list = lists_.at(i);
     if (pieces != list.pieces) fail(who, ": ", pieces, " copy pieces, but the plan it was built from has ", list.pieces);
-    cuda::launch_copy(src, dst, device_.data() + list.offset, list.count, stream_);
+    if (sums) cuda::launch_copy_crc(src, dst, device_.data() + list.offset, list.count, *sums, stream_);
+    else cuda::launch_copy(src, dst, device_.data() + list.offset, list.count, stream_);
   }
-  void run(PieceList list, const std::byte* src, std::byte* dst, const char* who) const { run(list.id, list.pieces.size(), src, dst, who); }
 
  private:
   struct List {
@@ -327,7 +329,13 @@ class DeviceDataPath {
   /// are the host list it was made from, checked to be the same size).
   void copy(detail::PieceList list, const std::byte* src, std::byte* dst) const {
     check_copy_list(list.id);
-    copies_->run(list, src, dst, who);
+    copies_->run(list.id, list.pieces.size(), src, dst, who);
+  }
+  /// The same, the checksums of what it writes XORed into `sums` on the way
+  /// (a pack whose transport checks what it sends: DeviceChecksummedTransport).
+  void copy(detail::PieceList list, const std::byte* src, std::byte* dst, const CrcTarget& sums) const {
+    check_copy_list(list.id);
+    copies_->run(list.id, list.pieces.size(), src, dst, who, &sums);
   }
 
   /// Entries with one copy are copied, the others summed by the fan-in

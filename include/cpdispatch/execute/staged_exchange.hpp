@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "cpdispatch/error.hpp"
@@ -55,6 +56,32 @@ Request all_to_all_bytes(T& transport, const void* send, std::span<const std::si
   } else {
     transport.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     return Request{};
+  }
+}
+
+/// Where a pack puts the checksums of what it writes into `send`: a
+/// transport that checks what it sends and takes them from the pack
+/// (DeviceChecksummedTransport::pack_sums: one pass over the bytes instead
+/// of a second one of its own) says where; for others, nullptr.
+template <class T>
+auto pack_sums(T& transport, const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
+               std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
+  if constexpr (requires { transport.pack_sums(send, send_counts, send_displs, recv_counts, recv_displs); }) {
+    return transport.pack_sums(send, send_counts, send_displs, recv_counts, recv_displs);
+  } else {
+    return nullptr;
+  }
+}
+
+/// A pack's copy of `list`, checksumming what it writes where `sums` (from pack_sums) says.
+template <class Path, class Sums>
+void pack_copy(const Path& path, PieceList list, const std::byte* in, std::byte* staging, Sums sums) {
+  if constexpr (std::is_null_pointer_v<Sums>) {
+    path.copy(list, in, staging);
+  } else if (sums) {
+    path.copy(list, in, staging, *sums);
+  } else {
+    path.copy(list, in, staging);
   }
 }
 
@@ -90,7 +117,9 @@ void run_exchange(T& transport, Path& path, std::size_t lists, const ExchangePla
     }
   } else {
     std::byte* recv_staging = staging + ex.recv_staging_offset();
-    if (!ex.send.direct) path.copy(list(Stage::pack, ex.send.copies), in, staging);
+    if (!ex.send.direct) {
+      pack_copy(path, list(Stage::pack, ex.send.copies), in, staging, pack_sums(transport, staging, ex.send.counts, ex.send.displs, ex.recv.counts, ex.recv.displs));
+    }
     try {
       if (!alone) {
         all_to_all_bytes<false>(transport, ex.send.direct ? static_cast<const void*>(in) : staging, ex.send.counts, ex.send.displs,
@@ -182,7 +211,8 @@ class StagedExchange {
       send[p] = send_group_[p] == group ? send_counts_[p] : 0;
       recv[p] = recv_group_[p] == group ? recv_counts_[p] : 0;
     }
-    for (std::size_t t = 0; t < tensors.size(); ++t) path.copy(pack_[index(group, t)], tensors[t].in, send_staging_.data());
+    const auto sums = pack_sums(transport, send_staging_.data(), send, send_at_, recv, recv_at_);
+    for (std::size_t t = 0; t < tensors.size(); ++t) pack_copy(path, pack_[index(group, t)], tensors[t].in, send_staging_.data(), sums);
     return all_to_all_bytes<true>(transport, send_staging_.data(), send, send_at_, recv_staging_.data(), recv, recv_at_);
   }
 
