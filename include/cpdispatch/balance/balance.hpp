@@ -113,24 +113,20 @@ namespace cpdispatch {
 /// No plan's largest rank cost is below this: the larger of the mean rank
 /// cost and, for each document, the cheapest possible largest shard when it
 /// is cut into at most C shards inside its pieces (costs under the mask, or
-/// a document's slices).
-inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimits& limits = {}) {
-  detail::balance::check_footprint(problem, limits);
-  detail::balance::check_masked_problem(problem);
-  const detail::balance::Planner planner(problem);
-  if (problem.mask == AttentionMask::causal() && !has_slices(problem)) return planner.lower_bound();
-  return detail::balance::MaskPlanner(planner, problem.mask).lower_bound();
-}
-
-/// The same for plans made with `options`: with a grid (BalanceOptions::grid)
-/// every document's cheapest largest shard is cut on the grid, so the bound
-/// may rise (the other options do not change it).
+/// a document's slices). For plans made with `options`: with a grid
+/// (BalanceOptions::grid) every document's cheapest largest shard is cut on
+/// the grid, so the bound may rise (the other options do not change it).
 inline double balance_lower_bound(const BalanceProblem& problem, const BalanceOptions& options, const PlanLimits& limits = {}) {
   detail::balance::check_footprint(problem, limits);
   detail::balance::check_masked_problem(problem);
   const detail::balance::Planner planner(problem, {}, detail::balance::GridPlacement{options.grid});
   if (problem.mask == AttentionMask::causal() && !has_slices(problem)) return planner.lower_bound();
   return detail::balance::MaskPlanner(planner, problem.mask).lower_bound();
+}
+
+/// The same with the default options (no grid): a bound for any plan.
+inline double balance_lower_bound(const BalanceProblem& problem, const PlanLimits& limits = {}) {
+  return balance_lower_bound(problem, BalanceOptions{}, limits);
 }
 
 namespace detail::balance {

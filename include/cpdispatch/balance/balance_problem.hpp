@@ -160,31 +160,33 @@ namespace detail {
 /// length) in causal order: the boundary after run k of a document, unless
 /// it ends the document, where the run's end or the next run's start, in
 /// the packed coordinate, is not a multiple of `grid`. Rank r's MLP layout
-/// holds the runs whose home is r in (document, run) order. `rank_of(d, k)`,
-/// `len_of(d, k)` and `runs(d)` read the input; `what` names a run in
-/// messages ("pieces" or "shards"). The ranks and lengths are checked.
-template <class Runs, class Rank, class Len>
-std::optional<GridCut> first_off_grid(std::int64_t world_size, std::size_t documents, std::int64_t grid, const Runs& runs,
-                                      const Rank& rank_of, const Len& len_of, const char* what) {
+/// holds the runs whose home is r in (document, run) order. Document d's
+/// runs are docs[d].*runs_of (each with a rank and a len); `what` names them
+/// in messages ("pieces" or "shards"). The ranks and lengths are checked.
+template <class Doc, class Run>
+std::optional<GridCut> first_off_grid(std::int64_t world_size, const std::vector<Doc>& docs, std::int64_t grid, std::vector<Run> Doc::*runs_of,
+                                      const char* what) {
   check_grid_size(grid, "check_grid", "grid");
   if (world_size < 1) fail("check_grid: world_size = ", world_size, " must be at least 1");
   const auto W = static_cast<std::size_t>(world_size);
   std::vector<std::int64_t> at(W + 1, 0);  // first: each rank's tokens; then where its next run starts
-  for (std::size_t d = 0; d < documents; ++d) {
-    for (std::size_t k = 0; k < runs(d); ++k) {
-      const std::int64_t r = rank_of(d, k), len = len_of(d, k);
+  for (std::size_t d = 0; d < docs.size(); ++d) {
+    const std::vector<Run>& runs = docs[d].*runs_of;
+    for (std::size_t k = 0; k < runs.size(); ++k) {
+      const std::int64_t r = runs[k].rank, len = runs[k].len;
       if (r < 0 || r >= world_size) fail("check_grid: documents[", d, "].", what, "[", k, "].rank = ", r, " is outside [0, ", W, ")");
       if (len < 0) fail("check_grid: documents[", d, "].", what, "[", k, "].len = ", len, " is negative");
       at[static_cast<std::size_t>(r) + 1] = add_tokens(at[static_cast<std::size_t>(r) + 1], len, "check_grid");
     }
   }
   for (std::size_t r = 0; r < W; ++r) at[r + 1] = add_tokens(at[r + 1], at[r], "check_grid");
-  for (std::size_t d = 0; d < documents; ++d) {
+  for (std::size_t d = 0; d < docs.size(); ++d) {
     std::int64_t offset = 0;
-    const std::size_t n = runs(d);
+    const std::vector<Run>& runs = docs[d].*runs_of;
+    const std::size_t n = runs.size();
     for (std::size_t k = 0; k < n; ++k) {
-      std::int64_t& start = at[static_cast<std::size_t>(rank_of(d, k))];
-      const std::int64_t len = len_of(d, k);
+      std::int64_t& start = at[static_cast<std::size_t>(runs[k].rank)];
+      const std::int64_t len = runs[k].len;
       if (k > 0 && start % grid != 0) return GridCut{d, k - 1, offset, start};
       start += len;
       offset += len;
@@ -210,11 +212,7 @@ std::optional<GridCut> first_off_grid(std::int64_t world_size, std::size_t docum
 /// Throws invalid_input for a grid outside [1, max_grid], a piece's rank
 /// outside [0, W) or a negative length.
 inline std::optional<GridCut> first_off_grid(const BalanceProblem& problem, std::int64_t grid) {
-  const auto& docs = problem.documents;
-  return detail::first_off_grid(
-      problem.world_size, docs.size(), grid, [&](std::size_t d) { return docs[d].pieces.size(); },
-      [&](std::size_t d, std::size_t k) { return docs[d].pieces[k].rank; }, [&](std::size_t d, std::size_t k) { return docs[d].pieces[k].len; },
-      "pieces");
+  return detail::first_off_grid(problem.world_size, problem.documents, grid, &BalanceDocument::pieces, "pieces");
 }
 
 /// The first cut of a documents-form plan off the grid: a boundary between
@@ -222,11 +220,7 @@ inline std::optional<GridCut> first_off_grid(const BalanceProblem& problem, std:
 /// (head-parallel documents included), whose packed position is not a
 /// multiple of `grid`. Throws invalid_input as the problem's form does.
 inline std::optional<GridCut> first_off_grid(const QkvDocumentsPlan& plan, std::int64_t grid) {
-  const auto& docs = plan.documents;
-  return detail::first_off_grid(
-      plan.world_size, docs.size(), grid, [&](std::size_t d) { return docs[d].shards.size(); },
-      [&](std::size_t d, std::size_t k) { return docs[d].shards[k].rank; }, [&](std::size_t d, std::size_t k) { return docs[d].shards[k].len; },
-      "shards");
+  return detail::first_off_grid(plan.world_size, plan.documents, grid, &PackedDocument::shards, "shards");
 }
 
 /// The same for a per-rank plan, its documents numbered as to_documents

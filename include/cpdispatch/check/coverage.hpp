@@ -320,11 +320,17 @@ class CoverageCheck {
                                      std::pair{a.cu_seqlens_q.size(), "cu_seqlens_q"}, std::pair{a.cu_seqlens_kv.size(), "cu_seqlens_kv"}}) {
       if (rows != W_) fail(who_, ": attn.", name, " has ", rows, " ranks, but world_size = ", W_);
     }
-    check_entry_lists(a);
+    // attn.entries: empty (every query shard has its implicit entry) or one
+    // list per query shard of every rank.
+    if (!a.entries.empty() && a.entries.size() != W_) fail(who_, ": attn.entries has ", a.entries.size(), " ranks, but world_size = ", W_);
     rows_.resize(W_);
     for (std::size_t d = 0; d < W_; ++d) {
       rows_[d] = {a.seqlens_q[d], a.seqlens_kv[d], a.cu_seqlens_q[d], a.cu_seqlens_kv[d], {}};
-      if (!a.entries.empty()) rows_[d].entries = a.entries[d];
+      if (a.entries.empty()) continue;
+      if (a.entries[d].size() != a.seqlens_q[d].size()) {
+        fail(who_, ": attn.entries[", d, "] has ", a.entries[d].size(), " query shards, attn.seqlens_q[", d, "] has ", a.seqlens_q[d].size());
+      }
+      rows_[d].entries = a.entries[d];
     }
     finish_layout(a.mask);
   }
@@ -368,19 +374,6 @@ class CoverageCheck {
       }
       if (cu[g + 1] != cu[g] + len[g]) {
         fail(who_, ": ", cu_name, "[", d, "][", g + 1, "] = ", cu[g + 1], ", expected ", cu[g] + len[g], " (the prefix sum of ", len_name, ")");
-      }
-    }
-  }
-
-  /// attn.entries: empty (every query shard has its implicit entry) or one
-  /// list per query shard of every rank.
-  void check_entry_lists(const AttentionLayout& a) const {
-    const auto& entries = a.entries;
-    if (entries.empty()) return;
-    if (entries.size() != W_) fail(who_, ": attn.entries has ", entries.size(), " ranks, but world_size = ", W_);
-    for (std::size_t d = 0; d < W_; ++d) {
-      if (entries[d].size() != a.seqlens_q[d].size()) {
-        fail(who_, ": attn.entries[", d, "] has ", entries[d].size(), " query shards, attn.seqlens_q[", d, "] has ", a.seqlens_q[d].size());
       }
     }
   }

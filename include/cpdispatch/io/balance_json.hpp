@@ -174,8 +174,7 @@ inline BalanceOptions balance_options_from_json(const nlohmann::json& j) {
   const auto root = JsonPath::root("input");
   BalanceOptions options;
   const json* dedup = member(read_object(j, root), root, "dedup", false);
-  if (dedup && !dedup->is_boolean()) fail_at(root / "dedup", ": expected true or false, got ", describe(*dedup));
-  options.dedup = dedup && dedup->get<bool>();
+  options.dedup = dedup && read_bool(*dedup, root / "dedup");
   if (const json* hp = member(j, root, "head_parallel", false)) {
     if (!hp->is_string()) fail_at(root / "head_parallel", ": expected \"off\" or \"auto\", got ", describe(*hp));
     options.head_parallel = head_parallel_from_string(hp->get<std::string>(), (root / "head_parallel").str());

@@ -125,6 +125,11 @@ inline std::int64_t read_int(const json& j, const JsonPath& path) {
   fail_at(path, ": expected an integer, got ", describe(j));
 }
 
+inline bool read_bool(const json& j, const JsonPath& path) {
+  if (!j.is_boolean()) fail_at(path, ": expected true or false, got ", describe(j));
+  return j.get<bool>();
+}
+
 inline const json& read_array(const json& j, const JsonPath& path) {
   if (!j.is_array()) fail_at(path, ": expected an array, got ", describe(j));
   return j;
@@ -324,10 +329,7 @@ inline void read_value(const json& j, const JsonPath& path, std::optional<std::i
   read_value(j, path, out.emplace(), rule);
 }
 
-inline void read_value(const json& j, const JsonPath& path, bool& out, const fields::Rule&) {
-  if (!j.is_boolean()) fail_at(path, ": expected true or false, got ", describe(j));
-  out = j.get<bool>();
-}
+inline void read_value(const json& j, const JsonPath& path, bool& out, const fields::Rule&) { out = read_bool(j, path); }
 
 inline void read_value(const json& j, const JsonPath& path, AttentionMask& out, const fields::Rule&) { out = read_mask(j, path); }
 
@@ -415,10 +417,7 @@ void read_extra_keys(const json&, const JsonPath&, S&) {}
 
 /// A document's optional "head_parallel" (section 2f), true or false.
 inline void read_head_parallel(const json& obj, const JsonPath& path, PackedDocument& doc) {
-  const json* hp = member(obj, path, "head_parallel", false);
-  if (!hp) return;
-  if (!hp->is_boolean()) fail_at(path / "head_parallel", ": expected true or false, got ", describe(*hp));
-  doc.head_parallel = hp->get<bool>();
+  if (const json* hp = member(obj, path, "head_parallel", false)) doc.head_parallel = read_bool(*hp, path / "head_parallel");
 }
 
 /// A head-parallel document's shards need no "dst" (section 2f): where it is
@@ -694,8 +693,7 @@ inline Plan parse_plan(std::string_view text) { return plan_from_json(parse_json
 inline bool dedup_requested(const nlohmann::json& j) {
   const auto root = detail::JsonPath::root("plan");
   const nlohmann::json* d = j.is_object() ? detail::member(j, root, "dedup", false) : nullptr;
-  if (d && !d->is_boolean()) detail::fail_at(root / "dedup", ": expected true or false, got ", detail::describe(*d));
-  return d && d->get<bool>();
+  return d && detail::read_bool(*d, root / "dedup");
 }
 
 /// The topology of a plan or a balance input (docs/node-exchange.md):
@@ -749,10 +747,7 @@ inline Metadata metadata_from_json(const nlohmann::json& j, std::string_view nam
 
   const nlohmann::json& dst_rank = *member(j, path, "dst_rank", true);
   bool copies = detail::is_3d(dst_rank);
-  if (const nlohmann::json* h = member(j, path, "has_copies", false)) {
-    if (!h->is_boolean()) fail_at(path / "has_copies", ": expected true or false, got ", detail::describe(*h));
-    copies = h->get<bool>();
-  }
+  if (const nlohmann::json* h = member(j, path, "has_copies", false)) copies = detail::read_bool(*h, path / "has_copies");
   std::optional<std::size_t> C;
   if (const nlohmann::json* c = member(j, path, "num_copies", false)) {
     const auto p = path / "num_copies";
@@ -844,19 +839,16 @@ inline std::vector<std::vector<std::vector<AttentionEntry>>> read_entries(const 
 }
 
 /// One entry as [q0, q1, k0, k1, lo, hi], open ends null.
-inline json entry_json(const AttentionEntry& e) {
+inline json entries_json(const AttentionEntry& e) {
   return json::array({e.q_start, e.q_start + e.q_len, e.kv_start, e.kv_start + e.kv_len, e.band.bounded_below() ? json(e.band.lo) : json(nullptr),
                       e.band.bounded_above() ? json(e.band.hi) : json(nullptr)});
 }
 
-/// Per query shard, its entries.
-inline json entry_rows_json(const std::vector<std::vector<AttentionEntry>>& rows) {
+/// Lists of entries (per query shard or document, and per rank above that) as nested arrays.
+template <class T>
+json entries_json(const std::vector<T>& rows) {
   json out = json::array();
-  for (const auto& row : rows) {
-    json list = json::array();
-    for (const AttentionEntry& e : row) list.push_back(entry_json(e));
-    out.push_back(std::move(list));
-  }
+  for (const T& row : rows) out.push_back(entries_json(row));
   return out;
 }
 
@@ -878,14 +870,10 @@ inline AttentionLayout attention_layout_from_json(const nlohmann::json& j, std::
   a.max_seqlen_kv = ints("max_seqlen_kv");
   a.mask = detail::read_plan_mask(j, path);  // optional: causal when absent
   const std::size_t W = a.seqlens_q.size();
-  auto check = [&](std::string_view key, std::size_t n) {
+  for (const auto& [key, n] : {std::pair<std::string_view, std::size_t>{"seqlens_kv", a.seqlens_kv.size()}, {"cu_seqlens_q", a.cu_seqlens_q.size()},
+                               {"cu_seqlens_kv", a.cu_seqlens_kv.size()}, {"max_seqlen_q", a.max_seqlen_q.size()}, {"max_seqlen_kv", a.max_seqlen_kv.size()}}) {
     if (n != W) detail::fail_at(path / key, " has ", detail::entries(n), ", but seqlens_q has ", W);
-  };
-  check("seqlens_kv", a.seqlens_kv.size());
-  check("cu_seqlens_q", a.cu_seqlens_q.size());
-  check("cu_seqlens_kv", a.cu_seqlens_kv.size());
-  check("max_seqlen_q", a.max_seqlen_q.size());
-  check("max_seqlen_kv", a.max_seqlen_kv.size());
+  }
   if (const nlohmann::json* e = detail::member(j, path, "entries", false)) a.entries = detail::read_entries(*e, path / "entries", a.seqlens_q);
   return a;
 }
@@ -966,18 +954,12 @@ struct MetadataFields {
 /// has_copies, num_copies (C, 1 for 2-D) and mask_copies (C of
 /// seq_recv_mask, or null): they keep empty shapes exact on a round trip.
 inline nlohmann::json metadata_object(MetadataFields f) {
-  nlohmann::json j = nlohmann::json::object();
-  j["world_size"] = f.world_size;
-  j["has_copies"] = f.has_copies;
-  j["num_copies"] = f.num_copies;
-  j["dst_rank"] = std::move(f.dst_rank);
-  j["dst_offset"] = std::move(f.dst_offset);
-  j["seq_len"] = std::move(f.seq_len);
-  j["num_recv_tokens"] = std::move(f.num_recv_tokens);
-  j["num_seqs"] = std::move(f.num_seqs);
-  j["seq_recv_mask"] = std::move(f.seq_recv_mask);
-  j["mask_copies"] = std::move(f.mask_copies);
-  j["recv_seq_lens"] = std::move(f.recv_seq_lens);
+  nlohmann::json j = {{"world_size", f.world_size}, {"has_copies", f.has_copies}, {"num_copies", f.num_copies}};
+  for (const auto& [key, value] : {std::pair<const char*, nlohmann::json*>{"dst_rank", &f.dst_rank}, {"dst_offset", &f.dst_offset}, {"seq_len", &f.seq_len},
+                                   {"num_recv_tokens", &f.num_recv_tokens}, {"num_seqs", &f.num_seqs}, {"seq_recv_mask", &f.seq_recv_mask},
+                                   {"mask_copies", &f.mask_copies}, {"recv_seq_lens", &f.recv_seq_lens}}) {
+    j[key] = std::move(*value);
+  }
   return j;
 }
 
@@ -994,43 +976,38 @@ inline void to_json(nlohmann::json& j, const Metadata& m) {
                                m.recv_seq_lens ? tensor_to_json(*m.recv_seq_lens) : nlohmann::json(nullptr)});
 }
 
-inline void to_json(nlohmann::json& j, const AttentionLayout& a) {
-  j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
-       {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
-  j["mask"] = detail::mask_to_json(a.mask);
-  if (a.entries.empty()) return;  // a plan without slices: the layout reads as it always has
-  nlohmann::json rows = nlohmann::json::array();
-  for (const auto& rank : a.entries) rows.push_back(detail::entry_rows_json(rank));
-  j["entries"] = std::move(rows);
-}
-
-inline void to_json(nlohmann::json& j, const QueryMetadata& q) { j = {{"fwd", q.fwd}, {"rev", q.rev}}; }
-
 namespace detail {
 
-/// A head-parallel layout's row fields (global: per rank; one rank's: its row).
+/// An attention layout's fields (global: per rank; one rank's: its row).
+/// Entries only for a plan with slices: without, the layout reads as it always has.
+template <class Layout>
+nlohmann::json attention_object(const Layout& a) {
+  nlohmann::json j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
+                      {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
+  j["mask"] = mask_to_json(a.mask);
+  if (!a.entries.empty()) j["entries"] = entries_json(a.entries);
+  return j;
+}
+
+/// A head-parallel layout's fields, likewise.
 template <class Layout>
 nlohmann::json head_parallel_object(const Layout& a) {
   nlohmann::json j = {{"degree", a.degree},         {"documents", a.documents},   {"seqlens", a.seqlens},
                       {"cu_seqlens", a.cu_seqlens}, {"max_seqlen", a.max_seqlen}, {"group_rank", a.group_rank}};
   j["mask"] = mask_to_json(a.mask);
+  if (!a.entries.empty()) j["entries"] = entries_json(a.entries);
   return j;
 }
 
 }  // namespace detail
 
-inline void to_json(nlohmann::json& j, const HeadParallelLayout& a) {
-  j = detail::head_parallel_object(a);
-  if (a.entries.empty()) return;
-  nlohmann::json rows = nlohmann::json::array();
-  for (const auto& rank : a.entries) rows.push_back(detail::entry_rows_json(rank));
-  j["entries"] = std::move(rows);
-}
+inline void to_json(nlohmann::json& j, const AttentionLayout& a) { j = detail::attention_object(a); }
 
-inline void to_json(nlohmann::json& j, const RankHeadParallelLayout& a) {
-  j = detail::head_parallel_object(a);
-  if (!a.entries.empty()) j["entries"] = detail::entry_rows_json(a.entries);
-}
+inline void to_json(nlohmann::json& j, const QueryMetadata& q) { j = {{"fwd", q.fwd}, {"rev", q.rev}}; }
+
+inline void to_json(nlohmann::json& j, const HeadParallelLayout& a) { j = detail::head_parallel_object(a); }
+
+inline void to_json(nlohmann::json& j, const RankHeadParallelLayout& a) { j = detail::head_parallel_object(a); }
 
 inline void to_json(nlohmann::json& j, const QkvMetadata& q) {
   j = {{"q_fwd", q.q_fwd}, {"q_rev", q.q_rev}, {"kv_fwd", q.kv_fwd}, {"kv_rev", q.kv_rev}, {"attn", q.attn}};
@@ -1069,12 +1046,7 @@ inline void to_json(nlohmann::json& j, const RankMetadata& m) {
   j["rank"] = m.rank;
 }
 
-inline void to_json(nlohmann::json& j, const RankAttentionLayout& a) {
-  j = {{"seqlens_q", a.seqlens_q},       {"seqlens_kv", a.seqlens_kv},     {"cu_seqlens_q", a.cu_seqlens_q},
-       {"cu_seqlens_kv", a.cu_seqlens_kv}, {"max_seqlen_q", a.max_seqlen_q}, {"max_seqlen_kv", a.max_seqlen_kv}};
-  j["mask"] = detail::mask_to_json(a.mask);
-  if (!a.entries.empty()) j["entries"] = detail::entry_rows_json(a.entries);  // as the global layout: only for a plan with slices
-}
+inline void to_json(nlohmann::json& j, const RankAttentionLayout& a) { j = detail::attention_object(a); }
 
 inline void to_json(nlohmann::json& j, const RankQkvMetadata& m) {
   j = {{"rank", m.q_fwd.rank}, {"q_fwd", m.q_fwd}, {"q_rev", m.q_rev}, {"kv_fwd", m.kv_fwd}, {"kv_rev", m.kv_rev}, {"attn", m.attn}};

@@ -74,7 +74,8 @@ inline std::int64_t times(std::int64_t a, std::int64_t b) {
   return v;
 }
 
-inline PlanCost empty_cost(std::int64_t world_size, const PlanLimits& limits) {
+/// A zero cost of `world_size` ranks under `mask` (checked).
+inline PlanCost empty_cost(std::int64_t world_size, const PlanLimits& limits, const AttentionMask& mask = {}) {
   if (world_size <= 0) fail("plan_cost: world_size = ", world_size, " must be at least 1");
   const auto W = static_cast<std::size_t>(world_size);
   detail::check_footprint(limits, footprint::plan_cost(W), "plan_cost", detail::concat("the [W][W] byte matrix of world_size = ", W));
@@ -84,6 +85,8 @@ inline PlanCost empty_cost(std::int64_t world_size, const PlanLimits& limits) {
   out.head_parallel_attention.assign(W, 0);
   out.kv_tokens.assign(W, 0);
   out.bytes.assign(W * W, 0);
+  out.mask = mask;
+  detail::check_mask(mask);
   return out;
 }
 
@@ -253,9 +256,7 @@ inline void add_any_document(PlanCost& out, const std::vector<DocumentShard>& sh
 /// [0, W), a non-positive length or an empty document, and
 /// `documents[i].slices[j]` for a slice empty or outside its document.
 inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
-  PlanCost out = detail::cost::empty_cost(plan.world_size, limits);
-  out.mask = plan.mask;
-  detail::check_mask(plan.mask);
+  PlanCost out = detail::cost::empty_cost(plan.world_size, limits, plan.mask);
   detail::DocumentRanges need;
   std::vector<std::pair<std::size_t, std::int64_t>> held;
   const std::int64_t u = detail::has_head_parallel(plan) ? detail::head_parallel_degree(plan) : 1;
@@ -288,9 +289,7 @@ inline PlanCost plan_cost(const QkvDocumentsPlan& plan, std::int64_t q_bytes = 1
 /// one rank), counted as for the documents form.
 inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::int64_t kv_bytes = 1, const PlanLimits& limits = {}) {
   using detail::fail;
-  PlanCost out = detail::cost::empty_cost(plan.world_size, limits);
-  out.mask = plan.mask;
-  detail::check_mask(plan.mask);
+  PlanCost out = detail::cost::empty_cost(plan.world_size, limits, plan.mask);
   detail::DocumentRanges need;
   const auto W = static_cast<std::size_t>(plan.world_size);
   if (plan.ranks.size() != W) fail("plan_cost: ranks has ", plan.ranks.size(), " entries, but world_size = ", W);
@@ -300,16 +299,9 @@ inline PlanCost plan_cost(const QkvPlan& plan, std::int64_t q_bytes = 1, std::in
     const auto& docs = plan.ranks[r].docs;
     for (std::size_t i = 0; i < docs.size(); ++i) {
       const Document& doc = docs[i];
-      if (doc.dst.size() != doc.shard_len.size()) {
-        fail("plan_cost: ranks[", r, "].docs[", i, "].dst has ", doc.dst.size(), " entries but shard_len has ", doc.shard_len.size());
-      }
+      detail::check_rank_document(doc, r, i, plan.world_size, "plan_cost");
       shards.clear();
-      for (std::size_t s = 0; s < doc.shard_len.size(); ++s) {
-        const std::int64_t len = doc.shard_len[s], d = doc.dst[s];
-        if (len <= 0) fail("plan_cost: ranks[", r, "].docs[", i, "].shard_len[", s, "] = ", len, " must be positive");
-        if (d < 0 || d >= plan.world_size) fail("plan_cost: ranks[", r, "].docs[", i, "].dst[", s, "] = ", d, " is outside [0, ", W, ")");
-        shards.push_back({static_cast<std::int64_t>(r), len, d});
-      }
+      for (std::size_t s = 0; s < doc.shard_len.size(); ++s) shards.push_back({static_cast<std::int64_t>(r), doc.shard_len[s], doc.dst[s]});
       detail::cost::add_any_document(out, shards, q_bytes, kv_bytes, held, need);
     }
   }

@@ -37,14 +37,30 @@ struct RankHeadParallelLayout {
 
 namespace detail {
 
-/// An empty slice of rank `rank` with `copies` copies per entry.
-inline RankMetadata rank_slice(std::size_t rank, std::size_t W, bool has_copies, std::size_t copies) {
-  RankMetadata s;
+/// Empties a slice for reuse, keeping its vectors' memory. `mask_copies` > 0
+/// gives it an (empty) copy mask of that width.
+inline void reset_slice(RankMetadata& s, std::size_t rank, std::size_t W, bool has_copies, std::size_t copies, std::size_t mask_copies) {
   s.rank = static_cast<std::int64_t>(rank);
   s.world_size = static_cast<std::int64_t>(W);
   s.has_copies = has_copies;
   s.num_copies = copies;
+  s.dst_rank.clear();
+  s.dst_offset.clear();
+  s.seq_len.clear();
   s.num_recv_tokens.assign(W + 1, 0);
+  s.num_seqs = 0;
+  s.num_total_recv_tokens = 0;
+  s.mask_copies = mask_copies;
+  if (!keep_copy_mask(s, mask_copies > 0)) return;
+  s.seq_recv_mask->clear();
+  s.recv_seq_lens->clear();
+}
+
+/// An empty slice of rank `rank` with `copies` copies per entry (and a copy
+/// mask of width `mask_copies`, when not 0).
+inline RankMetadata rank_slice(std::size_t rank, std::size_t W, bool has_copies, std::size_t copies, std::size_t mask_copies = 0) {
+  RankMetadata s;
+  reset_slice(s, rank, W, has_copies, copies, mask_copies);
   return s;
 }
 
@@ -179,26 +195,22 @@ inline RankMetadata head_parallel_forward_slice(const ShardTable& t, const HeadP
 /// and the copy mask of R's own shards.
 inline RankMetadata head_parallel_reverse_slice(const ShardTable& t, const HeadParallelGroups& g, std::span<const std::int64_t> start,
                                                 std::span<const std::int64_t> total, std::size_t R) {
-  RankMetadata s = rank_slice(R, t.W, false, 1);
+  RankMetadata s = rank_slice(R, t.W, false, 1, g.u);
   const auto slab = static_cast<std::int64_t>(R % g.u);
   each_head_parallel_arrival(t, g, g.group_of_rank(R), [&](std::size_t id) {
     s.dst_rank.push_back(static_cast<std::int64_t>(t.home[id]));
     s.dst_offset.push_back(slab * total[t.home[id]] + start[id]);
     s.seq_len.push_back(t.len[id]);
   });
-  s.mask_copies = g.u;
-  std::vector<std::int64_t> mask, lens;
   const std::size_t first = g.group_of_rank(R) * g.u;
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p];
     const bool hp = t.head_parallel(id);
-    lens.push_back(t.len[id]);
-    mask.insert(mask.end(), g.u, hp ? 1 : 0);
+    s.recv_seq_lens->push_back(t.len[id]);
+    s.seq_recv_mask->insert(s.seq_recv_mask->end(), g.u, hp ? 1 : 0);
     if (!hp) continue;
     for (std::size_t c = 0; c < g.u; ++c) s.num_recv_tokens[first + c] += t.len[id];  // at most u x T_R
   }
-  s.seq_recv_mask = std::move(mask);
-  s.recv_seq_lens = std::move(lens);
   finish_slice(s, "plan_qkv");
   return s;
 }
@@ -240,13 +252,7 @@ inline void shape_metadata(Metadata& m, std::size_t W, std::size_t S, std::size_
   reuse_output<std::int64_t>(m.num_recv_tokens, {W, W + 1}, 0);
   reuse_output<std::int64_t>(m.num_seqs, {W}, 0);
   m.num_total_recv_tokens.assign(W, 0);
-  if (S_mask == 0) {
-    m.seq_recv_mask.reset();
-    m.recv_seq_lens.reset();
-    return;
-  }
-  if (!m.seq_recv_mask) m.seq_recv_mask.emplace();
-  if (!m.recv_seq_lens) m.recv_seq_lens.emplace();
+  if (!keep_copy_mask(m, S_mask > 0)) return;
   reuse_output<std::int64_t>(*m.seq_recv_mask, {W, S_mask, C_mask}, 0);
   reuse_output<std::int64_t>(*m.recv_seq_lens, {W, S_mask}, 0);
 }

@@ -71,6 +71,11 @@ std::uint64_t sat_mul(std::uint64_t a, std::uint64_t b, Ts... more) noexcept {
   return sat_mul(sat_mul(a, b), static_cast<std::uint64_t>(more)...);
 }
 
+template <class... Ts>
+std::uint64_t sat_add(std::uint64_t a, std::uint64_t b, Ts... more) noexcept {
+  return sat_add(sat_add(a, b), static_cast<std::uint64_t>(more)...);
+}
+
 /// "4.0 GiB (4294967296 bytes)"; "more than 16 EiB" for a saturated estimate.
 inline std::string bytes_text(std::uint64_t bytes) {
   if (bytes == saturated) return "more than 16 EiB";
@@ -101,14 +106,8 @@ namespace footprint {
 /// plan_query: forward and reverse count matrices [W][W+1], the forward
 /// [W][S][C] tensors, the reverse [W][Mq] ones, working [W][S] prefix sums.
 inline PlanFootprint query(std::uint64_t W, std::uint64_t S, std::uint64_t C, std::uint64_t Mq) {
-  using detail::sat_add;
   using detail::sat_mul;
-  std::uint64_t e = sat_mul(2, W, W + 1);
-  e = sat_add(e, sat_mul(4, W, S, C));
-  e = sat_add(e, sat_mul(3, W, Mq));
-  e = sat_add(e, sat_mul(2, W, S));
-  e = sat_add(e, sat_mul(8, W));
-  return {e, sat_mul(16, W, S + 1)};
+  return {detail::sat_add(sat_mul(2, W, W + 1), sat_mul(4, W, S, C), sat_mul(3, W, Mq), sat_mul(2, W, S), sat_mul(8, W)), sat_mul(16, W, S + 1)};
 }
 
 /// plan_qkv's shard table and KV groups (O(N + W)), built before the sizes
@@ -122,17 +121,10 @@ inline PlanFootprint shard_tables(std::uint64_t W, std::uint64_t N) {
 /// and copy mask, the [W][S] query tensors, the reverse [W][Mq] and [W][M]
 /// ones, the attention layout, plus the shard tables.
 inline PlanFootprint qkv(std::uint64_t W, std::uint64_t N, std::uint64_t S, std::uint64_t C, std::uint64_t Mq, std::uint64_t M) {
-  using detail::sat_add;
   using detail::sat_mul;
-  std::uint64_t e = sat_mul(4, W, W + 1);
-  e = sat_add(e, sat_mul(3, W, S, C));
-  e = sat_add(e, sat_mul(8, W, S));
-  e = sat_add(e, sat_mul(3, W, Mq));
-  e = sat_add(e, sat_mul(3, W, M));
-  e = sat_add(e, sat_mul(4, N));
-  e = sat_add(e, sat_mul(32, W));  // per-rank rows of the attention layout and totals
   PlanFootprint f = shard_tables(W, N);
-  f.elements = e;
+  f.elements = detail::sat_add(sat_mul(4, W, W + 1), sat_mul(3, W, S, C), sat_mul(8, W, S), sat_mul(3, W, Mq), sat_mul(3, W, M), sat_mul(4, N),
+                               sat_mul(32, W));  // the last: per-rank rows of the attention layout and totals
   return f;
 }
 
@@ -142,15 +134,9 @@ inline PlanFootprint qkv(std::uint64_t W, std::uint64_t N, std::uint64_t S, std:
 /// shard tables.
 inline PlanFootprint rank_share(std::uint64_t W, std::uint64_t N, std::uint64_t S_R, std::uint64_t C, std::uint64_t Q_R,
                                 std::uint64_t M_R) {
-  using detail::sat_add;
   using detail::sat_mul;
-  std::uint64_t e = sat_mul(16, W + 1);
-  e = sat_add(e, sat_mul(8, S_R, C));
-  e = sat_add(e, sat_mul(8, S_R));
-  e = sat_add(e, sat_mul(8, Q_R));
-  e = sat_add(e, sat_mul(8, M_R));
   PlanFootprint f = shard_tables(W, N);
-  f.elements = e;
+  f.elements = detail::sat_add(sat_mul(16, W + 1), sat_mul(8, S_R, C), sat_mul(8, S_R), sat_mul(8, Q_R), sat_mul(8, M_R));
   return f;
 }
 
@@ -159,12 +145,8 @@ inline PlanFootprint rank_share(std::uint64_t W, std::uint64_t N, std::uint64_t 
 /// shard) piece, and per attention entry its needed-set and user records,
 /// with the same again as one document's working copy.
 inline PlanFootprint slice_tables(std::uint64_t slices, std::uint64_t pieces, std::uint64_t entries) {
-  using detail::sat_add;
   using detail::sat_mul;
-  std::uint64_t work = sat_mul(48, slices);
-  work = sat_add(work, sat_mul(96, pieces));
-  work = sat_add(work, sat_mul(96, entries));
-  return {0, work};
+  return {0, detail::sat_add(sat_mul(48, slices), sat_mul(96, pieces), sat_mul(96, entries))};
 }
 
 /// Section 2e's attn.entries: seven integers an entry.
@@ -182,12 +164,8 @@ inline PlanFootprint query_rank_share(std::uint64_t W, std::uint64_t entries) {
 /// balancer cuts a document into at most C shards, and in practice into far
 /// fewer, so at most 64 are counted; zig-zag cuts it into 2W).
 inline PlanFootprint balance(std::uint64_t W, std::uint64_t pieces, std::uint64_t shards_per_piece) {
-  using detail::sat_add;
   using detail::sat_mul;
-  std::uint64_t work = sat_mul(128, W);
-  work = sat_add(work, sat_mul(256, pieces));
-  work = sat_add(work, sat_mul(48, pieces, shards_per_piece));
-  return {0, work};
+  return {0, detail::sat_add(sat_mul(128, W), sat_mul(256, pieces), sat_mul(48, pieces, shards_per_piece))};
 }
 
 /// plan_cost: the [W][W] byte matrix and per-rank totals.

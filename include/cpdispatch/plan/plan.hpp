@@ -293,6 +293,20 @@ inline void fill_query(const QueryInput& in, const RowPrefix& prefix, Metadata& 
   set_totals(rev, sent);
 }
 
+/// Gives `m` (global metadata or one rank's slice) a copy mask and its
+/// lengths when `wanted`, keeping their storage, else neither; returns `wanted`.
+template <class M>
+bool keep_copy_mask(M& m, bool wanted) {
+  if (!wanted) {
+    m.seq_recv_mask.reset();
+    m.recv_seq_lens.reset();
+    return false;
+  }
+  if (!m.seq_recv_mask) m.seq_recv_mask.emplace();
+  if (!m.recv_seq_lens) m.recv_seq_lens.emplace();
+  return true;
+}
+
 /// 1 where a copy exists: which slabs of the replica buffer come back.
 inline void copy_mask(const Tensor<std::int64_t>& dst_rank, std::optional<Tensor<std::int64_t>>& mask) {
   if (!mask) mask.emplace();
@@ -312,15 +326,9 @@ inline void plan_query_into(const Tensor<std::int64_t>& seq_len, const Tensor<st
   const RowPrefix prefix = row_prefix(seq_len, in.C, "plan_query");
   prepare_query(in, M, fwd, rev);
   fill_query(in, prefix, fwd, rev);
-  fwd.seq_recv_mask.reset();
-  fwd.recv_seq_lens.reset();
-  if (!in.copies) {
-    rev.seq_recv_mask.reset();
-    rev.recv_seq_lens.reset();
-    return;
-  }
+  keep_copy_mask(fwd, false);
+  if (!keep_copy_mask(rev, in.copies)) return;
   copy_mask(dispatch, rev.seq_recv_mask);
-  if (!rev.recv_seq_lens) rev.recv_seq_lens.emplace();
   reuse_copy(*rev.recv_seq_lens, seq_len);
 }
 
@@ -433,6 +441,18 @@ inline void check_mask(const AttentionMask& mask) {
   }
 }
 
+/// Document i of rank r of a per-rank plan: a destination per shard, in
+/// [0, world_size), and positive lengths; `who` starts the messages.
+inline void check_rank_document(const Document& doc, std::size_t r, std::size_t i, std::int64_t world_size, const char* who) {
+  if (doc.dst.size() != doc.shard_len.size()) {
+    fail(who, ": ranks[", r, "].docs[", i, "].dst has ", doc.dst.size(), " entries but shard_len has ", doc.shard_len.size());
+  }
+  for (std::size_t s = 0; s < doc.shard_len.size(); ++s) {
+    if (doc.shard_len[s] <= 0) fail(who, ": ranks[", r, "].docs[", i, "].shard_len[", s, "] = ", doc.shard_len[s], " must be positive");
+    if (doc.dst[s] < 0 || doc.dst[s] >= world_size) fail(who, ": ranks[", r, "].docs[", i, "].dst[", s, "] = ", doc.dst[s], " is outside [0, ", world_size, ")");
+  }
+}
+
 /// Validates a per-rank plan; returns C.
 inline std::size_t check_rank_plan(const QkvPlan& plan) {
   if (plan.world_size <= 0) fail("plan_qkv: world_size = ", plan.world_size, " must be at least 1");
@@ -441,17 +461,8 @@ inline std::size_t check_rank_plan(const QkvPlan& plan) {
   for (std::size_t r = 0; r < W; ++r) {
     const auto& docs = plan.ranks[r].docs;
     for (std::size_t i = 0; i < docs.size(); ++i) {
-      const Document& doc = docs[i];
-      if (doc.shard_len.empty()) fail("plan_qkv: ranks[", r, "].docs[", i, "].shard_len is empty (a document has at least one shard)");
-      if (doc.dst.size() != doc.shard_len.size()) {
-        fail("plan_qkv: ranks[", r, "].docs[", i, "].dst has ", doc.dst.size(), " entries but shard_len has ", doc.shard_len.size());
-      }
-      for (std::size_t s = 0; s < doc.shard_len.size(); ++s) {
-        if (doc.shard_len[s] <= 0) fail("plan_qkv: ranks[", r, "].docs[", i, "].shard_len[", s, "] = ", doc.shard_len[s], " must be positive");
-        if (doc.dst[s] < 0 || doc.dst[s] >= plan.world_size) {
-          fail("plan_qkv: ranks[", r, "].docs[", i, "].dst[", s, "] = ", doc.dst[s], " is outside [0, ", W, ")");
-        }
-      }
+      if (docs[i].shard_len.empty()) fail("plan_qkv: ranks[", r, "].docs[", i, "].shard_len is empty (a document has at least one shard)");
+      check_rank_document(docs[i], r, i, plan.world_size, "plan_qkv");
     }
   }
   check_mask(plan.mask);
@@ -1329,8 +1340,7 @@ inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std:
   reuse_output<std::int64_t>(fwd.dst_offset, {W, S, C}, 0);
   reuse_copy(fwd.seq_len, seq_len);
   reuse_copy(fwd.num_seqs, num_seqs);
-  fwd.seq_recv_mask.reset();
-  fwd.recv_seq_lens.reset();
+  keep_copy_mask(fwd, false);
   for (std::size_t r = 0; r < W; ++r) {
     for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
       const std::size_t id = t.by_rank[p], j = p - t.rank_begin[r];
@@ -1378,7 +1388,7 @@ inline void kv_reverse(const ShardTable& t, const KvGroups& g, const RowPrefix& 
   }
   kv_return_counts(t, rev.num_recv_tokens);
   rev.num_total_recv_tokens = row_totals(rev.num_recv_tokens);
-  if (!rev.recv_seq_lens) rev.recv_seq_lens.emplace();
+  keep_copy_mask(rev, true);
   reuse_copy(*rev.recv_seq_lens, seq_len);
 }
 
@@ -1469,11 +1479,10 @@ inline void check_qkv_footprint(const ShardTable& t, const KvGroups& g, const Pl
 /// the shards that come back ([W][S][1]) and gives their lengths.
 inline void query_return_mask(const Metadata& q_fwd, Metadata& q_rev) {
   const std::size_t W = q_fwd.dst_rank.size(0), S = q_fwd.dst_rank.size(1);
-  if (!q_rev.seq_recv_mask) q_rev.seq_recv_mask.emplace();
+  keep_copy_mask(q_rev, true);
   reuse_output<std::int64_t>(*q_rev.seq_recv_mask, {W, S, 1}, 0);
   for (std::size_t r = 0; r < W; ++r)
     for (std::size_t j = 0; j < S; ++j) (*q_rev.seq_recv_mask)(r, j, 0) = q_fwd.dst_rank(r, j) >= 0 ? 1 : 0;
-  if (!q_rev.recv_seq_lens) q_rev.recv_seq_lens.emplace();
   reuse_copy(*q_rev.recv_seq_lens, q_fwd.seq_len);
 }
 

@@ -116,17 +116,13 @@ inline RankMetadata q_forward_slice(const ShardTable& t, std::size_t R) {
 /// q_rev row of rank R: the query shards that attend on R, in arrival order,
 /// each returning to its place in its home's MLP layout.
 inline RankMetadata q_reverse_slice(const ShardTable& t, const KvGroups& g, const ShardPositions& pos, std::size_t R) {
-  RankMetadata s = rank_slice(R, t.W, false, 1);
+  // Section 2f: which of R's shards come back (see query_return_mask).
+  RankMetadata s = rank_slice(R, t.W, false, 1, t.has_head_parallel ? 1 : 0);
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
     s.dst_rank.push_back(static_cast<std::int64_t>(t.home[q]));
     s.dst_offset.push_back(pos.start[q]);
     s.seq_len.push_back(t.len[q]);
-  }
-  if (t.has_head_parallel) {  // section 2f: which of R's shards come back (see query_return_mask)
-    s.mask_copies = 1;
-    s.seq_recv_mask.emplace();
-    s.recv_seq_lens.emplace();
   }
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p];
@@ -164,7 +160,7 @@ inline RankMetadata kv_forward_slice(const ShardTable& t, const KvGroups& g, std
 /// kv_rev row of rank R: the KV shards of R's groups back to slab c of their
 /// home's replica buffer, and the mask of R's own shards' copies.
 inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, const ShardPositions& pos, std::size_t R) {
-  RankMetadata s = rank_slice(R, t.W, false, 1);
+  RankMetadata s = rank_slice(R, t.W, false, 1, t.C);
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     t.each_needed(g.arrivals[p], [&](std::size_t kv, std::int64_t, std::size_t c) {
       const std::size_t home = t.home[kv];
@@ -173,19 +169,16 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
       s.seq_len.push_back(t.len[kv]);
     });
   }
-  s.mask_copies = t.C;
-  std::vector<std::int64_t> mask, lens;
+  std::vector<std::int64_t>& mask = *s.seq_recv_mask;
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p], row = mask.size();
-    lens.push_back(t.len[id]);
+    s.recv_seq_lens->push_back(t.len[id]);
     mask.insert(mask.end(), t.C, 0);
     t.each_user(id, [&](std::size_t c, std::size_t q, std::int64_t) {
       mask[row + c] = 1;
       s.num_recv_tokens[static_cast<std::size_t>(t.dst[q])] += t.len[id];  // at most C x T_R
     });
   }
-  s.seq_recv_mask = std::move(mask);
-  s.recv_seq_lens = std::move(lens);
   finish_slice(s, "plan_qkv_for_rank");
   return s;
 }
@@ -279,31 +272,6 @@ struct RankPlanWorkspace {
 };
 
 namespace detail {
-
-/// Empties a slice for reuse, keeping its vectors' memory. `mask_copies` > 0
-/// gives it an (empty) copy mask of that width.
-inline void reset_slice(RankMetadata& s, std::size_t rank, std::size_t W, bool has_copies, std::size_t copies, std::size_t mask_copies) {
-  s.rank = static_cast<std::int64_t>(rank);
-  s.world_size = static_cast<std::int64_t>(W);
-  s.has_copies = has_copies;
-  s.num_copies = copies;
-  s.dst_rank.clear();
-  s.dst_offset.clear();
-  s.seq_len.clear();
-  s.num_recv_tokens.assign(W + 1, 0);
-  s.num_seqs = 0;
-  s.num_total_recv_tokens = 0;
-  s.mask_copies = mask_copies;
-  if (mask_copies == 0) {
-    s.seq_recv_mask.reset();
-    s.recv_seq_lens.reset();
-    return;
-  }
-  if (!s.seq_recv_mask) s.seq_recv_mask.emplace();
-  if (!s.recv_seq_lens) s.recv_seq_lens.emplace();
-  s.seq_recv_mask->clear();
-  s.recv_seq_lens->clear();
-}
 
 inline void reset_attention(RankAttentionLayout& a) {
   a.seqlens_q.clear();
@@ -633,15 +601,6 @@ inline void plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, RankQkvMet
   detail::keep_wire(plan.dedup, out, wire);
 }
 
-/// plan_qkv(plan).X.get_slice(rank) for every metadata X, and row `rank` of
-/// the attention layout, in O(shards + copies + W).
-inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
-  RankQkvMetadata out;
-  RankPlanWorkspace workspace;
-  plan_qkv_for_rank(plan, rank, out, workspace, nullptr, limits);
-  return out;
-}
-
 namespace detail {
 
 /// Rank R's slices of the deduplicated exchange of the shard table in
@@ -727,27 +686,38 @@ inline void plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, R
   detail::keep_wire(plan.dedup, out, wire);
 }
 
-/// The same for a plan in documents form.
-inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
+namespace detail {
+
+/// Rank `rank`'s share of a plan of either form in fresh storage; with
+/// `wire`, its dedup slices too.
+template <class Plan>
+RankQkvMetadata fresh_share(const Plan& plan, std::int64_t rank, RankKvWire* wire, const PlanLimits& limits) {
   RankQkvMetadata out;
   RankPlanWorkspace workspace;
-  plan_qkv_for_rank(plan, rank, out, workspace, nullptr, limits);
+  plan_qkv_for_rank(plan, rank, out, workspace, wire, limits);
   return out;
 }
-
-namespace detail {
 
 template <class Plan>
 RankKvWire kv_wire_for_rank(const Plan& plan, std::int64_t rank, const PlanLimits& limits) {
   (void)checked_rank(rank, plan.world_size, "plan_kv_wire_for_rank");
-  RankQkvMetadata share;
-  RankPlanWorkspace workspace;
   RankKvWire wire;
-  plan_qkv_for_rank(plan, rank, share, workspace, &wire, limits);
+  (void)fresh_share(plan, rank, &wire, limits);
   return wire;
 }
 
 }  // namespace detail
+
+/// plan_qkv(plan).X.get_slice(rank) for every metadata X, and row `rank` of
+/// the attention layout, in O(shards + copies + W).
+inline RankQkvMetadata plan_qkv_for_rank(const QkvPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
+  return detail::fresh_share(plan, rank, nullptr, limits);
+}
+
+/// The same for a plan in documents form.
+inline RankQkvMetadata plan_qkv_for_rank(const QkvDocumentsPlan& plan, std::int64_t rank, const PlanLimits& limits = {}) {
+  return detail::fresh_share(plan, rank, nullptr, limits);
+}
 
 /// plan_kv_wire(plan_qkv(plan)).get_slice(rank): rank `rank`'s slices of
 /// kv_wire_fwd and kv_wire_rev and its fan list, in O(shards + copies + W)

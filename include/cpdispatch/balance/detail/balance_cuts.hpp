@@ -165,9 +165,6 @@ inline std::int64_t min_max_shard(const std::vector<Range>& runs, const std::vec
   return min_max_shard_by(runs, c, [&](std::size_t i, std::int64_t limit) { return pieces_needed(runs[i].lo, runs[i].hi, limit, c, grids[i]); });
 }
 
-/// The cheapest largest shard of [0, len) cut into at most `c` contiguous shards.
-inline std::int64_t min_max_piece(std::int64_t len, std::int64_t c) noexcept { return min_max_shard({Range{0, len}}, c); }
-
 /// n + 1 boundaries cutting [a, b) into n shards of (nearly) equal cost,
 /// every shard at least one token (n <= b - a).
 inline std::vector<std::int64_t> equal_cost_cuts(std::int64_t a, std::int64_t b, std::int64_t n) {
