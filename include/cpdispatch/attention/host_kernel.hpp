@@ -164,11 +164,7 @@ class HostAttentionKernel {
     prepare_scratch(shape);
     query_cover_.build(entries, detail::attention::CoverSide::query);
     list_query_blocks(shape, entries);
-    auto body = [&](std::int64_t i, int w) {
-      forward_block(shape, entries, in, items_[static_cast<std::size_t>(i)], scratch_[static_cast<std::size_t>(w)], out,
-                    lse, z);
-    };
-    pool_->run(static_cast<std::int64_t>(items_.size()), body);
+    run_items([&](const WorkItem& item, ThreadScratch& t) { forward_block(shape, entries, in, item, t, out, lse, z); });
   }
 
   template <class E>
@@ -183,17 +179,9 @@ class HostAttentionKernel {
     key_cover_.build(entries, detail::attention::CoverSide::key);
     row_deltas(shape, out, dout, z);
     list_key_blocks(shape, entries);
-    auto kv_body = [&](std::int64_t i, int w) {
-      key_value_grad_block(shape, entries, in, lse, items_[static_cast<std::size_t>(i)],
-                           scratch_[static_cast<std::size_t>(w)], dk, dv, z);
-    };
-    pool_->run(static_cast<std::int64_t>(items_.size()), kv_body);
+    run_items([&](const WorkItem& item, ThreadScratch& t) { key_value_grad_block(shape, entries, in, lse, item, t, dk, dv, z); });
     list_query_blocks(shape, entries);
-    auto q_body = [&](std::int64_t i, int w) {
-      query_grad_block(shape, entries, in, lse, items_[static_cast<std::size_t>(i)],
-                       scratch_[static_cast<std::size_t>(w)], dq, z);
-    };
-    pool_->run(static_cast<std::int64_t>(items_.size()), q_body);
+    run_items([&](const WorkItem& item, ThreadScratch& t) { query_grad_block(shape, entries, in, lse, item, t, dq, z); });
   }
 
   /// Invariant mode (attention/invariant.hpp): out and lse bitwise the same
@@ -210,11 +198,7 @@ class HostAttentionKernel {
     prepare_invariant(shape, in, z);
     query_cover_.build(entries, detail::attention::CoverSide::query);
     list_query_blocks(shape, entries);
-    auto body = [&](std::int64_t i, int w) {
-      invariant_forward_block(shape, grid, entries, in, items_[static_cast<std::size_t>(i)],
-                              scratch_[static_cast<std::size_t>(w)], out, lse, z);
-    };
-    pool_->run(static_cast<std::int64_t>(items_.size()), body);
+    run_items([&](const WorkItem& item, ThreadScratch& t) { invariant_forward_block(shape, grid, entries, in, item, t, out, lse, z); });
   }
 
   /// Invariant mode: dq (written, rounded once per element) bitwise the same
@@ -237,17 +221,9 @@ class HostAttentionKernel {
     key_cover_.build(entries, detail::attention::CoverSide::key);
     row_deltas(shape, out, dout, z);
     list_key_blocks(shape, entries);
-    auto kv_body = [&](std::int64_t i, int w) {
-      invariant_kv_grad_block(shape, grid, entries, in, lse, items_[static_cast<std::size_t>(i)],
-                              scratch_[static_cast<std::size_t>(w)], kv, z);
-    };
-    pool_->run(static_cast<std::int64_t>(items_.size()), kv_body);
+    run_items([&](const WorkItem& item, ThreadScratch& t) { invariant_kv_grad_block(shape, grid, entries, in, lse, item, t, kv, z); });
     list_query_blocks(shape, entries);
-    auto q_body = [&](std::int64_t i, int w) {
-      invariant_query_grad_block(shape, grid, entries, in, lse, items_[static_cast<std::size_t>(i)],
-                                 scratch_[static_cast<std::size_t>(w)], dq, z);
-    };
-    pool_->run(static_cast<std::int64_t>(items_.size()), q_body);
+    run_items([&](const WorkItem& item, ThreadScratch& t) { invariant_query_grad_block(shape, grid, entries, in, lse, item, t, dq, z); });
   }
 
  private:
@@ -318,38 +294,40 @@ class HostAttentionKernel {
   /// One item per (query segment, query head, query block), the costliest
   /// first; a block's cost counts the keys of every entry covering it.
   void list_query_blocks(const AttentionShape& s, std::span<const AttentionEntry> entries) {
+    list_blocks(query_cover_, options_.block_q, s.heads_q, entries, &detail::attention::block_keys);
+  }
+
+  /// One item per (key segment, key-value head, key block), the costliest
+  /// first; a block's cost counts the query rows of every entry seeing it.
+  void list_key_blocks(const AttentionShape& s, std::span<const AttentionEntry> entries) {
+    list_blocks(key_cover_, options_.block_kv, s.heads_kv, entries, &detail::attention::rows_seeing);
+  }
+
+  /// The items of `cover`'s segments in blocks of `block` rows, each costed
+  /// by the rows `across(entry, first, end)` gives on the other side.
+  void list_blocks(const detail::attention::RowCover& cover, std::int64_t block, std::int64_t heads, std::span<const AttentionEntry> entries,
+                   RowRun (*across)(const AttentionEntry&, std::int64_t, std::int64_t)) {
     items_.clear();
-    const auto segments = query_cover_.segments();
+    const auto segments = cover.segments();
     for (std::size_t g = 0; g < segments.size(); ++g) {
-      for (std::int64_t j = segments[g].begin; j < segments[g].end; j += options_.block_q) {
-        const std::int64_t j1 = std::min(segments[g].end, j + options_.block_q);
+      for (std::int64_t b = segments[g].begin; b < segments[g].end; b += block) {
+        const std::int64_t b1 = std::min(segments[g].end, b + block);
         std::int64_t cost = 0;
-        for (std::int64_t id : query_cover_.entries_of(segments[g])) {
-          const RowRun keys = detail::attention::block_keys(entry(entries, id), j, j1);
-          cost += (j1 - j) * (keys.end - keys.begin + 1);
+        for (std::int64_t id : cover.entries_of(segments[g])) {
+          const RowRun other = across(entry(entries, id), b, b1);
+          cost += (b1 - b) * (other.end - other.begin + 1);
         }
-        for (std::int64_t h = 0; h < s.heads_q; ++h) items_.push_back({static_cast<std::int64_t>(g), h, j, cost});
+        for (std::int64_t h = 0; h < heads; ++h) items_.push_back({static_cast<std::int64_t>(g), h, b, cost});
       }
     }
     sort_items();
   }
 
-  /// One item per (key segment, key-value head, key block), the costliest first.
-  void list_key_blocks(const AttentionShape& s, std::span<const AttentionEntry> entries) {
-    items_.clear();
-    const auto segments = key_cover_.segments();
-    for (std::size_t g = 0; g < segments.size(); ++g) {
-      for (std::int64_t t = segments[g].begin; t < segments[g].end; t += options_.block_kv) {
-        const std::int64_t t1 = std::min(segments[g].end, t + options_.block_kv);
-        std::int64_t cost = 0;
-        for (std::int64_t id : key_cover_.entries_of(segments[g])) {
-          const RowRun rows = detail::attention::rows_seeing(entry(entries, id), t, t1);
-          cost += (t1 - t) * (rows.end - rows.begin + 1);
-        }
-        for (std::int64_t h = 0; h < s.heads_kv; ++h) items_.push_back({static_cast<std::int64_t>(g), h, t, cost});
-      }
-    }
-    sort_items();
+  /// Runs f(item, the running thread's scratch) for every listed item on the pool.
+  template <class F>
+  void run_items(F&& f) {
+    auto body = [&](std::int64_t i, int w) { f(items_[static_cast<std::size_t>(i)], scratch_[static_cast<std::size_t>(w)]); };
+    pool_->run(static_cast<std::int64_t>(items_.size()), body);
   }
 
   void sort_items() {

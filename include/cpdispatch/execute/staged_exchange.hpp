@@ -76,13 +76,10 @@ auto pack_sums(T& transport, const void* send, std::span<const std::size_t> send
 /// A pack's copy of `list`, checksumming what it writes where `sums` (from pack_sums) says.
 template <class Path, class Sums>
 void pack_copy(const Path& path, PieceList list, const std::byte* in, std::byte* staging, Sums sums) {
-  if constexpr (std::is_null_pointer_v<Sums>) {
-    path.copy(list, in, staging);
-  } else if (sums) {
-    path.copy(list, in, staging, *sums);
-  } else {
-    path.copy(list, in, staging);
+  if constexpr (!std::is_null_pointer_v<Sums>) {
+    if (sums) return path.copy(list, in, staging, *sums);
   }
+  path.copy(list, in, staging);
 }
 
 /// Registers `ex`'s three piece lists with `path` (between its clear() and
