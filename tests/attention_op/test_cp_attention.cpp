@@ -531,4 +531,42 @@ TEST(CpAttentionTrace, RecordsEveryPartOfAStepOnEveryRank) {
   EXPECT_NE(text.find("\"name\":\"rank 3\""), std::string::npos);
 }
 
+/// With stages, a head-parallel document is attended in the round its last
+/// slab arrives, not after every round: on some rank a head-parallel
+/// kernel pass runs before the wait for the last stage group, forward and
+/// backward, and the results are whole-document attention.
+TEST(CpAttentionTrace, HeadParallelDocumentsAreAttendedInTheRoundTheyAreWhole) {
+  const int W = 4;
+  const AttentionShape shape{4, 4, 4, 0.45f};
+  const cpdispatch::QkvDocumentsPlan plan =
+      attention_test::with_head_parallel(attention_test::random_plan(W, 61, AttentionMask::causal(), false), W, 61);
+  const CpWorld world(plan, shape, AttentionMask::causal(), 61, attention_test::round_to<float>);
+  const auto origin = cpdispatch::StepTrace::Clock::now();
+  std::vector<cpdispatch::StepTrace> traces;
+  for (int r = 0; r < W; ++r) traces.emplace_back(r, origin);
+  cpdispatch::SimWorld sim(W, cpdispatch::SimOptions{sim_test::hang_timeout});
+  const auto results = attention_test::on_every_rank(sim, world, [&](cpdispatch::SimTransport& t, const cpdispatch::RankQkvMetadata& share) {
+    CpAttentionOptions o{false, 3};
+    o.trace = &traces[static_cast<std::size_t>(t.rank())];
+    cpdispatch::ContextParallelAttention<cpdispatch::SimTransport, float, ExactKernel> op(t, share, shape, o);
+    return attention_test::step<float>(op, world.tensors(static_cast<std::size_t>(t.rank())));
+  });
+  world.expect_equal(results, 1e-5);
+  // Three stages: stage groups 0 and 1; the inputs' wait for group 1 is the call's first wait of group 1.
+  for (const std::string call : {"forward", "backward"}) {
+    bool early = false;
+    for (const cpdispatch::StepTrace& trace : traces) {
+      std::size_t first_hp = trace.events().size(), last_group = trace.events().size();
+      for (std::size_t i = 0; i < trace.events().size(); ++i) {
+        const cpdispatch::TraceEvent& e = trace.events()[i];
+        if (call != e.call) continue;
+        if (std::string(e.name) == "kernel (head-parallel)") first_hp = std::min(first_hp, i);
+        if (std::string(e.name) == "wait" && e.group == 1) last_group = std::min(last_group, i);
+      }
+      early = early || first_hp < last_group;
+    }
+    EXPECT_TRUE(early) << call << ": every rank attends its head-parallel documents only after the last stage group has arrived";
+  }
+}
+
 }  // namespace

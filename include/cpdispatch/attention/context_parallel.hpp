@@ -277,7 +277,7 @@ class ContextParallelAttention {
     dout_in_.reserve(mlp * hq * e, tq * hq * e, pieces);
     for (Exchange* x : {&out_home_, &grads_home_}) x->reserve(tq * hq * e, mlp * hq * e, pieces);
     kv_out_.reserve(2 * tk * hk * e, copies * mlp * 2 * hk * e, pieces);
-    calls_.reserve(pieces + 1);
+    calls_.reserve(pieces + W + 1);
     fan_.reserve(n(c.shards), pieces);
   }
 
@@ -327,6 +327,7 @@ class ContextParallelAttention {
     lay_out_entries();
     stage_plan_.build(entries_, entry_begin_, layout_.cu_seqlens_q, layout_.cu_seqlens_kv, share.q_rev, share.kv_rev, me, W, groups_,
                       attention_kernel_folds_shared_rows<Kernel>(), who);
+    hp_.cut_rounds(share.hp_rev, stage_plan_.rounds(), [&](std::int64_t home) { return stage_plan_.round_of(home); });
     size_buffers();
     path_.clear();
     lay_out_exchanges(me, W);
@@ -375,10 +376,10 @@ class ContextParallelAttention {
       traced("kernel", call, -1, 0, [&] {
         kernel_.forward(shape_, std::span<const AttentionEntry>(entries_), read(q_attn_), read(k_attn_), read(v_attn_), view(out_attn_), view(lse_));
       });
+      attend_head_parallel(true, 0);
     } else {
       forward_by_stages(call, in);
     }
-    if (hp_.active() && !options_.invariant) traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_forward(kernel_, path_); });
     const auto back = outputs_home(out.data());
     exchange_all(call, out_home_, with_head_parallel(back));
     forward_done_ = true;
@@ -402,10 +403,10 @@ class ContextParallelAttention {
       });
       fan_in(0);  // one round: every shard's copies
       post_kv_gradients(call, kv, 0);
+      attend_head_parallel(false, 0);  // while the dispatched key-value gradients travel
     } else {
       backward_by_stages(call, in, kv);
     }
-    if (hp_.active()) traced("kernel (head-parallel)", call, -1, 0, [&] { hp_.attend_backward(kernel_, path_); });  // while the dispatched key-value gradients travel
     finish_kv_gradients(call, kv, dk, dv);  // before the head-parallel gradients land in dk and dv (its sum writes every token)
     const auto back = gradients_home(dq.data(), dk.data(), dv.data());
     exchange_all(call, grads_home_, with_head_parallel(back));
@@ -523,7 +524,10 @@ class ContextParallelAttention {
       for (const detail::StagePass& pass : stage_plan_.passes()) {
         if (groups_ > 0) calls_.push_back(parts_of(pass));
       }
-      if (!hp_.entries().empty()) calls_.push_back(hp_.entries());
+      for (int round = 0; round < hp_.rounds() && !options_.invariant; ++round) {
+        if (!hp_.round_entries(round).empty()) calls_.push_back(hp_.round_entries(round));
+      }
+      if (options_.invariant && !hp_.entries().empty()) calls_.push_back(hp_.entries());
       kernel_.prepare(std::span<const std::span<const AttentionEntry>>(calls_));
     }
   }
@@ -698,6 +702,7 @@ class ContextParallelAttention {
       if (round > 0) await_group(call, fwd_in_, in, round - 1);
       fan_out(round);
       for (; next < passes.size() && passes[next].round == round; ++next) attend_forward(parts_of(passes[next]), round);
+      attend_head_parallel(true, round);  // the documents whole by now, while later rounds travel
     }
     path_.store(acc_.data(), out_attn_.data(), acc_.size());
   }
@@ -729,6 +734,7 @@ class ContextParallelAttention {
         fan_in(posted + 1);
         post_kv_gradients(call, kv, posted);
       }
+      attend_head_parallel(false, round);
     }
     path_.store(acc_.data(), dq_attn_.data(), acc_.size());
   }
@@ -742,6 +748,15 @@ class ContextParallelAttention {
                        view(dk_attn_), view(dv_attn_));
     });
     traced("merge", "backward", round, 0, [&] { path_.accumulate(acc_.data(), out_part_.data(), acc_.size()); });
+  }
+
+  /// The head-parallel documents whose slabs (forward: Q, K, V; backward:
+  /// dout) are all here by round `round`: the kernel over them.
+  void attend_head_parallel(bool forward, int round) {
+    if (!hp_.active()) return;
+    const auto attend = [&] { if (forward) hp_.attend_forward(kernel_, path_, round); else hp_.attend_backward(kernel_, path_, round); };
+    if (hp_.round_entries(round).empty()) return attend();  // no kernel pass (round 0 may still clear rows no entry covers)
+    traced("kernel (head-parallel)", forward ? "forward" : "backward", round, 0, attend);
   }
 
   /// Posts group `g`'s KV gradients home (with one group, every peer's).

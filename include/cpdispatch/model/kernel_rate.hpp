@@ -278,7 +278,7 @@ inline KernelRate fit_kernel_rate(std::span<const KernelSample> samples, double 
 }
 
 /// One rank's compute seconds, forward and backward, and of them the
-/// head-parallel documents' (which the op attends after the dispatched ones).
+/// head-parallel documents' (which the op attends after each round's dispatched passes).
 struct ComputeSeconds {
   double forward = 0, backward = 0;
   double head_parallel_forward = 0, head_parallel_backward = 0;

@@ -383,16 +383,18 @@ inline double max_kv_tokens_per_rank(const Metadata& kv_fwd, bool dedup) {
 /// those the op makes: forward, the queries, the key-values (flat or
 /// deduplicated) and the head-parallel documents' slabs (section 2f) ride
 /// one post out, in `stages` stage groups that the dispatched attention
-/// overlaps; the head-parallel documents are attended once all have
+/// overlaps; the head-parallel documents are priced as attended once all have
 /// arrived, and the outputs of both parts ride one post home after the
 /// kernel. Backward, the output gradients come in stage groups and the
 /// dispatched key-value gradients leave as each group's are done, both
 /// overlapped with the dispatched attention; then the head-parallel
 /// documents' backward, and the query gradients of both parts with the
 /// head-parallel key-value gradients ride one post home. The node-level
-/// exchange's key-values take their own two phases each way. (The op's
-/// head-parallel backward also overlaps the last key-value gradients'
-/// travel, which this does not count: backward is priced high by at most
+/// exchange's key-values take their own two phases each way. (The op
+/// attends a head-parallel document in the round its last slab arrives,
+/// and its head-parallel backward also overlaps the last key-value
+/// gradients' travel, which this does not count: the step is priced high by
+/// at most the work of documents whole before the last round and, backward,
 /// the smaller of the two.) A head-parallel document's work counts 1/u on
 /// each rank of its group, as plan_cost counts it.
 inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,

@@ -249,27 +249,67 @@ class HeadParallelPart {
     path.copy(kv_from_slabs_, bytes(v_slabs_), dv);
   }
 
-  /// The kernel's forward over this rank's head-parallel documents (after their exchange).
+  /// Orders the entries by the round in which every slab of their document
+  /// has arrived (the latest `round_of(home)` of its shards' homes, as the
+  /// op's stage plan gives it; `rounds` rounds), so that the op attends a
+  /// round's documents as soon as they are whole, while later rounds
+  /// travel. hp_rev lists this rank's layout shard by shard, with each one's
+  /// home. Documents are independent: the bits do not depend on the cut.
+  template <class RoundOf>
+  void cut_rounds(const RankMetadata& hp_rev, int rounds, RoundOf round_of) {
+    round_begin_.assign(static_cast<std::size_t>(rounds) + 1, 0);
+    if (!active_) return;
+    const auto& cu = layout_.cu_seqlens;
+    doc_round_.assign(cu.size() - 1, 0);
+    std::size_t d = 0;
+    std::int64_t at = 0;
+    for (std::size_t j = 0; j < hp_rev.seq_len.size(); at += hp_rev.seq_len[j++]) {
+      while (d + 1 < doc_round_.size() && cu[d + 1] <= at) ++d;  // the document holding row `at`
+      if (d < doc_round_.size()) doc_round_[d] = std::max(doc_round_[d], round_of(hp_rev.dst_rank[j]));
+    }
+    const auto round_of_entry = [&](const AttentionEntry& e) {
+      return doc_round_[static_cast<std::size_t>(std::upper_bound(cu.begin(), cu.end(), e.q_start) - cu.begin() - 1)];
+    };
+    for (const AttentionEntry& e : entries_) ++round_begin_[static_cast<std::size_t>(round_of_entry(e)) + 1];
+    for (std::size_t r = 1; r < round_begin_.size(); ++r) round_begin_[r] += round_begin_[r - 1];
+    by_round_.resize(entries_.size());
+    std::vector<std::size_t>& next = round_next_;
+    next.assign(round_begin_.begin(), round_begin_.end() - 1);
+    for (const AttentionEntry& e : entries_) by_round_[next[static_cast<std::size_t>(round_of_entry(e))]++] = e;
+  }
+
+  /// The entries of the documents whole in round `round` (cut_rounds).
+  std::span<const AttentionEntry> round_entries(int round) const noexcept {
+    const auto r = static_cast<std::size_t>(round);
+    return std::span<const AttentionEntry>(by_round_).subspan(round_begin_[r], round_begin_[r + 1] - round_begin_[r]);
+  }
+  int rounds() const noexcept { return static_cast<int>(round_begin_.size()) - 1; }
+
+  /// The kernel's forward over the head-parallel documents whole in round
+  /// `round` (once it has arrived); round 0 first clears the rows no entry covers.
   template <class Kernel>
-  void attend_forward(Kernel& kernel, const Path& path) {
+  void attend_forward(Kernel& kernel, const Path& path, int round) {
     if (!active_ || entries_.empty()) return;
-    if (stray_rows_) {
+    if (round == 0 && stray_rows_) {
       path.zero(out(), out_.size() * sizeof(E));
       path.fill(lse_.data(), lse_.size(), -std::numeric_limits<float>::infinity());
     }
-    kernel.forward(shape_, std::span<const AttentionEntry>(entries_), read(q_), read(k_), read(v_), view(out_), view(lse_));
+    const auto entries = round_entries(round);
+    if (!entries.empty()) kernel.forward(shape_, entries, read(q_), read(k_), read(v_), view(out_), view(lse_));
   }
 
   template <class Kernel>
-  void attend_backward(Kernel& kernel, const Path& path) {
+  void attend_backward(Kernel& kernel, const Path& path, int round) {
     if (!active_ || entries_.empty()) return;
-    if (stray_rows_) path.zero(dq(), dq_.size() * sizeof(E));
-    if (stray_keys_) {
+    if (round == 0 && stray_rows_) path.zero(dq(), dq_.size() * sizeof(E));
+    if (round == 0 && stray_keys_) {
       path.zero(dk(), dk_.size() * sizeof(E));
       path.zero(dv(), dv_.size() * sizeof(E));
     }
-    kernel.backward(shape_, std::span<const AttentionEntry>(entries_), read(q_), read(k_), read(v_), read(out_), read(lse_), read(dout_),
-                    view(dq_), view(dk_), view(dv_));
+    const auto entries = round_entries(round);
+    if (!entries.empty()) {
+      kernel.backward(shape_, entries, read(q_), read(k_), read(v_), read(out_), read(lse_), read(dout_), view(dq_), view(dk_), view(dv_));
+    }
   }
 
   /// The invariant mode's forward (attention/invariant.hpp): the documents
@@ -429,7 +469,9 @@ class HeadParallelPart {
   std::vector<CopyPiece> kv_back_;  // slabs -> MLP layout
   KvFanList fan_;
   std::size_t kv_from_slabs_ = 0, kv_fan_ = 0;
-  std::vector<AttentionEntry> entries_;
+  std::vector<AttentionEntry> entries_, by_round_;  // by_round_: the entries by round (cut_rounds), round r's from round_begin_[r]
+  std::vector<int> doc_round_;
+  std::vector<std::size_t> round_begin_{0}, round_next_;
   attention::RowCover cover_;
   bool stray_rows_ = false, stray_keys_ = false;
   owned<E> k_slabs_, v_slabs_, q_, k_, v_, out_, dout_, dq_, dk_, dv_;
