@@ -47,6 +47,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <tuple>
@@ -314,24 +315,31 @@ class CoverageCheck {
     W_ = static_cast<std::size_t>(plan_.world_size);
   }
 
-  void read_layout(const AttentionLayout& a) {
-    // Compared with the layout before anything of size W is allocated.
-    for (const auto& [rows, name] : {std::pair{a.seqlens_q.size(), "seqlens_q"}, std::pair{a.seqlens_kv.size(), "seqlens_kv"},
-                                     std::pair{a.cu_seqlens_q.size(), "cu_seqlens_q"}, std::pair{a.cu_seqlens_kv.size(), "cu_seqlens_kv"}}) {
-      if (rows != W_) fail(who_, ": attn.", name, " has ", rows, " ranks, but world_size = ", W_);
-    }
-    // attn.entries: empty (every query shard has its implicit entry) or one
-    // list per query shard of every rank.
-    if (!a.entries.empty() && a.entries.size() != W_) fail(who_, ": attn.entries has ", a.entries.size(), " ranks, but world_size = ", W_);
-    rows_.resize(W_);
+  /// row(d) of each rank of a global layout (`field`: "attn" or "hp_attn"), its per-rank lists (`sizes`)
+  /// compared with world_size before anything of size W is allocated; entries: empty (every item has its
+  /// implicit entry) or one list per item of `items` (key `items_key`) of every rank.
+  template <class Row, class MakeRow>
+  void read_rows(std::vector<Row>& rows, const char* field, std::initializer_list<std::pair<std::size_t, const char*>> sizes,
+                 const std::vector<std::vector<std::vector<AttentionEntry>>>& entries, const std::vector<std::vector<I>>& items,
+                 const char* items_key, const char* item, MakeRow row) {
+    for (const auto& [n, name] : sizes)
+      if (n != W_) fail(who_, ": ", field, ".", name, " has ", n, " ranks, but world_size = ", W_);
+    if (!entries.empty() && entries.size() != W_) fail(who_, ": ", field, ".entries has ", entries.size(), " ranks, but world_size = ", W_);
+    rows.resize(W_);
     for (std::size_t d = 0; d < W_; ++d) {
-      rows_[d] = {a.seqlens_q[d], a.seqlens_kv[d], a.cu_seqlens_q[d], a.cu_seqlens_kv[d], {}};
-      if (a.entries.empty()) continue;
-      if (a.entries[d].size() != a.seqlens_q[d].size()) {
-        fail(who_, ": attn.entries[", d, "] has ", a.entries[d].size(), " query shards, attn.seqlens_q[", d, "] has ", a.seqlens_q[d].size());
+      rows[d] = row(d);
+      if (entries.empty()) continue;
+      if (entries[d].size() != items[d].size()) {
+        fail(who_, ": ", field, ".entries[", d, "] has ", entries[d].size(), " ", item, ", ", field, ".", items_key, "[", d, "] has ", items[d].size());
       }
-      rows_[d].entries = a.entries[d];
+      rows[d].entries = entries[d];
     }
+  }
+
+  void read_layout(const AttentionLayout& a) {
+    read_rows(rows_, "attn", {{a.seqlens_q.size(), "seqlens_q"}, {a.seqlens_kv.size(), "seqlens_kv"}, {a.cu_seqlens_q.size(), "cu_seqlens_q"},
+                              {a.cu_seqlens_kv.size(), "cu_seqlens_kv"}}, a.entries, a.seqlens_q, "seqlens_q", "query shards",
+              [&](std::size_t d) { return LayoutRow{a.seqlens_q[d], a.seqlens_kv[d], a.cu_seqlens_q[d], a.cu_seqlens_kv[d], {}}; });
     finish_layout(a.mask);
   }
 
@@ -982,20 +990,10 @@ class CoverageCheck {
   }
 
   void read_head_parallel_layout(const HeadParallelLayout& a) {
-    for (const auto& [rows, name] : {std::pair{a.documents.size(), "documents"}, std::pair{a.seqlens.size(), "seqlens"},
-                                     std::pair{a.cu_seqlens.size(), "cu_seqlens"}, std::pair{a.group_rank.size(), "group_rank"}}) {
-      if (rows != W_) fail(who_, ": hp_attn.", name, " has ", rows, " ranks, but world_size = ", W_);
-    }
-    if (!a.entries.empty() && a.entries.size() != W_) fail(who_, ": hp_attn.entries has ", a.entries.size(), " ranks, but world_size = ", W_);
-    hp_rows_.resize(W_);
-    for (std::size_t d = 0; d < W_; ++d) {
-      hp_rows_[d] = {a.documents[d], a.seqlens[d], a.cu_seqlens[d], a.group_rank[d], {}};
-      if (a.entries.empty()) continue;
-      if (a.entries[d].size() != a.documents[d].size()) {
-        fail(who_, ": hp_attn.entries[", d, "] has ", a.entries[d].size(), " documents, hp_attn.documents[", d, "] has ", a.documents[d].size());
-      }
-      hp_rows_[d].entries = a.entries[d];
-    }
+    read_rows(hp_rows_, "hp_attn",
+              {{a.documents.size(), "documents"}, {a.seqlens.size(), "seqlens"}, {a.cu_seqlens.size(), "cu_seqlens"}, {a.group_rank.size(), "group_rank"}},
+              a.entries, a.documents, "documents", "documents",
+              [&](std::size_t d) { return HeadParallelRow{a.documents[d], a.seqlens[d], a.cu_seqlens[d], a.group_rank[d], {}}; });
     finish_head_parallel_layout(a.mask, 0, W_);
   }
 

@@ -104,18 +104,6 @@ inline std::vector<std::vector<std::int64_t>> read_rank_documents(const json& j,
   return out;
 }
 
-/// The integer member `key` of a balance input, at least `min`; `fallback`
-/// when it is absent and not `required`.
-inline std::int64_t read_int_at_least(const json& j, const JsonPath& root, std::string_view key, std::int64_t min, bool required,
-                                      std::int64_t fallback) {
-  const json* v = member(j, root, key, required);
-  if (!v) return fallback;
-  const JsonPath path = root / key;
-  const std::int64_t x = read_int(*v, path);
-  if (x < min) fail_at(path, " = ", x, " must be at least ", min);
-  return x;
-}
-
 /// "recv_capacity" of a balance input: W tokens counts, none negative.
 inline std::vector<std::int64_t> read_recv_capacity(const json& cap, const JsonPath& path, std::size_t W) {
   std::vector<std::int64_t> out = read_int_vector(cap, path);
@@ -140,7 +128,7 @@ inline BalanceProblem balance_problem_from_json(const nlohmann::json& j) {
                                           "ranks_per_node", "nodes", "inter_node_ratio", "mask", "head_parallel", "head_parallel_degree",
                                           "heads_q", "heads_kv", "pair_weight", "grid"});
   BalanceProblem p;
-  p.world_size = read_world_size(j, root, true);
+  p.world_size = read_int_at_least(j, root, "world_size", 1, true, 0);
   const auto W = static_cast<std::size_t>(p.world_size);
   p.max_cp_degree = read_int_at_least(j, root, "max_cp_degree", 1, true, 1);
   p.q_bytes = read_int_at_least(j, root, "q_bytes", 0, false, 1);

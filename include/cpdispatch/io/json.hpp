@@ -235,13 +235,16 @@ inline std::vector<std::vector<std::int64_t>> read_int_rows(const json& j, const
   return out;
 }
 
-inline std::int64_t read_world_size(const json& obj, const JsonPath& path, bool required) {
-  const json* w = member(obj, path, "world_size", required);
-  if (!w) return 0;
-  const JsonPath p = path / "world_size";
-  const std::int64_t world = read_int(*w, p);
-  if (world < 1) fail_at(p, " = ", world, " must be at least 1");
-  return world;
+/// The integer member `key` of the object at `root`, at least `min`;
+/// `fallback` when it is absent and not `required`.
+inline std::int64_t read_int_at_least(const json& j, const JsonPath& root, std::string_view key, std::int64_t min, bool required,
+                                      std::int64_t fallback) {
+  const json* v = member(j, root, key, required);
+  if (!v) return fallback;
+  const JsonPath path = root / key;
+  const std::int64_t x = read_int(*v, path);
+  if (x < min) fail_at(path, " = ", x, " must be at least ", min);
+  return x;
 }
 
 /// Whether the array at `j` nests at least three deep (j[0][0] is an array).
@@ -256,7 +259,7 @@ inline QueryPlan read_query_plan(const json& obj, const JsonPath& path) {
   }
   check_keys(obj, path, "a query plan", {"kind", "world_size", "seq_len", "dispatch"});
   QueryPlan plan;
-  plan.world_size = read_world_size(obj, path, true);
+  plan.world_size = read_int_at_least(obj, path, "world_size", 1, true, 0);
   const auto W = static_cast<std::size_t>(plan.world_size);
   plan.seq_len = read_tensor(*member(obj, path, "seq_len", true), path / "seq_len", {{W, "world_size"}, {}});
   const std::size_t S = plan.seq_len.size(1);
@@ -707,11 +710,7 @@ inline std::optional<Topology> topology_from_json(const nlohmann::json& j, std::
   const nlohmann::json* per_node = detail::member(j, root, "ranks_per_node", false);
   const nlohmann::json* nodes = detail::member(j, root, "nodes", false);
   if (per_node && nodes) fail_at(root, ": has both \"ranks_per_node\" and \"nodes\" (a topology is one of them)");
-  if (per_node) {
-    const std::int64_t n = detail::read_int(*per_node, root / "ranks_per_node");
-    if (n < 1) fail_at(root / "ranks_per_node", " = ", n, " must be at least 1");
-    return Topology::uniform(world_size, n);
-  }
+  if (per_node) return Topology::uniform(world_size, detail::read_int_at_least(j, root, "ranks_per_node", 1, true, 0));
   if (!nodes) return std::nullopt;
   const auto path = root / "nodes";
   std::vector<std::int64_t> of = detail::read_int_vector(*nodes, path);
@@ -741,7 +740,7 @@ inline Metadata metadata_from_json(const nlohmann::json& j, std::string_view nam
   const detail::JsonPath& path = name.empty() ? root : named;
   detail::read_object(j, path);
   Metadata m;
-  const std::int64_t world = detail::read_world_size(j, path, false);
+  const std::int64_t world = detail::read_int_at_least(j, path, "world_size", 1, false, 0);
   std::optional<std::size_t> W;
   if (world > 0) W = static_cast<std::size_t>(world);
 
@@ -854,27 +853,44 @@ json entries_json(const std::vector<T>& rows) {
 
 }  // namespace detail
 
+namespace detail {
+
+template <class Layout, class T>
+using LayoutFields = std::initializer_list<std::pair<std::string_view, T Layout::*>>;
+using IntRows = std::vector<std::vector<std::int64_t>>;
+
+/// A layout's per-rank lists: `rows` (integer lists a rank) and `ints` (an
+/// integer a rank), each as long as `ranks` (one of `rows`, key `ranks_key`);
+/// then its mask (optional: causal when absent) and entries (optional, one
+/// list per item of `ranks`).
+template <class Layout>
+void read_layout_lists(const json& j, const JsonPath& path, Layout& a, LayoutFields<Layout, IntRows> rows,
+                       LayoutFields<Layout, std::vector<std::int64_t>> ints, IntRows Layout::*ranks, std::string_view ranks_key) {
+  for (const auto& [key, field] : rows) a.*field = read_int_rows(*member(j, path, key, true), path / key);
+  for (const auto& [key, field] : ints) a.*field = read_int_vector(*member(j, path, key, true), path / key);
+  a.mask = read_plan_mask(j, path);
+  const std::size_t W = (a.*ranks).size();
+  const auto check = [&](std::string_view key, std::size_t n) {
+    if (n != W) fail_at(path / key, " has ", entries(n), ", but ", ranks_key, " has ", W);
+  };
+  for (const auto& [key, field] : rows)
+    if (field != ranks) check(key, (a.*field).size());
+  for (const auto& [key, field] : ints) check(key, (a.*field).size());
+  if (const json* e = member(j, path, "entries", false)) a.entries = read_entries(*e, path / "entries", a.*ranks, ranks_key);
+}
+
+}  // namespace detail
+
 inline AttentionLayout attention_layout_from_json(const nlohmann::json& j, std::string_view name = "attn") {
   const auto root = detail::JsonPath::root("attention layout");
   const auto named = root / name;
   const detail::JsonPath& path = name.empty() ? root : named;
   detail::read_object(j, path);
-  AttentionLayout a;
-  auto rows = [&](std::string_view key) { return detail::read_int_rows(*detail::member(j, path, key, true), path / key); };
-  auto ints = [&](std::string_view key) { return detail::read_int_vector(*detail::member(j, path, key, true), path / key); };
-  a.seqlens_q = rows("seqlens_q");
-  a.seqlens_kv = rows("seqlens_kv");
-  a.cu_seqlens_q = rows("cu_seqlens_q");
-  a.cu_seqlens_kv = rows("cu_seqlens_kv");
-  a.max_seqlen_q = ints("max_seqlen_q");
-  a.max_seqlen_kv = ints("max_seqlen_kv");
-  a.mask = detail::read_plan_mask(j, path);  // optional: causal when absent
-  const std::size_t W = a.seqlens_q.size();
-  for (const auto& [key, n] : {std::pair<std::string_view, std::size_t>{"seqlens_kv", a.seqlens_kv.size()}, {"cu_seqlens_q", a.cu_seqlens_q.size()},
-                               {"cu_seqlens_kv", a.cu_seqlens_kv.size()}, {"max_seqlen_q", a.max_seqlen_q.size()}, {"max_seqlen_kv", a.max_seqlen_kv.size()}}) {
-    if (n != W) detail::fail_at(path / key, " has ", detail::entries(n), ", but seqlens_q has ", W);
-  }
-  if (const nlohmann::json* e = detail::member(j, path, "entries", false)) a.entries = detail::read_entries(*e, path / "entries", a.seqlens_q);
+  using A = AttentionLayout;
+  A a;
+  detail::read_layout_lists<A>(j, path, a, {{"seqlens_q", &A::seqlens_q}, {"seqlens_kv", &A::seqlens_kv}, {"cu_seqlens_q", &A::cu_seqlens_q},
+                                            {"cu_seqlens_kv", &A::cu_seqlens_kv}},
+                               {{"max_seqlen_q", &A::max_seqlen_q}, {"max_seqlen_kv", &A::max_seqlen_kv}}, &A::seqlens_q, "seqlens_q");
   return a;
 }
 
@@ -885,22 +901,11 @@ inline HeadParallelLayout head_parallel_layout_from_json(const nlohmann::json& j
   const detail::JsonPath& path = name.empty() ? root : named;
   detail::read_object(j, path);
   detail::check_keys(j, path, "a head-parallel layout", {"degree", "documents", "seqlens", "cu_seqlens", "max_seqlen", "group_rank", "mask", "entries"});
-  HeadParallelLayout a;
-  auto rows = [&](std::string_view key) { return detail::read_int_rows(*detail::member(j, path, key, true), path / key); };
-  auto ints = [&](std::string_view key) { return detail::read_int_vector(*detail::member(j, path, key, true), path / key); };
+  using A = HeadParallelLayout;
+  A a;
   a.degree = detail::read_int(*detail::member(j, path, "degree", true), path / "degree");
-  a.documents = rows("documents");
-  a.seqlens = rows("seqlens");
-  a.cu_seqlens = rows("cu_seqlens");
-  a.max_seqlen = ints("max_seqlen");
-  a.group_rank = ints("group_rank");
-  a.mask = detail::read_plan_mask(j, path);
-  const std::size_t W = a.seqlens.size();
-  for (const auto& [key, n] : {std::pair<std::string_view, std::size_t>{"documents", a.documents.size()}, {"cu_seqlens", a.cu_seqlens.size()},
-                               {"max_seqlen", a.max_seqlen.size()}, {"group_rank", a.group_rank.size()}}) {
-    if (n != W) detail::fail_at(path / key, " has ", detail::entries(n), ", but seqlens has ", W);
-  }
-  if (const nlohmann::json* e = detail::member(j, path, "entries", false)) a.entries = detail::read_entries(*e, path / "entries", a.seqlens, "seqlens");
+  detail::read_layout_lists<A>(j, path, a, {{"documents", &A::documents}, {"seqlens", &A::seqlens}, {"cu_seqlens", &A::cu_seqlens}},
+                               {{"max_seqlen", &A::max_seqlen}, {"group_rank", &A::group_rank}}, &A::seqlens, "seqlens");
   return a;
 }
 

@@ -74,6 +74,16 @@ inline std::int64_t times(std::int64_t a, std::int64_t b) {
   return v;
 }
 
+/// `tokens` tokens of `per_token` bytes each sent from rank `from` to rank
+/// `to`, booked in out.bytes and in `kind` (out.query_bytes or
+/// out.kv_bytes); nothing when they are one rank.
+inline void add_sent(PlanCost& out, std::size_t from, std::size_t to, std::int64_t per_token, std::int64_t tokens, std::int64_t& kind) {
+  if (from == to) return;
+  const std::int64_t b = times(per_token, tokens);
+  add_to(out.bytes[from * static_cast<std::size_t>(out.world_size) + to], b);
+  add_to(kind, b);
+}
+
 /// A zero cost of `world_size` ranks under `mask` (checked).
 inline PlanCost empty_cost(std::int64_t world_size, const PlanLimits& limits, const AttentionMask& mask = {}) {
   if (world_size <= 0) fail("plan_cost: world_size = ", world_size, " must be at least 1");
@@ -96,7 +106,6 @@ inline PlanCost empty_cost(std::int64_t world_size, const PlanLimits& limits, co
 /// `held` is scratch: the tokens so far per home rank of this document.
 inline void add_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
                          std::vector<std::pair<std::size_t, std::int64_t>>& held) {
-  const auto W = static_cast<std::size_t>(out.world_size);
   held.clear();
   std::int64_t context = 0;
   for (const DocumentShard& s : shards) {
@@ -107,17 +116,8 @@ inline void add_document(PlanCost& out, const std::vector<DocumentShard>& shards
     auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == home; });
     if (it == held.end()) it = held.insert(held.end(), {home, 0});
     it->second += s.len;
-    if (d != home) {
-      const std::int64_t qb = times(q_bytes, s.len);
-      add_to(out.bytes[home * W + d], qb);
-      add_to(out.query_bytes, qb);
-    }
-    for (const auto& [from, tokens] : held) {
-      if (from == d) continue;
-      const std::int64_t kvb = times(kv_bytes, tokens);
-      add_to(out.bytes[from * W + d], kvb);
-      add_to(out.kv_bytes, kvb);
-    }
+    add_sent(out, home, d, q_bytes, s.len, out.query_bytes);
+    for (const auto& [from, tokens] : held) add_sent(out, from, d, kv_bytes, tokens, out.kv_bytes);
     context = end;
   }
 }
@@ -127,7 +127,6 @@ inline void add_document(PlanCost& out, const std::vector<DocumentShard>& shards
 /// a copy of each of them whose home is not its destination.
 inline void add_masked_document(PlanCost& out, const std::vector<DocumentShard>& shards, std::int64_t q_bytes, std::int64_t kv_bytes,
                                 detail::DocumentRanges& need) {
-  const auto W = static_cast<std::size_t>(out.world_size);
   std::vector<std::int64_t> len, start;
   std::int64_t total = 0;
   for (const DocumentShard& s : shards) {
@@ -140,18 +139,8 @@ inline void add_masked_document(PlanCost& out, const std::vector<DocumentShard>&
     const auto home = static_cast<std::size_t>(shards[i].rank), d = static_cast<std::size_t>(shards[i].dst);
     add_to(out.attention[d], attention_pairs(out.mask, start[i], len[i], total));
     add_to(out.kv_tokens[d], start[need.hi[i]] + len[need.hi[i]] - start[need.lo[i]]);
-    if (d != home) {
-      const std::int64_t qb = times(q_bytes, len[i]);
-      add_to(out.bytes[home * W + d], qb);
-      add_to(out.query_bytes, qb);
-    }
-    for (std::size_t k = need.lo[i]; k <= need.hi[i]; ++k) {
-      const auto from = static_cast<std::size_t>(shards[k].rank);
-      if (from == d) continue;
-      const std::int64_t kvb = times(kv_bytes, len[k]);
-      add_to(out.bytes[from * W + d], kvb);
-      add_to(out.kv_bytes, kvb);
-    }
+    add_sent(out, home, d, q_bytes, len[i], out.query_bytes);
+    for (std::size_t k = need.lo[i]; k <= need.hi[i]; ++k) add_sent(out, static_cast<std::size_t>(shards[k].rank), d, kv_bytes, len[k], out.kv_bytes);
   }
 }
 
@@ -160,26 +149,17 @@ inline void add_masked_document(PlanCost& out, const std::vector<DocumentShard>&
 /// gets a copy of each of them whose home is not its destination.
 inline void add_sliced_document(PlanCost& out, const std::vector<DocumentShard>& shards, const std::vector<AttentionSlice>& slices,
                                 std::int64_t q_bytes, std::int64_t kv_bytes) {
-  const auto W = static_cast<std::size_t>(out.world_size);
   std::vector<std::int64_t> start{0};
   for (const DocumentShard& s : shards) start.push_back(detail::add_tokens(start.back(), s.len, "plan_cost"));
   const std::int64_t total = start.back();
   for (std::size_t i = 0; i < shards.size(); ++i) {
     const auto home = static_cast<std::size_t>(shards[i].rank), d = static_cast<std::size_t>(shards[i].dst);
     add_to(out.attention[d], slice_pairs(slices, start[i], start[i + 1], 0, total));
-    if (d != home) {
-      const std::int64_t qb = times(q_bytes, shards[i].len);
-      add_to(out.bytes[home * W + d], qb);
-      add_to(out.query_bytes, qb);
-    }
+    add_sent(out, home, d, q_bytes, shards[i].len, out.query_bytes);
     for (std::size_t k = 0; k < shards.size(); ++k) {
       if (!slices_meet(slices, start[i], start[i + 1], start[k], start[k + 1])) continue;
       add_to(out.kv_tokens[d], shards[k].len);
-      const auto from = static_cast<std::size_t>(shards[k].rank);
-      if (from == d) continue;
-      const std::int64_t kvb = times(kv_bytes, shards[k].len);
-      add_to(out.bytes[from * W + d], kvb);
-      add_to(out.kv_bytes, kvb);
+      add_sent(out, static_cast<std::size_t>(shards[k].rank), d, kv_bytes, shards[k].len, out.kv_bytes);
     }
   }
 }

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string>
@@ -333,21 +334,14 @@ inline BatchTotals batch_totals(const std::vector<std::int64_t>& docs, const Att
 /// The documents' lengths of a plan (each document's shards summed).
 inline std::vector<std::int64_t> document_lengths(const QkvDocumentsPlan& plan) {
   std::vector<std::int64_t> out;
-  for (const PackedDocument& d : plan.documents) {
-    std::int64_t len = 0;
-    for (const DocumentShard& s : d.shards) len += s.len;
-    out.push_back(len);
-  }
+  const auto add = [](std::int64_t len, const DocumentShard& s) { return len + s.len; };
+  for (const PackedDocument& d : plan.documents) out.push_back(std::accumulate(d.shards.begin(), d.shards.end(), std::int64_t{0}, add));
   return out;
 }
 inline std::vector<std::int64_t> document_lengths(const QkvPlan& plan) {
   std::vector<std::int64_t> out;
   for (const RankDocuments& r : plan.ranks)
-    for (const Document& d : r.docs) {
-      std::int64_t len = 0;
-      for (std::int64_t l : d.shard_len) len += l;
-      out.push_back(len);
-    }
+    for (const Document& d : r.docs) out.push_back(std::accumulate(d.shard_len.begin(), d.shard_len.end(), std::int64_t{0}));
   return out;
 }
 

@@ -64,6 +64,13 @@ inline RankMetadata rank_slice(std::size_t rank, std::size_t W, bool has_copies,
   return s;
 }
 
+/// Appends an entry: its destination (or source) rank, offset and length.
+inline void push_entry(RankMetadata& s, std::int64_t rank, std::int64_t offset, std::int64_t len) {
+  s.dst_rank.push_back(rank);
+  s.dst_offset.push_back(offset);
+  s.seq_len.push_back(len);
+}
+
 /// Sets the row total (column W) from the cells.
 inline void finish_slice(RankMetadata& s, const char* who) {
   const std::size_t W = s.num_recv_tokens.size() - 1;
@@ -197,11 +204,8 @@ inline RankMetadata head_parallel_reverse_slice(const ShardTable& t, const HeadP
                                                 std::span<const std::int64_t> total, std::size_t R) {
   RankMetadata s = rank_slice(R, t.W, false, 1, g.u);
   const auto slab = static_cast<std::int64_t>(R % g.u);
-  each_head_parallel_arrival(t, g, g.group_of_rank(R), [&](std::size_t id) {
-    s.dst_rank.push_back(static_cast<std::int64_t>(t.home[id]));
-    s.dst_offset.push_back(slab * total[t.home[id]] + start[id]);
-    s.seq_len.push_back(t.len[id]);
-  });
+  each_head_parallel_arrival(t, g, g.group_of_rank(R),
+                             [&](std::size_t id) { push_entry(s, static_cast<std::int64_t>(t.home[id]), slab * total[t.home[id]] + start[id], t.len[id]); });
   const std::size_t first = g.group_of_rank(R) * g.u;
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p];

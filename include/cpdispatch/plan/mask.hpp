@@ -413,6 +413,18 @@ inline std::string to_string(const Band& band) {
 
 namespace detail {
 
+/// The smallest x in [lo, hi) with pred(x), pred being false then true over
+/// the range; hi when none (also when lo > hi).
+template <class T, class Pred>
+T first_where(T lo, T hi, const Pred& pred) {
+  while (lo < hi) {
+    const T mid = lo + (hi - lo) / 2;
+    if (pred(mid)) hi = mid;
+    else lo = mid + 1;
+  }
+  return hi;
+}
+
 /// What a run of a document costs and needs, for the cost model and the
 /// balancer alike.
 /// Causal pairs of tokens [a, b) of a document: sum over t of (t + 1).

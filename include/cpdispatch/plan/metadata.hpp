@@ -25,6 +25,26 @@
 
 namespace cpdispatch {
 
+namespace detail {
+
+/// The sum of `lens`, checked: invalid_input (naming `who`) when it overflows 64 bits.
+inline std::int64_t token_sum(std::span<const std::int64_t> lens, const char* who) {
+  std::int64_t total = 0;
+  for (std::int64_t len : lens) total = add_tokens(total, len, who);
+  return total;
+}
+
+/// Rank `rank`'s [copies][tokens] replica buffer, checked likewise.
+inline std::int64_t replica_tokens(std::int64_t rank, std::size_t copies, std::int64_t tokens) {
+  std::int64_t out = 0;  // negative lengths (unvalidated metadata) may overflow downwards too
+  if (__builtin_mul_overflow(static_cast<std::int64_t>(copies), tokens, &out)) {
+    fail("output_tokens: rank ", rank, "'s replica buffer (", copies, " x ", tokens, " tokens) overflows 64 bits");
+  }
+  return out;
+}
+
+}  // namespace detail
+
 /// The metadata of one rank (`get_slice`): its own rows without
 /// padding, flattened to [entries][copies].
 struct RankMetadata {
@@ -56,24 +76,13 @@ struct RankMetadata {
   /// Tokens this rank's send buffer holds: the sum of its entry lengths.
   /// A slice may come from anywhere, so the sum is checked: invalid_input
   /// when it overflows 64 bits.
-  std::int64_t send_tokens() const {
-    std::int64_t total = 0;
-    for (std::int64_t len : seq_len) total = detail::add_tokens(total, len, "send_tokens");
-    return total;
-  }
+  std::int64_t send_tokens() const { return detail::token_sum(seq_len, "send_tokens"); }
 
   /// Tokens this rank's receive buffer must hold. For reverse KV metadata
   /// that is the [C][T] replica buffer, otherwise everything received.
   /// Checked like send_tokens().
   std::int64_t output_tokens() const {
-    if (!recv_seq_lens) return num_total_recv_tokens;
-    std::int64_t t = 0;
-    for (std::int64_t len : *recv_seq_lens) t = detail::add_tokens(t, len, "output_tokens");
-    std::int64_t out = 0;
-    if (__builtin_mul_overflow(static_cast<std::int64_t>(mask_copies), t, &out)) {
-      detail::fail("output_tokens: rank ", rank, "'s replica buffer (", mask_copies, " x ", t, " tokens) overflows 64 bits");
-    }
-    return out;
+    return recv_seq_lens ? detail::replica_tokens(rank, mask_copies, detail::token_sum(*recv_seq_lens, "output_tokens")) : num_total_recv_tokens;
   }
 };
 
@@ -310,23 +319,12 @@ inline void check_shapes(const Metadata& m, std::string_view name) {
 }  // namespace detail
 
 inline std::int64_t Metadata::send_tokens(std::int64_t rank) const {
-  std::int64_t total = 0;
-  for (std::int64_t len : seq_len.row(static_cast<std::size_t>(rank))) total = detail::add_tokens(total, len, "send_tokens");
-  return total;
+  return detail::token_sum(seq_len.row(static_cast<std::size_t>(rank)), "send_tokens");
 }
 
 inline std::int64_t Metadata::output_tokens(std::int64_t rank) const {
   const auto r = static_cast<std::size_t>(rank);
-  if (recv_seq_lens) {
-    std::int64_t t = 0;
-    for (std::int64_t len : recv_seq_lens->row(r)) t = detail::add_tokens(t, len, "output_tokens");
-    const auto c = static_cast<std::int64_t>(seq_recv_mask->size(2));
-    std::int64_t tokens = 0;  // negative lengths (unvalidated metadata) may overflow downwards too
-    if (__builtin_mul_overflow(c, t, &tokens)) {
-      detail::fail("output_tokens: rank ", rank, "'s replica buffer (", c, " x ", t, " tokens) overflows 64 bits");
-    }
-    return tokens;
-  }
+  if (recv_seq_lens) return detail::replica_tokens(rank, seq_recv_mask->size(2), detail::token_sum(recv_seq_lens->row(r), "output_tokens"));
   return num_recv_tokens(r, static_cast<std::size_t>(world_size));
 }
 

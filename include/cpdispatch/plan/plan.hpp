@@ -496,18 +496,6 @@ struct SlicePiece {
   std::size_t first = 0, last = 0;
 };
 
-/// The smallest x in [lo, hi) with pred(x), pred being false then true over
-/// the range; hi when none.
-template <class Pred>
-std::size_t first_where(std::size_t lo, std::size_t hi, const Pred& pred) {
-  while (lo < hi) {
-    const std::size_t mid = lo + (hi - lo) / 2;
-    if (pred(mid)) hi = mid;
-    else lo = mid + 1;
-  }
-  return lo;
-}
-
 /// The shards of a document (n of them, starting at start[k]) that hold
 /// positions [from, to), 0 <= from < to <= its length: [first, end).
 inline std::pair<std::size_t, std::size_t> shards_holding(const std::int64_t* start, std::size_t n, std::int64_t from, std::int64_t to) {
@@ -1328,9 +1316,21 @@ inline std::vector<std::int64_t> row_totals(const Tensor<std::int64_t>& counts) 
   return totals;
 }
 
-/// kv_fwd: KV shard k of a document goes in one copy per user (query shard
-/// that needs it), copy c to the group of its c-th user; a shard nobody
-/// needs (section 2e) has no copies. Counts follow the bytes: they are
+/// Rank r's kv_fwd destinations and offsets (its j-th shard's copy c at
+/// [j * C + c], entries without a copy left as they are): KV shard k of a
+/// document goes in one copy per user (query shard that needs it), copy c to
+/// the group of its c-th user; a shard nobody needs (section 2e) has no copies.
+inline void kv_forward_row(const ShardTable& t, const KvGroups& g, std::size_t r, std::span<std::int64_t> dst, std::span<std::int64_t> offset) {
+  for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
+    const std::size_t row = (p - t.rank_begin[r]) * t.C;
+    t.each_user(t.by_rank[p], [&](std::size_t c, std::size_t q, std::int64_t column) {
+      dst[row + c] = t.dst[q];
+      offset[row + c] = g.start[q] + column;
+    });
+  }
+}
+
+/// kv_fwd, rank by rank (kv_forward_row). Counts follow the bytes: they are
 /// charged to the KV shard's home rank.
 inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std::int64_t>& seq_len, const Tensor<std::int64_t>& num_seqs,
                        Metadata& fwd) {
@@ -1341,15 +1341,7 @@ inline void kv_forward(const ShardTable& t, const KvGroups& g, const Tensor<std:
   reuse_copy(fwd.seq_len, seq_len);
   reuse_copy(fwd.num_seqs, num_seqs);
   keep_copy_mask(fwd, false);
-  for (std::size_t r = 0; r < W; ++r) {
-    for (std::size_t p = t.rank_begin[r]; p < t.rank_begin[r + 1]; ++p) {
-      const std::size_t id = t.by_rank[p], j = p - t.rank_begin[r];
-      t.each_user(id, [&](std::size_t c, std::size_t q, std::int64_t column) {
-        fwd.dst_rank(r, j, c) = t.dst[q];
-        fwd.dst_offset(r, j, c) = g.start[q] + column;
-      });
-    }
-  }
+  for (std::size_t r = 0; r < W; ++r) kv_forward_row(t, g, r, fwd.dst_rank.row(r), fwd.dst_offset.row(r));
   kv_arrival_counts(t, g, fwd.num_recv_tokens);
   fwd.num_total_recv_tokens = row_totals(fwd.num_recv_tokens);
 }
@@ -1414,11 +1406,8 @@ inline void add_arrival(const AttentionRow& row, std::int64_t len, std::int64_t 
   row.max_seqlen_kv = std::max(row.max_seqlen_kv, kv);
 }
 
-/// Destination d's row: per query shard in arrival order, its length and
-/// its KV group's, their prefix sums and maxima, and (a plan with slices,
-/// section 2e) its entries. The vectors' storage is kept.
-inline void attention_row(const ShardTable& t, const KvGroups& g, std::size_t d, AttentionRow row) {
-  const std::size_t arrivals = g.dest_begin[d + 1] - g.dest_begin[d];
+/// Empties a row with room for `arrivals` query shards; the vectors' storage is kept.
+inline void reset_row(const AttentionRow& row, std::size_t arrivals) {
   for (auto* v : {&row.seqlens_q, &row.seqlens_kv}) {
     v->clear();
     v->reserve(arrivals);
@@ -1429,6 +1418,13 @@ inline void attention_row(const ShardTable& t, const KvGroups& g, std::size_t d,
   }
   row.max_seqlen_q = row.max_seqlen_kv = 0;
   row.entries.clear();
+}
+
+/// Destination d's row: per query shard in arrival order, its length and
+/// its KV group's, their prefix sums and maxima, and (a plan with slices,
+/// section 2e) its entries. The vectors' storage is kept.
+inline void attention_row(const ShardTable& t, const KvGroups& g, std::size_t d, AttentionRow row) {
+  reset_row(row, g.dest_begin[d + 1] - g.dest_begin[d]);
   for (std::size_t p = g.dest_begin[d]; p < g.dest_begin[d + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
     add_arrival(row, t.len[q], t.group_tokens(q));

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -96,14 +95,12 @@ inline RankMetadata q_forward_slice(const ShardTable& t, std::size_t R) {
   }
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p];
-    s.dst_rank.push_back(t.dst[id]);
-    s.seq_len.push_back(t.len[id]);
     if (t.dst[id] < 0) {
-      s.dst_offset.push_back(0);
+      push_entry(s, t.dst[id], 0, t.len[id]);
       continue;
     }
     auto& b = before[static_cast<std::size_t>(t.dst[id])];
-    s.dst_offset.push_back(b);
+    push_entry(s, t.dst[id], b, t.len[id]);
     b = add_tokens(b, t.len[id], "plan_qkv_for_rank");
   }
   for (std::size_t id = 0; id < t.size(); ++id) {
@@ -120,9 +117,7 @@ inline RankMetadata q_reverse_slice(const ShardTable& t, const KvGroups& g, cons
   RankMetadata s = rank_slice(R, t.W, false, 1, t.has_head_parallel ? 1 : 0);
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     const std::size_t q = g.arrivals[p];
-    s.dst_rank.push_back(static_cast<std::int64_t>(t.home[q]));
-    s.dst_offset.push_back(pos.start[q]);
-    s.seq_len.push_back(t.len[q]);
+    push_entry(s, static_cast<std::int64_t>(t.home[q]), pos.start[q], t.len[q]);
   }
   for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
     const std::size_t id = t.by_rank[p];
@@ -140,16 +135,10 @@ inline RankMetadata q_reverse_slice(const ShardTable& t, const KvGroups& g, cons
 /// (none for a shard nobody needs), and the KV tokens R's own groups receive.
 inline RankMetadata kv_forward_slice(const ShardTable& t, const KvGroups& g, std::size_t R) {
   RankMetadata s = rank_slice(R, t.W, true, t.C);
-  for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) {
-    const std::size_t id = t.by_rank[p], row = s.dst_rank.size();
-    s.seq_len.push_back(t.len[id]);
-    s.dst_rank.insert(s.dst_rank.end(), t.C, -1);
-    s.dst_offset.insert(s.dst_offset.end(), t.C, 0);
-    t.each_user(id, [&](std::size_t c, std::size_t q, std::int64_t column) {
-      s.dst_rank[row + c] = t.dst[q];
-      s.dst_offset[row + c] = g.start[q] + column;
-    });
-  }
+  for (std::size_t p = t.rank_begin[R]; p < t.rank_begin[R + 1]; ++p) s.seq_len.push_back(t.len[t.by_rank[p]]);
+  s.dst_rank.assign(s.seq_len.size() * t.C, -1);
+  s.dst_offset.assign(s.seq_len.size() * t.C, 0);
+  kv_forward_row(t, g, R, s.dst_rank, s.dst_offset);
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     t.each_needed(g.arrivals[p], [&](std::size_t kv, std::int64_t, std::size_t) { s.num_recv_tokens[t.home[kv]] += t.len[kv]; });  // within R's groups
   }
@@ -164,9 +153,7 @@ inline RankMetadata kv_reverse_slice(const ShardTable& t, const KvGroups& g, con
   for (std::size_t p = g.dest_begin[R]; p < g.dest_begin[R + 1]; ++p) {
     t.each_needed(g.arrivals[p], [&](std::size_t kv, std::int64_t, std::size_t c) {
       const std::size_t home = t.home[kv];
-      s.dst_rank.push_back(static_cast<std::int64_t>(home));
-      s.dst_offset.push_back(static_cast<std::int64_t>(c) * pos.total[home] + pos.start[kv]);
-      s.seq_len.push_back(t.len[kv]);
+      push_entry(s, static_cast<std::int64_t>(home), static_cast<std::int64_t>(c) * pos.total[home] + pos.start[kv], t.len[kv]);
     });
   }
   std::vector<std::int64_t>& mask = *s.seq_recv_mask;
@@ -273,15 +260,6 @@ struct RankPlanWorkspace {
 
 namespace detail {
 
-inline void reset_attention(RankAttentionLayout& a) {
-  a.seqlens_q.clear();
-  a.seqlens_kv.clear();
-  a.cu_seqlens_q.assign(1, 0);
-  a.cu_seqlens_kv.assign(1, 0);
-  a.max_seqlen_q = a.max_seqlen_kv = 0;
-  a.entries.clear();
-}
-
 /// Rank R's slices of the deduplicated exchange (section 2c), fed the KV
 /// shards in global order (home rank, index there): each shard takes one
 /// wire slot per distinct destination of its copies, in first-copy order.
@@ -371,9 +349,7 @@ class RankWireStream {
     fan.src_rank.push_back(static_cast<std::int64_t>(r));
     fan.src_shard.push_back(static_cast<std::int64_t>(g));
     fan.copy_splits.push_back(fan.copy_splits.back());
-    out_.rev.dst_rank.push_back(static_cast<std::int64_t>(r));
-    out_.rev.dst_offset.push_back(start);
-    out_.rev.seq_len.push_back(len);
+    push_entry(out_.rev, static_cast<std::int64_t>(r), start, len);
     ws_.wire_slot.push_back(static_cast<std::int64_t>(slot));
     out_.fwd.num_recv_tokens[r] += len;  // within R's wire total, checked
   }
@@ -398,7 +374,7 @@ class RankStream {
     reset_slice(out.q_rev, R, W, false, 1, 0);
     reset_slice(out.kv_fwd, R, W, true, C, 0);
     reset_slice(out.kv_rev, R, W, false, 1, C);
-    reset_attention(out.attn);
+    reset_row(row_of(out.attn), 0);
     out.attn.mask = mask;
     out.hp_fwd = {};  // a per-rank plan has no head-parallel documents (section 2f)
     out.hp_rev = {};
@@ -429,7 +405,7 @@ class RankStream {
       ws_.group_next[d] = add_tokens(ws_.group_next[d], kv, "plan_qkv");
       const std::int64_t offset = ws_.q_next[d];
       ws_.q_next[d] = add_tokens(offset, len, "plan_qkv");
-      if (r == R_) push(out_.q_fwd, doc.dst[s], offset, len);
+      if (r == R_) push_entry(out_.q_fwd, doc.dst[s], offset, len);
       if (d == R_) arrival(r, doc, s, kv);
     }
     if (r == R_) own_kv_forward(doc);
@@ -441,10 +417,7 @@ class RankStream {
   /// Rank r's total is known: its replica buffer is checked and the reverse
   /// KV offsets into it are completed.
   void end_rank(std::size_t r, const std::vector<Document>& docs) {
-    const auto copies = static_cast<std::int64_t>(C_);
-    if (copies > 1 && tokens_ > std::numeric_limits<std::int64_t>::max() / copies) {
-      fail("plan_qkv_for_rank: rank ", r, " holds ", tokens_, " tokens; its replica buffer of ", C_, " copies overflows 64 bits");
-    }
+    check_replica_buffer(tokens_, C_, r, "plan_qkv_for_rank");
     auto& offsets = out_.kv_rev.dst_offset;
     for (std::size_t i = rev_first_; i < offsets.size(); ++i) offsets[i] += ws_.slab[i - rev_first_] * tokens_;
     if (r == R_) own_returns(docs);
@@ -457,12 +430,6 @@ class RankStream {
   }
 
  private:
-  static void push(RankMetadata& s, std::int64_t rank, std::int64_t offset, std::int64_t len) {
-    s.dst_rank.push_back(rank);
-    s.dst_offset.push_back(offset);
-    s.seq_len.push_back(len);
-  }
-
   /// The current document's shard starts and needed ranges (in the
   /// workspace); returns its total, checked.
   std::int64_t ranges(const Document& doc) {
@@ -485,14 +452,14 @@ class RankStream {
     const std::int64_t doc_start = tokens_;
     const std::vector<std::int64_t>& at = ws_.doc_context;
     const DocumentRanges& need = ws_.ranges;
-    push(out_.q_rev, static_cast<std::int64_t>(r), add_tokens(doc_start, at[s], "plan_qkv"), len);
+    push_entry(out_.q_rev, static_cast<std::int64_t>(r), add_tokens(doc_start, at[s], "plan_qkv"), len);
     out_.q_fwd.num_recv_tokens[r] += len;
     out_.kv_fwd.num_recv_tokens[r] += kv;
     add_arrival(row_of(out_.attn), len, kv);
     // KV shard k goes back to slab c (s's place among k's users) of rank
     // r's replica buffer; the slab's size (rank r's total) is added in end_rank.
     for (std::size_t k = need.lo[s]; k <= need.hi[s]; ++k) {
-      push(out_.kv_rev, static_cast<std::int64_t>(r), doc_start + at[k], doc.shard_len[k]);  // within the document's end, checked
+      push_entry(out_.kv_rev, static_cast<std::int64_t>(r), doc_start + at[k], doc.shard_len[k]);  // within the document's end, checked
       ws_.slab.push_back(static_cast<std::int64_t>(s - need.first[k]));
     }
   }
@@ -770,9 +737,7 @@ inline RankMetadata query_reverse_slice(const QueryInput& in, const RowPrefix& p
         const std::int64_t d = in.dst(r, j, k);
         if (r == R && d >= 0) s.num_recv_tokens[static_cast<std::size_t>(d)] += in.seq_len(r, j);  // at most C x T_R
         if (d != static_cast<std::int64_t>(R)) continue;
-        s.dst_rank.push_back(static_cast<std::int64_t>(r));
-        s.dst_offset.push_back(static_cast<std::int64_t>(k) * prefix.totals[r] + prefix.starts[r * in.S + j]);
-        s.seq_len.push_back(in.seq_len(r, j));
+        push_entry(s, static_cast<std::int64_t>(r), static_cast<std::int64_t>(k) * prefix.totals[r] + prefix.starts[r * in.S + j], in.seq_len(r, j));
       }
     }
   }

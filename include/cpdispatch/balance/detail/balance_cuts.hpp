@@ -47,21 +47,6 @@ inline std::int64_t min_begin(std::int64_t a, std::int64_t b, std::int64_t budge
   return m;
 }
 
-/// The fewest contiguous shards of [a, b) that each cost at most `limit`
-/// (greedy from the front is optimal for a monotone cost); `cap + 1` when
-/// more than `cap` are needed.
-inline std::int64_t pieces_needed(std::int64_t a, std::int64_t b, std::int64_t limit, std::int64_t cap) noexcept {
-  std::int64_t n = 0;
-  while (a < b) {
-    if (n == cap) return cap + 1;
-    const std::int64_t m = max_end(a, b, limit);
-    if (m == a) return cap + 1;  // one token costs more than the limit
-    a = m;
-    ++n;
-  }
-  return n;
-}
-
 /// A run [lo, hi) of token positions of one document.
 struct Range {
   std::int64_t lo, hi;
@@ -130,39 +115,21 @@ inline std::int64_t pieces_needed(std::int64_t a, std::int64_t b, std::int64_t l
   return n;
 }
 
-/// The cheapest largest shard of `runs` cut into at most `c` shards in all,
-/// where needed(i, limit) is how many shards run i needs for that limit: a
-/// binary search between every run whole and an even split.
-template <class Needed>
-std::int64_t min_max_shard_by(const std::vector<Range>& runs, std::int64_t c, Needed&& needed) noexcept {
+/// The cheapest largest shard when the runs (the pieces of one document,
+/// each cut on its own, only on its grid: grids[i] for runs[i]) are cut into
+/// at most `c` shards in all; `c` is at least the number of runs. A binary
+/// search between every run whole and an even split.
+inline std::int64_t min_max_shard(const std::vector<Range>& runs, const std::vector<Grid>& grids, std::int64_t c) noexcept {
   std::int64_t total = 0, hi = 0;
   for (const Range& r : runs) {
     total += pairs(r.lo, r.hi);
     hi = std::max(hi, pairs(r.lo, r.hi));  // every run whole: always within c
   }
-  std::int64_t lo = (total + c - 1) / c;
-  while (lo < hi) {
-    const std::int64_t mid = lo + (hi - lo) / 2;
+  return first_where((total + c - 1) / c, hi, [&](std::int64_t limit) {
     std::int64_t used = 0;
-    for (std::size_t i = 0; i < runs.size(); ++i) {
-      used += needed(i, mid);
-      if (used > c) break;
-    }
-    if (used <= c) hi = mid; else lo = mid + 1;
-  }
-  return hi;
-}
-
-/// The cheapest largest shard when the runs (the pieces of one document,
-/// each cut on its own) are cut into at most `c` shards in all; `c` is at
-/// least the number of runs.
-inline std::int64_t min_max_shard(const std::vector<Range>& runs, std::int64_t c) noexcept {
-  return min_max_shard_by(runs, c, [&](std::size_t i, std::int64_t limit) { return pieces_needed(runs[i].lo, runs[i].hi, limit, c); });
-}
-
-/// The same with every run cut only on its grid (grids[i] for runs[i]).
-inline std::int64_t min_max_shard(const std::vector<Range>& runs, const std::vector<Grid>& grids, std::int64_t c) noexcept {
-  return min_max_shard_by(runs, c, [&](std::size_t i, std::int64_t limit) { return pieces_needed(runs[i].lo, runs[i].hi, limit, c, grids[i]); });
+    for (std::size_t i = 0; i < runs.size() && used <= c; ++i) used += pieces_needed(runs[i].lo, runs[i].hi, limit, c, grids[i]);
+    return used <= c;
+  });
 }
 
 /// n + 1 boundaries cutting [a, b) into n shards of (nearly) equal cost,

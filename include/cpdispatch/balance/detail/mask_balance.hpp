@@ -109,12 +109,7 @@ class MaskPlanner {
 
   /// The smallest m in [a, b] with cost [m, b) <= budget.
   std::int64_t min_begin(std::size_t d, std::int64_t a, std::int64_t b, std::int64_t budget) const {
-    std::int64_t lo = a, hi = b;
-    while (lo < hi) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
-      if (cost(d, mid, b) <= budget) hi = mid; else lo = mid + 1;
-    }
-    return lo;
+    return first_where(a, b, [&](std::int64_t m) { return cost(d, m, b) <= budget; });
   }
 
   /// The fewest shards of [a, b) each within `limit`, cut on the grid g;
@@ -134,18 +129,16 @@ class MaskPlanner {
   /// most C shards in all, each piece on its grid.
   std::int64_t min_max_shard(std::size_t d, const std::vector<std::size_t>& ids) const {
     const auto& pieces = base_.pieces();
-    std::int64_t lo = 1, hi = 0;
+    std::int64_t hi = 0;
     for (const std::size_t id : ids) hi = std::max(hi, cost(d, pieces[id].begin, pieces[id].end));
-    while (lo < hi) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
+    return first_where(std::int64_t{1}, hi, [&](std::int64_t limit) {
       std::int64_t used = 0;
       for (const std::size_t id : ids) {
-        used += needed(d, pieces[id].begin, pieces[id].end, mid, C_, pieces[id].grid);
+        used += needed(d, pieces[id].begin, pieces[id].end, limit, C_, pieces[id].grid);
         if (used > C_) break;
       }
-      if (used <= C_) hi = mid; else lo = mid + 1;
-    }
-    return hi;
+      return used <= C_;
+    });
   }
 
   /// How a piece over the target is cut: into the fewest shards of equal
