@@ -267,15 +267,16 @@ class HeadParallelPart {
       while (d + 1 < doc_round_.size() && cu[d + 1] <= at) ++d;  // the document holding row `at`
       if (d < doc_round_.size()) doc_round_[d] = std::max(doc_round_[d], round_of(hp_rev.dst_rank[j]));
     }
-    const auto round_of_entry = [&](const AttentionEntry& e) {
-      return doc_round_[static_cast<std::size_t>(std::upper_bound(cu.begin(), cu.end(), e.q_start) - cu.begin() - 1)];
-    };
-    for (const AttentionEntry& e : entries_) ++round_begin_[static_cast<std::size_t>(round_of_entry(e)) + 1];
+    entry_round_.clear();
+    for (const AttentionEntry& e : entries_) {  // each entry's document's round, counted
+      const auto doc = static_cast<std::size_t>(std::upper_bound(cu.begin(), cu.end(), e.q_start) - cu.begin() - 1);
+      entry_round_.push_back(static_cast<std::size_t>(doc_round_[doc]));
+      ++round_begin_[entry_round_.back() + 1];
+    }
     for (std::size_t r = 1; r < round_begin_.size(); ++r) round_begin_[r] += round_begin_[r - 1];
     by_round_.resize(entries_.size());
-    std::vector<std::size_t>& next = round_next_;
-    next.assign(round_begin_.begin(), round_begin_.end() - 1);
-    for (const AttentionEntry& e : entries_) by_round_[next[static_cast<std::size_t>(round_of_entry(e))]++] = e;
+    round_next_.assign(round_begin_.begin(), round_begin_.end() - 1);
+    for (std::size_t i = 0; i < entries_.size(); ++i) by_round_[round_next_[entry_round_[i]]++] = entries_[i];
   }
 
   /// The entries of the documents whole in round `round` (cut_rounds).
@@ -471,7 +472,7 @@ class HeadParallelPart {
   std::size_t kv_from_slabs_ = 0, kv_fan_ = 0;
   std::vector<AttentionEntry> entries_, by_round_;  // by_round_: the entries by round (cut_rounds), round r's from round_begin_[r]
   std::vector<int> doc_round_;
-  std::vector<std::size_t> round_begin_{0}, round_next_;
+  std::vector<std::size_t> round_begin_{0}, round_next_, entry_round_;
   attention::RowCover cover_;
   bool stray_rows_ = false, stray_keys_ = false;
   owned<E> k_slabs_, v_slabs_, q_, k_, v_, out_, dout_, dq_, dk_, dv_;
