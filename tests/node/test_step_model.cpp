@@ -78,8 +78,33 @@ TEST(StepModel, HandComputedTwoRanks) {
   LayerShape staged = unit_shape();
   staged.stages = 4;
   const StepTime f4 = model(two_rank_plan(), unit_cluster(1), staged)[0];
-  // The post out (20 s) hides behind the kernel but for one stage; the outputs' post home waits for the kernel.
-  EXPECT_DOUBLE_EQ(f4.forward, 28.0 + 20.0 / 4 + 4.0);
+  // Two ranks have one stage group however many stages are asked for, and rank 1 attends nothing of its
+  // own: its kernel waits for the post out (20 s), the outputs' post home for the kernel.
+  EXPECT_DOUBLE_EQ(f4.forward, 20.0 + 28.0 + 4.0);
+}
+
+TEST(StepModel, RanksAttendEachRoundAsItsStageGroupArrives) {
+  // Three ranks on one node (1 B/s), three stages: two stage groups, a home rank's peer at distance 1
+  // (the next rank) in group 0, at distance 2 in group 1. Rank 1 attends three 2-token causal documents
+  // (3 pairs, 12 FLOPs, 12 s each): C its own (round 0), A from rank 0 (group 0: round 1) and B from
+  // rank 2 (group 1: round 2). Out, each group's post carries 2 query and 2 key-value tokens (2 + 4
+  // bytes, 6 s): A arrives at 6 s, B at 12 s. Rank 1 attends C, then A (12-24 s), then B (24-36 s); the
+  // outputs go home at 36 s (rank 1 sends 2 bytes to each: 4 s).
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 3;
+  plan.documents = {{{{0, 2, 1}}}, {{{2, 2, 1}}}, {{{1, 2, 1}}}};
+  LayerShape shape = unit_shape();
+  shape.stages = 3;
+  const StepTime flat = model(plan, unit_cluster(3), shape)[0];
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 6.0 + 6.0 + 4.0);
+  EXPECT_DOUBLE_EQ(flat.forward, 36.0 + 4.0);
+  // Backward (30 s a document): the output gradients in two groups (2 bytes each: by 2 s and 4 s); C,
+  // A and B end at 30, 60 and 90 s. A's key-value gradients (group 0: 4 bytes, 4 s) go home once round 1
+  // is done (60-64 s), B's once round 2 is (90-94 s); then the query gradients (4 bytes, 4 s).
+  EXPECT_DOUBLE_EQ(flat.backward_comm, 2.0 + 2.0 + 4.0 + 4.0 + 4.0);
+  EXPECT_DOUBLE_EQ(flat.backward, 94.0 + 4.0);
+  // With one stage nothing of the exchange hides: the post out (12 s), the kernel (36 s), the outputs.
+  EXPECT_DOUBLE_EQ(model(plan, unit_cluster(3), unit_shape())[0].forward, 12.0 + 36.0 + 4.0);
 }
 
 TEST(StepModel, EachPostWaitsForItsOwnBusiestRank) {
@@ -123,11 +148,40 @@ TEST(StepModel, HeadParallelSlabsRideThePostsOfTheDispatchedTensors) {
   EXPECT_DOUBLE_EQ(flat.forward, 64.0 + 26.0);
 }
 
+TEST(StepModel, ItsTimelineNamesTheOpsEventsOnEachRank) {
+  // The plan of RanksAttendEachRoundAsItsStageGroupArrives, rank 1's events (seconds): its three kernel
+  // rounds, the wait for the outputs' post home; backward from 40 s on, its rounds (30 s each), the wait
+  // for group 1's key-value gradients (home at 94 s; group 0's at 64 s, before the rank is done) and for
+  // the query gradients. A wait for what is already there takes no time; it is there, as in the op's.
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 3;
+  plan.documents = {{{{0, 2, 1}}}, {{{2, 2, 1}}}, {{{1, 2, 1}}}};
+  LayerShape shape = unit_shape();
+  shape.stages = 3;
+  const auto ranks = cpdispatch::model_plan_trace(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), Topology::uniform(3, 3),
+                                                  unit_cluster(3), shape, false);
+  ASSERT_EQ(ranks.size(), 3u);
+  std::vector<std::string> events;
+  for (const cpdispatch::TraceEvent& e : ranks[1].events()) {
+    events.push_back(std::string(e.call) + " " + e.name + " " + std::to_string(e.group) + " " + std::to_string(e.start_ns / 1000000000) + "-" +
+                     std::to_string(e.end_ns / 1000000000));
+  }
+  const std::vector<std::string> expected = {
+      "forward kernel 0 0-12",      "forward wait 0 12-12",     "forward kernel 1 12-24",    "forward wait 1 24-24",     "forward kernel 2 24-36",
+      "forward wait 0 36-40",       "backward kernel 0 40-70",  "backward wait 0 70-70",     "backward kernel 1 70-100", "backward wait 1 100-100",
+      "backward kernel 2 100-130",  "backward wait 0 130-130",  "backward wait 1 130-134",   "backward wait 0 134-138"};
+  EXPECT_EQ(events, expected);
+  // Rank 0 attends nothing: it waits for both groups, then for the outputs home.
+  ASSERT_FALSE(ranks[0].events().empty());
+  EXPECT_EQ(ranks[0].events()[0].end_ns, 6000000000);
+  EXPECT_EQ(ranks[0].events().back().end_ns, 138000000000);
+}
+
 TEST(StepModel, HeadParallelDocumentsAreAttendedOnceEverySlabHasArrived) {
-  // The plan above on two nodes (0.5 B/s, 1 s a peer a post), in two stages. Out: rank 0 sends 18 bytes
-  // (37 s); home: rank 1 sends 6 (13 s). Rank 1 attends document 1 (24 FLOPs) while the post out travels,
-  // which hides all but one stage of the shorter (37 + 24 / 2 s), then its half of document 0 (40 FLOPs)
-  // once every slab has arrived; the outputs go home after the kernel.
+  // The plan above on two nodes (0.5 B/s, 1 s a peer a post), in two stages (one stage group on two
+  // ranks). Out: rank 0 sends 18 bytes (37 s); home: rank 1 sends 6 (13 s). Rank 1's document 1
+  // (24 FLOPs) and its half of document 0 (40 FLOPs) both wait for the post out; the outputs go home
+  // after the kernel.
   ClusterModel c = unit_cluster(1);
   c.inter.latency = 1.0;
   cpdispatch::QkvDocumentsPlan plan;
@@ -136,11 +190,30 @@ TEST(StepModel, HeadParallelDocumentsAreAttendedOnceEverySlabHasArrived) {
   plan.documents = {{{{0, 2, 0}, {1, 2, 1}}}, {{{0, 2, 1}}}};
   plan.documents[0].head_parallel = true;
   const StepTime flat = model(plan, c, {2, 1, 1, 2, 2})[0];
-  EXPECT_DOUBLE_EQ(flat.forward, 37.0 + 12.0 + 40.0 + 13.0);
-  // Backward: the output gradients out (13 s) and document 1's key-value gradients home (8 bytes: 17 s)
-  // behind its backward (60 FLOPs: 60 + 30 / 2 s), then document 0's (100), then the query gradients of
-  // both and the slabs' key-value gradients home (rank 1 sends 4 + 6 bytes: 21 s).
-  EXPECT_DOUBLE_EQ(flat.backward, 60.0 + 15.0 + 100.0 + 21.0);
+  EXPECT_DOUBLE_EQ(flat.forward, 37.0 + 24.0 + 40.0 + 13.0);
+  // Backward: the output gradients out (13 s), rank 1's backward (60 + 100), document 1's key-value
+  // gradients home (8 bytes: 17 s), then the query gradients of both and the slabs' key-value gradients
+  // home (rank 1 sends 4 + 6 bytes: 21 s).
+  EXPECT_DOUBLE_EQ(flat.backward, 13.0 + 160.0 + 17.0 + 21.0);
+}
+
+TEST(StepModel, AHeadParallelDocumentIsAttendedInTheRoundItIsWhole) {
+  // Four ranks on one node (1 B/s), four stages: three stage groups (a peer at distance 1, 2, 3 in group
+  // 0, 1, 2). Two query and key-value heads of 1 byte (Q or O 2 bytes a token, K and V 4). Document H
+  // (4 tokens, 2 on each of ranks 0 and 1) is head-parallel over them (u = 2): each attends it whole
+  // on one head (10 pairs, 40 s). Document D (2 tokens, home 2) is attended on rank 1 (3 pairs on two
+  // heads, 24 s). Out: group 0 carries rank 0's slab to rank 1 (3 bytes a token: 6 s); group 1 nothing;
+  // group 2 rank 1's slab to rank 0 and D (4 + 8 bytes) to rank 1, which receives 12 bytes: 12 s. Rank
+  // 1 has H whole after group 0 (6 s) and attends it (6-46 s) while group 2 travels, then D (46-70 s);
+  // rank 0 has H whole at 18 s (58 s). The outputs go home at 70 s: rank 1 sends 4 + 2 bytes (6 s).
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 4;
+  plan.head_parallel_degree = 2;
+  plan.documents = {{{{0, 2, 0}, {1, 2, 1}}}, {{{2, 2, 1}}}};
+  plan.documents[0].head_parallel = true;
+  const StepTime flat = model(plan, unit_cluster(4), {2, 1, 1, 4, 2})[0];
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 6.0 + 0.0 + 12.0 + 6.0);
+  EXPECT_DOUBLE_EQ(flat.forward, 70.0 + 6.0);  // after every group, H would end at 18 + 24 + 40 s
 }
 
 TEST(StepModel, ARankThatOnlyReceivesPaysALatencyAPeer) {

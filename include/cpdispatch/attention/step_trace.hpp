@@ -45,6 +45,8 @@ class StepTrace {
   void clear() noexcept { events_.clear(); }
   /// Room for n events, so that recording them allocates nothing.
   void reserve(std::size_t n) { events_.reserve(n); }
+  /// Adds an event whose times are known (a model's prediction).
+  void push(const TraceEvent& e) { events_.push_back(e); }
 
   /// Runs f() and records it as one event; returns what f returns.
   template <class F>

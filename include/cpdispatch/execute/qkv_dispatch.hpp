@@ -57,17 +57,6 @@
 
 namespace cpdispatch {
 
-/// Rank `rank`'s row of a global attention layout.
-inline RankAttentionLayout attention_of(const AttentionLayout& attn, std::int64_t rank) {
-  if (rank < 0 || static_cast<std::size_t>(rank) >= attn.seqlens_q.size()) {
-    detail::fail("attention_of: rank ", rank, " is outside [0, ", attn.seqlens_q.size(), ")");
-  }
-  const auto r = static_cast<std::size_t>(rank);
-  return RankAttentionLayout{attn.seqlens_q[r],    attn.seqlens_kv[r],   attn.cu_seqlens_q[r],
-                             attn.cu_seqlens_kv[r], attn.max_seqlen_q[r], attn.max_seqlen_kv[r], attn.mask,
-                             attn.entries.empty() ? std::vector<std::vector<AttentionEntry>>{} : attn.entries.at(r)};
-}
-
 /// How QkvDispatch moves key-values.
 struct QkvDispatchOptions {
   bool dedup = false;  ///< over the deduplicated wire (needs a share with kv_wire)

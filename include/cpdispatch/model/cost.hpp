@@ -26,7 +26,6 @@ namespace cpdispatch {
 struct PlanCost {
   std::int64_t world_size = 0;
   std::vector<std::int64_t> attention;  ///< [W] (query, key) pairs each rank attends, under `mask`
-  std::vector<std::int64_t> head_parallel_attention;  ///< [W] of which in head-parallel documents (their share on the rank)
   std::vector<std::int64_t> kv_tokens;  ///< [W] tokens of the KV groups each rank holds (what recv_capacity limits)
   std::vector<std::int64_t> bytes;      ///< [W * W] bytes rank `src` (row) sends rank `dst` (column); diagonal 0
   std::int64_t bytes_moved = 0;         ///< sum of `bytes`
@@ -92,7 +91,6 @@ inline PlanCost empty_cost(std::int64_t world_size, const PlanLimits& limits, co
   PlanCost out;
   out.world_size = world_size;
   out.attention.assign(W, 0);
-  out.head_parallel_attention.assign(W, 0);
   out.kv_tokens.assign(W, 0);
   out.bytes.assign(W * W, 0);
   out.mask = mask;
@@ -184,7 +182,6 @@ inline void add_head_parallel_document(PlanCost& out, const std::vector<Document
   for (const DocumentShard& s : shards) len = detail::add_tokens(len, s.len, "plan_cost");
   for (std::int64_t c = 0; c < u; ++c) {
     add_to(out.attention[static_cast<std::size_t>(first + c)], head_parallel_share(pairs, u, c));
-    add_to(out.head_parallel_attention[static_cast<std::size_t>(first + c)], head_parallel_share(pairs, u, c));
     add_to(out.kv_tokens[static_cast<std::size_t>(first + c)], len);
   }
   for (const DocumentShard& s : shards) {

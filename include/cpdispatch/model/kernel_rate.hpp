@@ -277,26 +277,28 @@ inline KernelRate fit_kernel_rate(std::span<const KernelSample> samples, double 
   return kept_f.size() < f.size() && kept_f.size() >= kr::terms ? kr::fit(kept_f, kept_seconds) : r;
 }
 
-/// One rank's compute seconds, forward and backward, and of them the
-/// head-parallel documents' (which the op attends after each round's dispatched passes).
+/// One rank's compute seconds, forward and backward.
 struct ComputeSeconds {
   double forward = 0, backward = 0;
-  double head_parallel_forward = 0, head_parallel_backward = 0;
   void add(const KernelRates& k, const KernelEntry& e) {
     forward += k.forward_seconds(e);
     backward += k.backward_seconds(e);
   }
-  void add_head_parallel(const KernelRates& k, const KernelEntry& e) {
-    add(k, e);
-    head_parallel_forward += k.forward_seconds(e);
-    head_parallel_backward += k.backward_seconds(e);
-  }
 };
+
+/// Calls f(entry) for each kernel entry of head-parallel document d of rank
+/// r: the document whole (its entries where it has slices) on heads_q / u
+/// query heads.
+template <class F>
+void each_head_parallel_entry(const HeadParallelLayout& hp, std::size_t r, std::size_t d, std::int64_t heads_q, std::int64_t head_dim, F f) {
+  const std::int64_t heads = std::max<std::int64_t>(1, heads_q / hp.degree), len = hp.seqlens[r][d];
+  if (hp.entries.empty() || hp.entries[r][d].empty()) return f(group_entry(len, len, hp.mask, heads, head_dim));
+  for (const AttentionEntry& e : hp.entries[r][d]) f(kernel_entry(e, heads, head_dim));
+}
 
 /// Each rank's compute in a plan's attention layout: an entry per KV group
 /// under the plan's mask (attn.entries where the documents have slices), on
-/// every query head; each head-parallel document whole (its entries where it
-/// has slices) on heads_q / u query heads.
+/// every query head; each head-parallel document as each_head_parallel_entry gives it.
 inline std::vector<ComputeSeconds> plan_compute_seconds(const QkvMetadata& m, const KernelRates& k, std::int64_t heads_q, std::int64_t head_dim) {
   k.check();
   const AttentionLayout& a = m.attn;
@@ -312,17 +314,8 @@ inline std::vector<ComputeSeconds> plan_compute_seconds(const QkvMetadata& m, co
   }
   const HeadParallelLayout& hp = m.hp_attn;
   if (hp.degree == 0) return out;
-  const std::int64_t heads = std::max<std::int64_t>(1, heads_q / hp.degree);
-  for (std::size_t r = 0; r < out.size() && r < hp.seqlens.size(); ++r) {
-    for (std::size_t d = 0; d < hp.seqlens[r].size(); ++d) {
-      const std::int64_t len = hp.seqlens[r][d];
-      if (hp.entries.empty() || hp.entries[r][d].empty()) {
-        out[r].add_head_parallel(k, group_entry(len, len, hp.mask, heads, head_dim));
-        continue;
-      }
-      for (const AttentionEntry& e : hp.entries[r][d]) out[r].add_head_parallel(k, kernel_entry(e, heads, head_dim));
-    }
-  }
+  for (std::size_t r = 0; r < out.size() && r < hp.seqlens.size(); ++r)
+    for (std::size_t d = 0; d < hp.seqlens[r].size(); ++d) each_head_parallel_entry(hp, r, d, heads_q, head_dim, [&](const KernelEntry& e) { out[r].add(k, e); });
   return out;
 }
 

@@ -2,8 +2,8 @@
 // A step-time model of one attention layer on a cluster (docs/node-exchange.md,
 // "Step-time model"): bytes over each tier / bandwidth + latency per message,
 // attention FLOPs / rate (or, with ClusterModel::kernel, the kernel's time
-// summed over the entries each rank runs: kernel_rate.hpp), stages
-// overlapped as the context-parallel op runs them; for a plan's three KV
+// summed over the entries each rank runs: kernel_rate.hpp), a plan's stage
+// groups and rounds as the context-parallel op runs them; for a plan's three KV
 // exchanges and for the peers' schemes on the same batch (zig-zag ring,
 // Ulysses, and USP -- Ulysses inside groups of ranks,
 // the ring across them -- of which the first two and Transformer Engine's
@@ -31,11 +31,15 @@
 #include <utility>
 #include <vector>
 
-#include "cpdispatch/error.hpp"
+#include "cpdispatch/attention/detail/share_entries.hpp"
+#include "cpdispatch/attention/detail/stage_plan.hpp"
+#include "cpdispatch/attention/step_trace.hpp"
 #include "cpdispatch/balance/balance.hpp"
+#include "cpdispatch/error.hpp"
 #include "cpdispatch/model/kernel_rate.hpp"
 #include "cpdispatch/plan/node_wire.hpp"
 #include "cpdispatch/plan/plan.hpp"
+#include "cpdispatch/plan/rank.hpp"
 #include "cpdispatch/plan/topology.hpp"
 
 namespace cpdispatch {
@@ -116,8 +120,8 @@ struct StepTime {
 
 namespace detail::step_model {
 
-/// The op runs the local attention first and the remote in `stages`, each
-/// overlapping the next stage's transfer: the longer side plus one stage of the shorter.
+/// `stages` equal steps, each step's transfer overlapping the previous
+/// step's attention (a ring): the longer side plus one step of the shorter.
 inline double overlapped(double compute, double comm, std::int64_t stages) {
   return std::max(compute, comm) + std::min(compute, comm) / static_cast<double>(stages);
 }
@@ -254,12 +258,121 @@ inline std::vector<ComputeSeconds> plan_compute(const QkvMetadata& m, const Plan
   if (c.kernel) return plan_compute_seconds(m, *c.kernel, shape.heads_q, shape.head_dim);
   std::vector<ComputeSeconds> out;
   const auto seconds = [&](std::int64_t pairs) { return forward_flops(static_cast<double>(pairs), shape) / c.attention_flops; };
-  for (std::size_t r = 0; r < cost.attention.size(); ++r) {
-    const double f = seconds(cost.attention[r]), hp = r < cost.head_parallel_attention.size() ? seconds(cost.head_parallel_attention[r]) : 0.0;
-    out.push_back({f, 2.5 * f, hp, 2.5 * hp});
-  }
+  for (const std::int64_t pairs : cost.attention) out.push_back({seconds(pairs), 2.5 * seconds(pairs)});
   return out;
 }
+
+/// The stage groups of the op at `stages` on W ranks (CpAttentionOptions::stages).
+inline int stage_groups(std::int64_t stages, std::size_t W) {
+  return W > 1 ? static_cast<int>(std::min<std::int64_t>(stages - 1, static_cast<std::int64_t>(W) - 1)) : 0;
+}
+
+/// Each stage group's post of `t` ([home * W + attention] bytes, either
+/// way): its slowest rank's time; one post of everything when groups = 0.
+inline std::vector<double> group_posts(const PairTokens& t, std::size_t W, int groups, const Topology& topo, const ClusterModel& c) {
+  std::vector<PairTokens> by_group(static_cast<std::size_t>(std::max(groups, 1)), PairTokens(W * W, 0));
+  for (std::size_t h = 0; h < W; ++h)
+    for (std::size_t a = 0; a < W; ++a) {
+      if (h == a) continue;
+      const int g = groups == 0 ? 0 : stage_group(static_cast<int>(h), static_cast<int>(a), static_cast<int>(W), groups);
+      by_group[static_cast<std::size_t>(g)][h * W + a] = t[h * W + a];
+    }
+  std::vector<double> out;
+  for (const PairTokens& g : by_group) out.push_back(slowest(g, W, 1, topo, c));
+  return out;
+}
+
+/// Rank r's attention by round, as the op cuts it (StagePlan, and each
+/// head-parallel document in the round it is whole): each round's share of
+/// the rank's forward FLOPs, dispatched and head-parallel, and the round
+/// after which the key-value gradients of each stage group are complete.
+struct RankRounds {
+  std::vector<double> dispatched, head_parallel;  ///< [groups + 1]; together sum to 1 (the last round's when the rank attends nothing)
+  std::vector<int> kv_ready;                      ///< [groups]
+};
+inline RankRounds rank_rounds(const QkvMetadata& m, std::size_t r, int groups, const LayerShape& shape) {
+  const int me = static_cast<int>(r), W = static_cast<int>(m.kv_fwd.world_size);
+  const RankAttentionLayout attn = attention_of(m.attn, me);
+  std::vector<AttentionEntry> entries;
+  std::vector<std::size_t> entry_begin;
+  share_entries(attn, entries, entry_begin);
+  StagePlan plan;
+  plan.build(entries, entry_begin, attn.cu_seqlens_q, attn.cu_seqlens_kv, m.q_rev.get_slice(me), m.kv_rev.get_slice(me), me, W, groups, true,
+             "model_plan");
+  RankRounds out;
+  out.dispatched.assign(static_cast<std::size_t>(plan.rounds()), 0.0);
+  out.head_parallel = out.dispatched;
+  for (const StagePass& pass : plan.passes())
+    for (std::size_t i = pass.begin; i < pass.end; ++i) {
+      out.dispatched[static_cast<std::size_t>(pass.round)] += kernel_entry(plan.parts()[i], shape.heads_q, shape.head_dim).forward_flops();
+    }
+  const HeadParallelLayout& hp = m.hp_attn;
+  if (hp.degree != 0 && r < hp.seqlens.size()) {
+    std::vector<int> whole;  // each document's round
+    document_rounds(hp.cu_seqlens[r], m.hp_rev.get_slice(me), [&](std::int64_t home) { return plan.round_of(home); }, whole);
+    for (std::size_t d = 0; d < whole.size(); ++d) {
+      each_head_parallel_entry(hp, r, d, shape.heads_q, shape.head_dim,
+                               [&](const KernelEntry& e) { out.head_parallel[static_cast<std::size_t>(whole[d])] += e.forward_flops(); });
+    }
+  }
+  const double total = std::accumulate(out.dispatched.begin(), out.dispatched.end(), std::accumulate(out.head_parallel.begin(), out.head_parallel.end(), 0.0));
+  for (auto* v : {&out.dispatched, &out.head_parallel})
+    for (double& s : *v) s = total > 0 ? s / total : 0.0;
+  if (total == 0) out.dispatched.back() = 1;
+  for (int g = 0; g < groups; ++g) out.kv_ready.push_back(plan.kv_ready(g));
+  return out;
+}
+
+/// The model's events, when a timeline is asked for (the op's names:
+/// "<call> <name> [group]"), `origin` seconds on.
+struct ModelTrace {
+  std::vector<StepTrace>* ranks = nullptr;
+  const char* call = "";
+  double origin = 0;
+  void add(std::size_t r, const char* name, int group, double start, double end) const {
+    if (!ranks) return;
+    const auto ns = [&](double t) { return static_cast<std::int64_t>(std::llround((origin + t) * 1e9)); };
+    (*ranks)[r].push({name, call, group, ns(start), ns(end), 0});
+  }
+};
+
+/// The ranks attending their rounds while `posts` (one a stage group,
+/// posted at once, on links that carry one at a time) arrive: round 0 from
+/// the start (with no stage groups, once the one post has arrived), round
+/// k + 1 once group k has. `seconds(r)`: rank r's compute. Returns when each
+/// rank is done; `reach[g]` (when given) becomes when the last rank has
+/// attended the round after which group g's key-value gradients are
+/// complete. Records each wait and kernel in `trace`.
+template <class Seconds>
+std::vector<double> attend_rounds(std::span<const RankRounds> ranks, std::span<const double> posts, int groups, Seconds seconds,
+                                  std::vector<double>* reach, const ModelTrace& trace) {
+  std::vector<double> arrive(posts.begin(), posts.end()), done;
+  for (std::size_t g = 1; g < arrive.size(); ++g) arrive[g] += arrive[g - 1];
+  if (reach) reach->assign(arrive.size(), 0.0);
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const RankRounds& rank = ranks[r];
+    double t = 0;
+    for (std::size_t k = 0; k < rank.dispatched.size(); ++k) {
+      if (k > 0 || groups == 0) {  // the group this round needs
+        const std::size_t g = k > 0 ? k - 1 : 0;
+        trace.add(r, "wait", static_cast<int>(g), t, std::max(t, arrive[g]));
+        t = std::max(t, arrive[g]);
+      }
+      const int round = groups == 0 ? -1 : static_cast<int>(k);
+      const double d = seconds(r) * rank.dispatched[k], h = seconds(r) * rank.head_parallel[k];
+      if (d > 0) trace.add(r, "kernel", round, t, t + d);  // the op records a kernel where it has parts, a wait always
+      if (h > 0) trace.add(r, "kernel (head-parallel)", round, t + d, t + d + h);
+      t += d + h;
+      for (std::size_t g = 0; reach && g < rank.kv_ready.size(); ++g)
+        if (static_cast<std::size_t>(rank.kv_ready[g]) == k) (*reach)[g] = std::max((*reach)[g], t);
+    }
+    if (reach && groups == 0) (*reach)[0] = std::max((*reach)[0], t);
+    done.push_back(t);
+  }
+  return done;
+}
+
+inline double sum(std::span<const double> v) { return std::accumulate(v.begin(), v.end(), 0.0); }
 
 inline StepTime finish(StepTime t) {
   t.step = t.forward + t.backward;
@@ -372,72 +485,144 @@ inline double max_kv_tokens_per_rank(const Metadata& kv_fwd, bool dedup) {
   return most;
 }
 
-/// The plan's three KV exchanges: "flat" (section 2), "dedup" (section 2c),
-/// "node-level". Queries and outputs travel flat in all three. The posts are
-/// those the op makes: forward, the queries, the key-values (flat or
-/// deduplicated) and the head-parallel documents' slabs (section 2f) ride
-/// one post out, in `stages` stage groups that the dispatched attention
-/// overlaps; the head-parallel documents are priced as attended once all have
-/// arrived, and the outputs of both parts ride one post home after the
-/// kernel. Backward, the output gradients come in stage groups and the
-/// dispatched key-value gradients leave as each group's are done, both
-/// overlapped with the dispatched attention; then the head-parallel
-/// documents' backward, and the query gradients of both parts with the
-/// head-parallel key-value gradients ride one post home. The node-level
-/// exchange's key-values take their own two phases each way. (The op
-/// attends a head-parallel document in the round its last slab arrives,
-/// and its head-parallel backward also overlaps the last key-value
-/// gradients' travel, which this does not count: the step is priced high by
-/// at most the work of documents whole before the last round and, backward,
-/// the smaller of the two.) A head-parallel document's work counts 1/u on
-/// each rank of its group, as plan_cost counts it.
-inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,
-                                        const ClusterModel& c, const LayerShape& shape) {
-  using namespace detail::step_model;
+namespace detail::step_model {
+
+/// What model_plan's three rows share: the queries' and the slabs' tokens
+/// and posts, each rank's rounds and compute.
+struct PlanParts {
+  std::size_t W = 0;
+  int groups = 0;
+  double bq = 0, bkv = 0;
+  PairTokens q, hp;
+  HeadParallelTokenBytes bhp;
+  double q_home = 0, grads_home = 0;
+  std::vector<double> dout_posts;
+  std::vector<RankRounds> ranks;
+  std::vector<ComputeSeconds> compute;
+};
+inline PlanParts plan_parts(const QkvMetadata& m, const PlanCost& cost, const Topology& topo, const ClusterModel& c, const LayerShape& shape) {
   c.check();
   shape.check();
   topo.check_world_size(m.kv_fwd.world_size, "model_plan");
   if (cost.world_size != m.kv_fwd.world_size) detail::fail("model_plan: the cost has world_size = ", cost.world_size, ", the metadata ", m.kv_fwd.world_size);
-  const auto W = static_cast<std::size_t>(m.kv_fwd.world_size);
-  const double bq = shape.q_token_bytes(), bkv = 2 * shape.kv_token_bytes();  // K and V: two tensors a token
-  const PairTokens q = flat_tokens(m.q_fwd), none(W * W, 0);
-  const PairTokens hp = m.hp_attn.degree == 0 ? none : flat_tokens(m.hp_fwd);
-  const HeadParallelTokenBytes bhp = head_parallel_token_bytes(m, shape);
-  PairTokens between, inside;
-  node_tokens(m.kv_fwd, topo, between, inside);
-  const PairTokens kv_forms[3] = {flat_tokens(m.kv_fwd), dedup_tokens(m.kv_fwd), none};
-  // Every post is a collective: it ends when its busiest rank is done, and
-  // the next starts after it, so each costs its slowest rank's time. A post
-  // in reverse takes as long (sent and received swap). The node-level
-  // exchange's two phases are two such exchanges (a relay forwards only what
-  // it has received): forward between nodes, then inside; backward the reverse.
-  const double q_home = slowest(one_post({{&q, bq}, {&hp, bhp.q}}), W, 1, topo, c);         // outputs home; output gradients out
-  const double grads_home = slowest(one_post({{&q, bq}, {&hp, bhp.qkv}}), W, 1, topo, c);  // query gradients and the slabs' dk, dv
-  const double node_phases = slowest(between, W, bkv, topo, c) + slowest(inside, W, bkv, topo, c);
-  const char* names[3] = {"flat", "dedup", "node-level"};
-  std::vector<StepTime> out;
-  const std::vector<ComputeSeconds> compute = plan_compute(m, cost, c, shape);
-  for (int form = 0; form < 3; ++form) {
-    const double in = slowest(one_post({{&q, bq}, {&kv_forms[form], bkv}, {&hp, bhp.qkv}}), W, 1, topo, c) + (form == 2 ? node_phases : 0);
-    const double kv_home = form == 2 ? node_phases : slowest(kv_forms[form], W, bkv, topo, c);
-    const double fm = in + q_home, bm = q_home + kv_home + grads_home;
-    StepTime t;
-    t.scheme = names[form];
-    for (std::size_t r = 0; r < W; ++r) {
-      const ComputeSeconds& cr = compute[r];
-      const double f = overlapped(cr.forward - cr.head_parallel_forward, in, shape.stages) + cr.head_parallel_forward + q_home;
-      const double bw = overlapped(cr.backward - cr.head_parallel_backward, q_home + kv_home, shape.stages) + cr.head_parallel_backward + grads_home;
-      if (f + bw > t.step) {
-        t.step = f + bw;
-        t.forward_compute = cr.forward, t.forward_comm = fm, t.forward = f;
-        t.backward_compute = cr.backward, t.backward_comm = bm, t.backward = bw;
-      }
-    }
-    t.inter_node_bytes = inter_bytes(q, W, topo, 2 * bq) +
-                         (form < 2 ? inter_bytes(kv_forms[form], W, topo, bkv) : inter_bytes(between, W, topo, bkv));
-    out.push_back(t);
+  PlanParts p;
+  p.W = static_cast<std::size_t>(m.kv_fwd.world_size);
+  p.groups = stage_groups(shape.stages, p.W);
+  p.bq = shape.q_token_bytes(), p.bkv = 2 * shape.kv_token_bytes();  // K and V: two tensors a token
+  p.q = flat_tokens(m.q_fwd);
+  p.hp = m.hp_attn.degree == 0 ? PairTokens(p.W * p.W, 0) : flat_tokens(m.hp_fwd);
+  p.bhp = head_parallel_token_bytes(m, shape);
+  const PairTokens home = one_post({{&p.q, p.bq}, {&p.hp, p.bhp.q}});  // the outputs home; their gradients out
+  p.q_home = slowest(home, p.W, 1, topo, c);
+  p.grads_home = slowest(one_post({{&p.q, p.bq}, {&p.hp, p.bhp.qkv}}), p.W, 1, topo, c);  // query gradients and the slabs' dk, dv
+  p.dout_posts = group_posts(home, p.W, p.groups, topo, c);
+  for (std::size_t r = 0; r < p.W; ++r) p.ranks.push_back(rank_rounds(m, r, p.groups, shape));
+  p.compute = plan_compute(m, cost, c, shape);
+  return p;
+}
+
+/// Forward: the ranks' rounds as the stage groups arrive (`in_posts`), then
+/// the outputs home after the last rank's; returns when it ends.
+inline double plan_forward(const PlanParts& p, std::span<const double> in_posts, std::vector<StepTrace>* trace) {
+  const ModelTrace events{trace, "forward", 0};
+  const auto seconds = [&](std::size_t r) { return p.compute[r].forward; };
+  const std::vector<double> attended = attend_rounds(p.ranks, in_posts, p.groups, seconds, nullptr, events);
+  const double end = *std::max_element(attended.begin(), attended.end()) + p.q_home;
+  for (std::size_t r = 0; r < p.W; ++r) events.add(r, "wait", 0, attended[r], end);
+  return end;
+}
+
+/// Backward from `origin`: the ranks' rounds as the output gradients
+/// arrive, each group's key-value gradients home (`kv_posts`) once every
+/// rank has attended the round that completes them, then the query
+/// gradients; returns how long it takes.
+inline double plan_backward(const PlanParts& p, std::span<const double> kv_posts, double origin, std::vector<StepTrace>* trace) {
+  const ModelTrace events{trace, "backward", origin};
+  const auto seconds = [&](std::size_t r) { return p.compute[r].backward; };
+  std::vector<double> reach, kv_home;
+  const std::vector<double> done = attend_rounds(p.ranks, p.dout_posts, p.groups, seconds, &reach, events);
+  double link = sum(p.dout_posts);
+  for (std::size_t g = 0; g < kv_posts.size(); ++g) kv_home.push_back(link = std::max(link, reach[g]) + kv_posts[g]);
+  const double end = std::max(link, *std::max_element(done.begin(), done.end())) + p.grads_home;
+  for (std::size_t r = 0; r < p.W; ++r) {  // the key-value gradients home by group, then the query gradients
+    double at = done[r];
+    for (std::size_t g = 0; g < kv_home.size(); ++g) events.add(r, "wait", static_cast<int>(g), at, std::max(at, kv_home[g])), at = std::max(at, kv_home[g]);
+    events.add(r, "wait", 0, at, end);
   }
+  return end;
+}
+
+/// One of model_plan's rows (form 0 flat, 1 dedup, 2 node-level), its
+/// timeline recorded in `trace` when given.
+inline StepTime plan_row(const QkvMetadata& m, const PlanParts& p, const Topology& topo, const ClusterModel& c, int form, std::vector<StepTrace>* trace) {
+  const char* names[3] = {"flat", "dedup", "node-level"};
+  const std::size_t W = p.W;
+  PairTokens kv(W * W, 0), between, inside;
+  double node_phases = 0;  // two exchanges (a relay forwards only what it has received): forward between nodes, then inside; backward the reverse
+  if (form == 0) kv = flat_tokens(m.kv_fwd);
+  if (form == 1) kv = dedup_tokens(m.kv_fwd);
+  if (form == 2) node_tokens(m.kv_fwd, topo, between, inside), node_phases = slowest(between, W, p.bkv, topo, c) + slowest(inside, W, p.bkv, topo, c);
+  std::vector<double> in_posts = group_posts(one_post({{&p.q, p.bq}, {&kv, p.bkv}, {&p.hp, p.bhp.qkv}}), W, p.groups, topo, c);
+  std::vector<double> kv_posts = group_posts(one_post({{&kv, p.bkv}}), W, p.groups, topo, c);  // in reverse as long (sent and received swap)
+  if (form == 2) in_posts[0] += node_phases, kv_posts[0] = node_phases;
+  StepTime t;
+  t.scheme = names[form];
+  for (const ComputeSeconds& cr : p.compute) {
+    t.forward_compute = std::max(t.forward_compute, cr.forward);
+    t.backward_compute = std::max(t.backward_compute, cr.backward);
+  }
+  t.forward_comm = sum(in_posts) + p.q_home;
+  t.backward_comm = sum(p.dout_posts) + sum(kv_posts) + p.grads_home;
+  t.forward = plan_forward(p, in_posts, trace);
+  t.backward = plan_backward(p, kv_posts, t.forward, trace);
+  t.step = t.forward + t.backward;
+  t.inter_node_bytes = inter_bytes(p.q, W, topo, 2 * p.bq) + (form < 2 ? inter_bytes(kv, W, topo, p.bkv) : inter_bytes(between, W, topo, p.bkv));
+  return t;
+}
+
+}  // namespace detail::step_model
+
+/// The plan's three KV exchanges: "flat" (section 2), "dedup" (section 2c),
+/// "node-level". Queries and outputs travel flat in all three. The posts
+/// are those the op makes (ContextParallelAttention at shape.stages: G =
+/// stages - 1 stage groups, at most W - 1), each a collective that costs its
+/// slowest rank's time, one after another on the links. Forward, the
+/// queries, the key-values (flat or deduplicated) and the head-parallel
+/// documents' slabs (section 2f) ride one post a stage group, the pair of
+/// home rank h and attention rank a in group stage_group(h, a); every rank
+/// attends its rounds as the op cuts them (round 0 its own, round g + 1 once
+/// group g has arrived: each dispatched part in the round its queries and
+/// key-values are both there, each head-parallel document once all its
+/// slabs are), its compute split over the rounds by their FLOPs; the
+/// outputs of both parts ride one post home after the last rank's kernel.
+/// Backward, the output gradients come in stage groups as the inputs did;
+/// each group's key-value gradients go home in one post once every rank has
+/// attended the round that completes them (and the post before has
+/// ended); the query gradients of both parts with the head-parallel
+/// key-value gradients ride one post home at the end. The node-level
+/// exchange's key-values take their own two phases each way, all with the
+/// first group. A head-parallel document's work counts 1/u on each rank of
+/// its group, as plan_cost counts it.
+inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,
+                                        const ClusterModel& c, const LayerShape& shape) {
+  const detail::step_model::PlanParts parts = detail::step_model::plan_parts(m, cost, topo, c, shape);
+  std::vector<StepTime> out;
+  for (int form = 0; form < 3; ++form) out.push_back(detail::step_model::plan_row(m, parts, topo, c, form, nullptr));
   return out;
+}
+
+/// model_plan's timeline of the exchange the op runs (dedup or flat): on
+/// each rank, its waits for each stage group, the outputs and the gradients,
+/// and its kernel in each round (dispatched, then head-parallel), forward
+/// then backward, named as the op's trace names them (attention/step_trace.hpp),
+/// so that write_chrome_trace writes it beside a measured step.
+inline std::vector<StepTrace> model_plan_trace(const QkvMetadata& m, const PlanCost& cost, const Topology& topo, const ClusterModel& c,
+                                               const LayerShape& shape, bool dedup) {
+  const detail::step_model::PlanParts parts = detail::step_model::plan_parts(m, cost, topo, c, shape);
+  std::vector<StepTrace> ranks;
+  for (std::size_t r = 0; r < parts.W; ++r) ranks.emplace_back(static_cast<int>(r));
+  detail::step_model::plan_row(m, parts, topo, c, dedup ? 1 : 0, &ranks);
+  return ranks;
 }
 
 /// USP (unified sequence parallelism): Ulysses inside groups of `group`

@@ -40,6 +40,17 @@ struct RankAttentionLayout {
   std::int64_t kv_tokens() const noexcept { return cu_seqlens_kv.empty() ? 0 : cu_seqlens_kv.back(); }
 };
 
+/// Rank `rank`'s row of a global attention layout.
+inline RankAttentionLayout attention_of(const AttentionLayout& attn, std::int64_t rank) {
+  if (rank < 0 || static_cast<std::size_t>(rank) >= attn.seqlens_q.size()) {
+    detail::fail("attention_of: rank ", rank, " is outside [0, ", attn.seqlens_q.size(), ")");
+  }
+  const auto r = static_cast<std::size_t>(rank);
+  return RankAttentionLayout{attn.seqlens_q[r],    attn.seqlens_kv[r],   attn.cu_seqlens_q[r],
+                             attn.cu_seqlens_kv[r], attn.max_seqlen_q[r], attn.max_seqlen_kv[r], attn.mask,
+                             attn.entries.empty() ? std::vector<std::vector<AttentionEntry>>{} : attn.entries.at(r)};
+}
+
 /// What one rank needs of a QKV plan: the get_slice() of each metadata and
 /// its attention layout. Dispatcher(transport, q_fwd, q_rev, token_bytes)
 /// and Dispatcher(transport, kv_fwd, kv_rev, token_bytes) take the slices.

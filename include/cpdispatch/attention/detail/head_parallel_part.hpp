@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpdispatch/attention/detail/row_cover.hpp"
+#include "cpdispatch/attention/detail/stage_plan.hpp"
 #include "cpdispatch/attention/invariant.hpp"
 #include "cpdispatch/attention/kernel.hpp"
 #include "cpdispatch/element_type.hpp"
@@ -260,13 +261,7 @@ class HeadParallelPart {
     round_begin_.assign(static_cast<std::size_t>(rounds) + 1, 0);
     if (!active_) return;
     const auto& cu = layout_.cu_seqlens;
-    doc_round_.assign(cu.size() - 1, 0);
-    std::size_t d = 0;
-    std::int64_t at = 0;
-    for (std::size_t j = 0; j < hp_rev.seq_len.size(); at += hp_rev.seq_len[j++]) {
-      while (d + 1 < doc_round_.size() && cu[d + 1] <= at) ++d;  // the document holding row `at`
-      if (d < doc_round_.size()) doc_round_[d] = std::max(doc_round_[d], round_of(hp_rev.dst_rank[j]));
-    }
+    document_rounds(cu, hp_rev, round_of, doc_round_);
     entry_round_.clear();
     for (const AttentionEntry& e : entries_) {  // each entry's document's round, counted
       const auto doc = static_cast<std::size_t>(std::upper_bound(cu.begin(), cu.end(), e.q_start) - cu.begin() - 1);

@@ -46,6 +46,20 @@ void query_row_passes(std::span<const std::size_t> by_start, Entry entry, std::s
   }
 }
 
+/// The round in which each document of a rank's head-parallel layout
+/// (`cu`: leading 0, total last) is whole: the latest `round_of(home)` of
+/// its shards, which hp_rev lists in layout order with each one's home.
+template <class RoundOf>
+void document_rounds(std::span<const std::int64_t> cu, const RankMetadata& hp_rev, RoundOf round_of, std::vector<int>& rounds) {
+  rounds.assign(cu.empty() ? 0 : cu.size() - 1, 0);
+  std::size_t d = 0;
+  std::int64_t at = 0;
+  for (std::size_t j = 0; j < hp_rev.seq_len.size(); at += hp_rev.seq_len[j++]) {
+    while (d + 1 < rounds.size() && cu[d + 1] <= at) ++d;  // the document holding row `at`
+    if (d < rounds.size()) rounds[d] = std::max(rounds[d], round_of(hp_rev.dst_rank[j]));
+  }
+}
+
 struct StagePass {
   int round = 0;
   std::size_t begin = 0, end = 0;  // into StagePlan::parts
