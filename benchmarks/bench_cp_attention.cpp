@@ -46,7 +46,8 @@
 // --trace PREFIX writes each run of ours (the balanced plan per batch, link and stage count; the step model's
 // plan) and each peer's run as every rank's step timeline, Chrome trace-event JSON (attention/step_trace.hpp;
 // open it in ui.perfetto.dev), to PREFIX-<sample>-b<batch>-<link>-<run>.json, <run> one of s<stages> (the
-// balanced plan), model-s<stages> (the step model's plan), ulysses, ring, usp<u>: ours'
+// balanced plan), model-s<stages> (the step model's plan), model-s<stages>-predicted (the step model's
+// timeline of that run: model_plan_trace), ulysses, ring, usp<u>: ours'
 // events are the op's (posts, waits, kernel passes, merges, fans), the peers' their all-to-alls, ring
 // passes' waits, kernel calls, merges and sums. tools/trace_diff.py lists where two timelines differ most.
 // --peers both (the default) is ulysses,ring; all adds usp. --shared-prefix runs with --peers ulysses only.
@@ -690,6 +691,21 @@ cpdispatch::ClusterModel link_cluster(const Config& c, const Batch& batch, doubl
   return cluster;
 }
 
+/// --trace: the step model's timeline of ours with `plan` (model_plan_trace; the kernel priced by its entries
+/// where --model-check fitted them, else at the batch's FLOP rate), to `file` beside the measured one.
+void write_predicted(const Config& c, const Batch& batch, const LinkRun& l, const cpdispatch::QkvDocumentsPlan& plan, const std::string& file) {
+  if (file.empty()) return;
+  cpdispatch::ClusterModel cluster = link_cluster(c, batch, l.bandwidth);
+  cluster.kernel = batch.kernel;
+  const std::vector<cpdispatch::StepTrace> ranks = cpdispatch::model_plan_trace(
+      cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), cpdispatch::Topology::uniform(c.world, c.world), cluster, layer_shape(c), c.dedup);
+  std::vector<const cpdispatch::StepTrace*> all;
+  for (const auto& t : ranks) all.push_back(&t);
+  std::ofstream out(file);
+  cpdispatch::write_chrome_trace(out, all);
+  std::printf("  (predicted timeline: %s)\n", file.c_str());
+}
+
 /// USP at every group size it can run, the fastest kept (`u`), beside the group size the step model picks.
 struct UspRun {
   Step step{};
@@ -767,6 +783,7 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
   const auto hp = std::count_if(m.chosen.plan.documents.begin(), m.chosen.plan.documents.end(), [](const auto& d) { return d.head_parallel; });
   if (hp > 0) std::printf(" | %ld head-parallel document(s), groups of %lld", static_cast<long>(hp), static_cast<long long>(cpdispatch::detail::head_parallel_degree(m.chosen.plan)));
   std::printf("\n");
+  write_predicted(c, batch, l, m.chosen.plan, trace_name(c, batch, l, "model-s" + std::to_string(c.plan_stages) + "-predicted"));
   model_check(c, batch, l, "ours (step model's plan) stages=" + std::to_string(c.plan_stages), m.modelled.seconds,
               [&](const cpdispatch::ClusterModel& mc) { return modelled_ours(c, m.chosen.plan, mc, c.plan_stages); }, ratios_of);
   std::vector<double> peers;

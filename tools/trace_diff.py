@@ -16,7 +16,9 @@ Printed, in milliseconds:
   in A and in B, and B / A;
 - the events of both files matched one to one (the same rank and name, the
   k-th of that name on that rank in each), the `--top` whose durations differ
-  most, with both starts and durations; events only one file has are counted.
+  most, with both starts and durations; events only one file has are counted;
+  and the median over matched events of at least 1 % of A's step of
+  |B - A| / A, their durations (how close a prediction B is to a measured A).
 
 Standard library only; exits 2 with one line on a file it cannot read.
 """
@@ -24,6 +26,7 @@ Standard library only; exits 2 with one line on a file it cannot read.
 import argparse
 import collections
 import json
+import statistics
 import sys
 
 
@@ -114,6 +117,11 @@ def report(a_path, b_path, top, out=sys.stdout):
     print("|---|---|---|---|---|---|---|---|", file=out)
     for (rank, name, k), (sa, da, _), (sb, db, _) in pairs[:top]:
         print(f"| {rank} | {name} | {k} | {sa / 1e3:.3f} | {da / 1e3:.3f} | {sb / 1e3:.3f} | {db / 1e3:.3f} | {(db - da) / 1e3:+.3f} |", file=out)
+    floor = 0.01 * step_ms(a) * 1e3
+    sizable = [abs(db - da) / da for _, (_, da, _), (_, db, _) in pairs if da >= floor and da > 0]
+    if sizable:
+        print(f"\nMedian |B - A| / A over the {len(sizable)} matched events of at least 1 % of A's step: "
+              f"{statistics.median(sizable):.2f}", file=out)
 
 
 def main(argv=None):

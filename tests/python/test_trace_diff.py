@@ -1,6 +1,7 @@
 """tools/trace_diff.py on two small timelines: the step of each, the busiest
 rank's totals per event kind, the matched events ordered by how much their
-durations differ, and a clear refusal of a file that is no trace."""
+durations differ, the median difference of the sizable ones, and a clear
+refusal of a file that is no trace."""
 
 import json
 import pathlib
@@ -39,6 +40,8 @@ def test_the_events_that_differ_most_come_first(tmp_path):
     rows = [l for l in lines if l.startswith("| 0 ") or l.startswith("| 1 ")]
     assert rows == ["| 0 | forward kernel | 1 | 0.100 | 0.400 | 0.100 | 0.900 | +0.500 |",
                     "| 1 | forward post 0 | 1 | 0.000 | 0.300 | 0.000 | 0.250 | -0.050 |"]
+    # |B - A| / A of the four matched events: 0, 1.25, 0.17, 0; every one at least 1 % of A's step.
+    assert "Median |B - A| / A over the 4 matched events of at least 1 % of A's step: 0.08" in r.stdout
 
 
 def test_a_file_that_is_no_trace_is_refused_in_one_line(tmp_path):
