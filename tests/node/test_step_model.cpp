@@ -191,10 +191,10 @@ TEST(StepModel, HeadParallelDocumentsAreAttendedOnceEverySlabHasArrived) {
   plan.documents[0].head_parallel = true;
   const StepTime flat = model(plan, c, {2, 1, 1, 2, 2})[0];
   EXPECT_DOUBLE_EQ(flat.forward, 37.0 + 24.0 + 40.0 + 13.0);
-  // Backward: the output gradients out (13 s), rank 1's backward (60 + 100), document 1's key-value
-  // gradients home (8 bytes: 17 s), then the query gradients of both and the slabs' key-value gradients
-  // home (rank 1 sends 4 + 6 bytes: 21 s).
-  EXPECT_DOUBLE_EQ(flat.backward, 13.0 + 160.0 + 17.0 + 21.0);
+  // Backward: the output gradients out (13 s), rank 1's backward of document 1 (60 s), whose key-value
+  // gradients then go home (8 bytes: 17 s) while it attends its half of document 0 (100 s), then the
+  // query gradients of both and the slabs' key-value gradients home (rank 1 sends 4 + 6 bytes: 21 s).
+  EXPECT_DOUBLE_EQ(flat.backward, 13.0 + 60.0 + 100.0 + 21.0);
 }
 
 TEST(StepModel, AHeadParallelDocumentIsAttendedInTheRoundItIsWhole) {

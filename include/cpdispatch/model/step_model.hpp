@@ -341,8 +341,8 @@ struct ModelTrace {
 /// the start (with no stage groups, once the one post has arrived), round
 /// k + 1 once group k has. `seconds(r)`: rank r's compute. Returns when each
 /// rank is done; `reach[g]` (when given) becomes when the last rank has
-/// attended the round after which group g's key-value gradients are
-/// complete. Records each wait and kernel in `trace`.
+/// attended the dispatched part of the round after which group g's
+/// key-value gradients are complete. Records each wait and kernel in `trace`.
 template <class Seconds>
 std::vector<double> attend_rounds(std::span<const RankRounds> ranks, std::span<const double> posts, int groups, Seconds seconds,
                                   std::vector<double>* reach, const ModelTrace& trace) {
@@ -362,11 +362,11 @@ std::vector<double> attend_rounds(std::span<const RankRounds> ranks, std::span<c
       const double d = seconds(r) * rank.dispatched[k], h = seconds(r) * rank.head_parallel[k];
       if (d > 0) trace.add(r, "kernel", round, t, t + d);  // the op records a kernel where it has parts, a wait always
       if (h > 0) trace.add(r, "kernel (head-parallel)", round, t + d, t + d + h);
+      // The op posts a group's key-value gradients after the round's dispatched pass, before its head-parallel one.
+      for (std::size_t g = 0; reach && g < reach->size(); ++g)
+        if (groups == 0 || static_cast<std::size_t>(rank.kv_ready[g]) == k) (*reach)[g] = std::max((*reach)[g], t + d);
       t += d + h;
-      for (std::size_t g = 0; reach && g < rank.kv_ready.size(); ++g)
-        if (static_cast<std::size_t>(rank.kv_ready[g]) == k) (*reach)[g] = std::max((*reach)[g], t);
     }
-    if (reach && groups == 0) (*reach)[0] = std::max((*reach)[0], t);
     done.push_back(t);
   }
   return done;
@@ -597,8 +597,9 @@ inline StepTime plan_row(const QkvMetadata& m, const PlanParts& p, const Topolog
 /// outputs of both parts ride one post home after the last rank's kernel.
 /// Backward, the output gradients come in stage groups as the inputs did;
 /// each group's key-value gradients go home in one post once every rank has
-/// attended the round that completes them (and the post before has
-/// ended); the query gradients of both parts with the head-parallel
+/// attended the dispatched part of the round that completes them (the op
+/// posts them before that round's head-parallel documents) and the post
+/// before has ended; the query gradients of both parts with the head-parallel
 /// key-value gradients ride one post home at the end. The node-level
 /// exchange's key-values take their own two phases each way, all with the
 /// first group. A head-parallel document's work counts 1/u on each rank of
