@@ -870,7 +870,7 @@ py::dict stage_plan_of(const RankShare& share, std::int64_t stages, py::handle e
   const auto* m = std::get_if<cpdispatch::RankQkvMetadata>(&share.metadata);
   if (m == nullptr) cpdispatch::detail::fail("stages take a qkv plan (queries and key-values); this is a query plan");
   const int W = static_cast<int>(m->q_fwd.world_size), me = static_cast<int>(share.rank);
-  const int groups = static_cast<int>(std::min<std::int64_t>(stages - 1, W - 1));
+  const int groups = cpdispatch::detail::stage_groups(stages, W);
   std::vector<cpdispatch::AttentionEntry> entries;
   std::vector<std::size_t> begin;
   if (entries_in.is_none()) {

@@ -239,7 +239,7 @@ class ContextParallelAttention {
         fail("the kernel launches on another stream than the transport's; build it on transport.stream() so that its work is ordered with the exchange's");
       }
     }
-    groups_ = std::min(options_.stages - 1, transport_.world_size() - 1);
+    groups_ = detail::stage_groups(options_.stages, transport_.world_size());
     requests_.resize(static_cast<std::size_t>(groups_));
     kv_requests_.resize(static_cast<std::size_t>(std::max(groups_, 1)));
     if (options_.check_plan_agreement) agreement_.size(transport_.world_size(), agreement_slots);

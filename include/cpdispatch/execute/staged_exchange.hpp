@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -137,6 +138,10 @@ struct StagedTensor {
   const std::byte* in = nullptr;
   std::byte* out = nullptr;
 };
+
+/// The stage groups of a step in `stages` stages on W ranks (round 0 is the
+/// rank's own data; each other round a group): at most W - 1.
+inline int stage_groups(std::int64_t stages, std::int64_t world_size) { return static_cast<int>(std::min(stages - 1, world_size - 1)); }
 
 /// The group of the pair (home rank h, attention rank a), h != a, among `groups` groups of W ranks.
 inline int stage_group(int home, int attention, int world_size, int groups) {

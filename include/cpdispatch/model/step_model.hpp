@@ -262,11 +262,6 @@ inline std::vector<ComputeSeconds> plan_compute(const QkvMetadata& m, const Plan
   return out;
 }
 
-/// The stage groups of the op at `stages` on W ranks (CpAttentionOptions::stages).
-inline int stage_groups(std::int64_t stages, std::size_t W) {
-  return W > 1 ? static_cast<int>(std::min<std::int64_t>(stages - 1, static_cast<std::int64_t>(W) - 1)) : 0;
-}
-
 /// Each stage group's post of `t` ([home * W + attention] bytes, either
 /// way): its slowest rank's time; one post of everything when groups = 0.
 inline std::vector<double> group_posts(const PairTokens& t, std::size_t W, int groups, const Topology& topo, const ClusterModel& c) {
@@ -507,7 +502,7 @@ inline PlanParts plan_parts(const QkvMetadata& m, const PlanCost& cost, const To
   if (cost.world_size != m.kv_fwd.world_size) detail::fail("model_plan: the cost has world_size = ", cost.world_size, ", the metadata ", m.kv_fwd.world_size);
   PlanParts p;
   p.W = static_cast<std::size_t>(m.kv_fwd.world_size);
-  p.groups = stage_groups(shape.stages, p.W);
+  p.groups = stage_groups(shape.stages, static_cast<std::int64_t>(p.W));
   p.bq = shape.q_token_bytes(), p.bkv = 2 * shape.kv_token_bytes();  // K and V: two tensors a token
   p.q = flat_tokens(m.q_fwd);
   p.hp = m.hp_attn.degree == 0 ? PairTokens(p.W * p.W, 0) : flat_tokens(m.hp_fwd);
