@@ -5,11 +5,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpdispatch/adapters/simulated_link.hpp"
@@ -83,6 +86,61 @@ TEST(SimulatedLink, ExchangesPostedBackToBackUseBothSidesOfTheLinkAtOnce) {
     const Clock::time_point after = Clock::now();
     EXPECT_GE(link.busy_until(), before + 10s);
     EXPECT_LE(link.busy_until(), after + 10s) << "the second exchange waited for the first's side of the link";
+  });
+}
+
+// A post is an enqueue, as on NCCL: rank 0's returns before rank 1 has
+// posted its own (rank 1 waits for it first, bounded so that a post that
+// waits for its peers fails instead of hanging). Rank 1 then posts 100 ms
+// late; its 100 000 bytes take 50 ms on its link (2 MB/s), so rank 0 has
+// them no sooner than 50 ms after rank 1's post, not 50 ms after its own.
+TEST(SimulatedLink, APostReturnsBeforeItsPeersPostAndDeliversOnceTheirLinkHasSent) {
+  const cpdispatch::LinkModel model{0ns, 2e6};
+  const std::size_t bytes = 100000;
+  std::atomic<bool> zero_posted{false};
+  std::atomic<Clock::rep> one_posts_at{0};
+  SimWorld world(2, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    cpdispatch::SimulatedLinkTransport link(sim, model);
+    const std::size_t me = static_cast<std::size_t>(sim.rank()), peer = 1 - me;
+    std::vector<char> out(bytes, static_cast<char>('a' + me)), in(bytes);
+    std::vector<std::size_t> counts(2, 0), displs(2, 0);
+    counts[peer] = bytes;
+    if (me == 1) {
+      const Clock::time_point give_up = Clock::now() + 10s;
+      while (!zero_posted && Clock::now() < give_up) std::this_thread::sleep_for(1ms);
+      EXPECT_TRUE(zero_posted) << "rank 0's post waited for rank 1's";
+      std::this_thread::sleep_for(100ms);
+      one_posts_at = Clock::now().time_since_epoch().count();
+    }
+    const cpdispatch::Request request = link.post_all_to_all_v(out.data(), counts, displs, in.data(), counts, displs);
+    if (me == 0) zero_posted = true;
+    link.wait(request);
+    if (me == 0) {
+      EXPECT_GE(Clock::now(), Clock::time_point(Clock::duration(one_posts_at)) + 50ms) << "rank 1's link sent its bytes from its post on";
+    }
+    EXPECT_THAT(in, testing::Each(static_cast<char>('a' + peer)));
+  });
+}
+
+TEST(SimulatedLink, APostNamesCountsThatDoNotFitTheWorld) {
+  SimWorld world(2, SimOptions{60s});
+  world.run([&](SimTransport& sim) {
+    cpdispatch::SimulatedLinkTransport link(sim, cpdispatch::LinkModel{0ns, 1e9});
+    std::vector<char> out(8), in(8);
+    const std::vector<std::size_t> three(3, 0), zero(2, 0);
+    std::vector<std::size_t> self(2, 0);
+    self[static_cast<std::size_t>(sim.rank())] = 4;
+    const auto refused = [&](std::span<const std::size_t> sc, std::span<const std::size_t> rd) -> std::string {
+      try {
+        (void)link.post_all_to_all_v(out.data(), sc, zero, in.data(), zero, rd);
+      } catch (const cpdispatch::invalid_input& e) {
+        return e.what();
+      }
+      return "accepted";
+    };
+    EXPECT_THAT(refused(zero, three), testing::HasSubstr("recv_displs has 3 entries, world_size = 2"));
+    EXPECT_THAT(refused(self, zero), testing::HasSubstr(std::string("send_counts[") + std::to_string(sim.rank()) + "] = 4 bytes to itself, but recv_counts"));
   });
 }
 

@@ -29,12 +29,17 @@
 //     all_to_all_v                 (W-1) L + max(bytes sent, bytes received to and from peers)/bw
 //     barrier                      ceil(log2 W) L            (dissemination)
 //   One rank (W = 1) costs nothing.
-// - post_all_to_all_v (PostedAllToAllTransport): the bytes move through the
-//   inner all_to_all_v at the post; its sends occupy the sending side for
-//   (W-1) L + bytes sent / bw, its receives the receiving side for
-//   (W-1) L + bytes received / bw, each from then or from when that side
-//   frees up, and wait() sleeps until both are done (alone, the
-//   all_to_all_v time above). Compute between the two hides it. Exchanges
+// - post_all_to_all_v (PostedAllToAllTransport): returns at once, as NCCL's
+//   enqueue does, without waiting for the peers to post theirs: the bytes
+//   move as the inner transport's isend/irecv (one message per peer with
+//   bytes, behind an 8-byte header with the time the sender's link is done
+//   sending them), so posts from different ranks need not meet. Its sends
+//   occupy the sending side for (W-1) L + bytes sent / bw, its receives the
+//   receiving side for (W-1) L + bytes received / bw, each from the post or
+//   from when that side frees up, and wait() sleeps until both are done and
+//   every peer's sending side has sent this rank its bytes (a peer that
+//   posts late delivers late; alone and posted together, the all_to_all_v
+//   time above). Compute between the two hides it. Exchanges
 //   posted back to back queue on each side separately: one that mostly sends
 //   and one that mostly receives overlap, as they do on a full-duplex link,
 //   so a rank's exchanges take the larger of its total sent and received
@@ -66,6 +71,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <span>
@@ -182,10 +188,7 @@ class SimulatedLinkTransport {
     }
     std::unique_ptr<Pending> pending = std::move(it->second);
     pending_.erase(it);
-    if (pending->posted) {  // an all-to-all whose bytes are in place: only the link's time remains
-      std::this_thread::sleep_until(pending->done_at);
-      return;
-    }
+    if (pending->posted) return wait_posted(std::move(pending));
     try {
       inner_.wait(pending->header_request);
       inner_.wait(pending->payload_request);
@@ -201,16 +204,36 @@ class SimulatedLinkTransport {
                     void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
     count(send_counts, recv_counts);
-    std::this_thread::sleep_until(occupy_links(all_to_all_time(send_counts, recv_counts)));
+    std::this_thread::sleep_until(occupy_links(all_to_all_time(send_counts, recv_counts)).done);
   }
 
   Request post_all_to_all_v(const void* send, std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs,
                             void* recv, std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
-    inner_.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs);
+    check_posted(send_counts, send_displs, recv_counts, recv_displs);
     count(send_counts, recv_counts);
+    const Sides sides = occupy_links(all_to_all_time(send_counts, recv_counts));
     auto pending = std::make_unique<Pending>();
     pending->posted = true;
-    pending->done_at = occupy_links(all_to_all_time(send_counts, recv_counts));
+    pending->done_at = sides.done;
+    const auto W = static_cast<std::size_t>(world_size()), me = static_cast<std::size_t>(rank());
+    pending->times.assign(2 * W, 0);  // per peer: when this rank's side sends it its bytes, when the peer's side sends them here
+    try {
+      for (std::size_t p = 0; p < W; ++p) {  // the receives first, then the sends, each header ahead of its payload
+        if (p == me || recv_counts[p] == 0) continue;
+        pending->requests.push_back(inner_.irecv(&pending->times[W + p], sizeof(std::int64_t), static_cast<int>(p), posted_tag));
+        pending->requests.push_back(inner_.irecv(static_cast<std::byte*>(recv) + recv_displs[p], recv_counts[p], static_cast<int>(p), posted_tag));
+      }
+      for (std::size_t p = 0; p < W; ++p) {
+        if (p == me || send_counts[p] == 0) continue;
+        pending->times[p] = sides.sent[tier_of(static_cast<int>(p))].time_since_epoch().count();
+        pending->requests.push_back(inner_.isend(&pending->times[p], sizeof(std::int64_t), static_cast<int>(p), posted_tag));
+        pending->requests.push_back(inner_.isend(static_cast<const std::byte*>(send) + send_displs[p], send_counts[p], static_cast<int>(p), posted_tag));
+      }
+    } catch (...) {
+      retired_.push_back(std::move(pending));  // what was posted may still be in flight: keep its storage
+      throw;
+    }
+    if (send_counts[me] > 0) std::memcpy(static_cast<std::byte*>(recv) + recv_displs[me], static_cast<const std::byte*>(send) + send_displs[me], send_counts[me]);
     return remember(std::move(pending));
   }
 
@@ -251,12 +274,51 @@ class SimulatedLinkTransport {
 
   struct Pending {
     bool is_send = false;
-    bool posted = false;  // a posted all-to-all (no inner requests)
+    bool posted = false;  // a posted all-to-all (its requests below, not the two that follow)
     std::int64_t header = 0;  // the delivery time, in steady_clock ticks since its epoch
     Request header_request;
     Request payload_request;
     Clock::time_point done_at;
+    std::vector<std::int64_t> times;  // posted: the sending sides' finish times it sends and receives (see post_all_to_all_v)
+    std::vector<Request> requests;    // posted: its point-to-point messages on the inner transport
   };
+
+  /// A label for the posted all-to-alls' messages (tags take no part in matching).
+  static constexpr int posted_tag = 32000;
+
+  /// A posted all-to-all's counts and displacements: one per rank, and this rank's bytes to itself as many as it receives from itself.
+  void check_posted(std::span<const std::size_t> send_counts, std::span<const std::size_t> send_displs, std::span<const std::size_t> recv_counts,
+                    std::span<const std::size_t> recv_displs) const {
+    const auto W = static_cast<std::size_t>(world_size()), me = static_cast<std::size_t>(rank());
+    const std::pair<const char*, std::size_t> sizes[] = {{"send_counts", send_counts.size()}, {"send_displs", send_displs.size()},
+                                                         {"recv_counts", recv_counts.size()}, {"recv_displs", recv_displs.size()}};
+    for (const auto& [name, size] : sizes) {
+      if (size != W) cpdispatch::detail::fail("SimulatedLinkTransport::post_all_to_all_v (rank ", rank(), "): ", name, " has ", size, " entries, world_size = ", W);
+    }
+    if (send_counts[me] != recv_counts[me]) {
+      cpdispatch::detail::fail("SimulatedLinkTransport::post_all_to_all_v (rank ", rank(), "): send_counts[", me, "] = ", send_counts[me],
+                               " bytes to itself, but recv_counts[", me, "] = ", recv_counts[me]);
+    }
+  }
+
+  /// A posted all-to-all is done once its messages have arrived, this
+  /// rank's link has carried them, and every peer's sending side has sent it
+  /// its bytes (a peer that posted late sends late).
+  void wait_posted(std::unique_ptr<Pending> pending) {
+    const std::size_t W = pending->times.size() / 2;
+    for (std::size_t i = 0; i < pending->requests.size(); ++i) {
+      try {
+        inner_.wait(pending->requests[i]);
+      } catch (...) {
+        pending->requests.erase(pending->requests.begin(), pending->requests.begin() + static_cast<std::ptrdiff_t>(i + 1));
+        retired_.push_back(std::move(pending));  // the rest may still be in flight
+        throw;
+      }
+    }
+    Clock::time_point done = pending->done_at;
+    for (std::size_t p = W; p < 2 * W; ++p) done = std::max(done, Clock::time_point(Clock::duration(pending->times[p])));
+    std::this_thread::sleep_until(done);
+  }
 
   static void check(const LinkModel& model, const char* tier) {
     if (!(model.bandwidth > 0) || !std::isfinite(model.bandwidth)) {
@@ -321,18 +383,27 @@ class SimulatedLinkTransport {
     return out;
   }
 
+  /// When an all-to-all's sending side of each tier is done, and when the last side is.
+  struct Sides {
+    Clock::time_point sent[2], done;
+  };
+
   /// Each side of each tier's link is busy for its span from now (or from
-  /// when it frees up); returns when the last of them is done.
-  Clock::time_point occupy_links(const Spans& spans) {
+  /// when it frees up).
+  Sides occupy_links(const Spans& spans) {
     const Clock::time_point now = Clock::now();
-    Clock::time_point done = now;
+    Sides out{{now, now}, now};
     const auto occupy_side = [&](Clock::time_point& free, Span span) {
-      if (span.count() <= 0) return;
+      if (span.count() <= 0) return now;
       free = std::max(now, free) + span;
-      done = std::max(done, free);
+      out.done = std::max(out.done, free);
+      return free;
     };
-    for (std::size_t k = 0; k < 2; ++k) occupy_side(send_free_[k], spans.send[k]), occupy_side(receive_free_[k], spans.receive[k]);
-    return done;
+    for (std::size_t k = 0; k < 2; ++k) {
+      out.sent[k] = occupy_side(send_free_[k], spans.send[k]);
+      occupy_side(receive_free_[k], spans.receive[k]);
+    }
+    return out;
   }
 
   /// A collective's bytes: each rank of a ring sends and receives as much.
