@@ -303,7 +303,7 @@ class RankDispatch:
 
     def staging(self, stages):
         """What ContextParallelAttention(stages=stages) exchanges and attends in which round, built once per stage count."""
-        groups = min(stages - 1, len(self.q_route.forward.send_counts) - 1)
+        groups = cpdispatch._cpdispatch.stage_groups(stages, len(self.q_route.forward.send_counts))
         if groups not in self._stagings:
             self._stagings[groups] = _Staging(self, stages)
         return self._stagings[groups]
@@ -1105,7 +1105,7 @@ class _Staging:
 
     def __init__(self, d, stages):
         self.world, me = len(d.q_route.forward.send_counts), d.rank
-        self.groups = min(stages - 1, self.world - 1)
+        self.groups = cpdispatch._cpdispatch.stage_groups(stages, self.world)
         self.land = d.wire_route if d.wire_route is not None else d.kv_route  # the key-value route on the wire
         self.fan_source = d.fan_source if d.wire_route is not None else None
         fwd = [d.q_route.forward, self.land.forward]

@@ -1313,6 +1313,8 @@ PYBIND11_MODULE(_cpdispatch, m) {
         py::arg("max_memory") = default_max_memory);
   m.def("stage_plan", &stage_plan, py::arg("plan"), py::arg("rank"), py::arg("dedup") = false, py::arg("stages") = 1,
         py::arg("entries") = py::none(), py::arg("max_memory") = default_max_memory);
+  m.def("stage_groups", &cpdispatch::detail::stage_groups, py::arg("stages"), py::arg("world_size"),
+        "The stage groups of a step in `stages` stages on `world_size` ranks, as the op counts them: min(stages - 1, world_size - 1)");
   m.def("mask_band", &mask_band, py::arg("mask") = py::none());
   m.def("query_row_passes", &query_row_passes, py::arg("entries"));
   m.def("explicit_entries", &explicit_entries, py::arg("parts"), py::arg("queries"), py::arg("keys"));
