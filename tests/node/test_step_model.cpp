@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <limits>
@@ -107,23 +108,58 @@ TEST(StepModel, RanksAttendEachRoundAsItsStageGroupArrives) {
   EXPECT_DOUBLE_EQ(model(plan, unit_cluster(3), unit_shape())[0].forward, 12.0 + 36.0 + 4.0);
 }
 
-TEST(StepModel, EachPostWaitsForItsOwnBusiestRank) {
-  // Three ranks, each its own node (0.5 B/s). Queries and key-values ride one post out: rank 2 sends the
-  // most (queries 2 + 1 tokens, key-values 2 + 7 tokens: 3 + 18 bytes, 42 s). The outputs ride one post
-  // home: rank 1 sends the most (4 bytes, 8 s). The posts are collectives, one after another: 42 + 8 s
-  // forward, though no rank is the busiest in both (rank 2 alone would take 42 + 3 bytes back = 48 s).
+TEST(StepModel, ARankWaitsOnlyForThePeersThatSendIt) {
+  // Three ranks, each its own node (0.5 B/s), one stage. Out, rank 2 sends the most (queries 2 + 1 tokens,
+  // key-values 2 + 7 tokens: 3 + 18 bytes, 42 s), so every rank has its inputs at 42 s. Rank 2 computes
+  // the most: its 6-token shard, 21 pairs, 84 s (ranks 0 and 1: 28 and 24 s). Home, rank 0 sends 1 output
+  // to rank 2 (done at 72 s), rank 1 two to each of the others (4 bytes, 66-74 s): rank 2 receives its 3
+  // bytes (6 s) after its own kernel, 126-132 s. A post does not hold the ranks together: nothing waits for a
+  // rank that sends it nothing, and the busiest rank of the way home (rank 1) is not rank 2's critical path
+  // (posts one after another at their busiest ranks' times would take 42 + 84 + 8 s).
   cpdispatch::QkvDocumentsPlan plan;
   plan.world_size = 3;
   plan.documents = {{{{0, 2, 1}}}, {{{2, 2, 1}}}, {{{2, 6, 2}, {2, 1, 0}}}};
   const StepTime flat = model(plan, unit_cluster(1), unit_shape())[0];
-  EXPECT_DOUBLE_EQ(flat.forward_comm, 50.0);
-  // Rank 2 computes the most: its 6-token shard, 21 pairs, 84 FLOPs; one stage hides nothing.
+  EXPECT_DOUBLE_EQ(flat.forward_comm, 42.0 + 8.0);  // the busiest ranks' posts, summed, as reported
   EXPECT_DOUBLE_EQ(flat.forward_compute, 84.0);
-  EXPECT_DOUBLE_EQ(flat.forward, 84.0 + 50.0);
-  // Backward, three posts: the output gradients out (as the outputs home, 8 s), the key-value gradients
-  // home (rank 2 receives its 2 + 7 tokens' K and V: 18 bytes, 36 s), the query gradients home (8 s).
+  EXPECT_DOUBLE_EQ(flat.forward, 42.0 + 84.0 + 6.0);
+  // Backward (2.5x): rank 2 sends the output gradients out from 132 s (3 bytes: 138 s), every rank waits
+  // for them (one stage); rank 2's kernel 138-348 s; the key-value gradients home: rank 0 sends rank 2
+  // 7 tokens' (14 bytes, 208-236 s), rank 1 sends rank 2 2 tokens' (4 bytes, by 214 s); rank 2 receives
+  // 18 bytes from 348 s on (36 s: 384 s), then the query gradients (3 bytes, 6 s: 390 s).
   EXPECT_DOUBLE_EQ(flat.backward_comm, 8.0 + 36.0 + 8.0);
-  EXPECT_DOUBLE_EQ(flat.step, 84.0 + 50.0 + 2.5 * 84.0 + 52.0);
+  EXPECT_DOUBLE_EQ(flat.step, 348.0 + 36.0 + 6.0);
+  // On the timeline, ranks 0 and 1 have their outputs home at 74 s, before rank 2 has even posted its own.
+  const auto ranks = cpdispatch::model_plan_trace(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), Topology::uniform(3, 1),
+                                                  unit_cluster(1), unit_shape(), false);
+  for (std::size_t r : {0u, 1u}) {
+    std::int64_t forward_end = 0;
+    for (const cpdispatch::TraceEvent& e : ranks[r].events())
+      if (std::string(e.call) == "forward") forward_end = std::max(forward_end, e.end_ns);
+    EXPECT_EQ(forward_end, 74000000000) << "rank " << r;
+  }
+}
+
+TEST(StepModel, RanksThatShareNoBytesRunAtTheirOwnPace) {
+  // Four ranks on one node (1 B/s), one stage. Document A (2 tokens, home 0) is attended on rank 1,
+  // document B (4 tokens, home 2) on rank 3; the two pairs exchange nothing with each other. Rank 1 has A
+  // at 6 s (2 + 4 bytes), attends it (3 pairs, 12 s) and sends its outputs home (2 bytes): its forward
+  // ends at 20 s, rank 3's at 56 s (12 bytes, 10 pairs, 4 bytes). Rank 1's backward starts at 20 s, not
+  // at 56: the output gradients (2 bytes, 22 s), its kernel (30 s, to 52 s), its key-value gradients home
+  // (4 bytes, 56 s), its query gradients (2 bytes, 58 s). The step is rank 3's: 56 + 4 + 100 + 8 + 4 s.
+  cpdispatch::QkvDocumentsPlan plan;
+  plan.world_size = 4;
+  plan.documents = {{{{0, 2, 1}}}, {{{2, 4, 3}}}};
+  EXPECT_DOUBLE_EQ(model(plan, unit_cluster(4), unit_shape())[0].step, 172.0);
+  const auto ranks = cpdispatch::model_plan_trace(cpdispatch::plan_qkv(plan), cpdispatch::plan_cost(plan), Topology::uniform(4, 4),
+                                                  unit_cluster(4), unit_shape(), false);
+  std::vector<std::string> events;
+  for (const cpdispatch::TraceEvent& e : ranks[1].events()) {
+    events.push_back(std::string(e.call) + " " + e.name + " " + std::to_string(e.start_ns / 1000000000) + "-" + std::to_string(e.end_ns / 1000000000));
+  }
+  const std::vector<std::string> expected = {"forward wait 0-6",    "forward kernel 6-18",    "forward wait 18-20", "backward wait 20-22",
+                                             "backward kernel 22-52", "backward wait 52-56", "backward wait 56-58"};
+  EXPECT_EQ(events, expected);
 }
 
 TEST(StepModel, HeadParallelSlabsRideThePostsOfTheDispatchedTensors) {

@@ -262,20 +262,89 @@ inline std::vector<ComputeSeconds> plan_compute(const QkvMetadata& m, const Plan
   return out;
 }
 
-/// Each stage group's post of `t` ([home * W + attention] bytes, either
-/// way): its slowest rank's time; one post of everything when groups = 0.
-inline std::vector<double> group_posts(const PairTokens& t, std::size_t W, int groups, const Topology& topo, const ClusterModel& c) {
-  std::vector<PairTokens> by_group(static_cast<std::size_t>(std::max(groups, 1)), PairTokens(W * W, 0));
+/// `t` ([home * W + attention] bytes, either way) split by stage group:
+/// the pair (h, a) in group stage_group(h, a); one group of everything when groups = 0.
+inline std::vector<PairTokens> by_group(const PairTokens& t, std::size_t W, int groups) {
+  std::vector<PairTokens> out(static_cast<std::size_t>(std::max(groups, 1)), PairTokens(W * W, 0));
   for (std::size_t h = 0; h < W; ++h)
     for (std::size_t a = 0; a < W; ++a) {
       if (h == a) continue;
       const int g = groups == 0 ? 0 : stage_group(static_cast<int>(h), static_cast<int>(a), static_cast<int>(W), groups);
-      by_group[static_cast<std::size_t>(g)][h * W + a] = t[h * W + a];
+      out[static_cast<std::size_t>(g)][h * W + a] = t[h * W + a];
     }
-  std::vector<double> out;
-  for (const PairTokens& g : by_group) out.push_back(slowest(g, W, 1, topo, c));
   return out;
 }
+
+/// Each stage group's post of `t`: its slowest rank's time (the step's communication, summed).
+inline std::vector<double> group_posts(const PairTokens& t, std::size_t W, int groups, const Topology& topo, const ClusterModel& c) {
+  std::vector<double> out;
+  for (const PairTokens& g : by_group(t, W, groups)) out.push_back(slowest(g, W, 1, topo, c));
+  return out;
+}
+
+/// `t` the other way: [dst * W + src] becomes [src * W + dst].
+inline PairTokens transposed(const PairTokens& t, std::size_t W) {
+  PairTokens out(t.size(), 0);
+  for (std::size_t s = 0; s < W; ++s)
+    for (std::size_t d = 0; d < W; ++d) out[d * W + s] = t[s * W + d];
+  return out;
+}
+
+/// Each rank's links as the op's posts use them (SimulatedLinkTransport's
+/// schedule; NCCL's enqueue): one full-duplex link a rank per tier, each
+/// side queuing its own traffic. A rank's post occupies its sending side
+/// for a latency a peer it exchanges with on that tier plus the bytes it
+/// sends over the bandwidth (its receiving side likewise for what it
+/// receives), each from the post or from when that side frees up; what a
+/// post brings a rank is there once its own sides are done and every peer
+/// that sends it bytes has sent them. No rank waits for the others to post.
+class RankLinks {
+ public:
+  RankLinks(std::size_t W, const Topology& topo, const ClusterModel& c)
+      : W_(W), topo_(&topo), tiers_{c.intra, c.inter}, send_free_(2 * W, 0.0), recv_free_(2 * W, 0.0) {}
+
+  /// Every rank posts its part of `t` ([src * W + dst] bytes), rank r at
+  /// `at[r]`; returns when each rank has what the post brings it.
+  std::vector<double> post(const PairTokens& t, std::span<const double> at) {
+    std::vector<double> sent(2 * W_), out(W_);
+    for (std::size_t r = 0; r < W_; ++r) {
+      double send[2] = {0, 0}, recv[2] = {0, 0}, peers[2] = {0, 0};
+      for (std::size_t p = 0; p < W_; ++p) {
+        if (p == r) continue;
+        const std::size_t k = tier(r, p);
+        send[k] += t[r * W_ + p];
+        recv[k] += t[p * W_ + r];
+        peers[k] += (t[r * W_ + p] > 0 || t[p * W_ + r] > 0) ? 1 : 0;
+      }
+      out[r] = at[r];
+      for (std::size_t k = 0; k < 2; ++k) {
+        sent[2 * r + k] = at[r];
+        if (peers[k] == 0) continue;
+        const double latency = peers[k] * tiers_[k].latency;
+        double& s = send_free_[2 * r + k];
+        double& v = recv_free_[2 * r + k];
+        s = std::max(at[r], s) + latency + send[k] / tiers_[k].bandwidth;
+        v = std::max(at[r], v) + latency + recv[k] / tiers_[k].bandwidth;
+        sent[2 * r + k] = s;
+        out[r] = std::max({out[r], s, v});
+      }
+    }
+    for (std::size_t r = 0; r < W_; ++r)
+      for (std::size_t p = 0; p < W_; ++p)
+        if (p != r && t[p * W_ + r] > 0) out[r] = std::max(out[r], sent[2 * p + tier(p, r)]);
+    return out;
+  }
+
+ private:
+  std::size_t tier(std::size_t a, std::size_t b) const {
+    return topo_->same_node(static_cast<std::int64_t>(a), static_cast<std::int64_t>(b)) ? 0 : 1;
+  }
+
+  std::size_t W_;
+  const Topology* topo_;
+  LinkTier tiers_[2];
+  std::vector<double> send_free_, recv_free_;  // [rank * 2 + tier]
+};
 
 /// Rank r's attention by round, as the op cuts it (StagePlan, and each
 /// head-parallel document in the round it is whole): each round's share of
@@ -319,39 +388,38 @@ inline RankRounds rank_rounds(const QkvMetadata& m, std::size_t r, int groups, c
 }
 
 /// The model's events, when a timeline is asked for (the op's names:
-/// "<call> <name> [group]"), `origin` seconds on.
+/// "<call> <name> [group]").
 struct ModelTrace {
   std::vector<StepTrace>* ranks = nullptr;
   const char* call = "";
-  double origin = 0;
   void add(std::size_t r, const char* name, int group, double start, double end) const {
     if (!ranks) return;
-    const auto ns = [&](double t) { return static_cast<std::int64_t>(std::llround((origin + t) * 1e9)); };
+    const auto ns = [&](double t) { return static_cast<std::int64_t>(std::llround(t * 1e9)); };
     (*ranks)[r].push({name, call, group, ns(start), ns(end), 0});
   }
 };
 
-/// The ranks attending their rounds while `posts` (one a stage group,
-/// posted at once, on links that carry one at a time) arrive: round 0 from
-/// the start (with no stage groups, once the one post has arrived), round
-/// k + 1 once group k has. `seconds(r)`: rank r's compute. Returns when each
-/// rank is done; `reach[g]` (when given) becomes when the last rank has
-/// attended the dispatched part of the round after which group g's
-/// key-value gradients are complete. Records each wait and kernel in `trace`.
+/// The ranks attending their rounds, rank r from `start[r]` on, while the
+/// stage groups arrive (`arrive[g][r]`: when group g's post has brought
+/// rank r what it sends it): round 0 from the start (with no stage groups,
+/// once the one post has arrived), round k + 1 once group k has.
+/// `seconds(r)`: rank r's compute. Returns when each rank is done;
+/// `reach[g][r]` (when given) becomes when rank r has attended the
+/// dispatched part of the round after which group g's key-value gradients
+/// are complete. Records each wait and kernel in `trace`.
 template <class Seconds>
-std::vector<double> attend_rounds(std::span<const RankRounds> ranks, std::span<const double> posts, int groups, Seconds seconds,
-                                  std::vector<double>* reach, const ModelTrace& trace) {
-  std::vector<double> arrive(posts.begin(), posts.end()), done;
-  for (std::size_t g = 1; g < arrive.size(); ++g) arrive[g] += arrive[g - 1];
-  if (reach) reach->assign(arrive.size(), 0.0);
+std::vector<double> attend_rounds(std::span<const RankRounds> ranks, std::span<const std::vector<double>> arrive, std::span<const double> start,
+                                  int groups, Seconds seconds, std::vector<std::vector<double>>* reach, const ModelTrace& trace) {
+  std::vector<double> done;
+  if (reach) reach->assign(arrive.size(), std::vector<double>(ranks.size(), 0.0));
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const RankRounds& rank = ranks[r];
-    double t = 0;
+    double t = start[r];
     for (std::size_t k = 0; k < rank.dispatched.size(); ++k) {
       if (k > 0 || groups == 0) {  // the group this round needs
         const std::size_t g = k > 0 ? k - 1 : 0;
-        trace.add(r, "wait", static_cast<int>(g), t, std::max(t, arrive[g]));
-        t = std::max(t, arrive[g]);
+        trace.add(r, "wait", static_cast<int>(g), t, std::max(t, arrive[g][r]));
+        t = std::max(t, arrive[g][r]);
       }
       const int round = groups == 0 ? -1 : static_cast<int>(k);
       const double d = seconds(r) * rank.dispatched[k], h = seconds(r) * rank.head_parallel[k];
@@ -359,7 +427,7 @@ std::vector<double> attend_rounds(std::span<const RankRounds> ranks, std::span<c
       if (h > 0) trace.add(r, "kernel (head-parallel)", round, t + d, t + d + h);
       // The op posts a group's key-value gradients after the round's dispatched pass, before its head-parallel one.
       for (std::size_t g = 0; reach && g < reach->size(); ++g)
-        if (groups == 0 || static_cast<std::size_t>(rank.kv_ready[g]) == k) (*reach)[g] = std::max((*reach)[g], t + d);
+        if (groups == 0 || static_cast<std::size_t>(rank.kv_ready[g]) == k) (*reach)[g][r] = t + d;
       t += d + h;
     }
     done.push_back(t);
@@ -490,10 +558,10 @@ struct PlanParts {
   double bq = 0, bkv = 0;
   PairTokens q, hp;
   HeadParallelTokenBytes bhp;
-  double q_home = 0, grads_home = 0;
-  std::vector<double> dout_posts;
-  std::vector<RankRounds> ranks;
+  PairTokens outputs_home, grads_home;  // [attention * W + home] bytes: the outputs; the query gradients and the slabs' dk, dv
+  std::vector<PairTokens> dout_groups;  // the output gradients out, by stage group
   std::vector<ComputeSeconds> compute;
+  std::vector<RankRounds> ranks;
 };
 inline PlanParts plan_parts(const QkvMetadata& m, const PlanCost& cost, const Topology& topo, const ClusterModel& c, const LayerShape& shape) {
   c.check();
@@ -507,43 +575,59 @@ inline PlanParts plan_parts(const QkvMetadata& m, const PlanCost& cost, const To
   p.q = flat_tokens(m.q_fwd);
   p.hp = m.hp_attn.degree == 0 ? PairTokens(p.W * p.W, 0) : flat_tokens(m.hp_fwd);
   p.bhp = head_parallel_token_bytes(m, shape);
-  const PairTokens home = one_post({{&p.q, p.bq}, {&p.hp, p.bhp.q}});  // the outputs home; their gradients out
-  p.q_home = slowest(home, p.W, 1, topo, c);
-  p.grads_home = slowest(one_post({{&p.q, p.bq}, {&p.hp, p.bhp.qkv}}), p.W, 1, topo, c);  // query gradients and the slabs' dk, dv
-  p.dout_posts = group_posts(home, p.W, p.groups, topo, c);
+  const PairTokens out = one_post({{&p.q, p.bq}, {&p.hp, p.bhp.q}});  // the output gradients out; the outputs home the other way
+  p.outputs_home = transposed(out, p.W);
+  p.grads_home = transposed(one_post({{&p.q, p.bq}, {&p.hp, p.bhp.qkv}}), p.W);
+  p.dout_groups = by_group(out, p.W, p.groups);
   for (std::size_t r = 0; r < p.W; ++r) p.ranks.push_back(rank_rounds(m, r, p.groups, shape));
   p.compute = plan_compute(m, cost, c, shape);
   return p;
 }
 
-/// Forward: the ranks' rounds as the stage groups arrive (`in_posts`), then
-/// the outputs home after the last rank's; returns when it ends.
-inline double plan_forward(const PlanParts& p, std::span<const double> in_posts, std::vector<StepTrace>* trace) {
-  const ModelTrace events{trace, "forward", 0};
+/// Forward: every rank posts its stage groups at once (`in_groups`, each
+/// arriving `delay` later still), attends its rounds as they arrive, then
+/// posts its outputs home; returns when each rank has its outputs.
+inline std::vector<double> plan_forward(const PlanParts& p, RankLinks& links, std::span<const PairTokens> in_groups, double delay,
+                                        std::vector<StepTrace>* trace) {
+  const ModelTrace events{trace, "forward"};
+  const std::vector<double> zero(p.W, 0.0);
+  std::vector<std::vector<double>> arrive;
+  for (const PairTokens& g : in_groups) {
+    arrive.push_back(links.post(g, zero));
+    for (double& t : arrive.back()) t += delay;
+  }
   const auto seconds = [&](std::size_t r) { return p.compute[r].forward; };
-  const std::vector<double> attended = attend_rounds(p.ranks, in_posts, p.groups, seconds, nullptr, events);
-  const double end = *std::max_element(attended.begin(), attended.end()) + p.q_home;
-  for (std::size_t r = 0; r < p.W; ++r) events.add(r, "wait", 0, attended[r], end);
+  const std::vector<double> attended = attend_rounds(p.ranks, arrive, zero, p.groups, seconds, nullptr, events);
+  const std::vector<double> end = links.post(p.outputs_home, attended);
+  for (std::size_t r = 0; r < p.W; ++r) events.add(r, "wait", 0, attended[r], end[r]);
   return end;
 }
 
-/// Backward from `origin`: the ranks' rounds as the output gradients
-/// arrive, each group's key-value gradients home (`kv_posts`) once every
-/// rank has attended the round that completes them, then the query
-/// gradients; returns how long it takes.
-inline double plan_backward(const PlanParts& p, std::span<const double> kv_posts, double origin, std::vector<StepTrace>* trace) {
-  const ModelTrace events{trace, "backward", origin};
+/// Backward, rank r from `start[r]`: the output gradients out by stage
+/// group, the rounds as they arrive, each group's key-value gradients
+/// (`kv_groups`) posted home once the rank has attended the round that
+/// completes them (with the node-level exchange, group 0's `kv_delay` after
+/// the last rank has: its phases are collectives), then, once they are all
+/// home, the query gradients; returns when each rank has its gradients.
+inline std::vector<double> plan_backward(const PlanParts& p, RankLinks& links, std::span<const PairTokens> kv_groups, std::span<const double> start,
+                                         double kv_delay, std::vector<StepTrace>* trace) {
+  const ModelTrace events{trace, "backward"};
+  std::vector<std::vector<double>> arrive, reach, kv_home;
+  for (const PairTokens& g : p.dout_groups) arrive.push_back(links.post(g, start));
   const auto seconds = [&](std::size_t r) { return p.compute[r].backward; };
-  std::vector<double> reach, kv_home;
-  const std::vector<double> done = attend_rounds(p.ranks, p.dout_posts, p.groups, seconds, &reach, events);
-  double link = sum(p.dout_posts);
-  for (std::size_t g = 0; g < kv_posts.size(); ++g) kv_home.push_back(link = std::max(link, reach[g]) + kv_posts[g]);
-  const double end = std::max(link, *std::max_element(done.begin(), done.end())) + p.grads_home;
-  for (std::size_t r = 0; r < p.W; ++r) {  // the key-value gradients home by group, then the query gradients
-    double at = done[r];
-    for (std::size_t g = 0; g < kv_home.size(); ++g) events.add(r, "wait", static_cast<int>(g), at, std::max(at, kv_home[g])), at = std::max(at, kv_home[g]);
-    events.add(r, "wait", 0, at, end);
+  const std::vector<double> done = attend_rounds(p.ranks, arrive, start, p.groups, seconds, &reach, events);
+  for (std::size_t g = 0; g < kv_groups.size(); ++g) kv_home.push_back(links.post(kv_groups[g], reach[g]));
+  if (kv_delay > 0) {
+    const double phases = *std::max_element(reach[0].begin(), reach[0].end()) + kv_delay;
+    for (double& t : kv_home[0]) t = std::max(t, phases);
   }
+  std::vector<double> at(p.W);
+  for (std::size_t r = 0; r < p.W; ++r) {  // the key-value gradients home by group
+    at[r] = done[r];
+    for (std::size_t g = 0; g < kv_home.size(); ++g) events.add(r, "wait", static_cast<int>(g), at[r], std::max(at[r], kv_home[g][r])), at[r] = std::max(at[r], kv_home[g][r]);
+  }
+  const std::vector<double> end = links.post(p.grads_home, at);
+  for (std::size_t r = 0; r < p.W; ++r) events.add(r, "wait", 0, at[r], end[r]);
   return end;
 }
 
@@ -557,8 +641,9 @@ inline StepTime plan_row(const QkvMetadata& m, const PlanParts& p, const Topolog
   if (form == 0) kv = flat_tokens(m.kv_fwd);
   if (form == 1) kv = dedup_tokens(m.kv_fwd);
   if (form == 2) node_tokens(m.kv_fwd, topo, between, inside), node_phases = slowest(between, W, p.bkv, topo, c) + slowest(inside, W, p.bkv, topo, c);
-  std::vector<double> in_posts = group_posts(one_post({{&p.q, p.bq}, {&kv, p.bkv}, {&p.hp, p.bhp.qkv}}), W, p.groups, topo, c);
-  std::vector<double> kv_posts = group_posts(one_post({{&kv, p.bkv}}), W, p.groups, topo, c);  // in reverse as long (sent and received swap)
+  const PairTokens out = one_post({{&p.q, p.bq}, {&kv, p.bkv}, {&p.hp, p.bhp.qkv}}), kv_bytes = one_post({{&kv, p.bkv}});
+  std::vector<double> in_posts = group_posts(out, W, p.groups, topo, c);
+  std::vector<double> kv_posts = group_posts(kv_bytes, W, p.groups, topo, c);  // in reverse as long (sent and received swap)
   if (form == 2) in_posts[0] += node_phases, kv_posts[0] = node_phases;
   StepTime t;
   t.scheme = names[form];
@@ -566,11 +651,16 @@ inline StepTime plan_row(const QkvMetadata& m, const PlanParts& p, const Topolog
     t.forward_compute = std::max(t.forward_compute, cr.forward);
     t.backward_compute = std::max(t.backward_compute, cr.backward);
   }
-  t.forward_comm = sum(in_posts) + p.q_home;
-  t.backward_comm = sum(p.dout_posts) + sum(kv_posts) + p.grads_home;
-  t.forward = plan_forward(p, in_posts, trace);
-  t.backward = plan_backward(p, kv_posts, t.forward, trace);
-  t.step = t.forward + t.backward;
+  t.forward_comm = sum(in_posts) + slowest(p.outputs_home, W, 1, topo, c);
+  t.backward_comm = sum(group_posts(transposed(p.outputs_home, W), W, p.groups, topo, c)) + sum(kv_posts) + slowest(p.grads_home, W, 1, topo, c);
+  std::vector<PairTokens> kv_groups = by_group(kv_bytes, W, p.groups);
+  for (PairTokens& g : kv_groups) g = transposed(g, W);  // the gradients go home
+  RankLinks links(W, topo, c);
+  const std::vector<double> forward = plan_forward(p, links, by_group(out, W, p.groups), node_phases, trace);
+  const std::vector<double> end = plan_backward(p, links, kv_groups, forward, node_phases, trace);
+  t.forward = *std::max_element(forward.begin(), forward.end());
+  t.step = *std::max_element(end.begin(), end.end());
+  t.backward = t.step - t.forward;
   t.inter_node_bytes = inter_bytes(p.q, W, topo, 2 * p.bq) + (form < 2 ? inter_bytes(kv, W, topo, p.bkv) : inter_bytes(between, W, topo, p.bkv));
   return t;
 }
@@ -580,25 +670,28 @@ inline StepTime plan_row(const QkvMetadata& m, const PlanParts& p, const Topolog
 /// The plan's three KV exchanges: "flat" (section 2), "dedup" (section 2c),
 /// "node-level". Queries and outputs travel flat in all three. The posts
 /// are those the op makes (ContextParallelAttention at shape.stages: G =
-/// stages - 1 stage groups, at most W - 1), each a collective that costs its
-/// slowest rank's time, one after another on the links. Forward, the
-/// queries, the key-values (flat or deduplicated) and the head-parallel
-/// documents' slabs (section 2f) ride one post a stage group, the pair of
-/// home rank h and attention rank a in group stage_group(h, a); every rank
-/// attends its rounds as the op cuts them (round 0 its own, round g + 1 once
-/// group g has arrived: each dispatched part in the round its queries and
+/// stages - 1 stage groups, at most W - 1), each rank's at its own time on
+/// its own links (RankLinks: a rank waits for the peers that send it bytes,
+/// not for the others). Forward, the queries, the key-values (flat or
+/// deduplicated) and the head-parallel documents' slabs (section 2f) ride
+/// one post a stage group, the pair of home rank h and attention rank a in
+/// group stage_group(h, a), all posted at the start; every rank attends its
+/// rounds as the op cuts them (round 0 its own, round g + 1 once group g
+/// has arrived: each dispatched part in the round its queries and
 /// key-values are both there, each head-parallel document once all its
-/// slabs are), its compute split over the rounds by their FLOPs; the
-/// outputs of both parts ride one post home after the last rank's kernel.
-/// Backward, the output gradients come in stage groups as the inputs did;
-/// each group's key-value gradients go home in one post once every rank has
+/// slabs are), its compute split over the rounds by their FLOPs, then posts
+/// the outputs of both parts home. Backward, each rank from the end of its
+/// forward: the output gradients come in stage groups as the inputs did;
+/// each group's key-value gradients go home in one post once the rank has
 /// attended the dispatched part of the round that completes them (the op
-/// posts them before that round's head-parallel documents) and the post
-/// before has ended; the query gradients of both parts with the head-parallel
-/// key-value gradients ride one post home at the end. The node-level
-/// exchange's key-values take their own two phases each way, all with the
-/// first group. A head-parallel document's work counts 1/u on each rank of
-/// its group, as plan_cost counts it.
+/// posts them before that round's head-parallel documents); once they are
+/// all home, the query gradients of both parts with the head-parallel
+/// key-value gradients ride one post home. The node-level exchange's
+/// key-values take their own two phases each way (collectives: every group
+/// arrives that much later; the gradients' phases start once every rank is
+/// ready to send them). The step ends when the last rank has its gradients.
+/// A head-parallel document's work counts 1/u on each rank of its group, as
+/// plan_cost counts it.
 inline std::vector<StepTime> model_plan(const QkvMetadata& m, const PlanCost& cost, const Topology& topo,
                                         const ClusterModel& c, const LayerShape& shape) {
   const detail::step_model::PlanParts parts = detail::step_model::plan_parts(m, cost, topo, c, shape);
