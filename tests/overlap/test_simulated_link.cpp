@@ -86,6 +86,7 @@ TEST(SimulatedLink, ExchangesPostedBackToBackUseBothSidesOfTheLinkAtOnce) {
     const Clock::time_point after = Clock::now();
     EXPECT_GE(link.busy_until(), before + 10s);
     EXPECT_LE(link.busy_until(), after + 10s) << "the second exchange waited for the first's side of the link";
+    sim.barrier();  // both ranks have posted, so every message has moved its bytes before the buffers go
   });
 }
 
@@ -303,10 +304,10 @@ TEST(SimulatedLink, TwoTiersAllToAllTakesTheTimeOfTheTiersItUses) {
     const Clock::duration across = exchange_with(link, [](int r) { return (r + 2) % 4; });  // the same place on the other node
     EXPECT_GE(across, 6ms);
     const auto t0 = Clock::now();
+    std::vector<char> out(kMessage), in(kMessage);  // the caller's until the wait: the post only enqueues
     const cpdispatch::Request posted = [&] {
       std::vector<std::size_t> counts(4, 0), displs(4, 0);
       counts[static_cast<std::size_t>((sim.rank() + 2) % 4)] = kMessage;
-      std::vector<char> out(kMessage), in(kMessage);
       return link.post_all_to_all_v(out.data(), counts, displs, in.data(), counts, displs);
     }();
     link.wait(posted);

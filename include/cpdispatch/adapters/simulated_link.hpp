@@ -39,7 +39,10 @@
 //   from when that side frees up, and wait() sleeps until both are done and
 //   every peer's sending side has sent this rank its bytes (a peer that
 //   posts late delivers late; alone and posted together, the all_to_all_v
-//   time above). Compute between the two hides it. Exchanges
+//   time above). Compute between the two hides it. As the transport
+//   contract says, the buffers are read and written until wait() returns
+//   (a rank that fails with posts outstanding leaves them to its world's
+//   abort, as NCCL leaves them to ncclCommAbort). Exchanges
 //   posted back to back queue on each side separately: one that mostly sends
 //   and one that mostly receives overlap, as they do on a full-duplex link,
 //   so a rank's exchanges take the larger of its total sent and received
