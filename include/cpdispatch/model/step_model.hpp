@@ -129,24 +129,35 @@ inline double overlapped(double compute, double comm, std::int64_t stages) {
 /// Tokens each rank sends to each other rank in one exchange: [src * W + dst].
 using PairTokens = std::vector<double>;
 
+/// Rank r's part of one exchange `t`, per tier (0 inside its node, 1
+/// between nodes): what it sends, what it receives, and its peers with
+/// bytes either way.
+struct TierTraffic {
+  double send[2] = {0, 0}, recv[2] = {0, 0}, peers[2] = {0, 0};
+};
+inline TierTraffic tier_traffic(const PairTokens& t, std::size_t W, std::size_t r, const Topology& topo) {
+  TierTraffic out;
+  for (std::size_t p = 0; p < W; ++p) {
+    if (p == r) continue;
+    const int tier = topo.same_node(static_cast<std::int64_t>(r), static_cast<std::int64_t>(p)) ? 0 : 1;
+    const double sent = t[r * W + p], received = t[p * W + r];
+    out.send[tier] += sent;
+    out.recv[tier] += received;
+    out.peers[tier] += (sent > 0 || received > 0) ? 1 : 0;
+  }
+  return out;
+}
+
 /// Time of one exchange on rank r: on each tier, the larger of the bytes it
 /// sends and receives over the bandwidth plus a latency per peer; the tiers
 /// run at once.
 inline double exchange_time(const PairTokens& t, std::size_t W, std::size_t r, double bytes, const Topology& topo,
                             const ClusterModel& c) {
-  double send[2] = {0, 0}, recv[2] = {0, 0}, msgs[2] = {0, 0};
-  for (std::size_t p = 0; p < W; ++p) {
-    if (p == r) continue;
-    const int tier = topo.same_node(static_cast<std::int64_t>(r), static_cast<std::int64_t>(p)) ? 0 : 1;
-    const double out = t[r * W + p], in = t[p * W + r];
-    send[tier] += out;
-    recv[tier] += in;
-    msgs[tier] += (out > 0 || in > 0) ? 1 : 0;
-  }
+  const TierTraffic x = tier_traffic(t, W, r, topo);
   const LinkTier tiers[2] = {c.intra, c.inter};
   double slowest = 0;
   for (int k = 0; k < 2; ++k) {
-    slowest = std::max(slowest, std::max(send[k], recv[k]) * bytes / tiers[k].bandwidth + msgs[k] * tiers[k].latency);
+    slowest = std::max(slowest, std::max(x.send[k], x.recv[k]) * bytes / tiers[k].bandwidth + x.peers[k] * tiers[k].latency);
   }
   return slowest;
 }
@@ -308,23 +319,16 @@ class RankLinks {
   std::vector<double> post(const PairTokens& t, std::span<const double> at) {
     std::vector<double> sent(2 * W_), out(W_);
     for (std::size_t r = 0; r < W_; ++r) {
-      double send[2] = {0, 0}, recv[2] = {0, 0}, peers[2] = {0, 0};
-      for (std::size_t p = 0; p < W_; ++p) {
-        if (p == r) continue;
-        const std::size_t k = tier(r, p);
-        send[k] += t[r * W_ + p];
-        recv[k] += t[p * W_ + r];
-        peers[k] += (t[r * W_ + p] > 0 || t[p * W_ + r] > 0) ? 1 : 0;
-      }
+      const TierTraffic x = tier_traffic(t, W_, r, *topo_);
       out[r] = at[r];
       for (std::size_t k = 0; k < 2; ++k) {
         sent[2 * r + k] = at[r];
-        if (peers[k] == 0) continue;
-        const double latency = peers[k] * tiers_[k].latency;
+        if (x.peers[k] == 0) continue;
+        const double latency = x.peers[k] * tiers_[k].latency;
         double& s = send_free_[2 * r + k];
         double& v = recv_free_[2 * r + k];
-        s = std::max(at[r], s) + latency + send[k] / tiers_[k].bandwidth;
-        v = std::max(at[r], v) + latency + recv[k] / tiers_[k].bandwidth;
+        s = std::max(at[r], s) + latency + x.send[k] / tiers_[k].bandwidth;
+        v = std::max(at[r], v) + latency + x.recv[k] / tiers_[k].bandwidth;
         sent[2 * r + k] = s;
         out[r] = std::max({out[r], s, v});
       }
@@ -652,7 +656,8 @@ inline StepTime plan_row(const QkvMetadata& m, const PlanParts& p, const Topolog
     t.backward_compute = std::max(t.backward_compute, cr.backward);
   }
   t.forward_comm = sum(in_posts) + slowest(p.outputs_home, W, 1, topo, c);
-  t.backward_comm = sum(group_posts(transposed(p.outputs_home, W), W, p.groups, topo, c)) + sum(kv_posts) + slowest(p.grads_home, W, 1, topo, c);
+  for (const PairTokens& g : p.dout_groups) t.backward_comm += slowest(g, W, 1, topo, c);
+  t.backward_comm += sum(kv_posts) + slowest(p.grads_home, W, 1, topo, c);
   std::vector<PairTokens> kv_groups = by_group(kv_bytes, W, p.groups);
   for (PairTokens& g : kv_groups) g = transposed(g, W);  // the gradients go home
   RankLinks links(W, topo, c);
