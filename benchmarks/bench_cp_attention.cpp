@@ -8,6 +8,9 @@
 // same kernel and link. Query and key-value heads may differ (grouped-query
 // attention): Ulysses and USP move every query head and every key-value head.
 //
+// Each rank's kernel calls are paced (paced_kernel.hpp; --pace 0: not) to the
+// time they take when all W ranks compute at once, so that a rank computes at
+// one speed, as on its own GPU, whether or not the others compute too.
 // The link's bandwidth comes from the kernel's FLOP rate measured while all
 // W ranks compute at once, so that FLOPs per byte match an H100 (400 TFLOP/s
 // of attention) over 400 Gb/s InfiniBand (50 GB/s) or NVLink (450 GB/s).
@@ -32,7 +35,7 @@
 //                      [--head-dim 64] [--dedup 1] [--links ib|nvlink|none|both] [--stages 1,2,4]
 //                      [--peers ulysses,ring,usp|both|all] [--shared-prefix 0] [--bound 1] [--balanced 1]
 //                      [--model-check 1] [--kernel-rate forward:peak=...,.../backward:...] [--head-parallel off|auto]
-//                      [--plan-stages 2] [--trace PREFIX]
+//                      [--plan-stages 2] [--trace PREFIX] [--pace 1]
 // --head-parallel auto lets the step model's plan (plan_for_cluster) make documents head-parallel in groups of
 // any size the heads allow (docs/planning.md); its line then names how many and the group size.
 // --model-check 1 (2: also the kernel sweep's entries) prints, per batch, link and method (ours at each stage
@@ -73,6 +76,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "paced_kernel.hpp"
 #include "stage_list.hpp"
 #include "cpdispatch/attention.hpp"
 #include "cpdispatch/balance/balance.hpp"
@@ -105,6 +109,7 @@ struct Config {
   int model_check = 0;  ///< 1: the model's step beside each measured one; 2: also the kernel sweep's entries
   std::string kernel_rate;  ///< --kernel-rate: the fitted rates to use instead of the sweep
   std::string trace;        ///< --trace PREFIX: each run to PREFIX-<sample>-b<batch>-<link>-<run>.json
+  bool pace = true;         ///< --pace 0: kernels run as fast as the cores let each rank (no PacedKernel)
 };
 
 /// A kernel that attends nothing: the step's communication alone.
@@ -249,10 +254,13 @@ std::vector<double> zigzag_pairs(const std::vector<cpdispatch::BalanceDocument>&
   return pairs;
 }
 
+/// The host kernel on one thread, paced so that each rank computes at one speed (paced_kernel.hpp).
+using HostDevice = cpdispatch_bench::PacedKernel<cpdispatch::HostAttentionKernel>;
+
 template <class Kernel>
-Kernel make_kernel() {
-  if constexpr (std::is_same_v<Kernel, cpdispatch::HostAttentionKernel>) {
-    return cpdispatch::HostAttentionKernel(cpdispatch::HostAttentionOptions{1, 128, 256});
+Kernel make_kernel(const Config& c) {
+  if constexpr (std::is_same_v<Kernel, HostDevice>) {
+    return HostDevice(cpdispatch::HostAttentionKernel(cpdispatch::HostAttentionOptions{1, 128, 256}), c.pace ? cpdispatch_bench::pace_for(c.world) : 1.0);
   } else {
     return Kernel{};
   }
@@ -268,7 +276,7 @@ Step ours_step(const Config& c, const cpdispatch::QkvDocumentsPlan& plan, const 
     const auto share = cpdispatch::plan_qkv_for_rank(plan, t.rank());
     cpdispatch::CpAttentionOptions o{c.dedup, stages};
     o.trace = traces.of(t.rank());
-    cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, o, Kernel(make_kernel<Kernel>()));
+    cpdispatch::ContextParallelAttention<Link, float, Kernel> op(t, share, shape, o, Kernel(make_kernel<Kernel>(c)));
     const auto nq = static_cast<std::size_t>(op.mlp_tokens() * c.heads_q * c.head_dim);
     const auto nkv = static_cast<std::size_t>(op.mlp_tokens() * c.heads_kv * c.head_dim);
     std::vector<float> q(nq, 0.01f), k(nkv, 0.02f), v(nkv, 0.03f), out(nq), dq(nq), dk(nkv), dv(nkv);
@@ -358,7 +366,7 @@ Step ulysses_step(const Config& c, const std::vector<cpdispatch::BalanceDocument
   const cpdispatch::AttentionShape shape{hq, hkv, D, 0.125f};
   RunTrace traces(c.world, trace_file);
   const Step step = timed_world(c.world, link, [&](Link& t, auto&& time) {
-    Kernel kernel = make_kernel<Kernel>();
+    Kernel kernel = make_kernel<Kernel>(c);
     cpdispatch::StepTrace* trace = traces.of(t.rank());
     HeadExchange heads(t, T, W, D, trace);
     std::vector<float> x(sz(T * c.heads_q * D), 0.01f), y(x.size()), xkv(sz(T * c.heads_kv * D), 0.02f), ykv(xkv.size());
@@ -547,7 +555,7 @@ Step usp_step(const Config& c, const std::vector<cpdispatch::BalanceDocument>& d
   const cpdispatch::AttentionShape shape{c.heads_q / group, c.heads_kv / group, D, 0.125f};
   RunTrace traces(c.world, trace_file);
   const Step step = timed_world(c.world, link, [&](Link& t, auto&& time) {
-    Kernel kernel = make_kernel<Kernel>();
+    Kernel kernel = make_kernel<Kernel>(c);
     ZigZagRing<Kernel> ring(t, kernel, layout, group, group * T, shape);
     ring.trace = traces.of(t.rank());
     HeadExchange heads(t, T, group, D, ring.trace);
@@ -663,7 +671,7 @@ Step run_balanced(const Config& c, const Batch& batch, const LinkRun& l, Ratios&
   Step best{1e300, 0};
   double one_stage = 0;
   for (const int stages : c.balanced ? c.stages : std::vector<int>{}) {
-    const Step ours = ours_step<cpdispatch::HostAttentionKernel>(c, batch.plan, link, stages, trace_name(c, batch, l, "s" + std::to_string(stages)));
+    const Step ours = ours_step<HostDevice>(c, batch.plan, link, stages, trace_name(c, batch, l, "s" + std::to_string(stages)));
     if (ours.seconds < best.seconds) best.seconds = ours.seconds;
     best.bytes = ours.bytes;
     std::printf("%s batch %d | %s | ours stages=%d | step %.1f ms | compute %.1f ms", batch.name.c_str(), batch.index, l.name, stages,
@@ -717,7 +725,7 @@ UspRun run_usp(const Config& c, const Batch& batch, const LinkRun& l, const cpdi
   for (const auto& d : batch.problem.documents) lengths.push_back(length_of(d));
   UspRun best;
   for (const std::int64_t u : usp_groups(c)) {
-    const Step s = usp_step<cpdispatch::HostAttentionKernel>(c, batch.problem.documents, link, u, trace_name(c, batch, l, "usp" + std::to_string(u)));
+    const Step s = usp_step<HostDevice>(c, batch.problem.documents, link, u, trace_name(c, batch, l, "usp" + std::to_string(u)));
     if (best.u == 0 || s.seconds < best.step.seconds) best.step = s, best.u = u;
   }
   best.model_u = cpdispatch::model_usp_best(lengths, cpdispatch::AttentionMask::causal(), c.world, cluster, layer_shape(c)).group;
@@ -775,7 +783,7 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
   chosen_options.dedup = c.dedup;
   chosen_options.head_parallel = c.head_parallel ? cpdispatch::HeadParallel::automatic : cpdispatch::HeadParallel::off;
   m.chosen = cpdispatch::plan_for_cluster(batch.problem, cluster, layer_shape(c), cpdispatch::Topology::uniform(c.world, c.world), chosen_options);
-  m.modelled = ours_step<cpdispatch::HostAttentionKernel>(c, m.chosen.plan, link, c.plan_stages,
+  m.modelled = ours_step<HostDevice>(c, m.chosen.plan, link, c.plan_stages,
                                                          trace_name(c, batch, l, "model-s" + std::to_string(c.plan_stages)));
   std::printf("%s batch %d | %s | ours, the step model's plan (cost slack %.2f), stages=%d | step %.1f ms | %.1f MiB", name, batch.index, l.name,
               m.chosen.cost_slack, c.plan_stages, m.modelled.seconds * 1e3, m.modelled.bytes / 1048576.0);
@@ -798,9 +806,9 @@ void run_link(const Config& c, Batch& batch, const LinkRun& l, Ratios& ratios_of
   if (c.ulysses) {
     char kv[64] = "";
     if (c.shared_prefix > 0) std::snprintf(kv, sizeof kv, " (key-value %.1f MiB a rank, forward)", ulysses_kv_bytes(c) / 1048576.0);
-    peer("ulysses", kv, m.ulysses = ulysses_step<cpdispatch::HostAttentionKernel>(c, docs, link, trace_name(c, batch, l, "ulysses")));
+    peer("ulysses", kv, m.ulysses = ulysses_step<HostDevice>(c, docs, link, trace_name(c, batch, l, "ulysses")));
   }
-  if (c.ring) peer("ring zig-zag", "", m.ring = usp_step<cpdispatch::HostAttentionKernel>(c, docs, link, 1, trace_name(c, batch, l, "ring")));
+  if (c.ring) peer("ring zig-zag", "", m.ring = usp_step<HostDevice>(c, docs, link, 1, trace_name(c, batch, l, "ring")));
   std::vector<std::int64_t> lengths;
   std::vector<std::vector<cpdispatch::AttentionSlice>> slices;
   for (const auto& d : docs) lengths.push_back(length_of(d)), slices.push_back(d.slices);
@@ -881,6 +889,7 @@ std::string parse_options(int argc, char** argv, Config& c) {
       c.head_parallel = text == "auto";
     }
     else if (a == "--kernel-rate") c.kernel_rate = text;
+    else if (a == "--pace") c.pace = v != 0;
     else return "unknown option " + a;
   }
   return {};
@@ -931,7 +940,7 @@ cpdispatch::KernelSample time_on_every_rank(const Config& c, const cpdispatch::A
   std::vector<double> seconds(sz(c.world)), runs;
   for (int run = 0; run < 3; ++run) {
     world.run([&](cpdispatch::SimTransport& sim) {
-      auto kernel = make_kernel<cpdispatch::HostAttentionKernel>();
+      auto kernel = make_kernel<HostDevice>(c);
       const std::size_t nq = sz(copies * e.q_len * hq * c.head_dim), nk = sz(copies * e.kv_len * hkv * c.head_dim);
       std::vector<float> q(nq, 0.01f), k(nk, 0.02f), v(nk, 0.03f), out(nq), dout(nq, 0.01f), dq(nq), dk(nk), dv(nk), lse(sz(copies * e.q_len * hq));
       const std::span<const float> cq(q), ck(k), cv(v);
@@ -1065,7 +1074,7 @@ int main(int argc, char** argv) {
       cpdispatch::QkvDocumentsPlan plan = cpdispatch::plan_balanced(p, options);
       plan.dedup = c.dedup;
       const double flops = 3.5 * 4.0 * mask_pairs(p.documents) * static_cast<double>(c.head_dim * c.heads_q);  // forward + 2.5x backward
-      const double compute = ours_step<cpdispatch::HostAttentionKernel>(c, plan, instant, 1).seconds;
+      const double compute = ours_step<HostDevice>(c, plan, instant, 1).seconds;
       const double rate = flops / compute / c.world;  // per rank, all ranks computing at once
       Batch batch{name, b, p, plan, compute, rate};
       batch.kernel = kernel;
